@@ -1,0 +1,20 @@
+"""crossbow_graph: small-batch, many-replica training with synchronous model averaging (SMA).
+
+``compile(model, ...)`` traces a PyTorch model with torch.fx into a Plan of learner and
+synchronisation tasks; ``Plan.fit`` runs it. See DESIGN.md and the README.
+"""
+
+from __future__ import annotations
+
+from . import datasets, models
+from .api import Plan, compile
+from .compiler.tasks import Cost, Task, TaskKind
+from .config import SGD, SMA
+from .errors import PlanError, TaskError, TraceError
+from .runtime.history import History
+
+__all__ = [
+    "compile", "Plan", "SGD", "SMA", "Task", "TaskKind", "Cost", "History",
+    "TraceError", "PlanError", "TaskError", "datasets", "models",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,385 @@
+"""The public entry point: ``compile(model, ...) -> Plan`` and ``Plan.fit`` (DESIGN.md §1)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import networkx as nx
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .compiler.passes import annotate_costs, empty_task_graph, insert_sync, place_replicas
+from .compiler.tasks import TaskKind
+from .compiler.trace import ModelGraph, trace_model
+from .compiler.verify import verify_task_graph
+from .config import SGD, SMA
+from .errors import PlanError
+from .runtime.data import BatchSchedule, as_dataset, make_fetch, split_inputs
+from .runtime.history import EpochRecord, EvalRecord, History
+from .runtime.scheduler import Scheduler
+from .runtime.state import DeviceState, FlatLayout, bind_flat, float_buffers_named, trainable_named
+
+__all__ = ["compile", "Plan", "resolve_devices"]
+
+
+def resolve_devices(devices: int | str | Sequence[str]) -> list[str]:
+    """Device names for ``devices``.
+
+    ``"auto"``: every CUDA GPU (``cuda:0`` …), else one CPU device. An int G: G devices — GPUs
+    when that many exist, else G logical CPU devices ``cpu:0 … cpu:G−1``. A list: those names.
+
+    Raises:
+        ValueError: G < 1, an unknown name, or a CUDA device that does not exist.
+    """
+    n_cuda = torch.cuda.device_count()
+    if devices == "auto":
+        return [f"cuda:{i}" for i in range(n_cuda)] or ["cpu:0"]
+    if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
+        raise ValueError(f"devices={devices!r}: use 'auto', a number of devices, or a list of "
+                         "names such as ['cuda:0', 'cuda:1'] or ['cpu:0', 'cpu:1']")
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"devices={devices}: need at least one device")
+        if n_cuda:
+            if devices > n_cuda:
+                raise ValueError(f"devices={devices}, but this machine has {n_cuda} CUDA GPUs; "
+                                 f"use devices≤{n_cuda} or devices='auto'")
+            return [f"cuda:{i}" for i in range(devices)]
+        return [f"cpu:{i}" for i in range(devices)]
+    names = list(devices)
+    for name in names:
+        kind, _, idx = str(name).partition(":")
+        if kind not in ("cpu", "cuda") or (idx and not idx.isdigit()):
+            raise ValueError(f"device '{name}': use 'cpu:N' (a logical CPU device) or 'cuda:N'")
+        if kind == "cuda" and int(idx or 0) >= n_cuda:
+            raise ValueError(f"device '{name}' does not exist: this machine has {n_cuda} CUDA GPUs")
+    if len(set(names)) != len(names):
+        raise ValueError(f"devices {names} name a device twice")
+    return names
+
+
+def _torch_device(name: str) -> torch.device:
+    return torch.device("cpu") if name.startswith("cpu") else torch.device(name)
+
+
+def _check_model(model: nn.Module) -> None:
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            raise ValueError(f"parameter '{name}' of {type(model).__name__} has dtype {p.dtype}; "
+                             "trainable parameters must be floating point (register integer "
+                             "tensors as buffers)")
+    if not any(p.requires_grad for p in params):
+        raise ValueError(f"every parameter of {type(model).__name__} is frozen "
+                         "(requires_grad=False): there is nothing to train")
+
+
+def compile(  # noqa: A001 - the public name the design asks for
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    batch_size: int,
+    devices: int | str | Sequence[str] = 1,
+    replicas: int = 1,
+    optimizer: SGD = SGD(),
+    sync: SMA = SMA(),
+    concrete_args: dict[str, Any] | None = None,
+    leaf_modules: Sequence[type[nn.Module]] = (),
+    memory_budget: int | None = None,
+    verify: bool = True,
+) -> "Plan":
+    """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training.
+
+    The plan trains k = G·m replicas (m per device, G devices) with synchronous model averaging
+    (DESIGN.md §2). Each replica starts as a copy of ``model``'s current weights; ``model`` itself
+    is not modified.
+
+    Args:
+        model: the ``nn.Module`` to train (floating-point parameters).
+        example_inputs: one batch of positional inputs, e.g. ``(x,)`` with ``x [N, 1, 28, 28]``.
+        loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the batch), e.g.
+            ``torch.nn.functional.cross_entropy``.
+        batch_size: b, samples per learner per round (> 0).
+        devices: ``"auto"`` (every GPU, else one CPU device), a count, or device names.
+        replicas: m, replicas per device (≥ 1).
+        optimizer: each learner's local SGD.
+        sync: the SMA settings; α = None means 1/k.
+        concrete_args, leaf_modules: passed to the torch.fx tracer (see TraceError's advice).
+        memory_budget: bytes available per device for learners; None: no bound on the CPU, the
+            GPU's total memory on CUDA.
+        verify: run the verifier between compiler passes.
+
+    Returns:
+        The Plan.
+
+    Raises:
+        TraceError: torch.fx cannot trace the model, or the example inputs do not run through it.
+        ValueError: a bad argument (batch size, replicas, devices, a model without trainable
+            floating-point parameters).
+        PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"batch_size={batch_size!r}: must be a positive integer, e.g. 16")
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas={replicas!r}: replicas per device must be an integer ≥ 1")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+    if not isinstance(optimizer, SGD):
+        raise TypeError(f"optimizer must be crossbow_graph.SGD(...), got {type(optimizer).__name__}")
+    if not isinstance(sync, SMA):
+        raise TypeError(f"sync must be crossbow_graph.SMA(...), got {type(sync).__name__}")
+    _check_model(model)
+    names = resolve_devices(devices)
+    model_graph = trace_model(model, example_inputs, concrete_args=concrete_args,
+                              leaf_modules=leaf_modules)
+    if memory_budget is None and names[0].startswith("cuda"):
+        memory_budget = torch.cuda.get_device_properties(_torch_device(names[0])).total_memory
+    graph = empty_task_graph(devices=names, replicas_per_device=replicas, batch_size=batch_size)
+    for name, pass_fn in (("place_replicas", place_replicas), ("insert_sync", insert_sync),
+                          ("annotate_costs", lambda g: annotate_costs(g, model_graph))):
+        graph = pass_fn(graph)
+        if verify:
+            verify_task_graph(graph, stage=name, memory_budget_bytes=memory_budget)
+    return Plan(model=model, model_graph=model_graph, task_graph=graph, loss_fn=loss_fn,
+                batch_size=batch_size, optimizer=optimizer, sync=sync)
+
+
+class Plan:
+    """A compiled SMA training plan: the task graph of one round and the state it runs on.
+
+    Attributes:
+        task_graph: ``networkx.DiGraph``; node attribute ``"task"`` holds a Task.
+        model_graph: the traced model (fx GraphModule, shapes, parameter inventory).
+        devices: device names; ``replicas_per_device``: m; ``num_learners``: k = G·m.
+        batch_size: b.
+    """
+
+    def __init__(self, *, model: nn.Module, model_graph: ModelGraph, task_graph: nx.DiGraph,
+                 loss_fn: Callable, batch_size: int, optimizer: SGD, sync: SMA) -> None:
+        self.model_graph = model_graph
+        self.task_graph = task_graph
+        self.loss_fn = loss_fn
+        self.batch_size = batch_size
+        self.optimizer = optimizer
+        self.sync = sync
+        self._template = copy.deepcopy(model).train()
+        self._params = FlatLayout.of(trainable_named(self._template))
+        self._buffers = FlatLayout.of(float_buffers_named(self._template))
+        self.states = [
+            DeviceState(name, _torch_device(name), self._template, self.replicas_per_device,
+                        self._params, self._buffers)
+            for name in self.devices
+        ]
+        self._central = copy.deepcopy(self._template).to(self.states[0].torch_device).eval()
+        bind_flat(self._central, self.states[0].z, None, self.states[0].zbuf, self._params,
+                  self._buffers)
+        self.scheduler = Scheduler(task_graph, self.states, loss_fn, optimizer, sync, batch_size)
+        self.epochs_done = 0
+        self.rounds_done = 0
+        self.train_seconds = 0.0
+
+    # -- shape of the plan ------------------------------------------------------------------
+
+    @property
+    def devices(self) -> list[str]:
+        return list(self.task_graph.graph["devices"])
+
+    @property
+    def replicas_per_device(self) -> int:
+        return int(self.task_graph.graph["replicas_per_device"])
+
+    @property
+    def num_learners(self) -> int:
+        return len(self.devices) * self.replicas_per_device
+
+    @property
+    def num_parameters(self) -> int:
+        """P, trainable scalars per replica (tied parameters once)."""
+        return self._params.size
+
+    def summary(self) -> str:
+        """A table per device: replicas, tasks, FLOPs per round, memory; then the plan's totals."""
+        g = self.task_graph
+        mem = g.graph.get("memory_per_learner_bytes", 0)
+        lines = [
+            f"crossbow_graph plan: {type(self._template).__name__}, {len(self.devices)} device(s) × "
+            f"{self.replicas_per_device} replica(s) = {self.num_learners} learners, batch {self.batch_size} "
+            f"per learner ({self.num_learners * self.batch_size} samples per round)",
+            f"parameters: {self.num_parameters:,} trainable of {self.model_graph.num_parameters:,}; "
+            f"memory per learner ≈ {mem / 2**20:.2f} MiB; sync: SMA(α={self.scheduler.alpha:.4g}, "
+            f"μ_z={self.sync.central_momentum}, every {self.sync.sync_every} round(s)); "
+            f"optimizer: SGD(lr={self.optimizer.lr}, momentum={self.optimizer.momentum}, "
+            f"nesterov={self.optimizer.nesterov}, weight_decay={self.optimizer.weight_decay})",
+            f"{'device':<10}{'replicas':>9}{'tasks':>7}{'GFLOP/round':>13}{'memory MiB':>12}",
+        ]
+        for device in self.devices:
+            tasks = [g.nodes[n]["task"] for n in g.nodes if g.nodes[n]["task"].device == device]
+            m = sum(1 for t in tasks if t.kind is TaskKind.LEARN)
+            flops = sum(t.cost.flops for t in tasks)
+            lines.append(f"{device:<10}{m:>9}{len(tasks):>7}{flops / 1e9:>13.4f}{m * mem / 2**20:>12.2f}")
+        lines.append(f"{'(global)':<10}{'':>9}{1:>7}   GLOBAL_SYNC: all-reduce of {4 * self.num_parameters:,} bytes")
+        return "\n".join(lines)
+
+    # -- the central average model ----------------------------------------------------------
+
+    def central_weights(self, device: int = 0) -> torch.Tensor:
+        """A copy of device ``device``'s central average model z, ``[P]`` float32."""
+        return self.states[device].z.detach().clone()
+
+    def replica_weights(self) -> torch.Tensor:
+        """A copy of every replica's parameters, ``[k, P]``, device-major (j = d·m + r)."""
+        return torch.cat([s.w.detach().to(self.states[0].torch_device) for s in self.states]).clone()
+
+    def _refresh_central(self) -> None:
+        """Carry integer buffers (num_batches_tracked) from the first replica into z's module."""
+        src = dict(self.states[0].replicas[0].named_buffers())
+        for name, b in self._central.named_buffers():
+            if not b.is_floating_point():
+                b.copy_(src[name])
+
+    def central_model(self) -> nn.Module:
+        """The central average model z as a new ``nn.Module`` of the input model's class.
+
+        Its state_dict has the input model's keys: trainable parameters from z, float buffers from
+        the replicas' mean at the last sync, integer buffers carried, frozen parameters unchanged.
+        """
+        self._refresh_central()
+        out = copy.deepcopy(self._template)
+        out.load_state_dict({k: v.detach().clone() for k, v in self._central.state_dict().items()})
+        return out.eval()
+
+    @torch.no_grad()
+    def evaluate(self, dataset: Any, *, batch_size: int = 1000) -> tuple[float | None, float]:
+        """Test accuracy (fraction) and mean loss of z on ``dataset``.
+
+        The accuracy is None when the output is not ``[N, C]`` class scores with integer targets.
+        """
+        dataset = as_dataset(dataset, "eval_dataset")
+        self._refresh_central()
+        fetch = make_fetch(dataset)
+        device = self.states[0].torch_device
+        correct, loss_sum, n, scored = 0, 0.0, 0, True
+        for start in range(0, len(dataset), batch_size):
+            idx = torch.arange(start, min(start + batch_size, len(dataset)))
+            batch = fetch(idx)
+            args, kwargs, y = split_inputs(batch)
+            args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+            y = y.to(device) if isinstance(y, torch.Tensor) else y
+            out = self._central(*args, **kwargs)
+            loss_sum += float(self.loss_fn(out, y)) * len(idx)
+            n += len(idx)
+            if isinstance(out, torch.Tensor) and out.dim() == 2 and isinstance(y, torch.Tensor) \
+                    and not y.is_floating_point():
+                correct += int((out.argmax(dim=1) == y).sum())
+            else:
+                scored = False
+        return (correct / n if scored else None), loss_sum / n
+
+    # -- training -----------------------------------------------------------------------------
+
+    def fit(
+        self,
+        train_dataset: Any,
+        epochs: int = 1,
+        *,
+        eval_dataset: Any = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        target_accuracy: float | None = None,
+        evals_per_epoch: int = 1,
+        eval_batch_size: int = 1000,
+        progress: bool = True,
+    ) -> History:
+        """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
+
+        Every round, each of the k learners draws its own disjoint batch of b samples from one
+        seeded order per epoch (``shuffle=False``: the dataset's order; learner j gets batch
+        number t·k + j in round t); a last partial round is dropped.
+
+        Args:
+            train_dataset: a torch Dataset (or DataLoader) of ``(inputs, target)`` samples.
+            epochs: epochs to run (≥ 1).
+            eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch.
+            shuffle: shuffle every epoch.
+            seed: seeds the data order and, at the start of the fit, torch's RNG (dropout).
+            target_accuracy: stop once z's test accuracy reaches it (needs ``eval_dataset``).
+            evals_per_epoch: evaluations per epoch (time-to-accuracy resolution).
+            eval_batch_size: batch size of evaluation.
+            progress: show a progress bar.
+
+        Returns:
+            The History: per epoch training loss, test accuracy, samples/s, training seconds.
+
+        Raises:
+            ValueError: an empty dataset, a dataset smaller than one round, bad arguments.
+            TaskError: a task failed (names the task, its device and the round).
+        """
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
+        if target_accuracy is not None and eval_dataset is None:
+            raise ValueError("target_accuracy needs an eval_dataset to measure z's accuracy on")
+        train = as_dataset(train_dataset)
+        k, b = self.num_learners, self.batch_size
+        if len(train) < k * b:
+            raise ValueError(
+                f"train_dataset has {len(train)} samples, fewer than one round of {k} learners × "
+                f"{b} samples = {k * b}; lower the batch size or the replicas, or add data"
+            )
+        schedule = BatchSchedule(len(train), k, b, shuffle=shuffle, seed=seed)
+        fetch = make_fetch(train)
+        torch.manual_seed(seed)
+        history = History(target_accuracy=target_accuracy)
+        rounds = schedule.rounds_per_epoch
+        eval_points = sorted({math.ceil(rounds * i / evals_per_epoch) for i in range(1, evals_per_epoch + 1)})
+        tau = self.sync.sync_every
+        for _ in range(epochs):
+            epoch = self.epochs_done
+            order = schedule.order(epoch)
+            self.scheduler.losses = []
+            epoch_seconds, acc = 0.0, None
+            bar = tqdm(total=rounds, desc=f"epoch {epoch + 1}", unit="round", disable=not progress,
+                       leave=False, dynamic_ncols=True)
+            start = time.perf_counter()
+            rounds_run = 0
+            for t in range(rounds):
+                batch = fetch(schedule.round_indices(order, t))
+                self.rounds_done += 1
+                self.scheduler.run_round(self.rounds_done - 1, batch,
+                                         synchronise=self.rounds_done % tau == 0)
+                rounds_run = t + 1
+                bar.update(1)
+                if rounds_run not in eval_points or eval_dataset is None:
+                    continue
+                epoch_seconds += time.perf_counter() - start  # evaluation is not training time
+                acc, test_loss = self.evaluate(eval_dataset, batch_size=eval_batch_size)
+                trained = self.train_seconds + epoch_seconds
+                history.evals.append(EvalRecord(epoch=epoch + rounds_run / rounds, round=self.rounds_done,
+                                                train_seconds=trained, test_accuracy=acc,
+                                                test_loss=test_loss))
+                bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
+                                samples_per_s=f"{rounds_run * k * b / epoch_seconds:,.0f}")
+                start = time.perf_counter()
+                if target_accuracy is not None and acc is not None and acc >= target_accuracy:
+                    history.time_to_accuracy_s = trained
+                    history.epochs_to_accuracy = epoch + rounds_run / rounds
+                    break
+            epoch_seconds += time.perf_counter() - start
+            bar.close()
+            self.train_seconds += epoch_seconds
+            self.epochs_done += 1
+            losses = torch.stack(self.scheduler.losses) if self.scheduler.losses else torch.zeros(1)
+            history.epochs.append(EpochRecord(
+                epoch=self.epochs_done, rounds=rounds_run, train_loss=float(losses.mean()),
+                test_accuracy=acc, samples_per_s=rounds_run * k * b / max(epoch_seconds, 1e-9),
+                train_seconds=self.train_seconds, replicas_per_device=self.replicas_per_device,
+            ))
+            if history.time_to_accuracy_s is not None:
+                break
+        return history

@@ -1,0 +1,230 @@
+"""Trace a model with torch.fx and describe it: the ModelGraph (DESIGN.md §1, compiler.trace)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.shape_prop import ShapeProp
+
+from ..errors import TraceError
+
+__all__ = ["ModelGraph", "ParamInfo", "trace_model"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamInfo:
+    """One parameter or buffer of the model.
+
+    Attributes:
+        name: state_dict key (the first name, for a tied parameter).
+        shape: its shape.
+        dtype: its dtype.
+        trainable: a parameter with ``requires_grad`` (False for frozen parameters and buffers).
+        aliases: the other names of a tied (shared) parameter.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    trainable: bool
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(kw_only=True)
+class ModelGraph:
+    """A traced model: the fx GraphModule with shapes, and its parameter inventory.
+
+    Attributes:
+        module: the ``torch.fx.GraphModule``; its state_dict keys are the model's.
+        example_batch: the batch size of the example inputs (dimension 0 of the first tensor).
+        parameters: every distinct parameter (tied ones once), in ``named_parameters()`` order.
+        buffers: every buffer, in ``named_buffers()`` order.
+        node_meta: per fx node name: ``shape`` (tuple or None) and ``bytes`` of its output at the
+            example batch.
+        meta: extra analysis that compiler passes attach (FLOPs, activation bytes, ...).
+    """
+
+    module: fx.GraphModule
+    example_batch: int
+    parameters: list[ParamInfo]
+    buffers: list[ParamInfo]
+    node_meta: dict[str, dict[str, Any]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_trainable(self) -> int:
+        """P: the number of trainable scalars, tied parameters counted once."""
+        return sum(p.numel for p in self.parameters if p.trainable)
+
+    @property
+    def num_parameters(self) -> int:
+        """All parameter scalars (trainable and frozen), tied parameters counted once."""
+        return sum(p.numel for p in self.parameters)
+
+
+class _Tracer(fx.Tracer):
+    """An fx tracer that remembers which module was being traced when tracing failed."""
+
+    def __init__(self, leaf_modules: Sequence[type[torch.nn.Module]] = ()) -> None:
+        super().__init__()
+        self._leaf_types = tuple(leaf_modules)
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        if self._leaf_types and isinstance(m, self._leaf_types):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as exc:
+            if not hasattr(exc, "_cg_module"):
+                exc._cg_module = (self.path_of_module(m) or "<root>", type(m).__name__)
+            raise
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost traceback frame outside torch: the user's line that failed."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
+    frames = [f for f in frames if os.sep + "crossbow_graph" + os.sep + "compiler" not in f.filename]
+    return frames[-1] if frames else None
+
+
+def _trace_error(model: torch.nn.Module, exc: BaseException) -> TraceError:
+    path, cls = getattr(exc, "_cg_module", ("<root>", type(model).__name__))
+    frame = _user_frame(exc)
+    where = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "(unknown line)"
+    text = str(exc)
+    if "control flow" in text or "iteration" in text or "len(" in text or "bool" in text:
+        fix = (
+            "Control flow or Python builtins on traced tensors cannot be traced: pass fixed values "
+            "with compile(..., concrete_args={...}), replace tensor-dependent `if` by torch.where, "
+            f"or mark the module class as a leaf with compile(..., leaf_modules=[{cls}])."
+        )
+    else:
+        fix = (
+            f"Mark the module class as a leaf with compile(..., leaf_modules=[{cls}]) so that it is "
+            "called as a whole, or pass fixed values with compile(..., concrete_args={...})."
+        )
+    return TraceError(
+        f"torch.fx cannot trace {type(model).__name__}: in module '{path}' ({cls}) at {where}: "
+        f"{type(exc).__name__}: {text}. {fix}"
+    )
+
+
+def _first_tensor(values: Any) -> torch.Tensor | None:
+    if isinstance(values, torch.Tensor):
+        return values
+    if isinstance(values, (list, tuple)):
+        for v in values:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    if isinstance(values, dict):
+        return _first_tensor(list(values.values()))
+    return None
+
+
+def _inventory(module: torch.nn.Module) -> tuple[list[ParamInfo], list[ParamInfo]]:
+    seen: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases[seen[id(p)]].append(name)
+        else:
+            seen[id(p)] = name
+            aliases[name] = []
+    params = [
+        ParamInfo(name=n, shape=tuple(p.shape), dtype=p.dtype, trainable=p.requires_grad,
+                  aliases=tuple(aliases[n]))
+        for n, p in module.named_parameters()
+    ]
+    buffers = [
+        ParamInfo(name=n, shape=tuple(b.shape), dtype=b.dtype, trainable=False)
+        for n, b in module.named_buffers()
+    ]
+    return params, buffers
+
+
+def trace_model(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    *,
+    concrete_args: dict[str, Any] | None = None,
+    leaf_modules: Sequence[type[torch.nn.Module]] = (),
+) -> ModelGraph:
+    """Trace ``model`` with torch.fx and propagate the example inputs' shapes through it.
+
+    Args:
+        model: any ``nn.Module``; it is not modified.
+        example_inputs: positional inputs of one batch (any batch size), e.g. ``(x,)`` with
+            ``x [N, C, H, W]``.
+        concrete_args: fixed values for arguments that steer Python control flow
+            (``torch.fx.symbolic_trace``'s ``concrete_args``).
+        leaf_modules: module classes called as a whole instead of traced through.
+
+    Returns:
+        The ModelGraph.
+
+    Raises:
+        TraceError: torch.fx cannot trace the model (names the module, the line and the fix), or
+            the example inputs do not run through the traced model.
+        TypeError: ``model`` is not an ``nn.Module`` or ``example_inputs`` is not a tuple.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"compile() takes an nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, tuple):
+        raise TypeError(
+            f"example_inputs must be a tuple of the model's positional inputs, e.g. (x,); got "
+            f"{type(example_inputs).__name__}"
+        )
+    tracer = _Tracer(leaf_modules)
+    try:
+        graph = tracer.trace(model, concrete_args=concrete_args)
+    except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
+        raise _trace_error(model, exc) from exc
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    first = _first_tensor(example_inputs)
+    example_batch = int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+    node_meta: dict[str, dict[str, Any]] = {}
+    was_training = gm.training
+    try:
+        gm.eval()  # shape propagation must not touch BatchNorm statistics
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*example_inputs)
+    except Exception as exc:  # noqa: BLE001
+        raise TraceError(
+            f"the example inputs do not run through {type(model).__name__}: "
+            f"{type(exc).__name__}: {exc}. Pass example_inputs=(x,) with x one batch shaped like "
+            "the training data (e.g. x = train_dataset[0][0].unsqueeze(0))."
+        ) from exc
+    finally:
+        gm.train(was_training)
+    for node in gm.graph.nodes:
+        tm = node.meta.get("tensor_meta")
+        if tm is not None and hasattr(tm, "shape"):
+            shape = tuple(tm.shape)
+            nbytes = 1
+            for s in shape:
+                nbytes *= s
+            nbytes *= torch.empty((), dtype=tm.dtype).element_size()
+            node_meta[node.name] = {"shape": shape, "bytes": nbytes, "dtype": tm.dtype}
+        else:
+            node_meta[node.name] = {"shape": None, "bytes": 0, "dtype": None}
+    params, buffers = _inventory(model)
+    return ModelGraph(module=gm, example_batch=example_batch, parameters=params, buffers=buffers,
+                      node_meta=node_meta)

@@ -1,0 +1,92 @@
+"""The verifier that runs between compiler passes (DESIGN.md §3; STYLE.md rule 2)."""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from ..errors import PlanError
+from .tasks import Task, TaskKind
+
+__all__ = ["verify_task_graph"]
+
+
+def verify_task_graph(graph: nx.DiGraph, *, stage: str = "", memory_budget_bytes: int | None = None) -> None:
+    """Check a task graph; raise PlanError naming the offending task.
+
+    Checks: every node holds a Task whose id is its node key; no cycles; devices exist; every
+    replica has at most (after sync insertion: exactly) one LEARN task and is covered by exactly
+    one LOCAL_SYNC on its own device; a GLOBAL_SYNC, if present, follows every LOCAL_SYNC; the
+    replicas of one device fit ``memory_budget_bytes`` when the graph carries a memory estimate.
+
+    Args:
+        graph: the task graph.
+        stage: the pass after which it runs (for the message).
+        memory_budget_bytes: bytes available per device, or None for no bound.
+
+    Raises:
+        PlanError: the first violation found.
+    """
+    where = f" after pass '{stage}'" if stage else ""
+    devices = graph.graph["devices"]
+    tasks: dict[str, Task] = {}
+    for n, data in graph.nodes(data=True):
+        task = data.get("task")
+        if not isinstance(task, Task) or task.id != n:
+            raise PlanError(f"task graph{where}: node '{n}' has no Task with that id")
+        if task.device is not None and task.device not in devices:
+            raise PlanError(f"task graph{where}: task '{n}' is on device '{task.device}', "
+                            f"which is not one of the plan's devices {devices}")
+        tasks[n] = task
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = nx.find_cycle(graph)
+        raise PlanError(f"task graph{where}: cycle through task '{cycle[0][0]}': {cycle}")
+    learn_of: dict[int, str] = {}
+    for t in tasks.values():
+        if t.kind is TaskKind.LEARN:
+            if len(t.replicas) != 1:
+                raise PlanError(f"task graph{where}: LEARN task '{t.id}' must own exactly one replica, "
+                                f"has {t.replicas}")
+            j = t.replicas[0]
+            if j in learn_of:
+                raise PlanError(f"task graph{where}: replica {j} has two LEARN tasks, "
+                                f"'{learn_of[j]}' and '{t.id}'")
+            learn_of[j] = t.id
+    locals_ = [t for t in tasks.values() if t.kind is TaskKind.LOCAL_SYNC]
+    globals_ = [t for t in tasks.values() if t.kind is TaskKind.GLOBAL_SYNC]
+    if locals_ or globals_:
+        covered: dict[int, str] = {}
+        for t in locals_:
+            for j in t.replicas:
+                if j in covered:
+                    raise PlanError(f"task graph{where}: replica {j} is covered by two LOCAL_SYNC tasks, "
+                                    f"'{covered[j]}' and '{t.id}'")
+                covered[j] = t.id
+                learn = learn_of.get(j)
+                if learn is None:
+                    raise PlanError(f"task graph{where}: LOCAL_SYNC '{t.id}' covers replica {j}, "
+                                    "which has no LEARN task")
+                if tasks[learn].device != t.device:
+                    raise PlanError(f"task graph{where}: LOCAL_SYNC '{t.id}' on {t.device} covers "
+                                    f"replica {j}, which learns on {tasks[learn].device}")
+                if not graph.has_edge(learn, t.id):
+                    raise PlanError(f"task graph{where}: LOCAL_SYNC '{t.id}' does not depend on "
+                                    f"'{learn}'")
+        for j, learn in learn_of.items():
+            if j not in covered:
+                raise PlanError(f"task graph{where}: replica {j} (task '{learn}') is covered by no "
+                                "LOCAL_SYNC task")
+        if len(globals_) != 1:
+            raise PlanError(f"task graph{where}: expected one GLOBAL_SYNC task, found {len(globals_)}")
+        for t in locals_:
+            if not graph.has_edge(t.id, globals_[0].id):
+                raise PlanError(f"task graph{where}: GLOBAL_SYNC does not depend on '{t.id}'")
+    mem = graph.graph.get("memory_per_learner_bytes")
+    if mem is not None and memory_budget_bytes is not None:
+        for device in devices:
+            m = sum(1 for t in tasks.values() if t.kind is TaskKind.LEARN and t.device == device)
+            if m * mem > memory_budget_bytes:
+                raise PlanError(
+                    f"{m} replicas × {mem / 2**20:.1f} MiB per learner = {m * mem / 2**20:.1f} MiB "
+                    f"exceed the {memory_budget_bytes / 2**20:.1f} MiB budget of {device}; lower the "
+                    "replicas per device or the batch size, or raise memory_budget"
+                )

@@ -1,0 +1,75 @@
+"""Typed configuration: the optimiser and the synchronisation strategy (DESIGN.md §2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SGD", "SMA"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGD:
+    """Each learner's local optimiser, with torch.optim.SGD semantics (DESIGN.md §2, step 1).
+
+    Attributes:
+        lr: learning rate η (> 0), applied to the mean loss over the learner's batch of b samples.
+        momentum: local momentum μ_l, in [0, 1).
+        nesterov: Nesterov momentum (needs momentum > 0).
+        weight_decay: L2 penalty λ (≥ 0), added to the gradient.
+
+    Raises:
+        ValueError: a value outside its range.
+    """
+
+    lr: float = 0.01
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"SGD(lr={self.lr}): the learning rate must be > 0, e.g. lr=0.01")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"SGD(momentum={self.momentum}): momentum must be in [0, 1), e.g. 0.9")
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("SGD(nesterov=True) needs momentum > 0, as torch.optim.SGD does")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"SGD(weight_decay={self.weight_decay}): weight decay must be ≥ 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SMA:
+    """Synchronous model averaging (CROSSBOW, Koliousis et al. 2019, §3; DESIGN.md §2).
+
+    Attributes:
+        alpha: α, the pull of every replica toward the central average model z; ``None`` means
+            1/k, re-derived whenever the number of learners k changes. With k > 1 it must lie in
+            (0, 1]; with k = 1 it is not used (the single replica is the central model).
+        central_momentum: μ_z, the momentum of the central model's update, in [0, 1).
+        sync_every: τ, rounds between synchronisations (≥ 1); between them learners only step.
+
+    Raises:
+        ValueError: a value outside its range (α is checked against k by ``compile``).
+    """
+
+    alpha: float | None = None
+    central_momentum: float = 0.9
+    sync_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.alpha is not None and not 0 < self.alpha <= 1:
+            raise ValueError(
+                f"SMA(alpha={self.alpha}): α must be in (0, 1]; use alpha=None for 1/k"
+            )
+        if not 0 <= self.central_momentum < 1:
+            raise ValueError(
+                f"SMA(central_momentum={self.central_momentum}): μ_z must be in [0, 1), e.g. 0.9"
+            )
+        if not (isinstance(self.sync_every, int) and self.sync_every >= 1):
+            raise ValueError(f"SMA(sync_every={self.sync_every}): must be an integer ≥ 1")
+
+    def alpha_for(self, num_learners: int) -> float:
+        """α for k = ``num_learners`` learners: the configured value, or 1/k; 0 when k = 1."""
+        if num_learners == 1:
+            return 0.0
+        return 1.0 / num_learners if self.alpha is None else self.alpha

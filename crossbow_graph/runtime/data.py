@@ -1,0 +1,99 @@
+"""Disjoint batches for every learner from one seeded order per epoch (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
+
+__all__ = ["BatchSchedule", "as_dataset", "make_fetch", "split_inputs"]
+
+
+def as_dataset(data: Any, what: str = "train_dataset") -> Dataset:
+    """Accept a torch Dataset or a DataLoader (its dataset is used; batches are drawn by the plan).
+
+    Raises:
+        TypeError: neither a Dataset nor a DataLoader.
+        ValueError: the dataset is empty.
+    """
+    if isinstance(data, DataLoader):
+        data = data.dataset
+    if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
+        raise TypeError(f"{what} must be a torch Dataset (with __getitem__ and __len__) or a "
+                        f"DataLoader, got {type(data).__name__}")
+    if len(data) == 0:
+        raise ValueError(f"{what} is empty (0 samples); pass a dataset with at least one batch "
+                         "per learner")
+    return data
+
+
+class BatchSchedule:
+    """Which samples every learner gets in every round.
+
+    One order per epoch: ``randperm(N)`` from a generator seeded with ``(seed, epoch)``, or the
+    dataset's own order with ``shuffle=False``. In round t, learner j (device-major) gets positions
+    ``[(t·k + j)·b, (t·k + j + 1)·b)`` of the order; a last partial round is dropped.
+
+    Args:
+        num_samples: N.
+        num_learners: k.
+        batch_size: b per learner.
+        shuffle: shuffle each epoch.
+        seed: the seed of the orders.
+    """
+
+    def __init__(self, num_samples: int, num_learners: int, batch_size: int, *, shuffle: bool,
+                 seed: int) -> None:
+        self.num_samples = num_samples
+        self.num_learners = num_learners
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+
+    @property
+    def rounds_per_epoch(self) -> int:
+        return self.num_samples // (self.num_learners * self.batch_size)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The sample order of ``epoch``, ``[N]`` int64."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=gen)
+
+    def round_indices(self, order: torch.Tensor, t: int, first: int = 0, count: int | None = None) -> torch.Tensor:
+        """Sample indices of round t for learners ``first … first+count−1``, ``[count·b]``."""
+        k, b = self.num_learners, self.batch_size
+        count = k - first if count is None else count
+        start = (t * k + first) * b
+        return order[start:start + count * b]
+
+
+def make_fetch(dataset: Dataset) -> Callable[[torch.Tensor], Any]:
+    """A function from sample indices ``[n]`` to one collated batch ``(inputs, target)``.
+
+    TensorDatasets are gathered with one index per tensor; any other Dataset is read item by item
+    and collated with ``torch.utils.data.default_collate``.
+    """
+    if isinstance(dataset, TensorDataset):
+        tensors = dataset.tensors
+        return lambda idx: [t[idx] for t in tensors]
+    return lambda idx: default_collate([dataset[int(i)] for i in idx])
+
+
+def split_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """``(inputs, target)`` → (positional args, keyword args, target) of the model call.
+
+    A sample is ``(x, y)``: x a tensor (one input), a tuple/list (several inputs) or a dict
+    (keyword inputs); y the target given to ``loss_fn``.
+    """
+    if not isinstance(batch, (list, tuple)) or len(batch) != 2:
+        raise ValueError("each sample must be a pair (inputs, target), e.g. (image, label); got "
+                         f"{type(batch).__name__} of length {len(batch) if hasattr(batch, '__len__') else '?'}")
+    x, y = batch
+    if isinstance(x, dict):
+        return (), x, y
+    if isinstance(x, (list, tuple)):
+        return tuple(x), {}, y
+    return (x,), {}, y
