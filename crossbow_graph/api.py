@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import copy
-import math
-import time
 from typing import Any, Callable, Sequence
 
 import networkx as nx
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from .compiler.passes import annotate_costs, empty_task_graph, insert_sync, place_replicas
 from .compiler.tasks import TaskKind
@@ -18,9 +15,10 @@ from .compiler.trace import ModelGraph, trace_model
 from .compiler.verify import verify_task_graph
 from .config import SGD, SMA
 from .errors import PlanError
-from .runtime.data import BatchSchedule, as_dataset, make_fetch, split_inputs
-from .runtime.history import EpochRecord, EvalRecord, History
+from .runtime.data import as_dataset, make_fetch, split_inputs
+from .runtime.history import History
 from .runtime.scheduler import Scheduler
+from .runtime.trainer import run_fit
 from .runtime.state import DeviceState, FlatLayout, bind_flat, float_buffers_named, trainable_named
 
 __all__ = ["compile", "Plan", "resolve_devices"]
@@ -321,65 +319,6 @@ class Plan:
             ValueError: an empty dataset, a dataset smaller than one round, bad arguments.
             TaskError: a task failed (names the task, its device and the round).
         """
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
-        if target_accuracy is not None and eval_dataset is None:
-            raise ValueError("target_accuracy needs an eval_dataset to measure z's accuracy on")
-        train = as_dataset(train_dataset)
-        k, b = self.num_learners, self.batch_size
-        if len(train) < k * b:
-            raise ValueError(
-                f"train_dataset has {len(train)} samples, fewer than one round of {k} learners × "
-                f"{b} samples = {k * b}; lower the batch size or the replicas, or add data"
-            )
-        schedule = BatchSchedule(len(train), k, b, shuffle=shuffle, seed=seed)
-        fetch = make_fetch(train)
-        torch.manual_seed(seed)
-        history = History(target_accuracy=target_accuracy)
-        rounds = schedule.rounds_per_epoch
-        eval_points = sorted({math.ceil(rounds * i / evals_per_epoch) for i in range(1, evals_per_epoch + 1)})
-        tau = self.sync.sync_every
-        for _ in range(epochs):
-            epoch = self.epochs_done
-            order = schedule.order(epoch)
-            self.scheduler.losses = []
-            epoch_seconds, acc = 0.0, None
-            bar = tqdm(total=rounds, desc=f"epoch {epoch + 1}", unit="round", disable=not progress,
-                       leave=False, dynamic_ncols=True)
-            start = time.perf_counter()
-            rounds_run = 0
-            for t in range(rounds):
-                batch = fetch(schedule.round_indices(order, t))
-                self.rounds_done += 1
-                self.scheduler.run_round(self.rounds_done - 1, batch,
-                                         synchronise=self.rounds_done % tau == 0)
-                rounds_run = t + 1
-                bar.update(1)
-                if rounds_run not in eval_points or eval_dataset is None:
-                    continue
-                epoch_seconds += time.perf_counter() - start  # evaluation is not training time
-                acc, test_loss = self.evaluate(eval_dataset, batch_size=eval_batch_size)
-                trained = self.train_seconds + epoch_seconds
-                history.evals.append(EvalRecord(epoch=epoch + rounds_run / rounds, round=self.rounds_done,
-                                                train_seconds=trained, test_accuracy=acc,
-                                                test_loss=test_loss))
-                bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
-                                samples_per_s=f"{rounds_run * k * b / epoch_seconds:,.0f}")
-                start = time.perf_counter()
-                if target_accuracy is not None and acc is not None and acc >= target_accuracy:
-                    history.time_to_accuracy_s = trained
-                    history.epochs_to_accuracy = epoch + rounds_run / rounds
-                    break
-            epoch_seconds += time.perf_counter() - start
-            bar.close()
-            self.train_seconds += epoch_seconds
-            self.epochs_done += 1
-            losses = torch.stack(self.scheduler.losses) if self.scheduler.losses else torch.zeros(1)
-            history.epochs.append(EpochRecord(
-                epoch=self.epochs_done, rounds=rounds_run, train_loss=float(losses.mean()),
-                test_accuracy=acc, samples_per_s=rounds_run * k * b / max(epoch_seconds, 1e-9),
-                train_seconds=self.train_seconds, replicas_per_device=self.replicas_per_device,
-            ))
-            if history.time_to_accuracy_s is not None:
-                break
-        return history
+        return run_fit(self, train_dataset, epochs, eval_dataset=eval_dataset, shuffle=shuffle,
+                       seed=seed, target_accuracy=target_accuracy, evals_per_epoch=evals_per_epoch,
+                       eval_batch_size=eval_batch_size, progress=progress)

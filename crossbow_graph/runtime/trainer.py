@@ -1,0 +1,96 @@
+"""The training loop of ``Plan.fit``: rounds, evaluation, time-to-accuracy (DESIGN.md §2, §6)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .data import BatchSchedule, as_dataset, make_fetch
+from .history import EpochRecord, EvalRecord, History
+
+if TYPE_CHECKING:
+    from ..api import Plan
+
+__all__ = ["run_fit"]
+
+
+def run_fit(
+    plan: "Plan",
+    train_dataset: Any,
+    epochs: int,
+    *,
+    eval_dataset: Any,
+    shuffle: bool,
+    seed: int,
+    target_accuracy: float | None,
+    evals_per_epoch: int,
+    eval_batch_size: int,
+    progress: bool,
+) -> History:
+    """Run ``Plan.fit`` (see its docstring for the arguments and errors)."""
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
+    if target_accuracy is not None and eval_dataset is None:
+        raise ValueError("target_accuracy needs an eval_dataset to measure z's accuracy on")
+    train = as_dataset(train_dataset)
+    k, b = plan.num_learners, plan.batch_size
+    if len(train) < k * b:
+        raise ValueError(
+            f"train_dataset has {len(train)} samples, fewer than one round of {k} learners × "
+            f"{b} samples = {k * b}; lower the batch size or the replicas, or add data"
+        )
+    schedule = BatchSchedule(len(train), k, b, shuffle=shuffle, seed=seed)
+    fetch = make_fetch(train)
+    torch.manual_seed(seed)
+    history = History(target_accuracy=target_accuracy)
+    rounds = schedule.rounds_per_epoch
+    eval_points = sorted({math.ceil(rounds * i / evals_per_epoch) for i in range(1, evals_per_epoch + 1)})
+    tau = plan.sync.sync_every
+    for _ in range(epochs):
+        epoch = plan.epochs_done
+        order = schedule.order(epoch)
+        plan.scheduler.losses = []
+        epoch_seconds, acc = 0.0, None
+        bar = tqdm(total=rounds, desc=f"epoch {epoch + 1}", unit="round", disable=not progress,
+                   leave=False, dynamic_ncols=True)
+        start = time.perf_counter()
+        rounds_run = 0
+        for t in range(rounds):
+            batch = fetch(schedule.round_indices(order, t))
+            plan.rounds_done += 1
+            plan.scheduler.run_round(plan.rounds_done - 1, batch,
+                                     synchronise=plan.rounds_done % tau == 0)
+            rounds_run = t + 1
+            bar.update(1)
+            if rounds_run not in eval_points or eval_dataset is None:
+                continue
+            epoch_seconds += time.perf_counter() - start  # evaluation is not training time
+            acc, test_loss = plan.evaluate(eval_dataset, batch_size=eval_batch_size)
+            trained = plan.train_seconds + epoch_seconds
+            history.evals.append(EvalRecord(epoch=epoch + rounds_run / rounds, round=plan.rounds_done,
+                                            train_seconds=trained, test_accuracy=acc,
+                                            test_loss=test_loss))
+            bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
+                            samples_per_s=f"{rounds_run * k * b / epoch_seconds:,.0f}")
+            start = time.perf_counter()
+            if target_accuracy is not None and acc is not None and acc >= target_accuracy:
+                history.time_to_accuracy_s = trained
+                history.epochs_to_accuracy = epoch + rounds_run / rounds
+                break
+        epoch_seconds += time.perf_counter() - start
+        bar.close()
+        plan.train_seconds += epoch_seconds
+        plan.epochs_done += 1
+        losses = torch.stack(plan.scheduler.losses) if plan.scheduler.losses else torch.zeros(1)
+        history.epochs.append(EpochRecord(
+            epoch=plan.epochs_done, rounds=rounds_run, train_loss=float(losses.mean()),
+            test_accuracy=acc, samples_per_s=rounds_run * k * b / max(epoch_seconds, 1e-9),
+            train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
+        ))
+        if history.time_to_accuracy_s is not None:
+            break
+    return history
