@@ -17,6 +17,7 @@ from .config import SGD, SMA
 from .errors import PlanError
 from .runtime.data import as_dataset, make_fetch, split_inputs
 from .runtime.history import History
+from .runtime.hooks import Hook
 from .runtime.scheduler import Scheduler
 from .runtime.trainer import run_fit
 from .runtime.state import DeviceState, FlatLayout, bind_flat, float_buffers_named, trainable_named
@@ -294,6 +295,7 @@ class Plan:
         evals_per_epoch: int = 1,
         eval_batch_size: int = 1000,
         progress: bool = True,
+        hooks: Sequence[Hook] = (),
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -311,6 +313,7 @@ class Plan:
             evals_per_epoch: evaluations per epoch (time-to-accuracy resolution).
             eval_batch_size: batch size of evaluation.
             progress: show a progress bar.
+            hooks: Hook objects called at fit, epoch, round and evaluation boundaries.
 
         Returns:
             The History: per epoch training loss, test accuracy, samples/s, training seconds.
@@ -321,4 +324,5 @@ class Plan:
         """
         return run_fit(self, train_dataset, epochs, eval_dataset=eval_dataset, shuffle=shuffle,
                        seed=seed, target_accuracy=target_accuracy, evals_per_epoch=evals_per_epoch,
-                       eval_batch_size=eval_batch_size, progress=progress)
+                       eval_batch_size=eval_batch_size, progress=progress,
+                       hooks=list(hooks))

@@ -16,7 +16,7 @@ from ..compiler.tasks import Task, TaskKind
 from ..config import SGD, SMA
 from ..errors import TaskError
 from .data import split_inputs
-from .sma import sma_central_update, sma_local_update
+from .sma import TorchSMAKernels
 from .state import DeviceState
 
 __all__ = ["Scheduler"]
@@ -37,6 +37,7 @@ class Scheduler:
     def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Callable,
                  optimizer: SGD, sync: SMA, batch_size: int) -> None:
         self.batch_size = batch_size
+        self.kernels = TorchSMAKernels()  # the SMA update backend: local_update, central_update
         self.states = states
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -110,7 +111,7 @@ class Scheduler:
         """Local SGD step and correction of every replica on the device, and their sum acc_d."""
         state = self.states[self._device_index[task.device]]
         opt = self.optimizer
-        state.acc = sma_local_update(
+        state.acc = self.kernels.local_update(
             state.w, state.v, state.g, state.z if self._synchronise else None,
             lr=self.lr, momentum=opt.momentum, nesterov=opt.nesterov,
             weight_decay=opt.weight_decay, alpha=self.alpha if self._synchronise else 0.0,
@@ -138,7 +139,7 @@ class Scheduler:
         if states[0].buf.shape[1]:
             mean_buf = torch.cat([s.buf.to(home) for s in states]).mean(dim=0)
         for s in states:
-            sma_central_update(s.z, s.z_prev, total.to(s.torch_device),
+            self.kernels.central_update(s.z, s.z_prev, total.to(s.torch_device),
                                central_momentum=self.sync.central_momentum)
             if mean_buf is not None:
                 s.zbuf.copy_(mean_buf)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sma_local_update", "sma_central_update"]
+__all__ = ["sma_local_update", "sma_central_update", "TorchSMAKernels"]
 
 
 @torch.no_grad()
@@ -87,3 +87,15 @@ def sma_central_update(
     step = c if central_momentum == 0 else c.add(z - z_prev, alpha=central_momentum)
     z_prev.copy_(z)
     z.add_(step)
+
+
+class TorchSMAKernels:
+    """The SMA update backend in torch (CPU default, and the oracle of the Triton backend).
+
+    A backend has two methods with the signatures of ``sma_local_update`` and
+    ``sma_central_update``; the scheduler calls nothing else.
+    """
+
+    name = "torch"
+    local_update = staticmethod(sma_local_update)
+    central_update = staticmethod(sma_central_update)

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from .data import BatchSchedule, as_dataset, make_fetch
 from .history import EpochRecord, EvalRecord, History
+from .hooks import FitContext, Hook
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -30,6 +31,7 @@ def run_fit(
     evals_per_epoch: int,
     eval_batch_size: int,
     progress: bool,
+    hooks: list[Hook] = (),
 ) -> History:
     """Run ``Plan.fit`` (see its docstring for the arguments and errors)."""
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
@@ -50,8 +52,15 @@ def run_fit(
     rounds = schedule.rounds_per_epoch
     eval_points = sorted({math.ceil(rounds * i / evals_per_epoch) for i in range(1, evals_per_epoch + 1)})
     tau = plan.sync.sync_every
+    ctx = FitContext(plan=plan, history=history, rounds_per_epoch=rounds,
+                     train_seconds=plan.train_seconds)
+    for hook in hooks:
+        hook.before_fit(ctx)
     for _ in range(epochs):
         epoch = plan.epochs_done
+        ctx.epoch, ctx.round_in_epoch = epoch, 0
+        for hook in hooks:
+            hook.before_epoch(ctx)
         order = schedule.order(epoch)
         plan.scheduler.losses = []
         epoch_seconds, acc = 0.0, None
@@ -60,12 +69,23 @@ def run_fit(
         start = time.perf_counter()
         rounds_run = 0
         for t in range(rounds):
+            for hook in hooks:
+                hook.before_round(ctx)
             batch = fetch(schedule.round_indices(order, t))
+            n_losses = len(plan.scheduler.losses)
             plan.rounds_done += 1
             plan.scheduler.run_round(plan.rounds_done - 1, batch,
                                      synchronise=plan.rounds_done % tau == 0)
             rounds_run = t + 1
             bar.update(1)
+            if hooks:
+                ctx.round_in_epoch = rounds_run
+                ctx.round_loss = torch.stack(plan.scheduler.losses[n_losses:]).mean()
+                ctx.train_seconds = plan.train_seconds + epoch_seconds + time.perf_counter() - start
+                for hook in hooks:
+                    hook.after_round(ctx)
+                if ctx.stop:
+                    break
             if rounds_run not in eval_points or eval_dataset is None:
                 continue
             epoch_seconds += time.perf_counter() - start  # evaluation is not training time
@@ -76,6 +96,9 @@ def run_fit(
                                             test_loss=test_loss))
             bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
                             samples_per_s=f"{rounds_run * k * b / epoch_seconds:,.0f}")
+            ctx.train_seconds = trained
+            for hook in hooks:
+                hook.after_eval(ctx, history.evals[-1])
             start = time.perf_counter()
             if target_accuracy is not None and acc is not None and acc >= target_accuracy:
                 history.time_to_accuracy_s = trained
@@ -91,6 +114,11 @@ def run_fit(
             test_accuracy=acc, samples_per_s=rounds_run * k * b / max(epoch_seconds, 1e-9),
             train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
         ))
-        if history.time_to_accuracy_s is not None:
+        ctx.train_seconds = plan.train_seconds
+        for hook in hooks:
+            hook.after_epoch(ctx, history.epochs[-1])
+        if history.time_to_accuracy_s is not None or ctx.stop:
             break
+    for hook in hooks:
+        hook.after_fit(ctx)
     return history
