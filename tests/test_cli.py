@@ -1,0 +1,34 @@
+"""The crossbow-graph command line."""
+
+import subprocess
+import sys
+
+import pytest
+
+from crossbow_graph.cli import build_parser, main
+
+
+def test_train_defaults_are_the_main_job():
+    args = build_parser().parse_args(["train"])
+    assert (args.model, args.dataset, args.batch_size, args.devices, args.replicas) == ("lenet5", "mnist", 16, "2", 2)
+    assert (args.epochs, args.target) == (5, 0.99)
+
+
+def test_help_explains_every_flag():
+    out = subprocess.run([sys.executable, "-m", "crossbow_graph", "train", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for flag in ("--model", "--batch-size", "--devices", "--replicas", "--lr", "--epochs", "--target", "--seed"):
+        assert flag in out
+
+
+def test_unknown_model_is_a_one_line_error(capsys):
+    assert main(["train", "--model", "lenet6", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'lenet6'" in err and "lenet5" in err
+
+
+@pytest.mark.slow
+def test_train_stops_at_the_target_and_prints_the_result(capsys):
+    assert main(["train", "--epochs", "1", "--target", "0.9", "--evals-per-epoch", "10", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "reached target 0.9" in out and "samples/s" in out and "training seconds" in out

@@ -1,0 +1,125 @@
+"""SMA as DESIGN.md §2 says, checked against torch.optim.SGD and a hand-written reference."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+import crossbow_graph as cg
+from _reference import flat, reference_sma
+
+ATOL, RTOL = 1e-6, 1e-5  # float32, a few dozen rounds of the same operations in another order
+
+
+class Small(nn.Module):
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.fc = nn.Linear(4 * 6 * 6, 5)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.fc(self.drop(torch.relu(self.conv(x)).flatten(1)))
+
+
+def batches(n, b, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(b, 1, 8, 8, generator=g), torch.randint(0, 5, (b,), generator=g)) for _ in range(n)]
+
+
+def as_dataset(bs):
+    return TensorDataset(torch.cat([x for x, _ in bs]), torch.cat([y for _, y in bs]))
+
+
+def make_plan(model, *, devices=1, replicas=1, b=4, **kw):
+    opt = kw.pop("optimizer", cg.SGD(lr=0.05, momentum=0.9))
+    sync = kw.pop("sync", cg.SMA())
+    return cg.compile(model, (torch.randn(2, 1, 8, 8),), F.cross_entropy, batch_size=b,
+                      devices=devices, replicas=replicas, optimizer=opt, sync=sync, **kw)
+
+
+def test_one_learner_equals_torch_sgd_step_for_step():
+    model = Small()
+    eager = copy.deepcopy(model)
+    sgd = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    plan = make_plan(model, optimizer=cg.SGD(lr=0.05, momentum=0.9, weight_decay=1e-4))
+    for x, y in batches(6, 4):
+        plan.fit(TensorDataset(x, y), 1, shuffle=False, progress=False)
+        sgd.zero_grad()
+        F.cross_entropy(eager(x), y).backward()
+        sgd.step()
+        torch.testing.assert_close(plan.central_weights(), flat(eager.parameters()), atol=ATOL, rtol=RTOL)
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(plan.central_model().state_dict()[key], value, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("nesterov,weight_decay,alpha,mu_z", [
+    (False, 0.0, None, 0.9), (True, 1e-3, None, 0.9), (False, 0.0, 0.1, 0.5), (False, 1e-4, 1.0, 0.0),
+])
+def test_matches_hand_written_reference(nesterov, weight_decay, alpha, mu_z):
+    model = Small()
+    k, rounds, b = 4, 5, 4
+    bs = batches(k * rounds, b)
+    opt = cg.SGD(lr=0.05, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay)
+    plan = make_plan(model, devices=2, replicas=2, b=b, optimizer=opt,
+                     sync=cg.SMA(alpha=alpha, central_momentum=mu_z))
+    plan.fit(as_dataset(bs), 1, shuffle=False, progress=False)
+    z, replicas = reference_sma(model, bs, k=k, rounds=rounds, lr=0.05, momentum=0.9,
+                                weight_decay=weight_decay, nesterov=nesterov, alpha=alpha,
+                                central_momentum=mu_z)
+    torch.testing.assert_close(plan.central_weights(), flat(z), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(plan.replica_weights(),
+                               torch.stack([flat(r.parameters()) for r in replicas]), atol=ATOL, rtol=RTOL)
+
+
+def test_alpha_one_over_k_without_central_momentum_is_the_mean_of_prestep_replicas():
+    plan = make_plan(Small(), devices=2, replicas=3, sync=cg.SMA(alpha=None, central_momentum=0.0))
+    bs = batches(3 * 6, 4)
+    for t in range(3):
+        pre = plan.replica_weights()  # ŵ_j of round t
+        plan.fit(as_dataset(bs[6 * t: 6 * t + 6]), 1, shuffle=False, progress=False)
+        torch.testing.assert_close(plan.central_weights(), pre.mean(dim=0), atol=ATOL, rtol=RTOL)
+        if t > 0:
+            assert not torch.allclose(pre[0], pre[1])  # the replicas really differ
+
+
+def test_every_device_holds_the_same_z_after_each_sync():
+    plan = make_plan(Small(), devices=3, replicas=2)
+    bs = batches(6 * 4, 4)
+    for t in range(4):
+        plan.fit(as_dataset(bs[6 * t: 6 * t + 6]), 1, shuffle=False, progress=False)
+        for d in range(1, 3):
+            assert torch.equal(plan.central_weights(d), plan.central_weights(0))
+
+
+@pytest.mark.parametrize("alpha", [0.0, -0.5, 1.5])
+def test_alpha_outside_unit_interval_is_a_value_error(alpha):
+    with pytest.raises(ValueError, match="α must be in"):
+        make_plan(Small(), devices=2, replicas=2, sync=cg.SMA(alpha=alpha))
+
+
+def test_sync_every_tau_rounds_matches_reference_on_sync_rounds():
+    """τ = 2: between syncs the learners only step; on the sync round the usual correction."""
+    model, b = Small(), 4
+    bs = batches(2 * 2, b)  # 2 rounds × 2 learners
+    plan = make_plan(model, devices=1, replicas=2, b=b, sync=cg.SMA(sync_every=2, central_momentum=0.0))
+    plan.fit(as_dataset(bs), 1, shuffle=False, progress=False)
+    reps = [copy.deepcopy(model) for _ in range(2)]
+    opts = [torch.optim.SGD(r.parameters(), lr=0.05, momentum=0.9) for r in reps]
+    z = flat(model.parameters())
+    for t in range(2):
+        pre = []
+        for j, (r, o) in enumerate(zip(reps, opts)):
+            x, y = bs[t * 2 + j]
+            pre.append(flat(r.parameters()))
+            o.zero_grad()
+            F.cross_entropy(r(x), y).backward()
+            o.step()
+    # round 2 synchronises: w_j ← SGD step − α(ŵ_j − z); z ← mean ŵ_j (α=1/2, μ_z=0)
+    expected_z = torch.stack(pre).mean(0)
+    torch.testing.assert_close(plan.central_weights(), expected_z, atol=ATOL, rtol=RTOL)
+    expected_w = torch.stack([flat(r.parameters()) - 0.5 * (p - z) for r, p in zip(reps, pre)])
+    torch.testing.assert_close(plan.replica_weights(), expected_w, atol=ATOL, rtol=RTOL)
