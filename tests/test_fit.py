@@ -221,7 +221,7 @@ def test_short_run_on_real_mnist_reaches_90_percent():
     train, test = cg.datasets.mnist(True), cg.datasets.mnist(False)
     torch.manual_seed(0)
     plan = cg.compile(cg.models.lenet5(), (train.images[:1],), F.cross_entropy, batch_size=16,
-                      devices=2, replicas=2, optimizer=cg.SGD(lr=0.01, momentum=0.9))
+                      devices=2, replicas=2, optimizer=cg.SGD(lr=0.02, momentum=0.9))
     h = plan.fit(Subset(train, range(12_800)), 1, eval_dataset=Subset(test, range(2_000)), progress=False)
     assert h.final_accuracy >= 0.90, h
     assert len(train) == 60_000 and len(test) == 10_000
