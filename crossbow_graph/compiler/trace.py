@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 from ..errors import TraceError
+from .analysis import ModelAnalysis, analyze
 
 __all__ = ["ModelGraph", "ParamInfo", "trace_model"]
 
@@ -55,7 +57,8 @@ class ModelGraph:
         buffers: every buffer, in ``named_buffers()`` order.
         node_meta: per fx node name: ``shape`` (tuple or None) and ``bytes`` of its output at the
             example batch.
-        meta: extra analysis that compiler passes attach (FLOPs, activation bytes, ...).
+        meta: extra analysis: ``"analysis"`` (the ModelAnalysis: per-node FLOPs and bytes,
+            totals per sample) and ``"train_flops_per_sample"``; compiler passes may add more.
     """
 
     module: fx.GraphModule
@@ -64,6 +67,11 @@ class ModelGraph:
     buffers: list[ParamInfo]
     node_meta: dict[str, dict[str, Any]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def analysis(self) -> ModelAnalysis:
+        """The model's analysis (FLOPs, activation bytes; compiler/analysis.py)."""
+        return self.meta["analysis"]
 
     @property
     def num_trainable(self) -> int:
@@ -160,37 +168,59 @@ def _inventory(module: torch.nn.Module) -> tuple[list[ParamInfo], list[ParamInfo
     return params, buffers
 
 
+def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The example inputs as the GraphModule's positional arguments (placeholder order)."""
+    sig = inspect.signature(gm.forward)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TraceError(
+            f"the example inputs do not match the model's forward{sig}: {exc}. Pass a tuple of "
+            "positional inputs, e.g. (x,), or a dict of keyword inputs, e.g. {'x': x, 'mask': m}."
+        ) from exc
+    bound.apply_defaults()
+    return [bound.arguments[name] for name in sig.parameters]
+
+
 def trace_model(
     model: torch.nn.Module,
-    example_inputs: tuple[Any, ...],
+    example_inputs: tuple[Any, ...] | dict[str, Any],
     *,
     concrete_args: dict[str, Any] | None = None,
     leaf_modules: Sequence[type[torch.nn.Module]] = (),
 ) -> ModelGraph:
-    """Trace ``model`` with torch.fx and propagate the example inputs' shapes through it.
+    """Trace ``model`` with torch.fx, propagate the example inputs' shapes, and analyse it.
 
     Args:
         model: any ``nn.Module``; it is not modified.
-        example_inputs: positional inputs of one batch (any batch size), e.g. ``(x,)`` with
-            ``x [N, C, H, W]``.
+        example_inputs: one batch (any batch size) as the runtime passes it to the model
+            (runtime/data.py ``split_inputs``): a tuple of positional inputs, e.g. ``(x,)`` with
+            ``x [N, C, H, W]`` or ``(tokens, mask)``, or a dict of keyword inputs,
+            e.g. ``{"x": x, "mask": mask}``.
         concrete_args: fixed values for arguments that steer Python control flow
             (``torch.fx.symbolic_trace``'s ``concrete_args``).
         leaf_modules: module classes called as a whole instead of traced through.
 
     Returns:
-        The ModelGraph.
+        The ModelGraph, with ``meta["analysis"]`` (compiler/analysis.py) and
+        ``meta["train_flops_per_sample"]``.
 
     Raises:
         TraceError: torch.fx cannot trace the model (names the module, the line and the fix), or
             the example inputs do not run through the traced model.
-        TypeError: ``model`` is not an ``nn.Module`` or ``example_inputs`` is not a tuple.
+        TypeError: ``model`` is not an ``nn.Module`` or ``example_inputs`` is neither a tuple
+            nor a dict.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"compile() takes an nn.Module, got {type(model).__name__}")
-    if not isinstance(example_inputs, tuple):
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, tuple):
+        args, kwargs = example_inputs, {}
+    else:
         raise TypeError(
-            f"example_inputs must be a tuple of the model's positional inputs, e.g. (x,); got "
-            f"{type(example_inputs).__name__}"
+            f"example_inputs must be a tuple of the model's positional inputs, e.g. (x,), or a "
+            f"dict of its keyword inputs, e.g. {{'x': x}}; got {type(example_inputs).__name__}"
         )
     tracer = _Tracer(leaf_modules)
     try:
@@ -198,14 +228,15 @@ def trace_model(
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
         raise _trace_error(model, exc) from exc
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    first = _first_tensor(example_inputs)
+    first = _first_tensor(list(args) + list(kwargs.values()))
     example_batch = int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+    positional = _positional(gm, args, kwargs)
     node_meta: dict[str, dict[str, Any]] = {}
     was_training = gm.training
     try:
         gm.eval()  # shape propagation must not touch BatchNorm statistics
         with torch.no_grad():
-            ShapeProp(gm).propagate(*example_inputs)
+            ShapeProp(gm).propagate(*positional)
     except Exception as exc:  # noqa: BLE001
         raise TraceError(
             f"the example inputs do not run through {type(model).__name__}: "
@@ -226,5 +257,8 @@ def trace_model(
         else:
             node_meta[node.name] = {"shape": None, "bytes": 0, "dtype": None}
     params, buffers = _inventory(model)
+    analysis = analyze(gm, example_batch, parameters=params, buffers=buffers)
     return ModelGraph(module=gm, example_batch=example_batch, parameters=params, buffers=buffers,
-                      node_meta=node_meta)
+                      node_meta=node_meta,
+                      meta={"analysis": analysis,
+                            "train_flops_per_sample": analysis.train_flops_per_sample})
