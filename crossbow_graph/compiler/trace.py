@@ -117,16 +117,24 @@ def _trace_error(model: torch.nn.Module, exc: BaseException) -> TraceError:
     frame = _user_frame(exc)
     where = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "(unknown line)"
     text = str(exc)
-    if "control flow" in text or "iteration" in text or "len(" in text or "bool" in text:
+    leaf = f"compile(..., leaf_modules=[{cls}])"
+    if "control flow" in text or "iteration" in text or "bool" in text:
         fix = (
-            "Control flow or Python builtins on traced tensors cannot be traced: pass fixed values "
-            "with compile(..., concrete_args={...}), replace tensor-dependent `if` by torch.where, "
-            f"or mark the module class as a leaf with compile(..., leaf_modules=[{cls}])."
+            "Python control flow (if/while/assert) on a tensor's value cannot be traced: replace a "
+            "tensor-dependent `if` by torch.where, pass fixed values for arguments that steer it "
+            f"with compile(..., concrete_args={{...}}), or call the module as a whole with {leaf}."
+        )
+    elif "Proxy" in text or "not supported in symbolic tracing" in text:
+        fix = (
+            "Python builtins (len, range, int, float) on traced tensors or shapes cannot be traced: "
+            "keep shapes symbolic with tensor methods (x.size(0), x.flatten(1), "
+            "x.view(x.size(0), -1)), wrap the helper with torch.fx.wrap, or call the module as a "
+            f"whole with {leaf}."
         )
     else:
         fix = (
-            f"Mark the module class as a leaf with compile(..., leaf_modules=[{cls}]) so that it is "
-            "called as a whole, or pass fixed values with compile(..., concrete_args={...})."
+            f"Call the module as a whole with {leaf}, or pass fixed values with "
+            "compile(..., concrete_args={...})."
         )
     return TraceError(
         f"torch.fx cannot trace {type(model).__name__}: in module '{path}' ({cls}) at {where}: "
@@ -182,6 +190,28 @@ def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any
     return [bound.arguments[name] for name in sig.parameters]
 
 
+def _fixed_defaults(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    concrete_args: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``concrete_args`` plus every forward argument the example inputs leave at its default.
+
+    The runtime calls the model with the same inputs as the example (runtime/data.py), so an
+    argument left out (``mask=None``) keeps its default in training too; fixing it lets Python
+    code such as ``if mask is not None`` trace the branch that will run.
+    """
+    try:
+        sig = inspect.signature(model.forward)
+        bound = sig.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return concrete_args
+    fixed = dict(concrete_args or {})
+    for name, param in sig.parameters.items():
+        if (name not in bound.arguments and name not in fixed
+                and param.default is not inspect.Parameter.empty
+                and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)):
+            fixed[name] = param.default
+    return fixed or None
+
+
 def trace_model(
     model: torch.nn.Module,
     example_inputs: tuple[Any, ...] | dict[str, Any],
@@ -198,7 +228,8 @@ def trace_model(
             ``x [N, C, H, W]`` or ``(tokens, mask)``, or a dict of keyword inputs,
             e.g. ``{"x": x, "mask": mask}``.
         concrete_args: fixed values for arguments that steer Python control flow
-            (``torch.fx.symbolic_trace``'s ``concrete_args``).
+            (``torch.fx.symbolic_trace``'s ``concrete_args``); forward arguments that the example
+            inputs leave out are fixed to their defaults as well.
         leaf_modules: module classes called as a whole instead of traced through.
 
     Returns:
@@ -222,6 +253,7 @@ def trace_model(
             f"example_inputs must be a tuple of the model's positional inputs, e.g. (x,), or a "
             f"dict of its keyword inputs, e.g. {{'x': x}}; got {type(example_inputs).__name__}"
         )
+    concrete_args = _fixed_defaults(model, args, kwargs, concrete_args)
     tracer = _Tracer(leaf_modules)
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)
