@@ -62,8 +62,8 @@ def _add_inspect_parser(sub) -> None:
                               "zoo models know theirs, a user model may also set an input_shape "
                               "attribute")
     inspect.add_argument("--devices", default="1",
-                         help="a device count G (GPUs when present, else logical CPU devices) or "
-                              "names, e.g. cuda:0,cuda:1")
+                         help="a device count G (this machine's GPUs when it has G, else logical "
+                              "CPU devices) or names, e.g. cuda:0,cuda:1 (need not exist here)")
     inspect.add_argument("--replicas", type=int, default=1, help="m, replicas (learners) per device")
     inspect.add_argument("--batch-size", type=int, default=16, help="b, samples per learner per round")
     inspect.add_argument("--memory-budget", type=float, default=None,
@@ -98,11 +98,29 @@ def _load_user_model(spec: str):
     return model, fn
 
 
+def _inspect_devices(spec: str) -> list[str]:
+    """Devices to plan for: a count G (this machine's GPUs when it has G, else logical CPU devices
+    cpu:0 … cpu:G−1, so that any plan can be inspected anywhere) or comma-separated names."""
+    if spec.isdigit():
+        g = int(spec)
+        if g < 1:
+            raise ValueError(f"--devices {spec}: need at least one device")
+        kind = "cuda" if torch.cuda.device_count() >= g else "cpu"
+        return [f"{kind}:{i}" for i in range(g)]
+    names = [s.strip() for s in spec.split(",")]
+    for name in names:
+        kind, _, idx = name.partition(":")
+        if kind not in ("cpu", "cuda") or not idx.isdigit():
+            raise ValueError(f"--devices: device '{name}': use a count or names such as cuda:0,cuda:1")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--devices {spec}: names a device twice")
+    return names
+
+
 def _inspect(args: argparse.Namespace) -> int:
     import dataclasses
 
     import crossbow_graph as cg
-    from .api import resolve_devices
     from .compiler.inspect import inspect_model
 
     if args.model in cg.models.MODELS:
@@ -119,7 +137,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if not shape:
         raise ValueError(f"--model {args.model}: its input shape is unknown; pass --input-shape "
                          "C,H,W (one sample, without the batch dimension)")
-    devices = resolve_devices(int(args.devices) if args.devices.isdigit() else args.devices.split(","))
+    devices = _inspect_devices(args.devices)
     budget = int(args.memory_budget * 2**20) if args.memory_budget is not None else None
     sgd, sma = cg.SGD(), cg.SMA()
     settings = {"optimizer": dataclasses.asdict(sgd), "sync": dataclasses.asdict(sma),

@@ -77,7 +77,7 @@ def test_too_many_replicas_for_the_budget_raise_plan_error_with_the_arithmetic()
     share_total = 3 * per.flat_share
     budget = 2 * (per.total - per.flat_share) + share_total + 1000  # two fit, three do not
     with pytest.raises(cg.PlanError) as info:
-        cg.compile(model, (x,), F.cross_entropy, batch_size=64, devices=2, replicas=3,
+        cg.compile(model, (x,), F.cross_entropy, batch_size=64, devices=["cpu:0", "cpu:1"], replicas=3,
                    memory_budget=budget)
     msg = str(info.value)
     assert f"3 replicas × {per.total / 2**20:.1f} MiB per learner" in msg
@@ -85,6 +85,6 @@ def test_too_many_replicas_for_the_budget_raise_plan_error_with_the_arithmetic()
     assert f"activations {per.activations / 2**20:.2f}" in msg and "at batch 64" in msg
     assert "learn:d0:r0, learn:d0:r1, learn:d0:r2" in msg
     assert "at most 2 replica(s) fit" in msg and "raise memory_budget" in msg
-    plan = cg.compile(model, (x,), F.cross_entropy, batch_size=64, devices=2, replicas=2,
+    plan = cg.compile(model, (x,), F.cross_entropy, batch_size=64, devices=["cpu:0", "cpu:1"], replicas=2,
                       memory_budget=budget)
     assert plan.num_learners == 4

@@ -90,7 +90,7 @@ def test_annotate_costs_by_hand(lenet_graph):
 
 def test_compile_plan_has_the_passes_output(lenet_graph):
     plan = cg.compile(models.lenet5(), (torch.randn(2, 1, 28, 28),), F.cross_entropy,
-                      batch_size=16, devices=2, replicas=3)
+                      batch_size=16, devices=["cpu:0", "cpu:1"], replicas=3)
     ref = build_task_graph(lenet_graph, devices=DEVICES, replicas_per_device=3, batch_size=16)
     assert set(plan.task_graph.edges) == set(ref.edges)
     for n in ref:

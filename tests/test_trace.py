@@ -115,7 +115,7 @@ def test_several_or_keyword_inputs_and_dict_outputs_compile_and_fit_like_eager_s
     model = _TwoInputs()
     data = _Samples(keyword)
     example = {"x": data.x[:2], "extra": data.e[:2]} if keyword else (data.x[:2], data.e[:2])
-    plan = cg.compile(model, example, _dict_loss, batch_size=8, devices=1, replicas=1,
+    plan = cg.compile(model, example, _dict_loss, batch_size=8, devices=["cpu:0"], replicas=1,
                       optimizer=cg.SGD(lr=0.1, momentum=0.9))
     out_node = [n for n in plan.model_graph.module.graph.nodes if n.op == "output"][0]
     assert set(out_node.args[0]) == {"logits", "aux"}
@@ -150,7 +150,8 @@ def test_tuple_outputs_compile_with_a_loss_that_takes_them():
             return self.lin(x).chunk(2, dim=1)
 
     plan = cg.compile(Pair(), (torch.randn(2, 4),),
-                      lambda out, y: F.mse_loss(out[0], y) + F.mse_loss(out[1], y), batch_size=4)
+                      lambda out, y: F.mse_loss(out[0], y) + F.mse_loss(out[1], y), batch_size=4,
+                      devices=["cpu:0"])
     data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 3))
     history = plan.fit(data, 1, progress=False)
     assert len(history.epochs) == 1
@@ -178,7 +179,7 @@ def test_residual_connections_and_module_containers_trace_like_eager():
     torch.testing.assert_close(mg.module(x), model(x), rtol=0, atol=0)
     assert mg.analysis.residual_joins == 4  # three skip connections and the sum of the heads
     assert {p.name for p in mg.parameters} == set(dict(model.named_parameters()))
-    plan = cg.compile(model, (x,), F.cross_entropy, batch_size=4, devices=2, replicas=2)
+    plan = cg.compile(model, (x,), F.cross_entropy, batch_size=4, devices=["cpu:0", "cpu:1"], replicas=2)
     assert plan.num_learners == 4
     plan.fit(torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,))), 1,
              progress=False)
