@@ -164,12 +164,14 @@ class ModelAnalysis:
         return int(round(self.train_flops_per_sample * batch_size)) + 4 * self.num_trainable
 
     def table(self, *, limit: int | None = None) -> str:
-        """A per-node text table: name, op, output shape, dtype, MFLOP, KiB, saved KiB."""
-        rows = [f"{'node':<28}{'op':<12}{'shape':<22}{'dtype':<10}{'MFLOP':>10}{'KiB':>10}{'saved KiB':>11}"]
+        """A per-node text table at the example batch: name, op category, what it calls, output
+        shape, dtype, forward MFLOP, output KiB, KiB kept for backward; then totals per sample."""
+        rows = [f"per node at the example batch of {self.example_batch}:",
+                f"{'node':<28}{'op':<12}{'calls':<28}{'shape':<22}{'dtype':<10}{'MFLOP':>10}{'KiB':>10}{'saved KiB':>11}"]
         for n in self.nodes[:limit]:
             shape = "x".join(map(str, n.shape)) if n.shape is not None else "-"
             dtype = str(n.dtype).replace("torch.", "") if n.dtype is not None else "-"
-            rows.append(f"{n.name[:27]:<28}{n.op:<12}{shape[:21]:<22}{dtype:<10}"
+            rows.append(f"{n.name[:27]:<28}{n.op:<12}{n.target[:27]:<28}{shape[:21]:<22}{dtype:<10}"
                         f"{n.flops / 1e6:>10.3f}{n.bytes / 1024:>10.1f}{n.saved_bytes / 1024:>11.1f}")
         rows.append(f"forward {self.forward_flops_per_sample / 1e6:.3f} MFLOP/sample, training step "
                     f"{self.train_flops_per_sample / 1e6:.3f} MFLOP/sample, saved for backward "
