@@ -92,7 +92,11 @@ def _load_user_model(spec: str):
             fn = getattr(fn, part)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"--model {spec!r}: cannot load it: {exc}") from exc
-    model = fn()
+    try:
+        model = fn()
+    except TypeError as exc:
+        raise ValueError(f"--model {spec!r}: calling it without arguments failed: {exc}; point "
+                         "--model at a factory that takes none") from exc
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"--model {spec!r}: calling it returned {type(model).__name__}, not an nn.Module")
     return model, fn
