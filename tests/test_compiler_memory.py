@@ -25,7 +25,7 @@ from torch.nn import functional as F
 import crossbow_graph as cg
 from crossbow_graph import models
 from crossbow_graph.compiler._memcheck import compare
-from crossbow_graph.compiler.analysis import estimate_memory
+from crossbow_graph.compiler.analysis import estimate_memory, max_replicas_per_device
 from crossbow_graph.compiler.trace import trace_model
 
 LOW, HIGH = -0.02, 0.10
@@ -88,3 +88,17 @@ def test_too_many_replicas_for_the_budget_raise_plan_error_with_the_arithmetic()
     plan = cg.compile(model, (x,), F.cross_entropy, batch_size=64, devices=["cpu:0", "cpu:1"], replicas=2,
                       memory_budget=budget)
     assert plan.num_learners == 4
+
+
+def test_max_replicas_per_device_is_the_bound_compile_enforces():
+    model, x = models.resnet32(), torch.randn(2, 3, 32, 32)
+    analysis = trace_model(model, (x,)).analysis
+    budget = 300 * 2**20
+    m = max_replicas_per_device(analysis, 16, budget)
+    assert m == 6  # 6 × 46.4 MiB = 278 MiB fit in 300 MiB; 7 × 46.3 MiB = 324 MiB do not
+    cg.compile(model, (x,), F.cross_entropy, batch_size=16, devices=["cpu:0"], replicas=m,
+               memory_budget=budget)
+    with pytest.raises(cg.PlanError, match=f"at most {m} replica"):
+        cg.compile(model, (x,), F.cross_entropy, batch_size=16, devices=["cpu:0"], replicas=m + 1,
+                   memory_budget=budget)
+    assert max_replicas_per_device(analysis, 16, 1000) == 0

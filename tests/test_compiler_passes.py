@@ -10,6 +10,8 @@ import dataclasses
 
 import networkx as nx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from torch.nn import functional as F
 
@@ -208,3 +210,19 @@ def test_memory_check_names_the_device_and_its_tasks(lenet_graph):
     with pytest.raises(cg.PlanError, match=r"2 replicas × .* exceed the .* budget of cpu:0 "
                                            r"\(tasks learn:d0:r0, learn:d0:r1\); at most 1 replica"):
         verify_task_graph(g, memory_budget_bytes=2 * mem - 1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_devices=st.integers(1, 5), m=st.integers(1, 6), b=st.integers(1, 64))
+def test_any_plan_shape_verifies_and_survives_json(lenet_graph, num_devices, m, b):
+    from crossbow_graph.compiler.inspect import from_json, to_json
+
+    devices = [f"cpu:{i}" for i in range(num_devices)]
+    g = build_task_graph(lenet_graph, devices=devices, replicas_per_device=m, batch_size=b)
+    kinds = _kinds(g)
+    assert (len(kinds["LEARN"]), len(kinds["LOCAL_SYNC"]), len(kinds["GLOBAL_SYNC"])) == (num_devices * m, num_devices, 1)
+    assert sorted(j for t in kinds["LOCAL_SYNC"] for j in t.replicas) == list(range(num_devices * m))
+    assert g.number_of_edges() == num_devices * m + num_devices
+    back = from_json(to_json(g)).task_graph
+    assert set(back.edges) == set(g.edges)
+    assert all(back.nodes[n]["task"] == g.nodes[n]["task"] for n in g)

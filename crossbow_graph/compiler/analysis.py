@@ -30,7 +30,8 @@ import torch.fx as fx
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["NodeCost", "ModelAnalysis", "MemoryEstimate", "analyze", "estimate_memory"]
+__all__ = ["NodeCost", "ModelAnalysis", "MemoryEstimate", "analyze", "estimate_memory",
+           "max_replicas_per_device"]
 
 #: Gradient temporaries alive at the peak of backward, in units of the largest activation: the
 #: gradient of an op's output and (part of) its input's; a model with residual joins keeps more
@@ -429,3 +430,19 @@ def estimate_memory(analysis: ModelAnalysis, batch_size: int, replicas_per_devic
         flat_share=int(math.ceil(shared / replicas_per_device)),
         batch_size=batch_size, replicas_per_device=replicas_per_device,
     )
+
+
+def max_replicas_per_device(analysis: ModelAnalysis, batch_size: int, memory_budget_bytes: int,
+                            *, limit: int = 1024) -> int:
+    """The largest m ≤ ``limit`` with ``m × estimate_memory(analysis, b, m).total ≤ budget``
+    (0 when not even one learner fits): the bound the verifier enforces (DESIGN.md §3, §5).
+
+    Raises:
+        ValueError: b < 1.
+    """
+    best = 0
+    for m in range(1, limit + 1):
+        if m * estimate_memory(analysis, batch_size, m).total > memory_budget_bytes:
+            break
+        best = m
+    return best
