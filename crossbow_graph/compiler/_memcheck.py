@@ -1,7 +1,7 @@
 """Measure the peak memory of an eager training step and compare it with the estimate.
 
-``python -m crossbow_graph.compiler._memcheck`` prints, for LeNet-5 and ResNet-32 at two batch
-sizes each, the measured peak bytes, the estimate (analysis.py ``estimate_memory``, without the
+``python -m crossbow_graph.compiler._memcheck`` prints, for LeNet-5, ResNet-32 and VGG-16 at two
+batch sizes each, the measured peak bytes, the estimate (analysis.py ``estimate_memory``, without the
 flat-buffer share that an eager step does not have) and the relative error. On the CPU the
 measurement is torch.profiler's allocator events (``profile_memory=True``); on a GPU it is
 ``torch.cuda.max_memory_allocated``. docs/compiler.md quotes the numbers.
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     device = (argv if argv is not None else sys.argv[1:] or ["cpu"])[0]
     torch.set_num_threads(1)
     print(f"{'model':<10}{'batch':>6}{'measured MiB':>14}{'estimate MiB':>14}{'error':>8}  ({device})")
-    for name, b in (("lenet5", 16), ("lenet5", 64), ("resnet32", 8), ("resnet32", 32)):
+    for name, b in (("lenet5", 16), ("lenet5", 64), ("resnet32", 8), ("resnet32", 32),
+                    ("vgg16", 8), ("vgg16", 32)):
         measured, estimate, err = compare(name, b, device=device)
         print(f"{name:<10}{b:>6}{measured / 2**20:>14.2f}{estimate / 2**20:>14.2f}{err:>+8.1%}")
     return 0
