@@ -208,3 +208,12 @@ def test_inventory_counts_tied_parameters_once_and_marks_frozen_ones():
     assert mg.num_parameters == 16 + 20 + 8
     assert [b.name for b in mg.buffers] == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
     assert mg.analysis.frozen_bytes == 20 * 4
+
+
+def test_keyword_example_inputs_that_do_not_run_name_the_module_and_shapes():
+    with pytest.raises(cg.TraceError, match=r"example inputs \(shapes \[\[2, 5\], \[2, 2\]\]\) do not "
+                                            r"run through _TwoInputs in module 'a' \(Linear\): "
+                                            r"RuntimeError: mat1 and mat2"):
+        trace_model(_TwoInputs(), {"x": torch.randn(2, 5), "extra": torch.randn(2, 2)})
+    with pytest.raises(cg.TraceError, match=r"do not match the model's forward\(x, extra"):
+        trace_model(_TwoInputs(), {"x": torch.randn(2, 4), "other": torch.randn(2, 2)})
