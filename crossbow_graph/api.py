@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import pathlib
 from typing import Any, Callable, Sequence
 
 import networkx as nx
 import torch
 from torch import nn
 
+from .compiler import inspect as _inspect
 from .compiler.passes import annotate_costs, empty_task_graph, insert_sync, place_replicas
 from .compiler.tasks import TaskKind
 from .compiler.trace import ModelGraph, trace_model
@@ -203,28 +206,42 @@ class Plan:
         """P, trainable scalars per replica (tied parameters once)."""
         return self._params.size
 
+    def _inspection_settings(self) -> dict[str, Any]:
+        return {"optimizer": dataclasses.asdict(self.optimizer), "sync": dataclasses.asdict(self.sync),
+                "alpha": self.sync.alpha_for(self.num_learners)}
+
     def summary(self) -> str:
-        """A table per device: replicas, tasks, FLOPs per round, memory; then the plan's totals."""
-        g = self.task_graph
-        mem = g.graph.get("memory_per_learner_bytes", 0)
-        lines = [
-            f"crossbow_graph plan: {type(self._template).__name__}, {len(self.devices)} device(s) × "
-            f"{self.replicas_per_device} replica(s) = {self.num_learners} learners, batch {self.batch_size} "
-            f"per learner ({self.num_learners * self.batch_size} samples per round)",
-            f"parameters: {self.num_parameters:,} trainable of {self.model_graph.num_parameters:,}; "
-            f"memory per learner ≈ {mem / 2**20:.2f} MiB; sync: SMA(α={self.scheduler.alpha:.4g}, "
-            f"μ_z={self.sync.central_momentum}, every {self.sync.sync_every} round(s)); "
-            f"optimizer: SGD(lr={self.optimizer.lr}, momentum={self.optimizer.momentum}, "
-            f"nesterov={self.optimizer.nesterov}, weight_decay={self.optimizer.weight_decay})",
-            f"{'device':<10}{'replicas':>9}{'tasks':>7}{'GFLOP/round':>13}{'memory MiB':>12}",
-        ]
-        for device in self.devices:
-            tasks = [g.nodes[n]["task"] for n in g.nodes if g.nodes[n]["task"].device == device]
-            m = sum(1 for t in tasks if t.kind is TaskKind.LEARN)
-            flops = sum(t.cost.flops for t in tasks)
-            lines.append(f"{device:<10}{m:>9}{len(tasks):>7}{flops / 1e9:>13.4f}{m * mem / 2**20:>12.2f}")
-        lines.append(f"{'(global)':<10}{'':>9}{1:>7}   GLOBAL_SYNC: all-reduce of {4 * self.num_parameters:,} bytes")
-        return "\n".join(lines)
+        """A table per device: replicas, tasks, GFLOP per round, memory (MiB); then the totals.
+
+        See ``crossbow_graph.compiler.inspect.summary``.
+        """
+        return _inspect.summary(self.task_graph, self._inspection_settings())
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """The task graph as JSON, schema ``crossbow_graph.plan/1`` (docs/compiler.md)."""
+        return _inspect.to_json(self.task_graph, self._inspection_settings(), indent=indent)
+
+    @staticmethod
+    def from_json(text: str) -> "_inspect.PlanView":
+        """Load ``to_json``'s output as an inspectable PlanView: summary, to_json, to_dot and draw
+        work; it holds no replicas, so ``fit`` raises PlanError (compile the model to train).
+
+        Raises:
+            ValueError: not a plan document. PlanError: the task graph fails the verifier.
+        """
+        return _inspect.from_json(text)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text of the task graph, devices as clusters."""
+        return _inspect.to_dot(self.task_graph)
+
+    def draw(self, path: str) -> "pathlib.Path":
+        """Write a picture of the task graph (PNG, SVG or PDF by suffix), devices as clusters.
+
+        Raises:
+            RuntimeError: graphviz's ``dot`` is not installed. ValueError: an unknown suffix.
+        """
+        return _inspect.draw(self.task_graph, path)
 
     # -- the central average model ----------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The ``crossbow-graph`` command line: ``train`` (and, as they land, ``inspect`` and ``bench``)."""
+"""The ``crossbow-graph`` command line: ``train``, ``inspect`` (and, as it lands, ``bench``)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,133 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--evals-per-epoch", type=int, default=4, help="test evaluations per epoch")
     train.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_inspect_parser(sub)
     return parser
+
+
+def _add_inspect_parser(sub) -> None:
+    inspect = sub.add_parser(
+        "inspect", help="compile a model's plan and show it (summary, JSON, DOT, PNG); no training",
+        description="Trace a model, run the compiler passes with the verifier and print the plan's "
+                    "summary: per device its replicas, tasks, FLOPs per round and memory. Nothing is "
+                    "allocated for replicas, so plans larger than this machine can be inspected.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    inspect.add_argument("--model", default="resnet32",
+                         help="a zoo model name (lenet5, resnet32, vgg16, resnet50) or "
+                              "'module:callable' returning an nn.Module (a class or a factory)")
+    inspect.add_argument("--input-shape", default=None,
+                         help="one sample's input shape without the batch dimension, e.g. 3,32,32; "
+                              "zoo models know theirs, a user model may also set an input_shape "
+                              "attribute")
+    inspect.add_argument("--devices", default="1",
+                         help="a device count G (this machine's GPUs when it has G, else logical "
+                              "CPU devices) or names, e.g. cuda:0,cuda:1 (need not exist here)")
+    inspect.add_argument("--replicas", type=int, default=1, help="m, replicas (learners) per device")
+    inspect.add_argument("--batch-size", type=int, default=16, help="b, samples per learner per round")
+    inspect.add_argument("--memory-budget", type=float, default=None,
+                         help="MiB available per device for learners; too many replicas is an error")
+    inspect.add_argument("--json", default=None, metavar="FILE", help="write the plan as JSON")
+    inspect.add_argument("--dot", default=None, metavar="FILE", help="write the task graph as DOT")
+    inspect.add_argument("--png", default=None, metavar="FILE",
+                         help="draw the task graph (devices as clusters) with graphviz")
+    inspect.add_argument("--nodes", action="store_true",
+                         help="also print the per-node analysis (shape, dtype, FLOPs, bytes)")
+
+
+def _load_user_model(spec: str):
+    """``module:callable`` → (model, the callable); the callable is called with no arguments."""
+    import importlib
+    import os
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--model {spec!r}: use a zoo name or 'module:callable', e.g. mymodels:Net")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = importlib.import_module(module_name)
+        for part in attr.split("."):
+            fn = getattr(fn, part)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--model {spec!r}: cannot load it: {exc}") from exc
+    try:
+        model = fn()
+    except TypeError as exc:
+        raise ValueError(f"--model {spec!r}: calling it without arguments failed: {exc}; point "
+                         "--model at a factory that takes none") from exc
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model {spec!r}: calling it returned {type(model).__name__}, not an nn.Module")
+    return model, fn
+
+
+def _inspect_devices(spec: str) -> list[str]:
+    """Devices to plan for: a count G (this machine's GPUs when it has G, else logical CPU devices
+    cpu:0 … cpu:G−1, so that any plan can be inspected anywhere) or comma-separated names."""
+    if spec.isdigit():
+        g = int(spec)
+        if g < 1:
+            raise ValueError(f"--devices {spec}: need at least one device")
+        kind = "cuda" if torch.cuda.device_count() >= g else "cpu"
+        return [f"{kind}:{i}" for i in range(g)]
+    names = [s.strip() for s in spec.split(",")]
+    for name in names:
+        kind, _, idx = name.partition(":")
+        if kind not in ("cpu", "cuda") or not idx.isdigit():
+            raise ValueError(f"--devices: device '{name}': use a count or names such as cuda:0,cuda:1")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--devices {spec}: names a device twice")
+    return names
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import crossbow_graph as cg
+    from .compiler.inspect import inspect_model
+
+    if args.model in cg.models.MODELS:
+        model, shape = cg.models.get_model(args.model), cg.models.input_shape(args.model)
+    else:
+        model, fn = _load_user_model(args.model)
+        shape = getattr(model, "input_shape", None) or getattr(fn, "input_shape", None)
+    if args.input_shape:
+        try:
+            shape = tuple(int(s) for s in args.input_shape.split(","))
+        except ValueError:
+            raise ValueError(f"--input-shape {args.input_shape!r}: use integers separated by commas, "
+                             "e.g. 3,32,32") from None
+    if not shape:
+        raise ValueError(f"--model {args.model}: its input shape is unknown; pass --input-shape "
+                         "C,H,W (one sample, without the batch dimension)")
+    devices = _inspect_devices(args.devices)
+    budget = int(args.memory_budget * 2**20) if args.memory_budget is not None else None
+    sgd, sma = cg.SGD(), cg.SMA()
+    settings = {"optimizer": dataclasses.asdict(sgd), "sync": dataclasses.asdict(sma),
+                "alpha": sma.alpha_for(len(devices) * args.replicas)}
+    if args.replicas < 1 or args.batch_size < 1:
+        raise ValueError("--replicas and --batch-size must be ≥ 1")
+    view = inspect_model(model, (torch.randn(2, *shape),), devices=devices,
+                         replicas_per_device=args.replicas, batch_size=args.batch_size,
+                         memory_budget_bytes=budget, settings=settings)
+    print(view.summary())
+    if args.nodes:
+        print(view.analysis.table())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(view.to_json())
+        print(f"wrote {args.json}")
+    if args.dot:
+        with open(args.dot, "w", encoding="utf-8") as f:
+            f.write(view.to_dot())
+        print(f"wrote {args.dot}")
+    if args.png:
+        try:
+            view.draw(args.png)
+        except RuntimeError as exc:  # graphviz missing: a one-line error, as for bad arguments
+            raise ValueError(str(exc)) from exc
+        print(f"wrote {args.png}")
+    return 0
 
 
 def _load_dataset(name: str):
@@ -93,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "inspect":
+            return _inspect(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"crossbow-graph {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -7,10 +7,15 @@ graph attributes: ``devices`` (list of device names), ``replicas_per_device`` (m
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import networkx as nx
 
+from .analysis import estimate_memory
 from .tasks import Cost, Task, TaskKind
 from .trace import ModelGraph
+from .verify import verify_task_graph
 
 __all__ = [
     "empty_task_graph",
@@ -18,6 +23,8 @@ __all__ = [
     "insert_sync",
     "annotate_costs",
     "learner_memory_bytes",
+    "build_task_graph",
+    "PASSES",
 ]
 
 
@@ -30,8 +37,11 @@ def empty_task_graph(*, devices: list[str], replicas_per_device: int, batch_size
 
 
 def place_replicas(graph: nx.DiGraph) -> nx.DiGraph:
-    """Placement: one LEARN task per replica, device-major (replica j on device j // m)."""
-    out = graph.copy()
+    """Placement: one LEARN task per replica, device-major (replica j on device j // m).
+
+    Task ids ``learn:d{d}:r{r}``; reads ``w[j]``, ``batch[j]``, writes ``g[j]`` (DESIGN.md §3).
+    """
+    out = _copy_graph(graph)
     m = out.graph["replicas_per_device"]
     for d, device in enumerate(out.graph["devices"]):
         for r in range(m):
@@ -43,8 +53,11 @@ def place_replicas(graph: nx.DiGraph) -> nx.DiGraph:
 
 
 def insert_sync(graph: nx.DiGraph) -> nx.DiGraph:
-    """Synchronisation insertion: a LOCAL_SYNC per device after its learners, one GLOBAL_SYNC."""
-    out = graph.copy()
+    """Synchronisation insertion: a LOCAL_SYNC per device after its learners, one GLOBAL_SYNC.
+
+    Edges: every LEARN of device d → ``local_sync:d{d}`` → ``global_sync`` (DESIGN.md §2–3).
+    """
+    out = _copy_graph(graph)
     glob = Task(id="global_sync", kind=TaskKind.GLOBAL_SYNC, device=None,
                 replicas=tuple(range(len(out.graph["devices"]) * out.graph["replicas_per_device"])),
                 inputs=tuple(f"acc[{d}]" for d in range(len(out.graph["devices"]))) + ("z",),
@@ -66,44 +79,88 @@ def insert_sync(graph: nx.DiGraph) -> nx.DiGraph:
     return out
 
 
-def learner_memory_bytes(model_graph: ModelGraph, batch_size: int) -> int:
-    """Estimated memory of one learner at batch ``b``, in bytes.
-
-    Parameters, gradients and momentum (3 × 4P bytes for fp32), buffers, and the activations kept
-    for backward (every fx node's output at batch b, scaled from the example batch).
-    """
-    p_bytes = sum(p.numel * _itemsize(p.dtype) for p in model_graph.parameters)
-    t_bytes = sum(p.numel * _itemsize(p.dtype) for p in model_graph.parameters if p.trainable)
-    b_bytes = sum(b.numel * _itemsize(b.dtype) for b in model_graph.buffers)
-    act = sum(meta["bytes"] for meta in model_graph.node_meta.values())
-    act = act * batch_size // max(model_graph.example_batch, 1)
-    return p_bytes + 2 * t_bytes + b_bytes + act
+def learner_memory_bytes(model_graph: ModelGraph, batch_size: int, replicas_per_device: int = 1) -> int:
+    """Estimated bytes of one learner at batch b with m learners per device (analysis.py
+    ``estimate_memory``: parameters, gradients, momentum, buffers, activations kept for backward,
+    backward workspace and the learner's share of the device's flat buffers)."""
+    return estimate_memory(model_graph.analysis, batch_size, replicas_per_device).total
 
 
 def annotate_costs(graph: nx.DiGraph, model_graph: ModelGraph) -> nx.DiGraph:
-    """Cost annotation: bytes moved by each task per round, and memory per learner in ``meta``."""
-    out = graph.copy()
+    """Cost annotation: FLOPs and bytes moved by each task per round, memory per learner.
+
+    LEARN: ``train_step_flops(b)`` (3 × forward + the SGD update) and bytes = the learner's memory
+    estimate (``task.meta["memory_bytes"]``). LOCAL_SYNC with m replicas: 8·m·P FLOPs (momentum
+    step and correction) reading w, v, g of every replica and z, writing w, v and acc_d
+    (``(5m + 2)·4P`` bytes). GLOBAL_SYNC over G devices: 4P FLOPs reading every acc_d, z, z_prev
+    and writing z, z_prev (``(G + 4)·4P`` bytes). Graph attributes added:
+    ``memory_per_learner_bytes`` (int) and ``memory`` (the MemoryEstimate as a dict), ``model``
+    (name, parameter counts, FLOPs per sample). The input graph is not modified.
+
+    Source: DESIGN.md §2 (the SMA round) and §3.
+    """
+    out = _copy_graph(graph)
     b = out.graph["batch_size"]
-    p4 = 4 * model_graph.num_trainable
-    mem = learner_memory_bytes(model_graph, b)
-    out.graph["memory_per_learner_bytes"] = mem
+    m = out.graph["replicas_per_device"]
+    analysis = model_graph.analysis
+    p = analysis.num_trainable
+    p4 = 4 * p
+    est = estimate_memory(analysis, b, m)
+    out.graph["memory_per_learner_bytes"] = est.total
+    out.graph["memory"] = est.as_dict()
+    out.graph["model"] = {
+        "name": model_graph.module.__class__.__name__,
+        "num_trainable": p,
+        "num_parameters": model_graph.num_parameters,
+        "num_buffers": sum(x.numel for x in model_graph.buffers),
+        "forward_flops_per_sample": analysis.forward_flops_per_sample,
+        "train_flops_per_sample": analysis.train_flops_per_sample,
+    }
     for n in out.nodes:
         task: Task = out.nodes[n]["task"]
-        m = len(task.replicas)
+        k = len(task.replicas)
         if task.kind is TaskKind.LEARN:
-            flops = int(model_graph.meta.get("train_flops_per_sample", 0)) * b
-            task.cost = Cost(flops=flops, bytes=mem)
-            task.meta["memory_bytes"] = mem
-        elif task.kind is TaskKind.LOCAL_SYNC:  # reads w, v, g, z; writes w, v, acc
-            task.cost = Cost(flops=8 * m * model_graph.num_trainable,
-                             bytes=((3 * m + 1) + (2 * m + 1)) * p4)
-        else:  # reads every acc_d, z, z_prev; writes z, z_prev
+            task.cost = Cost(flops=analysis.train_step_flops(b), bytes=est.total)
+            task.meta["memory_bytes"] = est.total
+        elif task.kind is TaskKind.LOCAL_SYNC:
+            task.cost = Cost(flops=8 * k * p, bytes=((3 * k + 1) + (2 * k + 1)) * p4)
+        else:
             g = len(out.graph["devices"])
-            task.cost = Cost(flops=4 * model_graph.num_trainable, bytes=(g + 4) * p4)
+            task.cost = Cost(flops=4 * p, bytes=(g + 4) * p4)
     return out
 
 
-def _itemsize(dtype) -> int:
-    import torch
+def _copy_graph(graph: nx.DiGraph) -> nx.DiGraph:
+    """A copy whose Tasks are copies too, so that a pass never changes its input graph."""
+    out = graph.copy()
+    for n in out.nodes:
+        t: Task = out.nodes[n]["task"]
+        out.nodes[n]["task"] = dataclasses.replace(t, cost=dataclasses.replace(t.cost),
+                                                   meta=dict(t.meta))
+    return out
 
-    return torch.empty((), dtype=dtype).element_size()
+
+PASSES: tuple[tuple[str, Callable[..., nx.DiGraph]], ...] = (
+    ("place_replicas", lambda g, mg: place_replicas(g)),
+    ("insert_sync", lambda g, mg: insert_sync(g)),
+    ("annotate_costs", annotate_costs),
+)
+
+
+def build_task_graph(model_graph: ModelGraph, *, devices: list[str], replicas_per_device: int,
+                     batch_size: int, memory_budget_bytes: int | None = None,
+                     verify: bool = True) -> nx.DiGraph:
+    """Run the compiler's passes (placement, sync insertion, cost annotation) with the verifier
+    between them (on by default; STYLE.md rule 2).
+
+    Raises:
+        PlanError: the verifier's first violation (names the pass and the offending task), e.g.
+            the replicas of a device do not fit ``memory_budget_bytes``.
+    """
+    graph = empty_task_graph(devices=devices, replicas_per_device=replicas_per_device,
+                             batch_size=batch_size)
+    for name, pass_fn in PASSES:
+        graph = pass_fn(graph, model_graph)
+        if verify:
+            verify_task_graph(graph, stage=name, memory_budget_bytes=memory_budget_bytes)
+    return graph

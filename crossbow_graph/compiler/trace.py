@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import io
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -12,6 +15,7 @@ import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 from ..errors import TraceError
+from .analysis import ModelAnalysis, analyze
 
 __all__ = ["ModelGraph", "ParamInfo", "trace_model"]
 
@@ -55,7 +59,8 @@ class ModelGraph:
         buffers: every buffer, in ``named_buffers()`` order.
         node_meta: per fx node name: ``shape`` (tuple or None) and ``bytes`` of its output at the
             example batch.
-        meta: extra analysis that compiler passes attach (FLOPs, activation bytes, ...).
+        meta: extra analysis: ``"analysis"`` (the ModelAnalysis: per-node FLOPs and bytes,
+            totals per sample) and ``"train_flops_per_sample"``; compiler passes may add more.
     """
 
     module: fx.GraphModule
@@ -64,6 +69,11 @@ class ModelGraph:
     buffers: list[ParamInfo]
     node_meta: dict[str, dict[str, Any]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def analysis(self) -> ModelAnalysis:
+        """The model's analysis (FLOPs, activation bytes; compiler/analysis.py)."""
+        return self.meta["analysis"]
 
     @property
     def num_trainable(self) -> int:
@@ -109,21 +119,39 @@ def _trace_error(model: torch.nn.Module, exc: BaseException) -> TraceError:
     frame = _user_frame(exc)
     where = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "(unknown line)"
     text = str(exc)
-    if "control flow" in text or "iteration" in text or "len(" in text or "bool" in text:
+    leaf = f"compile(..., leaf_modules=[{cls}])"
+    if "control flow" in text or "iteration" in text or "bool" in text:
         fix = (
-            "Control flow or Python builtins on traced tensors cannot be traced: pass fixed values "
-            "with compile(..., concrete_args={...}), replace tensor-dependent `if` by torch.where, "
-            f"or mark the module class as a leaf with compile(..., leaf_modules=[{cls}])."
+            "Python control flow (if/while/assert) on a tensor's value cannot be traced: replace a "
+            "tensor-dependent `if` by torch.where, pass fixed values for arguments that steer it "
+            f"with compile(..., concrete_args={{...}}), or call the module as a whole with {leaf}."
+        )
+    elif "Proxy" in text or "not supported in symbolic tracing" in text:
+        fix = (
+            "Python builtins (len, range, int, float) on traced tensors or shapes cannot be traced: "
+            "keep shapes symbolic with tensor methods (x.size(0), x.flatten(1), "
+            "x.view(x.size(0), -1)), wrap the helper with torch.fx.wrap, or call the module as a "
+            f"whole with {leaf}."
         )
     else:
         fix = (
-            f"Mark the module class as a leaf with compile(..., leaf_modules=[{cls}]) so that it is "
-            "called as a whole, or pass fixed values with compile(..., concrete_args={...})."
+            f"Call the module as a whole with {leaf}, or pass fixed values with "
+            "compile(..., concrete_args={...})."
         )
     return TraceError(
         f"torch.fx cannot trace {type(model).__name__}: in module '{path}' ({cls}) at {where}: "
         f"{type(exc).__name__}: {text}. {fix}"
     )
+
+
+class _ShapeProp(ShapeProp):
+    """ShapeProp that remembers the node it ran last (to say where example inputs fail)."""
+
+    current: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        return super().run_node(n)
 
 
 def _first_tensor(values: Any) -> torch.Tensor | None:
@@ -160,57 +188,115 @@ def _inventory(module: torch.nn.Module) -> tuple[list[ParamInfo], list[ParamInfo
     return params, buffers
 
 
+def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The example inputs as the GraphModule's positional arguments (placeholder order)."""
+    sig = inspect.signature(gm.forward)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TraceError(
+            f"the example inputs do not match the model's forward{sig}: {exc}. Pass a tuple of "
+            "positional inputs, e.g. (x,), or a dict of keyword inputs, e.g. {'x': x, 'mask': m}."
+        ) from exc
+    bound.apply_defaults()
+    return [bound.arguments[name] for name in sig.parameters]
+
+
+def _fixed_defaults(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    concrete_args: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``concrete_args`` plus every forward argument the example inputs leave at its default.
+
+    The runtime calls the model with the same inputs as the example (runtime/data.py), so an
+    argument left out (``mask=None``) keeps its default in training too; fixing it lets Python
+    code such as ``if mask is not None`` trace the branch that will run.
+    """
+    try:
+        sig = inspect.signature(model.forward)
+        bound = sig.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return concrete_args
+    fixed = dict(concrete_args or {})
+    for name, param in sig.parameters.items():
+        if (name not in bound.arguments and name not in fixed
+                and param.default is not inspect.Parameter.empty
+                and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)):
+            fixed[name] = param.default
+    return fixed or None
+
+
 def trace_model(
     model: torch.nn.Module,
-    example_inputs: tuple[Any, ...],
+    example_inputs: tuple[Any, ...] | dict[str, Any],
     *,
     concrete_args: dict[str, Any] | None = None,
     leaf_modules: Sequence[type[torch.nn.Module]] = (),
 ) -> ModelGraph:
-    """Trace ``model`` with torch.fx and propagate the example inputs' shapes through it.
+    """Trace ``model`` with torch.fx, propagate the example inputs' shapes, and analyse it.
 
     Args:
         model: any ``nn.Module``; it is not modified.
-        example_inputs: positional inputs of one batch (any batch size), e.g. ``(x,)`` with
-            ``x [N, C, H, W]``.
+        example_inputs: one batch (any batch size) as the runtime passes it to the model
+            (runtime/data.py ``split_inputs``): a tuple of positional inputs, e.g. ``(x,)`` with
+            ``x [N, C, H, W]`` or ``(tokens, mask)``, or a dict of keyword inputs,
+            e.g. ``{"x": x, "mask": mask}``.
         concrete_args: fixed values for arguments that steer Python control flow
-            (``torch.fx.symbolic_trace``'s ``concrete_args``).
+            (``torch.fx.symbolic_trace``'s ``concrete_args``); forward arguments that the example
+            inputs leave out are fixed to their defaults as well.
         leaf_modules: module classes called as a whole instead of traced through.
 
     Returns:
-        The ModelGraph.
+        The ModelGraph, with ``meta["analysis"]`` (compiler/analysis.py) and
+        ``meta["train_flops_per_sample"]``.
 
     Raises:
         TraceError: torch.fx cannot trace the model (names the module, the line and the fix), or
             the example inputs do not run through the traced model.
-        TypeError: ``model`` is not an ``nn.Module`` or ``example_inputs`` is not a tuple.
+        TypeError: ``model`` is not an ``nn.Module`` or ``example_inputs`` is neither a tuple
+            nor a dict.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"compile() takes an nn.Module, got {type(model).__name__}")
-    if not isinstance(example_inputs, tuple):
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, tuple):
+        args, kwargs = example_inputs, {}
+    else:
         raise TypeError(
-            f"example_inputs must be a tuple of the model's positional inputs, e.g. (x,); got "
-            f"{type(example_inputs).__name__}"
+            f"example_inputs must be a tuple of the model's positional inputs, e.g. (x,), or a "
+            f"dict of its keyword inputs, e.g. {{'x': x}}; got {type(example_inputs).__name__}"
         )
+    concrete_args = _fixed_defaults(model, args, kwargs, concrete_args)
     tracer = _Tracer(leaf_modules)
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
         raise _trace_error(model, exc) from exc
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    first = _first_tensor(example_inputs)
+    first = _first_tensor(list(args) + list(kwargs.values()))
     example_batch = int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+    positional = _positional(gm, args, kwargs)
     node_meta: dict[str, dict[str, Any]] = {}
     was_training = gm.training
+    prop = _ShapeProp(gm)
     try:
         gm.eval()  # shape propagation must not touch BatchNorm statistics
-        with torch.no_grad():
-            ShapeProp(gm).propagate(*example_inputs)
+        # ShapeProp prints the traceback itself; the TraceError below says what matters
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+            prop.propagate(*positional)
     except Exception as exc:  # noqa: BLE001
+        cause = exc.__cause__ or exc  # ShapeProp wraps the model's own error
+        node = prop.current
+        where = ""
+        if node is not None and node.op == "call_module":
+            where = f" in module '{node.target}' ({type(gm.get_submodule(node.target)).__name__})"
+        elif node is not None:
+            where = f" at node '{node.name}' ({getattr(node.target, '__name__', node.target)})"
+        shapes = [list(t.shape) for t in list(args) + list(kwargs.values())
+                  if isinstance(t, torch.Tensor)]
         raise TraceError(
-            f"the example inputs do not run through {type(model).__name__}: "
-            f"{type(exc).__name__}: {exc}. Pass example_inputs=(x,) with x one batch shaped like "
-            "the training data (e.g. x = train_dataset[0][0].unsqueeze(0))."
+            f"the example inputs (shapes {shapes}) do not run through {type(model).__name__}"
+            f"{where}: {type(cause).__name__}: {cause}. Pass example_inputs=(x,) with x one batch "
+            "shaped like the training data (e.g. x = train_dataset[0][0].unsqueeze(0))."
         ) from exc
     finally:
         gm.train(was_training)
@@ -226,5 +312,8 @@ def trace_model(
         else:
             node_meta[node.name] = {"shape": None, "bytes": 0, "dtype": None}
     params, buffers = _inventory(model)
+    analysis = analyze(gm, example_batch, parameters=params, buffers=buffers)
     return ModelGraph(module=gm, example_batch=example_batch, parameters=params, buffers=buffers,
-                      node_meta=node_meta)
+                      node_meta=node_meta,
+                      meta={"analysis": analysis,
+                            "train_flops_per_sample": analysis.train_flops_per_sample})

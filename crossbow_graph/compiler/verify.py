@@ -24,7 +24,8 @@ def verify_task_graph(graph: nx.DiGraph, *, stage: str = "", memory_budget_bytes
         memory_budget_bytes: bytes available per device, or None for no bound.
 
     Raises:
-        PlanError: the first violation found.
+        PlanError: the first violation found; the message names the pass and the offending task
+            (for memory: the device, its LEARN tasks and the arithmetic of the estimate).
     """
     where = f" after pass '{stage}'" if stage else ""
     devices = graph.graph["devices"]
@@ -83,10 +84,26 @@ def verify_task_graph(graph: nx.DiGraph, *, stage: str = "", memory_budget_bytes
     mem = graph.graph.get("memory_per_learner_bytes")
     if mem is not None and memory_budget_bytes is not None:
         for device in devices:
-            m = sum(1 for t in tasks.values() if t.kind is TaskKind.LEARN and t.device == device)
+            mine = sorted(t.id for t in tasks.values() if t.kind is TaskKind.LEARN and t.device == device)
+            m = len(mine)
             if m * mem > memory_budget_bytes:
-                raise PlanError(
-                    f"{m} replicas × {mem / 2**20:.1f} MiB per learner = {m * mem / 2**20:.1f} MiB "
-                    f"exceed the {memory_budget_bytes / 2**20:.1f} MiB budget of {device}; lower the "
-                    "replicas per device or the batch size, or raise memory_budget"
-                )
+                raise PlanError(_memory_message(graph, device, mine, mem, memory_budget_bytes))
+
+
+def _memory_message(graph: nx.DiGraph, device: str, learns: list[str], mem: int, budget: int) -> str:
+    """The arithmetic of a memory overflow: parts per learner, the total, how many fit."""
+    m = len(learns)
+    mib = 2**20
+    parts = graph.graph.get("memory") or {}
+    shared = parts.get("flat_share", 0) * m
+    own = mem - parts.get("flat_share", 0)
+    fit = max(0, (budget - shared) // own) if own > 0 else 0
+    detail = ""
+    if parts:
+        names = ("params", "grads", "optimizer", "buffers", "activations", "workspace", "flat_share")
+        detail = " (" + " + ".join(f"{n} {parts[n] / mib:.2f}" for n in names if n in parts) + \
+            f" MiB at batch {parts.get('batch_size')})"
+    return (f"{m} replicas × {mem / mib:.1f} MiB per learner{detail} = {m * mem / mib:.1f} MiB "
+            f"exceed the {budget / mib:.1f} MiB budget of {device} (tasks {', '.join(learns)}); "
+            f"at most {fit} replica(s) fit: lower the replicas per device to {fit} or the batch "
+            "size, or raise memory_budget")

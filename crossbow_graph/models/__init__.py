@@ -1,4 +1,9 @@
-"""Model zoo: the models of the CROSSBOW paper, each traceable by torch.fx."""
+"""Model zoo: the models of the CROSSBOW paper, each traceable by torch.fx.
+
+``MODELS`` maps a name to a factory; ``INPUT_SHAPES`` maps the same name to the shape of one
+input sample (without the batch dimension), which ``crossbow-graph inspect`` uses to build an
+example batch.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,26 @@ from typing import Callable
 from torch import nn
 
 from .lenet import LeNet5, lenet5
+from .resnet import CifarResNet, ResNet50, resnet32, resnet50
+from .vgg import VGG16BN, vgg16
 
-__all__ = ["LeNet5", "lenet5", "MODELS", "get_model"]
+__all__ = ["LeNet5", "CifarResNet", "ResNet50", "VGG16BN", "lenet5", "resnet32", "resnet50",
+           "vgg16", "MODELS", "INPUT_SHAPES", "get_model", "input_shape"]
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"lenet5": lenet5}
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "lenet5": lenet5,      # MNIST, 61,706 parameters
+    "resnet32": resnet32,  # CIFAR-10, 464,154 parameters
+    "vgg16": vgg16,        # CIFAR-100, 15,038,116 parameters
+    "resnet50": resnet50,  # ImageNet, 25,557,032 parameters
+}
+
+#: One sample's input shape ``(C, H, W)`` per zoo model.
+INPUT_SHAPES: dict[str, tuple[int, ...]] = {
+    "lenet5": (1, 28, 28),
+    "resnet32": (3, 32, 32),
+    "vgg16": (3, 32, 32),
+    "resnet50": (3, 224, 224),
+}
 
 
 def get_model(name: str, **kwargs) -> nn.Module:
@@ -22,3 +43,14 @@ def get_model(name: str, **kwargs) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"unknown model '{name}'; the zoo has: {', '.join(sorted(MODELS))}")
     return MODELS[name](**kwargs)
+
+
+def input_shape(name: str) -> tuple[int, ...]:
+    """The shape of one input sample of zoo model ``name``, without the batch dimension.
+
+    Raises:
+        ValueError: an unknown name; the message lists the known ones.
+    """
+    if name not in INPUT_SHAPES:
+        raise ValueError(f"unknown model '{name}'; the zoo has: {', '.join(sorted(INPUT_SHAPES))}")
+    return INPUT_SHAPES[name]

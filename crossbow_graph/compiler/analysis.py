@@ -1,0 +1,456 @@
+"""Model analysis on the shape-propagated fx graph: FLOPs, activation bytes, memory per learner.
+
+DESIGN.md §1 (compiler.trace: "fx GraphModule + shapes, FLOPs, bytes") and §3 ("Per-learner
+memory ... is estimated from the fx graph with shape propagation and bounds the replicas per
+device"). Every number here comes from the graph and the shapes of one example batch; nothing is
+timed.
+
+Conventions (documented in docs/compiler.md):
+
+* FLOPs count a multiply-add as 2 (as ``torch.utils.flop_counter`` does). Convolution
+  ``2·out·(C_in/groups)·k_h·k_w`` (+ ``out`` for a bias); linear ``2·out·in`` (+ bias); matmul
+  ``2·out·K``; batch/layer/group norm ``4·numel`` (normalise, scale, shift); pooling
+  ``out·kernel`` (adaptive pooling: ``in``); element-wise ops 1 per output element; views 0.
+* A training step costs 3× the forward FLOPs (backward ≈ 2× forward: the gradients of both the
+  inputs and the weights of every layer; Kaplan et al. 2020, §2.1) plus the optimiser's update.
+* Activations kept for backward follow what autograd saves for each op (e.g. a convolution keeps
+  its input, ReLU its output, max pooling its input and int64 indices); views share their base's
+  memory and are counted once.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["NodeCost", "ModelAnalysis", "MemoryEstimate", "analyze", "estimate_memory",
+           "max_replicas_per_device"]
+
+#: Gradient temporaries alive at the peak of backward, in units of the largest activation: the
+#: gradient of an op's output and (part of) its input's; a model with residual joins keeps more
+#: (the pending gradient of the skip branch). Calibrated on torch.profiler measurements of
+#: LeNet-5 (1.3 measured) and ResNet-32 (2.8 measured); the estimate is then within −4%…+6% of
+#: the measured peak for LeNet-5, ResNet-32 and VGG-16 (docs/compiler.md).
+_WORKSPACE_CHAIN = 1.5
+_WORKSPACE_RESIDUAL = 3.0
+
+# -- the op vocabulary: fx targets → a category ------------------------------------------------
+
+_CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_NORM_MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm)
+_MAXPOOL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+_AVGPOOL_MODULES = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
+_ADAPTIVE_MODULES = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+                     nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
+_VIEW_MODULES = (nn.Flatten, nn.Identity, nn.Unflatten)
+_SAVE_OUTPUT_MODULES = (nn.ReLU, nn.ReLU6, nn.Sigmoid, nn.Tanh, nn.Softmax, nn.LogSoftmax, nn.ELU)
+_SAVE_INPUT_MODULES = (nn.GELU, nn.SiLU, nn.LeakyReLU, nn.Hardtanh, nn.Softplus, nn.Mish)
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+_FUNCTIONS: dict[Any, str] = {
+    F.conv1d: "conv", F.conv2d: "conv", F.conv3d: "conv", torch.conv2d: "conv",
+    F.linear: "linear",
+    torch.matmul: "matmul", torch.mm: "matmul", torch.bmm: "matmul", operator.matmul: "matmul",
+    F.batch_norm: "norm", F.layer_norm: "norm", F.group_norm: "norm",
+    F.max_pool1d: "maxpool", F.max_pool2d: "maxpool", F.max_pool3d: "maxpool",
+    F.avg_pool1d: "avgpool", F.avg_pool2d: "avgpool", F.avg_pool3d: "avgpool",
+    F.adaptive_avg_pool1d: "adaptive", F.adaptive_avg_pool2d: "adaptive",
+    F.adaptive_avg_pool3d: "adaptive", F.adaptive_max_pool2d: "adaptive",
+    F.relu: "save_output", torch.relu: "save_output", torch.sigmoid: "save_output",
+    torch.tanh: "save_output", F.softmax: "save_output", F.log_softmax: "save_output",
+    torch.softmax: "save_output", F.elu: "save_output", F.relu6: "save_input",
+    F.gelu: "save_input", F.silu: "save_input", F.leaky_relu: "save_input",
+    operator.add: "add", torch.add: "add", operator.sub: "add", torch.sub: "add",
+    operator.iadd: "add", operator.neg: "add",
+    operator.mul: "mul", torch.mul: "mul", operator.truediv: "mul", torch.div: "mul",
+    F.dropout: "dropout",
+    torch.flatten: "view", torch.reshape: "view", torch.squeeze: "view",
+    torch.unsqueeze: "view", torch.transpose: "view", torch.permute: "view",
+    torch.chunk: "view", torch.split: "view", operator.getitem: "view",
+    F.pad: "copy", torch.cat: "copy", torch.stack: "copy",
+}
+_METHODS: dict[str, str] = {
+    "view": "view", "reshape": "view", "flatten": "view", "squeeze": "view", "unsqueeze": "view",
+    "transpose": "view", "permute": "view", "t": "view", "expand": "view", "contiguous": "view",
+    "chunk": "view", "split": "view", "view_as": "view", "narrow": "view",
+    "relu": "save_output", "sigmoid": "save_output", "tanh": "save_output",
+    "softmax": "save_output", "log_softmax": "save_output", "relu_": "save_output",
+    "add": "add", "sub": "add", "add_": "add", "neg": "add",
+    "mul": "mul", "div": "mul", "matmul": "matmul", "mm": "matmul", "bmm": "matmul",
+    "size": "shape", "dim": "shape", "numel": "shape",
+}
+#: Categories whose output is a view of their first input (no new memory).
+_ALIASES = {"view", "shape"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCost:
+    """The analysis of one fx node at the example batch.
+
+    Attributes:
+        name: the fx node's name.
+        op: its category: conv, linear, matmul, norm, maxpool, avgpool, adaptive, save_output,
+            save_input, add, mul, dropout, view, copy, shape, input, param, output, other.
+        target: what the node calls, readably (module path, function or method name).
+        shape: output shape (``None`` for non-tensor outputs such as tuples).
+        dtype: output dtype (``None`` for non-tensor outputs).
+        flops: forward FLOPs at the example batch (multiply-add = 2).
+        bytes: bytes of the output tensor at the example batch (0 for views and shapes).
+        saved_bytes: bytes of this node's output that autograd keeps for backward (the node's
+            own output, or kept by a consumer), plus extra tensors the op saves (max pooling's
+            int64 indices, dropout's mask), at the example batch.
+    """
+
+    name: str
+    op: str
+    target: str
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    flops: int
+    bytes: int
+    saved_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelAnalysis:
+    """Costs of a traced model, per sample (divide the example batch's totals by its size).
+
+    Attributes:
+        nodes: one NodeCost per fx node, in graph order, at the example batch.
+        example_batch: the example batch size the nodes were measured at.
+        forward_flops_per_sample: forward FLOPs of one sample.
+        train_flops_per_sample: FLOPs of one sample in a training step (3 × forward).
+        activation_bytes_per_sample: bytes of every new (non-view) tensor the forward creates.
+        saved_bytes_per_sample: bytes that autograd keeps for backward, per sample.
+        max_activation_bytes_per_sample: the largest single activation, per sample.
+        max_param_bytes: the largest trainable parameter tensor (its gradient is computed into a
+            temporary before it is accumulated into the flat ``g``).
+        param_bytes: bytes of every parameter (tied once); trainable_bytes: the trainable ones;
+            frozen_bytes: the frozen ones; buffer_bytes: every buffer.
+        num_trainable: P, trainable scalars (tied once).
+        num_float_buffers: Q, scalars of floating-point buffers (averaged by SMA).
+        residual_joins: additions of two activations (skip connections).
+        workspace_activations: gradient temporaries at the peak of backward, in largest
+            activations (1.5, or 3 with residual joins).
+    """
+
+    nodes: tuple[NodeCost, ...]
+    example_batch: int
+    forward_flops_per_sample: float
+    train_flops_per_sample: float
+    activation_bytes_per_sample: float
+    saved_bytes_per_sample: float
+    max_activation_bytes_per_sample: float
+    max_param_bytes: int
+    param_bytes: int
+    trainable_bytes: int
+    frozen_bytes: int
+    buffer_bytes: int
+    num_trainable: int
+    num_float_buffers: int
+    residual_joins: int
+    workspace_activations: float
+
+    def forward_flops(self, batch_size: int) -> int:
+        """Forward FLOPs of a batch of ``batch_size`` samples."""
+        return int(round(self.forward_flops_per_sample * batch_size))
+
+    def train_step_flops(self, batch_size: int) -> int:
+        """FLOPs of one training step of one learner at batch b: 3 × forward, plus the SGD update
+        (weight decay, momentum, step: 4 FLOPs per trainable scalar)."""
+        return int(round(self.train_flops_per_sample * batch_size)) + 4 * self.num_trainable
+
+    def table(self, *, limit: int | None = None) -> str:
+        """A per-node text table at the example batch: name, op category, what it calls, output
+        shape, dtype, forward MFLOP, output KiB, KiB kept for backward; then totals per sample."""
+        rows = [f"per node at the example batch of {self.example_batch}:",
+                f"{'node':<28}{'op':<12}{'calls':<28}{'shape':<22}{'dtype':<10}{'MFLOP':>10}{'KiB':>10}{'saved KiB':>11}"]
+        for n in self.nodes[:limit]:
+            shape = "x".join(map(str, n.shape)) if n.shape is not None else "-"
+            dtype = str(n.dtype).replace("torch.", "") if n.dtype is not None else "-"
+            rows.append(f"{n.name[:27]:<28}{n.op:<12}{n.target[:27]:<28}{shape[:21]:<22}{dtype:<10}"
+                        f"{n.flops / 1e6:>10.3f}{n.bytes / 1024:>10.1f}{n.saved_bytes / 1024:>11.1f}")
+        rows.append(f"forward {self.forward_flops_per_sample / 1e6:.3f} MFLOP/sample, training step "
+                    f"{self.train_flops_per_sample / 1e6:.3f} MFLOP/sample, saved for backward "
+                    f"{self.saved_bytes_per_sample / 1024:.1f} KiB/sample")
+        return "\n".join(rows)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Memory of one learner at batch b on a device with m learners, in bytes (DESIGN.md §3, §4).
+
+    Attributes:
+        params: the replica's parameters (its row of ``w [m, P]`` and its frozen parameters).
+        grads: its row of ``g [m, P]``.
+        optimizer: its momentum, its row of ``v [m, P]``.
+        buffers: its buffers (its row of ``buf [m, Q]`` and integer buffers).
+        activations: the tensors autograd keeps for backward at batch b (including the input).
+        workspace: gradient temporaries at the peak of backward at batch b:
+            ``max(c·A, A + W)`` with A the largest activation, W the largest trainable parameter
+            tensor and c = 1.5 (3 for models with residual joins).
+        flat_share: 1/m of the device's shared flat buffers ``z, z_prev, acc [P]`` and ``zbuf [Q]``.
+        batch_size: b; replicas_per_device: m.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    activations: int
+    workspace: int
+    flat_share: int
+    batch_size: int
+    replicas_per_device: int
+
+    @property
+    def total(self) -> int:
+        """Bytes per learner: the sum of every part."""
+        return (self.params + self.grads + self.optimizer + self.buffers + self.activations
+                + self.workspace + self.flat_share)
+
+    @property
+    def training_step(self) -> int:
+        """Bytes of one eager training step (no flat share): what the profiler test measures."""
+        return self.total - self.flat_share
+
+    def breakdown(self) -> str:
+        """``"params 1.8 + grads 1.8 + ... MiB"``: the parts of ``total`` in MiB."""
+        parts = ("params", "grads", "optimizer", "buffers", "activations", "workspace", "flat_share")
+        return " + ".join(f"{p} {getattr(self, p) / 2**20:.2f}" for p in parts) + " MiB"
+
+    def as_dict(self) -> dict[str, int]:
+        return {p: getattr(self, p) for p in ("params", "grads", "optimizer", "buffers",
+                                               "activations", "workspace", "flat_share",
+                                               "batch_size", "replicas_per_device")}
+
+
+def _itemsize(dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
+
+
+def _tensor_meta(node: fx.Node) -> tuple[tuple[int, ...] | None, torch.dtype | None]:
+    tm = node.meta.get("tensor_meta")
+    if tm is not None and hasattr(tm, "shape"):
+        return tuple(tm.shape), tm.dtype
+    return None, None
+
+
+def _category(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[str, str]:
+    """(category, readable target) of a node."""
+    if node.op == "placeholder":
+        return "input", str(node.target)
+    if node.op == "get_attr":
+        return "param", str(node.target)
+    if node.op == "output":
+        return "output", "output"
+    if node.op == "call_module":
+        mod = modules[node.target]
+        name = f"{node.target} ({type(mod).__name__})"
+        for types, cat in ((_CONV_MODULES, "conv"), ((nn.Linear,), "linear"),
+                           (_NORM_MODULES, "norm"), (_MAXPOOL_MODULES, "maxpool"),
+                           (_AVGPOOL_MODULES, "avgpool"), (_ADAPTIVE_MODULES, "adaptive"),
+                           (_VIEW_MODULES, "view"), (_SAVE_OUTPUT_MODULES, "save_output"),
+                           (_SAVE_INPUT_MODULES, "save_input"), (_DROPOUT_MODULES, "dropout")):
+            if isinstance(mod, types):
+                return cat, name
+        return "other", name
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", str(node.target))
+        return _FUNCTIONS.get(node.target, "other"), name
+    return _METHODS.get(str(node.target), "other"), f".{node.target}()"
+
+
+def _numel(shape: tuple[int, ...] | None) -> int:
+    return math.prod(shape) if shape is not None else 0
+
+
+def _arg_shape(arg: Any) -> tuple[int, ...] | None:
+    return _tensor_meta(arg)[0] if isinstance(arg, fx.Node) else None
+
+
+def _flops(node: fx.Node, cat: str, out_shape: tuple[int, ...] | None,
+           modules: dict[str, nn.Module]) -> int:
+    out = _numel(out_shape)
+    mod = modules.get(node.target) if node.op == "call_module" else None
+    in_shape = _arg_shape(node.args[0]) if node.args else None
+    if cat in ("conv", "linear"):
+        if mod is not None:
+            w_shape, has_bias = tuple(mod.weight.shape), mod.bias is not None
+        else:
+            w_shape = _arg_shape(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            has_bias = bias is not None
+        per_out = math.prod(w_shape[1:]) if w_shape else 0
+        return 2 * out * per_out + (out if has_bias else 0)
+    if cat == "matmul":
+        return 2 * out * (in_shape[-1] if in_shape else 0)
+    if cat == "norm":
+        return 4 * out
+    if cat in ("maxpool", "avgpool"):
+        k = mod.kernel_size if mod is not None else (node.args[1] if len(node.args) > 1
+                                                     else node.kwargs.get("kernel_size", 1))
+        dims = max(len(out_shape or ()) - 2, 1)
+        k = (k,) * dims if isinstance(k, int) else tuple(k)
+        return out * math.prod(k)
+    if cat == "adaptive":
+        return _numel(in_shape)
+    if cat in ("save_output", "save_input", "add", "mul", "dropout", "other"):
+        return out
+    return 0
+
+
+def _saved_inputs(node: fx.Node, cat: str, modules: dict[str, nn.Module]) -> tuple[list[fx.Node], bool, int]:
+    """(input nodes the op keeps for backward, whether it keeps its output, extra bytes per
+    output element: int64 indices 8, a dropout mask 1)."""
+    tensor_args = [a for a in node.args if isinstance(a, fx.Node) and _arg_shape(a) is not None]
+    data = tensor_args[:1]
+    if cat in ("conv", "linear", "norm", "save_input", "avgpool", "adaptive"):
+        return data, False, 0
+    if cat == "maxpool":
+        return data, False, 8
+    if cat == "matmul":
+        return tensor_args[:2], False, 0
+    if cat == "mul":
+        return tensor_args[:2] if len(tensor_args) >= 2 else [], False, 0
+    if cat == "save_output":
+        return [], True, 0
+    if cat == "dropout":
+        mod = modules.get(node.target) if node.op == "call_module" else None
+        p = mod.p if mod is not None else node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        return [], False, (1 if p > 0 else 0)
+    if cat in ("add", "view", "copy", "shape", "input", "param", "output"):
+        return [], False, 0
+    return tensor_args, True, 0  # unknown op: assume it keeps its inputs and its output
+
+
+def _is_inplace(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        return bool(getattr(modules[node.target], "inplace", False))
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    return bool(node.kwargs.get("inplace", False))
+
+
+def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buffers: list) -> ModelAnalysis:
+    """Analyse a shape-propagated GraphModule (every node has ``meta["tensor_meta"]``).
+
+    Args:
+        module: the traced ``fx.GraphModule`` after ``ShapeProp`` on one example batch.
+        example_batch: that batch's size N (dimension 0 of the first input).
+        parameters, buffers: the ParamInfo inventory (tied parameters once).
+
+    Returns:
+        The ModelAnalysis, per node at the example batch and totals per sample.
+
+    Source: DESIGN.md §1, §3; FLOP conventions in this module's docstring.
+    """
+    modules = dict(module.named_modules())
+    base: dict[str, str] = {}  # node name → the node owning its memory
+    cats: dict[str, tuple[str, str]] = {}
+    saved_base: set[str] = set()
+    extra: dict[str, int] = {}
+    joins = 0
+    for node in module.graph.nodes:
+        cat, target = _category(node, modules)
+        cats[node.name] = (cat, target)
+        first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        alias = cat in _ALIASES or (_is_inplace(node, modules) and first is not None)
+        base[node.name] = base[first.name] if alias and first is not None else node.name
+        inputs, keeps_output, extra_per_elt = _saved_inputs(node, cat, modules)
+        for a in inputs:
+            saved_base.add(base[a.name])
+        if keeps_output:
+            saved_base.add(base[node.name])
+        if cat == "add" and sum(1 for a in node.args if isinstance(a, fx.Node)
+                                and cats.get(a.name, ("",))[0] != "param") == 2:
+            joins += 1
+        if extra_per_elt:
+            extra[node.name] = extra_per_elt * _numel(_tensor_meta(node)[0])
+    nodes = []
+    for node in module.graph.nodes:
+        cat, target = cats[node.name]
+        shape, dtype = _tensor_meta(node)
+        owns = base[node.name] == node.name and cat not in ("param", "output")
+        nbytes = _numel(shape) * _itemsize(dtype) if owns and shape is not None else 0
+        saved = (nbytes if node.name in saved_base else 0) + extra.get(node.name, 0)
+        nodes.append(NodeCost(name=node.name, op=cat, target=target, shape=shape, dtype=dtype,
+                              flops=_flops(node, cat, shape, modules), bytes=nbytes,
+                              saved_bytes=saved))
+    n = max(example_batch, 1)
+    fwd = sum(c.flops for c in nodes) / n
+    float_q = sum(b.numel for b in buffers if b.dtype.is_floating_point)
+    return ModelAnalysis(
+        nodes=tuple(nodes), example_batch=example_batch,
+        forward_flops_per_sample=fwd, train_flops_per_sample=3 * fwd,
+        activation_bytes_per_sample=sum(c.bytes for c in nodes if c.op != "input") / n,
+        saved_bytes_per_sample=sum(c.saved_bytes for c in nodes) / n,
+        max_activation_bytes_per_sample=max((c.bytes for c in nodes), default=0) / n,
+        max_param_bytes=max((p.numel * _itemsize(p.dtype) for p in parameters if p.trainable), default=0),
+        param_bytes=sum(p.numel * _itemsize(p.dtype) for p in parameters),
+        trainable_bytes=sum(p.numel * _itemsize(p.dtype) for p in parameters if p.trainable),
+        frozen_bytes=sum(p.numel * _itemsize(p.dtype) for p in parameters if not p.trainable),
+        buffer_bytes=sum(b.numel * _itemsize(b.dtype) for b in buffers),
+        num_trainable=sum(p.numel for p in parameters if p.trainable),
+        num_float_buffers=float_q,
+        residual_joins=joins,
+        workspace_activations=_WORKSPACE_RESIDUAL if joins else _WORKSPACE_CHAIN,
+    )
+
+
+def estimate_memory(analysis: ModelAnalysis, batch_size: int, replicas_per_device: int = 1) -> MemoryEstimate:
+    """Memory of one learner at batch b with m learners per device (DESIGN.md §3, §4).
+
+    ``params + grads + optimizer + buffers + activations(b) + workspace(b) + flat_share(m)``, where
+    grads and the SGD momentum are fp32 rows of the flat ``g, v [m, P]`` (4P bytes each),
+    activations are what autograd keeps for backward (scaled linearly in b from the example batch),
+    workspace is ``max(c·A, A + W)`` (A the largest activation at b, W the largest trainable
+    parameter tensor, c = ``analysis.workspace_activations``: the gradients of an op's output and
+    input, or an activation gradient and a weight gradient's temporary), and the flat share is
+    ``(3·4P + 4Q) / m`` for the device's ``z, z_prev, acc`` and ``zbuf``.
+
+    Args:
+        analysis: the model's analysis.
+        batch_size: b (> 0), samples per learner.
+        replicas_per_device: m (≥ 1).
+
+    Raises:
+        ValueError: b < 1 or m < 1.
+    """
+    if batch_size < 1 or replicas_per_device < 1:
+        raise ValueError(f"estimate_memory(batch_size={batch_size}, replicas_per_device="
+                         f"{replicas_per_device}): both must be ≥ 1")
+    p4 = 4 * analysis.num_trainable
+    shared = 3 * p4 + 4 * analysis.num_float_buffers
+    largest = analysis.max_activation_bytes_per_sample * batch_size
+    return MemoryEstimate(
+        params=analysis.param_bytes, grads=p4, optimizer=p4, buffers=analysis.buffer_bytes,
+        activations=int(math.ceil(analysis.saved_bytes_per_sample * batch_size)),
+        workspace=int(math.ceil(max(analysis.workspace_activations * largest,
+                                    largest + analysis.max_param_bytes))),
+        flat_share=int(math.ceil(shared / replicas_per_device)),
+        batch_size=batch_size, replicas_per_device=replicas_per_device,
+    )
+
+
+def max_replicas_per_device(analysis: ModelAnalysis, batch_size: int, memory_budget_bytes: int,
+                            *, limit: int = 1024) -> int:
+    """The largest m ≤ ``limit`` with ``m × estimate_memory(analysis, b, m).total ≤ budget``
+    (0 when not even one learner fits): the bound the verifier enforces (DESIGN.md §3, §5).
+
+    Raises:
+        ValueError: b < 1.
+    """
+    best = 0
+    for m in range(1, limit + 1):
+        if m * estimate_memory(analysis, batch_size, m).total > memory_budget_bytes:
+            break
+        best = m
+    return best

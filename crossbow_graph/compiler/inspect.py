@@ -1,0 +1,322 @@
+"""Inspection of a plan's task graph: summary table, JSON, DOT and PNG (DESIGN.md §1 "Plan
+(inspectable: summary table, JSON, DOT, PNG; runnable)"; schema in docs/compiler.md).
+
+The functions here read only the task graph (its Tasks and graph attributes, as the compiler
+passes leave them) and a small ``settings`` dict (optimiser and SMA settings), so that a plan
+loaded from JSON prints exactly what the compiled plan printed. ``Plan``'s inspection methods
+(api.py) are thin wrappers of them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from ..errors import PlanError
+from .tasks import Cost, Task, TaskKind
+
+__all__ = ["SCHEMA", "PlanView", "summary", "to_json", "from_json", "to_dot", "draw",
+           "inspect_model"]
+
+#: The ``schema`` field of every JSON document ``to_json`` writes.
+SCHEMA = "crossbow_graph.plan/1"
+
+_MIB = 2**20
+_COLORS = {TaskKind.LEARN: "#dbe9f6", TaskKind.LOCAL_SYNC: "#fde9c8", TaskKind.GLOBAL_SYNC: "#f6d3d3"}
+
+
+def _tasks(graph: nx.DiGraph) -> list[Task]:
+    return [graph.nodes[n]["task"] for n in graph.nodes]
+
+
+def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
+    """A text table per device: replicas, tasks, GFLOP per round, memory; then the global sync.
+
+    Args:
+        graph: an annotated task graph (after ``annotate_costs``).
+        settings: optional ``{"optimizer": {...}, "sync": {...}, "alpha": α}`` for the header.
+
+    Returns:
+        Lines of text; memory in MiB (2^20 bytes), FLOPs in GFLOP (10^9).
+    """
+    g = graph.graph
+    devices, m, b = list(g["devices"]), int(g["replicas_per_device"]), int(g["batch_size"])
+    k = len(devices) * m
+    model = g.get("model", {})
+    mem = int(g.get("memory_per_learner_bytes", 0))
+    parts = g.get("memory", {})
+    lines = [
+        f"crossbow_graph plan: {model.get('name', '?')}, {len(devices)} device(s) × {m} replica(s) "
+        f"= {k} learners, batch {b} per learner ({k * b} samples per round)",
+    ]
+    if model:
+        lines.append(
+            f"model: {model['num_trainable']:,} trainable parameters of {model['num_parameters']:,}, "
+            f"{model['num_buffers']:,} buffer scalars; forward "
+            f"{model['forward_flops_per_sample'] / 1e6:,.2f} MFLOP/sample, training step "
+            f"{model['train_flops_per_sample'] / 1e6:,.2f} MFLOP/sample")
+    if parts:
+        names = ("params", "grads", "optimizer", "buffers", "activations", "workspace", "flat_share")
+        lines.append(f"memory per learner ≈ {mem / _MIB:.2f} MiB = "
+                     + " + ".join(f"{n} {parts[n] / _MIB:.2f}" for n in names if n in parts))
+    if settings:
+        opt, sync = settings.get("optimizer", {}), settings.get("sync", {})
+        lines.append(
+            f"sync: SMA(α={settings.get('alpha', 0):.4g}, μ_z={sync.get('central_momentum')}, every "
+            f"{sync.get('sync_every')} round(s)); optimizer: SGD(lr={opt.get('lr')}, momentum="
+            f"{opt.get('momentum')}, nesterov={opt.get('nesterov')}, weight_decay={opt.get('weight_decay')})")
+    header = f"{'device':<10}{'replicas':>9}{'LEARN':>7}{'LOCAL_SYNC':>12}{'GFLOP/round':>13}{'memory MiB':>12}"
+    lines += [header, "-" * len(header)]
+    tasks = _tasks(graph)
+    total_flops = 0
+    for device in devices:
+        mine = [t for t in tasks if t.device == device]
+        learns = [t for t in mine if t.kind is TaskKind.LEARN]
+        n_local = sum(1 for t in mine if t.kind is TaskKind.LOCAL_SYNC)
+        replicas = sorted(j for t in learns for j in t.replicas)
+        flops = sum(t.cost.flops for t in mine)
+        total_flops += flops
+        lines.append(f"{device:<10}{len(replicas):>9}{len(learns):>7}{n_local:>12}"
+                     f"{flops / 1e9:>13.4f}{len(learns) * mem / _MIB:>12.2f}")
+    for t in tasks:
+        if t.kind is TaskKind.GLOBAL_SYNC:
+            total_flops += t.cost.flops
+            lines.append(f"{'(global)':<10}{len(t.replicas):>9}{'':>7}{'':>12}{t.cost.flops / 1e9:>13.4f}"
+                         f"{'':>12}  GLOBAL_SYNC '{t.id}': all-reduce of "
+                         f"{4 * model.get('num_trainable', 0):,} bytes per device")
+    lines.append(f"{'total':<10}{k:>9}{'':>7}{'':>12}{total_flops / 1e9:>13.4f}"
+                 f"{k * mem / _MIB:>12.2f}")
+    return "\n".join(lines)
+
+
+def _task_to_dict(t: Task) -> dict[str, Any]:
+    return {"id": t.id, "kind": t.kind.value, "device": t.device, "replicas": list(t.replicas),
+            "inputs": list(t.inputs), "outputs": list(t.outputs),
+            "cost": {"flops": t.cost.flops, "bytes": t.cost.bytes, "seconds": t.cost.seconds},
+            "meta": t.meta}
+
+
+def to_json(graph: nx.DiGraph, settings: dict[str, Any] | None = None, *, indent: int | None = 2) -> str:
+    """The task graph as a JSON document (schema ``crossbow_graph.plan/1``, docs/compiler.md).
+
+    Keys: ``schema``; ``graph`` (the graph attributes: devices, replicas_per_device, batch_size,
+    memory_per_learner_bytes, memory, model); ``settings``; ``tasks`` (id, kind, device, replicas,
+    inputs, outputs, cost {flops, bytes, seconds}, meta); ``edges`` ([from_id, to_id] pairs).
+
+    Raises:
+        TypeError: a graph attribute or task meta value is not JSON-serialisable.
+    """
+    doc = {
+        "schema": SCHEMA,
+        "graph": dict(graph.graph),
+        "settings": settings or {},
+        "tasks": [_task_to_dict(t) for t in _tasks(graph)],
+        "edges": [[u, v] for u, v in graph.edges],
+    }
+    return json.dumps(doc, indent=indent, ensure_ascii=False)
+
+
+def _load(text: str) -> tuple[nx.DiGraph, dict[str, Any]]:
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not a plan JSON document: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f"not a plan JSON document: schema is {found!r}, expected {SCHEMA!r}; "
+                         "write it with plan.to_json()")
+    for key in ("graph", "tasks", "edges"):
+        if key not in doc:
+            raise ValueError(f"plan JSON document lacks '{key}' (schema {SCHEMA}, docs/compiler.md)")
+    graph = nx.DiGraph()
+    graph.graph.update(doc["graph"])
+    kinds = {k.value: k for k in TaskKind}
+    for i, d in enumerate(doc["tasks"]):
+        try:
+            kind = kinds[d["kind"]]
+            task = Task(id=d["id"], kind=kind, device=d["device"], replicas=tuple(d["replicas"]),
+                        inputs=tuple(d["inputs"]), outputs=tuple(d["outputs"]),
+                        cost=Cost(**d["cost"]), meta=dict(d.get("meta", {})))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"plan JSON document: task #{i} ('{d.get('id', '?')}') is malformed: "
+                             f"{type(exc).__name__}: {exc}; kinds are {sorted(kinds)}") from exc
+        graph.add_node(task.id, task=task)
+    for u, v in doc["edges"]:
+        if u not in graph or v not in graph:
+            raise ValueError(f"plan JSON document: edge {u!r} → {v!r} names a task that is not listed")
+        graph.add_edge(u, v)
+    return graph, doc.get("settings", {})
+
+
+def from_json(text: str, *, verify: bool = True) -> "PlanView":
+    """Load a plan written by ``to_json`` as an inspectable PlanView (no training state).
+
+    Raises:
+        ValueError: the text is not a plan document of schema ``crossbow_graph.plan/1``, or a task
+            or edge is malformed (names the task).
+        PlanError: ``verify`` and the loaded task graph fails the verifier (names the task).
+    """
+    from .verify import verify_task_graph
+
+    graph, settings = _load(text)
+    if verify:
+        verify_task_graph(graph, stage="from_json")
+    return PlanView(graph, settings)
+
+
+def _node_label(t: Task) -> str:
+    if t.kind is TaskKind.LEARN:
+        what = f"LEARN replica {t.replicas[0]}"
+        mem = t.meta.get("memory_bytes")
+        extra = f"\\n{t.cost.flops / 1e9:.2f} GFLOP" + (f" · {mem / _MIB:.1f} MiB" if mem else "")
+    elif t.kind is TaskKind.LOCAL_SYNC:
+        what = f"LOCAL_SYNC replicas {t.replicas[0]}–{t.replicas[-1]}" if t.replicas else "LOCAL_SYNC"
+        extra = f"\\nmoves {t.cost.bytes / _MIB:.1f} MiB"
+    else:
+        what = f"GLOBAL_SYNC all-reduce over {len(t.replicas)} replicas"
+        extra = f"\\nmoves {t.cost.bytes / _MIB:.1f} MiB"
+    return f"{t.id}\\n{what}{extra}"
+
+
+def _dot_graph(graph: nx.DiGraph):
+    import pydot
+
+    g = graph.graph
+    devices, m = list(g["devices"]), int(g["replicas_per_device"])
+    mem = int(g.get("memory_per_learner_bytes", 0))
+    title = (f"{g.get('model', {}).get('name', 'plan')}: {len(devices)} device(s) × {m} replica(s), "
+             f"batch {g['batch_size']}, one round")
+    dot = pydot.Dot("plan", graph_type="digraph", rankdir="TB", label=title, labelloc="t",
+                    fontname="Helvetica", fontsize="16", compound="true", newrank="true", ordering="in")
+    dot.set_node_defaults(shape="box", style="rounded,filled", fontname="Helvetica", fontsize="11")
+    tasks = _tasks(graph)
+    for d, device in enumerate(devices):
+        cluster = pydot.Cluster(f"d{d}", label=f"{device}: {m} replica(s), ≈{m * mem / _MIB:.1f} MiB",
+                                style="rounded,filled", fillcolor="#f4f4f4", color="#888888",
+                                fontname="Helvetica", fontsize="13")
+        for t in tasks:
+            if t.device == device:
+                cluster.add_node(pydot.Node(f'"{t.id}"', label=f'"{_node_label(t)}"',
+                                            fillcolor=_COLORS[t.kind]))
+        dot.add_subgraph(cluster)
+    for t in tasks:
+        if t.device is None or t.device not in devices:
+            dot.add_node(pydot.Node(f'"{t.id}"', label=f'"{_node_label(t)}"', fillcolor=_COLORS[t.kind]))
+    for u, v in graph.edges:
+        dot.add_edge(pydot.Edge(f'"{u}"', f'"{v}"'))
+    return dot
+
+
+def to_dot(graph: nx.DiGraph) -> str:
+    """Graphviz DOT text of the task graph: one cluster per device, GLOBAL_SYNC outside them."""
+    return _dot_graph(graph).to_string()
+
+
+def draw(graph: nx.DiGraph, path: str | Path) -> Path:
+    """Render the task graph with graphviz to ``path``; the format is the suffix (png, svg, pdf).
+
+    Raises:
+        ValueError: an unknown suffix.
+        RuntimeError: graphviz's ``dot`` program is not installed.
+    """
+    path = Path(path)
+    fmt = path.suffix.lstrip(".").lower() or "png"
+    if fmt not in ("png", "svg", "pdf"):
+        raise ValueError(f"draw('{path}'): use a .png, .svg or .pdf file name")
+    try:
+        data = _dot_graph(graph).create(format=fmt)
+    except (FileNotFoundError, OSError) as exc:
+        raise RuntimeError(f"cannot run graphviz's 'dot' to draw {path}: {exc}; install graphviz "
+                           "(apt install graphviz) or render plan.to_dot() elsewhere") from exc
+    path.write_bytes(data)
+    return path
+
+
+class PlanView:
+    """An inspectable plan without training state: what ``Plan.from_json`` and
+    ``crossbow-graph inspect`` return.
+
+    It has the Plan's inspection surface (``summary``, ``to_json``, ``to_dot``, ``draw``, the
+    ``devices``/``replicas_per_device``/``num_learners``/``batch_size`` properties and
+    ``task_graph``) but no replicas: ``fit`` and ``evaluate`` raise PlanError. To train, compile
+    the model with ``crossbow_graph.compile``.
+
+    Attributes:
+        task_graph: the annotated task graph (networkx.DiGraph, node attribute ``"task"``).
+        settings: optimiser and SMA settings as plain data (may be empty).
+        analysis: the model's ModelAnalysis when built from a model, None when loaded from JSON.
+    """
+
+    def __init__(self, task_graph: nx.DiGraph, settings: dict[str, Any] | None = None,
+                 analysis: Any = None) -> None:
+        self.task_graph = task_graph
+        self.settings = dict(settings or {})
+        self.analysis = analysis
+
+    @property
+    def devices(self) -> list[str]:
+        return list(self.task_graph.graph["devices"])
+
+    @property
+    def replicas_per_device(self) -> int:
+        return int(self.task_graph.graph["replicas_per_device"])
+
+    @property
+    def num_learners(self) -> int:
+        return len(self.devices) * self.replicas_per_device
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.task_graph.graph["batch_size"])
+
+    def summary(self) -> str:
+        """See ``summary``."""
+        return summary(self.task_graph, self.settings)
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """See ``to_json``."""
+        return to_json(self.task_graph, self.settings, indent=indent)
+
+    def to_dot(self) -> str:
+        """See ``to_dot``."""
+        return to_dot(self.task_graph)
+
+    def draw(self, path: str | Path) -> Path:
+        """See ``draw``."""
+        return draw(self.task_graph, path)
+
+    def _no_state(self, what: str):
+        raise PlanError(f"{what}() needs training state, but this plan was loaded for inspection "
+                        "(Plan.from_json or crossbow-graph inspect) and holds no replicas; build a "
+                        "runnable plan with crossbow_graph.compile(model, example_inputs, loss_fn, ...)")
+
+    def fit(self, *args: Any, **kwargs: Any):
+        """Raises PlanError: an inspected plan cannot train (compile the model instead)."""
+        self._no_state("fit")
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        """Raises PlanError: an inspected plan cannot evaluate (compile the model instead)."""
+        self._no_state("evaluate")
+
+
+def inspect_model(model: Any, example_inputs: tuple[Any, ...] | dict[str, Any], *,
+                  devices: list[str], replicas_per_device: int, batch_size: int,
+                  memory_budget_bytes: int | None = None, settings: dict[str, Any] | None = None,
+                  concrete_args: dict[str, Any] | None = None, leaf_modules: tuple = ()) -> PlanView:
+    """Trace ``model``, run the compiler passes with the verifier, and return a PlanView.
+
+    No replica is allocated, so plans too large for this machine can still be inspected.
+
+    Raises:
+        TraceError: the model cannot be traced. PlanError: the plan is unsound (e.g. memory).
+    """
+    from .passes import build_task_graph
+    from .trace import trace_model
+
+    mg = trace_model(model, example_inputs, concrete_args=concrete_args, leaf_modules=leaf_modules)
+    graph = build_task_graph(mg, devices=devices, replicas_per_device=replicas_per_device,
+                             batch_size=batch_size, memory_budget_bytes=memory_budget_bytes)
+    return PlanView(graph, settings, analysis=mg.analysis)

@@ -1,0 +1,219 @@
+"""Tracing robustness (issue #3, part 7): errors that point at the user's line with the fix;
+several inputs, keyword inputs, tuple/dict outputs, residual connections, ModuleList/ModuleDict."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+import crossbow_graph as cg
+from crossbow_graph.compiler.trace import trace_model
+
+
+class _Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a tensor's value
+            return x
+        return -x
+
+
+class _Repeat(nn.Module):
+    def forward(self, x):
+        for _ in range(x.shape[1]):  # a Python builtin on a traced shape
+            x = x + 1
+        return x
+
+
+class _Len(nn.Module):
+    def forward(self, x):
+        return x * len(x)  # len() of a traced tensor
+
+
+class _Outer(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(self.lin(x))
+
+
+def _line_of(cls: type, text: str) -> int:
+    lines, start = inspect.getsourcelines(cls)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+@pytest.mark.parametrize("inner, code, fix", [
+    (_Gate, "if x.sum() > 0:", "torch.where"),
+    (_Repeat, "for _ in range(x.shape[1]):", "x.size(0)"),
+    (_Len, "return x * len(x)", "torch.fx.wrap"),
+])
+def test_untraceable_python_raises_trace_error_naming_module_line_and_fix(inner, code, fix):
+    with pytest.raises(cg.TraceError) as info:
+        cg.compile(_Outer(inner()), (torch.randn(2, 4),), F.mse_loss, batch_size=2)
+    msg = str(info.value)
+    assert f"in module 'inner' ({inner.__name__})" in msg
+    assert f"{__file__}:{_line_of(inner, code)}" in msg
+    assert code in msg
+    assert fix in msg and f"leaf_modules=[{inner.__name__}]" in msg
+
+
+def test_the_suggested_leaf_module_fix_works():
+    mg = trace_model(_Outer(_Gate()), (torch.randn(2, 4),), leaf_modules=[_Gate])
+    assert any(n.op == "call_module" and n.target == "inner" for n in mg.module.graph.nodes)
+
+
+def test_example_inputs_of_the_wrong_type_raise_type_error():
+    with pytest.raises(TypeError, match=r"a tuple of the model's positional inputs, e\.g\. \(x,\)"):
+        trace_model(nn.Linear(4, 2), torch.randn(2, 4))
+
+
+class _TwoInputs(nn.Module):
+    """Two inputs, an optional one left at its default, a residual join and a dict output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(2, 3)
+
+    def forward(self, x, extra, scale=None):
+        h = self.a(x) + self.b(extra)
+        if scale is not None:
+            h = h * scale
+        return {"logits": h, "aux": (h.mean(1), h.amax(1))}
+
+
+class _Samples(Dataset):
+    def __init__(self, keyword: bool) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.keyword = keyword
+        self.x, self.e = torch.randn(32, 4, generator=g), torch.randn(32, 2, generator=g)
+        self.y = torch.randint(0, 3, (32,), generator=g)
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i):
+        inputs = {"x": self.x[i], "extra": self.e[i]} if self.keyword else (self.x[i], self.e[i])
+        return inputs, self.y[i]
+
+
+def _dict_loss(out, y):
+    return F.cross_entropy(out["logits"], y) + 0.01 * out["aux"][0].pow(2).mean()
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+def test_several_or_keyword_inputs_and_dict_outputs_compile_and_fit_like_eager_sgd(keyword):
+    """k = 1 is exactly torch.optim.SGD (DESIGN.md §2): the oracle is an eager loop."""
+    torch.manual_seed(0)
+    model = _TwoInputs()
+    data = _Samples(keyword)
+    example = {"x": data.x[:2], "extra": data.e[:2]} if keyword else (data.x[:2], data.e[:2])
+    plan = cg.compile(model, example, _dict_loss, batch_size=8, devices=["cpu:0"], replicas=1,
+                      optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    out_node = [n for n in plan.model_graph.module.graph.nodes if n.op == "output"][0]
+    assert set(out_node.args[0]) == {"logits", "aux"}
+    plan.fit(data, 1, shuffle=False, progress=False)
+
+    ref = _TwoInputs()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for start in range(0, 32, 8):
+        opt.zero_grad()
+        _dict_loss(ref(data.x[start:start + 8], data.e[start:start + 8]), data.y[start:start + 8]).backward()
+        opt.step()
+    got = plan.central_model().state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_arguments_left_at_their_default_are_traced_with_it():
+    mg = trace_model(_TwoInputs(), (torch.randn(2, 4), torch.randn(2, 2)))
+    assert not any(getattr(n.target, "__name__", "") == "mul" for n in mg.module.graph.nodes)
+    scaled = trace_model(_TwoInputs(), (torch.randn(2, 4), torch.randn(2, 2), torch.tensor(2.0)))
+    assert any(getattr(n.target, "__name__", "") == "mul" for n in scaled.module.graph.nodes)
+
+
+def test_tuple_outputs_compile_with_a_loss_that_takes_them():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 6)
+
+        def forward(self, x):
+            return self.lin(x).chunk(2, dim=1)
+
+    plan = cg.compile(Pair(), (torch.randn(2, 4),),
+                      lambda out, y: F.mse_loss(out[0], y) + F.mse_loss(out[1], y), batch_size=4,
+                      devices=["cpu:0"])
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 3))
+    history = plan.fit(data, 1, progress=False)
+    assert len(history.epochs) == 1
+
+
+class _ResidualStack(nn.Module):
+    """Residual blocks in an nn.ModuleList and heads in an nn.ModuleDict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3))
+        self.heads = nn.ModuleDict({"cls": nn.Linear(8, 3), "reg": nn.Linear(8, 1)})
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.heads["cls"](x) + self.heads["reg"](x)
+
+
+def test_residual_connections_and_module_containers_trace_like_eager():
+    torch.manual_seed(0)
+    model = _ResidualStack()
+    x = torch.randn(5, 8)
+    mg = trace_model(model, (x,))
+    torch.testing.assert_close(mg.module(x), model(x), rtol=0, atol=0)
+    assert mg.analysis.residual_joins == 4  # three skip connections and the sum of the heads
+    assert {p.name for p in mg.parameters} == set(dict(model.named_parameters()))
+    plan = cg.compile(model, (x,), F.cross_entropy, batch_size=4, devices=["cpu:0", "cpu:1"], replicas=2)
+    assert plan.num_learners == 4
+    plan.fit(torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,))), 1,
+             progress=False)
+
+
+def test_inventory_counts_tied_parameters_once_and_marks_frozen_ones():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Linear(4, 4, bias=False)
+            self.out = nn.Linear(4, 4, bias=False)
+            self.out.weight = self.emb.weight
+            self.frozen = nn.Linear(4, 4)
+            self.frozen.requires_grad_(False)
+            self.bn = nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(self.out(self.emb(x)) + self.frozen(x))
+
+    mg = trace_model(Tied(), (torch.randn(3, 4),))
+    by_name = {p.name: p for p in mg.parameters}
+    assert by_name["emb.weight"].aliases == ("out.weight",)
+    assert "out.weight" not in by_name
+    assert not by_name["frozen.weight"].trainable and not by_name["frozen.bias"].trainable
+    assert mg.num_trainable == 16 + 8  # tied weight once, batch norm's weight and bias
+    assert mg.num_parameters == 16 + 20 + 8
+    assert [b.name for b in mg.buffers] == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    assert mg.analysis.frozen_bytes == 20 * 4
+
+
+def test_keyword_example_inputs_that_do_not_run_name_the_module_and_shapes():
+    with pytest.raises(cg.TraceError, match=r"example inputs \(shapes \[\[2, 5\], \[2, 2\]\]\) do not "
+                                            r"run through _TwoInputs in module 'a' \(Linear\): "
+                                            r"RuntimeError: mat1 and mat2"):
+        trace_model(_TwoInputs(), {"x": torch.randn(2, 5), "extra": torch.randn(2, 2)})
+    with pytest.raises(cg.TraceError, match=r"do not match the model's forward\(x, extra"):
+        trace_model(_TwoInputs(), {"x": torch.randn(2, 4), "other": torch.randn(2, 2)})
