@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 from .compiler import inspect as _inspect
-from .compiler.passes import annotate_costs, empty_task_graph, insert_sync, place_replicas
+from .compiler.passes import build_task_graph
 from .compiler.tasks import TaskKind
 from .compiler.trace import ModelGraph, trace_model
-from .compiler.verify import verify_task_graph
 from .config import SGD, SMA
 from .errors import PlanError
 from .runtime.data import as_dataset, make_fetch, split_inputs
@@ -143,12 +142,8 @@ def compile(  # noqa: A001 - the public name the design asks for
                               leaf_modules=leaf_modules)
     if memory_budget is None and names[0].startswith("cuda"):
         memory_budget = torch.cuda.get_device_properties(_torch_device(names[0])).total_memory
-    graph = empty_task_graph(devices=names, replicas_per_device=replicas, batch_size=batch_size)
-    for name, pass_fn in (("place_replicas", place_replicas), ("insert_sync", insert_sync),
-                          ("annotate_costs", lambda g: annotate_costs(g, model_graph))):
-        graph = pass_fn(graph)
-        if verify:
-            verify_task_graph(graph, stage=name, memory_budget_bytes=memory_budget)
+    graph = build_task_graph(model_graph, devices=names, replicas_per_device=replicas,
+                             batch_size=batch_size, memory_budget_bytes=memory_budget, verify=verify)
     return Plan(model=model, model_graph=model_graph, task_graph=graph, loss_fn=loss_fn,
                 batch_size=batch_size, optimizer=optimizer, sync=sync)
 
