@@ -45,6 +45,7 @@ KERNEL_BACKENDS = ("auto", "triton", "torch")
 triton: Any = None  # the triton module, imported by _import_triton()
 tl: Any = None  # triton.language, resolved by the kernels' bodies at compile/run time
 
+FP_FUSION = True  # a·b + c in one rounding on the GPU (as torch's fused CPU kernels do)
 _INSTALL_HINT = ("install it with `pip install 'triton==3.9.0'` (or `pip install "
                  "'crossbow_graph[triton]'`), or use kernel_backend='torch'")
 
@@ -253,7 +254,8 @@ class EmittedKernel:
     def launch(self, *args: Any, num_warps: int = 4) -> None:
         """Run the kernel on its grid with run-time ``args`` (pointers and scalars, in order)."""
         if self.spec.device_type == "cuda":
-            compiled = self.fn[self.spec.grid](*args, **self.spec.constexprs, num_warps=num_warps)
+            compiled = self.fn[self.spec.grid](*args, **self.spec.constexprs, num_warps=num_warps,
+                                               enable_fp_fusion=FP_FUSION)
             if not self.asm and compiled is not None and hasattr(compiled, "asm"):
                 self.asm = dict(compiled.asm)
         else:
@@ -280,7 +282,7 @@ class EmittedKernel:
         src = ASTSource(fn, signature,
                         constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": num_warps})
+                                  options={"num_warps": num_warps, "enable_fp_fusion": FP_FUSION})
         return dict(compiled.asm)
 
     def __repr__(self) -> str:

@@ -2,7 +2,9 @@
 
 Both functions work in place on flat per-device buffers (DESIGN.md §4): the m replicas of a device
 are the rows of ``w [m, P]``; their momentum is ``v [m, P]``; their gradients ``g [m, P]``; the
-device's copy of the central average model is ``z [P]``.
+device's copy of the central average model is ``z [P]``. ``w``, ``v``, ``z`` are float32 (for a
+bfloat16/float16 model they are the fp32 masters, runtime/state.py); ``g`` is in the model's dtype
+and is upcast element by element, so a small correction is never rounded away.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def sma_local_update(
     Args:
         w: replicas' parameters, ``[m, P]``, updated in place.
         v: replicas' momentum buffers, ``[m, P]``, updated in place (unused if ``momentum == 0``).
-        g: replicas' loss gradients at ŵ, ``[m, P]`` (not modified).
+        g: replicas' loss gradients at ŵ, ``[m, P]``, float32, bfloat16 or float16 (not modified).
         z: the device's copy of the central average model, ``[P]``; ``None`` (or ``alpha == 0``)
             skips the correction (a round without synchronisation, or k = 1) and returns ``None``.
         lr: learning rate η (per sample-mean loss, as torch.optim.SGD).
