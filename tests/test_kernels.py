@@ -324,3 +324,18 @@ def test_gpu_fit_auto_picks_triton_and_matches_torch():
         if backend == "auto":
             assert isinstance(plan.scheduler.kernels, K.TritonSMAKernels)
     torch.testing.assert_close(out["auto"], out["torch"], atol=1e-5, rtol=1e-5)
+
+
+def test_torch_column_blocks_change_nothing(monkeypatch):
+    """The torch implementation's CPU column blocking (runtime/sma.py) against one block."""
+    from crossbow_graph.runtime import sma
+
+    out = []
+    for block_bytes in (1 << 40, 1024):  # one block; blocks of 1024 columns (the minimum)
+        monkeypatch.setattr(sma, "BLOCK_BYTES", block_bytes)
+        w, v, g, z = make_inputs(3, 2500)
+        z_prev = z.flip(0)
+        accs = [sma_local_update(w, v, g, z, **dict(OPTS, first_step=step == 0)) for step in range(2)]
+        sma_central_update(z, z_prev, accs[-1], central_momentum=0.9)
+        out.append((w, v, *accs, z, z_prev))
+    torch.testing.assert_close(out[0], out[1], atol=0, rtol=0)
