@@ -145,9 +145,13 @@ def test_lower_compiles_for_cuda_without_a_gpu():
                         weight_decay=1e-4, first_step=False, correct=True)
     asm = K.emit(spec).lower(arch=90)
     assert ".entry sma_local_kernel" in asm["ptx"]
-    assert "tt.load" in asm["ttir"]
+    assert "tt.load" in asm["ttir"] and "tensor<1024xi64>" not in asm["ttir"]
     asm = K.emit(K.central_spec(61_706, "cuda", central_momentum=0.9)).lower(arch=90)
     assert ".entry sma_central_kernel" in asm["ptx"]
+    big = K.local_spec(8, 300_000_000, torch.float32, "cuda", momentum=0.0, nesterov=False,
+                       weight_decay=0.0, first_step=False, correct=True)  # m·P ≥ 2^31
+    assert dict(big.flags)["INT64"]
+    assert "tensor<1024xi64>" in K.emit(big).lower(arch=90)["ttir"]  # 64-bit offsets
 
 
 class MLP(nn.Module):

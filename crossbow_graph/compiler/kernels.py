@@ -37,7 +37,7 @@ from ..runtime.sma import TorchSMAKernels, sma_central_update, sma_local_update
 
 __all__ = [
     "KernelSpec", "EmittedKernel", "TorchKernel", "TritonSMAKernels", "emit", "plan_kernels",
-    "select_backend", "KERNEL_BACKENDS",
+    "select_backend", "local_spec", "central_spec", "default_block", "KERNEL_BACKENDS",
 ]
 
 KERNEL_BACKENDS = ("auto", "triton", "torch")
