@@ -154,8 +154,10 @@ def compile(  # noqa: A001 - the public name the design asks for
         graph = pass_fn(graph)
         if verify:
             verify_task_graph(graph, stage=name, memory_budget_bytes=memory_budget)
-    return Plan(model=model, model_graph=model_graph, task_graph=graph, loss_fn=loss_fn,
+    plan = Plan(model=model, model_graph=model_graph, task_graph=graph, loss_fn=loss_fn,
                 batch_size=batch_size, optimizer=optimizer, sync=sync, kernels=kernels)
+    plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
+    return plan
 
 
 class Plan:
