@@ -110,6 +110,21 @@ class _Torch:
     central_update = staticmethod(sma_central_update)
 
 
+def round_floor_bytes(m: int, P: int) -> int:
+    """Bytes a whole round must move: the local update's (3m+1) reads + (2m+1) writes and the
+    central update's 3 reads (z, z_prev, C) + 2 writes, of 4P bytes each."""
+    return ((3 * m + 1) + (2 * m + 1) + 5) * 4 * P
+
+
+def cpu_copy_bandwidth(reps: int) -> float:
+    """Bytes/s of a 256 MiB copy (read + write counted) on this thread, median of ``reps``."""
+    src = torch.randn(2**26)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return statistics.median(2 * src.numel() * 4 / _time_cpu(lambda: dst.copy_(src), 0.2)
+                             for _ in range(reps))
+
+
 def _time_cpu(fn, min_s: float) -> float:
     """Seconds per call: calls repeated until ``min_s`` has passed."""
     n, start = 0, time.perf_counter()
@@ -156,7 +171,9 @@ def bench_cpu(name, shapes, m, reps, min_s):
                                                      momentum=MOMENTUM, alpha=alpha,
                                                      central_momentum=MU_Z), min_s))
     f, n = statistics.median(flat_s), statistics.median(naive_s)
-    return {"model": name, "m": m, "P": P, "tensors": len(shapes), "torch_flat_s": f,
+    floor = round_floor_bytes(m, P)
+    return {"model": name, "m": m, "P": P, "tensors": len(shapes), "floor_bytes": floor,
+            "torch_flat_bytes_per_s": floor / f, "torch_flat_s": f,
             "naive_loop_s": n, "ratio_naive_over_flat": n / f,
             "spread_flat_s": [min(flat_s), max(flat_s)], "spread_naive_s": [min(naive_s), max(naive_s)]}
 
@@ -234,7 +251,12 @@ def main(argv: list[str] | None = None) -> int:
                       "host": platform.node(), "utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "reps": args.reps, "lr": LR, "momentum": MOMENTUM, "central_momentum": MU_Z}
     if args.device == "cpu":
-        print(f"{'model':<10}{'m':>3}{'P':>12}{'tensors':>8}{'flat torch ms':>15}{'naive loop ms':>15}{'naive/flat':>12}")
+        copy_bw = cpu_copy_bandwidth(args.reps)
+        meta["copy_bytes_per_s"] = copy_bw
+        print(f"CPU, {args.threads} thread(s): 256 MiB copy {copy_bw / 1e9:.1f} GB/s; GB/s below = "
+              "round floor ((3m+1)+(2m+1)+5)·4P bytes / flat torch time")
+        print(f"{'model':<10}{'m':>3}{'P':>12}{'tensors':>8}{'flat torch ms':>15}{'GB/s':>7}"
+              f"{'naive loop ms':>15}{'naive/flat':>12}")
         for name in names:
             P = sum(_numel(s) for s in shapes[name])
             for m in ms:
@@ -244,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = bench_cpu(name, shapes[name], m, args.reps, args.min_s)
                 rows.append(r)
                 print(f"{name:<10}{m:>3}{P:>12,}{r['tensors']:>8}{r['torch_flat_s'] * 1e3:>15.3f}"
+                      f"{r['torch_flat_bytes_per_s'] / 1e9:>7.1f}"
                       f"{r['naive_loop_s'] * 1e3:>15.3f}{r['ratio_naive_over_flat']:>12.2f}")
         if rows:
             ratios = [r["ratio_naive_over_flat"] for r in rows]
