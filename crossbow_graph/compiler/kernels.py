@@ -252,10 +252,12 @@ class EmittedKernel:
         return "\n".join(head) + "\n" + inspect.getsource(_BODIES[self.spec.kind])
 
     def launch(self, *args: Any, num_warps: int = 4) -> None:
-        """Run the kernel on its grid with run-time ``args`` (pointers and scalars, in order)."""
+        """Run the kernel on its grid with run-time ``args`` (pointers and scalars, in order;
+        the first a tensor on the device to run on)."""
         if self.spec.device_type == "cuda":
-            compiled = self.fn[self.spec.grid](*args, **self.spec.constexprs, num_warps=num_warps,
-                                               enable_fp_fusion=FP_FUSION)
+            with torch.cuda.device(args[0].device):  # Triton launches on the current device
+                compiled = self.fn[self.spec.grid](*args, **self.spec.constexprs,
+                                                   num_warps=num_warps, enable_fp_fusion=FP_FUSION)
             if not self.asm and compiled is not None and hasattr(compiled, "asm"):
                 self.asm = dict(compiled.asm)
         else:

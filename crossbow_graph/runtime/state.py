@@ -124,7 +124,8 @@ class DeviceState:
 
     Attributes:
         name: device name (``"cpu:0"``, ``"cuda:1"``); ``torch_device`` the torch.device.
-        replicas: m modules, training mode, parameters are views of ``w``.
+        replicas: m modules, training mode, parameters are views of ``w_model`` (that is ``w``
+            for a float32 model).
         w, v, g: ``[m, P]`` parameters, momentum (float32), gradients (model dtype).
         buf: ``[m, Q]`` float buffers (model dtype).
         z, z_prev: ``[P]`` the central average model and its previous value (float32).
