@@ -199,6 +199,8 @@ def test_plan_kernels_lists_what_runs():
 
 def test_select_backend():
     assert isinstance(K.select_backend("auto", "cpu"), TorchSMAKernels)
+    assert isinstance(K.select_backend("auto", "cuda"), K.TritonSMAKernels)
+    assert isinstance(K.select_backend("torch", "cuda"), TorchSMAKernels)
     assert isinstance(K.select_backend("triton", "cpu"), K.TritonSMAKernels)
     with pytest.raises(ValueError, match="kernel_backend='cuda'"):
         K.select_backend("cuda", "cpu")
