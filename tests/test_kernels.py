@@ -96,9 +96,9 @@ def test_local_update_lenet5_size_default_block():
 @given(m=st.integers(1, 8), P=st.integers(1, 300), block=st.sampled_from([16, 64, 256]),
        momentum=st.sampled_from([0.0, 0.5, 0.9]), nesterov=st.booleans(),
        weight_decay=st.sampled_from([0.0, 1e-2]), alpha=st.sampled_from([0.0, 0.01, 0.5, 1.0]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-def test_local_update_random(m, P, block, momentum, nesterov, weight_decay, alpha, dtype):
-    check_local(m, P, dtype=dtype, backend=K.TritonSMAKernels(block=block), lr=0.03,
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), with_z=st.booleans())
+def test_local_update_random(m, P, block, momentum, nesterov, weight_decay, alpha, dtype, with_z):
+    check_local(m, P, dtype=dtype, backend=K.TritonSMAKernels(block=block), with_z=with_z, lr=0.03,
                 momentum=momentum, nesterov=nesterov and momentum > 0,
                 weight_decay=weight_decay, alpha=alpha)
 
