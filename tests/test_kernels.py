@@ -231,31 +231,32 @@ def test_fit_same_weights_triton_and_torch(replicas, devices, sync_every):
 
 # -- low precision ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_bf16_small_pull_moves_z(backend):
-    """α = 0.01 in a bf16 model: C is far below bf16's resolution of z, so only an fp32 master
-    z moves; the modules (bf16) show the masters rounded."""
-    plan = make_plan(dtype=torch.bfloat16, kernel_backend=backend,
+@pytest.mark.parametrize("backend,dtype", [("triton", torch.bfloat16), ("torch", torch.bfloat16),
+                                           ("triton", torch.float16)])
+def test_bf16_small_pull_moves_z(backend, dtype):
+    """α = 0.01 in a bf16 (fp16) model: C is far below the resolution of z in that dtype, so only
+    an fp32 master z moves; the modules show the masters rounded."""
+    plan = make_plan(dtype=dtype, kernel_backend=backend,
                      optimizer=cg.SGD(lr=0.01, momentum=0.0),
                      sync=cg.SMA(alpha=0.01, central_momentum=0.0))
     state = plan.states[0]
     assert state.w.dtype == state.z.dtype == state.v.dtype == torch.float32
-    assert state.g.dtype == state.w_model.dtype == torch.bfloat16
+    assert state.g.dtype == state.w_model.dtype == dtype
     z0 = plan.central_weights()
-    plan.fit(tiny_data(16, dtype=torch.bfloat16), 1, shuffle=False, progress=False)  # 2 rounds
+    plan.fit(tiny_data(16, dtype=dtype), 1, shuffle=False, progress=False)  # 2 rounds
     z1 = plan.central_weights()
     moved = z1 != z0
     assert moved.any()
-    # the same step in bf16 would have been lost: z0 + C rounds back to z0
-    lost = (z0.bfloat16() + (z1 - z0).bfloat16()) == z0.bfloat16()
+    # the same step on a z in the model's dtype would be lost: z0 + C rounds back to z0
+    lost = (z0.to(dtype) + (z1 - z0).to(dtype)) == z0.to(dtype)
     assert lost[moved].float().mean() > 0.5
-    plan.evaluate(tiny_data(8, dtype=torch.bfloat16))  # the central module's forward copies back
+    plan.evaluate(tiny_data(8, dtype=dtype))  # the central module's forward copies back
     central = torch.cat([p.detach().flatten() for p in plan._central.parameters()])
-    torch.testing.assert_close(central, z1.bfloat16(), atol=0, rtol=0)
+    torch.testing.assert_close(central, z1.to(dtype), atol=0, rtol=0)
     replica = state.replicas[1]
-    replica(torch.randn(2, 8, dtype=torch.bfloat16))
+    replica(torch.randn(2, 8, dtype=dtype))
     torch.testing.assert_close(torch.cat([p.detach().flatten() for p in replica.parameters()]),
-                               state.w[1].bfloat16(), atol=0, rtol=0)
+                               state.w[1].to(dtype), atol=0, rtol=0)
 
 
 def test_fp16_model_and_mixed_dtypes():
