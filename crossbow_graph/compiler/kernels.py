@@ -369,9 +369,9 @@ class TritonSMAKernels:
         _check_master("w", w, (m, P))
         if momentum != 0:
             _check_master("v", v, (m, P))
-        if tuple(g.shape) != (m, P) or not g.is_contiguous() or not g.is_floating_point():
-            raise TypeError(f"g must be a contiguous floating-point tensor of shape {[m, P]}, got "
-                            f"{g.dtype} {list(g.shape)}")
+        if tuple(g.shape) != (m, P) or not g.is_contiguous() or g.dtype not in _TRITON_DTYPE:
+            raise TypeError(f"g must be a contiguous float32, bfloat16 or float16 tensor of shape "
+                            f"{[m, P]}, got {g.dtype} {list(g.shape)}")
         correct = z is not None and alpha != 0
         if correct:
             _check_master("z", z, (P,))
