@@ -164,12 +164,18 @@ def bench_cpu(name, shapes, m, reps, min_s):
     torch.testing.assert_close(torch.cat([t.flatten() for t in zs]), z, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([t.flatten() for t in params[-1]]), w[-1], atol=1e-5,
                                rtol=1e-5)
+    def flat():
+        _flat_round(_Torch, w, v, g, z, z_prev, alpha=alpha)
+
+    def naive():
+        naive_round(params, grads, bufs, zs, zps, lr=LR, momentum=MOMENTUM, alpha=alpha,
+                    central_momentum=MU_Z)
+
     flat_s, naive_s = [], []
+    _time_cpu(flat, min_s), _time_cpu(naive, min_s)  # warm-up (allocator, caches), not counted
     for _ in range(reps):  # interleaved A B A B
-        flat_s.append(_time_cpu(lambda: _flat_round(_Torch, w, v, g, z, z_prev, alpha=alpha), min_s))
-        naive_s.append(_time_cpu(lambda: naive_round(params, grads, bufs, zs, zps, lr=LR,
-                                                     momentum=MOMENTUM, alpha=alpha,
-                                                     central_momentum=MU_Z), min_s))
+        flat_s.append(_time_cpu(flat, min_s))
+        naive_s.append(_time_cpu(naive, min_s))
     f, n = statistics.median(flat_s), statistics.median(naive_s)
     floor = round_floor_bytes(m, P)
     return {"model": name, "m": m, "P": P, "tensors": len(shapes), "floor_bytes": floor,
