@@ -195,10 +195,14 @@ class KernelSpec:
     def grid(self) -> tuple[int]:
         return ((self.P + self.block - 1) // self.block,)
 
-    def describe(self) -> str:
-        flags = ", ".join(f"{k}={int(v)}" for k, v in self.flags)
-        return (f"{self.kind}[m={self.m}, P={self.P:,}, dtype={str(self.dtype).removeprefix('torch.')}, "
-                f"BLOCK={self.block}, {flags}] grid={self.grid[0]}")
+    def describe(self, launch: bool = True) -> str:
+        """One line: kind, m, P, dtype, flags; with ``launch``, the block and the grid too."""
+        flags = ", ".join(f"{k}={int(v)}" for k, v in self.flags if launch or k != "INT64")
+        dtype = str(self.dtype).removeprefix("torch.")
+        if not launch:
+            return f"{self.kind}[m={self.m}, P={self.P:,}, dtype={dtype}, {flags}]"
+        return (f"{self.kind}[m={self.m}, P={self.P:,}, dtype={dtype}, BLOCK={self.block}, "
+                f"{flags}] grid={self.grid[0]}")
 
 
 def local_spec(m: int, P: int, dtype: torch.dtype, device_type: str, *, momentum: float,
@@ -409,10 +413,11 @@ class TorchKernel:
     @property
     def source(self) -> str:
         fn = sma_local_update if self.spec.kind == "sma_local" else sma_central_update
-        return f"# {self.spec.describe()} — torch (vectorised over [m, P])\n" + inspect.getsource(fn)
+        return (f"# {self.spec.describe(launch=False)} — torch (vectorised over [m, P])\n"
+                + inspect.getsource(fn))
 
     def __repr__(self) -> str:
-        return f"<{self.spec.describe()}, torch>"
+        return f"<{self.spec.describe(launch=False)}, torch>"
 
 
 def plan_kernels(backend: Any, states: list[Any], *, momentum: float, nesterov: bool,
