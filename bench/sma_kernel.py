@@ -213,9 +213,13 @@ def bench_cuda(name, P, m, reps, iters, peak):
     z, z_prev = w.mean(0), w.mean(0)
     c = torch.zeros_like(z)
     kw = dict(lr=LR, momentum=MOMENTUM, nesterov=False, weight_decay=0.0, alpha=1.0 / m)
-    for backend in (tri, _Torch):  # compile, warm up
-        backend.local_update(w, v, g, z, **kw)
-        backend.central_update(z, z_prev, c, central_momentum=MU_Z)
+    outs = []
+    for backend in (tri, _Torch):  # compile, warm up, and the same numbers on copies
+        wc, vc, zc, zpc = w.clone(), v.clone(), z.clone(), z_prev.clone()
+        acc = backend.local_update(wc, vc, g, zc, **kw)
+        backend.central_update(zc, zpc, acc, central_momentum=MU_Z)
+        outs.append((wc, vc, zc, zpc))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     torch.cuda.synchronize()
     t_tri, t_torch, t_ctri, t_ctorch = [], [], [], []
     for _ in range(reps):  # interleaved A B A B
