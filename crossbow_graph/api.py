@@ -12,17 +12,16 @@ import torch
 from torch import nn
 
 from .compiler import inspect as _inspect
+from .compiler.kernels import plan_kernels, select_backend
 from .compiler.passes import build_task_graph
-from .compiler.tasks import TaskKind
 from .compiler.trace import ModelGraph, trace_model
 from .config import SGD, SMA
-from .errors import PlanError
 from .runtime.data import as_dataset, make_fetch, split_inputs
 from .runtime.history import History
 from .runtime.hooks import Hook
 from .runtime.scheduler import Scheduler
 from .runtime.trainer import run_fit
-from .runtime.state import DeviceState, FlatLayout, bind_flat, float_buffers_named, trainable_named
+from .runtime.state import DeviceState, FlatLayout, float_buffers_named, trainable_named
 
 __all__ = ["compile", "Plan", "resolve_devices"]
 
@@ -95,6 +94,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     leaf_modules: Sequence[type[nn.Module]] = (),
     memory_budget: int | None = None,
     verify: bool = True,
+    kernel_backend: str = "auto",
 ) -> "Plan":
     """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training.
 
@@ -116,6 +116,10 @@ def compile(  # noqa: A001 - the public name the design asks for
         memory_budget: bytes available per device for learners; None: no bound on the CPU, the
             GPU's total memory on CUDA.
         verify: run the verifier between compiler passes.
+        kernel_backend: the SMA update kernels (DESIGN.md §4): ``"auto"`` — Triton on CUDA, the
+            vectorised torch implementation on the CPU; ``"triton"`` — fused Triton kernels
+            emitted for this plan (on the CPU through Triton's interpreter: slow, for tests);
+            ``"torch"``. ``Plan.kernels`` lists what runs.
 
     Returns:
         The Plan.
@@ -123,7 +127,8 @@ def compile(  # noqa: A001 - the public name the design asks for
     Raises:
         TraceError: torch.fx cannot trace the model, or the example inputs do not run through it.
         ValueError: a bad argument (batch size, replicas, devices, a model without trainable
-            floating-point parameters).
+            floating-point parameters, an unknown kernel_backend).
+        ImportError: ``kernel_backend="triton"`` without the triton package (says how to install).
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
@@ -138,14 +143,17 @@ def compile(  # noqa: A001 - the public name the design asks for
         raise TypeError(f"sync must be crossbow_graph.SMA(...), got {type(sync).__name__}")
     _check_model(model)
     names = resolve_devices(devices)
+    kernels = select_backend(kernel_backend, "cuda" if names[0].startswith("cuda") else "cpu")
     model_graph = trace_model(model, example_inputs, concrete_args=concrete_args,
                               leaf_modules=leaf_modules)
     if memory_budget is None and names[0].startswith("cuda"):
         memory_budget = torch.cuda.get_device_properties(_torch_device(names[0])).total_memory
     graph = build_task_graph(model_graph, devices=names, replicas_per_device=replicas,
                              batch_size=batch_size, memory_budget_bytes=memory_budget, verify=verify)
-    return Plan(model=model, model_graph=model_graph, task_graph=graph, loss_fn=loss_fn,
-                batch_size=batch_size, optimizer=optimizer, sync=sync)
+    plan = Plan(model=model, model_graph=model_graph, task_graph=graph, loss_fn=loss_fn,
+                batch_size=batch_size, optimizer=optimizer, sync=sync, kernels=kernels)
+    plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
+    return plan
 
 
 class Plan:
@@ -159,7 +167,8 @@ class Plan:
     """
 
     def __init__(self, *, model: nn.Module, model_graph: ModelGraph, task_graph: nx.DiGraph,
-                 loss_fn: Callable, batch_size: int, optimizer: SGD, sync: SMA) -> None:
+                 loss_fn: Callable, batch_size: int, optimizer: SGD, sync: SMA,
+                 kernels: Any = None) -> None:
         self.model_graph = model_graph
         self.task_graph = task_graph
         self.loss_fn = loss_fn
@@ -175,9 +184,10 @@ class Plan:
             for name in self.devices
         ]
         self._central = copy.deepcopy(self._template).to(self.states[0].torch_device).eval()
-        bind_flat(self._central, self.states[0].z, None, self.states[0].zbuf, self._params,
-                  self._buffers)
+        self.states[0].bind_central(self._central)
         self.scheduler = Scheduler(task_graph, self.states, loss_fn, optimizer, sync, batch_size)
+        if kernels is not None:
+            self.scheduler.kernels = kernels
         self.epochs_done = 0
         self.rounds_done = 0
         self.train_seconds = 0.0
@@ -204,6 +214,21 @@ class Plan:
     def _inspection_settings(self) -> dict[str, Any]:
         return {"optimizer": dataclasses.asdict(self.optimizer), "sync": dataclasses.asdict(self.sync),
                 "alpha": self.sync.alpha_for(self.num_learners)}
+
+    @property
+    def kernels(self) -> list:
+        """The SMA update kernels this plan runs (DESIGN.md §4), one per specialisation.
+
+        Each has ``spec`` (m, P, dtype, block, the constexpr flags), ``backend`` (``"triton"`` or
+        ``"torch"``) and ``source`` (printable: the Triton source with its constexpr values, or
+        the torch function); Triton ones on CUDA also carry ``asm`` after their first launch, and
+        ``lower(arch)`` compiles them to PTX without a GPU.
+        """
+        opt, sync = self.optimizer, self.sync
+        return plan_kernels(self.scheduler.kernels, self.states, momentum=opt.momentum,
+                            nesterov=opt.nesterov, weight_decay=opt.weight_decay,
+                            num_learners=self.num_learners, sync_every=sync.sync_every,
+                            central_momentum=sync.central_momentum)
 
     def summary(self) -> str:
         """A table per device: replicas, tasks, GFLOP per round, memory (MiB); then the totals.

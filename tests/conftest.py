@@ -1,8 +1,18 @@
+"""Shared pytest setup: Triton's interpreter on machines without CUDA; GPU tests skipped there.
+
+Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a function, and triton.language
+decorates its own helpers when it is first imported, so the variable is set here, before any test
+module imports triton. (crossbow_graph's kernels do not depend on it: see compiler/kernels.py.)
+"""
+
 import os
 import sys
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/_reference.py and friends
 

@@ -2,14 +2,22 @@
 
 Both functions work in place on flat per-device buffers (DESIGN.md §4): the m replicas of a device
 are the rows of ``w [m, P]``; their momentum is ``v [m, P]``; their gradients ``g [m, P]``; the
-device's copy of the central average model is ``z [P]``.
+device's copy of the central average model is ``z [P]``. ``w``, ``v``, ``z`` are float32 (for a
+bfloat16/float16 model they are the fp32 masters, runtime/state.py); ``g`` is in the model's dtype
+and is upcast element by element, so a small correction is never rounded away.
+
+On the CPU both go over P in column blocks of about BLOCK_BYTES of each ``[m, ·]`` buffer — the
+blocking of the Triton kernels — so that a block's temporaries stay in cache instead of streaming
+``[m, P]`` through memory once per operation (bench/sma_kernel.py measures it).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["sma_local_update", "sma_central_update", "TorchSMAKernels"]
+__all__ = ["sma_local_update", "sma_central_update", "TorchSMAKernels", "BLOCK_BYTES"]
+
+BLOCK_BYTES = 1 << 20  # CPU: bytes of each [m, ·] buffer per column block (1 MiB)
 
 
 @torch.no_grad()
@@ -40,7 +48,7 @@ def sma_local_update(
     Args:
         w: replicas' parameters, ``[m, P]``, updated in place.
         v: replicas' momentum buffers, ``[m, P]``, updated in place (unused if ``momentum == 0``).
-        g: replicas' loss gradients at ŵ, ``[m, P]`` (not modified).
+        g: replicas' loss gradients at ŵ, ``[m, P]``, float32, bfloat16 or float16 (not modified).
         z: the device's copy of the central average model, ``[P]``; ``None`` (or ``alpha == 0``)
             skips the correction (a round without synchronisation, or k = 1) and returns ``None``.
         lr: learning rate η (per sample-mean loss, as torch.optim.SGD).
@@ -53,6 +61,27 @@ def sma_local_update(
     Returns:
         ``acc [P]``, the device's sum of corrections, or ``None`` without a correction.
     """
+    m, P = w.shape
+    correct = z is not None and alpha != 0
+    acc = torch.empty(P, dtype=w.dtype, device=w.device) if correct else None
+    step = _block_columns(w, m)
+    for a in range(0, P, step):
+        b = min(a + step, P)
+        _local_block(w[:, a:b], v[:, a:b], g[:, a:b], z[a:b] if correct else None,
+                     acc[a:b] if correct else None, lr=lr, momentum=momentum, nesterov=nesterov,
+                     weight_decay=weight_decay, alpha=alpha, first_step=first_step)
+    return acc
+
+
+def _block_columns(w: torch.Tensor, m: int) -> int:
+    """Columns per block: all of them on an accelerator (one launch per op); on the CPU about
+    BLOCK_BYTES of each ``[m, ·]`` buffer, so a block's temporaries stay in cache."""
+    if w.device.type != "cpu":
+        return max(1, w.shape[1])
+    return max(1024, BLOCK_BYTES // (4 * m))
+
+
+def _local_block(w, v, g, z, acc, *, lr, momentum, nesterov, weight_decay, alpha, first_step):
     d = g if weight_decay == 0 else g.add(w, alpha=weight_decay)
     if momentum != 0:
         if first_step:
@@ -62,12 +91,12 @@ def sma_local_update(
         u = d.add(v, alpha=momentum) if nesterov else v
     else:
         u = d
-    if z is None or alpha == 0:
+    if z is None:
         w.add_(u, alpha=-lr)
-        return None
-    c = torch.sub(w, z).mul_(alpha)  # [m, P], at the pre-step point
+        return
+    c = torch.sub(w, z).mul_(alpha)  # [m, n], at the pre-step point
     w.add_(u, alpha=-lr).sub_(c)
-    return c.sum(dim=0)
+    torch.sum(c, dim=0, out=acc)
 
 
 @torch.no_grad()
@@ -84,9 +113,13 @@ def sma_central_update(
         c: sum of all learners' corrections over every device and process, ``[P]``.
         central_momentum: μ_z.
     """
-    step = c if central_momentum == 0 else c.add(z - z_prev, alpha=central_momentum)
-    z_prev.copy_(z)
-    z.add_(step)
+    P = z.shape[0]
+    n = _block_columns(z.view(1, P), 1)
+    for a in range(0, P, n):
+        zb, zpb, cb = z[a:a + n], z_prev[a:a + n], c[a:a + n]
+        step = cb if central_momentum == 0 else cb.add(zb - zpb, alpha=central_momentum)
+        zpb.copy_(zb)
+        zb.add_(step)
 
 
 class TorchSMAKernels:

@@ -4,6 +4,13 @@ A device holds m replicas (deep copies of the user's model) whose trainable para
 into the rows of ``w [m, P]`` and whose gradients are views into ``g [m, P]``; floating-point
 buffers (BatchNorm statistics) are views into ``buf [m, Q]``. ``z [P]``/``z_prev [P]`` are the
 device's copies of the central average model and ``zbuf [Q]`` its buffers.
+
+Low precision: a model whose parameters are bfloat16 or float16 keeps ``w``, ``v``, ``z``,
+``z_prev`` in float32 (the masters the SMA update works on, so that a small correction
+α(ŵ − z) is not rounded away) and its modules' parameters are views into ``w_model [m, P]`` /
+``z_model [P]`` in the model's dtype; gradients ``g`` and buffers are in the model's dtype. The
+masters are copied back into the model copies lazily, before a module's forward, whenever they
+changed (their version counter moved).
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FlatLayout", "DeviceState", "bind_flat"]
+__all__ = ["FlatLayout", "DeviceState", "bind_flat", "model_dtype", "LOW_PRECISION"]
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -78,15 +87,50 @@ def bind_flat(module: nn.Module, params_row: torch.Tensor, grads_row: torch.Tens
             _set_buffer(module, name, view)
 
 
+def model_dtype(params: list[tuple[str, torch.Tensor]]) -> torch.dtype:
+    """The one dtype of a model's trainable parameters (float32, bfloat16 or float16; float64 and
+    other float types are trained in float32, as before).
+
+    Raises:
+        ValueError: the parameters mix dtypes, naming two of them.
+    """
+    dtypes = {p.dtype for _, p in params}
+    if len(dtypes) > 1:
+        first = {}
+        for name, p in params:
+            first.setdefault(p.dtype, name)
+        a, b = list(first.items())[:2]
+        raise ValueError(f"trainable parameters mix dtypes: '{a[1]}' is {a[0]} but '{b[1]}' is "
+                         f"{b[0]}; cast the model to one dtype, e.g. model.to(torch.bfloat16)")
+    dtype = dtypes.pop() if dtypes else torch.float32
+    return dtype if dtype in LOW_PRECISION else torch.float32
+
+
+class _CopyBack:
+    """Forward pre-hook: copy a float32 master into its low-precision model copy if it changed."""
+
+    def __init__(self, master: torch.Tensor, model: torch.Tensor) -> None:
+        self.master, self.model = master, model
+        self.seen = -1  # the master's version when last copied
+
+    def __call__(self, *_: object) -> None:
+        if self.master._version != self.seen:
+            self.model.copy_(self.master)
+            self.seen = self.master._version
+
+
 class DeviceState:
     """The m replicas of one device and their flat buffers.
 
     Attributes:
         name: device name (``"cpu:0"``, ``"cuda:1"``); ``torch_device`` the torch.device.
-        replicas: m modules, training mode, parameters are views of ``w``.
-        w, v, g: ``[m, P]`` parameters, momentum, gradients.
-        buf: ``[m, Q]`` float buffers.
-        z, z_prev: ``[P]`` the central average model and its previous value.
+        replicas: m modules, training mode, parameters are views of ``w_model`` (that is ``w``
+            for a float32 model).
+        w, v, g: ``[m, P]`` parameters, momentum (float32), gradients (model dtype).
+        buf: ``[m, Q]`` float buffers (model dtype).
+        z, z_prev: ``[P]`` the central average model and its previous value (float32).
+        dtype: the model's dtype; w_model ``[m, P]`` and z_model ``[P]`` in it, the tensors the
+            modules' parameters are views of (``w`` and ``z`` themselves when float32).
         zbuf: ``[Q]`` the central model's float buffers (mean over all replicas at each sync).
         first_step: per replica, momentum not yet initialised (bool list of length m).
     """
@@ -97,16 +141,22 @@ class DeviceState:
         self.torch_device = torch_device
         self.params = params
         self.buffers = buffers
-        dtype = torch.float32
-        self.w = torch.zeros(m, params.size, dtype=dtype, device=torch_device)
+        self.dtype = dtype = model_dtype(trainable_named(template))
+        self.w = torch.zeros(m, params.size, dtype=torch.float32, device=torch_device)
         self.v = torch.zeros_like(self.w)
-        self.g = torch.zeros_like(self.w)
+        self.g = torch.zeros(m, params.size, dtype=dtype, device=torch_device)
         self.buf = torch.zeros(m, buffers.size, dtype=dtype, device=torch_device)
-        self.z = torch.zeros(params.size, dtype=dtype, device=torch_device)
+        self.z = torch.zeros(params.size, dtype=torch.float32, device=torch_device)
         self.zbuf = torch.zeros(buffers.size, dtype=dtype, device=torch_device)
+        low = dtype in LOW_PRECISION
+        self.w_model = torch.zeros_like(self.w, dtype=dtype) if low else self.w
+        self.z_model = torch.zeros_like(self.z, dtype=dtype) if low else self.z
+        self._copy_w = _CopyBack(self.w, self.w_model) if low else None
         self.replicas: list[nn.Module] = []
         for j in range(m):
             self.replicas.append(self._new_replica(template, j))
+        if low:
+            self.w.copy_(self.w_model)
         self.z.copy_(self.w[0])
         self.z_prev = self.z.clone()
         self.zbuf.copy_(self.buf[0])
@@ -120,5 +170,15 @@ class DeviceState:
     def _new_replica(self, template: nn.Module, j: int) -> nn.Module:
         r = copy.deepcopy(template).to(self.torch_device)
         r.train()
-        bind_flat(r, self.w[j], self.g[j], self.buf[j], self.params, self.buffers)
+        bind_flat(r, self.w_model[j], self.g[j], self.buf[j], self.params, self.buffers)
+        if self._copy_w is not None:
+            r.register_forward_pre_hook(self._copy_w)
         return r
+
+    def bind_central(self, module: nn.Module) -> None:
+        """Make ``module`` (a copy of the model) show this device's central model: its parameters
+        views of ``z_model`` (refreshed from z before each forward when low precision), its
+        float buffers views of ``zbuf``."""
+        bind_flat(module, self.z_model, None, self.zbuf, self.params, self.buffers)
+        if self.z_model is not self.z:
+            module.register_forward_pre_hook(_CopyBack(self.z, self.z_model))

@@ -1,0 +1,348 @@
+"""The SMA update kernels (DESIGN.md §2 steps 1–3, §4) against the torch implementation.
+
+On the CPU the Triton kernels run in Triton's interpreter (conftest.py sets TRITON_INTERPRET=1;
+the kernels also run without it, see test_interpreter_without_env_var). Sizes are small except
+one LeNet-5-sized case: the interpreter is slow.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+import crossbow_graph as cg
+from crossbow_graph.compiler import kernels as K
+from crossbow_graph.runtime.sma import TorchSMAKernels, sma_central_update, sma_local_update
+
+# float32: the same operations, but torch's CPU kernels fuse a·b + c (one rounding) where the
+# interpreter rounds twice, and the sum over replicas may be ordered differently: ≤ a few ulps.
+ATOL, RTOL = 1e-6, 1e-5
+TRITON = K.TritonSMAKernels(block=64)  # a small block: most P below are not multiples of it
+
+
+def make_inputs(m, P, *, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(m, P, generator=gen)
+    v = torch.randn(m, P, generator=gen)
+    g = torch.randn(m, P, generator=gen).to(dtype)
+    z = w.mean(0) + 0.1 * torch.randn(P, generator=gen)
+    return w, v, g, z
+
+
+def check_local(m, P, *, steps=2, dtype=torch.float32, backend=TRITON, with_z=True, **opts):
+    """Run ``steps`` local updates (the first with first_step=True) with the Triton backend and
+    with the torch implementation on copies; compare w, v and acc after every step."""
+    w, v, g, z = make_inputs(m, P, dtype=dtype)
+    w_ref, v_ref = w.clone(), v.clone()
+    for step in range(steps):
+        kw = dict(opts, first_step=step == 0)
+        acc = backend.local_update(w, v, g, z if with_z else None, **kw)
+        acc_ref = sma_local_update(w_ref, v_ref, g.float(), z if with_z else None, **kw)
+        torch.testing.assert_close(w, w_ref, atol=ATOL, rtol=RTOL)
+        if opts["momentum"]:
+            torch.testing.assert_close(v, v_ref, atol=ATOL, rtol=RTOL)
+        if acc_ref is None:
+            assert acc is None
+        else:
+            torch.testing.assert_close(acc, acc_ref, atol=ATOL * m, rtol=RTOL)
+        g = g.roll(1, dims=1)  # new gradients for the next step
+    return w, acc_ref
+
+
+OPTS = dict(lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.0, alpha=0.25)
+
+
+@pytest.mark.parametrize("m", range(1, 9))
+@pytest.mark.parametrize("P", [1, 100, 193])
+def test_local_update_every_m(m, P):
+    check_local(m, P, **dict(OPTS, nesterov=m % 2 == 0, weight_decay=1e-3 if m > 4 else 0.0))
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+@pytest.mark.parametrize("weight_decay", [0.0, 5e-3])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+def test_local_update_options(momentum, nesterov, weight_decay, alpha):
+    check_local(3, 130, lr=0.05, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                alpha=alpha)
+
+
+def test_local_update_without_z_is_a_plain_step():
+    w, _ = check_local(2, 70, with_z=False, **OPTS)
+    assert torch.isfinite(w).all()
+
+
+def test_local_update_first_step_copies_d_into_momentum():
+    w, v, g, z = make_inputs(2, 50)
+    TRITON.local_update(w, v, g, z, lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.01,
+                        alpha=0.0, first_step=True)
+    w0, _, _, _ = make_inputs(2, 50)
+    torch.testing.assert_close(v, g + 0.01 * w0, atol=ATOL, rtol=RTOL)  # the old v is ignored
+
+
+def test_local_update_lenet5_size_default_block():
+    """One medium case: P = 61,706 (LeNet-5), m = 4, the interpreter's default block."""
+    check_local(4, 61_706, steps=2, backend=K.TritonSMAKernels(),
+                **dict(OPTS, nesterov=True, weight_decay=1e-4))
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 8), P=st.integers(1, 300), block=st.sampled_from([16, 64, 256]),
+       momentum=st.sampled_from([0.0, 0.5, 0.9]), nesterov=st.booleans(),
+       weight_decay=st.sampled_from([0.0, 1e-2]), alpha=st.sampled_from([0.0, 0.01, 0.5, 1.0]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), with_z=st.booleans())
+def test_local_update_random(m, P, block, momentum, nesterov, weight_decay, alpha, dtype, with_z):
+    check_local(m, P, dtype=dtype, backend=K.TritonSMAKernels(block=block), with_z=with_z, lr=0.03,
+                momentum=momentum, nesterov=nesterov and momentum > 0,
+                weight_decay=weight_decay, alpha=alpha)
+
+
+@pytest.mark.parametrize("P", [1, 100, 1000])
+@pytest.mark.parametrize("mu_z", [0.0, 0.9])
+def test_central_update(P, mu_z):
+    gen = torch.Generator().manual_seed(P)
+    z, z_prev, c = (torch.randn(P, generator=gen) for _ in range(3))
+    z_ref, z_prev_ref = z.clone(), z_prev.clone()
+    TRITON.central_update(z, z_prev, c, central_momentum=mu_z)
+    sma_central_update(z_ref, z_prev_ref, c, central_momentum=mu_z)
+    torch.testing.assert_close(z, z_ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(z_prev, z_prev_ref, atol=0, rtol=0)
+
+
+def test_backend_rejects_non_float32_masters():
+    w, v, g, z = make_inputs(2, 10)
+    with pytest.raises(TypeError, match="float32"):
+        TRITON.local_update(w.bfloat16(), v, g, z, **OPTS)
+    with pytest.raises(TypeError, match="contiguous"):
+        TRITON.local_update(w.t().contiguous().t(), v, g, z, **OPTS)
+
+
+# -- emission: specialisation, cache, visibility ----------------------------------------------
+
+def test_emit_caches_by_spec_and_specialises():
+    spec = K.local_spec(3, 100, torch.float32, "cpu", momentum=0.9, nesterov=False,
+                        weight_decay=0.0, first_step=False, correct=True)
+    assert K.emit(spec) is K.emit(spec)
+    other = K.local_spec(4, 100, torch.float32, "cpu", momentum=0.9, nesterov=False,
+                         weight_decay=0.0, first_step=False, correct=True)
+    assert K.emit(other) is not K.emit(spec)
+    assert spec.constexprs["M"] == 3 and spec.constexprs["P"] == 100
+    assert dict(spec.flags) == {"MOMENTUM": True, "NESTEROV": False, "WEIGHT_DECAY": False,
+                                "FIRST_STEP": False, "CORRECT": True, "INT64": False}
+    src = K.emit(spec).source
+    assert "#   M = 3" in src and "def sma_local_kernel" in src and "tl.static_range(M)" in src
+
+
+def test_lower_compiles_for_cuda_without_a_gpu():
+    """The compiled path (not the interpreter): both kernels build to PTX for sm_90."""
+    spec = K.local_spec(4, 61_706, torch.bfloat16, "cuda", momentum=0.9, nesterov=True,
+                        weight_decay=1e-4, first_step=False, correct=True)
+    asm = K.emit(spec).lower(arch=90)
+    assert ".entry sma_local_kernel" in asm["ptx"]
+    assert "tt.load" in asm["ttir"] and "tensor<1024xi64>" not in asm["ttir"]
+    asm = K.emit(K.central_spec(61_706, "cuda", central_momentum=0.9)).lower(arch=90)
+    assert ".entry sma_central_kernel" in asm["ptx"]
+    big = K.local_spec(8, 300_000_000, torch.float32, "cuda", momentum=0.0, nesterov=False,
+                       weight_decay=0.0, first_step=False, correct=True)  # m·P ≥ 2^31
+    assert dict(big.flags)["INT64"]
+    assert "tensor<1024xi64>" in K.emit(big).lower(arch=90)["ttir"]  # 64-bit offsets
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def tiny_data(n=64, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 8, generator=gen).to(dtype),
+                         torch.randint(0, 3, (n,), generator=gen))
+
+
+def make_plan(model=None, *, replicas=2, devices=1, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    model = (model or MLP()).to(dtype)
+    kw.setdefault("optimizer", cg.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3))
+    return cg.compile(model, (torch.randn(2, 8, dtype=dtype),), F.cross_entropy, batch_size=4,
+                      replicas=replicas, devices=devices, **kw)
+
+
+def test_plan_kernels_lists_what_runs():
+    plan = make_plan(replicas=3, kernel_backend="triton", sync=cg.SMA(sync_every=2))
+    assert isinstance(plan.scheduler.kernels, K.TritonSMAKernels)
+    listed = plan.kernels
+    kinds = sorted((k.spec.kind, dict(k.spec.flags).get("FIRST_STEP"), dict(k.spec.flags).get("CORRECT"))
+                   for k in listed)
+    assert kinds == [("sma_central", None, None), ("sma_local", False, False),
+                     ("sma_local", False, True), ("sma_local", True, False),
+                     ("sma_local", True, True)]
+    assert all(k.spec.m == 3 or k.spec.kind == "sma_central" for k in listed)
+    assert all(k.spec.P == plan.num_parameters for k in listed)
+    plan.fit(tiny_data(), 1, shuffle=False, progress=False)
+    assert sum(k.launches for k in plan.kernels) > 0  # the listed objects are the ones launched
+    torch_plan = make_plan(replicas=3, kernel_backend="torch")
+    assert isinstance(torch_plan.scheduler.kernels, TorchSMAKernels)
+    assert all(k.backend == "torch" for k in torch_plan.kernels)
+    assert "def sma_local_update" in torch_plan.kernels[0].source
+
+
+def test_select_backend():
+    assert isinstance(K.select_backend("auto", "cpu"), TorchSMAKernels)
+    assert isinstance(K.select_backend("auto", "cuda"), K.TritonSMAKernels)
+    assert isinstance(K.select_backend("torch", "cuda"), TorchSMAKernels)
+    assert isinstance(K.select_backend("triton", "cpu"), K.TritonSMAKernels)
+    with pytest.raises(ValueError, match="kernel_backend='cuda'"):
+        K.select_backend("cuda", "cpu")
+
+
+def test_triton_missing_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(K, "triton", None)
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton now raises ImportError
+    with pytest.raises(ImportError, match="pip install"):
+        make_plan(kernel_backend="triton")
+    assert isinstance(make_plan(kernel_backend="auto").scheduler.kernels, TorchSMAKernels)
+
+
+@pytest.mark.parametrize("replicas,devices,sync_every", [(1, 1, 1), (3, 1, 1), (2, 2, 2)])
+def test_fit_same_weights_triton_and_torch(replicas, devices, sync_every):
+    """A whole short fit: the Triton kernels (interpreted) and the torch implementation agree."""
+    out = {}
+    for backend in ("triton", "torch"):
+        plan = make_plan(replicas=replicas, devices=devices, kernel_backend=backend,
+                         sync=cg.SMA(sync_every=sync_every))
+        plan.fit(tiny_data(), 2, seed=3, progress=False)
+        out[backend] = plan.replica_weights(), plan.central_weights()
+    w0 = make_plan(replicas=replicas, devices=devices).replica_weights()
+    assert (out["torch"][0] - w0).abs().max() > 1e-3  # training moved the weights
+    for a, b in zip(out["triton"], out["torch"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# -- low precision ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend,dtype", [("triton", torch.bfloat16), ("torch", torch.bfloat16),
+                                           ("triton", torch.float16)])
+def test_bf16_small_pull_moves_z(backend, dtype):
+    """α = 0.01 in a bf16 (fp16) model: C is far below the resolution of z in that dtype, so only
+    an fp32 master z moves; the modules show the masters rounded."""
+    plan = make_plan(dtype=dtype, kernel_backend=backend,
+                     optimizer=cg.SGD(lr=0.01, momentum=0.0),
+                     sync=cg.SMA(alpha=0.01, central_momentum=0.0))
+    state = plan.states[0]
+    assert state.w.dtype == state.z.dtype == state.v.dtype == torch.float32
+    assert state.g.dtype == state.w_model.dtype == dtype
+    z0 = plan.central_weights()
+    plan.fit(tiny_data(16, dtype=dtype), 1, shuffle=False, progress=False)  # 2 rounds
+    z1 = plan.central_weights()
+    moved = z1 != z0
+    assert moved.any()
+    # the same step on a z in the model's dtype would be lost: z0 + C rounds back to z0
+    lost = (z0.to(dtype) + (z1 - z0).to(dtype)) == z0.to(dtype)
+    assert lost[moved].float().mean() > 0.5
+    plan.evaluate(tiny_data(8, dtype=dtype))  # the central module's forward copies back
+    central = torch.cat([p.detach().flatten() for p in plan._central.parameters()])
+    torch.testing.assert_close(central, z1.to(dtype), atol=0, rtol=0)
+    replica = state.replicas[1]
+    replica(torch.randn(2, 8, dtype=dtype))
+    torch.testing.assert_close(torch.cat([p.detach().flatten() for p in replica.parameters()]),
+                               state.w[1].to(dtype), atol=0, rtol=0)
+
+
+def test_fp16_model_and_mixed_dtypes():
+    plan = make_plan(dtype=torch.float16, kernel_backend="torch")
+    assert plan.states[0].g.dtype == torch.float16 and plan.states[0].w.dtype == torch.float32
+    mixed = Mixed()
+    mixed(torch.randn(2, 8))  # it runs: a model may mix dtypes, but not its trainable parameters
+    with pytest.raises(ValueError, match="mix dtypes: 'fc1.weight' is torch.float32 but "
+                                         "'fc2.weight' is torch.bfloat16"):
+        cg.compile(mixed, (torch.randn(2, 8),), F.cross_entropy, batch_size=4)
+
+
+class Mixed(MLP):
+    def __init__(self):
+        super().__init__()
+        self.fc2.to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)).to(torch.bfloat16))
+
+
+# -- the interpreter without TRITON_INTERPRET, and the GPU ------------------------------------
+
+def test_interpreter_without_env_var():
+    """Triton imported first, TRITON_INTERPRET unset: the emitter still runs CPU kernels."""
+    code = ("import triton, torch\n"
+            "from crossbow_graph.compiler.kernels import TritonSMAKernels\n"
+            "from crossbow_graph.runtime.sma import sma_local_update\n"
+            "w, v, g, z = torch.randn(3, 70), torch.randn(3, 70), torch.randn(3, 70), torch.randn(70)\n"
+            "w2, v2 = w.clone(), v.clone()\n"
+            "kw = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.0, alpha=0.5)\n"
+            "a = TritonSMAKernels(block=32).local_update(w, v, g, z, **kw)\n"
+            "b = sma_local_update(w2, v2, g, z, **kw)\n"
+            "torch.testing.assert_close((w, v, a), (w2, v2, b), atol=1e-6, rtol=1e-5)\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_gpu_kernels_match_torch(m, dtype):
+    P = 464_154  # ResNet-32 size: many programs, P not a multiple of the block
+    gpu = K.TritonSMAKernels()
+    w, v, g, z = (t.cuda() for t in make_inputs(m, P, dtype=dtype))
+    w_ref, v_ref = w.clone(), v.clone()
+    for step in range(3):
+        kw = dict(lr=0.05, momentum=0.9, nesterov=step == 2, weight_decay=1e-4, alpha=1 / m,
+                  first_step=step == 0)
+        acc = gpu.local_update(w, v, g, z, **kw)
+        acc_ref = sma_local_update(w_ref, v_ref, g.float(), z, **kw)
+        torch.testing.assert_close((w, v, acc), (w_ref, v_ref, acc_ref), atol=1e-5, rtol=1e-5)
+    z_prev, z_ref, z_prev_ref = z.roll(1), z.clone(), z.roll(1)
+    gpu.central_update(z, z_prev, acc, central_momentum=0.9)
+    sma_central_update(z_ref, z_prev_ref, acc_ref, central_momentum=0.9)
+    torch.testing.assert_close((z, z_prev), (z_ref, z_prev_ref), atol=1e-5, rtol=1e-5)
+    assert any("ptx" in k.asm for k in K._CACHE.values() if k.spec.device_type == "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_fit_auto_picks_triton_and_matches_torch():
+    out = {}
+    for backend in ("auto", "torch"):
+        plan = make_plan(replicas=4, kernel_backend=backend, devices=["cuda:0"])
+        plan.fit(tiny_data(), 2, seed=3, progress=False)
+        out[backend] = plan.central_weights()
+        if backend == "auto":
+            assert isinstance(plan.scheduler.kernels, K.TritonSMAKernels)
+    torch.testing.assert_close(out["auto"], out["torch"], atol=1e-5, rtol=1e-5)
+
+
+def test_torch_column_blocks_change_nothing(monkeypatch):
+    """The torch implementation's CPU column blocking (runtime/sma.py) against one block."""
+    from crossbow_graph.runtime import sma
+
+    out = []
+    for block_bytes in (1 << 40, 1024):  # one block; blocks of 1024 columns (the minimum)
+        monkeypatch.setattr(sma, "BLOCK_BYTES", block_bytes)
+        w, v, g, z = make_inputs(3, 2500)
+        z_prev = z.flip(0)
+        accs = [sma_local_update(w, v, g, z, **dict(OPTS, first_step=step == 0)) for step in range(2)]
+        sma_central_update(z, z_prev, accs[-1], central_momentum=0.9)
+        out.append((w, v, *accs, z, z_prev))
+    torch.testing.assert_close(out[0], out[1], atol=0, rtol=0)
