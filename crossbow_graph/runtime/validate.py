@@ -22,7 +22,7 @@ __all__ = ["check_first_batch"]
 
 def _placeholder_shapes(plan: "Plan") -> list[tuple[str, tuple[int, ...] | None]]:
     graph = plan.model_graph
-    return [(n.name, graph.node_meta.get(n.name, {}).get("shape"))
+    return [(str(n.target), graph.node_meta.get(n.name, {}).get("shape"))
             for n in graph.module.graph.nodes if n.op == "placeholder"]
 
 
