@@ -244,3 +244,29 @@ def test_sigkill_during_write_leaves_last_good_checkpoint(tmp_path):
     resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
     assert_same_state(full, resumed)
     assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")]
+
+
+class Counter(Hook):
+    """A hook with state (like the auto-tuner): rounds it has seen."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def after_round(self, ctx) -> None:
+        self.seen += 1
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+
+def test_hook_state_is_checkpointed(tmp_path):
+    ckpt = str(tmp_path)
+    make_plan().fit(data(), 1, progress=False, hooks=[Counter(), StopAfter(4)], checkpoint_dir=ckpt,
+                    checkpoint_every=2)
+    counter = Counter()
+    make_plan().fit(data(), 1, progress=False, hooks=[counter, StopAfter(100)], checkpoint_dir=ckpt,
+                    resume=True)
+    assert counter.seen == 6  # 4 before the checkpoint, 2 after resuming

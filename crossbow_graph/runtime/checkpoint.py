@@ -326,9 +326,11 @@ class CheckpointHook(Hook):
     def save(self, ctx: FitContext) -> str:
         """Write a checkpoint of the current state; returns its path."""
         plan = ctx.plan
+        plan_state = plan_state_dict(plan)
+        plan_state["train_seconds"] = ctx.train_seconds  # includes the unfinished epoch's rounds
         state = {
             "format": _FORMAT,
-            "plan": plan_state_dict(plan),
+            "plan": plan_state,
             "data": _data_key(self.schedule),
             "rng": _rng_state(),
             "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)
