@@ -39,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train on the first N samples only (a quick run)")
     train.add_argument("--test-samples", type=int, default=None,
                        help="evaluate on the first N test samples only")
+    train.add_argument("--checkpoint-dir", default=None,
+                       help="write checkpoints of the whole training state there (newest two kept)")
+    train.add_argument("--checkpoint-every", type=int, default=None,
+                       help="rounds between checkpoints (default: at the end of every epoch)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest good checkpoint in --checkpoint-dir")
+    train.add_argument("--log-dir", default=None,
+                       help="write per-round/epoch CSV, TensorBoard events and history.json there")
     train.add_argument("--batch-size", type=int, default=16, help="b, samples per learner per round")
     train.add_argument("--devices", default="2",
                        help="devices: 'auto' (every GPU, else one CPU device) or a count G")
@@ -54,14 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--evals-per-epoch", type=int, default=4, help="test evaluations per epoch")
     train.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
-    train.add_argument("--checkpoint-dir", default=None,
-                       help="write checkpoints of the whole training state there (newest two kept)")
-    train.add_argument("--checkpoint-every", type=int, default=None,
-                       help="rounds between checkpoints (default: at the end of every epoch)")
-    train.add_argument("--resume", action="store_true",
-                       help="continue from the newest good checkpoint in --checkpoint-dir")
-    train.add_argument("--log-dir", default=None,
-                       help="write per-round/epoch CSV, TensorBoard events and history.json there")
     return parser
 
 
@@ -111,11 +111,15 @@ def _train(args: argparse.Namespace) -> int:
     )
     print(plan.summary(), flush=True)
     target = args.target if args.target > 0 else None
-    history = plan.fit(train_set, args.epochs, eval_dataset=test_set, seed=args.seed,
-                       target_accuracy=target, evals_per_epoch=args.evals_per_epoch,
-                       progress=not args.quiet, checkpoint_dir=args.checkpoint_dir,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume,
-                       log_dir=args.log_dir)
+    try:
+        history = plan.fit(train_set, args.epochs, eval_dataset=test_set, seed=args.seed,
+                           target_accuracy=target, evals_per_epoch=args.evals_per_epoch,
+                           progress=not args.quiet, checkpoint_dir=args.checkpoint_dir,
+                           checkpoint_every=args.checkpoint_every, resume=args.resume,
+                           log_dir=args.log_dir)
+    except (CheckpointError, DivergenceError) as exc:  # the user can act on these: one line, exit 2
+        print(f"crossbow-graph train: error: {exc}", file=sys.stderr)
+        return 2
     for e in history.epochs:
         acc = f"{e.test_accuracy:.4f}" if e.test_accuracy is not None else "-"
         print(f"epoch {e.epoch}: loss {e.train_loss:.4f}  test accuracy {acc}  "
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
-    except (ValueError, FileNotFoundError, CheckpointError, DivergenceError) as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"crossbow-graph {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -128,16 +126,6 @@ def _trace_error(model: torch.nn.Module, exc: BaseException) -> TraceError:
     )
 
 
-class _ShapeProp(ShapeProp):
-    """ShapeProp that remembers the node it ran last (to say where example inputs fail)."""
-
-    current: fx.Node | None = None
-
-    def run_node(self, n: fx.Node) -> Any:
-        self.current = n
-        return super().run_node(n)
-
-
 def _first_tensor(values: Any) -> torch.Tensor | None:
     if isinstance(values, torch.Tensor):
         return values
@@ -214,25 +202,15 @@ def trace_model(
     example_batch = int(first.shape[0]) if first is not None and first.dim() > 0 else 1
     node_meta: dict[str, dict[str, Any]] = {}
     was_training = gm.training
-    prop = _ShapeProp(gm)
     try:
         gm.eval()  # shape propagation must not touch BatchNorm statistics
-        # ShapeProp prints the traceback itself; the TraceError below says what matters
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-            prop.propagate(*example_inputs)
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*example_inputs)
     except Exception as exc:  # noqa: BLE001
-        cause = exc.__cause__ or exc  # ShapeProp wraps the model's own error
-        node = prop.current
-        where = ""
-        if node is not None and node.op == "call_module":
-            where = f" in module '{node.target}' ({type(gm.get_submodule(node.target)).__name__})"
-        elif node is not None:
-            where = f" at node '{node.name}' ({getattr(node.target, '__name__', node.target)})"
-        shapes = [list(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
         raise TraceError(
-            f"the example inputs (shapes {shapes}) do not run through {type(model).__name__}"
-            f"{where}: {type(cause).__name__}: {cause}. Pass example_inputs=(x,) with x one batch "
-            "shaped like the training data (e.g. x = train_dataset[0][0].unsqueeze(0))."
+            f"the example inputs do not run through {type(model).__name__}: "
+            f"{type(exc).__name__}: {exc}. Pass example_inputs=(x,) with x one batch shaped like "
+            "the training data (e.g. x = train_dataset[0][0].unsqueeze(0))."
         ) from exc
     finally:
         gm.train(was_training)

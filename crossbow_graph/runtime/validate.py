@@ -1,8 +1,9 @@
 """Checks of the training data against the plan, run once at the start of a fit on one batch.
 
-Per-round checks would cost every round; these run once, on learner 0's first batch of b samples,
-with the central model in evaluation mode (no dropout randomness, no BatchNorm update, no
-gradients), before the fit seeds its random number generators.
+Per-round checks would cost every round; these run once, on learner 0's first batch of b samples
+(all labels when they are one tensor), before the fit seeds its random number generators.
+``loss_fn`` is never called, and the model only when the inputs' shapes differ from the example
+inputs' (then once, in evaluation mode), so user code with side effects sees the training rounds.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch import nn
+from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from .data import split_inputs
@@ -34,18 +37,30 @@ def _output_shape(plan: "Plan") -> tuple[int, ...] | None:
     return None
 
 
-def _check_inputs(plan: "Plan", args: tuple[Any, ...], what: str) -> None:
+@torch.no_grad()
+def _check_inputs(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> None:
+    """Inputs shaped unlike the example inputs are an error unless the model takes them and gives
+    an output of the compiled shape (e.g. a globally pooled CNN on larger images)."""
     fix = (f"compile the plan with example_inputs shaped like one sample of {what}, e.g. "
            f"(x,) with x = {what}[0][0].unsqueeze(0)")
-    placeholders = _placeholder_shapes(plan)
-    for i, (arg, (name, want)) in enumerate(zip(args, placeholders)):
-        if not isinstance(arg, torch.Tensor) or want is None:
+    for i, (arg, (name, want)) in enumerate(zip(args, _placeholder_shapes(plan))):
+        if not isinstance(arg, torch.Tensor) or want is None or tuple(arg.shape[1:]) == tuple(want[1:]):
             continue
-        if tuple(arg.shape[1:]) != tuple(want[1:]):
-            raise ValueError(
-                f"{what}: input {i} ('{name}') of a sample has shape {list(arg.shape[1:])}, but "
-                f"the plan was compiled for example inputs of shape {list(want[1:])} per sample; {fix}"
-            )
+        problem = (f"{what}: input {i} ('{name}') of a sample has shape {list(arg.shape[1:])}, but "
+                   f"the plan was compiled for example inputs of shape {list(want[1:])} per sample")
+        device = plan.states[0].torch_device
+        moved = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+        plan._refresh_central()
+        try:
+            out = plan._central(*moved, **kwargs)  # evaluation mode: no dropout, no BatchNorm update
+        except Exception as exc:  # noqa: BLE001 - the model cannot take these inputs
+            raise ValueError(f"{problem}, and the model fails on them ({type(exc).__name__}: "
+                             f"{exc}); {fix}") from exc
+        want_out = _output_shape(plan)
+        if isinstance(out, torch.Tensor) and want_out is not None and \
+                tuple(out.shape[1:]) != tuple(want_out[1:]):
+            raise ValueError(f"{problem}, and the model's output per sample would be "
+                             f"{list(out.shape[1:])} instead of {list(want_out[1:])}; {fix}")
 
 
 def _all_labels(dataset: Any, first_targets: torch.Tensor) -> torch.Tensor:
@@ -56,14 +71,24 @@ def _all_labels(dataset: Any, first_targets: torch.Tensor) -> torch.Tensor:
     return first_targets
 
 
-@torch.no_grad()
+def _class_index_loss(loss_fn: Any) -> int | None:
+    """The ignore_index of a loss whose integer targets are class indices, else None."""
+    if loss_fn in (F.cross_entropy, F.nll_loss):
+        return -100  # their default ignore_index
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        return loss_fn.ignore_index
+    return None
+
+
 def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor], Any],
                       indices: torch.Tensor, what: str = "train_dataset") -> None:
-    """Run one batch of ``dataset`` through the central model and the loss, and check them.
+    """Check one batch of ``dataset`` against the plan (``loss_fn`` is not called).
 
-    Checks: every input's per-sample shape equals the compiled example input's; integer class
-    labels lie in [0, C) for a model with C output scores (all labels of a tensor dataset, else the
-    batch's); ``loss_fn`` returns a scalar; the forward pass runs.
+    Checks: every input's per-sample shape equals the compiled example input's (or, if not, the
+    model in evaluation mode takes the batch and gives an output of the compiled shape); with a
+    class-index loss (``cross_entropy``, ``nll_loss`` or their modules), integer labels lie in
+    [0, C) for a model with C output scores, ``ignore_index`` allowed (all labels of a tensor
+    dataset, else the batch's). Whether ``loss_fn`` returns a scalar is checked by every LEARN task.
 
     Args:
         plan: the compiled Plan.
@@ -77,35 +102,19 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
     """
     batch = fetch(indices)
     args, kwargs, target = split_inputs(batch)
-    _check_inputs(plan, args, what)
+    _check_inputs(plan, args, kwargs, what)
+    ignore = _class_index_loss(plan.loss_fn)
     out_shape = _output_shape(plan)
-    if (isinstance(target, torch.Tensor) and not target.is_floating_point()
-            and target.dtype != torch.bool and out_shape is not None and len(out_shape) == 2):
-        classes = out_shape[1]
-        labels = _all_labels(dataset, target)
+    if (ignore is None or out_shape is None or len(out_shape) < 2 or not isinstance(target, torch.Tensor)
+            or target.is_floating_point()):
+        return
+    classes = out_shape[1]
+    labels = _all_labels(dataset, target)
+    bad = labels[((labels < 0) | (labels >= classes)) & (labels != ignore)]
+    if len(bad):
         lo, hi = int(labels.min()), int(labels.max())
-        if lo < 0 or hi >= classes:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"{what} has label {bad}, outside the model's {classes} classes [0, {classes - 1}] "
-                f"(labels range over [{lo}, {hi}]); build the model with num_classes={hi + 1} "
-                "or remap the labels to 0 … C−1"
-            )
-    device = plan.states[0].torch_device
-    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-    target = target.to(device) if isinstance(target, torch.Tensor) else target
-    plan._refresh_central()
-    try:
-        out = plan._central(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - any failure here is a data/model mismatch
-        raise ValueError(f"{what}: the first batch does not run through the model: "
-                         f"{type(exc).__name__}: {exc}; check that the dataset's samples are "
-                         "(inputs, target) pairs shaped like the example inputs") from exc
-    loss = plan.loss_fn(out, target)
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-        got = f"shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(
-            f"loss_fn must return a scalar tensor (the mean loss of the batch), got {got} on the "
-            f"first batch of {what}; reduce it, e.g. loss_fn=torch.nn.functional.cross_entropy "
-            "(reduction='mean') or return loss.mean()"
+            f"{what} has label {int(bad[0])}, outside the model's {classes} classes [0, "
+            f"{classes - 1}] (labels range over [{lo}, {hi}]); build the model with "
+            f"num_classes={hi + 1} or remap the labels to 0 … C−1"
         )
