@@ -77,16 +77,20 @@ def _first(dataset, n: int | None, flag: str):
 
 def _load_dataset(args: argparse.Namespace):
     """(train, test) datasets for ``--dataset`` and ``--data-dir``."""
-    from . import datasets
+    from . import datasets, models
 
     name, root = args.dataset, args.data_dir
+    # a CIFAR-style zoo model (3×32×32 input, e.g. resnet32: BENCHMARKS.md W2) gets Fashion-MNIST
+    # padded to 32×32 with the channel repeated (INPUT_SHAPES: the zoo's input shape per model)
+    cifar_style = getattr(models, "INPUT_SHAPES", {}).get(args.model) == (3, 32, 32)
     if name not in DATASETS:
         raise ValueError(f"unknown dataset '{name}'; choose one of: {', '.join(DATASETS)}")
     if name == "cifar10" and root is None:
         raise ValueError("--dataset cifar10 needs --data-dir DIR, the unpacked cifar-10-batches-py "
                          "folder (CIFAR-10 is not shipped by any package)")
     load = {"mnist": lambda train: datasets.mnist(train, root=root),
-            "fashion_mnist": lambda train: datasets.fashion_mnist(train, root=root),
+            "fashion_mnist": lambda train: datasets.fashion_mnist(train, root=root, pad_to_32=cifar_style,
+                                                                  rgb=cifar_style),
             "cifar10": lambda train: datasets.cifar10(root, train=train)}[name]
     train_set = _first(load(True), args.train_samples, "--train-samples")
     test_set = _first(load(False), args.test_samples, "--test-samples")
