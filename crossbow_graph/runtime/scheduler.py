@@ -16,6 +16,7 @@ from ..compiler.tasks import Task, TaskKind
 from ..config import SGD, SMA
 from ..errors import TaskError
 from .data import split_inputs
+from .faults import FaultMonitor
 from .sma import TorchSMAKernels
 from .state import DeviceState
 
@@ -50,6 +51,8 @@ class Scheduler:
             for n in nx.lexicographical_topological_sort(task_graph, key=_task_sort_key(task_graph))
         ]
         self.losses: list[torch.Tensor] = []
+        self.faults = FaultMonitor()  # NaN/Inf replicas: reset from z, left out of the sum
+        self.round_index = 0
 
     @property
     def num_learners(self) -> int:
@@ -70,6 +73,7 @@ class Scheduler:
         """
         self._batch = batch
         self._synchronise = synchronise
+        self.round_index = round_index
         for task in self.order:
             try:
                 getattr(self, task.kind.value)(task)
@@ -111,12 +115,14 @@ class Scheduler:
         """Local SGD step and correction of every replica on the device, and their sum acc_d."""
         state = self.states[self._device_index[task.device]]
         opt = self.optimizer
+        faulty = self.faults.check(state, round_index=self.round_index, num_learners=self.num_learners)
         state.acc = self.kernels.local_update(
             state.w, state.v, state.g, state.z if self._synchronise else None,
             lr=self.lr, momentum=opt.momentum, nesterov=opt.nesterov,
             weight_decay=opt.weight_decay, alpha=self.alpha if self._synchronise else 0.0,
             first_step=state.first_step[0],
         )
+        self.faults.finish(state, faulty)
         state.first_step = [False] * state.m
 
     def global_sync(self, task: Task) -> None:

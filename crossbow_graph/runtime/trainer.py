@@ -9,9 +9,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
+from .checkpoint import CheckpointHook
 from .data import BatchSchedule, as_dataset, make_fetch
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
+from .metrics_log import MetricsLogger
+from .validate import check_first_batch
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -32,6 +35,10 @@ def run_fit(
     eval_batch_size: int,
     progress: bool,
     hooks: list[Hook] = (),
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
+    log_dir: str | None = None,
 ) -> History:
     """Run ``Plan.fit`` (see its docstring for the arguments and errors)."""
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
@@ -45,10 +52,23 @@ def run_fit(
             f"train_dataset has {len(train)} samples, fewer than one round of {k} learners × "
             f"{b} samples = {k * b}; lower the batch size or the replicas, or add data"
         )
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs checkpoint_dir, the directory to resume from")
     schedule = BatchSchedule(len(train), k, b, shuffle=shuffle, seed=seed)
-    fetch = make_fetch(train)
+    # a dataset that gathers whole batches at once (e.g. vectorised augmentation) provides get_batch
+    fetch = train.get_batch if hasattr(train, "get_batch") else make_fetch(train)
+    check_first_batch(plan, train, fetch, schedule.round_indices(schedule.order(0), 0, 0, 1))
     torch.manual_seed(seed)
     history = History(target_accuracy=target_accuracy)
+    hooks = list(hooks)
+    end_epoch = plan.epochs_done + epochs
+    if log_dir is not None:
+        hooks.append(MetricsLogger(log_dir))
+    if checkpoint_dir is not None:  # last: it saves what the other hooks did in the round
+        saver = CheckpointHook(checkpoint_dir, schedule, hooks, every_rounds=checkpoint_every)
+        if resume and saver.resume(plan, history) is not None:
+            end_epoch = epochs  # a resumed run finishes the epochs of the run it continues
+        hooks.append(saver)
     rounds = schedule.rounds_per_epoch
     eval_points = sorted({math.ceil(rounds * i / evals_per_epoch) for i in range(1, evals_per_epoch + 1)})
     tau = plan.sync.sync_every
@@ -56,19 +76,22 @@ def run_fit(
                      train_seconds=plan.train_seconds)
     for hook in hooks:
         hook.before_fit(ctx)
-    for _ in range(epochs):
+    faults_seen = len(plan.scheduler.faults.events)
+    while plan.epochs_done < end_epoch:
         epoch = plan.epochs_done
-        ctx.epoch, ctx.round_in_epoch = epoch, 0
+        first = plan.round_in_epoch  # > 0 when resumed in the middle of an epoch
+        ctx.epoch, ctx.round_in_epoch = epoch, first
         for hook in hooks:
             hook.before_epoch(ctx)
         order = schedule.order(epoch)
-        plan.scheduler.losses = []
+        if first == 0:
+            plan.scheduler.losses = []
         epoch_seconds, acc = 0.0, None
-        bar = tqdm(total=rounds, desc=f"epoch {epoch + 1}", unit="round", disable=not progress,
-                   leave=False, dynamic_ncols=True)
+        bar = tqdm(total=rounds, initial=first, desc=f"epoch {epoch + 1}", unit="round",
+                   disable=not progress, leave=False, dynamic_ncols=True)
         start = time.perf_counter()
-        rounds_run = 0
-        for t in range(rounds):
+        rounds_run = first
+        for t in range(first, rounds):
             for hook in hooks:
                 hook.before_round(ctx)
             batch = fetch(schedule.round_indices(order, t))
@@ -76,8 +99,11 @@ def run_fit(
             plan.rounds_done += 1
             plan.scheduler.run_round(plan.rounds_done - 1, batch,
                                      synchronise=plan.rounds_done % tau == 0)
-            rounds_run = t + 1
+            rounds_run = plan.round_in_epoch = t + 1
             bar.update(1)
+            if len(plan.scheduler.faults.events) > faults_seen:
+                history.faults.extend(plan.scheduler.faults.events[faults_seen:])
+                faults_seen = len(plan.scheduler.faults.events)
             if hooks:
                 ctx.round_in_epoch = rounds_run
                 ctx.round_loss = torch.stack(plan.scheduler.losses[n_losses:]).mean()
@@ -95,7 +121,7 @@ def run_fit(
                                             train_seconds=trained, test_accuracy=acc,
                                             test_loss=test_loss))
             bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
-                            samples_per_s=f"{rounds_run * k * b / epoch_seconds:,.0f}")
+                            samples_per_s=f"{(rounds_run - first) * k * b / epoch_seconds:,.0f}")
             ctx.train_seconds = trained
             for hook in hooks:
                 hook.after_eval(ctx, history.evals[-1])
@@ -108,10 +134,11 @@ def run_fit(
         bar.close()
         plan.train_seconds += epoch_seconds
         plan.epochs_done += 1
+        plan.round_in_epoch = 0
         losses = torch.stack(plan.scheduler.losses) if plan.scheduler.losses else torch.zeros(1)
         history.epochs.append(EpochRecord(
             epoch=plan.epochs_done, rounds=rounds_run, train_loss=float(losses.mean()),
-            test_accuracy=acc, samples_per_s=rounds_run * k * b / max(epoch_seconds, 1e-9),
+            test_accuracy=acc, samples_per_s=(rounds_run - first) * k * b / max(epoch_seconds, 1e-9),
             train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
         ))
         ctx.train_seconds = plan.train_seconds

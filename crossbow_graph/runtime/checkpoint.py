@@ -1,0 +1,358 @@
+"""Checkpoints: the whole training state, written atomically, resumed bit-identically.
+
+A checkpoint holds everything the next round depends on:
+
+- the plan (``plan_state_dict``): per device the replicas ``w [m, P]``, momenta ``v [m, P]``, the
+  central model ``z [P]`` and ``z_prev [P]``, float buffers ``buf [m, Q]`` and ``zbuf [Q]``,
+  every replica's integer buffers (``num_batches_tracked``), the ``first_step`` flags; the
+  scheduler's learning rate and the current epoch's losses; the counters (epochs and rounds done,
+  the round within the epoch, training seconds);
+- the data position (epoch, round within it) and what fixes the sample order (N, k, b, shuffle,
+  seed), checked on resume;
+- every random number generator: torch CPU (and CUDA when present), Python ``random``, NumPy;
+- the state of every hook that has ``state_dict()``/``load_state_dict()`` (auto-tuner, policies);
+- the History so far.
+
+File format: ``MAGIC`` (8 bytes), payload length (8 bytes, little endian), SHA-256 of the payload
+(32 bytes), then the payload (``torch.save`` of the dict above, loaded with ``weights_only=True``).
+A file is written to a temporary file in the same directory, flushed and fsync'ed, renamed over its
+final name with ``os.replace`` and the directory fsync'ed, so a crash (even SIGKILL) at any point
+leaves every earlier checkpoint intact. Names are ``ckpt-<rounds done, 10 digits>.pt``; the newest
+``keep`` (default 2) are kept. ``load_latest`` verifies length and checksum and falls back to the
+previous checkpoint, with a warning naming the bad file and why, when the newest is truncated or
+corrupt.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import io
+import logging
+import os
+import random
+import struct
+import tempfile
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError
+from .faults import FaultEvent
+from .history import EpochRecord, EvalRecord, History
+from .hooks import FitContext, Hook
+
+if TYPE_CHECKING:
+    from ..api import Plan
+    from .data import BatchSchedule
+
+__all__ = ["CheckpointHook", "plan_state_dict", "load_plan_state_dict", "save_checkpoint",
+           "load_checkpoint", "load_latest", "list_checkpoints", "MAGIC"]
+
+log = logging.getLogger("crossbow_graph.checkpoint")
+
+MAGIC = b"CBGCKPT1"
+_HEADER = struct.Struct("<8sQ32s")  # magic, payload bytes, sha256
+_FORMAT = 1
+_CHUNK = 1 << 20
+
+
+# -- the plan's state ------------------------------------------------------------------------
+
+def plan_state_dict(plan: "Plan") -> dict[str, Any]:
+    """The plan's training state as CPU tensors and plain values (see the module docstring)."""
+    states = []
+    for s in plan.states:
+        states.append({
+            "name": s.name,
+            "w": s.w.detach().cpu().clone(), "v": s.v.detach().cpu().clone(),
+            "z": s.z.detach().cpu().clone(), "z_prev": s.z_prev.detach().cpu().clone(),
+            "buf": s.buf.detach().cpu().clone(), "zbuf": s.zbuf.detach().cpu().clone(),
+            "first_step": list(s.first_step),
+            "int_buffers": [{n: b.detach().cpu().clone() for n, b in r.named_buffers()
+                             if not b.is_floating_point()} for r in s.replicas],
+        })
+    sched = plan.scheduler
+    return {
+        "format": _FORMAT,
+        "devices": plan.devices, "replicas_per_device": plan.replicas_per_device,
+        "num_parameters": plan.num_parameters, "num_float_buffers": plan.states[0].buf.shape[1],
+        "states": states,
+        "lr": sched.lr,
+        "losses": torch.stack(sched.losses).cpu() if sched.losses else torch.zeros(0),
+        "faults": [asdict(e) for e in sched.faults.events],
+        "epochs_done": plan.epochs_done, "rounds_done": plan.rounds_done,
+        "round_in_epoch": plan.round_in_epoch, "train_seconds": plan.train_seconds,
+    }
+
+
+@torch.no_grad()
+def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
+    """Copy a ``plan_state_dict`` into ``plan`` in place (module parameters stay views of ``w``).
+
+    Raises:
+        CheckpointError: the state was saved from a plan of another shape (devices, replicas,
+            parameter or buffer count).
+    """
+    have = (len(plan.devices), plan.replicas_per_device, plan.num_parameters, plan.states[0].buf.shape[1])
+    want = (len(sd["devices"]), sd["replicas_per_device"], sd["num_parameters"], sd["num_float_buffers"])
+    if have != want:
+        raise CheckpointError(
+            f"the checkpoint is of a plan with {want[0]} device(s) × {want[1]} replica(s), "
+            f"{want[2]:,} parameters and {want[3]:,} float buffer scalars, but this plan has "
+            f"{have[0]} × {have[1]}, {have[2]:,} and {have[3]:,}; compile the same model with the "
+            "same devices and replicas to resume, or use another checkpoint_dir to start afresh"
+        )
+    for s, saved in zip(plan.states, sd["states"]):
+        for key in ("w", "v", "z", "z_prev", "buf", "zbuf"):
+            getattr(s, key).copy_(saved[key])
+        s.first_step = list(saved["first_step"])
+        for r, ints in zip(s.replicas, saved["int_buffers"]):
+            named = dict(r.named_buffers())
+            for n, value in ints.items():
+                named[n].copy_(value)
+    sched = plan.scheduler
+    sched.lr = sd["lr"]
+    device = plan.states[0].torch_device
+    sched.losses = [x.to(device) for x in sd["losses"].unbind()]
+    sched.faults.events = [FaultEvent(**e) for e in sd["faults"]]
+    plan.epochs_done, plan.rounds_done = sd["epochs_done"], sd["rounds_done"]
+    plan.round_in_epoch, plan.train_seconds = sd["round_in_epoch"], sd["train_seconds"]
+
+
+# -- random number generators ------------------------------------------------------------------
+
+def _rng_state() -> dict[str, Any]:
+    version, mt, gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": [version, list(mt), gauss],
+        "numpy": [np_kind, torch.from_numpy(np_keys.astype(np.int64)), int(np_pos),
+                  int(np_has_gauss), float(np_cached)],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+# -- files -----------------------------------------------------------------------------------
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(f, data: memoryview) -> None:
+    for start in range(0, len(data), _CHUNK):
+        f.write(data[start:start + _CHUNK])
+
+
+def save_checkpoint(path: str, state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically (temporary file in the same directory, fsync,
+    ``os.replace``, fsync of the directory), with a length and SHA-256 header."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getbuffer()
+    header = _HEADER.pack(MAGIC, len(payload), hashlib.sha256(payload).digest())
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(header)
+            _write_all(f, payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """Read and verify one checkpoint file.
+
+    Raises:
+        CheckpointError: the file is not a checkpoint, is truncated, or fails its checksum (the
+            message says which, with the byte counts).
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < _HEADER.size:
+        raise CheckpointError(f"checkpoint {path} is truncated: {len(data)} bytes, shorter than "
+                              f"its {_HEADER.size}-byte header")
+    magic, length, digest = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise CheckpointError(f"{path} is not a crossbow_graph checkpoint (bad magic {magic!r})")
+    payload = memoryview(data)[_HEADER.size:]
+    if len(payload) != length:
+        raise CheckpointError(f"checkpoint {path} is truncated: {len(payload):,} of {length:,} "
+                              "payload bytes (the write was interrupted)")
+    if hashlib.sha256(payload).digest() != digest:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 checksum does not match")
+    try:
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable payload is a corrupt checkpoint
+        raise CheckpointError(f"checkpoint {path} cannot be unpickled: {type(exc).__name__}: "
+                              f"{exc}") from exc
+
+
+def list_checkpoints(directory: str) -> list[str]:
+    """Checkpoint files of ``directory``, oldest first (temporary files are ignored)."""
+    return sorted(glob.glob(os.path.join(glob.escape(directory), "ckpt-" + "[0-9]" * 10 + ".pt")))
+
+
+def load_latest(directory: str) -> tuple[str, dict[str, Any]] | None:
+    """The newest checkpoint of ``directory`` that verifies, as ``(path, state)``; None if the
+    directory holds none. A bad newer file is skipped with a warning naming it and why.
+
+    Raises:
+        CheckpointError: checkpoints exist but none of them can be read (lists each reason).
+    """
+    problems = []
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            log.warning("%s; trying the previous checkpoint", exc)
+            continue
+        if problems:
+            log.warning("resuming from the previous good checkpoint %s", path)
+        return path, state
+    if problems:
+        raise CheckpointError(f"no checkpoint in {directory} can be loaded: " + "; ".join(problems)
+                              + ". Delete the directory (or pass resume=False) to start afresh")
+    return None
+
+
+# -- the hook --------------------------------------------------------------------------------
+
+def _data_key(schedule: "BatchSchedule") -> dict[str, Any]:
+    return {"num_samples": schedule.num_samples, "num_learners": schedule.num_learners,
+            "batch_size": schedule.batch_size, "shuffle": schedule.shuffle, "seed": schedule.seed}
+
+
+def _hook_key(i: int, hook: Hook) -> str:
+    return f"{i}:{type(hook).__name__}"
+
+
+def _history_from(d: dict[str, Any], into: History) -> None:
+    into.epochs = [EpochRecord(**e) for e in d["epochs"]]
+    into.evals = [EvalRecord(**e) for e in d["evals"]]
+    into.faults = [FaultEvent(**e) for e in d["faults"]]
+    into.time_to_accuracy_s, into.epochs_to_accuracy = d["time_to_accuracy_s"], d["epochs_to_accuracy"]
+
+
+class CheckpointHook(Hook):
+    """Saves a checkpoint every ``every_rounds`` rounds and at the end of every complete epoch.
+
+    Args:
+        directory: where ``ckpt-*.pt`` files go (created if missing).
+        schedule: the fit's BatchSchedule (its N, k, b, shuffle and seed are saved and checked).
+        hooks: the fit's other hooks; those with ``state_dict``/``load_state_dict`` are saved.
+        every_rounds: rounds between checkpoints (≥ 1); None: only at epoch ends.
+        keep: checkpoints kept (≥ 2, so that a corrupt newest one has a fallback).
+
+    Raises:
+        ValueError: ``every_rounds`` < 1 or ``keep`` < 2.
+    """
+
+    def __init__(self, directory: str, schedule: "BatchSchedule", hooks: Sequence[Hook] = (), *,
+                 every_rounds: int | None = None, keep: int = 2) -> None:
+        if every_rounds is not None and (isinstance(every_rounds, bool) or
+                                         not isinstance(every_rounds, int) or every_rounds < 1):
+            raise ValueError(f"checkpoint_every={every_rounds!r}: must be a number of rounds ≥ 1 "
+                             "(or None for a checkpoint at the end of every epoch)")
+        if keep < 2:
+            raise ValueError(f"keep={keep}: keep at least 2 checkpoints so that a corrupt newest "
+                             "one has a fallback")
+        self.directory, self.schedule, self.hooks = directory, schedule, list(hooks)
+        self.every_rounds, self.keep = every_rounds, keep
+        self._last_saved = -1
+        os.makedirs(directory, exist_ok=True)
+
+    def resume(self, plan: "Plan", history: History) -> str | None:
+        """Load the newest good checkpoint into the plan, the hooks, the RNGs and ``history``.
+
+        Returns:
+            The path loaded, or None when the directory holds no checkpoint.
+
+        Raises:
+            CheckpointError: no checkpoint can be read, or the newest good one was written for
+                another plan shape or another data order (dataset size, k, b, shuffle, seed).
+        """
+        found = load_latest(self.directory)
+        if found is None:
+            return None
+        path, state = found
+        if state.get("format") != _FORMAT:
+            raise CheckpointError(f"checkpoint {path} has format {state.get('format')}, this "
+                                  f"version reads format {_FORMAT}")
+        want, have = state["data"], _data_key(self.schedule)
+        if want != have:
+            diff = ", ".join(f"{k}={want[k]!r} (now {have[k]!r})" for k in want if want[k] != have[k])
+            raise CheckpointError(
+                f"checkpoint {path} was written for another data order: {diff}; resume with the "
+                "same dataset, devices × replicas, batch_size, shuffle and seed"
+            )
+        load_plan_state_dict(plan, state["plan"])
+        for i, hook in enumerate(self.hooks):
+            key = _hook_key(i, hook)
+            if hasattr(hook, "load_state_dict") and key in state["hooks"]:
+                hook.load_state_dict(state["hooks"][key])
+        _history_from(state["history"], history)
+        _set_rng_state(state["rng"])
+        self._last_saved = plan.rounds_done
+        log.info("resumed from %s: epoch %d, round %d of it (%d rounds done)", path,
+                 plan.epochs_done, plan.round_in_epoch, plan.rounds_done)
+        return path
+
+    def save(self, ctx: FitContext) -> str:
+        """Write a checkpoint of the current state; returns its path."""
+        plan = ctx.plan
+        plan_state = plan_state_dict(plan)
+        plan_state["train_seconds"] = ctx.train_seconds  # includes the unfinished epoch's rounds
+        state = {
+            "format": _FORMAT,
+            "plan": plan_state,
+            "data": _data_key(self.schedule),
+            "rng": _rng_state(),
+            "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)
+                      if hasattr(h, "state_dict")},
+            "history": ctx.history.to_dict(),
+        }
+        path = os.path.join(self.directory, f"ckpt-{plan.rounds_done:010d}.pt")
+        save_checkpoint(path, state)
+        self._last_saved = plan.rounds_done
+        for old in list_checkpoints(self.directory)[:-self.keep]:
+            os.unlink(old)
+        return path
+
+    def before_fit(self, ctx: FitContext) -> None:
+        for stale in glob.glob(os.path.join(glob.escape(self.directory), ".ckpt-*.tmp")):
+            os.unlink(stale)  # the remains of a write that was killed
+
+    def after_round(self, ctx: FitContext) -> None:
+        if self.every_rounds is not None and ctx.plan.rounds_done % self.every_rounds == 0:
+            self.save(ctx)
+
+    def after_epoch(self, ctx: FitContext, record: EpochRecord) -> None:
+        complete = record.rounds == ctx.rounds_per_epoch
+        if complete and self._last_saved != ctx.plan.rounds_done:
+            self.save(ctx)

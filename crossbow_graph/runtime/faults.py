@@ -1,0 +1,111 @@
+"""Numerical faults: NaN or Inf in a replica, found at the local synchronisation (DESIGN.md §2).
+
+Once per device per round, ``FaultMonitor.check`` reduces the replicas' gradients ``g [m, P]`` to
+one row sum each and tests it with ``isfinite`` (a non-finite element makes its row sum non-finite;
+a row sum that overflows float32 means the replica diverged anyway). A faulty replica j is reset
+from the device's central model before the local update — ``w[j] ← z``, ``v[j] ← 0``,
+``g[j] ← 0``, float buffers ``buf[j] ← zbuf`` — so its correction α·(w[j] − z) is exactly zero:
+it is left out of the round's sum acc_d, and it starts the next round as a fresh copy of z. After
+the update ``finish`` puts it back at z (the zero gradient still met weight decay). Each fault is
+logged (logger ``crossbow_graph.faults``) and kept in ``events`` (the trainer copies them into
+``History.faults``). If every learner of a round is faulty, ``DivergenceError`` stops training.
+
+By induction w, v and z stay finite: a replica is either healthy (finite w, g ⇒ finite update) or
+reset to the finite z, so checking g alone suffices (a replica poisoned from outside, e.g. NaN
+weights, yields a non-finite loss and gradient and is caught the same round).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import DivergenceError
+from .state import DeviceState
+
+__all__ = ["FaultEvent", "FaultMonitor"]
+
+log = logging.getLogger("crossbow_graph.faults")
+
+
+@dataclass(kw_only=True)
+class FaultEvent:
+    """One replica reset because of NaN/Inf.
+
+    Attributes:
+        round: the global round index t in which the fault was found.
+        device: the device name, e.g. ``"cpu:0"``.
+        replica: the replica's index on that device (0 … m−1).
+    """
+
+    round: int
+    device: str
+    replica: int
+
+
+class FaultMonitor:
+    """Finds and contains non-finite replicas; one per Scheduler.
+
+    Attributes:
+        events: every FaultEvent so far, in order.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[FaultEvent] = []
+        self._round = -1
+        self._faulty_in_round = 0
+
+    @torch.no_grad()
+    def check(self, state: DeviceState, *, round_index: int, num_learners: int) -> torch.Tensor | None:
+        """Test device ``state``'s replicas before its local update and reset the faulty ones.
+
+        Cost: one reduction over ``g [m, P]`` and one host read of ``m`` booleans.
+
+        Args:
+            state: the device's flat buffers (``w, v, g [m, P]``, ``buf [m, Q]``, ``z [P]``).
+            round_index: the global round t (for the events and the error).
+            num_learners: k, the learners of the round over all devices.
+
+        Returns:
+            ``faulty [m]`` bool when some replica is faulty (pass it to ``finish``), else None.
+
+        Raises:
+            DivergenceError: every one of the round's k learners is faulty.
+        """
+        faulty = ~torch.isfinite(state.g.sum(dim=1))  # [m]
+        if not bool(faulty.any()):
+            return None
+        if round_index != self._round:
+            self._round, self._faulty_in_round = round_index, 0
+        replicas = faulty.nonzero().flatten().tolist()
+        self._faulty_in_round += len(replicas)
+        for r in replicas:
+            self.events.append(FaultEvent(round=round_index, device=state.name, replica=r))
+            log.warning("round %d: replica %d on %s has NaN/Inf gradients; reset from the central "
+                        "model z and left out of the round's average", round_index, r, state.name)
+        if self._faulty_in_round >= num_learners:
+            raise DivergenceError(
+                f"training diverged: all {num_learners} replicas have NaN/Inf gradients in round "
+                f"{round_index} (last on {state.name}); the central model z and the last checkpoint "
+                "are intact. Lower the learning rate, check the loss for log(0) or division by zero "
+                "and the data for NaN, then resume from the last checkpoint (fit(..., resume=True))",
+                task_id=f"local_sync:{state.name}", device=state.name, round_index=round_index,
+            )
+        self._reset(state, faulty)
+        state.g[faulty] = 0.0
+        return faulty
+
+    @staticmethod
+    def _reset(state: DeviceState, faulty: torch.Tensor) -> None:
+        state.w[faulty] = state.z
+        state.v[faulty] = 0.0
+        if state.buf.shape[1]:
+            state.buf[faulty] = state.zbuf
+
+    @torch.no_grad()
+    def finish(self, state: DeviceState, faulty: torch.Tensor | None) -> None:
+        """After the local update: put the faulty replicas back at z with zero momentum."""
+        if faulty is not None:
+            self._reset(state, faulty)

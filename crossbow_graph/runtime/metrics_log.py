@@ -1,0 +1,130 @@
+"""Metrics to CSV files and TensorBoard, and the History as JSON: the ``log_dir`` of a fit.
+
+Files written into ``log_dir`` (appended to when a resumed fit logs into the same directory, so
+rows between the last checkpoint and a crash can appear twice; the later ones are the resumed run):
+
+- ``rounds.csv``: round (global, 1-based), epoch (1-based), round_in_epoch, loss (mean training
+  loss of the round's k learners), samples_per_s (since the previous row), train_seconds;
+- ``evals.csv``: every evaluation of z (History.evals);
+- ``epochs.csv``: every epoch (History.epochs);
+- ``faults.csv``: every replica reset for NaN/Inf (round, device, replica);
+- ``history.json``: the fit's History at its end (History.save_json);
+- TensorBoard event files (``torch.utils.tensorboard.SummaryWriter``): ``train/loss``,
+  ``train/samples_per_s`` per round; ``eval/accuracy``, ``eval/loss`` per evaluation;
+  ``epoch/train_loss``, ``epoch/samples_per_s``, ``epoch/accuracy``, ``epoch/replicas_per_device``
+  per epoch; ``faults/replicas_reset``; steps are global round numbers.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import asdict
+from typing import Any
+
+from .history import EpochRecord, EvalRecord
+from .hooks import FitContext, Hook
+
+__all__ = ["MetricsLogger"]
+
+_ROUND_FIELDS = ["round", "epoch", "round_in_epoch", "loss", "samples_per_s", "train_seconds"]
+_EVAL_FIELDS = list(EvalRecord.__dataclass_fields__)
+_EPOCH_FIELDS = list(EpochRecord.__dataclass_fields__)
+_FAULT_FIELDS = ["round", "device", "replica"]
+
+
+class _Csv:
+    def __init__(self, path: str, fields: list[str]) -> None:
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        self.file = open(path, "a", newline="")
+        self.writer = csv.DictWriter(self.file, fieldnames=fields)
+        if new:
+            self.writer.writeheader()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.writer.writerow(row)
+
+
+class MetricsLogger(Hook):
+    """Writes per-round and per-epoch metrics to CSV and TensorBoard under ``log_dir``.
+
+    Args:
+        log_dir: the directory (created if missing).
+        every_rounds: log every this many rounds (≥ 1); reading a round's loss waits for the
+            device, so on a GPU a larger value keeps the learners busy.
+        tensorboard: also write TensorBoard event files.
+
+    Raises:
+        ValueError: ``every_rounds`` < 1.
+    """
+
+    def __init__(self, log_dir: str, *, every_rounds: int = 1, tensorboard: bool = True) -> None:
+        if isinstance(every_rounds, bool) or not isinstance(every_rounds, int) or every_rounds < 1:
+            raise ValueError(f"every_rounds={every_rounds!r}: must be an integer ≥ 1")
+        self.log_dir, self.every_rounds, self.tensorboard = log_dir, every_rounds, tensorboard
+        self._files: dict[str, _Csv] = {}
+        self._writer = None
+
+    def before_fit(self, ctx: FitContext) -> None:
+        os.makedirs(self.log_dir, exist_ok=True)
+        for name, fields in (("rounds", _ROUND_FIELDS), ("evals", _EVAL_FIELDS),
+                             ("epochs", _EPOCH_FIELDS), ("faults", _FAULT_FIELDS)):
+            self._files[name] = _Csv(os.path.join(self.log_dir, f"{name}.csv"), fields)
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # slow import: only when used
+
+            self._writer = SummaryWriter(log_dir=self.log_dir)
+        self._last = (ctx.plan.rounds_done, ctx.train_seconds)
+        self._faults_seen = len(ctx.history.faults)
+
+    def _scalar(self, tag: str, value: float | None, step: int) -> None:
+        if self._writer is not None and value is not None:
+            self._writer.add_scalar(tag, value, step)
+
+    def after_round(self, ctx: FitContext) -> None:
+        plan = ctx.plan
+        step = plan.rounds_done
+        faults = ctx.history.faults[self._faults_seen:]
+        for f in faults:
+            self._files["faults"].write(asdict(f))
+        if faults:
+            self._faults_seen += len(faults)
+            self._scalar("faults/replicas_reset", float(len(faults)), step)
+        if step % self.every_rounds:
+            return
+        last_round, last_seconds = self._last
+        samples = (step - last_round) * plan.num_learners * plan.batch_size
+        rate = samples / max(ctx.train_seconds - last_seconds, 1e-9)
+        loss = float(ctx.round_loss)
+        self._files["rounds"].write({"round": step, "epoch": ctx.epoch + 1,
+                                     "round_in_epoch": ctx.round_in_epoch, "loss": loss,
+                                     "samples_per_s": rate, "train_seconds": ctx.train_seconds})
+        self._scalar("train/loss", loss, step)
+        self._scalar("train/samples_per_s", rate, step)
+        self._last = (step, ctx.train_seconds)
+
+    def after_eval(self, ctx: FitContext, record: EvalRecord) -> None:
+        self._files["evals"].write(asdict(record))
+        self._scalar("eval/accuracy", record.test_accuracy, record.round)
+        self._scalar("eval/loss", record.test_loss, record.round)
+
+    def after_epoch(self, ctx: FitContext, record: EpochRecord) -> None:
+        self._files["epochs"].write(asdict(record))
+        step = ctx.plan.rounds_done
+        self._scalar("epoch/train_loss", record.train_loss, step)
+        self._scalar("epoch/samples_per_s", record.samples_per_s, step)
+        self._scalar("epoch/accuracy", record.test_accuracy, step)
+        self._scalar("epoch/replicas_per_device", float(record.replicas_per_device), step)
+        for f in self._files.values():
+            f.file.flush()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def after_fit(self, ctx: FitContext) -> None:
+        for f in self._files.values():
+            f.file.close()
+        self._files.clear()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        ctx.history.save_json(os.path.join(self.log_dir, "history.json"))

@@ -1,0 +1,120 @@
+"""Checks of the training data against the plan, run once at the start of a fit on one batch.
+
+Per-round checks would cost every round; these run once, on learner 0's first batch of b samples
+(all labels when they are one tensor), before the fit seeds its random number generators.
+``loss_fn`` is never called, and the model only when the inputs' shapes differ from the example
+inputs' (then once, in evaluation mode), so user code with side effects sees the training rounds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from .data import split_inputs
+
+if TYPE_CHECKING:
+    from ..api import Plan
+
+__all__ = ["check_first_batch"]
+
+
+def _placeholder_shapes(plan: "Plan") -> list[tuple[str, tuple[int, ...] | None]]:
+    graph = plan.model_graph
+    return [(str(n.target), graph.node_meta.get(n.name, {}).get("shape"))
+            for n in graph.module.graph.nodes if n.op == "placeholder"]
+
+
+def _output_shape(plan: "Plan") -> tuple[int, ...] | None:
+    graph = plan.model_graph
+    for n in graph.module.graph.nodes:
+        if n.op == "output":
+            return graph.node_meta.get(n.name, {}).get("shape")
+    return None
+
+
+@torch.no_grad()
+def _check_inputs(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> None:
+    """Inputs shaped unlike the example inputs are an error unless the model takes them and gives
+    an output of the compiled shape (e.g. a globally pooled CNN on larger images)."""
+    fix = (f"compile the plan with example_inputs shaped like one sample of {what}, e.g. "
+           f"(x,) with x = {what}[0][0].unsqueeze(0)")
+    for i, (arg, (name, want)) in enumerate(zip(args, _placeholder_shapes(plan))):
+        if not isinstance(arg, torch.Tensor) or want is None or tuple(arg.shape[1:]) == tuple(want[1:]):
+            continue
+        problem = (f"{what}: input {i} ('{name}') of a sample has shape {list(arg.shape[1:])}, but "
+                   f"the plan was compiled for example inputs of shape {list(want[1:])} per sample")
+        device = plan.states[0].torch_device
+        moved = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+        plan._refresh_central()
+        try:
+            out = plan._central(*moved, **kwargs)  # evaluation mode: no dropout, no BatchNorm update
+        except Exception as exc:  # noqa: BLE001 - the model cannot take these inputs
+            raise ValueError(f"{problem}, and the model fails on them ({type(exc).__name__}: "
+                             f"{exc}); {fix}") from exc
+        want_out = _output_shape(plan)
+        if isinstance(out, torch.Tensor) and want_out is not None and \
+                tuple(out.shape[1:]) != tuple(want_out[1:]):
+            raise ValueError(f"{problem}, and the model's output per sample would be "
+                             f"{list(out.shape[1:])} instead of {list(want_out[1:])}; {fix}")
+
+
+def _all_labels(dataset: Any, first_targets: torch.Tensor) -> torch.Tensor:
+    """Every label when they are one tensor (TensorDataset, ImageDataset), else the first batch's."""
+    base = getattr(dataset, "base", dataset)  # augmented views keep the labels of their base
+    if isinstance(base, TensorDataset) and isinstance(base.tensors[-1], torch.Tensor):
+        return base.tensors[-1]
+    return first_targets
+
+
+def _class_index_loss(loss_fn: Any) -> int | None:
+    """The ignore_index of a loss whose integer targets are class indices, else None."""
+    if loss_fn in (F.cross_entropy, F.nll_loss):
+        return -100  # their default ignore_index
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        return loss_fn.ignore_index
+    return None
+
+
+def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor], Any],
+                      indices: torch.Tensor, what: str = "train_dataset") -> None:
+    """Check one batch of ``dataset`` against the plan (``loss_fn`` is not called).
+
+    Checks: every input's per-sample shape equals the compiled example input's (or, if not, the
+    model in evaluation mode takes the batch and gives an output of the compiled shape); with a
+    class-index loss (``cross_entropy``, ``nll_loss`` or their modules), integer labels lie in
+    [0, C) for a model with C output scores, ``ignore_index`` allowed (all labels of a tensor
+    dataset, else the batch's). Whether ``loss_fn`` returns a scalar is checked by every LEARN task.
+
+    Args:
+        plan: the compiled Plan.
+        dataset: the training dataset.
+        fetch: indices ``[n]`` → a collated batch.
+        indices: the samples to check, ``[b]``.
+        what: the argument's name for messages.
+
+    Raises:
+        ValueError: a mismatch; the message names the input or label, the numbers and the fix.
+    """
+    batch = fetch(indices)
+    args, kwargs, target = split_inputs(batch)
+    _check_inputs(plan, args, kwargs, what)
+    ignore = _class_index_loss(plan.loss_fn)
+    out_shape = _output_shape(plan)
+    if (ignore is None or out_shape is None or len(out_shape) < 2 or not isinstance(target, torch.Tensor)
+            or target.is_floating_point()):
+        return
+    classes = out_shape[1]
+    labels = _all_labels(dataset, target)
+    bad = labels[((labels < 0) | (labels >= classes)) & (labels != ignore)]
+    if len(bad):
+        lo, hi = int(labels.min()), int(labels.max())
+        raise ValueError(
+            f"{what} has label {int(bad[0])}, outside the model's {classes} classes [0, "
+            f"{classes - 1}] (labels range over [{lo}, {hi}]); build the model with "
+            f"num_classes={hi + 1} or remap the labels to 0 … C−1"
+        )

@@ -1,0 +1,257 @@
+"""Every bad input a user can give gets an error that says what, where, and how to fix it."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+import crossbow_graph as cg
+from crossbow_graph import cli, datasets
+from crossbow_graph.errors import PlanError, TaskError, TraceError
+
+from _fake_cifar import write_fake_cifar
+
+F = nn.functional
+
+
+def tiny(classes: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(4, classes))
+
+
+def plan(model=None, *, example=None, loss=F.cross_entropy, **kw) -> cg.Plan:
+    args = dict(batch_size=4, devices=1, replicas=2)
+    args.update(kw)
+    return cg.compile(model or tiny(), (torch.zeros(1, 4) if example is None else example,), loss, **args)
+
+
+def ds(n: int = 32, features: tuple[int, ...] = (4,), classes: int = 3) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, *features, generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+# -- data against the plan (checked once, on the first batch) -------------------------------
+
+def test_example_input_that_does_not_match_the_data():
+    with pytest.raises(ValueError, match=r"input 0 \('input'\) of a sample has shape \[2, 4\], but the plan "
+                                         r"was compiled for example inputs of shape \[4\] per sample, and the "
+                                         r"model fails on them \(RuntimeError: .*unsqueeze\(0\)"):
+        plan().fit(ds(features=(2, 4)), 1, progress=False)
+    # runs, but each sample gives 2 × 3 scores instead of 3
+    lin = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"output per sample would be \[2, 3\] instead of \[3\]"):
+        plan(lin).fit(ds(features=(2, 4)), 1, progress=False)
+
+
+def test_other_input_shapes_that_the_model_takes_are_accepted():
+    torch.manual_seed(0)
+    pooled = nn.Sequential(nn.Conv2d(1, 3, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    p = plan(pooled, example=torch.zeros(1, 1, 8, 8))
+    p.fit(ds(features=(1, 12, 12)), 1, progress=False)  # 12×12 images: same [3] output
+
+
+def test_example_input_that_does_not_run_through_the_model():
+    with pytest.raises(TraceError) as err:
+        plan(example=torch.zeros(1, 7))
+    message = str(err.value)
+    assert "example inputs" in message and "do not run through Sequential" in message
+    assert "Pass example_inputs=(x,) with x one batch shaped like the training data" in message
+
+
+def test_empty_dataset():
+    with pytest.raises(ValueError, match=r"train_dataset is empty \(0 samples\)"):
+        plan().fit(TensorDataset(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long)), 1)
+
+
+def test_dataset_smaller_than_one_round():
+    with pytest.raises(ValueError, match=r"train_dataset has 7 samples, fewer than one round of 2 learners × "
+                                         r"4 samples = 8; lower the batch size or the replicas"):
+        plan().fit(ds(7), 1)
+
+
+def test_labels_outside_the_model_classes():
+    data = ds()
+    data.tensors[1][20] = 12  # not in the first batch: every label of a tensor dataset is checked
+    with pytest.raises(ValueError, match=r"label 12, outside the model's 3 classes \[0, 2\].*num_classes=13"):
+        plan().fit(data, 1, progress=False)
+    data.tensors[1][20] = -1
+    with pytest.raises(ValueError, match=r"label -1, outside.*remap the labels"):
+        plan().fit(data, 1, progress=False)
+
+
+class PairList(Dataset):
+    def __init__(self, pairs):
+        self.pairs = pairs
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, i):
+        return self.pairs[i]
+
+
+def test_labels_outside_classes_in_a_generic_dataset_first_batch():
+    pairs = [(torch.randn(4), 5 if i == 1 else 0) for i in range(16)]
+    with pytest.raises(ValueError, match=r"label 5, outside the model's 3 classes"):
+        plan().fit(PairList(pairs), 1, progress=False, shuffle=False)
+
+
+def test_loss_that_is_not_a_scalar():
+    bad = lambda out, y: F.cross_entropy(out, y, reduction="none")  # noqa: E731
+    with pytest.raises(TaskError, match=r"task 'learn.*' \(LEARN on cpu:0\) failed in round 0: ValueError: "
+                                        r"loss_fn must return a scalar tensor, got \(4,\); reduce it, e.g. "
+                                        r"with reduction='mean'"):
+        plan(loss=bad).fit(ds(), 1, progress=False)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        plan(loss="cross_entropy")
+
+
+def test_labels_are_only_checked_for_class_index_losses():
+    """Integer targets of other losses are not class indices (e.g. regression on counts)."""
+    data = ds()
+    data.tensors[1][3] = 7
+    plan(loss=lambda out, y: (out.sum(1) - y).pow(2).mean()).fit(data, 1, progress=False)
+    data.tensors[1][3] = -100  # cross_entropy's ignore_index
+    plan().fit(data, 1, progress=False)
+    data.tensors[1][3] = 7
+    with pytest.raises(ValueError, match="label 7"):
+        plan(loss=nn.CrossEntropyLoss()).fit(data, 1, progress=False)
+
+
+# -- the model ----------------------------------------------------------------------------
+
+def test_model_without_parameters():
+    with pytest.raises(ValueError, match="ReLU has no parameters: there is nothing to train"):
+        plan(nn.ReLU())
+
+
+class IntParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.steps = nn.Parameter(torch.zeros(1, dtype=torch.long), requires_grad=False)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_model_with_integer_parameters():
+    with pytest.raises(ValueError, match=r"parameter 'steps' of IntParam has dtype torch.int64.*register "
+                                         r"integer tensors as buffers"):
+        plan(IntParam())
+
+
+def test_model_with_only_frozen_parameters():
+    model = tiny()
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="every parameter of Sequential is frozen"):
+        plan(model)
+
+
+# -- the plan's arguments -----------------------------------------------------------------
+
+@pytest.mark.parametrize("b", [0, -3, 2.5, True])
+def test_batch_size_not_positive(b):
+    with pytest.raises(ValueError, match=rf"batch_size={b!r}: must be a positive integer, e.g. 16"):
+        plan(batch_size=b)
+
+
+def test_more_devices_or_replicas_than_exist_or_fit():
+    with pytest.raises(ValueError, match=r"device 'cuda:0' does not exist: this machine has 0 CUDA GPUs"):
+        plan(devices=["cuda:0"])
+    with pytest.raises(ValueError, match="devices=0: need at least one device"):
+        plan(devices=0)
+    with pytest.raises(ValueError, match=r"device 'tpu:0': use 'cpu:N'"):
+        plan(devices=["tpu:0"])
+    with pytest.raises(ValueError, match=r"replicas=0: replicas per device must be an integer ≥ 1"):
+        plan(replicas=0)
+    with pytest.raises(PlanError, match=r"2 replicas × .* MiB per learner \(params .*\) = .* MiB exceed the "
+                                        r".* MiB budget of cpu:0 .*not even one replica fits"):
+        plan(memory_budget=64)
+
+
+# -- the command line ---------------------------------------------------------------------
+
+def test_cli_unknown_model_and_dataset(capsys):
+    assert cli.main(["train", "--model", "resnet9000", "--quiet"]) == 2
+    assert "unknown model 'resnet9000'; the zoo has: lenet5" in capsys.readouterr().err
+    assert cli.main(["train", "--dataset", "imagenet", "--quiet"]) == 2
+    assert "unknown dataset 'imagenet'; choose one of: mnist, fashion_mnist, cifar10" in capsys.readouterr().err
+    assert cli.main(["train", "--dataset", "cifar10", "--quiet"]) == 2
+    assert "--dataset cifar10 needs --data-dir DIR" in capsys.readouterr().err
+
+
+def test_cli_missing_cifar_dir(tmp_path, capsys):
+    assert cli.main(["train", "--dataset", "cifar10", "--data-dir", str(tmp_path / "nope"), "--quiet"]) == 2
+    assert f"CIFAR-10 directory {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+
+
+# -- CIFAR-10 directories -----------------------------------------------------------------
+
+def test_cifar_directory_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"does not exist; download cifar-10-python.tar.gz"):
+        datasets.cifar10(str(tmp_path / "missing"))
+
+
+def test_cifar_directory_lacking_files(tmp_path):
+    write_fake_cifar(str(tmp_path))
+    os.remove(tmp_path / "data_batch_3")
+    os.remove(tmp_path / "batches.meta")
+    with pytest.raises(FileNotFoundError, match=r"lacks data_batch_3, batches.meta; it must be the unpacked "
+                                                r"cifar-10-batches-py folder"):
+        datasets.cifar10(str(tmp_path))
+
+
+def _rewrite(path, obj) -> None:
+    with open(path, "wb") as f:
+        pickle.dump(obj, f)
+
+
+def test_cifar_directory_malformed(tmp_path):
+    root = str(tmp_path)
+    write_fake_cifar(root)
+    batch = os.path.join(root, "test_batch")
+    with open(batch, "wb") as f:
+        f.write(b"\x00garbage")
+    with pytest.raises(ValueError, match=r"test_batch cannot be read as a pickled batch.*python version"):
+        datasets.cifar10(root, train=False)
+    _rewrite(batch, {b"images": np.zeros((2, 3072), np.uint8)})
+    with pytest.raises(ValueError, match=r"test_batch is not a batch dict with b'data' and b'labels'"):
+        datasets.cifar10(root, train=False)
+    _rewrite(batch, {b"data": np.zeros((2, 1024), np.uint8), b"labels": [0, 1]})
+    with pytest.raises(ValueError, match=r"b'data' must be uint8 \[N, 3072\].*got uint8 \[2, 1024\]"):
+        datasets.cifar10(root, train=False)
+    _rewrite(batch, {b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1, 2]})
+    with pytest.raises(ValueError, match=r"2 images but 3 labels"):
+        datasets.cifar10(root, train=False)
+    _rewrite(batch, {b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 10]})
+    with pytest.raises(ValueError, match=r"labels range over \[0, 10\], CIFAR-10 has classes 0–9"):
+        datasets.cifar10(root, train=False)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_cifar_pickle_cannot_run_code(tmp_path):
+    root = str(tmp_path)
+    write_fake_cifar(root)
+    _rewrite(os.path.join(root, "test_batch"), {b"data": _Evil(), b"labels": []})
+    with pytest.raises(ValueError, match=r"refusing to unpickle posix.system"):
+        datasets.cifar10(root, train=False)
+
+
+def test_cli_unreadable_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "ckpt-0000000001.pt").write_bytes(b"garbage")
+    argv = ["train", "--train-samples", "64", "--test-samples", "10", "--quiet",
+            "--checkpoint-dir", str(tmp_path), "--resume"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("crossbow-graph train: error: no checkpoint in") and "is truncated: 7 bytes" in err

@@ -1,0 +1,272 @@
+"""Checkpoints: bit-identical resume (also mid-epoch, with dropout and BatchNorm), corrupt files,
+mismatches, and a real SIGKILL in the middle of a write."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import crossbow_graph as cg
+from crossbow_graph.errors import CheckpointError
+from crossbow_graph.runtime.checkpoint import list_checkpoints, load_checkpoint, load_latest
+from crossbow_graph.runtime.hooks import Hook
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Net(nn.Module):
+    """Tiny model with every kind of state: dropout (RNG), BatchNorm (float and int buffers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 12)
+        self.bn = nn.BatchNorm1d(12)
+        self.drop = nn.Dropout(0.3)
+        self.fc2 = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+def data(n: int = 96) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def make_plan(**kw) -> cg.Plan:
+    torch.manual_seed(0)
+    args = dict(batch_size=4, devices=2, replicas=2,
+                optimizer=cg.SGD(lr=0.05, momentum=0.9, weight_decay=1e-4),
+                sync=cg.SMA(central_momentum=0.9))
+    args.update(kw)
+    return cg.compile(Net(), (torch.zeros(2, 6),), nn.functional.cross_entropy, **args)
+
+
+class StopAfter(Hook):
+    """Ends the fit after ``n`` rounds (the 'crash')."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def after_round(self, ctx) -> None:
+        ctx.stop = ctx.plan.rounds_done >= self.n
+
+
+class DrawRandom(Hook):
+    """Draws from Python's and NumPy's RNGs every round, so that their state matters."""
+
+    def __init__(self) -> None:
+        self.draws = []
+
+    def after_round(self, ctx) -> None:
+        self.draws.append((ctx.plan.rounds_done, random.random(), float(np.random.rand())))
+
+
+def assert_same_state(a: cg.Plan, b: cg.Plan) -> None:
+    for sa, sb in zip(a.states, b.states):
+        for key in ("z", "z_prev", "w", "v", "buf", "zbuf"):
+            assert torch.equal(getattr(sa, key), getattr(sb, key)), key
+        for ra, rb in zip(sa.replicas, sb.replicas):
+            assert torch.equal(ra.bn.num_batches_tracked, rb.bn.num_batches_tracked)
+
+
+@pytest.mark.parametrize("stop_at", [4, 9])  # 6 rounds per epoch: mid-epoch 1 and mid-epoch 2
+def test_resume_is_bit_identical(tmp_path, stop_at):
+    full_draws = DrawRandom()
+    full = make_plan()
+    random.seed(7), np.random.seed(7)
+    h_full = full.fit(data(), 2, progress=False, hooks=[full_draws], seed=3)
+
+    ckpt = str(tmp_path / "ckpt")
+    first = make_plan()
+    random.seed(7), np.random.seed(7)
+    first.fit(data(), 2, progress=False, hooks=[DrawRandom(), StopAfter(stop_at)], seed=3,
+              checkpoint_dir=ckpt, checkpoint_every=1)
+    assert load_latest(ckpt)[1]["plan"]["rounds_done"] == stop_at
+    second_draws = DrawRandom()
+    second = make_plan()
+    random.seed(8), np.random.seed(8)  # overwritten by the checkpoint's RNG states
+    h = second.fit(data(), 2, progress=False, hooks=[second_draws], seed=3, checkpoint_dir=ckpt,
+                   checkpoint_every=1, resume=True)
+    assert second.rounds_done == full.rounds_done == 12
+    assert_same_state(full, second)
+    assert [e.train_loss for e in h.epochs] == [e.train_loss for e in h_full.epochs]
+    assert second_draws.draws == full_draws.draws[stop_at:]
+
+
+def test_resume_at_epoch_end_without_every(tmp_path):
+    """checkpoint_every=None: a checkpoint at each complete epoch; resuming runs the rest."""
+    full = make_plan()
+    full.fit(data(), 2, progress=False)
+    ckpt = str(tmp_path)
+    make_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt)
+    assert [os.path.basename(p) for p in list_checkpoints(ckpt)] == ["ckpt-0000000006.pt"]
+    resumed = make_plan()
+    h = resumed.fit(data(), 2, progress=False, checkpoint_dir=ckpt, resume=True)
+    assert [e.epoch for e in h.epochs] == [1, 2]
+    assert_same_state(full, resumed)
+
+
+def test_plan_state_dict_round_trip():
+    a = make_plan()
+    a.fit(data(), 1, progress=False)
+    b = make_plan()
+    b.load_state_dict(a.state_dict())
+    assert_same_state(a, b)
+    assert (b.epochs_done, b.rounds_done) == (1, 6)
+    # module parameters are still views of the flat rows after loading
+    assert b.states[0].replicas[1].fc1.weight.data_ptr() == b.states[0].w[1].data_ptr()
+
+
+def test_keeps_last_two_and_falls_back_from_truncated(tmp_path, caplog):
+    ckpt = str(tmp_path)
+    make_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=2)
+    files = list_checkpoints(ckpt)
+    assert [os.path.basename(p) for p in files] == ["ckpt-0000000004.pt", "ckpt-0000000006.pt"]
+    size = os.path.getsize(files[-1])
+    with open(files[-1], "r+b") as f:
+        f.truncate(size // 2)
+    with caplog.at_level(logging.WARNING, logger="crossbow_graph.checkpoint"):
+        path, state = load_latest(ckpt)
+    assert path == files[0] and state["plan"]["rounds_done"] == 4
+    assert "truncated" in caplog.text and files[-1] in caplog.text
+
+
+def test_corrupt_byte_is_detected_and_resume_uses_previous(tmp_path, caplog):
+    full = make_plan()
+    full.fit(data(), 1, progress=False)
+    ckpt = str(tmp_path)
+    make_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=2,
+                    hooks=[StopAfter(4)])
+    newest = list_checkpoints(ckpt)[-1]
+    with open(newest, "r+b") as f:
+        f.seek(os.path.getsize(newest) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match="checksum"):
+        load_checkpoint(newest)
+    resumed = make_plan()
+    with caplog.at_level(logging.WARNING, logger="crossbow_graph.checkpoint"):
+        resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt, resume=True)
+    assert "previous good checkpoint" in caplog.text
+    assert_same_state(full, resumed)  # resumed from round 2 instead of 4: still identical
+
+
+def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
+    (tmp_path / "ckpt-0000000001.pt").write_bytes(b"not a checkpoint at all, just text" * 3)
+    (tmp_path / "ckpt-0000000002.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* can be loaded.*bad magic"):
+        make_plan().fit(data(), 1, progress=False, checkpoint_dir=str(tmp_path), resume=True)
+
+
+def test_resume_with_other_data_order_or_plan_is_refused(tmp_path):
+    ckpt = str(tmp_path)
+    make_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt)
+    with pytest.raises(CheckpointError, match=r"seed=0 \(now 5\)"):
+        make_plan().fit(data(), 1, progress=False, seed=5, checkpoint_dir=ckpt, resume=True)
+    with pytest.raises(CheckpointError, match="2 device.*× 2 replica.*1 × 1"):
+        make_plan(devices=1, replicas=1).load_state_dict(make_plan().state_dict())
+
+
+def test_resume_without_checkpoint_starts_afresh_and_needs_dir(tmp_path):
+    a, b = make_plan(), make_plan()
+    a.fit(data(), 1, progress=False)
+    b.fit(data(), 1, progress=False, checkpoint_dir=str(tmp_path / "new"), resume=True)
+    assert_same_state(a, b)
+    with pytest.raises(ValueError, match="resume=True needs checkpoint_dir"):
+        make_plan().fit(data(), 1, progress=False, resume=True)
+    with pytest.raises(ValueError, match="checkpoint_every=0"):
+        make_plan().fit(data(), 1, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=0)
+
+
+_KILLED_WRITER = textwrap.dedent("""
+    import os, sys, time, torch
+    sys.path.insert(0, {root!r})
+    sys.path.insert(0, {tests!r})
+    import crossbow_graph.runtime.checkpoint as ck
+    from test_checkpoint import make_plan, data
+    marker, ckpt = sys.argv[1], sys.argv[2]
+    real = ck._write_all
+    calls = [0]
+    def half_then_hang(f, payload):
+        calls[0] += 1
+        if calls[0] < 3:
+            return real(f, payload)
+        f.write(payload[: len(payload) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+        open(marker, "w").close()
+        time.sleep(600)
+    ck._write_all = half_then_hang
+    make_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=1)
+""")
+
+
+def test_sigkill_during_write_leaves_last_good_checkpoint(tmp_path):
+    marker, ckpt = str(tmp_path / "writing"), str(tmp_path / "ckpt")
+    script = _KILLED_WRITER.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+    proc = subprocess.Popen([sys.executable, "-c", script, marker, ckpt],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(1200):  # wait (up to ~120 s) for the third write to be half done
+            if os.path.exists(marker) or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert os.path.exists(marker), proc.communicate()[0].decode()[-2000:]
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    leftovers = [n for n in os.listdir(ckpt) if n.endswith(".tmp")]
+    assert len(leftovers) == 1  # the half-written temporary file, never renamed
+    assert [os.path.basename(p) for p in list_checkpoints(ckpt)] == ["ckpt-0000000001.pt",
+                                                                     "ckpt-0000000002.pt"]
+    path, state = load_latest(ckpt)
+    assert state["plan"]["rounds_done"] == 2
+    # resuming works, cleans up the temporary file, and matches an uninterrupted run
+    full = make_plan()
+    full.fit(data(), 1, progress=False)
+    resumed = make_plan()
+    resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
+    assert_same_state(full, resumed)
+    assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")]
+
+
+class Counter(Hook):
+    """A hook with state (like the auto-tuner): rounds it has seen."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def after_round(self, ctx) -> None:
+        self.seen += 1
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+
+def test_hook_state_is_checkpointed(tmp_path):
+    ckpt = str(tmp_path)
+    make_plan().fit(data(), 1, progress=False, hooks=[Counter(), StopAfter(4)], checkpoint_dir=ckpt,
+                    checkpoint_every=2)
+    counter = Counter()
+    make_plan().fit(data(), 1, progress=False, hooks=[counter, StopAfter(100)], checkpoint_dir=ckpt,
+                    resume=True)
+    assert counter.seen == 6  # 4 before the checkpoint, 2 after resuming

@@ -1,0 +1,108 @@
+"""NaN/Inf replicas: reset from z, left out of the round's average, logged; all fail ⇒ DivergenceError."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import crossbow_graph as cg
+from crossbow_graph.errors import DivergenceError, TaskError
+from crossbow_graph.runtime.checkpoint import load_latest
+from crossbow_graph.runtime.hooks import Hook
+
+
+def data(n: int = 64, nan_at: int | None = None) -> TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, 5, generator=g)
+    if nan_at is not None:
+        x[nan_at, 0] = math.nan
+    return TensorDataset(x, torch.randint(0, 3, (n,), generator=g))
+
+
+def make_plan(devices=2, replicas=2, central_momentum=0.0) -> cg.Plan:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    return cg.compile(model, (torch.zeros(1, 5),), nn.functional.cross_entropy, batch_size=4,
+                      devices=devices, replicas=replicas, optimizer=cg.SGD(lr=0.1, momentum=0.9),
+                      sync=cg.SMA(central_momentum=central_momentum))
+
+
+class Poison(Hook):
+    """Before round ``at`` (0-based), writes NaN into replicas ``targets`` [(device, replica)];
+    records the pre-step replicas and z of that round."""
+
+    def __init__(self, at: int, targets) -> None:
+        self.at, self.targets = at, targets
+
+    def before_round(self, ctx) -> None:
+        if ctx.plan.rounds_done != self.at:
+            return
+        for d, r in self.targets:
+            ctx.plan.states[d].w[r, 3] = math.nan
+        self.pre_w = ctx.plan.replica_weights()  # [k, P] ŵ of the round
+        self.pre_z = ctx.plan.central_weights()
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == self.at + 1:
+            self.post = [(s.w.clone(), s.v.clone(), s.z.clone(), s.z_prev.clone()) for s in ctx.plan.states]
+
+
+def test_faulty_replica_is_reset_and_left_out_of_the_average(caplog):
+    plan = make_plan()
+    hook = Poison(at=3, targets=[(1, 0)])
+    with caplog.at_level(logging.WARNING, logger="crossbow_graph.faults"):
+        history = plan.fit(data(), 1, progress=False, hooks=[hook])
+    k = plan.num_learners
+    # oracle (α = 1/k, μ_z = 0): z_new = z + Σ_{healthy j} (ŵ_j − z)/k; the faulty one adds nothing
+    healthy = [j for j in range(k) if j != 2]  # device 1, replica 0 is learner 2
+    expected = hook.pre_z + sum(hook.pre_w[j] - hook.pre_z for j in healthy) / k
+    for w, v, z, z_prev in hook.post:
+        torch.testing.assert_close(z, expected, rtol=1e-6, atol=1e-6)
+    w, v, z, z_prev = hook.post[1]
+    assert torch.equal(w[0], z_prev) and torch.equal(v[0], torch.zeros_like(v[0]))  # reset from z
+    assert all(torch.isfinite(s.w).all() and torch.isfinite(s.z).all() for s in plan.states)
+    assert [(f.round, f.device, f.replica) for f in history.faults] == [(3, "cpu:1", 0)]
+    assert "round 3: replica 0 on cpu:1 has NaN/Inf gradients" in caplog.text
+
+
+def test_nan_in_data_resets_only_that_learner():
+    plan = make_plan(devices=1, replicas=2)
+    # shuffle=False: round 1, learner 1 reads samples [12, 16)
+    history = plan.fit(data(nan_at=13), 1, shuffle=False, progress=False)
+    assert [(f.round, f.device, f.replica) for f in history.faults] == [(1, "cpu:0", 1)]
+    assert torch.isfinite(plan.central_weights()).all()
+    assert math.isnan(history.epochs[0].train_loss)  # the NaN loss is reported as it was
+
+
+def test_all_replicas_failing_stops_with_divergence_error_and_checkpoint_intact(tmp_path):
+    plan = make_plan()
+    targets = [(d, r) for d in range(2) for r in range(2)]
+    with pytest.raises(DivergenceError, match=r"all 4 replicas have NaN/Inf gradients in round 3") as err:
+        plan.fit(data(), 1, progress=False, hooks=[Poison(at=3, targets=targets)],
+                 checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    assert isinstance(err.value, TaskError) and err.value.round_index == 3
+    assert "resume from the last checkpoint" in str(err.value)
+    path, state = load_latest(str(tmp_path))
+    assert state["plan"]["rounds_done"] == 3
+    assert all(torch.isfinite(s["w"]).all() and torch.isfinite(s["z"]).all()
+               for s in state["plan"]["states"])
+
+
+def test_single_learner_nan_is_divergence():
+    plan = make_plan(devices=1, replicas=1)
+    with pytest.raises(DivergenceError, match="all 1 replicas"):
+        plan.fit(data(), 1, progress=False, hooks=[Poison(at=0, targets=[(0, 0)])])
+
+
+def test_healthy_rounds_match_a_plan_without_faults():
+    """The check changes nothing when every replica is finite (same z, bit for bit)."""
+    a, b = make_plan(central_momentum=0.9), make_plan(central_momentum=0.9)
+    a.fit(data(), 1, progress=False)
+    b.scheduler.faults.check = lambda state, **kw: None  # no detection at all
+    b.fit(data(), 1, progress=False)
+    assert torch.equal(a.central_weights(), b.central_weights())
