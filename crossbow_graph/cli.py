@@ -14,6 +14,15 @@ __all__ = ["main", "build_parser"]
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None or False (those say what happens in the help)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="crossbow-graph",
@@ -23,9 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train", help="train a zoo model on a real dataset with SMA",
         description="Train a model of the zoo with SMA and print the central model's test accuracy. "
-                    "With no arguments: LeNet-5 on MNIST, b=16, 2 devices × 2 replicas, until 99.0%% "
+                    "With no arguments: LeNet-5 on MNIST, b=16, 2 devices × 2 replicas, until 99.0% "
                     "test accuracy or 5 epochs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     train.add_argument("--model", default="lenet5", help="zoo model name (crossbow_graph.models.MODELS)")
     train.add_argument("--dataset", default="mnist", help=f"dataset: one of {', '.join(DATASETS)}")
@@ -74,7 +83,7 @@ def _add_inspect_parser(sub) -> None:
         description="Trace a model, run the compiler passes with the verifier and print the plan's "
                     "summary: per device its replicas, tasks, FLOPs per round and memory. Nothing is "
                     "allocated for replicas, so plans larger than this machine can be inspected.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     inspect.add_argument("--model", default="resnet32",
                          help="a zoo model name (lenet5, resnet32, vgg16, resnet50) or "
