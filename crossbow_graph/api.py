@@ -18,6 +18,7 @@ from .errors import PlanError
 from .runtime.data import as_dataset, make_fetch, split_inputs
 from .runtime.history import History
 from .runtime.hooks import Hook
+from .runtime.autotune import AutoTune, AutoTuner
 from .runtime.scheduler import Scheduler
 from .runtime.trainer import run_fit
 from .runtime.state import DeviceState, FlatLayout, bind_flat, float_buffers_named, trainable_named
@@ -86,7 +87,10 @@ def compile(  # noqa: A001 - the public name the design asks for
     *,
     batch_size: int,
     devices: int | str | Sequence[str] = 1,
-    replicas: int = 1,
+    replicas: int | str = "auto",
+    learner_mode: str = "per_replica",
+    executor: str = "auto",
+    autotune: AutoTune | None = None,
     optimizer: SGD = SGD(),
     sync: SMA = SMA(),
     concrete_args: dict[str, Any] | None = None,
@@ -107,7 +111,14 @@ def compile(  # noqa: A001 - the public name the design asks for
             ``torch.nn.functional.cross_entropy``.
         batch_size: b, samples per learner per round (> 0).
         devices: ``"auto"`` (every GPU, else one CPU device), a count, or device names.
-        replicas: m, replicas per device (≥ 1).
+        replicas: m, replicas per device (≥ 1), or ``"auto"``: start at m = 1 and let the
+            auto-tuner (``runtime.autotune``, DESIGN.md §5) add and remove replicas and pick the
+            learner mode while ``fit`` runs.
+        learner_mode: ``"per_replica"`` (each learner its own forward/backward) or ``"fused"``
+            (a device's replicas stacked and run as one vmapped program); same mathematics.
+        executor: ``"auto"``, ``"inline"`` (this process; CUDA streams on GPUs) or ``"process"``
+            (CPU worker processes over shared memory); see ``runtime.scheduler``.
+        autotune: the auto-tuner's settings (with ``replicas="auto"``); default ``AutoTune()``.
         optimizer: each learner's local SGD.
         sync: the SMA settings; α = None means 1/k.
         concrete_args, leaf_modules: passed to the torch.fx tracer (see TraceError's advice).
@@ -126,8 +137,12 @@ def compile(  # noqa: A001 - the public name the design asks for
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r}: must be a positive integer, e.g. 16")
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"replicas={replicas!r}: replicas per device must be an integer ≥ 1")
+    tuned = replicas == "auto"
+    if not tuned and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+        raise ValueError(f"replicas={replicas!r}: replicas per device must be an integer ≥ 1 "
+                         "or 'auto'")
+    if autotune is not None and not isinstance(autotune, AutoTune):
+        raise TypeError(f"autotune must be crossbow_graph.AutoTune(...), got {type(autotune).__name__}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
     if not isinstance(optimizer, SGD):
@@ -140,14 +155,24 @@ def compile(  # noqa: A001 - the public name the design asks for
                               leaf_modules=leaf_modules)
     if memory_budget is None and names[0].startswith("cuda"):
         memory_budget = torch.cuda.get_device_properties(_torch_device(names[0])).total_memory
+    graph = _build_task_graph(names, 1 if tuned else replicas, batch_size, model_graph,
+                              memory_budget, verify)
+    return Plan(model=model, model_graph=model_graph, task_graph=graph, loss_fn=loss_fn,
+                batch_size=batch_size, optimizer=optimizer, sync=sync, learner_mode=learner_mode,
+                executor=executor, memory_budget=memory_budget, verify=verify,
+                autotune=(autotune or AutoTune()) if tuned else None)
+
+
+def _build_task_graph(names: list[str], replicas: int, batch_size: int, model_graph: ModelGraph,
+                      memory_budget: int | None, verify: bool) -> nx.DiGraph:
+    """The compiler's pass pipeline (verifier between passes): the task graph of one round."""
     graph = empty_task_graph(devices=names, replicas_per_device=replicas, batch_size=batch_size)
     for name, pass_fn in (("place_replicas", place_replicas), ("insert_sync", insert_sync),
                           ("annotate_costs", lambda g: annotate_costs(g, model_graph))):
         graph = pass_fn(graph)
         if verify:
             verify_task_graph(graph, stage=name, memory_budget_bytes=memory_budget)
-    return Plan(model=model, model_graph=model_graph, task_graph=graph, loss_fn=loss_fn,
-                batch_size=batch_size, optimizer=optimizer, sync=sync)
+    return graph
 
 
 class Plan:
@@ -158,10 +183,16 @@ class Plan:
         model_graph: the traced model (fx GraphModule, shapes, parameter inventory).
         devices: device names; ``replicas_per_device``: m; ``num_learners``: k = G·m.
         batch_size: b.
+        learner_mode: ``"per_replica"`` or ``"fused"``.
+        memory_budget: bytes per device for learners (None: unbounded).
+        autotuner: the AutoTuner hook that ``fit`` runs (``replicas="auto"``), else None.
     """
 
     def __init__(self, *, model: nn.Module, model_graph: ModelGraph, task_graph: nx.DiGraph,
-                 loss_fn: Callable, batch_size: int, optimizer: SGD, sync: SMA) -> None:
+                 loss_fn: Callable, batch_size: int, optimizer: SGD, sync: SMA,
+                 learner_mode: str = "per_replica", executor: str = "auto",
+                 memory_budget: int | None = None, verify: bool = True,
+                 autotune: AutoTune | None = None) -> None:
         self.model_graph = model_graph
         self.task_graph = task_graph
         self.loss_fn = loss_fn
@@ -179,7 +210,11 @@ class Plan:
         self._central = copy.deepcopy(self._template).to(self.states[0].torch_device).eval()
         bind_flat(self._central, self.states[0].z, None, self.states[0].zbuf, self._params,
                   self._buffers)
-        self.scheduler = Scheduler(task_graph, self.states, loss_fn, optimizer, sync, batch_size)
+        self.scheduler = Scheduler(task_graph, self.states, loss_fn, optimizer, sync, batch_size,
+                                   learner_mode=learner_mode, executor=executor)
+        self.memory_budget = memory_budget
+        self._verify = verify
+        self.autotuner = AutoTuner(autotune) if autotune is not None else None
         self.epochs_done = 0
         self.rounds_done = 0
         self.train_seconds = 0.0
@@ -197,6 +232,53 @@ class Plan:
     @property
     def num_learners(self) -> int:
         return len(self.devices) * self.replicas_per_device
+
+    @property
+    def learner_mode(self) -> str:
+        return self.scheduler.learner_mode
+
+    @property
+    def max_replicas_per_device(self) -> int | None:
+        """The memory bound on m: ``memory_budget // memory_per_learner_bytes`` (None: unbounded)."""
+        mem = self.task_graph.graph.get("memory_per_learner_bytes")
+        if self.memory_budget is None or not mem:
+            return None
+        return max(1, self.memory_budget // mem)
+
+    def set_replicas(self, replicas_per_device: int) -> None:
+        """Change m between rounds, without losing state (DESIGN.md §5, auto-tuner).
+
+        Re-runs the compiler passes (and verifier) for the new m, so ``task_graph`` always matches
+        what runs; kept replicas keep their state; new ones are cloned from z with zeroed
+        momentum; removed ones are the last of each device; α is re-derived for the new k
+        (``SMA.alpha_for``); z is untouched. The next fit round draws k·b samples for the new k.
+
+        Raises:
+            ValueError: m < 1.
+            PlanError: m replicas exceed the memory budget.
+        """
+        m = replicas_per_device
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"replicas_per_device={m!r}: must be an integer ≥ 1")
+        if m == self.replicas_per_device:
+            return
+        graph = _build_task_graph(self.devices, m, self.batch_size, self.model_graph,
+                                  self.memory_budget, self._verify)
+        self.scheduler.flush()
+        self.scheduler.close_workers()
+        for state in self.states:
+            state.resize(m)
+        self.task_graph = graph
+        self.scheduler.set_task_graph(graph)
+
+    def set_learner_mode(self, mode: str) -> None:
+        """Switch the learner mode (``"per_replica"`` or ``"fused"``) from the next round on.
+
+        Raises:
+            ValueError: an unknown mode.
+        """
+        self.scheduler.flush()
+        self.scheduler.set_learner_mode(mode)
 
     @property
     def num_parameters(self) -> int:
@@ -230,14 +312,17 @@ class Plan:
 
     def central_weights(self, device: int = 0) -> torch.Tensor:
         """A copy of device ``device``'s central average model z, ``[P]`` float32."""
+        self.scheduler.flush()
         return self.states[device].z.detach().clone()
 
     def replica_weights(self) -> torch.Tensor:
         """A copy of every replica's parameters, ``[k, P]``, device-major (j = d·m + r)."""
+        self.scheduler.flush()
         return torch.cat([s.w.detach().to(self.states[0].torch_device) for s in self.states]).clone()
 
     def _refresh_central(self) -> None:
         """Carry integer buffers (num_batches_tracked) from the first replica into z's module."""
+        self.scheduler.flush()
         src = dict(self.states[0].replicas[0].named_buffers())
         for name, b in self._central.named_buffers():
             if not b.is_floating_point():
@@ -296,6 +381,7 @@ class Plan:
         eval_batch_size: int = 1000,
         progress: bool = True,
         hooks: Sequence[Hook] = (),
+        trace: str | None = None,
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -313,10 +399,16 @@ class Plan:
             evals_per_epoch: evaluations per epoch (time-to-accuracy resolution).
             eval_batch_size: batch size of evaluation.
             progress: show a progress bar.
-            hooks: Hook objects called at fit, epoch, round and evaluation boundaries.
+            hooks: Hook objects called at fit, epoch, round and evaluation boundaries (the
+                plan's auto-tuner, with ``replicas="auto"``, runs first).
+            trace: write a Chrome-trace JSON timeline of every task to this path
+                (``chrome://tracing``, Perfetto): the global sync of round t under round t+1's
+                learning is the overlap.
 
         Returns:
-            The History: per epoch training loss, test accuracy, samples/s, training seconds.
+            The History: per epoch training loss, test accuracy, samples/s, training seconds;
+            the auto-tuner's decisions (``autotune``); the share of synchronisation time not
+            hidden behind learning (``sync_unhidden_share``).
 
         Raises:
             ValueError: an empty dataset, a dataset smaller than one round, bad arguments.
@@ -325,4 +417,5 @@ class Plan:
         return run_fit(self, train_dataset, epochs, eval_dataset=eval_dataset, shuffle=shuffle,
                        seed=seed, target_accuracy=target_accuracy, evals_per_epoch=evals_per_epoch,
                        eval_batch_size=eval_batch_size, progress=progress,
-                       hooks=list(hooks))
+                       hooks=([self.autotuner] if self.autotuner else []) + list(hooks),
+                       trace=trace)

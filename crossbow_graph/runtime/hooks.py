@@ -31,6 +31,15 @@ class FitContext:
         train_seconds: training wall seconds so far (evaluation excluded).
         stop: set True to end the fit after the current round.
         extra: free-form per-fit data hooks share.
+        batch_indices: the last round's sample indices ``[k·b]`` (learner j's at
+            ``[j·b, (j+1)·b)``), None before the first round.
+        round_samples: samples of the last round (k·b at that round).
+
+    With worker processes the global sync of a round is still in flight in ``after_round``
+    (it overlaps the next round's learning): ``ctx.plan``'s methods that read z
+    (``central_weights``, ``central_model``, ``evaluate``) complete it first; code that reads
+    ``states[d].z`` directly calls ``ctx.plan.scheduler.flush()`` first. A hook may change the
+    plan between rounds (``plan.set_replicas``, ``plan.set_learner_mode``, ``scheduler.lr``).
     """
 
     plan: "Plan"
@@ -42,6 +51,8 @@ class FitContext:
     train_seconds: float = 0.0
     stop: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    batch_indices: Any = None
+    round_samples: int = 0
 
 
 class Hook:

@@ -57,16 +57,19 @@ def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def bind_flat(module: nn.Module, params_row: torch.Tensor, grads_row: torch.Tensor | None,
-              bufs_row: torch.Tensor | None, params: FlatLayout, buffers: FlatLayout) -> None:
+              bufs_row: torch.Tensor | None, params: FlatLayout, buffers: FlatLayout, *,
+              copy_values: bool = True) -> None:
     """Make ``module``'s trainable parameters (and gradients, float buffers) views into flat rows.
 
-    The current values are copied into the rows first, so nothing is lost.
+    The current values are copied into the rows first (``copy_values``), so nothing is lost;
+    with ``copy_values=False`` the rows already hold the values and the module adopts them.
     """
     named = dict(module.named_parameters())
     for name, shape, off, n in params.entries:
         p = named[name]
         view = params_row[off:off + n].view(shape)
-        view.copy_(p.detach())
+        if copy_values:
+            view.copy_(p.detach())
         p.data = view
         if grads_row is not None:
             p.grad = grads_row[off:off + n].view(shape)
@@ -74,7 +77,8 @@ def bind_flat(module: nn.Module, params_row: torch.Tensor, grads_row: torch.Tens
         named_b = dict(module.named_buffers())
         for name, shape, off, n in buffers.entries:
             view = bufs_row[off:off + n].view(shape)
-            view.copy_(named_b[name])
+            if copy_values:
+                view.copy_(named_b[name])
             _set_buffer(module, name, view)
 
 
@@ -104,6 +108,7 @@ class DeviceState:
         self.buf = torch.zeros(m, buffers.size, dtype=dtype, device=torch_device)
         self.z = torch.zeros(params.size, dtype=dtype, device=torch_device)
         self.zbuf = torch.zeros(buffers.size, dtype=dtype, device=torch_device)
+        self._template = template
         self.replicas: list[nn.Module] = []
         for j in range(m):
             self.replicas.append(self._new_replica(template, j))
@@ -122,3 +127,49 @@ class DeviceState:
         r.train()
         bind_flat(r, self.w[j], self.g[j], self.buf[j], self.params, self.buffers)
         return r
+
+    @torch.no_grad()
+    def resize(self, m: int) -> None:
+        """Change the number of replicas to ``m`` between rounds, without losing state.
+
+        Replicas 0 … min(m, m_old)−1 keep their parameters, momentum, buffers and
+        ``first_step``; a new replica is cloned from z (buffers from zbuf, integer buffers from
+        replica 0) with zeroed momentum; removed replicas are the last ones. z, z_prev and zbuf
+        are untouched, so the central model is continuous (DESIGN.md §5, auto-tuner).
+
+        New flat buffers ``[m, P]``/``[m, Q]`` replace ``w, v, g, buf`` (ordinary memory: call
+        ``share_memory()`` again if worker processes need them).
+
+        Raises:
+            ValueError: ``m < 1``.
+        """
+        if m < 1:
+            raise ValueError(f"replicas per device must be ≥ 1, got {m}")
+        keep = min(m, self.m)
+        w = torch.zeros(m, self.params.size, dtype=self.w.dtype, device=self.torch_device)
+        v, g = torch.zeros_like(w), torch.zeros_like(w)
+        buf = torch.zeros(m, self.buffers.size, dtype=self.buf.dtype, device=self.torch_device)
+        w[:keep].copy_(self.w[:keep])
+        v[:keep].copy_(self.v[:keep])
+        buf[:keep].copy_(self.buf[:keep])
+        w[keep:].copy_(self.z.expand(m - keep, -1))
+        buf[keep:].copy_(self.zbuf.expand(m - keep, -1))
+        ints = {n: b.clone() for n, b in self.replicas[0].named_buffers() if not b.is_floating_point()}
+        self.w, self.v, self.g, self.buf = w, v, g, buf
+        replicas = []
+        for j in range(m):
+            r = self.replicas[j] if j < keep else copy.deepcopy(self._template).to(self.torch_device)
+            r.train()
+            bind_flat(r, w[j], g[j], buf[j], self.params, self.buffers, copy_values=False)
+            if j >= keep:
+                for name, value in r.named_buffers():
+                    if name in ints:
+                        value.copy_(ints[name])
+            replicas.append(r)
+        self.replicas = replicas
+        self.first_step = self.first_step[:keep] + [True] * (m - keep)
+
+    def share_memory(self) -> None:
+        """Move every flat buffer to shared memory (in place; module views follow) for workers."""
+        for t in (self.w, self.v, self.g, self.buf, self.z, self.z_prev, self.zbuf):
+            t.share_memory_()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +11,7 @@ from tqdm.auto import tqdm
 from .data import BatchSchedule, as_dataset, make_fetch
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
+from .timeline import Timeline
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -32,8 +32,14 @@ def run_fit(
     eval_batch_size: int,
     progress: bool,
     hooks: list[Hook] = (),
+    trace: str | None = None,
 ) -> History:
-    """Run ``Plan.fit`` (see its docstring for the arguments and errors)."""
+    """Run ``Plan.fit`` (see its docstring for the arguments and errors).
+
+    Rounds take the next k·b samples of the epoch's order (``BatchSchedule.next_round``), with k
+    read before every round, so hooks (the auto-tuner) may change the replicas between rounds and
+    every batch of an epoch stays disjoint. Worker processes, if any, live for the fit.
+    """
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
     if target_accuracy is not None and eval_dataset is None:
@@ -49,70 +55,108 @@ def run_fit(
     fetch = make_fetch(train)
     torch.manual_seed(seed)
     history = History(target_accuracy=target_accuracy)
-    rounds = schedule.rounds_per_epoch
-    eval_points = sorted({math.ceil(rounds * i / evals_per_epoch) for i in range(1, evals_per_epoch + 1)})
+    timeline = Timeline() if trace is not None else None
+    sched = plan.scheduler
+    sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
+    sched.begin_fit(fetch, seed=seed, timeline=timeline)
+    try:
+        _epochs(plan, schedule, history, hooks, epochs, eval_dataset, target_accuracy,
+                evals_per_epoch, eval_batch_size, progress)
+    finally:
+        sched.end_fit()
+        history.sync_seconds = sched.sync_seconds - sync0[0]
+        history.sync_exposed_seconds = sched.sync_exposed_seconds - sync0[1]
+        if timeline is not None:
+            timeline.save(trace)
+    return history
+
+
+def _epochs(plan, schedule, history, hooks, epochs, eval_dataset, target_accuracy,
+            evals_per_epoch, eval_batch_size, progress) -> None:
+    n = schedule.num_samples
     tau = plan.sync.sync_every
-    ctx = FitContext(plan=plan, history=history, rounds_per_epoch=rounds,
-                     train_seconds=plan.train_seconds)
+    sched = plan.scheduler
+    ctx = FitContext(plan=plan, history=history, train_seconds=plan.train_seconds,
+                     rounds_per_epoch=n // (plan.num_learners * plan.batch_size))
     for hook in hooks:
         hook.before_fit(ctx)
     for _ in range(epochs):
         epoch = plan.epochs_done
         ctx.epoch, ctx.round_in_epoch = epoch, 0
+        ctx.rounds_per_epoch = n // (plan.num_learners * plan.batch_size)
         for hook in hooks:
             hook.before_epoch(ctx)
         order = schedule.order(epoch)
-        plan.scheduler.losses = []
+        sched.losses = []
+        sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
         epoch_seconds, acc = 0.0, None
-        bar = tqdm(total=rounds, desc=f"epoch {epoch + 1}", unit="round", disable=not progress,
-                   leave=False, dynamic_ncols=True)
+        eval_points = [n * i // evals_per_epoch for i in range(1, evals_per_epoch + 1)]
+        next_eval = 0
+        bar = tqdm(total=n, desc=f"epoch {epoch + 1}", unit="sample", unit_scale=True,
+                   disable=not progress, leave=False, dynamic_ncols=True)
         start = time.perf_counter()
-        rounds_run = 0
-        for t in range(rounds):
+        position, rounds_run, samples_run = 0, 0, 0
+        while True:
             for hook in hooks:
                 hook.before_round(ctx)
-            batch = fetch(schedule.round_indices(order, t))
-            n_losses = len(plan.scheduler.losses)
+            schedule.num_learners = plan.num_learners
+            indices = schedule.next_round(order, position)
+            if indices is None:
+                break
+            position += len(indices)
+            n_losses = len(sched.losses)
             plan.rounds_done += 1
-            plan.scheduler.run_round(plan.rounds_done - 1, batch,
-                                     synchronise=plan.rounds_done % tau == 0)
-            rounds_run = t + 1
-            bar.update(1)
+            sched.run_round(plan.rounds_done - 1, synchronise=plan.rounds_done % tau == 0,
+                            indices=indices)
+            rounds_run += 1
+            samples_run += len(indices)
+            bar.update(len(indices))
             if hooks:
                 ctx.round_in_epoch = rounds_run
-                ctx.round_loss = torch.stack(plan.scheduler.losses[n_losses:]).mean()
+                ctx.batch_indices = indices
+                ctx.round_samples = len(indices)
+                ctx.round_loss = torch.stack(sched.losses[n_losses:]).mean()
                 ctx.train_seconds = plan.train_seconds + epoch_seconds + time.perf_counter() - start
                 for hook in hooks:
                     hook.after_round(ctx)
                 if ctx.stop:
                     break
-            if rounds_run not in eval_points or eval_dataset is None:
+            last = schedule.next_round(order, position) is None
+            due = next_eval < len(eval_points) and (position >= eval_points[next_eval] or last)
+            if not due or eval_dataset is None:
                 continue
+            while next_eval < len(eval_points) and (position >= eval_points[next_eval] or last):
+                next_eval += 1
             epoch_seconds += time.perf_counter() - start  # evaluation is not training time
             acc, test_loss = plan.evaluate(eval_dataset, batch_size=eval_batch_size)
             trained = plan.train_seconds + epoch_seconds
-            history.evals.append(EvalRecord(epoch=epoch + rounds_run / rounds, round=plan.rounds_done,
+            history.evals.append(EvalRecord(epoch=epoch + position / n, round=plan.rounds_done,
                                             train_seconds=trained, test_accuracy=acc,
                                             test_loss=test_loss))
             bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
-                            samples_per_s=f"{rounds_run * k * b / epoch_seconds:,.0f}")
+                            samples_per_s=f"{samples_run / epoch_seconds:,.0f}")
             ctx.train_seconds = trained
             for hook in hooks:
                 hook.after_eval(ctx, history.evals[-1])
             start = time.perf_counter()
             if target_accuracy is not None and acc is not None and acc >= target_accuracy:
                 history.time_to_accuracy_s = trained
-                history.epochs_to_accuracy = epoch + rounds_run / rounds
+                history.epochs_to_accuracy = epoch + position / n
                 break
         epoch_seconds += time.perf_counter() - start
         bar.close()
+        sched.flush()
         plan.train_seconds += epoch_seconds
         plan.epochs_done += 1
-        losses = torch.stack(plan.scheduler.losses) if plan.scheduler.losses else torch.zeros(1)
+        losses = torch.stack(sched.losses) if sched.losses else torch.zeros(1)
+        sync_s = sched.sync_seconds - sync0[0]
+        exposed_s = sched.sync_exposed_seconds - sync0[1]
         history.epochs.append(EpochRecord(
             epoch=plan.epochs_done, rounds=rounds_run, train_loss=float(losses.mean()),
-            test_accuracy=acc, samples_per_s=rounds_run * k * b / max(epoch_seconds, 1e-9),
+            test_accuracy=acc, samples_per_s=samples_run / max(epoch_seconds, 1e-9),
             train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
+            learner_mode=plan.learner_mode,
+            sync_unhidden_share=min(1.0, exposed_s / sync_s) if sync_s > 0 else None,
         ))
         ctx.train_seconds = plan.train_seconds
         for hook in hooks:
@@ -121,4 +165,3 @@ def run_fit(
             break
     for hook in hooks:
         hook.after_fit(ctx)
-    return history

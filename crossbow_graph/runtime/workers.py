@@ -1,0 +1,280 @@
+"""Learner worker processes on the CPU: the process executor (DESIGN.md §2 overlap, §5).
+
+Each worker process owns a contiguous group of one device's replicas (rows ``r0 … r1−1``). The
+flat buffers ``w, v, g, buf, z, z_prev, zbuf`` live in shared memory, so workers and this process
+see the same numbers. Per round this process sends each worker one small message (round number,
+the group's sample indices as bytes, lr, α, whether to synchronise); the worker fetches its own
+samples from its (forked) copy of the dataset, learns, waits for the go-ahead that z_t is ready,
+applies its rows' local update (the correction with z_t) and writes its partial sum of corrections;
+it answers with its losses and four timestamps. Meanwhile this process runs the global sync of the
+previous round (C = Σ partial sums, the z update, the buffer mean from the snapshots the workers
+took at the end of that round): the all-reduce and z update of round t run while round t+1 learns,
+and learner j's round t+1 waits only for its own correction. Each worker runs
+``torch.set_num_threads(cores // workers)`` so that the processes do not fight over the cores.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..compiler.tasks import TaskKind
+from ._learners import learn_group
+from .scheduler import available_cores
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+__all__ = ["ProcessExecutor", "worker_groups", "fork_available"]
+
+_POLL_S = 0.5          # how often a blocked wait checks that the other side is alive
+ROUND_TIMEOUT_S = 600  # the longest this process waits for one worker's round
+
+
+def fork_available() -> bool:
+    """Whether worker processes can be forked (Linux, macOS): they inherit the dataset."""
+    return "fork" in mp.get_all_start_methods()
+
+
+def worker_groups(replicas_per_device: list[int], cores: int) -> list[tuple[int, int, int]]:
+    """Split every device's replicas into contiguous groups, one per worker process.
+
+    Each device gets ``min(m, max(1, cores // G))`` workers (G devices) and its m replicas are
+    spread over them as evenly as possible, larger groups first.
+
+    Returns:
+        ``(device index, r0, r1)`` per worker, device-major.
+    """
+    per_device = max(1, cores // len(replicas_per_device))
+    groups = []
+    for d, m in enumerate(replicas_per_device):
+        n = min(m, per_device)
+        r0 = 0
+        for i in range(n):
+            size = m // n + (1 if i < m % n else 0)
+            groups.append((d, r0, r0 + size))
+            r0 += size
+    return groups
+
+
+class ProcessExecutor:
+    """Worker processes running one scheduler's learner groups (see the module docstring).
+
+    Args:
+        scheduler: the Scheduler (its states, tasks, loss, mode, kernels).
+        fetch: sample indices ``[n]`` → collated batch; inherited by the forked workers.
+        seed: seeds each worker's RNG (dropout) differently.
+    """
+
+    def __init__(self, scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any], *,
+                 seed: int) -> None:
+        self.sched = scheduler
+        states = scheduler.states
+        cores = available_cores()
+        self.groups = worker_groups([s.m for s in states], cores)
+        threads = max(1, cores // len(self.groups))
+        for s in states:
+            s.share_memory()
+        p_size, q_size = states[0].params.size, states[0].buffers.size
+        self.acc_parts = torch.zeros(len(self.groups), p_size).share_memory_()  # [W, P]
+        self.buf_snaps = [s.buf.clone().share_memory_() for s in states]        # [m, Q] per device
+        self.global_task = next(t for t in scheduler.order if t.kind is TaskKind.GLOBAL_SYNC)
+        self.learn_ids, self.local_ids = {}, {}
+        for t in scheduler.order:
+            if t.kind is TaskKind.LEARN:
+                d = scheduler._device_index[t.device]
+                self.learn_ids[(d, t.replicas[0] - sum(s.m for s in states[:d]))] = t
+            elif t.kind is TaskKind.LOCAL_SYNC:
+                self.local_ids[scheduler._device_index[t.device]] = t
+        ctx = mp.get_context("fork")
+        self.sems, self.conns, self.procs = [], [], []
+        self.pending: tuple[int, bool] | None = None  # (round, synchronise) of the sync in flight
+        self.main_threads = torch.get_num_threads()
+        parent = os.getpid()
+        try:
+            for wid, (d, r0, r1) in enumerate(self.groups):
+                sem = ctx.Semaphore(0)
+                here, there = ctx.Pipe()
+                learn_tasks = [self.learn_ids[(d, r)] for r in range(r0, r1)]
+                proc = ctx.Process(
+                    target=_worker_main, name=f"crossbow-learner-{wid}", daemon=True,
+                    args=(scheduler, d, r0, r1, there, sem, self.acc_parts[wid],
+                          self.buf_snaps[d] if q_size else None, fetch,
+                          seed * 1_000_003 + 7919 * (wid + 1), threads, parent,
+                          [t.id for t in learn_tasks], self.local_ids[d].id))
+                proc.start()
+                there.close()
+                self.sems.append(sem)
+                self.conns.append(here)
+                self.procs.append(proc)
+        except BaseException:
+            self.close(flush=False)
+            raise
+        torch.set_num_threads(1)  # this process only coordinates and sums while workers learn
+
+    def run_round(self, round_index: int, indices: torch.Tensor, synchronise: bool) -> None:
+        """Run one round on the workers; the round's global sync stays in flight (``flush``)."""
+        sched, b = self.sched, self.sched.batch_size
+        firsts = [sum(s.m for s in sched.states[:d]) for d in range(len(sched.states))]
+        idx = indices.to(torch.int64).contiguous()
+        for wid, (d, r0, r1) in enumerate(self.groups):
+            part = idx[(firsts[d] + r0) * b:(firsts[d] + r1) * b].numpy().tobytes()
+            self.conns[wid].send((round_index, part, sched.lr, sched.alpha, synchronise,
+                                  sched.optimizer))
+        g0 = time.perf_counter_ns()
+        self.flush()
+        g1 = time.perf_counter_ns()
+        for sem in self.sems:
+            sem.release()
+        spans = []
+        for wid, conn in enumerate(self.conns):
+            reply = self._recv(wid, round_index)
+            if reply[0] == "error":
+                _, task_id, what = reply
+                task = next(t for t in sched.order if t.id == task_id)
+                self.pending = None
+                self.close(flush=False)
+                sched._workers = None
+                raise sched.task_error(task, round_index, what)
+            _, losses, times = reply
+            sched.losses.extend(torch.tensor(x) for x in losses)
+            spans.append(times)
+        self.pending = (round_index, synchronise)
+        for s in sched.states:
+            s.first_step = [False] * s.m
+        local_s = sum(td - tc for _, _, tc, td in spans) / len(spans) / 1e9
+        waited_s = sum(td - tb for _, tb, _, td in spans) / len(spans) / 1e9
+        sched.sync_seconds += (g1 - g0) / 1e9 + local_s
+        sched.sync_exposed_seconds += waited_s
+        if sched.timeline is not None:
+            if g1 - g0 > 1000:
+                sched.timeline.span(self.global_task.id, g0, g1, lane="coordinator",
+                                    round_index=round_index - 1)
+            for wid, (ta, tb, tc, td) in enumerate(spans):
+                d, r0, r1 = self.groups[wid]
+                lane = f"worker {wid} (d{d} r{r0}-{r1 - 1})"
+                sched.timeline.span(f"learn:d{d}:r{r0}-{r1 - 1}", ta, tb, lane=lane, round_index=round_index)
+                sched.timeline.span("wait for z", tb, tc, lane=lane, round_index=round_index)
+                sched.timeline.span(self.local_ids[d].id, tc, td, lane=lane, round_index=round_index)
+
+    def flush(self) -> None:
+        """Run the global sync still in flight, if any (workers are idle or learning)."""
+        if self.pending is None:
+            return
+        round_index, synchronise = self.pending
+        self.pending = None
+        if not synchronise:
+            return
+        sched = self.sched
+        for d, s in enumerate(sched.states):
+            rows = [wid for wid, g in enumerate(self.groups) if g[0] == d]
+            s.acc = self.acc_parts[rows].sum(dim=0)
+        sched._synchronise = True
+        try:
+            sched.global_sync(self.global_task, buffers=self.buf_snaps)
+        except Exception as exc:
+            raise sched.task_error(self.global_task, round_index, f"{type(exc).__name__}: {exc}") from exc
+
+    def close(self, flush: bool = True) -> None:
+        """Finish the pending sync (``flush``), stop every worker (join, then terminate, then kill)."""
+        try:
+            if flush:
+                self.flush()
+        finally:
+            for conn in self.conns:
+                try:
+                    conn.send(None)
+                except (OSError, ValueError):
+                    pass
+            for proc in self.procs:
+                proc.join(timeout=5)
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join(timeout=2)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(timeout=2)
+            for conn in self.conns:
+                conn.close()
+            self.conns, self.procs = [], []
+            torch.set_num_threads(self.main_threads)
+
+    def _recv(self, wid: int, round_index: int):
+        conn, proc = self.conns[wid], self.procs[wid]
+        deadline = time.monotonic() + ROUND_TIMEOUT_S
+        while not conn.poll(_POLL_S):
+            if not proc.is_alive() or time.monotonic() > deadline:
+                d, r0, _ = self.groups[wid]
+                task = self.learn_ids[(d, r0)]
+                why = (f"worker process {proc.pid} exited with code {proc.exitcode}"
+                       if not proc.is_alive() else f"no answer within {ROUND_TIMEOUT_S} s")
+                self.pending = None
+                self.close(flush=False)
+                self.sched._workers = None
+                raise self.sched.task_error(task, round_index, why)
+        return conn.recv()
+
+
+def _wait(ready: Callable[[], bool], parent: int) -> bool:
+    """Block until ``ready()`` (it blocks up to _POLL_S itself); False if the parent died."""
+    while not ready():
+        if os.getppid() != parent:
+            return False
+    return True
+
+
+def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, acc_part: torch.Tensor,
+                 buf_snap: torch.Tensor | None, fetch: Callable, seed: int, threads: int,
+                 parent: int, learn_ids: list[str], local_id: str) -> None:
+    """The loop of one worker process (forked: it shares the scheduler's state and dataset)."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    state, b, mode = sched.states[d], sched.batch_size, sched.learner_mode
+    fused = sched._fused[d]
+    try:
+        while True:
+            if not _wait(lambda: conn.poll(_POLL_S), parent):
+                return
+            msg = conn.recv()
+            if msg is None:
+                return
+            round_index, part, lr, alpha, synchronise, optimizer = msg
+            task_id = learn_ids[0]
+            try:
+                ta = time.perf_counter_ns()
+                batch = fetch(torch.frombuffer(bytearray(part), dtype=torch.int64))
+                if mode == "fused":
+                    losses = learn_group(state, r0, r1, batch, sched.loss_fn, b, mode, fused)
+                else:
+                    losses = []
+                    for r in range(r0, r1):
+                        task_id = learn_ids[r - r0]
+                        mine = _rows(batch, (r - r0) * b, (r - r0 + 1) * b)
+                        losses += learn_group(state, r, r + 1, mine, sched.loss_fn, b, mode, None)
+                tb = time.perf_counter_ns()
+                task_id = local_id
+                if not _wait(lambda: sem.acquire(timeout=_POLL_S), parent):
+                    return
+                tc = time.perf_counter_ns()
+                acc = sched.local_update_rows(state, r0, r1, lr=lr, alpha=alpha,
+                                              synchronise=synchronise, optimizer=optimizer)
+                if acc is not None:
+                    acc_part.copy_(acc)
+                if buf_snap is not None:
+                    buf_snap[r0:r1].copy_(state.buf[r0:r1])
+                td = time.perf_counter_ns()
+                conn.send(("ok", [float(x) for x in losses], (ta, tb, tc, td)))
+            except Exception as exc:  # reported to the coordinator, which raises TaskError
+                conn.send(("error", task_id, f"{type(exc).__name__}: {exc}"))
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        return
+
+
+def _rows(batch: Any, start: int, stop: int) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, batch)
