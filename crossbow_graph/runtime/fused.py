@@ -1,8 +1,9 @@
 """Fused learners: a group of replicas stacked and run as one program with torch.func (DESIGN.md §5).
 
 The group's parameters are the rows ``w[r0:r1] [n, P]`` viewed per tensor as ``[n, *shape]``; the
-float buffers are ``buf[r0:r1] [n, Q]`` viewed the same way (BatchNorm statistics stay per replica:
-the in-place running-stat updates under vmap write straight into each replica's row); integer
+float buffers are ``buf[r0:r1] [n, Q]`` copied per tensor to ``[n, *shape]`` and written back
+after the step (BatchNorm statistics stay per replica; vmap's in-place running-stat updates do not
+write through strided views, hence the copies); integer
 buffers (``num_batches_tracked``) are stacked from the replicas' modules and written back.
 ``torch.func.functional_call`` runs the model on them under ``torch.func.vmap`` with
 ``randomness="different"`` (every replica draws its own dropout mask); the sum of the n mean losses
@@ -62,7 +63,8 @@ class FusedProgram:
         w = state.w[r0:r1].detach().requires_grad_(True)  # [n, P], shares storage with state.w
         params = {name: w[:, off:off + k].view(n, *shape)
                   for name, shape, off, k in state.params.entries}
-        buffers = {name: state.buf[r0:r1, off:off + k].view(n, *shape)
+        # contiguous copies: vmap's batch-norm rule does not write through strided views
+        buffers = {name: state.buf[r0:r1, off:off + k].reshape(n, *shape).clone()
                    for name, shape, off, k in state.buffers.entries}
         ints = [name for name, t in state.replicas[r0].named_buffers() if not t.is_floating_point()]
         for name in ints:
@@ -76,6 +78,8 @@ class FusedProgram:
         losses = self._batched(params, buffers, args, kwargs, target)  # [n]
         losses.sum().backward()
         state.g[r0:r1].copy_(w.grad)
+        for name, shape, off, k in state.buffers.entries:
+            state.buf[r0:r1, off:off + k].copy_(buffers[name].reshape(n, k))
         for name in ints:
             for i, r in enumerate(range(r0, r1)):
                 state.replicas[r].get_buffer(name).copy_(buffers[name][i])

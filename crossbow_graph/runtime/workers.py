@@ -9,8 +9,9 @@ applies its rows' local update (the correction with z_t) and writes its partial 
 it answers with its losses and four timestamps. Meanwhile this process runs the global sync of the
 previous round (C = Σ partial sums, the z update, the buffer mean from the snapshots the workers
 took at the end of that round): the all-reduce and z update of round t run while round t+1 learns,
-and learner j's round t+1 waits only for its own correction. Each worker runs
-``torch.set_num_threads(cores // workers)`` so that the processes do not fight over the cores.
+and learner j's round t+1 waits only for its own correction. There are at most as many workers as
+cores, each with one intra-op thread (and oneDNN off: fork safety, see ``_worker_main``), and this
+process drops to one thread while they run, so the processes do not fight over the cores.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class ProcessExecutor:
         states = scheduler.states
         cores = available_cores()
         self.groups = worker_groups([s.m for s in states], cores)
-        threads = max(1, cores // len(self.groups))
+        threads = 1  # forked children cannot start OpenMP teams (see _worker_main)
         for s in states:
             s.share_memory()
         p_size, q_size = states[0].params.size, states[0].buffers.size
@@ -231,7 +232,13 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, acc_pa
                  buf_snap: torch.Tensor | None, fetch: Callable, seed: int, threads: int,
                  parent: int, learn_ids: list[str], local_id: str) -> None:
     """The loop of one worker process (forked: it shares the scheduler's state and dataset)."""
+    # GNU OpenMP cannot start a thread team in a forked child of a process that used one: the
+    # team barrier waits forever for threads that do not exist here. So a worker runs one
+    # intra-op thread (ATen then never enters an OpenMP region), and oneDNN is off because its
+    # cached primitives carry the parent's team size (ATen's kernels also ran LeNet-5 at b=8
+    # faster single-threaded than oneDNN on this CPU). Parallelism comes from the workers.
     torch.set_num_threads(threads)
+    torch.backends.mkldnn.enabled = False
     torch.manual_seed(seed)
     state, b, mode = sched.states[d], sched.batch_size, sched.learner_mode
     fused = sched._fused[d]
