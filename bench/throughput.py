@@ -1,9 +1,12 @@
 """Hardware-efficiency grid of BENCHMARKS.md: samples/s of crossbow_graph against plain PyTorch.
 
-LeNet-5 on MNIST (real data). For b ∈ {4, 8, 16, 32, 64} × m ∈ {1, 2, 4, 8, 16} replicas (one
-device) × learner mode ∈ {per_replica, fused}: crossbow_graph's training samples/s, next to plain
-PyTorch (one model, torch.optim.SGD momentum 0.9, main thread) at the same b and at b·m. Then the
-auto-tuner (``replicas="auto"``) runs at b = 8 and its choice is marked in the grid; finally the
+LeNet-5 on MNIST (real data). For b ∈ {4, 8, 16, 32, 64} × m ∈ {1, 2, 4, 8, 16} learners in all ×
+learner mode ∈ {per_replica, fused}: crossbow_graph's training samples/s, next to plain PyTorch
+(one model, torch.optim.SGD momentum 0.9, main thread) at the same b and at b·m. The m learners
+run on G logical CPU devices (G = the number of cores when it divides m, else 1), m/G per device,
+so that every worker process gets the same share. Then the auto-tuner (``replicas="auto"`` on G =
+cores devices: it adds a replica per device) runs at b = 8 and its choice is marked in the grid;
+finally the
 acceptance check of issue #5: the tuned configuration against plain PyTorch at b = 8, interleaved
 A B A B in this one run (medians and their ratio). Plain PyTorch is measured with the default
 intra-op threads and with one thread, and the faster counts as the baseline.
@@ -69,6 +72,8 @@ def plain_rate(data, b: int, seconds: float, threads: int | None = None) -> floa
 class _Meter(Hook):
     """Measures samples/s after a warm-up and stops the fit after ``seconds``."""
 
+    mutates_replicas = False
+
     def __init__(self, seconds: float, warmup_rounds: int = WARMUP_ROUNDS) -> None:
         self.seconds, self.warmup = seconds, warmup_rounds
         self.rounds, self.samples, self.t0, self.rate = 0, 0, None, None
@@ -94,28 +99,34 @@ def _compile(data, b: int, replicas, mode: str = "per_replica", **kw):
                       optimizer=cg.SGD(lr=0.01, momentum=0.9), **kw)
 
 
-def crossbow_rate(data, b: int, m: int, mode: str, seconds: float) -> float:
-    """crossbow_graph samples/s with m replicas on one device in ``mode`` (steady state)."""
-    plan = _compile(data, b, m, mode)
+def layout(k: int) -> tuple[int, int]:
+    """(G devices, m per device) for k learners: G = cores when it divides k, else 1."""
+    g = available_cores()
+    return (g, k // g) if k >= g and k % g == 0 else (1, k)
+
+
+def crossbow_rate(data, b: int, k: int, mode: str, seconds: float) -> float:
+    """crossbow_graph samples/s with k learners (``layout(k)``) in ``mode`` (steady state)."""
+    g, m = layout(k)
+    plan = _compile(data, b, m, mode, devices=g)
     meter = _Meter(seconds)
     plan.fit(data, 100, progress=False, hooks=[meter], shuffle=True)
     return meter.rate or float("nan")
 
 
 def tuned_choice(data, b: int, seconds: float) -> tuple[int, str, list[dict]]:
-    """Run the auto-tuner for ``seconds`` of training; its final (m, mode) and decisions."""
-    plan = _compile(data, b, "auto", autotune=cg.AutoTune(window_s=0.6, warmup_rounds=20,
-                                                           reprobe=False))
+    """Run the auto-tuner (G = cores devices) for ``seconds``; its final (k, mode), decisions."""
+    plan = _compile(data, b, "auto", devices=available_cores(),
+                    autotune=cg.AutoTune(window_s=0.6, warmup_rounds=20, reprobe=False))
     meter = _Meter(seconds, warmup_rounds=1)
     hist = plan.fit(data, 100, progress=False, hooks=[meter])
-    return (plan.replicas_per_device, plan.learner_mode,
-            [vars(r) for r in hist.autotune])
+    return plan.num_learners, plan.learner_mode, [vars(r) for r in hist.autotune]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="b=8, m∈{1,2,4}, both modes, tuner and acceptance (about a minute)")
+                        help="b=8, m∈{1,2,4,8}, both modes, tuner and acceptance (about a minute)")
     parser.add_argument("--seconds", type=float, default=None,
                         help="measurement seconds per cell (default 1.0, quick 0.8)")
     parser.add_argument("--reps", type=int, default=3, help="A/B repetitions of the acceptance")
@@ -123,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sec = args.seconds or (0.8 if args.quick else 1.0)
     bs = [8] if args.quick else [4, 8, 16, 32, 64]
-    ms = [1, 2, 4] if args.quick else [1, 2, 4, 8, 16]
+    ms = [1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16]
     modes = ["per_replica", "fused"]
     data = cg.datasets.mnist(train=True)
     t_start = time.perf_counter()
@@ -142,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         for m in ms:
             for mode in modes:
                 rate = crossbow_rate(data, b, m, mode, sec)
-                row = dict(b=b, m=m, mode=mode, samples_per_s=rate, plain_b=plain_best(b),
-                           plain_bm=plain_best(b * m))
+                row = dict(b=b, m=m, devices=layout(m)[0], m_per_device=layout(m)[1], mode=mode,
+                           samples_per_s=rate, plain_b=plain_best(b), plain_bm=plain_best(b * m))
                 grid.append(row)
                 print(f"b={b:>3} m={m:>2} {mode:<12} {rate:>9,.0f} samples/s   plain b: "
                       f"{row['plain_b']:>9,.0f}  plain b·m={b * m}: {row['plain_bm']:>9,.0f}  "
@@ -151,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
 
     b = 8
     m_t, mode_t, decisions = tuned_choice(data, b, 10.0 if args.quick else 20.0)
-    print(f"auto-tuner at b={b}: m={m_t}, {mode_t}; decisions:")
+    print(f"auto-tuner at b={b}: {m_t} learners ({layout(m_t)[0]} devices × {layout(m_t)[1]}), "
+          f"{mode_t}; decisions (m per device):")
     for d in decisions:
         print(f"  round {d['round']:>5}: m={d['replicas_per_device']} {d['learner_mode']:<12} "
               f"{d['samples_per_s']:>9,.0f} samples/s → {d['action']} "
@@ -172,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['b']:>3} {row['m']:>3} {row['mode']:<12} {row['samples_per_s']:>10,.0f} "
               f"{row['plain_b']:>9,.0f} {row['plain_bm']:>10,.0f} "
               f"{row['samples_per_s'] / row['plain_b']:>6.2f}{mark}")
-    print(f"\nacceptance (b={b}, A/B × {args.reps}): tuned m={m_t} {mode_t}: median "
+    print(f"\nacceptance (b={b}, A/B × {args.reps}): tuned {m_t} learners {mode_t}: median "
           f"{statistics.median(a_rates):,.0f} samples/s {[round(x) for x in a_rates]}; plain "
           f"PyTorch: median {statistics.median(p_rates):,.0f} {[round(x) for x in p_rates]}; "
           f"ratio {ratio:.2f} (target ≥ 1.5)")
@@ -185,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             when=stamp, quick=args.quick, seconds_per_cell=sec, cores=available_cores(),
             torch=torch.__version__, machine=platform.machine(),
             load_average=os.getloadavg(), grid=grid,
-            tuner=dict(b=b, replicas_per_device=m_t, learner_mode=mode_t, decisions=decisions),
+            tuner=dict(b=b, learners=m_t, devices=layout(m_t)[0], replicas_per_device=layout(m_t)[1],
+                       learner_mode=mode_t, decisions=decisions),
             acceptance=dict(b=b, tuned_samples_per_s=a_rates, plain_samples_per_s=p_rates,
                             ratio=ratio, target=1.5),
             wall_s=time.perf_counter() - t_start,

@@ -21,8 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train", help="train a zoo model on a real dataset with SMA",
         description="Train a model of the zoo with SMA and print the central model's test accuracy. "
-                    "With no arguments: LeNet-5 on MNIST, b=16, 2 devices × 2 replicas, until 99.0%% "
-                    "test accuracy or 5 epochs.",
+                    "With no arguments: LeNet-5 on MNIST, b=16, 2 devices, auto-tuned replicas, until "
+                    "99.0%% test accuracy or 5 epochs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     train.add_argument("--model", default="lenet5", help="zoo model name (crossbow_graph.models.MODELS)")
@@ -30,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=16, help="b, samples per learner per round")
     train.add_argument("--devices", default="2",
                        help="devices: 'auto' (every GPU, else one CPU device) or a count G")
-    train.add_argument("--replicas", type=int, default=2, help="m, replicas (learners) per device")
+    train.add_argument("--replicas", default="auto",
+                       help="m, replicas (learners) per device, or 'auto' (the auto-tuner)")
+    train.add_argument("--learner-mode", default="per_replica", choices=("per_replica", "fused"),
+                       help="learners' mode (the auto-tuner also tries the other one)")
     train.add_argument("--lr", type=float, default=0.01, help="learning rate η of every learner")
     train.add_argument("--momentum", type=float, default=0.9, help="local momentum μ_l")
     train.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty λ")
@@ -62,7 +65,9 @@ def _train(args: argparse.Namespace) -> int:
     devices = args.devices if args.devices == "auto" else int(args.devices)
     plan = cg.compile(
         model, (train_set[0][0].unsqueeze(0),), torch.nn.functional.cross_entropy,
-        batch_size=args.batch_size, devices=devices, replicas=args.replicas,
+        batch_size=args.batch_size, devices=devices,
+        replicas=args.replicas if args.replicas == "auto" else int(args.replicas),
+        learner_mode=args.learner_mode,
         optimizer=cg.SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay),
         sync=cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum),
     )
@@ -71,13 +76,18 @@ def _train(args: argparse.Namespace) -> int:
     history = plan.fit(train_set, args.epochs, eval_dataset=test_set, seed=args.seed,
                        target_accuracy=target, evals_per_epoch=args.evals_per_epoch,
                        progress=not args.quiet)
+    for d in history.autotune:
+        print(f"autotune round {d.round}: m={d.replicas_per_device} {d.learner_mode} "
+              f"{d.samples_per_s:,.0f} samples/s → {d.action} (m={d.next_replicas_per_device}, "
+              f"{d.next_learner_mode})")
     for e in history.epochs:
         acc = f"{e.test_accuracy:.4f}" if e.test_accuracy is not None else "-"
         print(f"epoch {e.epoch}: loss {e.train_loss:.4f}  test accuracy {acc}  "
-              f"{e.samples_per_s:,.0f} samples/s  {e.train_seconds:.1f} s")
+              f"{e.samples_per_s:,.0f} samples/s  {e.train_seconds:.1f} s  "
+              f"(m={e.replicas_per_device}, {e.learner_mode})")
     epochs = history.epochs_to_accuracy or float(len(history.epochs))
     seconds = history.time_to_accuracy_s or plan.train_seconds
-    samples = sum(e.rounds for e in history.epochs) * plan.num_learners * plan.batch_size
+    samples = sum(e.samples for e in history.epochs)
     reached = "reached" if history.time_to_accuracy_s is not None else "did not reach"
     print(f"final test accuracy {history.final_accuracy:.4f} ({reached} target {target}) after "
           f"{epochs:.2f} epochs, {seconds:.1f} training seconds, "

@@ -8,6 +8,7 @@ import multiprocessing
 import pytest
 import torch
 
+from crossbow_graph.runtime.hooks import Hook
 from crossbow_graph.runtime.workers import worker_groups
 
 from _runtime_helpers import TinyBN, TinyNet, compile_tiny, reference_sma, tiny_data
@@ -78,3 +79,33 @@ def test_trace_shows_global_sync_overlapping_next_rounds_learning(tmp_path):
     assert overlapped >= 1
     share = hist.sync_unhidden_share
     assert share is not None and 0.0 <= share <= 1.0
+
+
+class _ResizeOnly(Hook):
+    """Changes m through the plan only, so worker processes learn the next round speculatively."""
+
+    mutates_replicas = False
+
+    def __init__(self, at):
+        self.at = at
+
+    def after_round(self, ctx):
+        m = self.at.get(ctx.plan.rounds_done)
+        if m is not None:
+            ctx.plan.set_replicas(m)
+
+
+def test_speculative_rounds_cancelled_by_a_resize_roll_back_batchnorm_buffers():
+    data = tiny_data(4 * 2 * 30)
+    plans = {}
+    for ex in ("inline", "process"):
+        plans[ex] = compile_tiny(TinyBN, devices=2, replicas=1, executor=ex)
+        plans[ex].fit(data, 1, shuffle=False, progress=False,
+                      hooks=[_ResizeOnly({2: 2, 4: 3, 7: 1, 9: 2})])
+    a, b = plans["inline"], plans["process"]
+    assert a.rounds_done == b.rounds_done and b.replicas_per_device == 2
+    torch.testing.assert_close(b.central_weights(), a.central_weights(), **TOL)
+    for sa, sb in zip(a.states, b.states):
+        torch.testing.assert_close(sb.buf, sa.buf, **TOL)  # no speculative forward left a trace
+        torch.testing.assert_close(sb.zbuf, sa.zbuf, **TOL)
+    assert multiprocessing.active_children() == []

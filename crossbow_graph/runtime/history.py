@@ -15,6 +15,7 @@ class EpochRecord:
     Attributes:
         epoch: 1-based epoch number.
         rounds: rounds run in the epoch.
+        samples: training samples of those rounds (Σ over rounds of k·b).
         train_loss: mean training loss over the epoch's learner batches.
         test_accuracy: accuracy of the central model z on the eval dataset at the end of the
             epoch (fraction in [0, 1]), None without one.
@@ -35,6 +36,7 @@ class EpochRecord:
     replicas_per_device: int
     learner_mode: str = "per_replica"
     sync_unhidden_share: float | None = None
+    samples: int = 0
 
 
 @dataclass(kw_only=True)

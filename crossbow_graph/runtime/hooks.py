@@ -35,11 +35,10 @@ class FitContext:
             ``[j·b, (j+1)·b)``), None before the first round.
         round_samples: samples of the last round (k·b at that round).
 
-    With worker processes the global sync of a round is still in flight in ``after_round``
-    (it overlaps the next round's learning): ``ctx.plan``'s methods that read z
-    (``central_weights``, ``central_model``, ``evaluate``) complete it first; code that reads
-    ``states[d].z`` directly calls ``ctx.plan.scheduler.flush()`` first. A hook may change the
-    plan between rounds (``plan.set_replicas``, ``plan.set_learner_mode``, ``scheduler.lr``).
+    In ``after_round`` every task of the round has run (w, v, z, zbuf are final). A hook may
+    change the plan between rounds (``plan.set_replicas``, ``plan.set_learner_mode``,
+    ``scheduler.lr``). On CUDA, call ``ctx.plan.scheduler.flush()`` before reading buffers on
+    the host (the Plan's own methods do).
     """
 
     plan: "Plan"
@@ -56,7 +55,17 @@ class FitContext:
 
 
 class Hook:
-    """Base class: override any of the methods; each is called with the FitContext."""
+    """Base class: override any of the methods; each is called with the FitContext.
+
+    Attributes:
+        mutates_replicas: True (the default) if the hook may write the replicas' state (w, v, g,
+            buf, z) directly. When every hook of a fit sets it False, worker processes learn round
+            t+1 while the hooks of round t run (changing the plan through its methods, such as
+            ``set_replicas``, ``set_learner_mode`` or ``scheduler.lr``, stays safe: a speculative
+            round whose replicas changed is cancelled and rolled back).
+    """
+
+    mutates_replicas: bool = True
 
     def before_fit(self, ctx: FitContext) -> None:
         """Once, before the first round of a fit."""

@@ -12,7 +12,8 @@ Executors (``executor=``):
 * ``"process"``: CPU only. The device's learners are split into groups, one worker process per
   group (``runtime.workers``); flat buffers live in shared memory; each worker learns and applies
   its own rows' local update, this process sums the corrections and updates z while the workers
-  learn the next round (the overlap of DESIGN.md §2).
+  already learn the next round (the overlap of DESIGN.md §2; when every hook of the fit declares
+  ``mutates_replicas = False``, else the rounds run one after the other).
 * ``"auto"``: ``"process"`` when every device is a CPU device, the machine has ≥ 2 cores, k ≥ 2
   and fork is available; else ``"inline"`` (BENCHMARKS.md: single-threaded learner processes
   ran 2× one; learners in Python threads ran 3× slower, so threads are not offered).
@@ -98,6 +99,7 @@ class Scheduler:
         self._workers = None  # a runtime.workers.ProcessExecutor while one runs
         self._fused = [FusedProgram(_clone_structure(s), loss_fn, batch_size) for s in states]
         self._cuda = None
+        self._resolved: tuple[int, str] | None = None  # (k, executor) cache
         self.set_task_graph(task_graph)
 
     # -- configuration ------------------------------------------------------------------------
@@ -133,11 +135,14 @@ class Scheduler:
         """The executor that runs the next round: ``"inline"`` or ``"process"``."""
         if self.executor != "auto":
             return self.executor
-        from .workers import fork_available
+        k = self.num_learners
+        if self._resolved is None or self._resolved[0] != k:
+            from .workers import fork_available
 
-        cpu = all(s.torch_device.type == "cpu" for s in self.states)
-        return "process" if (cpu and available_cores() >= 2 and self.num_learners >= 2
-                             and fork_available()) else "inline"
+            cpu = all(s.torch_device.type == "cpu" for s in self.states)
+            self._resolved = (k, "process" if (cpu and available_cores() >= 2 and k >= 2
+                                               and fork_available()) else "inline")
+        return self._resolved[1]
 
     # -- fit boundaries -----------------------------------------------------------------------
 
@@ -148,7 +153,7 @@ class Scheduler:
         self.timeline = timeline
 
     def end_fit(self) -> None:
-        """Finish the pending synchronisation and stop any worker processes."""
+        """Finish the work in flight and stop any worker processes."""
         try:
             self.flush()
         finally:
@@ -156,15 +161,16 @@ class Scheduler:
             self._fetch = None
 
     def flush(self) -> None:
-        """Complete the synchronisation still in flight (process executor's overlap), so that z
-        and zbuf reflect every round run so far. A no-op for the inline executor."""
+        """Complete the work still in flight: CUDA streams are synchronised, so that z and zbuf
+        reflect every round run so far (the process executor finishes each round's global sync
+        before ``run_round`` returns)."""
         if self._workers is not None:
             self._workers.flush()
         if self._cuda is not None:
             torch.cuda.synchronize()
 
     def close_workers(self) -> None:
-        """Stop the worker processes (after flushing); the next round restarts them."""
+        """Stop the worker processes (cancelling a speculative round); the next round restarts them."""
         if self._workers is not None:
             workers, self._workers = self._workers, None
             workers.close()
@@ -172,7 +178,8 @@ class Scheduler:
     # -- rounds ---------------------------------------------------------------------------------
 
     def run_round(self, round_index: int, batch: Any = None, *, synchronise: bool,
-                  indices: torch.Tensor | None = None) -> None:
+                  indices: torch.Tensor | None = None,
+                  next_indices: torch.Tensor | None = None) -> None:
         """Run every task of one round.
 
         Args:
@@ -182,6 +189,9 @@ class Scheduler:
             synchronise: whether this round ends with a synchronisation (every τ-th round).
             indices: the round's sample indices ``[k·b]`` (learner j's at ``[j·b, (j+1)·b)``);
                 worker processes fetch their own samples from them.
+            next_indices: the next round's indices when nothing will write the replicas between
+                the rounds: worker processes start learning it while this process runs this
+                round's global sync (the overlap); ignored by the inline executor.
 
         Raises:
             TaskError: a task failed (names the task, its device and the round).
@@ -191,7 +201,7 @@ class Scheduler:
                 from .workers import ProcessExecutor
 
                 self._workers = ProcessExecutor(self, self._fetch, seed=self.seed + round_index)
-            self._workers.run_round(round_index, indices, synchronise)
+            self._workers.run_round(round_index, indices, synchronise, next_indices)
             return
         self.close_workers()
         if batch is None:

@@ -76,6 +76,7 @@ def _epochs(plan, schedule, history, hooks, epochs, eval_dataset, target_accurac
     n = schedule.num_samples
     tau = plan.sync.sync_every
     sched = plan.scheduler
+    speculate = all(not getattr(h, "mutates_replicas", True) for h in hooks)
     ctx = FitContext(plan=plan, history=history, train_seconds=plan.train_seconds,
                      rounds_per_epoch=n // (plan.num_learners * plan.batch_size))
     for hook in hooks:
@@ -104,10 +105,11 @@ def _epochs(plan, schedule, history, hooks, epochs, eval_dataset, target_accurac
             if indices is None:
                 break
             position += len(indices)
+            upcoming = schedule.next_round(order, position)  # if k stays, the next round's samples
             n_losses = len(sched.losses)
             plan.rounds_done += 1
             sched.run_round(plan.rounds_done - 1, synchronise=plan.rounds_done % tau == 0,
-                            indices=indices)
+                            indices=indices, next_indices=upcoming if speculate else None)
             rounds_run += 1
             samples_run += len(indices)
             bar.update(len(indices))
@@ -121,7 +123,7 @@ def _epochs(plan, schedule, history, hooks, epochs, eval_dataset, target_accurac
                     hook.after_round(ctx)
                 if ctx.stop:
                     break
-            last = schedule.next_round(order, position) is None
+            last = upcoming is None
             due = next_eval < len(eval_points) and (position >= eval_points[next_eval] or last)
             if not due or eval_dataset is None:
                 continue
@@ -157,6 +159,7 @@ def _epochs(plan, schedule, history, hooks, epochs, eval_dataset, target_accurac
             train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
             learner_mode=plan.learner_mode,
             sync_unhidden_share=min(1.0, exposed_s / sync_s) if sync_s > 0 else None,
+            samples=samples_run,
         ))
         ctx.train_seconds = plan.train_seconds
         for hook in hooks:

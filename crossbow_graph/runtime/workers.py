@@ -93,7 +93,9 @@ class ProcessExecutor:
                 self.local_ids[scheduler._device_index[t.device]] = t
         ctx = mp.get_context("fork")
         self.sems, self.conns, self.procs = [], [], []
-        self.pending: tuple[int, bool] | None = None  # (round, synchronise) of the sync in flight
+        self.firsts = [sum(s.m for s in states[:d]) for d in range(len(states))]
+        self.ctrl = torch.zeros(4, dtype=torch.float64).share_memory_()  # lr, α, sync, cancel
+        self.ahead: tuple[int, torch.Tensor] | None = None  # the speculative round, if any
         self.main_threads = torch.get_num_threads()
         parent = os.getpid()
         try:
@@ -103,7 +105,7 @@ class ProcessExecutor:
                 learn_tasks = [self.learn_ids[(d, r)] for r in range(r0, r1)]
                 proc = ctx.Process(
                     target=_worker_main, name=f"crossbow-learner-{wid}", daemon=True,
-                    args=(scheduler, d, r0, r1, there, sem, self.acc_parts[wid],
+                    args=(scheduler, d, r0, r1, there, sem, self.ctrl, self.acc_parts[wid],
                           self.buf_snaps[d] if q_size else None, fetch,
                           seed * 1_000_003 + 7919 * (wid + 1), threads, parent,
                           [t.id for t in learn_tasks], self.local_ids[d].id))
@@ -113,48 +115,81 @@ class ProcessExecutor:
                 self.conns.append(here)
                 self.procs.append(proc)
         except BaseException:
-            self.close(flush=False)
+            self.close()
             raise
         torch.set_num_threads(1)  # this process only coordinates and sums while workers learn
 
-    def run_round(self, round_index: int, indices: torch.Tensor, synchronise: bool) -> None:
-        """Run one round on the workers; the round's global sync stays in flight (``flush``)."""
+    def _send_go(self, round_index: int, indices: torch.Tensor) -> None:
         sched, b = self.sched, self.sched.batch_size
-        firsts = [sum(s.m for s in sched.states[:d]) for d in range(len(sched.states))]
         idx = indices.to(torch.int64).contiguous()
         for wid, (d, r0, r1) in enumerate(self.groups):
-            part = idx[(firsts[d] + r0) * b:(firsts[d] + r1) * b].numpy().tobytes()
-            self.conns[wid].send((round_index, part, sched.lr, sched.alpha, synchronise,
-                                  sched.optimizer))
-        g0 = time.perf_counter_ns()
-        self.flush()
-        g1 = time.perf_counter_ns()
+            part = idx[(self.firsts[d] + r0) * b:(self.firsts[d] + r1) * b].numpy().tobytes()
+            self.conns[wid].send((round_index, part, sched.optimizer))
+
+    def _release(self, *, lr: float, alpha: float, synchronise: bool, cancel: bool) -> None:
+        self.ctrl[0], self.ctrl[1] = lr, alpha
+        self.ctrl[2], self.ctrl[3] = float(synchronise), float(cancel)
         for sem in self.sems:
             sem.release()
-        spans = []
-        for wid, conn in enumerate(self.conns):
+
+    def cancel_ahead(self) -> None:
+        """Cancel the speculative round the workers are learning (they restore their buffers)."""
+        if self.ahead is None:
+            return
+        round_index, _ = self.ahead
+        self.ahead = None
+        self._release(lr=0.0, alpha=0.0, synchronise=False, cancel=True)
+        for wid in range(len(self.conns)):
+            self._recv(wid, round_index)  # "cancelled" (or the error of a round that never was)
+
+    def run_round(self, round_index: int, indices: torch.Tensor, synchronise: bool,
+                  next_indices: torch.Tensor | None = None) -> None:
+        """Run one round on the workers, and start the next one's learning if it is known.
+
+        ``next_indices``: the next round's sample indices, if no hook will touch the replicas in
+        between: the workers learn it while this process runs this round's global sync (and the
+        hooks); the next ``run_round`` releases its local updates, or cancels it if its indices
+        differ (the replicas changed). On return every task of the round has run: w, v, z, zbuf
+        are final (only g and buf may already move for the speculative round).
+        """
+        sched = self.sched
+        if self.ahead is not None and (self.ahead[0] != round_index
+                                       or not torch.equal(self.ahead[1], indices)):
+            self.cancel_ahead()
+        if self.ahead is None:
+            self._send_go(round_index, indices)
+        self.ahead = None
+        self._release(lr=sched.lr, alpha=sched.alpha, synchronise=synchronise, cancel=False)
+        if next_indices is not None:
+            self._send_go(round_index + 1, next_indices)
+            self.ahead = (round_index + 1, next_indices)
+        spans, failure = [], None
+        for wid in range(len(self.conns)):
             reply = self._recv(wid, round_index)
-            if reply[0] == "error":
-                _, task_id, what = reply
-                task = next(t for t in sched.order if t.id == task_id)
-                self.pending = None
-                self.close(flush=False)
-                sched._workers = None
-                raise sched.task_error(task, round_index, what)
-            _, losses, times = reply
-            sched.losses.extend(torch.tensor(x) for x in losses)
-            spans.append(times)
-        self.pending = (round_index, synchronise)
+            if reply[0] == "error" and failure is None:
+                failure = reply
+            elif reply[0] == "ok":
+                sched.losses.extend(torch.tensor(x) for x in reply[1])
+                spans.append(reply[2])
+        if failure is not None:
+            task = next(t for t in sched.order if t.id == failure[1])
+            self.close()
+            sched._workers = None
+            raise sched.task_error(task, round_index, failure[2])
         for s in sched.states:
             s.first_step = [False] * s.m
+        g0 = time.perf_counter_ns()
+        if synchronise:
+            self._global_sync(round_index)
+        g1 = time.perf_counter_ns()
         local_s = sum(td - tc for _, _, tc, td in spans) / len(spans) / 1e9
         waited_s = sum(td - tb for _, tb, _, td in spans) / len(spans) / 1e9
         sched.sync_seconds += (g1 - g0) / 1e9 + local_s
         sched.sync_exposed_seconds += waited_s
         if sched.timeline is not None:
-            if g1 - g0 > 1000:
+            if synchronise:
                 sched.timeline.span(self.global_task.id, g0, g1, lane="coordinator",
-                                    round_index=round_index - 1)
+                                    round_index=round_index)
             for wid, (ta, tb, tc, td) in enumerate(spans):
                 d, r0, r1 = self.groups[wid]
                 lane = f"worker {wid} (d{d} r{r0}-{r1 - 1})"
@@ -163,13 +198,9 @@ class ProcessExecutor:
                 sched.timeline.span(self.local_ids[d].id, tc, td, lane=lane, round_index=round_index)
 
     def flush(self) -> None:
-        """Run the global sync still in flight, if any (workers are idle or learning)."""
-        if self.pending is None:
-            return
-        round_index, synchronise = self.pending
-        self.pending = None
-        if not synchronise:
-            return
+        """Nothing is in flight between rounds (z is final when run_round returns)."""
+
+    def _global_sync(self, round_index: int) -> None:
         sched = self.sched
         for d, s in enumerate(sched.states):
             rows = [wid for wid, g in enumerate(self.groups) if g[0] == d]
@@ -180,12 +211,15 @@ class ProcessExecutor:
         except Exception as exc:
             raise sched.task_error(self.global_task, round_index, f"{type(exc).__name__}: {exc}") from exc
 
-    def close(self, flush: bool = True) -> None:
-        """Finish the pending sync (``flush``), stop every worker (join, then terminate, then kill)."""
+    def close(self) -> None:
+        """Cancel the speculative round, stop every worker (join, then terminate, then kill)."""
         try:
-            if flush:
-                self.flush()
+            if self.ahead is not None and all(p.is_alive() for p in self.procs):
+                self.cancel_ahead()
+        except Exception:  # noqa: BLE001 - a dead worker: it is killed below
+            pass
         finally:
+            self.ahead = None
             for conn in self.conns:
                 try:
                     conn.send(None)
@@ -213,9 +247,6 @@ class ProcessExecutor:
                 task = self.learn_ids[(d, r0)]
                 why = (f"worker process {proc.pid} exited with code {proc.exitcode}"
                        if not proc.is_alive() else f"no answer within {ROUND_TIMEOUT_S} s")
-                self.pending = None
-                self.close(flush=False)
-                self.sched._workers = None
                 raise self.sched.task_error(task, round_index, why)
         return conn.recv()
 
@@ -228,10 +259,16 @@ def _wait(ready: Callable[[], bool], parent: int) -> bool:
     return True
 
 
-def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, acc_part: torch.Tensor,
-                 buf_snap: torch.Tensor | None, fetch: Callable, seed: int, threads: int,
-                 parent: int, learn_ids: list[str], local_id: str) -> None:
-    """The loop of one worker process (forked: it shares the scheduler's state and dataset)."""
+def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: torch.Tensor,
+                 acc_part: torch.Tensor, buf_snap: torch.Tensor | None, fetch: Callable, seed: int,
+                 threads: int, parent: int, learn_ids: list[str], local_id: str) -> None:
+    """The loop of one worker process (forked: it shares the scheduler's state and dataset).
+
+    Per round: receive (round, indices, optimizer); learn; wait for the semaphore (z ready); read
+    lr, α, synchronise, cancel from ``ctrl``; if cancelled (a speculative round that will not run)
+    restore the float buffers and answer "cancelled", else apply the local update and answer with
+    the losses and four timestamps. Every round consumes exactly one semaphore release.
+    """
     # GNU OpenMP cannot start a thread team in a forked child of a process that used one: the
     # team barrier waits forever for threads that do not exist here. So a worker runs one
     # intra-op thread (ATen then never enters an OpenMP region), and oneDNN is off because its
@@ -242,6 +279,7 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, acc_pa
     torch.manual_seed(seed)
     state, b, mode = sched.states[d], sched.batch_size, sched.learner_mode
     fused = sched._fused[d]
+    keep = state.buf[r0:r1].clone() if state.buf.shape[1] else None  # restored on cancel
     try:
         while True:
             if not _wait(lambda: conn.poll(_POLL_S), parent):
@@ -249,34 +287,48 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, acc_pa
             msg = conn.recv()
             if msg is None:
                 return
-            round_index, part, lr, alpha, synchronise, optimizer = msg
-            task_id = learn_ids[0]
+            round_index, part, optimizer = msg
+            task_id, error, losses = learn_ids[0], None, []
+            ta = time.perf_counter_ns()
             try:
-                ta = time.perf_counter_ns()
+                if keep is not None:
+                    keep.copy_(state.buf[r0:r1])
                 batch = fetch(torch.frombuffer(bytearray(part), dtype=torch.int64))
                 if mode == "fused":
                     losses = learn_group(state, r0, r1, batch, sched.loss_fn, b, mode, fused)
                 else:
-                    losses = []
                     for r in range(r0, r1):
                         task_id = learn_ids[r - r0]
                         mine = _rows(batch, (r - r0) * b, (r - r0 + 1) * b)
                         losses += learn_group(state, r, r + 1, mine, sched.loss_fn, b, mode, None)
-                tb = time.perf_counter_ns()
+            except Exception as exc:  # reported to the coordinator, which raises TaskError
+                error = f"{type(exc).__name__}: {exc}"
+            tb = time.perf_counter_ns()
+            if not _wait(lambda: sem.acquire(timeout=_POLL_S), parent):
+                return
+            tc = time.perf_counter_ns()
+            lr, alpha, synchronise, cancel = ctrl.tolist()
+            if cancel:
+                if keep is not None:
+                    state.buf[r0:r1].copy_(keep)
+                conn.send(("cancelled", round_index))
+                continue
+            if error is not None:
+                conn.send(("error", task_id, error))
+                continue
+            try:
                 task_id = local_id
-                if not _wait(lambda: sem.acquire(timeout=_POLL_S), parent):
-                    return
-                tc = time.perf_counter_ns()
                 acc = sched.local_update_rows(state, r0, r1, lr=lr, alpha=alpha,
-                                              synchronise=synchronise, optimizer=optimizer)
+                                              synchronise=bool(synchronise), optimizer=optimizer)
                 if acc is not None:
                     acc_part.copy_(acc)
                 if buf_snap is not None:
                     buf_snap[r0:r1].copy_(state.buf[r0:r1])
-                td = time.perf_counter_ns()
-                conn.send(("ok", [float(x) for x in losses], (ta, tb, tc, td)))
-            except Exception as exc:  # reported to the coordinator, which raises TaskError
+            except Exception as exc:
                 conn.send(("error", task_id, f"{type(exc).__name__}: {exc}"))
+                continue
+            td = time.perf_counter_ns()
+            conn.send(("ok", [float(x) for x in losses], (ta, tb, tc, td)))
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         return
 
