@@ -303,7 +303,7 @@ class Scheduler:
             total = None
             for s in states:
                 acc = s.acc.to(home)
-                total = acc if total is None else total.add_(acc)
+                total = acc if total is None else total + acc  # never writes an acc_d
             mean_buf = None
             if states[0].buf.shape[1]:
                 mean_buf = torch.cat([bb.to(home) for bb in bufs]).mean(dim=0)

@@ -94,6 +94,8 @@ class ProcessExecutor:
         ctx = mp.get_context("fork")
         self.sems, self.conns, self.procs = [], [], []
         self.firsts = [sum(s.m for s in states[:d]) for d in range(len(states))]
+        self.device_rows = [[w for w, g in enumerate(self.groups) if g[0] == d]
+                            for d in range(len(states))]
         self.ctrl = torch.zeros(4, dtype=torch.float64).share_memory_()  # lr, α, sync, cancel
         self.ahead: tuple[int, torch.Tensor] | None = None  # the speculative round, if any
         self.main_threads = torch.get_num_threads()
@@ -169,7 +171,7 @@ class ProcessExecutor:
             if reply[0] == "error" and failure is None:
                 failure = reply
             elif reply[0] == "ok":
-                sched.losses.extend(torch.tensor(x) for x in reply[1])
+                sched.losses.extend(torch.tensor(reply[1]).unbind())
                 spans.append(reply[2])
         if failure is not None:
             task = next(t for t in sched.order if t.id == failure[1])
@@ -203,8 +205,8 @@ class ProcessExecutor:
     def _global_sync(self, round_index: int) -> None:
         sched = self.sched
         for d, s in enumerate(sched.states):
-            rows = [wid for wid, g in enumerate(self.groups) if g[0] == d]
-            s.acc = self.acc_parts[rows].sum(dim=0)
+            rows = self.device_rows[d]
+            s.acc = self.acc_parts[rows[0]] if len(rows) == 1 else self.acc_parts[rows].sum(dim=0)
         sched._synchronise = True
         try:
             sched.global_sync(self.global_task, buffers=self.buf_snaps)
