@@ -44,6 +44,8 @@ def test_process_executor_gives_the_same_z_as_in_process(devices, replicas, mode
         torch.testing.assert_close(sb.z, sa.z, **TOL)  # every device's copy of z
         torch.testing.assert_close(sb.zbuf, sa.zbuf, **TOL)
         torch.testing.assert_close(sb.v, sa.v, **TOL)
+        for ra, rb in zip(sa.replicas, sb.replicas):  # integer buffers written by the workers
+            assert rb.bn.num_batches_tracked.item() == ra.bn.num_batches_tracked.item() == 6
     assert hists["process"].epochs[0].train_loss == pytest.approx(hists["inline"].epochs[0].train_loss, rel=1e-5)
     assert multiprocessing.active_children() == []
 

@@ -170,6 +170,11 @@ class DeviceState:
         self.first_step = self.first_step[:keep] + [True] * (m - keep)
 
     def share_memory(self) -> None:
-        """Move every flat buffer to shared memory (in place; module views follow) for workers."""
+        """Move every flat buffer, and the replicas' integer buffers (``num_batches_tracked``), to
+        shared memory, in place (module views follow), so that worker processes write them."""
         for t in (self.w, self.v, self.g, self.buf, self.z, self.z_prev, self.zbuf):
             t.share_memory_()
+        for r in self.replicas:
+            for b in r.buffers():
+                if not b.is_floating_point():
+                    b.share_memory_()
