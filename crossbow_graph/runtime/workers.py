@@ -1,15 +1,17 @@
 """Learner worker processes on the CPU: the process executor (DESIGN.md §2 overlap, §5).
 
 Each worker process owns a contiguous group of one device's replicas (rows ``r0 … r1−1``). The
-flat buffers ``w, v, g, buf, z, z_prev, zbuf`` live in shared memory, so workers and this process
-see the same numbers. Per round this process sends each worker one small message (round number,
-the group's sample indices as bytes, lr, α, whether to synchronise); the worker fetches its own
-samples from its (forked) copy of the dataset, learns, waits for the go-ahead that z_t is ready,
-applies its rows' local update (the correction with z_t) and writes its partial sum of corrections;
-it answers with its losses and four timestamps. Meanwhile this process runs the global sync of the
-previous round (C = Σ partial sums, the z update, the buffer mean from the snapshots the workers
-took at the end of that round): the all-reduce and z update of round t run while round t+1 learns,
-and learner j's round t+1 waits only for its own correction. There are at most as many workers as
+flat buffers ``w, v, g, buf, z, z_prev, zbuf`` (and the replicas' integer buffers) live in shared
+memory, so workers and this process see the same numbers. Per round t this process sends each
+worker one small message (t and the group's sample indices as bytes); the worker fetches its own
+samples from its forked copy of the dataset and learns. When z_t is ready this process writes lr,
+α, whether to synchronise and the optimizer's settings to a shared control block and releases
+each worker's semaphore; the worker applies its rows' local update (the correction with z_t),
+writes its partial sum of corrections and answers with its losses and four timestamps. This
+process then sums the partial sums and updates z (the global sync of round t). When the next
+round's samples are known and no hook writes the replicas, their message is sent before waiting
+for round t: the workers learn round t+1 while the global sync of round t (and the hooks) run, and
+learner j's round t+1 waits only for its own correction. There are at most as many workers as
 cores, each with one intra-op thread (and oneDNN off: fork safety, see ``_worker_main``), and this
 process drops to one thread while they run, so the processes do not fight over the cores.
 """
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..compiler.tasks import TaskKind
+from ..config import SGD
 from ._learners import learn_group
 from .scheduler import available_cores
 
@@ -96,7 +99,8 @@ class ProcessExecutor:
         self.firsts = [sum(s.m for s in states[:d]) for d in range(len(states))]
         self.device_rows = [[w for w, g in enumerate(self.groups) if g[0] == d]
                             for d in range(len(states))]
-        self.ctrl = torch.zeros(4, dtype=torch.float64).share_memory_()  # lr, α, sync, cancel
+        # lr, α, synchronise, cancel, μ_l, nesterov, λ of the round being released
+        self.ctrl = torch.zeros(7, dtype=torch.float64).share_memory_()
         self.ahead: tuple[int, torch.Tensor] | None = None  # the speculative round, if any
         self.main_threads = torch.get_num_threads()
         parent = os.getpid()
@@ -126,11 +130,12 @@ class ProcessExecutor:
         idx = indices.to(torch.int64).contiguous()
         for wid, (d, r0, r1) in enumerate(self.groups):
             part = idx[(self.firsts[d] + r0) * b:(self.firsts[d] + r1) * b].numpy().tobytes()
-            self.conns[wid].send((round_index, part, sched.optimizer))
+            self.conns[wid].send((round_index, part))
 
     def _release(self, *, lr: float, alpha: float, synchronise: bool, cancel: bool) -> None:
-        self.ctrl[0], self.ctrl[1] = lr, alpha
-        self.ctrl[2], self.ctrl[3] = float(synchronise), float(cancel)
+        opt = self.sched.optimizer
+        self.ctrl.copy_(torch.tensor([lr, alpha, float(synchronise), float(cancel), opt.momentum,
+                                      float(opt.nesterov), opt.weight_decay], dtype=torch.float64))
         for sem in self.sems:
             sem.release()
 
@@ -266,8 +271,8 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
                  threads: int, parent: int, learn_ids: list[str], local_id: str) -> None:
     """The loop of one worker process (forked: it shares the scheduler's state and dataset).
 
-    Per round: receive (round, indices, optimizer); learn; wait for the semaphore (z ready); read
-    lr, α, synchronise, cancel from ``ctrl``; if cancelled (a speculative round that will not run)
+    Per round: receive (round, indices); learn; wait for the semaphore (z ready); read lr, α,
+    synchronise, cancel and the optimizer's μ_l, Nesterov, λ from ``ctrl``; if cancelled (a speculative round that will not run)
     restore the float buffers and answer "cancelled", else apply the local update and answer with
     the losses and four timestamps. Every round consumes exactly one semaphore release.
     """
@@ -289,7 +294,7 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
             msg = conn.recv()
             if msg is None:
                 return
-            round_index, part, optimizer = msg
+            round_index, part = msg
             task_id, error, losses = learn_ids[0], None, []
             ta = time.perf_counter_ns()
             try:
@@ -309,7 +314,7 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
             if not _wait(lambda: sem.acquire(timeout=_POLL_S), parent):
                 return
             tc = time.perf_counter_ns()
-            lr, alpha, synchronise, cancel = ctrl.tolist()
+            lr, alpha, synchronise, cancel, momentum, nesterov, weight_decay = ctrl.tolist()
             if cancel:
                 if keep is not None:
                     state.buf[r0:r1].copy_(keep)
@@ -320,6 +325,8 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
                 continue
             try:
                 task_id = local_id
+                optimizer = SGD(lr=lr, momentum=momentum, nesterov=bool(nesterov),
+                                weight_decay=weight_decay)
                 acc = sched.local_update_rows(state, r0, r1, lr=lr, alpha=alpha,
                                               synchronise=bool(synchronise), optimizer=optimizer)
                 if acc is not None:
