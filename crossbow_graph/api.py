@@ -20,6 +20,7 @@ from .runtime.checkpoint import load_plan_state_dict, plan_state_dict
 from .runtime.data import as_dataset, make_fetch, split_inputs
 from .runtime.history import History
 from .runtime.hooks import Hook
+from .runtime.autotune import AutoTune, AutoTuner
 from .runtime.scheduler import Scheduler
 from .runtime.trainer import run_fit
 from .runtime.state import DeviceState, FlatLayout, float_buffers_named, trainable_named
@@ -88,7 +89,10 @@ def compile(  # noqa: A001 - the public name the design asks for
     *,
     batch_size: int,
     devices: int | str | Sequence[str] = 1,
-    replicas: int = 1,
+    replicas: int | str = "auto",
+    learner_mode: str = "per_replica",
+    executor: str = "auto",
+    autotune: AutoTune | None = None,
     optimizer: SGD = SGD(),
     sync: SMA = SMA(),
     concrete_args: dict[str, Any] | None = None,
@@ -110,7 +114,14 @@ def compile(  # noqa: A001 - the public name the design asks for
             ``torch.nn.functional.cross_entropy``.
         batch_size: b, samples per learner per round (> 0).
         devices: ``"auto"`` (every GPU, else one CPU device), a count, or device names.
-        replicas: m, replicas per device (≥ 1).
+        replicas: m, replicas per device (≥ 1), or ``"auto"``: start at m = 1 and let the
+            auto-tuner (``runtime.autotune``, DESIGN.md §5) add and remove replicas and pick the
+            learner mode while ``fit`` runs.
+        learner_mode: ``"per_replica"`` (each learner its own forward/backward) or ``"fused"``
+            (a device's replicas stacked and run as one vmapped program); same mathematics.
+        executor: ``"auto"``, ``"inline"`` (this process; CUDA streams on GPUs) or ``"process"``
+            (CPU worker processes over shared memory); see ``runtime.scheduler``.
+        autotune: the auto-tuner's settings (with ``replicas="auto"``); default ``AutoTune()``.
         optimizer: each learner's local SGD.
         sync: the SMA settings; α = None means 1/k.
         concrete_args, leaf_modules: passed to the torch.fx tracer (see TraceError's advice).
@@ -134,8 +145,12 @@ def compile(  # noqa: A001 - the public name the design asks for
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r}: must be a positive integer, e.g. 16")
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"replicas={replicas!r}: replicas per device must be an integer ≥ 1")
+    tuned = replicas == "auto"
+    if not tuned and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+        raise ValueError(f"replicas={replicas!r}: replicas per device must be an integer ≥ 1 "
+                         "or 'auto'")
+    if autotune is not None and not isinstance(autotune, AutoTune):
+        raise TypeError(f"autotune must be crossbow_graph.AutoTune(...), got {type(autotune).__name__}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
     if not isinstance(optimizer, SGD):
@@ -149,12 +164,21 @@ def compile(  # noqa: A001 - the public name the design asks for
                               leaf_modules=leaf_modules)
     if memory_budget is None and names[0].startswith("cuda"):
         memory_budget = torch.cuda.get_device_properties(_torch_device(names[0])).total_memory
-    graph = build_task_graph(model_graph, devices=names, replicas_per_device=replicas,
-                             batch_size=batch_size, memory_budget_bytes=memory_budget, verify=verify)
+    graph = _build_task_graph(names, 1 if tuned else replicas, batch_size, model_graph,
+                              memory_budget, verify)
     plan = Plan(model=model, model_graph=model_graph, task_graph=graph, loss_fn=loss_fn,
-                batch_size=batch_size, optimizer=optimizer, sync=sync, kernels=kernels)
+                batch_size=batch_size, optimizer=optimizer, sync=sync, learner_mode=learner_mode,
+                executor=executor, memory_budget=memory_budget, verify=verify,
+                autotune=(autotune or AutoTune()) if tuned else None, kernels=kernels)
     plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
     return plan
+
+
+def _build_task_graph(names: list[str], replicas: int, batch_size: int, model_graph: ModelGraph,
+                      memory_budget: int | None, verify: bool) -> nx.DiGraph:
+    """The compiler's pass pipeline (verifier between passes): the task graph of one round."""
+    return build_task_graph(model_graph, devices=names, replicas_per_device=replicas,
+                            batch_size=batch_size, memory_budget_bytes=memory_budget, verify=verify)
 
 
 class Plan:
@@ -165,11 +189,16 @@ class Plan:
         model_graph: the traced model (fx GraphModule, shapes, parameter inventory).
         devices: device names; ``replicas_per_device``: m; ``num_learners``: k = G·m.
         batch_size: b.
+        learner_mode: ``"per_replica"`` or ``"fused"``.
+        memory_budget: bytes per device for learners (None: unbounded).
+        autotuner: the AutoTuner hook that ``fit`` runs (``replicas="auto"``), else None.
     """
 
     def __init__(self, *, model: nn.Module, model_graph: ModelGraph, task_graph: nx.DiGraph,
                  loss_fn: Callable, batch_size: int, optimizer: SGD, sync: SMA,
-                 kernels: Any = None) -> None:
+                 learner_mode: str = "per_replica", executor: str = "auto",
+                 memory_budget: int | None = None, verify: bool = True,
+                 autotune: AutoTune | None = None, kernels: Any = None) -> None:
         self.model_graph = model_graph
         self.task_graph = task_graph
         self.loss_fn = loss_fn
@@ -186,12 +215,17 @@ class Plan:
         ]
         self._central = copy.deepcopy(self._template).to(self.states[0].torch_device).eval()
         self.states[0].bind_central(self._central)
-        self.scheduler = Scheduler(task_graph, self.states, loss_fn, optimizer, sync, batch_size)
+        self.scheduler = Scheduler(task_graph, self.states, loss_fn, optimizer, sync, batch_size,
+                                   learner_mode=learner_mode, executor=executor)
         if kernels is not None:
             self.scheduler.kernels = kernels
+        self.memory_budget = memory_budget
+        self._verify = verify
+        self.autotuner = AutoTuner(autotune) if autotune is not None else None
         self.epochs_done = 0
         self.rounds_done = 0
         self.round_in_epoch = 0  # rounds done in an unfinished epoch (a resumed fit starts there)
+        self.position_in_epoch = 0  # samples of the epoch's order used so far
         self.train_seconds = 0.0
 
     # -- shape of the plan ------------------------------------------------------------------
@@ -207,6 +241,53 @@ class Plan:
     @property
     def num_learners(self) -> int:
         return len(self.devices) * self.replicas_per_device
+
+    @property
+    def learner_mode(self) -> str:
+        return self.scheduler.learner_mode
+
+    @property
+    def max_replicas_per_device(self) -> int | None:
+        """The memory bound on m: ``memory_budget // memory_per_learner_bytes`` (None: unbounded)."""
+        mem = self.task_graph.graph.get("memory_per_learner_bytes")
+        if self.memory_budget is None or not mem:
+            return None
+        return max(1, self.memory_budget // mem)
+
+    def set_replicas(self, replicas_per_device: int) -> None:
+        """Change m between rounds, without losing state (DESIGN.md §5, auto-tuner).
+
+        Re-runs the compiler passes (and verifier) for the new m, so ``task_graph`` always matches
+        what runs; kept replicas keep their state; new ones are cloned from z with zeroed
+        momentum; removed ones are the last of each device; α is re-derived for the new k
+        (``SMA.alpha_for``); z is untouched. The next fit round draws k·b samples for the new k.
+
+        Raises:
+            ValueError: m < 1.
+            PlanError: m replicas exceed the memory budget.
+        """
+        m = replicas_per_device
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"replicas_per_device={m!r}: must be an integer ≥ 1")
+        if m == self.replicas_per_device:
+            return
+        graph = _build_task_graph(self.devices, m, self.batch_size, self.model_graph,
+                                  self.memory_budget, self._verify)
+        self.scheduler.flush()
+        self.scheduler.close_workers()
+        for state in self.states:
+            state.resize(m)
+        self.task_graph = graph
+        self.scheduler.set_task_graph(graph)
+
+    def set_learner_mode(self, mode: str) -> None:
+        """Switch the learner mode (``"per_replica"`` or ``"fused"``) from the next round on.
+
+        Raises:
+            ValueError: an unknown mode.
+        """
+        self.scheduler.flush()
+        self.scheduler.set_learner_mode(mode)
 
     @property
     def num_parameters(self) -> int:
@@ -287,14 +368,17 @@ class Plan:
 
     def central_weights(self, device: int = 0) -> torch.Tensor:
         """A copy of device ``device``'s central average model z, ``[P]`` float32."""
+        self.scheduler.flush()
         return self.states[device].z.detach().clone()
 
     def replica_weights(self) -> torch.Tensor:
         """A copy of every replica's parameters, ``[k, P]``, device-major (j = d·m + r)."""
+        self.scheduler.flush()
         return torch.cat([s.w.detach().to(self.states[0].torch_device) for s in self.states]).clone()
 
     def _refresh_central(self) -> None:
         """Carry integer buffers (num_batches_tracked) from the first replica into z's module."""
+        self.scheduler.flush()
         src = dict(self.states[0].replicas[0].named_buffers())
         for name, b in self._central.named_buffers():
             if not b.is_floating_point():
@@ -357,6 +441,7 @@ class Plan:
         checkpoint_every: int | None = None,
         resume: bool = False,
         log_dir: str | None = None,
+        trace: str | None = None,
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -374,7 +459,8 @@ class Plan:
             evals_per_epoch: evaluations per epoch (time-to-accuracy resolution).
             eval_batch_size: batch size of evaluation.
             progress: show a progress bar.
-            hooks: Hook objects called at fit, epoch, round and evaluation boundaries; those with
+            hooks: Hook objects called at fit, epoch, round and evaluation boundaries (the
+                plan's auto-tuner, with ``replicas="auto"``, runs first); those with
                 ``state_dict()``/``load_state_dict()`` are checkpointed.
             checkpoint_dir: write checkpoints of the whole state there (docs/reliability.md):
                 every ``checkpoint_every`` rounds and at the end of every complete epoch; the
@@ -384,9 +470,14 @@ class Plan:
                 to an uninterrupted run); ``epochs`` then counts the epochs of the whole run, as
                 when the same command is run again. Without a checkpoint there, start afresh.
             log_dir: write per-round and per-epoch CSV, TensorBoard events and ``history.json``.
+            trace: write a Chrome-trace JSON timeline of every task to this path
+                (``chrome://tracing``, Perfetto): the global sync of round t under round t+1's
+                learning is the overlap.
 
         Returns:
-            The History: per epoch training loss, test accuracy, samples/s, training seconds.
+            The History: per epoch training loss, test accuracy, samples/s, training seconds;
+            the auto-tuner's decisions (``autotune``); the share of synchronisation time not
+            hidden behind learning (``sync_unhidden_share``).
 
         Raises:
             ValueError: an empty dataset, a dataset smaller than one round, inputs shaped unlike
@@ -400,5 +491,6 @@ class Plan:
         return run_fit(self, train_dataset, epochs, eval_dataset=eval_dataset, shuffle=shuffle,
                        seed=seed, target_accuracy=target_accuracy, evals_per_epoch=evals_per_epoch,
                        eval_batch_size=eval_batch_size, progress=progress,
-                       hooks=list(hooks), checkpoint_dir=checkpoint_dir,
-                       checkpoint_every=checkpoint_every, resume=resume, log_dir=log_dir)
+                       hooks=([self.autotuner] if self.autotuner else []) + list(hooks),
+                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                       resume=resume, log_dir=log_dir, trace=trace)

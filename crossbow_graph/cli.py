@@ -23,6 +23,15 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _replicas_arg(text: str) -> int | str:
+    """``--replicas``: 'auto' or a whole number ≥ 1."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': give a whole number ≥ 1 or 'auto'")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="crossbow-graph",
@@ -59,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=16, help="b, samples per learner per round")
     train.add_argument("--devices", default="2",
                        help="devices: 'auto' (every GPU, else one CPU device) or a count G")
-    train.add_argument("--replicas", type=int, default=2, help="m, replicas (learners) per device")
+    train.add_argument("--replicas", default=2, type=_replicas_arg,
+                       help="m, replicas (learners) per device, or 'auto' (the auto-tuner picks m "
+                            "by measured samples/s)")
+    train.add_argument("--learner-mode", default="per_replica", choices=("per_replica", "fused"),
+                       help="learners' mode (with --replicas auto the tuner also tries the other one)")
     train.add_argument("--lr", type=float, default=0.02,
                        help="learning rate η of every learner (0.02 took LeNet-5/MNIST at b=16, k=4 to "
                             "99.0%% in 3.5–4.5 epochs over 3 seeds; 0.01 and 0.03 plateaued below)")
@@ -246,7 +259,9 @@ def _train(args: argparse.Namespace) -> int:
     devices = args.devices if args.devices == "auto" else int(args.devices)
     plan = cg.compile(
         model, (train_set[0][0].unsqueeze(0),), torch.nn.functional.cross_entropy,
-        batch_size=args.batch_size, devices=devices, replicas=args.replicas,
+        batch_size=args.batch_size, devices=devices,
+        replicas=args.replicas,
+        learner_mode=args.learner_mode,
         optimizer=cg.SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay),
         sync=cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum),
     )
@@ -261,13 +276,18 @@ def _train(args: argparse.Namespace) -> int:
     except (CheckpointError, DivergenceError) as exc:  # the user can act on these: one line, exit 2
         print(f"crossbow-graph train: error: {exc}", file=sys.stderr)
         return 2
+    for d in history.autotune:
+        print(f"autotune round {d.round}: m={d.replicas_per_device} {d.learner_mode} "
+              f"{d.samples_per_s:,.0f} samples/s → {d.action} (m={d.next_replicas_per_device}, "
+              f"{d.next_learner_mode})")
     for e in history.epochs:
         acc = f"{e.test_accuracy:.4f}" if e.test_accuracy is not None else "-"
         print(f"epoch {e.epoch}: loss {e.train_loss:.4f}  test accuracy {acc}  "
-              f"{e.samples_per_s:,.0f} samples/s  {e.train_seconds:.1f} s")
+              f"{e.samples_per_s:,.0f} samples/s  {e.train_seconds:.1f} s  "
+              f"(m={e.replicas_per_device}, {e.learner_mode})")
     epochs = history.epochs_to_accuracy or float(len(history.epochs))
     seconds = history.time_to_accuracy_s or plan.train_seconds
-    samples = sum(e.rounds for e in history.epochs) * plan.num_learners * plan.batch_size
+    samples = sum(e.samples for e in history.epochs)
     reached = "reached" if history.time_to_accuracy_s is not None else "did not reach"
     print(f"final test accuracy {history.final_accuracy:.4f} ({reached} target {target}) after "
           f"{epochs:.2f} epochs, {seconds:.1f} training seconds, "

@@ -133,7 +133,7 @@ def test_fit_uses_the_vectorised_batch_path(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, stride=4), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
     plan = cg.compile(model, (base[0][0].unsqueeze(0),), nn.functional.cross_entropy, batch_size=4,
-                      devices=1, replicas=2)
+                      devices=1, replicas=2, executor="inline")  # worker processes count in their own copy
     plan.fit(Counting(base), 1, progress=False)
     assert Counting.calls == 1 + 5  # the first-batch check, then one call per round (40 / 8)
 

@@ -181,7 +181,7 @@ class Recorder:
 def test_without_shuffle_learner_j_gets_batch_t_k_plus_j_and_the_partial_round_is_dropped():
     rec = Recorder()
     plan = cg.compile(nn.Sequential(nn.Flatten(), nn.Linear(64, 3)), (torch.randn(2, 1, 8, 8),), rec,
-                      batch_size=4, devices=2, replicas=3)
+                      batch_size=4, devices=2, replicas=3, executor="inline")  # the recorder is in this process
     plan.fit(Indexed(), 1, shuffle=False, progress=False)
     # k = 6 learners × b = 4 = 24 samples a round: 2 rounds of 50 samples, 2 left over
     assert rec.seen == [list(range(4 * n, 4 * n + 4)) for n in range(12)]
@@ -190,7 +190,7 @@ def test_without_shuffle_learner_j_gets_batch_t_k_plus_j_and_the_partial_round_i
 def test_shuffled_epochs_give_every_learner_disjoint_batches_and_a_new_order_each_epoch():
     rec = Recorder()
     plan = cg.compile(nn.Sequential(nn.Flatten(), nn.Linear(64, 3)), (torch.randn(2, 1, 8, 8),), rec,
-                      batch_size=3, devices=2, replicas=2)
+                      batch_size=3, devices=2, replicas=2, executor="inline")
     plan.fit(DataLoader(Indexed(), batch_size=7), 2, progress=False, seed=5)
     per_epoch = [sum(rec.seen[i * 16:(i + 1) * 16], []) for i in range(2)]  # 4 rounds × 4 learners
     for seen in per_epoch:

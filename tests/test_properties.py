@@ -155,7 +155,7 @@ def test_fit_draws_every_sample_at_most_once_per_epoch(devices, replicas, b, ext
     n = k * b * 3 + extra % (k * b)  # 3 whole rounds and a partial one
     ds = Recording(*data(n).tensors)
     plan = cg.compile(model(), (torch.zeros(1, 3),), F.cross_entropy, batch_size=b, devices=devices,
-                      replicas=replicas)
+                      replicas=replicas, executor="inline")  # worker processes fetch in their own copy
     plan.fit(ds, 2, progress=False, shuffle=shuffle)
     rounds = ds.batches[1:]  # the first call is fit's one-time check of the first batch
     assert len(rounds) == 6 and all(len(r) == k * b for r in rounds)

@@ -84,7 +84,8 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         "losses": torch.stack(sched.losses).cpu() if sched.losses else torch.zeros(0),
         "faults": [asdict(e) for e in sched.faults.events],
         "epochs_done": plan.epochs_done, "rounds_done": plan.rounds_done,
-        "round_in_epoch": plan.round_in_epoch, "train_seconds": plan.train_seconds,
+        "round_in_epoch": plan.round_in_epoch, "position_in_epoch": plan.position_in_epoch,
+        "train_seconds": plan.train_seconds,
     }
 
 
@@ -120,6 +121,7 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
     sched.faults.events = [FaultEvent(**e) for e in sd["faults"]]
     plan.epochs_done, plan.rounds_done = sd["epochs_done"], sd["rounds_done"]
     plan.round_in_epoch, plan.train_seconds = sd["round_in_epoch"], sd["train_seconds"]
+    plan.position_in_epoch = sd["position_in_epoch"]
 
 
 # -- random number generators ------------------------------------------------------------------

@@ -32,12 +32,15 @@ class BatchSchedule:
     """Which samples every learner gets in every round.
 
     One order per epoch: ``randperm(N)`` from a generator seeded with ``(seed, epoch)``, or the
-    dataset's own order with ``shuffle=False``. In round t, learner j (device-major) gets positions
-    ``[(t·k + j)·b, (t·k + j + 1)·b)`` of the order; a last partial round is dropped.
+    dataset's own order with ``shuffle=False``. Rounds consume the order from a cursor: a round of
+    k learners takes the next k·b positions, learner j (device-major) the positions
+    ``[pos + j·b, pos + (j+1)·b)``; a last partial round is dropped. With a fixed k, round t is
+    positions ``[(t·k + j)·b, (t·k + j + 1)·b)``. ``num_learners`` may change between rounds (the
+    auto-tuner adds and removes replicas): the cursor keeps every batch of an epoch disjoint.
 
     Args:
         num_samples: N.
-        num_learners: k.
+        num_learners: k (settable between rounds).
         batch_size: b per learner.
         shuffle: shuffle each epoch.
         seed: the seed of the orders.
@@ -61,6 +64,14 @@ class BatchSchedule:
             return torch.arange(self.num_samples)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_samples, generator=gen)
+
+    def next_round(self, order: torch.Tensor, position: int) -> torch.Tensor | None:
+        """Sample indices ``[k·b]`` of the round that starts at ``position`` of ``order``, or None
+        when fewer than k·b samples are left in the epoch."""
+        n = self.num_learners * self.batch_size
+        if position + n > len(order):
+            return None
+        return order[position:position + n]
 
     def round_indices(self, order: torch.Tensor, t: int, first: int = 0, count: int | None = None) -> torch.Tensor:
         """Sample indices of round t for learners ``first … first+count−1``, ``[count·b]``."""

@@ -57,31 +57,49 @@ class FaultMonitor:
         self._round = -1
         self._faulty_in_round = 0
 
+    @staticmethod
     @torch.no_grad()
-    def check(self, state: DeviceState, *, round_index: int, num_learners: int) -> torch.Tensor | None:
-        """Test device ``state``'s replicas before its local update and reset the faulty ones.
+    def find_and_reset(state: DeviceState, r0: int, r1: int) -> list[int]:
+        """Test replicas ``r0 … r1−1`` of a device before their local update; reset the faulty ones.
 
-        Cost: one reduction over ``g [m, P]`` and one host read of ``m`` booleans.
-
-        Args:
-            state: the device's flat buffers (``w, v, g [m, P]``, ``buf [m, Q]``, ``z [P]``).
-            round_index: the global round t (for the events and the error).
-            num_learners: k, the learners of the round over all devices.
+        Cost: one reduction over ``g[r0:r1] [n, P]`` and one host read of n booleans. A faulty
+        replica gets ``w ← z``, ``v ← 0``, ``g ← 0``, ``buf ← zbuf``, so its correction is zero.
+        Worker processes call it for their own rows.
 
         Returns:
-            ``faulty [m]`` bool when some replica is faulty (pass it to ``finish``), else None.
+            The faulty replicas' indices on the device (empty when all are finite).
+        """
+        faulty = ~torch.isfinite(state.g[r0:r1].sum(dim=1))  # [n]
+        if not bool(faulty.any()):
+            return []
+        rows = (faulty.nonzero().flatten() + r0).tolist()
+        FaultMonitor.reset(state, rows)
+        state.g[rows] = 0.0
+        return rows
+
+    @staticmethod
+    @torch.no_grad()
+    def reset(state: DeviceState, rows: list[int]) -> None:
+        """Put replicas ``rows`` at the device's z, with zero momentum and the central buffers."""
+        if not rows:
+            return
+        state.w[rows] = state.z
+        state.v[rows] = 0.0
+        if state.buf.shape[1]:
+            state.buf[rows] = state.zbuf
+
+    def record(self, state: DeviceState, rows: list[int], *, round_index: int, num_learners: int) -> None:
+        """Log and keep one FaultEvent per faulty replica of ``state`` in round ``round_index``.
 
         Raises:
-            DivergenceError: every one of the round's k learners is faulty.
+            DivergenceError: every one of the round's k learners has been faulty.
         """
-        faulty = ~torch.isfinite(state.g.sum(dim=1))  # [m]
-        if not bool(faulty.any()):
-            return None
+        if not rows:
+            return
         if round_index != self._round:
             self._round, self._faulty_in_round = round_index, 0
-        replicas = faulty.nonzero().flatten().tolist()
-        self._faulty_in_round += len(replicas)
-        for r in replicas:
+        self._faulty_in_round += len(rows)
+        for r in rows:
             self.events.append(FaultEvent(round=round_index, device=state.name, replica=r))
             log.warning("round %d: replica %d on %s has NaN/Inf gradients; reset from the central "
                         "model z and left out of the round's average", round_index, r, state.name)
@@ -93,19 +111,3 @@ class FaultMonitor:
                 "and the data for NaN, then resume from the last checkpoint (fit(..., resume=True))",
                 task_id=f"local_sync:{state.name}", device=state.name, round_index=round_index,
             )
-        self._reset(state, faulty)
-        state.g[faulty] = 0.0
-        return faulty
-
-    @staticmethod
-    def _reset(state: DeviceState, faulty: torch.Tensor) -> None:
-        state.w[faulty] = state.z
-        state.v[faulty] = 0.0
-        if state.buf.shape[1]:
-            state.buf[faulty] = state.zbuf
-
-    @torch.no_grad()
-    def finish(self, state: DeviceState, faulty: torch.Tensor | None) -> None:
-        """After the local update: put the faulty replicas back at z with zero momentum."""
-        if faulty is not None:
-            self._reset(state, faulty)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["EpochRecord", "EvalRecord", "History"]
+__all__ = ["EpochRecord", "EvalRecord", "AutotuneRecord", "History"]
 
 
 @dataclass(kw_only=True)
@@ -15,12 +15,16 @@ class EpochRecord:
     Attributes:
         epoch: 1-based epoch number.
         rounds: rounds run in the epoch.
+        samples: training samples of those rounds (Σ over rounds of k·b).
         train_loss: mean training loss over the epoch's learner batches.
         test_accuracy: accuracy of the central model z on the eval dataset at the end of the
             epoch (fraction in [0, 1]), None without one.
         samples_per_s: training samples per second of training time (evaluation excluded).
         train_seconds: cumulative training wall seconds at the end of the epoch.
-        replicas_per_device: m during the epoch.
+        replicas_per_device: m at the end of the epoch (the auto-tuner may change it).
+        learner_mode: ``"per_replica"`` or ``"fused"`` at the end of the epoch.
+        sync_unhidden_share: of the epoch's synchronisation seconds, the share learners waited
+            for (not hidden behind learning), in [0, 1]; None when no sync ran.
     """
 
     epoch: int
@@ -30,6 +34,9 @@ class EpochRecord:
     samples_per_s: float
     train_seconds: float
     replicas_per_device: int
+    learner_mode: str = "per_replica"
+    sync_unhidden_share: float | None = None
+    samples: int = 0
 
 
 @dataclass(kw_only=True)
@@ -44,6 +51,31 @@ class EvalRecord:
 
 
 @dataclass(kw_only=True)
+class AutotuneRecord:
+    """One decision of the replica auto-tuner (DESIGN.md §5).
+
+    Attributes:
+        round: the plan's round count when the decision was taken.
+        replicas_per_device: m that the measurement was taken with.
+        learner_mode: the learner mode the measurement was taken with.
+        samples_per_s: measured throughput over the window (training samples per second).
+        action: what the tuner did: ``"add"`` (m+1), ``"remove"`` (undo the last add and hold),
+            ``"bound"`` (m is at the memory or replica bound), ``"try_mode"`` (switch learner mode),
+            ``"keep_mode"``, ``"revert_mode"``, ``"hold"`` (keep measuring), ``"drift"``
+            (throughput moved by more than the threshold: re-probe).
+        next_replicas_per_device, next_learner_mode: the configuration after the decision.
+    """
+
+    round: int
+    replicas_per_device: int
+    learner_mode: str
+    samples_per_s: float
+    action: str
+    next_replicas_per_device: int
+    next_learner_mode: str
+
+
+@dataclass(kw_only=True)
 class History:
     """Everything a fit measured.
 
@@ -55,6 +87,9 @@ class History:
         epochs_to_accuracy: epochs (fractional) at that point.
         faults: every replica reset for NaN/Inf (runtime/faults.py FaultEvent: round, device,
             replica).
+        autotune: every decision of the replica auto-tuner, in order.
+        sync_seconds: synchronisation work during the fit (local and global syncs), seconds.
+        sync_exposed_seconds: the part of it learners waited for (not hidden), seconds.
     """
 
     epochs: list[EpochRecord] = field(default_factory=list)
@@ -63,6 +98,21 @@ class History:
     time_to_accuracy_s: float | None = None
     epochs_to_accuracy: float | None = None
     faults: list = field(default_factory=list)
+    autotune: list[AutotuneRecord] = field(default_factory=list)
+    sync_seconds: float = 0.0
+    sync_exposed_seconds: float = 0.0
+
+    @property
+    def sync_unhidden_share(self) -> float | None:
+        """Share of synchronisation time not hidden behind learning, in [0, 1] (None: no sync).
+
+        1.0 for the sequential inline executor; with worker processes, the global sync of round
+        t runs while round t+1 learns and only the learners' wait for z and their own local
+        update are exposed.
+        """
+        if self.sync_seconds <= 0:
+            return None
+        return min(1.0, self.sync_exposed_seconds / self.sync_seconds)
 
     @property
     def final_accuracy(self) -> float | None:
@@ -70,7 +120,9 @@ class History:
         return self.evals[-1].test_accuracy if self.evals else None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["sync_unhidden_share"] = self.sync_unhidden_share
+        return out
 
     def save_json(self, path: str) -> None:
         """Write the history as JSON to ``path``."""

@@ -31,6 +31,14 @@ class FitContext:
         train_seconds: training wall seconds so far (evaluation excluded).
         stop: set True to end the fit after the current round.
         extra: free-form per-fit data hooks share.
+        batch_indices: the last round's sample indices ``[k·b]`` (learner j's at
+            ``[j·b, (j+1)·b)``), None before the first round.
+        round_samples: samples of the last round (k·b at that round).
+
+    In ``after_round`` every task of the round has run (w, v, z, zbuf are final). A hook may
+    change the plan between rounds (``plan.set_replicas``, ``plan.set_learner_mode``,
+    ``scheduler.lr``). On CUDA, call ``ctx.plan.scheduler.flush()`` before reading buffers on
+    the host (the Plan's own methods do).
     """
 
     plan: "Plan"
@@ -42,10 +50,22 @@ class FitContext:
     train_seconds: float = 0.0
     stop: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    batch_indices: Any = None
+    round_samples: int = 0
 
 
 class Hook:
-    """Base class: override any of the methods; each is called with the FitContext."""
+    """Base class: override any of the methods; each is called with the FitContext.
+
+    Attributes:
+        mutates_replicas: True (the default) if the hook may write the replicas' state (w, v, g,
+            buf, z) directly. When every hook of a fit sets it False, worker processes learn round
+            t+1 while the hooks of round t run (changing the plan through its methods, such as
+            ``set_replicas``, ``set_learner_mode`` or ``scheduler.lr``, stays safe: a speculative
+            round whose replicas changed is cancelled and rolled back).
+    """
+
+    mutates_replicas: bool = True
 
     def before_fit(self, ctx: FitContext) -> None:
         """Once, before the first round of a fit."""

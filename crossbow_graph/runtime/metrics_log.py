@@ -58,6 +58,8 @@ class MetricsLogger(Hook):
         ValueError: ``every_rounds`` < 1.
     """
 
+    mutates_replicas = False  # it only reads the metrics: the overlap of rounds stays on
+
     def __init__(self, log_dir: str, *, every_rounds: int = 1, tensorboard: bool = True) -> None:
         if isinstance(every_rounds, bool) or not isinstance(every_rounds, int) or every_rounds < 1:
             raise ValueError(f"every_rounds={every_rounds!r}: must be an integer ≥ 1")

@@ -1,26 +1,53 @@
-"""Executes a plan's task graph round after round, like an interpreter (DESIGN.md §1, §5).
+"""Executes a plan's task graph round after round, like an interpreter (DESIGN.md §1, §2, §5).
 
 One method per task kind (``learn``, ``local_sync``, ``global_sync``); a failure is re-raised as a
 TaskError naming the task, its device and the round (STYLE.md rule 3).
+
+Executors (``executor=``):
+
+* ``"inline"``: every task in this process, in topological order. On CUDA each learner group
+  runs on its own stream; events carry the dependencies (learn → local sync → global sync, and
+  learner j's next round waits only for its own device's local sync), so the GPU overlaps the
+  global sync of round t with the learning of round t+1.
+* ``"process"``: CPU only. The device's learners are split into groups, one worker process per
+  group (``runtime.workers``); flat buffers live in shared memory; each worker learns and applies
+  its own rows' local update, this process sums the corrections and updates z while the workers
+  already learn the next round (the overlap of DESIGN.md §2; when every hook of the fit declares
+  ``mutates_replicas = False``, else the rounds run one after the other).
+* ``"auto"``: ``"process"`` when every device is a CPU device, the machine has ≥ 2 cores, k ≥ 2
+  and fork is available; else ``"inline"`` (BENCHMARKS.md: single-threaded learner processes
+  ran 2× one; learners in Python threads ran 3× slower, so threads are not offered).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, Callable
 
 import networkx as nx
 import torch
-from torch.utils._pytree import tree_map
 
 from ..compiler.tasks import Task, TaskKind
 from ..config import SGD, SMA
 from ..errors import TaskError
-from .data import split_inputs
+from ._learners import LEARNER_MODES, learn_group, learner_seed
 from .faults import FaultMonitor
+from .fused import FusedProgram
 from .sma import TorchSMAKernels
 from .state import DeviceState
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "EXECUTORS", "available_cores"]
+
+EXECUTORS = ("auto", "inline", "process")
+
+
+def available_cores() -> int:
+    """Logical CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class Scheduler:
@@ -33,10 +60,28 @@ class Scheduler:
         optimizer: the local SGD settings.
         sync: the SMA settings.
         batch_size: b, samples per learner per round.
+        learner_mode: ``"per_replica"`` or ``"fused"`` (module docstring of ``runtime.fused``).
+        executor: ``"auto"``, ``"inline"`` or ``"process"`` (this module's docstring).
+
+    Attributes:
+        kernels: the SMA update backend (``local_update``, ``central_update``).
+        lr: the learning rate used from the next round on (policies may change it).
+        losses: the learners' losses of the current epoch (0-dim tensors).
+        sync_seconds, sync_exposed_seconds: synchronisation work so far, and the part of it that
+            learners waited for (not hidden behind learning), in seconds.
+        timeline: a ``Timeline`` receiving every task's span, or None.
     """
 
     def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Callable,
-                 optimizer: SGD, sync: SMA, batch_size: int) -> None:
+                 optimizer: SGD, sync: SMA, batch_size: int, *, learner_mode: str = "per_replica",
+                 executor: str = "auto") -> None:
+        if learner_mode not in LEARNER_MODES:
+            raise ValueError(f"learner_mode={learner_mode!r}: use one of {LEARNER_MODES}")
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor={executor!r}: use one of {EXECUTORS}")
+        if executor == "process" and any(s.torch_device.type != "cpu" for s in states):
+            raise ValueError("executor='process' runs CPU devices only; use 'inline' (CUDA streams) "
+                             "or 'auto' for CUDA devices")
         self.batch_size = batch_size
         self.kernels = TorchSMAKernels()  # the SMA update backend: local_update, central_update
         self.states = states
@@ -44,15 +89,41 @@ class Scheduler:
         self.optimizer = optimizer
         self.sync = sync
         self.lr = optimizer.lr
-        device_index = {s.name: d for d, s in enumerate(states)}
-        self._device_index = device_index
+        self.learner_mode = learner_mode
+        self.executor = executor
+        self.losses: list[torch.Tensor] = []
+        self.sync_seconds = 0.0
+        self.sync_exposed_seconds = 0.0
+        self.timeline = None
+        self.seed = 0
+        self._fetch: Callable | None = None
+        self._workers = None  # a runtime.workers.ProcessExecutor while one runs
+        self._fused = [FusedProgram(_clone_structure(s), loss_fn, batch_size) for s in states]
+        self._cuda = None
+        self._resolved: tuple[int, str] | None = None  # (k, executor) cache
+        self.set_task_graph(task_graph)
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def set_task_graph(self, task_graph: nx.DiGraph) -> None:
+        """Adopt a (re-compiled) task graph; the states must already have its replica counts."""
+        self.close_workers()
+        self.task_graph = task_graph
+        self._device_index = {s.name: d for d, s in enumerate(self.states)}
         self.order: list[Task] = [
             task_graph.nodes[n]["task"]
             for n in nx.lexicographical_topological_sort(task_graph, key=_task_sort_key(task_graph))
         ]
-        self.losses: list[torch.Tensor] = []
         self.faults = FaultMonitor()  # NaN/Inf replicas: reset from z, left out of the sum
-        self.round_index = 0
+        self._cuda = None
+
+    def set_learner_mode(self, mode: str) -> None:
+        """Switch between ``"per_replica"`` and ``"fused"`` from the next round on (same maths)."""
+        if mode not in LEARNER_MODES:
+            raise ValueError(f"learner_mode={mode!r}: use one of {LEARNER_MODES}")
+        if mode != self.learner_mode:
+            self.close_workers()
+            self.learner_mode = mode
 
     @property
     def num_learners(self) -> int:
@@ -62,94 +133,244 @@ class Scheduler:
     def alpha(self) -> float:
         return self.sync.alpha_for(self.num_learners)
 
-    def run_round(self, round_index: int, batch: Any, *, synchronise: bool) -> None:
+    def resolved_executor(self) -> str:
+        """The executor that runs the next round: ``"inline"`` or ``"process"``."""
+        if self.executor != "auto":
+            return self.executor
+        k = self.num_learners
+        if self._resolved is None or self._resolved[0] != k:
+            from .workers import fork_available
+
+            cpu = all(s.torch_device.type == "cpu" for s in self.states)
+            self._resolved = (k, "process" if (cpu and available_cores() >= 2 and k >= 2
+                                               and fork_available()) else "inline")
+        return self._resolved[1]
+
+    # -- fit boundaries -----------------------------------------------------------------------
+
+    def begin_fit(self, fetch: Callable[[torch.Tensor], Any], *, seed: int = 0, timeline=None) -> None:
+        """Prepare a fit: ``fetch`` maps sample indices ``[n]`` to a collated batch."""
+        self._fetch = fetch
+        self.seed = seed
+        self.timeline = timeline
+
+    def end_fit(self) -> None:
+        """Finish the work in flight and stop any worker processes."""
+        try:
+            self.flush()
+        finally:
+            self.close_workers()
+            self._fetch = None
+
+    def flush(self) -> None:
+        """Complete the work still in flight: CUDA streams are synchronised, so that z and zbuf
+        reflect every round run so far (the process executor finishes each round's global sync
+        before ``run_round`` returns)."""
+        if self._workers is not None:
+            self._workers.flush()
+        if self._cuda is not None:
+            torch.cuda.synchronize()
+
+    def close_workers(self) -> None:
+        """Stop the worker processes (cancelling a speculative round); the next round restarts them."""
+        if self._workers is not None:
+            workers, self._workers = self._workers, None
+            workers.close()
+
+    # -- rounds ---------------------------------------------------------------------------------
+
+    def run_round(self, round_index: int, batch: Any = None, *, synchronise: bool,
+                  indices: torch.Tensor | None = None,
+                  next_indices: torch.Tensor | None = None) -> None:
         """Run every task of one round.
 
         Args:
             round_index: the global round number t (for error messages).
             batch: the round's collated samples, ``k·b`` along dimension 0, learner j's at
-                ``[j·b, (j+1)·b)``.
+                ``[j·b, (j+1)·b)``; or None with ``indices`` (fetched after ``begin_fit``).
             synchronise: whether this round ends with a synchronisation (every τ-th round).
+            indices: the round's sample indices ``[k·b]`` (learner j's at ``[j·b, (j+1)·b)``);
+                worker processes fetch their own samples from them.
+            next_indices: the next round's indices when nothing will write the replicas between
+                the rounds: worker processes start learning it while this process runs this
+                round's global sync (the overlap); ignored by the inline executor.
+
+        Raises:
+            TaskError: a task failed (names the task, its device and the round).
         """
+        if indices is not None and batch is None and self.resolved_executor() == "process":
+            if self._workers is None:
+                from .workers import ProcessExecutor
+
+                self._workers = ProcessExecutor(self, self._fetch, seed=self.seed + round_index)
+            self._workers.run_round(round_index, indices, synchronise, next_indices)
+            return
+        self.close_workers()
+        if batch is None:
+            batch = self._fetch(indices)
         self._batch = batch
         self._synchronise = synchronise
-        self.round_index = round_index
+        self._round = round_index
         for task in self.order:
-            try:
-                getattr(self, task.kind.value)(task)
-            except TaskError:
-                raise
-            except Exception as exc:
-                raise TaskError(
-                    f"task '{task.id}' ({task.kind.name} on {task.device or 'all devices'}) failed "
-                    f"in round {round_index}: {type(exc).__name__}: {exc}",
-                    task_id=task.id, device=str(task.device), round_index=round_index,
-                ) from exc
+            self._run_task(task, round_index)
+
+    def _run_task(self, task: Task, round_index: int) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            getattr(self, task.kind.value)(task)
+        except TaskError:
+            raise
+        except Exception as exc:
+            raise self.task_error(task, round_index, f"{type(exc).__name__}: {exc}") from exc
+        t1 = time.perf_counter_ns()
+        if task.kind is not TaskKind.LEARN:
+            self.sync_seconds += (t1 - t0) / 1e9
+            self.sync_exposed_seconds += (t1 - t0) / 1e9  # sequential: nothing is hidden
+        if self.timeline is not None:
+            self.timeline.span(task.id, t0, t1, lane="inline", round_index=round_index)
+
+    @staticmethod
+    def task_error(task: Task, round_index: int, what: str) -> TaskError:
+        """The TaskError for ``task`` failing in round ``round_index`` with ``what``."""
+        return TaskError(
+            f"task '{task.id}' ({task.kind.name} on {task.device or 'all devices'}) failed "
+            f"in round {round_index}: {what}",
+            task_id=task.id, device=str(task.device), round_index=round_index,
+        )
 
     # -- one method per task kind -------------------------------------------------------------
 
     def learn(self, task: Task) -> None:
-        """Forward and backward of one replica on its own batch; gradients land in ``g[j]``."""
+        """Forward and backward of one replica on its own batch; gradients land in ``g[j]``.
+
+        In fused mode the device's first LEARN task runs the whole device as one program and the
+        others have nothing left to do.
+        """
         j = task.replicas[0]
         d = self._device_index[task.device]
         state = self.states[d]
-        r = j - sum(s.m for s in self.states[:d])
-        if r == 0:
-            state.g.zero_()
+        first = sum(s.m for s in self.states[:d])
+        r = j - first
         b = self.batch_size
-        mine = tree_map(lambda t: t[j * b:(j + 1) * b].to(state.torch_device, non_blocking=True)
-                        if isinstance(t, torch.Tensor) else t, self._batch)
-        args, kwargs, target = split_inputs(mine)
-        out = state.replicas[r](*args, **kwargs)
-        loss = self.loss_fn(out, target)
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-            raise ValueError(
-                f"loss_fn must return a scalar tensor, got "
-                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
-                "reduce it, e.g. with reduction='mean'"
-            )
-        loss.backward()
-        self.losses.append(loss.detach())
+        r0, r1 = (0, state.m) if self.learner_mode == "fused" else (r, r + 1)
+        if self.learner_mode == "fused" and r != 0:
+            return
+        mine = _rows(self._batch, (first + r0) * b, (first + r1) * b)
+        with self._cuda_learn(d, r0):
+            self.losses.extend(learn_group(state, r0, r1, mine, self.loss_fn, b,
+                                           self.learner_mode, self._fused[d],
+                                           rng_seed=learner_seed(self.seed, self._round, first + r0)))
 
     def local_sync(self, task: Task) -> None:
         """Local SGD step and correction of every replica on the device, and their sum acc_d."""
-        state = self.states[self._device_index[task.device]]
-        opt = self.optimizer
-        faulty = self.faults.check(state, round_index=self.round_index, num_learners=self.num_learners)
-        state.acc = self.kernels.local_update(
-            state.w, state.v, state.g, state.z if self._synchronise else None,
-            lr=self.lr, momentum=opt.momentum, nesterov=opt.nesterov,
-            weight_decay=opt.weight_decay, alpha=self.alpha if self._synchronise else 0.0,
-            first_step=state.first_step[0],
-        )
-        self.faults.finish(state, faulty)
-        state.first_step = [False] * state.m
+        d = self._device_index[task.device]
+        state = self.states[d]
+        with self._cuda_local(d):
+            state.acc, faulty = self.local_update_rows(state, 0, state.m, lr=self.lr, alpha=self.alpha,
+                                                       synchronise=self._synchronise,
+                                                       optimizer=self.optimizer)
+        self.faults.record(state, faulty, round_index=self._round, num_learners=self.num_learners)
 
-    def global_sync(self, task: Task) -> None:
-        """C = Σ_d acc_d, then z ← z + C + μ_z(z − z_prev) on every device; buffers averaged."""
+    def local_update_rows(self, state: DeviceState, r0: int, r1: int, *, lr: float, alpha: float,
+                          synchronise: bool, optimizer: SGD) -> tuple[torch.Tensor | None, list[int]]:
+        """The SMA local update of rows ``r0 … r1−1`` (DESIGN.md §2, steps 1–2).
+
+        Replicas with NaN/Inf gradients are first reset from z and so left out of the sum
+        (runtime/faults.py). Worker processes call it for their own rows.
+
+        Returns:
+            (the rows' sum of corrections ``[P]``, None in a round without synchronisation;
+            the faulty replicas' indices on the device).
+        """
+        faulty = FaultMonitor.find_and_reset(state, r0, r1)
+        acc = self.kernels.local_update(
+            state.w[r0:r1], state.v[r0:r1], state.g[r0:r1], state.z if synchronise else None,
+            lr=lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov,
+            weight_decay=optimizer.weight_decay, alpha=alpha if synchronise else 0.0,
+            first_step=all(state.first_step[r0:r1]),  # a new replica's momentum is zero: same maths
+        )
+        state.first_step[r0:r1] = [False] * (r1 - r0)
+        FaultMonitor.reset(state, faulty)  # back at z: the zero gradient still met weight decay
+        return acc, faulty
+
+    def global_sync(self, task: Task, buffers: list[torch.Tensor] | None = None) -> None:
+        """C = Σ_d acc_d, then z ← z + C + μ_z(z − z_prev) on every device; buffers averaged.
+
+        ``buffers``: per device the replicas' float buffers ``[m, Q]`` to average (default: the
+        live ``buf``; the process executor passes the snapshots its workers took at the round's
+        end).
+        """
         if not self._synchronise:
             return
         states = self.states
+        bufs = buffers if buffers is not None else [s.buf for s in states]
         if self.num_learners == 1:  # the single replica is the central model
             s = states[0]
             s.z_prev.copy_(s.z)
             s.z.copy_(s.w[0])
-            s.zbuf.copy_(s.buf[0])
+            s.zbuf.copy_(bufs[0][0])
             return
         home = states[0].torch_device
-        total = None
-        for s in states:
-            acc = s.acc.to(home)
-            total = acc if total is None else total.add_(acc)
-        mean_buf = None
-        if states[0].buf.shape[1]:
-            mean_buf = torch.cat([s.buf.to(home) for s in states]).mean(dim=0)
-        for s in states:
-            self.kernels.central_update(s.z, s.z_prev, total.to(s.torch_device),
-                               central_momentum=self.sync.central_momentum)
-            if mean_buf is not None:
-                s.zbuf.copy_(mean_buf)
+        with self._cuda_global():
+            total = None
+            for s in states:
+                acc = s.acc.to(home)
+                total = acc if total is None else total + acc  # never writes an acc_d
+            mean_buf = None
+            if states[0].buf.shape[1]:
+                mean_buf = torch.cat([bb.to(home) for bb in bufs]).mean(dim=0)
+            for s in states:
+                self.kernels.central_update(s.z, s.z_prev, total.to(s.torch_device),
+                                   central_momentum=self.sync.central_momentum)
+                if mean_buf is not None:
+                    s.zbuf.copy_(mean_buf)
 
+    # -- CUDA streams (inline executor on GPUs) -------------------------------------------------
+
+    def _streams(self):
+        if self._cuda is None:
+            from ._cuda import CudaStreams
+
+            self._cuda = CudaStreams(self.states, self.learner_mode)
+        return self._cuda
+
+    def _cuda_learn(self, d: int, r0: int):
+        if self.states[d].torch_device.type != "cuda":
+            return _NULL
+        return self._streams().learn(d, r0)
+
+    def _cuda_local(self, d: int):
+        if self.states[d].torch_device.type != "cuda":
+            return _NULL
+        return self._streams().local(d, self._synchronise)
+
+    def _cuda_global(self):
+        if self.states[0].torch_device.type != "cuda":
+            return _NULL
+        return self._streams().global_()
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
+
+
+def _rows(batch: Any, start: int, stop: int) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, batch)
+
+
+def _clone_structure(state: DeviceState):
+    import copy
+
+    return copy.deepcopy(state._template).to(state.torch_device).train()
 
 
 def _task_sort_key(graph: nx.DiGraph):

@@ -66,16 +66,19 @@ def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def bind_flat(module: nn.Module, params_row: torch.Tensor, grads_row: torch.Tensor | None,
-              bufs_row: torch.Tensor | None, params: FlatLayout, buffers: FlatLayout) -> None:
+              bufs_row: torch.Tensor | None, params: FlatLayout, buffers: FlatLayout, *,
+              copy_values: bool = True) -> None:
     """Make ``module``'s trainable parameters (and gradients, float buffers) views into flat rows.
 
-    The current values are copied into the rows first, so nothing is lost.
+    The current values are copied into the rows first (``copy_values``), so nothing is lost;
+    with ``copy_values=False`` the rows already hold the values and the module adopts them.
     """
     named = dict(module.named_parameters())
     for name, shape, off, n in params.entries:
         p = named[name]
         view = params_row[off:off + n].view(shape)
-        view.copy_(p.detach())
+        if copy_values:
+            view.copy_(p.detach())
         p.data = view
         if grads_row is not None:
             p.grad = grads_row[off:off + n].view(shape)
@@ -83,7 +86,8 @@ def bind_flat(module: nn.Module, params_row: torch.Tensor, grads_row: torch.Tens
         named_b = dict(module.named_buffers())
         for name, shape, off, n in buffers.entries:
             view = bufs_row[off:off + n].view(shape)
-            view.copy_(named_b[name])
+            if copy_values:
+                view.copy_(named_b[name])
             _set_buffer(module, name, view)
 
 
@@ -107,16 +111,22 @@ def model_dtype(params: list[tuple[str, torch.Tensor]]) -> torch.dtype:
 
 
 class _CopyBack:
-    """Forward pre-hook: copy a float32 master into its low-precision model copy if it changed."""
+    """Forward pre-hook: copy a float32 master into its low-precision model copy if it changed.
 
-    def __init__(self, master: torch.Tensor, model: torch.Tensor) -> None:
-        self.master, self.model = master, model
-        self.seen = -1  # the master's version when last copied
+    It reads ``owner.<master>`` and ``owner.<model>`` at each call, so it follows a DeviceState
+    whose flat buffers are replaced (``resize``).
+    """
+
+    def __init__(self, owner: object, master: str, model: str) -> None:
+        self.owner, self.master, self.model = owner, master, model
+        self.seen: tuple[int, int] = (-1, -1)  # (id, version) of the master when last copied
 
     def __call__(self, *_: object) -> None:
-        if self.master._version != self.seen:
-            self.model.copy_(self.master)
-            self.seen = self.master._version
+        master = getattr(self.owner, self.master)
+        key = (id(master), master._version)
+        if key != self.seen:
+            getattr(self.owner, self.model).copy_(master)
+            self.seen = key
 
 
 class DeviceState:
@@ -151,7 +161,8 @@ class DeviceState:
         low = dtype in LOW_PRECISION
         self.w_model = torch.zeros_like(self.w, dtype=dtype) if low else self.w
         self.z_model = torch.zeros_like(self.z, dtype=dtype) if low else self.z
-        self._copy_w = _CopyBack(self.w, self.w_model) if low else None
+        self._copy_w = _CopyBack(self, "w", "w_model") if low else None
+        self._template = template
         self.replicas: list[nn.Module] = []
         for j in range(m):
             self.replicas.append(self._new_replica(template, j))
@@ -181,4 +192,63 @@ class DeviceState:
         float buffers views of ``zbuf``."""
         bind_flat(module, self.z_model, None, self.zbuf, self.params, self.buffers)
         if self.z_model is not self.z:
-            module.register_forward_pre_hook(_CopyBack(self.z, self.z_model))
+            module.register_forward_pre_hook(_CopyBack(self, "z", "z_model"))
+
+    @torch.no_grad()
+    def resize(self, m: int) -> None:
+        """Change the number of replicas to ``m`` between rounds, without losing state.
+
+        Replicas 0 … min(m, m_old)−1 keep their parameters, momentum, buffers and
+        ``first_step``; a new replica is cloned from z (buffers from zbuf, integer buffers from
+        replica 0) with zeroed momentum; removed replicas are the last ones. z, z_prev and zbuf
+        are untouched, so the central model is continuous (DESIGN.md §5, auto-tuner).
+
+        New flat buffers ``[m, P]``/``[m, Q]`` replace ``w, v, g, buf`` (ordinary memory: call
+        ``share_memory()`` again if worker processes need them).
+
+        Raises:
+            ValueError: ``m < 1``.
+        """
+        if m < 1:
+            raise ValueError(f"replicas per device must be ≥ 1, got {m}")
+        keep = min(m, self.m)
+        w = torch.zeros(m, self.params.size, dtype=self.w.dtype, device=self.torch_device)
+        v = torch.zeros_like(w)
+        g = torch.zeros(m, self.params.size, dtype=self.g.dtype, device=self.torch_device)
+        buf = torch.zeros(m, self.buffers.size, dtype=self.buf.dtype, device=self.torch_device)
+        w[:keep].copy_(self.w[:keep])
+        v[:keep].copy_(self.v[:keep])
+        buf[:keep].copy_(self.buf[:keep])
+        w[keep:].copy_(self.z.expand(m - keep, -1))
+        buf[keep:].copy_(self.zbuf.expand(m - keep, -1))
+        ints = {n: b.clone() for n, b in self.replicas[0].named_buffers() if not b.is_floating_point()}
+        low = self._copy_w is not None
+        self.w, self.v, self.g, self.buf = w, v, g, buf
+        self.w_model = torch.zeros_like(w, dtype=self.dtype) if low else w
+        if low:
+            self.w_model.copy_(w)
+        replicas = []
+        for j in range(m):
+            r = self.replicas[j] if j < keep else copy.deepcopy(self._template).to(self.torch_device)
+            r.train()
+            bind_flat(r, self.w_model[j], g[j], buf[j], self.params, self.buffers, copy_values=False)
+            if low and j >= keep:
+                r.register_forward_pre_hook(self._copy_w)
+            if j >= keep:
+                for name, value in r.named_buffers():
+                    if name in ints:
+                        value.copy_(ints[name])
+            replicas.append(r)
+        self.replicas = replicas
+        self.first_step = self.first_step[:keep] + [True] * (m - keep)
+
+    def share_memory(self) -> None:
+        """Move every flat buffer, and the replicas' integer buffers (``num_batches_tracked``), to
+        shared memory, in place (module views follow), so that worker processes write them."""
+        for t in (self.w, self.v, self.g, self.buf, self.z, self.z_prev, self.zbuf, self.w_model,
+                  self.z_model):
+            t.share_memory_()
+        for r in self.replicas:
+            for b in r.buffers():
+                if not b.is_floating_point():
+                    b.share_memory_()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +13,7 @@ from .data import BatchSchedule, as_dataset, make_fetch
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
 from .metrics_log import MetricsLogger
+from .timeline import Timeline
 from .validate import check_first_batch
 
 if TYPE_CHECKING:
@@ -39,8 +39,15 @@ def run_fit(
     checkpoint_every: int | None = None,
     resume: bool = False,
     log_dir: str | None = None,
+    trace: str | None = None,
 ) -> History:
-    """Run ``Plan.fit`` (see its docstring for the arguments and errors)."""
+    """Run ``Plan.fit`` (see its docstring for the arguments and errors).
+
+    Rounds take the next k·b samples of the epoch's order (``BatchSchedule.next_round``), with k
+    read before every round, so hooks (the auto-tuner) may change the replicas between rounds and
+    every batch of an epoch stays disjoint. A resumed fit starts at the saved sample position of
+    its epoch. Worker processes, if any, live for the fit.
+    """
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
     if target_accuracy is not None and eval_dataset is None:
@@ -69,83 +76,129 @@ def run_fit(
         if resume and saver.resume(plan, history) is not None:
             end_epoch = epochs  # a resumed run finishes the epochs of the run it continues
         hooks.append(saver)
-    rounds = schedule.rounds_per_epoch
-    eval_points = sorted({math.ceil(rounds * i / evals_per_epoch) for i in range(1, evals_per_epoch + 1)})
+    timeline = Timeline() if trace is not None else None
+    sched = plan.scheduler
+    sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
+    sched.begin_fit(fetch, seed=seed, timeline=timeline)
+
+    def sync_totals() -> None:  # before after_fit, so that hooks (history.json) see them
+        history.sync_seconds = sched.sync_seconds - sync0[0]
+        history.sync_exposed_seconds = sched.sync_exposed_seconds - sync0[1]
+
+    try:
+        _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accuracy,
+                evals_per_epoch, eval_batch_size, progress, sync_totals)
+    finally:
+        sched.end_fit()
+        sync_totals()
+        if timeline is not None:
+            timeline.save(trace)
+    return history
+
+
+def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accuracy,
+            evals_per_epoch, eval_batch_size, progress, sync_totals) -> None:
+    n = schedule.num_samples
     tau = plan.sync.sync_every
-    ctx = FitContext(plan=plan, history=history, rounds_per_epoch=rounds,
-                     train_seconds=plan.train_seconds)
+    sched = plan.scheduler
+    speculate = all(not getattr(h, "mutates_replicas", True) for h in hooks)
+    ctx = FitContext(plan=plan, history=history, train_seconds=plan.train_seconds,
+                     rounds_per_epoch=n // (plan.num_learners * plan.batch_size))
     for hook in hooks:
         hook.before_fit(ctx)
-    faults_seen = len(plan.scheduler.faults.events)
+    faults_seen = len(sched.faults.events)
     while plan.epochs_done < end_epoch:
         epoch = plan.epochs_done
-        first = plan.round_in_epoch  # > 0 when resumed in the middle of an epoch
-        ctx.epoch, ctx.round_in_epoch = epoch, first
+        position = plan.position_in_epoch  # > 0 when resumed in the middle of an epoch
+        rounds_run = plan.round_in_epoch
+        ctx.epoch, ctx.round_in_epoch = epoch, rounds_run
+        ctx.rounds_per_epoch = n // (plan.num_learners * plan.batch_size)
         for hook in hooks:
             hook.before_epoch(ctx)
         order = schedule.order(epoch)
-        if first == 0:
-            plan.scheduler.losses = []
-        epoch_seconds, acc = 0.0, None
-        bar = tqdm(total=rounds, initial=first, desc=f"epoch {epoch + 1}", unit="round",
-                   disable=not progress, leave=False, dynamic_ncols=True)
+        if position == 0:
+            sched.losses = []
+        sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
+        epoch_seconds, acc, samples_run = 0.0, None, 0
+        eval_points = [n * i // evals_per_epoch for i in range(1, evals_per_epoch + 1)]
+        next_eval = sum(1 for p in eval_points if p <= position)
+        bar = tqdm(total=n, initial=position, desc=f"epoch {epoch + 1}", unit="sample",
+                   unit_scale=True, disable=not progress, leave=False, dynamic_ncols=True)
         start = time.perf_counter()
-        rounds_run = first
-        for t in range(first, rounds):
+        while True:
             for hook in hooks:
                 hook.before_round(ctx)
-            batch = fetch(schedule.round_indices(order, t))
-            n_losses = len(plan.scheduler.losses)
+            schedule.num_learners = plan.num_learners
+            indices = schedule.next_round(order, position)
+            if indices is None:
+                break
+            position += len(indices)
+            upcoming = schedule.next_round(order, position)  # if k stays, the next round's samples
+            n_losses = len(sched.losses)
             plan.rounds_done += 1
-            plan.scheduler.run_round(plan.rounds_done - 1, batch,
-                                     synchronise=plan.rounds_done % tau == 0)
-            rounds_run = plan.round_in_epoch = t + 1
-            bar.update(1)
-            if len(plan.scheduler.faults.events) > faults_seen:
-                history.faults.extend(plan.scheduler.faults.events[faults_seen:])
-                faults_seen = len(plan.scheduler.faults.events)
+            sched.run_round(plan.rounds_done - 1, synchronise=plan.rounds_done % tau == 0,
+                            indices=indices, next_indices=upcoming if speculate else None)
+            rounds_run += 1
+            samples_run += len(indices)
+            plan.round_in_epoch, plan.position_in_epoch = rounds_run, position
+            bar.update(len(indices))
+            if len(sched.faults.events) > faults_seen:
+                history.faults.extend(sched.faults.events[faults_seen:])
+                faults_seen = len(sched.faults.events)
             if hooks:
                 ctx.round_in_epoch = rounds_run
-                ctx.round_loss = torch.stack(plan.scheduler.losses[n_losses:]).mean()
+                ctx.batch_indices = indices
+                ctx.round_samples = len(indices)
+                ctx.round_loss = torch.stack(sched.losses[n_losses:]).mean()
                 ctx.train_seconds = plan.train_seconds + epoch_seconds + time.perf_counter() - start
                 for hook in hooks:
                     hook.after_round(ctx)
                 if ctx.stop:
                     break
-            if rounds_run not in eval_points or eval_dataset is None:
+            last = upcoming is None
+            due = next_eval < len(eval_points) and (position >= eval_points[next_eval] or last)
+            if not due or eval_dataset is None:
                 continue
+            while next_eval < len(eval_points) and (position >= eval_points[next_eval] or last):
+                next_eval += 1
             epoch_seconds += time.perf_counter() - start  # evaluation is not training time
             acc, test_loss = plan.evaluate(eval_dataset, batch_size=eval_batch_size)
             trained = plan.train_seconds + epoch_seconds
-            history.evals.append(EvalRecord(epoch=epoch + rounds_run / rounds, round=plan.rounds_done,
+            history.evals.append(EvalRecord(epoch=epoch + position / n, round=plan.rounds_done,
                                             train_seconds=trained, test_accuracy=acc,
                                             test_loss=test_loss))
             bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
-                            samples_per_s=f"{(rounds_run - first) * k * b / epoch_seconds:,.0f}")
+                            samples_per_s=f"{samples_run / epoch_seconds:,.0f}")
             ctx.train_seconds = trained
             for hook in hooks:
                 hook.after_eval(ctx, history.evals[-1])
             start = time.perf_counter()
             if target_accuracy is not None and acc is not None and acc >= target_accuracy:
                 history.time_to_accuracy_s = trained
-                history.epochs_to_accuracy = epoch + rounds_run / rounds
+                history.epochs_to_accuracy = epoch + position / n
                 break
         epoch_seconds += time.perf_counter() - start
         bar.close()
+        sched.flush()
         plan.train_seconds += epoch_seconds
         plan.epochs_done += 1
-        plan.round_in_epoch = 0
-        losses = torch.stack(plan.scheduler.losses) if plan.scheduler.losses else torch.zeros(1)
+        plan.round_in_epoch = plan.position_in_epoch = 0
+        losses = torch.stack(sched.losses) if sched.losses else torch.zeros(1)
+        sync_s = sched.sync_seconds - sync0[0]
+        exposed_s = sched.sync_exposed_seconds - sync0[1]
         history.epochs.append(EpochRecord(
             epoch=plan.epochs_done, rounds=rounds_run, train_loss=float(losses.mean()),
-            test_accuracy=acc, samples_per_s=(rounds_run - first) * k * b / max(epoch_seconds, 1e-9),
+            test_accuracy=acc, samples_per_s=samples_run / max(epoch_seconds, 1e-9),
             train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
+            learner_mode=plan.learner_mode,
+            sync_unhidden_share=min(1.0, exposed_s / sync_s) if sync_s > 0 else None,
+            samples=samples_run,
         ))
         ctx.train_seconds = plan.train_seconds
         for hook in hooks:
             hook.after_epoch(ctx, history.epochs[-1])
         if history.time_to_accuracy_s is not None or ctx.stop:
             break
+    sync_totals()
     for hook in hooks:
         hook.after_fit(ctx)
-    return history

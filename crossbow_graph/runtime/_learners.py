@@ -1,0 +1,88 @@
+"""Private helpers of the runtime: one learner group's forward/backward, in either learner mode.
+
+A *learner group* is a contiguous block of replicas ``r0 … r1−1`` of one device that run together
+(on one CUDA stream, in one worker process, or fused into one vmapped program). Both modes leave
+the group's loss gradients in ``state.g[r0:r1]`` and return the per-replica losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .data import split_inputs
+from .fused import FusedProgram
+from .state import DeviceState
+
+__all__ = ["LEARNER_MODES", "check_loss", "learn_group", "learner_seed", "slice_batch"]
+
+LEARNER_MODES = ("per_replica", "fused")
+
+
+def check_loss(loss: Any) -> None:
+    """Raise ValueError unless ``loss`` is a 0-dim tensor (the user's loss_fn must reduce)."""
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise ValueError(
+            f"loss_fn must return a scalar tensor, got "
+            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
+            "reduce it, e.g. with reduction='mean'"
+        )
+
+
+def slice_batch(batch: Any, start: int, stop: int, device: torch.device) -> Any:
+    """Rows ``[start, stop)`` of every tensor of a collated batch, moved to ``device``."""
+    return tree_map(lambda t: t[start:stop].to(device, non_blocking=True)
+                    if isinstance(t, torch.Tensor) else t, batch)
+
+
+def learner_seed(fit_seed: int, round_index: int, replica: int) -> int:
+    """The seed of torch's RNG for global replica j's forward in round t (dropout masks).
+
+    A function of (fit seed, t, j) alone, so masks differ between replicas and rounds, do not
+    depend on which executor or process runs the learner, and a resumed fit draws the same ones.
+    """
+    return ((fit_seed * 1_000_003 + round_index) * 65_537 + replica) % (2**63 - 1)
+
+
+def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Callable,
+                batch_size: int, mode: str, fused: FusedProgram | None,
+                rng_seed: int | None = None) -> list[torch.Tensor]:
+    """Forward and backward of replicas ``r0 … r1−1`` of ``state`` on their own batches.
+
+    Args:
+        state: the device's replicas and flat buffers.
+        r0, r1: the group's rows of ``w``/``g`` (``r1 − r0`` replicas).
+        batch: the group's collated samples, ``(r1 − r0)·b`` along dimension 0, replica r's at
+            ``[(r − r0)·b, (r − r0 + 1)·b)``, already on the device.
+        loss_fn: ``loss_fn(output, target) -> scalar``.
+        batch_size: b.
+        mode: ``"per_replica"`` (each replica its own forward/backward) or ``"fused"`` (one vmapped
+            program over the stacked replicas, ``fused`` must be given).
+        fused: the FusedProgram of the device (fused mode).
+        rng_seed: if given, torch's RNG is seeded with it before replica r0's forward and with
+            ``rng_seed + (r − r0)`` before replica r's (see ``learner_seed``); fused mode seeds
+            once for the group.
+
+    Returns:
+        The r1 − r0 losses (0-dim tensors, detached).
+    """
+    state.g[r0:r1].zero_()
+    if mode == "fused":
+        assert fused is not None
+        if rng_seed is not None:
+            torch.manual_seed(rng_seed)
+        return list(fused.step(state, r0, r1, batch).unbind())
+    b = batch_size
+    losses = []
+    for r in range(r0, r1):
+        mine = slice_batch(batch, (r - r0) * b, (r - r0 + 1) * b, state.torch_device)
+        args, kwargs, target = split_inputs(mine)
+        if rng_seed is not None:
+            torch.manual_seed(rng_seed + (r - r0))
+        loss = loss_fn(state.replicas[r](*args, **kwargs), target)
+        check_loss(loss)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses

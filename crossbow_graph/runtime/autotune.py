@@ -1,0 +1,173 @@
+"""The replica auto-tuner: measured throughput → replicas per device and learner mode (DESIGN.md §5).
+
+Reference rule (CROSSBOW §4.4): start at m = 1 per device; after a warm-up, measure samples/s
+over a window of whole rounds; if it rose by more than a threshold (default 10 %) over the best so
+far, add a replica per device, otherwise remove the last one added and hold. Then try the other
+learner mode at that m and keep the faster (growing further in it if it wins). While holding,
+re-probe when the throughput drifts by more than the threshold. Never beyond the memory bound
+(the task graph's ``memory_per_learner_bytes`` against ``compile(memory_budget=...)``) or
+``AutoTune.max_replicas``. Replicas change between rounds without losing state
+(``Plan.set_replicas``: new replicas cloned from z with zeroed momentum, α re-derived for the new
+k, the compiler passes re-run). Every decision goes to ``History.autotune``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .history import AutotuneRecord
+from .hooks import FitContext, Hook
+
+__all__ = ["AutoTune", "AutoTuner"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoTune:
+    """Settings of the replica auto-tuner.
+
+    Attributes:
+        threshold: relative throughput change that counts (0.10 = 10 %), > 0.
+        warmup_rounds: rounds ignored after every change (worker start-up, caches), ≥ 1.
+        window_s: a measurement window is the fewest whole rounds lasting at least this many
+            training seconds, > 0.
+        min_window_rounds: and at least this many rounds, ≥ 1.
+        max_replicas: most replicas per device, whatever the memory allows, ≥ 1.
+        try_other_mode: also measure the other learner mode (per-replica / fused).
+        reprobe: re-probe when throughput drifts by more than ``threshold`` while holding.
+
+    Raises:
+        ValueError: a value outside its range.
+    """
+
+    threshold: float = 0.10
+    warmup_rounds: int = 10
+    window_s: float = 0.5
+    min_window_rounds: int = 10
+    max_replicas: int = 16
+    try_other_mode: bool = True
+    reprobe: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.threshold > 0:
+            raise ValueError(f"AutoTune(threshold={self.threshold}): must be > 0, e.g. 0.10")
+        if self.warmup_rounds < 1 or self.min_window_rounds < 1:
+            raise ValueError("AutoTune: warmup_rounds and min_window_rounds must be ≥ 1")
+        if not self.window_s > 0:
+            raise ValueError(f"AutoTune(window_s={self.window_s}): must be > 0 seconds")
+        if self.max_replicas < 1:
+            raise ValueError(f"AutoTune(max_replicas={self.max_replicas}): must be ≥ 1")
+
+
+class AutoTuner(Hook):
+    """The auto-tuner as a Hook (``compile(replicas="auto")`` attaches one to the plan).
+
+    Args:
+        config: the AutoTune settings.
+        clock: ``clock(ctx) -> seconds``; default the fit's training seconds (evaluation
+            excluded). Tests pass a deterministic clock.
+
+    Attributes:
+        phase: ``"grow"``, ``"mode"`` (measuring the other learner mode) or ``"hold"``.
+        decisions: every AutotuneRecord over the plan's life.
+    """
+
+    mutates_replicas = False  # changes the plan only through Plan.set_replicas/set_learner_mode
+
+    def __init__(self, config: AutoTune = AutoTune(), *,
+                 clock: Callable[[FitContext], float] | None = None) -> None:
+        self.config = config
+        self.clock = clock or (lambda ctx: ctx.train_seconds)
+        self.phase = "grow"
+        self.best: tuple[float, int, str] | None = None  # (samples/s, m, mode)
+        self.held: float | None = None
+        self.mode_tried = False
+        self.decisions: list[AutotuneRecord] = []
+        self._restart_window(warm=False)
+
+    # -- measurement ----------------------------------------------------------------------------
+
+    def _restart_window(self, *, warm: bool, now: float | None = None) -> None:
+        self._rounds = self.config.warmup_rounds if warm else 0
+        self._samples = 0
+        self._t0 = now
+
+    def before_fit(self, ctx: FitContext) -> None:
+        self._restart_window(warm=False)  # workers start again: warm up again
+
+    def after_round(self, ctx: FitContext) -> None:
+        c = self.config
+        self._rounds += 1
+        if self._rounds <= c.warmup_rounds:
+            if self._rounds == c.warmup_rounds:
+                self._t0, self._samples = self.clock(ctx), 0
+            return
+        self._samples += ctx.round_samples
+        elapsed = self.clock(ctx) - self._t0
+        if elapsed < c.window_s or self._rounds - c.warmup_rounds < c.min_window_rounds:
+            return
+        changed = self._decide(ctx, self._samples / elapsed)
+        self._restart_window(warm=not changed, now=self.clock(ctx))
+
+    # -- the rule -------------------------------------------------------------------------------
+
+    def bound(self, plan) -> int:
+        """Most replicas per device: ``max_replicas`` and the memory bound of the plan."""
+        mem_bound = plan.max_replicas_per_device
+        return min(self.config.max_replicas, mem_bound if mem_bound is not None else 10**9)
+
+    def _decide(self, ctx: FitContext, rate: float) -> bool:
+        """Act on one window's throughput; returns whether the configuration changed."""
+        plan, theta = ctx.plan, self.config.threshold
+        m, mode = plan.replicas_per_device, plan.learner_mode
+        other = "fused" if mode == "per_replica" else "per_replica"
+        steps: list[tuple[str, int, str]] = []
+        if self.phase == "hold":
+            if not (self.config.reprobe and abs(rate / self.held - 1) > theta):
+                return False
+            self.best, self.mode_tried, self.phase = None, False, "grow"
+            steps.append(("drift", m, mode))
+        if self.phase == "mode":
+            self.mode_tried = True
+            if rate > self.best[0]:
+                self.best, self.phase = (rate, m, mode), "grow"
+                steps.append(("keep_mode", m, mode))
+                steps += self._grow(plan, m, mode, other)
+            else:
+                self.phase, self.held = "hold", self.best[0]
+                steps.append(("revert_mode", m, self.best[2]))
+        elif self.phase == "grow":
+            if self.best is None or rate > self.best[0] * (1 + theta):
+                self.best = (rate, m, mode)
+                steps += self._grow(plan, m, mode, other)
+            else:
+                steps.append(("remove", self.best[1], mode))
+                steps += self._settle(self.best[1], mode, other)
+        for action, m2, mode2 in steps:
+            self._record(ctx, rate, action, m, mode, m2, mode2)
+        m2, mode2 = steps[-1][1], steps[-1][2]
+        if m2 != m:
+            plan.set_replicas(m2)
+        if mode2 != mode:
+            plan.set_learner_mode(mode2)
+        return (m2, mode2) != (m, mode)
+
+    def _grow(self, plan, m: int, mode: str, other: str) -> list[tuple[str, int, str]]:
+        if m + 1 <= self.bound(plan):
+            return [("add", m + 1, mode)]
+        return [("bound", m, mode)] + self._settle(m, mode, other)
+
+    def _settle(self, m: int, mode: str, other: str) -> list[tuple[str, int, str]]:
+        if self.config.try_other_mode and not self.mode_tried:
+            self.phase = "mode"
+            return [("try_mode", m, other)]
+        self.phase, self.held = "hold", self.best[0]
+        return [("hold", m, mode)]
+
+    def _record(self, ctx: FitContext, rate: float, action: str, m: int, mode: str, m2: int,
+                mode2: str) -> None:
+        rec = AutotuneRecord(round=ctx.plan.rounds_done, replicas_per_device=m, learner_mode=mode,
+                             samples_per_s=rate, action=action, next_replicas_per_device=m2,
+                             next_learner_mode=mode2)
+        self.decisions.append(rec)
+        ctx.history.autotune.append(rec)

@@ -1,0 +1,355 @@
+"""Learner worker processes on the CPU: the process executor (DESIGN.md §2 overlap, §5).
+
+Each worker process owns a contiguous group of one device's replicas (rows ``r0 … r1−1``). The
+flat buffers ``w, v, g, buf, z, z_prev, zbuf`` (and the replicas' integer buffers) live in shared
+memory, so workers and this process see the same numbers. Per round t this process sends each
+worker one small message (t and the group's sample indices as bytes); the worker fetches its own
+samples from its forked copy of the dataset and learns. When z_t is ready this process writes lr,
+α, whether to synchronise and the optimizer's settings to a shared control block and releases
+each worker's semaphore; the worker applies its rows' local update (the correction with z_t),
+writes its partial sum of corrections and answers with its losses and four timestamps. This
+process then sums the partial sums and updates z (the global sync of round t). When the next
+round's samples are known and no hook writes the replicas, their message is sent before waiting
+for round t: the workers learn round t+1 while the global sync of round t (and the hooks) run, and
+learner j's round t+1 waits only for its own correction. There are at most as many workers as
+cores, each with one intra-op thread (and oneDNN off: fork safety, see ``_worker_main``), and this
+process drops to one thread while they run, so the processes do not fight over the cores.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..compiler.tasks import TaskKind
+from ..config import SGD
+from ._learners import learn_group, learner_seed
+from .scheduler import available_cores
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+__all__ = ["ProcessExecutor", "worker_groups", "fork_available"]
+
+_POLL_S = 0.5          # how often a blocked wait checks that the other side is alive
+ROUND_TIMEOUT_S = 600  # the longest this process waits for one worker's round
+
+
+def fork_available() -> bool:
+    """Whether worker processes can be forked (Linux, macOS): they inherit the dataset."""
+    return "fork" in mp.get_all_start_methods()
+
+
+def worker_groups(replicas_per_device: list[int], cores: int) -> list[tuple[int, int, int]]:
+    """Split every device's replicas into contiguous groups, one per worker process.
+
+    Each device gets ``min(m, max(1, cores // G))`` workers (G devices) and its m replicas are
+    spread over them as evenly as possible, larger groups first.
+
+    Returns:
+        ``(device index, r0, r1)`` per worker, device-major.
+    """
+    per_device = max(1, cores // len(replicas_per_device))
+    groups = []
+    for d, m in enumerate(replicas_per_device):
+        n = min(m, per_device)
+        r0 = 0
+        for i in range(n):
+            size = m // n + (1 if i < m % n else 0)
+            groups.append((d, r0, r0 + size))
+            r0 += size
+    return groups
+
+
+class ProcessExecutor:
+    """Worker processes running one scheduler's learner groups (see the module docstring).
+
+    Args:
+        scheduler: the Scheduler (its states, tasks, loss, mode, kernels).
+        fetch: sample indices ``[n]`` → collated batch; inherited by the forked workers.
+        seed: seeds each worker's RNG (dropout) differently.
+    """
+
+    def __init__(self, scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any], *,
+                 seed: int) -> None:
+        self.sched = scheduler
+        states = scheduler.states
+        cores = available_cores()
+        self.groups = worker_groups([s.m for s in states], cores)
+        threads = 1  # forked children cannot start OpenMP teams (see _worker_main)
+        for s in states:
+            s.share_memory()
+        p_size, q_size = states[0].params.size, states[0].buffers.size
+        self.acc_parts = torch.zeros(len(self.groups), p_size).share_memory_()  # [W, P]
+        self.buf_snaps = [s.buf.clone().share_memory_() for s in states]        # [m, Q] per device
+        self.global_task = next(t for t in scheduler.order if t.kind is TaskKind.GLOBAL_SYNC)
+        self.learn_ids, self.local_ids = {}, {}
+        for t in scheduler.order:
+            if t.kind is TaskKind.LEARN:
+                d = scheduler._device_index[t.device]
+                self.learn_ids[(d, t.replicas[0] - sum(s.m for s in states[:d]))] = t
+            elif t.kind is TaskKind.LOCAL_SYNC:
+                self.local_ids[scheduler._device_index[t.device]] = t
+        ctx = mp.get_context("fork")
+        self.sems, self.conns, self.procs = [], [], []
+        self.firsts = [sum(s.m for s in states[:d]) for d in range(len(states))]
+        self.device_rows = [[w for w, g in enumerate(self.groups) if g[0] == d]
+                            for d in range(len(states))]
+        # lr, α, synchronise, cancel, μ_l, nesterov, λ of the round being released
+        self.ctrl = torch.zeros(7, dtype=torch.float64).share_memory_()
+        self.ahead: tuple[int, torch.Tensor] | None = None  # the speculative round, if any
+        self.main_threads = torch.get_num_threads()
+        parent = os.getpid()
+        try:
+            for wid, (d, r0, r1) in enumerate(self.groups):
+                sem = ctx.Semaphore(0)
+                here, there = ctx.Pipe()
+                learn_tasks = [self.learn_ids[(d, r)] for r in range(r0, r1)]
+                proc = ctx.Process(
+                    target=_worker_main, name=f"crossbow-learner-{wid}", daemon=True,
+                    args=(scheduler, d, r0, r1, there, sem, self.ctrl, self.acc_parts[wid],
+                          self.buf_snaps[d] if q_size else None, fetch,
+                          seed * 1_000_003 + 7919 * (wid + 1), threads, parent,
+                          [t.id for t in learn_tasks], self.local_ids[d].id))
+                proc.start()
+                there.close()
+                self.sems.append(sem)
+                self.conns.append(here)
+                self.procs.append(proc)
+        except BaseException:
+            self.close()
+            raise
+        torch.set_num_threads(1)  # this process only coordinates and sums while workers learn
+
+    def _send_go(self, round_index: int, indices: torch.Tensor) -> None:
+        sched, b = self.sched, self.sched.batch_size
+        idx = indices.to(torch.int64).contiguous()
+        for wid, (d, r0, r1) in enumerate(self.groups):
+            part = idx[(self.firsts[d] + r0) * b:(self.firsts[d] + r1) * b].numpy().tobytes()
+            self.conns[wid].send((round_index, part))
+
+    def _release(self, *, lr: float, alpha: float, synchronise: bool, cancel: bool) -> None:
+        opt = self.sched.optimizer
+        self.ctrl.copy_(torch.tensor([lr, alpha, float(synchronise), float(cancel), opt.momentum,
+                                      float(opt.nesterov), opt.weight_decay], dtype=torch.float64))
+        for sem in self.sems:
+            sem.release()
+
+    def cancel_ahead(self) -> None:
+        """Cancel the speculative round the workers are learning (they restore their buffers)."""
+        if self.ahead is None:
+            return
+        round_index, _ = self.ahead
+        self.ahead = None
+        self._release(lr=0.0, alpha=0.0, synchronise=False, cancel=True)
+        for wid in range(len(self.conns)):
+            self._recv(wid, round_index)  # "cancelled" (or the error of a round that never was)
+
+    def run_round(self, round_index: int, indices: torch.Tensor, synchronise: bool,
+                  next_indices: torch.Tensor | None = None) -> None:
+        """Run one round on the workers, and start the next one's learning if it is known.
+
+        ``next_indices``: the next round's sample indices, if no hook will touch the replicas in
+        between: the workers learn it while this process runs this round's global sync (and the
+        hooks); the next ``run_round`` releases its local updates, or cancels it if its indices
+        differ (the replicas changed). On return every task of the round has run: w, v, z, zbuf
+        are final (only g and buf may already move for the speculative round).
+        """
+        sched = self.sched
+        if self.ahead is not None and (self.ahead[0] != round_index
+                                       or not torch.equal(self.ahead[1], indices)):
+            self.cancel_ahead()
+        if self.ahead is None:
+            self._send_go(round_index, indices)
+        self.ahead = None
+        self._release(lr=sched.lr, alpha=sched.alpha, synchronise=synchronise, cancel=False)
+        if next_indices is not None:
+            self._send_go(round_index + 1, next_indices)
+            self.ahead = (round_index + 1, next_indices)
+        spans, faults, failure = [], [], None
+        for wid in range(len(self.conns)):
+            reply = self._recv(wid, round_index)
+            if reply[0] == "error" and failure is None:
+                failure = reply
+            elif reply[0] == "ok":
+                sched.losses.extend(torch.tensor(reply[1]).unbind())
+                spans.append(reply[2])
+                faults.append((self.groups[wid][0], reply[3]))
+        if failure is not None:
+            task = next(t for t in sched.order if t.id == failure[1])
+            self.close()
+            sched._workers = None
+            raise sched.task_error(task, round_index, failure[2])
+        for s in sched.states:
+            s.first_step = [False] * s.m
+        for d, rows in faults:  # raises DivergenceError when every learner failed
+            sched.faults.record(sched.states[d], rows, round_index=round_index,
+                                num_learners=sched.num_learners)
+        g0 = time.perf_counter_ns()
+        if synchronise:
+            self._global_sync(round_index)
+        g1 = time.perf_counter_ns()
+        local_s = sum(td - tc for _, _, tc, td in spans) / len(spans) / 1e9
+        waited_s = sum(td - tb for _, tb, _, td in spans) / len(spans) / 1e9
+        sched.sync_seconds += (g1 - g0) / 1e9 + local_s
+        sched.sync_exposed_seconds += waited_s
+        if sched.timeline is not None:
+            if synchronise:
+                sched.timeline.span(self.global_task.id, g0, g1, lane="coordinator",
+                                    round_index=round_index)
+            for wid, (ta, tb, tc, td) in enumerate(spans):
+                d, r0, r1 = self.groups[wid]
+                lane = f"worker {wid} (d{d} r{r0}-{r1 - 1})"
+                sched.timeline.span(f"learn:d{d}:r{r0}-{r1 - 1}", ta, tb, lane=lane, round_index=round_index)
+                sched.timeline.span("wait for z", tb, tc, lane=lane, round_index=round_index)
+                sched.timeline.span(self.local_ids[d].id, tc, td, lane=lane, round_index=round_index)
+
+    def flush(self) -> None:
+        """Nothing is in flight between rounds (z is final when run_round returns)."""
+
+    def _global_sync(self, round_index: int) -> None:
+        sched = self.sched
+        for d, s in enumerate(sched.states):
+            rows = self.device_rows[d]
+            s.acc = self.acc_parts[rows[0]] if len(rows) == 1 else self.acc_parts[rows].sum(dim=0)
+        sched._synchronise = True
+        try:
+            sched.global_sync(self.global_task, buffers=self.buf_snaps)
+        except Exception as exc:
+            raise sched.task_error(self.global_task, round_index, f"{type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        """Cancel the speculative round, stop every worker (join, then terminate, then kill)."""
+        try:
+            if self.ahead is not None and all(p.is_alive() for p in self.procs):
+                self.cancel_ahead()
+        except Exception:  # noqa: BLE001 - a dead worker: it is killed below
+            pass
+        finally:
+            self.ahead = None
+            for conn in self.conns:
+                try:
+                    conn.send(None)
+                except (OSError, ValueError):
+                    pass
+            for proc in self.procs:
+                proc.join(timeout=5)
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join(timeout=2)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(timeout=2)
+            for conn in self.conns:
+                conn.close()
+            self.conns, self.procs = [], []
+            torch.set_num_threads(self.main_threads)
+
+    def _recv(self, wid: int, round_index: int):
+        conn, proc = self.conns[wid], self.procs[wid]
+        deadline = time.monotonic() + ROUND_TIMEOUT_S
+        while not conn.poll(_POLL_S):
+            if not proc.is_alive() or time.monotonic() > deadline:
+                d, r0, _ = self.groups[wid]
+                task = self.learn_ids[(d, r0)]
+                why = (f"worker process {proc.pid} exited with code {proc.exitcode}"
+                       if not proc.is_alive() else f"no answer within {ROUND_TIMEOUT_S} s")
+                raise self.sched.task_error(task, round_index, why)
+        return conn.recv()
+
+
+def _wait(ready: Callable[[], bool], parent: int) -> bool:
+    """Block until ``ready()`` (it blocks up to _POLL_S itself); False if the parent died."""
+    while not ready():
+        if os.getppid() != parent:
+            return False
+    return True
+
+
+def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: torch.Tensor,
+                 acc_part: torch.Tensor, buf_snap: torch.Tensor | None, fetch: Callable, seed: int,
+                 threads: int, parent: int, learn_ids: list[str], local_id: str) -> None:
+    """The loop of one worker process (forked: it shares the scheduler's state and dataset).
+
+    Per round: receive (round, indices); learn; wait for the semaphore (z ready); read lr, α,
+    synchronise, cancel and the optimizer's μ_l, Nesterov, λ from ``ctrl``; if cancelled (a speculative round that will not run)
+    restore the float buffers and answer "cancelled", else apply the local update and answer with
+    the losses and four timestamps. Every round consumes exactly one semaphore release.
+    """
+    # GNU OpenMP cannot start a thread team in a forked child of a process that used one: the
+    # team barrier waits forever for threads that do not exist here. So a worker runs one
+    # intra-op thread (ATen then never enters an OpenMP region), and oneDNN is off because its
+    # cached primitives carry the parent's team size (ATen's kernels also ran LeNet-5 at b=8
+    # faster single-threaded than oneDNN on this CPU). Parallelism comes from the workers.
+    torch.set_num_threads(threads)
+    torch.backends.mkldnn.enabled = False
+    torch.manual_seed(seed)
+    state, b, mode = sched.states[d], sched.batch_size, sched.learner_mode
+    first = sum(s.m for s in sched.states[:d])  # global index of the device's replica 0
+    fused = sched._fused[d]
+    keep = state.buf[r0:r1].clone() if state.buf.shape[1] else None  # restored on cancel
+    try:
+        while True:
+            if not _wait(lambda: conn.poll(_POLL_S), parent):
+                return
+            msg = conn.recv()
+            if msg is None:
+                return
+            round_index, part = msg
+            task_id, error, losses = learn_ids[0], None, []
+            ta = time.perf_counter_ns()
+            try:
+                if keep is not None:
+                    keep.copy_(state.buf[r0:r1])
+                batch = fetch(torch.frombuffer(bytearray(part), dtype=torch.int64))
+                if mode == "fused":
+                    losses = learn_group(state, r0, r1, batch, sched.loss_fn, b, mode, fused,
+                                         rng_seed=learner_seed(sched.seed, round_index, first + r0))
+                else:
+                    for r in range(r0, r1):
+                        task_id = learn_ids[r - r0]
+                        mine = _rows(batch, (r - r0) * b, (r - r0 + 1) * b)
+                        losses += learn_group(state, r, r + 1, mine, sched.loss_fn, b, mode, None,
+                                              rng_seed=learner_seed(sched.seed, round_index, first + r))
+            except Exception as exc:  # reported to the coordinator, which raises TaskError
+                error = f"{type(exc).__name__}: {exc}"
+            tb = time.perf_counter_ns()
+            if not _wait(lambda: sem.acquire(timeout=_POLL_S), parent):
+                return
+            tc = time.perf_counter_ns()
+            lr, alpha, synchronise, cancel, momentum, nesterov, weight_decay = ctrl.tolist()
+            if cancel:
+                if keep is not None:
+                    state.buf[r0:r1].copy_(keep)
+                conn.send(("cancelled", round_index))
+                continue
+            if error is not None:
+                conn.send(("error", task_id, error))
+                continue
+            try:
+                task_id = local_id
+                optimizer = SGD(lr=lr, momentum=momentum, nesterov=bool(nesterov),
+                                weight_decay=weight_decay)
+                acc, faulty = sched.local_update_rows(state, r0, r1, lr=lr, alpha=alpha,
+                                                      synchronise=bool(synchronise), optimizer=optimizer)
+                if acc is not None:
+                    acc_part.copy_(acc)
+                if buf_snap is not None:
+                    buf_snap[r0:r1].copy_(state.buf[r0:r1])
+            except Exception as exc:
+                conn.send(("error", task_id, f"{type(exc).__name__}: {exc}"))
+                continue
+            td = time.perf_counter_ns()
+            conn.send(("ok", [float(x) for x in losses], (ta, tb, tc, td), faulty))
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        return
+
+
+def _rows(batch: Any, start: int, stop: int) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, batch)

@@ -1,0 +1,122 @@
+"""The replica auto-tuner, driven by a deterministic clock (no timing in tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import crossbow_graph as cg
+from crossbow_graph.compiler.tasks import TaskKind
+from crossbow_graph.runtime.autotune import AutoTuner
+from crossbow_graph.runtime.hooks import Hook
+
+from _runtime_helpers import compile_tiny, tiny_data
+
+FAST = dict(warmup_rounds=2, window_s=3.0, min_window_rounds=3)
+
+
+class _Clock:
+    """Training seconds: each round costs ``per_round(k)`` seconds; ``speed`` scales them."""
+
+    def __init__(self, per_round) -> None:
+        self.per_round, self.speed, self.round, self.t = per_round, 1.0, 0, 0.0
+
+    def __call__(self, ctx) -> float:
+        if ctx.plan.rounds_done != self.round:
+            self.round = ctx.plan.rounds_done
+            self.t += self.per_round(ctx.plan.num_learners) / self.speed
+        return self.t
+
+
+class _Watch(Hook):
+    """Records m per round, checks the task graph matches it, stops after ``decisions``."""
+
+    def __init__(self, tuner: AutoTuner, decisions: int, on_hold=None) -> None:
+        self.tuner, self.decisions, self.on_hold, self.ms = tuner, decisions, on_hold, []
+
+    def after_round(self, ctx):
+        plan = ctx.plan
+        self.ms.append(plan.replicas_per_device)
+        learns = sum(1 for _, t in plan.task_graph.nodes(data="task") if t.kind is TaskKind.LEARN)
+        assert learns == plan.num_learners == sum(s.m for s in plan.states)
+        if self.on_hold and self.tuner.phase == "hold":
+            self.on_hold(ctx)
+        if len(self.tuner.decisions) >= self.decisions:
+            ctx.stop = True
+
+
+def _tuned_plan(clock, **kw):
+    plan = compile_tiny(replicas="auto", executor="inline", autotune=cg.AutoTune(**FAST), **kw)
+    plan.autotuner.clock = clock
+    return plan
+
+
+def test_tuner_grows_while_throughput_rises_and_stops_at_the_memory_bound():
+    mem = compile_tiny(replicas=1).task_graph.graph["memory_per_learner_bytes"]
+    plan = _tuned_plan(_Clock(lambda k: 1.0), memory_budget=3 * mem + 1)  # rate ∝ k
+    assert plan.replicas_per_device == 1 and plan.max_replicas_per_device == 3
+    watch = _Watch(plan.autotuner, 5)
+    hist = plan.fit(tiny_data(4000), 1, progress=False, hooks=[watch])
+    actions = [(d.action, d.next_replicas_per_device, d.next_learner_mode) for d in hist.autotune]
+    assert actions == [("add", 2, "per_replica"), ("add", 3, "per_replica"),
+                       ("bound", 3, "per_replica"), ("try_mode", 3, "fused"),
+                       ("revert_mode", 3, "per_replica")]
+    assert max(watch.ms) == 3 and plan.replicas_per_device == 3
+    assert plan.learner_mode == "per_replica" and plan.autotuner.phase == "hold"
+    rates = [d.samples_per_s for d in hist.autotune]
+    assert rates[0] == pytest.approx(4.0) and rates[1] == pytest.approx(8.0)  # k·b per second
+
+
+def test_tuner_removes_the_last_replica_when_throughput_does_not_rise_and_reprobes_on_drift():
+    clock = _Clock(lambda k: float(k))  # time ∝ k: throughput flat in m
+
+    def slow_down(ctx):
+        clock.speed = 2.0  # later, the machine gets faster: throughput doubles → drift
+
+    plan = _tuned_plan(clock)
+    watch = _Watch(plan.autotuner, 6, on_hold=slow_down)
+    hist = plan.fit(tiny_data(4000), 1, progress=False, hooks=[watch])
+    actions = [(d.action, d.replicas_per_device, d.next_replicas_per_device) for d in hist.autotune]
+    assert actions[:4] == [("add", 1, 2), ("remove", 2, 1), ("try_mode", 2, 1),
+                           ("revert_mode", 1, 1)]
+    assert actions[4:6] == [("drift", 1, 1), ("add", 1, 2)]
+    assert hist.autotune[4].samples_per_s == pytest.approx(2 * hist.autotune[0].samples_per_s)
+
+
+def test_tuner_keeps_the_other_mode_when_it_is_faster():
+    clock = _Clock(lambda k: 1.0)
+    plan = _tuned_plan(clock)
+    plan.autotuner.config = cg.AutoTune(max_replicas=2, **FAST)
+    orig = plan.set_learner_mode
+
+    def faster_fused(mode):
+        orig(mode)
+        clock.per_round = (lambda k: 0.5) if mode == "fused" else (lambda k: 1.0)
+
+    plan.set_learner_mode = faster_fused
+    watch = _Watch(plan.autotuner, 5)
+    hist = plan.fit(tiny_data(4000), 1, progress=False, hooks=[watch])
+    actions = [d.action for d in hist.autotune]
+    assert actions[:5] == ["add", "bound", "try_mode", "keep_mode", "bound"]
+    assert plan.learner_mode == "fused" and plan.replicas_per_device == 2
+
+
+def test_tuner_history_and_state_survive_a_real_fit():
+    """No clock tricks: the default clock (training seconds) decides; only consistency is checked."""
+    plan = compile_tiny(replicas="auto", autotune=cg.AutoTune(warmup_rounds=2, window_s=0.01,
+                                                              min_window_rounds=2, max_replicas=3))
+    data = tiny_data(600)
+    hist = plan.fit(data, 1, shuffle=False, progress=False)
+    assert hist.autotune, "the tuner took no decision"
+    for d in hist.autotune:
+        assert 1 <= d.next_replicas_per_device <= 3 and d.samples_per_s > 0
+    assert plan.replicas_per_device == hist.autotune[-1].next_replicas_per_device
+    assert torch.isfinite(plan.central_weights()).all()
+    assert hist.epochs[0].replicas_per_device == plan.replicas_per_device
+
+
+def test_autotune_settings_are_checked():
+    with pytest.raises(ValueError, match="threshold"):
+        cg.AutoTune(threshold=0)
+    with pytest.raises(ValueError, match="replicas"):
+        compile_tiny(replicas="many")

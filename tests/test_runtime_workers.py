@@ -1,0 +1,113 @@
+"""The process executor against the in-process one (same z), overlap timeline, cleanup."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import pytest
+import torch
+
+from crossbow_graph.runtime.hooks import Hook
+from crossbow_graph.runtime.workers import worker_groups
+
+from _runtime_helpers import TinyBN, TinyNet, compile_tiny, reference_sma, tiny_data
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+pytestmark = pytest.mark.distributed  # starts worker processes (fork, shared memory)
+
+
+def _fit(plan, data, **kw):
+    return plan.fit(data, 1, shuffle=False, progress=False, **kw)
+
+
+def test_worker_groups_split_replicas_evenly():
+    assert worker_groups([5], 2) == [(0, 0, 3), (0, 3, 5)]
+    assert worker_groups([1], 2) == [(0, 0, 1)]
+    assert worker_groups([2, 2], 2) == [(0, 0, 2), (1, 0, 2)]
+    assert worker_groups([3, 1], 4) == [(0, 0, 2), (0, 2, 3), (1, 0, 1)]
+
+
+@pytest.mark.parametrize("devices,replicas,mode", [(1, 2, "per_replica"), (1, 3, "fused"),
+                                                   (2, 2, "per_replica")])
+def test_process_executor_gives_the_same_z_as_in_process(devices, replicas, mode):
+    data = tiny_data(4 * devices * replicas * 6)
+    plans = {ex: compile_tiny(TinyBN, devices=devices, replicas=replicas, learner_mode=mode,
+                              executor=ex) for ex in ("inline", "process")}
+    hists = {ex: _fit(p, data) for ex, p in plans.items()}
+    a, b = plans["inline"], plans["process"]
+    assert b.scheduler.resolved_executor() == "process"
+    torch.testing.assert_close(b.central_weights(), a.central_weights(), **TOL)
+    torch.testing.assert_close(b.replica_weights(), a.replica_weights(), **TOL)
+    for sa, sb in zip(a.states, b.states):
+        torch.testing.assert_close(sb.z, sa.z, **TOL)  # every device's copy of z
+        torch.testing.assert_close(sb.zbuf, sa.zbuf, **TOL)
+        torch.testing.assert_close(sb.v, sa.v, **TOL)
+        for ra, rb in zip(sa.replicas, sb.replicas):  # integer buffers written by the workers
+            assert rb.bn.num_batches_tracked.item() == ra.bn.num_batches_tracked.item() == 6
+    assert hists["process"].epochs[0].train_loss == pytest.approx(hists["inline"].epochs[0].train_loss, rel=1e-5)
+    assert multiprocessing.active_children() == []
+
+
+def test_process_executor_matches_hand_written_sma_and_continues_across_fits():
+    data = tiny_data(4 * 2 * 5)
+    plan = compile_tiny(replicas=2, executor="process")
+    _fit(plan, data)
+    _fit(plan, data)  # a second fit restarts the workers on the same state
+    torch.manual_seed(0)
+    twice = torch.utils.data.TensorDataset(*(torch.cat([t, t]) for t in data.tensors))
+    want = reference_sma(TinyNet(), twice, batch_size=4, ks=[2] * 10, lr=0.05, momentum=0.9)
+    torch.testing.assert_close(plan.central_weights(), want, **TOL)
+
+
+def test_trace_shows_global_sync_overlapping_next_rounds_learning(tmp_path):
+    path = tmp_path / "trace.json"
+    plan = compile_tiny(replicas=2, executor="process")
+    hist = _fit(plan, tiny_data(4 * 2 * 40), trace=str(path))
+    events = [e for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"]
+    syncs = {e["args"]["round"]: e for e in events if e["name"] == "global_sync"}
+    learns = [e for e in events if e["name"].startswith("learn:")]
+    waits = [e for e in events if e["name"] == "wait for z"]
+    assert len(learns) == 2 * 40 and len(syncs) >= 30
+    # dependency: a learner's local update of round t+1 starts only after the sync of round t
+    for w in waits:
+        s = syncs.get(w["args"]["round"] - 1)
+        if s is not None:
+            assert w["ts"] + w["dur"] >= s["ts"] + s["dur"] - 1.0  # µs, clock granularity
+    # overlap: the sync of round t ran while round t+1 was learning (at least once)
+    overlapped = sum(1 for e in learns if (s := syncs.get(e["args"]["round"] - 1)) is not None
+                     and s["ts"] < e["ts"] + e["dur"] and e["ts"] < s["ts"] + s["dur"])
+    assert overlapped >= 1
+    share = hist.sync_unhidden_share
+    assert share is not None and 0.0 <= share <= 1.0
+
+
+class _ResizeOnly(Hook):
+    """Changes m through the plan only, so worker processes learn the next round speculatively."""
+
+    mutates_replicas = False
+
+    def __init__(self, at):
+        self.at = at
+
+    def after_round(self, ctx):
+        m = self.at.get(ctx.plan.rounds_done)
+        if m is not None:
+            ctx.plan.set_replicas(m)
+
+
+def test_speculative_rounds_cancelled_by_a_resize_roll_back_batchnorm_buffers():
+    data = tiny_data(4 * 2 * 30)
+    plans = {}
+    for ex in ("inline", "process"):
+        plans[ex] = compile_tiny(TinyBN, devices=2, replicas=1, executor=ex)
+        plans[ex].fit(data, 1, shuffle=False, progress=False,
+                      hooks=[_ResizeOnly({2: 2, 4: 3, 7: 1, 9: 2})])
+    a, b = plans["inline"], plans["process"]
+    assert a.rounds_done == b.rounds_done and b.replicas_per_device == 2
+    torch.testing.assert_close(b.central_weights(), a.central_weights(), **TOL)
+    for sa, sb in zip(a.states, b.states):
+        torch.testing.assert_close(sb.buf, sa.buf, **TOL)  # no speculative forward left a trace
+        torch.testing.assert_close(sb.zbuf, sa.zbuf, **TOL)
+    assert multiprocessing.active_children() == []
