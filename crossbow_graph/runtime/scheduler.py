@@ -307,9 +307,15 @@ class Scheduler:
             mean_buf = None
             if states[0].buf.shape[1]:
                 mean_buf = torch.cat([bb.to(home) for bb in bufs]).mean(dim=0)
-            for s in states:
+            # CPU logical devices share one memory: update z once and copy it (same numbers)
+            on_cpu = all(s.torch_device.type == "cpu" for s in states)
+            for s in states[:1] if on_cpu else states:
                 self.kernels.central_update(s.z, s.z_prev, total.to(s.torch_device),
                                    central_momentum=self.sync.central_momentum)
+            for s in states:
+                if on_cpu and s is not states[0]:
+                    s.z.copy_(states[0].z)
+                    s.z_prev.copy_(states[0].z_prev)
                 if mean_buf is not None:
                     s.zbuf.copy_(mean_buf)
 
