@@ -31,7 +31,7 @@ import torch
 from ..compiler.tasks import Task, TaskKind
 from ..config import SGD, SMA
 from ..errors import TaskError
-from ._learners import LEARNER_MODES, learn_group
+from ._learners import LEARNER_MODES, learn_group, rows
 from .fused import FusedProgram
 from .sma import TorchSMAKernels
 from .state import DeviceState
@@ -253,7 +253,7 @@ class Scheduler:
         r0, r1 = (0, state.m) if self.learner_mode == "fused" else (r, r + 1)
         if self.learner_mode == "fused" and r != 0:
             return
-        mine = _rows(self._batch, (first + r0) * b, (first + r1) * b)
+        mine = rows(self._batch, (first + r0) * b, (first + r1) * b)
         with self._cuda_learn(d, r0):
             self.losses.extend(learn_group(state, r0, r1, mine, self.loss_fn, b,
                                            self.learner_mode, self._fused[d]))
@@ -263,11 +263,11 @@ class Scheduler:
         d = self._device_index[task.device]
         state = self.states[d]
         with self._cuda_local(d):
-            state.acc = self.local_update_rows(state, 0, state.m, lr=self.lr, alpha=self.alpha,
+            state.acc = self.local_updaterows(state, 0, state.m, lr=self.lr, alpha=self.alpha,
                                                synchronise=self._synchronise,
                                                optimizer=self.optimizer)
 
-    def local_update_rows(self, state: DeviceState, r0: int, r1: int, *, lr: float, alpha: float,
+    def local_updaterows(self, state: DeviceState, r0: int, r1: int, *, lr: float, alpha: float,
                           synchronise: bool, optimizer: SGD) -> torch.Tensor | None:
         """The SMA local update of rows ``r0 … r1−1`` (DESIGN.md §2, steps 1–2); returns their
         sum of corrections ``[P]`` (None in a round without synchronisation). Worker processes
@@ -353,12 +353,6 @@ class _Null:
 
 
 _NULL = _Null()
-
-
-def _rows(batch: Any, start: int, stop: int) -> Any:
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, batch)
 
 
 def _clone_structure(state: DeviceState):

@@ -27,7 +27,7 @@ import torch
 
 from ..compiler.tasks import TaskKind
 from ..config import SGD
-from ._learners import learn_group
+from ._learners import learn_group, rows
 from .scheduler import available_cores
 
 if TYPE_CHECKING:
@@ -168,8 +168,12 @@ class ProcessExecutor:
         self.ahead = None
         self._release(lr=sched.lr, alpha=sched.alpha, synchronise=synchronise, cancel=False)
         if next_indices is not None:
+            sent = time.perf_counter_ns()
             self._send_go(round_index + 1, next_indices)
             self.ahead = (round_index + 1, next_indices)
+            if sched.timeline is not None:
+                sched.timeline.span("send next round", sent, time.perf_counter_ns(),
+                                    lane="coordinator", round_index=round_index + 1)
         spans, failure = [], None
         for wid in range(len(self.conns)):
             reply = self._recv(wid, round_index)
@@ -306,7 +310,7 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
                 else:
                     for r in range(r0, r1):
                         task_id = learn_ids[r - r0]
-                        mine = _rows(batch, (r - r0) * b, (r - r0 + 1) * b)
+                        mine = rows(batch, (r - r0) * b, (r - r0 + 1) * b)
                         losses += learn_group(state, r, r + 1, mine, sched.loss_fn, b, mode, None)
             except Exception as exc:  # reported to the coordinator, which raises TaskError
                 error = f"{type(exc).__name__}: {exc}"
@@ -327,7 +331,7 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
                 task_id = local_id
                 optimizer = SGD(lr=lr, momentum=momentum, nesterov=bool(nesterov),
                                 weight_decay=weight_decay)
-                acc = sched.local_update_rows(state, r0, r1, lr=lr, alpha=alpha,
+                acc = sched.local_updaterows(state, r0, r1, lr=lr, alpha=alpha,
                                               synchronise=bool(synchronise), optimizer=optimizer)
                 if acc is not None:
                     acc_part.copy_(acc)
@@ -340,9 +344,3 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
             conn.send(("ok", [float(x) for x in losses], (ta, tb, tc, td)))
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         return
-
-
-def _rows(batch: Any, start: int, stop: int) -> Any:
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, batch)
