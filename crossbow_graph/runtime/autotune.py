@@ -43,7 +43,7 @@ class AutoTune:
 
     threshold: float = 0.10
     warmup_rounds: int = 10
-    window_s: float = 0.5
+    window_s: float = 1.0
     min_window_rounds: int = 10
     max_replicas: int = 16
     try_other_mode: bool = True
