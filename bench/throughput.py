@@ -117,7 +117,7 @@ def crossbow_rate(data, b: int, k: int, mode: str, seconds: float) -> float:
 def tuned_choice(data, b: int, seconds: float) -> tuple[int, str, list[dict]]:
     """Run the auto-tuner (G = cores devices) for ``seconds``; its final (k, mode), decisions."""
     plan = _compile(data, b, "auto", devices=available_cores(),
-                    autotune=cg.AutoTune(window_s=0.6, warmup_rounds=20, reprobe=False))
+                    autotune=cg.AutoTune(window_s=1.0, warmup_rounds=20, reprobe=False))
     meter = _Meter(seconds, warmup_rounds=1)
     hist = plan.fit(data, 100, progress=False, hooks=[meter])
     return plan.num_learners, plan.learner_mode, [vars(r) for r in hist.autotune]
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"×{rate / row['plain_b']:.2f}", flush=True)
 
     b = 8
-    m_t, mode_t, decisions = tuned_choice(data, b, 10.0 if args.quick else 20.0)
+    m_t, mode_t, decisions = tuned_choice(data, b, 15.0 if args.quick else 25.0)
     print(f"auto-tuner at b={b}: {m_t} learners ({layout(m_t)[0]} devices × {layout(m_t)[1]}), "
           f"{mode_t}; decisions (m per device):")
     for d in decisions:

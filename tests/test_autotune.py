@@ -74,13 +74,28 @@ def test_tuner_removes_the_last_replica_when_throughput_does_not_rise_and_reprob
         clock.speed = 2.0  # later, the machine gets faster: throughput doubles → drift
 
     plan = _tuned_plan(clock)
-    watch = _Watch(plan.autotuner, 6, on_hold=slow_down)
+    watch = _Watch(plan.autotuner, 7, on_hold=slow_down)
     hist = plan.fit(tiny_data(4000), 1, progress=False, hooks=[watch])
     actions = [(d.action, d.replicas_per_device, d.next_replicas_per_device) for d in hist.autotune]
     assert actions[:4] == [("add", 1, 2), ("remove", 2, 1), ("try_mode", 2, 1),
                            ("revert_mode", 1, 1)]
-    assert actions[4:6] == [("drift", 1, 1), ("add", 1, 2)]
+    assert actions[4:7] == [("drift", 1, 1), ("add", 1, 2), ("remove", 2, 1)]  # mode tried once
     assert hist.autotune[4].samples_per_s == pytest.approx(2 * hist.autotune[0].samples_per_s)
+    assert plan.autotuner.phase == "hold"
+
+
+def test_one_noisy_window_is_not_a_drift():
+    from crossbow_graph.runtime.history import History
+    from crossbow_graph.runtime.hooks import FitContext
+
+    plan = _tuned_plan(_Clock(lambda k: 1.0))
+    tuner = plan.autotuner
+    tuner.phase, tuner.held, tuner.best, tuner.mode_tried = "hold", 100.0, (100.0, 1, "per_replica"), True
+    ctx = FitContext(plan=plan, history=History())
+    changed = [tuner._decide(ctx, rate) for rate in (150.0, 100.0, 50.0, 150.0, 95.0, 150.0, 150.0)]
+    assert changed == [False] * 6 + [True]  # only two windows in a row above the band
+    assert [d.action for d in tuner.decisions] == ["drift", "add"]
+    assert plan.replicas_per_device == 2 and tuner.phase == "grow"
 
 
 def test_tuner_keeps_the_other_mode_when_it_is_faster():

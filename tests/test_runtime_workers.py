@@ -11,7 +11,7 @@ import torch
 from crossbow_graph.runtime.hooks import Hook
 from crossbow_graph.runtime.workers import worker_groups
 
-from _runtime_helpers import TinyBN, TinyNet, compile_tiny, reference_sma, tiny_data
+from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, reference_sma, tiny_data
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -75,10 +75,12 @@ def test_trace_shows_global_sync_overlapping_next_rounds_learning(tmp_path):
         s = syncs.get(w["args"]["round"] - 1)
         if s is not None:
             assert w["ts"] + w["dur"] >= s["ts"] + s["dur"] - 1.0  # µs, clock granularity
-    # overlap: the sync of round t ran while round t+1 was learning (at least once)
-    overlapped = sum(1 for e in learns if (s := syncs.get(e["args"]["round"] - 1)) is not None
-                     and s["ts"] < e["ts"] + e["dur"] and e["ts"] < s["ts"] + s["dur"])
-    assert overlapped >= 1
+    # overlap, by construction: round t+1 is handed to the workers before round t's global sync
+    sends = {e["args"]["round"]: e for e in events if e["name"] == "send next round"}
+    assert len(sends) == 39  # every round but the last of the epoch
+    for t, s in syncs.items():
+        if t + 1 in sends:
+            assert sends[t + 1]["ts"] + sends[t + 1]["dur"] <= s["ts"] + 1.0
     share = hist.sync_unhidden_share
     assert share is not None and 0.0 <= share <= 1.0
 
@@ -111,3 +113,14 @@ def test_speculative_rounds_cancelled_by_a_resize_roll_back_batchnorm_buffers():
         torch.testing.assert_close(sb.buf, sa.buf, **TOL)  # no speculative forward left a trace
         torch.testing.assert_close(sb.zbuf, sa.zbuf, **TOL)
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("model_cls,differ", [(TinyNet, False), (TinyDrop, True)])
+def test_worker_processes_draw_their_own_dropout_masks(model_cls, differ):
+    half = tiny_data(4)
+    same = torch.utils.data.TensorDataset(*(torch.cat([t, t]) for t in half.tensors))  # 2 × b
+    plan = compile_tiny(model_cls, replicas=2, executor="process")
+    plan.fit(same, 1, shuffle=False, progress=False)  # one round: both learners see the same 4
+    w = plan.replica_weights()
+    assert plan.rounds_done == 1
+    assert (not torch.allclose(w[0], w[1])) is differ

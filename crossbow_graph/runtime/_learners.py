@@ -16,7 +16,7 @@ from .data import split_inputs
 from .fused import FusedProgram
 from .state import DeviceState
 
-__all__ = ["LEARNER_MODES", "check_loss", "learn_group", "learner_seed", "slice_batch"]
+__all__ = ["LEARNER_MODES", "check_loss", "learn_group", "learner_seed", "rows", "slice_batch"]
 
 LEARNER_MODES = ("per_replica", "fused")
 
@@ -29,6 +29,11 @@ def check_loss(loss: Any) -> None:
             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
             "reduce it, e.g. with reduction='mean'"
         )
+
+
+def rows(batch: Any, start: int, stop: int) -> Any:
+    """Rows ``[start, stop)`` of every tensor of a collated batch (views, same device)."""
+    return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, batch)
 
 
 def slice_batch(batch: Any, start: int, stop: int, device: torch.device) -> Any:

@@ -34,7 +34,8 @@ class AutoTune:
         min_window_rounds: and at least this many rounds, ≥ 1.
         max_replicas: most replicas per device, whatever the memory allows, ≥ 1.
         try_other_mode: also measure the other learner mode (per-replica / fused).
-        reprobe: re-probe when throughput drifts by more than ``threshold`` while holding.
+        reprobe: re-probe m when throughput drifts by more than ``threshold``, in the same
+            direction, in two consecutive windows while holding.
 
     Raises:
         ValueError: a value outside its range.
@@ -42,7 +43,7 @@ class AutoTune:
 
     threshold: float = 0.10
     warmup_rounds: int = 10
-    window_s: float = 0.5
+    window_s: float = 1.0
     min_window_rounds: int = 10
     max_replicas: int = 16
     try_other_mode: bool = True
@@ -82,6 +83,7 @@ class AutoTuner(Hook):
         self.best: tuple[float, int, str] | None = None  # (samples/s, m, mode)
         self.held: float | None = None
         self.mode_tried = False
+        self._last_side = 0  # the previous hold window: +1 above, −1 below the band, 0 inside
         self.decisions: list[AutotuneRecord] = []
         self._restart_window(warm=False)
 
@@ -123,9 +125,12 @@ class AutoTuner(Hook):
         other = "fused" if mode == "per_replica" else "per_replica"
         steps: list[tuple[str, int, str]] = []
         if self.phase == "hold":
-            if not (self.config.reprobe and abs(rate / self.held - 1) > theta):
+            side = (rate > self.held * (1 + theta)) - (rate < self.held * (1 - theta))
+            drifted = self.config.reprobe and side != 0 and side == self._last_side
+            self._last_side = side
+            if not drifted:
                 return False
-            self.best, self.mode_tried, self.phase = None, False, "grow"
+            self.best, self.phase, self._last_side = None, "grow", 0
             steps.append(("drift", m, mode))
         if self.phase == "mode":
             self.mode_tried = True

@@ -31,7 +31,7 @@ import torch
 from ..compiler.tasks import Task, TaskKind
 from ..config import SGD, SMA
 from ..errors import TaskError
-from ._learners import LEARNER_MODES, learn_group, learner_seed
+from ._learners import LEARNER_MODES, learn_group, learner_seed, rows
 from .faults import FaultMonitor
 from .fused import FusedProgram
 from .sma import TorchSMAKernels
@@ -255,7 +255,7 @@ class Scheduler:
         r0, r1 = (0, state.m) if self.learner_mode == "fused" else (r, r + 1)
         if self.learner_mode == "fused" and r != 0:
             return
-        mine = _rows(self._batch, (first + r0) * b, (first + r1) * b)
+        mine = rows(self._batch, (first + r0) * b, (first + r1) * b)
         with self._cuda_learn(d, r0):
             self.losses.extend(learn_group(state, r0, r1, mine, self.loss_fn, b,
                                            self.learner_mode, self._fused[d],
@@ -319,9 +319,15 @@ class Scheduler:
             mean_buf = None
             if states[0].buf.shape[1]:
                 mean_buf = torch.cat([bb.to(home) for bb in bufs]).mean(dim=0)
-            for s in states:
+            # CPU logical devices share one memory: update z once and copy it (same numbers)
+            on_cpu = all(s.torch_device.type == "cpu" for s in states)
+            for s in states[:1] if on_cpu else states:
                 self.kernels.central_update(s.z, s.z_prev, total.to(s.torch_device),
                                    central_momentum=self.sync.central_momentum)
+            for s in states:
+                if on_cpu and s is not states[0]:
+                    s.z.copy_(states[0].z)
+                    s.z_prev.copy_(states[0].z_prev)
                 if mean_buf is not None:
                     s.zbuf.copy_(mean_buf)
 
@@ -359,12 +365,6 @@ class _Null:
 
 
 _NULL = _Null()
-
-
-def _rows(batch: Any, start: int, stop: int) -> Any:
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, batch)
 
 
 def _clone_structure(state: DeviceState):

@@ -27,7 +27,7 @@ import torch
 
 from ..compiler.tasks import TaskKind
 from ..config import SGD
-from ._learners import learn_group, learner_seed
+from ._learners import learn_group, learner_seed, rows
 from .scheduler import available_cores
 
 if TYPE_CHECKING:
@@ -168,8 +168,12 @@ class ProcessExecutor:
         self.ahead = None
         self._release(lr=sched.lr, alpha=sched.alpha, synchronise=synchronise, cancel=False)
         if next_indices is not None:
+            sent = time.perf_counter_ns()
             self._send_go(round_index + 1, next_indices)
             self.ahead = (round_index + 1, next_indices)
+            if sched.timeline is not None:
+                sched.timeline.span("send next round", sent, time.perf_counter_ns(),
+                                    lane="coordinator", round_index=round_index + 1)
         spans, faults, failure = [], [], None
         for wid in range(len(self.conns)):
             reply = self._recv(wid, round_index)
@@ -186,8 +190,8 @@ class ProcessExecutor:
             raise sched.task_error(task, round_index, failure[2])
         for s in sched.states:
             s.first_step = [False] * s.m
-        for d, rows in faults:  # raises DivergenceError when every learner failed
-            sched.faults.record(sched.states[d], rows, round_index=round_index,
+        for d, faulty in faults:  # raises DivergenceError when every learner failed
+            sched.faults.record(sched.states[d], faulty, round_index=round_index,
                                 num_learners=sched.num_learners)
         g0 = time.perf_counter_ns()
         if synchronise:
@@ -214,8 +218,8 @@ class ProcessExecutor:
     def _global_sync(self, round_index: int) -> None:
         sched = self.sched
         for d, s in enumerate(sched.states):
-            rows = self.device_rows[d]
-            s.acc = self.acc_parts[rows[0]] if len(rows) == 1 else self.acc_parts[rows].sum(dim=0)
+            mine = self.device_rows[d]
+            s.acc = self.acc_parts[mine[0]] if len(mine) == 1 else self.acc_parts[mine].sum(dim=0)
         sched._synchronise = True
         try:
             sched.global_sync(self.global_task, buffers=self.buf_snaps)
@@ -312,7 +316,7 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
                 else:
                     for r in range(r0, r1):
                         task_id = learn_ids[r - r0]
-                        mine = _rows(batch, (r - r0) * b, (r - r0 + 1) * b)
+                        mine = rows(batch, (r - r0) * b, (r - r0 + 1) * b)
                         losses += learn_group(state, r, r + 1, mine, sched.loss_fn, b, mode, None,
                                               rng_seed=learner_seed(sched.seed, round_index, first + r))
             except Exception as exc:  # reported to the coordinator, which raises TaskError
@@ -347,9 +351,3 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
             conn.send(("ok", [float(x) for x in losses], (ta, tb, tc, td), faulty))
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         return
-
-
-def _rows(batch: Any, start: int, stop: int) -> Any:
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, batch)
