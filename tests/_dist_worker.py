@@ -1,16 +1,21 @@
 """One rank of the multi-process tests (tests/test_distributed.py): ``python _dist_worker.py
 SCENARIO OUT_DIR`` with torchrun's variables (RANK, WORLD_SIZE, ...) set by the test.
 
-Scenarios: ``train`` (TinyBN, 1 device × 2 replicas per rank, shuffle=False, z checked every
-round; saves z, zbuf and the digest), ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles
-another plan), ``diverge`` (rank 1 changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself
-after round 3; rank 0 writes a checkpoint every round). Writes ``rank<r>.pt`` (a dict: ``error``
-with the DistributedError's message, or the results) into OUT_DIR.
+Scenarios (TinyBN, 1 device × 2 replicas per rank, b = 4, z checked every round):
+``train`` (shuffle=False; saves z, zbuf, the digest), ``decide`` (a hook on rank 0 only changes m
+and lr after round 3), ``resume`` (a second plan resumes from rank 0's checkpoint for a second
+epoch), ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
+changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3; rank 0 writes a
+checkpoint every round), ``hang`` (rank 1 sleeps after round 3). Groups run in one launch, one
+after the other in the same process group: ``ok`` = train, decide, resume; ``mismatch`` = both
+mismatches. Writes ``rank<r>.pt`` into OUT_DIR: per scenario a dict, ``error`` with the
+DistributedError's message, or the results.
 """
 
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -35,9 +40,13 @@ class _AtRound(Hook):
             self.action(ctx.plan)
 
 
-def main(scenario: str, out: str) -> None:
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
+def _decide(plan) -> None:
+    plan.set_replicas(3)
+    plan.scheduler.lr = 0.02
+
+
+def run(scenario: str, rank: int, out: str) -> dict:
+    """One scenario on this rank; returns its results or ``{"error": message}``."""
     model_cls = TinyNet if scenario == "mismatch_model" and rank == 1 else TinyBN
     batch = 8 if scenario == "mismatch_batch" and rank == 1 else B
     settings = cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1)
@@ -49,16 +58,41 @@ def main(scenario: str, out: str) -> None:
         hooks, kw = [], {}
         if scenario == "diverge" and rank == 1:
             hooks.append(_AtRound(3, lambda plan: plan.states[0].z.add_(1e-3)))
+        if scenario == "decide" and rank == 0:  # a policy on rank 0 only: m 2 → 3 and a new lr
+            hooks.append(_AtRound(3, _decide))
+        if scenario == "hang" and rank == 1:  # alive but silent: only the timeout can tell
+            hooks.append(_AtRound(3, lambda plan: time.sleep(600)))
         if scenario == "kill":
             if rank == 1:
                 hooks.append(_AtRound(3, lambda plan: os.kill(os.getpid(), signal.SIGKILL)))
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt"), checkpoint_every=1)
-        plan.fit(data, 1, shuffle=False, progress=False, hooks=hooks, **kw)
+        if scenario == "resume":  # one epoch with checkpoints, then a new plan resumes for a second
+            kw = dict(checkpoint_dir=os.path.join(out, "ckpt-resume"))
+            plan.fit(data, 1, shuffle=True, progress=False, **kw)
+            plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
+                                executor="inline", distributed=settings)
+            plan.fit(data, 2, shuffle=True, progress=False, resume=True, **kw)
+        else:
+            plan.fit(data, 1, shuffle=False, progress=False, hooks=hooks, **kw)
         result.update(z=plan.central_weights(), zbuf=plan.states[0].zbuf.clone(),
+                      m=plan.replicas_per_device, lr=plan.scheduler.lr,
                       digest=z_digest(plan.states[0].z), rounds=plan.rounds_done)
     except DistributedError as exc:
         result["error"] = str(exc)
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    return result
+
+
+GROUPS = {"ok": ["train", "decide", "resume"], "mismatch": ["mismatch_batch", "mismatch_model"]}
+
+
+def main(scenario: str, out: str) -> None:
+    """Run ``scenario`` (or each of a group's, in one process group) and save the results."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    results = {}
+    for name in GROUPS.get(scenario, [scenario]):
+        results[name] = run(name, rank, out)
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":

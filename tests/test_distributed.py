@@ -16,7 +16,7 @@ import torch
 import crossbow_graph as cg
 from crossbow_graph.runtime.checkpoint import load_latest
 from crossbow_graph.runtime.comm import Comm, torchrun_env
-from _dist_worker import B, M, ROUNDS
+from _dist_worker import B, M, ROUNDS, _AtRound, _decide
 from _runtime_helpers import TinyBN, compile_tiny, reference_sma, tiny_data
 
 pytestmark = pytest.mark.distributed
@@ -32,8 +32,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(scenario: str, out, *, timeout_s: float = 20.0, world: int = 2):
-    """Run ``scenario`` on ``world`` ranks; returns (per rank its result dict or None, return codes, logs)."""
+def _launch(scenario: str, out, *, timeout_s: float = 20.0, world: int = 2, wait_for=None):
+    """Run ``scenario`` on ``world`` ranks; returns (per rank its result dict or None, return codes,
+    logs). ``wait_for``: the ranks to wait for (default all); the others are then killed."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
                PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CB_TIMEOUT_S=str(timeout_s))
@@ -43,8 +44,8 @@ def _launch(scenario: str, out, *, timeout_s: float = 20.0, world: int = 2):
              for r in range(world)]
     logs = []
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=HARD_TIMEOUT_S)[0])
+        for r in (range(world) if wait_for is None else wait_for):
+            logs.append(procs[r].communicate(timeout=HARD_TIMEOUT_S)[0])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -57,9 +58,24 @@ def _launch(scenario: str, out, *, timeout_s: float = 20.0, world: int = 2):
     return results, [p.returncode for p in procs], logs
 
 
-def test_two_processes_give_the_one_process_z_and_identical_copies(tmp_path):
-    (r0, r1), codes, logs = _launch("train", tmp_path)
+@pytest.fixture(scope="module")
+def ok_runs(tmp_path_factory):
+    """One launch, three scenarios in one process group: train, decide, resume."""
+    results, codes, logs = _launch("ok", tmp_path_factory.mktemp("ok"))
     assert codes == [0, 0], logs
+    return {name: (results[0][name], results[1][name]) for name in ("train", "decide", "resume")}
+
+
+@pytest.fixture(scope="module")
+def mismatch_runs(tmp_path_factory):
+    """One launch: rank 1 compiles another batch size, then another model."""
+    results, codes, logs = _launch("mismatch", tmp_path_factory.mktemp("mismatch"))
+    assert codes == [0, 0], logs
+    return results
+
+
+def test_two_processes_give_the_one_process_z_and_identical_copies(ok_runs):
+    r0, r1 = ok_runs["train"]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
     assert r0["rounds"] == r1["rounds"] == ROUNDS
     # every rank keeps its own z: bit-identical (checked every round by the checksum, and here)
@@ -77,10 +93,24 @@ def test_two_processes_give_the_one_process_z_and_identical_copies(tmp_path):
     torch.testing.assert_close(r0["z"], ref, rtol=1e-4, atol=1e-5)
 
 
+def test_rank_0s_decisions_reach_every_rank_at_the_same_round(ok_runs):
+    r0, r1 = ok_runs["decide"]
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    assert (r0["m"], r1["m"], r0["lr"], r1["lr"]) == (3, 3, 0.02, 0.02)
+    assert torch.equal(r0["z"], r1["z"])
+    # oracle: one process with 2 devices (device-major = rank-major learners), the same change
+    one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=2, replicas=M, executor="inline")
+    one.fit(tiny_data(ROUNDS * B * M * 2), 1, shuffle=False, progress=False,
+            hooks=[_AtRound(3, _decide)])
+    assert one.rounds_done == r0["rounds"] == 6  # 3 rounds of k=4, then 3 of k=6
+    torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
+
+
 def test_checksum_stops_when_z_differs_between_ranks(tmp_path):
-    (r0, r1), codes, logs = _launch("diverge", tmp_path)
-    for r in (r0, r1):
+    results, codes, logs = _launch("diverge", tmp_path)
+    for r in results:
         assert r is not None, logs
+        r = r["diverge"]
         assert "copies of the central model z differ between ranks" in r.get("error", ""), r
 
 
@@ -88,11 +118,10 @@ def test_checksum_stops_when_z_differs_between_ranks(tmp_path):
     ("mismatch_batch", ["'batch_size' differs", "rank 0: 4", "rank 1: 8"]),
     ("mismatch_model", ["'model' differs", "TinyBN", "TinyNet", "bn.weight"]),
 ])
-def test_ranks_with_different_plans_fail_at_start_up_naming_the_difference(tmp_path, scenario, names):
-    results, codes, logs = _launch(scenario, tmp_path)
-    for r in results:
-        assert r is not None, logs
-        err = r.get("error", "")
+def test_ranks_with_different_plans_fail_at_start_up_naming_the_difference(mismatch_runs, scenario,
+                                                                           names):
+    for r in mismatch_runs:
+        err = r[scenario].get("error", "")
         assert "the ranks disagree about the plan" in err, r
         for name in names:
             assert name in err, err
@@ -102,9 +131,24 @@ def test_a_killed_rank_stops_the_survivor_and_leaves_the_checkpoint_intact(tmp_p
     (r0, r1), codes, logs = _launch("kill", tmp_path, timeout_s=10)
     assert r1 is None and codes[1] == -9, logs  # rank 1 SIGKILLed itself after round 3
     assert r0 is not None, logs
+    r0 = r0["kill"]
     assert "another rank died or did not answer within 10 s" in r0.get("error", ""), r0
     path, state = load_latest(str(tmp_path / "ckpt"))  # verifies length and SHA-256
     assert state["plan"]["rounds_done"] == 3 and path.endswith("ckpt-0000000003.pt")
+
+
+def test_a_hung_rank_stops_the_others_at_the_timeout(tmp_path):
+    (r0, _), codes, logs = _launch("hang", tmp_path, timeout_s=3, wait_for=[0])
+    assert r0 is not None, logs  # rank 1 sleeps after round 3 (then the test kills it)
+    r0 = r0["hang"]
+    assert "another rank died or did not answer within 3 s" in r0.get("error", ""), r0
+
+
+def test_a_resumed_run_continues_on_every_rank_from_rank_0s_checkpoint(ok_runs):
+    r0, r1 = ok_runs["resume"]
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    assert r0["rounds"] == r1["rounds"] == 2 * ROUNDS  # the second epoch only was run again
+    assert torch.equal(r0["z"], r1["z"])
 
 
 def test_without_torchrun_nothing_changes(monkeypatch):
