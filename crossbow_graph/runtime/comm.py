@@ -14,7 +14,9 @@ Everything that must be the same on every rank is checked or decided once:
   batch size, optimiser, SMA settings) and the fit's data facts, and raises DistributedError naming
   the first difference, instead of hanging in a collective later;
 * every round: the plan settings that hooks may change (m, learner mode, lr, α, stop) are
-  broadcast from rank 0 (``Comm.agree_settings``): the auto-tuner and policies decide on rank 0;
+  broadcast from rank 0 after the round's hooks (``Comm.agree_settings``; also before a round
+  when epoch or evaluation hooks ran since, or when some rank has a ``before_round`` hook): the
+  auto-tuner runs on rank 0 only, and rank 0's settings win over any other rank's hooks;
 * every ``checksum_every`` rounds: ``Comm.check_z`` all-reduces an exact bit checksum of z (max and
   min over ranks in one all-reduce) and raises DistributedError if the copies differ.
 
@@ -128,9 +130,17 @@ class Comm:
         if not dist.is_initialized():
             if backend == "nccl":
                 torch.cuda.set_device(self.local_rank)
-            dist.init_process_group(backend=backend, init_method="env://", rank=self.rank,
-                                    world_size=self.world_size,
-                                    timeout=datetime.timedelta(seconds=settings.timeout_s))
+            try:
+                dist.init_process_group(backend=backend, init_method="env://", rank=self.rank,
+                                        world_size=self.world_size,
+                                        timeout=datetime.timedelta(seconds=settings.timeout_s))
+            except Exception as exc:  # DistStoreError: a rank never came, or the address is wrong
+                raise DistributedError(
+                    f"rank {self.rank} of {self.world_size} could not join the process group at "
+                    f"{env['MASTER_ADDR']}:{env['MASTER_PORT']} within {settings.timeout_s:g} s "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); start "
+                    "every rank with the same --master-addr/--master-port (torchrun does)",
+                    task_id="start-up", device=f"rank {self.rank}", round_index=-1) from exc
             self._owned = True
             atexit.register(self.close)
         self.backend = dist.get_backend()
@@ -231,6 +241,13 @@ class Comm:
         self._call("the broadcast of rank 0's decisions", round_index,
                    lambda: dist.broadcast(t, src=0, group=self._ctrl))
         return t.tolist()
+
+    def any_rank(self, flag: bool, round_index: int) -> bool:
+        """Whether ``flag`` is True on some rank (an all-reduce, max)."""
+        t = torch.tensor([int(flag)])
+        self._call("the all-reduce of a flag", round_index,
+                   lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctrl))
+        return bool(t.item())
 
     def broadcast_tensor_(self, t: torch.Tensor, round_index: int) -> None:
         """Overwrite ``t`` with rank 0's ``t``, in place (rank 0's device tensor, any shape)."""

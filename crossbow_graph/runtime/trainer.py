@@ -50,9 +50,11 @@ def run_fit(
 
     Under torchrun (``plan.comm``) every rank draws the same round of k·b indices and keeps its own
     learners' rows (rank r: global learners r·k_r …, ``_mine``); only rank 0 shows progress,
-    writes logs and checkpoints, evaluates and runs the deciding hooks (their decisions are
-    broadcast each round, ``Comm.agree_settings``); z is compared across ranks every
-    ``checksum_every`` rounds and at the end (docs/distributed.md).
+    writes logs and checkpoints, evaluates and runs the auto-tuner; every rank runs the fit's
+    hooks, and rank 0's m, learner mode, lr, α and stop are then broadcast and applied on every
+    rank (``Comm.agree_settings``: after each round's hooks, and before a round when hooks ran
+    since); z is compared across ranks every ``checksum_every`` rounds and at the end
+    (docs/distributed.md).
     """
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
@@ -166,6 +168,10 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
     for hook in hooks:
         hook.before_fit(ctx)
     faults_seen = len(sched.faults.events)
+    # rank 0's decisions are broadcast after every round's hooks, and before a round when hooks ran
+    # since (epoch boundaries, evaluations) or when a hook of any rank acts in before_round
+    pre_round = comm is not None and comm.any_rank(
+        any(type(h).before_round is not Hook.before_round for h in hooks), -1)
     while plan.epochs_done < end_epoch:
         epoch = plan.epochs_done
         position = plan.position_in_epoch  # > 0 when resumed in the middle of an epoch
@@ -174,6 +180,7 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
         ctx.rounds_per_epoch = n // (plan.num_learners * plan.batch_size)
         for hook in hooks:
             hook.before_epoch(ctx)
+        agree = comm is not None  # after_epoch and before_epoch hooks ran
         order = schedule.order(epoch)
         if position == 0:
             sched.losses = []
@@ -187,8 +194,9 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
         while True:
             for hook in hooks:
                 hook.before_round(ctx)
-            if comm is not None:  # rank 0's decisions (m, mode, lr, α) apply to this round
+            if agree or pre_round:  # rank 0's decisions (m, mode, lr, α) apply to this round
                 comm.agree_settings(plan, False, plan.rounds_done)
+                agree = False
             schedule.num_learners = plan.num_learners
             indices = schedule.next_round(order, position)
             if indices is None:
@@ -238,6 +246,7 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
             ctx.train_seconds = trained
             for hook in hooks:
                 hook.after_eval(ctx, history.evals[-1])
+            agree = comm is not None
             start = time.perf_counter()
             if target_accuracy is not None and acc is not None and acc >= target_accuracy:
                 history.time_to_accuracy_s = trained
