@@ -71,12 +71,13 @@ def run(scenario: str, rank: int, out: str) -> dict:
             plan.fit(data, 1, shuffle=True, progress=False, **kw)
             plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
                                 executor="inline", distributed=settings)
-            plan.fit(data, 2, shuffle=True, progress=False, resume=True, **kw)
+            history = plan.fit(data, 2, shuffle=True, progress=False, resume=True, **kw)
         else:
-            plan.fit(data, 1, shuffle=False, progress=False, hooks=hooks, **kw)
+            history = plan.fit(data, 1, shuffle=False, progress=False, hooks=hooks, **kw)
         result.update(z=plan.central_weights(), zbuf=plan.states[0].zbuf.clone(),
                       m=plan.replicas_per_device, lr=plan.scheduler.lr,
-                      digest=z_digest(plan.states[0].z), rounds=plan.rounds_done)
+                      digest=z_digest(plan.states[0].z), rounds=plan.rounds_done,
+                      loss=history.epochs[-1].train_loss)
     except DistributedError as exc:
         result["error"] = str(exc)
     return result

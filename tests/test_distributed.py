@@ -84,7 +84,9 @@ def test_two_processes_give_the_one_process_z_and_identical_copies(ok_runs):
     # the same k = 4 learners in one process (shuffle=False: learner j gets batch t·k + j)
     one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=1, replicas=2 * M, executor="inline")
     data = tiny_data(ROUNDS * B * M * 2)
-    one.fit(data, 1, shuffle=False, progress=False)
+    history = one.fit(data, 1, shuffle=False, progress=False)
+    # the epoch's loss is the mean over all ranks' learners
+    assert r0["loss"] == r1["loss"] == pytest.approx(history.epochs[-1].train_loss, rel=1e-5)
     # only the summation order differs (Σ of 4 rows vs two Σ of 2, then the all-reduce)
     torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(r0["zbuf"], one.states[0].zbuf, rtol=1e-5, atol=1e-6)

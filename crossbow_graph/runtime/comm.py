@@ -242,6 +242,13 @@ class Comm:
                    lambda: dist.broadcast(t, src=0, group=self._ctrl))
         return t.tolist()
 
+    def sum_floats(self, values: list[float], round_index: int) -> list[float]:
+        """``values`` summed over every rank (an all-reduce of a float64 tensor)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        self._call("the all-reduce of the epoch's losses", round_index,
+                   lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._ctrl))
+        return t.tolist()
+
     def any_rank(self, flag: bool, round_index: int) -> bool:
         """Whether ``flag`` is True on some rank (an all-reduce, max)."""
         t = torch.tensor([int(flag)])

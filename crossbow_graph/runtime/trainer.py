@@ -156,6 +156,14 @@ def _evaluate(plan: "Plan", eval_dataset: Any, batch_size: int) -> tuple[float |
     return (None if acc != acc else acc), loss
 
 
+def _mean_loss(comm, losses: torch.Tensor, plan: "Plan") -> float:
+    """The epoch's mean training loss over the learners of every rank (one all-reduce under torchrun)."""
+    if comm is None:
+        return float(losses.mean())
+    total, count = comm.sum_floats([float(losses.sum()), float(losses.numel())], plan.rounds_done - 1)
+    return total / max(count, 1.0)
+
+
 def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accuracy,
             evals_per_epoch, eval_batch_size, progress, sync_totals) -> None:
     n = schedule.num_samples
@@ -262,7 +270,7 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
         sync_s = sched.sync_seconds - sync0[0]
         exposed_s = sched.sync_exposed_seconds - sync0[1]
         history.epochs.append(EpochRecord(
-            epoch=plan.epochs_done, rounds=rounds_run, train_loss=float(losses.mean()),
+            epoch=plan.epochs_done, rounds=rounds_run, train_loss=_mean_loss(comm, losses, plan),
             test_accuracy=acc, samples_per_s=samples_run / max(epoch_seconds, 1e-9),
             train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
             learner_mode=plan.learner_mode,
