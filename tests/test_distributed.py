@@ -176,3 +176,18 @@ def test_world_size_without_the_rest_of_torchrun_env_is_an_error(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(ValueError, match="launch with torchrun"):
         torchrun_env()
+
+
+@pytest.mark.slow
+def test_torchrun_cli_prints_the_same_z_checksum_on_both_ranks():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "-m", "crossbow_graph", "train", "--epochs", "1", "--train-samples", "2048",
+           "--test-samples", "500", "--quiet", "--checksum-every", "1"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=180).stdout
+    sums = sorted(line for line in out.splitlines() if "z checksum" in line)
+    assert len(sums) == 2 and sums[0].startswith("rank 0/2") and sums[1].startswith("rank 1/2"), out
+    assert sums[0].split("checksum")[1] == sums[1].split("checksum")[1], out
+    assert out.count("final test accuracy") == 1, out  # rank 0 only
