@@ -2,12 +2,13 @@
 SCENARIO OUT_DIR`` with torchrun's variables (RANK, WORLD_SIZE, ...) set by the test.
 
 Scenarios (TinyBN, 1 device × 2 replicas per rank, b = 4, z checked every round):
-``train`` (shuffle=False; saves z, zbuf, the digest), ``decide`` (a hook on rank 0 only changes m
+``train`` (shuffle=False; saves z, zbuf, the digest), ``process`` (the same with 2 devices × 1
+replica per rank on the process executor), ``decide`` (a hook on rank 0 only changes m
 and lr after round 3), ``resume`` (a second plan resumes from rank 0's checkpoint for a second
 epoch), ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
 changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3; rank 0 writes a
 checkpoint every round), ``hang`` (rank 1 sleeps after round 3). Groups run in one launch, one
-after the other in the same process group: ``ok`` = train, decide, resume; ``mismatch`` = both
+after the other in the same process group: ``ok`` = train, process, decide, resume; ``mismatch`` = both
 mismatches. Writes ``rank<r>.pt`` into OUT_DIR: per scenario a dict, ``error`` with the
 DistributedError's message, or the results.
 """
@@ -52,8 +53,10 @@ def run(scenario: str, rank: int, out: str) -> dict:
     settings = cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1)
     result = {}
     try:
-        plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
-                            executor="inline", distributed=settings)  # seed=rank: rank 0's init wins
+        devices, replicas, executor = (2, 1, "process") if scenario == "process" else (1, M, "inline")
+        plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=devices,
+                            replicas=replicas, executor=executor,
+                            distributed=settings)  # seed=rank: rank 0's init wins
         data = tiny_data(ROUNDS * B * M * 2)
         hooks, kw = [], {}
         if scenario == "diverge" and rank == 1:
@@ -83,7 +86,7 @@ def run(scenario: str, rank: int, out: str) -> dict:
     return result
 
 
-GROUPS = {"ok": ["train", "decide", "resume"], "mismatch": ["mismatch_batch", "mismatch_model"]}
+GROUPS = {"ok": ["train", "process", "decide", "resume"], "mismatch": ["mismatch_batch", "mismatch_model"]}
 
 
 def main(scenario: str, out: str) -> None:

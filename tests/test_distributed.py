@@ -63,7 +63,8 @@ def ok_runs(tmp_path_factory):
     """One launch, three scenarios in one process group: train, decide, resume."""
     results, codes, logs = _launch("ok", tmp_path_factory.mktemp("ok"))
     assert codes == [0, 0], logs
-    return {name: (results[0][name], results[1][name]) for name in ("train", "decide", "resume")}
+    return {name: (results[0][name], results[1][name])
+            for name in ("train", "process", "decide", "resume")}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,16 @@ def test_two_processes_give_the_one_process_z_and_identical_copies(ok_runs):
     torch.manual_seed(0)
     ref = reference_sma(TinyBN(), data, batch_size=B, ks=[2 * M] * ROUNDS, lr=0.05, momentum=0.9)
     torch.testing.assert_close(r0["z"], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_two_processes_with_two_devices_each_on_worker_processes_give_the_same_z(ok_runs):
+    r0, r1 = ok_runs["process"]  # hierarchical: 2 devices sum, then one all-reduce per process
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    assert torch.equal(r0["z"], r1["z"])
+    one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=2 * M, replicas=1, executor="inline")
+    one.fit(tiny_data(ROUNDS * B * M * 2), 1, shuffle=False, progress=False)
+    torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r0["zbuf"], one.states[0].zbuf, rtol=1e-5, atol=1e-6)
 
 
 def test_rank_0s_decisions_reach_every_rank_at_the_same_round(ok_runs):
