@@ -10,12 +10,13 @@ from . import datasets, models
 from .api import Plan, compile
 from .compiler.tasks import Cost, Task, TaskKind
 from .config import SGD, SMA
-from .errors import PlanError, TaskError, TraceError
+from .errors import DistributedError, PlanError, TaskError, TraceError
 from .runtime.autotune import AutoTune
+from .runtime.comm import Distributed
 from .runtime.history import History
 
 __all__ = [
     "compile", "Plan", "SGD", "SMA", "AutoTune", "Task", "TaskKind", "Cost", "History",
-    "TraceError", "PlanError", "TaskError", "datasets", "models",
+    "TraceError", "PlanError", "TaskError", "Distributed", "DistributedError", "datasets", "models",
 ]
 __version__ = "0.1.0"

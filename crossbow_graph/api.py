@@ -17,6 +17,7 @@ from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
 from .config import SGD, SMA
 from .runtime.checkpoint import load_plan_state_dict, plan_state_dict
+from .runtime.comm import Comm, Distributed, plan_facts
 from .runtime.data import as_dataset, make_fetch, split_inputs
 from .runtime.history import History
 from .runtime.hooks import Hook
@@ -100,6 +101,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     memory_budget: int | None = None,
     verify: bool = True,
     kernel_backend: str = "auto",
+    distributed: Distributed | None = None,
 ) -> "Plan":
     """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training.
 
@@ -132,6 +134,12 @@ def compile(  # noqa: A001 - the public name the design asks for
             vectorised torch implementation on the CPU; ``"triton"`` — fused Triton kernels
             emitted for this plan (on the CPU through Triton's interpreter: slow, for tests);
             ``"torch"``. ``Plan.kernels`` lists what runs.
+        distributed: settings used when the process was launched by torchrun (its RANK,
+            WORLD_SIZE, ... are set): the timeout and the z checksum period
+            (``crossbow_graph.Distributed``; default ``Distributed()``). Every rank then runs
+            ``devices`` × m learners of its own (``devices="auto"`` on GPUs: ``cuda:LOCAL_RANK``),
+            k counts the learners of all ranks, and z starts as rank 0's model on every rank
+            (docs/distributed.md). Without torchrun's environment it is ignored.
 
     Returns:
         The Plan.
@@ -142,6 +150,7 @@ def compile(  # noqa: A001 - the public name the design asks for
             floating-point parameters, an unknown kernel_backend).
         ImportError: ``kernel_backend="triton"`` without the triton package (says how to install).
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
+        DistributedError: under torchrun, the ranks' plans differ (names the difference).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r}: must be a positive integer, e.g. 16")
@@ -158,7 +167,12 @@ def compile(  # noqa: A001 - the public name the design asks for
     if not isinstance(sync, SMA):
         raise TypeError(f"sync must be crossbow_graph.SMA(...), got {type(sync).__name__}")
     _check_model(model)
+    if distributed is not None and not isinstance(distributed, Distributed):
+        raise TypeError(f"distributed must be crossbow_graph.Distributed(...), got {type(distributed).__name__}")
     names = resolve_devices(devices)
+    comm = Comm.from_env(distributed, on_cuda=names[0].startswith("cuda"))
+    if comm is not None and devices == "auto" and names[0].startswith("cuda"):
+        names = [f"cuda:{comm.local_rank}"]  # one process per GPU, as torchrun launches them
     kernels = select_backend(kernel_backend, "cuda" if names[0].startswith("cuda") else "cpu")
     model_graph = trace_model(model, example_inputs, concrete_args=concrete_args,
                               leaf_modules=leaf_modules)
@@ -169,7 +183,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     plan = Plan(model=model, model_graph=model_graph, task_graph=graph, loss_fn=loss_fn,
                 batch_size=batch_size, optimizer=optimizer, sync=sync, learner_mode=learner_mode,
                 executor=executor, memory_budget=memory_budget, verify=verify,
-                autotune=(autotune or AutoTune()) if tuned else None, kernels=kernels)
+                autotune=(autotune or AutoTune()) if tuned else None, kernels=kernels, comm=comm)
     plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
     return plan
 
@@ -198,7 +212,8 @@ class Plan:
                  loss_fn: Callable, batch_size: int, optimizer: SGD, sync: SMA,
                  learner_mode: str = "per_replica", executor: str = "auto",
                  memory_budget: int | None = None, verify: bool = True,
-                 autotune: AutoTune | None = None, kernels: Any = None) -> None:
+                 autotune: AutoTune | None = None, kernels: Any = None,
+                 comm: Comm | None = None) -> None:
         self.model_graph = model_graph
         self.task_graph = task_graph
         self.loss_fn = loss_fn
@@ -222,6 +237,11 @@ class Plan:
         self.memory_budget = memory_budget
         self._verify = verify
         self.autotuner = AutoTuner(autotune) if autotune is not None else None
+        self.comm = comm  # under torchrun: this rank's place in the process group (runtime/comm.py)
+        self.scheduler.comm = comm
+        if comm is not None:
+            comm.agree(plan_facts(self), "the plan")
+            self._start_from_rank0()
         self.epochs_done = 0
         self.rounds_done = 0
         self.round_in_epoch = 0  # rounds done in an unfinished epoch (a resumed fit starts there)
@@ -240,7 +260,25 @@ class Plan:
 
     @property
     def num_learners(self) -> int:
-        return len(self.devices) * self.replicas_per_device
+        """k = G·m, over every process under torchrun."""
+        return len(self.devices) * self.replicas_per_device * (self.comm.world_size if self.comm else 1)
+
+    @torch.no_grad()
+    def _start_from_rank0(self) -> None:
+        """Every rank's replicas, z, z_prev and buffers start as rank 0's model (DESIGN.md §2:
+        one initialisation, cloned), whatever each process's own initialisation was."""
+        first = self.states[0]
+        z, zbuf = first.z.clone(), first.zbuf.clone()
+        self.comm.broadcast_tensor_(z, -1)
+        if zbuf.numel():
+            self.comm.broadcast_tensor_(zbuf, -1)
+        for s in self.states:
+            s.z.copy_(z)
+            s.z_prev.copy_(z)
+            s.w.copy_(z.expand_as(s.w))
+            if zbuf.numel():
+                s.zbuf.copy_(zbuf)
+                s.buf.copy_(zbuf.expand_as(s.buf))
 
     @property
     def learner_mode(self) -> str:
@@ -491,6 +529,7 @@ class Plan:
         return run_fit(self, train_dataset, epochs, eval_dataset=eval_dataset, shuffle=shuffle,
                        seed=seed, target_accuracy=target_accuracy, evals_per_epoch=evals_per_epoch,
                        eval_batch_size=eval_batch_size, progress=progress,
-                       hooks=([self.autotuner] if self.autotuner else []) + list(hooks),
+                       hooks=([self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main)
+                              else []) + list(hooks),
                        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                        resume=resume, log_dir=log_dir, trace=trace)

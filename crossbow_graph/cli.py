@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from .errors import CheckpointError, DivergenceError
+from .errors import CheckpointError, DistributedError, DivergenceError
 
 __all__ = ["main", "build_parser"]
 
@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--evals-per-epoch", type=int, default=4, help="test evaluations per epoch")
     train.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument("--dist-timeout", type=float, default=60.0,
+                       help="under torchrun: seconds a rank waits for the others before stopping "
+                            "with an error (a rank died or hangs)")
+    train.add_argument("--checksum-every", type=int, default=100,
+                       help="under torchrun: rounds between checks that z is identical on every rank")
     _add_inspect_parser(sub)
     return parser
 
@@ -264,8 +269,17 @@ def _train(args: argparse.Namespace) -> int:
         learner_mode=args.learner_mode,
         optimizer=cg.SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay),
         sync=cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum),
+        distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every),
     )
-    print(plan.summary(), flush=True)
+    comm = plan.comm  # under torchrun: only rank 0 prints, every rank prints its z checksum
+    main_rank = comm is None or comm.is_main
+    if main_rank:
+        print(plan.summary(), flush=True)
+        if comm is not None:
+            print(f"torchrun: {comm.world_size} processes ({comm.backend}) × "
+                  f"{plan.num_learners // comm.world_size} learners = k {plan.num_learners}; "
+                  f"one all-reduce of {4 * (plan.num_parameters + plan.states[0].buf.shape[1]):,} "
+                  "bytes per process per sync", flush=True)
     target = args.target if args.target > 0 else None
     try:
         history = plan.fit(train_set, args.epochs, eval_dataset=test_set, seed=args.seed,
@@ -273,9 +287,16 @@ def _train(args: argparse.Namespace) -> int:
                            progress=not args.quiet, checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, resume=args.resume,
                            log_dir=args.log_dir)
-    except (CheckpointError, DivergenceError) as exc:  # the user can act on these: one line, exit 2
+    except (CheckpointError, DivergenceError, DistributedError) as exc:  # one line, exit 2
         print(f"crossbow-graph train: error: {exc}", file=sys.stderr)
         return 2
+    if comm is not None:
+        from .runtime.comm import z_digest
+
+        print(f"rank {comm.rank}/{comm.world_size}: z checksum {z_digest(plan.central_weights())} "
+              f"after {plan.rounds_done} rounds", flush=True)
+    if not main_rank:
+        return 0
     for d in history.autotune:
         print(f"autotune round {d.round}: m={d.replicas_per_device} {d.learner_mode} "
               f"{d.samples_per_s:,.0f} samples/s → {d.action} (m={d.next_replicas_per_device}, "
@@ -303,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "inspect":
             return _inspect(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, DistributedError) as exc:  # DistributedError: ranks
+        # that disagree at start-up
         print(f"crossbow-graph {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 1

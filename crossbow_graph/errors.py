@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["TraceError", "PlanError", "TaskError", "DivergenceError", "CheckpointError"]
+__all__ = ["TraceError", "PlanError", "TaskError", "DivergenceError", "CheckpointError",
+           "DistributedError"]
 
 
 class TraceError(ValueError):
@@ -29,6 +30,15 @@ class DivergenceError(TaskError):
     Raised at the local synchronisation of the round (runtime/faults.py); the central model z and
     the last checkpoint on disk are intact. The message names the round and the usual fixes
     (a lower learning rate, gradient-safe loss, resuming from the last checkpoint).
+    """
+
+
+class DistributedError(TaskError):
+    """Processes of a torchrun launch disagree or lost each other (runtime/comm.py).
+
+    Raised at start-up when the ranks' plans or data differ (the message names the difference and
+    each rank's value), when a peer rank died or did not answer a collective within the timeout,
+    or when the copies of z differ between ranks. ``round_index`` is −1 at start-up.
     """
 
 

@@ -96,6 +96,7 @@ class Scheduler:
         self.sync_exposed_seconds = 0.0
         self.timeline = None
         self.seed = 0
+        self.comm = None  # a runtime.comm.Comm under torchrun: the global sync spans the ranks
         self._fetch: Callable | None = None
         self._workers = None  # a runtime.workers.ProcessExecutor while one runs
         self._fused = [FusedProgram(_clone_structure(s), loss_fn, batch_size) for s in states]
@@ -127,7 +128,13 @@ class Scheduler:
 
     @property
     def num_learners(self) -> int:
-        return sum(s.m for s in self.states)
+        """k, learners of every process (every rank has the same m per device, runtime/comm.py)."""
+        return sum(s.m for s in self.states) * (self.comm.world_size if self.comm else 1)
+
+    @property
+    def learner_offset(self) -> int:
+        """Global index of this process's first learner (rank · local learners)."""
+        return sum(s.m for s in self.states) * self.comm.rank if self.comm else 0
 
     @property
     def alpha(self) -> float:
@@ -198,6 +205,7 @@ class Scheduler:
         Raises:
             TaskError: a task failed (names the task, its device and the round).
         """
+        self._round = round_index
         if indices is not None and batch is None and self.resolved_executor() == "process":
             if self._workers is None:
                 from .workers import ProcessExecutor
@@ -210,7 +218,6 @@ class Scheduler:
             batch = self._fetch(indices)
         self._batch = batch
         self._synchronise = synchronise
-        self._round = round_index
         for task in self.order:
             self._run_task(task, round_index)
 
@@ -259,7 +266,8 @@ class Scheduler:
         with self._cuda_learn(d, r0):
             self.losses.extend(learn_group(state, r0, r1, mine, self.loss_fn, b,
                                            self.learner_mode, self._fused[d],
-                                           rng_seed=learner_seed(self.seed, self._round, first + r0)))
+                                           rng_seed=learner_seed(self.seed, self._round,
+                                                                    self.learner_offset + first + r0)))
 
     def local_sync(self, task: Task) -> None:
         """Local SGD step and correction of every replica on the device, and their sum acc_d."""
@@ -296,6 +304,9 @@ class Scheduler:
     def global_sync(self, task: Task, buffers: list[torch.Tensor] | None = None) -> None:
         """C = Σ_d acc_d, then z ← z + C + μ_z(z − z_prev) on every device; buffers averaged.
 
+        Under torchrun (``comm``) the process's sum and its replicas' buffer sums, packed into one
+        ``[P + Q]`` float32 tensor, are all-reduced (sum) over the ranks before the update.
+
         ``buffers``: per device the replicas' float buffers ``[m, Q]`` to average (default: the
         live ``buf``; the process executor passes the snapshots its workers took at the round's
         end).
@@ -317,7 +328,9 @@ class Scheduler:
                 acc = s.acc.to(home)
                 total = acc if total is None else total + acc  # never writes an acc_d
             mean_buf = None
-            if states[0].buf.shape[1]:
+            if self.comm is not None:
+                total, mean_buf = self._all_reduce(total, bufs, home)
+            elif states[0].buf.shape[1]:
                 mean_buf = torch.cat([bb.to(home) for bb in bufs]).mean(dim=0)
             # CPU logical devices share one memory: update z once and copy it (same numbers)
             on_cpu = all(s.torch_device.type == "cpu" for s in states)
@@ -330,6 +343,18 @@ class Scheduler:
                     s.z_prev.copy_(states[0].z_prev)
                 if mean_buf is not None:
                     s.zbuf.copy_(mean_buf)
+
+    def _all_reduce(self, total: torch.Tensor, bufs: list[torch.Tensor], home: torch.device):
+        """The hierarchical reduce's second level: one all-reduce of ``[C_p, Σ buf]`` ``[P + Q]``
+        over the processes; returns (C ``[P]``, the mean buffers over all k replicas ``[Q]`` or None)."""
+        P, Q = total.shape[0], self.states[0].buf.shape[1]
+        flat = torch.empty(P + Q, dtype=torch.float32, device=home)
+        flat[:P].copy_(total)
+        if Q:
+            torch.sum(torch.cat([bb.to(home, torch.float32) for bb in bufs]), dim=0, out=flat[P:])
+        self.comm.all_reduce_sum_(flat, self._round)
+        mean_buf = flat[P:].div_(self.num_learners).to(self.states[0].buf.dtype) if Q else None
+        return flat[:P], mean_buf
 
     # -- CUDA streams (inline executor on GPUs) -------------------------------------------------
 

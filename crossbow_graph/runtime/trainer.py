@@ -47,6 +47,14 @@ def run_fit(
     read before every round, so hooks (the auto-tuner) may change the replicas between rounds and
     every batch of an epoch stays disjoint. A resumed fit starts at the saved sample position of
     its epoch. Worker processes, if any, live for the fit.
+
+    Under torchrun (``plan.comm``) every rank draws the same round of k·b indices and keeps its own
+    learners' rows (rank r: global learners r·k_r …, ``_mine``); only rank 0 shows progress,
+    writes logs and checkpoints, evaluates and runs the auto-tuner; every rank runs the fit's
+    hooks, and rank 0's m, learner mode, lr, α and stop are then broadcast and applied on every
+    rank (``Comm.agree_settings``: after each round's hooks, and before a round when hooks ran
+    since); z is compared across ranks every ``checksum_every`` rounds and at the end
+    (docs/distributed.md).
     """
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
@@ -61,6 +69,15 @@ def run_fit(
         )
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir, the directory to resume from")
+    comm = plan.comm
+    if comm is not None:
+        comm.agree({"train samples": len(train), "epochs": epochs, "shuffle": shuffle, "seed": seed,
+                    "evals_per_epoch": evals_per_epoch, "target_accuracy": target_accuracy,
+                    "checkpoint_every": checkpoint_every, "resume": resume,
+                    "rounds done": plan.rounds_done,
+                    "eval samples": None if eval_dataset is None else len(eval_dataset)}, "the fit")
+        progress = progress and comm.is_main
+    main = comm is None or comm.is_main
     schedule = BatchSchedule(len(train), k, b, shuffle=shuffle, seed=seed)
     # a dataset that gathers whole batches at once (e.g. vectorised augmentation) provides get_batch
     fetch = train.get_batch if hasattr(train, "get_batch") else make_fetch(train)
@@ -69,13 +86,18 @@ def run_fit(
     history = History(target_accuracy=target_accuracy)
     hooks = list(hooks)
     end_epoch = plan.epochs_done + epochs
-    if log_dir is not None:
+    if log_dir is not None and main:
         hooks.append(MetricsLogger(log_dir))
     if checkpoint_dir is not None:  # last: it saves what the other hooks did in the round
-        saver = CheckpointHook(checkpoint_dir, schedule, hooks, every_rounds=checkpoint_every)
-        if resume and saver.resume(plan, history) is not None:
+        saver = CheckpointHook(checkpoint_dir, schedule, hooks, every_rounds=checkpoint_every) \
+            if main else None
+        resumed = resume and main and saver.resume(plan, history) is not None
+        if comm is not None and resume:
+            resumed = _share_resumed(plan, comm, resumed)
+        if resumed:
             end_epoch = epochs  # a resumed run finishes the epochs of the run it continues
-        hooks.append(saver)
+        if saver is not None:
+            hooks.append(saver)
     timeline = Timeline() if trace is not None else None
     sched = plan.scheduler
     sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
@@ -88,6 +110,12 @@ def run_fit(
     try:
         _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accuracy,
                 evals_per_epoch, eval_batch_size, progress, sync_totals)
+        if comm is not None:
+            comm.check_z(plan.states[0].z, plan.rounds_done - 1)
+    except BaseException:
+        if comm is not None:
+            comm.close()  # the others see this rank gone at once instead of at their timeout
+        raise
     finally:
         sched.end_fit()
         sync_totals()
@@ -96,9 +124,50 @@ def run_fit(
     return history
 
 
+def _share_resumed(plan: "Plan", comm, resumed: bool) -> bool:
+    """Rank 0 resumed from its checkpoint: every rank takes its plan state (the other ranks'
+    replicas restart as copies of rank 0's). Returns whether rank 0 resumed."""
+    from .checkpoint import load_plan_state_dict, plan_state_dict
+
+    state = comm.broadcast_object(plan_state_dict(plan) if resumed else None, -1)
+    if state is not None and not comm.is_main:
+        load_plan_state_dict(plan, state)
+    return state is not None
+
+
+def _mine(plan: "Plan", indices: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's rows of a round's indices ``[k·b]``: rank r's learners are the global learners
+    r·k_r … (r+1)·k_r − 1 (k_r = k / world size); all of them in a single process."""
+    comm = plan.comm
+    if comm is None or indices is None:
+        return indices
+    per_rank = len(indices) // comm.world_size
+    return indices[comm.rank * per_rank:(comm.rank + 1) * per_rank]
+
+
+def _evaluate(plan: "Plan", eval_dataset: Any, batch_size: int) -> tuple[float | None, float]:
+    """z's test accuracy and loss; under torchrun rank 0 evaluates and broadcasts them."""
+    comm = plan.comm
+    if comm is None:
+        return plan.evaluate(eval_dataset, batch_size=batch_size)
+    acc, loss = plan.evaluate(eval_dataset, batch_size=batch_size) if comm.is_main else (0.0, 0.0)
+    acc, loss = comm.broadcast_floats([float("nan") if acc is None else acc, loss],
+                                      plan.rounds_done - 1)
+    return (None if acc != acc else acc), loss
+
+
+def _mean_loss(comm, losses: torch.Tensor, plan: "Plan") -> float:
+    """The epoch's mean training loss over the learners of every rank (one all-reduce under torchrun)."""
+    if comm is None:
+        return float(losses.mean())
+    total, count = comm.sum_floats([float(losses.sum()), float(losses.numel())], plan.rounds_done - 1)
+    return total / max(count, 1.0)
+
+
 def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accuracy,
             evals_per_epoch, eval_batch_size, progress, sync_totals) -> None:
     n = schedule.num_samples
+    comm = plan.comm
     tau = plan.sync.sync_every
     sched = plan.scheduler
     speculate = all(not getattr(h, "mutates_replicas", True) for h in hooks)
@@ -107,6 +176,10 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
     for hook in hooks:
         hook.before_fit(ctx)
     faults_seen = len(sched.faults.events)
+    # rank 0's decisions are broadcast after every round's hooks, and before a round when hooks ran
+    # since (epoch boundaries, evaluations) or when a hook of any rank acts in before_round
+    pre_round = comm is not None and comm.any_rank(
+        any(type(h).before_round is not Hook.before_round for h in hooks), -1)
     while plan.epochs_done < end_epoch:
         epoch = plan.epochs_done
         position = plan.position_in_epoch  # > 0 when resumed in the middle of an epoch
@@ -115,6 +188,7 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
         ctx.rounds_per_epoch = n // (plan.num_learners * plan.batch_size)
         for hook in hooks:
             hook.before_epoch(ctx)
+        agree = comm is not None  # after_epoch and before_epoch hooks ran
         order = schedule.order(epoch)
         if position == 0:
             sched.losses = []
@@ -128,6 +202,9 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
         while True:
             for hook in hooks:
                 hook.before_round(ctx)
+            if agree or pre_round:  # rank 0's decisions (m, mode, lr, α) apply to this round
+                comm.agree_settings(plan, False, plan.rounds_done)
+                agree = False
             schedule.num_learners = plan.num_learners
             indices = schedule.next_round(order, position)
             if indices is None:
@@ -137,7 +214,10 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
             n_losses = len(sched.losses)
             plan.rounds_done += 1
             sched.run_round(plan.rounds_done - 1, synchronise=plan.rounds_done % tau == 0,
-                            indices=indices, next_indices=upcoming if speculate else None)
+                            indices=_mine(plan, indices),
+                            next_indices=_mine(plan, upcoming) if speculate else None)
+            if comm is not None and plan.rounds_done % comm.settings.checksum_every == 0:
+                comm.check_z(plan.states[0].z, plan.rounds_done - 1)
             rounds_run += 1
             samples_run += len(indices)
             plan.round_in_epoch, plan.position_in_epoch = rounds_run, position
@@ -153,8 +233,10 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
                 ctx.train_seconds = plan.train_seconds + epoch_seconds + time.perf_counter() - start
                 for hook in hooks:
                     hook.after_round(ctx)
-                if ctx.stop:
-                    break
+            if comm is not None:  # every rank, hooks or not: rank 0's decisions and stop
+                ctx.stop = comm.agree_settings(plan, ctx.stop, plan.rounds_done - 1)
+            if ctx.stop:
+                break
             last = upcoming is None
             due = next_eval < len(eval_points) and (position >= eval_points[next_eval] or last)
             if not due or eval_dataset is None:
@@ -162,7 +244,7 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
             while next_eval < len(eval_points) and (position >= eval_points[next_eval] or last):
                 next_eval += 1
             epoch_seconds += time.perf_counter() - start  # evaluation is not training time
-            acc, test_loss = plan.evaluate(eval_dataset, batch_size=eval_batch_size)
+            acc, test_loss = _evaluate(plan, eval_dataset, eval_batch_size)
             trained = plan.train_seconds + epoch_seconds
             history.evals.append(EvalRecord(epoch=epoch + position / n, round=plan.rounds_done,
                                             train_seconds=trained, test_accuracy=acc,
@@ -172,6 +254,7 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
             ctx.train_seconds = trained
             for hook in hooks:
                 hook.after_eval(ctx, history.evals[-1])
+            agree = comm is not None
             start = time.perf_counter()
             if target_accuracy is not None and acc is not None and acc >= target_accuracy:
                 history.time_to_accuracy_s = trained
@@ -187,7 +270,7 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
         sync_s = sched.sync_seconds - sync0[0]
         exposed_s = sched.sync_exposed_seconds - sync0[1]
         history.epochs.append(EpochRecord(
-            epoch=plan.epochs_done, rounds=rounds_run, train_loss=float(losses.mean()),
+            epoch=plan.epochs_done, rounds=rounds_run, train_loss=_mean_loss(comm, losses, plan),
             test_accuracy=acc, samples_per_s=samples_run / max(epoch_seconds, 1e-9),
             train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
             learner_mode=plan.learner_mode,

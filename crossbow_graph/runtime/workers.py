@@ -27,6 +27,7 @@ import torch
 
 from ..compiler.tasks import TaskKind
 from ..config import SGD
+from ..errors import TaskError
 from ._learners import learn_group, learner_seed, rows
 from .scheduler import available_cores
 
@@ -223,6 +224,8 @@ class ProcessExecutor:
         sched._synchronise = True
         try:
             sched.global_sync(self.global_task, buffers=self.buf_snaps)
+        except TaskError:  # already names the task and round (DistributedError)
+            raise
         except Exception as exc:
             raise sched.task_error(self.global_task, round_index, f"{type(exc).__name__}: {exc}") from exc
 
@@ -293,7 +296,7 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
     torch.backends.mkldnn.enabled = False
     torch.manual_seed(seed)
     state, b, mode = sched.states[d], sched.batch_size, sched.learner_mode
-    first = sum(s.m for s in sched.states[:d])  # global index of the device's replica 0
+    first = sched.learner_offset + sum(s.m for s in sched.states[:d])  # global index of replica 0
     fused = sched._fused[d]
     keep = state.buf[r0:r1].clone() if state.buf.shape[1] else None  # restored on cancel
     try:

@@ -1,0 +1,332 @@
+"""Global synchronisation across processes and machines over torch.distributed (DESIGN.md §2, §5).
+
+Under ``torchrun`` (its environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``) every process runs its own devices' learners and the global sync of each round
+becomes hierarchical: the devices of a process sum their corrections first (``C_p = Σ_{d of p}
+acc_d``), then one all-reduce (sum) per process per sync adds the processes' sums, packed with the
+sums of the replicas' float buffers (BatchNorm statistics) into one flat tensor ``[P + Q]``; every
+process then applies the same z update to its own copy of z. Bytes per sync and process: 4·(P + Q)
+handed to the all-reduce, as for S-SGD's gradient all-reduce (docs/distributed.md).
+
+Everything that must be the same on every rank is checked or decided once:
+
+* start-up: ``Comm.agree`` all-gathers each rank's plan facts (model fingerprint, devices, replicas,
+  batch size, optimiser, SMA settings) and the fit's data facts, and raises DistributedError naming
+  the first difference, instead of hanging in a collective later;
+* every round: the plan settings that hooks may change (m, learner mode, lr, α, stop) are
+  broadcast from rank 0 after the round's hooks (``Comm.agree_settings``; also before a round
+  when epoch or evaluation hooks ran since, or when some rank has a ``before_round`` hook): the
+  auto-tuner runs on rank 0 only, and rank 0's settings win over any other rank's hooks;
+* every ``checksum_every`` rounds: ``Comm.check_z`` all-reduces an exact bit checksum of z (max and
+  min over ranks in one all-reduce) and raises DistributedError if the copies differ.
+
+Every collective runs under the process group's timeout (``Distributed.timeout_s``, default 60 s):
+a rank that died or hangs makes the others raise DistributedError (gloo reports a closed peer at
+once; a hung one at the timeout), never hang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import hashlib
+import math
+import os
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistributedError
+
+if TYPE_CHECKING:
+    from ..api import Plan
+
+__all__ = ["Distributed", "Comm", "torchrun_env", "z_digest"]
+
+_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Distributed:
+    """Settings of multi-process training (used when torchrun's environment is present).
+
+    Attributes:
+        timeout_s: seconds any collective may wait for a peer before the others stop with
+            DistributedError (the process group's timeout), > 0. Default 60.
+        checksum_every: rounds between checks that z is identical on every rank (≥ 1).
+        backend: ``"auto"`` (NCCL when the devices are GPUs, else gloo), ``"gloo"`` or ``"nccl"``.
+
+    Raises:
+        ValueError: a value outside its range.
+    """
+
+    timeout_s: float = 60.0
+    checksum_every: int = 100
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"Distributed(timeout_s={self.timeout_s}): must be > 0 seconds, e.g. 60")
+        if isinstance(self.checksum_every, bool) or not isinstance(self.checksum_every, int) \
+                or self.checksum_every < 1:
+            raise ValueError(f"Distributed(checksum_every={self.checksum_every!r}): must be an "
+                             "integer number of rounds ≥ 1")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"Distributed(backend={self.backend!r}): use 'auto', 'gloo' or 'nccl'")
+
+
+def torchrun_env() -> dict[str, str] | None:
+    """torchrun's variables when this process was launched by it (WORLD_SIZE > 1), else None.
+
+    Raises:
+        ValueError: WORLD_SIZE > 1 but one of RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT is missing.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 and not dist.is_initialized():
+        return None
+    if dist.is_initialized():
+        return {"RANK": str(dist.get_rank()), "WORLD_SIZE": str(dist.get_world_size()),
+                "LOCAL_RANK": os.environ.get("LOCAL_RANK", "0")}
+    missing = [k for k in _ENV if k not in os.environ]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} "
+                         "is not set; launch with torchrun (it sets them), e.g. "
+                         "torchrun --nproc-per-node 2 -m crossbow_graph train")
+    return {k: os.environ[k] for k in _ENV}
+
+
+def z_digest(z: torch.Tensor) -> str:
+    """A printable checksum of z's bits: the first 16 hex digits of SHA-256 of ``z [P]`` (float32)."""
+    return hashlib.sha256(z.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def _bit_checksum(z: torch.Tensor) -> torch.Tensor:
+    """Two exact int64 checksums of z's bit pattern, ``[2]``: Σ bits_i and Σ (i mod 65521 + 1)·bits_i
+    (wrapping on overflow, identically on every rank); any changed bit changes the first."""
+    bits = z.detach().contiguous().view(torch.int32).to(torch.int64)  # [P]
+    weights = torch.arange(bits.numel(), device=bits.device) % 65521 + 1
+    return torch.stack([bits.sum(), (bits * weights).sum()])
+
+
+class Comm:
+    """This process's place in the process group and the collectives crossbow_graph uses.
+
+    Attributes:
+        rank, world_size, local_rank: from torchrun's environment (or the initialised group).
+        backend: ``"gloo"`` or ``"nccl"``.
+        settings: the Distributed settings.
+        is_main: rank 0 (writes checkpoints and logs, shows the progress bar, decides).
+    """
+
+    def __init__(self, settings: Distributed, *, on_cuda: bool) -> None:
+        env = torchrun_env()
+        assert env is not None, "Comm needs torchrun's environment (see Comm.from_env)"
+        self.settings = settings
+        self.rank, self.world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        backend = settings.backend if settings.backend != "auto" else ("nccl" if on_cuda else "gloo")
+        self._owned = False
+        if not dist.is_initialized():
+            if backend == "nccl":
+                torch.cuda.set_device(self.local_rank)
+            try:
+                dist.init_process_group(backend=backend, init_method="env://", rank=self.rank,
+                                        world_size=self.world_size,
+                                        timeout=datetime.timedelta(seconds=settings.timeout_s))
+            except Exception as exc:  # DistStoreError: a rank never came, or the address is wrong
+                raise DistributedError(
+                    f"rank {self.rank} of {self.world_size} could not join the process group at "
+                    f"{env['MASTER_ADDR']}:{env['MASTER_PORT']} within {settings.timeout_s:g} s "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); start "
+                    "every rank with the same --master-addr/--master-port (torchrun does)",
+                    task_id="start-up", device=f"rank {self.rank}", round_index=-1) from exc
+            self._owned = True
+            atexit.register(self.close)
+        self.backend = dist.get_backend()
+        # objects, barriers and small control tensors travel over gloo (CPU) even next to NCCL
+        self._ctrl = None if self.backend == "gloo" else dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=settings.timeout_s))
+
+    @staticmethod
+    def from_env(settings: Distributed | None = None, *, on_cuda: bool = False) -> "Comm | None":
+        """The Comm of a process started by torchrun (the process group is initialised if it is
+        not yet), or None in a single process (no torchrun environment): nothing changes then."""
+        if torchrun_env() is None:
+            return None
+        return Comm(settings or Distributed(), on_cuda=on_cuda)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        """Destroy the process group if this Comm created it (peers then see it gone at once)."""
+        if self._owned and dist.is_initialized():
+            self._owned = False
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - already broken: nothing left to release
+                pass
+
+    # -- errors -------------------------------------------------------------------------------
+
+    def _failed(self, what: str, round_index: int, exc: BaseException) -> DistributedError:
+        return DistributedError(
+            f"rank {self.rank} of {self.world_size}: {what} in round {round_index} failed: another "
+            f"rank died or did not answer within {self.settings.timeout_s:g} s "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); stopping. "
+            "Rank 0's last checkpoint is intact: restart every rank with --resume",
+            task_id="global_sync", device=f"rank {self.rank}", round_index=round_index)
+
+    def _call(self, what: str, round_index: int, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except DistributedError:
+            raise
+        except Exception as exc:  # DistBackendError, DistNetworkError, RuntimeError from gloo
+            raise self._failed(what, round_index, exc) from exc
+
+    # -- the global sync ------------------------------------------------------------------------
+
+    def all_reduce_sum_(self, flat: torch.Tensor, round_index: int) -> None:
+        """Sum ``flat [P + Q]`` (this process's corrections and buffer sums) over every rank, in
+        place. Raises DistributedError when a peer died or timed out."""
+        self._call("the all-reduce of the global sync", round_index,
+                   lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
+
+    def check_z(self, z: torch.Tensor, round_index: int) -> None:
+        """Raise DistributedError unless ``z [P]`` is bit-identical on every rank.
+
+        One all-reduce (max) of ``[c, −c]`` for the exact checksums c of ``_bit_checksum``: the
+        copies agree iff max = min on every checksum.
+        """
+        c = _bit_checksum(z).cpu()
+        both = torch.cat([c, -c])
+        self._call("the z checksum all-reduce", round_index,
+                   lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._ctrl))
+        hi, lo = both[:2], -both[2:]
+        if not torch.equal(hi, lo):
+            raise DistributedError(
+                f"rank {self.rank} of {self.world_size}: the copies of the central model z differ "
+                f"between ranks after round {round_index} (checksum {c[0].item()} here, between "
+                f"{lo[0].item()} and {hi[0].item()} over the ranks); a hook or policy changed the "
+                "model on one rank only, or the ranks run different code. Stopping",
+                task_id="global_sync", device=f"rank {self.rank}", round_index=round_index)
+
+    # -- agreement -------------------------------------------------------------------------------
+
+    def agree(self, facts: dict[str, Any], what: str) -> None:
+        """Check that every rank has the same ``facts`` (plain, picklable values).
+
+        Raises:
+            DistributedError: a fact differs, naming it and its value on each rank; or a rank did
+                not arrive within the timeout.
+        """
+        gathered: list[Any] = [None] * self.world_size
+        self._call(f"the start-up check of {what}", -1,
+                   lambda: dist.all_gather_object(gathered, facts, group=self._ctrl))
+        for key in facts:
+            values = [g.get(key) for g in gathered]
+            if any(v != values[0] for v in values[1:]):
+                ranks = "; ".join(f"rank {r}: {_short(v, values[0])}" for r, v in enumerate(values))
+                raise DistributedError(
+                    f"the ranks disagree about {what}: '{key}' differs ({ranks}). Launch every "
+                    "rank with the same model, devices, replicas, batch size, settings and data",
+                    task_id="start-up", device=f"rank {self.rank}", round_index=-1)
+
+    def broadcast_floats(self, values: list[float], round_index: int) -> list[float]:
+        """Rank 0's ``values`` on every rank (one broadcast of a float64 tensor)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        self._call("the broadcast of rank 0's decisions", round_index,
+                   lambda: dist.broadcast(t, src=0, group=self._ctrl))
+        return t.tolist()
+
+    def sum_floats(self, values: list[float], round_index: int) -> list[float]:
+        """``values`` summed over every rank (an all-reduce of a float64 tensor)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        self._call("the all-reduce of the epoch's losses", round_index,
+                   lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._ctrl))
+        return t.tolist()
+
+    def any_rank(self, flag: bool, round_index: int) -> bool:
+        """Whether ``flag`` is True on some rank (an all-reduce, max)."""
+        t = torch.tensor([int(flag)])
+        self._call("the all-reduce of a flag", round_index,
+                   lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctrl))
+        return bool(t.item())
+
+    def broadcast_tensor_(self, t: torch.Tensor, round_index: int) -> None:
+        """Overwrite ``t`` with rank 0's ``t``, in place (rank 0's device tensor, any shape)."""
+        self._call("the broadcast of rank 0's tensors", round_index,
+                   lambda: dist.broadcast(t, src=0))
+
+    def broadcast_object(self, obj: Any, round_index: int) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled)."""
+        box = [obj]
+        self._call("the broadcast of rank 0's state", round_index,
+                   lambda: dist.broadcast_object_list(box, src=0, group=self._ctrl))
+        return box[0]
+
+    def agree_settings(self, plan: "Plan", stop: bool, round_index: int) -> bool:
+        """Apply rank 0's m, learner mode, lr, α on every rank; returns rank 0's ``stop``.
+
+        Hooks that decide (auto-tuner, policies) run on rank 0; a change they make reaches the
+        other ranks at the same round boundary.
+        """
+        sched = plan.scheduler
+        alpha = sched.sync.alpha
+        mine = [float(plan.replicas_per_device), float(plan.learner_mode == "fused"), sched.lr,
+                math.nan if alpha is None else alpha, float(stop)]
+        m, fused, lr, alpha0, stop0 = self.broadcast_floats(mine, round_index)
+        if self.is_main:
+            return stop
+        if int(m) != plan.replicas_per_device:
+            plan.set_replicas(int(m))
+        mode = "fused" if fused else "per_replica"
+        if mode != plan.learner_mode:
+            plan.set_learner_mode(mode)
+        sched.lr = lr
+        alpha0 = None if math.isnan(alpha0) else alpha0
+        if alpha0 != alpha:
+            sched.sync = plan.sync = dataclasses.replace(sched.sync, alpha=alpha0)
+        return bool(stop0)
+
+
+def plan_facts(plan: "Plan") -> dict[str, Any]:
+    """What every rank's plan must share: the model's fingerprint (parameter and buffer names,
+    shapes, dtypes), devices per process, replicas, batch size, optimiser and SMA settings."""
+    template = plan._template
+    model = [(n, tuple(p.shape), str(p.dtype)) for n, p in template.named_parameters()]
+    model += [(n, tuple(b.shape), str(b.dtype)) for n, b in template.named_buffers()]
+    return {
+        "model": (type(template).__name__, model),
+        "devices per process": len(plan.devices),
+        "replicas per device": "auto" if plan.autotuner is not None else plan.replicas_per_device,
+        "batch_size": plan.batch_size,
+        "optimizer": dataclasses.asdict(plan.optimizer),
+        "sync": dataclasses.asdict(plan.sync),
+    }
+
+
+def _short(value: Any, first: Any) -> str:
+    """A fact for an error message; a model fingerprint as its class, tensor count, digest and its
+    first tensor that differs from rank 0's (``first``)."""
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], list):
+        name, entries = value
+        digest = hashlib.sha256(repr(entries).encode()).hexdigest()[:8]
+        text = f"{name} with {len(entries)} tensors (fingerprint {digest})"
+        ref = first[1]
+        for i in range(max(len(entries), len(ref))):
+            mine = entries[i] if i < len(entries) else None
+            theirs = ref[i] if i < len(ref) else None
+            if mine != theirs:
+                def say(e):
+                    return f"{e[0]} {list(e[1])} {e[2]}" if e else "none"
+                return f"{text}; its tensor #{i} is {say(mine)}" + (
+                    f" where rank 0 has {say(theirs)}" if mine is not None or theirs is not None else "")
+        return text
+    return repr(value)
+
+
+__all__ += ["plan_facts"]

@@ -1,0 +1,103 @@
+"""One rank of the multi-process tests (tests/test_distributed.py): ``python _dist_worker.py
+SCENARIO OUT_DIR`` with torchrun's variables (RANK, WORLD_SIZE, ...) set by the test.
+
+Scenarios (TinyBN, 1 device × 2 replicas per rank, b = 4, z checked every round):
+``train`` (shuffle=False; saves z, zbuf, the digest), ``process`` (the same with 2 devices × 1
+replica per rank on the process executor), ``decide`` (a hook on rank 0 only changes m
+and lr after round 3), ``resume`` (a second plan resumes from rank 0's checkpoint for a second
+epoch), ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
+changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3; rank 0 writes a
+checkpoint every round), ``hang`` (rank 1 sleeps after round 3). Groups run in one launch, one
+after the other in the same process group: ``ok`` = train, process, decide, resume; ``mismatch`` = both
+mismatches. Writes ``rank<r>.pt`` into OUT_DIR: per scenario a dict, ``error`` with the
+DistributedError's message, or the results.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import crossbow_graph as cg  # noqa: E402
+from crossbow_graph.errors import DistributedError  # noqa: E402
+from crossbow_graph.runtime.comm import z_digest  # noqa: E402
+from crossbow_graph.runtime.hooks import Hook  # noqa: E402
+from _runtime_helpers import TinyBN, TinyNet, compile_tiny, tiny_data  # noqa: E402
+
+ROUNDS = 8
+B, M = 4, 2
+
+
+class _AtRound(Hook):
+    def __init__(self, round_: int, action) -> None:
+        self.round, self.action = round_, action
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == self.round:
+            self.action(ctx.plan)
+
+
+def _decide(plan) -> None:
+    plan.set_replicas(3)
+    plan.scheduler.lr = 0.02
+
+
+def run(scenario: str, rank: int, out: str) -> dict:
+    """One scenario on this rank; returns its results or ``{"error": message}``."""
+    model_cls = TinyNet if scenario == "mismatch_model" and rank == 1 else TinyBN
+    batch = 8 if scenario == "mismatch_batch" and rank == 1 else B
+    settings = cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1)
+    result = {}
+    try:
+        devices, replicas, executor = (2, 1, "process") if scenario == "process" else (1, M, "inline")
+        plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=devices,
+                            replicas=replicas, executor=executor,
+                            distributed=settings)  # seed=rank: rank 0's init wins
+        data = tiny_data(ROUNDS * B * M * 2)
+        hooks, kw = [], {}
+        if scenario == "diverge" and rank == 1:
+            hooks.append(_AtRound(3, lambda plan: plan.states[0].z.add_(1e-3)))
+        if scenario == "decide" and rank == 0:  # a policy on rank 0 only: m 2 → 3 and a new lr
+            hooks.append(_AtRound(3, _decide))
+        if scenario == "hang" and rank == 1:  # alive but silent: only the timeout can tell
+            hooks.append(_AtRound(3, lambda plan: time.sleep(600)))
+        if scenario == "kill":
+            if rank == 1:
+                hooks.append(_AtRound(3, lambda plan: os.kill(os.getpid(), signal.SIGKILL)))
+            kw = dict(checkpoint_dir=os.path.join(out, "ckpt"), checkpoint_every=1)
+        if scenario == "resume":  # one epoch with checkpoints, then a new plan resumes for a second
+            kw = dict(checkpoint_dir=os.path.join(out, "ckpt-resume"))
+            plan.fit(data, 1, shuffle=True, progress=False, **kw)
+            plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
+                                executor="inline", distributed=settings)
+            history = plan.fit(data, 2, shuffle=True, progress=False, resume=True, **kw)
+        else:
+            history = plan.fit(data, 1, shuffle=False, progress=False, hooks=hooks, **kw)
+        result.update(z=plan.central_weights(), zbuf=plan.states[0].zbuf.clone(),
+                      m=plan.replicas_per_device, lr=plan.scheduler.lr,
+                      digest=z_digest(plan.states[0].z), rounds=plan.rounds_done,
+                      loss=history.epochs[-1].train_loss)
+    except DistributedError as exc:
+        result["error"] = str(exc)
+    return result
+
+
+GROUPS = {"ok": ["train", "process", "decide", "resume"], "mismatch": ["mismatch_batch", "mismatch_model"]}
+
+
+def main(scenario: str, out: str) -> None:
+    """Run ``scenario`` (or each of a group's, in one process group) and save the results."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    results = {}
+    for name in GROUPS.get(scenario, [scenario]):
+        results[name] = run(name, rank, out)
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

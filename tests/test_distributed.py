@@ -1,0 +1,204 @@
+"""Global synchronisation over torch.distributed (runtime/comm.py, docs/distributed.md).
+
+Real process groups: two processes (tests/_dist_worker.py) with gloo on 127.0.0.1, started with
+torchrun's variables on a free port, with hard timeouts; every process is killed on the way out.
+The 1-process run and the hand-written SMA of tests/_runtime_helpers.py are the oracles.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import crossbow_graph as cg
+from crossbow_graph.runtime.checkpoint import load_latest
+from crossbow_graph.runtime.comm import Comm, torchrun_env
+from _dist_worker import B, M, ROUNDS, _AtRound, _decide
+from _runtime_helpers import TinyBN, compile_tiny, reference_sma, tiny_data
+
+pytestmark = pytest.mark.distributed
+
+WORKER = os.path.join(os.path.dirname(__file__), "_dist_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HARD_TIMEOUT_S = 60  # a safety net against a hang, not a measurement
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(scenario: str, out, *, timeout_s: float = 20.0, world: int = 2, wait_for=None):
+    """Run ``scenario`` on ``world`` ranks; returns (per rank its result dict or None, return codes,
+    logs). ``wait_for``: the ranks to wait for (default all); the others are then killed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+               PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CB_TIMEOUT_S=str(timeout_s))
+    procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(out)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    logs = []
+    try:
+        for r in (range(world) if wait_for is None else wait_for):
+            logs.append(procs[r].communicate(timeout=HARD_TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for r in range(world):
+        path = os.path.join(out, f"rank{r}.pt")
+        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    return results, [p.returncode for p in procs], logs
+
+
+@pytest.fixture(scope="module")
+def ok_runs(tmp_path_factory):
+    """One launch, three scenarios in one process group: train, decide, resume."""
+    results, codes, logs = _launch("ok", tmp_path_factory.mktemp("ok"))
+    assert codes == [0, 0], logs
+    return {name: (results[0][name], results[1][name])
+            for name in ("train", "process", "decide", "resume")}
+
+
+@pytest.fixture(scope="module")
+def mismatch_runs(tmp_path_factory):
+    """One launch: rank 1 compiles another batch size, then another model."""
+    results, codes, logs = _launch("mismatch", tmp_path_factory.mktemp("mismatch"))
+    assert codes == [0, 0], logs
+    return results
+
+
+def test_two_processes_give_the_one_process_z_and_identical_copies(ok_runs):
+    r0, r1 = ok_runs["train"]
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    assert r0["rounds"] == r1["rounds"] == ROUNDS
+    # every rank keeps its own z: bit-identical (checked every round by the checksum, and here)
+    assert torch.equal(r0["z"], r1["z"]) and torch.equal(r0["zbuf"], r1["zbuf"])
+    assert r0["digest"] == r1["digest"]
+    # the same k = 4 learners in one process (shuffle=False: learner j gets batch t·k + j)
+    one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=1, replicas=2 * M, executor="inline")
+    data = tiny_data(ROUNDS * B * M * 2)
+    history = one.fit(data, 1, shuffle=False, progress=False)
+    # the epoch's loss is the mean over all ranks' learners
+    assert r0["loss"] == r1["loss"] == pytest.approx(history.epochs[-1].train_loss, rel=1e-5)
+    # only the summation order differs (Σ of 4 rows vs two Σ of 2, then the all-reduce)
+    torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r0["zbuf"], one.states[0].zbuf, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    ref = reference_sma(TinyBN(), data, batch_size=B, ks=[2 * M] * ROUNDS, lr=0.05, momentum=0.9)
+    torch.testing.assert_close(r0["z"], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_two_processes_with_two_devices_each_on_worker_processes_give_the_same_z(ok_runs):
+    r0, r1 = ok_runs["process"]  # hierarchical: 2 devices sum, then one all-reduce per process
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    assert torch.equal(r0["z"], r1["z"])
+    one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=2 * M, replicas=1, executor="inline")
+    one.fit(tiny_data(ROUNDS * B * M * 2), 1, shuffle=False, progress=False)
+    torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r0["zbuf"], one.states[0].zbuf, rtol=1e-5, atol=1e-6)
+
+
+def test_rank_0s_decisions_reach_every_rank_at_the_same_round(ok_runs):
+    r0, r1 = ok_runs["decide"]
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    assert (r0["m"], r1["m"], r0["lr"], r1["lr"]) == (3, 3, 0.02, 0.02)
+    assert torch.equal(r0["z"], r1["z"])
+    # oracle: one process with 2 devices (device-major = rank-major learners), the same change
+    one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=2, replicas=M, executor="inline")
+    one.fit(tiny_data(ROUNDS * B * M * 2), 1, shuffle=False, progress=False,
+            hooks=[_AtRound(3, _decide)])
+    assert one.rounds_done == r0["rounds"] == 6  # 3 rounds of k=4, then 3 of k=6
+    torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
+
+
+def test_checksum_stops_when_z_differs_between_ranks(tmp_path):
+    results, codes, logs = _launch("diverge", tmp_path)
+    for r in results:
+        assert r is not None, logs
+        r = r["diverge"]
+        assert "copies of the central model z differ between ranks" in r.get("error", ""), r
+
+
+@pytest.mark.parametrize("scenario, names", [
+    ("mismatch_batch", ["'batch_size' differs", "rank 0: 4", "rank 1: 8"]),
+    ("mismatch_model", ["'model' differs", "TinyBN", "TinyNet", "bn.weight"]),
+])
+def test_ranks_with_different_plans_fail_at_start_up_naming_the_difference(mismatch_runs, scenario,
+                                                                           names):
+    for r in mismatch_runs:
+        err = r[scenario].get("error", "")
+        assert "the ranks disagree about the plan" in err, r
+        for name in names:
+            assert name in err, err
+
+
+def test_a_killed_rank_stops_the_survivor_and_leaves_the_checkpoint_intact(tmp_path):
+    (r0, r1), codes, logs = _launch("kill", tmp_path, timeout_s=10)
+    assert r1 is None and codes[1] == -9, logs  # rank 1 SIGKILLed itself after round 3
+    assert r0 is not None, logs
+    r0 = r0["kill"]
+    assert "another rank died or did not answer within 10 s" in r0.get("error", ""), r0
+    path, state = load_latest(str(tmp_path / "ckpt"))  # verifies length and SHA-256
+    assert state["plan"]["rounds_done"] == 3 and path.endswith("ckpt-0000000003.pt")
+
+
+def test_a_hung_rank_stops_the_others_at_the_timeout(tmp_path):
+    (r0, _), codes, logs = _launch("hang", tmp_path, timeout_s=3, wait_for=[0])
+    assert r0 is not None, logs  # rank 1 sleeps after round 3 (then the test kills it)
+    r0 = r0["hang"]
+    assert "another rank died or did not answer within 3 s" in r0.get("error", ""), r0
+
+
+def test_a_resumed_run_continues_on_every_rank_from_rank_0s_checkpoint(ok_runs):
+    r0, r1 = ok_runs["resume"]
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    assert r0["rounds"] == r1["rounds"] == 2 * ROUNDS  # the second epoch only was run again
+    assert torch.equal(r0["z"], r1["z"])
+
+
+def test_without_torchrun_nothing_changes(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    assert torchrun_env() is None and Comm.from_env() is None
+    plan = compile_tiny(devices=1, replicas=2, executor="inline")
+    assert plan.comm is None and plan.num_learners == 2
+
+
+def test_distributed_settings_are_checked():
+    with pytest.raises(ValueError, match="timeout_s"):
+        cg.Distributed(timeout_s=0)
+    with pytest.raises(ValueError, match="checksum_every"):
+        cg.Distributed(checksum_every=0)
+    with pytest.raises(ValueError, match="backend"):
+        cg.Distributed(backend="mpi")
+
+
+def test_world_size_without_the_rest_of_torchrun_env_is_an_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="launch with torchrun"):
+        torchrun_env()
+
+
+@pytest.mark.slow
+def test_torchrun_cli_prints_the_same_z_checksum_on_both_ranks():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "-m", "crossbow_graph", "train", "--epochs", "1", "--train-samples", "2048",
+           "--test-samples", "500", "--quiet", "--checksum-every", "1"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=180).stdout
+    sums = sorted(line for line in out.splitlines() if "z checksum" in line)
+    assert len(sums) == 2 and sums[0].startswith("rank 0/2") and sums[1].startswith("rank 1/2"), out
+    assert sums[0].split("checksum")[1] == sums[1].split("checksum")[1], out
+    assert out.count("final test accuracy") == 1, out  # rank 0 only
