@@ -37,14 +37,17 @@ import tta  # noqa: E402  (bench/tta.py: the runners)
 __all__ = ["epochs_jobs", "robustness_jobs", "main"]
 
 
-def epochs_jobs(ks=(1, 2, 4, 8)) -> list[tuple[str, int, dict]]:
-    """(system, k, spec) of the statistical-efficiency part."""
+def epochs_jobs(only: list[str] | None = None) -> list[tuple[str, int, dict]]:
+    """(system, k, spec) of the statistical-efficiency part; ``only``: names like "sma-4"."""
     jobs = [("sma", k, dict(kind="crossbow", batch=16, lr=0.02, devices=1, replicas=k, sync="sma"))
-            for k in ks]
-    jobs += [("ssgd", k, tta._plain(16 * k, lr=0.02, threads=1)) for k in ks if k > 1]
+            for k in (1, 2, 4, 8)]
+    jobs += [("ssgd", k, tta._plain(16 * k, lr=0.02, threads=1)) for k in (2, 4, 8)]
     jobs += [("localsgd", k, dict(kind="localsgd", batch=16, lr=0.02, period=4, warmup_steps=100,
                                   procs=k)) for k in (2, 4)]
-    return jobs
+    if not only:
+        return jobs
+    named = {f"{j[0]}-{j[1]}": j for j in jobs}
+    return [named[n] for n in only]
 
 
 def robustness_jobs(bs=(4, 8, 16, 32, 64)) -> list[tuple[str, int, dict]]:
@@ -66,12 +69,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="epochs part: also end a run at the first evaluation after this")
     parser.add_argument("--epochs", type=int, default=1, help="robustness part: epochs per run")
     parser.add_argument("--train-samples", type=int, default=None)
+    parser.add_argument("--only", nargs="*", default=None, metavar="NAME",
+                        help="epochs part: run only these, e.g. sma-1 sma-8 ssgd-8 localsgd-4")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or os.path.join(tta.RESULTS, f"stat_eff-{args.part}-{stamp}.json")
     robust = args.part == "robustness"
-    jobs = robustness_jobs() if robust else epochs_jobs()
+    jobs = robustness_jobs() if robust else epochs_jobs(args.only)
     meta = dict(when=stamp, part=args.part, workload="w1", target=0.99, seeds=args.seeds,
                 max_epochs=args.epochs if robust else args.max_epochs,
                 max_train_s=None if robust else args.max_train_s,

@@ -154,7 +154,11 @@ def run_crossbow(spec, train, test, *, model_name, seed, max_epochs, target, eva
                  evals_per_epoch=evals_per_epoch, progress=False, hooks=[_TimeCap(max_train_s)])
     evals = [dict(epoch=e.epoch, train_seconds=e.train_seconds, test_accuracy=e.test_accuracy)
              for e in h.evals]
-    out = _result(evals, sum(e.samples for e in h.epochs), plan.train_seconds, target)
+    samples = sum(e.samples for e in h.epochs)
+    if not evals or evals[-1]["train_seconds"] < plan.train_seconds - 1e-3:  # stopped by the cap
+        evals.append(dict(epoch=samples / len(train), train_seconds=plan.train_seconds,
+                          test_accuracy=plan.evaluate(test)[0]))
+    out = _result(evals, samples, plan.train_seconds, target)
     out["executor"] = plan.scheduler.resolved_executor()
     out["final_replicas_per_device"] = plan.replicas_per_device
     out["final_learner_mode"] = plan.learner_mode
@@ -171,8 +175,8 @@ class _TimeCap(Hook):
     def __init__(self, max_train_s: float) -> None:
         self.max_train_s = max_train_s
 
-    def after_eval(self, ctx, record) -> None:
-        if record.train_seconds >= self.max_train_s:
+    def after_round(self, ctx) -> None:  # a slow run may not reach an evaluation for minutes
+        if ctx.train_seconds >= self.max_train_s:
             ctx.stop = True
 
 
@@ -383,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="intra-op threads of the plain-B<B> grid (BENCHMARKS.md: 2)")
     parser.add_argument("--once", nargs="*", default=[], metavar="SYSTEM",
                         help="of --systems, those run for the first seed only")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in --out and run only the missing ones")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--quick", action="store_true",
                         help="1 seed, 2 epochs, plain-B32, localsgd, crossbow-r2, crossbow-ssgd")
@@ -409,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
                 torch=torch.__version__, machine=platform.machine(), cores=os.cpu_count(),
                 note="shared machine: other jobs ran during the measurement")
     runs: list[dict] = []
+    if args.resume and os.path.exists(out):
+        with open(out) as f:
+            old = json.load(f)
+        runs = [r for r in old["runs"] if r["system"] in args.systems and "error" not in r["result"]]
+        meta["resumed_from"] = dict(when=old["when"], command=old["command"])
+    done = {(r["system"], r["seed"]) for r in runs}
     t_start = time.perf_counter()
     specs = {n: dict(SYSTEMS[n]) for n in args.systems}
     for n, spec in specs.items():
@@ -417,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["systems"] = specs
     for seed in args.seeds:  # interleaved: A B C … for seed 0, then for seed 1, …
         for name in args.systems:
-            if name in args.once and seed != args.seeds[0]:
+            if (name in args.once and seed != args.seeds[0]) or (name, seed) in done:
                 continue
             job = dict(spec=specs[name], workload=args.workload, seed=seed,
                        max_epochs=args.max_epochs, target=target,
