@@ -30,6 +30,17 @@ def _load(path: str) -> dict:
         return json.load(f)
 
 
+def run_length(d: dict) -> str:
+    """'1 epoch(s)' or '1 epoch(s) of the first 12,000 training samples' (from the meta or command)."""
+    import re
+
+    n = d.get("train_samples")
+    if n is None:
+        m = re.search(r"--train-samples (\d+)", d.get("command", ""))
+        n = int(m.group(1)) if m else None
+    return f"{d['max_epochs']} epoch(s)" + (f" of the first {n:,} training samples" if n else "")
+
+
 def plot_tta(path: str, out: str) -> str:
     """Test accuracy against training seconds: one colour per system, one line per seed."""
     d = _load(path)
@@ -106,9 +117,15 @@ def plot_throughput(path: str, out: str) -> str:
     return out
 
 
-def plot_epochs(path: str, out: str) -> str:
+def _merge(paths: list[str]) -> dict:
+    """stat_eff JSONs as one: the first's settings, every file's runs."""
+    ds = [_load(p) for p in paths]
+    return dict(ds[0], runs=[r for d in ds for r in d["runs"]])
+
+
+def plot_epochs(paths: list[str], out: str) -> str:
     """Epochs to the target against k: SMA (b=16), S-SGD (b·k), local SGD (b=16 per process)."""
-    d = _load(path)
+    d = _merge(paths)
     cap = d["max_epochs"]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     styles = {"sma": ("o-", "SMA, b=16 per learner (crossbow_graph)"),
@@ -128,15 +145,18 @@ def plot_epochs(path: str, out: str) -> str:
             if e is None:  # not reached: an open marker at the epochs it ran
                 ran = r["result"]["evals"][-1]["epoch"] if r["result"]["evals"] else cap
                 ax.plot([k], [ran], fmt[0], mfc="none", color=line.get_color(), ms=10)
-                ax.annotate(f"not reached\n(best {100 * r['result']['best_accuracy']:.2f}%)",
-                            (k, ran), fontsize=7, textcoords="offset points", xytext=(4, 4))
+                dy = {"sma": 10, "ssgd": -22, "localsgd": -40}[system]
+                ax.annotate(f"{system}: best {100 * r['result']['best_accuracy']:.2f}%",
+                            (k, ran), fontsize=7, textcoords="offset points", xytext=(6, dy),
+                            color=line.get_color())
     ax.set_xscale("log", base=2)
     ax.set_xticks([1, 2, 4, 8])
     ax.set_xticklabels(["1", "2", "4", "8"])
     ax.set_xlabel("k (learners, or processes for local SGD)")
     ax.set_ylabel(f"epochs to {100 * d['target']:g}% test accuracy")
-    ax.set_title("W1 statistical efficiency (lr 0.02, momentum 0.9; seed "
-                 f"{d['seeds']}; open marker: not reached when the run ended)", fontsize=9)
+    ax.set_title(f"W1 statistical efficiency (lr 0.02, momentum 0.9, seed {d['seeds']})\n"
+                 "open marker: target not reached when the run ended (at that epoch)", fontsize=9)
+    ax.set_ylim(0, cap + 0.7)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -162,8 +182,8 @@ def plot_robustness(path: str, out: str) -> str:
     ax.set_xticklabels(["4", "8", "16", "32", "64"])
     ax.set_xlabel("batch size b")
     ax.set_ylabel("test accuracy after the run (%)")
-    ax.set_title(f"W1 robustness: lr left at 0.02, {d['max_epochs']} epoch(s), seed {d['seeds']}",
-                 fontsize=10)
+    ax.set_title(f"W1 robustness: lr left at 0.02; {run_length(d)}; seed {d['seeds']}",
+                 fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -176,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tta", nargs="*", default=[])
     parser.add_argument("--throughput", default=None)
-    parser.add_argument("--epochs", default=None)
+    parser.add_argument("--epochs", nargs="*", default=[], help="stat_eff epochs JSONs (merged)")
     parser.add_argument("--robustness", default=None)
     parser.add_argument("--out-dir", default=IMAGES)
     args = parser.parse_args(argv)

@@ -16,6 +16,17 @@ def _f(x, spec="{:.1f}"):
     return "—" if x is None else spec.format(x)
 
 
+def run_length(d: dict) -> str:
+    """'1 epoch(s)' or '1 epoch(s) of the first 12,000 training samples' (from the meta or command)."""
+    import re
+
+    n = d.get("train_samples")
+    if n is None:
+        m = re.search(r"--train-samples (\d+)", d.get("command", ""))
+        n = int(m.group(1)) if m else None
+    return f"{d['max_epochs']} epoch(s)" + (f" of the first {n:,} training samples" if n else "")
+
+
 def tta_table(path: str) -> str:
     d = json.load(open(path))
     s = d["summary"]
@@ -46,9 +57,10 @@ def tta_table(path: str) -> str:
     return "\n".join(lines)
 
 
-def epochs_table(path: str) -> str:
-    d = json.load(open(path))
-    lines = [f"`{d['command']}`", "",
+def epochs_table(paths: list[str]) -> str:
+    ds = [json.load(open(p)) for p in paths]
+    d = dict(ds[0], runs=[r for x in ds for r in x["runs"]])
+    lines = [*(f"`{x['command']}`  " for x in ds), "",
              "| system | k | epochs to 99.0% | best acc. | final acc. | epochs run | samples/s |",
              "|---|---|---|---|---|---|---|"]
     for r in d["runs"]:
@@ -66,7 +78,7 @@ def epochs_table(path: str) -> str:
 def robustness_table(path: str) -> str:
     d = json.load(open(path))
     bs = sorted({r["x"] for r in d["runs"]})
-    lines = [f"`{d['command']}` (test accuracy after {d['max_epochs']} epoch(s), lr 0.02)", "",
+    lines = [f"`{d['command']}` (test accuracy after {run_length(d)}, lr 0.02)", "",
              "| system | " + " | ".join(f"b={b}" for b in bs) + " |",
              "|---|" + "---|" * len(bs)]
     for system in ("crossbow", "plain"):
@@ -82,7 +94,7 @@ def robustness_table(path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tta", nargs="*", default=[])
-    parser.add_argument("--epochs", default=None)
+    parser.add_argument("--epochs", nargs="*", default=[], help="stat_eff epochs JSONs (merged)")
     parser.add_argument("--robustness", default=None)
     args = parser.parse_args(argv)
     for p in args.tta:

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = robustness_jobs() if robust else epochs_jobs(args.only)
     meta = dict(when=stamp, part=args.part, workload="w1", target=0.99, seeds=args.seeds,
                 max_epochs=args.epochs if robust else args.max_epochs,
-                max_train_s=None if robust else args.max_train_s,
+                max_train_s=None if robust else args.max_train_s, train_samples=args.train_samples,
                 command="python bench/stat_eff.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 note="shared machine: other jobs ran during the measurement")
     runs, t0 = [], time.perf_counter()
