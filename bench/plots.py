@@ -1,8 +1,9 @@
 """Plots of the benchmark results (PNG, matplotlib) for docs/benchmarks.md.
 
-    python bench/plots.py --tta bench/results/tta-w1.json bench/results/tta-w2.json \\
+    python bench/plots.py --tta bench/results/tta-w1.json bench/results/tta-w2-subset.json \\
         --throughput bench/results/throughput-20261129T081446Z.json \\
-        --epochs bench/results/stat_eff-epochs.json --robustness bench/results/stat_eff-robustness.json
+        --epochs bench/results/stat_eff-epochs.json bench/results/stat_eff-epochs-sma.json \\
+        --robustness bench/results/stat_eff-robustness.json
 
 Writes docs/images/tta_<workload>.png (test accuracy against training seconds, every run of every
 system), throughput_replicas.png (samples/s against learners), epochs_vs_k.png (epochs to target
