@@ -9,14 +9,14 @@ from __future__ import annotations
 from . import datasets, models
 from .api import Plan, compile
 from .compiler.tasks import Cost, Task, TaskKind
-from .config import SGD, SMA
+from .config import SGD, SMA, SSGD
 from .errors import DistributedError, PlanError, TaskError, TraceError
 from .runtime.autotune import AutoTune
 from .runtime.comm import Distributed
 from .runtime.history import History
 
 __all__ = [
-    "compile", "Plan", "SGD", "SMA", "AutoTune", "Task", "TaskKind", "Cost", "History",
+    "compile", "Plan", "SGD", "SMA", "SSGD", "AutoTune", "Task", "TaskKind", "Cost", "History",
     "TraceError", "PlanError", "TaskError", "Distributed", "DistributedError", "datasets", "models",
 ]
 __version__ = "0.1.0"

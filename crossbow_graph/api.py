@@ -15,7 +15,7 @@ from .compiler import inspect as _inspect
 from .compiler.kernels import plan_kernels, select_backend
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
-from .config import SGD, SMA
+from .config import SGD, SMA, SSGD
 from .runtime.checkpoint import load_plan_state_dict, plan_state_dict
 from .runtime.comm import Comm, Distributed, plan_facts
 from .runtime.data import as_dataset, make_fetch, split_inputs
@@ -95,7 +95,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     executor: str = "auto",
     autotune: AutoTune | None = None,
     optimizer: SGD = SGD(),
-    sync: SMA = SMA(),
+    sync: SMA | SSGD = SMA(),
     concrete_args: dict[str, Any] | None = None,
     leaf_modules: Sequence[type[nn.Module]] = (),
     memory_budget: int | None = None,
@@ -125,7 +125,8 @@ def compile(  # noqa: A001 - the public name the design asks for
             (CPU worker processes over shared memory); see ``runtime.scheduler``.
         autotune: the auto-tuner's settings (with ``replicas="auto"``); default ``AutoTune()``.
         optimizer: each learner's local SGD.
-        sync: the SMA settings; α = None means 1/k.
+        sync: the SMA settings (α = None means 1/k), or ``SSGD()``: gradients averaged over the
+            k learners and one SGD step for all replicas (a batch of k·b; the inline executor).
         concrete_args, leaf_modules: passed to the torch.fx tracer (see TraceError's advice).
         memory_budget: bytes available per device for learners; None: no bound on the CPU, the
             GPU's total memory on CUDA.
@@ -164,8 +165,13 @@ def compile(  # noqa: A001 - the public name the design asks for
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
     if not isinstance(optimizer, SGD):
         raise TypeError(f"optimizer must be crossbow_graph.SGD(...), got {type(optimizer).__name__}")
-    if not isinstance(sync, SMA):
-        raise TypeError(f"sync must be crossbow_graph.SMA(...), got {type(sync).__name__}")
+    if not isinstance(sync, (SMA, SSGD)):
+        raise TypeError(f"sync must be crossbow_graph.SMA(...) or crossbow_graph.SSGD(), "
+                        f"got {type(sync).__name__}")
+    if isinstance(sync, SSGD) and executor == "process":
+        raise ValueError("sync=SSGD() runs on the inline executor only: its step needs the global "
+                         "gradient, which the process executor's workers do not wait for; use "
+                         "executor='auto' or 'inline'")
     _check_model(model)
     if distributed is not None and not isinstance(distributed, Distributed):
         raise TypeError(f"distributed must be crossbow_graph.Distributed(...), got {type(distributed).__name__}")

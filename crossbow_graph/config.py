@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-__all__ = ["SGD", "SMA"]
+__all__ = ["SGD", "SMA", "SSGD"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,3 +74,26 @@ class SMA:
         if num_learners == 1:
             return 0.0
         return 1.0 / num_learners if self.alpha is None else self.alpha
+
+
+@dataclass(frozen=True, kw_only=True)
+class SSGD:
+    """Synchronous SGD, the large-batch baseline (DESIGN.md §2, "other sync strategies").
+
+    Every round each of the k learners computes the gradient of its own batch of b samples; the
+    gradients are averaged over all k learners (the all-reduce of S-SGD) and the same SGD step
+    (the ``optimizer``'s lr, momentum, Nesterov, weight decay) is applied to every replica, so all
+    replicas and z stay identical (z = w) and training equals ``torch.optim.SGD`` on one batch of
+    k·b samples (for models without batch-dependent layers; BatchNorm statistics stay per replica).
+
+    It has no settings: it synchronises every round (``sync_every`` = 1) and has no α or μ_z.
+    It runs on the inline executor (``executor="auto"`` resolves to it); the process executor's
+    workers apply their rows' step themselves, before a global gradient exists.
+    """
+
+    sync_every: ClassVar[int] = 1
+    central_momentum: ClassVar[float] = 0.0
+
+    def alpha_for(self, num_learners: int) -> float:
+        """SSGD pulls nothing toward z: 0 for any k (the replicas are z)."""
+        return 0.0

@@ -29,7 +29,7 @@ import networkx as nx
 import torch
 
 from ..compiler.tasks import Task, TaskKind
-from ..config import SGD, SMA
+from ..config import SGD, SMA, SSGD
 from ..errors import TaskError
 from ._learners import LEARNER_MODES, learn_group, learner_seed, rows
 from .faults import FaultMonitor
@@ -144,6 +144,8 @@ class Scheduler:
         """The executor that runs the next round: ``"inline"`` or ``"process"``."""
         if self.executor != "auto":
             return self.executor
+        if isinstance(self.sync, SSGD):  # its step needs the global gradient (config.SSGD)
+            return "inline"
         k = self.num_learners
         if self._resolved is None or self._resolved[0] != k:
             from .workers import fork_available
@@ -273,6 +275,10 @@ class Scheduler:
         """Local SGD step and correction of every replica on the device, and their sum acc_d."""
         d = self._device_index[task.device]
         state = self.states[d]
+        if isinstance(self.sync, SSGD):  # S-SGD: only the device's gradient sum; the step is global
+            with self._cuda_local(d):
+                state.acc = state.g.sum(dim=0, dtype=torch.float32)  # [P]
+            return
         with self._cuda_local(d):
             state.acc, faulty = self.local_update_rows(state, 0, state.m, lr=self.lr, alpha=self.alpha,
                                                        synchronise=self._synchronise,
@@ -315,6 +321,9 @@ class Scheduler:
             return
         states = self.states
         bufs = buffers if buffers is not None else [s.buf for s in states]
+        if isinstance(self.sync, SSGD):
+            self._ssgd_step(bufs)
+            return
         if self.num_learners == 1:  # the single replica is the central model
             s = states[0]
             s.z_prev.copy_(s.z)
@@ -355,6 +364,34 @@ class Scheduler:
         self.comm.all_reduce_sum_(flat, self._round)
         mean_buf = flat[P:].div_(self.num_learners).to(self.states[0].buf.dtype) if Q else None
         return flat[:P], mean_buf
+
+    def _ssgd_step(self, bufs: list[torch.Tensor]) -> None:
+        """S-SGD (config.SSGD): ḡ = Σ_d acc_d / k, one SGD step of replica 0 of device 0 with ḡ,
+        then every replica (w, v) and z on every device set to it; float buffers averaged."""
+        if self.comm is not None:
+            raise ValueError("sync=SSGD() runs in one process for now (its gradient sum is not "
+                             "all-reduced across torchrun ranks); use SMA under torchrun")
+        states, home = self.states, self.states[0].torch_device
+        total = None
+        for s in states:
+            acc = s.acc.to(home)
+            total = acc if total is None else total + acc
+        s0, opt = states[0], self.optimizer
+        with self._cuda_global():
+            self.kernels.local_update(
+                s0.w[:1], s0.v[:1], (total / self.num_learners).unsqueeze(0), None, lr=self.lr,
+                momentum=opt.momentum, nesterov=opt.nesterov, weight_decay=opt.weight_decay,
+                alpha=0.0, first_step=s0.first_step[0])
+            w0, v0 = s0.w[0].clone(), s0.v[0].clone()  # [P]
+            mean_buf = torch.cat([bb.to(home) for bb in bufs]).mean(dim=0) if s0.buf.shape[1] else None
+            for s in states:
+                s.w.copy_(w0.to(s.torch_device).expand_as(s.w))
+                s.v.copy_(v0.to(s.torch_device).expand_as(s.v))
+                s.first_step[:] = [False] * s.m
+                s.z_prev.copy_(s.z)
+                s.z.copy_(w0.to(s.torch_device))
+                if mean_buf is not None:
+                    s.zbuf.copy_(mean_buf.to(s.torch_device))
 
     # -- CUDA streams (inline executor on GPUs) -------------------------------------------------
 
