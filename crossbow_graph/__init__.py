@@ -13,9 +13,13 @@ from .config import SGD, SMA
 from .errors import PlanError, TaskError, TraceError
 from .runtime.autotune import AutoTune
 from .runtime.history import History
+from .runtime.policies import (AdaptiveBatchSize, Adjustment, AutoReplicas, CosineLR,
+                               DivergenceGuard, MultiStepLR, Policy, StepLR)
 
 __all__ = [
     "compile", "Plan", "SGD", "SMA", "AutoTune", "Task", "TaskKind", "Cost", "History",
     "TraceError", "PlanError", "TaskError", "datasets", "models",
+    "Policy", "Adjustment", "AutoReplicas", "AdaptiveBatchSize", "StepLR", "MultiStepLR",
+    "CosineLR", "DivergenceGuard",
 ]
 __version__ = "0.1.0"

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--evals-per-epoch", type=int, default=4, help="test evaluations per epoch")
     train.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument("--policy", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
+                       help="a hyper-parameter policy, repeatable: auto_replicas, adaptive_batch, "
+                            "step_lr, multistep_lr, cosine_lr, divergence_guard (e.g. "
+                            "adaptive_batch:max_batch_size=128; tuples as 3/4)")
     _add_inspect_parser(sub)
     return parser
 
@@ -265,6 +269,9 @@ def _train(args: argparse.Namespace) -> int:
         optimizer=cg.SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay),
         sync=cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum),
     )
+    from .runtime.policies import parse_policy
+
+    policies = [parse_policy(p) for p in args.policy]
     print(plan.summary(), flush=True)
     target = args.target if args.target > 0 else None
     try:
@@ -272,7 +279,7 @@ def _train(args: argparse.Namespace) -> int:
                            target_accuracy=target, evals_per_epoch=args.evals_per_epoch,
                            progress=not args.quiet, checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, resume=args.resume,
-                           log_dir=args.log_dir)
+                           log_dir=args.log_dir, policies=policies)
     except (CheckpointError, DivergenceError) as exc:  # the user can act on these: one line, exit 2
         print(f"crossbow-graph train: error: {exc}", file=sys.stderr)
         return 2
@@ -280,6 +287,8 @@ def _train(args: argparse.Namespace) -> int:
         print(f"autotune round {d.round}: m={d.replicas_per_device} {d.learner_mode} "
               f"{d.samples_per_s:,.0f} samples/s → {d.action} (m={d.next_replicas_per_device}, "
               f"{d.next_learner_mode})")
+    for p in history.policy:
+        print(f"policy round {p.round}: {p.policy} {p.changes} ({p.reason})")
     for e in history.epochs:
         acc = f"{e.test_accuracy:.4f}" if e.test_accuracy is not None else "-"
         print(f"epoch {e.epoch}: loss {e.train_loss:.4f}  test accuracy {acc}  "

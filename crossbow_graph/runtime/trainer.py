@@ -12,6 +12,7 @@ from .checkpoint import CheckpointHook
 from .data import BatchSchedule, as_dataset, make_fetch
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
+from .metrics import MetricsMonitor
 from .metrics_log import MetricsLogger
 from .timeline import Timeline
 from .validate import check_first_batch
@@ -40,12 +41,16 @@ def run_fit(
     resume: bool = False,
     log_dir: str | None = None,
     trace: str | None = None,
+    policies: list[Hook] = (),
+    metrics_every: int | None = 50,
 ) -> History:
     """Run ``Plan.fit`` (see its docstring for the arguments and errors).
 
     Rounds take the next k·b samples of the epoch's order (``BatchSchedule.next_round``), with k
     read before every round, so hooks (the auto-tuner) may change the replicas between rounds and
-    every batch of an epoch stays disjoint. A resumed fit starts at the saved sample position of
+    every batch of an epoch stays disjoint (b too is read before every round: policies may change
+    it). A MetricsMonitor (every ``metrics_every`` rounds) runs after the other hooks and before
+    the ``policies``, which run last but for logging and checkpoints. A resumed fit starts at the saved sample position of
     its epoch. Worker processes, if any, live for the fit.
     """
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
@@ -68,6 +73,9 @@ def run_fit(
     torch.manual_seed(seed)
     history = History(target_accuracy=target_accuracy)
     hooks = list(hooks)
+    if metrics_every is not None:
+        hooks.append(MetricsMonitor(metrics_every))
+    hooks += list(policies)
     end_epoch = plan.epochs_done + epochs
     if log_dir is not None:
         hooks.append(MetricsLogger(log_dir))
@@ -99,14 +107,15 @@ def run_fit(
 def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accuracy,
             evals_per_epoch, eval_batch_size, progress, sync_totals) -> None:
     n = schedule.num_samples
-    tau = plan.sync.sync_every
     sched = plan.scheduler
     speculate = all(not getattr(h, "mutates_replicas", True) for h in hooks)
     ctx = FitContext(plan=plan, history=history, train_seconds=plan.train_seconds,
                      rounds_per_epoch=n // (plan.num_learners * plan.batch_size))
     for hook in hooks:
         hook.before_fit(ctx)
-    faults_seen = len(sched.faults.events)
+    monitor, faults_seen = sched.faults, len(sched.faults.events)
+    measures = [h for h in hooks if hasattr(h, "wants_gradients")]
+    ctx.extra["num_samples"] = n
     while plan.epochs_done < end_epoch:
         epoch = plan.epochs_done
         position = plan.position_in_epoch  # > 0 when resumed in the middle of an epoch
@@ -128,7 +137,8 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
         while True:
             for hook in hooks:
                 hook.before_round(ctx)
-            schedule.num_learners = plan.num_learners
+            schedule.num_learners, schedule.batch_size = plan.num_learners, plan.batch_size
+            ctx.rounds_per_epoch = schedule.rounds_per_epoch
             indices = schedule.next_round(order, position)
             if indices is None:
                 break
@@ -136,12 +146,17 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
             upcoming = schedule.next_round(order, position)  # if k stays, the next round's samples
             n_losses = len(sched.losses)
             plan.rounds_done += 1
-            sched.run_round(plan.rounds_done - 1, synchronise=plan.rounds_done % tau == 0,
-                            indices=indices, next_indices=upcoming if speculate else None)
+            # a round whose gradients a hook reads (the noise scale) does not overlap the next
+            ahead = speculate and not any(h.wants_gradients(plan.rounds_done) for h in measures)
+            sched.run_round(plan.rounds_done - 1,
+                            synchronise=plan.rounds_done % plan.sync.sync_every == 0,
+                            indices=indices, next_indices=upcoming if ahead else None)
             rounds_run += 1
             samples_run += len(indices)
             plan.round_in_epoch, plan.position_in_epoch = rounds_run, position
             bar.update(len(indices))
+            if sched.faults is not monitor:  # re-planned (replicas, batch size): a new monitor
+                monitor, faults_seen = sched.faults, 0
             if len(sched.faults.events) > faults_seen:
                 history.faults.extend(sched.faults.events[faults_seen:])
                 faults_seen = len(sched.faults.events)
@@ -149,6 +164,7 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
                 ctx.round_in_epoch = rounds_run
                 ctx.batch_indices = indices
                 ctx.round_samples = len(indices)
+                ctx.extra["round_losses"] = sched.losses[n_losses:]
                 ctx.round_loss = torch.stack(sched.losses[n_losses:]).mean()
                 ctx.train_seconds = plan.train_seconds + epoch_seconds + time.perf_counter() - start
                 for hook in hooks:
