@@ -178,16 +178,17 @@ def test_adaptive_batch_size_rule():
     p = AdaptiveBatchSize(min_batch_size=4, max_batch_size=32, shrink=True)
     assert p.target(4, 7.9) == 4 and p.target(4, 8.0) == 8 and p.target(16, 1e9) == 32
     assert p.target(32, 1e9) == 32 and p.target(16, 8.0) == 8 and p.target(4, 0.1) == 4
+    assert p.target(4, 31.9, k=4) == 4 and p.target(4, 32.0, k=4) == 8  # against k·b
     assert AdaptiveBatchSize(min_batch_size=4).target(16, 1.0) == 16  # no shrinking by default
 
 
 def test_adaptive_batch_size_grows_b_in_a_fit():
-    """Random labels: the gradient is all noise (B_noise ≫ b), so b doubles up to the bound, with
-    η scaled alike, and every round's batches stay disjoint."""
+    """Random labels: the gradient is all noise (B_noise ≫ b), so b doubles up to the bound (with
+    scale_lr, η alike), and every round's batches stay disjoint."""
     plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     snap = Snapshots()
     h = plan.fit(tiny_data(640), 1, progress=False, hooks=[snap], metrics_every=2,
-                 policies=[AdaptiveBatchSize(max_batch_size=16, cooldown=1)])
+                 policies=[AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, scale_lr=True)])
     assert [p.changes["batch_size"] for p in h.policy] == [8, 16]
     assert plan.batch_size == 16 and plan.scheduler.lr == pytest.approx(0.04)
     idx = torch.cat([r["indices"] for r in snap.rounds])

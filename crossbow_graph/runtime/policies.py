@@ -236,20 +236,24 @@ class AutoReplicas(Policy):
 class AdaptiveBatchSize(Policy):
     """Move b toward the measured gradient noise scale B_noise (McCandlish et al. 2018), in bounds.
 
-    After each metrics window with a noise-scale estimate (and at least ``cooldown`` windows after
-    the last change), if B_noise ≥ ``factor``·b the batch size is multiplied by ``factor``; if
-    ``shrink`` and B_noise ≤ b/``factor`` it is divided by it; always within
-    [``min_batch_size``, ``max_batch_size``]. The change re-plans the learners and re-checks the
+    After each metrics window with a noise-scale estimate (and at least ``cooldown_epochs`` of
+    training samples after the fit's start or the last change, so that the noise-scale EMA has
+    settled), if B_noise ≥ ``factor``·k·b the batch size is multiplied by ``factor``; if
+    ``shrink`` and B_noise ≤ k·b/``factor`` it is divided by it; always within
+    [``min_batch_size``, ``max_batch_size``]. B_noise is compared with the round's k·b samples,
+    which the central model's update averages (the two-batch estimator's large batch). The change re-plans the learners and re-checks the
     memory bound (a batch that does not fit is not taken, and ``max_batch_size`` drops to the last
-    that fit). With ``scale_lr`` the learning rate is scaled by the same factor (η/b constant,
-    the linear scaling rule of Goyal et al. 2017), so a larger b takes the same step per sample.
-    Data stay disjoint: rounds take the next k·b positions of the epoch's order.
+    that fit). By default η stays: a growing b then lowers the SGD noise temperature η/b as a
+    learning-rate decay would (Smith et al. 2018, "Don't decay the learning rate, increase the
+    batch size"); with ``scale_lr`` η is scaled by the same factor (η/b constant, the linear
+    scaling rule of Goyal et al. 2017). Data stay disjoint: rounds take the next k·b positions
+    of the epoch's order.
 
     Args:
         min_batch_size: smallest b (≥ 1); None: the b the fit starts with.
         max_batch_size: largest b (≥ min).
         factor: multiplicative step (> 1), 2 by default.
-        cooldown: metrics windows to wait after a change (the noise-scale EMA settles), ≥ 1.
+        cooldown_epochs: epochs of samples to wait after the start and after a change (> 0).
         scale_lr: scale η with b.
         shrink: also shrink b when B_noise falls below b/factor.
 
@@ -257,8 +261,8 @@ class AdaptiveBatchSize(Policy):
         ValueError: bounds or factor out of range.
     """
 
-    def __init__(self, *, min_batch_size: int | None = None, max_batch_size: int = 256,
-                 factor: float = 2.0, cooldown: int = 4, scale_lr: bool = True,
+    def __init__(self, *, min_batch_size: int | None = None, max_batch_size: int = 128,
+                 factor: float = 2.0, cooldown_epochs: float = 0.5, scale_lr: bool = False,
                  shrink: bool = False) -> None:
         if min_batch_size is not None and min_batch_size < 1:
             raise ValueError(f"AdaptiveBatchSize(min_batch_size={min_batch_size}): must be ≥ 1")
@@ -267,12 +271,13 @@ class AdaptiveBatchSize(Policy):
                              f"min_batch_size={min_batch_size}")
         if not factor > 1:
             raise ValueError(f"AdaptiveBatchSize(factor={factor}): must be > 1, e.g. 2")
-        if cooldown < 1:
-            raise ValueError(f"AdaptiveBatchSize(cooldown={cooldown}): must be ≥ 1 window")
+        if not cooldown_epochs > 0:
+            raise ValueError(f"AdaptiveBatchSize(cooldown_epochs={cooldown_epochs}): must be > 0")
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
-        self.factor, self.cooldown, self.scale_lr, self.shrink = factor, cooldown, scale_lr, shrink
+        self.factor, self.cooldown_epochs = factor, cooldown_epochs
+        self.scale_lr, self.shrink = scale_lr, shrink
         self._seen = None  # the MetricRecord last acted on
-        self._wait = 0
+        self._wait = 0.0  # samples still to wait
 
     def state_dict(self) -> dict:
         return {"min": self.min_batch_size, "max": self.max_batch_size, "wait": self._wait}
@@ -280,43 +285,47 @@ class AdaptiveBatchSize(Policy):
     def load_state_dict(self, state: dict) -> None:
         self.min_batch_size, self.max_batch_size, self._wait = state["min"], state["max"], state["wait"]
 
+    def _cooldown_samples(self, ctx: FitContext) -> float:
+        return self.cooldown_epochs * ctx.extra.get("num_samples", 0)
+
     def before_fit(self, ctx: FitContext) -> None:
         if self.min_batch_size is None:
             self.min_batch_size = ctx.plan.batch_size
-        self._wait = self.cooldown
+        self._wait = self._cooldown_samples(ctx)
 
-    def target(self, b: int, noise_scale: float) -> int:
-        """The next b for the current b and B_noise (samples): one ``factor`` step, in bounds."""
+    def target(self, b: int, noise_scale: float, k: int = 1) -> int:
+        """The next b for the current b, B_noise (samples) and k learners: one ``factor`` step,
+        in bounds."""
         lo, hi = self.min_batch_size or 1, self.max_batch_size
-        if noise_scale >= self.factor * b and b < hi:
+        if noise_scale >= self.factor * k * b and b < hi:
             return min(hi, max(lo, int(round(b * self.factor))))
-        if self.shrink and noise_scale <= b / self.factor and b > lo:
+        if self.shrink and noise_scale <= k * b / self.factor and b > lo:
             return max(lo, min(hi, int(round(b / self.factor))))
         return b
 
     def after_round(self, ctx: FitContext) -> None:
+        self._wait -= ctx.round_samples
         mon = self.metrics(ctx)
         if mon is None or mon.last is None or mon.last is self._seen:
             return
         self._seen = mon.last
-        self._wait -= 1
         ns = mon.last.noise_scale
         if ns is None or self._wait > 0:
             return
         plan = ctx.plan
         b = plan.batch_size
-        b2 = self.target(b, ns)
+        b2 = self.target(b, ns, plan.num_learners)
         if b2 == b:
             return
         lr = plan.scheduler.lr * b2 / b if self.scale_lr else None
         try:
             self.adjust(ctx, batch_size=b2, lr=lr,
-                        reason=f"noise scale {ns:,.1f} samples vs b={b} (bounds "
+                        reason=f"noise scale {ns:,.1f} samples vs k·b={plan.num_learners}×{b} (bounds "
                                f"{self.min_batch_size}…{self.max_batch_size})")
         except PlanError:
             self.max_batch_size = b  # the memory bound: stay
             return
-        self._wait = self.cooldown
+        self._wait = self._cooldown_samples(ctx)
 
 
 # -- learning-rate schedules ---------------------------------------------------------------------
