@@ -257,6 +257,9 @@ def _load_dataset(args: argparse.Namespace):
 def _train(args: argparse.Namespace) -> int:
     import crossbow_graph as cg
 
+    from .runtime.policies import parse_policy
+
+    policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
     torch.manual_seed(args.seed)
     model = cg.models.get_model(args.model)
     train_set, test_set = _load_dataset(args)
@@ -269,9 +272,6 @@ def _train(args: argparse.Namespace) -> int:
         optimizer=cg.SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay),
         sync=cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum),
     )
-    from .runtime.policies import parse_policy
-
-    policies = [parse_policy(p) for p in args.policy]
     print(plan.summary(), flush=True)
     target = args.target if args.target > 0 else None
     try:

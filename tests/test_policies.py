@@ -302,3 +302,12 @@ def test_auto_replicas_policy_grows_m():
                  metrics_every=None)
     assert plan.replicas_per_device == 3
     assert [p.changes["replicas_per_device"] for p in h.policy] == [2, 3]
+
+
+def test_cli_policy_flag(capsys):
+    from crossbow_graph.cli import build_parser, main
+
+    args = build_parser().parse_args(["train", "--policy", "adaptive_batch", "--policy", "step_lr:gamma=0.5"])
+    assert args.policy == ["adaptive_batch", "step_lr:gamma=0.5"]
+    assert main(["train", "--policy", "nope", "--quiet"]) == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().err

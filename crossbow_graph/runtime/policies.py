@@ -237,8 +237,7 @@ class AdaptiveBatchSize(Policy):
     """Move b toward the measured gradient noise scale B_noise (McCandlish et al. 2018), in bounds.
 
     After each metrics window with a noise-scale estimate (and at least ``cooldown_epochs`` of
-    training samples after the fit's start or the last change, so that the noise-scale EMA has
-    settled), if B_noise ≥ ``factor``·k·b the batch size is multiplied by ``factor``; if
+    training samples after the last change, so that the noise-scale EMA has settled), if B_noise ≥ ``factor``·k·b the batch size is multiplied by ``factor``; if
     ``shrink`` and B_noise ≤ k·b/``factor`` it is divided by it; always within
     [``min_batch_size``, ``max_batch_size``]. B_noise is compared with the round's k·b samples,
     which the central model's update averages (the two-batch estimator's large batch). The change re-plans the learners and re-checks the
@@ -253,7 +252,7 @@ class AdaptiveBatchSize(Policy):
         min_batch_size: smallest b (≥ 1); None: the b the fit starts with.
         max_batch_size: largest b (≥ min).
         factor: multiplicative step (> 1), 2 by default.
-        cooldown_epochs: epochs of samples to wait after the start and after a change (> 0).
+        cooldown_epochs: epochs of samples to wait after a change (> 0).
         scale_lr: scale η with b.
         shrink: also shrink b when B_noise falls below b/factor.
 
@@ -291,7 +290,7 @@ class AdaptiveBatchSize(Policy):
     def before_fit(self, ctx: FitContext) -> None:
         if self.min_batch_size is None:
             self.min_batch_size = ctx.plan.batch_size
-        self._wait = self._cooldown_samples(ctx)
+        self._wait = 0.0
 
     def target(self, b: int, noise_scale: float, k: int = 1) -> int:
         """The next b for the current b, B_noise (samples) and k learners: one ``factor`` step,

@@ -111,11 +111,11 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
     speculate = all(not getattr(h, "mutates_replicas", True) for h in hooks)
     ctx = FitContext(plan=plan, history=history, train_seconds=plan.train_seconds,
                      rounds_per_epoch=n // (plan.num_learners * plan.batch_size))
+    ctx.extra["num_samples"] = n  # N, samples per epoch
     for hook in hooks:
         hook.before_fit(ctx)
     monitor, faults_seen = sched.faults, len(sched.faults.events)
     measures = [h for h in hooks if hasattr(h, "wants_gradients")]
-    ctx.extra["num_samples"] = n
     while plan.epochs_done < end_epoch:
         epoch = plan.epochs_done
         position = plan.position_in_epoch  # > 0 when resumed in the middle of an epoch
