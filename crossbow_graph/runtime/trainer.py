@@ -50,8 +50,8 @@ def run_fit(
     read before every round, so hooks (the auto-tuner) may change the replicas between rounds and
     every batch of an epoch stays disjoint (b too is read before every round: policies may change
     it). A MetricsMonitor (every ``metrics_every`` rounds) runs after the other hooks and before
-    the ``policies``, which run last but for logging and checkpoints. A resumed fit starts at the saved sample position of
-    its epoch. Worker processes, if any, live for the fit.
+    the ``policies``, which run last but for logging and checkpoints. A resumed fit starts at the
+    saved sample position of its epoch. Worker processes, if any, live for the fit.
     """
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
@@ -215,6 +215,8 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
             hook.after_epoch(ctx, history.epochs[-1])
         if history.time_to_accuracy_s is not None or ctx.stop:
             break
+    if sched.faults is monitor and len(sched.faults.events) > faults_seen:  # a hook's, last round
+        history.faults.extend(sched.faults.events[faults_seen:])
     sync_totals()
     for hook in hooks:
         hook.after_fit(ctx)
