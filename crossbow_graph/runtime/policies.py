@@ -465,8 +465,10 @@ class DivergenceGuard(Policy):
       (or NaN) is reset from z the same way: its correction, the only way a replica reaches z,
       is zero, so it is left out of that round's average (``Scheduler.max_divergence``; one more
       reduction over ``w [m, P]`` per device per round);
-    * after every round, a replica whose loss is NaN/Inf or above ``loss_factor`` × the median of
-      the round's losses is reset from z (w ← z, v ← 0, buffers ← zbuf) before the next round.
+    * after every round, a replica whose loss is NaN/Inf, or above both ``loss_factor`` × the
+      median of the round's losses and the fit's first-round mean loss (so that the ordinary
+      spread of small losses near convergence is not taken for an explosion), is reset from z
+      (w ← z, v ← 0, buffers ← zbuf) before the next round.
 
     Resets are FaultEvents in ``History.faults``; every learner failing in one round raises
     DivergenceError (runtime/faults.py).
@@ -482,8 +484,10 @@ class DivergenceGuard(Policy):
         if loss_factor is not None and not loss_factor > 1:
             raise ValueError(f"DivergenceGuard(loss_factor={loss_factor}): must be > 1")
         self.max_divergence, self.loss_factor = max_divergence, loss_factor
+        self._first_loss: float | None = None
 
     def before_fit(self, ctx: FitContext) -> None:
+        self._first_loss = None
         ctx.plan.scheduler.close_workers()  # forked workers read the threshold when they start
         ctx.plan.scheduler.max_divergence = self.max_divergence
 
@@ -498,7 +502,10 @@ class DivergenceGuard(Policy):
         loss = torch.stack([x.detach().float().cpu() for x in losses])  # [k], device-major
         finite = torch.isfinite(loss)
         med = loss[finite].median() if bool(finite.any()) else torch.tensor(float("nan"))
-        bad = ~finite | (loss > self.loss_factor * med.abs().clamp_min(1e-12))
+        if self._first_loss is None and bool(finite.any()):
+            self._first_loss = float(loss[finite].mean())
+        floor = self._first_loss if self._first_loss is not None else 0.0
+        bad = ~finite | ((loss > self.loss_factor * med.abs().clamp_min(1e-12)) & (loss > floor))
         if not bool(bad.any()):
             return
         plan, sched = ctx.plan, ctx.plan.scheduler
