@@ -60,6 +60,8 @@ def plot(rows: list[dict], path: str) -> None:
         if not ms:
             continue
         style = "-" if r["variant"] == "none" else "--"
+        if r["seed"] != 0:  # the plot shows seed 0
+            continue
         label = f"b={r['batch_size']} {r['variant']}"
         axes[0].plot([m["epoch"] for m in ms], [m["noise_scale"] for m in ms], style, label=label)
         axes[1].plot([m["epoch"] for m in r["metrics"]], [m["batch_size"] for m in r["metrics"]],
@@ -105,12 +107,12 @@ def main() -> None:
                   f"final_lr={r['final_lr']:.3g} train_s={r['train_seconds']:.1f}", flush=True)
             with open(args.out, "w") as f:
                 json.dump({"workload": "W1 LeNet-5/MNIST", "target": 0.99, "runs": rows}, f, indent=1)
-    rows.sort(key=lambda r: (r["variant"], r["batch_size"]))
-    print("\n| b | policy | final accuracy | epochs to 99.0% | final b | final lr | train s |")
-    print("|---|---|---|---|---|---|---|")
+    rows.sort(key=lambda r: (r["variant"], r["batch_size"], r["seed"]))
+    print("\n| b | policy | seed | final accuracy | epochs to 99.0% | final b | final lr | train s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         e = f"{r['epochs_to_accuracy']:.2f}" if r["epochs_to_accuracy"] is not None else f"not in {r['epochs_max']}"
-        print(f"| {r['batch_size']} | {r['variant']} | {r['final_accuracy']:.4f} | {e} | "
+        print(f"| {r['batch_size']} | {r['variant']} | {r['seed']} | {r['final_accuracy']:.4f} | {e} | "
               f"{r['final_batch_size']} | {r['final_lr']:.3g} | {r['train_seconds']:.1f} |")
     plot(rows, args.plot)
 
