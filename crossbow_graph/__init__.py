@@ -14,9 +14,13 @@ from .errors import DistributedError, PlanError, TaskError, TraceError
 from .runtime.autotune import AutoTune
 from .runtime.comm import Distributed
 from .runtime.history import History
+from .runtime.policies import (AdaptiveBatchSize, Adjustment, AutoReplicas, CosineLR,
+                               DivergenceGuard, MultiStepLR, Policy, StepLR)
 
 __all__ = [
     "compile", "Plan", "SGD", "SMA", "SSGD", "AutoTune", "Task", "TaskKind", "Cost", "History",
     "TraceError", "PlanError", "TaskError", "Distributed", "DistributedError", "datasets", "models",
+    "Policy", "Adjustment", "AutoReplicas", "AdaptiveBatchSize", "StepLR", "MultiStepLR",
+    "CosineLR", "DivergenceGuard",
 ]
 __version__ = "0.1.0"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pathlib
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import networkx as nx
 import torch
@@ -25,6 +25,9 @@ from .runtime.autotune import AutoTune, AutoTuner
 from .runtime.scheduler import Scheduler
 from .runtime.trainer import run_fit
 from .runtime.state import DeviceState, FlatLayout, float_buffers_named, trainable_named
+
+if TYPE_CHECKING:
+    from .runtime.policies import Adjustment
 
 __all__ = ["compile", "Plan", "resolve_devices"]
 
@@ -486,6 +489,8 @@ class Plan:
         resume: bool = False,
         log_dir: str | None = None,
         trace: str | None = None,
+        policies: Sequence[Hook] = (),
+        metrics_every: int | None = 50,
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -517,6 +522,11 @@ class Plan:
             trace: write a Chrome-trace JSON timeline of every task to this path
                 (``chrome://tracing``, Perfetto): the global sync of round t under round t+1's
                 learning is the overlap.
+            policies: hyper-parameter policies (``crossbow_graph.Policy``: AdaptiveBatchSize,
+                StepLR, DivergenceGuard, ...; runtime/policies.py, DESIGN.md §5), run after the
+                hooks and the metrics; they change the plan through ``Plan.adjust``.
+            metrics_every: N, rounds per metrics window (``History.metrics``: samples/s, loss,
+                lr, divergence, gradient noise scale; runtime/metrics.py); None: no metrics.
 
         Returns:
             The History: per epoch training loss, test accuracy, samples/s, training seconds;
@@ -538,4 +548,21 @@ class Plan:
                        hooks=([self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main)
                               else []) + list(hooks),
                        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                       resume=resume, log_dir=log_dir, trace=trace)
+                       resume=resume, log_dir=log_dir, trace=trace, policies=list(policies),
+                       metrics_every=metrics_every)
+
+    def adjust(self, adjustment: "Adjustment") -> dict[str, Any]:
+        """Change lr, b, α, τ or m (or reset every replica to z) between rounds, on every device:
+        the one narrow interface of policies (runtime/policies.py ``apply_adjustment``; DESIGN.md
+        §5). A change of b re-plans the learners and re-checks the memory bound.
+
+        Returns:
+            What changed, e.g. ``{"batch_size": 32}``.
+
+        Raises:
+            PlanError: the new b or m exceeds the memory budget (nothing changed).
+            ValueError: α with k = 1.
+        """
+        from .runtime.policies import apply_adjustment
+
+        return apply_adjustment(self, adjustment)

@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "with an error (a rank died or hangs)")
     train.add_argument("--checksum-every", type=int, default=100,
                        help="under torchrun: rounds between checks that z is identical on every rank")
+    train.add_argument("--policy", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
+                       help="a hyper-parameter policy, repeatable: auto_replicas, adaptive_batch, "
+                            "step_lr, multistep_lr, cosine_lr, divergence_guard (e.g. "
+                            "adaptive_batch:max_batch_size=128; tuples as 3/4)")
     _add_inspect_parser(sub)
     _add_bench_parser(sub)
     return parser
@@ -285,6 +289,9 @@ def _load_dataset(args: argparse.Namespace):
 def _train(args: argparse.Namespace) -> int:
     import crossbow_graph as cg
 
+    from .runtime.policies import parse_policy
+
+    policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
     torch.manual_seed(args.seed)
     model = cg.models.get_model(args.model)
     train_set, test_set = _load_dataset(args)
@@ -313,7 +320,7 @@ def _train(args: argparse.Namespace) -> int:
                            target_accuracy=target, evals_per_epoch=args.evals_per_epoch,
                            progress=not args.quiet, checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, resume=args.resume,
-                           log_dir=args.log_dir)
+                           log_dir=args.log_dir, policies=policies)
     except (CheckpointError, DivergenceError, DistributedError) as exc:  # one line, exit 2
         print(f"crossbow-graph train: error: {exc}", file=sys.stderr)
         return 2
@@ -328,6 +335,8 @@ def _train(args: argparse.Namespace) -> int:
         print(f"autotune round {d.round}: m={d.replicas_per_device} {d.learner_mode} "
               f"{d.samples_per_s:,.0f} samples/s → {d.action} (m={d.next_replicas_per_device}, "
               f"{d.next_learner_mode})")
+    for p in history.policy:
+        print(f"policy round {p.round}: {p.policy} {p.changes} ({p.reason})")
     for e in history.epochs:
         acc = f"{e.test_accuracy:.4f}" if e.test_accuracy is not None else "-"
         print(f"epoch {e.epoch}: loss {e.train_loss:.4f}  test accuracy {acc}  "

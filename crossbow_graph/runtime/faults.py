@@ -59,17 +59,23 @@ class FaultMonitor:
 
     @staticmethod
     @torch.no_grad()
-    def find_and_reset(state: DeviceState, r0: int, r1: int) -> list[int]:
+    def find_and_reset(state: DeviceState, r0: int, r1: int,
+                       max_divergence: float | None = None) -> list[int]:
         """Test replicas ``r0 … r1−1`` of a device before their local update; reset the faulty ones.
 
         Cost: one reduction over ``g[r0:r1] [n, P]`` and one host read of n booleans. A faulty
         replica gets ``w ← z``, ``v ← 0``, ``g ← 0``, ``buf ← zbuf``, so its correction is zero.
-        Worker processes call it for their own rows.
+        Worker processes call it for their own rows. With ``max_divergence`` (policies'
+        DivergenceGuard) a replica with ‖ŵ_j − z‖/‖z‖ above it, or NaN, is faulty too (one more
+        reduction over ``w[r0:r1]``).
 
         Returns:
             The faulty replicas' indices on the device (empty when all are finite).
         """
         faulty = ~torch.isfinite(state.g[r0:r1].sum(dim=1))  # [n]
+        if max_divergence is not None:
+            dist = (state.w[r0:r1] - state.z).norm(dim=1)  # [n]
+            faulty |= ~(dist <= max_divergence * state.z.norm().clamp_min(1e-12))
         if not bool(faulty.any()):
             return []
         rows = (faulty.nonzero().flatten() + r0).tolist()
@@ -101,7 +107,7 @@ class FaultMonitor:
         self._faulty_in_round += len(rows)
         for r in rows:
             self.events.append(FaultEvent(round=round_index, device=state.name, replica=r))
-            log.warning("round %d: replica %d on %s has NaN/Inf gradients; reset from the central "
+            log.warning("round %d: replica %d on %s has NaN/Inf gradients or diverged; reset from the central "
                         "model z and left out of the round's average", round_index, r, state.name)
         if self._faulty_in_round >= num_learners:
             raise DivergenceError(

@@ -90,6 +90,9 @@ class History:
         autotune: every decision of the replica auto-tuner, in order.
         sync_seconds: synchronisation work during the fit (local and global syncs), seconds.
         sync_exposed_seconds: the part of it learners waited for (not hidden), seconds.
+        metrics: one runtime/metrics.py MetricRecord per metrics window (samples/s, loss, lr, b,
+            m, divergence, gradient noise scale; ``fit(metrics_every=N)``).
+        policy: every adjustment a policy applied (runtime/policies.py PolicyRecord).
     """
 
     epochs: list[EpochRecord] = field(default_factory=list)
@@ -101,6 +104,8 @@ class History:
     autotune: list[AutotuneRecord] = field(default_factory=list)
     sync_seconds: float = 0.0
     sync_exposed_seconds: float = 0.0
+    metrics: list = field(default_factory=list)
+    policy: list = field(default_factory=list)
 
     @property
     def sync_unhidden_share(self) -> float | None:

@@ -70,6 +70,9 @@ class Scheduler:
         sync_seconds, sync_exposed_seconds: synchronisation work so far, and the part of it that
             learners waited for (not hidden behind learning), in seconds.
         timeline: a ``Timeline`` receiving every task's span, or None.
+        max_divergence: if set (policies' DivergenceGuard), a replica with ‖ŵ_j − z‖/‖z‖ above
+            it is reset from z before its local update, like a NaN/Inf one (runtime/faults.py);
+            worker processes read it when they start.
     """
 
     def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Callable,
@@ -89,6 +92,7 @@ class Scheduler:
         self.optimizer = optimizer
         self.sync = sync
         self.lr = optimizer.lr
+        self.max_divergence: float | None = None
         self.learner_mode = learner_mode
         self.executor = executor
         self.losses: list[torch.Tensor] = []
@@ -296,7 +300,7 @@ class Scheduler:
             (the rows' sum of corrections ``[P]``, None in a round without synchronisation;
             the faulty replicas' indices on the device).
         """
-        faulty = FaultMonitor.find_and_reset(state, r0, r1)
+        faulty = FaultMonitor.find_and_reset(state, r0, r1, self.max_divergence)
         acc = self.kernels.local_update(
             state.w[r0:r1], state.v[r0:r1], state.g[r0:r1], state.z if synchronise else None,
             lr=lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov,

@@ -12,6 +12,7 @@ from .checkpoint import CheckpointHook
 from .data import BatchSchedule, as_dataset, make_fetch
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
+from .metrics import MetricsMonitor
 from .metrics_log import MetricsLogger
 from .timeline import Timeline
 from .validate import check_first_batch
@@ -40,13 +41,17 @@ def run_fit(
     resume: bool = False,
     log_dir: str | None = None,
     trace: str | None = None,
+    policies: list[Hook] = (),
+    metrics_every: int | None = 50,
 ) -> History:
     """Run ``Plan.fit`` (see its docstring for the arguments and errors).
 
     Rounds take the next k·b samples of the epoch's order (``BatchSchedule.next_round``), with k
     read before every round, so hooks (the auto-tuner) may change the replicas between rounds and
-    every batch of an epoch stays disjoint. A resumed fit starts at the saved sample position of
-    its epoch. Worker processes, if any, live for the fit.
+    every batch of an epoch stays disjoint (b too is read before every round: policies may change
+    it). A MetricsMonitor (every ``metrics_every`` rounds) runs after the other hooks and before
+    the ``policies``, which run last but for logging and checkpoints. A resumed fit starts at the
+    saved sample position of its epoch. Worker processes, if any, live for the fit.
 
     Under torchrun (``plan.comm``) every rank draws the same round of k·b indices and keeps its own
     learners' rows (rank r: global learners r·k_r …, ``_mine``); only rank 0 shows progress,
@@ -54,7 +59,7 @@ def run_fit(
     hooks, and rank 0's m, learner mode, lr, α and stop are then broadcast and applied on every
     rank (``Comm.agree_settings``: after each round's hooks, and before a round when hooks ran
     since); z is compared across ranks every ``checksum_every`` rounds and at the end
-    (docs/distributed.md).
+    (docs/distributed.md). A policy's batch size or sync interval is not broadcast yet.
     """
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
@@ -85,6 +90,9 @@ def run_fit(
     torch.manual_seed(seed)
     history = History(target_accuracy=target_accuracy)
     hooks = list(hooks)
+    if metrics_every is not None:
+        hooks.append(MetricsMonitor(metrics_every))
+    hooks += list(policies)
     end_epoch = plan.epochs_done + epochs
     if log_dir is not None and main:
         hooks.append(MetricsLogger(log_dir))
@@ -168,14 +176,15 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
             evals_per_epoch, eval_batch_size, progress, sync_totals) -> None:
     n = schedule.num_samples
     comm = plan.comm
-    tau = plan.sync.sync_every
     sched = plan.scheduler
     speculate = all(not getattr(h, "mutates_replicas", True) for h in hooks)
     ctx = FitContext(plan=plan, history=history, train_seconds=plan.train_seconds,
                      rounds_per_epoch=n // (plan.num_learners * plan.batch_size))
+    ctx.extra["num_samples"] = n  # N, samples per epoch
     for hook in hooks:
         hook.before_fit(ctx)
-    faults_seen = len(sched.faults.events)
+    monitor, faults_seen = sched.faults, len(sched.faults.events)
+    measures = [h for h in hooks if hasattr(h, "wants_gradients")]
     # rank 0's decisions are broadcast after every round's hooks, and before a round when hooks ran
     # since (epoch boundaries, evaluations) or when a hook of any rank acts in before_round
     pre_round = comm is not None and comm.any_rank(
@@ -205,7 +214,8 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
             if agree or pre_round:  # rank 0's decisions (m, mode, lr, α) apply to this round
                 comm.agree_settings(plan, False, plan.rounds_done)
                 agree = False
-            schedule.num_learners = plan.num_learners
+            schedule.num_learners, schedule.batch_size = plan.num_learners, plan.batch_size
+            ctx.rounds_per_epoch = schedule.rounds_per_epoch
             indices = schedule.next_round(order, position)
             if indices is None:
                 break
@@ -213,15 +223,20 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
             upcoming = schedule.next_round(order, position)  # if k stays, the next round's samples
             n_losses = len(sched.losses)
             plan.rounds_done += 1
-            sched.run_round(plan.rounds_done - 1, synchronise=plan.rounds_done % tau == 0,
+            # a round whose gradients a hook reads (the noise scale) does not overlap the next
+            ahead = speculate and not any(h.wants_gradients(plan.rounds_done) for h in measures)
+            sched.run_round(plan.rounds_done - 1,
+                            synchronise=plan.rounds_done % plan.sync.sync_every == 0,
                             indices=_mine(plan, indices),
-                            next_indices=_mine(plan, upcoming) if speculate else None)
+                            next_indices=_mine(plan, upcoming) if ahead else None)
             if comm is not None and plan.rounds_done % comm.settings.checksum_every == 0:
                 comm.check_z(plan.states[0].z, plan.rounds_done - 1)
             rounds_run += 1
             samples_run += len(indices)
             plan.round_in_epoch, plan.position_in_epoch = rounds_run, position
             bar.update(len(indices))
+            if sched.faults is not monitor:  # re-planned (replicas, batch size): a new monitor
+                monitor, faults_seen = sched.faults, 0
             if len(sched.faults.events) > faults_seen:
                 history.faults.extend(sched.faults.events[faults_seen:])
                 faults_seen = len(sched.faults.events)
@@ -229,6 +244,7 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
                 ctx.round_in_epoch = rounds_run
                 ctx.batch_indices = indices
                 ctx.round_samples = len(indices)
+                ctx.extra["round_losses"] = sched.losses[n_losses:]
                 ctx.round_loss = torch.stack(sched.losses[n_losses:]).mean()
                 ctx.train_seconds = plan.train_seconds + epoch_seconds + time.perf_counter() - start
                 for hook in hooks:
@@ -282,6 +298,8 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
             hook.after_epoch(ctx, history.epochs[-1])
         if history.time_to_accuracy_s is not None or ctx.stop:
             break
+    if sched.faults is monitor and len(sched.faults.events) > faults_seen:  # a hook's, last round
+        history.faults.extend(sched.faults.events[faults_seen:])
     sync_totals()
     for hook in hooks:
         hook.after_fit(ctx)

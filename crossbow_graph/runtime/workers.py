@@ -127,7 +127,7 @@ class ProcessExecutor:
         torch.set_num_threads(1)  # this process only coordinates and sums while workers learn
 
     def _send_go(self, round_index: int, indices: torch.Tensor) -> None:
-        sched, b = self.sched, self.sched.batch_size
+        b = self.sched.batch_size
         idx = indices.to(torch.int64).contiguous()
         for wid, (d, r0, r1) in enumerate(self.groups):
             part = idx[(self.firsts[d] + r0) * b:(self.firsts[d] + r1) * b].numpy().tobytes()

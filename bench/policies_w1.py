@@ -1,0 +1,121 @@
+"""W1 (LeNet-5 / MNIST, target 99.0 %): final accuracy for b ∈ {4, 8, 16, 32, 64}, with and
+without AdaptiveBatchSize, learning rate left at the CLI default (0.02), k = 2 devices × 2
+replicas (the CLI's default), process executor; and the gradient noise scale over training.
+
+    python bench/policies_w1.py [--batch-sizes 4,8,16,32,64] [--variants none,adaptive]
+                                [--epochs 5] [--seed 0] [--out bench/results/policies_w1.json]
+                                [--plot docs/images/noise_scale_w1.png] [--merge FILE ...]
+
+``--batch-sizes ""`` runs nothing: with ``--merge`` it folds other result files (e.g. of a
+variant run in another process) into ``--out`` and redraws the table and the plot.
+
+Writes JSON (one row per run: b, variant, final accuracy, epochs to 99 %, training seconds, the
+policy's changes, the metrics windows) and prints a markdown table. Not a test; no timing asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+import crossbow_graph as cg
+
+
+def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, metrics_every: int) -> dict:
+    train, test = cg.datasets.mnist(train=True), cg.datasets.mnist(train=False)
+    torch.manual_seed(seed)
+    plan = cg.compile(cg.models.lenet5(), (train[0][0].unsqueeze(0),),
+                      torch.nn.functional.cross_entropy, batch_size=b, devices=2, replicas=2,
+                      optimizer=cg.SGD(lr=lr, momentum=0.9))
+    policies = {"none": [], "adaptive": [cg.AdaptiveBatchSize()]}[variant]
+    t0 = time.perf_counter()
+    h = plan.fit(train, epochs, eval_dataset=test, target_accuracy=0.99, evals_per_epoch=4,
+                 seed=seed, progress=False, policies=policies, metrics_every=metrics_every)
+    wall = time.perf_counter() - t0
+    return {
+        "batch_size": b, "variant": variant, "lr": lr, "seed": seed, "epochs_max": epochs,
+        "final_accuracy": h.final_accuracy, "reached": h.epochs_to_accuracy is not None,
+        "epochs_to_accuracy": h.epochs_to_accuracy, "time_to_accuracy_s": h.time_to_accuracy_s,
+        "train_seconds": plan.train_seconds, "wall_seconds": wall,
+        "final_batch_size": plan.batch_size, "final_lr": plan.scheduler.lr,
+        "policy": [vars(p) for p in h.policy],
+        "evals": [vars(e) for e in h.evals],
+        "metrics": [vars(m) for m in h.metrics],
+    }
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows:
+        ms = [m for m in r["metrics"] if m["noise_scale"] is not None]
+        if not ms:
+            continue
+        style = "-" if r["variant"] == "none" else "--"
+        if r["seed"] != 0:  # the plot shows seed 0
+            continue
+        label = f"b={r['batch_size']} {r['variant']}"
+        axes[0].plot([m["epoch"] for m in ms], [m["noise_scale"] for m in ms], style, label=label)
+        axes[1].plot([m["epoch"] for m in r["metrics"]], [m["batch_size"] for m in r["metrics"]],
+                     style, label=label)
+    axes[0].set(xlabel="epoch", ylabel="B_noise (samples, EMA two-batch estimate)", yscale="log",
+                title="W1 gradient noise scale")
+    axes[1].set(xlabel="epoch", ylabel="b per learner", yscale="log", title="batch size")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", default="4,8,16,32,64")
+    ap.add_argument("--variants", default="none,adaptive")
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=0.02, help="the CLI's default")
+    ap.add_argument("--metrics-every", type=int, default=50)
+    ap.add_argument("--out", default="bench/results/policies_w1.json")
+    ap.add_argument("--plot", default="docs/images/noise_scale_w1.png")
+    ap.add_argument("--merge", nargs="*", default=[], help="other result files to fold in")
+    args = ap.parse_args()
+    rows = []
+    for path in [args.out] + args.merge:  # runs accumulate: several invocations fill one table
+        if os.path.exists(path):
+            with open(path) as f:
+                new = json.load(f)["runs"]
+            keys = {(x["batch_size"], x["variant"], x["seed"]) for x in new}
+            rows = [x for x in rows if (x["batch_size"], x["variant"], x["seed"]) not in keys] + new
+    with open(args.out, "w") as f:
+        json.dump({"workload": "W1 LeNet-5/MNIST", "target": 0.99, "runs": rows}, f, indent=1)
+    for b in [int(x) for x in args.batch_sizes.split(",") if x]:
+        for variant in args.variants.split(","):
+            r = run(b, variant, epochs=args.epochs, seed=args.seed, lr=args.lr,
+                    metrics_every=args.metrics_every)
+            rows = [x for x in rows if (x["batch_size"], x["variant"], x["seed"]) != (b, variant, args.seed)]
+            rows.append(r)
+            print(f"b={b:3d} {variant:9s} acc={r['final_accuracy']:.4f} "
+                  f"epochs_to_99={r['epochs_to_accuracy']} final_b={r['final_batch_size']} "
+                  f"final_lr={r['final_lr']:.3g} train_s={r['train_seconds']:.1f}", flush=True)
+            with open(args.out, "w") as f:
+                json.dump({"workload": "W1 LeNet-5/MNIST", "target": 0.99, "runs": rows}, f, indent=1)
+    rows.sort(key=lambda r: (r["variant"], r["batch_size"], r["seed"]))
+    print("\n| b | policy | seed | final accuracy | epochs to 99.0% | final b | final lr | train s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        e = f"{r['epochs_to_accuracy']:.2f}" if r["epochs_to_accuracy"] is not None else f"not in {r['epochs_max']}"
+        print(f"| {r['batch_size']} | {r['variant']} | {r['seed']} | {r['final_accuracy']:.4f} | {e} | "
+              f"{r['final_batch_size']} | {r['final_lr']:.3g} | {r['train_seconds']:.1f} |")
+    plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

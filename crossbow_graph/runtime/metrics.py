@@ -1,0 +1,269 @@
+"""Monitored metrics of a running fit (DESIGN.md §5, Policies; Mai et al. 2019 "Taming
+Hyper-parameters in Deep Learning Systems"; McCandlish et al. 2018 "An Empirical Model of
+Large-Batch Training", appendix A.1).
+
+Every ``every`` rounds (a *window*) ``MetricsMonitor`` appends one ``MetricRecord`` to
+``History.metrics``: samples/s and mean training loss over the window, learning rate, b, m, α, τ,
+replica divergence ‖w_j − z‖ / ‖z‖ (mean and max over the k replicas), and the gradient noise
+scale B_noise from McCandlish's two-batch estimator. Evaluations of z fill ``test_accuracy`` of
+the next record.
+
+The noise scale: after LEARN, learner j's loss gradient on its own batch of b samples is
+``g[j]`` (``g [m, P]`` per device); these are the small batches, their mean over the k learners
+the large one of B = k·b samples::
+
+    |G|²  ≈ (B·|G_B|² − b·|G_b|²) / (B − b)        |G_b|² = mean_j |g_j|²,  G_B = mean_j g_j
+    tr Σ  ≈ (|G_b|² − |G_B|²) / (1/b − 1/B)
+    B_noise = EMA(tr Σ) / EMA(|G|²)                  (samples)
+
+Both terms are averaged with exponential moving averages (bias-corrected, as Adam does) before
+the ratio, because each single estimate is noisy (|G|² may even come out negative). The learners
+hold slightly different replicas ŵ_j (SMA keeps them close to z): the estimator treats them as
+one point, as KungFu does.
+
+Cost, on a measured round only: one pass over ``g`` and one over ``w`` per device (two
+reductions ``[m, P] → [P]`` and ``[m]``). ``g`` must hold that round's gradients when it is read:
+the process executor's workers start learning round t+1 (overwriting ``g``) while round t's
+hooks run, so the trainer asks ``wants_gradients`` and runs a measured round without that overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .hooks import FitContext, Hook
+
+__all__ = ["NoiseScaleEstimate", "two_batch_estimate", "gradient_moments", "divergence",
+           "MetricsMonitor"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoiseScaleEstimate:
+    """One two-batch estimate (McCandlish et al. 2018, eq. A.1–A.3).
+
+    Attributes:
+        grad_sq: estimate of |G|², the squared norm of the true gradient (may be < 0).
+        trace_sigma: estimate of tr Σ, the per-sample gradient covariance's trace (per sample).
+        small_batch, large_batch: b and B = k·b, samples.
+    """
+
+    grad_sq: float
+    trace_sigma: float
+    small_batch: int
+    large_batch: int
+
+    @property
+    def noise_scale(self) -> float:
+        """B_simple = tr Σ / |G|² of this single estimate (inf when |G|² ≤ 0)."""
+        return self.trace_sigma / self.grad_sq if self.grad_sq > 0 else math.inf
+
+
+def two_batch_estimate(small_sq_mean: float, large_sq: float, b: int, k: int) -> NoiseScaleEstimate:
+    """The two-batch estimator from |G_b|² (mean over the k small batches) and |G_B|².
+
+    Args:
+        small_sq_mean: mean over the k learners of |g_j|², g_j the mean gradient of b samples.
+        large_sq: |mean_j g_j|², the gradient of the B = k·b samples.
+        b: samples per small batch (≥ 1).
+        k: small batches (≥ 2).
+
+    Raises:
+        ValueError: k < 2 (with one learner B = b and the estimator is undefined).
+    """
+    if k < 2:
+        raise ValueError(f"the two-batch noise-scale estimator needs k ≥ 2 learners, got k={k}")
+    big = k * b
+    grad_sq = (big * large_sq - b * small_sq_mean) / (big - b)
+    trace = (small_sq_mean - large_sq) / (1.0 / b - 1.0 / big)
+    return NoiseScaleEstimate(grad_sq=grad_sq, trace_sigma=trace, small_batch=b, large_batch=big)
+
+
+@torch.no_grad()
+def gradient_moments(states, exclude: set[tuple[int, int]] = frozenset()) -> tuple[float, float, int]:
+    """(mean_j |g_j|², |mean_j g_j|², k used) over every device's ``g [m, P]``, in float32.
+
+    ``exclude``: ``(device index, replica)`` pairs left out (replicas reset for NaN/Inf in the
+    round, whose ``g`` was zeroed). The per-device partial sums (``Σ_j g_j [P]`` and ``Σ_j |g_j|²``)
+    are what a multi-process run would all-reduce.
+    """
+    home = states[0].torch_device
+    total, sq, n = None, 0.0, 0
+    for d, s in enumerate(states):
+        rows = [r for r in range(s.m) if (d, r) not in exclude]
+        if not rows:
+            continue
+        g = s.g[rows].float() if len(rows) < s.m else s.g.float()  # [n_d, P]
+        part = g.sum(dim=0).to(home)
+        total = part if total is None else total + part
+        sq += float((g * g).sum())
+        n += len(rows)
+    if n == 0:
+        return 0.0, 0.0, 0
+    mean = total / n
+    return sq / n, float(mean.dot(mean)), n
+
+
+@torch.no_grad()
+def divergence(states) -> torch.Tensor:
+    """‖w_j − z‖ / ‖z‖ for every replica, ``[k]`` float32 on the CPU, device-major.
+
+    (‖z‖ = 0 gives ‖w_j − z‖ itself.)
+    """
+    out = []
+    for s in states:
+        z = s.z
+        znorm = float(z.norm()) or 1.0
+        out.append((s.w - z).norm(dim=1).cpu() / znorm)
+    return torch.cat(out)
+
+
+@dataclass(kw_only=True)
+class MetricRecord:
+    """One metrics window (every ``MetricsMonitor.every`` rounds).
+
+    Attributes:
+        round: the plan's round count at the end of the window.
+        epoch: fractional epoch at the end of the window (2.5 = half-way through the third).
+        samples_per_s: training samples per training second over the window.
+        train_loss: mean learner loss over the window's rounds.
+        lr: learning rate η in force; batch_size: b; replicas_per_device: m; num_learners: k;
+        alpha: α; sync_every: τ.
+        divergence_mean, divergence_max: mean and max over replicas of ‖w_j − z‖ / ‖z‖.
+        grad_sq, trace_sigma: the window's two-batch estimates of |G|² and tr Σ (None: k = 1).
+        grad_sq_ema, trace_sigma_ema: their bias-corrected exponential moving averages.
+        noise_scale: B_noise = trace_sigma_ema / grad_sq_ema, samples (None when k = 1 or the
+            EMA of |G|² is ≤ 0).
+        test_accuracy: z's accuracy at the last evaluation inside the window (including one right
+            after its last round), else None.
+    """
+
+    round: int
+    epoch: float
+    samples_per_s: float
+    train_loss: float
+    lr: float
+    batch_size: int
+    replicas_per_device: int
+    num_learners: int
+    alpha: float
+    sync_every: int
+    divergence_mean: float
+    divergence_max: float
+    grad_sq: float | None = None
+    trace_sigma: float | None = None
+    grad_sq_ema: float | None = None
+    trace_sigma_ema: float | None = None
+    noise_scale: float | None = None
+    test_accuracy: float | None = None
+
+
+class MetricsMonitor(Hook):
+    """Computes the metrics every ``every`` rounds and keeps them in ``History.metrics``.
+
+    ``fit`` installs one (``fit(metrics_every=N)``, default 50; None: off) before the policies,
+    so that a policy's ``after_round`` sees ``ctx.metrics`` (this monitor) already updated.
+
+    Args:
+        every: N, rounds per window (≥ 1); gradients are read on the last round of a window.
+        ema: decay of the moving averages of |G|² and tr Σ, in [0, 1).
+
+    Attributes:
+        last: the newest MetricRecord (None before the first window).
+        noise_scale: the newest B_noise estimate, samples (None before one exists).
+
+    Raises:
+        ValueError: ``every`` < 1 or ``ema`` outside [0, 1).
+    """
+
+    mutates_replicas = False
+
+    def __init__(self, every: int = 50, *, ema: float = 0.9) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"metrics_every={every!r}: must be an integer ≥ 1 (rounds per window)")
+        if not 0 <= ema < 1:
+            raise ValueError(f"MetricsMonitor(ema={ema}): the EMA decay must be in [0, 1), e.g. 0.9")
+        self.every, self.ema = every, ema
+        self.last: MetricRecord | None = None
+        self._g2 = self._tr = 0.0     # biased EMAs
+        self._weight = 0.0            # 1 − ema^n, the bias correction
+        self._reset_window(0.0)
+        self._acc: float | None = None
+
+    # -- checkpointable state ----------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"g2": self._g2, "tr": self._tr, "weight": self._weight}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._g2, self._tr, self._weight = state["g2"], state["tr"], state["weight"]
+
+    # -- the window ---------------------------------------------------------------------------
+
+    def _reset_window(self, t0: float) -> None:
+        self._rounds, self._samples, self._loss, self._t0 = 0, 0, None, t0
+
+    def wants_gradients(self, rounds_done: int) -> bool:
+        """Whether the round that makes the plan's round count ``rounds_done`` is measured."""
+        return self._rounds + 1 >= self.every
+
+    @property
+    def noise_scale(self) -> float | None:
+        return self.last.noise_scale if self.last is not None else None
+
+    def before_fit(self, ctx: FitContext) -> None:
+        ctx.extra["metrics"] = self
+        self._reset_window(ctx.train_seconds)
+
+    def after_eval(self, ctx: FitContext, record) -> None:
+        if self.last is not None and self.last.round == record.round:  # at a window's last round
+            self.last.test_accuracy = record.test_accuracy
+        else:
+            self._acc = record.test_accuracy
+
+    def after_round(self, ctx: FitContext) -> None:
+        self._rounds += 1
+        self._samples += ctx.round_samples
+        loss = ctx.round_loss.detach().float()
+        self._loss = loss if self._loss is None else self._loss + loss
+        if self._rounds < self.every:
+            return
+        plan = ctx.plan
+        plan.scheduler.flush()
+        states = plan.states
+        k, b = plan.num_learners, plan.batch_size
+        est = None
+        if k >= 2:
+            this_round = plan.rounds_done - 1
+            bad = {(d, e.replica) for d, s in enumerate(states) for e in plan.scheduler.faults.events
+                   if e.round == this_round and e.device == s.name}
+            small, large, n = gradient_moments(states, bad)
+            if n >= 2:
+                est = two_batch_estimate(small, large, b, n)
+        g2_ema = tr_ema = ns = None
+        if est is not None and math.isfinite(est.grad_sq) and math.isfinite(est.trace_sigma):
+            a = self.ema
+            self._g2 = a * self._g2 + (1 - a) * est.grad_sq
+            self._tr = a * self._tr + (1 - a) * est.trace_sigma
+            self._weight = a * self._weight + (1 - a)
+            g2_ema, tr_ema = self._g2 / self._weight, self._tr / self._weight
+            ns = tr_ema / g2_ema if g2_ema > 0 else None
+        div = divergence(states)
+        elapsed = max(ctx.train_seconds - self._t0, 1e-9)
+        n_samples = ctx.rounds_per_epoch * k * b or 1
+        self.last = MetricRecord(
+            round=plan.rounds_done,
+            epoch=ctx.epoch + min(1.0, plan.position_in_epoch / max(n_samples, 1)),
+            samples_per_s=self._samples / elapsed,
+            train_loss=float(self._loss) / self._rounds,
+            lr=float(plan.scheduler.lr), batch_size=b, replicas_per_device=plan.replicas_per_device,
+            num_learners=k, alpha=float(plan.scheduler.alpha), sync_every=plan.sync.sync_every,
+            divergence_mean=float(div.mean()), divergence_max=float(div.max()),
+            grad_sq=est.grad_sq if est else None, trace_sigma=est.trace_sigma if est else None,
+            grad_sq_ema=g2_ema, trace_sigma_ema=tr_ema, noise_scale=ns, test_accuracy=self._acc,
+        )
+        self._acc = None
+        ctx.history.metrics.append(self.last)
+        self._reset_window(ctx.train_seconds)

@@ -1,0 +1,572 @@
+"""Hyper-parameter policies: hooks that read the monitored metrics and change the plan
+(DESIGN.md §5, Policies; Mai et al., "Taming Hyper-parameters in Deep Learning Systems", ACM SIGOPS
+OSR 53(1) 2019; KungFu, OSDI 2020).
+
+A ``Policy`` is a Hook. It reads ``ctx.extra["metrics"]`` (the fit's ``MetricsMonitor``, updated
+every N rounds before the policies run) and ``ctx.history``, and changes the plan only through
+one narrow interface, ``Policy.adjust(ctx, lr=..., batch_size=..., alpha=..., sync_every=...,
+replicas_per_device=..., reset_replicas=...)``: it builds one ``Adjustment`` (plain data: the
+decision) and applies it with ``Plan.adjust``. Hooks run between rounds, so a change takes effect
+at the next round, on every device at once (the devices share one scheduler). With several
+processes the ``Adjustment`` is what is broadcast from rank 0 before it is applied: the decision
+is taken in one place. Every applied adjustment is kept in ``History.policy``.
+
+Built-in policies: ``AutoReplicas`` (the replica auto-tuner of runtime/autotune.py as a policy),
+``AdaptiveBatchSize`` (b toward the gradient noise scale), ``StepLR`` / ``MultiStepLR`` (with
+warm-up) / ``CosineLR`` (learning-rate schedules; a drop resets every replica to z, as the
+CROSSBOW reference code does) and ``DivergenceGuard`` (a replica that diverges from z or whose
+loss explodes is reset from z; z is never poisoned).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import PlanError
+from .autotune import AutoTune, AutoTuner
+from .faults import FaultMonitor
+from .hooks import FitContext, Hook
+
+if TYPE_CHECKING:
+    from ..api import Plan
+
+__all__ = ["Adjustment", "apply_adjustment", "PolicyRecord", "Policy", "AutoReplicas",
+           "AdaptiveBatchSize", "StepLR", "MultiStepLR", "CosineLR", "DivergenceGuard",
+           "POLICIES", "parse_policy"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Adjustment:
+    """One decision: the settings to change from the next round on (None: unchanged).
+
+    Attributes:
+        lr: learning rate η (> 0).
+        batch_size: b, samples per learner per round (≥ 1); the task graph is re-planned and the
+            memory bound re-checked.
+        alpha: SMA α in (0, 1] (the pull toward z); ``"auto"`` restores 1/k.
+        sync_every: τ, rounds between synchronisations (≥ 1).
+        replicas_per_device: m (≥ 1; new replicas are cloned from z, ``Plan.set_replicas``).
+        reset_replicas: put every replica at z with zero momentum (float buffers from zbuf).
+
+    Raises:
+        ValueError: a value outside its range.
+    """
+
+    lr: float | None = None
+    batch_size: int | None = None
+    alpha: float | str | None = None
+    sync_every: int | None = None
+    replicas_per_device: int | None = None
+    reset_replicas: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"Adjustment(lr={self.lr}): the learning rate must be finite and > 0")
+        for name in ("batch_size", "sync_every", "replicas_per_device"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"Adjustment({name}={v!r}): must be an integer ≥ 1")
+        if self.alpha is not None and self.alpha != "auto" and not 0 < self.alpha <= 1:
+            raise ValueError(f"Adjustment(alpha={self.alpha}): α must be in (0, 1], or 'auto' for 1/k")
+
+    def changes(self) -> dict[str, Any]:
+        """The fields that are set, as a dict."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, False)}
+
+
+@torch.no_grad()
+def apply_adjustment(plan: "Plan", adj: Adjustment) -> dict[str, Any]:
+    """Apply ``adj`` to ``plan`` between rounds; returns what actually changed.
+
+    Order: batch size (re-plan, memory check), replicas, α, τ, lr, replica reset. Anything in
+    flight is finished first; worker processes restart when b changes or replicas are reset (a
+    speculative round, learned from the old replicas, is cancelled).
+
+    Raises:
+        PlanError: the new b (or m) does not fit the memory budget; nothing is changed then.
+        ValueError: α given with k = 1 (a single learner has no averaging).
+    """
+    from ..api import _build_task_graph
+
+    sched, done = plan.scheduler, {}
+    if adj.batch_size is not None and adj.batch_size != plan.batch_size:
+        b = adj.batch_size
+        graph = _build_task_graph(plan.devices, plan.replicas_per_device, b, plan.model_graph,
+                                  plan.memory_budget, plan._verify)  # raises PlanError
+        sched.flush()
+        sched.close_workers()
+        plan.batch_size = sched.batch_size = b
+        for fused in sched._fused:
+            fused.batch_size = b
+        plan.task_graph = graph
+        sched.set_task_graph(graph)
+        done["batch_size"] = b
+    if adj.replicas_per_device is not None and adj.replicas_per_device != plan.replicas_per_device:
+        plan.set_replicas(adj.replicas_per_device)
+        done["replicas_per_device"] = adj.replicas_per_device
+    sync = plan.sync
+    if adj.alpha is not None:
+        alpha = None if adj.alpha == "auto" else float(adj.alpha)
+        if alpha is not None and plan.num_learners == 1:
+            raise ValueError("Adjustment(alpha=...) with k = 1 learner: there is no averaging")
+        if alpha != sync.alpha:
+            sync = dataclasses.replace(sync, alpha=alpha)
+            done["alpha"] = adj.alpha
+    if adj.sync_every is not None and adj.sync_every != sync.sync_every:
+        sync = dataclasses.replace(sync, sync_every=adj.sync_every)
+        done["sync_every"] = adj.sync_every
+    plan.sync = sched.sync = sync
+    if adj.lr is not None and adj.lr != sched.lr:
+        sched.lr = float(adj.lr)
+        done["lr"] = float(adj.lr)
+    if adj.reset_replicas:
+        sched.flush()
+        sched.close_workers()
+        for s in plan.states:
+            FaultMonitor.reset(s, list(range(s.m)))
+        done["reset_replicas"] = True
+    return done
+
+
+@dataclass(kw_only=True)
+class PolicyRecord:
+    """One applied adjustment.
+
+    Attributes:
+        round: the plan's round count when it was decided (it applies from the next round).
+        epoch: 0-based epoch index then.
+        policy: the policy's class name.
+        changes: what changed, e.g. ``{"batch_size": 32, "lr": 0.04}``.
+        reason: the policy's own words, with the numbers it acted on.
+    """
+
+    round: int
+    epoch: int
+    policy: str
+    changes: dict = field(default_factory=dict)
+    reason: str = ""
+
+
+class Policy(Hook):
+    """Base class of hyper-parameter policies: a Hook that changes the plan through ``adjust``.
+
+    Override ``before_fit``, ``before_epoch``, ``before_round``, ``after_round``, ``after_eval``,
+    ``after_epoch`` or ``after_fit`` (all get the FitContext); read ``self.metrics(ctx)`` (the
+    fit's MetricsMonitor: ``.last`` is the newest MetricRecord, ``.noise_scale`` B_noise) and
+    ``ctx.history``. A policy that writes replica state directly must set
+    ``mutates_replicas = True`` (it turns off the overlap of the process executor).
+    """
+
+    mutates_replicas = False
+
+    @staticmethod
+    def metrics(ctx: FitContext):
+        """The fit's MetricsMonitor, or None when ``fit(metrics_every=None)``."""
+        return ctx.extra.get("metrics")
+
+    def adjust(self, ctx: FitContext, *, reason: str = "", **changes: Any) -> dict[str, Any]:
+        """Apply ``Adjustment(**changes)`` to ``ctx.plan`` from the next round on and record it in
+        ``ctx.history.policy``; returns what changed (empty: nothing did).
+
+        Raises:
+            ValueError: a value outside its range (see Adjustment).
+            PlanError: the new batch size or replicas exceed the memory budget.
+        """
+        done = ctx.plan.adjust(Adjustment(**changes))
+        if done:
+            ctx.history.policy.append(PolicyRecord(round=ctx.plan.rounds_done, epoch=ctx.epoch,
+                                                   policy=type(self).__name__, changes=done,
+                                                   reason=reason))
+        return done
+
+
+# -- AutoReplicas --------------------------------------------------------------------------------
+
+
+class AutoReplicas(Policy):
+    """The replica auto-tuner (runtime/autotune.py, CROSSBOW §4.4) as a policy.
+
+    Wraps an ``AutoTuner``: after a warm-up, every measurement window of whole rounds, add a
+    replica per device while samples/s rise by more than ``threshold``, else undo the last one and
+    hold; never beyond the memory bound. Its decisions go to ``History.autotune`` and, when m or
+    the learner mode changes, to ``History.policy``. (``compile(replicas="auto")`` attaches the
+    same tuner by itself; use one or the other.)
+
+    Args:
+        config: the AutoTune settings; keyword arguments build one instead (``threshold=0.1``...).
+    """
+
+    def __init__(self, config: AutoTune | None = None, **kwargs: Any) -> None:
+        self.tuner = AutoTuner(config or AutoTune(**kwargs))
+
+    def state_dict(self) -> dict:
+        t = self.tuner
+        return {"phase": t.phase, "best": t.best, "held": t.held, "mode_tried": t.mode_tried}
+
+    def load_state_dict(self, state: dict) -> None:
+        t = self.tuner
+        t.phase, t.best, t.held, t.mode_tried = (state["phase"], state["best"], state["held"],
+                                                 state["mode_tried"])
+
+    def before_fit(self, ctx: FitContext) -> None:
+        self.tuner.before_fit(ctx)
+
+    def after_round(self, ctx: FitContext) -> None:
+        before = (ctx.plan.replicas_per_device, ctx.plan.learner_mode)
+        n = len(self.tuner.decisions)
+        self.tuner.after_round(ctx)
+        after = (ctx.plan.replicas_per_device, ctx.plan.learner_mode)
+        if after != before:
+            d = self.tuner.decisions[n:]
+            ctx.history.policy.append(PolicyRecord(
+                round=ctx.plan.rounds_done, epoch=ctx.epoch, policy="AutoReplicas",
+                changes={"replicas_per_device": after[0], "learner_mode": after[1]},
+                reason=", ".join(f"{r.action} at {r.samples_per_s:,.0f} samples/s" for r in d)))
+
+
+# -- AdaptiveBatchSize ---------------------------------------------------------------------------
+
+
+class AdaptiveBatchSize(Policy):
+    """Move b toward the measured gradient noise scale B_noise (McCandlish et al. 2018), in bounds.
+
+    After each metrics window with a noise-scale estimate (and at least ``cooldown_epochs`` of
+    training samples after the last change, so that the noise-scale EMA has settled), if B_noise ≥ ``factor``·k·b the batch size is multiplied by ``factor``; if
+    ``shrink`` and B_noise ≤ k·b/``factor`` it is divided by it; always within
+    [``min_batch_size``, ``max_batch_size``]. B_noise is compared with the round's k·b samples,
+    which the central model's update averages (the two-batch estimator's large batch). The change re-plans the learners and re-checks the
+    memory bound (a batch that does not fit is not taken, and ``max_batch_size`` drops to the last
+    that fit). By default η stays: a growing b then lowers the SGD noise temperature η/b as a
+    learning-rate decay would (Smith et al. 2018, "Don't decay the learning rate, increase the
+    batch size"); with ``scale_lr`` η is scaled by the same factor (η/b constant, the linear
+    scaling rule of Goyal et al. 2017). Data stay disjoint: rounds take the next k·b positions
+    of the epoch's order.
+
+    Args:
+        min_batch_size: smallest b (≥ 1); None: the b the fit starts with.
+        max_batch_size: largest b (≥ min).
+        factor: multiplicative step (> 1), 2 by default.
+        cooldown_epochs: epochs of samples to wait after a change (> 0).
+        scale_lr: scale η with b.
+        shrink: also shrink b when B_noise falls below b/factor.
+
+    Raises:
+        ValueError: bounds or factor out of range.
+    """
+
+    def __init__(self, *, min_batch_size: int | None = None, max_batch_size: int = 128,
+                 factor: float = 2.0, cooldown_epochs: float = 0.5, scale_lr: bool = False,
+                 shrink: bool = False) -> None:
+        if min_batch_size is not None and min_batch_size < 1:
+            raise ValueError(f"AdaptiveBatchSize(min_batch_size={min_batch_size}): must be ≥ 1")
+        if max_batch_size < (min_batch_size or 1):
+            raise ValueError(f"AdaptiveBatchSize(max_batch_size={max_batch_size}): must be ≥ "
+                             f"min_batch_size={min_batch_size}")
+        if not factor > 1:
+            raise ValueError(f"AdaptiveBatchSize(factor={factor}): must be > 1, e.g. 2")
+        if not cooldown_epochs > 0:
+            raise ValueError(f"AdaptiveBatchSize(cooldown_epochs={cooldown_epochs}): must be > 0")
+        self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
+        self.factor, self.cooldown_epochs = factor, cooldown_epochs
+        self.scale_lr, self.shrink = scale_lr, shrink
+        self._seen = None  # the MetricRecord last acted on
+        self._wait = 0.0  # samples still to wait
+
+    def state_dict(self) -> dict:
+        return {"min": self.min_batch_size, "max": self.max_batch_size, "wait": self._wait}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.min_batch_size, self.max_batch_size, self._wait = state["min"], state["max"], state["wait"]
+
+    def _cooldown_samples(self, ctx: FitContext) -> float:
+        return self.cooldown_epochs * ctx.extra.get("num_samples", 0)
+
+    def before_fit(self, ctx: FitContext) -> None:
+        if self.min_batch_size is None:
+            self.min_batch_size = ctx.plan.batch_size
+        self._wait = 0.0
+
+    def target(self, b: int, noise_scale: float, k: int = 1) -> int:
+        """The next b for the current b, B_noise (samples) and k learners: one ``factor`` step,
+        in bounds."""
+        lo, hi = self.min_batch_size or 1, self.max_batch_size
+        if noise_scale >= self.factor * k * b and b < hi:
+            return min(hi, max(lo, int(round(b * self.factor))))
+        if self.shrink and noise_scale <= k * b / self.factor and b > lo:
+            return max(lo, min(hi, int(round(b / self.factor))))
+        return b
+
+    def after_round(self, ctx: FitContext) -> None:
+        self._wait -= ctx.round_samples
+        mon = self.metrics(ctx)
+        if mon is None or mon.last is None or mon.last is self._seen:
+            return
+        self._seen = mon.last
+        ns = mon.last.noise_scale
+        if ns is None or self._wait > 0:
+            return
+        plan = ctx.plan
+        b = plan.batch_size
+        b2 = self.target(b, ns, plan.num_learners)
+        if b2 == b:
+            return
+        lr = plan.scheduler.lr * b2 / b if self.scale_lr else None
+        try:
+            self.adjust(ctx, batch_size=b2, lr=lr,
+                        reason=f"noise scale {ns:,.1f} samples vs k·b={plan.num_learners}×{b} (bounds "
+                               f"{self.min_batch_size}…{self.max_batch_size})")
+        except PlanError:
+            self.max_batch_size = b  # the memory bound: stay
+            return
+        self._wait = self._cooldown_samples(ctx)
+
+
+# -- learning-rate schedules ---------------------------------------------------------------------
+
+
+class _LRSchedule(Policy):
+    """Sets η at every epoch start to η·factor(e)/factor(e−1) (e = 0-based epoch index), like a
+    torch.optim.lr_scheduler stepped once per epoch from the plan's lr at the first fit (alone,
+    η = η₀·factor(e); other policies' changes of η, such as AdaptiveBatchSize's, compose). When
+    η drops and ``reset_on_drop``, every replica is reset to z (CROSSBOW reference behaviour)."""
+
+    reset_default = True
+
+    def __init__(self, *, reset_on_drop: bool | None = None) -> None:
+        self.reset_on_drop = self.reset_default if reset_on_drop is None else reset_on_drop
+        self.base_lr: float | None = None
+        self._applied = 1.0  # factor(e) in force
+
+    def factor(self, epoch: int) -> float:
+        raise NotImplementedError
+
+    def lr_at(self, epoch: int) -> float:
+        """η in epoch ``epoch`` (0-based)."""
+        return self.base_lr * self.factor(epoch)
+
+    def state_dict(self) -> dict:
+        return {"base_lr": self.base_lr, "applied": self._applied}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.base_lr, self._applied = state["base_lr"], state["applied"]
+
+    def before_fit(self, ctx: FitContext) -> None:
+        if self.base_lr is None:
+            self.base_lr = float(ctx.plan.scheduler.lr)
+            self._applied = 1.0
+
+    def before_epoch(self, ctx: FitContext) -> None:
+        # multiplicative, like torch's chained schedulers: composes with AdaptiveBatchSize's
+        # scaling of η (η is multiplied by factor(e)/factor(e−1), not overwritten)
+        f = self.factor(ctx.epoch)
+        old = float(ctx.plan.scheduler.lr)
+        new = old * f / self._applied
+        self._applied = f
+        if math.isclose(old, new, rel_tol=1e-12):
+            return
+        drop = new < old and self.reset_on_drop and ctx.plan.num_learners > 1
+        self.adjust(ctx, lr=new, reset_replicas=drop,
+                    reason=f"epoch {ctx.epoch}: η {old:g} → {new:g}" + (", replicas reset to z" if drop else ""))
+
+
+class StepLR(_LRSchedule):
+    """η = η₀·γ^⌊e/step⌋ (torch.optim.lr_scheduler.StepLR stepped per epoch).
+
+    Args:
+        step_epochs: epochs between drops (≥ 1). gamma: factor per drop, in (0, 1].
+        reset_on_drop: reset every replica to z when η drops (default True).
+    """
+
+    def __init__(self, step_epochs: int = 2, gamma: float = 0.1, **kw: Any) -> None:
+        super().__init__(**kw)
+        if step_epochs < 1 or not 0 < gamma <= 1:
+            raise ValueError(f"StepLR(step_epochs={step_epochs}, gamma={gamma}): need step ≥ 1 "
+                             "and gamma in (0, 1]")
+        self.step_epochs, self.gamma = step_epochs, gamma
+
+    def factor(self, epoch: int) -> float:
+        return self.gamma ** (epoch // self.step_epochs)
+
+
+class MultiStepLR(_LRSchedule):
+    """η = η₀·w(e)·γ^(number of milestones ≤ e), with linear warm-up
+    w(e) = s + (1 − s)·min(e, W)/W (torch's LinearLR(start_factor=s, total_iters=W) chained with
+    MultiStepLR(milestones, γ), stepped per epoch; W = 0: no warm-up).
+
+    Args:
+        milestones: epochs at which η is multiplied by γ (increasing).
+        gamma: factor per milestone, in (0, 1].
+        warmup_epochs: W ≥ 0. warmup_start: s in (0, 1].
+        reset_on_drop: reset every replica to z when η drops (default True).
+    """
+
+    def __init__(self, milestones: tuple[int, ...] = (3, 4), gamma: float = 0.1, *,
+                 warmup_epochs: int = 0, warmup_start: float = 0.25, **kw: Any) -> None:
+        super().__init__(**kw)
+        ms = list(milestones)
+        if ms != sorted(ms) or not 0 < gamma <= 1 or warmup_epochs < 0 or not 0 < warmup_start <= 1:
+            raise ValueError(f"MultiStepLR(milestones={ms}, gamma={gamma}, warmup_epochs="
+                             f"{warmup_epochs}, warmup_start={warmup_start}): milestones must "
+                             "increase, gamma and warmup_start lie in (0, 1], warmup_epochs ≥ 0")
+        self.milestones, self.gamma = ms, gamma
+        self.warmup_epochs, self.warmup_start = warmup_epochs, warmup_start
+
+    def factor(self, epoch: int) -> float:
+        w = 1.0
+        if self.warmup_epochs:
+            s = self.warmup_start
+            w = s + (1 - s) * min(epoch, self.warmup_epochs) / self.warmup_epochs
+        return w * self.gamma ** bisect.bisect_right(self.milestones, epoch)
+
+
+class CosineLR(_LRSchedule):
+    """η = η_min + (η₀ − η_min)(1 + cos(π·e/T))/2 for e ≤ T, then η_min
+    (torch.optim.lr_scheduler.CosineAnnealingLR(T_max=T, eta_min) stepped per epoch, for e ≤ T;
+    torch's then rises again, periodically, where this one holds η_min).
+
+    Args:
+        epochs: T ≥ 1. eta_min: floor ≥ 0.
+        reset_on_drop: reset every replica to z when η drops (default False: it drops every
+            epoch).
+    """
+
+    reset_default = False
+
+    def __init__(self, epochs: int = 5, eta_min: float = 0.0, **kw: Any) -> None:
+        super().__init__(**kw)
+        if epochs < 1 or eta_min < 0:
+            raise ValueError(f"CosineLR(epochs={epochs}, eta_min={eta_min}): need epochs ≥ 1, eta_min ≥ 0")
+        self.epochs, self.eta_min = epochs, eta_min
+
+    def lr_at(self, epoch: int) -> float:
+        e = min(epoch, self.epochs)
+        return self.eta_min + (self.base_lr - self.eta_min) * (1 + math.cos(math.pi * e / self.epochs)) / 2
+
+    def factor(self, epoch: int) -> float:
+        return self.lr_at(epoch) / self.base_lr
+
+
+# -- DivergenceGuard -----------------------------------------------------------------------------
+
+
+class DivergenceGuard(Policy):
+    """Reset replicas that diverge from z or whose loss explodes; z is never poisoned.
+
+    Two checks, both on top of runtime/faults.py (which already resets replicas with NaN/Inf
+    gradients before the local update, so that their correction is zero):
+
+    * before the local update of every round, a replica with ‖ŵ_j − z‖/‖z‖ > ``max_divergence``
+      (or NaN) is reset from z the same way: its correction, the only way a replica reaches z,
+      is zero, so it is left out of that round's average (``Scheduler.max_divergence``; one more
+      reduction over ``w [m, P]`` per device per round);
+    * after every round, a replica whose loss is NaN/Inf, or above both ``loss_factor`` × the
+      median of the round's losses and the fit's first-round mean loss (so that the ordinary
+      spread of small losses near convergence is not taken for an explosion), is reset from z
+      (w ← z, v ← 0, buffers ← zbuf) before the next round.
+
+    Resets are FaultEvents in ``History.faults``; every learner failing in one round raises
+    DivergenceError (runtime/faults.py).
+
+    Args:
+        max_divergence: threshold on ‖ŵ_j − z‖/‖z‖ (> 0); None: only the loss check.
+        loss_factor: threshold on loss / median loss (> 1); None: only the divergence check.
+    """
+
+    def __init__(self, *, max_divergence: float | None = 1.0, loss_factor: float | None = 10.0) -> None:
+        if max_divergence is not None and not max_divergence > 0:
+            raise ValueError(f"DivergenceGuard(max_divergence={max_divergence}): must be > 0")
+        if loss_factor is not None and not loss_factor > 1:
+            raise ValueError(f"DivergenceGuard(loss_factor={loss_factor}): must be > 1")
+        self.max_divergence, self.loss_factor = max_divergence, loss_factor
+        self._first_loss: float | None = None
+
+    def before_fit(self, ctx: FitContext) -> None:
+        self._first_loss = None
+        ctx.plan.scheduler.close_workers()  # forked workers read the threshold when they start
+        ctx.plan.scheduler.max_divergence = self.max_divergence
+
+    def after_fit(self, ctx: FitContext) -> None:
+        ctx.plan.scheduler.max_divergence = None
+
+    @torch.no_grad()
+    def after_round(self, ctx: FitContext) -> None:
+        losses = ctx.extra.get("round_losses")
+        if self.loss_factor is None or not losses or len(losses) != ctx.plan.num_learners:
+            return
+        loss = torch.stack([x.detach().float().cpu() for x in losses])  # [k], device-major
+        finite = torch.isfinite(loss)
+        med = loss[finite].median() if bool(finite.any()) else torch.tensor(float("nan"))
+        if self._first_loss is None and bool(finite.any()):
+            self._first_loss = float(loss[finite].mean())
+        floor = self._first_loss if self._first_loss is not None else 0.0
+        bad = ~finite | ((loss > self.loss_factor * med.abs().clamp_min(1e-12)) & (loss > floor))
+        if not bool(bad.any()):
+            return
+        plan, sched = ctx.plan, ctx.plan.scheduler
+        t = plan.rounds_done - 1
+        done = {(e.device, e.replica) for e in sched.faults.events if e.round == t}  # reset already
+        rows_of = []
+        j0 = 0
+        for s in plan.states:
+            rows_of.append([r for r in range(s.m) if bool(bad[j0 + r]) and (s.name, r) not in done])
+            j0 += s.m
+        if not any(rows_of):
+            return
+        sched.flush()
+        sched.close_workers()  # a speculative round learned from the bad replica: cancel it
+        for s, rows in zip(plan.states, rows_of):
+            FaultMonitor.reset(s, rows)
+            sched.faults.record(s, rows, round_index=t, num_learners=plan.num_learners)
+
+
+# -- by name (the CLI's --policy NAME[:ARGS]) ----------------------------------------------------
+
+POLICIES: dict[str, type[Policy]] = {
+    "auto_replicas": AutoReplicas, "adaptive_batch": AdaptiveBatchSize, "step_lr": StepLR,
+    "multistep_lr": MultiStepLR, "cosine_lr": CosineLR, "divergence_guard": DivergenceGuard,
+}
+
+
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    if "/" in text:
+        return tuple(_value(t) for t in text.split("/"))
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_policy(spec: str) -> Policy:
+    """A policy from ``NAME[:KEY=VALUE,...]``, e.g. ``adaptive_batch:max_batch_size=128`` or
+    ``multistep_lr:milestones=3/4,warmup_epochs=1`` (tuples with ``/``).
+
+    Raises:
+        ValueError: an unknown name or argument, naming the known ones.
+    """
+    name, _, args = spec.partition(":")
+    cls = POLICIES.get(name.strip().lower().replace("-", "_"))
+    if cls is None:
+        raise ValueError(f"--policy {spec!r}: unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    kwargs = {}
+    for item in filter(None, args.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"--policy {spec!r}: arguments are KEY=VALUE, got {item!r}")
+        kwargs[key.strip().replace("-", "_")] = _value(val.strip())
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"--policy {spec!r}: {exc}") from exc

@@ -1,0 +1,313 @@
+"""Policies (runtime/policies.py): the adjust interface, schedules against torch's, batch-size
+changes, the divergence guard, the CLI spec parser."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import crossbow_graph as cg
+from crossbow_graph.errors import PlanError
+from crossbow_graph.runtime.hooks import Hook
+from crossbow_graph.runtime.policies import (Adjustment, AdaptiveBatchSize, CosineLR,
+                                             DivergenceGuard, MultiStepLR, Policy, StepLR,
+                                             parse_policy)
+from _runtime_helpers import compile_tiny, tiny_data
+
+
+class At(Policy):
+    """Applies ``changes`` once, after round ``round`` (so from round ``round`` + 1 on)."""
+
+    def __init__(self, round: int, **changes) -> None:
+        self.round, self.changes = round, changes
+
+    def after_round(self, ctx):
+        if ctx.plan.rounds_done == self.round:
+            self.adjust(ctx, reason="test", **self.changes)
+
+
+class Snapshots(Hook):
+    """Copies w, g, z of every device and the round's samples after every round."""
+
+    mutates_replicas = True  # reads g after the round: no speculative learning of the next one
+
+    def __init__(self) -> None:
+        self.rounds = []
+
+    def after_round(self, ctx):
+        ctx.plan.scheduler.flush()
+        self.rounds.append({
+            "w": [s.w.clone() for s in ctx.plan.states], "g": [s.g.clone() for s in ctx.plan.states],
+            "z": [s.z.clone() for s in ctx.plan.states], "samples": ctx.round_samples,
+            "indices": ctx.batch_indices.clone(), "lr": ctx.plan.scheduler.lr,
+        })
+
+
+# -- the adjust interface ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("executor", ["inline", "process"])
+def test_change_applies_at_the_same_round_on_every_device(executor):
+    """lr changed after round 3: round 4's local step uses the new η on both devices (μ_l = 0,
+    λ = 0, so w_{t+1} = ŵ − η·g − α(ŵ − z)), rounds ≤ 3 the old one."""
+    plan = compile_tiny(devices=2, replicas=1, executor=executor, optimizer=cg.SGD(lr=0.05, momentum=0.0))
+    snap = Snapshots()
+    h = plan.fit(tiny_data(8 * 8), 1, shuffle=False, progress=False, hooks=[snap],
+                 policies=[At(3, lr=0.2)], metrics_every=None)
+    assert [p.changes for p in h.policy] == [{"lr": 0.2}] and h.policy[0].round == 3
+    alpha = 0.5
+    for t in range(1, 6):
+        lr = 0.2 if t >= 3 else 0.05  # snapshot t is after round t+1
+        prev, cur = snap.rounds[t - 1], snap.rounds[t]
+        for d in range(2):
+            w_hat, z_old, g = prev["w"][d], prev["z"][d], cur["g"][d]
+            expect = w_hat - lr * g - alpha * (w_hat - z_old)
+            torch.testing.assert_close(cur["w"][d], expect, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_size_change_keeps_batches_disjoint_and_replans():
+    """b 4 → 8 after round 3 (mid-epoch): rounds take the next k·b positions of the order, so an
+    epoch's batches never overlap; the task graph and the round size follow."""
+    n = 160
+    data = TensorDataset(torch.randn(n, 1, 8, 8), torch.randint(0, 4, (n,)))
+    plan = compile_tiny(devices=2, replicas=1, executor="inline")
+    snap = Snapshots()
+    h = plan.fit(data, 2, progress=False, hooks=[snap], policies=[At(3, batch_size=8)],
+                 metrics_every=None)
+    assert plan.batch_size == 8 and plan.task_graph.graph["batch_size"] == 8
+    sizes = [r["samples"] for r in snap.rounds]
+    assert sizes[:3] == [8, 8, 8] and set(sizes[3:]) == {16}
+    per_epoch = [h.epochs[0].rounds, h.epochs[1].rounds]
+    assert per_epoch == [3 + (n - 24) // 16, n // 16]
+    first = torch.cat([r["indices"] for r in snap.rounds[:per_epoch[0]]])
+    assert len(first) == len(set(first.tolist()))  # disjoint within the epoch
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0 * 1_000_003 + 0))
+    assert torch.equal(first, order[:len(first)])  # consecutive positions of the epoch's order
+
+
+def test_batch_size_over_the_memory_budget_is_refused():
+    probe8 = compile_tiny(batch_size=8, devices=1, replicas=2)
+    probe4 = compile_tiny(batch_size=4, devices=1, replicas=2)
+    mem8 = probe8.task_graph.graph["memory_per_learner_bytes"]
+    mem4 = probe4.task_graph.graph["memory_per_learner_bytes"]
+    assert mem8 > mem4
+    plan = compile_tiny(batch_size=4, devices=1, replicas=2, memory_budget=2 * mem4 + (mem8 - mem4) // 2)
+    with pytest.raises(PlanError):
+        plan.adjust(Adjustment(batch_size=8))
+    assert plan.batch_size == 4 and plan.scheduler.batch_size == 4
+    policy = AdaptiveBatchSize(max_batch_size=64)
+    policy.min_batch_size = 4
+    assert policy.target(4, 100.0) == 8  # the policy would grow; the plan refuses: it stays
+
+
+def test_adjust_alpha_sync_every_replicas():
+    plan = compile_tiny(devices=1, replicas=2, executor="inline")
+    done = plan.adjust(Adjustment(alpha=0.3, sync_every=2, replicas_per_device=3))
+    assert done == {"alpha": 0.3, "sync_every": 2, "replicas_per_device": 3}
+    assert plan.scheduler.alpha == 0.3 and plan.sync.sync_every == 2 and plan.num_learners == 3
+    plan.adjust(Adjustment(alpha="auto"))
+    assert plan.scheduler.alpha == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="lr"):
+        Adjustment(lr=-1.0)
+    with pytest.raises(ValueError, match="α"):
+        Adjustment(alpha=1.5)
+
+
+# -- learning-rate schedules ---------------------------------------------------------------------
+
+
+def _torch_lrs(make, epochs: int, lr: float = 0.1) -> list[float]:
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = make(opt)
+    out = []
+    for _ in range(epochs):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize("ours, theirs", [
+    (lambda: StepLR(step_epochs=2, gamma=0.5),
+     lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)),
+    (lambda: MultiStepLR((3, 5), gamma=0.1, warmup_epochs=2, warmup_start=0.25),
+     lambda o: torch.optim.lr_scheduler.ChainedScheduler([
+         torch.optim.lr_scheduler.LinearLR(o, start_factor=0.25, total_iters=2),
+         torch.optim.lr_scheduler.MultiStepLR(o, milestones=[3, 5], gamma=0.1)])),
+    (lambda: CosineLR(epochs=7, eta_min=0.001),
+     lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=7, eta_min=0.001)),
+])
+def test_schedules_match_torch_lr_scheduler(ours, theirs):
+    """η per epoch inside a fit equals torch.optim.lr_scheduler's (stepped per epoch), 8 epochs."""
+    seen = []
+
+    class Record(Policy):  # after the schedule: the η that the epoch's rounds use
+        def before_epoch(self, ctx):
+            seen.append(ctx.plan.scheduler.lr)
+
+    plan = compile_tiny(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    plan.fit(tiny_data(16), 8, progress=False, policies=[ours(), Record()], metrics_every=None)
+    assert seen == pytest.approx(_torch_lrs(theirs, 8), rel=1e-9, abs=1e-12)
+
+
+def test_lr_drop_resets_every_replica_to_z():
+    seen = []
+
+    class Check(Policy):
+        def before_epoch(self, ctx):
+            w, z = ctx.plan.replica_weights(), ctx.plan.central_weights()
+            seen.append((ctx.plan.scheduler.lr, bool((w == z).all()), float(ctx.plan.states[0].v.abs().sum())))
+
+    plan = compile_tiny(devices=1, replicas=2, executor="inline")
+    h = plan.fit(tiny_data(64), 3, progress=False, policies=[StepLR(2, 0.1), Check()],
+                 metrics_every=None)
+    assert [round(lr, 6) for lr, _, _ in seen] == [0.05, 0.05, 0.005]
+    assert [same for _, same, _ in seen] == [True, False, True]  # epoch 0: all start at w0
+    assert seen[2][2] == 0.0  # momentum zeroed
+    assert h.policy[-1].changes == {"lr": pytest.approx(0.005), "reset_replicas": True}
+
+
+# -- AdaptiveBatchSize ---------------------------------------------------------------------------
+
+
+def test_adaptive_batch_size_rule():
+    p = AdaptiveBatchSize(min_batch_size=4, max_batch_size=32, shrink=True)
+    assert p.target(4, 7.9) == 4 and p.target(4, 8.0) == 8 and p.target(16, 1e9) == 32
+    assert p.target(32, 1e9) == 32 and p.target(16, 8.0) == 8 and p.target(4, 0.1) == 4
+    assert p.target(4, 31.9, k=4) == 4 and p.target(4, 32.0, k=4) == 8  # against k·b
+    assert AdaptiveBatchSize(min_batch_size=4).target(16, 1.0) == 16  # no shrinking by default
+
+
+def test_adaptive_batch_size_grows_b_in_a_fit():
+    """Random labels: the gradient is all noise (B_noise ≫ b), so b doubles up to the bound (with
+    scale_lr, η alike), and every round's batches stay disjoint."""
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    snap = Snapshots()
+    h = plan.fit(tiny_data(640), 1, progress=False, hooks=[snap], metrics_every=2,
+                 policies=[AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, scale_lr=True)])
+    assert [p.changes["batch_size"] for p in h.policy] == [8, 16]
+    assert plan.batch_size == 16 and plan.scheduler.lr == pytest.approx(0.04)
+    idx = torch.cat([r["indices"] for r in snap.rounds])
+    assert len(idx) == len(set(idx.tolist()))
+    assert all(m.noise_scale is not None and m.noise_scale > 2 * 4 for m in h.metrics[:1])
+
+
+# -- DivergenceGuard -----------------------------------------------------------------------------
+
+
+class Poison(Hook):
+    """After round ``round`` sets replica 1 of device 0 to ``value`` (NaN) or adds ``shift``."""
+
+    mutates_replicas = True
+
+    def __init__(self, round: int, *, value: float | None = None, shift: float = 0.0) -> None:
+        self.round, self.value, self.shift = round, value, shift
+
+    def after_round(self, ctx):
+        if ctx.plan.rounds_done == self.round:
+            s = ctx.plan.states[0]
+            if self.value is not None:
+                s.w[1] = self.value
+            else:
+                s.w[1] += self.shift
+
+
+@pytest.mark.parametrize("executor", ["inline", "process"])
+def test_nan_replica_is_reset_and_training_goes_on(executor):
+    plan = compile_tiny(devices=1, replicas=2, executor=executor)
+    snap = Snapshots()
+    h = plan.fit(tiny_data(8 * 12), 1, progress=False, hooks=[Poison(4, value=float("nan")), snap],
+                 policies=[DivergenceGuard()], metrics_every=None)
+    assert [(f.round, f.replica) for f in h.faults] == [(4, 1)]  # found in the next round (t = 4)
+    z = plan.central_weights()
+    assert torch.isfinite(z).all() and torch.isfinite(plan.replica_weights()).all()
+    assert all(torch.isfinite(r["z"][0]).all() for r in snap.rounds)
+    assert plan.rounds_done == 12
+
+
+@pytest.mark.parametrize("executor", ["inline", "process"])
+def test_diverged_replica_is_left_out_of_the_average(executor):
+    """A finite replica far from z (‖ŵ − z‖/‖z‖ = 50) is reset before its correction: z moves as
+    if only the healthy replica had been averaged (with the guard off, z jumps by ~α·50·‖z‖)."""
+    moves = {}
+    for guard in (True, False):
+        plan = compile_tiny(devices=1, replicas=2, executor=executor)
+        snap = Snapshots()
+        z0 = plan.central_weights()
+        policies = [DivergenceGuard(max_divergence=5.0, loss_factor=None)] if guard else []
+        h = plan.fit(tiny_data(8 * 6), 1, shuffle=False, progress=False,
+                     hooks=[Poison(3, shift=50 * float(z0.norm()) / math.sqrt(z0.numel())), snap],
+                     policies=policies, metrics_every=None)
+        z3, z4 = snap.rounds[2]["z"][0], snap.rounds[3]["z"][0]
+        moves[guard] = float((z4 - z3).norm() / z3.norm())
+        if guard:
+            assert [(f.round, f.replica) for f in h.faults] == [(3, 1)]
+            torch.testing.assert_close(snap.rounds[3]["w"][0][1], z3)  # reset to the z it met
+    assert moves[True] < 0.5 and moves[False] > 5
+
+
+def test_exploding_loss_replica_is_reset_after_the_round():
+    plan = compile_tiny(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.0))
+    z0 = plan.central_weights()
+    h = plan.fit(tiny_data(8 * 6), 1, shuffle=False, progress=False,
+                 hooks=[Poison(2, shift=30 * float(z0.norm()) / math.sqrt(z0.numel()))],
+                 policies=[DivergenceGuard(max_divergence=None, loss_factor=10.0)],
+                 metrics_every=None)
+    faults = [(f.round, f.replica) for f in h.faults]
+    assert faults and all(r == 1 and t in (2, 3) for t, r in faults)  # its next round or the one after
+    assert torch.isfinite(plan.central_weights()).all()
+
+
+# -- by name -------------------------------------------------------------------------------------
+
+
+def test_parse_policy():
+    p = parse_policy("adaptive_batch:max_batch_size=128,scale_lr=false")
+    assert isinstance(p, AdaptiveBatchSize) and p.max_batch_size == 128 and p.scale_lr is False
+    p = parse_policy("multistep_lr:milestones=3/4,warmup_epochs=1")
+    assert p.milestones == [3, 4] and p.warmup_epochs == 1
+    assert isinstance(parse_policy("auto_replicas:threshold=0.2"), cg.AutoReplicas)
+    with pytest.raises(ValueError, match="known: auto_replicas"):
+        parse_policy("bogus")
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_policy("step_lr:2")
+    with pytest.raises(ValueError, match="unexpected keyword"):
+        parse_policy("step_lr:steps=2")
+
+
+def test_auto_replicas_policy_grows_m():
+    """The tuner as a policy, with a deterministic clock where samples/s rise with m."""
+    from crossbow_graph.runtime.autotune import AutoTune
+
+    pol = cg.AutoReplicas(AutoTune(warmup_rounds=1, min_window_rounds=2, window_s=1e-9, max_replicas=3,
+                                   try_other_mode=False))
+    clock = {"t": 0.0}
+
+    def tick(ctx):
+        return clock["t"]
+
+    class Clock(Hook):
+        mutates_replicas = False
+
+        def before_round(self, ctx):
+            clock["t"] += 1.0 / ctx.plan.replicas_per_device  # rounds get cheaper per sample
+
+    pol.tuner.clock = tick
+    plan = compile_tiny(devices=1, replicas=1, executor="inline")
+    h = plan.fit(tiny_data(4 * 60), 1, progress=False, hooks=[Clock()], policies=[pol],
+                 metrics_every=None)
+    assert plan.replicas_per_device == 3
+    assert [p.changes["replicas_per_device"] for p in h.policy] == [2, 3]
+
+
+def test_cli_policy_flag(capsys):
+    from crossbow_graph.cli import build_parser, main
+
+    args = build_parser().parse_args(["train", "--policy", "adaptive_batch", "--policy", "step_lr:gamma=0.5"])
+    assert args.policy == ["adaptive_batch", "step_lr:gamma=0.5"]
+    assert main(["train", "--policy", "nope", "--quiet"]) == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().err
