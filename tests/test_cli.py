@@ -11,7 +11,14 @@ from crossbow_graph.cli import build_parser, main
 def test_train_defaults_are_the_main_job():
     args = build_parser().parse_args(["train"])
     assert (args.model, args.dataset, args.batch_size, args.devices, args.replicas) == ("lenet5", "mnist", 16, "2", 2)
-    assert (args.epochs, args.target) == (5, 0.99)
+    assert (args.epochs, args.target, args.lr, args.lr_milestones) == (5, 0.99, 0.02, (2, 4))
+    assert build_parser().parse_args(["train", "--lr-milestones", ""]).lr_milestones == ()
+
+
+def test_bad_lr_milestones_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--lr-milestones", "4,2"])
+    assert "increasing" in capsys.readouterr().err
 
 
 def test_help_explains_every_flag():
