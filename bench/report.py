@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from plots import run_length  # bench/ is on the path when this script runs
+
 __all__ = ["tta_table", "epochs_table", "robustness_table", "main"]
 
 
@@ -16,15 +18,6 @@ def _f(x, spec="{:.1f}"):
     return "—" if x is None else spec.format(x)
 
 
-def run_length(d: dict) -> str:
-    """'1 epoch(s)' or '1 epoch(s) of the first 12,000 training samples' (from the meta or command)."""
-    import re
-
-    n = d.get("train_samples")
-    if n is None:
-        m = re.search(r"--train-samples (\d+)", d.get("command", ""))
-        n = int(m.group(1)) if m else None
-    return f"{d['max_epochs']} epoch(s)" + (f" of the first {n:,} training samples" if n else "")
 
 
 def tta_table(path: str) -> str:
