@@ -44,6 +44,7 @@ class _AtRound(Hook):
 def _decide(plan) -> None:
     plan.set_replicas(3)
     plan.scheduler.lr = 0.02
+    plan.adjust(cg.Adjustment(sync_every=2))  # a policy's change of τ, through the one interface
 
 
 def run(scenario: str, rank: int, out: str) -> dict:
@@ -78,7 +79,7 @@ def run(scenario: str, rank: int, out: str) -> dict:
         else:
             history = plan.fit(data, 1, shuffle=False, progress=False, hooks=hooks, **kw)
         result.update(z=plan.central_weights(), zbuf=plan.states[0].zbuf.clone(),
-                      m=plan.replicas_per_device, lr=plan.scheduler.lr,
+                      m=plan.replicas_per_device, lr=plan.scheduler.lr, tau=plan.sync.sync_every,
                       digest=z_digest(plan.states[0].z), rounds=plan.rounds_done,
                       loss=history.epochs[-1].train_loss)
     except DistributedError as exc:

@@ -109,7 +109,7 @@ def test_two_processes_with_two_devices_each_on_worker_processes_give_the_same_z
 def test_rank_0s_decisions_reach_every_rank_at_the_same_round(ok_runs):
     r0, r1 = ok_runs["decide"]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
-    assert (r0["m"], r1["m"], r0["lr"], r1["lr"]) == (3, 3, 0.02, 0.02)
+    assert (r0["m"], r1["m"], r0["lr"], r1["lr"], r0["tau"], r1["tau"]) == (3, 3, 0.02, 0.02, 2, 2)
     assert torch.equal(r0["z"], r1["z"])
     # oracle: one process with 2 devices (device-major = rank-major learners), the same change
     one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=2, replicas=M, executor="inline")

@@ -269,18 +269,26 @@ class Comm:
         return box[0]
 
     def agree_settings(self, plan: "Plan", stop: bool, round_index: int) -> bool:
-        """Apply rank 0's m, learner mode, lr, α on every rank; returns rank 0's ``stop``.
+        """Apply rank 0's m, learner mode, lr, α, batch size and sync interval τ on every rank;
+        returns rank 0's ``stop``.
 
         Hooks that decide (auto-tuner, policies) run on rank 0; a change they make reaches the
-        other ranks at the same round boundary.
+        other ranks at the same round boundary (b and τ through ``Plan.adjust``, as a policy's).
         """
         sched = plan.scheduler
         alpha = sched.sync.alpha
         mine = [float(plan.replicas_per_device), float(plan.learner_mode == "fused"), sched.lr,
-                math.nan if alpha is None else alpha, float(stop)]
-        m, fused, lr, alpha0, stop0 = self.broadcast_floats(mine, round_index)
+                math.nan if alpha is None else alpha, float(stop), float(plan.batch_size),
+                float(plan.sync.sync_every)]
+        m, fused, lr, alpha0, stop0, b0, tau0 = self.broadcast_floats(mine, round_index)
         if self.is_main:
             return stop
+        if int(b0) != plan.batch_size or int(tau0) != plan.sync.sync_every:
+            from .policies import Adjustment
+
+            plan.adjust(Adjustment(
+                batch_size=int(b0) if int(b0) != plan.batch_size else None,
+                sync_every=int(tau0) if int(tau0) != plan.sync.sync_every else None))
         if int(m) != plan.replicas_per_device:
             plan.set_replicas(int(m))
         mode = "fused" if fused else "per_replica"
