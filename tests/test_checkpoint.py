@@ -270,3 +270,41 @@ def test_hook_state_is_checkpointed(tmp_path):
     make_plan().fit(data(), 1, progress=False, hooks=[counter, StopAfter(100)], checkpoint_dir=ckpt,
                     resume=True)
     assert counter.seen == 6  # 4 before the checkpoint, 2 after resuming
+
+
+class _SetReplicas(Hook):
+    """Stands in for the auto-tuner: m 1 → 2 per device after round 2."""
+
+    mutates_replicas = False
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == 2:
+            ctx.plan.set_replicas(2)
+
+
+def test_resume_of_an_auto_tuned_plan_continues_at_the_tuned_replica_count(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = make_plan(replicas="auto", devices=1, executor="inline")
+    assert first.replicas_per_device == 1
+    first.fit(data(), 1, shuffle=False, progress=False, checkpoint_dir=ckpt, checkpoint_every=1,
+              hooks=[_SetReplicas(), StopAfter(5)])
+    assert first.replicas_per_device == 2
+    again = make_plan(replicas="auto", devices=1, executor="inline")
+    loaded = _Capture()
+    again.fit(data(), 1, shuffle=False, progress=False, checkpoint_dir=ckpt, resume=True,
+              hooks=[loaded, StopAfter(6)])
+    assert loaded.m == 2 and loaded.rounds == 5
+    assert torch.equal(loaded.z, first.central_weights())
+    assert torch.equal(loaded.w, first.replica_weights())
+    assert again.rounds_done == 6 and torch.isfinite(again.central_weights()).all()
+
+
+class _Capture(Hook):
+    """The state a resumed fit starts from (before_fit runs after the checkpoint is loaded)."""
+
+    mutates_replicas = False
+
+    def before_fit(self, ctx) -> None:
+        plan = ctx.plan
+        self.m, self.rounds = plan.replicas_per_device, plan.rounds_done
+        self.z, self.w = plan.central_weights(), plan.replica_weights()

@@ -97,6 +97,8 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
         CheckpointError: the state was saved from a plan of another shape (devices, replicas,
             parameter or buffer count).
     """
+    if plan.autotuner is not None and sd["replicas_per_device"] != plan.replicas_per_device:
+        plan.set_replicas(sd["replicas_per_device"])  # the tuner had changed m: continue from there
     have = (len(plan.devices), plan.replicas_per_device, plan.num_parameters, plan.states[0].buf.shape[1])
     want = (len(sd["devices"]), sd["replicas_per_device"], sd["num_parameters"], sd["num_float_buffers"])
     if have != want:
@@ -246,8 +248,10 @@ def load_latest(directory: str) -> tuple[str, dict[str, Any]] | None:
 # -- the hook --------------------------------------------------------------------------------
 
 def _data_key(schedule: "BatchSchedule") -> dict[str, Any]:
-    return {"num_samples": schedule.num_samples, "num_learners": schedule.num_learners,
-            "batch_size": schedule.batch_size, "shuffle": schedule.shuffle, "seed": schedule.seed}
+    # k is not part of it: the position in the epoch's order is saved in samples, and k may change
+    # during a fit (the auto-tuner); the plan's shape, m included, is checked when it is loaded
+    return {"num_samples": schedule.num_samples, "batch_size": schedule.batch_size,
+            "shuffle": schedule.shuffle, "seed": schedule.seed}
 
 
 def _hook_key(i: int, hook: Hook) -> str:
