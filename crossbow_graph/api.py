@@ -187,21 +187,14 @@ def compile(  # noqa: A001 - the public name the design asks for
                               leaf_modules=leaf_modules)
     if memory_budget is None and names[0].startswith("cuda"):
         memory_budget = torch.cuda.get_device_properties(_torch_device(names[0])).total_memory
-    graph = _build_task_graph(names, 1 if tuned else replicas, batch_size, model_graph,
-                              memory_budget, verify)
+    graph = build_task_graph(model_graph, devices=names, replicas_per_device=1 if tuned else replicas,
+                             batch_size=batch_size, memory_budget_bytes=memory_budget, verify=verify)
     plan = Plan(model=model, model_graph=model_graph, task_graph=graph, loss_fn=loss_fn,
                 batch_size=batch_size, optimizer=optimizer, sync=sync, learner_mode=learner_mode,
                 executor=executor, memory_budget=memory_budget, verify=verify,
                 autotune=(autotune or AutoTune()) if tuned else None, kernels=kernels, comm=comm)
     plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
     return plan
-
-
-def _build_task_graph(names: list[str], replicas: int, batch_size: int, model_graph: ModelGraph,
-                      memory_budget: int | None, verify: bool) -> nx.DiGraph:
-    """The compiler's pass pipeline (verifier between passes): the task graph of one round."""
-    return build_task_graph(model_graph, devices=names, replicas_per_device=replicas,
-                            batch_size=batch_size, memory_budget_bytes=memory_budget, verify=verify)
 
 
 class Plan:
@@ -318,8 +311,9 @@ class Plan:
             raise ValueError(f"replicas_per_device={m!r}: must be an integer ≥ 1")
         if m == self.replicas_per_device:
             return
-        graph = _build_task_graph(self.devices, m, self.batch_size, self.model_graph,
-                                  self.memory_budget, self._verify)
+        graph = build_task_graph(self.model_graph, devices=self.devices, replicas_per_device=m,
+                                 batch_size=self.batch_size, memory_budget_bytes=self.memory_budget,
+                                 verify=self._verify)
         self.scheduler.flush()
         self.scheduler.close_workers()
         for state in self.states:

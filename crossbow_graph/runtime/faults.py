@@ -1,14 +1,16 @@
 """Numerical faults: NaN or Inf in a replica, found at the local synchronisation (DESIGN.md §2).
 
-Once per device per round, ``FaultMonitor.check`` reduces the replicas' gradients ``g [m, P]`` to
-one row sum each and tests it with ``isfinite`` (a non-finite element makes its row sum non-finite;
+Before every local update, ``FaultMonitor.find_and_reset`` (called by the scheduler's
+``local_update_rows``, in this process or in a worker for its own rows) reduces the replicas'
+gradients ``g [r0:r1, P]`` to one row sum each and tests it with ``isfinite`` (a non-finite element makes its row sum non-finite;
 a row sum that overflows float32 means the replica diverged anyway). A faulty replica j is reset
 from the device's central model before the local update — ``w[j] ← z``, ``v[j] ← 0``,
 ``g[j] ← 0``, float buffers ``buf[j] ← zbuf`` — so its correction α·(w[j] − z) is exactly zero:
 it is left out of the round's sum acc_d, and it starts the next round as a fresh copy of z. After
-the update ``finish`` puts it back at z (the zero gradient still met weight decay). Each fault is
-logged (logger ``crossbow_graph.faults``) and kept in ``events`` (the trainer copies them into
-``History.faults``). If every learner of a round is faulty, ``DivergenceError`` stops training.
+the update ``reset`` puts it back at z (the zero gradient still met weight decay). The faulty rows
+go back to the coordinator, where ``record`` logs each (logger ``crossbow_graph.faults``) and keeps
+it in ``events`` (the trainer copies them into ``History.faults``). If every learner of a round is
+faulty, ``DivergenceError`` stops training.
 
 By induction w, v and z stay finite: a replica is either healthy (finite w, g ⇒ finite update) or
 reset to the finite z, so checking g alone suffices (a replica poisoned from outside, e.g. NaN

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..compiler.passes import build_task_graph
 from ..errors import PlanError
 from .autotune import AutoTune, AutoTuner
 from .faults import FaultMonitor
@@ -92,13 +93,13 @@ def apply_adjustment(plan: "Plan", adj: Adjustment) -> dict[str, Any]:
         PlanError: the new b (or m) does not fit the memory budget; nothing is changed then.
         ValueError: α given with k = 1 (a single learner has no averaging).
     """
-    from ..api import _build_task_graph
-
     sched, done = plan.scheduler, {}
     if adj.batch_size is not None and adj.batch_size != plan.batch_size:
         b = adj.batch_size
-        graph = _build_task_graph(plan.devices, plan.replicas_per_device, b, plan.model_graph,
-                                  plan.memory_budget, plan._verify)  # raises PlanError
+        graph = build_task_graph(plan.model_graph, devices=plan.devices,
+                                 replicas_per_device=plan.replicas_per_device, batch_size=b,
+                                 memory_budget_bytes=plan.memory_budget,
+                                 verify=plan._verify)  # raises PlanError
         sched.flush()
         sched.close_workers()
         plan.batch_size = sched.batch_size = b
