@@ -7,7 +7,7 @@ import torch
 
 import crossbow_graph as cg
 from crossbow_graph.compiler.tasks import TaskKind
-from crossbow_graph.runtime._learners import learn_group
+from crossbow_graph.runtime._learners import learn_group, seed_rng
 from crossbow_graph.runtime.hooks import Hook
 
 from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, reference_sma, tiny_data
@@ -42,6 +42,16 @@ def test_fused_and_per_replica_agree_with_batchnorm():
     torch.testing.assert_close(a.states[0].buf, b.states[0].buf, **TOL)
     assert not torch.equal(a.states[0].buf[0], a.states[0].buf[1])  # statistics are per replica
     assert a.central_model().bn.num_batches_tracked.item() == b.central_model().bn.num_batches_tracked.item() == 5
+
+
+def test_seed_rng_seeds_the_cpu_generator_like_manual_seed():
+    # the learners seed only their device's generator (torch.manual_seed also seeds every
+    # accelerator through slow lazy calls); on the CPU the draws must be torch.manual_seed's
+    torch.manual_seed(1234)
+    want = torch.rand(5)
+    torch.manual_seed(0)
+    seed_rng(torch.device("cpu"), 1234)
+    torch.testing.assert_close(torch.rand(5), want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["per_replica", "fused"])
