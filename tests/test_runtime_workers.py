@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from crossbow_graph.runtime.hooks import Hook
-from crossbow_graph.runtime.workers import worker_groups
+from crossbow_graph.runtime.data import make_fetch
+from crossbow_graph.runtime.workers import choose_onednn, worker_groups
 
 from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, reference_sma, tiny_data
 
@@ -27,6 +28,27 @@ def test_worker_groups_split_replicas_evenly():
     assert worker_groups([1], 2) == [(0, 0, 1)]
     assert worker_groups([2, 2], 2) == [(0, 0, 2), (1, 0, 2)]
     assert worker_groups([3, 1], 4) == [(0, 0, 2), (0, 2, 3), (1, 0, 1)]
+
+
+def test_workers_convolution_library_is_measured_once_per_batch_size_or_fixed():
+    plan = compile_tiny(TinyBN, replicas=2, executor="process")
+    sched, data = plan.scheduler, tiny_data(64)
+    fetch = make_fetch(data)
+    rng, onednn = torch.get_rng_state(), torch.backends.mkldnn.enabled
+    choice = choose_onednn(sched, fetch)
+    assert sched._onednn_choice == {plan.batch_size: choice}
+    assert torch.equal(torch.get_rng_state(), rng) and torch.backends.mkldnn.enabled == onednn
+    buf = plan.states[0].buf.clone()
+    assert choose_onednn(sched, fetch) is choice and torch.equal(plan.states[0].buf, buf)
+    # fixed by cpu_conv: both libraries give the same z to float tolerance
+    z = {}
+    for conv in ("onednn", "aten"):
+        p = compile_tiny(TinyBN, replicas=2, executor="process")
+        p.scheduler.cpu_conv = conv
+        assert choose_onednn(p.scheduler, fetch) is (conv == "onednn")
+        _fit(p, data)
+        z[conv] = p.central_weights()
+    torch.testing.assert_close(z["onednn"], z["aten"], **TOL)
 
 
 @pytest.mark.parametrize("devices,replicas,mode", [(1, 2, "per_replica"), (1, 3, "fused"),

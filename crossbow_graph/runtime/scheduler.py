@@ -70,6 +70,8 @@ class Scheduler:
         sync_seconds, sync_exposed_seconds: synchronisation work so far, and the part of it that
             learners waited for (not hidden behind learning), in seconds.
         timeline: a ``Timeline`` receiving every task's span, or None.
+        cpu_conv: the worker processes' convolution library: ``"auto"`` (measured once per b,
+            ``runtime.workers.choose_onednn``), ``"onednn"`` or ``"aten"``.
         max_divergence: if set (policies' DivergenceGuard), a replica with ‖ŵ_j − z‖/‖z‖ above
             it is reset from z before its local update, like a NaN/Inf one (runtime/faults.py);
             worker processes read it when they start.
@@ -106,6 +108,8 @@ class Scheduler:
         self._fused = [FusedProgram(_clone_structure(s), loss_fn, batch_size) for s in states]
         self._cuda = None
         self._resolved: tuple[int, str] | None = None  # (k, executor) cache
+        self.cpu_conv = "auto"  # worker processes' convolutions: "auto", "onednn", "aten"
+        self._onednn_choice: dict[int, bool] = {}  # b → measured choice (workers.choose_onednn)
         self.set_task_graph(task_graph)
 
     # -- configuration ------------------------------------------------------------------------

@@ -12,7 +12,7 @@ process then sums the partial sums and updates z (the global sync of round t). W
 round's samples are known and no hook writes the replicas, their message is sent before waiting
 for round t: the workers learn round t+1 while the global sync of round t (and the hooks) run, and
 learner j's round t+1 waits only for its own correction. There are at most as many workers as
-cores, each with one intra-op thread (and oneDNN off: fork safety, see ``_worker_main``), and this
+cores, each with one intra-op thread (fork safety, see ``_worker_main``), and this
 process drops to one thread while they run, so the processes do not fight over the cores.
 """
 
@@ -34,7 +34,9 @@ from .scheduler import available_cores
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
-__all__ = ["ProcessExecutor", "worker_groups", "fork_available"]
+__all__ = ["ProcessExecutor", "worker_groups", "fork_available", "choose_onednn", "CPU_CONV_CHOICES"]
+
+CPU_CONV_CHOICES = ("auto", "onednn", "aten")
 
 _POLL_S = 0.5          # how often a blocked wait checks that the other side is alive
 ROUND_TIMEOUT_S = 600  # the longest this process waits for one worker's round
@@ -66,6 +68,57 @@ def worker_groups(replicas_per_device: list[int], cores: int) -> list[tuple[int,
     return groups
 
 
+def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) -> bool:
+    """Whether the worker processes run convolutions with oneDNN (else ATen's own kernels).
+
+    ``scheduler.cpu_conv``: ``"onednn"`` or ``"aten"`` decide; ``"auto"`` (default) measures,
+    once per scheduler and batch size b: one learner's forward and backward at b in this process,
+    single-threaded (as a worker runs), on a copy of the model and the dataset's first b samples,
+    with each library, interleaved twice; ATen is chosen only if it was at least 5% faster.
+    Neither torch's RNG nor any replica is touched. Single-threaded on this 2-core CPU, oneDNN
+    ran LeNet-5 1.3x faster at b=16 and ResNet-32 1.4-2x faster at b=4…16, but ATen ran LeNet-5
+    1.15x faster at b=8 (docs/runtime.md): which one wins depends on the model and b.
+    The two libraries round differently, so two fits that chose differently agree to float
+    tolerance, not bit for bit; set ``cpu_conv`` to fix the choice.
+    """
+    if scheduler.cpu_conv != "auto":
+        return scheduler.cpu_conv == "onednn"
+    b = scheduler.batch_size
+    cached = scheduler._onednn_choice.get(b)
+    if cached is not None:
+        return cached
+    import copy
+
+    from .data import split_inputs
+
+    state = scheduler.states[0]
+    model = copy.deepcopy(state._template).train()
+    batch = fetch(torch.arange(b))
+    args, kwargs, target = split_inputs(batch)
+    saved_threads, saved_onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
+    best = {True: float("inf"), False: float("inf")}
+    try:
+        torch.set_num_threads(1)
+        with torch.random.fork_rng(devices=[]):
+            for _ in range(2):
+                for onednn in (True, False):
+                    torch.backends.mkldnn.enabled = onednn
+                    steps, t0 = 0, None
+                    while steps < 3 and (t0 is None or time.perf_counter() - t0 < 0.05):
+                        scheduler.loss_fn(model(*args, **kwargs), target).backward()
+                        if t0 is None:  # the first step warms up
+                            t0 = time.perf_counter()
+                        else:
+                            steps += 1
+                    best[onednn] = min(best[onednn], (time.perf_counter() - t0) / steps)
+    finally:
+        torch.set_num_threads(saved_threads)
+        torch.backends.mkldnn.enabled = saved_onednn
+    choice = not best[False] < 0.95 * best[True]
+    scheduler._onednn_choice[b] = choice
+    return choice
+
+
 class ProcessExecutor:
     """Worker processes running one scheduler's learner groups (see the module docstring).
 
@@ -82,6 +135,7 @@ class ProcessExecutor:
         cores = available_cores()
         self.groups = worker_groups([s.m for s in states], cores)
         threads = 1  # forked children cannot start OpenMP teams (see _worker_main)
+        self.onednn = choose_onednn(scheduler, fetch)
         for s in states:
             s.share_memory()
         p_size, q_size = states[0].params.size, states[0].buffers.size
@@ -114,7 +168,7 @@ class ProcessExecutor:
                     target=_worker_main, name=f"crossbow-learner-{wid}", daemon=True,
                     args=(scheduler, d, r0, r1, there, sem, self.ctrl, self.acc_parts[wid],
                           self.buf_snaps[d] if q_size else None, fetch,
-                          seed * 1_000_003 + 7919 * (wid + 1), threads, parent,
+                          seed * 1_000_003 + 7919 * (wid + 1), threads, self.onednn, parent,
                           [t.id for t in learn_tasks], self.local_ids[d].id))
                 proc.start()
                 there.close()
@@ -279,7 +333,8 @@ def _wait(ready: Callable[[], bool], parent: int) -> bool:
 
 def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: torch.Tensor,
                  acc_part: torch.Tensor, buf_snap: torch.Tensor | None, fetch: Callable, seed: int,
-                 threads: int, parent: int, learn_ids: list[str], local_id: str) -> None:
+                 threads: int, onednn: bool, parent: int, learn_ids: list[str],
+                 local_id: str) -> None:
     """The loop of one worker process (forked: it shares the scheduler's state and dataset).
 
     Per round: receive (round, indices); learn; wait for the semaphore (z ready); read lr, α,
@@ -289,11 +344,12 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
     """
     # GNU OpenMP cannot start a thread team in a forked child of a process that used one: the
     # team barrier waits forever for threads that do not exist here. So a worker runs one
-    # intra-op thread (ATen then never enters an OpenMP region), and oneDNN is off because its
-    # cached primitives carry the parent's team size (ATen's kernels also ran LeNet-5 at b=8
-    # faster single-threaded than oneDNN on this CPU). Parallelism comes from the workers.
+    # intra-op thread: ATen then never enters an OpenMP region, and oneDNN (left on, torch's
+    # default) creates its own single-threaded primitives, because its primitive cache is keyed
+    # by the thread count. Whether oneDNN or ATen's own convolutions run is measured
+    # (choose_onednn). Parallelism comes from the workers.
     torch.set_num_threads(threads)
-    torch.backends.mkldnn.enabled = False
+    torch.backends.mkldnn.enabled = onednn  # choose_onednn
     torch.manual_seed(seed)
     state, b, mode = sched.states[d], sched.batch_size, sched.learner_mode
     first = sched.learner_offset + sum(s.m for s in sched.states[:d])  # global index of replica 0
