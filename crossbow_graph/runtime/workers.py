@@ -156,6 +156,7 @@ class ProcessExecutor:
                             for d in range(len(states))]
         # lr, α, synchronise, cancel, μ_l, nesterov, λ of the round being released
         self.ctrl = torch.zeros(7, dtype=torch.float64).share_memory_()
+        self._ctrl_np = self.ctrl.numpy()  # a view: writes go to the shared block
         self.ahead: tuple[int, torch.Tensor] | None = None  # the speculative round, if any
         self.main_threads = torch.get_num_threads()
         parent = os.getpid()
@@ -189,8 +190,8 @@ class ProcessExecutor:
 
     def _release(self, *, lr: float, alpha: float, synchronise: bool, cancel: bool) -> None:
         opt = self.sched.optimizer
-        self.ctrl.copy_(torch.tensor([lr, alpha, float(synchronise), float(cancel), opt.momentum,
-                                      float(opt.nesterov), opt.weight_decay], dtype=torch.float64))
+        self._ctrl_np[:] = (lr, alpha, float(synchronise), float(cancel), opt.momentum,
+                            float(opt.nesterov), opt.weight_decay)  # no tensor per round
         for sem in self.sems:
             sem.release()
 
