@@ -200,8 +200,9 @@ def test_adaptive_batch_size_grows_b_in_a_fit():
 
 
 def test_adaptive_batch_size_waits_for_the_estimate_to_settle():
-    """The default waits one EMA time constant of windows with an estimate (10 for ema = 0.9)
-    before the first change; ``settle_windows=1`` acts on the first window with B_noise ≥ 2·k·b."""
+    """The default waits one EMA time constant of windows that updated the EMAs (10 for
+    ema = 0.9) before the first change; ``settle_windows=1`` acts on the first window with
+    B_noise ≥ 2·k·b."""
     p = AdaptiveBatchSize()
     assert p.windows_to_settle(0.9) == 10 and p.windows_to_settle(0.5) == 2
     assert p.windows_to_settle(0.0) == 1 and AdaptiveBatchSize(settle_windows=3).windows_to_settle(0.9) == 3
@@ -212,8 +213,9 @@ def test_adaptive_batch_size_waits_for_the_estimate_to_settle():
                             optimizer=cg.SGD(lr=0.01, momentum=0.9))
         h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
                      policies=[AdaptiveBatchSize(max_batch_size=8, settle_windows=settle)])
-        windows = [m for m in h.metrics if m.noise_scale is not None]
-        due = [m.round for m in windows[skip:] if m.noise_scale >= 2 * 2 * 4]  # k·b = 2·4
+        windows = [m for m in h.metrics if m.grad_sq_ema is not None]  # the EMAs were updated
+        due = [m.round for m in windows[skip:]
+               if m.noise_scale is not None and m.noise_scale >= 2 * 2 * 4]  # k·b = 2·4
         assert due and [r.round for r in h.policy] == due[:1], (settle, h.policy)
 
 
