@@ -1,5 +1,5 @@
-"""Checkpoints: bit-identical resume (also mid-epoch, with dropout and BatchNorm), corrupt files,
-mismatches, and a real SIGKILL in the middle of a write."""
+"""Checkpoints: bit-identical resume (also mid-epoch, with dropout and BatchNorm, and after a
+policy changed b and η), corrupt files, mismatches, and a real SIGKILL in the middle of a write."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import crossbow_graph as cg
 from crossbow_graph.errors import CheckpointError
 from crossbow_graph.runtime.checkpoint import list_checkpoints, load_checkpoint, load_latest
 from crossbow_graph.runtime.hooks import Hook
+from crossbow_graph.runtime.policies import AdaptiveBatchSize, Policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -308,3 +309,79 @@ class _Capture(Hook):
         plan = ctx.plan
         self.m, self.rounds = plan.replicas_per_device, plan.rounds_done
         self.z, self.w = plan.central_weights(), plan.replica_weights()
+
+
+# -- resuming after a policy changed b -----------------------------------------------------------
+
+
+class _DoubleBatch(Policy):
+    """b 4 → 8 and η 0.05 → 0.1 after round 3, through Plan.adjust (as AdaptiveBatchSize does)."""
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == 3:
+            self.adjust(ctx, batch_size=8, lr=0.1, reason="test")
+
+
+def _policy_log(h: cg.History) -> list:
+    return [(p.round, p.epoch, p.policy, p.changes) for p in h.policy]
+
+
+def _fit_interrupted_and_resumed(tmp_path, stop_at, fit) -> tuple[cg.Plan, cg.History]:
+    """``fit(plan, **kw)`` stopped after ``stop_at`` rounds (checkpoint every round), then resumed
+    on a freshly compiled plan (b = 4 again); returns that plan and the resumed fit's History."""
+    ckpt = str(tmp_path / "ckpt")
+    first = make_plan()
+    random.seed(7), np.random.seed(7)
+    fit(first, hooks=[StopAfter(stop_at)], checkpoint_dir=ckpt, checkpoint_every=1)
+    assert load_latest(ckpt)[1]["plan"]["rounds_done"] == stop_at
+    second = make_plan()
+    assert second.batch_size == 4
+    random.seed(8), np.random.seed(8)  # overwritten by the checkpoint's RNG states
+    # the same hooks (their state is keyed by position), as when the same command is run again
+    h = fit(second, hooks=[StopAfter(10**6)], checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
+    return second, h
+
+
+@pytest.mark.parametrize("stop_at", [5, 8])  # after the change: mid-epoch 1 and mid-epoch 2
+def test_resume_continues_at_a_policy_changed_batch_size(tmp_path, stop_at):
+    """A policy doubles b (and η) after round 3; a fit stopped after round 5 or 9 and resumed on a
+    plan compiled with b = 4 continues at b = 8, η = 0.1, bit-identical to an uninterrupted fit
+    (epoch 1: 3 rounds of 4·4 and 3 of 4·8 of the 144 samples; epoch 2: 4 rounds of 4·8)."""
+    def fit(plan, **kw):
+        return plan.fit(data(144), 2, progress=False, seed=3, policies=[_DoubleBatch()],
+                        hooks=[DrawRandom()] + kw.pop("hooks"), **kw)
+
+    full = make_plan()
+    random.seed(7), np.random.seed(7)
+    h_full = fit(full, hooks=[StopAfter(10**6)])
+    assert (full.batch_size, full.scheduler.lr, full.rounds_done) == (8, 0.1, 10)
+    second, h = _fit_interrupted_and_resumed(tmp_path, stop_at, fit)
+    assert (second.batch_size, second.scheduler.lr, second.rounds_done) == (8, 0.1, 10)
+    assert second.scheduler.batch_size == 8
+    assert_same_state(full, second)
+    assert [e.train_loss for e in h.epochs] == [e.train_loss for e in h_full.epochs]
+    assert _policy_log(h) == _policy_log(h_full) == [(3, 0, "_DoubleBatch",
+                                                      {"batch_size": 8, "lr": 0.1})]
+
+
+def test_resume_restores_adaptive_batch_size_state(tmp_path):
+    """AdaptiveBatchSize on random labels (the gradient is all noise: b doubles 4 → 8 → 16 once
+    settled): stopped between its two changes and resumed, the fit takes the same decisions at
+    the same rounds, with the same noise-scale windows, and ends bit-identical."""
+    def fit(plan, **kw):
+        policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.1, settle_windows=3)
+        return plan.fit(data(480), 1, progress=False, seed=3, metrics_every=2, policies=[policy],
+                        **kw)
+
+    full = make_plan()
+    random.seed(7), np.random.seed(7)
+    h_full = fit(full, hooks=[StopAfter(10**6)])
+    rounds = [p.round for p in h_full.policy]
+    assert [p.changes["batch_size"] for p in h_full.policy] == [8, 16], _policy_log(h_full)
+    second, h = _fit_interrupted_and_resumed(tmp_path, (rounds[0] + rounds[1]) // 2 + 1, fit)
+    assert second.batch_size == full.batch_size == 16
+    assert second.rounds_done == full.rounds_done
+    assert_same_state(full, second)
+    assert _policy_log(h) == _policy_log(h_full)
+    assert [(m.round, m.batch_size, m.noise_scale) for m in h.metrics] == \
+        [(m.round, m.batch_size, m.noise_scale) for m in h_full.metrics]

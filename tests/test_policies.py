@@ -194,6 +194,29 @@ def test_adaptive_batch_size_grows_b_in_a_fit():
     idx = torch.cat([r["indices"] for r in snap.rounds])
     assert len(idx) == len(set(idx.tolist()))
     assert all(m.noise_scale is not None and m.noise_scale > 2 * 4 for m in h.metrics[:1])
+    # settled: ⌈1/(1 − 0.9)⌉ = 10 windows of 2 rounds with an estimate before each change
+    first, second = (p.round for p in h.policy)
+    assert first >= 20 and second - first >= 20
+
+
+def test_adaptive_batch_size_waits_for_the_estimate_to_settle():
+    """The default waits one EMA time constant of windows that updated the EMAs (10 for
+    ema = 0.9) before the first change; ``settle_windows=1`` acts on the first window with
+    B_noise ≥ 2·k·b."""
+    p = AdaptiveBatchSize()
+    assert p.windows_to_settle(0.9) == 10 and p.windows_to_settle(0.5) == 2
+    assert p.windows_to_settle(0.0) == 1 and AdaptiveBatchSize(settle_windows=3).windows_to_settle(0.9) == 3
+    with pytest.raises(ValueError, match="settle_windows=0"):
+        AdaptiveBatchSize(settle_windows=0)
+    for settle, skip in ((1, 0), (None, 9)):
+        plan = compile_tiny(devices=2, replicas=1, executor="inline",
+                            optimizer=cg.SGD(lr=0.01, momentum=0.9))
+        h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
+                     policies=[AdaptiveBatchSize(max_batch_size=8, settle_windows=settle)])
+        windows = [m for m in h.metrics if m.grad_sq_ema is not None]  # the EMAs were updated
+        due = [m.round for m in windows[skip:]
+               if m.noise_scale is not None and m.noise_scale >= 2 * 2 * 4]  # k·b = 2·4
+        assert due and [r.round for r in h.policy] == due[:1], (settle, h.policy)
 
 
 # -- DivergenceGuard -----------------------------------------------------------------------------

@@ -5,10 +5,12 @@ A checkpoint holds everything the next round depends on:
 - the plan (``plan_state_dict``): per device the replicas ``w [m, P]``, momenta ``v [m, P]``, the
   central model ``z [P]`` and ``z_prev [P]``, float buffers ``buf [m, Q]`` and ``zbuf [Q]``,
   every replica's integer buffers (``num_batches_tracked``), the ``first_step`` flags; the
-  scheduler's learning rate and the current epoch's losses; the counters (epochs and rounds done,
-  the round within the epoch, training seconds);
-- the data position (epoch, round within it) and what fixes the sample order (N, k, b, shuffle,
-  seed), checked on resume;
+  settings a policy may have changed (``Plan.adjust``: batch size b, SMA α and τ, the
+  scheduler's learning rate), which a resumed fit continues with; the current epoch's losses;
+  the counters (epochs and rounds done, the round within the epoch, the sample position in it,
+  training seconds);
+- the data position (epoch, sample position within it) and what fixes the sample order (N,
+  shuffle, seed), checked on resume;
 - every random number generator: torch CPU (and CUDA when present), Python ``random``, NumPy;
 - the state of every hook that has ``state_dict()``/``load_state_dict()`` (auto-tuner, policies);
 - the History so far.
@@ -80,6 +82,8 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         "devices": plan.devices, "replicas_per_device": plan.replicas_per_device,
         "num_parameters": plan.num_parameters, "num_float_buffers": plan.states[0].buf.shape[1],
         "states": states,
+        "batch_size": plan.batch_size,
+        "alpha": getattr(plan.sync, "alpha", None), "sync_every": plan.sync.sync_every,
         "lr": sched.lr,
         "losses": torch.stack(sched.losses).cpu() if sched.losses else torch.zeros(0),
         "faults": [asdict(e) for e in sched.faults.events],
@@ -93,9 +97,14 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
 def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
     """Copy a ``plan_state_dict`` into ``plan`` in place (module parameters stay views of ``w``).
 
+    The settings a policy changes through ``Plan.adjust`` are restored the same way first: a
+    saved b other than the plan's re-plans the learners (and re-checks the memory bound), and α
+    and τ are set, so the plan continues with the b, α, τ and η in force when it was saved.
+
     Raises:
         CheckpointError: the state was saved from a plan of another shape (devices, replicas,
             parameter or buffer count).
+        PlanError: the saved batch size does not fit this plan's memory budget.
     """
     if plan.autotuner is not None and sd["replicas_per_device"] != plan.replicas_per_device:
         plan.set_replicas(sd["replicas_per_device"])  # the tuner had changed m: continue from there
@@ -108,6 +117,7 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
             f"{have[0]} × {have[1]}, {have[2]:,} and {have[3]:,}; compile the same model with the "
             "same devices and replicas to resume, or use another checkpoint_dir to start afresh"
         )
+    _restore_settings(plan, sd)
     for s, saved in zip(plan.states, sd["states"]):
         for key in ("w", "v", "z", "z_prev", "buf", "zbuf"):
             getattr(s, key).copy_(saved[key])
@@ -124,6 +134,23 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
     plan.epochs_done, plan.rounds_done = sd["epochs_done"], sd["rounds_done"]
     plan.round_in_epoch, plan.train_seconds = sd["round_in_epoch"], sd["train_seconds"]
     plan.position_in_epoch = sd["position_in_epoch"]
+
+
+def _restore_settings(plan: "Plan", sd: dict[str, Any]) -> None:
+    """b, α and τ of a ``plan_state_dict`` through ``Plan.adjust`` (before the tensors are copied:
+    a change of b re-plans, which resets the fault monitor). States without them (older
+    checkpoints) keep the plan's."""
+    from .policies import Adjustment
+
+    changes: dict[str, Any] = {}
+    if sd.get("batch_size", plan.batch_size) != plan.batch_size:
+        changes["batch_size"] = sd["batch_size"]
+    if hasattr(plan.sync, "alpha") and "alpha" in sd and sd["alpha"] != plan.sync.alpha:
+        changes["alpha"] = "auto" if sd["alpha"] is None else sd["alpha"]
+    if sd.get("sync_every", plan.sync.sync_every) != plan.sync.sync_every:
+        changes["sync_every"] = sd["sync_every"]
+    if changes:
+        plan.adjust(Adjustment(**changes))
 
 
 # -- random number generators ------------------------------------------------------------------
@@ -248,10 +275,11 @@ def load_latest(directory: str) -> tuple[str, dict[str, Any]] | None:
 # -- the hook --------------------------------------------------------------------------------
 
 def _data_key(schedule: "BatchSchedule") -> dict[str, Any]:
-    # k is not part of it: the position in the epoch's order is saved in samples, and k may change
-    # during a fit (the auto-tuner); the plan's shape, m included, is checked when it is loaded
-    return {"num_samples": schedule.num_samples, "batch_size": schedule.batch_size,
-            "shuffle": schedule.shuffle, "seed": schedule.seed}
+    # neither k nor b is part of it: the epoch's order depends on N, shuffle and seed only, the
+    # position in it is saved in samples, and both may change during a fit (the auto-tuner, a
+    # policy); the plan's b and shape, m included, are restored or checked when it is loaded
+    return {"num_samples": schedule.num_samples, "shuffle": schedule.shuffle,
+            "seed": schedule.seed}
 
 
 def _hook_key(i: int, hook: Hook) -> str:
@@ -259,9 +287,14 @@ def _hook_key(i: int, hook: Hook) -> str:
 
 
 def _history_from(d: dict[str, Any], into: History) -> None:
+    from .metrics import MetricRecord
+    from .policies import PolicyRecord
+
     into.epochs = [EpochRecord(**e) for e in d["epochs"]]
     into.evals = [EvalRecord(**e) for e in d["evals"]]
     into.faults = [FaultEvent(**e) for e in d["faults"]]
+    into.metrics = [MetricRecord(**m) for m in d.get("metrics", [])]
+    into.policy = [PolicyRecord(**p) for p in d.get("policy", [])]
     into.time_to_accuracy_s, into.epochs_to_accuracy = d["time_to_accuracy_s"], d["epochs_to_accuracy"]
 
 
@@ -270,7 +303,7 @@ class CheckpointHook(Hook):
 
     Args:
         directory: where ``ckpt-*.pt`` files go (created if missing).
-        schedule: the fit's BatchSchedule (its N, k, b, shuffle and seed are saved and checked).
+        schedule: the fit's BatchSchedule (its N, shuffle and seed are saved and checked).
         hooks: the fit's other hooks; those with ``state_dict``/``load_state_dict`` are saved.
         every_rounds: rounds between checkpoints (≥ 1); None: only at epoch ends.
         keep: checkpoints kept (≥ 2, so that a corrupt newest one has a fallback).
@@ -301,7 +334,8 @@ class CheckpointHook(Hook):
 
         Raises:
             CheckpointError: no checkpoint can be read, or the newest good one was written for
-                another plan shape or another data order (dataset size, k, b, shuffle, seed).
+                another plan shape or another data order (dataset size, shuffle, seed).
+            PlanError: the checkpoint's batch size (a policy's) does not fit the memory budget.
         """
         found = load_latest(self.directory)
         if found is None:
@@ -315,7 +349,7 @@ class CheckpointHook(Hook):
             diff = ", ".join(f"{k}={want[k]!r} (now {have[k]!r})" for k in want if want[k] != have[k])
             raise CheckpointError(
                 f"checkpoint {path} was written for another data order: {diff}; resume with the "
-                "same dataset, devices × replicas, batch_size, shuffle and seed"
+                "same dataset, shuffle and seed"
             )
         load_plan_state_dict(plan, state["plan"])
         for i, hook in enumerate(self.hooks):

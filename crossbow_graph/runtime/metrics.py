@@ -191,14 +191,25 @@ class MetricsMonitor(Hook):
         self._weight = 0.0            # 1 − ema^n, the bias correction
         self._reset_window(0.0)
         self._acc: float | None = None
+        self._resumed = False  # load_state_dict ran: before_fit keeps the loaded window
 
     # -- checkpointable state ----------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"g2": self._g2, "tr": self._tr, "weight": self._weight}
+        return {"g2": self._g2, "tr": self._tr, "weight": self._weight,
+                "window": {"rounds": self._rounds, "samples": self._samples, "t0": self._t0,
+                           "loss": None if self._loss is None else float(self._loss),
+                           "acc": self._acc}}
 
     def load_state_dict(self, state: dict) -> None:
+        """The EMAs and the unfinished window: a resumed fit measures the same rounds."""
         self._g2, self._tr, self._weight = state["g2"], state["tr"], state["weight"]
+        w = state.get("window")
+        if w is not None:
+            self._rounds, self._samples, self._t0, self._acc = (w["rounds"], w["samples"], w["t0"],
+                                                                w["acc"])
+            self._loss = None if w["loss"] is None else torch.tensor(w["loss"])
+            self._resumed = True
 
     # -- the window ---------------------------------------------------------------------------
 
@@ -215,7 +226,9 @@ class MetricsMonitor(Hook):
 
     def before_fit(self, ctx: FitContext) -> None:
         ctx.extra["metrics"] = self
-        self._reset_window(ctx.train_seconds)
+        if not self._resumed:  # a resumed fit continues the checkpoint's window
+            self._reset_window(ctx.train_seconds)
+        self._resumed = False
 
     def after_eval(self, ctx: FitContext, record) -> None:
         if self.last is not None and self.last.round == record.round:  # at a window's last round

@@ -237,32 +237,52 @@ class AutoReplicas(Policy):
 class AdaptiveBatchSize(Policy):
     """Move b toward the measured gradient noise scale B_noise (McCandlish et al. 2018), in bounds.
 
-    After each metrics window with a noise-scale estimate (and at least ``cooldown_epochs`` of
-    training samples after the last change, so that the noise-scale EMA has settled), if B_noise ≥ ``factor``·k·b the batch size is multiplied by ``factor``; if
-    ``shrink`` and B_noise ≤ k·b/``factor`` it is divided by it; always within
-    [``min_batch_size``, ``max_batch_size``]. B_noise is compared with the round's k·b samples,
-    which the central model's update averages (the two-batch estimator's large batch). The change re-plans the learners and re-checks the
-    memory bound (a batch that does not fit is not taken, and ``max_batch_size`` drops to the last
-    that fit). By default η stays: a growing b then lowers the SGD noise temperature η/b as a
-    learning-rate decay would (Smith et al. 2018, "Don't decay the learning rate, increase the
-    batch size"); with ``scale_lr`` η is scaled by the same factor (η/b constant, the linear
-    scaling rule of Goyal et al. 2017). Data stay disjoint: rounds take the next k·b positions
-    of the epoch's order.
+    After each metrics window with a noise-scale estimate, if B_noise ≥ ``factor``·k·b the batch
+    size is multiplied by ``factor``; if ``shrink`` and B_noise ≤ k·b/``factor`` it is divided by
+    it; always within [``min_batch_size``, ``max_batch_size``]. B_noise is compared with the
+    round's k·b samples, which the central model's update averages (the two-batch estimator's
+    large batch). A change is taken only when the estimate has *settled*, two conditions:
+
+    * at least ``settle_windows`` windows whose estimate entered the EMAs since the fit started
+      or since the last change. B_noise is a ratio of exponential moving averages (decay a,
+      ``MetricsMonitor.ema``) of single-round two-batch estimates, each very noisy (which is why
+      McCandlish et al. 2018, appendix A.1, average them); after n windows the weight of those n
+      in the EMA is 1 − aⁿ, so the default n = ⌈1/(1 − a)⌉ (10 for a = 0.9: one time constant,
+      since a^(1/(1−a)) ≤ 1/e) acts on an average of which ≥ 63 % was measured at the current b,
+      and never on the first, single estimates. The count is in windows, i.e. rounds, so each b
+      gets the same number of SGD steps before the next change (a larger b waits more samples).
+      On W1 the first estimates are already ≥ 2·k·b from b = 16 on: without this condition b
+      reached 128 within one epoch and the fit stalled below 99 % (docs/benchmarks.md,
+      "Policies (issue 8)");
+    * at least ``cooldown_epochs`` of training samples since the last change.
+
+    The change re-plans the learners and re-checks the memory bound (a batch that does not fit is
+    not taken, and ``max_batch_size`` drops to the last that fit). By default η stays: a growing
+    b then lowers the SGD noise temperature η/b as a learning-rate decay would (Smith et al.
+    2018, "Don't decay the learning rate, increase the batch size"); with ``scale_lr`` η is
+    scaled by the same factor (η/b constant, the linear scaling rule of Goyal et al. 2017). Data
+    stay disjoint: rounds take the next k·b positions of the epoch's order. The policy's state
+    (bounds, windows and samples since the last change) is checkpointed; b and η themselves are
+    part of the plan's checkpoint (``fit(checkpoint_dir=..., resume=True)`` continues at them).
 
     Args:
         min_batch_size: smallest b (≥ 1); None: the b the fit starts with.
         max_batch_size: largest b (≥ min).
         factor: multiplicative step (> 1), 2 by default.
         cooldown_epochs: epochs of samples to wait after a change (> 0).
+        settle_windows: metrics windows (that updated the noise-scale EMAs) to wait at the start
+            and after a change (≥ 1); None: ⌈1/(1 − ema)⌉ of the fit's MetricsMonitor (10 for
+            its default ema = 0.9).
         scale_lr: scale η with b.
         shrink: also shrink b when B_noise falls below b/factor.
 
     Raises:
-        ValueError: bounds or factor out of range.
+        ValueError: bounds, factor, cooldown or settle_windows out of range.
     """
 
     def __init__(self, *, min_batch_size: int | None = None, max_batch_size: int = 128,
-                 factor: float = 2.0, cooldown_epochs: float = 0.5, scale_lr: bool = False,
+                 factor: float = 2.0, cooldown_epochs: float = 0.5,
+                 settle_windows: int | None = None, scale_lr: bool = False,
                  shrink: bool = False) -> None:
         if min_batch_size is not None and min_batch_size < 1:
             raise ValueError(f"AdaptiveBatchSize(min_batch_size={min_batch_size}): must be ≥ 1")
@@ -273,25 +293,43 @@ class AdaptiveBatchSize(Policy):
             raise ValueError(f"AdaptiveBatchSize(factor={factor}): must be > 1, e.g. 2")
         if not cooldown_epochs > 0:
             raise ValueError(f"AdaptiveBatchSize(cooldown_epochs={cooldown_epochs}): must be > 0")
+        if settle_windows is not None and (isinstance(settle_windows, bool)
+                                           or not isinstance(settle_windows, int) or settle_windows < 1):
+            raise ValueError(f"AdaptiveBatchSize(settle_windows={settle_windows!r}): must be an "
+                             "integer ≥ 1, or None for ⌈1/(1 − ema)⌉ of the MetricsMonitor")
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
         self.factor, self.cooldown_epochs = factor, cooldown_epochs
+        self.settle_windows = settle_windows
         self.scale_lr, self.shrink = scale_lr, shrink
         self._seen = None  # the MetricRecord last acted on
         self._wait = 0.0  # samples still to wait
+        self._windows = 0  # windows that updated the EMAs since the start or the last change
+        self._resumed = False  # load_state_dict ran: before_fit keeps the loaded state
 
     def state_dict(self) -> dict:
-        return {"min": self.min_batch_size, "max": self.max_batch_size, "wait": self._wait}
+        return {"min": self.min_batch_size, "max": self.max_batch_size, "wait": self._wait,
+                "windows": self._windows}
 
     def load_state_dict(self, state: dict) -> None:
         self.min_batch_size, self.max_batch_size, self._wait = state["min"], state["max"], state["wait"]
+        self._windows = state.get("windows", 0)
+        self._resumed = True  # before_fit keeps this state
 
     def _cooldown_samples(self, ctx: FitContext) -> float:
         return self.cooldown_epochs * ctx.extra.get("num_samples", 0)
 
+    def windows_to_settle(self, ema: float) -> int:
+        """Windows to wait at the start and after a change, for an EMA decay ``ema`` in [0, 1)."""
+        if self.settle_windows is not None:
+            return self.settle_windows
+        return max(1, math.ceil(1 / (1 - ema) - 1e-9))
+
     def before_fit(self, ctx: FitContext) -> None:
         if self.min_batch_size is None:
             self.min_batch_size = ctx.plan.batch_size
-        self._wait = 0.0
+        if not self._resumed:
+            self._wait, self._windows = 0.0, 0
+        self._resumed = False
 
     def target(self, b: int, noise_scale: float, k: int = 1) -> int:
         """The next b for the current b, B_noise (samples) and k learners: one ``factor`` step,
@@ -309,8 +347,11 @@ class AdaptiveBatchSize(Policy):
         if mon is None or mon.last is None or mon.last is self._seen:
             return
         self._seen = mon.last
-        ns = mon.last.noise_scale
-        if ns is None or self._wait > 0:
+        if mon.last.grad_sq_ema is None:  # no estimate entered the EMAs (k = 1, non-finite)
+            return
+        self._windows += 1
+        ns = mon.last.noise_scale  # None while EMA(|G|²) ≤ 0
+        if ns is None or self._wait > 0 or self._windows < self.windows_to_settle(mon.ema):
             return
         plan = ctx.plan
         b = plan.batch_size
@@ -320,12 +361,14 @@ class AdaptiveBatchSize(Policy):
         lr = plan.scheduler.lr * b2 / b if self.scale_lr else None
         try:
             self.adjust(ctx, batch_size=b2, lr=lr,
-                        reason=f"noise scale {ns:,.1f} samples vs k·b={plan.num_learners}×{b} (bounds "
-                               f"{self.min_batch_size}…{self.max_batch_size})")
+                        reason=f"noise scale {ns:,.1f} samples vs k·b={plan.num_learners}×{b} after "
+                               f"{self._windows} windows (bounds {self.min_batch_size}…"
+                               f"{self.max_batch_size})")
         except PlanError:
             self.max_batch_size = b  # the memory bound: stay
             return
         self._wait = self._cooldown_samples(ctx)
+        self._windows = 0
 
 
 # -- learning-rate schedules ---------------------------------------------------------------------
