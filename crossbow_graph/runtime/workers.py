@@ -100,23 +100,30 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     try:
         torch.set_num_threads(1)
         with torch.random.fork_rng(devices=[]):
-            for _ in range(2):
-                for onednn in (True, False):
-                    torch.backends.mkldnn.enabled = onednn
-                    steps, t0 = 0, None
-                    while steps < 3 and (t0 is None or time.perf_counter() - t0 < 0.05):
-                        scheduler.loss_fn(model(*args, **kwargs), target).backward()
-                        if t0 is None:  # the first step warms up
-                            t0 = time.perf_counter()
-                        else:
-                            steps += 1
-                    best[onednn] = min(best[onednn], (time.perf_counter() - t0) / steps)
+            _time_steps(model, scheduler.loss_fn, args, kwargs, target, best)
+    except Exception:  # noqa: BLE001 - a failing model fails in its first round, as a TaskError
+        return True
     finally:
         torch.set_num_threads(saved_threads)
         torch.backends.mkldnn.enabled = saved_onednn
     choice = not best[False] < 0.95 * best[True]
     scheduler._onednn_choice[b] = choice
     return choice
+
+
+def _time_steps(model, loss_fn, args, kwargs, target, best: dict) -> None:
+    """``best[onednn]`` ← the fastest per-step time of forward + backward (see choose_onednn)."""
+    for _ in range(2):
+        for onednn in (True, False):
+            torch.backends.mkldnn.enabled = onednn
+            steps, t0 = 0, None
+            while steps < 3 and (t0 is None or time.perf_counter() - t0 < 0.05):
+                loss_fn(model(*args, **kwargs), target).backward()
+                if t0 is None:  # the first step warms up
+                    t0 = time.perf_counter()
+                else:
+                    steps += 1
+            best[onednn] = min(best[onednn], (time.perf_counter() - t0) / steps)
 
 
 class ProcessExecutor:
