@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["ProcessExecutor", "worker_groups", "fork_available", "choose_onednn", "CPU_CONV_CHOICES"]
 
 CPU_CONV_CHOICES = ("auto", "onednn", "aten")
+BIG_STEP_S = 0.3  # choose_onednn: a learner step slower than this is not measured (oneDNN)
 
 _POLL_S = 0.5          # how often a blocked wait checks that the other side is alive
 ROUND_TIMEOUT_S = 600  # the longest this process waits for one worker's round
@@ -74,7 +75,9 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     ``scheduler.cpu_conv``: ``"onednn"`` or ``"aten"`` decide; ``"auto"`` (default) measures,
     once per scheduler and batch size b: one learner's forward and backward at b in this process,
     single-threaded (as a worker runs), on a copy of the model and the dataset's first b samples,
-    with each library, interleaved twice; ATen is chosen only if it was at least 5% faster.
+    with each library, interleaved twice; ATen is chosen only if it was at least 5% faster. A
+    model whose first step takes more than BIG_STEP_S gets oneDNN unmeasured (measuring would
+    cost seconds, and ATen's convolutions lost by 1.4-2x already on ResNet-32).
     Neither torch's RNG nor any replica is touched. Single-threaded on this 2-core CPU, oneDNN
     ran LeNet-5 1.3x faster at b=16 and ResNet-32 1.4-2x faster at b=4…16, but ATen ran LeNet-5
     1.15x faster at b=8 (docs/runtime.md): which one wins depends on the model and b.
@@ -118,9 +121,13 @@ def _time_steps(model, loss_fn, args, kwargs, target, best: dict) -> None:
             torch.backends.mkldnn.enabled = onednn
             steps, t0 = 0, None
             while steps < 3 and (t0 is None or time.perf_counter() - t0 < 0.05):
+                start = time.perf_counter()
                 loss_fn(model(*args, **kwargs), target).backward()
                 if t0 is None:  # the first step warms up
                     t0 = time.perf_counter()
+                    if onednn and t0 - start > BIG_STEP_S:  # a large model: oneDNN, unmeasured
+                        best[True] = 0.0
+                        return
                 else:
                     steps += 1
             best[onednn] = min(best[onednn], (time.perf_counter() - t0) / steps)
