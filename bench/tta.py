@@ -65,10 +65,12 @@ def _plain(batch: int, lr: float | None = None, threads: int = 2, milestones: tu
 
 
 CLI_MILESTONES = (2, 4)  # ``crossbow-graph train``'s default --lr-milestones (η ×0.1 at each)
+GRID_BATCHES = (16, 32, 64, 128, 256)  # BENCHMARKS.md's plain grid: its best is the baseline
+GRID = [f"plain-B{B}" for B in GRID_BATCHES]
 
 
 SYSTEMS: dict[str, dict] = {
-    **{f"plain-B{B}": _plain(B) for B in (16, 32, 64, 128, 256)},
+    **{name: _plain(B) for name, B in zip(GRID, GRID_BATCHES)},
     "plain-B32-t1": _plain(32, threads=1),  # extra: 1 thread (2 threads suffer on a busy machine)
     # extra, not in the BENCHMARKS.md grid: plain B=32 with crossbow_graph's default lr schedule
     "plain-B32-ms": _plain(32, milestones=CLI_MILESTONES),
@@ -81,7 +83,6 @@ SYSTEMS: dict[str, dict] = {
                           lr_milestones=CLI_MILESTONES),
 }
 DEFAULT = "crossbow-r2"  # the CLI's default configuration: what the acceptance bar is about
-GRID = [f"plain-B{B}" for B in (16, 32, 64, 128, 256)]  # BENCHMARKS.md's baseline: the best of these
 
 
 # -- data and evaluation ---------------------------------------------------------------------
@@ -131,10 +132,10 @@ def run_plain(spec, train, test, *, model_name, seed, max_epochs, target, evals_
     steps = n // B
     points = _eval_points(steps, evals_per_epoch)
     evals, trained, samples = [], 0.0, 0
+    schedule = torch.optim.lr_scheduler.MultiStepLR(  # stepped per epoch; no milestones: constant
+        opt, milestones=list(spec.get("lr_milestones", ())), gamma=0.1)
     gen = torch.Generator().manual_seed(seed)
     for epoch in range(max_epochs):
-        for group in opt.param_groups:  # torch's MultiStepLR(milestones, 0.1), stepped per epoch
-            group["lr"] = spec["lr"] * 0.1 ** sum(epoch >= e for e in spec.get("lr_milestones", ()))
         order = torch.randperm(n, generator=gen)
         start = time.perf_counter()
         for i in range(steps):
@@ -151,6 +152,7 @@ def run_plain(spec, train, test, *, model_name, seed, max_epochs, target, evals_
                 if acc >= target or trained >= max_train_s:
                     return _result(evals, samples, trained, target)
                 start = time.perf_counter()
+        schedule.step()
     return _result(evals, samples, trained, target)
 
 
