@@ -42,6 +42,14 @@ def run_length(d: dict) -> str:
     return f"{d['max_epochs']} epoch(s)" + (f" of the first {n:,} training samples" if n else "")
 
 
+def _save(fig, out: str) -> str:
+    """Lay out, write ``out`` (PNG, 110 dpi), close the figure; returns ``out``."""
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_tta(path: str, out: str) -> str:
     """Test accuracy against training seconds: one colour per system, one line per seed."""
     d = _load(path)
@@ -78,10 +86,7 @@ def plot_tta(path: str, out: str) -> str:
     ax.set_ylabel("test accuracy (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right", ncol=2)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_throughput(path: str, out: str) -> str:
@@ -112,10 +117,7 @@ def plot_throughput(path: str, out: str) -> str:
     axes[0].legend(fontsize=8, title="dotted: plain PyTorch at b", title_fontsize=7)
     fig.suptitle(f"crossbow_graph throughput against replicas (bench/throughput.py, "
                  f"{d['when']}, {d['cores']} shared cores)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def _merge(paths: list[str]) -> dict:
@@ -160,10 +162,7 @@ def plot_epochs(paths: list[str], out: str) -> str:
     ax.set_ylim(0, cap + 0.7)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_robustness(path: str, out: str) -> str:
@@ -187,10 +186,7 @@ def plot_robustness(path: str, out: str) -> str:
                  fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:
