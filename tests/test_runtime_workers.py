@@ -49,6 +49,9 @@ def test_workers_convolution_library_is_measured_once_per_batch_size_or_fixed():
         _fit(p, data)
         z[conv] = p.central_weights()
     torch.testing.assert_close(z["onednn"], z["aten"], **TOL)
+    sched.cpu_conv = "mkl"
+    with pytest.raises(ValueError, match="cpu_conv='mkl'"):
+        choose_onednn(sched, fetch)
 
 
 @pytest.mark.parametrize("devices,replicas,mode", [(1, 2, "per_replica"), (1, 3, "fused"),

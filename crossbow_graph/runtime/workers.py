@@ -83,7 +83,12 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     1.15x faster at b=8 (docs/runtime.md): which one wins depends on the model and b.
     The two libraries round differently, so two fits that chose differently agree to float
     tolerance, not bit for bit; set ``cpu_conv`` to fix the choice.
+
+    Raises:
+        ValueError: ``scheduler.cpu_conv`` is not one of CPU_CONV_CHOICES.
     """
+    if scheduler.cpu_conv not in CPU_CONV_CHOICES:
+        raise ValueError(f"scheduler.cpu_conv={scheduler.cpu_conv!r}: use one of {CPU_CONV_CHOICES}")
     if scheduler.cpu_conv != "auto":
         return scheduler.cpu_conv == "onednn"
     b = scheduler.batch_size
@@ -99,11 +104,10 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     batch = fetch(torch.arange(b))
     args, kwargs, target = split_inputs(batch)
     saved_threads, saved_onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
-    best = {True: float("inf"), False: float("inf")}
     try:
         torch.set_num_threads(1)
         with torch.random.fork_rng(devices=[]):
-            _time_steps(model, scheduler.loss_fn, args, kwargs, target, best)
+            best = _step_seconds(model, scheduler.loss_fn, args, kwargs, target)
     except Exception:  # noqa: BLE001 - a failing model fails in its first round, as a TaskError
         return True
     finally:
@@ -114,8 +118,10 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     return choice
 
 
-def _time_steps(model, loss_fn, args, kwargs, target, best: dict) -> None:
-    """``best[onednn]`` ← the fastest per-step time of forward + backward (see choose_onednn)."""
+def _step_seconds(model, loss_fn, args, kwargs, target) -> dict[bool, float]:
+    """The fastest forward + backward per step, keyed by oneDNN on/off (see choose_onednn); a
+    model slower than BIG_STEP_S gets ``{True: 0.0, False: inf}`` after one step."""
+    best = {True: float("inf"), False: float("inf")}
     for _ in range(2):
         for onednn in (True, False):
             torch.backends.mkldnn.enabled = onednn
@@ -126,11 +132,11 @@ def _time_steps(model, loss_fn, args, kwargs, target, best: dict) -> None:
                 if t0 is None:  # the first step warms up
                     t0 = time.perf_counter()
                     if onednn and t0 - start > BIG_STEP_S:  # a large model: oneDNN, unmeasured
-                        best[True] = 0.0
-                        return
+                        return {True: 0.0, False: float("inf")}
                 else:
                     steps += 1
             best[onednn] = min(best[onednn], (time.perf_counter() - t0) / steps)
+    return best
 
 
 class ProcessExecutor:
