@@ -1,9 +1,12 @@
 """W1 (LeNet-5 / MNIST, target 99.0 %): final accuracy for b ∈ {4, 8, 16, 32, 64}, with and
-without AdaptiveBatchSize, learning rate left at the CLI default (0.02), k = 2 devices × 2
-replicas (the CLI's default), process executor; and the gradient noise scale over training.
+without AdaptiveBatchSize, learning rate left at the CLI's default (η = 0.02 dropped 10× at
+epochs 2 and 4, replicas reset to z at each drop: ``crossbow-graph train``'s MultiStepLR policy),
+k = 2 devices × 2 replicas (the CLI's default), process executor; and the gradient noise scale
+over training. ``--lr-milestones ''`` keeps η constant instead.
 
     python bench/policies_w1.py [--batch-sizes 4,8,16,32,64] [--variants none,adaptive]
-                                [--epochs 5] [--seed 0] [--out bench/results/policies_w1.json]
+                                [--epochs 5] [--seed 0] [--lr-milestones 2,4]
+                                [--out bench/results/policies_w1.json]
                                 [--plot docs/images/noise_scale_w1.png] [--merge FILE ...]
 
 ``--batch-sizes ""`` runs nothing: with ``--merge`` it folds other result files (e.g. of a
@@ -25,19 +28,22 @@ import torch
 import crossbow_graph as cg
 
 
-def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, metrics_every: int) -> dict:
+def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, milestones: tuple[int, ...],
+        metrics_every: int) -> dict:
     train, test = cg.datasets.mnist(train=True), cg.datasets.mnist(train=False)
     torch.manual_seed(seed)
     plan = cg.compile(cg.models.lenet5(), (train[0][0].unsqueeze(0),),
                       torch.nn.functional.cross_entropy, batch_size=b, devices=2, replicas=2,
                       optimizer=cg.SGD(lr=lr, momentum=0.9))
     policies = {"none": [], "adaptive": [cg.AdaptiveBatchSize()]}[variant]
+    if milestones:  # as crossbow-graph train adds it
+        policies = policies + [cg.MultiStepLR(milestones=milestones, gamma=0.1)]
     t0 = time.perf_counter()
     h = plan.fit(train, epochs, eval_dataset=test, target_accuracy=0.99, evals_per_epoch=4,
                  seed=seed, progress=False, policies=policies, metrics_every=metrics_every)
     wall = time.perf_counter() - t0
     return {
-        "batch_size": b, "variant": variant, "lr": lr, "seed": seed, "epochs_max": epochs,
+        "batch_size": b, "variant": variant, "lr": lr, "lr_milestones": list(milestones), "seed": seed, "epochs_max": epochs,
         "final_accuracy": h.final_accuracy, "reached": h.epochs_to_accuracy is not None,
         "epochs_to_accuracy": h.epochs_to_accuracy, "time_to_accuracy_s": h.time_to_accuracy_s,
         "train_seconds": plan.train_seconds, "wall_seconds": wall,
@@ -82,6 +88,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=0.02, help="the CLI's default")
+    ap.add_argument("--lr-milestones", default="2,4",
+                    help="epochs at which η drops 10× (the CLI's default); '' keeps η constant")
     ap.add_argument("--metrics-every", type=int, default=50)
     ap.add_argument("--out", default="bench/results/policies_w1.json")
     ap.add_argument("--plot", default="docs/images/noise_scale_w1.png")
@@ -96,10 +104,11 @@ def main() -> None:
             rows = [x for x in rows if (x["batch_size"], x["variant"], x["seed"]) not in keys] + new
     with open(args.out, "w") as f:
         json.dump({"workload": "W1 LeNet-5/MNIST", "target": 0.99, "runs": rows}, f, indent=1)
+    milestones = tuple(int(x) for x in args.lr_milestones.split(",") if x)
     for b in [int(x) for x in args.batch_sizes.split(",") if x]:
         for variant in args.variants.split(","):
             r = run(b, variant, epochs=args.epochs, seed=args.seed, lr=args.lr,
-                    metrics_every=args.metrics_every)
+                    milestones=milestones, metrics_every=args.metrics_every)
             rows = [x for x in rows if (x["batch_size"], x["variant"], x["seed"]) != (b, variant, args.seed)]
             rows.append(r)
             print(f"b={b:3d} {variant:9s} acc={r['final_accuracy']:.4f} "
