@@ -2,12 +2,15 @@
 
 Each worker process owns a contiguous group of one device's replicas (rows ``r0 … r1−1``). The
 flat buffers ``w, v, g, buf, z, z_prev, zbuf`` (and the replicas' integer buffers) live in shared
-memory, so workers and this process see the same numbers. Per round t this process sends each
-worker one small message (t and the group's sample indices as bytes); the worker fetches its own
-samples from its forked copy of the dataset and learns. When z_t is ready this process writes lr,
+memory, so workers and this process see the same numbers, and so do the messages: each worker has
+a ``_Mailbox`` of small shared arrays and two semaphores (no pipe, no pickling on the hot path).
+Per round t this process writes t and the group's sample indices into one of the mailbox's two
+slots and releases its ``go`` semaphore; the worker fetches its own samples from its forked copy
+of the dataset and learns. When z_t is ready this process writes lr,
 α, whether to synchronise and the optimizer's settings to a shared control block and releases
 each worker's semaphore; the worker applies its rows' local update (the correction with z_t),
-writes its partial sum of corrections and answers with its losses and four timestamps. This
+writes its partial sum of corrections and answers with its losses and four timestamps (written into
+the mailbox, then its ``done`` semaphore; an error's text alone goes through a pipe). This
 process then sums the partial sums and updates z (the global sync of round t). When the next
 round's samples are known and no hook writes the replicas, their message is sent before waiting
 for round t: the workers learn round t+1 while the global sync of round t (and the hooks) run, and
@@ -40,6 +43,7 @@ CPU_CONV_CHOICES = ("auto", "onednn", "aten")
 BIG_STEP_S = 0.3  # choose_onednn: a learner step slower than this is not measured (oneDNN)
 
 _POLL_S = 0.5          # how often a blocked wait checks that the other side is alive
+_OK, _ERROR, _CANCELLED = 1, 2, 3  # a worker's answer (_Mailbox.reply[0])
 ROUND_TIMEOUT_S = 600  # the longest this process waits for one worker's round
 
 
@@ -139,6 +143,68 @@ def _step_seconds(model, loss_fn, args, kwargs, target) -> dict[bool, float]:
     return best
 
 
+class _Mailbox:
+    """One worker's messages in shared memory: two slots of (round, sample indices), written by
+    the coordinator, and one answer (status, round, four timestamps, faulty rows, losses), written
+    by the worker; each direction is announced by a semaphore release, which also orders the
+    memory accesses. Two slots are enough: the coordinator writes round t + 2 only after the
+    worker answered round t, and the worker reads round t + 1's slot before it answers round t + 1.
+
+    Args:
+        ctx: the multiprocessing context (fork).
+        n_indices: sample indices per round, (r1 − r0)·b.
+        n_rows: the worker's replicas, r1 − r0.
+    """
+
+    def __init__(self, ctx, n_indices: int, n_rows: int) -> None:
+        self.go, self.done = ctx.Semaphore(0), ctx.Semaphore(0)
+        self.n_indices, self.n_rows = n_indices, n_rows
+        self.indices = torch.zeros(2, n_indices, dtype=torch.int64).share_memory_().numpy()
+        self.head = torch.zeros(3, dtype=torch.int64).share_memory_().numpy()  # rounds; stop
+        # status, round, ta, tb, tc, td, number of faulty rows, the faulty rows
+        self.reply = torch.zeros(7 + n_rows, dtype=torch.int64).share_memory_().numpy()
+        self._losses = torch.zeros(n_rows, dtype=torch.float32).share_memory_()
+        self.losses = self._losses.numpy()
+        self.sent = self.taken = 0  # slots written (coordinator), read (worker)
+
+    def post(self, round_index: int, indices) -> None:
+        """Coordinator: round ``round_index``'s sample indices (an int64 array) to the worker."""
+        slot = self.sent % 2
+        self.indices[slot] = indices
+        self.head[slot] = round_index
+        self.sent += 1
+        self.go.release()
+
+    def take(self) -> tuple[int, torch.Tensor] | None:
+        """Worker, after ``go`` was acquired: (round, indices [n]), or None to stop."""
+        if self.head[2]:
+            return None
+        slot = self.taken % 2
+        self.taken += 1
+        return int(self.head[slot]), torch.from_numpy(self.indices[slot].copy())
+
+    def stop(self) -> None:
+        self.head[2] = 1
+        self.go.release()
+
+    def answer(self, status: int, round_index: int, spans=(0, 0, 0, 0), faulty=(), losses=()) -> None:
+        """Worker: the round's answer, then ``done``."""
+        r = self.reply
+        r[0], r[1] = status, round_index
+        r[2:6] = spans
+        r[6] = len(faulty)
+        r[7:7 + len(faulty)] = faulty
+        for i, x in enumerate(losses):
+            self.losses[i] = float(x)
+        self.done.release()
+
+    def read(self) -> tuple:
+        """Coordinator, after ``done`` was acquired: (status, spans, faulty rows, losses [n_rows])."""
+        r = self.reply
+        return (int(r[0]), tuple(int(x) for x in r[2:6]), [int(x) for x in r[7:7 + int(r[6])]],
+                self._losses.clone())
+
+
 class ProcessExecutor:
     """Worker processes running one scheduler's learner groups (see the module docstring).
 
@@ -170,7 +236,7 @@ class ProcessExecutor:
             elif t.kind is TaskKind.LOCAL_SYNC:
                 self.local_ids[scheduler._device_index[t.device]] = t
         ctx = mp.get_context("fork")
-        self.sems, self.conns, self.procs = [], [], []
+        self.sems, self.conns, self.procs, self.mail = [], [], [], []
         self.firsts = [sum(s.m for s in states[:d]) for d in range(len(states))]
         self.device_rows = [[w for w, g in enumerate(self.groups) if g[0] == d]
                             for d in range(len(states))]
@@ -183,11 +249,12 @@ class ProcessExecutor:
         try:
             for wid, (d, r0, r1) in enumerate(self.groups):
                 sem = ctx.Semaphore(0)
-                here, there = ctx.Pipe()
+                here, there = ctx.Pipe(duplex=False)  # an error's text, worker → here
+                mail = _Mailbox(ctx, (r1 - r0) * scheduler.batch_size, r1 - r0)
                 learn_tasks = [self.learn_ids[(d, r)] for r in range(r0, r1)]
                 proc = ctx.Process(
                     target=_worker_main, name=f"crossbow-learner-{wid}", daemon=True,
-                    args=(scheduler, d, r0, r1, there, sem, self.ctrl, self.acc_parts[wid],
+                    args=(scheduler, d, r0, r1, there, mail, sem, self.ctrl, self.acc_parts[wid],
                           self.buf_snaps[d] if q_size else None, fetch,
                           seed * 1_000_003 + 7919 * (wid + 1), threads, self.onednn, parent,
                           [t.id for t in learn_tasks], self.local_ids[d].id))
@@ -195,6 +262,7 @@ class ProcessExecutor:
                 there.close()
                 self.sems.append(sem)
                 self.conns.append(here)
+                self.mail.append(mail)
                 self.procs.append(proc)
         except BaseException:
             self.close()
@@ -203,10 +271,9 @@ class ProcessExecutor:
 
     def _send_go(self, round_index: int, indices: torch.Tensor) -> None:
         b = self.sched.batch_size
-        idx = indices.to(torch.int64).contiguous()
+        idx = indices.to(torch.int64).contiguous().numpy()
         for wid, (d, r0, r1) in enumerate(self.groups):
-            part = idx[(self.firsts[d] + r0) * b:(self.firsts[d] + r1) * b].numpy().tobytes()
-            self.conns[wid].send((round_index, part))
+            self.mail[wid].post(round_index, idx[(self.firsts[d] + r0) * b:(self.firsts[d] + r1) * b])
 
     def _release(self, *, lr: float, alpha: float, synchronise: bool, cancel: bool) -> None:
         opt = self.sched.optimizer
@@ -222,7 +289,7 @@ class ProcessExecutor:
         round_index, _ = self.ahead
         self.ahead = None
         self._release(lr=0.0, alpha=0.0, synchronise=False, cancel=True)
-        for wid in range(len(self.conns)):
+        for wid in range(len(self.procs)):
             self._recv(wid, round_index)  # "cancelled" (or the error of a round that never was)
 
     def run_round(self, round_index: int, indices: torch.Tensor, synchronise: bool,
@@ -251,12 +318,12 @@ class ProcessExecutor:
                 sched.timeline.span("send next round", sent, time.perf_counter_ns(),
                                     lane="coordinator", round_index=round_index + 1)
         spans, faults, failure = [], [], None
-        for wid in range(len(self.conns)):
+        for wid in range(len(self.procs)):
             reply = self._recv(wid, round_index)
             if reply[0] == "error" and failure is None:
                 failure = reply
             elif reply[0] == "ok":
-                sched.losses.extend(torch.tensor(reply[1]).unbind())
+                sched.losses.extend(reply[1].unbind())
                 spans.append(reply[2])
                 faults.append((self.groups[wid][0], reply[3]))
         if failure is not None:
@@ -313,11 +380,8 @@ class ProcessExecutor:
             pass
         finally:
             self.ahead = None
-            for conn in self.conns:
-                try:
-                    conn.send(None)
-                except (OSError, ValueError):
-                    pass
+            for mail in self.mail:
+                mail.stop()
             for proc in self.procs:
                 proc.join(timeout=5)
                 if proc.is_alive():
@@ -328,20 +392,27 @@ class ProcessExecutor:
                     proc.join(timeout=2)
             for conn in self.conns:
                 conn.close()
-            self.conns, self.procs = [], []
+            self.conns, self.procs, self.mail = [], [], []
             torch.set_num_threads(self.main_threads)
 
     def _recv(self, wid: int, round_index: int):
-        conn, proc = self.conns[wid], self.procs[wid]
+        """Worker ``wid``'s answer: ("ok", losses [n], spans, faulty rows), ("cancelled",) or
+        ("error", task id, text)."""
+        mail, proc = self.mail[wid], self.procs[wid]
         deadline = time.monotonic() + ROUND_TIMEOUT_S
-        while not conn.poll(_POLL_S):
+        while not mail.done.acquire(timeout=_POLL_S):
             if not proc.is_alive() or time.monotonic() > deadline:
                 d, r0, _ = self.groups[wid]
                 task = self.learn_ids[(d, r0)]
                 why = (f"worker process {proc.pid} exited with code {proc.exitcode}"
                        if not proc.is_alive() else f"no answer within {ROUND_TIMEOUT_S} s")
                 raise self.sched.task_error(task, round_index, why)
-        return conn.recv()
+        status, spans, faulty, losses = mail.read()
+        if status == _OK:
+            return "ok", losses, spans, faulty
+        if status == _CANCELLED:
+            return ("cancelled",)
+        return self.conns[wid].recv()
 
 
 def _wait(ready: Callable[[], bool], parent: int) -> bool:
@@ -352,13 +423,14 @@ def _wait(ready: Callable[[], bool], parent: int) -> bool:
     return True
 
 
-def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: torch.Tensor,
+def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, mail: _Mailbox, sem,
+                 ctrl: torch.Tensor,
                  acc_part: torch.Tensor, buf_snap: torch.Tensor | None, fetch: Callable, seed: int,
                  threads: int, onednn: bool, parent: int, learn_ids: list[str],
                  local_id: str) -> None:
     """The loop of one worker process (forked: it shares the scheduler's state and dataset).
 
-    Per round: receive (round, indices); learn; wait for the semaphore (z ready); read lr, α,
+    Per round: take (round, indices) from the mailbox; learn; wait for the semaphore (z ready); read lr, α,
     synchronise, cancel and the optimizer's μ_l, Nesterov, λ from ``ctrl``; if cancelled (a speculative round that will not run)
     restore the float buffers and answer "cancelled", else apply the local update and answer with
     the losses and four timestamps. Every round consumes exactly one semaphore release.
@@ -378,18 +450,18 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
     keep = state.buf[r0:r1].clone() if state.buf.shape[1] else None  # restored on cancel
     try:
         while True:
-            if not _wait(lambda: conn.poll(_POLL_S), parent):
+            if not _wait(lambda: mail.go.acquire(timeout=_POLL_S), parent):
                 return
-            msg = conn.recv()
+            msg = mail.take()
             if msg is None:
                 return
-            round_index, part = msg
+            round_index, idx = msg
             task_id, error, losses = learn_ids[0], None, []
             ta = time.perf_counter_ns()
             try:
                 if keep is not None:
                     keep.copy_(state.buf[r0:r1])
-                batch = fetch(torch.frombuffer(bytearray(part), dtype=torch.int64))
+                batch = fetch(idx)
                 if mode == "fused":
                     losses = learn_group(state, r0, r1, batch, sched.loss_fn, b, mode, fused,
                                          rng_seed=learner_seed(sched.seed, round_index, first + r0))
@@ -409,10 +481,11 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
             if cancel:
                 if keep is not None:
                     state.buf[r0:r1].copy_(keep)
-                conn.send(("cancelled", round_index))
+                mail.answer(_CANCELLED, round_index)
                 continue
             if error is not None:
                 conn.send(("error", task_id, error))
+                mail.answer(_ERROR, round_index)
                 continue
             try:
                 task_id = local_id
@@ -426,8 +499,9 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, sem, ctrl: 
                     buf_snap[r0:r1].copy_(state.buf[r0:r1])
             except Exception as exc:
                 conn.send(("error", task_id, f"{type(exc).__name__}: {exc}"))
+                mail.answer(_ERROR, round_index)
                 continue
             td = time.perf_counter_ns()
-            conn.send(("ok", [float(x) for x in losses], (ta, tb, tc, td), faulty))
+            mail.answer(_OK, round_index, (ta, tb, tc, td), faulty, losses)
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         return
