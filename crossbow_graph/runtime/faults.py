@@ -2,8 +2,9 @@
 
 Before every local update, ``FaultMonitor.find_and_reset`` (called by the scheduler's
 ``local_update_rows``, in this process or in a worker for its own rows) reduces the replicas'
-gradients ``g [r0:r1, P]`` to one row sum each and tests it with ``isfinite`` (a non-finite element makes its row sum non-finite;
-a row sum that overflows float32 means the replica diverged anyway). A faulty replica j is reset
+gradients ``g [r0:r1, P]`` to one sum and tests it with ``isfinite``; only when it is not finite
+are the row sums tested, to find the faulty rows (a non-finite element makes its row sum
+non-finite; a row sum that overflows float32 means the replica diverged anyway). A faulty replica j is reset
 from the device's central model before the local update — ``w[j] ← z``, ``v[j] ← 0``,
 ``g[j] ← 0``, float buffers ``buf[j] ← zbuf`` — so its correction α·(w[j] − z) is exactly zero:
 it is left out of the round's sum acc_d, and it starts the next round as a fresh copy of z. After
@@ -65,7 +66,8 @@ class FaultMonitor:
                        max_divergence: float | None = None) -> list[int]:
         """Test replicas ``r0 … r1−1`` of a device before their local update; reset the faulty ones.
 
-        Cost: one reduction over ``g[r0:r1] [n, P]`` and one host read of n booleans. A faulty
+        Cost: one reduction over ``g[r0:r1] [n, P]`` to one number and one host read (the row
+        sums only when it is not finite). A faulty
         replica gets ``w ← z``, ``v ← 0``, ``g ← 0``, ``buf ← zbuf``, so its correction is zero.
         Worker processes call it for their own rows. With ``max_divergence`` (policies'
         DivergenceGuard) a replica with ‖ŵ_j − z‖/‖z‖ above it, or NaN, is faulty too (one more
@@ -74,6 +76,8 @@ class FaultMonitor:
         Returns:
             The faulty replicas' indices on the device (empty when all are finite).
         """
+        if max_divergence is None and bool(torch.isfinite(state.g[r0:r1].sum())):
+            return []  # a NaN or Inf anywhere makes the total non-finite: one reduction, one read
         faulty = ~torch.isfinite(state.g[r0:r1].sum(dim=1))  # [n]
         if max_divergence is not None:
             dist = (state.w[r0:r1] - state.z).norm(dim=1)  # [n]

@@ -82,21 +82,32 @@ def _block_columns(w: torch.Tensor, m: int) -> int:
 
 
 def _local_block(w, v, g, z, acc, *, lr, momentum, nesterov, weight_decay, alpha, first_step):
+    # as few passes over the [m, n] block as the equations allow (each costs about as much as the
+    # arithmetic on this CPU): v in one fused add, c_j = α·e_j folded into w's update and acc
     d = g if weight_decay == 0 else g.add(w, alpha=weight_decay)
     if momentum != 0:
         if first_step:
             v.copy_(d)
         else:
-            v.mul_(momentum).add_(d)
+            torch.add(d, v, alpha=momentum, out=v)  # v ← μ_l·v + d
         u = d.add(v, alpha=momentum) if nesterov else v
     else:
         u = d
     if z is None:
         w.add_(u, alpha=-lr)
         return
-    c = torch.sub(w, z).mul_(alpha)  # [m, n], at the pre-step point
-    w.add_(u, alpha=-lr).sub_(c)
-    torch.sum(c, dim=0, out=acc)
+    e = torch.sub(w, z)  # ŵ_j − z, [m, n], at the pre-step point
+    w.add_(u, alpha=-lr).add_(e, alpha=-alpha)  # ŵ_j − η·u_j − c_j
+    m = e.shape[0]
+    if m > 4:  # acc = Σ_j c_j = α·Σ_j e_j; a few rows add faster than a reduction over dim 0
+        torch.sum(e, dim=0, out=acc)
+    elif m == 1:
+        acc.copy_(e[0])
+    else:
+        torch.add(e[0], e[1], out=acc)
+        for j in range(2, m):
+            acc.add_(e[j])
+    acc.mul_(alpha)
 
 
 @torch.no_grad()
