@@ -10,6 +10,7 @@ import torch
 
 from crossbow_graph.runtime.hooks import Hook
 from crossbow_graph.runtime.data import make_fetch
+from crossbow_graph.runtime import workers
 from crossbow_graph.runtime.workers import choose_onednn, worker_groups
 
 from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, reference_sma, tiny_data
@@ -40,6 +41,11 @@ def test_workers_convolution_library_is_measured_once_per_batch_size_or_fixed():
     assert torch.equal(torch.get_rng_state(), rng) and torch.backends.mkldnn.enabled == onednn
     buf = plan.states[0].buf.clone()
     assert choose_onednn(sched, fetch) is choice and torch.equal(plan.states[0].buf, buf)
+    # another plan of the same model and b reuses this process's measurement, unmeasured
+    again = compile_tiny(TinyBN, replicas=2, executor="process").scheduler
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workers, "_step_seconds", lambda *a: pytest.fail("measured twice"))
+        assert choose_onednn(again, fetch) is choice
     # fixed by cpu_conv: both libraries give the same z to float tolerance
     z = {}
     for conv in ("onednn", "aten"):
