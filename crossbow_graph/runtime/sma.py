@@ -128,9 +128,13 @@ def sma_central_update(
     n = _block_columns(z.view(1, P), 1)
     for a in range(0, P, n):
         zb, zpb, cb = z[a:a + n], z_prev[a:a + n], c[a:a + n]
-        step = cb if central_momentum == 0 else cb.add(zb - zpb, alpha=central_momentum)
+        if central_momentum == 0:
+            zpb.copy_(zb)
+            zb.add_(cb)
+            continue
+        moved = torch.lerp(zb, zpb, -central_momentum)  # z + μ_z·(z − z_prev), one pass
         zpb.copy_(zb)
-        zb.add_(step)
+        torch.add(moved, cb, out=zb)
 
 
 class TorchSMAKernels:
