@@ -118,7 +118,7 @@ def test_tuner_keeps_the_other_mode_when_it_is_faster():
 
 def test_tuner_history_and_state_survive_a_real_fit():
     """No clock tricks: the default clock (training seconds) decides; only consistency is checked."""
-    plan = compile_tiny(replicas="auto", autotune=cg.AutoTune(warmup_rounds=2, window_s=0.01,
+    plan = compile_tiny(replicas="auto", autotune=cg.AutoTune(warmup_rounds=2, warmup_s=0.0, window_s=0.01,
                                                               min_window_rounds=2, max_replicas=3))
     data = tiny_data(600)
     hist = plan.fit(data, 1, shuffle=False, progress=False)
@@ -133,5 +133,19 @@ def test_tuner_history_and_state_survive_a_real_fit():
 def test_autotune_settings_are_checked():
     with pytest.raises(ValueError, match="threshold"):
         cg.AutoTune(threshold=0)
+    with pytest.raises(ValueError, match="warmup_s"):
+        cg.AutoTune(warmup_s=-1)
     with pytest.raises(ValueError, match="replicas"):
         compile_tiny(replicas="many")
+
+
+def test_tuner_warms_up_for_warmup_s_as_well_as_warmup_rounds():
+    first = {}
+    for warmup_s in (0.0, 1.0):
+        plan = compile_tiny(replicas="auto", executor="inline", autotune=cg.AutoTune(
+            warmup_rounds=2, warmup_s=warmup_s, window_s=3.0, min_window_rounds=3))
+        plan.autotuner.clock = _Clock(lambda k: 0.25)  # seconds per round
+        hist = plan.fit(tiny_data(4000), 1, progress=False, hooks=[_Watch(plan.autotuner, 1)])
+        first[warmup_s] = hist.autotune[0].round
+    # warm-up ends at round 2 (2 rounds) or at round 5 (1.0 s after round 1); then 12 rounds of 3 s
+    assert first == {0.0: 14, 1.0: 17}

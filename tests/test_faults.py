@@ -80,11 +80,14 @@ def test_nan_in_data_resets_only_that_learner():
 
 
 def test_all_replicas_failing_stops_with_divergence_error_and_checkpoint_intact(tmp_path):
-    plan = make_plan()
+    plan = make_plan(central_momentum=0.9)
     targets = [(d, r) for d in range(2) for r in range(2)]
+    poison = Poison(at=3, targets=targets)
     with pytest.raises(DivergenceError, match=r"all 4 replicas have NaN/Inf gradients in round 3") as err:
-        plan.fit(data(), 1, progress=False, hooks=[Poison(at=3, targets=targets)],
+        plan.fit(data(), 1, progress=False, hooks=[poison],
                  checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    assert plan.scheduler.resolved_executor() == "process"  # the last worker runs the global sync
+    assert torch.equal(plan.central_weights(), poison.pre_z)  # z untouched by the failed round
     assert isinstance(err.value, TaskError) and err.value.round_index == 3
     assert "resume from the last checkpoint" in str(err.value)
     path, state = load_latest(str(tmp_path))

@@ -179,7 +179,8 @@ def make_plan(model=None, *, replicas=2, devices=1, dtype=torch.float32, **kw):
 
 
 def test_plan_kernels_lists_what_runs():
-    plan = make_plan(replicas=3, kernel_backend="triton", sync=cg.SMA(sync_every=2))
+    # inline: this process runs every launch (worker processes count their own)
+    plan = make_plan(replicas=3, kernel_backend="triton", sync=cg.SMA(sync_every=2), executor="inline")
     assert isinstance(plan.scheduler.kernels, K.TritonSMAKernels)
     listed = plan.kernels
     kinds = sorted((k.spec.kind, dict(k.spec.flags).get("FIRST_STEP"), dict(k.spec.flags).get("CORRECT"))

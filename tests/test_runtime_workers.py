@@ -8,6 +8,7 @@ import multiprocessing
 import pytest
 import torch
 
+from crossbow_graph.errors import TaskError
 from crossbow_graph.runtime.hooks import Hook
 from crossbow_graph.runtime.data import make_fetch
 from crossbow_graph.runtime import workers
@@ -96,22 +97,28 @@ def test_trace_shows_global_sync_overlapping_next_rounds_learning(tmp_path):
     path = tmp_path / "trace.json"
     plan = compile_tiny(replicas=2, executor="process")
     hist = _fit(plan, tiny_data(4 * 2 * 40), trace=str(path))
-    events = [e for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"]
+    trace = json.load(open(path))["traceEvents"]
+    events = [e for e in trace if e["ph"] == "X"]
+    lane_names = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
     syncs = {e["args"]["round"]: e for e in events if e["name"] == "global_sync"}
     learns = [e for e in events if e["name"].startswith("learn:")]
     waits = [e for e in events if e["name"] == "wait for z"]
     assert len(learns) == 2 * 40 and len(syncs) >= 30
+    # the last worker runs the global sync; this process learns group 0
+    assert {lane_names[e["tid"]] for e in syncs.values()} == {"worker 1 (d0 r1-1)"}
+    assert "coordinator (d0 r0-0)" in {lane_names[e["tid"]] for e in learns}
     # dependency: a learner's local update of round t+1 starts only after the sync of round t
     for w in waits:
         s = syncs.get(w["args"]["round"] - 1)
         if s is not None:
             assert w["ts"] + w["dur"] >= s["ts"] + s["dur"] - 1.0  # µs, clock granularity
-    # overlap, by construction: round t+1 is handed to the workers before round t's global sync
-    sends = {e["args"]["round"]: e for e in events if e["name"] == "send next round"}
-    assert len(sends) == 39  # every round but the last of the epoch
-    for t, s in syncs.items():
-        if t + 1 in sends:
-            assert sends[t + 1]["ts"] + sends[t + 1]["dur"] <= s["ts"] + 1.0
+    # overlap: the coordinator's group learns round t+1 while round t's global sync runs in the
+    # worker (it starts right after its own local update of round t, before the sync ends)
+    lanes = {e["tid"] for e in syncs.values()}
+    ahead = {e["args"]["round"]: e for e in learns if e["tid"] not in lanes}
+    overlapped = [t for t, s in syncs.items()
+                  if t + 1 in ahead and ahead[t + 1]["ts"] <= s["ts"] + s["dur"]]
+    assert len(overlapped) >= len(syncs) // 2
     share = hist.sync_unhidden_share
     assert share is not None and 0.0 <= share <= 1.0
 
@@ -155,3 +162,28 @@ def test_worker_processes_draw_their_own_dropout_masks(model_cls, differ):
     w = plan.replica_weights()
     assert plan.rounds_done == 1
     assert (not torch.allclose(w[0], w[1])) is differ
+
+
+class _CentralFails:
+    """The torch SMA kernels, except that the central update raises on its ``at``-th call."""
+
+    name = "torch"
+
+    def __init__(self, kernels, at: int) -> None:
+        self.kernels, self.at, self.calls = kernels, at, 0
+        self.local_update = kernels.local_update
+
+    def central_update(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("central update failed")
+        return self.kernels.central_update(*args, **kwargs)
+
+
+def test_a_failing_global_sync_in_the_worker_names_the_task_and_round():
+    plan = compile_tiny(replicas=2, executor="process")
+    plan.scheduler.kernels = _CentralFails(plan.scheduler.kernels, at=3)  # forked with the workers
+    with pytest.raises(TaskError, match="global_sync") as err:
+        _fit(plan, tiny_data(4 * 2 * 10))
+    assert err.value.round_index == 2 and "central update failed" in str(err.value)
+    assert multiprocessing.active_children() == []

@@ -1,22 +1,26 @@
 """Learner worker processes on the CPU: the process executor (DESIGN.md §2 overlap, §5).
 
-Each worker process owns a contiguous group of one device's replicas (rows ``r0 … r1−1``). The
-flat buffers ``w, v, g, buf, z, z_prev, zbuf`` (and the replicas' integer buffers) live in shared
-memory, so workers and this process see the same numbers, and so do the messages: each worker has
-a ``_Mailbox`` of small shared arrays and two semaphores (no pipe, no pickling on the hot path).
-Per round t this process writes t and the group's sample indices into one of the mailbox's two
-slots and releases its ``go`` semaphore; the worker fetches its own samples from its forked copy
-of the dataset and learns. When z_t is ready this process writes lr,
-α, whether to synchronise and the optimizer's settings to a shared control block and releases
-each worker's semaphore; the worker applies its rows' local update (the correction with z_t),
-writes its partial sum of corrections and answers with its losses and four timestamps (written into
-the mailbox, then its ``done`` semaphore; an error's text alone goes through a pipe). This
-process then sums the partial sums and updates z (the global sync of round t). When the next
-round's samples are known and no hook writes the replicas, their message is sent before waiting
-for round t: the workers learn round t+1 while the global sync of round t (and the hooks) run, and
-learner j's round t+1 waits only for its own correction. There are at most as many workers as
-cores, each with one intra-op thread (fork safety, see ``_worker_main``), and this
-process drops to one thread while they run, so the processes do not fight over the cores.
+The learner groups of ``worker_groups`` (contiguous rows ``r0 … r1−1`` of one device's replicas,
+at most one per core) run in as many processes: group 0 in this process (the coordinator), the
+others in forked workers. The flat buffers ``w, v, g, buf, z, z_prev, zbuf`` (and the replicas'
+integer buffers) live in shared memory, so every process sees the same numbers, and so do the
+messages: each worker has a ``_Mailbox`` of small shared arrays and semaphores (no pipe, no
+pickling on the hot path). Per round t this process writes t and each worker's sample indices
+into the worker's mailbox and releases its ``go`` semaphore; the worker fetches its samples from
+its forked copy of the dataset and learns, as this process learns group 0. When z_t is ready
+this process writes lr, α, whether to synchronise and the optimizer's settings to a shared
+control block and releases each worker's semaphore; every group applies its rows' local update
+(the correction with z_t) and writes its partial sum of corrections. The last worker then waits
+until every group has written its own (the ``parts`` semaphore) and runs the global sync of round
+t (``Scheduler.global_sync``: z_{t+1} on every device), unless a group failed or every learner
+was faulty (z is then untouched and this process raises); under torchrun this process runs it
+instead, since it owns the all-reduce. Each worker answers with its losses and timestamps (an
+error's text alone goes through a pipe). When the next round's samples are known and no hook
+writes the replicas, each group starts learning round t+1 right after its local update of round
+t, so learning overlaps the global sync and the hooks, and learner j's round t+1 waits only for
+its own correction; the worker that runs the global sync runs it before its own next learning
+(one core per process: the sync takes some process's time, and that one has no hooks to run).
+Every process has one intra-op thread (fork safety, see ``_worker_main``).
 """
 
 from __future__ import annotations
@@ -161,7 +165,7 @@ def _step_seconds(model, loss_fn, args, kwargs, target) -> dict[bool, float]:
 
 class _Mailbox:
     """One worker's messages in shared memory: two slots of (round, sample indices), written by
-    the coordinator, and one answer (status, round, four timestamps, faulty rows, losses), written
+    the coordinator, and one answer (status, round, six timestamps, faulty rows, losses), written
     by the worker; each direction is announced by a semaphore release, which also orders the
     memory accesses. Two slots are enough: the coordinator writes round t + 2 only after the
     worker answered round t, and the worker reads round t + 1's slot before it answers round t + 1.
@@ -177,8 +181,8 @@ class _Mailbox:
         self.n_indices, self.n_rows = n_indices, n_rows
         self.indices = torch.zeros(2, n_indices, dtype=torch.int64).share_memory_().numpy()
         self.head = torch.zeros(3, dtype=torch.int64).share_memory_().numpy()  # rounds; stop
-        # status, round, ta, tb, tc, td, number of faulty rows, the faulty rows
-        self.reply = torch.zeros(7 + n_rows, dtype=torch.int64).share_memory_().numpy()
+        # status, round, ta, tb, tc, td, g0, g1, number of faulty rows, the faulty rows
+        self.reply = torch.zeros(9 + n_rows, dtype=torch.int64).share_memory_().numpy()
         self._losses = torch.zeros(n_rows, dtype=torch.float32).share_memory_()
         self.losses = self._losses.numpy()
         self.sent = self.taken = 0  # slots written (coordinator), read (worker)
@@ -203,13 +207,14 @@ class _Mailbox:
         self.head[2] = 1
         self.go.release()
 
-    def answer(self, status: int, round_index: int, spans=(0, 0, 0, 0), faulty=(), losses=()) -> None:
-        """Worker: the round's answer, then ``done``."""
+    def answer(self, status: int, round_index: int, spans=(0,) * 6, faulty=(), losses=()) -> None:
+        """Worker: the round's answer, then ``done``. ``spans``: learn start and end, local
+        update start and end, global sync start and end (0, 0 when the worker ran none)."""
         r = self.reply
         r[0], r[1] = status, round_index
-        r[2:6] = spans
-        r[6] = len(faulty)
-        r[7:7 + len(faulty)] = faulty
+        r[2:8] = spans
+        r[8] = len(faulty)
+        r[9:9 + len(faulty)] = faulty
         for i, x in enumerate(losses):
             self.losses[i] = float(x)
         self.done.release()
@@ -217,12 +222,16 @@ class _Mailbox:
     def read(self) -> tuple:
         """Coordinator, after ``done`` was acquired: (status, spans, faulty rows, losses [n_rows])."""
         r = self.reply
-        return (int(r[0]), tuple(int(x) for x in r[2:6]), [int(x) for x in r[7:7 + int(r[6])]],
+        return (int(r[0]), tuple(int(x) for x in r[2:8]), [int(x) for x in r[9:9 + int(r[8])]],
                 self._losses.clone())
 
 
 class ProcessExecutor:
-    """Worker processes running one scheduler's learner groups (see the module docstring).
+    """The coordinator's side of the process executor (see the module docstring).
+
+    Learner group 0 (``worker_groups``) runs in this process; groups 1 … n−1 in forked worker
+    processes, the last of which also runs the global sync when this process need not (no
+    torchrun all-reduce).
 
     Args:
         scheduler: the Scheduler (its states, tasks, loss, mode, kernels).
@@ -232,17 +241,21 @@ class ProcessExecutor:
 
     def __init__(self, scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any], *,
                  seed: int) -> None:
-        self.sched = scheduler
+        self.sched, self.fetch = scheduler, fetch
         states = scheduler.states
         cores = available_cores()
         self.groups = worker_groups([s.m for s in states], cores)
+        n = len(self.groups)
         threads = 1  # forked children cannot start OpenMP teams (see _worker_main)
         self.onednn = choose_onednn(scheduler, fetch)
         for s in states:
             s.share_memory()
         p_size, q_size = states[0].params.size, states[0].buffers.size
-        self.acc_parts = torch.zeros(len(self.groups), p_size).share_memory_()  # [W, P]
+        self.acc_parts = torch.zeros(n, p_size).share_memory_()                 # [n, P]
         self.buf_snaps = [s.buf.clone().share_memory_() for s in states]        # [m, Q] per device
+        # per group, written before it releases ``parts``: faulty rows, failed (1) or not
+        self.part_info = torch.zeros(n, 2, dtype=torch.int64).share_memory_()
+        self._part_info_np = self.part_info.numpy()
         self.global_task = next(t for t in scheduler.order if t.kind is TaskKind.GLOBAL_SYNC)
         self.learn_ids, self.local_ids = {}, {}
         for t in scheduler.order:
@@ -260,19 +273,30 @@ class ProcessExecutor:
         self.ctrl = torch.zeros(7, dtype=torch.float64).share_memory_()
         self._ctrl_np = self.ctrl.numpy()  # a view: writes go to the shared block
         self.ahead: tuple[int, torch.Tensor] | None = None  # the speculative round, if any
+        # the last worker runs the global sync (after every group's ``parts`` release) unless
+        # this process must all-reduce (torchrun) or there is no worker
+        self.sync_worker = n - 1 if scheduler.comm is None and n >= 2 else None
+        self.parts = ctx.Semaphore(0)
+        d0, r0, r1 = self.groups[0]
+        self.own_keep = states[d0].buf[r0:r1].clone() if q_size else None  # restored on cancel
+        self.own_losses: list[torch.Tensor] = []
+        self.own_error: tuple[str, str] | None = None  # (task id, text) of a failed own step
         self.main_threads = torch.get_num_threads()
         parent = os.getpid()
         try:
             for wid, (d, r0, r1) in enumerate(self.groups):
+                if wid == 0:  # run here
+                    for x in (self.sems, self.conns, self.mail, self.procs):
+                        x.append(None)
+                    continue
                 sem = ctx.Semaphore(0)
                 here, there = ctx.Pipe(duplex=False)  # an error's text, worker → here
                 mail = _Mailbox(ctx, (r1 - r0) * scheduler.batch_size, r1 - r0)
                 learn_tasks = [self.learn_ids[(d, r)] for r in range(r0, r1)]
                 proc = ctx.Process(
                     target=_worker_main, name=f"crossbow-learner-{wid}", daemon=True,
-                    args=(scheduler, d, r0, r1, there, mail, sem, self.ctrl, self.acc_parts[wid],
-                          self.buf_snaps[d] if q_size else None, fetch,
-                          seed * 1_000_003 + 7919 * (wid + 1), threads, self.onednn, parent,
+                    args=(scheduler, wid, self, there, mail, sem,
+                          seed * 1_000_003 + 7919 * (wid + 1), threads, parent,
                           [t.id for t in learn_tasks], self.local_ids[d].id))
                 proc.start()
                 there.close()
@@ -283,63 +307,138 @@ class ProcessExecutor:
         except BaseException:
             self.close()
             raise
-        torch.set_num_threads(1)  # this process only coordinates and sums while workers learn
+        torch.set_num_threads(1)  # one intra-op thread here too: the workers have the other cores
+
+    @property
+    def workers(self) -> range:
+        return range(1, len(self.groups))
 
     def _send_go(self, round_index: int, indices: torch.Tensor) -> None:
         b = self.sched.batch_size
         idx = indices.to(torch.int64).contiguous().numpy()
-        for wid, (d, r0, r1) in enumerate(self.groups):
+        for wid in self.workers:
+            d, r0, r1 = self.groups[wid]
             self.mail[wid].post(round_index, idx[(self.firsts[d] + r0) * b:(self.firsts[d] + r1) * b])
 
     def _release(self, *, lr: float, alpha: float, synchronise: bool, cancel: bool) -> None:
         opt = self.sched.optimizer
         self._ctrl_np[:] = (lr, alpha, float(synchronise), float(cancel), opt.momentum,
                             float(opt.nesterov), opt.weight_decay)  # no tensor per round
-        for sem in self.sems:
-            sem.release()
+        for wid in self.workers:
+            self.sems[wid].release()
+
+    # -- group 0, in this process ---------------------------------------------------------------
+
+    def _own_learn(self, round_index: int, indices: torch.Tensor) -> None:
+        """Group 0's forward and backward for round ``round_index`` (as ``_worker_main``)."""
+        sched = self.sched
+        d, r0, r1 = self.groups[0]
+        state, b = sched.states[d], sched.batch_size
+        first = sched.learner_offset + self.firsts[d]
+        if self.own_keep is not None:
+            self.own_keep.copy_(state.buf[r0:r1])
+        self.own_losses, self.own_error = [], None
+        task_id = self.learn_ids[(d, r0)].id
+        saved = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = self.onednn  # as the workers (choose_onednn)
+        try:
+            lo = (self.firsts[d] + r0) * b
+            batch = self.fetch(indices[lo:lo + (r1 - r0) * b].to(torch.int64))
+            if sched.learner_mode == "fused":
+                self.own_losses = learn_group(state, r0, r1, batch, sched.loss_fn, b, "fused",
+                                              sched._fused[d], rng_seed=learner_seed(sched.seed, round_index, first + r0))
+            else:
+                for r in range(r0, r1):
+                    task_id = self.learn_ids[(d, r)].id
+                    mine = rows(batch, (r - r0) * b, (r - r0 + 1) * b)
+                    self.own_losses += learn_group(state, r, r + 1, mine, sched.loss_fn, b, "per_replica", None,
+                                                   rng_seed=learner_seed(sched.seed, round_index, first + r))
+        except Exception as exc:  # raised as a TaskError once the workers have answered
+            self.own_error = (task_id, f"{type(exc).__name__}: {exc}")
+        finally:
+            torch.backends.mkldnn.enabled = saved
+
+    def _own_local(self, synchronise: bool) -> list[int]:
+        """Group 0's local update with z_t; its partial sum and buffers for the global sync."""
+        sched = self.sched
+        d, r0, r1 = self.groups[0]
+        state, faulty = sched.states[d], []
+        if self.own_error is None:
+            try:
+                acc, faulty = sched.local_update_rows(state, r0, r1, lr=sched.lr, alpha=sched.alpha,
+                                                      synchronise=synchronise, optimizer=sched.optimizer)
+                if acc is not None:
+                    self.acc_parts[0].copy_(acc)
+                if self.buf_snaps[d].shape[1]:
+                    self.buf_snaps[d][r0:r1].copy_(state.buf[r0:r1])
+            except Exception as exc:
+                self.own_error = (self.local_ids[d].id, f"{type(exc).__name__}: {exc}")
+        if synchronise and self.sync_worker is not None:
+            self._part_info_np[0] = (len(faulty), int(self.own_error is not None))
+            self.parts.release()
+        return faulty
+
+    # -- rounds ---------------------------------------------------------------------------------
 
     def cancel_ahead(self) -> None:
-        """Cancel the speculative round the workers are learning (they restore their buffers)."""
+        """Cancel the speculative round being learned (restoring the replicas' buffers)."""
         if self.ahead is None:
             return
         round_index, _ = self.ahead
         self.ahead = None
         self._release(lr=0.0, alpha=0.0, synchronise=False, cancel=True)
-        for wid in range(len(self.procs)):
+        d, r0, r1 = self.groups[0]
+        if self.own_keep is not None:
+            self.sched.states[d].buf[r0:r1].copy_(self.own_keep)
+        self.own_error = None
+        for wid in self.workers:
             self._recv(wid, round_index)  # "cancelled" (or the error of a round that never was)
 
     def run_round(self, round_index: int, indices: torch.Tensor, synchronise: bool,
                   next_indices: torch.Tensor | None = None) -> None:
-        """Run one round on the workers, and start the next one's learning if it is known.
+        """Run one round, and start the next one's learning if it is known.
 
         ``next_indices``: the next round's sample indices, if no hook will touch the replicas in
-        between: the workers learn it while this process runs this round's global sync (and the
-        hooks); the next ``run_round`` releases its local updates, or cancels it if its indices
-        differ (the replicas changed). On return every task of the round has run: w, v, z, zbuf
-        are final (only g and buf may already move for the speculative round).
+        between: every group learns it right after its local update of this round, while the
+        global sync of this round (and the hooks) run; the next ``run_round`` releases its
+        local updates, or cancels it if its indices differ (the replicas changed). On return
+        every task of the round has run: w, v, z, zbuf are final (only g and buf may already move
+        for the speculative round).
         """
         sched = self.sched
         if self.ahead is not None and (self.ahead[0] != round_index
                                        or not torch.equal(self.ahead[1], indices)):
             self.cancel_ahead()
-        if self.ahead is None:
+        t0 = time.perf_counter_ns()
+        learned = self.ahead is not None  # group 0 learned this round in the previous call
+        if not learned:
             self._send_go(round_index, indices)
+            self._own_learn(round_index, indices)
         self.ahead = None
+        t1 = time.perf_counter_ns()
         self._release(lr=sched.lr, alpha=sched.alpha, synchronise=synchronise, cancel=False)
+        own_faulty = self._own_local(synchronise)
+        t2 = time.perf_counter_ns()
+        own = (self.own_losses, self.own_error)
         if next_indices is not None:
-            sent = time.perf_counter_ns()
             self._send_go(round_index + 1, next_indices)
+            a0 = time.perf_counter_ns()
+            self._own_learn(round_index + 1, next_indices)
             self.ahead = (round_index + 1, next_indices)
             if sched.timeline is not None:
-                sched.timeline.span("send next round", sent, time.perf_counter_ns(),
-                                    lane="coordinator", round_index=round_index + 1)
-        spans, faults, failure = [], [], None
-        for wid in range(len(self.procs)):
+                d, r0, r1 = self.groups[0]
+                sched.timeline.span(f"learn:d{d}:r{r0}-{r1 - 1}", a0, time.perf_counter_ns(),
+                                    lane=self._lane(0), round_index=round_index + 1)
+        spans, faults, failure = [(t0, t1, t1, t2, 0, 0)], [(self.groups[0][0], own_faulty)], None
+        if own[1] is not None:
+            failure = ("error", *own[1])
+        losses = [torch.stack(own[0]) if own[0] else torch.zeros(0)]
+        for wid in self.workers:
             reply = self._recv(wid, round_index)
             if reply[0] == "error" and failure is None:
                 failure = reply
             elif reply[0] == "ok":
-                sched.losses.extend(reply[1].unbind())
+                losses.append(reply[1])
                 spans.append(reply[2])
                 faults.append((self.groups[wid][0], reply[3]))
         if failure is not None:
@@ -347,29 +446,41 @@ class ProcessExecutor:
             self.close()
             sched._workers = None
             raise sched.task_error(task, round_index, failure[2])
+        for part in losses:
+            sched.losses.extend(part.unbind())
         for s in sched.states:
             s.first_step = [False] * s.m
         for d, faulty in faults:  # raises DivergenceError when every learner failed
             sched.faults.record(sched.states[d], faulty, round_index=round_index,
                                 num_learners=sched.num_learners)
-        g0 = time.perf_counter_ns()
+        g0 = g1 = time.perf_counter_ns()
         if synchronise:
-            self._global_sync(round_index)
-        g1 = time.perf_counter_ns()
-        local_s = sum(td - tc for _, _, tc, td in spans) / len(spans) / 1e9
-        waited_s = sum(td - tb for _, tb, _, td in spans) / len(spans) / 1e9
+            if self.sync_worker is None:
+                self._global_sync(round_index)
+                g1 = time.perf_counter_ns()
+            else:
+                g0, g1 = spans[-1][4], spans[-1][5]
+        local_s = sum(td - tc for _, _, tc, td, _, _ in spans) / len(spans) / 1e9
+        waited_s = sum(td - tb for _, tb, _, td, _, _ in spans) / len(spans) / 1e9
         sched.sync_seconds += (g1 - g0) / 1e9 + local_s
         sched.sync_exposed_seconds += waited_s
         if sched.timeline is not None:
             if synchronise:
-                sched.timeline.span(self.global_task.id, g0, g1, lane="coordinator",
-                                    round_index=round_index)
-            for wid, (ta, tb, tc, td) in enumerate(spans):
+                lane = "coordinator" if self.sync_worker is None else self._lane(self.sync_worker)
+                sched.timeline.span(self.global_task.id, g0, g1, lane=lane, round_index=round_index)
+            for wid, (ta, tb, tc, td, _, _) in enumerate(spans):
                 d, r0, r1 = self.groups[wid]
-                lane = f"worker {wid} (d{d} r{r0}-{r1 - 1})"
-                sched.timeline.span(f"learn:d{d}:r{r0}-{r1 - 1}", ta, tb, lane=lane, round_index=round_index)
+                lane = self._lane(wid)
+                if wid or not learned:  # group 0's speculative learning has its span already
+                    sched.timeline.span(f"learn:d{d}:r{r0}-{r1 - 1}", ta, tb, lane=lane,
+                                        round_index=round_index)
                 sched.timeline.span("wait for z", tb, tc, lane=lane, round_index=round_index)
                 sched.timeline.span(self.local_ids[d].id, tc, td, lane=lane, round_index=round_index)
+
+    def _lane(self, wid: int) -> str:
+        d, r0, r1 = self.groups[wid]
+        who = "coordinator" if wid == 0 else f"worker {wid}"
+        return f"{who} (d{d} r{r0}-{r1 - 1})"
 
     def flush(self) -> None:
         """Nothing is in flight between rounds (z is final when run_round returns)."""
@@ -390,15 +501,18 @@ class ProcessExecutor:
     def close(self) -> None:
         """Cancel the speculative round, stop every worker (join, then terminate, then kill)."""
         try:
-            if self.ahead is not None and all(p.is_alive() for p in self.procs):
+            if self.ahead is not None and all(p.is_alive() for p in self.procs if p is not None):
                 self.cancel_ahead()
         except Exception:  # noqa: BLE001 - a dead worker: it is killed below
             pass
         finally:
             self.ahead = None
             for mail in self.mail:
-                mail.stop()
+                if mail is not None:
+                    mail.stop()
             for proc in self.procs:
+                if proc is None:
+                    continue
                 proc.join(timeout=5)
                 if proc.is_alive():
                     proc.terminate()
@@ -407,7 +521,8 @@ class ProcessExecutor:
                     proc.kill()
                     proc.join(timeout=2)
             for conn in self.conns:
-                conn.close()
+                if conn is not None:
+                    conn.close()
             self.conns, self.procs, self.mail = [], [], []
             torch.set_num_threads(self.main_threads)
 
@@ -439,17 +554,19 @@ def _wait(ready: Callable[[], bool], parent: int) -> bool:
     return True
 
 
-def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, mail: _Mailbox, sem,
-                 ctrl: torch.Tensor,
-                 acc_part: torch.Tensor, buf_snap: torch.Tensor | None, fetch: Callable, seed: int,
-                 threads: int, onednn: bool, parent: int, learn_ids: list[str],
-                 local_id: str) -> None:
-    """The loop of one worker process (forked: it shares the scheduler's state and dataset).
+def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: _Mailbox, sem,
+                 seed: int, threads: int, parent: int, learn_ids: list[str], local_id: str) -> None:
+    """The loop of worker ``wid`` (forked: it shares the scheduler's state, the dataset and the
+    executor's shared blocks).
 
-    Per round: take (round, indices) from the mailbox; learn; wait for the semaphore (z ready); read lr, α,
-    synchronise, cancel and the optimizer's μ_l, Nesterov, λ from ``ctrl``; if cancelled (a speculative round that will not run)
-    restore the float buffers and answer "cancelled", else apply the local update and answer with
-    the losses and four timestamps. Every round consumes exactly one semaphore release.
+    Per round: take (round, indices) from the mailbox; learn; wait for the semaphore (z ready);
+    read lr, α, synchronise, cancel and the optimizer's μ_l, Nesterov, λ from ``ex.ctrl``; if
+    cancelled (a speculative round that will not run) restore the float buffers and answer
+    "cancelled", else apply the local update, write the group's partial sum of corrections, and
+    (in a synchronising round) announce it on ``ex.parts``; the sync worker instead waits for
+    every other group's and runs the global sync (skipped when a group failed or every learner
+    was faulty: the coordinator then raises, with z untouched). Then answer with the losses,
+    timestamps and faulty rows. Every round consumes exactly one semaphore release.
     """
     # GNU OpenMP cannot start a thread team in a forked child of a process that used one: the
     # team barrier waits forever for threads that do not exist here. So a worker runs one
@@ -458,12 +575,16 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, mail: _Mail
     # by the thread count. Whether oneDNN or ATen's own convolutions run is measured
     # (choose_onednn). Parallelism comes from the workers.
     torch.set_num_threads(threads)
-    torch.backends.mkldnn.enabled = onednn  # choose_onednn
+    torch.backends.mkldnn.enabled = ex.onednn  # choose_onednn
     torch.manual_seed(seed)
+    d, r0, r1 = ex.groups[wid]
     state, b, mode = sched.states[d], sched.batch_size, sched.learner_mode
     first = sched.learner_offset + sum(s.m for s in sched.states[:d])  # global index of replica 0
     fused = sched._fused[d]
     keep = state.buf[r0:r1].clone() if state.buf.shape[1] else None  # restored on cancel
+    acc_part, buf_snap = ex.acc_parts[wid], ex.buf_snaps[d] if state.buf.shape[1] else None
+    info, others = ex._part_info_np, len(ex.groups) - 1
+    syncs = ex.sync_worker == wid
     try:
         while True:
             if not _wait(lambda: mail.go.acquire(timeout=_POLL_S), parent):
@@ -477,7 +598,7 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, mail: _Mail
             try:
                 if keep is not None:
                     keep.copy_(state.buf[r0:r1])
-                batch = fetch(idx)
+                batch = ex.fetch(idx)
                 if mode == "fused":
                     losses = learn_group(state, r0, r1, batch, sched.loss_fn, b, mode, fused,
                                          rng_seed=learner_seed(sched.seed, round_index, first + r0))
@@ -493,31 +614,50 @@ def _worker_main(sched: "Scheduler", d: int, r0: int, r1: int, conn, mail: _Mail
             if not _wait(lambda: sem.acquire(timeout=_POLL_S), parent):
                 return
             tc = time.perf_counter_ns()
-            lr, alpha, synchronise, cancel, momentum, nesterov, weight_decay = ctrl.tolist()
+            lr, alpha, synchronise, cancel, momentum, nesterov, weight_decay = ex.ctrl.tolist()
             if cancel:
                 if keep is not None:
                     state.buf[r0:r1].copy_(keep)
                 mail.answer(_CANCELLED, round_index)
                 continue
+            faulty = []
+            if error is None:
+                try:
+                    task_id = local_id
+                    optimizer = SGD(lr=lr, momentum=momentum, nesterov=bool(nesterov),
+                                    weight_decay=weight_decay)
+                    acc, faulty = sched.local_update_rows(state, r0, r1, lr=lr, alpha=alpha,
+                                                          synchronise=bool(synchronise), optimizer=optimizer)
+                    if acc is not None:
+                        acc_part.copy_(acc)
+                    if buf_snap is not None:
+                        buf_snap[r0:r1].copy_(state.buf[r0:r1])
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+            td = time.perf_counter_ns()
+            g0 = g1 = 0
+            if synchronise and ex.sync_worker is not None:
+                if not syncs:
+                    info[wid] = (len(faulty), int(error is not None))
+                    ex.parts.release()
+                else:
+                    for _ in range(others):  # every other group's partial sum (ours is written)
+                        if not _wait(lambda: ex.parts.acquire(timeout=_POLL_S), parent):
+                            return
+                    info[wid] = (len(faulty), int(error is not None))
+                    if not info[:, 1].any() and int(info[:, 0].sum()) < sched.num_learners:
+                        g0 = time.perf_counter_ns()
+                        try:
+                            ex._global_sync(round_index)
+                        except Exception as exc:
+                            if error is None:
+                                task_id, error = ex.global_task.id, f"{type(exc).__name__}: {exc}"
+                        g1 = time.perf_counter_ns()
             if error is not None:
                 conn.send(("error", task_id, error))
                 mail.answer(_ERROR, round_index)
                 continue
-            try:
-                task_id = local_id
-                optimizer = SGD(lr=lr, momentum=momentum, nesterov=bool(nesterov),
-                                weight_decay=weight_decay)
-                acc, faulty = sched.local_update_rows(state, r0, r1, lr=lr, alpha=alpha,
-                                                      synchronise=bool(synchronise), optimizer=optimizer)
-                if acc is not None:
-                    acc_part.copy_(acc)
-                if buf_snap is not None:
-                    buf_snap[r0:r1].copy_(state.buf[r0:r1])
-            except Exception as exc:
-                conn.send(("error", task_id, f"{type(exc).__name__}: {exc}"))
-                mail.answer(_ERROR, round_index)
-                continue
-            td = time.perf_counter_ns()
-            mail.answer(_OK, round_index, (ta, tb, tc, td), faulty, losses)
+            mail.answer(_OK, round_index, (ta, tb, tc, td, g0, g1), faulty, losses)
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         return
+
