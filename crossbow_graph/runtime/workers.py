@@ -334,27 +334,17 @@ class ProcessExecutor:
         sched = self.sched
         d, r0, r1 = self.groups[0]
         state, b = sched.states[d], sched.batch_size
-        first = sched.learner_offset + self.firsts[d]
         if self.own_keep is not None:
             self.own_keep.copy_(state.buf[r0:r1])
-        self.own_losses, self.own_error = [], None
-        task_id = self.learn_ids[(d, r0)].id
+        ids = [self.learn_ids[(d, r)].id for r in range(r0, r1)]
         saved = torch.backends.mkldnn.enabled
         torch.backends.mkldnn.enabled = self.onednn  # as the workers (choose_onednn)
         try:
             lo = (self.firsts[d] + r0) * b
             batch = self.fetch(indices[lo:lo + (r1 - r0) * b].to(torch.int64))
-            if sched.learner_mode == "fused":
-                self.own_losses = learn_group(state, r0, r1, batch, sched.loss_fn, b, "fused",
-                                              sched._fused[d], rng_seed=learner_seed(sched.seed, round_index, first + r0))
-            else:
-                for r in range(r0, r1):
-                    task_id = self.learn_ids[(d, r)].id
-                    mine = rows(batch, (r - r0) * b, (r - r0 + 1) * b)
-                    self.own_losses += learn_group(state, r, r + 1, mine, sched.loss_fn, b, "per_replica", None,
-                                                   rng_seed=learner_seed(sched.seed, round_index, first + r))
-        except Exception as exc:  # raised as a TaskError once the workers have answered
-            self.own_error = (task_id, f"{type(exc).__name__}: {exc}")
+            self.own_losses, self.own_error = _learn_rows(sched, d, r0, r1, batch, round_index, ids)
+        except Exception as exc:  # the fetch; raised as a TaskError once the workers have answered
+            self.own_losses, self.own_error = [], (ids[0], f"{type(exc).__name__}: {exc}")
         finally:
             torch.backends.mkldnn.enabled = saved
 
@@ -546,6 +536,29 @@ class ProcessExecutor:
         return self.conns[wid].recv()
 
 
+def _learn_rows(sched: "Scheduler", d: int, r0: int, r1: int, batch: Any, round_index: int,
+                learn_ids: list[str]) -> tuple[list[torch.Tensor], tuple[str, str] | None]:
+    """Rows ``r0 … r1−1`` of device ``d`` learn round ``round_index`` on ``batch`` (their
+    (r1 − r0)·b samples), in this process, in the scheduler's learner mode, each replica's RNG
+    seeded by ``learner_seed``. Returns (the losses, None) or ([], (failing task id, error text)).
+    """
+    b, state = sched.batch_size, sched.states[d]
+    first = sched.learner_offset + sum(s.m for s in sched.states[:d])  # global index of row 0
+    task_id, losses = learn_ids[0], []
+    try:
+        if sched.learner_mode == "fused":
+            return learn_group(state, r0, r1, batch, sched.loss_fn, b, "fused", sched._fused[d],
+                               rng_seed=learner_seed(sched.seed, round_index, first + r0)), None
+        for r in range(r0, r1):
+            task_id = learn_ids[r - r0]
+            mine = rows(batch, (r - r0) * b, (r - r0 + 1) * b)
+            losses += learn_group(state, r, r + 1, mine, sched.loss_fn, b, "per_replica", None,
+                                  rng_seed=learner_seed(sched.seed, round_index, first + r))
+        return losses, None
+    except Exception as exc:  # the caller reports it as a TaskError naming the task
+        return [], (task_id, f"{type(exc).__name__}: {exc}")
+
+
 def _wait(ready: Callable[[], bool], parent: int) -> bool:
     """Block until ``ready()`` (it blocks up to _POLL_S itself); False if the parent died."""
     while not ready():
@@ -578,9 +591,7 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
     torch.backends.mkldnn.enabled = ex.onednn  # choose_onednn
     torch.manual_seed(seed)
     d, r0, r1 = ex.groups[wid]
-    state, b, mode = sched.states[d], sched.batch_size, sched.learner_mode
-    first = sched.learner_offset + sum(s.m for s in sched.states[:d])  # global index of replica 0
-    fused = sched._fused[d]
+    state = sched.states[d]
     keep = state.buf[r0:r1].clone() if state.buf.shape[1] else None  # restored on cancel
     acc_part, buf_snap = ex.acc_parts[wid], ex.buf_snaps[d] if state.buf.shape[1] else None
     info, others = ex._part_info_np, len(ex.groups) - 1
@@ -593,23 +604,14 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
             if msg is None:
                 return
             round_index, idx = msg
-            task_id, error, losses = learn_ids[0], None, []
             ta = time.perf_counter_ns()
+            if keep is not None:
+                keep.copy_(state.buf[r0:r1])
             try:
-                if keep is not None:
-                    keep.copy_(state.buf[r0:r1])
-                batch = ex.fetch(idx)
-                if mode == "fused":
-                    losses = learn_group(state, r0, r1, batch, sched.loss_fn, b, mode, fused,
-                                         rng_seed=learner_seed(sched.seed, round_index, first + r0))
-                else:
-                    for r in range(r0, r1):
-                        task_id = learn_ids[r - r0]
-                        mine = rows(batch, (r - r0) * b, (r - r0 + 1) * b)
-                        losses += learn_group(state, r, r + 1, mine, sched.loss_fn, b, mode, None,
-                                              rng_seed=learner_seed(sched.seed, round_index, first + r))
-            except Exception as exc:  # reported to the coordinator, which raises TaskError
-                error = f"{type(exc).__name__}: {exc}"
+                losses, failed = _learn_rows(sched, d, r0, r1, ex.fetch(idx), round_index, learn_ids)
+            except Exception as exc:  # the fetch
+                losses, failed = [], (learn_ids[0], f"{type(exc).__name__}: {exc}")
+            task_id, error = failed if failed is not None else (learn_ids[0], None)
             tb = time.perf_counter_ns()
             if not _wait(lambda: sem.acquire(timeout=_POLL_S), parent):
                 return
