@@ -59,7 +59,8 @@ def compile_tiny(model_cls=TinyNet, *, seed: int = 0, **kw) -> "cg.Plan":
     model = model_cls()
     kw.setdefault("batch_size", 4)
     kw.setdefault("optimizer", cg.SGD(lr=0.05, momentum=0.9))
-    return cg.compile(model, (torch.randn(2, 1, 8, 8),), nn.functional.cross_entropy, **kw)
+    loss_fn = kw.pop("loss_fn", nn.functional.cross_entropy)
+    return cg.compile(model, (torch.randn(2, 1, 8, 8),), loss_fn, **kw)
 
 
 def _flat(model: nn.Module) -> torch.Tensor:

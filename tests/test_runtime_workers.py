@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 
 import pytest
 import torch
@@ -186,4 +187,22 @@ def test_a_failing_global_sync_in_the_worker_names_the_task_and_round():
     with pytest.raises(TaskError, match="global_sync") as err:
         _fit(plan, tiny_data(4 * 2 * 10))
     assert err.value.round_index == 2 and "central update failed" in str(err.value)
+    assert multiprocessing.active_children() == []
+
+
+def test_a_worker_error_with_a_huge_message_is_reported_not_hung(monkeypatch):
+    """A worker's error text longer than a pipe's buffer (64 KiB) used to block the worker in its
+    send while the coordinator waited for the answer (found by a fresh-clone test)."""
+    monkeypatch.setattr(workers, "ROUND_TIMEOUT_S", 30)  # a regression fails instead of hanging
+    main = os.getpid()
+
+    def loss(out, target):
+        if os.getpid() != main:  # only in the worker process (group 0 learns in this one)
+            raise ValueError("x" * 100_000)
+        return torch.nn.functional.cross_entropy(out, target)
+
+    plan = compile_tiny(replicas=2, executor="process", loss_fn=loss)
+    with pytest.raises(TaskError, match=r"ValueError: x+ \[…92,012 characters cut…\] x+") as err:
+        _fit(plan, tiny_data(4 * 2 * 3))
+    assert len(str(err.value)) < 10_000 and err.value.round_index == 0
     assert multiprocessing.active_children() == []

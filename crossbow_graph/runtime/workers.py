@@ -47,6 +47,7 @@ CPU_CONV_CHOICES = ("auto", "onednn", "aten")
 BIG_STEP_S = 0.3  # choose_onednn: a learner step slower than this is not measured (oneDNN)
 
 _POLL_S = 0.5          # how often a blocked wait checks that the other side is alive
+ERROR_TEXT_MAX = 8000  # characters of a worker's error text (a pipe holds 64 KiB unread)
 _OK, _ERROR, _CANCELLED = 1, 2, 3  # a worker's answer (_Mailbox.reply[0])
 ROUND_TIMEOUT_S = 600  # the longest this process waits for one worker's round
 
@@ -559,6 +560,16 @@ def _learn_rows(sched: "Scheduler", d: int, r0: int, r1: int, batch: Any, round_
         return [], (task_id, f"{type(exc).__name__}: {exc}")
 
 
+def _shorten(text: str) -> str:
+    """An error text cut to ERROR_TEXT_MAX characters (its start and end). A worker writes it into
+    a pipe that the coordinator reads only after the answer: a text longer than the pipe's buffer
+    would block the worker, and the coordinator would wait for the answer until its timeout."""
+    if len(text) <= ERROR_TEXT_MAX:
+        return text
+    half = ERROR_TEXT_MAX // 2
+    return f"{text[:half]} […{len(text) - 2 * half:,} characters cut…] {text[-half:]}"
+
+
 def _wait(ready: Callable[[], bool], parent: int) -> bool:
     """Block until ``ready()`` (it blocks up to _POLL_S itself); False if the parent died."""
     while not ready():
@@ -656,7 +667,7 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
                                 task_id, error = ex.global_task.id, f"{type(exc).__name__}: {exc}"
                         g1 = time.perf_counter_ns()
             if error is not None:
-                conn.send(("error", task_id, error))
+                conn.send(("error", task_id, _shorten(error)))  # fits the pipe: never blocks
                 mail.answer(_ERROR, round_index)
                 continue
             mail.answer(_OK, round_index, (ta, tb, tc, td, g0, g1), faulty, losses)
