@@ -347,8 +347,11 @@ def _train(args: argparse.Namespace) -> int:
     if comm is not None:
         from .runtime.comm import z_digest
 
-        print(f"rank {comm.rank}/{comm.world_size}: z checksum {z_digest(plan.central_weights())} "
-              f"after {plan.rounds_done} rounds", flush=True)
+        # one write of the whole line: every rank shares the terminal or pipe, and print() writes
+        # the text and its newline separately when stdout is unbuffered (PYTHONUNBUFFERED)
+        sys.stdout.write(f"rank {comm.rank}/{comm.world_size}: z checksum "
+                         f"{z_digest(plan.central_weights())} after {plan.rounds_done} rounds\n")
+        sys.stdout.flush()
     if not main_rank:
         return 0
     for d in history.autotune:
