@@ -149,3 +149,35 @@ def test_tuner_warms_up_for_warmup_s_as_well_as_warmup_rounds():
         first[warmup_s] = hist.autotune[0].round
     # warm-up ends at round 2 (2 rounds) or at round 5 (1.0 s after round 1); then 12 rounds of 3 s
     assert first == {0.0: 14, 1.0: 17}
+
+
+class _SlowFirstWindow:
+    """Clock: 1 s per round at m = 1; at m ≥ 2, 2 s per round (no gain in samples/s) for the
+    first ``slow`` rounds after a change, as if the machine were busy, then 1 s (a real gain)."""
+
+    def __init__(self, slow: int) -> None:
+        self.slow, self.t, self.round, self.m, self.since = slow, 0.0, 0, None, 0
+
+    def __call__(self, ctx) -> float:
+        plan = ctx.plan
+        if plan.rounds_done != self.round:
+            self.round = plan.rounds_done
+            if plan.replicas_per_device != self.m:
+                self.m, self.since = plan.replicas_per_device, 0
+            self.since += 1
+            self.t += 1.0 if self.m == 1 or self.since > self.slow else 2.0
+        return self.t
+
+
+@pytest.mark.parametrize("confirm", [True, False])
+def test_tuner_confirms_a_step_that_did_not_gain_before_removing_it(confirm):
+    plan = compile_tiny(replicas="auto", executor="inline",
+                        autotune=cg.AutoTune(confirm=confirm, max_replicas=2, **FAST))
+    plan.autotuner.clock = _SlowFirstWindow(slow=5)  # warm-up (2 rounds) + the first window (3)
+    hist = plan.fit(tiny_data(4000), 1, progress=False, hooks=[_Watch(plan.autotuner, 2)])
+    actions = [(d.action, d.next_replicas_per_device) for d in hist.autotune[:2]]
+    if confirm:  # the second window at m = 2 shows the gain: m = 2 stays
+        assert actions == [("add", 2), ("bound", 2)]
+        assert hist.autotune[1].samples_per_s == pytest.approx(2 * hist.autotune[0].samples_per_s)
+    else:  # one busy window decides
+        assert actions == [("add", 2), ("remove", 1)]
