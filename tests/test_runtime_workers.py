@@ -187,6 +187,7 @@ def test_a_failing_global_sync_in_the_worker_names_the_task_and_round():
     with pytest.raises(TaskError, match="global_sync") as err:
         _fit(plan, tiny_data(4 * 2 * 10))
     assert err.value.round_index == 2 and "central update failed" in str(err.value)
+    assert str(err.value).count("failed in round") == 1  # not wrapped twice
     assert multiprocessing.active_children() == []
 
 

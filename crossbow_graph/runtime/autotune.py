@@ -99,7 +99,8 @@ class AutoTuner(Hook):
         self.held: float | None = None
         self.mode_tried = False
         self._last_side = 0  # the previous hold window: +1 above, −1 below the band, 0 inside
-        self._pending: float | None = None  # the first window of a step being confirmed (confirm)
+        # the first window of a step being confirmed (confirm): (samples/s, m, mode, b)
+        self._pending: tuple[float, int, str, int] | None = None
         self.decisions: list[AutotuneRecord] = []
         self._restart_window(warm=False)
 
@@ -113,6 +114,7 @@ class AutoTuner(Hook):
 
     def before_fit(self, ctx: FitContext) -> None:
         self._restart_window(warm=False)  # workers start again: warm up again
+        self._pending = None  # a window of an earlier fit confirms nothing
 
     def after_round(self, ctx: FitContext) -> None:
         c = self.config
@@ -163,14 +165,16 @@ class AutoTuner(Hook):
                 self.phase, self.held = "hold", self.best[0]
                 steps.append(("revert_mode", m, self.best[2]))
         elif self.phase == "grow":
-            second = self._pending is not None
-            if second:  # the confirming window: the better of the two counts
-                rate, self._pending = max(rate, self._pending), None
+            now = (m, mode, plan.batch_size)
+            second = self._pending is not None and self._pending[1:] == now  # else: changed by
+            if second:  # another hook meanwhile. The confirming window: the better of the two
+                rate = max(rate, self._pending[0])
+            self._pending = None
             if self.best is None or rate > self.best[0] * (1 + theta):
                 self.best = (rate, m, mode)
                 steps += self._grow(plan, m, mode, other)
             elif self.config.confirm and not second:
-                self._pending = rate  # measure this configuration once more before removing it
+                self._pending = (rate, *now)  # measure this configuration once more, then decide
                 return False
             else:
                 steps.append(("remove", self.best[1], mode))

@@ -47,7 +47,7 @@ CPU_CONV_CHOICES = ("auto", "onednn", "aten")
 BIG_STEP_S = 0.3  # choose_onednn: a learner step slower than this is not measured (oneDNN)
 
 _POLL_S = 0.5          # how often a blocked wait checks that the other side is alive
-ERROR_TEXT_MAX = 8000  # characters of a worker's error text (a pipe holds 64 KiB unread)
+ERROR_TEXT_MAX = 8000  # characters of a worker's error text kept in a TaskError
 _OK, _ERROR, _CANCELLED = 1, 2, 3  # a worker's answer (_Mailbox.reply[0])
 ROUND_TIMEOUT_S = 600  # the longest this process waits for one worker's round
 
@@ -88,7 +88,7 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     one learner's forward and backward at b in this process, single-threaded (as a worker runs),
     on a copy of the model and the dataset's first b samples: each library MEASURE_REPS times,
     interleaved, each time the fastest step of at least MEASURE_STEPS steps and MEASURE_S
-    seconds; ATen is chosen only if its fastest step was at least 5% faster. The choice is kept
+    seconds (but at most 5·MEASURE_S seconds after one step, for a slow model); ATen is chosen only if its fastest step was at least 5% faster. The choice is kept
     per scheduler and b, and in this process per (model class, parameters, b, input shapes), so
     that plans of the same model (the auto-tuner's, a benchmark's) run the same kernels. A model
     whose first step takes more than BIG_STEP_S gets oneDNN unmeasured (measuring would cost
@@ -154,8 +154,9 @@ def _step_seconds(model, loss_fn, args, kwargs, target) -> dict[bool, float]:
             end = time.perf_counter()
             if onednn and end - start > BIG_STEP_S:  # a large model: oneDNN, unmeasured
                 return {True: 0.0, False: float("inf")}
-            steps, t0 = 0, end
-            while steps < MEASURE_STEPS or end - t0 < MEASURE_S:
+            steps, t0 = 0, end  # ≥ MEASURE_STEPS steps and MEASURE_S, ≤ 5·MEASURE_S (≥ 1 step)
+            while steps < 1 or ((steps < MEASURE_STEPS or end - t0 < MEASURE_S)
+                                and end - t0 < 5 * MEASURE_S):
                 start = time.perf_counter()
                 loss_fn(model(*args, **kwargs), target).backward()
                 end = time.perf_counter()
@@ -282,6 +283,7 @@ class ProcessExecutor:
         self.own_keep = states[d0].buf[r0:r1].clone() if q_size else None  # restored on cancel
         self.own_losses: list[torch.Tensor] = []
         self.own_error: tuple[str, str] | None = None  # (task id, text) of a failed own step
+        self.own_learn_span = (0, 0)  # start and end (ns) of group 0's last learning
         self.main_threads = torch.get_num_threads()
         parent = os.getpid()
         try:
@@ -338,6 +340,7 @@ class ProcessExecutor:
         if self.own_keep is not None:
             self.own_keep.copy_(state.buf[r0:r1])
         ids = [self.learn_ids[(d, r)].id for r in range(r0, r1)]
+        start = time.perf_counter_ns()
         saved = torch.backends.mkldnn.enabled
         torch.backends.mkldnn.enabled = self.onednn  # as the workers (choose_onednn)
         try:
@@ -348,6 +351,7 @@ class ProcessExecutor:
             self.own_losses, self.own_error = [], (ids[0], f"{type(exc).__name__}: {exc}")
         finally:
             torch.backends.mkldnn.enabled = saved
+            self.own_learn_span = (start, time.perf_counter_ns())  # its end: waiting for z begins
 
     def _own_local(self, synchronise: bool) -> list[int]:
         """Group 0's local update with z_t; its partial sum and buffers for the global sync."""
@@ -400,27 +404,26 @@ class ProcessExecutor:
         if self.ahead is not None and (self.ahead[0] != round_index
                                        or not torch.equal(self.ahead[1], indices)):
             self.cancel_ahead()
-        t0 = time.perf_counter_ns()
         learned = self.ahead is not None  # group 0 learned this round in the previous call
         if not learned:
             self._send_go(round_index, indices)
             self._own_learn(round_index, indices)
         self.ahead = None
-        t1 = time.perf_counter_ns()
+        ta, tb = self.own_learn_span  # group 0 has waited for z_t since it finished learning
+        tc = time.perf_counter_ns()
         self._release(lr=sched.lr, alpha=sched.alpha, synchronise=synchronise, cancel=False)
         own_faulty = self._own_local(synchronise)
-        t2 = time.perf_counter_ns()
+        td = time.perf_counter_ns()
         own = (self.own_losses, self.own_error)
         if next_indices is not None:
             self._send_go(round_index + 1, next_indices)
-            a0 = time.perf_counter_ns()
             self._own_learn(round_index + 1, next_indices)
             self.ahead = (round_index + 1, next_indices)
             if sched.timeline is not None:
                 d, r0, r1 = self.groups[0]
-                sched.timeline.span(f"learn:d{d}:r{r0}-{r1 - 1}", a0, time.perf_counter_ns(),
+                sched.timeline.span(f"learn:d{d}:r{r0}-{r1 - 1}", *self.own_learn_span,
                                     lane=self._lane(0), round_index=round_index + 1)
-        spans, faults, failure = [(t0, t1, t1, t2, 0, 0)], [(self.groups[0][0], own_faulty)], None
+        spans, faults, failure = [(ta, tb, tc, td, 0, 0)], [(self.groups[0][0], own_faulty)], None
         if own[1] is not None:
             failure = ("error", *own[1])
         losses = [torch.stack(own[0]) if own[0] else torch.zeros(0)]
@@ -454,7 +457,9 @@ class ProcessExecutor:
         local_s = sum(td - tc for _, _, tc, td, _, _ in spans) / len(spans) / 1e9
         waited_s = sum(td - tb for _, tb, _, td, _, _ in spans) / len(spans) / 1e9
         sched.sync_seconds += (g1 - g0) / 1e9 + local_s
-        sched.sync_exposed_seconds += waited_s
+        # the sync worker's learners do not learn while it runs the global sync: exposed too
+        sync_in_worker = (g1 - g0) / len(spans) / 1e9 if synchronise and self.sync_worker else 0.0
+        sched.sync_exposed_seconds += waited_s + sync_in_worker
         if sched.timeline is not None:
             if synchronise:
                 lane = "coordinator" if self.sync_worker is None else self._lane(self.sync_worker)
@@ -561,9 +566,7 @@ def _learn_rows(sched: "Scheduler", d: int, r0: int, r1: int, batch: Any, round_
 
 
 def _shorten(text: str) -> str:
-    """An error text cut to ERROR_TEXT_MAX characters (its start and end). A worker writes it into
-    a pipe that the coordinator reads only after the answer: a text longer than the pipe's buffer
-    would block the worker, and the coordinator would wait for the answer until its timeout."""
+    """An error text cut to ERROR_TEXT_MAX characters (its start and end), for the message."""
     if len(text) <= ERROR_TEXT_MAX:
         return text
     half = ERROR_TEXT_MAX // 2
@@ -662,13 +665,14 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
                         g0 = time.perf_counter_ns()
                         try:
                             ex._global_sync(round_index)
-                        except Exception as exc:
+                        except Exception as exc:  # a TaskError already: keep what it wraps
+                            cause = exc.__cause__ or exc
                             if error is None:
-                                task_id, error = ex.global_task.id, f"{type(exc).__name__}: {exc}"
+                                task_id, error = ex.global_task.id, f"{type(cause).__name__}: {cause}"
                         g1 = time.perf_counter_ns()
-            if error is not None:
-                conn.send(("error", task_id, _shorten(error)))  # fits the pipe: never blocks
+            if error is not None:  # the answer first: the coordinator then reads the pipe
                 mail.answer(_ERROR, round_index)
+                conn.send(("error", task_id, _shorten(error)))
                 continue
             mail.answer(_OK, round_index, (ta, tb, tc, td, g0, g1), faulty, losses)
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
