@@ -165,9 +165,11 @@ class AutoTuner(Hook):
                 self.phase, self.held = "hold", self.best[0]
                 steps.append(("revert_mode", m, self.best[2]))
         elif self.phase == "grow":
+            # the confirming window (of the same configuration: another hook may have changed
+            # it meanwhile): the better of the two windows counts
             now = (m, mode, plan.batch_size)
-            second = self._pending is not None and self._pending[1:] == now  # else: changed by
-            if second:  # another hook meanwhile. The confirming window: the better of the two
+            second = self._pending is not None and self._pending[1:] == now
+            if second:
                 rate = max(rate, self._pending[0])
             self._pending = None
             if self.best is None or rate > self.best[0] * (1 + theta):

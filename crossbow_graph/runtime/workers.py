@@ -180,7 +180,6 @@ class _Mailbox:
 
     def __init__(self, ctx, n_indices: int, n_rows: int) -> None:
         self.go, self.done = ctx.Semaphore(0), ctx.Semaphore(0)
-        self.n_indices, self.n_rows = n_indices, n_rows
         self.indices = torch.zeros(2, n_indices, dtype=torch.int64).share_memory_().numpy()
         self.head = torch.zeros(3, dtype=torch.int64).share_memory_().numpy()  # rounds; stop
         # status, round, ta, tb, tc, td, g0, g1, number of faulty rows, the faulty rows
@@ -316,12 +315,15 @@ class ProcessExecutor:
     def workers(self) -> range:
         return range(1, len(self.groups))
 
-    def _send_go(self, round_index: int, indices: torch.Tensor) -> None:
+    def _group_indices(self, indices: torch.Tensor, wid: int) -> torch.Tensor:
+        """Group ``wid``'s part of a round's sample indices ``[k·b]``: ``[(r1 − r0)·b]``, int64."""
+        d, r0, r1 = self.groups[wid]
         b = self.sched.batch_size
-        idx = indices.to(torch.int64).contiguous().numpy()
+        return indices[(self.firsts[d] + r0) * b:(self.firsts[d] + r1) * b].to(torch.int64)
+
+    def _send_go(self, round_index: int, indices: torch.Tensor) -> None:
         for wid in self.workers:
-            d, r0, r1 = self.groups[wid]
-            self.mail[wid].post(round_index, idx[(self.firsts[d] + r0) * b:(self.firsts[d] + r1) * b])
+            self.mail[wid].post(round_index, self._group_indices(indices, wid).numpy())
 
     def _release(self, *, lr: float, alpha: float, synchronise: bool, cancel: bool) -> None:
         opt = self.sched.optimizer
@@ -336,7 +338,7 @@ class ProcessExecutor:
         """Group 0's forward and backward for round ``round_index`` (as ``_worker_main``)."""
         sched = self.sched
         d, r0, r1 = self.groups[0]
-        state, b = sched.states[d], sched.batch_size
+        state = sched.states[d]
         if self.own_keep is not None:
             self.own_keep.copy_(state.buf[r0:r1])
         ids = [self.learn_ids[(d, r)].id for r in range(r0, r1)]
@@ -344,8 +346,7 @@ class ProcessExecutor:
         saved = torch.backends.mkldnn.enabled
         torch.backends.mkldnn.enabled = self.onednn  # as the workers (choose_onednn)
         try:
-            lo = (self.firsts[d] + r0) * b
-            batch = self.fetch(indices[lo:lo + (r1 - r0) * b].to(torch.int64))
+            batch = self.fetch(self._group_indices(indices, 0))
             self.own_losses, self.own_error = _learn_rows(sched, d, r0, r1, batch, round_index, ids)
         except Exception as exc:  # the fetch; raised as a TaskError once the workers have answered
             self.own_losses, self.own_error = [], (ids[0], f"{type(exc).__name__}: {exc}")
