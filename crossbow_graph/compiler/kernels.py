@@ -33,14 +33,16 @@ from typing import Any
 
 import torch
 
+from ..runtime.cpu_kernels import SOURCE_PATH as C_SOURCE_PATH
+from ..runtime.cpu_kernels import CSMAKernels, CompilerError, c_kernels_available
 from ..runtime.sma import TorchSMAKernels, sma_central_update, sma_local_update
 
 __all__ = [
-    "KernelSpec", "EmittedKernel", "TorchKernel", "TritonSMAKernels", "emit", "plan_kernels",
+    "KernelSpec", "EmittedKernel", "TorchKernel", "CKernel", "TritonSMAKernels", "emit", "plan_kernels",
     "select_backend", "local_spec", "central_spec", "default_block", "KERNEL_BACKENDS",
 ]
 
-KERNEL_BACKENDS = ("auto", "triton", "torch")
+KERNEL_BACKENDS = ("auto", "triton", "torch", "c")
 
 triton: Any = None  # the triton module, imported by _import_triton()
 tl: Any = None  # triton.language, resolved by the kernels' bodies at compile/run time
@@ -365,10 +367,11 @@ class TritonSMAKernels:
     @torch.no_grad()
     def local_update(self, w: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      z: torch.Tensor | None, *, lr: float, momentum: float, nesterov: bool,
-                     weight_decay: float, alpha: float, first_step: bool = False
-                     ) -> torch.Tensor | None:
+                     weight_decay: float, alpha: float, first_step: bool = False,
+                     out: torch.Tensor | None = None) -> torch.Tensor | None:
         """See ``crossbow_graph.runtime.sma.sma_local_update`` (the oracle): ``w, v, g [m, P]``,
-        ``z [P]`` or None; returns ``acc [P]`` float32, or None without a correction."""
+        ``z [P]`` or None; returns ``acc [P]`` float32 (in ``out`` when given), or None without a
+        correction."""
         m, P = w.shape
         _check_master("w", w, (m, P))
         if momentum != 0:
@@ -382,7 +385,10 @@ class TritonSMAKernels:
         spec = local_spec(m, P, g.dtype, _device_type(w), momentum=momentum, nesterov=nesterov,
                           weight_decay=weight_decay, first_step=first_step, correct=correct,
                           block=self.block)
-        acc = torch.empty(P, dtype=torch.float32, device=w.device) if correct else None
+        acc = None
+        if correct:
+            acc = out if out is not None else torch.empty(P, dtype=torch.float32, device=w.device)
+            _check_master("out", acc, (P,))
         emit(spec).launch(w, v if momentum != 0 else w, g, z if correct else w,
                           acc if correct else w, float(lr), float(momentum), float(weight_decay),
                           float(alpha))
@@ -420,6 +426,23 @@ class TorchKernel:
         return f"<{self.spec.describe(launch=False)}, torch>"
 
 
+@dataclass(frozen=True)
+class CKernel:
+    """One step of the C backend as ``Plan.kernels`` lists it: the spec it covers and the C
+    source that runs (runtime/sma_cpu.c, compiled once per machine; runtime/cpu_kernels.py)."""
+
+    spec: KernelSpec
+    backend = "c"
+
+    @property
+    def source(self) -> str:
+        return (f"// {self.spec.describe(launch=False)} — C (one pass over [m, P])\n"
+                + C_SOURCE_PATH.read_text())
+
+    def __repr__(self) -> str:
+        return f"<{self.spec.describe(launch=False)}, c>"
+
+
 def plan_kernels(backend: Any, states: list[Any], *, momentum: float, nesterov: bool,
                  weight_decay: float, num_learners: int, sync_every: int,
                  central_momentum: float) -> list[EmittedKernel | TorchKernel]:
@@ -446,27 +469,34 @@ def plan_kernels(backend: Any, states: list[Any], *, momentum: float, nesterov: 
     unique = list(dict.fromkeys(specs))
     if isinstance(backend, TritonSMAKernels):
         return [emit(s) for s in unique]
+    if isinstance(backend, CSMAKernels):
+        return [CKernel(s) for s in unique]
     return [TorchKernel(s) for s in unique]
 
 
-def select_backend(kernel_backend: str, device_type: str) -> TorchSMAKernels | TritonSMAKernels:
+def select_backend(kernel_backend: str, device_type: str) -> TorchSMAKernels | TritonSMAKernels | CSMAKernels:
     """The SMA update backend for ``compile(..., kernel_backend=...)``.
 
-    ``"auto"``: Triton on CUDA (if triton is installed), torch on the CPU. ``"triton"``: Triton
-    (on the CPU through its interpreter: slow, for tests). ``"torch"``: the vectorised torch
-    implementation.
+    ``"auto"``: Triton on CUDA (if triton is installed); on the CPU the C kernels (runtime/
+    sma_cpu.c, built on first use) when a C compiler is there, else torch. ``"c"``: the C
+    kernels (CPU tensors; anything else runs the torch functions). ``"triton"``: Triton (on the
+    CPU through its interpreter: slow, for tests). ``"torch"``: the vectorised torch
+    implementation (runtime/sma.py, the oracle).
 
     Raises:
         ValueError: an unknown name.
         ImportError: ``"triton"`` without the triton package (says how to install it).
+        CompilerError: ``"c"`` without a working C compiler (its message says why).
     """
     if kernel_backend not in KERNEL_BACKENDS:
         raise ValueError(f"kernel_backend={kernel_backend!r}: use one of {', '.join(map(repr, KERNEL_BACKENDS))}")
     if kernel_backend == "torch":
         return TorchSMAKernels()
+    if kernel_backend == "c":
+        return CSMAKernels()
     if kernel_backend == "auto":
         if device_type != "cuda":
-            return TorchSMAKernels()
+            return CSMAKernels() if c_kernels_available() else TorchSMAKernels()
         try:
             _import_triton()
         except ImportError:

@@ -4,7 +4,9 @@ Before every local update, ``FaultMonitor.find_and_reset`` (called by the schedu
 ``local_update_rows``, in this process or in a worker for its own rows) reduces the replicas'
 gradients ``g [r0:r1, P]`` to one sum and tests it with ``isfinite``; only when it is not finite
 are the row sums tested, to find the faulty rows (a non-finite element makes its row sum
-non-finite; a row sum that overflows float32 means the replica diverged anyway). A faulty replica j is reset
+non-finite; a row sum that overflows float32 means the replica diverged anyway). With the C kernel
+backend (runtime/cpu_kernels.py) the rows are tested in C instead, element by element, in one read
+of g (a finite row whose sum would overflow is then not faulty). A faulty replica j is reset
 from the device's central model before the local update — ``w[j] ← z``, ``v[j] ← 0``,
 ``g[j] ← 0``, float buffers ``buf[j] ← zbuf`` — so its correction α·(w[j] − z) is exactly zero:
 it is left out of the round's sum acc_d, and it starts the next round as a fresh copy of z. After
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,7 +66,7 @@ class FaultMonitor:
     @staticmethod
     @torch.no_grad()
     def find_and_reset(state: DeviceState, r0: int, r1: int,
-                       max_divergence: float | None = None) -> list[int]:
+                       max_divergence: float | None = None, kernels: Any = None) -> list[int]:
         """Test replicas ``r0 … r1−1`` of a device before their local update; reset the faulty ones.
 
         Cost: one reduction over ``g[r0:r1] [n, P]`` to one number and one host read (the row
@@ -71,14 +74,22 @@ class FaultMonitor:
         replica gets ``w ← z``, ``v ← 0``, ``g ← 0``, ``buf ← zbuf``, so its correction is zero.
         Worker processes call it for their own rows. With ``max_divergence`` (policies'
         DivergenceGuard) a replica with ‖ŵ_j − z‖/‖z‖ above it, or NaN, is faulty too (one more
-        reduction over ``w[r0:r1]``).
+        reduction over ``w[r0:r1]``). ``kernels``: the SMA backend; one with ``nonfinite_rows``
+        (the C backend) tests the rows in one read of g instead.
 
         Returns:
             The faulty replicas' indices on the device (empty when all are finite).
         """
-        if max_divergence is None and bool(torch.isfinite(state.g[r0:r1].sum())):
-            return []  # a NaN or Inf anywhere makes the total non-finite: one reduction, one read
-        faulty = ~torch.isfinite(state.g[r0:r1].sum(dim=1))  # [n]
+        rows_of = getattr(kernels, "nonfinite_rows", None)
+        listed = rows_of(state.g[r0:r1]) if rows_of is not None else None
+        if max_divergence is None:
+            if listed == [] or (listed is None and bool(torch.isfinite(state.g[r0:r1].sum()))):
+                return []  # a NaN or Inf anywhere makes the total non-finite: one reduction, one read
+        if listed is not None:
+            faulty = torch.zeros(r1 - r0, dtype=torch.bool)
+            faulty[listed] = True
+        else:
+            faulty = ~torch.isfinite(state.g[r0:r1].sum(dim=1))  # [n]
         if max_divergence is not None:
             dist = (state.w[r0:r1] - state.z).norm(dim=1)  # [n]
             faulty |= ~(dist <= max_divergence * state.z.norm().clamp_min(1e-12))

@@ -294,22 +294,25 @@ class Scheduler:
         self.faults.record(state, faulty, round_index=self._round, num_learners=self.num_learners)
 
     def local_update_rows(self, state: DeviceState, r0: int, r1: int, *, lr: float, alpha: float,
-                          synchronise: bool, optimizer: SGD) -> tuple[torch.Tensor | None, list[int]]:
+                          synchronise: bool, optimizer: SGD, out: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor | None, list[int]]:
         """The SMA local update of rows ``r0 … r1−1`` (DESIGN.md §2, steps 1–2).
 
         Replicas with NaN/Inf gradients are first reset from z and so left out of the sum
-        (runtime/faults.py). Worker processes call it for their own rows.
+        (runtime/faults.py). Worker processes call it for their own rows. ``out``: ``[P]`` to
+        write the sum of corrections into (default: a new tensor).
 
         Returns:
             (the rows' sum of corrections ``[P]``, None in a round without synchronisation;
             the faulty replicas' indices on the device).
         """
-        faulty = FaultMonitor.find_and_reset(state, r0, r1, self.max_divergence)
+        faulty = FaultMonitor.find_and_reset(state, r0, r1, self.max_divergence, self.kernels)
         acc = self.kernels.local_update(
             state.w[r0:r1], state.v[r0:r1], state.g[r0:r1], state.z if synchronise else None,
             lr=lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov,
             weight_decay=optimizer.weight_decay, alpha=alpha if synchronise else 0.0,
             first_step=all(state.first_step[r0:r1]),  # a new replica's momentum is zero: same maths
+            **({"out": out} if out is not None else {}),
         )
         state.first_step[r0:r1] = [False] * (r1 - r0)
         FaultMonitor.reset(state, faulty)  # back at z: the zero gradient still met weight decay

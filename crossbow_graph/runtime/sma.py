@@ -33,6 +33,7 @@ def sma_local_update(
     weight_decay: float,
     alpha: float,
     first_step: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One round's local step and correction for every replica of a device (DESIGN.md §2, steps 1–2).
 
@@ -57,13 +58,14 @@ def sma_local_update(
         weight_decay: λ (L2 added to the gradient, as torch.optim.SGD).
         alpha: α, the pull toward z.
         first_step: the momentum buffers hold nothing yet (torch.optim.SGD copies d into them).
+        out: ``[P]`` float32 to write acc into (default: a new tensor).
 
     Returns:
         ``acc [P]``, the device's sum of corrections, or ``None`` without a correction.
     """
     m, P = w.shape
     correct = z is not None and alpha != 0
-    acc = torch.empty(P, dtype=w.dtype, device=w.device) if correct else None
+    acc = (out if out is not None else torch.empty(P, dtype=w.dtype, device=w.device)) if correct else None
     step = _block_columns(w, m)
     for a in range(0, P, step):
         b = min(a + step, P)
