@@ -1,9 +1,10 @@
 """Benchmark of the SMA update (DESIGN.md §2 steps 1–3, §4), protocol of BENCHMARKS.md.
 
-CPU: the vectorised torch implementation on flat ``[m, P]`` buffers (runtime/sma.py, the CPU
-path) against a naive loop over replicas and parameter tensors (what a user without flat buffers
-writes), one whole round each: the local step + correction of every replica, the device sum, the
-central update. Reports the median time per round of each and their ratio.
+CPU: the C kernels (runtime/sma_cpu.c, the CPU default when a C compiler is there) and the
+vectorised torch implementation on flat ``[m, P]`` buffers (runtime/sma.py) against a naive loop
+over replicas and parameter tensors (what a user without flat buffers writes), one whole round
+each: the local step + correction of every replica, the device sum, the central update. Reports
+the median time per round of each and their ratios.
 
 CUDA: the fused Triton kernels (compiler/kernels.py) and the torch implementation; for the local
 kernel, achieved bytes/s against the floor of ((3m+1) reads + (2m+1) writes) × 4P bytes per round
@@ -35,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's crossbow_graph
 
+from crossbow_graph.runtime.cpu_kernels import CSMAKernels  # noqa: E402
 from crossbow_graph.runtime.sma import sma_central_update, sma_local_update  # noqa: E402
 
 __all__ = ["model_shapes", "naive_round", "main"]
@@ -157,6 +159,8 @@ def bench_cpu(name, shapes, m, reps, min_s):
     grads = [split(g[j]) for j in range(m)]
     bufs = [split(v[j]) for j in range(m)]
     zs, zps = split(z), split(z_prev)
+    c_backend = CSMAKernels()
+    wc, vc, zc, zpc = w.clone(), v.clone(), z.clone(), z_prev.clone()
     # same numbers first (one round each), then time
     _flat_round(_Torch, w, v, g, z, z_prev, alpha=alpha)
     naive_round(params, grads, bufs, zs, zps, lr=LR, momentum=MOMENTUM, alpha=alpha,
@@ -164,22 +168,31 @@ def bench_cpu(name, shapes, m, reps, min_s):
     torch.testing.assert_close(torch.cat([t.flatten() for t in zs]), z, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([t.flatten() for t in params[-1]]), w[-1], atol=1e-5,
                                rtol=1e-5)
+    _flat_round(c_backend, wc, vc, g, zc, zpc, alpha=alpha)
+    torch.testing.assert_close(zc, z, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(wc, w, atol=1e-5, rtol=1e-5)
+
     def flat():
         _flat_round(_Torch, w, v, g, z, z_prev, alpha=alpha)
+
+    def c_round():
+        _flat_round(c_backend, wc, vc, g, zc, zpc, alpha=alpha)
 
     def naive():
         naive_round(params, grads, bufs, zs, zps, lr=LR, momentum=MOMENTUM, alpha=alpha,
                     central_momentum=MU_Z)
 
-    flat_s, naive_s = [], []
-    _time_cpu(flat, min_s), _time_cpu(naive, min_s)  # warm-up (allocator, caches), not counted
-    for _ in range(reps):  # interleaved A B A B
+    flat_s, naive_s, c_s = [], [], []
+    _time_cpu(flat, min_s), _time_cpu(naive, min_s), _time_cpu(c_round, min_s)  # warm-up
+    for _ in range(reps):  # interleaved A B C A B C
         flat_s.append(_time_cpu(flat, min_s))
         naive_s.append(_time_cpu(naive, min_s))
-    f, n = statistics.median(flat_s), statistics.median(naive_s)
+        c_s.append(_time_cpu(c_round, min_s))
+    f, n, c = statistics.median(flat_s), statistics.median(naive_s), statistics.median(c_s)
     floor = round_floor_bytes(m, P)
     return {"model": name, "m": m, "P": P, "tensors": len(shapes), "floor_bytes": floor,
             "torch_flat_bytes_per_s": floor / f, "torch_flat_s": f,
+            "c_s": c, "c_bytes_per_s": floor / c, "ratio_flat_over_c": f / c,
             "naive_loop_s": n, "ratio_naive_over_flat": n / f,
             "spread_flat_s": [min(flat_s), max(flat_s)], "spread_naive_s": [min(naive_s), max(naive_s)]}
 
@@ -265,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         meta["copy_bytes_per_s"] = copy_bw
         print(f"CPU, {args.threads} thread(s): 256 MiB copy {copy_bw / 1e9:.1f} GB/s; GB/s below = "
               "round floor ((3m+1)+(2m+1)+5)·4P bytes / flat torch time")
-        print(f"{'model':<10}{'m':>3}{'P':>12}{'tensors':>8}{'flat torch ms':>15}{'GB/s':>7}"
-              f"{'naive loop ms':>15}{'naive/flat':>12}")
+        print(f"{'model':<10}{'m':>3}{'P':>12}{'tensors':>8}{'C ms':>9}{'GB/s':>7}{'flat torch ms':>15}"
+              f"{'GB/s':>7}{'torch/C':>9}{'naive loop ms':>15}{'naive/flat':>12}")
         for name in names:
             P = sum(_numel(s) for s in shapes[name])
             for m in ms:
@@ -275,13 +288,16 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 r = bench_cpu(name, shapes[name], m, args.reps, args.min_s)
                 rows.append(r)
-                print(f"{name:<10}{m:>3}{P:>12,}{r['tensors']:>8}{r['torch_flat_s'] * 1e3:>15.3f}"
-                      f"{r['torch_flat_bytes_per_s'] / 1e9:>7.1f}"
+                print(f"{name:<10}{m:>3}{P:>12,}{r['tensors']:>8}{r['c_s'] * 1e3:>9.3f}"
+                      f"{r['c_bytes_per_s'] / 1e9:>7.1f}{r['torch_flat_s'] * 1e3:>15.3f}"
+                      f"{r['torch_flat_bytes_per_s'] / 1e9:>7.1f}{r['ratio_flat_over_c']:>9.2f}"
                       f"{r['naive_loop_s'] * 1e3:>15.3f}{r['ratio_naive_over_flat']:>12.2f}")
         if rows:
             ratios = [r["ratio_naive_over_flat"] for r in rows]
             meta["median_ratio_naive_over_flat"] = statistics.median(ratios)
-            print(f"median naive/flat over {len(rows)} configurations: {statistics.median(ratios):.2f}×")
+            meta["median_ratio_flat_over_c"] = statistics.median(r["ratio_flat_over_c"] for r in rows)
+            print(f"median naive/flat over {len(rows)} configurations: {statistics.median(ratios):.2f}×; "
+                  f"torch/C: {meta['median_ratio_flat_over_c']:.2f}×")
     else:
         import triton
 
