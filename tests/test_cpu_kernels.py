@@ -109,6 +109,28 @@ def test_central_update_matches_oracle(P, mu_z):
     torch.testing.assert_close(z_prev, z_prev_ref, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("devices,P", [(1, 7), (2, 5000), (3, 2049)])
+@pytest.mark.parametrize("mu_z", [0.0, 0.9])
+def test_central_update_shared_sums_updates_and_copies(devices, P, mu_z):
+    """CPU devices sharing one memory: Σ acc_d, the central update and every device's copies of
+    z and z_prev in one pass; against the torch steps (sum in device order, update, copy)."""
+    gen = torch.Generator().manual_seed(devices)
+    parts = [torch.randn(P, generator=gen) for _ in range(devices)]
+    z0, zp0 = torch.randn(P, generator=gen), torch.randn(P, generator=gen)
+    zs = [z0.clone()] + [torch.full((P,), 5.0) for _ in range(devices - 1)]  # stale copies
+    zps = [zp0.clone()] + [torch.full((P,), 5.0) for _ in range(devices - 1)]
+    C.central_update_shared(zs, zps, parts, central_momentum=mu_z)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    z_ref, zp_ref = z0.clone(), zp0.clone()
+    sma_central_update(z_ref, zp_ref, total, central_momentum=mu_z)
+    for z, zp in zip(zs, zps):
+        torch.testing.assert_close(z, z_ref, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(zp, z0, atol=0, rtol=0)
+    torch.testing.assert_close(zs[-1], zs[0], atol=0, rtol=0)  # the copies are exact
+
+
 def test_nonfinite_rows():
     g = torch.randn(5, 3000)
     assert C.nonfinite_rows(g) == []

@@ -324,6 +324,9 @@ class Scheduler:
         Under torchrun (``comm``) the process's sum and its replicas' buffer sums, packed into one
         ``[P + Q]`` float32 tensor, are all-reduced (sum) over the ranks before the update.
 
+        With CPU devices and no torchrun, a kernel backend with ``central_update_shared`` (the C
+        kernels) does the sum, the update and the devices' copies of z in one pass.
+
         ``buffers``: per device the replicas' float buffers ``[m, Q]`` to average (default: the
         live ``buf``; the process executor passes the snapshots its workers took at the round's
         end).
@@ -342,6 +345,16 @@ class Scheduler:
             s.zbuf.copy_(bufs[0][0])
             return
         home = states[0].torch_device
+        fused = getattr(self.kernels, "central_update_shared", None)
+        if fused is not None and self.comm is None and all(s.torch_device.type == "cpu" for s in states):
+            # CPU logical devices share one memory: Σ acc_d, the update and z's copies in one pass
+            fused([s.z for s in states], [s.z_prev for s in states], [s.acc for s in states],
+                  central_momentum=self.sync.central_momentum)
+            if states[0].buf.shape[1]:
+                mean_buf = torch.cat(bufs).mean(dim=0)
+                for s in states:
+                    s.zbuf.copy_(mean_buf)
+            return
         with self._cuda_global():
             total = None
             for s in states:

@@ -110,3 +110,34 @@ void sma_central(int64_t P, float *restrict z, float *restrict z_prev, const flo
         z[i] = moved + c[i];
     }
 }
+
+/* The central update of CPU devices that share one memory, fused with the sum of the devices'
+ * corrections and the copies of z: C = parts[0] + … + parts[n_parts−1] (in that order);
+ * z_new = z + C + μ_z·(z − z_prev) with z = zs[0], z_prev = zps[0]; then every device d gets
+ * zps[d] ← z and zs[d] ← z_new. One pass over memory, in blocks of BLOCK columns. */
+void sma_central_sum(int64_t P, int64_t n_parts, const float *const *parts, int64_t n_copies,
+                     float *const *zs, float *const *zps, float mu) {
+    float c[BLOCK];
+    for (int64_t a = 0; a < P; a += BLOCK) {
+        int64_t n = a + BLOCK < P ? BLOCK : P - a;
+        const float *p0 = parts[0] + a;
+        for (int64_t i = 0; i < n; ++i)
+            c[i] = p0[i];
+        for (int64_t q = 1; q < n_parts; ++q) {
+            const float *pq = parts[q] + a;
+            for (int64_t i = 0; i < n; ++i)
+                c[i] += pq[i];
+        }
+        float *z = zs[0] + a, *zp = zps[0] + a;
+        for (int64_t i = 0; i < n; ++i) {
+            float zi = z[i];
+            float moved = mu == 0.0f ? zi : zi + mu * (zi - zp[i]);
+            zp[i] = zi;
+            z[i] = moved + c[i];
+        }
+        for (int64_t d = 1; d < n_copies; ++d) {
+            memcpy(zs[d] + a, z, (size_t)n * sizeof(float));
+            memcpy(zps[d] + a, zp, (size_t)n * sizeof(float));
+        }
+    }
+}
