@@ -134,10 +134,12 @@ def compile(  # noqa: A001 - the public name the design asks for
         memory_budget: bytes available per device for learners; None: no bound on the CPU, the
             GPU's total memory on CUDA.
         verify: run the verifier between compiler passes.
-        kernel_backend: the SMA update kernels (DESIGN.md §4): ``"auto"`` — Triton on CUDA, the
-            vectorised torch implementation on the CPU; ``"triton"`` — fused Triton kernels
-            emitted for this plan (on the CPU through Triton's interpreter: slow, for tests);
-            ``"torch"``. ``Plan.kernels`` lists what runs.
+        kernel_backend: the SMA update kernels (DESIGN.md §4): ``"auto"`` — Triton on CUDA; on
+            the CPU the C kernels when a C compiler is there, else torch; ``"c"`` — C kernels
+            compiled on first use and cached (runtime/cpu_kernels.py; one pass over memory);
+            ``"triton"`` — fused Triton kernels emitted for this plan (on the CPU through
+            Triton's interpreter: slow, for tests); ``"torch"`` — the vectorised torch
+            implementation. ``Plan.kernels`` lists what runs.
         distributed: settings used when the process was launched by torchrun (its RANK,
             WORLD_SIZE, ... are set): the timeout and the z checksum period
             (``crossbow_graph.Distributed``; default ``Distributed()``). Every rank then runs
@@ -153,6 +155,8 @@ def compile(  # noqa: A001 - the public name the design asks for
         ValueError: a bad argument (batch size, replicas, devices, a model without trainable
             floating-point parameters, an unknown kernel_backend).
         ImportError: ``kernel_backend="triton"`` without the triton package (says how to install).
+        CompilerError: ``kernel_backend="c"`` and the C kernels cannot be built (says why and how
+            to fix it).
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
         DistributedError: under torchrun, the ranks' plans differ (names the difference).
     """

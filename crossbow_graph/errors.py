@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["TraceError", "PlanError", "TaskError", "DivergenceError", "CheckpointError",
-           "DistributedError"]
+           "DistributedError", "CompilerError"]
 
 
 class TraceError(ValueError):
@@ -46,4 +46,13 @@ class CheckpointError(RuntimeError):
     """No checkpoint in a directory can be loaded, or one does not match the plan or the data.
 
     The message names the directory or file, what is wrong, and how to fix it.
+    """
+
+
+class CompilerError(RuntimeError):
+    """The C kernels of the CPU (runtime/sma_cpu.c) could not be built or loaded.
+
+    Raised by ``compile(..., kernel_backend="c")``; ``"auto"`` then keeps the torch kernels. The
+    message has the compiler's output and the fixes: install a C compiler, set ``$CC``, or use
+    ``kernel_backend="torch"``.
     """

@@ -469,8 +469,8 @@ def plan_kernels(backend: Any, states: list[Any], *, momentum: float, nesterov: 
     unique = list(dict.fromkeys(specs))
     if isinstance(backend, TritonSMAKernels):
         return [emit(s) for s in unique]
-    if isinstance(backend, CSMAKernels):
-        return [CKernel(s) for s in unique]
+    if isinstance(backend, CSMAKernels):  # gradients not in float32 take the torch path
+        return [CKernel(s) if s.dtype == torch.float32 else TorchKernel(s) for s in unique]
     return [TorchKernel(s) for s in unique]
 
 

@@ -2,47 +2,55 @@
 
 ``sma_cpu.c`` (next to this file) does the local update of a device's m replicas in one pass
 over memory, where the torch implementation (runtime/sma.py, the oracle) makes about eight: on
-this 2-core CPU one LeNet-5 replica's update took 16 µs against 67 µs (docs/runtime.md). It is
-compiled on first use with the system's C compiler (``$CC``, else ``cc``) at ``-O3
--march=native`` and cached as a shared library under ``$CROSSBOW_GRAPH_CACHE`` (default
-``~/.cache/crossbow_graph``), keyed by the source, the flags and the CPU, written atomically (a
-temporary file renamed into place), so concurrent processes (torchrun) never load half a file.
-Without a compiler ``compile(kernel_backend="auto")`` keeps the torch backend, and
-``kernel_backend="c"`` raises with the compiler's message.
+this 2-core CPU one LeNet-5 replica's update took 16 µs against 67 µs (docs/kernels.md). It is
+compiled on first use with the system's C compiler (``$CC``, else Python's configured compiler,
+``cc``, ``gcc``, ``clang``) at ``-O3 -march=native`` and cached as a shared library under
+``$CROSSBOW_GRAPH_CACHE`` (default ``~/.cache/crossbow_graph``), keyed by the source, the
+compiler, the flags and the CPU. The library and then its checksum are written atomically (unique
+temporary files renamed into place), so concurrent processes (torchrun) never load half a file,
+and a damaged library is rebuilt rather than loaded. Without a compiler
+``compile(kernel_backend="auto")`` keeps the torch backend (logged at INFO), and
+``kernel_backend="c"`` raises CompilerError with the compiler's message and the fixes.
 
 The kernels are called through ctypes (which releases the GIL) on the tensors' memory; only
-float32 CPU tensors with unit column stride take the C path, anything else (a bfloat16 model's
-gradients, a strided view) the torch implementation, with the same results to float rounding.
+float32 CPU tensors whose rows are contiguous and apart take the C path, anything else (a
+bfloat16 model's gradients, a strided or overlapping view) the torch implementation, with the
+same results to float rounding.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sysconfig
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 
+from ..errors import CompilerError
 from .sma import sma_central_update, sma_local_update
 
 __all__ = ["CSMAKernels", "c_kernels_available", "load_library", "SOURCE_PATH", "CompilerError"]
 
+log = logging.getLogger("crossbow_graph.kernels")
+
 SOURCE_PATH = Path(__file__).with_name("sma_cpu.c")
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 _PORTABLE_FLAGS = ("-O3", "-fPIC", "-shared")  # when the compiler does not know -march=native
+_FIX = ("install a C compiler (e.g. `apt-get install gcc`), point $CC at one, or use "
+        "kernel_backend='torch'")
 
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
-
-
-class CompilerError(RuntimeError):
-    """The C kernels could not be built (no C compiler, or it failed); the message says why."""
+_lock = threading.Lock()  # one build per process, even from threads
 
 
 def _cache_dir() -> Path:
@@ -50,7 +58,12 @@ def _cache_dir() -> Path:
     if root:
         return Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "crossbow_graph"
+    if xdg:
+        return Path(xdg) / "crossbow_graph"
+    try:
+        return Path.home() / ".cache" / "crossbow_graph"
+    except (RuntimeError, KeyError):  # no HOME and no passwd entry (a container's bare UID)
+        return Path(tempfile.gettempdir()) / "crossbow_graph-cache"
 
 
 def _cpu_id() -> str:
@@ -64,13 +77,36 @@ def _cpu_id() -> str:
     return f"{platform.machine()} {platform.processor()} {flags}"
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or (sysconfig.get_config_var("CC") or "").split(" ")[0] or "cc"
-    return shutil.which(cc) or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> list[str] | None:
+    """The compiler command: ``$CC`` split like a shell (``"ccache gcc"`` works), else Python's
+    configured compiler, ``cc``, ``gcc``, ``clang``; its executable resolved to a real path.
+
+    Raises:
+        CompilerError: ``$CC`` is set but its executable is not found.
+    """
+    env = os.environ.get("CC")
+    if env:
+        words = shlex.split(env)
+        exe = shutil.which(words[0]) if words else None
+        if exe is None:
+            raise CompilerError(f"$CC={env!r}: {words[0] if words else '(empty)'} is not an "
+                                "executable on PATH; set $CC to a C compiler, or unset it")
+        return [os.path.realpath(exe), *words[1:]]
+    configured = (sysconfig.get_config_var("CC") or "").split()
+    for name in ([configured[0]] if configured else []) + ["cc", "gcc", "clang"]:
+        exe = shutil.which(name)
+        if exe:
+            return [os.path.realpath(exe)]
+    return None
 
 
-def _build(source: bytes, cc: str, target: Path) -> None:
-    """Compile ``source`` into ``target`` atomically. Raises CompilerError with the output."""
+def _build(source: bytes, cc: list[str], target: Path) -> None:
+    """Compile ``source`` into ``target`` atomically, with ``target``'s checksum file beside it.
+
+    Raises:
+        CompilerError: the compiler failed (its output), or a timeout.
+        OSError: ``target``'s directory is not writable.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "sma_cpu.c"
@@ -78,74 +114,116 @@ def _build(source: bytes, cc: str, target: Path) -> None:
         errors = []
         for flags in (_FLAGS, _PORTABLE_FLAGS):
             out = Path(tmp) / "sma_cpu.so"
-            run = subprocess.run([cc, *flags, "-o", str(out), str(src)], capture_output=True,
+            run = subprocess.run([*cc, *flags, "-o", str(out), str(src)], capture_output=True,
                                  text=True, timeout=120)
             if run.returncode == 0:
-                staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-                shutil.copyfile(out, staged)
-                os.replace(staged, target)  # atomic: another process sees the old file or this one
+                data = out.read_bytes()
+                # unique temporary names (mkstemp), renamed into place: a reader sees no file or
+                # a whole one, and the checksum is written only after the library it describes
+                _write_atomic(target, data)
+                _write_atomic(_checksum_path(target), hashlib.sha256(data).hexdigest().encode())
                 return
-            errors.append(f"{cc} {' '.join(flags)}: {run.stderr.strip()[-2000:]}")
+            errors.append(f"{' '.join(cc)} {' '.join(flags)}: {run.stderr.strip()[-2000:]}")
     raise CompilerError("; ".join(errors))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(staged, 0o644)  # mkstemp's 0600 would keep a shared cache from other users
+        os.replace(staged, path)
+    except BaseException:
+        Path(staged).unlink(missing_ok=True)
+        raise
+
+
+def _checksum_path(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _intact(target: Path) -> bool:
+    """The cached library exists and matches the checksum written when it was built (a
+    truncated library would crash the process when loaded, with SIGBUS)."""
+    try:
+        want = _checksum_path(target).read_text().strip()
+        return hashlib.sha256(target.read_bytes()).hexdigest() == want
+    except OSError:
+        return False
 
 
 def load_library() -> ctypes.CDLL:
     """The compiled kernels (built on first use, then cached; once per process).
 
+    A cached library whose checksum does not match (damaged, or half-written by a crashed build)
+    is rebuilt. If the cache directory is not writable, the library is built in a temporary
+    directory for this process (with a warning). A failure is remembered for the process.
+
     Raises:
-        CompilerError: no C compiler was found, or it failed (the message has its output);
-            set ``$CC`` to a working compiler, or use ``kernel_backend="torch"``.
+        CompilerError: no C compiler was found, or it failed (the message has its output and the
+            fixes: install a compiler, set ``$CC``, or use ``kernel_backend="torch"``).
     """
     global _lib, _load_error
-    if _lib is not None:
-        return _lib
-    if _load_error is not None:
-        raise CompilerError(_load_error)
-    try:
-        cc = _compiler()
-        if cc is None:
-            raise CompilerError("no C compiler found (looked for $CC, cc, gcc, clang)")
-        source = SOURCE_PATH.read_bytes()
-        key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS).encode(),
-                                         _cpu_id().encode()])).hexdigest()[:16]
-        target = _cache_dir() / f"sma_cpu-{key}.so"
-        if not target.exists():
-            try:
-                _build(source, cc, target)
-            except OSError:  # the cache directory is not writable: build in a temporary one
-                target = Path(tempfile.mkdtemp(prefix="crossbow_graph-")) / target.name
-                _build(source, cc, target)
-        lib = ctypes.CDLL(str(target))
-    except (CompilerError, OSError, subprocess.SubprocessError) as exc:
-        _load_error = f"the C kernels (runtime/sma_cpu.c) could not be built: {exc}"
-        raise CompilerError(_load_error) from exc
-    i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
-    lib.sma_local.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, f32, f32, f32, f32,
-                              i32, i32, i32, i32]
-    lib.sma_local.restype = None
-    lib.sma_central.argtypes = [i64, ptr, ptr, ptr, f32]
-    lib.sma_central.restype = None
-    lib.sma_central_sum.argtypes = [i64, i64, ptr, i64, ptr, ptr, f32]
-    lib.sma_central_sum.restype = None
-    lib.sma_rows_nonfinite.argtypes = [i64, i64, ptr, i64, ptr]
-    lib.sma_rows_nonfinite.restype = i64
-    _lib = lib
-    return lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if _load_error is not None:
+            raise CompilerError(_load_error)
+        try:
+            cc = _compiler()
+            if cc is None:
+                raise CompilerError("no C compiler found (looked for $CC, cc, gcc, clang)")
+            source = SOURCE_PATH.read_bytes()
+            key = hashlib.sha256(b"\0".join([source, " ".join(cc).encode(), " ".join(_FLAGS).encode(),
+                                             _cpu_id().encode()])).hexdigest()[:16]
+            target = _cache_dir() / f"sma_cpu-{key}.so"
+            if not _intact(target):
+                try:
+                    _build(source, cc, target)
+                except OSError as exc:  # the cache directory is not writable
+                    tmp = Path(tempfile.mkdtemp(prefix="crossbow_graph-"))
+                    log.warning("the C kernels' cache %s is not writable (%s): building them in %s "
+                                "for this process; set $CROSSBOW_GRAPH_CACHE to a writable directory",
+                                target.parent, exc, tmp)
+                    target = tmp / target.name
+                    _build(source, cc, target)
+            lib = ctypes.CDLL(str(target))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one CompilerError
+            why = exc if isinstance(exc, CompilerError) else f"{type(exc).__name__}: {exc}"
+            _load_error = (f"the C kernels (runtime/sma_cpu.c) could not be built or loaded: {why}. "
+                           f"To fix: {_FIX}")
+            raise CompilerError(_load_error) from exc
+        i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+        lib.sma_local.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, f32, f32, f32,
+                                  f32, i32, i32, i32, i32]
+        lib.sma_local.restype = None
+        lib.sma_central.argtypes = [i64, ptr, ptr, ptr, f32]
+        lib.sma_central.restype = None
+        lib.sma_central_sum.argtypes = [i64, i64, ptr, i64, ptr, ptr, f32]
+        lib.sma_central_sum.restype = None
+        lib.sma_rows_nonfinite.argtypes = [i64, i64, ptr, i64, ptr]
+        lib.sma_rows_nonfinite.restype = i64
+        _lib = lib
+        log.debug("C kernels loaded from %s", target)
+        return lib
 
 
 def c_kernels_available() -> bool:
     """Whether the C kernels build and load on this machine (the result is kept)."""
     try:
         load_library()
-    except CompilerError:
+    except CompilerError as exc:
+        log.info("kernel_backend='auto' keeps the torch kernels on the CPU: %s", exc)
         return False
     return True
 
 
 def _rows_ok(t: torch.Tensor, shape: tuple[int, int]) -> bool:
-    """float32 on the CPU, of ``shape``, each row contiguous."""
+    """float32 on the CPU, of ``shape`` (at least one row), each row contiguous, rows apart."""
+    m, P = shape
     return (t.dtype == torch.float32 and t.device.type == "cpu" and tuple(t.shape) == shape
-            and (shape[1] <= 1 or t.stride(1) == 1))
+            and m >= 1 and (P <= 1 or t.stride(1) == 1) and (m == 1 or t.stride(0) >= P))
 
 
 def _vec_ok(t: torch.Tensor | None, P: int) -> bool:
@@ -169,6 +247,9 @@ class CSMAKernels:
 
     def __init__(self) -> None:
         self._lib = load_library()
+
+    def __reduce__(self):  # a copy (deepcopy, pickle) loads the library again: no pointers copied
+        return (CSMAKernels, ())
 
     @torch.no_grad()
     def local_update(self, w: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

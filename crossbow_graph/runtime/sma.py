@@ -140,10 +140,13 @@ def sma_central_update(
 
 
 class TorchSMAKernels:
-    """The SMA update backend in torch (CPU default, and the oracle of the Triton backend).
+    """The SMA update backend in torch: the oracle of the C and Triton backends, and the CPU's
+    backend when no C compiler is there.
 
     A backend has two methods with the signatures of ``sma_local_update`` and
-    ``sma_central_update``; the scheduler calls nothing else.
+    ``sma_central_update``. Two more are optional, and the scheduler uses them when present (the
+    C backend has them): ``nonfinite_rows`` for the fault test (runtime/faults.py) and
+    ``central_update_shared`` for the global sync of CPU devices.
     """
 
     name = "torch"
