@@ -129,6 +129,23 @@ class _CopyBack:
             self.seen = key
 
 
+class _CopyRow:
+    """Forward pre-hook of replica ``j`` of a low-precision model: copy its float32 master row
+    ``w[j]`` into its model copy ``w_model[j]``, every time.
+
+    Row by row and unconditionally, because ``w`` is shared between processes: under the process
+    executor another process may write ``w_model``'s other rows (its own replicas) at any time,
+    and it may change ``w[j]`` between rounds (a reset to z) without this process's version
+    counter of ``w`` moving. One row costs one pass over P in the model's dtype.
+    """
+
+    def __init__(self, owner: "DeviceState", j: int) -> None:
+        self.owner, self.j = owner, j
+
+    def __call__(self, *_: object) -> None:
+        self.owner.w_model[self.j].copy_(self.owner.w[self.j])
+
+
 class DeviceState:
     """The m replicas of one device and their flat buffers.
 
@@ -161,7 +178,7 @@ class DeviceState:
         low = dtype in LOW_PRECISION
         self.w_model = torch.zeros_like(self.w, dtype=dtype) if low else self.w
         self.z_model = torch.zeros_like(self.z, dtype=dtype) if low else self.z
-        self._copy_w = _CopyBack(self, "w", "w_model") if low else None
+        self._low = low
         self._template = template
         self.replicas: list[nn.Module] = []
         for j in range(m):
@@ -182,8 +199,8 @@ class DeviceState:
         r = copy.deepcopy(template).to(self.torch_device)
         r.train()
         bind_flat(r, self.w_model[j], self.g[j], self.buf[j], self.params, self.buffers)
-        if self._copy_w is not None:
-            r.register_forward_pre_hook(self._copy_w)
+        if self._low:
+            r.register_forward_pre_hook(_CopyRow(self, j))
         return r
 
     def bind_central(self, module: nn.Module) -> None:
@@ -222,7 +239,7 @@ class DeviceState:
         w[keep:].copy_(self.z.expand(m - keep, -1))
         buf[keep:].copy_(self.zbuf.expand(m - keep, -1))
         ints = {n: b.clone() for n, b in self.replicas[0].named_buffers() if not b.is_floating_point()}
-        low = self._copy_w is not None
+        low = self._low
         self.w, self.v, self.g, self.buf = w, v, g, buf
         self.w_model = torch.zeros_like(w, dtype=self.dtype) if low else w
         if low:
@@ -233,7 +250,7 @@ class DeviceState:
             r.train()
             bind_flat(r, self.w_model[j], g[j], buf[j], self.params, self.buffers, copy_values=False)
             if low and j >= keep:
-                r.register_forward_pre_hook(self._copy_w)
+                r.register_forward_pre_hook(_CopyRow(self, j))
             if j >= keep:
                 for name, value in r.named_buffers():
                     if name in ints:
