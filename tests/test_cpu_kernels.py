@@ -15,15 +15,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
 from crossbow_graph.compiler import kernels as K
 from crossbow_graph.runtime import cpu_kernels as CK
 from crossbow_graph.runtime.faults import FaultMonitor
 from crossbow_graph.runtime.sma import TorchSMAKernels, sma_central_update, sma_local_update
+from test_kernels import MLP, tiny_data  # the model and data of the kernels' plan tests
 
 ATOL, RTOL = 1e-6, 1e-5
 # scripts/setup.sh installs gcc (CI has it); elsewhere without a C compiler these tests skip
@@ -103,18 +102,6 @@ def test_other_tensors_take_the_torch_path(case):
     check(w, v, g, z, lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.0, alpha=0.3)
 
 
-@pytest.mark.parametrize("P", [1, 100, 5000])
-@pytest.mark.parametrize("mu_z", [0.0, 0.9])
-def test_central_update_matches_oracle(P, mu_z):
-    gen = torch.Generator().manual_seed(P)
-    z, z_prev, c = (torch.randn(P, generator=gen) for _ in range(3))
-    z_ref, z_prev_ref = z.clone(), z_prev.clone()
-    C.central_update(z, z_prev, c, central_momentum=mu_z)
-    sma_central_update(z_ref, z_prev_ref, c, central_momentum=mu_z)
-    torch.testing.assert_close(z, z_ref, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(z_prev, z_prev_ref, atol=0, rtol=0)
-
-
 @pytest.mark.parametrize("devices,P", [(1, 7), (2, 5000), (3, 2049)])
 @pytest.mark.parametrize("mu_z", [0.0, 0.9])
 def test_central_update_shared_sums_updates_and_copies(devices, P, mu_z):
@@ -148,25 +135,10 @@ def test_nonfinite_rows():
     assert C.nonfinite_rows(g.bfloat16()) is None  # not float32: the caller tests in torch
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
 def make_plan(**kw):
     torch.manual_seed(0)
     return cg.compile(MLP(), (torch.randn(2, 8),), F.cross_entropy, batch_size=4,
                       optimizer=cg.SGD(lr=0.1, momentum=0.9, weight_decay=1e-3), **kw)
-
-
-def tiny_data(n=64):
-    gen = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(n, 8, generator=gen), torch.randint(0, 3, (n,), generator=gen))
 
 
 def test_fault_check_in_c_resets_the_same_rows_as_torch():

@@ -103,13 +103,16 @@ def test_local_update_random(m, P, block, momentum, nesterov, weight_decay, alph
                 weight_decay=weight_decay, alpha=alpha)
 
 
-@pytest.mark.parametrize("P", [1, 100, 1000])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("c", marks=pytest.mark.skipif(
+    not K.c_kernels_available(), reason="no C compiler (scripts/setup.sh installs gcc)"))])
+@pytest.mark.parametrize("P", [1, 100, 1000, 5000])
 @pytest.mark.parametrize("mu_z", [0.0, 0.9])
-def test_central_update(P, mu_z):
+def test_central_update(backend, P, mu_z):
+    """Triton (interpreted) and C (runtime/sma_cpu.c, 2,048-column blocks) against torch."""
     gen = torch.Generator().manual_seed(P)
     z, z_prev, c = (torch.randn(P, generator=gen) for _ in range(3))
     z_ref, z_prev_ref = z.clone(), z_prev.clone()
-    TRITON.central_update(z, z_prev, c, central_momentum=mu_z)
+    (TRITON if backend == "triton" else K.CSMAKernels()).central_update(z, z_prev, c, central_momentum=mu_z)
     sma_central_update(z_ref, z_prev_ref, c, central_momentum=mu_z)
     torch.testing.assert_close(z, z_ref, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(z_prev, z_prev_ref, atol=0, rtol=0)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..runtime.cpu_kernels import SOURCE_PATH as C_SOURCE_PATH
-from ..runtime.cpu_kernels import CSMAKernels, CompilerError, c_kernels_available
+from ..runtime.cpu_kernels import CSMAKernels, c_kernels_available
 from ..runtime.sma import TorchSMAKernels, sma_central_update, sma_local_update
 
 __all__ = [
