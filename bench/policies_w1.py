@@ -11,6 +11,8 @@ epochs 2 and 4, replicas reset to z), as ``crossbow-graph train`` does.
 
 ``--batch-sizes ""`` runs nothing: with ``--merge`` it folds other result files (e.g. of a
 variant run in another process) into ``--out`` and redraws the table and the plot.
+``--variants shrink-early`` runs a variant of the policy tried in session 4 (``ShrinkEarly``
+below; docs/benchmarks.md, "Also tried (session 4)").
 
 Writes JSON (one row per run: b, variant, final accuracy, epochs to 99 %, training seconds, the
 policy's changes, the metrics windows) and prints a markdown table. Not a test; no timing asserted.
@@ -28,6 +30,26 @@ import torch
 import crossbow_graph as cg
 
 
+class ShrinkEarly(cg.AdaptiveBatchSize):
+    """A variant tried in session 4 (not the library's default): also halve b when B_noise < k·b
+    (toward B_noise from above), acting after 3 settled windows instead of 10, down to b = 8."""
+
+    def __init__(self) -> None:
+        super().__init__(min_batch_size=8, settle_windows=3)
+
+    def target(self, b: int, noise_scale: float, k: int = 1) -> int:
+        lo, hi = self.min_batch_size or 1, self.max_batch_size
+        if noise_scale >= self.factor * k * b and b < hi:
+            return min(hi, int(b * self.factor))
+        if noise_scale < k * b and b > lo:
+            return max(lo, int(b / self.factor))
+        return b
+
+
+VARIANTS = {"none": lambda: [], "adaptive": lambda: [cg.AdaptiveBatchSize()],
+            "shrink-early": lambda: [ShrinkEarly()]}
+
+
 def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, milestones: tuple[int, ...],
         metrics_every: int) -> dict:
     train, test = cg.datasets.mnist(train=True), cg.datasets.mnist(train=False)
@@ -35,7 +57,7 @@ def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, milestones: 
     plan = cg.compile(cg.models.lenet5(), (train[0][0].unsqueeze(0),),
                       torch.nn.functional.cross_entropy, batch_size=b, devices=2, replicas=2,
                       optimizer=cg.SGD(lr=lr, momentum=0.9))
-    policies = {"none": [], "adaptive": [cg.AdaptiveBatchSize()]}[variant]
+    policies = VARIANTS[variant]()
     if milestones:  # as crossbow-graph train adds it
         policies = policies + [cg.MultiStepLR(milestones=milestones, gamma=0.1)]
     t0 = time.perf_counter()
