@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import time
 
 import pytest
 import torch
@@ -233,3 +234,26 @@ def test_bf16_replicas_split_over_processes_match_in_process():
     for a, b in zip(out["process"], out["inline"]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert multiprocessing.active_children() == []
+
+
+class _SlowHooks(Hook):
+    """A hook that takes 5 ms after every round and writes nothing: the learners wait for this
+    process's release, not for z."""
+
+    mutates_replicas = False
+
+    def after_round(self, ctx):
+        time.sleep(0.005)
+
+
+def test_a_wait_for_the_coordinator_is_not_counted_as_synchronisation(tmp_path):
+    plan = compile_tiny(replicas=2, executor="process")
+    rounds = 30
+    hist = _fit(plan, tiny_data(4 * 2 * rounds), hooks=[_SlowHooks()], trace=str(tmp_path / "t.json"))
+    # every round both groups wait ≥ 5 ms for the release, after z was final: none of it is
+    # synchronisation (before the fix the share was 1.0 and the exposed time ≥ rounds · 5 ms)
+    assert plan.scheduler.sync_exposed_seconds < 0.3 * rounds * 0.005
+    assert hist.sync_unhidden_share is not None
+    events = json.load(open(tmp_path / "t.json"))["traceEvents"]
+    release = [e for e in events if e.get("name") == "wait for release"]
+    assert len(release) >= rounds and min(e["dur"] for e in release[2:]) >= 3000  # µs

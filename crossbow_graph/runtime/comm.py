@@ -13,7 +13,7 @@ Everything that must be the same on every rank is checked or decided once:
 * start-up: ``Comm.agree`` all-gathers each rank's plan facts (model fingerprint, devices, replicas,
   batch size, optimiser, SMA settings) and the fit's data facts, and raises DistributedError naming
   the first difference, instead of hanging in a collective later;
-* every round: the plan settings that hooks may change (m, learner mode, lr, α, stop) are
+* every round: the plan settings that hooks may change (m, learner mode, lr, α, b, τ, stop) are
   broadcast from rank 0 after the round's hooks (``Comm.agree_settings``; also before a round
   when epoch or evaluation hooks ran since, or when some rank has a ``before_round`` hook): the
   auto-tuner runs on rank 0 only, and rank 0's settings win over any other rank's hooks;

@@ -112,8 +112,8 @@ class History:
         """Share of synchronisation time not hidden behind learning, in [0, 1] (None: no sync).
 
         1.0 for the sequential inline executor; with worker processes, the global sync of round
-        t runs while round t+1 learns and only the learners' wait for z and their own local
-        update are exposed.
+        t runs while round t+1 learns and only the learners' wait for z (until z was final),
+        their own local update and the sync worker's global sync are exposed.
         """
         if self.sync_seconds <= 0:
             return None

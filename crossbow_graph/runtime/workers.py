@@ -283,6 +283,7 @@ class ProcessExecutor:
         self.own_losses: list[torch.Tensor] = []
         self.own_error: tuple[str, str] | None = None  # (task id, text) of a failed own step
         self.own_learn_span = (0, 0)  # start and end (ns) of group 0's last learning
+        self.z_ready_ns = 0  # when the z of the next local update became final (perf_counter_ns)
         self.main_threads = torch.get_num_threads()
         parent = os.getpid()
         try:
@@ -458,11 +459,17 @@ class ProcessExecutor:
             else:
                 g0, g1 = spans[-1][4], spans[-1][5]
         local_s = sum(td - tc for _, _, tc, td, _, _ in spans) / len(spans) / 1e9
-        waited_s = sum(td - tb for _, tb, _, td, _, _ in spans) / len(spans) / 1e9
+        # a group's wait counts as synchronisation only until z_t was final (the previous
+        # global sync's end); after that it waits for this process's release (hooks, bookkeeping)
+        z_ready = self.z_ready_ns
+        waits = [(tb, max(tb, min(tc, z_ready))) for _, tb, tc, _, _, _ in spans]
+        waited_s = sum(z - tb for tb, z in waits) / len(spans) / 1e9 + local_s
         sched.sync_seconds += (g1 - g0) / 1e9 + local_s
         # the sync worker's learners do not learn while it runs the global sync: exposed too
         sync_in_worker = (g1 - g0) / len(spans) / 1e9 if synchronise and self.sync_worker else 0.0
         sched.sync_exposed_seconds += waited_s + sync_in_worker
+        if synchronise:
+            self.z_ready_ns = g1
         if sched.timeline is not None:
             if synchronise:
                 lane = "coordinator" if self.sync_worker is None else self._lane(self.sync_worker)
@@ -473,7 +480,11 @@ class ProcessExecutor:
                 if wid or not learned:  # group 0's speculative learning has its span already
                     sched.timeline.span(f"learn:d{d}:r{r0}-{r1 - 1}", ta, tb, lane=lane,
                                         round_index=round_index)
-                sched.timeline.span("wait for z", tb, tc, lane=lane, round_index=round_index)
+                z_at = waits[wid][1]
+                sched.timeline.span("wait for z", tb, z_at, lane=lane, round_index=round_index)
+                if tc > z_at:
+                    sched.timeline.span("wait for release", z_at, tc, lane=lane,
+                                        round_index=round_index)
                 sched.timeline.span(self.local_ids[d].id, tc, td, lane=lane, round_index=round_index)
 
     def _lane(self, wid: int) -> str:
