@@ -10,7 +10,8 @@ from . import datasets, models
 from .api import Plan, compile
 from .compiler.tasks import Cost, Task, TaskKind
 from .config import SGD, SMA, SSGD
-from .errors import CompilerError, DistributedError, PlanError, TaskError, TraceError
+from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, PlanError,
+                     TaskError, TraceError)
 from .runtime.autotune import AutoTune
 from .runtime.comm import Distributed
 from .runtime.history import History
@@ -20,6 +21,7 @@ from .runtime.policies import (AdaptiveBatchSize, Adjustment, AutoReplicas, Cosi
 __all__ = [
     "compile", "Plan", "SGD", "SMA", "SSGD", "AutoTune", "Task", "TaskKind", "Cost", "History",
     "TraceError", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
+    "DivergenceError", "CheckpointError",
     "datasets", "models",
     "Policy", "Adjustment", "AutoReplicas", "AdaptiveBatchSize", "StepLR", "MultiStepLR",
     "CosineLR", "DivergenceGuard",

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "99.0%% in 3.5–4.5 epochs over 3 seeds; 0.01 and 0.03 plateaued below)")
     train.add_argument("--lr-milestones", type=_milestones_arg, default=(2, 4),
                        help="epochs at which η drops 10×, replicas reset to z (a MultiStepLR policy); "
-                            "'' for a constant η. With 2,4 the default run reached 99.0%% in 2.5–2.75 "
+                            "'' for a constant η. With 2,4 the default run reached 99.0%% in 2.25–2.75 "
                             "epochs over 3 seeds; with a constant η 0.02, 3 of 4 runs reached it in "
                             "5 epochs. Ignored when --policy names an LR schedule")
     train.add_argument("--momentum", type=float, default=0.9, help="local momentum μ_l")

@@ -87,7 +87,12 @@ def compare(name: str, batch_size: int, *, device: str = "cpu") -> tuple[int, in
 
 def main(argv: list[str] | None = None) -> int:
     """Print the comparison table (one intra-op thread, as the tests measure)."""
-    device = (argv if argv is not None else sys.argv[1:] or ["cpu"])[0]
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m crossbow_graph.compiler._memcheck",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("device", nargs="?", default="cpu", help="cpu (default) or cuda")
+    device = parser.parse_args(argv).device
     torch.set_num_threads(1)
     print(f"{'model':<10}{'batch':>6}{'measured MiB':>14}{'estimate MiB':>14}{'error':>8}  ({device})")
     for name, b in (("lenet5", 16), ("lenet5", 64), ("resnet32", 8), ("resnet32", 32),

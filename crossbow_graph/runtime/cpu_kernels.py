@@ -173,7 +173,8 @@ def load_library() -> ctypes.CDLL:
         try:
             cc = _compiler()
             if cc is None:
-                raise CompilerError("no C compiler found (looked for $CC, cc, gcc, clang)")
+                raise CompilerError("no C compiler found (looked for $CC, Python's configured "
+                                    "compiler, cc, gcc, clang)")
             source = SOURCE_PATH.read_bytes()
             key = hashlib.sha256(b"\0".join([source, " ".join(cc).encode(), " ".join(_FLAGS).encode(),
                                              _cpu_id().encode()])).hexdigest()[:16]
