@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's crossbow_graph
 
 from crossbow_graph.runtime.cpu_kernels import CSMAKernels  # noqa: E402
-from crossbow_graph.runtime.sma import sma_central_update, sma_local_update  # noqa: E402
+from crossbow_graph.runtime.sma import TorchSMAKernels, sma_central_update, sma_local_update  # noqa: E402
 
 __all__ = ["model_shapes", "naive_round", "main"]
 
@@ -107,9 +107,7 @@ def _flat_round(backend, w, v, g, z, z_prev, *, alpha):
     backend.central_update(z, z_prev, acc, central_momentum=MU_Z)
 
 
-class _Torch:
-    local_update = staticmethod(sma_local_update)
-    central_update = staticmethod(sma_central_update)
+_Torch = TorchSMAKernels()  # the flat torch implementation, as a backend
 
 
 def round_floor_bytes(m: int, P: int) -> int:

@@ -294,26 +294,21 @@ class CSMAKernels:
 
     @torch.no_grad()
     def central_update_shared(self, zs: list[torch.Tensor], z_prevs: list[torch.Tensor],
-                              parts: list[torch.Tensor], *, central_momentum: float) -> None:
+                              parts: list[torch.Tensor], *, central_momentum: float) -> bool:
         """The central update of CPU devices that share one memory, with the sum of their
         corrections and the copies of z fused into one pass: ``C = Σ parts`` (in order), then
         ``sma_central_update(zs[0], z_prevs[0], C)`` and every ``zs[d], z_prevs[d]`` set to
-        ``zs[0], z_prevs[0]``. All ``[P]`` float32 (else the same steps in torch)."""
+        ``zs[0], z_prevs[0]``. All ``[P]`` float32 contiguous CPU tensors; else nothing is done
+        and False returned (the scheduler then takes the same steps in torch)."""
         P = zs[0].shape[0]
         if not all(_vec_ok(t, P) for t in (*zs, *z_prevs, *parts)) or len(zs) != len(z_prevs):
-            total = parts[0].clone()
-            for part in parts[1:]:
-                total += part
-            sma_central_update(zs[0], z_prevs[0], total, central_momentum=central_momentum)
-            for z, z_prev in zip(zs[1:], z_prevs[1:]):
-                z.copy_(zs[0])
-                z_prev.copy_(z_prevs[0])
-            return
+            return False
         arrays = [(ctypes.c_void_p * len(ts))(*(t.data_ptr() for t in ts))
                   for ts in (parts, zs, z_prevs)]
         self._lib.sma_central_sum(P, len(parts), arrays[0], len(zs), arrays[1], arrays[2],
                                   central_momentum)
         torch.autograd.graph.increment_version([*zs, *z_prevs])
+        return True
 
     def nonfinite_rows(self, g: torch.Tensor) -> list[int] | None:
         """The rows of ``g [n, P]`` holding a NaN or Inf (``[]`` when all are finite), in one

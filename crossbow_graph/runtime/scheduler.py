@@ -312,7 +312,7 @@ class Scheduler:
             lr=lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov,
             weight_decay=optimizer.weight_decay, alpha=alpha if synchronise else 0.0,
             first_step=all(state.first_step[r0:r1]),  # a new replica's momentum is zero: same maths
-            **({"out": out} if out is not None else {}),
+            out=out,
         )
         state.first_step[r0:r1] = [False] * (r1 - r0)
         FaultMonitor.reset(state, faulty)  # back at z: the zero gradient still met weight decay
@@ -345,36 +345,33 @@ class Scheduler:
             s.zbuf.copy_(bufs[0][0])
             return
         home = states[0].torch_device
-        fused = getattr(self.kernels, "central_update_shared", None)
-        if fused is not None and self.comm is None and all(s.torch_device.type == "cpu" for s in states):
-            # CPU logical devices share one memory: Σ acc_d, the update and z's copies in one pass
-            fused([s.z for s in states], [s.z_prev for s in states], [s.acc for s in states],
-                  central_momentum=self.sync.central_momentum)
-            if states[0].buf.shape[1]:
-                mean_buf = torch.cat(bufs).mean(dim=0)
-                for s in states:
-                    s.zbuf.copy_(mean_buf)
-            return
+        mu_z = self.sync.central_momentum
+        on_cpu = all(s.torch_device.type == "cpu" for s in states)
+        shared = getattr(self.kernels, "central_update_shared", None) if on_cpu and self.comm is None else None
         with self._cuda_global():
-            total = None
-            for s in states:
-                acc = s.acc.to(home)
-                total = acc if total is None else total + acc  # never writes an acc_d
             mean_buf = None
-            if self.comm is not None:
-                total, mean_buf = self._all_reduce(total, bufs, home)
-            elif states[0].buf.shape[1]:
+            if shared is not None and shared([s.z for s in states], [s.z_prev for s in states],
+                                             [s.acc for s in states], central_momentum=mu_z):
+                pass  # CPU devices share one memory: Σ acc_d, the update and z's copies in one pass
+            else:
+                total = None
+                for s in states:
+                    acc = s.acc.to(home)
+                    total = acc if total is None else total + acc  # never writes an acc_d
+                if self.comm is not None:
+                    total, mean_buf = self._all_reduce(total, bufs, home)
+                # CPU logical devices share one memory: update z once and copy it (same numbers)
+                for s in states[:1] if on_cpu else states:
+                    self.kernels.central_update(s.z, s.z_prev, total.to(s.torch_device),
+                                                central_momentum=mu_z)
+                if on_cpu:
+                    for s in states[1:]:
+                        s.z.copy_(states[0].z)
+                        s.z_prev.copy_(states[0].z_prev)
+            if mean_buf is None and states[0].buf.shape[1]:
                 mean_buf = torch.cat([bb.to(home) for bb in bufs]).mean(dim=0)
-            # CPU logical devices share one memory: update z once and copy it (same numbers)
-            on_cpu = all(s.torch_device.type == "cpu" for s in states)
-            for s in states[:1] if on_cpu else states:
-                self.kernels.central_update(s.z, s.z_prev, total.to(s.torch_device),
-                                   central_momentum=self.sync.central_momentum)
-            for s in states:
-                if on_cpu and s is not states[0]:
-                    s.z.copy_(states[0].z)
-                    s.z_prev.copy_(states[0].z_prev)
-                if mean_buf is not None:
+            if mean_buf is not None:
+                for s in states:
                     s.zbuf.copy_(mean_buf)
 
     def _all_reduce(self, total: torch.Tensor, bufs: list[torch.Tensor], home: torch.device):

@@ -362,12 +362,9 @@ class ProcessExecutor:
         state, faulty = sched.states[d], []
         if self.own_error is None:
             try:
-                part = self.acc_parts[0]
-                acc, faulty = sched.local_update_rows(state, r0, r1, lr=sched.lr, alpha=sched.alpha,
-                                                      synchronise=synchronise, optimizer=sched.optimizer,
-                                                      out=part)
-                if acc is not None and acc.data_ptr() != part.data_ptr():
-                    part.copy_(acc)
+                _, faulty = sched.local_update_rows(state, r0, r1, lr=sched.lr, alpha=sched.alpha,
+                                                    synchronise=synchronise, optimizer=sched.optimizer,
+                                                    out=self.acc_parts[0])
                 if self.buf_snaps[d].shape[1]:
                     self.buf_snaps[d][r0:r1].copy_(state.buf[r0:r1])
             except Exception as exc:
@@ -656,11 +653,9 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
                     task_id = local_id
                     optimizer = SGD(lr=lr, momentum=momentum, nesterov=bool(nesterov),
                                     weight_decay=weight_decay)
-                    acc, faulty = sched.local_update_rows(state, r0, r1, lr=lr, alpha=alpha,
-                                                          synchronise=bool(synchronise),
-                                                          optimizer=optimizer, out=acc_part)
-                    if acc is not None and acc.data_ptr() != acc_part.data_ptr():
-                        acc_part.copy_(acc)
+                    _, faulty = sched.local_update_rows(state, r0, r1, lr=lr, alpha=alpha,
+                                                        synchronise=bool(synchronise),
+                                                        optimizer=optimizer, out=acc_part)
                     if buf_snap is not None:
                         buf_snap[r0:r1].copy_(state.buf[r0:r1])
                 except Exception as exc:
