@@ -6,13 +6,16 @@ epochs 2 and 4, replicas reset to z), as ``crossbow-graph train`` does.
 
     python bench/policies_w1.py [--batch-sizes 4,8,16,32,64] [--variants none,adaptive]
                                 [--epochs 5] [--seed 0] [--lr-milestones ""]
+                                [--metrics-every 50] [--measure-rounds 10]
                                 [--out bench/results/policies_w1.json]
                                 [--plot docs/images/noise_scale_w1.png] [--merge FILE ...]
 
 ``--batch-sizes ""`` runs nothing: with ``--merge`` it folds other result files (e.g. of a
 variant run in another process) into ``--out`` and redraws the table and the plot.
 ``--variants shrink-early`` runs a variant of the policy tried in session 4 (``ShrinkEarly``
-below; docs/benchmarks.md, "Also tried (session 4)").
+below; docs/benchmarks.md, "Also tried (session 4)"), ``--variants band`` one tried in session 5
+(``Band``), and ``--variants adaptive-speed`` the default rule with the opt-in throughput test
+(``AdaptiveBatchSize(min_speedup=0.1)``).
 
 Writes JSON (one row per run: b, variant, final accuracy, epochs to 99 %, training seconds, the
 policy's changes, the metrics windows) and prints a markdown table. Not a test; no timing asserted.
@@ -30,12 +33,16 @@ import torch
 import crossbow_graph as cg
 
 
-class ShrinkEarly(cg.AdaptiveBatchSize):
-    """A variant tried in session 4 (not the library's default): also halve b when B_noise < k·b
-    (toward B_noise from above), acting after 3 settled windows instead of 10, down to b = 8."""
+class Band(cg.AdaptiveBatchSize):
+    """A variant tried in session 5 (not the library's default): keep k·b in (B_noise/2, B_noise].
+    Grow as the default does (B_noise ≥ 2·k·b); halve b when B_noise < k·b, down to b = 1.
+    McCandlish et al. (2018, section 2.3) give the epochs to a loss as E ≈ E_min·(1 + B/B_noise):
+    at B ≤ B_noise at most twice the minimum, so a fit with a budget in epochs should not run
+    above B_noise. The default settle rule (10 windows) and cooldown apply to both directions."""
 
-    def __init__(self) -> None:
-        super().__init__(min_batch_size=8, settle_windows=3)
+    def __init__(self, **kw) -> None:
+        kw.setdefault("min_batch_size", 1)
+        super().__init__(**kw)
 
     def target(self, b: int, noise_scale: float, k: int = 1) -> int:
         lo, hi = self.min_batch_size or 1, self.max_batch_size
@@ -46,12 +53,22 @@ class ShrinkEarly(cg.AdaptiveBatchSize):
         return b
 
 
+class ShrinkEarly(Band):
+    """A variant tried in session 4 (not the library's default): Band's rule (also halve b when
+    B_noise < k·b, toward B_noise from above), acting after 3 settled windows instead of 10, down
+    to b = 8."""
+
+    def __init__(self) -> None:
+        super().__init__(min_batch_size=8, settle_windows=3)
+
+
 VARIANTS = {"none": lambda: [], "adaptive": lambda: [cg.AdaptiveBatchSize()],
-            "shrink-early": lambda: [ShrinkEarly()]}
+            "shrink-early": lambda: [ShrinkEarly()], "band": lambda: [Band()],
+            "adaptive-speed": lambda: [cg.AdaptiveBatchSize(min_speedup=0.1)]}
 
 
 def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, milestones: tuple[int, ...],
-        metrics_every: int) -> dict:
+        metrics_every: int, measure_rounds: int = 10) -> dict:
     train, test = cg.datasets.mnist(train=True), cg.datasets.mnist(train=False)
     torch.manual_seed(seed)
     plan = cg.compile(cg.models.lenet5(), (train[0][0].unsqueeze(0),),
@@ -62,10 +79,12 @@ def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, milestones: 
         policies = policies + [cg.MultiStepLR(milestones=milestones, gamma=0.1)]
     t0 = time.perf_counter()
     h = plan.fit(train, epochs, eval_dataset=test, target_accuracy=0.99, evals_per_epoch=4,
-                 seed=seed, progress=False, policies=policies, metrics_every=metrics_every)
+                 seed=seed, progress=False, policies=policies,
+                 metrics_every=cg.MetricsMonitor(metrics_every, measure_rounds=measure_rounds))
     wall = time.perf_counter() - t0
     return {
         "batch_size": b, "variant": variant, "lr": lr, "lr_milestones": list(milestones), "seed": seed, "epochs_max": epochs,
+        "metrics_every": metrics_every, "measure_rounds": measure_rounds,
         "final_accuracy": h.final_accuracy, "reached": h.epochs_to_accuracy is not None,
         "epochs_to_accuracy": h.epochs_to_accuracy, "time_to_accuracy_s": h.time_to_accuracy_s,
         "train_seconds": plan.train_seconds, "wall_seconds": wall,
@@ -88,7 +107,7 @@ def plot(rows: list[dict], path: str) -> None:
         if not ms:
             continue
         style = "-" if r["variant"] == "none" else "--"
-        if r["seed"] != 0:  # the plot shows seed 0
+        if r["seed"] != 0 or r["variant"] not in ("none", "adaptive"):  # seed 0, the default rule
             continue
         label = f"b={r['batch_size']} {r['variant']}"
         axes[0].plot([m["epoch"] for m in ms], [m["noise_scale"] for m in ms], style, label=label)
@@ -112,7 +131,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.02, help="the CLI's default")
     ap.add_argument("--lr-milestones", default="",
                     help="epochs at which η drops 10× (the CLI's are 2,4); '' (default) keeps η constant")
-    ap.add_argument("--metrics-every", type=int, default=50)
+    ap.add_argument("--metrics-every", type=int, default=50, help="N, rounds per metrics window")
+    ap.add_argument("--measure-rounds", type=int, default=10,
+                    help="R, the window's last rounds whose noise-scale estimates are averaged")
     ap.add_argument("--out", default="bench/results/policies_w1.json")
     ap.add_argument("--plot", default="docs/images/noise_scale_w1.png")
     ap.add_argument("--merge", nargs="*", default=[], help="other result files to fold in")
@@ -130,7 +151,8 @@ def main() -> None:
     for b in [int(x) for x in args.batch_sizes.split(",") if x]:
         for variant in args.variants.split(","):
             r = run(b, variant, epochs=args.epochs, seed=args.seed, lr=args.lr,
-                    milestones=milestones, metrics_every=args.metrics_every)
+                    milestones=milestones, metrics_every=args.metrics_every,
+                    measure_rounds=args.measure_rounds)
             rows = [x for x in rows if (x["batch_size"], x["variant"], x["seed"]) != (b, variant, args.seed)]
             rows.append(r)
             print(f"b={b:3d} {variant:9s} acc={r['final_accuracy']:.4f} "

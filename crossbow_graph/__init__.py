@@ -15,6 +15,7 @@ from .errors import (CheckpointError, CompilerError, DistributedError, Divergenc
 from .runtime.autotune import AutoTune
 from .runtime.comm import Distributed
 from .runtime.history import History
+from .runtime.metrics import MetricsMonitor
 from .runtime.policies import (AdaptiveBatchSize, Adjustment, AutoReplicas, CosineLR,
                                DivergenceGuard, MultiStepLR, Policy, StepLR)
 
@@ -24,6 +25,6 @@ __all__ = [
     "DivergenceError", "CheckpointError",
     "datasets", "models",
     "Policy", "Adjustment", "AutoReplicas", "AdaptiveBatchSize", "StepLR", "MultiStepLR",
-    "CosineLR", "DivergenceGuard",
+    "CosineLR", "DivergenceGuard", "MetricsMonitor",
 ]
 __version__ = "0.1.0"

@@ -27,6 +27,7 @@ from .runtime.trainer import run_fit
 from .runtime.state import DeviceState, FlatLayout, float_buffers_named, trainable_named
 
 if TYPE_CHECKING:
+    from .runtime.metrics import MetricsMonitor
     from .runtime.policies import Adjustment
 
 __all__ = ["compile", "Plan", "resolve_devices"]
@@ -488,7 +489,7 @@ class Plan:
         log_dir: str | None = None,
         trace: str | None = None,
         policies: Sequence[Hook] = (),
-        metrics_every: int | None = 50,
+        metrics_every: "int | MetricsMonitor | None" = 50,
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -524,7 +525,9 @@ class Plan:
                 StepLR, DivergenceGuard, ...; runtime/policies.py, DESIGN.md §5), run after the
                 hooks and the metrics; they change the plan through ``Plan.adjust``.
             metrics_every: N, rounds per metrics window (``History.metrics``: samples/s, loss,
-                lr, divergence, gradient noise scale; runtime/metrics.py); None: no metrics.
+                lr, divergence, gradient noise scale; runtime/metrics.py); or a
+                ``crossbow_graph.MetricsMonitor`` for its other settings (``ema``,
+                ``measure_rounds``); None: no metrics.
 
         Returns:
             The History: per epoch training loss, test accuracy, samples/s, training seconds;

@@ -22,6 +22,7 @@ import crossbow_graph as cg
 from crossbow_graph.errors import CheckpointError
 from crossbow_graph.runtime.checkpoint import list_checkpoints, load_checkpoint, load_latest
 from crossbow_graph.runtime.hooks import Hook
+from crossbow_graph.runtime.metrics import MetricsMonitor
 from crossbow_graph.runtime.policies import AdaptiveBatchSize, Policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -364,21 +365,28 @@ def test_resume_continues_at_a_policy_changed_batch_size(tmp_path, stop_at):
                                                       {"batch_size": 8, "lr": 0.1})]
 
 
-def test_resume_restores_adaptive_batch_size_state(tmp_path):
+@pytest.mark.parametrize("window", [2, 3])
+def test_resume_restores_adaptive_batch_size_state(tmp_path, window):
     """AdaptiveBatchSize on random labels (the gradient is all noise: b doubles 4 → 8 → 16 once
     settled): stopped between its two changes and resumed, the fit takes the same decisions at
-    the same rounds, with the same noise-scale windows, and ends bit-identical."""
+    the same rounds, with the same noise-scale windows, and ends bit-identical. Windows of 3
+    rounds measure the last 2, and the fit stops after the first of them: the window's first
+    single-round estimate is in the checkpoint."""
     def fit(plan, **kw):
         policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.1, settle_windows=3)
-        return plan.fit(data(480), 1, progress=False, seed=3, metrics_every=2, policies=[policy],
-                        **kw)
+        monitor = MetricsMonitor(window, measure_rounds=2 if window == 3 else 10)
+        return plan.fit(data(480), 1, progress=False, seed=3, metrics_every=monitor,
+                        policies=[policy], **kw)
 
     full = make_plan()
     random.seed(7), np.random.seed(7)
     h_full = fit(full, hooks=[StopAfter(10**6)])
     rounds = [p.round for p in h_full.policy]
     assert [p.changes["batch_size"] for p in h_full.policy] == [8, 16], _policy_log(h_full)
-    second, h = _fit_interrupted_and_resumed(tmp_path, (rounds[0] + rounds[1]) // 2 + 1, fit)
+    stop = (rounds[0] + rounds[1]) // 2 + 1
+    if window == 3:  # after round 2 of a window: one of its two estimates taken
+        stop = next(r for r in range(rounds[0] + 1, rounds[1]) if r % 3 == 2)
+    second, h = _fit_interrupted_and_resumed(tmp_path, stop, fit)
     assert second.batch_size == full.batch_size == 16
     assert second.rounds_done == full.rounds_done
     assert_same_state(full, second)

@@ -102,20 +102,60 @@ def test_noise_scale_agrees_with_per_sample_estimate():
     assert mon.last.trace_sigma_ema == pytest.approx(trace, rel=0.25)
 
 
-def test_process_executor_reads_the_measured_rounds_gradients():
+@pytest.mark.parametrize("every,measure", [(3, 10), (4, 2)])
+def test_process_executor_reads_the_measured_rounds_gradients(every, measure):
     """Worker processes learn round t+1 while round t's hooks run (overwriting g); a measured round
-    is run without that overlap, so the estimates equal the inline executor's."""
+    is run without that overlap, so the estimates equal the inline executor's (every round of a
+    window measured, or its last 2 of 4)."""
     b, k = 4, 4
     data = teacher_data(k * b * 12, seed=2)
     out = []
     for executor in ("inline", "process"):
         plan = compile_mlp(b, executor=executor, optimizer=cg.SGD(lr=0.05, momentum=0.9))
-        h = plan.fit(data, 1, progress=False, metrics_every=3, seed=3)
+        h = plan.fit(data, 1, progress=False, seed=3,
+                     metrics_every=MetricsMonitor(every, measure_rounds=measure))
         out.append([(m.round, m.grad_sq, m.trace_sigma) for m in h.metrics])
-    assert [r for r, _, _ in out[0]] == [3, 6, 9, 12]
+    assert [r for r, _, _ in out[0]] == list(range(every, 13, every))
     for (r0, g0, t0), (r1, g1, t1) in zip(*out):
         assert r0 == r1
         assert g1 == pytest.approx(g0, rel=1e-3, abs=1e-6) and t1 == pytest.approx(t0, rel=1e-3)
+
+
+def test_a_windows_estimate_is_the_mean_of_its_last_measured_rounds():
+    """Windows of 6 rounds measuring the last 4: each window's |G|² and tr Σ are the means of the
+    single-round estimates of its rounds 3–6 (the oracle: a fit with 1-round windows, which
+    trains identically: measuring reads g only), and the EMA takes one value per window."""
+    b = 4
+    data = teacher_data(4 * b * 12, seed=5)
+    fits = {}
+    for every, measure in ((1, 1), (6, 4)):
+        plan = compile_mlp(b, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.9))
+        mon = MetricsMonitor(every, ema=0.5, measure_rounds=measure)
+        fits[every] = plan.fit(data, 1, progress=False, seed=3, metrics_every=mon).metrics
+        fits[every, "z"] = plan.central_weights()
+    torch.testing.assert_close(fits[1, "z"], fits[6, "z"], rtol=0, atol=0)
+    single = {m.round: m for m in fits[1]}
+    assert [m.round for m in fits[6]] == [6, 12]
+    ema_g2 = ema_tr = weight = 0.0
+    for m in fits[6]:
+        rounds = range(m.round - 3, m.round + 1)
+        g2 = sum(single[r].grad_sq for r in rounds) / 4
+        tr = sum(single[r].trace_sigma for r in rounds) / 4
+        assert m.grad_sq == pytest.approx(g2, rel=1e-9) and m.trace_sigma == pytest.approx(tr, rel=1e-9)
+        ema_g2, ema_tr, weight = 0.5 * ema_g2 + 0.5 * g2, 0.5 * ema_tr + 0.5 * tr, 0.5 * weight + 0.5
+        assert m.grad_sq_ema == pytest.approx(ema_g2 / weight, rel=1e-9)
+        assert m.trace_sigma_ema == pytest.approx(ema_tr / weight, rel=1e-9)
+
+
+def test_measure_rounds_validated_and_capped():
+    with pytest.raises(ValueError, match="measure_rounds"):
+        MetricsMonitor(5, measure_rounds=0)
+    assert MetricsMonitor(5, measure_rounds=10).measure_rounds == 5
+    mon, wanted = MetricsMonitor(5, measure_rounds=2), []
+    for r in range(1, 11):  # two windows: the last 2 rounds of each are measured
+        wanted.append(mon.wants_gradients(r))
+        mon._rounds = (mon._rounds + 1) % 5  # as after_round counts, and a window's end resets
+    assert wanted == [False, False, False, True, True] * 2
 
 
 def test_metric_records_of_a_fit():

@@ -219,6 +219,52 @@ def test_adaptive_batch_size_waits_for_the_estimate_to_settle():
         assert due and [r.round for r in h.policy] == due[:1], (settle, h.policy)
 
 
+class FakeSpeed(Policy):
+    """Runs before AdaptiveBatchSize (policies run in order, after the metrics monitor) and sets
+    each new window's samples/s from b alone: a deterministic clock for the throughput rule."""
+
+    def __init__(self, speed_of_b):
+        self.speed_of_b = speed_of_b
+
+    def after_round(self, ctx):
+        last = self.metrics(ctx).last
+        if last is not None and last.round == ctx.plan.rounds_done:
+            last.samples_per_s = self.speed_of_b(last.batch_size)
+
+
+@pytest.mark.parametrize("speed_8,kept", [(104.0, False), (150.0, True)])
+def test_adaptive_batch_size_keeps_a_growth_only_if_samples_per_s_rose(speed_8, kept):
+    """The growth 4 → 8 is judged on ``speed_windows`` (2) windows at b = 8 after one warm-up
+    window, against the median at b = 4: +4 % (≤ 10 %) goes back to b = 4, which becomes the
+    bound (and η with it, under scale_lr); +50 % is kept and b goes on to 16."""
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    speeds = {4: 100.0, 8: speed_8, 16: 2 * speed_8}
+    policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, settle_windows=3,
+                               scale_lr=True, min_speedup=0.1)
+    h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
+                 policies=[FakeSpeed(speeds.__getitem__), policy])
+    changes = [p.changes for p in h.policy]
+    grown = [r.round for r in h.policy][0]
+    if kept:
+        assert [c["batch_size"] for c in changes] == [8, 16] and plan.batch_size == 16
+        assert plan.scheduler.lr == pytest.approx(0.04)
+    else:
+        assert changes == [{"batch_size": 8, "lr": pytest.approx(0.02)},
+                           {"batch_size": 4, "lr": pytest.approx(0.01)}]
+        assert plan.batch_size == 4 and policy.max_batch_size == 4
+        assert plan.scheduler.lr == pytest.approx(0.01)
+        # judged at the end of the 3rd window at b = 8: warm-up, then 2 measured windows
+        assert h.policy[1].round == grown + 3 * 2 and "+4.0%" in h.policy[1].reason
+
+
+def test_adaptive_batch_size_speed_rule_validated():
+    with pytest.raises(ValueError, match="min_speedup"):
+        AdaptiveBatchSize(min_speedup=-0.1)
+    with pytest.raises(ValueError, match="speed_windows"):
+        AdaptiveBatchSize(speed_windows=0)
+    assert AdaptiveBatchSize().min_speedup is None  # off by default: decisions without a clock
+
+
 # -- DivergenceGuard -----------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -256,6 +257,21 @@ class AdaptiveBatchSize(Policy):
       "Policies (issue 8)");
     * at least ``cooldown_epochs`` of training samples since the last change.
 
+    *Hardware efficiency* (opt-in, ``min_speedup``). Growing b toward B_noise trades epochs for
+    fewer, larger steps: by McCandlish et al. (2018, section 2.3) the epochs to a given loss grow
+    as E_min·(1 + B/B_noise) and the steps fall as S_min·(1 + B_noise/B). Fewer steps pay only if
+    a larger batch runs more samples per second. With ``min_speedup`` (e.g. 0.1, the threshold
+    the replica auto-tuner uses for m, CROSSBOW §4.4) a growth is on trial: after one warm-up
+    window at the new b (it includes the re-plan) the median samples/s of the next
+    ``speed_windows`` windows is compared with the median at the previous b, and a gain ≤
+    ``min_speedup`` returns to the previous b (and η, under ``scale_lr``), which becomes
+    ``max_batch_size``. The decision reads a clock, so a fit is then not bit-identical from run
+    to run. On W1 (2-core CPU) it changed nothing that mattered: 14 of 25 runs reached 99.0 %
+    with and without it (docs/benchmarks.md, "Policies (issue 8)"). It returned 4 growths in 25
+    runs, measured at +2 % to +8 %; two were 32 → 64, which gains 19 % in the median over every
+    window of the default rule's 25 runs. On a 2-core host a few windows decide by noise. It is
+    off by default.
+
     The change re-plans the learners and re-checks the memory bound (a batch that does not fit is
     not taken, and ``max_batch_size`` drops to the last that fit). By default η stays: a growing
     b then lowers the SGD noise temperature η/b as a learning-rate decay would (Smith et al.
@@ -275,15 +291,24 @@ class AdaptiveBatchSize(Policy):
             its default ema = 0.9).
         scale_lr: scale η with b.
         shrink: also shrink b when B_noise falls below b/factor.
+        min_speedup: keep a growth of b only if it raised samples/s by more than this fraction
+            (e.g. 0.1, the replica auto-tuner's ``AutoTune.threshold``); else return to the
+            previous b, which becomes ``max_batch_size``. None (default): keep every growth;
+            decisions depend on the noise scale alone. See "Hardware efficiency" above.
+        speed_windows: metrics windows at the new b whose samples/s decide (after one warm-up
+            window, which includes the re-plan), compared with the median of the windows at
+            the previous b since its own warm-up (≥ 1).
 
     Raises:
-        ValueError: bounds, factor, cooldown or settle_windows out of range.
+        ValueError: bounds, factor, cooldown, settle_windows, min_speedup or speed_windows out
+            of range.
     """
 
     def __init__(self, *, min_batch_size: int | None = None, max_batch_size: int = 128,
                  factor: float = 2.0, cooldown_epochs: float = 0.5,
                  settle_windows: int | None = None, scale_lr: bool = False,
-                 shrink: bool = False) -> None:
+                 shrink: bool = False, min_speedup: float | None = None,
+                 speed_windows: int = 2) -> None:
         if min_batch_size is not None and min_batch_size < 1:
             raise ValueError(f"AdaptiveBatchSize(min_batch_size={min_batch_size}): must be ≥ 1")
         if max_batch_size < (min_batch_size or 1):
@@ -297,22 +322,35 @@ class AdaptiveBatchSize(Policy):
                                            or not isinstance(settle_windows, int) or settle_windows < 1):
             raise ValueError(f"AdaptiveBatchSize(settle_windows={settle_windows!r}): must be an "
                              "integer ≥ 1, or None for ⌈1/(1 − ema)⌉ of the MetricsMonitor")
+        if min_speedup is not None and not 0 <= min_speedup < 10:
+            raise ValueError(f"AdaptiveBatchSize(min_speedup={min_speedup}): must be in [0, 10) "
+                             "(a fraction, e.g. 0.1 for 10 %), or None to keep every growth")
+        if isinstance(speed_windows, bool) or not isinstance(speed_windows, int) or speed_windows < 1:
+            raise ValueError(f"AdaptiveBatchSize(speed_windows={speed_windows!r}): must be an "
+                             "integer ≥ 1")
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
         self.factor, self.cooldown_epochs = factor, cooldown_epochs
         self.settle_windows = settle_windows
         self.scale_lr, self.shrink = scale_lr, shrink
+        self.min_speedup, self.speed_windows = min_speedup, speed_windows
         self._seen = None  # the MetricRecord last acted on
         self._wait = 0.0  # samples still to wait
         self._windows = 0  # windows that updated the EMAs since the start or the last change
+        self._speeds: list[float] = []  # samples/s of the windows at the current b, after warm-up
+        self._warm = False  # the current b's warm-up window is over
+        self._trial: dict | None = None  # a growth on trial: the b, η and samples/s before it
         self._resumed = False  # load_state_dict ran: before_fit keeps the loaded state
 
     def state_dict(self) -> dict:
         return {"min": self.min_batch_size, "max": self.max_batch_size, "wait": self._wait,
-                "windows": self._windows}
+                "windows": self._windows, "speeds": list(self._speeds), "warm": self._warm,
+                "trial": self._trial}
 
     def load_state_dict(self, state: dict) -> None:
         self.min_batch_size, self.max_batch_size, self._wait = state["min"], state["max"], state["wait"]
         self._windows = state.get("windows", 0)
+        self._speeds, self._warm = list(state.get("speeds", [])), state.get("warm", False)
+        self._trial = state.get("trial")
         self._resumed = True  # before_fit keeps this state
 
     def _cooldown_samples(self, ctx: FitContext) -> float:
@@ -329,7 +367,36 @@ class AdaptiveBatchSize(Policy):
             self.min_batch_size = ctx.plan.batch_size
         if not self._resumed:
             self._wait, self._windows = 0.0, 0
+            self._speeds, self._warm, self._trial = [], False, None
         self._resumed = False
+
+    def _judge_growth(self, ctx: FitContext) -> bool:
+        """With a growth on trial and ``speed_windows`` windows measured at the new b: keep it, or
+        return to the previous b (which becomes ``max_batch_size``). True: b was returned."""
+        trial = self._trial
+        if trial is None or len(self._speeds) < self.speed_windows:
+            return False
+        self._trial = None
+        after = statistics.median(self._speeds)
+        gain = after / trial["speed"] - 1
+        if gain > self.min_speedup:
+            return False
+        b, b0 = ctx.plan.batch_size, trial["batch_size"]
+        try:
+            self.adjust(ctx, batch_size=b0, lr=trial["lr"] if self.scale_lr else None,
+                        reason=f"b = {b} ran at {after:,.0f} samples/s, {gain:+.1%} against "
+                               f"{trial['speed']:,.0f} at b = {b0} (needs > {self.min_speedup:.0%}): "
+                               f"back to b = {b0}, the new max_batch_size")
+        except PlanError:  # b0 ran before; only a changed memory budget refuses it
+            return False
+        self.max_batch_size = b0
+        self._changed(ctx)
+        return True
+
+    def _changed(self, ctx: FitContext) -> None:
+        self._wait = self._cooldown_samples(ctx)
+        self._windows = 0
+        self._speeds, self._warm = [], False
 
     def target(self, b: int, noise_scale: float, k: int = 1) -> int:
         """The next b for the current b, B_noise (samples) and k learners: one ``factor`` step,
@@ -347,18 +414,25 @@ class AdaptiveBatchSize(Policy):
         if mon is None or mon.last is None or mon.last is self._seen:
             return
         self._seen = mon.last
+        if self._warm:  # the first window at a b includes its re-plan and the workers' ramp-up
+            self._speeds.append(mon.last.samples_per_s)
+        self._warm = True
+        if self._judge_growth(ctx):
+            return
         if mon.last.grad_sq_ema is None:  # no estimate entered the EMAs (k = 1, non-finite)
             return
         self._windows += 1
         ns = mon.last.noise_scale  # None while EMA(|G|²) ≤ 0
-        if ns is None or self._wait > 0 or self._windows < self.windows_to_settle(mon.ema):
+        if (ns is None or self._wait > 0 or self._trial is not None
+                or self._windows < self.windows_to_settle(mon.ema)):
             return
         plan = ctx.plan
         b = plan.batch_size
         b2 = self.target(b, ns, plan.num_learners)
         if b2 == b:
             return
-        lr = plan.scheduler.lr * b2 / b if self.scale_lr else None
+        lr0 = plan.scheduler.lr
+        lr = lr0 * b2 / b if self.scale_lr else None
         try:
             self.adjust(ctx, batch_size=b2, lr=lr,
                         reason=f"noise scale {ns:,.1f} samples vs k·b={plan.num_learners}×{b} after "
@@ -367,8 +441,9 @@ class AdaptiveBatchSize(Policy):
         except PlanError:
             self.max_batch_size = b  # the memory bound: stay
             return
-        self._wait = self._cooldown_samples(ctx)
-        self._windows = 0
+        if b2 > b and self.min_speedup is not None and self._speeds:
+            self._trial = {"batch_size": b, "lr": float(lr0), "speed": statistics.median(self._speeds)}
+        self._changed(ctx)
 
 
 # -- learning-rate schedules ---------------------------------------------------------------------

@@ -42,7 +42,7 @@ def run_fit(
     log_dir: str | None = None,
     trace: str | None = None,
     policies: list[Hook] = (),
-    metrics_every: int | None = 50,
+    metrics_every: int | MetricsMonitor | None = 50,
 ) -> History:
     """Run ``Plan.fit`` (see its docstring for the arguments and errors).
 
@@ -90,7 +90,9 @@ def run_fit(
     torch.manual_seed(seed)
     history = History(target_accuracy=target_accuracy)
     hooks = list(hooks)
-    if metrics_every is not None:
+    if isinstance(metrics_every, MetricsMonitor):
+        hooks.append(metrics_every)
+    elif metrics_every is not None:
         hooks.append(MetricsMonitor(metrics_every))
     hooks += list(policies)
     end_epoch = plan.epochs_done + epochs
