@@ -257,9 +257,62 @@ def test_adaptive_batch_size_keeps_a_growth_only_if_samples_per_s_rose(speed_8, 
         assert h.policy[1].round == grown + 3 * 2 and "+4.0%" in h.policy[1].reason
 
 
+def test_a_growth_on_trial_is_not_judged_after_another_policy_changed_k():
+    """Samples/s compare only at the same b and k: when another policy adds replicas while a
+    growth is on trial, the trial ends without a verdict (the slow b = 8 is not returned)."""
+    class MoreReplicas(Policy):
+        def after_round(self, ctx):
+            grown = [p for p in ctx.history.policy if p.changes.get("batch_size") == 8]
+            if grown and ctx.plan.replicas_per_device == 1 and ctx.plan.rounds_done >= grown[0].round + 2:
+                self.adjust(ctx, replicas_per_device=2)
+
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    policy = AdaptiveBatchSize(max_batch_size=8, cooldown_epochs=0.02, settle_windows=3,
+                               min_speedup=0.1)
+    h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
+                 policies=[FakeSpeed({4: 100.0, 8: 104.0}.__getitem__), policy, MoreReplicas()])
+    assert [p.changes for p in h.policy] == [{"batch_size": 8}, {"replicas_per_device": 2}]
+    assert plan.batch_size == 8 and policy._trial is None and policy.max_batch_size == 8
+
+
+def test_a_returned_growth_keeps_an_lr_drop_made_during_the_trial():
+    """Under scale_lr the return scales η back by b0/b: a drop made during the trial stays
+    (0.01 → 0.02 with b = 8, dropped 10× to 0.002, back at b = 4: 0.001, not the old 0.01)."""
+    class Drop(Policy):
+        def after_round(self, ctx):
+            grown = [p for p in ctx.history.policy if p.changes.get("batch_size") == 8]
+            if grown and len(ctx.history.policy) == 1 and ctx.plan.rounds_done >= grown[0].round + 1:
+                self.adjust(ctx, lr=ctx.plan.scheduler.lr * 0.1)
+
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, settle_windows=3,
+                               scale_lr=True, min_speedup=0.1)
+    h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
+                 policies=[FakeSpeed({4: 100.0, 8: 104.0}.__getitem__), policy, Drop()])
+    assert [p.changes for p in h.policy] == [{"batch_size": 8, "lr": pytest.approx(0.02)},
+                                             {"lr": pytest.approx(0.002)},
+                                             {"batch_size": 4, "lr": pytest.approx(0.001)}]
+
+
+def test_a_growth_waits_for_a_samples_per_s_baseline():
+    """With settle_windows=1 the noise scale asks for a growth at the first window; with
+    min_speedup the growth waits for the baseline (one warm-up window and speed_windows = 2
+    windows at b = 4), so it is judged (here returned) instead of taken untested."""
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, settle_windows=1,
+                               min_speedup=0.1)
+    h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
+                 policies=[FakeSpeed({4: 100.0, 8: 50.0}.__getitem__), policy])
+    assert [p.changes["batch_size"] for p in h.policy] == [8, 4]
+    assert h.policy[0].round >= 3 * 2 and plan.batch_size == 4
+
+
 def test_adaptive_batch_size_speed_rule_validated():
     with pytest.raises(ValueError, match="min_speedup"):
         AdaptiveBatchSize(min_speedup=-0.1)
+    for bad in (True, "0.1", 10):
+        with pytest.raises(ValueError, match="min_speedup"):
+            AdaptiveBatchSize(min_speedup=bad)
     with pytest.raises(ValueError, match="speed_windows"):
         AdaptiveBatchSize(speed_windows=0)
     assert AdaptiveBatchSize().min_speedup is None  # off by default: decisions without a clock

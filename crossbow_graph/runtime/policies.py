@@ -261,16 +261,19 @@ class AdaptiveBatchSize(Policy):
     fewer, larger steps: by McCandlish et al. (2018, section 2.3) the epochs to a given loss grow
     as E_min·(1 + B/B_noise) and the steps fall as S_min·(1 + B_noise/B). Fewer steps pay only if
     a larger batch runs more samples per second. With ``min_speedup`` (e.g. 0.1, the threshold
-    the replica auto-tuner uses for m, CROSSBOW §4.4) a growth is on trial: after one warm-up
-    window at the new b (it includes the re-plan) the median samples/s of the next
-    ``speed_windows`` windows is compared with the median at the previous b, and a gain ≤
-    ``min_speedup`` returns to the previous b (and η, under ``scale_lr``), which becomes
-    ``max_batch_size``. The decision reads a clock, so a fit is then not bit-identical from run
-    to run. On W1 (2-core CPU) it changed nothing that mattered: 14 of 25 runs reached 99.0 %
-    with and without it (docs/benchmarks.md, "Policies (issue 8)"). It returned 4 growths in 25
-    runs, measured at +2 % to +8 %; two were 32 → 64, which gains 19 % in the median over every
-    window of the default rule's 25 runs. On a 2-core host a few windows decide by noise. It is
-    off by default.
+    the replica auto-tuner uses for m, CROSSBOW §4.4) a growth waits until ``speed_windows``
+    windows at the current b (after its warm-up window) give a baseline, and is then on trial:
+    after one warm-up window at the new b (it includes the re-plan) the median samples/s of the
+    next ``speed_windows`` windows is compared with the baseline's median. A gain ≤
+    ``min_speedup`` returns to the previous b, which becomes ``max_batch_size``; under
+    ``scale_lr`` η scales back by the same factor, keeping any drop made meanwhile. Windows
+    compare only at the same b and k: if another policy changes b or k (AutoReplicas) during a
+    trial, it ends without a verdict. The decision reads a clock, so a fit is then not
+    bit-identical from run to run, and it is off by default. On W1 (2-core CPU, 5 seeds × 5 start
+    b) the same 14 runs of 25 reached 99.0 % with the test as without it; it returned 4 growths,
+    measured at +2 % to +8 %, two of them 32 → 64, which gains 19 % in the median over every
+    window of the default rule's runs: on a 2-core host a few windows decide by noise
+    (docs/benchmarks.md, "Policies (issue 8)").
 
     The change re-plans the learners and re-checks the memory bound (a batch that does not fit is
     not taken, and ``max_batch_size`` drops to the last that fit). By default η stays: a growing
@@ -322,9 +325,11 @@ class AdaptiveBatchSize(Policy):
                                            or not isinstance(settle_windows, int) or settle_windows < 1):
             raise ValueError(f"AdaptiveBatchSize(settle_windows={settle_windows!r}): must be an "
                              "integer ≥ 1, or None for ⌈1/(1 − ema)⌉ of the MetricsMonitor")
-        if min_speedup is not None and not 0 <= min_speedup < 10:
-            raise ValueError(f"AdaptiveBatchSize(min_speedup={min_speedup}): must be in [0, 10) "
-                             "(a fraction, e.g. 0.1 for 10 %), or None to keep every growth")
+        if min_speedup is not None and (isinstance(min_speedup, bool)
+                                        or not isinstance(min_speedup, (int, float))
+                                        or not 0 <= min_speedup < 10):
+            raise ValueError(f"AdaptiveBatchSize(min_speedup={min_speedup!r}): must be a number in "
+                             "[0, 10) (a fraction, e.g. 0.1 for 10 %), or None to keep every growth")
         if isinstance(speed_windows, bool) or not isinstance(speed_windows, int) or speed_windows < 1:
             raise ValueError(f"AdaptiveBatchSize(speed_windows={speed_windows!r}): must be an "
                              "integer ≥ 1")
@@ -338,19 +343,20 @@ class AdaptiveBatchSize(Policy):
         self._windows = 0  # windows that updated the EMAs since the start or the last change
         self._speeds: list[float] = []  # samples/s of the windows at the current b, after warm-up
         self._warm = False  # the current b's warm-up window is over
-        self._trial: dict | None = None  # a growth on trial: the b, η and samples/s before it
+        self._trial: dict | None = None  # a growth on trial: the b and samples/s before it
+        self._setting: list[int] | None = None  # [b, k] of the last window: speeds compare alike
         self._resumed = False  # load_state_dict ran: before_fit keeps the loaded state
 
     def state_dict(self) -> dict:
         return {"min": self.min_batch_size, "max": self.max_batch_size, "wait": self._wait,
                 "windows": self._windows, "speeds": list(self._speeds), "warm": self._warm,
-                "trial": self._trial}
+                "trial": self._trial, "setting": self._setting}
 
     def load_state_dict(self, state: dict) -> None:
         self.min_batch_size, self.max_batch_size, self._wait = state["min"], state["max"], state["wait"]
         self._windows = state.get("windows", 0)
         self._speeds, self._warm = list(state.get("speeds", [])), state.get("warm", False)
-        self._trial = state.get("trial")
+        self._trial, self._setting = state.get("trial"), state.get("setting")
         self._resumed = True  # before_fit keeps this state
 
     def _cooldown_samples(self, ctx: FitContext) -> float:
@@ -367,7 +373,7 @@ class AdaptiveBatchSize(Policy):
             self.min_batch_size = ctx.plan.batch_size
         if not self._resumed:
             self._wait, self._windows = 0.0, 0
-            self._speeds, self._warm, self._trial = [], False, None
+            self._speeds, self._warm, self._trial, self._setting = [], False, None, None
         self._resumed = False
 
     def _judge_growth(self, ctx: FitContext) -> bool:
@@ -382,8 +388,9 @@ class AdaptiveBatchSize(Policy):
         if gain > self.min_speedup:
             return False
         b, b0 = ctx.plan.batch_size, trial["batch_size"]
+        lr = ctx.plan.scheduler.lr * b0 / b if self.scale_lr else None  # keeps drops made since
         try:
-            self.adjust(ctx, batch_size=b0, lr=trial["lr"] if self.scale_lr else None,
+            self.adjust(ctx, batch_size=b0, lr=lr,
                         reason=f"b = {b} ran at {after:,.0f} samples/s, {gain:+.1%} against "
                                f"{trial['speed']:,.0f} at b = {b0} (needs > {self.min_speedup:.0%}): "
                                f"back to b = {b0}, the new max_batch_size")
@@ -414,6 +421,11 @@ class AdaptiveBatchSize(Policy):
         if mon is None or mon.last is None or mon.last is self._seen:
             return
         self._seen = mon.last
+        setting = [ctx.plan.batch_size, ctx.plan.num_learners]
+        if setting != self._setting:  # b or k changed (by this policy or another): new speeds
+            self._setting, self._speeds, self._warm = setting, [], False
+            if self._trial is not None and self._trial["setting"] != setting:
+                self._trial = None  # another policy changed the setting on trial: no verdict
         if self._warm:  # the first window at a b includes its re-plan and the workers' ramp-up
             self._speeds.append(mon.last.samples_per_s)
         self._warm = True
@@ -429,10 +441,10 @@ class AdaptiveBatchSize(Policy):
         plan = ctx.plan
         b = plan.batch_size
         b2 = self.target(b, ns, plan.num_learners)
-        if b2 == b:
+        if b2 == b or (b2 > b and self.min_speedup is not None
+                       and len(self._speeds) < self.speed_windows):  # no baseline yet: wait
             return
-        lr0 = plan.scheduler.lr
-        lr = lr0 * b2 / b if self.scale_lr else None
+        lr = plan.scheduler.lr * b2 / b if self.scale_lr else None
         try:
             self.adjust(ctx, batch_size=b2, lr=lr,
                         reason=f"noise scale {ns:,.1f} samples vs k·b={plan.num_learners}×{b} after "
@@ -441,8 +453,9 @@ class AdaptiveBatchSize(Policy):
         except PlanError:
             self.max_batch_size = b  # the memory bound: stay
             return
-        if b2 > b and self.min_speedup is not None and self._speeds:
-            self._trial = {"batch_size": b, "lr": float(lr0), "speed": statistics.median(self._speeds)}
+        if b2 > b and self.min_speedup is not None:
+            self._trial = {"batch_size": b, "speed": statistics.median(self._speeds),
+                           "setting": [b2, plan.num_learners]}
         self._changed(ctx)
 
 
