@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 import crossbow_graph as cg
 from crossbow_graph.errors import PlanError
 from crossbow_graph.runtime.hooks import Hook
+from crossbow_graph.runtime.metrics import MetricsMonitor
 from crossbow_graph.runtime.policies import (Adjustment, AdaptiveBatchSize, CosineLR,
                                              DivergenceGuard, MultiStepLR, Policy, StepLR,
                                              parse_policy)
@@ -305,6 +306,62 @@ def test_a_growth_waits_for_a_samples_per_s_baseline():
                  policies=[FakeSpeed({4: 100.0, 8: 50.0}.__getitem__), policy])
     assert [p.changes["batch_size"] for p in h.policy] == [8, 4]
     assert h.policy[0].round >= 3 * 2 and plan.batch_size == 4
+
+
+def test_a_growth_on_trial_at_the_end_of_a_fit_is_judged_in_the_next():
+    """The same plan, policy and monitor over two fits: the growth 4 → 8 made near the end of the
+    first fit is judged (and returned) in the second, after the restarted workers' warm-up."""
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    mon = MetricsMonitor(2, measure_rounds=2)
+    policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, settle_windows=3,
+                               min_speedup=0.1)
+    speed = FakeSpeed({4: 100.0, 8: 50.0, 16: 25.0}.__getitem__)
+    first = plan.fit(tiny_data(96), 2, progress=False, metrics_every=mon, policies=[speed, policy])
+    assert [p.changes for p in first.policy] == [{"batch_size": 8}] and policy._trial is not None
+    second = plan.fit(tiny_data(96), 1, progress=False, metrics_every=mon, policies=[speed, policy])
+    assert [p.changes for p in second.policy] == [{"batch_size": 4}]
+    assert plan.batch_size == 4 and policy.max_batch_size == 4
+
+
+def test_a_new_policy_does_not_act_on_a_reused_monitors_old_window():
+    """A monitor reused from an earlier fit still holds that fit's last window (made to ask for a
+    growth here); a policy new to this fit acts only on windows of this fit."""
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    mon = MetricsMonitor(2, measure_rounds=2)
+    plan.fit(tiny_data(96), 1, progress=False, metrics_every=mon)
+    done = plan.rounds_done
+    mon.last.grad_sq_ema, mon.last.noise_scale = 1.0, 1e6  # the old window says: grow at once
+    h = plan.fit(tiny_data(96), 1, progress=False, metrics_every=mon,
+                 policies=[AdaptiveBatchSize(max_batch_size=8, settle_windows=1, cooldown_epochs=0.01)])
+    assert [p.changes for p in h.policy] == [{"batch_size": 8}]
+    assert h.policy[0].round >= done + 2  # not at the first round, on the old window
+
+
+def test_windows_are_classed_by_their_own_settings():
+    """A policy listed before AdaptiveBatchSize changes m (k = 2 → 4) in the round that closes a
+    window: that window ran at k = 2 and still counts; the next one, with the re-plan, is the
+    warm-up, whatever the order of the policies (here its samples/s are 10 % of the steady ones:
+    counted, it would make the slower b = 8 look 27 % faster)."""
+    class Ramp(Policy):
+        def after_round(self, ctx):
+            last = self.metrics(ctx).last
+            if last is not None and last.round == ctx.plan.rounds_done:
+                replanned = any(last.round - 2 <= p.round < last.round for p in ctx.history.policy)
+                last.samples_per_s = {4: 100.0, 8: 70.0}[last.batch_size] * (0.1 if replanned else 1)
+
+    class MoreReplicasAt6(Policy):
+        def after_round(self, ctx):
+            if ctx.plan.rounds_done == 6:
+                self.adjust(ctx, replicas_per_device=2)
+
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    policy = AdaptiveBatchSize(max_batch_size=8, min_speedup=0.1, settle_windows=1,
+                               cooldown_epochs=0.001)
+    h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
+                 policies=[Ramp(), MoreReplicasAt6(), policy])
+    assert [p.changes for p in h.policy] == [{"replicas_per_device": 2}, {"batch_size": 8},
+                                             {"batch_size": 4}]
+    assert plan.batch_size == 4
 
 
 def test_adaptive_batch_size_speed_rule_validated():

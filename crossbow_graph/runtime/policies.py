@@ -267,8 +267,12 @@ class AdaptiveBatchSize(Policy):
     next ``speed_windows`` windows is compared with the baseline's median. A gain ≤
     ``min_speedup`` returns to the previous b, which becomes ``max_batch_size``; under
     ``scale_lr`` η scales back by the same factor, keeping any drop made meanwhile. Windows
-    compare only at the same b and k: if another policy changes b or k (AutoReplicas) during a
-    trial, it ends without a verdict. The decision reads a clock, so a fit is then not
+    compare only at the same b, k, m and τ (as the windows' records give them): if another
+    policy changes one of them (AutoReplicas, a τ change) during a trial, it ends without a
+    verdict (a switch of the learner mode at the same m is not detected). A trial left open at
+    the end of a fit is judged in the next fit on the same plan. Under torchrun every rank runs
+    the rule on its own clock and rank 0's decision is broadcast; another rank's bound and log
+    may then differ from rank 0's. The decision reads a clock, so a fit is then not
     bit-identical from run to run, and it is off by default. On W1 (2-core CPU, 5 seeds × 5 start
     b) the same 14 runs of 25 reached 99.0 % with the test as without it; it returned 4 growths,
     measured at +2 % to +8 %, two of them 32 → 64, which gains 19 % in the median over every
@@ -344,7 +348,7 @@ class AdaptiveBatchSize(Policy):
         self._speeds: list[float] = []  # samples/s of the windows at the current b, after warm-up
         self._warm = False  # the current b's warm-up window is over
         self._trial: dict | None = None  # a growth on trial: the b and samples/s before it
-        self._setting: list[int] | None = None  # [b, k] of the last window: speeds compare alike
+        self._setting: list[int] | None = None  # [b, k, m, τ] of the last window: speeds compare alike
         self._resumed = False  # load_state_dict ran: before_fit keeps the loaded state
 
     def state_dict(self) -> dict:
@@ -372,9 +376,13 @@ class AdaptiveBatchSize(Policy):
         if self.min_batch_size is None:
             self.min_batch_size = ctx.plan.batch_size
         if not self._resumed:
+            # a new fit restarts the settle count and the speed windows (the workers restart);
+            # a growth still on trial from the last fit on this plan is judged in this one
             self._wait, self._windows = 0.0, 0
-            self._speeds, self._warm, self._trial, self._setting = [], False, None, None
+            self._speeds, self._warm, self._setting = [], False, None
         self._resumed = False
+        mon = self.metrics(ctx)  # a monitor reused from the last fit still holds its last window
+        self._seen = mon.last if mon is not None else None
 
     def _judge_growth(self, ctx: FitContext) -> bool:
         """With a growth on trial and ``speed_windows`` windows measured at the new b: keep it, or
@@ -394,7 +402,8 @@ class AdaptiveBatchSize(Policy):
                         reason=f"b = {b} ran at {after:,.0f} samples/s, {gain:+.1%} against "
                                f"{trial['speed']:,.0f} at b = {b0} (needs > {self.min_speedup:.0%}): "
                                f"back to b = {b0}, the new max_batch_size")
-        except PlanError:  # b0 ran before; only a changed memory budget refuses it
+        except PlanError:  # b0 ran before; only a changed memory budget refuses it: stay, no growth
+            self.max_batch_size = b
             return False
         self.max_batch_size = b0
         self._changed(ctx)
@@ -421,8 +430,9 @@ class AdaptiveBatchSize(Policy):
         if mon is None or mon.last is None or mon.last is self._seen:
             return
         self._seen = mon.last
-        setting = [ctx.plan.batch_size, ctx.plan.num_learners]
-        if setting != self._setting:  # b or k changed (by this policy or another): new speeds
+        rec = mon.last  # the window's own settings (a policy before this one may have changed the plan)
+        setting = [rec.batch_size, rec.num_learners, rec.replicas_per_device, rec.sync_every]
+        if setting != self._setting:  # b, k, m or τ changed (by this policy or another): new speeds
             self._setting, self._speeds, self._warm = setting, [], False
             if self._trial is not None and self._trial["setting"] != setting:
                 self._trial = None  # another policy changed the setting on trial: no verdict
@@ -455,7 +465,8 @@ class AdaptiveBatchSize(Policy):
             return
         if b2 > b and self.min_speedup is not None:
             self._trial = {"batch_size": b, "speed": statistics.median(self._speeds),
-                           "setting": [b2, plan.num_learners]}
+                           "setting": [b2, plan.num_learners, plan.replicas_per_device,
+                                       plan.sync.sync_every]}
         self._changed(ctx)
 
 
