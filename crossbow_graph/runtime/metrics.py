@@ -29,8 +29,8 @@ Cost, on the R measured rounds of a window only: one pass over ``g`` per device 
 ``[m, P] → [P]`` and ``[m]``), and one over ``w`` at the window's end (divergence). ``g`` must hold
 that round's gradients when it is read: the process executor's workers start learning round t+1
 (overwriting ``g``) while round t's hooks run, so the trainer asks ``wants_gradients`` and runs a
-measured round without that overlap (LeNet-5 at b = 8, 2 × 2: R = 10 of every 50 rounds costs
-1–2.5 % of samples/s against R = 1, ``bench/metrics_cost.py``).
+measured round without that overlap (LeNet-5, 2 × 2: R = 10 of every 50 rounds costs 1–3 % of
+samples/s against R = 1 at b = 8 and 16, ``bench/metrics_cost.py``).
 """
 
 from __future__ import annotations
