@@ -34,6 +34,22 @@ def _milestones_arg(text: str) -> tuple[int, ...]:
     return epochs
 
 
+def _metrics_monitor(every: int, measure_rounds: int):
+    """``--metrics-every`` and ``--measure-rounds`` as fit's ``metrics_every`` (0: None, off).
+
+    Raises:
+        ValueError: a negative N, or R < 1 (MetricsMonitor's message, naming the flag).
+    """
+    if every == 0:
+        return None
+    from .runtime.metrics import MetricsMonitor
+
+    try:
+        return MetricsMonitor(every, measure_rounds=measure_rounds)
+    except ValueError as exc:
+        raise ValueError(f"--metrics-every {every} --measure-rounds {measure_rounds}: {exc}") from None
+
+
 def _replicas_arg(text: str) -> int | str:
     """``--replicas``: 'auto' or a whole number ≥ 1."""
     if text == "auto":
@@ -100,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--target", type=float, default=0.99,
                        help="stop when the central model's test accuracy reaches it (0 disables)")
     train.add_argument("--evals-per-epoch", type=int, default=4, help="test evaluations per epoch")
+    train.add_argument("--metrics-every", type=int, default=50,
+                       help="N, rounds per metrics window (history.metrics: samples/s, loss, "
+                            "divergence, gradient noise scale); 0: no metrics")
+    train.add_argument("--measure-rounds", type=int, default=10,
+                       help="R, the last rounds of each metrics window whose noise-scale "
+                            "estimates are averaged (each costs the next round's overlap)")
     train.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--dist-timeout", type=float, default=60.0,
@@ -308,6 +330,7 @@ def _train(args: argparse.Namespace) -> int:
     from .runtime.policies import parse_policy
 
     policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
+    metrics = _metrics_monitor(args.metrics_every, args.measure_rounds)  # likewise
     if args.lr_milestones and not any(type(p).__name__.endswith("LR") for p in policies):
         from .runtime.policies import MultiStepLR
 
@@ -340,7 +363,8 @@ def _train(args: argparse.Namespace) -> int:
                            target_accuracy=target, evals_per_epoch=args.evals_per_epoch,
                            progress=not args.quiet, checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, resume=args.resume,
-                           log_dir=args.log_dir, policies=policies)
+                           log_dir=args.log_dir, policies=policies,
+                           metrics_every=metrics)
     except (CheckpointError, DivergenceError, DistributedError) as exc:  # one line, exit 2
         print(f"crossbow-graph train: error: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """The crossbow-graph command line."""
 
+import json
 import subprocess
 import sys
 
@@ -13,6 +14,23 @@ def test_train_defaults_are_the_main_job():
     assert (args.model, args.dataset, args.batch_size, args.devices, args.replicas) == ("lenet5", "mnist", 16, "2", 2)
     assert (args.epochs, args.target, args.lr, args.lr_milestones) == (5, 0.99, 0.02, (2, 4))
     assert build_parser().parse_args(["train", "--lr-milestones", ""]).lr_milestones == ()
+
+
+def test_metrics_flags(tmp_path, capsys):
+    """--metrics-every N --measure-rounds R reach fit (windows of N rounds in history.json);
+    0 turns metrics off; a bad R is a one-line error before any work."""
+    args = build_parser().parse_args(["train"])
+    assert (args.metrics_every, args.measure_rounds) == (50, 10)
+    assert main(["train", "--measure-rounds", "0", "--quiet"]) == 2
+    assert "--measure-rounds 0" in capsys.readouterr().err
+    small = ["train", "--train-samples", "512", "--test-samples", "256", "--epochs", "1",
+             "--target", "0", "--evals-per-epoch", "1", "--quiet"]
+    for every, rounds in ((4, [4, 8]), (0, [])):  # 512 samples / (k·b = 64) = 8 rounds
+        log = tmp_path / f"log{every}"
+        assert main(small + ["--metrics-every", str(every), "--measure-rounds", "2",
+                             "--log-dir", str(log)]) == 0
+        metrics = json.loads((log / "history.json").read_text())["metrics"]
+        assert [m["round"] for m in metrics] == rounds
 
 
 def test_bad_lr_milestones_are_a_usage_error(capsys):
