@@ -199,8 +199,6 @@ def load_library() -> ctypes.CDLL:
         lib.sma_local.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, f32, f32, f32,
                                   f32, i32, i32, i32, i32]
         lib.sma_local.restype = None
-        lib.sma_central.argtypes = [i64, ptr, ptr, ptr, f32]
-        lib.sma_central.restype = None
         lib.sma_central_sum.argtypes = [i64, i64, ptr, i64, ptr, ptr, f32]
         lib.sma_central_sum.restype = None
         lib.sma_rows_nonfinite.argtypes = [i64, i64, ptr, i64, ptr]
@@ -235,8 +233,9 @@ def _vec_ok(t: torch.Tensor | None, P: int) -> bool:
 class CSMAKernels:
     """The SMA update backend in C (CPU): ``local_update`` and ``central_update`` with the
     signatures and semantics of ``sma_local_update``/``sma_central_update`` (runtime/sma.py, the
-    oracle; results agree to float rounding: the C code may fuse a·b + c), and ``all_finite``
-    for the fault check (runtime/faults.py).
+    oracle; results agree to float rounding: the C code may fuse a·b + c), ``nonfinite_rows``
+    for the fault check (runtime/faults.py) and ``central_update_shared`` for the global sync of
+    CPU devices (runtime/scheduler.py).
 
     Tensors that are not float32 CPU tensors with contiguous rows go to the torch functions.
 
@@ -284,13 +283,10 @@ class CSMAKernels:
     @torch.no_grad()
     def central_update(self, z: torch.Tensor, z_prev: torch.Tensor, c: torch.Tensor, *,
                        central_momentum: float) -> None:
-        """See ``crossbow_graph.runtime.sma.sma_central_update``: ``z, z_prev, c [P]``."""
-        P = z.shape[0]
-        if not (_vec_ok(z, P) and _vec_ok(z_prev, P) and _vec_ok(c, P)):
+        """See ``crossbow_graph.runtime.sma.sma_central_update``: ``z, z_prev, c [P]`` (the C
+        path is the shared update of one device with one part)."""
+        if not self.central_update_shared([z], [z_prev], [c], central_momentum=central_momentum):
             sma_central_update(z, z_prev, c, central_momentum=central_momentum)
-            return
-        self._lib.sma_central(P, z.data_ptr(), z_prev.data_ptr(), c.data_ptr(), central_momentum)
-        torch.autograd.graph.increment_version([z, z_prev])
 
     @torch.no_grad()
     def central_update_shared(self, zs: list[torch.Tensor], z_prevs: list[torch.Tensor],

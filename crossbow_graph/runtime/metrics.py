@@ -238,10 +238,15 @@ class MetricsMonitor(Hook):
         self._rounds, self._samples, self._loss, self._t0 = 0, 0, None, t0
         self._est: list[tuple[float, float]] = []  # the window's (|G|², tr Σ) single-round estimates
 
+    def _measured(self, round_in_window: int) -> bool:
+        """Whether the window's round ``round_in_window`` (1 … every) is one of its last
+        ``measure_rounds``."""
+        return round_in_window > self.every - self.measure_rounds
+
     def wants_gradients(self, rounds_done: int) -> bool:
         """Whether the round that makes the plan's round count ``rounds_done`` is measured (one of
         the window's last ``measure_rounds``)."""
-        return self._rounds + 1 > self.every - self.measure_rounds
+        return self._measured(self._rounds + 1)
 
     def _measure(self, ctx: FitContext) -> None:
         """Append this round's two-batch estimate (if k ≥ 2 and it is finite) to the window's."""
@@ -281,7 +286,7 @@ class MetricsMonitor(Hook):
         self._samples += ctx.round_samples
         loss = ctx.round_loss.detach().float()
         self._loss = loss if self._loss is None else self._loss + loss
-        if self._rounds > self.every - self.measure_rounds:
+        if self._measured(self._rounds):
             self._measure(ctx)
         if self._rounds < self.every:
             return

@@ -345,21 +345,21 @@ class AdaptiveBatchSize(Policy):
         self._seen = None  # the MetricRecord last acted on
         self._wait = 0.0  # samples still to wait
         self._windows = 0  # windows that updated the EMAs since the start or the last change
-        self._speeds: list[float] = []  # samples/s of the windows at the current b, after warm-up
-        self._warm = False  # the current b's warm-up window is over
+        self._speeds: list[float] = []  # samples/s of the windows at the current setting, after
+        # its first (warm-up) window
         self._trial: dict | None = None  # a growth on trial: the b and samples/s before it
         self._setting: list[int] | None = None  # [b, k, m, τ] of the last window: speeds compare alike
         self._resumed = False  # load_state_dict ran: before_fit keeps the loaded state
 
     def state_dict(self) -> dict:
         return {"min": self.min_batch_size, "max": self.max_batch_size, "wait": self._wait,
-                "windows": self._windows, "speeds": list(self._speeds), "warm": self._warm,
-                "trial": self._trial, "setting": self._setting}
+                "windows": self._windows, "speeds": list(self._speeds), "trial": self._trial,
+                "setting": self._setting}
 
     def load_state_dict(self, state: dict) -> None:
         self.min_batch_size, self.max_batch_size, self._wait = state["min"], state["max"], state["wait"]
         self._windows = state.get("windows", 0)
-        self._speeds, self._warm = list(state.get("speeds", [])), state.get("warm", False)
+        self._speeds = list(state.get("speeds", []))
         self._trial, self._setting = state.get("trial"), state.get("setting")
         self._resumed = True  # before_fit keeps this state
 
@@ -379,7 +379,7 @@ class AdaptiveBatchSize(Policy):
             # a new fit restarts the settle count and the speed windows (the workers restart);
             # a growth still on trial from the last fit on this plan is judged in this one
             self._wait, self._windows = 0.0, 0
-            self._speeds, self._warm, self._setting = [], False, None
+            self._speeds, self._setting = [], None
         self._resumed = False
         mon = self.metrics(ctx)  # a monitor reused from the last fit still holds its last window
         self._seen = mon.last if mon is not None else None
@@ -411,8 +411,7 @@ class AdaptiveBatchSize(Policy):
 
     def _changed(self, ctx: FitContext) -> None:
         self._wait = self._cooldown_samples(ctx)
-        self._windows = 0
-        self._speeds, self._warm = [], False
+        self._windows = 0  # the speeds restart at the next window, whose setting differs
 
     def target(self, b: int, noise_scale: float, k: int = 1) -> int:
         """The next b for the current b, B_noise (samples) and k learners: one ``factor`` step,
@@ -432,13 +431,14 @@ class AdaptiveBatchSize(Policy):
         self._seen = mon.last
         rec = mon.last  # the window's own settings (a policy before this one may have changed the plan)
         setting = [rec.batch_size, rec.num_learners, rec.replicas_per_device, rec.sync_every]
-        if setting != self._setting:  # b, k, m or τ changed (by this policy or another): new speeds
-            self._setting, self._speeds, self._warm = setting, [], False
+        if setting != self._setting:  # b, k, m or τ changed (by this policy or another), or a
+            # new fit: this first window at the setting includes the re-plan and the workers'
+            # ramp-up, so it is the warm-up and not measured
+            self._setting, self._speeds = setting, []
             if self._trial is not None and self._trial["setting"] != setting:
                 self._trial = None  # another policy changed the setting on trial: no verdict
-        if self._warm:  # the first window at a b includes its re-plan and the workers' ramp-up
-            self._speeds.append(mon.last.samples_per_s)
-        self._warm = True
+        else:
+            self._speeds.append(rec.samples_per_s)
         if self._judge_growth(ctx):
             return
         if mon.last.grad_sq_ema is None:  # no estimate entered the EMAs (k = 1, non-finite)

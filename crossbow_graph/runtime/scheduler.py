@@ -350,10 +350,9 @@ class Scheduler:
         shared = getattr(self.kernels, "central_update_shared", None) if on_cpu and self.comm is None else None
         with self._cuda_global():
             mean_buf = None
-            if shared is not None and shared([s.z for s in states], [s.z_prev for s in states],
-                                             [s.acc for s in states], central_momentum=mu_z):
-                pass  # CPU devices share one memory: Σ acc_d, the update and z's copies in one pass
-            else:
+            # CPU devices share one memory: Σ acc_d, the update and z's copies in one pass
+            if shared is None or not shared([s.z for s in states], [s.z_prev for s in states],
+                                            [s.acc for s in states], central_momentum=mu_z):
                 total = None
                 for s in states:
                     acc = s.acc.to(home)

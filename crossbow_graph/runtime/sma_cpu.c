@@ -91,30 +91,11 @@ void sma_local(int64_t m, int64_t P, float *w, int64_t sw, float *v, int64_t sv,
     if (decay) { BY_FIRST(1, 0, 1) } else { BY_FIRST(1, 0, 0) }
 }
 
-/* The central average model's update: z_new = z + c + μ_z·(z − z_prev); z_prev ← z; z ← z_new.
- * z, z_prev, c [P]. */
-void sma_central(int64_t P, float *restrict z, float *restrict z_prev, const float *restrict c,
-                 float mu) {
-    if (mu == 0.0f) {
-        for (int64_t i = 0; i < P; ++i) {
-            float zi = z[i];
-            z_prev[i] = zi;
-            z[i] = zi + c[i];
-        }
-        return;
-    }
-    for (int64_t i = 0; i < P; ++i) {
-        float zi = z[i];
-        float moved = zi + mu * (zi - z_prev[i]);
-        z_prev[i] = zi;
-        z[i] = moved + c[i];
-    }
-}
-
-/* The central update of CPU devices that share one memory, fused with the sum of the devices'
- * corrections and the copies of z: C = parts[0] + … + parts[n_parts−1] (in that order);
- * z_new = z + C + μ_z·(z − z_prev) with z = zs[0], z_prev = zps[0]; then every device d gets
- * zps[d] ← z and zs[d] ← z_new. One pass over memory, in blocks of BLOCK columns. */
+/* The central average model's update, z_new = z + C + μ_z·(z − z_prev), z_prev ← z, z ← z_new,
+ * fused with the sum of the devices' corrections and the copies of z (CPU devices share one
+ * memory): C = parts[0] + … + parts[n_parts−1] (in that order), z = zs[0], z_prev = zps[0];
+ * then every other device d gets zps[d] ← z and zs[d] ← z_new. One device and one part is the
+ * plain central update. One pass over memory, in blocks of BLOCK columns. */
 void sma_central_sum(int64_t P, int64_t n_parts, const float *const *parts, int64_t n_copies,
                      float *const *zs, float *const *zps, float mu) {
     float c[BLOCK];
