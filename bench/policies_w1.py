@@ -1,21 +1,23 @@
 """W1 (LeNet-5 / MNIST, target 99.0 %): final accuracy for b ∈ {4, 8, 16, 32, 64}, with and
-without AdaptiveBatchSize, learning rate left at the CLI's default η = 0.02, constant (issue #8's
-setting), k = 2 devices × 2 replicas (the CLI's default), process executor; and the gradient noise
-scale over training. ``--lr-milestones 2,4`` adds the CLI's MultiStepLR policy (η dropped 10× at
-epochs 2 and 4, replicas reset to z), as ``crossbow-graph train`` does.
+without AdaptiveBatchSize, learning rate left at the CLI's default (η = 0.02 dropped 10× at epochs
+2 and 4 by its MultiStepLR policy, replicas reset to z; issue #8's setting), k = 2 devices × 2
+replicas (the CLI's default), process executor; and the gradient noise scale over training.
+``--lr-milestones ""`` keeps η constant at 0.02 (the setting of sessions 3–5).
 
     python bench/policies_w1.py [--batch-sizes 4,8,16,32,64] [--variants none,adaptive]
-                                [--epochs 5] [--seed 0] [--lr-milestones ""]
+                                [--epochs 5] [--seed 0] [--lr-milestones 2,4]
                                 [--metrics-every 50] [--measure-rounds 10]
                                 [--out bench/results/policies_w1.json]
                                 [--plot docs/images/noise_scale_w1.png] [--merge FILE ...]
 
 ``--batch-sizes ""`` runs nothing: with ``--merge`` it folds other result files (e.g. of a
 variant run in another process) into ``--out`` and redraws the table and the plot.
-``--variants shrink-early`` runs a variant of the policy tried in session 4 (``ShrinkEarly``
-below; docs/benchmarks.md, "Also tried (session 4)"), ``--variants band`` one tried in session 5
-(``Band``), and ``--variants adaptive-speed`` the default rule with the opt-in throughput test
-(``AdaptiveBatchSize(min_speedup=0.1)``).
+``--variants adaptive`` is ``AdaptiveBatchSize(reference_batch=64)``, as the CLI builds it with
+its default η (the η gain's reference: 0.02 was tuned at 64 samples per round);
+``session5`` the rule of sessions 3–5 (η kept when b grows; b doubles while 2·k·b ≤ B_noise, no
+shrinking, 10 settling windows, 0.5 epoch cool-down), ``session5-gain`` that rule with the η gain;
+``adaptive-speed`` adds the opt-in throughput test (``min_speedup=0.1``); ``shrink-early`` and
+``band`` are variants tried in sessions 4 and 5 (docs/benchmarks.md).
 
 Writes JSON (one row per run: b, variant, final accuracy, epochs to 99 %, training seconds, the
 policy's changes, the metrics windows) and prints a markdown table. Not a test; no timing asserted.
@@ -31,40 +33,30 @@ import time
 import torch
 
 import crossbow_graph as cg
+from crossbow_graph.cli import DEFAULT_LR, DEFAULT_LR_BATCH
 
 
-class Band(cg.AdaptiveBatchSize):
-    """A variant tried in session 5 (not the library's default): keep k·b in (B_noise/2, B_noise].
-    Grow as the default does (B_noise ≥ 2·k·b); halve b when B_noise < k·b, down to b = 1.
-    McCandlish et al. (2018, section 2.3) give the epochs to a loss as E ≈ E_min·(1 + B/B_noise):
-    at B ≤ B_noise at most twice the minimum, so a fit with a budget in epochs should not run
-    above B_noise. The default settle rule (10 windows) and cooldown apply to both directions."""
-
-    def __init__(self, **kw) -> None:
-        kw.setdefault("min_batch_size", 1)
-        super().__init__(**kw)
-
-    def target(self, b: int, noise_scale: float, k: int = 1) -> int:
-        lo, hi = self.min_batch_size or 1, self.max_batch_size
-        if noise_scale >= self.factor * k * b and b < hi:
-            return min(hi, int(b * self.factor))
-        if noise_scale < k * b and b > lo:
-            return max(lo, int(b / self.factor))
-        return b
+SESSION5 = dict(epoch_overhead=1.0, shrink=False, settle_windows=None, cooldown_epochs=0.5)
 
 
-class ShrinkEarly(Band):
-    """A variant tried in session 4 (not the library's default): Band's rule (also halve b when
-    B_noise < k·b, toward B_noise from above), acting after 3 settled windows instead of 10, down
-    to b = 8."""
-
-    def __init__(self) -> None:
-        super().__init__(min_batch_size=8, settle_windows=3)
-
-
-VARIANTS = {"none": lambda: [], "adaptive": lambda: [cg.AdaptiveBatchSize()],
-            "shrink-early": lambda: [ShrinkEarly()], "band": lambda: [Band()],
-            "adaptive-speed": lambda: [cg.AdaptiveBatchSize(min_speedup=0.1)]}
+def variants(lr: float) -> dict:
+    """The policies of each variant. Like the CLI, the η gain's reference B₀ is DEFAULT_LR_BATCH
+    (64 samples per round, where the default η 0.02 was tuned) at the default η, else the k·b the
+    run starts at (None)."""
+    ref = DEFAULT_LR_BATCH if lr == DEFAULT_LR else None
+    return {"none": lambda: [],
+            "adaptive": lambda: [cg.AdaptiveBatchSize(reference_batch=ref)],
+            # the rule of sessions 3–5 (η kept when b grows, k·b ≤ B_noise/2, no shrink), and the
+            # same rule with the η gain (session 6's first step)
+            "session5": lambda: [cg.AdaptiveBatchSize(**SESSION5, scale_lr="none")],
+            "session5-gain": lambda: [cg.AdaptiveBatchSize(**SESSION5, reference_batch=ref)],
+            # tried in session 4 (shrink-early) and 5 (band): the session-5 rule with a shrink
+            # when k·b > B_noise (k·b kept in (B_noise/2, B_noise]), η kept
+            "shrink-early": lambda: [cg.AdaptiveBatchSize(**{**SESSION5, "settle_windows": 3, "shrink": True},
+                                                          min_batch_size=8, scale_lr="none")],
+            "band": lambda: [cg.AdaptiveBatchSize(**{**SESSION5, "shrink": True}, min_batch_size=1,
+                                                  scale_lr="none")],
+            "adaptive-speed": lambda: [cg.AdaptiveBatchSize(reference_batch=ref, min_speedup=0.1)]}
 
 
 def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, milestones: tuple[int, ...],
@@ -74,7 +66,7 @@ def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, milestones: 
     plan = cg.compile(cg.models.lenet5(), (train[0][0].unsqueeze(0),),
                       torch.nn.functional.cross_entropy, batch_size=b, devices=2, replicas=2,
                       optimizer=cg.SGD(lr=lr, momentum=0.9))
-    policies = VARIANTS[variant]()
+    policies = variants(lr)[variant]()
     if milestones:  # as crossbow-graph train adds it
         policies = policies + [cg.MultiStepLR(milestones=milestones, gamma=0.1)]
     t0 = time.perf_counter()
@@ -128,9 +120,9 @@ def main() -> None:
     ap.add_argument("--variants", default="none,adaptive")
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=0.02, help="the CLI's default")
-    ap.add_argument("--lr-milestones", default="",
-                    help="epochs at which η drops 10× (the CLI's are 2,4); '' (default) keeps η constant")
+    ap.add_argument("--lr", type=float, default=DEFAULT_LR, help="the CLI's default")
+    ap.add_argument("--lr-milestones", default="2,4",
+                    help="epochs at which η drops 10× (default: the CLI's, 2,4); '' keeps η constant")
     ap.add_argument("--metrics-every", type=int, default=50, help="N, rounds per metrics window")
     ap.add_argument("--measure-rounds", type=int, default=10,
                     help="R, the window's last rounds whose noise-scale estimates are averaged")

@@ -12,6 +12,8 @@ from .errors import CheckpointError, DistributedError, DivergenceError
 __all__ = ["main", "build_parser"]
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
+DEFAULT_LR = 0.02  # --lr's default, tuned on LeNet-5/MNIST at b = 16, k = 4 (bench/lr_sweep_w1.py)
+DEFAULT_LR_BATCH = 64  # the samples per round (k·b) DEFAULT_LR was tuned at
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -100,9 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "by measured samples/s)")
     train.add_argument("--learner-mode", default="per_replica", choices=("per_replica", "fused"),
                        help="learners' mode (with --replicas auto the tuner also tries the other one)")
-    train.add_argument("--lr", type=float, default=0.02,
-                       help="learning rate η of every learner (0.02 took LeNet-5/MNIST at b=16, k=4 to "
-                            "99.0%% in 3.5–4.5 epochs over 3 seeds; 0.01 and 0.03 plateaued below)")
+    train.add_argument("--lr", type=float, default=None,
+                       help=f"learning rate η of every learner (default {DEFAULT_LR}: it took LeNet-5/MNIST "
+                            "at b=16, k=4 to 99.0%% in 3.5–4.5 epochs over 3 seeds; 0.01 and 0.03 "
+                            "plateaued below). With the default, adaptive_batch's η gain takes "
+                            f"{DEFAULT_LR_BATCH} samples per round (b=16, k=4) as its reference; with "
+                            "--lr, the k·b you start at")
     train.add_argument("--lr-milestones", type=_milestones_arg, default=(2, 4),
                        help="epochs at which η drops 10×, replicas reset to z (a MultiStepLR policy); "
                             "'' for a constant η. With 2,4 the default run reached 99.0%% in 2.25–2.75 "
@@ -327,9 +332,13 @@ def _load_dataset(args: argparse.Namespace):
 def _train(args: argparse.Namespace) -> int:
     import crossbow_graph as cg
 
-    from .runtime.policies import parse_policy
+    from .runtime.policies import AdaptiveBatchSize, parse_policy
 
     policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
+    lr = DEFAULT_LR if args.lr is None else args.lr
+    for p in policies:  # the default η is right at DEFAULT_LR_BATCH samples per round
+        if isinstance(p, AdaptiveBatchSize) and p.reference_batch is None and args.lr is None:
+            p.reference_batch = DEFAULT_LR_BATCH
     metrics = _metrics_monitor(args.metrics_every, args.measure_rounds)  # likewise
     if args.lr_milestones and not any(type(p).__name__.endswith("LR") for p in policies):
         from .runtime.policies import MultiStepLR
@@ -344,7 +353,7 @@ def _train(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, devices=devices,
         replicas=args.replicas,
         learner_mode=args.learner_mode,
-        optimizer=cg.SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay),
+        optimizer=cg.SGD(lr=lr, momentum=args.momentum, weight_decay=args.weight_decay),
         sync=cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum),
         distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every),
     )

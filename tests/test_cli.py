@@ -6,13 +6,14 @@ import sys
 
 import pytest
 
-from crossbow_graph.cli import build_parser, main
+from crossbow_graph.cli import DEFAULT_LR, DEFAULT_LR_BATCH, build_parser, main
 
 
 def test_train_defaults_are_the_main_job():
     args = build_parser().parse_args(["train"])
     assert (args.model, args.dataset, args.batch_size, args.devices, args.replicas) == ("lenet5", "mnist", 16, "2", 2)
-    assert (args.epochs, args.target, args.lr, args.lr_milestones) == (5, 0.99, 0.02, (2, 4))
+    assert (args.epochs, args.target, args.lr, args.lr_milestones) == (5, 0.99, None, (2, 4))
+    assert (DEFAULT_LR, DEFAULT_LR_BATCH) == (0.02, 64)  # --lr's default η and its k·b
     assert build_parser().parse_args(["train", "--lr-milestones", ""]).lr_milestones == ()
 
 
@@ -31,6 +32,24 @@ def test_metrics_flags(tmp_path, capsys):
                              "--log-dir", str(log)]) == 0
         metrics = json.loads((log / "history.json").read_text())["metrics"]
         assert [m["round"] for m in metrics] == rounds
+
+
+def test_adaptive_batch_gain_refers_to_the_default_lrs_batch(tmp_path):
+    """With the default η, adaptive_batch's gain takes DEFAULT_LR_BATCH (64) samples per round as
+    its reference: at b = 4, k = 4 (16 per round) η falls below 0.02 by the gain. With --lr the
+    reference is the k·b the run starts at: r = 1 there, η stays."""
+    small = ["train", "--train-samples", "512", "--test-samples", "256", "--epochs", "1",
+             "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "4",
+             "--metrics-every", "2", "--measure-rounds", "1", "--lr-milestones", "",
+             "--policy", "adaptive_batch:max_batch_size=4"]
+    lrs = {}
+    for name, extra in (("default", []), ("given", ["--lr", "0.02"])):
+        log = tmp_path / name
+        assert main(small + extra + ["--log-dir", str(log)]) == 0
+        policy = json.loads((log / "history.json").read_text())["policy"]
+        lrs[name] = [p["changes"]["lr"] for p in policy if "lr" in p["changes"]]
+    assert lrs["default"] and all(0.02 * 16 / 64 <= lr < 0.02 for lr in lrs["default"])
+    assert lrs["given"] == []
 
 
 def test_bad_lr_milestones_are_a_usage_error(capsys):

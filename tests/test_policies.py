@@ -176,11 +176,20 @@ def test_lr_drop_resets_every_replica_to_z():
 
 
 def test_adaptive_batch_size_rule():
-    p = AdaptiveBatchSize(min_batch_size=4, max_batch_size=32, shrink=True)
-    assert p.target(4, 7.9) == 4 and p.target(4, 8.0) == 8 and p.target(16, 1e9) == 32
-    assert p.target(32, 1e9) == 32 and p.target(16, 8.0) == 8 and p.target(4, 0.1) == 4
-    assert p.target(4, 31.9, k=4) == 4 and p.target(4, 32.0, k=4) == 8  # against k·b
-    assert AdaptiveBatchSize(min_batch_size=4).target(16, 1.0) == 16  # no shrinking by default
+    """k·b is kept in (c·B_noise/2, c·B_noise], c = epoch_overhead (0.25 by default): b doubles when
+    2·k·b ≤ c·B_noise, halves when k·b > c·B_noise, within the bounds."""
+    p = AdaptiveBatchSize(min_batch_size=4, max_batch_size=32)
+    assert p.epoch_overhead == 0.25 and p.shrink
+    assert p.target(4, 31.9) == 4 and p.target(4, 32.0) == 8 and p.target(16, 1e9) == 32  # 2·4 ≤ B/4
+    assert p.target(32, 1e9) == 32 and p.target(4, 0.1) == 4  # the bounds
+    assert p.target(16, 64.0) == 16 and p.target(16, 63.9) == 8  # 16 ≤ 64/4: stay; above: halve
+    assert p.target(4, 127.9, k=4) == 4 and p.target(4, 128.0, k=4) == 8  # against k·b
+    assert p.target(16, 255.9, k=4) == 8 and p.target(16, 256.0, k=4) == 16
+    one = AdaptiveBatchSize(min_batch_size=4, epoch_overhead=1.0, shrink=False)  # sessions 3–5
+    assert one.target(4, 7.9) == 4 and one.target(4, 8.0) == 8 and one.target(16, 1.0) == 16
+    for bad in (0, -1.0, float("inf"), True, "0.25"):
+        with pytest.raises(ValueError, match="epoch_overhead"):
+            AdaptiveBatchSize(epoch_overhead=bad)
 
 
 def test_adaptive_batch_size_grows_b_in_a_fit():
@@ -195,29 +204,105 @@ def test_adaptive_batch_size_grows_b_in_a_fit():
     idx = torch.cat([r["indices"] for r in snap.rounds])
     assert len(idx) == len(set(idx.tolist()))
     assert all(m.noise_scale is not None and m.noise_scale > 2 * 4 for m in h.metrics[:1])
-    # settled: ⌈1/(1 − 0.9)⌉ = 10 windows of 2 rounds with an estimate before each change
+    # settled: 3 windows (the default) of 2 rounds with an estimate before each change
     first, second = (p.round for p in h.policy)
-    assert first >= 20 and second - first >= 20
+    assert first >= 6 and second - first >= 6
 
 
 def test_adaptive_batch_size_waits_for_the_estimate_to_settle():
-    """The default waits one EMA time constant of windows that updated the EMAs (10 for
-    ema = 0.9) before the first change; ``settle_windows=1`` acts on the first window with
-    B_noise ≥ 2·k·b."""
-    p = AdaptiveBatchSize()
-    assert p.windows_to_settle(0.9) == 10 and p.windows_to_settle(0.5) == 2
-    assert p.windows_to_settle(0.0) == 1 and AdaptiveBatchSize(settle_windows=3).windows_to_settle(0.9) == 3
+    """The default waits 3 windows that updated the EMAs before the first change, None one EMA
+    time constant (10 for ema = 0.9); ``settle_windows=1`` acts on the first window with
+    2·k·b ≤ c·B_noise."""
+    none = AdaptiveBatchSize(settle_windows=None)
+    assert none.windows_to_settle(0.9) == 10 and none.windows_to_settle(0.5) == 2
+    assert none.windows_to_settle(0.0) == 1 and AdaptiveBatchSize().windows_to_settle(0.9) == 3
     with pytest.raises(ValueError, match="settle_windows=0"):
         AdaptiveBatchSize(settle_windows=0)
-    for settle, skip in ((1, 0), (None, 9)):
+    for settle, skip in ((1, 0), (3, 2), (None, 9)):
         plan = compile_tiny(devices=2, replicas=1, executor="inline",
                             optimizer=cg.SGD(lr=0.01, momentum=0.9))
         h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
-                     policies=[AdaptiveBatchSize(max_batch_size=8, settle_windows=settle)])
+                     policies=[AdaptiveBatchSize(max_batch_size=8, settle_windows=settle, scale_lr="none")])
         windows = [m for m in h.metrics if m.grad_sq_ema is not None]  # the EMAs were updated
         due = [m.round for m in windows[skip:]
-               if m.noise_scale is not None and m.noise_scale >= 2 * 2 * 4]  # k·b = 2·4
+               if m.noise_scale is not None and 2 * 2 * 4 <= 0.25 * m.noise_scale]  # k·b = 2·4
         assert due and [r.round for r in h.policy] == due[:1], (settle, h.policy)
+
+
+def test_lr_gain_is_mccandlish_ratio_of_best_step_sizes():
+    """r(B) = (1 + B_noise/B₀)/(1 + B_noise/B): 1 at the reference, between 1 and B/B₀, B/B₀ when
+    the noise dominates (B_noise = None: EMA(|G|²) ≤ 0), 1 without measured noise (B_noise ≤ 0)."""
+    p = AdaptiveBatchSize(reference_batch=64)
+    assert p.gain_at(64, 300.0) == pytest.approx(1.0)
+    assert p.gain_at(256, 300.0) == pytest.approx((1 + 300 / 64) / (1 + 300 / 256))  # ≈ 2.70
+    assert p.gain_at(16, 300.0) == pytest.approx((1 + 300 / 64) / (1 + 300 / 16))  # ≈ 0.29
+    assert p.gain_at(256, None) == 4.0 and p.gain_at(16, None) == 0.25
+    assert p.gain_at(256, -5.0) == 1.0 and p.gain_at(256, 1e12) == pytest.approx(4.0)
+    for ns in (1.0, 50.0, 1e3, 1e5):
+        assert 1.0 < p.gain_at(256, ns) < 4.0 and 0.25 < p.gain_at(16, ns) < 1.0
+
+
+def _gain_invariant(h, lr0, k, p, b=4):
+    """Every η the gain set equals lr0·r(k·b, the window's B_noise) (times the schedule's factor,
+    folded into lr0 by the caller's epoch map); b: the starting batch size."""
+    ns_at = {m.round: m.noise_scale for m in h.metrics}
+    checked = 0
+    for rec in h.policy:
+        b = rec.changes.get("batch_size", b)
+        if rec.policy == "AdaptiveBatchSize" and "lr" in rec.changes:
+            assert rec.changes["lr"] == pytest.approx(lr0(rec.epoch) * p.gain_at(k * b, ns_at[rec.round]),
+                                                      rel=1e-9), rec
+            checked += 1
+    return checked
+
+
+def test_lr_follows_the_gain_window_by_window_and_composes_with_a_schedule():
+    """Default scale_lr='gain': from the ``gain_windows``-th window with an estimate on, η is
+    η₀·r(k·b, B_noise) with the window's B_noise; a growth of b carries the gain at the new
+    k·b in the same adjustment; a schedule's drop multiplies in (η₀·γ·r after the milestone)."""
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    p = AdaptiveBatchSize(reference_batch=4, max_batch_size=8, cooldown_epochs=0.02, settle_windows=5)
+    h = plan.fit(tiny_data(320), 2, progress=False, metrics_every=2,
+                 policies=[p, MultiStepLR(milestones=(1,), gamma=0.1)])
+    assert [r.changes["batch_size"] for r in h.policy if "batch_size" in r.changes] == [8]
+    grown = next(r for r in h.policy if "batch_size" in r.changes)
+    assert "lr" in grown.changes  # the growth's own η, at the gain of k·b = 16
+    assert _gain_invariant(h, lambda e: 0.01 * (0.1 if e >= 1 else 1.0), 2, p) >= 10
+    first = next(r for r in h.policy if r.policy == "AdaptiveBatchSize")
+    windows = [m.round for m in h.metrics if m.grad_sq_ema is not None]
+    assert first.round == windows[p.gain_windows - 1]  # not before gain_windows windows
+    assert p.gain == pytest.approx(plan.scheduler.lr / 0.001)
+
+
+def test_adaptive_batch_size_shrinks_b_where_the_noise_is_small():
+    """One label for every sample: the per-sample gradients agree, so the gradient dominates its
+    noise (B_noise small against k·b = 32) and b halves to the lower bound 4; η follows the gain
+    against the start's k·b."""
+    x = torch.randn(1280, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    data = TensorDataset(x, torch.zeros(1280, dtype=torch.long))
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", batch_size=16,
+                        optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    p = AdaptiveBatchSize(cooldown_epochs=0.02)
+    h = plan.fit(data, 1, progress=False, metrics_every=2, policies=[p])
+    sizes = [r.changes["batch_size"] for r in h.policy if "batch_size" in r.changes]
+    assert sizes[:2] == [8, 4] and p.min_batch_size == 4, h.policy
+    first = next(r for r in h.policy if "batch_size" in r.changes)
+    ns = next(m.noise_scale for m in h.metrics if m.round == first.round)
+    assert 2 * 16 > 0.25 * ns  # k·b > c·B_noise
+    assert _gain_invariant(h, lambda e: 0.01, 2, p, b=16) >= 1 and p.reference_batch == 32
+
+
+def test_lr_gain_validated_and_reference_defaults_to_the_starting_batch():
+    for kw in ({"scale_lr": "sqrt"}, {"reference_batch": 0}, {"reference_batch": 2.5},
+               {"gain_windows": 0}, {"gain_windows": None}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            AdaptiveBatchSize(**kw)
+    assert AdaptiveBatchSize(scale_lr=True).scale_lr == "linear"
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    p = AdaptiveBatchSize(max_batch_size=4)
+    h = plan.fit(tiny_data(96), 1, progress=False, metrics_every=2, policies=[p])
+    assert p.reference_batch == 2 * 4  # k·b at the start: η taken as right there
+    assert h.policy == [] and p.gain == 1.0 and plan.scheduler.lr == 0.01  # at B = B₀, r = 1
 
 
 class FakeSpeed(Policy):
@@ -269,7 +354,7 @@ def test_a_growth_on_trial_is_not_judged_after_another_policy_changed_k():
 
     plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     policy = AdaptiveBatchSize(max_batch_size=8, cooldown_epochs=0.02, settle_windows=3,
-                               min_speedup=0.1)
+                               min_speedup=0.1, scale_lr="none")
     h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
                  policies=[FakeSpeed({4: 100.0, 8: 104.0}.__getitem__), policy, MoreReplicas()])
     assert [p.changes for p in h.policy] == [{"batch_size": 8}, {"replicas_per_device": 2}]
@@ -301,7 +386,7 @@ def test_a_growth_waits_for_a_samples_per_s_baseline():
     windows at b = 4), so it is judged (here returned) instead of taken untested."""
     plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, settle_windows=1,
-                               min_speedup=0.1)
+                               min_speedup=0.1, scale_lr="none")
     h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
                  policies=[FakeSpeed({4: 100.0, 8: 50.0}.__getitem__), policy])
     assert [p.changes["batch_size"] for p in h.policy] == [8, 4]
@@ -314,7 +399,7 @@ def test_a_growth_on_trial_at_the_end_of_a_fit_is_judged_in_the_next():
     plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     mon = MetricsMonitor(2, measure_rounds=2)
     policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, settle_windows=3,
-                               min_speedup=0.1)
+                               min_speedup=0.1, scale_lr="none")
     speed = FakeSpeed({4: 100.0, 8: 50.0, 16: 25.0}.__getitem__)
     first = plan.fit(tiny_data(96), 2, progress=False, metrics_every=mon, policies=[speed, policy])
     assert [p.changes for p in first.policy] == [{"batch_size": 8}] and policy._trial is not None
@@ -332,7 +417,8 @@ def test_a_new_policy_does_not_act_on_a_reused_monitors_old_window():
     done = plan.rounds_done
     mon.last.grad_sq_ema, mon.last.noise_scale = 1.0, 1e6  # the old window says: grow at once
     h = plan.fit(tiny_data(96), 1, progress=False, metrics_every=mon,
-                 policies=[AdaptiveBatchSize(max_batch_size=8, settle_windows=1, cooldown_epochs=0.01)])
+                 policies=[AdaptiveBatchSize(max_batch_size=8, settle_windows=1, cooldown_epochs=0.01,
+                                                   scale_lr="none")])
     assert [p.changes for p in h.policy] == [{"batch_size": 8}]
     assert h.policy[0].round >= done + 2  # not at the first round, on the old window
 
@@ -356,7 +442,7 @@ def test_windows_are_classed_by_their_own_settings():
 
     plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     policy = AdaptiveBatchSize(max_batch_size=8, min_speedup=0.1, settle_windows=1,
-                               cooldown_epochs=0.001)
+                               cooldown_epochs=0.001, scale_lr="none")
     h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
                  policies=[Ramp(), MoreReplicasAt6(), policy])
     assert [p.changes for p in h.policy] == [{"replicas_per_device": 2}, {"batch_size": 8},
@@ -446,7 +532,7 @@ def test_exploding_loss_replica_is_reset_after_the_round():
 
 def test_parse_policy():
     p = parse_policy("adaptive_batch:max_batch_size=128,scale_lr=false")
-    assert isinstance(p, AdaptiveBatchSize) and p.max_batch_size == 128 and p.scale_lr is False
+    assert isinstance(p, AdaptiveBatchSize) and p.max_batch_size == 128 and p.scale_lr == "none"
     p = parse_policy("multistep_lr:milestones=3/4,warmup_epochs=1")
     assert p.milestones == [3, 4] and p.warmup_epochs == 1
     assert isinstance(parse_policy("auto_replicas:threshold=0.2"), cg.AutoReplicas)
