@@ -292,6 +292,22 @@ def test_adaptive_batch_size_shrinks_b_where_the_noise_is_small():
     assert _gain_invariant(h, lambda e: 0.01, 2, p, b=16) >= 1 and p.reference_batch == 32
 
 
+def test_lr_gain_waits_in_every_fit_and_restarts_on_another_plan():
+    """A policy reused for a second fit on the same plan waits ``gain_windows`` windows of that
+    fit again (a new monitor's first window is a single, noisy estimate); reused on another plan
+    (whose η holds no gain) it starts again at r = 1: every η it sets there is η₀·r."""
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    p = AdaptiveBatchSize(reference_batch=4, max_batch_size=4)
+    plan.fit(tiny_data(96), 1, progress=False, metrics_every=2, policies=[p])
+    assert p.gain > 1.5  # k·b = 8 against B₀ = 4
+    h = plan.fit(tiny_data(96), 1, progress=False, metrics_every=2, policies=[p])
+    windows = [m.round for m in h.metrics if m.grad_sq_ema is not None]
+    assert min(r.round for r in h.policy) >= windows[p.gain_windows - 1]
+    other = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    h = other.fit(tiny_data(96), 1, progress=False, metrics_every=2, policies=[p])
+    assert _gain_invariant(h, lambda e: 0.01, 2, p) >= 1
+
+
 def test_lr_gain_validated_and_reference_defaults_to_the_starting_batch():
     for kw in ({"scale_lr": "sqrt"}, {"reference_batch": 0}, {"reference_batch": 2.5},
                {"gain_windows": 0}, {"gain_windows": None}):
@@ -533,6 +549,8 @@ def test_exploding_loss_replica_is_reset_after_the_round():
 def test_parse_policy():
     p = parse_policy("adaptive_batch:max_batch_size=128,scale_lr=false")
     assert isinstance(p, AdaptiveBatchSize) and p.max_batch_size == 128 and p.scale_lr == "none"
+    assert parse_policy("adaptive_batch:scale_lr=none").scale_lr == "none"  # 'none' parses as None
+    assert parse_policy("adaptive_batch:scale_lr=linear,reference_batch=32").reference_batch == 32
     p = parse_policy("multistep_lr:milestones=3/4,warmup_epochs=1")
     assert p.milestones == [3, 4] and p.warmup_epochs == 1
     assert isinstance(parse_policy("auto_replicas:threshold=0.2"), cg.AutoReplicas)

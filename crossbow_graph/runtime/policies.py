@@ -24,6 +24,7 @@ import bisect
 import dataclasses
 import math
 import statistics
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -296,8 +297,10 @@ class AdaptiveBatchSize(Policy):
     (McCandlish et al. 2018, eq. 2.7), AdaScale's gain (Johnson et al. 2020, with B_noise for
     its variance-to-gradient ratio). r lies between 1 and B/B₀: near 1 where the noise is small
     against B₀, B/B₀ (the linear scaling rule) where it dominates. It is set after every window
-    with an estimate, from the ``gain_windows``-th on, and at every change of b, multiplying
-    whatever η the other policies set (a schedule's drop composes). On W1 with the CLI's default
+    with an estimate, from the ``gain_windows``-th of each fit on, and at every change of b: η
+    is multiplied by r_new/r_old, so a change another policy makes by a factor (a schedule's
+    drop) composes; a policy that sets η outright should include the gain (``policy.gain``).
+    A policy object reused on another plan starts again at r = 1 with its bounds re-derived. On W1 with the CLI's default
     η (0.02, tuned at B₀ = 64 samples per round, dropped 10× at epochs 2 and 4), starts
     b ∈ {4, …, 64} × 10 seeds reached 99.0 % within 5 epochs in 43 of 50 runs with this policy,
     24 of 50 without it (docs/benchmarks.md, "Policies (issue 8)"). With a constant η there is
@@ -371,12 +374,13 @@ class AdaptiveBatchSize(Policy):
         if not _whole(speed_windows):
             raise ValueError(f"AdaptiveBatchSize(speed_windows={speed_windows!r}): must be an "
                              "integer ≥ 1")
-        modes = {False: "none", True: "linear", "none": "none", "linear": "linear", "gain": "gain"}
-        if isinstance(scale_lr, bool) or scale_lr in modes:
+        modes = {None: "none", False: "none", True: "linear", "none": "none", "linear": "linear",
+                 "gain": "gain"}
+        if scale_lr is None or isinstance(scale_lr, bool) or scale_lr in modes:
             scale_lr = modes[scale_lr]
         else:
             raise ValueError(f"AdaptiveBatchSize(scale_lr={scale_lr!r}): must be 'gain' (default), "
-                             "'linear' (or True) or 'none' (or False)")
+                             "'linear' (or True) or 'none' (or False, None)")
         if reference_batch is not None and not _whole(reference_batch):
             raise ValueError(f"AdaptiveBatchSize(reference_batch={reference_batch!r}): must be an "
                              "integer ≥ 1 (samples per round, k·b), or None for k·b at the fit's start")
@@ -388,8 +392,11 @@ class AdaptiveBatchSize(Policy):
         self.settle_windows = settle_windows
         self.scale_lr, self.shrink = scale_lr, shrink
         self.reference_batch, self.gain_windows = reference_batch, gain_windows
-        self.gain = 1.0  # the gain r in η now (η = the other policies' η · r)
-        self._gain_windows_seen = 0  # windows whose estimate entered the EMAs, for gain_windows
+        self._given = {"min": min_batch_size, "reference": reference_batch}  # None: derived per plan
+        self.gain = 1.0  # the gain r in the plan's η now
+        self._gain_windows_seen = 0  # windows of this fit whose estimate entered the EMAs
+        self._noise: tuple | None = None  # (B_noise,) of the newest window with an estimate
+        self._plan = None  # weak reference to the plan of the last fit
         self.min_speedup, self.speed_windows = min_speedup, speed_windows
         self._seen = None  # the MetricRecord last acted on
         self._wait = 0.0  # samples still to wait
@@ -404,13 +411,16 @@ class AdaptiveBatchSize(Policy):
         return {"min": self.min_batch_size, "max": self.max_batch_size, "wait": self._wait,
                 "windows": self._windows, "speeds": list(self._speeds), "trial": self._trial,
                 "setting": self._setting, "reference_batch": self.reference_batch,
-                "gain": self.gain, "gain_windows_seen": self._gain_windows_seen}
+                "gain": self.gain, "gain_windows_seen": self._gain_windows_seen,
+                "noise": None if self._noise is None else list(self._noise)}
 
     def load_state_dict(self, state: dict) -> None:
         self.min_batch_size, self.max_batch_size, self._wait = state["min"], state["max"], state["wait"]
         self.reference_batch = state.get("reference_batch", self.reference_batch)
         self.gain = state.get("gain", 1.0)
         self._gain_windows_seen = state.get("gain_windows_seen", 0)
+        noise = state.get("noise")
+        self._noise = None if noise is None else tuple(noise)
         self._windows = state.get("windows", 0)
         self._speeds = list(state.get("speeds", []))
         self._trial, self._setting = state.get("trial"), state.get("setting")
@@ -426,14 +436,21 @@ class AdaptiveBatchSize(Policy):
         return max(1, math.ceil(1 / (1 - ema) - 1e-9))
 
     def before_fit(self, ctx: FitContext) -> None:
+        plan = ctx.plan
+        if self._plan is not None and self._plan() is not plan and not self._resumed:
+            # another plan: its η holds no gain of ours, and derived bounds are re-derived
+            self.gain, self._trial, self._noise = 1.0, None, None
+            self.min_batch_size, self.reference_batch = self._given["min"], self._given["reference"]
+        self._plan = weakref.ref(plan)
         if self.min_batch_size is None:
-            self.min_batch_size = min(MIN_BATCH_SIZE, ctx.plan.batch_size, self.max_batch_size)
+            self.min_batch_size = min(MIN_BATCH_SIZE, plan.batch_size, self.max_batch_size)
         if self.reference_batch is None:  # η is taken as right for the batch the fit starts with
-            self.reference_batch = ctx.plan.num_learners * ctx.plan.batch_size
+            self.reference_batch = plan.num_learners * plan.batch_size
         if not self._resumed:
-            # a new fit restarts the settle count and the speed windows (the workers restart);
-            # a growth still on trial from the last fit on this plan is judged in this one
-            self._wait, self._windows = 0.0, 0
+            # a new fit restarts the settle count, the gain's wait and the speed windows (the
+            # workers restart); a growth still on trial from the last fit on this plan is judged
+            # in this one
+            self._wait, self._windows, self._gain_windows_seen = 0.0, 0, 0
             self._speeds, self._setting = [], None
         self._resumed = False
         mon = self.metrics(ctx)  # a monitor reused from the last fit still holds its last window
@@ -486,9 +503,9 @@ class AdaptiveBatchSize(Policy):
         lr = plan.scheduler.lr
         if self.scale_lr == "linear":
             return lr * b / plan.batch_size, self.gain
-        if self.scale_lr != "gain" or self._gain_windows_seen < self.gain_windows:
+        if self.scale_lr != "gain" or self._gain_windows_seen < self.gain_windows or self._noise is None:
             return None, self.gain
-        gain = self.gain_at(plan.num_learners * b, self.metrics(ctx).last.noise_scale)
+        gain = self.gain_at(plan.num_learners * b, self._noise[0])
         return lr * gain / self.gain, gain
 
     def target(self, b: int, noise_scale: float, k: int = 1) -> int:
@@ -510,6 +527,7 @@ class AdaptiveBatchSize(Policy):
         self._seen = mon.last
         if mon.last.grad_sq_ema is not None:
             self._gain_windows_seen += 1
+            self._noise = (mon.last.noise_scale,)
         self._resize(ctx, mon)
         if self.scale_lr == "gain" and mon.last.grad_sq_ema is not None:
             lr, gain = self._lr_for(ctx, ctx.plan.batch_size)

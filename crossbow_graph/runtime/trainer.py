@@ -56,10 +56,10 @@ def run_fit(
     Under torchrun (``plan.comm``) every rank draws the same round of k·b indices and keeps its own
     learners' rows (rank r: global learners r·k_r …, ``_mine``); only rank 0 shows progress,
     writes logs and checkpoints, evaluates and runs the auto-tuner; every rank runs the fit's
-    hooks, and rank 0's m, learner mode, lr, α and stop are then broadcast and applied on every
-    rank (``Comm.agree_settings``: after each round's hooks, and before a round when hooks ran
-    since); z is compared across ranks every ``checksum_every`` rounds and at the end
-    (docs/distributed.md). A policy's batch size or sync interval is not broadcast yet.
+    hooks, and rank 0's m, learner mode, lr, α, batch size, sync interval and stop are then
+    broadcast and applied on every rank (``Comm.agree_settings``: after each round's hooks, and
+    before a round when hooks ran since); z is compared across ranks every ``checksum_every``
+    rounds and at the end (docs/distributed.md).
     """
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
