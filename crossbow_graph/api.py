@@ -16,6 +16,7 @@ from .compiler.kernels import plan_kernels, select_backend
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
 from .config import SGD, SMA, SSGD
+from .errors import is_count
 from .runtime.checkpoint import load_plan_state_dict, plan_state_dict
 from .runtime.comm import Comm, Distributed, plan_facts
 from .runtime.data import as_dataset, make_fetch, split_inputs
@@ -161,10 +162,10 @@ def compile(  # noqa: A001 - the public name the design asks for
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
         DistributedError: under torchrun, the ranks' plans differ (names the difference).
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+    if not is_count(batch_size):
         raise ValueError(f"batch_size={batch_size!r}: must be a positive integer, e.g. 16")
     tuned = replicas == "auto"
-    if not tuned and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+    if not tuned and not is_count(replicas):
         raise ValueError(f"replicas={replicas!r}: replicas per device must be an integer ≥ 1 "
                          "or 'auto'")
     if autotune is not None and not isinstance(autotune, AutoTune):
@@ -312,7 +313,7 @@ class Plan:
             PlanError: m replicas exceed the memory budget.
         """
         m = replicas_per_device
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        if not is_count(m):
             raise ValueError(f"replicas_per_device={m!r}: must be an integer ≥ 1")
         if m == self.replicas_per_device:
             return

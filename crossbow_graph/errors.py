@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 __all__ = ["TraceError", "PlanError", "TaskError", "DivergenceError", "CheckpointError",
-           "DistributedError", "CompilerError"]
+           "DistributedError", "CompilerError", "is_count"]
+
+
+def is_count(value: object) -> bool:
+    """True for an ``int`` ≥ 1 that is not a ``bool``: a valid count of rounds, epochs, samples,
+    windows or replicas (the argument checks raise ValueError on anything else)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 class TraceError(ValueError):

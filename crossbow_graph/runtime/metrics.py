@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import is_count
 from .hooks import FitContext, Hook
 
 __all__ = ["NoiseScaleEstimate", "two_batch_estimate", "gradient_moments", "divergence",
@@ -197,11 +198,11 @@ class MetricsMonitor(Hook):
     mutates_replicas = False
 
     def __init__(self, every: int = 50, *, ema: float = 0.9, measure_rounds: int = 10) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if not is_count(every):
             raise ValueError(f"metrics_every={every!r}: must be an integer ≥ 1 (rounds per window)")
         if not 0 <= ema < 1:
             raise ValueError(f"MetricsMonitor(ema={ema}): the EMA decay must be in [0, 1), e.g. 0.9")
-        if isinstance(measure_rounds, bool) or not isinstance(measure_rounds, int) or measure_rounds < 1:
+        if not is_count(measure_rounds):
             raise ValueError(f"MetricsMonitor(measure_rounds={measure_rounds!r}): must be an integer "
                              "≥ 1 (rounds per window whose gradients are read)")
         self.every, self.ema = every, ema

@@ -22,6 +22,7 @@ import os
 from dataclasses import asdict
 from typing import Any
 
+from ..errors import is_count
 from .history import EpochRecord, EvalRecord
 from .hooks import FitContext, Hook
 
@@ -61,7 +62,7 @@ class MetricsLogger(Hook):
     mutates_replicas = False  # it only reads the metrics: the overlap of rounds stays on
 
     def __init__(self, log_dir: str, *, every_rounds: int = 1, tensorboard: bool = True) -> None:
-        if isinstance(every_rounds, bool) or not isinstance(every_rounds, int) or every_rounds < 1:
+        if not is_count(every_rounds):
             raise ValueError(f"every_rounds={every_rounds!r}: must be an integer ≥ 1")
         self.log_dir, self.every_rounds, self.tensorboard = log_dir, every_rounds, tensorboard
         self._files: dict[str, _Csv] = {}

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..compiler.passes import build_task_graph
-from ..errors import PlanError
+from ..errors import PlanError, is_count
 from .autotune import AutoTune, AutoTuner
 from .faults import FaultMonitor
 from .hooks import FitContext, Hook
@@ -73,7 +73,7 @@ class Adjustment:
             raise ValueError(f"Adjustment(lr={self.lr}): the learning rate must be finite and > 0")
         for name in ("batch_size", "sync_every", "replicas_per_device"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            if v is not None and not is_count(v):
                 raise ValueError(f"Adjustment({name}={v!r}): must be an integer ≥ 1")
         if self.alpha is not None and self.alpha != "auto" and not 0 < self.alpha <= 1:
             raise ValueError(f"Adjustment(alpha={self.alpha}): α must be in (0, 1], or 'auto' for 1/k")
@@ -239,11 +239,6 @@ class AutoReplicas(Policy):
 MIN_BATCH_SIZE = 4  # AdaptiveBatchSize's default lower bound (or the starting b, if smaller)
 
 
-def _whole(v: Any) -> bool:
-    """v is an int ≥ 1 (not a bool)."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
 class AdaptiveBatchSize(Policy):
     """Keep b at a fraction of the measured gradient noise scale B_noise (McCandlish et al. 2018),
     in bounds, with η following the batch (the gain below).
@@ -363,7 +358,7 @@ class AdaptiveBatchSize(Policy):
                              "number > 0 (the extra epochs over E_min allowed, e.g. 0.25)")
         if not cooldown_epochs > 0:
             raise ValueError(f"AdaptiveBatchSize(cooldown_epochs={cooldown_epochs}): must be > 0")
-        if settle_windows is not None and not _whole(settle_windows):
+        if settle_windows is not None and not is_count(settle_windows):
             raise ValueError(f"AdaptiveBatchSize(settle_windows={settle_windows!r}): must be an "
                              "integer ≥ 1, or None for ⌈1/(1 − ema)⌉ of the MetricsMonitor")
         if min_speedup is not None and (isinstance(min_speedup, bool)
@@ -371,7 +366,7 @@ class AdaptiveBatchSize(Policy):
                                         or not 0 <= min_speedup < 10):
             raise ValueError(f"AdaptiveBatchSize(min_speedup={min_speedup!r}): must be a number in "
                              "[0, 10) (a fraction, e.g. 0.1 for 10 %), or None to keep every growth")
-        if not _whole(speed_windows):
+        if not is_count(speed_windows):
             raise ValueError(f"AdaptiveBatchSize(speed_windows={speed_windows!r}): must be an "
                              "integer ≥ 1")
         modes = {None: "none", False: "none", True: "linear", "none": "none", "linear": "linear",
@@ -381,10 +376,10 @@ class AdaptiveBatchSize(Policy):
         else:
             raise ValueError(f"AdaptiveBatchSize(scale_lr={scale_lr!r}): must be 'gain' (default), "
                              "'linear' (or True) or 'none' (or False, None)")
-        if reference_batch is not None and not _whole(reference_batch):
+        if reference_batch is not None and not is_count(reference_batch):
             raise ValueError(f"AdaptiveBatchSize(reference_batch={reference_batch!r}): must be an "
                              "integer ≥ 1 (samples per round, k·b), or None for k·b at the fit's start")
-        if not _whole(gain_windows):
+        if not is_count(gain_windows):
             raise ValueError(f"AdaptiveBatchSize(gain_windows={gain_windows!r}): must be an integer ≥ 1")
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
         self.factor, self.cooldown_epochs = factor, cooldown_epochs

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import is_count
 from .checkpoint import CheckpointHook
 from .data import BatchSchedule, as_dataset, make_fetch
 from .history import EpochRecord, EvalRecord, History
@@ -61,7 +62,7 @@ def run_fit(
     before a round when hooks ran since); z is compared across ranks every ``checksum_every``
     rounds and at the end (docs/distributed.md).
     """
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+    if not is_count(epochs):
         raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
     if target_accuracy is not None and eval_dataset is None:
         raise ValueError("target_accuracy needs an eval_dataset to measure z's accuracy on")
