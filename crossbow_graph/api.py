@@ -555,7 +555,7 @@ class Plan:
 
     def adjust(self, adjustment: "Adjustment") -> dict[str, Any]:
         """Change lr, b, α, τ or m (or reset every replica to z) between rounds, on every device:
-        the one narrow interface of policies (runtime/policies.py ``apply_adjustment``; DESIGN.md
+        the one narrow interface of policies (runtime/policy_base.py ``apply_adjustment``; DESIGN.md
         §5). A change of b re-plans the learners and re-checks the memory bound.
 
         Returns:

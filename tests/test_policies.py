@@ -1,4 +1,4 @@
-"""Policies (runtime/policies.py): the adjust interface, schedules against torch's, batch-size
+"""Policies (runtime/policy_base.py, policies.py, adaptive_batch.py): the adjust interface, schedules against torch's, batch-size
 changes, the divergence guard, the CLI spec parser."""
 
 from __future__ import annotations

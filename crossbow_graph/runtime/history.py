@@ -92,7 +92,7 @@ class History:
         sync_exposed_seconds: the part of it learners waited for (not hidden), seconds.
         metrics: one runtime/metrics.py MetricRecord per metrics window (samples/s, loss, lr, b,
             m, divergence, gradient noise scale; ``fit(metrics_every=N)``).
-        policy: every adjustment a policy applied (runtime/policies.py PolicyRecord).
+        policy: every adjustment a policy applied (runtime/policy_base.py PolicyRecord).
     """
 
     epochs: list[EpochRecord] = field(default_factory=list)
