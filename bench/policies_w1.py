@@ -6,14 +6,16 @@ replicas (the CLI's default), process executor; and the gradient noise scale ove
 
     python bench/policies_w1.py [--batch-sizes 4,8,16,32,64] [--variants none,adaptive]
                                 [--epochs 5] [--seed 0] [--lr-milestones 2,4]
-                                [--metrics-every 50] [--measure-rounds 10]
+                                [--metrics-every 50] [--measure-rounds 10] [--warmup-windows 0]
                                 [--out bench/results/policies_w1.json]
                                 [--plot docs/images/noise_scale_w1.png] [--merge FILE ...]
 
 ``--batch-sizes ""`` runs nothing: with ``--merge`` it folds other result files (e.g. of a
 variant run in another process) into ``--out`` and redraws the table and the plot.
 ``--variants adaptive`` is ``AdaptiveBatchSize(reference_batch=64)``, as the CLI builds it with
-its default η (the η gain's reference: 0.02 was tuned at 64 samples per round);
+its default η (the η gain's reference: 0.02 was tuned at 64 samples per round; session 7's
+default ``epoch_overhead=0.125``); ``session6`` is session 6's default (``epoch_overhead=0.25``);
+``adaptive-warmup`` the default rule with ``MetricsMonitor(warmup_windows=1)`` (tried in session 7);
 ``session5`` the rule of sessions 3–5 (η kept when b grows; b doubles while 2·k·b ≤ B_noise, no
 shrinking, 10 settling windows, 0.5 epoch cool-down), ``session5-gain`` that rule with the η gain;
 ``adaptive-speed`` adds the opt-in throughput test (``min_speedup=0.1``); ``shrink-early`` and
@@ -36,6 +38,7 @@ import crossbow_graph as cg
 from crossbow_graph.cli import DEFAULT_LR, DEFAULT_LR_BATCH
 
 
+WARMUP = {"adaptive-warmup": 1}  # MetricsMonitor(warmup_windows=...) of a variant (default 0)
 SESSION5 = dict(epoch_overhead=1.0, shrink=False, settle_windows=None, cooldown_epochs=0.5)
 
 
@@ -56,27 +59,34 @@ def variants(lr: float) -> dict:
                                                           min_batch_size=8, scale_lr="none")],
             "band": lambda: [cg.AdaptiveBatchSize(**{**SESSION5, "shrink": True}, min_batch_size=1,
                                                   scale_lr="none")],
-            "adaptive-speed": lambda: [cg.AdaptiveBatchSize(reference_batch=ref, min_speedup=0.1)]}
+            "adaptive-speed": lambda: [cg.AdaptiveBatchSize(reference_batch=ref, min_speedup=0.1)],
+            # session 6's default: k·b kept at a quarter of B_noise (now an eighth)
+            "session6": lambda: [cg.AdaptiveBatchSize(reference_batch=ref, epoch_overhead=0.25)],
+            # session 7, tried: the default rule with the monitor's first window kept out of the
+            # noise-scale EMAs (MetricsMonitor(warmup_windows=1))
+            "adaptive-warmup": lambda: [cg.AdaptiveBatchSize(reference_batch=ref)]}
 
 
 def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, milestones: tuple[int, ...],
-        metrics_every: int, measure_rounds: int = 10) -> dict:
+        metrics_every: int, measure_rounds: int = 10, warmup_windows: int = 0) -> dict:
     train, test = cg.datasets.mnist(train=True), cg.datasets.mnist(train=False)
     torch.manual_seed(seed)
     plan = cg.compile(cg.models.lenet5(), (train[0][0].unsqueeze(0),),
                       torch.nn.functional.cross_entropy, batch_size=b, devices=2, replicas=2,
                       optimizer=cg.SGD(lr=lr, momentum=0.9))
     policies = variants(lr)[variant]()
+    warmup_windows = WARMUP.get(variant, warmup_windows)
     if milestones:  # as crossbow-graph train adds it
         policies = policies + [cg.MultiStepLR(milestones=milestones, gamma=0.1)]
     t0 = time.perf_counter()
     h = plan.fit(train, epochs, eval_dataset=test, target_accuracy=0.99, evals_per_epoch=4,
                  seed=seed, progress=False, policies=policies,
-                 metrics_every=cg.MetricsMonitor(metrics_every, measure_rounds=measure_rounds))
+                 metrics_every=cg.MetricsMonitor(metrics_every, measure_rounds=measure_rounds,
+                                                 warmup_windows=warmup_windows))
     wall = time.perf_counter() - t0
     return {
         "batch_size": b, "variant": variant, "lr": lr, "lr_milestones": list(milestones), "seed": seed, "epochs_max": epochs,
-        "metrics_every": metrics_every, "measure_rounds": measure_rounds,
+        "metrics_every": metrics_every, "measure_rounds": measure_rounds, "warmup_windows": warmup_windows,
         "final_accuracy": h.final_accuracy, "reached": h.epochs_to_accuracy is not None,
         "epochs_to_accuracy": h.epochs_to_accuracy, "time_to_accuracy_s": h.time_to_accuracy_s,
         "train_seconds": plan.train_seconds, "wall_seconds": wall,
@@ -126,6 +136,9 @@ def main() -> None:
     ap.add_argument("--metrics-every", type=int, default=50, help="N, rounds per metrics window")
     ap.add_argument("--measure-rounds", type=int, default=10,
                     help="R, the window's last rounds whose noise-scale estimates are averaged")
+    ap.add_argument("--warmup-windows", type=int, default=0,
+                    help="MetricsMonitor(warmup_windows=): the first windows of training kept out of "
+                         "the noise-scale EMAs (variant adaptive-warmup: 1)")
     ap.add_argument("--out", default="bench/results/policies_w1.json")
     ap.add_argument("--plot", default="docs/images/noise_scale_w1.png")
     ap.add_argument("--merge", nargs="*", default=[], help="other result files to fold in")
@@ -144,7 +157,7 @@ def main() -> None:
         for variant in args.variants.split(","):
             r = run(b, variant, epochs=args.epochs, seed=args.seed, lr=args.lr,
                     milestones=milestones, metrics_every=args.metrics_every,
-                    measure_rounds=args.measure_rounds)
+                    measure_rounds=args.measure_rounds, warmup_windows=args.warmup_windows)
             rows = [x for x in rows if (x["batch_size"], x["variant"], x["seed"]) != (b, variant, args.seed)]
             rows.append(r)
             print(f"b={b:3d} {variant:9s} acc={r['final_accuracy']:.4f} "

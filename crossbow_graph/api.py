@@ -528,7 +528,7 @@ class Plan:
             metrics_every: N, rounds per metrics window (``History.metrics``: samples/s, loss,
                 lr, divergence, gradient noise scale; runtime/metrics.py); or a
                 ``crossbow_graph.MetricsMonitor`` for its other settings (``ema``,
-                ``measure_rounds``); None: no metrics.
+                ``measure_rounds``, ``warmup_windows``); None: no metrics.
 
         Returns:
             The History: per epoch training loss, test accuracy, samples/s, training seconds;

@@ -395,3 +395,23 @@ def test_resume_restores_adaptive_batch_size_state(tmp_path, window):
     assert _policy_log(h) == _policy_log(h_full)
     assert [(m.round, m.batch_size, m.noise_scale) for m in h.metrics] == \
         [(m.round, m.batch_size, m.noise_scale) for m in h_full.metrics]
+
+
+@pytest.mark.parametrize("stop_at", [2, 4])  # inside the warm-up window; inside the first after it
+def test_resume_keeps_the_metrics_warm_up(tmp_path, stop_at):
+    """The monitor's warm-up is counted in the plan's rounds, which the checkpoint holds: a fit
+    stopped inside the first window (kept out of the EMAs) or inside the next, and resumed, has
+    the same windows, estimates and EMAs as an uninterrupted one."""
+    def fit(plan, **kw):
+        return plan.fit(data(480), 1, progress=False, seed=3,
+                        metrics_every=MetricsMonitor(3, measure_rounds=2, warmup_windows=1), **kw)
+
+    full = make_plan()
+    random.seed(7), np.random.seed(7)
+    h_full = fit(full, hooks=[StopAfter(10**6)])
+    second, h = _fit_interrupted_and_resumed(tmp_path, stop_at, fit)
+    fields = [(m.round, m.grad_sq, m.grad_sq_ema, m.trace_sigma_ema, m.noise_scale) for m in h_full.metrics]
+    assert fields[0][2] is None and fields[1][2] is not None  # window 1 is the warm-up
+    assert [(m.round, m.grad_sq, m.grad_sq_ema, m.trace_sigma_ema, m.noise_scale)
+            for m in h.metrics] == fields
+    assert_same_state(full, second)

@@ -147,6 +147,42 @@ def test_a_windows_estimate_is_the_mean_of_its_last_measured_rounds():
         assert m.trace_sigma_ema == pytest.approx(ema_tr / weight, rel=1e-9)
 
 
+def test_the_first_window_of_training_is_kept_out_of_the_moving_averages():
+    """``warmup_windows=1`` (opt-in): the first window of training reports its own |G|² and
+    tr Σ but leaves the EMAs (and B_noise) empty; from the second on, the EMAs are those of a
+    monitor that never saw it. Training is unchanged. A later fit on the same plan is past the
+    warm-up: its first window enters at once."""
+    b = 4
+    data = teacher_data(4 * b * 12, seed=5)
+    fits = {}
+    for warm in (0, 1):
+        plan = compile_mlp(b, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.9))
+        mon = MetricsMonitor(3, ema=0.5, measure_rounds=3, warmup_windows=warm)
+        fits[warm] = plan.fit(data, 1, progress=False, seed=3, metrics_every=mon).metrics
+        fits[warm, "z"] = plan.central_weights()
+        fits[warm, "plan"] = plan
+    torch.testing.assert_close(fits[0, "z"], fits[1, "z"], rtol=0, atol=0)
+    cold, warm = fits[0], fits[1]
+    assert [m.round for m in warm] == [3, 6, 9, 12]
+    assert warm[0].grad_sq == cold[0].grad_sq and warm[0].trace_sigma == cold[0].trace_sigma
+    assert warm[0].grad_sq_ema is None and warm[0].trace_sigma_ema is None and warm[0].noise_scale is None
+    ema_g2 = ema_tr = weight = 0.0
+    for m in warm[1:]:
+        ema_g2, ema_tr = 0.5 * ema_g2 + 0.5 * m.grad_sq, 0.5 * ema_tr + 0.5 * m.trace_sigma
+        weight = 0.5 * weight + 0.5
+        assert m.grad_sq_ema == pytest.approx(ema_g2 / weight, rel=1e-9)
+        assert m.trace_sigma_ema == pytest.approx(ema_tr / weight, rel=1e-9)
+    assert warm[1].grad_sq_ema == pytest.approx(warm[1].grad_sq, rel=1e-9)  # the first in the EMA
+    assert cold[1].grad_sq_ema != pytest.approx(cold[1].grad_sq, rel=1e-6)  # the cold one mixes in window 1
+    later = fits[1, "plan"].fit(data, 1, progress=False, seed=4,
+                                metrics_every=MetricsMonitor(3, measure_rounds=3,
+                                                             warmup_windows=1)).metrics
+    assert later[0].grad_sq_ema == pytest.approx(later[0].grad_sq, rel=1e-9)
+    for bad in (-1, True, False, 1.5, None):
+        with pytest.raises(ValueError, match="warmup_windows"):
+            MetricsMonitor(3, warmup_windows=bad)
+
+
 def test_measure_rounds_validated_and_capped():
     with pytest.raises(ValueError, match="measure_rounds"):
         MetricsMonitor(5, measure_rounds=0)

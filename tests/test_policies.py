@@ -176,15 +176,17 @@ def test_lr_drop_resets_every_replica_to_z():
 
 
 def test_adaptive_batch_size_rule():
-    """k·b is kept in (c·B_noise/2, c·B_noise], c = epoch_overhead (0.25 by default): b doubles when
-    2·k·b ≤ c·B_noise, halves when k·b > c·B_noise, within the bounds."""
+    """k·b is kept in (c·B_noise/2, c·B_noise], c = epoch_overhead (0.125 by default): b doubles
+    when 2·k·b ≤ c·B_noise, halves when k·b > c·B_noise, within the bounds."""
     p = AdaptiveBatchSize(min_batch_size=4, max_batch_size=32)
-    assert p.epoch_overhead == 0.25 and p.shrink
-    assert p.target(4, 31.9) == 4 and p.target(4, 32.0) == 8 and p.target(16, 1e9) == 32  # 2·4 ≤ B/4
+    assert p.epoch_overhead == 0.125 and p.shrink
+    assert p.target(4, 63.9) == 4 and p.target(4, 64.0) == 8 and p.target(16, 1e9) == 32  # 2·4 ≤ B/8
     assert p.target(32, 1e9) == 32 and p.target(4, 0.1) == 4  # the bounds
-    assert p.target(16, 64.0) == 16 and p.target(16, 63.9) == 8  # 16 ≤ 64/4: stay; above: halve
-    assert p.target(4, 127.9, k=4) == 4 and p.target(4, 128.0, k=4) == 8  # against k·b
-    assert p.target(16, 255.9, k=4) == 8 and p.target(16, 256.0, k=4) == 16
+    assert p.target(16, 128.0) == 16 and p.target(16, 127.9) == 8  # 16 ≤ 128/8: stay; above: halve
+    assert p.target(4, 255.9, k=4) == 4 and p.target(4, 256.0, k=4) == 8  # against k·b
+    assert p.target(16, 511.9, k=4) == 8 and p.target(16, 512.0, k=4) == 16
+    quarter = AdaptiveBatchSize(min_batch_size=4, epoch_overhead=0.25)  # session 6's default
+    assert quarter.target(4, 31.9) == 4 and quarter.target(4, 32.0) == 8 and quarter.target(16, 63.9) == 8
     one = AdaptiveBatchSize(min_batch_size=4, epoch_overhead=1.0, shrink=False)  # sessions 3–5
     assert one.target(4, 7.9) == 4 and one.target(4, 8.0) == 8 and one.target(16, 1.0) == 16
     for bad in (0, -1.0, float("inf"), True, "0.25"):
@@ -225,7 +227,7 @@ def test_adaptive_batch_size_waits_for_the_estimate_to_settle():
                      policies=[AdaptiveBatchSize(max_batch_size=8, settle_windows=settle, scale_lr="none")])
         windows = [m for m in h.metrics if m.grad_sq_ema is not None]  # the EMAs were updated
         due = [m.round for m in windows[skip:]
-               if m.noise_scale is not None and 2 * 2 * 4 <= 0.25 * m.noise_scale]  # k·b = 2·4
+               if m.noise_scale is not None and 2 * 2 * 4 <= 0.125 * m.noise_scale]  # k·b = 2·4, c
         assert due and [r.round for r in h.policy] == due[:1], (settle, h.policy)
 
 
@@ -288,7 +290,7 @@ def test_adaptive_batch_size_shrinks_b_where_the_noise_is_small():
     assert sizes[:2] == [8, 4] and p.min_batch_size == 4, h.policy
     first = next(r for r in h.policy if "batch_size" in r.changes)
     ns = next(m.noise_scale for m in h.metrics if m.round == first.round)
-    assert 2 * 16 > 0.25 * ns  # k·b > c·B_noise
+    assert 2 * 16 > p.epoch_overhead * ns  # k·b > c·B_noise
     assert _gain_invariant(h, lambda e: 0.01, 2, p, b=16) >= 1 and p.reference_batch == 32
 
 

@@ -33,7 +33,9 @@ class AdaptiveBatchSize(Policy):
     divided by it (``shrink``, default on) when k·b > c·B_noise; always within
     [``min_batch_size``, ``max_batch_size``]. B_noise grows as training proceeds, so b grows
     with it. ``epoch_overhead=1`` is the critical batch (E = 2·E_min, S = 2·S_min), the rule of
-    sessions 3–5 without the shrink. A change is taken only when the estimate has *settled*:
+    sessions 3–5 without the shrink. The default 1/8 spends at most 12.5 % more epochs than
+    E_min: a budget counted in epochs (W1's 5) favours data efficiency over fewer steps. A
+    change is taken only when the estimate has *settled*:
 
     * at least ``settle_windows`` windows whose estimate entered the EMAs since the fit started
       or since the last change (3 by default; None: ⌈1/(1 − a)⌉, one time constant of the
@@ -75,10 +77,11 @@ class AdaptiveBatchSize(Policy):
     with an estimate, from the ``gain_windows``-th of each fit on, and at every change of b: η
     is multiplied by r_new/r_old, so a change another policy makes by a factor (a schedule's
     drop) composes; a policy that sets η outright should include the gain (``policy.gain``).
-    A policy object reused on another plan starts again at r = 1 with its bounds re-derived. On W1 with the CLI's default
-    η (0.02, tuned at B₀ = 64 samples per round, dropped 10× at epochs 2 and 4), starts
-    b ∈ {4, …, 64} × 10 seeds reached 99.0 % within 5 epochs in 43 of 50 runs with this policy,
-    24 of 50 without it (docs/benchmarks.md, "Policies (issue 8)"). With a constant η there is
+    A policy object reused on another plan starts again at r = 1 with its bounds re-derived.
+    On W1 with the CLI's default η (0.02, tuned at B₀ = 64 samples per round, dropped 10× at
+    epochs 2 and 4), starts b ∈ {4, …, 64} × 15 seeds reached 99.0 % within 5 epochs in 71 of
+    75 runs with this policy, 35 of 75 without it (docs/benchmarks.md, "Policies (issue 8)",
+    session 7; session 6's ``epoch_overhead=0.25`` reached 43 of 50). With a constant η there is
     no decay: the gain raises η as B_noise grows, up to B/B₀. ``"linear"`` (or True)
     scales η by the factor of each change of b (η/b constant, Goyal et al. 2017); ``"none"`` (or
     False) keeps η, so a growing b lowers the SGD noise temperature η/b as a learning-rate decay
@@ -104,7 +107,7 @@ class AdaptiveBatchSize(Policy):
             None: k·b at the fit's start. The CLI passes 64 with its default η.
         gain_windows: windows with a noise-scale estimate before the gain first applies (≥ 1).
         epoch_overhead: c > 0, the bound on k·b as a fraction of B_noise (the extra epochs over
-            McCandlish's E_min allowed).
+            McCandlish's E_min allowed; default 0.125: E ≤ 1.125·E_min).
         shrink: also halve b (divide by ``factor``) when k·b > c·B_noise.
         min_speedup: keep a growth of b only if it raised samples/s by more than this fraction
             (e.g. 0.1, the replica auto-tuner's ``AutoTune.threshold``); else return to the
@@ -120,7 +123,7 @@ class AdaptiveBatchSize(Policy):
     """
 
     def __init__(self, *, min_batch_size: int | None = None, max_batch_size: int = 128,
-                 factor: float = 2.0, epoch_overhead: float = 0.25, cooldown_epochs: float = 0.25,
+                 factor: float = 2.0, epoch_overhead: float = 0.125, cooldown_epochs: float = 0.25,
                  settle_windows: int | None = 3, scale_lr: bool | str = "gain",
                  reference_batch: int | None = None, gain_windows: int = 3,
                  shrink: bool = True, min_speedup: float | None = None,
@@ -135,7 +138,7 @@ class AdaptiveBatchSize(Policy):
         if not (isinstance(epoch_overhead, (int, float)) and not isinstance(epoch_overhead, bool)
                 and 0 < epoch_overhead < math.inf):
             raise ValueError(f"AdaptiveBatchSize(epoch_overhead={epoch_overhead!r}): must be a "
-                             "number > 0 (the extra epochs over E_min allowed, e.g. 0.25)")
+                             "number > 0 (the extra epochs over E_min allowed, e.g. 0.125)")
         if not cooldown_epochs > 0:
             raise ValueError(f"AdaptiveBatchSize(cooldown_epochs={cooldown_epochs}): must be > 0")
         if settle_windows is not None and not is_count(settle_windows):
@@ -327,7 +330,7 @@ class AdaptiveBatchSize(Policy):
             self._speeds.append(rec.samples_per_s)
         if self._judge_growth(ctx):
             return
-        if mon.last.grad_sq_ema is None:  # no estimate entered the EMAs (k = 1, non-finite)
+        if mon.last.grad_sq_ema is None:  # no estimate entered the EMAs (k = 1, non-finite, warm-up)
             return
         self._windows += 1
         ns = mon.last.noise_scale  # None while EMA(|G|²) ≤ 0

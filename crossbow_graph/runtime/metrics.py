@@ -22,8 +22,15 @@ noisy, and the mean of R divides its variance by R (on W1 without a policy, b = 
 standard deviation of a window's |G|² and tr Σ over epochs 3–5 fell 1.5–4× from R = 1 to 10;
 late in training |G|² is so small that a third of the windows still come out ≤ 0). Both terms
 are then averaged over windows with exponential moving averages (bias-corrected, as Adam does)
-before the ratio (McCandlish et al. 2018, A.1). The learners hold slightly different replicas
-ŵ_j (SMA keeps them close to z): the estimator treats them as one point, as KungFu does.
+before the ratio (McCandlish et al. 2018, A.1). ``warmup_windows=1`` (opt-in) keeps the first
+window of training out of those averages: it is taken straight after the random initialisation,
+and at some seeds it is far off (on W1 at b = 64, seeds 0, 6 and 7, it read tr Σ about 25×
+above the next window's with |G|² ≤ 0, and the ratio of averages then read B_noise
+5,000–100,000 samples for the whole run, against 175–550 in the first epoch at most other
+seeds). It is off by default because on W1
+with AdaptiveBatchSize it lost more runs than it saved (61 of 75 reached 99.0 % against 71;
+docs/benchmarks.md, "Session 7"). The learners hold slightly different replicas ŵ_j (SMA
+keeps them close to z): the estimator treats them as one point, as KungFu does.
 
 Cost, on the R measured rounds of a window only: one pass over ``g`` per device (two reductions
 ``[m, P] → [P]`` and ``[m]``), and one over ``w`` at the window's end (divergence). ``g`` must hold
@@ -140,9 +147,10 @@ class MetricRecord:
         alpha: α; sync_every: τ.
         divergence_mean, divergence_max: mean and max over replicas of ‖w_j − z‖ / ‖z‖.
         grad_sq, trace_sigma: the window's two-batch estimates of |G|² and tr Σ (None: k = 1).
-        grad_sq_ema, trace_sigma_ema: their bias-corrected exponential moving averages.
-        noise_scale: B_noise = trace_sigma_ema / grad_sq_ema, samples (None when k = 1 or the
-            EMA of |G|² is ≤ 0).
+        grad_sq_ema, trace_sigma_ema: their bias-corrected exponential moving averages (None in
+            the monitor's warm-up windows: ``MetricsMonitor.warmup_windows``).
+        noise_scale: B_noise = trace_sigma_ema / grad_sq_ema, samples (None when k = 1, in the
+            monitor's warm-up windows, or while the EMA of |G|² is ≤ 0).
         test_accuracy: z's accuracy at the last evaluation inside the window (including one right
             after its last round), else None.
     """
@@ -186,18 +194,24 @@ class MetricsMonitor(Hook):
             from k batches is very noisy (|G|² comes out negative in a third of LeNet-5's
             rounds); R rounds divide its variance by R. Cost: R rounds per window run without
             the process executor's overlap of the next round, and R reductions of ``g``.
+        warmup_windows: the windows of the start of training (those ending within the plan's
+            first ``warmup_windows·every`` rounds) whose estimates are recorded but kept out of
+            the EMAs, so their B_noise is None (≥ 0; default 0). Rounds are the plan's, so a
+            later fit (or a resumed one) past them is not held back.
 
     Attributes:
         last: the newest MetricRecord (None before the first window).
         noise_scale: the newest B_noise estimate, samples (None before one exists).
 
     Raises:
-        ValueError: ``every`` < 1, ``ema`` outside [0, 1) or ``measure_rounds`` < 1.
+        ValueError: ``every`` < 1, ``ema`` outside [0, 1), ``measure_rounds`` < 1 or
+            ``warmup_windows`` < 0.
     """
 
     mutates_replicas = False
 
-    def __init__(self, every: int = 50, *, ema: float = 0.9, measure_rounds: int = 10) -> None:
+    def __init__(self, every: int = 50, *, ema: float = 0.9, measure_rounds: int = 10,
+                 warmup_windows: int = 0) -> None:
         if not is_count(every):
             raise ValueError(f"metrics_every={every!r}: must be an integer ≥ 1 (rounds per window)")
         if not 0 <= ema < 1:
@@ -205,7 +219,10 @@ class MetricsMonitor(Hook):
         if not is_count(measure_rounds):
             raise ValueError(f"MetricsMonitor(measure_rounds={measure_rounds!r}): must be an integer "
                              "≥ 1 (rounds per window whose gradients are read)")
-        self.every, self.ema = every, ema
+        if isinstance(warmup_windows, bool) or not isinstance(warmup_windows, int) or warmup_windows < 0:
+            raise ValueError(f"MetricsMonitor(warmup_windows={warmup_windows!r}): must be an integer "
+                             "≥ 0 (the first windows of training kept out of the moving averages)")
+        self.every, self.ema, self.warmup_windows = every, ema, warmup_windows
         self.measure_rounds = min(measure_rounds, every)
         self.last: MetricRecord | None = None
         self._g2 = self._tr = 0.0     # biased EMAs
@@ -299,6 +316,7 @@ class MetricsMonitor(Hook):
         if self._est:
             g2 = sum(e[0] for e in self._est) / len(self._est)
             tr = sum(e[1] for e in self._est) / len(self._est)
+        if self._est and plan.rounds_done > self.warmup_windows * self.every:
             a = self.ema
             self._g2 = a * self._g2 + (1 - a) * g2
             self._tr = a * self._tr + (1 - a) * tr
