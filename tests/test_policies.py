@@ -192,6 +192,19 @@ def test_adaptive_batch_size_rule():
     for bad in (0, -1.0, float("inf"), True, "0.25"):
         with pytest.raises(ValueError, match="epoch_overhead"):
             AdaptiveBatchSize(epoch_overhead=bad)
+    for kw in ({"max_batch_size": True}, {"max_batch_size": 0}, {"min_batch_size": 2.5},
+               {"min_batch_size": 0}, {"shrink": "no"}, {"shrink": None}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            AdaptiveBatchSize(**kw)
+
+
+def test_adaptive_batch_size_refuses_a_fit_without_metrics():
+    """Without a metrics monitor there is no noise scale: the fit stops at its start with an error
+    that names the way out, instead of running a policy that never acts."""
+    plan = compile_tiny(devices=2, replicas=1, executor="inline")
+    with pytest.raises(ValueError, match="metrics_every"):
+        plan.fit(tiny_data(64), 1, progress=False, metrics_every=None, policies=[AdaptiveBatchSize()])
+    assert plan.rounds_done == 0
 
 
 def test_adaptive_batch_size_grows_b_in_a_fit():

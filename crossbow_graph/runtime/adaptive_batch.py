@@ -119,7 +119,8 @@ class AdaptiveBatchSize(Policy):
 
     Raises:
         ValueError: bounds, factor, epoch_overhead, cooldown, settle_windows, scale_lr, reference_batch,
-            gain_windows, min_speedup or speed_windows out of range.
+            gain_windows, shrink, min_speedup or speed_windows out of range; at the start of a
+            fit without a metrics monitor (``fit(metrics_every=None)``).
     """
 
     def __init__(self, *, min_batch_size: int | None = None, max_batch_size: int = 128,
@@ -128,8 +129,12 @@ class AdaptiveBatchSize(Policy):
                  reference_batch: int | None = None, gain_windows: int = 3,
                  shrink: bool = True, min_speedup: float | None = None,
                  speed_windows: int = 2) -> None:
-        if min_batch_size is not None and min_batch_size < 1:
-            raise ValueError(f"AdaptiveBatchSize(min_batch_size={min_batch_size}): must be ≥ 1")
+        if min_batch_size is not None and not is_count(min_batch_size):
+            raise ValueError(f"AdaptiveBatchSize(min_batch_size={min_batch_size!r}): must be an "
+                             "integer ≥ 1, or None for 4 (or the starting b, if smaller)")
+        if not is_count(max_batch_size):
+            raise ValueError(f"AdaptiveBatchSize(max_batch_size={max_batch_size!r}): must be an "
+                             "integer ≥ 1 (samples per learner, e.g. 128)")
         if max_batch_size < (min_batch_size or 1):
             raise ValueError(f"AdaptiveBatchSize(max_batch_size={max_batch_size}): must be ≥ "
                              f"min_batch_size={min_batch_size}")
@@ -140,7 +145,12 @@ class AdaptiveBatchSize(Policy):
             raise ValueError(f"AdaptiveBatchSize(epoch_overhead={epoch_overhead!r}): must be a "
                              "number > 0 (the extra epochs over E_min allowed, e.g. 0.125)")
         if not cooldown_epochs > 0:
-            raise ValueError(f"AdaptiveBatchSize(cooldown_epochs={cooldown_epochs}): must be > 0")
+            raise ValueError(f"AdaptiveBatchSize(cooldown_epochs={cooldown_epochs}): must be > 0 "
+                             "(epochs of samples between changes, e.g. 0.25; a small value such as "
+                             "0.01 leaves settle_windows to pace the changes)")
+        if not isinstance(shrink, bool):
+            raise ValueError(f"AdaptiveBatchSize(shrink={shrink!r}): must be True or False "
+                             "(on the CLI: shrink=true or shrink=false)")
         if settle_windows is not None and not is_count(settle_windows):
             raise ValueError(f"AdaptiveBatchSize(settle_windows={settle_windows!r}): must be an "
                              "integer ≥ 1, or None for ⌈1/(1 − ema)⌉ of the MetricsMonitor")
@@ -214,6 +224,11 @@ class AdaptiveBatchSize(Policy):
         return max(1, math.ceil(1 / (1 - ema) - 1e-9))
 
     def before_fit(self, ctx: FitContext) -> None:
+        if self.metrics(ctx) is None:
+            raise ValueError("AdaptiveBatchSize reads the gradient noise scale from the fit's "
+                             "metrics monitor, and this fit has none (fit(metrics_every=None), or "
+                             "--metrics-every 0 on the CLI): leave metrics_every at its default "
+                             "(50) or pass a cg.MetricsMonitor")
         plan = ctx.plan
         if self._plan is not None and self._plan() is not plan and not self._resumed:
             # another plan: its η holds no gain of ours, and derived bounds are re-derived
