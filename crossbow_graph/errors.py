@@ -6,10 +6,10 @@ __all__ = ["TraceError", "PlanError", "TaskError", "DivergenceError", "Checkpoin
            "DistributedError", "CompilerError", "is_count"]
 
 
-def is_count(value: object) -> bool:
-    """True for an ``int`` ≥ 1 that is not a ``bool``: a valid count of rounds, epochs, samples,
-    windows or replicas (the argument checks raise ValueError on anything else)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def is_count(value: object, minimum: int = 1) -> bool:
+    """True for an ``int`` ≥ ``minimum`` that is not a ``bool``: a valid count of rounds, epochs,
+    samples, windows or replicas (the argument checks raise ValueError on anything else)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 class TraceError(ValueError):

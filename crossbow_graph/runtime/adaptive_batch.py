@@ -224,7 +224,8 @@ class AdaptiveBatchSize(Policy):
         return max(1, math.ceil(1 / (1 - ema) - 1e-9))
 
     def before_fit(self, ctx: FitContext) -> None:
-        if self.metrics(ctx) is None:
+        mon = self.metrics(ctx)  # a monitor reused from the last fit still holds its last window
+        if mon is None:
             raise ValueError("AdaptiveBatchSize reads the gradient noise scale from the fit's "
                              "metrics monitor, and this fit has none (fit(metrics_every=None), or "
                              "--metrics-every 0 on the CLI): leave metrics_every at its default "
@@ -246,8 +247,7 @@ class AdaptiveBatchSize(Policy):
             self._wait, self._windows, self._gain_windows_seen = 0.0, 0, 0
             self._speeds, self._setting = [], None
         self._resumed = False
-        mon = self.metrics(ctx)  # a monitor reused from the last fit still holds its last window
-        self._seen = mon.last if mon is not None else None
+        self._seen = mon.last
 
     def _judge_growth(self, ctx: FitContext) -> bool:
         """With a growth on trial and ``speed_windows`` windows measured at the new b: keep it, or
@@ -314,8 +314,8 @@ class AdaptiveBatchSize(Policy):
 
     def after_round(self, ctx: FitContext) -> None:
         self._wait -= ctx.round_samples
-        mon = self.metrics(ctx)
-        if mon is None or mon.last is None or mon.last is self._seen:
+        mon = self.metrics(ctx)  # never None: before_fit refused a fit without one
+        if mon.last is None or mon.last is self._seen:
             return
         self._seen = mon.last
         if mon.last.grad_sq_ema is not None:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedError
+from ..errors import DistributedError, is_count
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -69,8 +69,7 @@ class Distributed:
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"Distributed(timeout_s={self.timeout_s}): must be > 0 seconds, e.g. 60")
-        if isinstance(self.checksum_every, bool) or not isinstance(self.checksum_every, int) \
-                or self.checksum_every < 1:
+        if not is_count(self.checksum_every):
             raise ValueError(f"Distributed(checksum_every={self.checksum_every!r}): must be an "
                              "integer number of rounds ≥ 1")
         if self.backend not in ("auto", "gloo", "nccl"):

@@ -219,7 +219,7 @@ class MetricsMonitor(Hook):
         if not is_count(measure_rounds):
             raise ValueError(f"MetricsMonitor(measure_rounds={measure_rounds!r}): must be an integer "
                              "≥ 1 (rounds per window whose gradients are read)")
-        if isinstance(warmup_windows, bool) or not isinstance(warmup_windows, int) or warmup_windows < 0:
+        if not is_count(warmup_windows, minimum=0):
             raise ValueError(f"MetricsMonitor(warmup_windows={warmup_windows!r}): must be an integer "
                              "≥ 0 (the first windows of training kept out of the moving averages)")
         self.every, self.ema, self.warmup_windows = every, ema, warmup_windows
@@ -316,13 +316,13 @@ class MetricsMonitor(Hook):
         if self._est:
             g2 = sum(e[0] for e in self._est) / len(self._est)
             tr = sum(e[1] for e in self._est) / len(self._est)
-        if self._est and plan.rounds_done > self.warmup_windows * self.every:
-            a = self.ema
-            self._g2 = a * self._g2 + (1 - a) * g2
-            self._tr = a * self._tr + (1 - a) * tr
-            self._weight = a * self._weight + (1 - a)
-            g2_ema, tr_ema = self._g2 / self._weight, self._tr / self._weight
-            ns = tr_ema / g2_ema if g2_ema > 0 else None
+            if plan.rounds_done > self.warmup_windows * self.every:  # past the warm-up windows
+                a = self.ema
+                self._g2 = a * self._g2 + (1 - a) * g2
+                self._tr = a * self._tr + (1 - a) * tr
+                self._weight = a * self._weight + (1 - a)
+                g2_ema, tr_ema = self._g2 / self._weight, self._tr / self._weight
+                ns = tr_ema / g2_ema if g2_ema > 0 else None
         div = divergence(states)
         elapsed = max(ctx.train_seconds - self._t0, 1e-9)
         n_samples = ctx.rounds_per_epoch * k * b or 1
