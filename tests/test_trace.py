@@ -217,3 +217,64 @@ def test_keyword_example_inputs_that_do_not_run_name_the_module_and_shapes():
         trace_model(_TwoInputs(), {"x": torch.randn(2, 5), "extra": torch.randn(2, 2)})
     with pytest.raises(cg.TraceError, match=r"do not match the model's forward\(x, extra"):
         trace_model(_TwoInputs(), {"x": torch.randn(2, 4), "other": torch.randn(2, 2)})
+
+
+class _EMA(nn.Module):
+    """Updates a registered float buffer in forward, in every mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("ema", torch.zeros(()))
+
+    def forward(self, x):
+        self.ema.mul_(0.9).add_(x.mean())
+        return self.lin(x)
+
+
+class _Counter(nn.Module):
+    """Counts its calls in an integer buffer and adds noise drawn from torch's global RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x + 0.01 * torch.randn_like(x))
+
+
+def _frozen_batch_norm() -> nn.Module:
+    """BatchNorm in training mode next to one the user put in evaluation mode (frozen stats)."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6),
+                          nn.BatchNorm1d(6), nn.Linear(6, 3))
+    model[1].running_mean.add_(0.5)
+    model[4].eval()
+    return model
+
+
+@pytest.mark.parametrize("make", [_frozen_batch_norm, _EMA, _Counter],
+                         ids=["batch_norm", "ema_buffer", "counter_and_noise"])
+def test_compile_leaves_the_model_and_the_global_rng_bitwise_unchanged(make):
+    """Tracing and shape propagation run the forward once: on a copy, under a forked RNG. The
+    model's state_dict, modes, requires_grad and attributes are as before, and the plan's
+    replicas start from that state."""
+    torch.manual_seed(0)
+    model, example = make(), (torch.randn(5, 4),)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modes = [(name, m.training) for name, m in model.named_modules()]
+    grads = [(name, p.requires_grad) for name, p in model.named_parameters()]
+    attrs = {name: sorted(vars(m)) for name, m in model.named_modules()}
+    rng = torch.get_rng_state()
+    plan = cg.compile(model, example, F.cross_entropy, batch_size=4, devices=["cpu:0"], replicas=2)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for key, value in before.items():
+        assert after[key].dtype == value.dtype and torch.equal(after[key], value), key
+    assert [(name, m.training) for name, m in model.named_modules()] == modes
+    assert [(name, p.requires_grad) for name, p in model.named_parameters()] == grads
+    assert {name: sorted(vars(m)) for name, m in model.named_modules()} == attrs
+    assert torch.equal(torch.get_rng_state(), rng), "compile drew from torch's global RNG"
+    central = plan.central_model().state_dict()
+    assert all(torch.equal(central[key], value) for key, value in before.items())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import io
 import os
@@ -53,7 +54,8 @@ class ModelGraph:
     """A traced model: the fx GraphModule with shapes, and its parameter inventory.
 
     Attributes:
-        module: the ``torch.fx.GraphModule``; its state_dict keys are the model's.
+        module: the ``torch.fx.GraphModule``, built on a deep copy of the model; its state_dict
+            keys are the model's.
         example_batch: the batch size of the example inputs (dimension 0 of the first tensor).
         parameters: every distinct parameter (tied ones once), in ``named_parameters()`` order.
         buffers: every buffer, in ``named_buffers()`` order.
@@ -188,6 +190,25 @@ def _inventory(module: torch.nn.Module) -> tuple[list[ParamInfo], list[ParamInfo
     return params, buffers
 
 
+def _working_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` to trace and run: tracing may add attributes to the module it
+    traces, and the forward of shape propagation may update buffers (an EMA, a call counter)."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as exc:  # noqa: BLE001 - any failure to copy gets the same advice
+        raise TypeError(
+            f"{type(model).__name__} cannot be deep-copied ({type(exc).__name__}: {exc}); compile() "
+            "traces a copy of the model and trains copies of it, so its attributes must support "
+            "copy.deepcopy (keep open files, locks and the like outside the module)"
+        ) from exc
+
+
+def _cuda_indices(model: torch.nn.Module, inputs: list[Any]) -> list[int]:
+    """The CUDA devices of the model's tensors and of the example inputs."""
+    tensors = [*model.parameters(), *model.buffers(), *(t for t in inputs if isinstance(t, torch.Tensor))]
+    return sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+
+
 def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The example inputs as the GraphModule's positional arguments (placeholder order)."""
     sig = inspect.signature(gm.forward)
@@ -234,7 +255,9 @@ def trace_model(
     """Trace ``model`` with torch.fx, propagate the example inputs' shapes, and analyse it.
 
     Args:
-        model: any ``nn.Module``; it is not modified.
+        model: any ``nn.Module``; it is not modified (its parameters, buffers, modes and
+            attributes, and torch's global RNG state, are as before): the tracer and shape
+            propagation work on a deep copy, which ``ModelGraph.module`` holds.
         example_inputs: one batch (any batch size) as the runtime passes it to the model
             (runtime/data.py ``split_inputs``): a tuple of positional inputs, e.g. ``(x,)`` with
             ``x [N, C, H, W]`` or ``(tokens, mask)``, or a dict of keyword inputs,
@@ -251,8 +274,8 @@ def trace_model(
     Raises:
         TraceError: torch.fx cannot trace the model (names the module, the line and the fix), or
             the example inputs do not run through the traced model.
-        TypeError: ``model`` is not an ``nn.Module`` or ``example_inputs`` is neither a tuple
-            nor a dict.
+        TypeError: ``model`` is not an ``nn.Module``, cannot be deep-copied, or ``example_inputs``
+            is neither a tuple nor a dict.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"compile() takes an nn.Module, got {type(model).__name__}")
@@ -266,9 +289,19 @@ def trace_model(
             f"dict of its keyword inputs, e.g. {{'x': x}}; got {type(example_inputs).__name__}"
         )
     concrete_args = _fixed_defaults(model, args, kwargs, concrete_args)
+    # tracing and shape propagation run the forward on a copy, and torch's RNG (dropout, randn in
+    # a forward) is restored afterwards: the model and the random stream are as they were
+    with torch.random.fork_rng(devices=_cuda_indices(model, list(args) + list(kwargs.values()))):
+        return _trace_copy(model, _working_copy(model), args, kwargs, concrete_args, leaf_modules)
+
+
+def _trace_copy(model: torch.nn.Module, work: torch.nn.Module, args: tuple[Any, ...],
+                kwargs: dict[str, Any], concrete_args: dict[str, Any] | None,
+                leaf_modules: Sequence[type[torch.nn.Module]]) -> ModelGraph:
+    """``trace_model`` on ``work``, a copy of ``model`` (the inventory and messages use ``model``)."""
     tracer = _Tracer(leaf_modules)
     try:
-        graph = tracer.trace(model, concrete_args=concrete_args)
+        graph = tracer.trace(work, concrete_args=concrete_args)
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
         raise _trace_error(model, exc) from exc
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
