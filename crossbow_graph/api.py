@@ -398,7 +398,8 @@ class Plan:
     def state_dict(self) -> dict[str, Any]:
         """The training state: per device ``w, v [m, P]``, ``z, z_prev [P]``, ``buf [m, Q]``,
         ``zbuf [Q]``, integer buffers, ``first_step``; learning rate, the epoch's losses, faults,
-        counters (epochs, rounds, round in epoch, seconds). CPU tensors and plain values;
+        counters (epochs, rounds, round in epoch, seconds); the model's parameter and buffer
+        names, shapes and dtypes. CPU tensors and plain values;
         ``fit(checkpoint_dir=...)`` adds the RNGs, data position, hooks and history
         (runtime/checkpoint.py)."""
         return plan_state_dict(self)
@@ -407,7 +408,9 @@ class Plan:
         """Restore a ``state_dict()`` in place.
 
         Raises:
-            CheckpointError: the state is of a plan with other devices, replicas or parameters.
+            CheckpointError: the state is of another model (a parameter or buffer of another
+                name, shape or dtype: the message names the first) or of a plan with other
+                devices, replicas or parameters.
         """
         load_plan_state_dict(self, state)
 
@@ -542,7 +545,7 @@ class Plan:
             TaskError: a task failed (names the task, its device and the round).
             DivergenceError: every replica produced NaN/Inf in the same round.
             CheckpointError: ``resume`` found checkpoints but none readable, or one written for
-                another plan or data order.
+                another model, plan or data order (before any round).
         """
         return run_fit(self, train_dataset, epochs, eval_dataset=eval_dataset, shuffle=shuffle,
                        seed=seed, target_accuracy=target_accuracy, evals_per_epoch=evals_per_epoch,

@@ -183,6 +183,91 @@ def test_resume_with_other_data_order_or_plan_is_refused(tmp_path):
         make_plan(devices=1, replicas=1).load_state_dict(make_plan().state_dict())
 
 
+# -- a checkpoint of another model ------------------------------------------------------------
+
+
+class _Seq(nn.Module):
+    """An MLP as ``net``, an nn.Sequential: 12→5→7→3 and 12→8→3 both have 131 parameters."""
+
+    def __init__(self, *widths: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for a, b in zip(widths, widths[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.net = nn.Sequential(*layers[:-1])
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class _Named(nn.Module):
+    """12→8→3 as ``fc1``/``fc2``: the shapes of ``_Seq(12, 8, 3)`` under other names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _mlp_plan(model: nn.Module, dtype: torch.dtype = torch.float32) -> cg.Plan:
+    return cg.compile(model.to(dtype), (torch.zeros(2, 12, dtype=dtype),),
+                      nn.functional.cross_entropy, batch_size=4, devices=1, replicas=2)
+
+
+def _mlp_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    return TensorDataset(torch.randn(48, 12, generator=g), torch.randint(0, 3, (48,), generator=g))
+
+
+_OTHER_MODEL = [
+    (lambda: _Seq(12, 8, 3), r"checkpoint's parameter 'net\.0\.weight' has shape \[5, 12\], this "
+                             r"plan's has shape \[8, 12\]"),
+    (_Named, r"checkpoint's parameter 0 is 'net\.0\.weight', this plan's is 'fc1\.weight'"),
+]
+
+
+@pytest.mark.parametrize("other, first_difference", _OTHER_MODEL, ids=["shapes", "names"])
+def test_resume_with_another_model_of_as_many_parameters_is_refused(tmp_path, other, first_difference):
+    """Before any round, naming the first parameter that differs; not skipped to start afresh."""
+    torch.manual_seed(0)
+    writer = _mlp_plan(_Seq(12, 5, 7, 3))
+    writer.fit(_mlp_data(), 1, progress=False, checkpoint_dir=str(tmp_path))
+    torch.manual_seed(0)
+    plan = _mlp_plan(other())
+    assert plan.num_parameters == writer.num_parameters == 131
+    start, rounds = plan.central_weights(), Counter()
+    with pytest.raises(CheckpointError, match=first_difference + r".*resume with the model that "
+                                              r"wrote it, or point checkpoint_dir at a new"):
+        plan.fit(_mlp_data(), 2, progress=False, checkpoint_dir=str(tmp_path), resume=True,
+                 hooks=[rounds])
+    assert rounds.seen == 0 and plan.rounds_done == 0
+    assert torch.equal(plan.central_weights(), start)
+    with pytest.raises(CheckpointError, match=first_difference):
+        plan.load_state_dict(writer.state_dict())
+
+
+def test_a_state_without_the_model_layout_is_checked_by_its_counts():
+    """States written before checkpoints recorded the model load when the counts agree."""
+    torch.manual_seed(0)
+    state = _mlp_plan(_Seq(12, 5, 7, 3)).state_dict()
+    del state["model"]
+    _mlp_plan(_Seq(12, 8, 3)).load_state_dict(state)
+    with pytest.raises(CheckpointError, match="131 parameters .* 163"):
+        _mlp_plan(_Seq(12, 10, 3)).load_state_dict(state)
+
+
+def test_load_state_dict_of_the_same_model_in_another_dtype_is_refused():
+    torch.manual_seed(0)
+    state = _mlp_plan(_Named()).state_dict()
+    torch.manual_seed(0)
+    plan = _mlp_plan(_Named(), torch.bfloat16)
+    with pytest.raises(CheckpointError, match=r"checkpoint's parameter 'fc1\.weight' has dtype "
+                                              r"float32, this plan's has dtype bfloat16"):
+        plan.load_state_dict(state)
+
+
 def test_resume_without_checkpoint_starts_afresh_and_needs_dir(tmp_path):
     a, b = make_plan(), make_plan()
     a.fit(data(), 1, progress=False)

@@ -2,8 +2,10 @@
 
 A checkpoint holds everything the next round depends on:
 
-- the plan (``plan_state_dict``): per device the replicas ``w [m, P]``, momenta ``v [m, P]``, the
-  central model ``z [P]`` and ``z_prev [P]``, float buffers ``buf [m, Q]`` and ``zbuf [Q]``,
+- the plan (``plan_state_dict``): the model it trains (``model``: name, shape and dtype of every
+  trainable parameter, float buffer and integer buffer, in the order of the flat buffers; checked
+  on load by ``check_same_model``); per device the replicas ``w [m, P]``, momenta ``v [m, P]``,
+  the central model ``z [P]`` and ``z_prev [P]``, float buffers ``buf [m, Q]`` and ``zbuf [Q]``,
   every replica's integer buffers (``num_batches_tracked``), the ``first_step`` flags; the
   settings a policy may have changed (``Plan.adjust``: batch size b, SMA α and τ, the
   scheduler's learning rate), which a resumed fit continues with; the current epoch's losses;
@@ -45,13 +47,15 @@ from ..errors import CheckpointError
 from .faults import FaultEvent
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
+from .state import float_buffers_named, trainable_named
 
 if TYPE_CHECKING:
     from ..api import Plan
     from .data import BatchSchedule
 
-__all__ = ["CheckpointHook", "plan_state_dict", "load_plan_state_dict", "save_checkpoint",
-           "load_checkpoint", "load_latest", "list_checkpoints", "MAGIC"]
+__all__ = ["CheckpointHook", "plan_state_dict", "load_plan_state_dict", "check_same_model",
+           "model_layout", "save_checkpoint", "load_checkpoint", "load_latest", "list_checkpoints",
+           "MAGIC"]
 
 log = logging.getLogger("crossbow_graph.checkpoint")
 
@@ -79,6 +83,7 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
     sched = plan.scheduler
     return {
         "format": _FORMAT,
+        "model": model_layout(plan),
         "devices": plan.devices, "replicas_per_device": plan.replicas_per_device,
         "num_parameters": plan.num_parameters, "num_float_buffers": plan.states[0].buf.shape[1],
         "states": states,
@@ -93,6 +98,56 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
     }
 
 
+def model_layout(plan: "Plan") -> dict[str, list[list[Any]]]:
+    """What identifies the plan's model in a checkpoint: ``[name, shape, dtype]`` per trainable
+    parameter (the columns of ``w``), float buffer (of ``buf``) and integer buffer, in that order,
+    as the replicas hold them (e.g. ``["net.0.weight", [5, 12], "float32"]``)."""
+    replica = plan.states[0].replicas[0]
+    ints = [(n, b) for n, b in replica.named_buffers() if not b.is_floating_point()]
+    return {key: [[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in named]
+            for key, named in (("parameters", trainable_named(replica)),
+                               ("float_buffers", float_buffers_named(replica)),
+                               ("int_buffers", ints))}
+
+
+def _first_difference(what: str, saved: list[list[Any]], have: list[list[Any]]) -> str | None:
+    for i, ((name, shape, dtype), (name2, shape2, dtype2)) in enumerate(zip(saved, have)):
+        if name != name2:
+            return f"checkpoint's {what} {i} is '{name}', this plan's is '{name2}'"
+        if shape != shape2:
+            return f"checkpoint's {what} '{name}' has shape {shape}, this plan's has shape {shape2}"
+        if dtype != dtype2:
+            return f"checkpoint's {what} '{name}' has dtype {dtype}, this plan's has dtype {dtype2}"
+    counts = f"({len(saved)} {what}s in the checkpoint, {len(have)} in this plan)"
+    if len(saved) > len(have):
+        return f"checkpoint's {what} '{saved[len(have)][0]}' is not in this plan's model {counts}"
+    if len(have) > len(saved):
+        return f"this plan's {what} '{have[len(saved)][0]}' is not in the checkpoint {counts}"
+    return None
+
+
+def check_same_model(plan: "Plan", sd: dict[str, Any], source: str = "the checkpoint") -> None:
+    """Refuse a ``plan_state_dict`` of another model: one whose parameters or buffers differ in
+    name, shape or dtype from the plan's (``model_layout``), even with as many scalars; ``source``
+    names the state in the message. A state without ``model`` (written before checkpoints
+    recorded it) is accepted; for it ``load_plan_state_dict`` compares the counts only.
+
+    Raises:
+        CheckpointError: naming the first difference and the fix.
+    """
+    if "model" not in sd:
+        return
+    have = model_layout(plan)
+    for key, what in (("parameters", "parameter"), ("float_buffers", "float buffer"),
+                      ("int_buffers", "integer buffer")):
+        diff = _first_difference(what, sd["model"][key], have[key])
+        if diff is not None:
+            raise CheckpointError(
+                f"{source} was written for another model: {diff}; resume with the model "
+                "that wrote it, or point checkpoint_dir at a new directory to start afresh"
+            )
+
+
 @torch.no_grad()
 def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
     """Copy a ``plan_state_dict`` into ``plan`` in place (module parameters stay views of ``w``).
@@ -102,10 +157,12 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
     and τ are set, so the plan continues with the b, α, τ and η in force when it was saved.
 
     Raises:
-        CheckpointError: the state was saved from a plan of another shape (devices, replicas,
-            parameter or buffer count).
+        CheckpointError: the state was saved for another model (``check_same_model``: names the
+            first parameter or buffer whose name, shape or dtype differs), or from a plan of
+            another shape (devices, replicas, parameter or buffer count).
         PlanError: the saved batch size does not fit this plan's memory budget.
     """
+    check_same_model(plan, sd)
     if plan.autotuner is not None and sd["replicas_per_device"] != plan.replicas_per_device:
         plan.set_replicas(sd["replicas_per_device"])  # the tuner had changed m: continue from there
     have = (len(plan.devices), plan.replicas_per_device, plan.num_parameters, plan.states[0].buf.shape[1])
@@ -334,7 +391,8 @@ class CheckpointHook(Hook):
 
         Raises:
             CheckpointError: no checkpoint can be read, or the newest good one was written for
-                another plan shape or another data order (dataset size, shuffle, seed).
+                another model, another plan shape or another data order (dataset size, shuffle,
+                seed); such a checkpoint is refused, never skipped.
             PlanError: the checkpoint's batch size (a policy's) does not fit the memory budget.
         """
         found = load_latest(self.directory)
@@ -344,6 +402,7 @@ class CheckpointHook(Hook):
         if state.get("format") != _FORMAT:
             raise CheckpointError(f"checkpoint {path} has format {state.get('format')}, this "
                                   f"version reads format {_FORMAT}")
+        check_same_model(plan, state["plan"], f"checkpoint {path}")
         want, have = state["data"], _data_key(self.schedule)
         if want != have:
             diff = ", ".join(f"{k}={want[k]!r} (now {have[k]!r})" for k in want if want[k] != have[k])
