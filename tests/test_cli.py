@@ -48,7 +48,10 @@ def test_adaptive_batch_gain_refers_to_the_default_lrs_batch(tmp_path):
         assert main(small + extra + ["--log-dir", str(log)]) == 0
         policy = json.loads((log / "history.json").read_text())["policy"]
         lrs[name] = [p["changes"]["lr"] for p in policy if "lr" in p["changes"]]
-    assert lrs["default"] and all(0.02 * 16 / 64 <= lr < 0.02 for lr in lrs["default"])
+    # the floor 16/64 is reached where the noise dominates (r = B/B₀); η = η_now·r/r_now then
+    # rounds to within a few ulps of it, on either side
+    floor = 0.02 * 16 / 64 * (1 - 1e-12)
+    assert lrs["default"] and all(floor <= lr < 0.02 for lr in lrs["default"])
     assert lrs["given"] == []
 
 

@@ -93,6 +93,18 @@ def test_dot_has_a_cluster_per_device_and_every_task(plan):
     assert '"global_sync"' not in cluster0
 
 
+def test_dot_quotes_names_with_quotes_and_backslashes(plan, tmp_path, monkeypatch):
+    doc = json.loads(plan.to_json())
+    doc["graph"]["model"]["name"] = 'my "net" \\ v2'
+    dot = from_json(json.dumps(doc)).to_dot()
+    assert 'label="my \\"net\\" \\\\ v2: 2 device(s)' in dot
+    if shutil.which("dot") is not None:
+        assert from_json(json.dumps(doc)).draw(tmp_path / "q.svg").read_text().count("<svg") == 1
+    monkeypatch.setenv("PATH", str(tmp_path))  # no graphviz 'dot' on PATH
+    with pytest.raises(RuntimeError, match="install graphviz"):
+        plan.draw(tmp_path / "plan.png")
+
+
 @needs_dot
 def test_draw_writes_a_png(plan, tmp_path):
     path = plan.draw(tmp_path / "plan.png")

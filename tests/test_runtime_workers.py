@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import time
+import types
 
 import pytest
 import torch
@@ -238,24 +239,53 @@ def test_bf16_replicas_split_over_processes_match_in_process():
     assert multiprocessing.active_children() == []
 
 
+class _SharedClock:
+    """A ``time.perf_counter_ns`` for the process executor that forked workers share: every
+    reading advances it by 1 µs, ``advance`` by more. Its readings do not depend on the machine's
+    speed or load."""
+
+    STEP_NS = 1_000
+
+    def __init__(self) -> None:
+        self._ns = multiprocessing.get_context("fork").Value("q", 0)  # shared memory, with a lock
+
+    def perf_counter_ns(self) -> int:
+        with self._ns.get_lock():
+            self._ns.value += self.STEP_NS
+            return self._ns.value
+
+    def advance(self, ns: int) -> None:
+        with self._ns.get_lock():
+            self._ns.value += ns
+
+
 class _SlowHooks(Hook):
-    """A hook that takes 5 ms after every round and writes nothing: the learners wait for this
-    process's release, not for z."""
+    """A hook that takes ``ns`` of the clock after every round and writes nothing: the learners
+    wait for this process's release, not for z."""
 
     mutates_replicas = False
 
+    def __init__(self, clock: _SharedClock, ns: int) -> None:
+        self.clock, self.ns = clock, ns
+
     def after_round(self, ctx):
-        time.sleep(0.005)
+        self.clock.advance(self.ns)
 
 
-def test_a_wait_for_the_coordinator_is_not_counted_as_synchronisation(tmp_path):
+def test_a_wait_for_the_coordinator_is_not_counted_as_synchronisation(tmp_path, monkeypatch):
+    clock, hook_ns, rounds = _SharedClock(), 10**9, 6
+    # the executor's timestamps (here and, forked after this patch, in the workers) read the clock
+    monkeypatch.setattr(workers, "time", types.SimpleNamespace(
+        perf_counter_ns=clock.perf_counter_ns, perf_counter=time.perf_counter,
+        monotonic=time.monotonic))
     plan = compile_tiny(replicas=2, executor="process")
-    rounds = 30
-    hist = _fit(plan, tiny_data(4 * 2 * rounds), hooks=[_SlowHooks()], trace=str(tmp_path / "t.json"))
-    # every round both groups wait ≥ 5 ms for the release, after z was final: none of it is
-    # synchronisation (before the fix the share was 1.0 and the exposed time ≥ rounds · 5 ms)
-    assert plan.scheduler.sync_exposed_seconds < 0.3 * rounds * 0.005
+    hist = _fit(plan, tiny_data(4 * 2 * rounds), hooks=[_SlowHooks(clock, hook_ns)],
+                trace=str(tmp_path / "t.json"))
+    # from round 1 on, group 0 learned ahead and then waited ≥ 1 s of the clock for the release,
+    # after z was final: none of it is synchronisation. Counted, it would add ≥ 0.5 s per round;
+    # the rest of a round is a few hundred clock readings (< 1 ms).
+    assert plan.scheduler.sync_exposed_seconds < rounds * 1e-3
     assert hist.sync_unhidden_share is not None
     events = json.load(open(tmp_path / "t.json"))["traceEvents"]
-    release = [e for e in events if e.get("name") == "wait for release"]
-    assert len(release) >= rounds and min(e["dur"] for e in release[2:]) >= 3000  # µs
+    release = [e["dur"] for e in events if e.get("name") == "wait for release"]
+    assert sum(d >= hook_ns / 1e3 for d in release) >= rounds - 1  # µs

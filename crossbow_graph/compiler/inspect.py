@@ -10,6 +10,8 @@ loaded from JSON prints exactly what the compiled plan printed. ``Plan``'s inspe
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -171,48 +173,60 @@ def _node_label(t: Task) -> str:
     if t.kind is TaskKind.LEARN:
         what = f"LEARN replica {t.replicas[0]}"
         mem = t.meta.get("memory_bytes")
-        extra = f"\\n{t.cost.flops / 1e9:.2f} GFLOP" + (f" · {mem / _MIB:.1f} MiB" if mem else "")
+        extra = f"\n{t.cost.flops / 1e9:.2f} GFLOP" + (f" · {mem / _MIB:.1f} MiB" if mem else "")
     elif t.kind is TaskKind.LOCAL_SYNC:
         what = f"LOCAL_SYNC replicas {t.replicas[0]}–{t.replicas[-1]}" if t.replicas else "LOCAL_SYNC"
-        extra = f"\\nmoves {t.cost.bytes / _MIB:.1f} MiB"
+        extra = f"\nmoves {t.cost.bytes / _MIB:.1f} MiB"
     else:
         what = f"GLOBAL_SYNC all-reduce over {len(t.replicas)} replicas"
-        extra = f"\\nmoves {t.cost.bytes / _MIB:.1f} MiB"
-    return f"{t.id}\\n{what}{extra}"
+        extra = f"\nmoves {t.cost.bytes / _MIB:.1f} MiB"
+    return f"{t.id}\n{what}{extra}"
 
 
-def _dot_graph(graph: nx.DiGraph):
-    import pydot
+def _q(text: object) -> str:
+    """``text`` as a double-quoted DOT ID: backslashes and quotes escaped, line breaks as ``\\n``."""
+    s = str(text).replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + s.replace("\n", "\\n") + '"'
 
+
+def _attrs(**attrs: object) -> str:
+    return "[" + ", ".join(f"{k}={_q(v)}" for k, v in attrs.items()) + "]"
+
+
+def _node_line(t: Task, indent: str) -> str:
+    return f"{indent}{_q(t.id)} {_attrs(label=_node_label(t), fillcolor=_COLORS[t.kind])};"
+
+
+def _dot_lines(graph: nx.DiGraph) -> list[str]:
     g = graph.graph
     devices, m = list(g["devices"]), int(g["replicas_per_device"])
     mem = int(g.get("memory_per_learner_bytes", 0))
     title = (f"{g.get('model', {}).get('name', 'plan')}: {len(devices)} device(s) × {m} replica(s), "
              f"batch {g['batch_size']}, one round")
-    dot = pydot.Dot("plan", graph_type="digraph", rankdir="TB", label=title, labelloc="t",
-                    fontname="Helvetica", fontsize="16", compound="true", newrank="true", ordering="in")
-    dot.set_node_defaults(shape="box", style="rounded,filled", fontname="Helvetica", fontsize="11")
+    graph_attrs = _attrs(rankdir="TB", label=title, labelloc="t", fontname="Helvetica", fontsize=16,
+                         compound="true", newrank="true", ordering="in")
+    node_attrs = _attrs(shape="box", style="rounded,filled", fontname="Helvetica", fontsize=11)
+    lines = ["digraph plan {", f"  graph {graph_attrs};", f"  node {node_attrs};"]
     tasks = _tasks(graph)
     for d, device in enumerate(devices):
-        cluster = pydot.Cluster(f"d{d}", label=f"{device}: {m} replica(s), ≈{m * mem / _MIB:.1f} MiB",
-                                style="rounded,filled", fillcolor="#f4f4f4", color="#888888",
-                                fontname="Helvetica", fontsize="13")
-        for t in tasks:
-            if t.device == device:
-                cluster.add_node(pydot.Node(f'"{t.id}"', label=f'"{_node_label(t)}"',
-                                            fillcolor=_COLORS[t.kind]))
-        dot.add_subgraph(cluster)
-    for t in tasks:
-        if t.device is None or t.device not in devices:
-            dot.add_node(pydot.Node(f'"{t.id}"', label=f'"{_node_label(t)}"', fillcolor=_COLORS[t.kind]))
-    for u, v in graph.edges:
-        dot.add_edge(pydot.Edge(f'"{u}"', f'"{v}"'))
-    return dot
+        lines.append(f"  subgraph cluster_d{d} {{")
+        cluster_attrs = _attrs(label=f"{device}: {m} replica(s), ≈{m * mem / _MIB:.1f} MiB",
+                               style="rounded,filled", fillcolor="#f4f4f4", color="#888888",
+                               fontname="Helvetica", fontsize=13)
+        lines.append(f"    graph {cluster_attrs};")
+        lines += [_node_line(t, "    ") for t in tasks if t.device == device]
+        lines.append("  }")
+    lines += [_node_line(t, "  ") for t in tasks if t.device is None or t.device not in devices]
+    lines += [f"  {_q(u)} -> {_q(v)};" for u, v in graph.edges]
+    return lines + ["}"]
 
 
 def to_dot(graph: nx.DiGraph) -> str:
-    """Graphviz DOT text of the task graph: one cluster per device, GLOBAL_SYNC outside them."""
-    return _dot_graph(graph).to_string()
+    """Graphviz DOT text of the task graph: one cluster per device, GLOBAL_SYNC outside them.
+
+    Written directly (no graphviz or pydot needed); render it with ``dot -Tpng`` or ``draw``.
+    """
+    return "\n".join(_dot_lines(graph)) + "\n"
 
 
 def draw(graph: nx.DiGraph, path: str | Path) -> Path:
@@ -220,18 +234,22 @@ def draw(graph: nx.DiGraph, path: str | Path) -> Path:
 
     Raises:
         ValueError: an unknown suffix.
-        RuntimeError: graphviz's ``dot`` program is not installed.
+        RuntimeError: graphviz's ``dot`` program is not installed, or it fails.
     """
     path = Path(path)
     fmt = path.suffix.lstrip(".").lower() or "png"
     if fmt not in ("png", "svg", "pdf"):
         raise ValueError(f"draw('{path}'): use a .png, .svg or .pdf file name")
-    try:
-        data = _dot_graph(graph).create(format=fmt)
-    except (FileNotFoundError, OSError) as exc:
-        raise RuntimeError(f"cannot run graphviz's 'dot' to draw {path}: {exc}; install graphviz "
-                           "(apt install graphviz) or render plan.to_dot() elsewhere") from exc
-    path.write_bytes(data)
+    dot = shutil.which("dot")
+    if dot is None:
+        raise RuntimeError(f"cannot run graphviz's 'dot' to draw {path}: it is not on PATH; install "
+                           "graphviz (apt install graphviz) or render plan.to_dot() elsewhere")
+    done = subprocess.run([dot, f"-T{fmt}"], input=to_dot(graph).encode("utf-8"),
+                          capture_output=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"graphviz's 'dot' failed to draw {path}: "
+                           f"{done.stderr.decode('utf-8', 'replace').strip()}")
+    path.write_bytes(done.stdout)
     return path
 
 
