@@ -25,7 +25,7 @@ from .runtime.hooks import Hook
 from .runtime.autotune import AutoTune, AutoTuner
 from .runtime.scheduler import Scheduler
 from .runtime.trainer import run_fit
-from .runtime.state import DeviceState, FlatLayout, float_buffers_named, trainable_named
+from .runtime.state import DeviceState, FlatLayout, float_buffers_named, model_dtype, trainable_named
 
 if TYPE_CHECKING:
     from .runtime.metrics import MetricsMonitor
@@ -137,11 +137,13 @@ def compile(  # noqa: A001 - the public name the design asks for
             GPU's total memory on CUDA.
         verify: run the verifier between compiler passes.
         kernel_backend: the SMA update kernels (DESIGN.md §4): ``"auto"`` — Triton on CUDA; on
-            the CPU the C kernels when a C compiler is there, else torch; ``"c"`` — C kernels
-            compiled on first use and cached (runtime/cpu_kernels.py; one pass over memory);
-            ``"triton"`` — fused Triton kernels emitted for this plan (on the CPU through
-            Triton's interpreter: slow, for tests); ``"torch"`` — the vectorised torch
-            implementation. ``Plan.kernels`` lists what runs.
+            the CPU the C kernels when a C compiler is there, else torch; torch for a float64
+            model; ``"c"`` — C kernels compiled on first use and cached (runtime/cpu_kernels.py;
+            one pass over memory); ``"triton"`` — fused Triton kernels emitted for this plan (on
+            the CPU through Triton's interpreter: slow, for tests); ``"torch"`` — the vectorised
+            torch implementation. ``Plan.kernels`` lists what runs. A float64 model
+            (``model.double()``) trains in float64 (its masters w, v, z too); a bfloat16/float16
+            one keeps float32 masters.
         distributed: settings used when the process was launched by torchrun (its RANK,
             WORLD_SIZE, ... are set): the timeout and the z checksum period
             (``crossbow_graph.Distributed``; default ``Distributed()``). Every rank then runs
@@ -155,7 +157,8 @@ def compile(  # noqa: A001 - the public name the design asks for
     Raises:
         TraceError: torch.fx cannot trace the model, or the example inputs do not run through it.
         ValueError: a bad argument (batch size, replicas, devices, a model without trainable
-            floating-point parameters, an unknown kernel_backend).
+            floating-point parameters, an unknown kernel_backend, ``"c"`` or ``"triton"`` with a
+            float64 model).
         ImportError: ``kernel_backend="triton"`` without the triton package (says how to install).
         CompilerError: ``kernel_backend="c"`` and the C kernels cannot be built (says why and how
             to fix it).
@@ -188,7 +191,8 @@ def compile(  # noqa: A001 - the public name the design asks for
     comm = Comm.from_env(distributed, on_cuda=names[0].startswith("cuda"))
     if comm is not None and devices == "auto" and names[0].startswith("cuda"):
         names = [f"cuda:{comm.local_rank}"]  # one process per GPU, as torchrun launches them
-    kernels = select_backend(kernel_backend, "cuda" if names[0].startswith("cuda") else "cpu")
+    kernels = select_backend(kernel_backend, "cuda" if names[0].startswith("cuda") else "cpu",
+                             model_dtype(trainable_named(model)))
     model_graph = trace_model(model, example_inputs, concrete_args=concrete_args,
                               leaf_modules=leaf_modules)
     if memory_budget is None and names[0].startswith("cuda"):
@@ -417,7 +421,8 @@ class Plan:
     # -- the central average model ----------------------------------------------------------
 
     def central_weights(self, device: int = 0) -> torch.Tensor:
-        """A copy of device ``device``'s central average model z, ``[P]`` float32."""
+        """A copy of device ``device``'s central average model z, ``[P]``: float64 for a float64
+        model, else float32 (the masters' dtype)."""
         self.scheduler.flush()
         return self.states[device].z.detach().clone()
 
@@ -540,8 +545,9 @@ class Plan:
 
         Raises:
             ValueError: an empty dataset, a dataset smaller than one round, inputs shaped unlike
-                the example inputs, labels outside the model's classes, a loss that is not a
-                scalar, bad arguments (checked once, on the first batch).
+                the example inputs or of another floating dtype that the model does not take
+                (e.g. float32 data for a float64 model), labels outside the model's classes, a
+                loss that is not a scalar, bad arguments (checked once, on the first batch).
             TaskError: a task failed (names the task, its device and the round).
             DivergenceError: every replica produced NaN/Inf in the same round.
             CheckpointError: ``resume`` found checkpoints but none readable, or one written for

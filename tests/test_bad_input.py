@@ -56,6 +56,39 @@ def test_other_input_shapes_that_the_model_takes_are_accepted():
     p.fit(ds(features=(1, 12, 12)), 1, progress=False)  # 12×12 images: same [3] output
 
 
+class _CastsToFloat32(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x.float())
+
+
+@pytest.mark.parametrize("model_dtype,data_dtype,fix", [
+    (torch.float64, torch.float32, r"cast the data to torch.float64 \(e.g. TensorDataset\(x.double\(\), y\)\), "
+                                   r"or compile the model in float32 \(model.float\(\)"),
+    (torch.float32, torch.float64, r"cast the data to torch.float32 \(e.g. TensorDataset\(x.float\(\), y\)\), "
+                                   r"or compile the model in float64 \(model.double\(\)"),
+])
+def test_data_of_another_dtype_than_the_model(model_dtype, data_dtype, fix):
+    p = plan(tiny().to(model_dtype), example=torch.zeros(1, 4, dtype=model_dtype))
+    before = p.central_weights()
+    train = ds()
+    train = TensorDataset(train.tensors[0].to(data_dtype), train.tensors[1])
+    with pytest.raises(ValueError, match=rf"train_dataset: input 0 \('input'\) is {data_dtype}, but the "
+                                         rf"plan was compiled for example inputs of {model_dtype} \(the "
+                                         rf"model's parameters are {model_dtype}\), and the model fails "
+                                         rf"on .* inputs \(RuntimeError: .*\); {fix}"):
+        p.fit(train, 1, progress=False)
+    assert p.rounds_done == 0 and torch.equal(p.central_weights(), before)  # before any round
+    p.fit(TensorDataset(train.tensors[0].to(model_dtype), train.tensors[1]), 1, progress=False)
+    # a model that casts its inputs takes the other dtype
+    torch.manual_seed(0)
+    plan(_CastsToFloat32()).fit(TensorDataset(train.tensors[0].double(), train.tensors[1]), 1,
+                                progress=False)
+
+
 def test_example_input_that_does_not_run_through_the_model():
     with pytest.raises(TraceError) as err:
         plan(example=torch.zeros(1, 7))

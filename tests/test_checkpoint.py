@@ -108,6 +108,32 @@ def test_resume_is_bit_identical(tmp_path, stop_at):
     assert second_draws.draws == full_draws.draws[stop_at:]
 
 
+def test_resume_of_a_float64_plan_is_bit_identical_in_float64(tmp_path):
+    """A float64 model: the checkpoint holds its float64 state, and a resumed fit continues in
+    float64 exactly as an uninterrupted one (the process executor: the shared buffers too)."""
+    def plan64() -> cg.Plan:
+        torch.manual_seed(0)
+        return cg.compile(Net().double(), (torch.zeros(2, 6, dtype=torch.float64),),
+                          nn.functional.cross_entropy, batch_size=4, devices=1, replicas=4,
+                          executor="process", optimizer=cg.SGD(lr=0.05, momentum=0.9))
+
+    train = data()
+    train = TensorDataset(train.tensors[0].double(), train.tensors[1])
+    full = plan64()
+    full.fit(train, 2, progress=False, seed=3)
+    ckpt = str(tmp_path / "ckpt")
+    plan64().fit(train, 2, progress=False, seed=3, hooks=[StopAfter(4)], checkpoint_dir=ckpt,
+                 checkpoint_every=1)
+    saved = load_latest(ckpt)[1]["plan"]["states"][0]
+    assert all(saved[key].dtype == torch.float64 for key in ("w", "v", "z", "z_prev", "buf", "zbuf"))
+    second = plan64()
+    second.fit(train, 2, progress=False, seed=3, checkpoint_dir=ckpt, checkpoint_every=1,
+               resume=True)
+    assert second.rounds_done == full.rounds_done == 12
+    assert second.central_weights().dtype == torch.float64
+    assert_same_state(full, second)
+
+
 def test_resume_at_epoch_end_without_every(tmp_path):
     """checkpoint_every=None: a checkpoint at each complete epoch; resuming runs the rest."""
     full = make_plan()

@@ -275,6 +275,22 @@ def test_fp16_model_and_mixed_dtypes():
         cg.compile(mixed, (torch.randn(2, 8),), F.cross_entropy, batch_size=4)
 
 
+def test_float64_model_runs_the_torch_kernels_in_float64():
+    """The C and Triton kernels update float32 masters: "auto" picks torch for a float64 model
+    (on CUDA too), and asking for either of them is a clear error at compile."""
+    plan = make_plan(dtype=torch.float64)
+    assert isinstance(plan.scheduler.kernels, TorchSMAKernels)
+    assert all(k.backend == "torch" and k.spec.dtype == torch.float64 for k in plan.kernels)
+    assert isinstance(K.select_backend("auto", "cuda", torch.float64), TorchSMAKernels)
+    for backend in ("c", "triton"):
+        with pytest.raises(ValueError, match=rf"kernel_backend='{backend}' updates float32 masters "
+                                             r"only, but the model is float64 .*use "
+                                             r"kernel_backend='torch' .*model.float\(\)"):
+            make_plan(dtype=torch.float64, kernel_backend=backend)
+    plan.fit(tiny_data(16, dtype=torch.float64), 1, progress=False)
+    assert plan.central_weights().dtype == torch.float64
+
+
 class Mixed(MLP):
     def __init__(self):
         super().__init__()

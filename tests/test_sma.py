@@ -123,3 +123,71 @@ def test_sync_every_tau_rounds_matches_reference_on_sync_rounds():
     torch.testing.assert_close(plan.central_weights(), expected_z, atol=ATOL, rtol=RTOL)
     expected_w = torch.stack([flat(r.parameters()) - 0.5 * (p - z) for r, p in zip(reps, pre)])
     torch.testing.assert_close(plan.replica_weights(), expected_w, atol=ATOL, rtol=RTOL)
+
+
+# -- float64: a float64 model trains in float64 ------------------------------------------------
+
+ATOL64 = RTOL64 = 1e-12  # float64: the same sums in another order, many digits below float32's
+
+
+class Small64BN(nn.Module):
+    """Small with BatchNorm (float buffers), in float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def batches64(n, b):
+    return [(x.double(), y) for x, y in batches(n, b)]
+
+
+@pytest.mark.parametrize("learner_mode", ["per_replica", "fused"])
+def test_float64_one_learner_equals_torch_sgd_in_float64(learner_mode):
+    model = Small64BN().double()
+    eager = copy.deepcopy(model)
+    sgd = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    plan = cg.compile(model, (torch.randn(2, 1, 8, 8, dtype=torch.float64),), F.cross_entropy,
+                      batch_size=4, replicas=1, learner_mode=learner_mode,
+                      optimizer=cg.SGD(lr=0.05, momentum=0.9, weight_decay=1e-4))
+    state = plan.states[0]
+    for name in ("w", "v", "g", "buf", "z", "z_prev", "zbuf"):
+        assert getattr(state, name).dtype == torch.float64, name
+    assert state.replicas[0].conv.weight.data_ptr() == state.w[0].data_ptr()  # views of w
+    for x, y in batches64(6, 4):
+        plan.fit(TensorDataset(x, y), 1, shuffle=False, progress=False)
+        sgd.zero_grad()
+        F.cross_entropy(eager(x), y).backward()
+        sgd.step()
+        z = plan.central_weights()
+        assert z.dtype == torch.float64
+        torch.testing.assert_close(z, flat(eager.parameters()), atol=ATOL64, rtol=RTOL64)
+    central = plan.central_model()
+    assert all(p.dtype == torch.float64 for p in central.parameters())
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(central.state_dict()[key], value, atol=ATOL64, rtol=RTOL64)
+
+
+@pytest.mark.parametrize("executor,learner_mode", [("inline", "per_replica"), ("inline", "fused"),
+                                                   ("process", "per_replica"), ("process", "fused")])
+def test_float64_matches_hand_written_reference_in_float64(executor, learner_mode):
+    model = Small().double()
+    k, rounds, b = 4, 5, 4
+    bs = batches64(k * rounds, b)
+    opt = cg.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    plan = cg.compile(model, (torch.randn(2, 1, 8, 8, dtype=torch.float64),), F.cross_entropy,
+                      batch_size=b, replicas=k, optimizer=opt, executor=executor,
+                      learner_mode=learner_mode, sync=cg.SMA(central_momentum=0.9))
+    assert all(kernel.backend == "torch" for kernel in plan.kernels)  # auto: the C kernels are fp32
+    plan.fit(as_dataset(bs), 1, shuffle=False, progress=False)
+    z, replicas = reference_sma(model, bs, k=k, rounds=rounds, lr=0.05, momentum=0.9,
+                                weight_decay=1e-4, nesterov=True, central_momentum=0.9)
+    assert plan.central_weights().dtype == plan.replica_weights().dtype == torch.float64
+    torch.testing.assert_close(plan.central_weights(), flat(z), atol=ATOL64, rtol=RTOL64)
+    torch.testing.assert_close(plan.replica_weights(), torch.stack([flat(r.parameters()) for r in replicas]),
+                               atol=ATOL64, rtol=RTOL64)

@@ -221,9 +221,9 @@ def local_spec(m: int, P: int, dtype: torch.dtype, device_type: str, *, momentum
 
 
 def central_spec(P: int, device_type: str, *, central_momentum: float,
-                 block: int | None = None) -> KernelSpec:
-    """The spec of the central kernel."""
-    return KernelSpec("sma_central", 1, P, torch.float32, block or default_block(P, device_type),
+                 block: int | None = None, dtype: torch.dtype = torch.float32) -> KernelSpec:
+    """The spec of the central kernel (``dtype``: the masters', z's)."""
+    return KernelSpec("sma_central", 1, P, dtype, block or default_block(P, device_type),
                       (("MOMENTUM", central_momentum != 0),), device_type)
 
 
@@ -465,7 +465,8 @@ def plan_kernels(backend: Any, states: list[Any], *, momentum: float, nesterov: 
                                         weight_decay=weight_decay, first_step=first,
                                         correct=correct, block=block))
         if num_learners > 1:
-            specs.append(central_spec(P, dev, central_momentum=central_momentum, block=block))
+            specs.append(central_spec(P, dev, central_momentum=central_momentum, block=block,
+                                      dtype=s.z.dtype))
     unique = list(dict.fromkeys(specs))
     if isinstance(backend, TritonSMAKernels):
         return [emit(s) for s in unique]
@@ -474,23 +475,30 @@ def plan_kernels(backend: Any, states: list[Any], *, momentum: float, nesterov: 
     return [TorchKernel(s) for s in unique]
 
 
-def select_backend(kernel_backend: str, device_type: str) -> TorchSMAKernels | TritonSMAKernels | CSMAKernels:
+def select_backend(kernel_backend: str, device_type: str, dtype: torch.dtype = torch.float32
+                   ) -> TorchSMAKernels | TritonSMAKernels | CSMAKernels:
     """The SMA update backend for ``compile(..., kernel_backend=...)``.
 
     ``"auto"``: Triton on CUDA (if triton is installed); on the CPU the C kernels (runtime/
-    sma_cpu.c, built on first use) when a C compiler is there, else torch. ``"c"``: the C
-    kernels (CPU tensors; anything else runs the torch functions). ``"triton"``: Triton (on the
-    CPU through its interpreter: slow, for tests). ``"torch"``: the vectorised torch
-    implementation (runtime/sma.py, the oracle).
+    sma_cpu.c, built on first use) when a C compiler is there, else torch; torch for a float64
+    model (``dtype``, the model's: the C and Triton kernels update float32 masters only).
+    ``"c"``: the C kernels (CPU tensors; anything else runs the torch functions). ``"triton"``:
+    Triton (on the CPU through its interpreter: slow, for tests). ``"torch"``: the vectorised
+    torch implementation (runtime/sma.py, the oracle).
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name; ``"c"`` or ``"triton"`` with a float64 model.
         ImportError: ``"triton"`` without the triton package (says how to install it).
         CompilerError: ``"c"`` without a working C compiler (its message says why).
     """
     if kernel_backend not in KERNEL_BACKENDS:
         raise ValueError(f"kernel_backend={kernel_backend!r}: use one of {', '.join(map(repr, KERNEL_BACKENDS))}")
-    if kernel_backend == "torch":
+    if dtype == torch.float64 and kernel_backend in ("c", "triton"):
+        raise ValueError(f"kernel_backend={kernel_backend!r} updates float32 masters only, but the "
+                         "model is float64 (its masters are float64); use kernel_backend='torch' "
+                         "(or 'auto', which picks it), or cast the model to float32 with "
+                         "model.float()")
+    if kernel_backend == "torch" or dtype == torch.float64:
         return TorchSMAKernels()
     if kernel_backend == "c":
         return CSMAKernels()

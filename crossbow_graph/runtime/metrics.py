@@ -130,7 +130,7 @@ def divergence(states) -> torch.Tensor:
     for s in states:
         z = s.z
         znorm = float(z.norm()) or 1.0
-        out.append((s.w - z).norm(dim=1).cpu() / znorm)
+        out.append((s.w - z).norm(dim=1).float().cpu() / znorm)
     return torch.cat(out)
 
 

@@ -285,7 +285,7 @@ class Scheduler:
         state = self.states[d]
         if isinstance(self.sync, SSGD):  # S-SGD: only the device's gradient sum; the step is global
             with self._cuda_local(d):
-                state.acc = state.g.sum(dim=0, dtype=torch.float32)  # [P]
+                state.acc = state.g.sum(dim=0, dtype=state.w.dtype)  # [P], in the masters' dtype
             return
         with self._cuda_local(d):
             state.acc, faulty = self.local_update_rows(state, 0, state.m, lr=self.lr, alpha=self.alpha,
@@ -322,7 +322,8 @@ class Scheduler:
         """C = Σ_d acc_d, then z ← z + C + μ_z(z − z_prev) on every device; buffers averaged.
 
         Under torchrun (``comm``) the process's sum and its replicas' buffer sums, packed into one
-        ``[P + Q]`` float32 tensor, are all-reduced (sum) over the ranks before the update.
+        ``[P + Q]`` tensor in the masters' dtype (float32, or float64 for a float64 model), are
+        all-reduced (sum) over the ranks before the update.
 
         With CPU devices and no torchrun, a kernel backend with ``central_update_shared`` (the C
         kernels) does the sum, the update and the devices' copies of z in one pass.
@@ -377,10 +378,10 @@ class Scheduler:
         """The hierarchical reduce's second level: one all-reduce of ``[C_p, Σ buf]`` ``[P + Q]``
         over the processes; returns (C ``[P]``, the mean buffers over all k replicas ``[Q]`` or None)."""
         P, Q = total.shape[0], self.states[0].buf.shape[1]
-        flat = torch.empty(P + Q, dtype=torch.float32, device=home)
+        flat = torch.empty(P + Q, dtype=total.dtype, device=home)
         flat[:P].copy_(total)
         if Q:
-            torch.sum(torch.cat([bb.to(home, torch.float32) for bb in bufs]), dim=0, out=flat[P:])
+            torch.sum(torch.cat([bb.to(home, total.dtype) for bb in bufs]), dim=0, out=flat[P:])
         self.comm.all_reduce_sum_(flat, self._round)
         mean_buf = flat[P:].div_(self.num_learners).to(self.states[0].buf.dtype) if Q else None
         return flat[:P], mean_buf

@@ -3,8 +3,9 @@
 Both functions work in place on flat per-device buffers (DESIGN.md §4): the m replicas of a device
 are the rows of ``w [m, P]``; their momentum is ``v [m, P]``; their gradients ``g [m, P]``; the
 device's copy of the central average model is ``z [P]``. ``w``, ``v``, ``z`` are float32 (for a
-bfloat16/float16 model they are the fp32 masters, runtime/state.py); ``g`` is in the model's dtype
-and is upcast element by element, so a small correction is never rounded away.
+bfloat16/float16 model they are the fp32 masters, runtime/state.py), or float64 for a float64
+model; ``g`` is in the model's dtype and is upcast element by element, so a small correction is
+never rounded away.
 
 On the CPU both go over P in column blocks of about BLOCK_BYTES of each ``[m, ·]`` buffer — the
 blocking of the Triton kernels — so that a block's temporaries stay in cache instead of streaming
@@ -49,7 +50,8 @@ def sma_local_update(
     Args:
         w: replicas' parameters, ``[m, P]``, updated in place.
         v: replicas' momentum buffers, ``[m, P]``, updated in place (unused if ``momentum == 0``).
-        g: replicas' loss gradients at ŵ, ``[m, P]``, float32, bfloat16 or float16 (not modified).
+        g: replicas' loss gradients at ŵ, ``[m, P]``, float32, bfloat16 or float16 (float64 with
+            float64 ``w``; not modified).
         z: the device's copy of the central average model, ``[P]``; ``None`` (or ``alpha == 0``)
             skips the correction (a round without synchronisation, or k = 1) and returns ``None``.
         lr: learning rate η (per sample-mean loss, as torch.optim.SGD).
@@ -58,7 +60,7 @@ def sma_local_update(
         weight_decay: λ (L2 added to the gradient, as torch.optim.SGD).
         alpha: α, the pull toward z.
         first_step: the momentum buffers hold nothing yet (torch.optim.SGD copies d into them).
-        out: ``[P]`` float32 to write acc into (default: a new tensor).
+        out: ``[P]`` in ``w``'s dtype to write acc into (default: a new tensor).
 
     Returns:
         ``acc [P]``, the device's sum of corrections, or ``None`` without a correction.
@@ -80,7 +82,7 @@ def _block_columns(w: torch.Tensor, m: int) -> int:
     BLOCK_BYTES of each ``[m, ·]`` buffer, so a block's temporaries stay in cache."""
     if w.device.type != "cpu":
         return max(1, w.shape[1])
-    return max(1024, BLOCK_BYTES // (4 * m))
+    return max(1024, BLOCK_BYTES // (w.element_size() * m))
 
 
 def _local_block(w, v, g, z, acc, *, lr, momentum, nesterov, weight_decay, alpha, first_step):

@@ -11,6 +11,9 @@ Low precision: a model whose parameters are bfloat16 or float16 keeps ``w``, ``v
 ``z_model [P]`` in the model's dtype; gradients ``g`` and buffers are in the model's dtype. The
 masters are copied back into the model copies lazily, before a module's forward, whenever they
 changed (their version counter moved).
+
+A float64 model trains in float64: ``w``, ``v``, ``z``, ``z_prev``, ``g`` and the buffers are all
+float64 and its modules' parameters are views into ``w``/``z`` directly, as for a float32 model.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FlatLayout", "DeviceState", "bind_flat", "model_dtype", "LOW_PRECISION"]
+__all__ = ["FlatLayout", "DeviceState", "bind_flat", "model_dtype", "master_dtype", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -92,8 +95,8 @@ def bind_flat(module: nn.Module, params_row: torch.Tensor, grads_row: torch.Tens
 
 
 def model_dtype(params: list[tuple[str, torch.Tensor]]) -> torch.dtype:
-    """The one dtype of a model's trainable parameters (float32, bfloat16 or float16; float64 and
-    other float types are trained in float32, as before).
+    """The one dtype of a model's trainable parameters: float32, float64, bfloat16 or float16
+    (other float types are trained in float32).
 
     Raises:
         ValueError: the parameters mix dtypes, naming two of them.
@@ -107,7 +110,13 @@ def model_dtype(params: list[tuple[str, torch.Tensor]]) -> torch.dtype:
         raise ValueError(f"trainable parameters mix dtypes: '{a[1]}' is {a[0]} but '{b[1]}' is "
                          f"{b[0]}; cast the model to one dtype, e.g. model.to(torch.bfloat16)")
     dtype = dtypes.pop() if dtypes else torch.float32
-    return dtype if dtype in LOW_PRECISION else torch.float32
+    return dtype if dtype in (torch.float64, *LOW_PRECISION) else torch.float32
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the masters ``w, v, z, z_prev`` for a model of ``dtype`` (``model_dtype``):
+    float64 for a float64 model, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _CopyBack:
@@ -153,11 +162,12 @@ class DeviceState:
         name: device name (``"cpu:0"``, ``"cuda:1"``); ``torch_device`` the torch.device.
         replicas: m modules, training mode, parameters are views of ``w_model`` (that is ``w``
             for a float32 model).
-        w, v, g: ``[m, P]`` parameters, momentum (float32), gradients (model dtype).
+        w, v, g: ``[m, P]`` parameters, momentum (``master_dtype``: float64 for a float64 model,
+            else float32), gradients (model dtype).
         buf: ``[m, Q]`` float buffers (model dtype).
-        z, z_prev: ``[P]`` the central average model and its previous value (float32).
+        z, z_prev: ``[P]`` the central average model and its previous value (``master_dtype``).
         dtype: the model's dtype; w_model ``[m, P]`` and z_model ``[P]`` in it, the tensors the
-            modules' parameters are views of (``w`` and ``z`` themselves when float32).
+            modules' parameters are views of (``w`` and ``z`` themselves when float32 or float64).
         zbuf: ``[Q]`` the central model's float buffers (mean over all replicas at each sync).
         first_step: per replica, momentum not yet initialised (bool list of length m).
     """
@@ -169,11 +179,12 @@ class DeviceState:
         self.params = params
         self.buffers = buffers
         self.dtype = dtype = model_dtype(trainable_named(template))
-        self.w = torch.zeros(m, params.size, dtype=torch.float32, device=torch_device)
+        master = master_dtype(dtype)
+        self.w = torch.zeros(m, params.size, dtype=master, device=torch_device)
         self.v = torch.zeros_like(self.w)
         self.g = torch.zeros(m, params.size, dtype=dtype, device=torch_device)
         self.buf = torch.zeros(m, buffers.size, dtype=dtype, device=torch_device)
-        self.z = torch.zeros(params.size, dtype=torch.float32, device=torch_device)
+        self.z = torch.zeros(params.size, dtype=master, device=torch_device)
         self.zbuf = torch.zeros(buffers.size, dtype=dtype, device=torch_device)
         low = dtype in LOW_PRECISION
         self.w_model = torch.zeros_like(self.w, dtype=dtype) if low else self.w

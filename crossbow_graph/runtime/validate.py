@@ -2,8 +2,9 @@
 
 Per-round checks would cost every round; these run once, on learner 0's first batch of b samples
 (all labels when they are one tensor), before the fit seeds its random number generators.
-``loss_fn`` is never called, and the model only when the inputs' shapes differ from the example
-inputs' (then once, in evaluation mode), so user code with side effects sees the training rounds.
+``loss_fn`` is never called, and the model only when the inputs' shapes or dtypes differ from the
+example inputs' (then once, in evaluation mode), so user code with side effects sees the training
+rounds.
 """
 
 from __future__ import annotations
@@ -29,6 +30,47 @@ def _placeholder_shapes(plan: "Plan") -> list[tuple[str, tuple[int, ...] | None]
             for n in graph.module.graph.nodes if n.op == "placeholder"]
 
 
+def _placeholder_dtypes(plan: "Plan") -> list[tuple[str, torch.dtype | None]]:
+    graph = plan.model_graph
+    return [(str(n.target), graph.node_meta.get(n.name, {}).get("dtype"))
+            for n in graph.module.graph.nodes if n.op == "placeholder"]
+
+
+_CAST = {torch.float64: ".double()", torch.float32: ".float()", torch.bfloat16: ".bfloat16()",
+         torch.float16: ".half()"}
+
+
+def _run_central(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The central model in evaluation mode (no dropout, no BatchNorm update) on ``args``."""
+    device = plan.states[0].torch_device
+    moved = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    plan._refresh_central()
+    return plan._central(*moved, **kwargs)
+
+
+@torch.no_grad()
+def _check_dtypes(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> None:
+    """Floating inputs of another dtype than the example inputs' are an error unless the model
+    takes them (a model that casts its inputs)."""
+    for i, (arg, (name, want)) in enumerate(zip(args, _placeholder_dtypes(plan))):
+        if (not isinstance(arg, torch.Tensor) or not arg.is_floating_point() or want is None
+                or not want.is_floating_point or arg.dtype == want):
+            continue
+        try:
+            _run_central(plan, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - the model cannot take this dtype
+            model = plan.states[0].dtype
+            have = str(arg.dtype).removeprefix("torch.")
+            raise ValueError(
+                f"{what}: input {i} ('{name}') is {arg.dtype}, but the plan was compiled for "
+                f"example inputs of {want} (the model's parameters are {model}), and the model "
+                f"fails on {have} inputs ({type(exc).__name__}: {exc}); cast the data to {want} "
+                f"(e.g. TensorDataset(x{_CAST.get(want, f'.to({want})')}, y)), or compile the "
+                f"model in {have} (model{_CAST.get(arg.dtype, f'.to({arg.dtype})')}, with "
+                f"{have} example inputs)") from exc
+        return  # the model takes them: one forward is enough
+
+
 def _output_shape(plan: "Plan") -> tuple[int, ...] | None:
     graph = plan.model_graph
     for n in graph.module.graph.nodes:
@@ -48,11 +90,8 @@ def _check_inputs(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], w
             continue
         problem = (f"{what}: input {i} ('{name}') of a sample has shape {list(arg.shape[1:])}, but "
                    f"the plan was compiled for example inputs of shape {list(want[1:])} per sample")
-        device = plan.states[0].torch_device
-        moved = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-        plan._refresh_central()
         try:
-            out = plan._central(*moved, **kwargs)  # evaluation mode: no dropout, no BatchNorm update
+            out = _run_central(plan, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - the model cannot take these inputs
             raise ValueError(f"{problem}, and the model fails on them ({type(exc).__name__}: "
                              f"{exc}); {fix}") from exc
@@ -84,8 +123,10 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
                       indices: torch.Tensor, what: str = "train_dataset") -> None:
     """Check one batch of ``dataset`` against the plan (``loss_fn`` is not called).
 
-    Checks: every input's per-sample shape equals the compiled example input's (or, if not, the
-    model in evaluation mode takes the batch and gives an output of the compiled shape); with a
+    Checks: every floating input's dtype equals the compiled example input's (or, if not, the
+    model in evaluation mode takes the batch: it casts its inputs); every input's per-sample
+    shape equals the compiled example input's (or, if not, the model in evaluation mode takes
+    the batch and gives an output of the compiled shape); with a
     class-index loss (``cross_entropy``, ``nll_loss`` or their modules), integer labels lie in
     [0, C) for a model with C output scores, ``ignore_index`` allowed (all labels of a tensor
     dataset, else the batch's). Whether ``loss_fn`` returns a scalar is checked by every LEARN task.
@@ -102,6 +143,7 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
     """
     batch = fetch(indices)
     args, kwargs, target = split_inputs(batch)
+    _check_dtypes(plan, args, kwargs, what)
     _check_inputs(plan, args, kwargs, what)
     ignore = _class_index_loss(plan.loss_fn)
     out_shape = _output_shape(plan)

@@ -176,15 +176,17 @@ class _Mailbox:
         ctx: the multiprocessing context (fork).
         n_indices: sample indices per round, (r1 − r0)·b.
         n_rows: the worker's replicas, r1 − r0.
+        loss_dtype: of the losses (the masters': float64 for a float64 model, else float32).
     """
 
-    def __init__(self, ctx, n_indices: int, n_rows: int) -> None:
+    def __init__(self, ctx, n_indices: int, n_rows: int,
+                 loss_dtype: torch.dtype = torch.float32) -> None:
         self.go, self.done = ctx.Semaphore(0), ctx.Semaphore(0)
         self.indices = torch.zeros(2, n_indices, dtype=torch.int64).share_memory_().numpy()
         self.head = torch.zeros(3, dtype=torch.int64).share_memory_().numpy()  # rounds; stop
         # status, round, ta, tb, tc, td, g0, g1, number of faulty rows, the faulty rows
         self.reply = torch.zeros(9 + n_rows, dtype=torch.int64).share_memory_().numpy()
-        self._losses = torch.zeros(n_rows, dtype=torch.float32).share_memory_()
+        self._losses = torch.zeros(n_rows, dtype=loss_dtype).share_memory_()
         self.losses = self._losses.numpy()
         self.sent = self.taken = 0  # slots written (coordinator), read (worker)
 
@@ -252,7 +254,7 @@ class ProcessExecutor:
         for s in states:
             s.share_memory()
         p_size, q_size = states[0].params.size, states[0].buffers.size
-        self.acc_parts = torch.zeros(n, p_size).share_memory_()                 # [n, P]
+        self.acc_parts = torch.zeros(n, p_size, dtype=states[0].z.dtype).share_memory_()  # [n, P]
         self.buf_snaps = [s.buf.clone().share_memory_() for s in states]        # [m, Q] per device
         # per group, written before it releases ``parts``: faulty rows, failed (1) or not
         self.part_info = torch.zeros(n, 2, dtype=torch.int64).share_memory_()
@@ -294,7 +296,7 @@ class ProcessExecutor:
                     continue
                 sem = ctx.Semaphore(0)
                 here, there = ctx.Pipe(duplex=False)  # an error's text, worker → here
-                mail = _Mailbox(ctx, (r1 - r0) * scheduler.batch_size, r1 - r0)
+                mail = _Mailbox(ctx, (r1 - r0) * scheduler.batch_size, r1 - r0, states[d].z.dtype)
                 learn_tasks = [self.learn_ids[(d, r)] for r in range(r0, r1)]
                 proc = ctx.Process(
                     target=_worker_main, name=f"crossbow-learner-{wid}", daemon=True,
