@@ -511,7 +511,10 @@ class Plan:
             epochs: epochs to run (≥ 1).
             eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch.
             shuffle: shuffle every epoch.
-            seed: seeds the data order and, at the start of the fit, torch's RNG (dropout).
+            seed: seeds the data order and, at the start of the fit, this process's torch,
+                Python ``random`` and NumPy global RNGs (dropout, a Dataset's augmentation; the
+                caller's states are replaced); worker processes reseed every round from (seed,
+                round, worker), so their draws differ and reproduce.
             target_accuracy: stop once z's test accuracy reaches it (needs ``eval_dataset``).
             evals_per_epoch: evaluations per epoch (time-to-accuracy resolution).
             eval_batch_size: batch size of evaluation.

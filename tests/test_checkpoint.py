@@ -134,6 +134,36 @@ def test_resume_of_a_float64_plan_is_bit_identical_in_float64(tmp_path):
     assert_same_state(full, second)
 
 
+class NoisyData(torch.utils.data.Dataset):
+    """``data()`` with augmentation noise from NumPy's, Python's and torch's global RNGs, drawn
+    in whichever process fetches the sample (a worker process, under the process executor)."""
+
+    def __init__(self) -> None:
+        self.base = data()
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return x + float(np.random.standard_normal()) + random.random() + torch.rand(()), y
+
+
+def test_resume_with_noise_drawn_in_worker_processes_is_bit_identical(tmp_path):
+    def fit(plan, **kw):  # the convolution library is measured once (one choice) in this process
+        return plan.fit(NoisyData(), 2, progress=False, seed=3, **kw)
+
+    full = make_plan(executor="process")
+    fit(full)
+    ckpt = str(tmp_path / "ckpt")
+    fit(make_plan(executor="process"), hooks=[StopAfter(4)], checkpoint_dir=ckpt,
+        checkpoint_every=1)
+    second = make_plan(executor="process")
+    fit(second, checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
+    assert second.rounds_done == full.rounds_done == 12
+    assert_same_state(full, second)
+
+
 def test_resume_at_epoch_end_without_every(tmp_path):
     """checkpoint_every=None: a checkpoint at each complete epoch; resuming runs the rest."""
     full = make_plan()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import random
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,6 +171,61 @@ def test_worker_processes_draw_their_own_dropout_masks(model_cls, differ):
     w = plan.replica_weights()
     assert plan.rounds_done == 1
     assert (not torch.allclose(w[0], w[1])) is differ
+
+
+@pytest.mark.parametrize("devices,replicas", [(1, 4), (2, 2)])
+@pytest.mark.parametrize("mode", ["fused", "per_replica"])
+def test_dropout_masks_do_not_depend_on_the_executor(monkeypatch, mode, devices, replicas):
+    """Same seed, inline and process executor: the same masks, so the same z. Four cores claimed,
+    so that the process executor could split every device's replicas over two processes."""
+    monkeypatch.setattr(workers, "available_cores", lambda: 4)
+    data = tiny_data(4 * devices * replicas * 3)
+    z = {}
+    for ex in ("inline", "process"):
+        plan = compile_tiny(TinyDrop, devices=devices, replicas=replicas, learner_mode=mode,
+                            executor=ex)
+        plan.scheduler.cpu_conv = "onednn"  # the inline executor's library
+        _fit(plan, data, seed=5)
+        z[ex] = plan.central_weights()
+    torch.testing.assert_close(z["process"], z["inline"], **TOL)
+    assert multiprocessing.active_children() == []
+
+
+class _Noisy(torch.utils.data.Dataset):
+    """``base``'s samples, each input plus one number drawn by ``draw`` (augmentation noise)."""
+
+    def __init__(self, base, draw) -> None:
+        self.base, self.draw = base, draw
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return x + float(self.draw()), y
+
+
+@pytest.mark.parametrize("draw", [lambda: np.random.standard_normal(), lambda: random.random()],
+                         ids=["numpy", "random"])
+def test_worker_processes_draw_their_own_augmentation_noise_reproducibly(draw):
+    half = tiny_data(4)
+    same = torch.utils.data.TensorDataset(*(torch.cat([t, t]) for t in half.tensors))  # 2 × b
+
+    def fit(seed, epochs):
+        plan = compile_tiny(TinyNet, replicas=2, executor="process")
+        plan.fit(_Noisy(same, draw), epochs, shuffle=False, progress=False, seed=seed)
+        return plan.replica_weights(), plan.central_weights()
+
+    w, _ = fit(0, 1)  # one round
+    # both learners see the same 4 samples; only their noise (learner 1's drawn in the worker
+    # process, learner 0's here) tells them apart
+    assert not torch.allclose(w[0], w[1])
+    w, z = fit(0, 3)
+    np.random.seed(123), random.seed(123)  # the fit seeds both: the user's state does not matter
+    w_again, z_again = fit(0, 3)
+    torch.testing.assert_close(w_again, w, rtol=0, atol=0)
+    torch.testing.assert_close(z_again, z, rtol=0, atol=0)
+    assert not torch.allclose(fit(1, 3)[1], z)
 
 
 class _CentralFails:

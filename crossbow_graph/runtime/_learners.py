@@ -7,8 +7,10 @@ the group's loss gradients in ``state.g[r0:r1]`` and return the per-replica loss
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
@@ -16,8 +18,8 @@ from .data import split_inputs
 from .fused import FusedProgram
 from .state import DeviceState
 
-__all__ = ["LEARNER_MODES", "check_loss", "learn_group", "learner_seed", "rows", "seed_rng",
-           "slice_batch"]
+__all__ = ["LEARNER_MODES", "check_loss", "learn_group", "learner_seed", "rows", "seed_host_rngs",
+           "seed_rng", "slice_batch"]
 
 LEARNER_MODES = ("per_replica", "fused")
 
@@ -74,6 +76,26 @@ def seed_rng(device: torch.device, seed: int) -> None:
             torch.cuda.manual_seed(seed)
     else:
         torch.default_generator.manual_seed(seed)
+
+
+def seed_host_rngs(fit_seed: int, round_index: int, rank: int, process: int, *,
+                   torch_cpu: bool = False) -> None:
+    """Seed this process's Python ``random`` and NumPy global RNG (and, with ``torch_cpu``, torch's
+    CPU generator) from (fit seed, round, rank, process): what a Dataset's ``__getitem__`` or
+    ``get_batch`` draws augmentation noise from, in whichever process fetches the samples.
+
+    Derived through ``numpy.random.SeedSequence``, as ``torch.utils.data.DataLoader`` derives its
+    workers' seeds: every process (0: the coordinator, i ≥ 1: worker process i of the process
+    executor) and every rank of a distributed fit draws its own stream, and the same arguments
+    give the same draws. Unlike a DataLoader, the fit seeds the coordinator too (once per fit, as
+    it seeds torch's RNG with the fit seed): a fit is a function of its seed, at the cost of
+    replacing the caller's global NumPy and ``random`` states.
+    """
+    words = np.random.SeedSequence([fit_seed % 2**64, round_index, rank, process]).generate_state(4)
+    random.seed(int.from_bytes(words.tobytes(), "little"))
+    np.random.seed(words)
+    if torch_cpu:
+        torch.default_generator.manual_seed(int.from_bytes(words[:2].tobytes(), "little"))
 
 
 def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Callable,

@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import is_count
+from ._learners import seed_host_rngs
 from .checkpoint import CheckpointHook
 from .data import BatchSchedule, as_dataset, make_fetch
 from .history import EpochRecord, EvalRecord, History
@@ -52,7 +53,9 @@ def run_fit(
     every batch of an epoch stays disjoint (b too is read before every round: policies may change
     it). A MetricsMonitor (every ``metrics_every`` rounds) runs after the other hooks and before
     the ``policies``, which run last but for logging and checkpoints. A resumed fit starts at the
-    saved sample position of its epoch. Worker processes, if any, live for the fit.
+    saved sample position of its epoch. Worker processes, if any, live for the fit. Torch's RNG
+    is seeded with ``seed``, Python's ``random`` and NumPy's from it (``seed_host_rngs``), before
+    a resume restores the checkpoint's states.
 
     Under torchrun (``plan.comm``) every rank draws the same round of k·b indices and keeps its own
     learners' rows (rank r: global learners r·k_r …, ``_mine``); only rank 0 shows progress,
@@ -89,6 +92,8 @@ def run_fit(
     fetch = train.get_batch if hasattr(train, "get_batch") else make_fetch(train)
     check_first_batch(plan, train, fetch, schedule.round_indices(schedule.order(0), 0, 0, 1))
     torch.manual_seed(seed)
+    # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
+    seed_host_rngs(seed, plan.rounds_done, comm.rank if comm is not None else 0, 0)
     history = History(target_accuracy=target_accuracy)
     hooks = list(hooks)
     if isinstance(metrics_every, MetricsMonitor):

@@ -20,22 +20,30 @@ writes the replicas, each group starts learning round t+1 right after its local 
 t, so learning overlaps the global sync and the hooks, and learner j's round t+1 waits only for
 its own correction; the worker that runs the global sync runs it before its own next learning
 (one core per process: the sync takes some process's time, and that one has no hooks to run).
-Every process has one intra-op thread (fork safety, see ``_worker_main``).
+Every process has one intra-op thread (fork safety, see ``_worker_main``), but for a coordinator
+without workers. Each worker seeds torch's CPU generator, Python's ``random`` and NumPy's global
+RNG every round from (fit seed, round, rank, worker) before it fetches (``seed_host_rngs``): a
+Dataset's augmentation draws differ between processes, and reproduce (also after a resume).
+Fused learners get one group per device: vmap draws a group's dropout masks at once, from one
+seed, so a device split over processes would draw other masks than the inline executor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import random
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
 
 from ..compiler.tasks import TaskKind
 from ..config import SGD
 from ..errors import TaskError
-from ._learners import learn_group, learner_seed, rows
+from ._learners import learn_group, learner_seed, rows, seed_host_rngs
 from .scheduler import available_cores
 
 if TYPE_CHECKING:
@@ -116,7 +124,8 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     from .data import split_inputs
 
     state = scheduler.states[0]
-    batch = fetch(torch.arange(b))
+    with torch.random.fork_rng(devices=[]), _host_rngs_kept():  # as if never fetched
+        batch = fetch(torch.arange(b))
     args, kwargs, target = split_inputs(batch)
     shapes = tuple((tuple(t.shape), t.dtype) for t in (*args, *kwargs.values(), target)
                    if isinstance(t, torch.Tensor))
@@ -140,6 +149,17 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
 
 
 MEASURE_REPS, MEASURE_STEPS, MEASURE_S = 3, 5, 0.02  # choose_onednn's measurement
+
+
+@contextlib.contextmanager
+def _host_rngs_kept():
+    """Restore Python's ``random`` and NumPy's global RNG states on exit."""
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
 
 
 def _step_seconds(model, loss_fn, args, kwargs, target) -> dict[bool, float]:
@@ -246,7 +266,9 @@ class ProcessExecutor:
                  seed: int) -> None:
         self.sched, self.fetch = scheduler, fetch
         states = scheduler.states
-        cores = available_cores()
+        # fused learners: a device's replicas in one program, whose dropout masks depend on the
+        # group (vmap draws them for the whole group at once), hence one group per device
+        cores = 1 if scheduler.learner_mode == "fused" else available_cores()
         self.groups = worker_groups([s.m for s in states], cores)
         n = len(self.groups)
         threads = 1  # forked children cannot start OpenMP teams (see _worker_main)
@@ -312,7 +334,8 @@ class ProcessExecutor:
         except BaseException:
             self.close()
             raise
-        torch.set_num_threads(1)  # one intra-op thread here too: the workers have the other cores
+        if n > 1:  # one intra-op thread here too: the workers have the other cores
+            torch.set_num_threads(1)
 
     @property
     def workers(self) -> range:
@@ -623,6 +646,7 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
     acc_part, buf_snap = ex.acc_parts[wid], ex.buf_snaps[d] if state.buf.shape[1] else None
     info, others = ex._part_info_np, len(ex.groups) - 1
     syncs = ex.sync_worker == wid
+    rank = sched.comm.rank if sched.comm is not None else 0
     try:
         while True:
             if not _wait(lambda: mail.go.acquire(timeout=_POLL_S), parent):
@@ -632,6 +656,7 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
                 return
             round_index, idx = msg
             ta = time.perf_counter_ns()
+            seed_host_rngs(sched.seed, round_index, rank, wid, torch_cpu=True)  # for the fetch
             if keep is not None:
                 keep.copy_(state.buf[r0:r1])
             try:
