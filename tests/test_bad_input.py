@@ -162,6 +162,11 @@ def test_evals_per_epoch_not_a_positive_integer(evals):
                           eval_dataset=ds(8), evals_per_epoch=evals)
 
 
+def test_eval_batch_size_not_a_positive_integer():
+    fails_before_training(ValueError, r"eval_batch_size=0: must be an integer ≥ 1, e.g. 1000",
+                          eval_dataset=ds(8), eval_batch_size=0)
+
+
 def test_seed_not_an_integer():
     fails_before_training(TypeError, r"seed=0.5: must be an integer, e.g. seed=0", seed=0.5)
 
