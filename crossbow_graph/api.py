@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import pathlib
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -78,6 +79,12 @@ def _check_model(model: nn.Module) -> None:
     params = list(model.parameters())
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(f"model's {kind} '{name}' is on the meta device (no data): "
+                                 "materialise it, e.g. model.to_empty(device='cpu') and load "
+                                 "weights (model.load_state_dict(...)), before compile")
     for name, p in model.named_parameters():
         if not p.is_floating_point():
             raise ValueError(f"parameter '{name}' of {type(model).__name__} has dtype {p.dtype}; "
@@ -86,6 +93,31 @@ def _check_model(model: nn.Module) -> None:
     if not any(p.requires_grad for p in params):
         raise ValueError(f"every parameter of {type(model).__name__} is frozen "
                          "(requires_grad=False): there is nothing to train")
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _check_batch_norm(model_graph: ModelGraph, batch_size: int) -> None:
+    """BatchNorm in training mode needs more than one value per channel: b · (spatial size) > 1,
+    read from the traced input shape of every BatchNorm module (BatchNorm1d on ``[N, C]`` at
+    b = 1 fails; BatchNorm2d on ``[N, C, H, W]`` with H·W > 1 works)."""
+    if batch_size != 1:
+        return
+    gm = model_graph.module
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(str(node.target))
+        shape = model_graph.node_meta.get(node.name, {}).get("shape")
+        if not isinstance(module, _BATCH_NORMS) or shape is None:
+            continue
+        if math.prod(shape[2:]) == 1:  # one value per channel and sample
+            raise ValueError(
+                f"batch_size=1 with {type(module).__name__} '{node.target}', which normalises "
+                f"inputs of shape [1, {', '.join(map(str, shape[1:]))}] per learner: BatchNorm "
+                "needs more than one value per channel in training; use batch_size ≥ 2, or "
+                "GroupNorm/LayerNorm instead of BatchNorm")
 
 
 def compile(  # noqa: A001 - the public name the design asks for
@@ -157,8 +189,10 @@ def compile(  # noqa: A001 - the public name the design asks for
     Raises:
         TraceError: torch.fx cannot trace the model, or the example inputs do not run through it.
         ValueError: a bad argument (batch size, replicas, devices, a model without trainable
-            floating-point parameters, an unknown kernel_backend, ``"c"`` or ``"triton"`` with a
-            float64 model).
+            floating-point parameters or with tensors on the meta device, an unknown
+            kernel_backend, ``"c"`` or ``"triton"`` with a float64 model, batch_size=1 with
+            a BatchNorm layer that then sees one value per channel).
+        TypeError: ``loss_fn`` not callable, or a loss class instead of an instance.
         ImportError: ``kernel_backend="triton"`` without the triton package (says how to install).
         CompilerError: ``kernel_backend="c"`` and the C kernels cannot be built (says why and how
             to fix it).
@@ -175,6 +209,10 @@ def compile(  # noqa: A001 - the public name the design asks for
         raise TypeError(f"autotune must be crossbow_graph.AutoTune(...), got {type(autotune).__name__}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+    if isinstance(loss_fn, type):  # the class itself is callable too: loss_fn(output, target) builds one
+        prefix = "nn." if loss_fn.__module__.startswith("torch.nn") else ""
+        raise TypeError(f"loss_fn={prefix}{loss_fn.__name__} is a class, not a loss: pass an "
+                        f"instance: {prefix}{loss_fn.__name__}()")
     if not isinstance(optimizer, SGD):
         raise TypeError(f"optimizer must be crossbow_graph.SGD(...), got {type(optimizer).__name__}")
     if not isinstance(sync, (SMA, SSGD)):
@@ -195,6 +233,7 @@ def compile(  # noqa: A001 - the public name the design asks for
                              model_dtype(trainable_named(model)))
     model_graph = trace_model(model, example_inputs, concrete_args=concrete_args,
                               leaf_modules=leaf_modules)
+    _check_batch_norm(model_graph, batch_size)
     if memory_budget is None and names[0].startswith("cuda"):
         memory_budget = torch.cuda.get_device_properties(_torch_device(names[0])).total_memory
     graph = build_task_graph(model_graph, devices=names, replicas_per_device=1 if tuned else replicas,
@@ -547,10 +586,15 @@ class Plan:
             hidden behind learning (``sync_unhidden_share``).
 
         Raises:
-            ValueError: an empty dataset, a dataset smaller than one round, inputs shaped unlike
-                the example inputs or of another floating dtype that the model does not take
-                (e.g. float32 data for a float64 model), labels outside the model's classes, a
-                loss that is not a scalar, bad arguments (checked once, on the first batch).
+            ValueError: an empty dataset, a dataset smaller than one round, a sample that is not
+                an ``(inputs, target)`` pair or a ``len()`` past the data, inputs shaped unlike
+                the example inputs or of another floating dtype that the model does not
+                take (e.g. float32 data for a float64 model), labels outside the model's classes or of the wrong dtype or
+                shape for a class-index loss (checked once, on the first batch of
+                ``train_dataset`` and of ``eval_dataset``); bad arguments (``target_accuracy``
+                outside (0, 1], ``evals_per_epoch`` < 1, a ``checkpoint_dir`` that cannot be
+                created or written); all before the first round.
+            TypeError: ``seed`` not an integer, ``target_accuracy`` not a number.
             TaskError: a task failed (names the task, its device and the round).
             DivergenceError: every replica produced NaN/Inf in the same round.
             CheckpointError: ``resume`` found checkpoints but none readable, or one written for

@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import ClassVar
 
+from .errors import is_count
+
 __all__ = ["SGD", "SMA", "SSGD"]
+
+
+def _check_number(owner: str, name: str, value: object, example: str) -> None:
+    """TypeError unless ``value`` is a real number (not a bool, not a string)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return
+    hint = example
+    if isinstance(value, str):
+        try:
+            hint = f"{name}={float(value)!r}"  # '0.1' → lr=0.1
+        except ValueError:
+            pass
+    raise TypeError(f"{owner}({name}={value!r}): must be a number, got {type(value).__name__}; "
+                    f"e.g. {hint}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,6 +37,7 @@ class SGD:
         weight_decay: L2 penalty λ (≥ 0), added to the gradient.
 
     Raises:
+        TypeError: a value that is not a number (``nesterov``: not a bool).
         ValueError: a value outside its range.
     """
 
@@ -28,7 +47,12 @@ class SGD:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
+        for name, example in (("lr", "lr=0.01"), ("momentum", "momentum=0.9"),
+                              ("weight_decay", "weight_decay=5e-4")):
+            _check_number("SGD", name, getattr(self, name), example)
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"SGD(nesterov={self.nesterov!r}): must be True or False")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"SGD(lr={self.lr}): the learning rate must be > 0, e.g. lr=0.01")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"SGD(momentum={self.momentum}): momentum must be in [0, 1), e.g. 0.9")
@@ -50,7 +74,9 @@ class SMA:
         sync_every: τ, rounds between synchronisations (≥ 1); between them learners only step.
 
     Raises:
-        ValueError: a value outside its range (α is checked against k by ``compile``).
+        TypeError: α or μ_z not a number.
+        ValueError: a value outside its range, τ not an integer (α is checked against k by
+            ``compile``).
     """
 
     alpha: float | None = None
@@ -58,6 +84,9 @@ class SMA:
     sync_every: int = 1
 
     def __post_init__(self) -> None:
+        if self.alpha is not None:
+            _check_number("SMA", "alpha", self.alpha, "alpha=0.25, or alpha=None for 1/k")
+        _check_number("SMA", "central_momentum", self.central_momentum, "central_momentum=0.9")
         if self.alpha is not None and not 0 < self.alpha <= 1:
             raise ValueError(
                 f"SMA(alpha={self.alpha}): α must be in (0, 1]; use alpha=None for 1/k"
@@ -66,8 +95,8 @@ class SMA:
             raise ValueError(
                 f"SMA(central_momentum={self.central_momentum}): μ_z must be in [0, 1), e.g. 0.9"
             )
-        if not (isinstance(self.sync_every, int) and self.sync_every >= 1):
-            raise ValueError(f"SMA(sync_every={self.sync_every}): must be an integer ≥ 1")
+        if not is_count(self.sync_every):
+            raise ValueError(f"SMA(sync_every={self.sync_every!r}): must be an integer ≥ 1")
 
     def alpha_for(self, num_learners: int) -> float:
         """α for k = ``num_learners`` learners: the configured value, or 1/k; 0 when k = 1."""

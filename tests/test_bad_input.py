@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from torch.utils.data import Dataset, TensorDataset
 import crossbow_graph as cg
 from crossbow_graph import cli, datasets
 from crossbow_graph.errors import PlanError, TaskError, TraceError
+from crossbow_graph.runtime.hooks import Hook
 
 from _fake_cifar import write_fake_cifar
 
@@ -143,6 +145,9 @@ def test_loss_that_is_not_a_scalar():
         plan(loss=bad).fit(ds(), 1, progress=False)
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         plan(loss="cross_entropy")
+    with pytest.raises(TypeError, match=r"loss_fn=nn.CrossEntropyLoss is a class, not a loss: pass an "
+                                        r"instance: nn.CrossEntropyLoss\(\)"):
+        plan(loss=nn.CrossEntropyLoss)
 
 
 def test_labels_are_only_checked_for_class_index_losses():
@@ -157,7 +162,145 @@ def test_labels_are_only_checked_for_class_index_losses():
         plan(loss=nn.CrossEntropyLoss()).fit(data, 1, progress=False)
 
 
+class RoundCounter(Hook):
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def after_round(self, ctx) -> None:
+        self.rounds += 1
+
+
+def fails_before_training(error, pattern, data=None, p=None, **fit):
+    """fit raises ``error`` matching ``pattern`` and no training round ran."""
+    p = p or plan()
+    counter = RoundCounter()
+    with pytest.raises(error, match=pattern):
+        p.fit(ds() if data is None else data, 1, progress=False, hooks=[counter], **fit)
+    assert counter.rounds == 0 and p.rounds_done == 0
+
+
+# -- fit's arguments (checked before the first round) --------------------------------------
+
+@pytest.mark.parametrize("target, guess", [(2.0, ""), (99, r"; did you mean 0.99\?"), (0, ""),
+                                           (-0.5, "")])
+def test_target_accuracy_outside_zero_one(target, guess):
+    fails_before_training(ValueError, rf"target_accuracy={target!r}: must be a fraction in \(0, 1\].*"
+                                      rf"e.g. 0.99{guess}$",
+                          eval_dataset=ds(8), target_accuracy=target)
+
+
+@pytest.mark.parametrize("evals", [0, -1, 1.5])
+def test_evals_per_epoch_not_a_positive_integer(evals):
+    fails_before_training(ValueError, rf"evals_per_epoch={evals!r}: must be an integer ≥ 1",
+                          eval_dataset=ds(8), evals_per_epoch=evals)
+
+
+def test_eval_batch_size_not_a_positive_integer():
+    fails_before_training(ValueError, r"eval_batch_size=0: must be an integer ≥ 1, e.g. 1000",
+                          eval_dataset=ds(8), eval_batch_size=0)
+
+
+def test_seed_not_an_integer():
+    fails_before_training(TypeError, r"seed=0.5: must be an integer, e.g. seed=0", seed=0.5)
+
+
+def test_eval_dataset_that_does_not_fit_the_model():
+    """Checked at the start like the training set, not after training up to the first evaluation."""
+    fails_before_training(ValueError, r"eval_dataset: input 0 \('input'\) of a sample has shape \[5\], "
+                                      r"but the plan was compiled for .* shape \[4\].*give eval_dataset "
+                                      r"samples shaped like the training data's",
+                          eval_dataset=ds(8, features=(5,)))
+    fails_before_training(ValueError, r"eval_dataset has label \d, outside the model's 3 classes.*"
+                                      r"num_classes=7", eval_dataset=ds(40, classes=7))
+
+
+class Items(Dataset):
+    def __init__(self, item, n: int = 32, readable: int | None = None):
+        self.item, self.n, self.readable = item, n, n if readable is None else readable
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i >= self.readable:
+            raise IndexError(f"index {i} out of range")
+        return self.item(i)
+
+
+@pytest.mark.parametrize("item, what", [(lambda i: None, "None"),
+                                        (lambda i: torch.randn(4), r"a Tensor of shape \[4\]"),
+                                        (lambda i: (torch.randn(4), 0, 1), "a tuple of 3 items")])
+def test_sample_that_is_not_an_inputs_target_pair(item, what):
+    fails_before_training(ValueError, rf"train_dataset\[\d+\] is {what}, not an \(inputs, target\) "
+                                      r"pair; make __getitem__ return a pair", data=Items(item))
+
+
+def test_len_larger_than_the_data():
+    data = Items(lambda i: (torch.randn(4), i % 3), n=32, readable=20)
+    fails_before_training(ValueError, r"train_dataset\[31\] fails \(IndexError: index 31 out of range\); "
+                                      r"train_dataset says len\(\) = 32: make __len__ return the number",
+                          data=data, shuffle=False)  # the first rounds would read only 0 … 19
+
+
+def test_float_class_index_labels():
+    x, y = ds().tensors
+    fails_before_training(ValueError, r"train_dataset's labels are torch.float32 of shape \[4\]: "
+                                      r"cross_entropy reads float labels as class probabilities of shape "
+                                      r"\[N, 3\].*convert them: y.long\(\)",
+                          data=TensorDataset(x, y.float()))
+    fails_before_training(ValueError, r"labels are torch.int32 .*convert them: y.long\(\)",
+                          data=TensorDataset(x, y.int()))
+    # float class probabilities [N, C] are cross_entropy's soft labels: accepted
+    plan().fit(TensorDataset(x, F.one_hot(y, 3).float()), 1, progress=False)
+
+
+def test_labels_of_shape_n_1():
+    x, y = ds().tensors
+    fails_before_training(ValueError, r"train_dataset's labels are torch.int64 of shape \[4, 1\], but "
+                                      r"cross_entropy takes class indices of shape \[N\]; squeeze the "
+                                      r"labels: y.squeeze\(1\)", data=TensorDataset(x, y[:, None]))
+
+
+def test_checkpoint_dir_that_is_a_file_or_not_writable(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    fails_before_training(ValueError, rf"checkpoint_dir='{re.escape(str(afile))}' is a file, not a directory",
+                          checkpoint_dir=str(afile))
+    fails_before_training(ValueError, rf"checkpoint_dir='{re.escape(str(afile / 'sub'))}' cannot be created "
+                                      r"\(NotADirectoryError: .*\); pass a writable directory",
+                          checkpoint_dir=str(afile / "sub"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_checkpoint_dir_that_exists_but_is_not_writable():
+    """/proc: a directory in which nobody, root included, can create a file."""
+    fails_before_training(ValueError, r"checkpoint_dir='/proc' is not writable: creating a file in it "
+                                      r"fails .*; pass a writable directory", checkpoint_dir="/proc")
+
+
 # -- the model ----------------------------------------------------------------------------
+
+def test_model_on_the_meta_device():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    with pytest.raises(ValueError, match=r"model's parameter '1.weight' is on the meta device.*"
+                                         r"model.to_empty\(device='cpu'\) and load weights"):
+        plan(model)
+
+
+def test_batch_norm_with_one_value_per_channel():
+    torch.manual_seed(0)
+    bn1d = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    with pytest.raises(ValueError, match=r"batch_size=1 with BatchNorm1d '1', which normalises inputs of "
+                                         r"shape \[1, 3\].*use batch_size ≥ 2, or GroupNorm/LayerNorm"):
+        plan(bn1d, batch_size=1)
+    plan(bn1d, batch_size=2).fit(ds(), 1, progress=False)
+    # BatchNorm2d over 4×4 maps has 16 values per channel at b = 1: it trains
+    bn2d = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(32, 3))
+    p = plan(bn2d, example=torch.zeros(1, 1, 4, 4), batch_size=1)
+    p.fit(ds(features=(1, 4, 4)), 1, progress=False)
+    assert p.rounds_done == 16
+
 
 def test_model_without_parameters():
     with pytest.raises(ValueError, match="ReLU has no parameters: there is nothing to train"):
@@ -207,6 +350,25 @@ def test_more_devices_or_replicas_than_exist_or_fit():
     with pytest.raises(PlanError, match=r"2 replicas × .* MiB per learner \(params .*\) = .* MiB exceed the "
                                         r".* MiB budget of cpu:0 .*not even one replica fits"):
         plan(memory_budget=64)
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda: cg.SGD(lr="0.1"), r"SGD\(lr='0.1'\): must be a number, got str; e.g. lr=0.1"),
+    (lambda: cg.SGD(momentum=None), r"SGD\(momentum=None\): must be a number, got NoneType"),
+    (lambda: cg.SGD(weight_decay="1e-4"), r"SGD\(weight_decay='1e-4'\): must be a number.*weight_decay=0.0001"),
+    (lambda: cg.SGD(nesterov="no"), r"SGD\(nesterov='no'\): must be True or False"),
+    (lambda: cg.SMA(alpha="0.5"), r"SMA\(alpha='0.5'\): must be a number, got str; e.g. alpha=0.5"),
+    (lambda: cg.SMA(central_momentum=[0.9]), r"SMA\(central_momentum=\[0.9\]\): must be a number, got list"),
+])
+def test_optimizer_and_sync_settings_that_are_not_numbers(make, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        make()
+
+
+@pytest.mark.parametrize("tau", [True, 1.0, "2"])
+def test_sync_every_not_an_integer(tau):
+    with pytest.raises(ValueError, match=rf"SMA\(sync_every={tau!r}\): must be an integer ≥ 1"):
+        cg.SMA(sync_every=tau)
 
 
 # -- the command line ---------------------------------------------------------------------

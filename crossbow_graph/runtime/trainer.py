@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +68,7 @@ def run_fit(
     """
     if not is_count(epochs):
         raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
+    _check_fit_args(seed, target_accuracy, evals_per_epoch, eval_batch_size)
     if target_accuracy is not None and eval_dataset is None:
         raise ValueError("target_accuracy needs an eval_dataset to measure z's accuracy on")
     train = as_dataset(train_dataset)
@@ -91,6 +93,10 @@ def run_fit(
     # a dataset that gathers whole batches at once (e.g. vectorised augmentation) provides get_batch
     fetch = train.get_batch if hasattr(train, "get_batch") else make_fetch(train)
     check_first_batch(plan, train, fetch, schedule.round_indices(schedule.order(0), 0, 0, 1))
+    if eval_dataset is not None:  # its first b samples, as evaluation will read them
+        evals = as_dataset(eval_dataset, "eval_dataset")
+        check_first_batch(plan, evals, make_fetch(evals), torch.arange(min(b, len(evals))),
+                          what="eval_dataset")
     torch.manual_seed(seed)
     # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
     seed_host_rngs(seed, plan.rounds_done, comm.rank if comm is not None else 0, 0)
@@ -138,6 +144,27 @@ def run_fit(
         if timeline is not None:
             timeline.save(trace)
     return history
+
+
+def _check_fit_args(seed: Any, target_accuracy: Any, evals_per_epoch: Any,
+                    eval_batch_size: Any) -> None:
+    """TypeError/ValueError for ``fit``'s scalar arguments, before anything runs."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed={seed!r}: must be an integer, e.g. seed=0")
+    if target_accuracy is not None:
+        if isinstance(target_accuracy, bool) or not isinstance(target_accuracy, numbers.Real):
+            raise TypeError(f"target_accuracy={target_accuracy!r}: must be a fraction in (0, 1], "
+                            "e.g. 0.99, or None")
+        if not 0 < target_accuracy <= 1:
+            guess = (f"; did you mean {target_accuracy / 100:g}?"
+                     if 10 <= target_accuracy <= 100 else "")
+            raise ValueError(f"target_accuracy={target_accuracy!r}: must be a fraction in (0, 1] "
+                             f"of the eval_dataset's samples, e.g. 0.99{guess}")
+    if not is_count(evals_per_epoch):
+        raise ValueError(f"evals_per_epoch={evals_per_epoch!r}: must be an integer ≥ 1 "
+                         "(evaluations of z per epoch), e.g. 1")
+    if not is_count(eval_batch_size):
+        raise ValueError(f"eval_batch_size={eval_batch_size!r}: must be an integer ≥ 1, e.g. 1000")
 
 
 def _share_resumed(plan: "Plan", comm, resumed: bool) -> bool:

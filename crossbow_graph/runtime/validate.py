@@ -84,7 +84,8 @@ def _check_inputs(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], w
     """Inputs shaped unlike the example inputs are an error unless the model takes them and gives
     an output of the compiled shape (e.g. a globally pooled CNN on larger images)."""
     fix = (f"compile the plan with example_inputs shaped like one sample of {what}, e.g. "
-           f"(x,) with x = {what}[0][0].unsqueeze(0)")
+           f"(x,) with x = {what}[0][0].unsqueeze(0)") if what == "train_dataset" else \
+        f"give {what} samples shaped like the training data's (the compiled example inputs)"
     for i, (arg, (name, want)) in enumerate(zip(args, _placeholder_shapes(plan))):
         if not isinstance(arg, torch.Tensor) or want is None or tuple(arg.shape[1:]) == tuple(want[1:]):
             continue
@@ -110,6 +111,57 @@ def _all_labels(dataset: Any, first_targets: torch.Tensor) -> torch.Tensor:
     return first_targets
 
 
+def _describe(sample: Any) -> str:
+    if isinstance(sample, torch.Tensor):
+        return f"a Tensor of shape {list(sample.shape)}"
+    if isinstance(sample, (list, tuple)):
+        return f"a {type(sample).__name__} of {len(sample)} items"
+    return "None" if sample is None else f"a {type(sample).__name__}"
+
+
+def _check_samples(dataset: Any, first: int, what: str) -> None:
+    """The last index ``len − 1`` and ``dataset[first]`` give ``(inputs, target)`` pairs."""
+    last = len(dataset) - 1
+    for i in dict.fromkeys((last, first)):
+        try:
+            sample = dataset[i]
+        except Exception as exc:  # noqa: BLE001 - the dataset's own error, named with the index
+            hint = (f"; {what} says len() = {last + 1}: make __len__ return the number of samples "
+                    "that __getitem__ can return") if i == last else ""
+            raise ValueError(f"{what}[{i}] fails ({type(exc).__name__}: {exc}){hint}") from exc
+        if not isinstance(sample, (list, tuple)) or len(sample) != 2:
+            raise ValueError(f"{what}[{i}] is {_describe(sample)}, not an (inputs, target) pair; "
+                             "make __getitem__ return a pair such as (image, label)")
+
+
+def _check_label_form(loss_fn: Any, target: torch.Tensor, out_shape: tuple[int, ...],
+                      what: str) -> None:
+    """Labels of a class-index loss: integer (int64 or uint8) class indices shaped like the
+    output without its class dimension, or (cross_entropy only) float class probabilities
+    shaped like the output."""
+    name = "nll_loss" if loss_fn is F.nll_loss or isinstance(loss_fn, nn.NLLLoss) else "cross_entropy"
+    index_shape, per_sample = list(out_shape[2:]), list(target.shape[1:])
+    problem = f"{what}'s labels are {target.dtype} of shape {list(target.shape)}"
+    if target.is_floating_point():
+        if name == "cross_entropy" and per_sample == list(out_shape[1:]):
+            return  # class probabilities [N, C, ...]
+        probs = (f"cross_entropy reads float labels as class probabilities of shape "
+                 f"[N, {', '.join(map(str, out_shape[1:]))}] and class indices as integers"
+                 ) if name == "cross_entropy" else "nll_loss takes class indices as integers"
+        raise ValueError(f"{problem}: {probs}; for class indices convert them: y.long()")
+    if per_sample == [1] + index_shape:
+        raise ValueError(f"{problem}, but {name} takes class indices of shape "
+                         f"[N{''.join(f', {d}' for d in index_shape)}]; squeeze the labels: "
+                         "y.squeeze(1)")
+    if per_sample != index_shape:
+        raise ValueError(f"{problem}, but {name} with a model output of shape [N, "
+                         f"{', '.join(map(str, out_shape[1:]))}] takes class indices of shape "
+                         f"[N{''.join(f', {d}' for d in index_shape)}]; reshape the labels")
+    if target.dtype not in (torch.int64, torch.uint8):
+        raise ValueError(f"{problem}, but {name} takes class indices as torch.int64 (or uint8); "
+                         "convert them: y.long()")
+
+
 def _class_index_loss(loss_fn: Any) -> int | None:
     """The ignore_index of a loss whose integer targets are class indices, else None."""
     if loss_fn in (F.cross_entropy, F.nll_loss):
@@ -123,17 +175,20 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
                       indices: torch.Tensor, what: str = "train_dataset") -> None:
     """Check one batch of ``dataset`` against the plan (``loss_fn`` is not called).
 
-    Checks: every floating input's dtype equals the compiled example input's (or, if not, the
-    model in evaluation mode takes the batch: it casts its inputs); every input's per-sample
-    shape equals the compiled example input's (or, if not, the model in evaluation mode takes
-    the batch and gives an output of the compiled shape); with a
-    class-index loss (``cross_entropy``, ``nll_loss`` or their modules), integer labels lie in
-    [0, C) for a model with C output scores, ``ignore_index`` allowed (all labels of a tensor
-    dataset, else the batch's). Whether ``loss_fn`` returns a scalar is checked by every LEARN task.
+    Checks: the batch's first sample and the dataset's last index (``len − 1``) are ``(inputs,
+    target)`` pairs (a dataset read through its ``get_batch``: the batch and the last index, in one
+    call); every floating input's dtype equals the compiled example input's (or, if not, the model
+    in evaluation mode takes the batch: it casts its inputs); every input's per-sample shape equals
+    the compiled example input's (or, if not, the model in evaluation mode takes the batch and
+    gives an output of the compiled shape); with a class-index loss (``cross_entropy``,
+    ``nll_loss`` or their modules) and an output ``[N, C, ...]``, the labels are int64/uint8 class
+    indices ``[N, ...]`` (or, for cross_entropy, float class probabilities ``[N, C, ...]``) and
+    integer labels lie in [0, C), ``ignore_index`` allowed (all labels of a tensor dataset, else
+    the batch's). Whether ``loss_fn`` returns a scalar is checked by every LEARN task.
 
     Args:
         plan: the compiled Plan.
-        dataset: the training dataset.
+        dataset: the dataset (training or evaluation).
         fetch: indices ``[n]`` → a collated batch.
         indices: the samples to check, ``[b]``.
         what: the argument's name for messages.
@@ -141,14 +196,26 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
     Raises:
         ValueError: a mismatch; the message names the input or label, the numbers and the fix.
     """
-    batch = fetch(indices)
+    last = len(dataset) - 1
+    if fetch == getattr(dataset, "get_batch", None):  # read in batches only: one call, with len − 1
+        indices = torch.cat([indices, torch.tensor([last])])
+        try:
+            batch = fetch(indices)
+        except IndexError as exc:
+            raise ValueError(f"{what}.get_batch fails on index {last} ({exc}); {what} says len() = "
+                             f"{last + 1}: make __len__ return the number of samples it has") from exc
+    else:
+        _check_samples(dataset, int(indices[0]), what)
+        batch = fetch(indices)
     args, kwargs, target = split_inputs(batch)
     _check_dtypes(plan, args, kwargs, what)
     _check_inputs(plan, args, kwargs, what)
     ignore = _class_index_loss(plan.loss_fn)
     out_shape = _output_shape(plan)
-    if (ignore is None or out_shape is None or len(out_shape) < 2 or not isinstance(target, torch.Tensor)
-            or target.is_floating_point()):
+    if ignore is None or out_shape is None or len(out_shape) < 2 or not isinstance(target, torch.Tensor):
+        return
+    _check_label_form(plan.loss_fn, target, out_shape, what)
+    if target.is_floating_point():
         return
     classes = out_shape[1]
     labels = _all_labels(dataset, target)
