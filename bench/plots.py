@@ -16,7 +16,10 @@ import argparse
 import json
 import os
 
-import matplotlib
+try:
+    import matplotlib
+except ImportError as exc:
+    raise ImportError("the benchmarks' plots need matplotlib: pip install 'crossbow_graph[plots]'") from exc
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

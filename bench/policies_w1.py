@@ -98,7 +98,10 @@ def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, milestones: 
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("the noise-scale plot needs matplotlib: pip install 'crossbow_graph[plots]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

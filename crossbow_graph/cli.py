@@ -1,4 +1,8 @@
-"""The ``crossbow-graph`` command line: ``train``, ``inspect`` and ``bench``."""
+"""The ``crossbow-graph`` command line: ``train`` and ``inspect``.
+
+The benchmarks are scripts of the repository's bench/ folder (``python bench/throughput.py``,
+``python bench/tta.py``, ...; docs/benchmarks.md), not subcommands: they need a checkout.
+"""
 
 from __future__ import annotations
 
@@ -139,34 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "step_lr, multistep_lr, cosine_lr, divergence_guard (e.g. "
                             "adaptive_batch:max_batch_size=128; tuples as 3/4)")
     _add_inspect_parser(sub)
-    _add_bench_parser(sub)
     return parser
-
-
-BENCH_SCRIPTS = {  # name → (script under bench/, extra arguments of --quick)
-    "tta": ("tta.py", ["--quick"]),
-    "throughput": ("throughput.py", ["--quick"]),
-    "kernel": ("sma_kernel.py", ["--models", "lenet5", "--replicas", "1,2", "--reps", "2"]),
-}
-
-
-def _add_bench_parser(sub) -> None:
-    bench = sub.add_parser(
-        "bench", help="run a benchmark of bench/ (time-to-accuracy, throughput, SMA kernel)",
-        description="Run one of the repository's benchmark scripts (BENCHMARKS.md) with its defaults: "
-                    "tta → bench/tta.py (W1 time-to-accuracy against plain PyTorch, local SGD and "
-                    "S-SGD, 3 seeds, about 20 minutes on 2 cores), throughput → bench/throughput.py "
-                    "(samples/s grid), kernel → bench/sma_kernel.py (SMA update kernel). --quick "
-                    "runs a small version that finishes in minutes. Arguments after the name (or "
-                    "after --) go to the script, e.g. crossbow-graph bench tta -- --seeds 0 1. "
-                    "Results are written as JSON under bench/results/.",
-        formatter_class=_DefaultsFormatter,
-    )
-    bench.add_argument("benchmark", choices=sorted(BENCH_SCRIPTS), help="which benchmark")
-    bench.add_argument("--quick", action="store_true", help="a small version that finishes in minutes")
-    bench.add_argument("--dry-run", action="store_true", help="print the command and run nothing")
-    bench.add_argument("script_args", nargs=argparse.REMAINDER,
-                       help="arguments passed to the script (see its --help)")
 
 
 def _add_inspect_parser(sub) -> None:
@@ -408,30 +385,6 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    """Run bench/<script> of this checkout in a child Python; returns its exit status."""
-    import pathlib
-    import subprocess
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    script_name, quick_args = BENCH_SCRIPTS[args.benchmark]
-    script = root / "bench" / script_name
-    if not script.is_file():
-        raise FileNotFoundError(f"{script} does not exist: the benchmarks live in the repository's "
-                                "bench/ folder, not in an installed wheel; run from a checkout")
-    rest = list(args.script_args)  # argparse leaves flags written after the name in here
-    cut = rest.index("--") if "--" in rest else len(rest)
-    ours, theirs = rest[:cut], rest[cut + 1:]
-    quick = args.quick or "--quick" in ours
-    dry_run = args.dry_run or "--dry-run" in ours
-    extra = [a for a in ours if a not in ("--quick", "--dry-run")] + theirs
-    cmd = [sys.executable, str(script), *(quick_args if quick else []), *extra]
-    print(" ".join(cmd), flush=True)
-    if dry_run:
-        return 0
-    return subprocess.call(cmd, cwd=root)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (errors a user can fix print one line and exit 2)."""
     args = build_parser().parse_args(argv)
@@ -440,8 +393,6 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "inspect":
             return _inspect(args)
-        if args.command == "bench":
-            return _bench(args)
     except (ValueError, FileNotFoundError, DistributedError) as exc:  # DistributedError: ranks
         # that disagree at start-up
         print(f"crossbow-graph {args.command}: error: {exc}", file=sys.stderr)
