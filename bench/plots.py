@@ -1,7 +1,7 @@
 """Plots of the benchmark results (PNG, matplotlib) for docs/benchmarks.md.
 
     python bench/plots.py --tta bench/results/tta-w1.json bench/results/tta-w2-subset.json \\
-        --throughput bench/results/throughput-20261129T121639Z.json \\
+        --throughput bench/results/throughput_grid.json \\
         --epochs bench/results/stat_eff-epochs.json bench/results/stat_eff-epochs-sma.json \\
         --robustness bench/results/stat_eff-robustness.json
 
