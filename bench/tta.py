@@ -65,14 +65,14 @@ def _plain(batch: int, lr: float | None = None, threads: int = 2, milestones: tu
 
 
 CLI_MILESTONES = (2, 4)  # ``crossbow-graph train``'s default --lr-milestones (η ×0.1 at each)
-GRID_BATCHES = (16, 32, 64, 128, 256)  # BENCHMARKS.md's plain grid: its best is the baseline
+GRID_BATCHES = (16, 32, 64, 128, 256)  # docs/benchmarks.md's plain grid: its best is the baseline
 GRID = [f"plain-B{B}" for B in GRID_BATCHES]
 
 
 SYSTEMS: dict[str, dict] = {
     **{name: _plain(B) for name, B in zip(GRID, GRID_BATCHES)},
     "plain-B32-t1": _plain(32, threads=1),  # extra: 1 thread (2 threads suffer on a busy machine)
-    # extra, not in the BENCHMARKS.md grid: plain B=32 with crossbow_graph's default lr schedule
+    # extra, not in the docs/benchmarks.md grid: plain B=32 with crossbow_graph's default lr schedule
     "plain-B32-ms": _plain(32, milestones=CLI_MILESTONES),
     "localsgd": dict(kind="localsgd", batch=16, lr=0.02, period=4, warmup_steps=100, procs=2),
     "crossbow-r2": dict(kind="crossbow", batch=16, lr=0.02, devices=2, replicas=2, sync="sma",

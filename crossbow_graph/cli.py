@@ -107,16 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learner-mode", default="per_replica", choices=("per_replica", "fused"),
                        help="learners' mode (with --replicas auto the tuner also tries the other one)")
     train.add_argument("--lr", type=float, default=None,
-                       help=f"learning rate η of every learner (default {DEFAULT_LR}: it took LeNet-5/MNIST "
-                            "at b=16, k=4 to 99.0%% in 3.5–4.5 epochs over 3 seeds; 0.01 and 0.03 "
-                            "plateaued below). With the default, adaptive_batch's η gain takes "
-                            f"{DEFAULT_LR_BATCH} samples per round (b=16, k=4) as its reference; with "
-                            "--lr, the k·b you start at")
+                       help=f"learning rate η of every learner (default {DEFAULT_LR}, tuned for "
+                            "LeNet-5/MNIST at b=16, k=4 by bench/lr_sweep_w1.py). With the default, "
+                            f"adaptive_batch's η gain takes {DEFAULT_LR_BATCH} samples per round "
+                            "(b=16, k=4) as its reference; with --lr, the k·b you start at")
     train.add_argument("--lr-milestones", type=_milestones_arg, default=(2, 4),
                        help="epochs at which η drops 10×, replicas reset to z (a MultiStepLR policy); "
-                            "'' for a constant η. With 2,4 the default run reached 99.0%% in 2.25–2.75 "
-                            "epochs over 3 seeds; with a constant η 0.02, 3 of 4 runs reached it in "
-                            "5 epochs. Ignored when --policy names an LR schedule")
+                            "'' for a constant η (LeNet-5/MNIST reaches 99.0%% sooner with the drops: "
+                            "docs/benchmarks.md). Ignored when --policy names an LR schedule")
     train.add_argument("--momentum", type=float, default=0.9, help="local momentum μ_l")
     train.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty λ")
     train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
@@ -286,7 +284,7 @@ def _load_dataset(args: argparse.Namespace):
     from . import datasets, models
 
     name, root = args.dataset, args.data_dir
-    # a CIFAR-style zoo model (3×32×32 input, e.g. resnet32: BENCHMARKS.md W2) gets Fashion-MNIST
+    # a CIFAR-style zoo model (3×32×32 input, e.g. resnet32: docs/benchmarks.md W2) gets Fashion-MNIST
     # padded to 32×32 with the channel repeated (INPUT_SHAPES: the zoo's input shape per model)
     cifar_style = getattr(models, "INPUT_SHAPES", {}).get(args.model) == (3, 32, 32)
     if name not in DATASETS:

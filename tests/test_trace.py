@@ -110,7 +110,7 @@ def _dict_loss(out, y):
 
 @pytest.mark.parametrize("keyword", [False, True])
 def test_several_or_keyword_inputs_and_dict_outputs_compile_and_fit_like_eager_sgd(keyword):
-    """k = 1 is exactly torch.optim.SGD (DESIGN.md §2): the oracle is an eager loop."""
+    """k = 1 is exactly torch.optim.SGD (docs/design-overview.md §2): the oracle is an eager loop."""
     torch.manual_seed(0)
     model = _TwoInputs()
     data = _Samples(keyword)
