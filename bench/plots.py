@@ -1,4 +1,4 @@
-"""Plots of the benchmark results (PNG, matplotlib) for docs/benchmarks.md.
+"""Plots of the benchmark results (PNG, matplotlib) for docs/benchmarking.md.
 
     python bench/plots.py --tta bench/results/tta-w1.json bench/results/tta-w2-subset.json \\
         --throughput bench/results/throughput_grid.json \\

@@ -24,7 +24,7 @@ with ``epoch_overhead=0.25``; ``adaptive-warmup`` the default with
 ``MetricsMonitor(warmup_windows=1)``; ``adaptive-speed`` with the opt-in throughput test
 (``min_speedup=0.1``); ``grow-only`` (η kept when b grows; b doubles while 2·k·b ≤ B_noise, no
 shrinking, 10 settling windows, 0.5 epoch cool-down) and ``grow-only-gain`` (the same with the η
-gain); ``shrink-early`` and ``band``, grow-only with halving (docs/benchmarks.md).
+gain); ``shrink-early`` and ``band``, grow-only with halving (docs/benchmarking.md).
 
 Prints a markdown table. Not a test; no timing asserted.
 """

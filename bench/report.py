@@ -1,4 +1,4 @@
-"""Markdown tables of the result JSONs for docs/benchmarks.md (numbers copied by program, not by hand).
+"""Markdown tables of the result JSONs for docs/benchmarking.md (numbers copied by program, not by hand).
 
     python bench/report.py --tta bench/results/tta-w1.json --epochs bench/results/stat_eff-epochs.json \\
         --robustness bench/results/stat_eff-robustness.json

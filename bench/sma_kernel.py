@@ -1,4 +1,4 @@
-"""Benchmark of the SMA update (docs/design-overview.md §2 steps 1–3, §4; protocol in docs/benchmarks.md).
+"""Benchmark of the SMA update (docs/design-overview.md §2 steps 1–3, §4; protocol in docs/benchmarking.md).
 
 CPU: the C kernels (runtime/sma_cpu.c, the CPU default when a C compiler is there) and the
 vectorised torch implementation on flat ``[m, P]`` buffers (runtime/sma.py) against a naive loop

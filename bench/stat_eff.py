@@ -1,4 +1,4 @@
-"""Statistical efficiency and hyper-parameter robustness on W1 (docs/benchmarks.md).
+"""Statistical efficiency and hyper-parameter robustness on W1 (docs/benchmarking.md).
 
 ``--part epochs``: epochs to 99.0% test accuracy (evaluated 4× per epoch) for
 

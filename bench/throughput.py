@@ -1,4 +1,4 @@
-"""Hardware-efficiency grid (docs/benchmarks.md): samples/s of crossbow_graph against plain PyTorch.
+"""Hardware-efficiency grid (docs/benchmarking.md): samples/s of crossbow_graph against plain PyTorch.
 
 LeNet-5 on MNIST (real data). For b ∈ {4, 8, 16, 32, 64} × m ∈ {1, 2, 4, 8, 16} learners in all ×
 learner mode ∈ {per_replica, fused}: crossbow_graph's training samples/s, next to plain PyTorch

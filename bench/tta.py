@@ -1,4 +1,4 @@
-"""Time-to-accuracy of crossbow_graph against the baselines users would pick (docs/benchmarks.md).
+"""Time-to-accuracy of crossbow_graph against the baselines users would pick (docs/benchmarking.md).
 
 Workloads: W1 (LeNet-5 on MNIST, target 99.0%) and W2 (ResNet-32 on Fashion-MNIST padded to
 32×32, three channels, target 92%; ``--train-samples`` / ``--test-samples`` take a subset on a CPU).
@@ -9,7 +9,7 @@ Systems (one run = one system × one seed, each in a fresh ``python bench/tta.py
 process; runs are interleaved: every system for seed 0, then every system for seed 1, …):
 
 * ``plain-B<B>``: plain PyTorch eager S-SGD, one model, ``torch.optim.SGD(momentum=0.9)``, batch
-  B with lr 0.01·B/16, 2 intra-op threads (the protocol's grid, docs/benchmarks.md; the best is the baseline).
+  B with lr 0.01·B/16, 2 intra-op threads (the protocol's grid, docs/benchmarking.md; the best is the baseline).
 * ``localsgd``: PyTorch's local SGD, ``torch.distributed.algorithms.model_averaging``'s
   ``PeriodicModelAverager(period=4, warmup_steps=100)`` (the example of its documentation), gloo
   on 127.0.0.1, 2 processes with 1 intra-op thread each, the same learners as crossbow_graph's
@@ -65,14 +65,14 @@ def _plain(batch: int, lr: float | None = None, threads: int = 2, milestones: tu
 
 
 CLI_MILESTONES = (2, 4)  # ``crossbow-graph train``'s default --lr-milestones (η ×0.1 at each)
-GRID_BATCHES = (16, 32, 64, 128, 256)  # docs/benchmarks.md's plain grid: its best is the baseline
+GRID_BATCHES = (16, 32, 64, 128, 256)  # docs/benchmarking.md's plain grid: its best is the baseline
 GRID = [f"plain-B{B}" for B in GRID_BATCHES]
 
 
 SYSTEMS: dict[str, dict] = {
     **{name: _plain(B) for name, B in zip(GRID, GRID_BATCHES)},
     "plain-B32-t1": _plain(32, threads=1),  # extra: 1 thread (2 threads suffer on a busy machine)
-    # extra, not in the docs/benchmarks.md grid: plain B=32 with crossbow_graph's default lr schedule
+    # extra, not in the docs/benchmarking.md grid: plain B=32 with crossbow_graph's default lr schedule
     "plain-B32-ms": _plain(32, milestones=CLI_MILESTONES),
     "localsgd": dict(kind="localsgd", batch=16, lr=0.02, period=4, warmup_steps=100, procs=2),
     "crossbow-r2": dict(kind="crossbow", batch=16, lr=0.02, devices=2, replicas=2, sync="sma",

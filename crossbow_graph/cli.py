@@ -1,7 +1,7 @@
 """The ``crossbow-graph`` command line: ``train`` and ``inspect``.
 
 The benchmarks are scripts of the repository's bench/ folder (``python bench/throughput.py``,
-``python bench/tta.py``, ...; docs/benchmarks.md), not subcommands: they need a checkout.
+``python bench/tta.py``, ...; docs/benchmarking.md), not subcommands: they need a checkout.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr-milestones", type=_milestones_arg, default=(2, 4),
                        help="epochs at which η drops 10×, replicas reset to z (a MultiStepLR policy); "
                             "'' for a constant η (LeNet-5/MNIST reaches 99.0%% sooner with the drops: "
-                            "docs/benchmarks.md). Ignored when --policy names an LR schedule")
+                            "docs/benchmarking.md). Ignored when --policy names an LR schedule")
     train.add_argument("--momentum", type=float, default=0.9, help="local momentum μ_l")
     train.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty λ")
     train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
@@ -284,7 +284,7 @@ def _load_dataset(args: argparse.Namespace):
     from . import datasets, models
 
     name, root = args.dataset, args.data_dir
-    # a CIFAR-style zoo model (3×32×32 input, e.g. resnet32: docs/benchmarks.md W2) gets Fashion-MNIST
+    # a CIFAR-style zoo model (3×32×32 input, e.g. resnet32: docs/benchmarking.md W2) gets Fashion-MNIST
     # padded to 32×32 with the channel repeated (INPUT_SHAPES: the zoo's input shape per model)
     cifar_style = getattr(models, "INPUT_SHAPES", {}).get(args.model) == (3, 32, 32)
     if name not in DATASETS:

@@ -1,4 +1,4 @@
-"""Tracing robustness (issue #3, part 7): errors that point at the user's line with the fix;
+"""Tracing robustness: errors that point at the user's line with the fix;
 several inputs, keyword inputs, tuple/dict outputs, residual connections, ModuleList/ModuleDict."""
 
 from __future__ import annotations
