@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Every GPU check of the SMA kernels (issue #4), for when a CUDA GPU is lent: < 5 minutes.
+# Every GPU check of the SMA kernels, on a machine with a CUDA GPU: < 5 minutes.
 #   bash bench/gpu_checks.sh            (from the repository root)
 # 1. every gpu-marked test (Triton compiled on the GPU vs the torch implementation, a fit with
 #    kernel_backend="auto" picking Triton, CUDA streams, the memory estimate), 2. the bandwidth table for LeNet-5/ResNet-32/ResNet-50
-#    sizes, m ∈ {1,2,4,8} (writes bench/results/sma_kernel_cuda_*.json).
+#    sizes, m ∈ {1,2,4,8} (writes bench/runs/sma_kernel_cuda_*.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 unset TRITON_INTERPRET

@@ -1,7 +1,7 @@
-"""Plots of the benchmark results (PNG, matplotlib) for docs/benchmarks.md.
+"""Plots of the benchmark results (PNG, matplotlib) for docs/benchmarking.md.
 
     python bench/plots.py --tta bench/results/tta-w1.json bench/results/tta-w2-subset.json \\
-        --throughput bench/results/throughput-20261129T121639Z.json \\
+        --throughput bench/results/throughput_grid.json \\
         --epochs bench/results/stat_eff-epochs.json bench/results/stat_eff-epochs-sma.json \\
         --robustness bench/results/stat_eff-robustness.json
 
@@ -16,7 +16,10 @@ import argparse
 import json
 import os
 
-import matplotlib
+try:
+    import matplotlib
+except ImportError as exc:
+    raise ImportError("the benchmarks' plots need matplotlib: pip install 'crossbow_graph[plots]'") from exc
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -1,35 +1,41 @@
-"""W1 (LeNet-5 / MNIST, target 99.0 %): final accuracy for b ∈ {4, 8, 16, 32, 64}, with and
+"""W1 (LeNet-5 / MNIST, target 99.0 %): epochs to the target for b ∈ {4, 8, 16, 32, 64}, with and
 without AdaptiveBatchSize, learning rate left at the CLI's default (η = 0.02 dropped 10× at epochs
-2 and 4 by its MultiStepLR policy, replicas reset to z; issue #8's setting), k = 2 devices × 2
-replicas (the CLI's default), process executor; and the gradient noise scale over training.
-``--lr-milestones ""`` keeps η constant at 0.02 (the setting of sessions 3–5).
+2 and 4 by its MultiStepLR policy, replicas reset to z), k = 2 devices × 2 replicas (the CLI's
+default), process executor; and the gradient noise scale over training.
+``--lr-milestones ""`` keeps η constant at 0.02.
 
     python bench/policies_w1.py [--batch-sizes 4,8,16,32,64] [--variants none,adaptive]
                                 [--epochs 5] [--seed 0] [--lr-milestones 2,4]
                                 [--metrics-every 50] [--measure-rounds 10] [--warmup-windows 0]
-                                [--out bench/results/policies_w1.json]
+                                [--out bench/runs/policies_w1.json]
+                                [--summary bench/results/policies_w1_summary.json]
                                 [--plot docs/images/noise_scale_w1.png] [--merge FILE ...]
 
-``--batch-sizes ""`` runs nothing: with ``--merge`` it folds other result files (e.g. of a
-variant run in another process) into ``--out`` and redraws the table and the plot.
-``--variants adaptive`` is ``AdaptiveBatchSize(reference_batch=64)``, as the CLI builds it with
-its default η (the η gain's reference: 0.02 was tuned at 64 samples per round; session 7's
-default ``epoch_overhead=0.125``); ``session6`` is session 6's default (``epoch_overhead=0.25``);
-``adaptive-warmup`` the default rule with ``MetricsMonitor(warmup_windows=1)`` (tried in session 7);
-``session5`` the rule of sessions 3–5 (η kept when b grows; b doubles while 2·k·b ≤ B_noise, no
-shrinking, 10 settling windows, 0.5 epoch cool-down), ``session5-gain`` that rule with the η gain;
-``adaptive-speed`` adds the opt-in throughput test (``min_speedup=0.1``); ``shrink-early`` and
-``band`` are variants tried in sessions 4 and 5 (docs/benchmarks.md).
+Runs accumulate in ``--out`` (raw, not committed: every run's evaluations, policy changes and
+metrics windows), so several invocations (one seed each, say) fill one table. ``--batch-sizes ""``
+runs nothing: with ``--merge`` it folds other result files into ``--out`` and redraws the table,
+the summary and the plot. The summary (committed) holds, per variant, the runs reaching 99.0 % per
+start b, the median epochs over all seeds and over each triple of consecutive seeds, and one row
+per run (epochs to 99.0 % or the best accuracy, the final b and η; seed 0's noise-scale windows).
 
-Writes JSON (one row per run: b, variant, final accuracy, epochs to 99 %, training seconds, the
-policy's changes, the metrics windows) and prints a markdown table. Not a test; no timing asserted.
+Variants: ``none`` (no policy); ``adaptive``, ``AdaptiveBatchSize(reference_batch=64)`` as the CLI
+builds it with its default η (0.02 was tuned at 64 samples per round); ``overhead-0.25`` the same
+with ``epoch_overhead=0.25``; ``adaptive-warmup`` the default with
+``MetricsMonitor(warmup_windows=1)``; ``adaptive-speed`` with the opt-in throughput test
+(``min_speedup=0.1``); ``grow-only`` (η kept when b grows; b doubles while 2·k·b ≤ B_noise, no
+shrinking, 10 settling windows, 0.5 epoch cool-down) and ``grow-only-gain`` (the same with the η
+gain); ``shrink-early`` and ``band``, grow-only with halving (docs/benchmarking.md).
+
+Prints a markdown table. Not a test; no timing asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import time
 
 import torch
@@ -39,7 +45,7 @@ from crossbow_graph.cli import DEFAULT_LR, DEFAULT_LR_BATCH
 
 
 WARMUP = {"adaptive-warmup": 1}  # MetricsMonitor(warmup_windows=...) of a variant (default 0)
-SESSION5 = dict(epoch_overhead=1.0, shrink=False, settle_windows=None, cooldown_epochs=0.5)
+GROW_ONLY = dict(epoch_overhead=1.0, shrink=False, settle_windows=None, cooldown_epochs=0.5)
 
 
 def variants(lr: float) -> dict:
@@ -49,22 +55,18 @@ def variants(lr: float) -> dict:
     ref = DEFAULT_LR_BATCH if lr == DEFAULT_LR else None
     return {"none": lambda: [],
             "adaptive": lambda: [cg.AdaptiveBatchSize(reference_batch=ref)],
-            # the rule of sessions 3–5 (η kept when b grows, k·b ≤ B_noise/2, no shrink), and the
-            # same rule with the η gain (session 6's first step)
-            "session5": lambda: [cg.AdaptiveBatchSize(**SESSION5, scale_lr="none")],
-            "session5-gain": lambda: [cg.AdaptiveBatchSize(**SESSION5, reference_batch=ref)],
-            # tried in session 4 (shrink-early) and 5 (band): the session-5 rule with a shrink
-            # when k·b > B_noise (k·b kept in (B_noise/2, B_noise]), η kept
-            "shrink-early": lambda: [cg.AdaptiveBatchSize(**{**SESSION5, "settle_windows": 3, "shrink": True},
-                                                          min_batch_size=8, scale_lr="none")],
-            "band": lambda: [cg.AdaptiveBatchSize(**{**SESSION5, "shrink": True}, min_batch_size=1,
-                                                  scale_lr="none")],
+            "overhead-0.25": lambda: [cg.AdaptiveBatchSize(reference_batch=ref, epoch_overhead=0.25)],
+            # the default rule with the monitor's first window kept out of the noise-scale EMAs
+            "adaptive-warmup": lambda: [cg.AdaptiveBatchSize(reference_batch=ref)],
             "adaptive-speed": lambda: [cg.AdaptiveBatchSize(reference_batch=ref, min_speedup=0.1)],
-            # session 6's default: k·b kept at a quarter of B_noise (now an eighth)
-            "session6": lambda: [cg.AdaptiveBatchSize(reference_batch=ref, epoch_overhead=0.25)],
-            # session 7, tried: the default rule with the monitor's first window kept out of the
-            # noise-scale EMAs (MetricsMonitor(warmup_windows=1))
-            "adaptive-warmup": lambda: [cg.AdaptiveBatchSize(reference_batch=ref)]}
+            # η kept when b grows, k·b ≤ B_noise/2, no shrink; and the same with the η gain
+            "grow-only": lambda: [cg.AdaptiveBatchSize(**GROW_ONLY, scale_lr="none")],
+            "grow-only-gain": lambda: [cg.AdaptiveBatchSize(**GROW_ONLY, reference_batch=ref)],
+            # grow-only with a shrink when k·b > B_noise (k·b kept in (B_noise/2, B_noise]), η kept
+            "shrink-early": lambda: [cg.AdaptiveBatchSize(**{**GROW_ONLY, "settle_windows": 3, "shrink": True},
+                                                          min_batch_size=8, scale_lr="none")],
+            "band": lambda: [cg.AdaptiveBatchSize(**{**GROW_ONLY, "shrink": True}, min_batch_size=1,
+                                                  scale_lr="none")]}
 
 
 def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, milestones: tuple[int, ...],
@@ -98,7 +100,10 @@ def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, milestones: 
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("the noise-scale plot needs matplotlib: pip install 'crossbow_graph[plots]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -124,6 +129,45 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _median_epochs(rows: list[dict]) -> float | None:
+    """Median epochs to the target over runs, a run that missed counting as +∞ (None if the
+    median missed)."""
+    e = sorted(r["epochs_to_accuracy"] if r["reached"] else math.inf for r in rows)
+    m = statistics.median(e) if e else math.inf
+    return None if math.isinf(m) else round(m, 2)
+
+
+def summarise(rows: list[dict]) -> dict:
+    """The committed summary of the runs: per variant and start b the runs that reached the
+    target, the median epochs over all seeds and over each triple of consecutive seeds (the
+    protocol's median of three), and one small row per run."""
+    out: dict = {"workload": "W1 LeNet-5/MNIST", "target": 0.99, "pass": {}, "median_epochs": {},
+                 "median_epochs_per_seed_triple": {}, "runs": []}
+    for variant in sorted({r["variant"] for r in rows}):
+        mine = [r for r in rows if r["variant"] == variant]
+        seeds = sorted({r["seed"] for r in mine})
+        out["pass"][variant], out["median_epochs"][variant] = {}, {}
+        out["median_epochs_per_seed_triple"][variant] = {}
+        for b in sorted({r["batch_size"] for r in mine}):
+            at_b = [r for r in mine if r["batch_size"] == b]
+            out["pass"][variant][str(b)] = f"{sum(r['reached'] for r in at_b)}/{len(at_b)}"
+            out["median_epochs"][variant][str(b)] = _median_epochs(at_b)
+            out["median_epochs_per_seed_triple"][variant][str(b)] = [
+                _median_epochs([r for r in at_b if r["seed"] in seeds[i:i + 3]])
+                for i in range(0, len(seeds) - 2, 3)]
+        out["pass"][variant]["all"] = f"{sum(r['reached'] for r in mine)}/{len(mine)}"
+    for r in sorted(rows, key=lambda r: (r["variant"], r["batch_size"], r["seed"])):
+        row = {k: r[k] for k in ("variant", "batch_size", "seed", "reached", "epochs_to_accuracy",
+                                 "final_batch_size", "final_lr", "lr", "lr_milestones",
+                                 "warmup_windows")}
+        row["best_accuracy"] = max((e["test_accuracy"] for e in r["evals"]), default=None)
+        if r["seed"] == 0:  # what the plot draws
+            row["metrics"] = [{k: m[k] for k in ("epoch", "noise_scale", "batch_size")}
+                              for m in r["metrics"]]
+        out["runs"].append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="4,8,16,32,64")
@@ -139,7 +183,8 @@ def main() -> None:
     ap.add_argument("--warmup-windows", type=int, default=0,
                     help="MetricsMonitor(warmup_windows=): the first windows of training kept out of "
                          "the noise-scale EMAs (variant adaptive-warmup: 1)")
-    ap.add_argument("--out", default="bench/results/policies_w1.json")
+    ap.add_argument("--out", default="bench/runs/policies_w1.json", help="raw runs (not committed)")
+    ap.add_argument("--summary", default="bench/results/policies_w1_summary.json")
     ap.add_argument("--plot", default="docs/images/noise_scale_w1.png")
     ap.add_argument("--merge", nargs="*", default=[], help="other result files to fold in")
     args = ap.parse_args()
@@ -150,6 +195,7 @@ def main() -> None:
                 new = json.load(f)["runs"]
             keys = {(x["batch_size"], x["variant"], x["seed"]) for x in new}
             rows = [x for x in rows if (x["batch_size"], x["variant"], x["seed"]) not in keys] + new
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"workload": "W1 LeNet-5/MNIST", "target": 0.99, "runs": rows}, f, indent=1)
     milestones = tuple(int(x) for x in args.lr_milestones.split(",") if x)
@@ -172,6 +218,8 @@ def main() -> None:
         e = f"{r['epochs_to_accuracy']:.2f}" if r["epochs_to_accuracy"] is not None else f"not in {r['epochs_max']}"
         print(f"| {r['batch_size']} | {r['variant']} | {r['seed']} | {r['final_accuracy']:.4f} | {e} | "
               f"{r['final_batch_size']} | {r['final_lr']:.3g} | {r['train_seconds']:.1f} |")
+    with open(args.summary, "w") as f:
+        json.dump(summarise(rows), f, indent=1)
     plot(rows, args.plot)
 
 

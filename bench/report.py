@@ -1,4 +1,4 @@
-"""Markdown tables of the result JSONs for docs/benchmarks.md (numbers copied by program, not by hand).
+"""Markdown tables of the result JSONs for docs/benchmarking.md (numbers copied by program, not by hand).
 
     python bench/report.py --tta bench/results/tta-w1.json --epochs bench/results/stat_eff-epochs.json \\
         --robustness bench/results/stat_eff-robustness.json
@@ -48,7 +48,7 @@ def tta_table(path: str) -> str:
         lines.append("Acceptance: not computable — a median run of crossbow-r2 or of every plain "
                      "PyTorch setting did not reach the target within the cap.")
     for name, r in s.get("default_over_extra_plain", {}).items():
-        lines.append(f"Outside the BENCHMARKS.md grid: {a['default'] if a else 'crossbow-r2'} median "
+        lines.append(f"Outside the protocol's grid: {a['default'] if a else 'crossbow-r2'} median "
                      f"time ÷ {name} median time = **{r:.2f}**.")
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""Benchmark of the SMA update (DESIGN.md §2 steps 1–3, §4), protocol of BENCHMARKS.md.
+"""Benchmark of the SMA update (docs/design-overview.md §2 steps 1–3, §4; protocol in docs/benchmarking.md).
 
 CPU: the C kernels (runtime/sma_cpu.c, the CPU default when a C compiler is there) and the
 vectorised torch implementation on flat ``[m, P]`` buffers (runtime/sma.py) against a naive loop
@@ -13,7 +13,7 @@ fraction of the bandwidth of a plain device-to-device copy measured in the same 
 
 Sizes: LeNet-5 (61,706), ResNet-32 (464,154), ResNet-50 (25,557,032) parameter tensors, built
 from the real layer shapes; m ∈ {1, 2, 4, 8}. A and B are interleaved (A B A B …) and medians
-reported. Prints a table; writes JSON under bench/results/.
+reported. Prints a table; writes JSON under bench/runs/ (not committed).
 
     python bench/sma_kernel.py                 # CPU (ResNet-50 only at m ≤ 2: memory, time)
     python bench/sma_kernel.py --device cuda   # on a GPU
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch intra-op threads (1: on a shared 2-core machine, 2 threads "
                          "that wait on each other's core made rounds ~500× slower)")
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/runs/...)")
     args = ap.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['torch_local_s'] * 1e6:>10.1f}{r['torch_bytes_per_s'] / 1e9:>8.0f}"
                       f"{r['torch_over_triton']:>10.2f}"
                       f"{r['triton_central_s'] * 1e6:>11.1f}/{r['torch_central_s'] * 1e6:<10.1f}")
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
+    out = Path(args.out) if args.out else ROOT / "bench" / "runs" / (
         f"sma_kernel_{args.device}_{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -1,4 +1,4 @@
-"""Statistical efficiency and hyper-parameter robustness on W1 (BENCHMARKS.md; issue #7, part 3).
+"""Statistical efficiency and hyper-parameter robustness on W1 (docs/benchmarking.md).
 
 ``--part epochs``: epochs to 99.0% test accuracy (evaluated 4× per epoch) for
 
@@ -18,7 +18,7 @@ Each run is one ``bench/tta.py --one`` process; one seed unless ``--seeds`` says
     python bench/stat_eff.py --part epochs --max-epochs 4
     python bench/stat_eff.py --part robustness --epochs 1
 
-Writes ``bench/results/stat_eff-<part>-<UTC time>.json`` after every run.
+Writes ``bench/runs/stat_eff-<part>-<UTC time>.json`` (not committed) after every run.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hardware-efficiency grid of BENCHMARKS.md: samples/s of crossbow_graph against plain PyTorch.
+"""Hardware-efficiency grid (docs/benchmarking.md): samples/s of crossbow_graph against plain PyTorch.
 
 LeNet-5 on MNIST (real data). For b ∈ {4, 8, 16, 32, 64} × m ∈ {1, 2, 4, 8, 16} learners in all ×
 learner mode ∈ {per_replica, fused}: crossbow_graph's training samples/s, next to plain PyTorch
@@ -6,13 +6,13 @@ learner mode ∈ {per_replica, fused}: crossbow_graph's training samples/s, next
 run on G logical CPU devices (G = the number of cores when it divides m, else 1), m/G per device,
 so that every worker process gets the same share. Then the auto-tuner (``replicas="auto"`` on G =
 cores devices: it adds a replica per device) runs at b = 8 and its choice is marked in the grid;
-finally the
-acceptance check of issue #5: the tuned configuration against plain PyTorch at b = 8, interleaved
-A B A B in this one run (medians and their ratio). Plain PyTorch is measured with the default
-intra-op threads and with one thread, and the faster counts as the baseline.
+finally the throughput check: the tuned configuration against plain PyTorch at b = 8, interleaved
+A B A B in this one run (medians and their ratio; bench/results/throughput_b8.json summarises
+such runs). Plain PyTorch is measured with the default intra-op threads and with one thread, and
+the faster counts as the baseline.
 
 Run from the repository root:  python bench/throughput.py [--quick] [--seconds S]
-Prints the table; writes JSON to bench/results/throughput-<UTC time>.json.
+Prints the table; writes the raw JSON to bench/runs/throughput-<UTC time>.json (not committed).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=None,
                         help="measurement seconds per cell (default 1.0, quick 0.8)")
     parser.add_argument("--reps", type=int, default=3, help="A/B repetitions of the acceptance")
-    parser.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/runs/...)")
     args = parser.parse_args(argv)
     sec = args.seconds or (0.8 if args.quick else 1.0)
     bs = [8] if args.quick else [4, 8, 16, 32, 64]
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
           f"PyTorch: median {statistics.median(p_rates):,.0f} {[round(x) for x in p_rates]}; "
           f"ratio {ratio:.2f} (target ≥ 1.5)")
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs",
                                    f"throughput-{stamp}{'-quick' if args.quick else ''}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:

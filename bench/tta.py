@@ -1,4 +1,4 @@
-"""Time-to-accuracy of crossbow_graph against the baselines users would pick (BENCHMARKS.md, issue #7).
+"""Time-to-accuracy of crossbow_graph against the baselines users would pick (docs/benchmarking.md).
 
 Workloads: W1 (LeNet-5 on MNIST, target 99.0%) and W2 (ResNet-32 on Fashion-MNIST padded to
 32×32, three channels, target 92%; ``--train-samples`` / ``--test-samples`` take a subset on a CPU).
@@ -9,7 +9,7 @@ Systems (one run = one system × one seed, each in a fresh ``python bench/tta.py
 process; runs are interleaved: every system for seed 0, then every system for seed 1, …):
 
 * ``plain-B<B>``: plain PyTorch eager S-SGD, one model, ``torch.optim.SGD(momentum=0.9)``, batch
-  B with lr 0.01·B/16, 2 intra-op threads (the BENCHMARKS.md grid; the best is the baseline).
+  B with lr 0.01·B/16, 2 intra-op threads (the protocol's grid, docs/benchmarking.md; the best is the baseline).
 * ``localsgd``: PyTorch's local SGD, ``torch.distributed.algorithms.model_averaging``'s
   ``PeriodicModelAverager(period=4, warmup_steps=100)`` (the example of its documentation), gloo
   on 127.0.0.1, 2 processes with 1 intra-op thread each, the same learners as crossbow_graph's
@@ -17,7 +17,7 @@ process; runs are interleaved: every system for seed 0, then every system for se
 * ``crossbow-r2``: crossbow_graph with the CLI's defaults (b=16, lr 0.02 ×0.1 at epochs 2 and 4,
   momentum 0.9, 2 devices × 2 replicas, SMA α=1/k, μ_z=0.9; executor "auto");
   ``crossbow-auto``: the same with ``replicas="auto"`` (the auto-tuner).
-* ``plain-B32-ms`` (extra, outside the BENCHMARKS.md grid): plain B=32 with the same lr schedule,
+* ``plain-B32-ms`` (extra, outside the protocol's grid): plain B=32 with the same lr schedule,
   so that the schedule's own effect can be read off.
 * ``crossbow-ssgd``: the same engine and flags as ``crossbow-r2`` with ``sync=SSGD()``: the
   gradient of k=4 learners × b=16 averaged, i.e. S-SGD on a batch of 64 at lr 0.02.
@@ -27,7 +27,7 @@ process; runs are interleaved: every system for seed 0, then every system for se
     python bench/tta.py --workload w2 --train-samples 10000 --test-samples 2000 --seeds 0 \\
         --max-epochs 2 --systems plain-B32 plain-B128 localsgd crossbow-r2 crossbow-ssgd
 
-Prints a table; writes ``bench/results/tta-<workload>-<UTC time>.json`` (every run's evaluations,
+Prints a table; writes ``bench/runs/tta-<workload>-<UTC time>.json`` (not committed; every run's evaluations,
 the per-system medians and spreads, the ratios to crossbow_graph's default) after every run.
 """
 
@@ -54,7 +54,7 @@ from crossbow_graph.runtime.hooks import Hook  # noqa: E402
 
 __all__ = ["SYSTEMS", "run_one", "summarise", "main"]
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs")  # raw runs, not committed
 TARGETS = {"w1": 0.99, "w2": 0.92}
 MODELS = {"w1": "lenet5", "w2": "resnet32"}
 
@@ -65,14 +65,14 @@ def _plain(batch: int, lr: float | None = None, threads: int = 2, milestones: tu
 
 
 CLI_MILESTONES = (2, 4)  # ``crossbow-graph train``'s default --lr-milestones (η ×0.1 at each)
-GRID_BATCHES = (16, 32, 64, 128, 256)  # BENCHMARKS.md's plain grid: its best is the baseline
+GRID_BATCHES = (16, 32, 64, 128, 256)  # docs/benchmarking.md's plain grid: its best is the baseline
 GRID = [f"plain-B{B}" for B in GRID_BATCHES]
 
 
 SYSTEMS: dict[str, dict] = {
     **{name: _plain(B) for name, B in zip(GRID, GRID_BATCHES)},
     "plain-B32-t1": _plain(32, threads=1),  # extra: 1 thread (2 threads suffer on a busy machine)
-    # extra, not in the BENCHMARKS.md grid: plain B=32 with crossbow_graph's default lr schedule
+    # extra, not in the docs/benchmarking.md grid: plain B=32 with crossbow_graph's default lr schedule
     "plain-B32-ms": _plain(32, milestones=CLI_MILESTONES),
     "localsgd": dict(kind="localsgd", batch=16, lr=0.02, period=4, warmup_steps=100, procs=2),
     "crossbow-r2": dict(kind="crossbow", batch=16, lr=0.02, devices=2, replicas=2, sync="sma",
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-samples", type=int, default=None, help="first N training samples")
     parser.add_argument("--test-samples", type=int, default=None, help="first N test samples")
     parser.add_argument("--plain-threads", type=int, default=2,
-                        help="intra-op threads of the plain-B<B> grid (BENCHMARKS.md: 2)")
+                        help="intra-op threads of the plain-B<B> grid (the protocol: 2)")
     parser.add_argument("--once", nargs="*", default=[], metavar="SYSTEM",
                         help="of --systems, those run for the first seed only")
     parser.add_argument("--resume", action="store_true",
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--quick", action="store_true",
                         help="1 seed, 2 epochs, plain-B32, localsgd, crossbow-r2, crossbow-ssgd")
-    parser.add_argument("--out", default=None, help="JSON path (default bench/results/tta-…)")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/runs/tta-…)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one is not None:

@@ -1,4 +1,4 @@
-"""The public entry point: ``compile(model, ...) -> Plan`` and ``Plan.fit`` (DESIGN.md §1)."""
+"""The public entry point: ``compile(model, ...) -> Plan`` and ``Plan.fit`` (docs/design-overview.md §1)."""
 
 from __future__ import annotations
 
@@ -143,8 +143,8 @@ def compile(  # noqa: A001 - the public name the design asks for
     """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training.
 
     The plan trains k = G·m replicas (m per device, G devices) with synchronous model averaging
-    (DESIGN.md §2). Each replica starts as a copy of ``model``'s current weights; ``model`` itself
-    is not modified.
+    (docs/design-overview.md §2). Each replica starts as a copy of ``model``'s current weights;
+    ``model`` itself is not modified.
 
     Args:
         model: the ``nn.Module`` to train (floating-point parameters).
@@ -154,7 +154,7 @@ def compile(  # noqa: A001 - the public name the design asks for
         batch_size: b, samples per learner per round (> 0).
         devices: ``"auto"`` (every GPU, else one CPU device), a count, or device names.
         replicas: m, replicas per device (≥ 1), or ``"auto"``: start at m = 1 and let the
-            auto-tuner (``runtime.autotune``, DESIGN.md §5) add and remove replicas and pick the
+            auto-tuner (``runtime.autotune``, docs/design-overview.md §5) add and remove replicas and pick the
             learner mode while ``fit`` runs.
         learner_mode: ``"per_replica"`` (each learner its own forward/backward) or ``"fused"``
             (a device's replicas stacked and run as one vmapped program); same mathematics.
@@ -168,7 +168,7 @@ def compile(  # noqa: A001 - the public name the design asks for
         memory_budget: bytes available per device for learners; None: no bound on the CPU, the
             GPU's total memory on CUDA.
         verify: run the verifier between compiler passes.
-        kernel_backend: the SMA update kernels (DESIGN.md §4): ``"auto"`` — Triton on CUDA; on
+        kernel_backend: the SMA update kernels (docs/design-overview.md §4): ``"auto"`` — Triton on CUDA; on
             the CPU the C kernels when a C compiler is there, else torch; torch for a float64
             model; ``"c"`` — C kernels compiled on first use and cached (runtime/cpu_kernels.py;
             one pass over memory); ``"triton"`` — fused Triton kernels emitted for this plan (on
@@ -316,7 +316,7 @@ class Plan:
 
     @torch.no_grad()
     def _start_from_rank0(self) -> None:
-        """Every rank's replicas, z, z_prev and buffers start as rank 0's model (DESIGN.md §2:
+        """Every rank's replicas, z, z_prev and buffers start as rank 0's model (docs/design-overview.md §2:
         one initialisation, cloned), whatever each process's own initialisation was."""
         first = self.states[0]
         z, zbuf = first.z.clone(), first.zbuf.clone()
@@ -344,7 +344,7 @@ class Plan:
         return max(1, self.memory_budget // mem)
 
     def set_replicas(self, replicas_per_device: int) -> None:
-        """Change m between rounds, without losing state (DESIGN.md §5, auto-tuner).
+        """Change m between rounds, without losing state (docs/design-overview.md §5, auto-tuner).
 
         Re-runs the compiler passes (and verifier) for the new m, so ``task_graph`` always matches
         what runs; kept replicas keep their state; new ones are cloned from z with zeroed
@@ -390,7 +390,7 @@ class Plan:
 
     @property
     def kernels(self) -> list:
-        """The SMA update kernels this plan runs (DESIGN.md §4), one per specialisation.
+        """The SMA update kernels this plan runs (docs/design-overview.md §4), one per specialisation.
 
         Each has ``spec`` (m, P, dtype, block, the constexpr flags), ``backend`` (``"triton"`` or
         ``"torch"``) and ``source`` (printable: the Triton source with its constexpr values, or
@@ -573,7 +573,7 @@ class Plan:
                 (``chrome://tracing``, Perfetto): the global sync of round t under round t+1's
                 learning is the overlap.
             policies: hyper-parameter policies (``crossbow_graph.Policy``: AdaptiveBatchSize,
-                StepLR, DivergenceGuard, ...; runtime/policies.py, DESIGN.md §5), run after the
+                StepLR, DivergenceGuard, ...; runtime/policies.py, docs/design-overview.md §5), run after the
                 hooks and the metrics; they change the plan through ``Plan.adjust``.
             metrics_every: N, rounds per metrics window (``History.metrics``: samples/s, loss,
                 lr, divergence, gradient noise scale; runtime/metrics.py); or a
@@ -611,8 +611,8 @@ class Plan:
 
     def adjust(self, adjustment: "Adjustment") -> dict[str, Any]:
         """Change lr, b, α, τ or m (or reset every replica to z) between rounds, on every device:
-        the one narrow interface of policies (runtime/policy_base.py ``apply_adjustment``; DESIGN.md
-        §5). A change of b re-plans the learners and re-checks the memory bound.
+        the one narrow interface of policies (runtime/policy_base.py ``apply_adjustment``;
+        docs/design-overview.md §5). A change of b re-plans the learners and re-checks the memory bound.
 
         Returns:
             What changed, e.g. ``{"batch_size": 32}``.

@@ -1,4 +1,8 @@
-"""The ``crossbow-graph`` command line: ``train``, ``inspect`` and ``bench``."""
+"""The ``crossbow-graph`` command line: ``train`` and ``inspect``.
+
+The benchmarks are scripts of the repository's bench/ folder (``python bench/throughput.py``,
+``python bench/tta.py``, ...; docs/benchmarking.md), not subcommands: they need a checkout.
+"""
 
 from __future__ import annotations
 
@@ -103,16 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--learner-mode", default="per_replica", choices=("per_replica", "fused"),
                        help="learners' mode (with --replicas auto the tuner also tries the other one)")
     train.add_argument("--lr", type=float, default=None,
-                       help=f"learning rate η of every learner (default {DEFAULT_LR}: it took LeNet-5/MNIST "
-                            "at b=16, k=4 to 99.0%% in 3.5–4.5 epochs over 3 seeds; 0.01 and 0.03 "
-                            "plateaued below). With the default, adaptive_batch's η gain takes "
-                            f"{DEFAULT_LR_BATCH} samples per round (b=16, k=4) as its reference; with "
-                            "--lr, the k·b you start at")
+                       help=f"learning rate η of every learner (default {DEFAULT_LR}, tuned for "
+                            "LeNet-5/MNIST at b=16, k=4 by bench/lr_sweep_w1.py). With the default, "
+                            f"adaptive_batch's η gain takes {DEFAULT_LR_BATCH} samples per round "
+                            "(b=16, k=4) as its reference; with --lr, the k·b you start at")
     train.add_argument("--lr-milestones", type=_milestones_arg, default=(2, 4),
                        help="epochs at which η drops 10×, replicas reset to z (a MultiStepLR policy); "
-                            "'' for a constant η. With 2,4 the default run reached 99.0%% in 2.25–2.75 "
-                            "epochs over 3 seeds; with a constant η 0.02, 3 of 4 runs reached it in "
-                            "5 epochs. Ignored when --policy names an LR schedule")
+                            "'' for a constant η (LeNet-5/MNIST reaches 99.0%% sooner with the drops: "
+                            "docs/benchmarking.md). Ignored when --policy names an LR schedule")
     train.add_argument("--momentum", type=float, default=0.9, help="local momentum μ_l")
     train.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty λ")
     train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
@@ -139,34 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "step_lr, multistep_lr, cosine_lr, divergence_guard (e.g. "
                             "adaptive_batch:max_batch_size=128; tuples as 3/4)")
     _add_inspect_parser(sub)
-    _add_bench_parser(sub)
     return parser
-
-
-BENCH_SCRIPTS = {  # name → (script under bench/, extra arguments of --quick)
-    "tta": ("tta.py", ["--quick"]),
-    "throughput": ("throughput.py", ["--quick"]),
-    "kernel": ("sma_kernel.py", ["--models", "lenet5", "--replicas", "1,2", "--reps", "2"]),
-}
-
-
-def _add_bench_parser(sub) -> None:
-    bench = sub.add_parser(
-        "bench", help="run a benchmark of bench/ (time-to-accuracy, throughput, SMA kernel)",
-        description="Run one of the repository's benchmark scripts (BENCHMARKS.md) with its defaults: "
-                    "tta → bench/tta.py (W1 time-to-accuracy against plain PyTorch, local SGD and "
-                    "S-SGD, 3 seeds, about 20 minutes on 2 cores), throughput → bench/throughput.py "
-                    "(samples/s grid), kernel → bench/sma_kernel.py (SMA update kernel). --quick "
-                    "runs a small version that finishes in minutes. Arguments after the name (or "
-                    "after --) go to the script, e.g. crossbow-graph bench tta -- --seeds 0 1. "
-                    "Results are written as JSON under bench/results/.",
-        formatter_class=_DefaultsFormatter,
-    )
-    bench.add_argument("benchmark", choices=sorted(BENCH_SCRIPTS), help="which benchmark")
-    bench.add_argument("--quick", action="store_true", help="a small version that finishes in minutes")
-    bench.add_argument("--dry-run", action="store_true", help="print the command and run nothing")
-    bench.add_argument("script_args", nargs=argparse.REMAINDER,
-                       help="arguments passed to the script (see its --help)")
 
 
 def _add_inspect_parser(sub) -> None:
@@ -309,7 +284,7 @@ def _load_dataset(args: argparse.Namespace):
     from . import datasets, models
 
     name, root = args.dataset, args.data_dir
-    # a CIFAR-style zoo model (3×32×32 input, e.g. resnet32: BENCHMARKS.md W2) gets Fashion-MNIST
+    # a CIFAR-style zoo model (3×32×32 input, e.g. resnet32: docs/benchmarking.md W2) gets Fashion-MNIST
     # padded to 32×32 with the channel repeated (INPUT_SHAPES: the zoo's input shape per model)
     cifar_style = getattr(models, "INPUT_SHAPES", {}).get(args.model) == (3, 32, 32)
     if name not in DATASETS:
@@ -408,30 +383,6 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    """Run bench/<script> of this checkout in a child Python; returns its exit status."""
-    import pathlib
-    import subprocess
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    script_name, quick_args = BENCH_SCRIPTS[args.benchmark]
-    script = root / "bench" / script_name
-    if not script.is_file():
-        raise FileNotFoundError(f"{script} does not exist: the benchmarks live in the repository's "
-                                "bench/ folder, not in an installed wheel; run from a checkout")
-    rest = list(args.script_args)  # argparse leaves flags written after the name in here
-    cut = rest.index("--") if "--" in rest else len(rest)
-    ours, theirs = rest[:cut], rest[cut + 1:]
-    quick = args.quick or "--quick" in ours
-    dry_run = args.dry_run or "--dry-run" in ours
-    extra = [a for a in ours if a not in ("--quick", "--dry-run")] + theirs
-    cmd = [sys.executable, str(script), *(quick_args if quick else []), *extra]
-    print(" ".join(cmd), flush=True)
-    if dry_run:
-        return 0
-    return subprocess.call(cmd, cwd=root)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (errors a user can fix print one line and exit 2)."""
     args = build_parser().parse_args(argv)
@@ -440,8 +391,6 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "inspect":
             return _inspect(args)
-        if args.command == "bench":
-            return _bench(args)
     except (ValueError, FileNotFoundError, DistributedError) as exc:  # DistributedError: ranks
         # that disagree at start-up
         print(f"crossbow-graph {args.command}: error: {exc}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Typed configuration: the optimiser and the synchronisation strategy (DESIGN.md §2)."""
+"""Typed configuration: the optimiser and the synchronisation strategy (docs/design-overview.md §2)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _check_number(owner: str, name: str, value: object, example: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class SGD:
-    """Each learner's local optimiser, with torch.optim.SGD semantics (DESIGN.md §2, step 1).
+    """Each learner's local optimiser, with torch.optim.SGD semantics (docs/design-overview.md §2, step 1).
 
     Attributes:
         lr: learning rate η (> 0), applied to the mean loss over the learner's batch of b samples.
@@ -64,7 +64,7 @@ class SGD:
 
 @dataclass(frozen=True, kw_only=True)
 class SMA:
-    """Synchronous model averaging (CROSSBOW, Koliousis et al. 2019, §3; DESIGN.md §2).
+    """Synchronous model averaging (CROSSBOW, Koliousis et al. 2019, §3; docs/design-overview.md §2).
 
     Attributes:
         alpha: α, the pull of every replica toward the central average model z; ``None`` means
@@ -107,7 +107,7 @@ class SMA:
 
 @dataclass(frozen=True, kw_only=True)
 class SSGD:
-    """Synchronous SGD, the large-batch baseline (DESIGN.md §2, "other sync strategies").
+    """Synchronous SGD, the large-batch baseline (docs/design-overview.md §2, "other sync strategies").
 
     Every round each of the k learners computes the gradient of its own batch of b samples; the
     gradients are averaged over all k learners (the all-reduce of S-SGD) and the same SGD step

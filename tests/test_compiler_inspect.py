@@ -1,4 +1,4 @@
-"""Inspection (issue #3, parts 4–5): summary, JSON round-trip, DOT, PNG, and the inspect CLI."""
+"""Inspection: summary, JSON round-trip, DOT, PNG, and the inspect CLI."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Memory per learner (issue #3, part 2): the estimate against a measurement, and the budget.
+"""Memory per learner: the estimate against a measurement, and the budget.
 
 Measured on this CPU with torch.profiler's allocator events, one intra-op thread (two eager SGD
 steps, momentum 0.9, everything allocated inside the measurement); the estimate excludes the
@@ -12,13 +12,15 @@ flat-buffer share, which an eager step does not have:
     vgg16         8        209.95        203.02  -3.3%
     vgg16        32        269.29        268.67  -0.2%
 
-(``python -m crossbow_graph.compiler._memcheck``). The tests keep the estimate within
+(``python bench/memcheck.py``, whose ``compare`` these tests use). The tests keep the estimate within
 [-5%, +10%] of the measurement (VGG-16 only at b=8, to keep the tests short).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -26,9 +28,11 @@ from torch.nn import functional as F
 
 import crossbow_graph as cg
 from crossbow_graph import models
-from crossbow_graph.compiler._memcheck import compare
 from crossbow_graph.compiler.analysis import estimate_memory, max_replicas_per_device
 from crossbow_graph.compiler.trace import trace_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from memcheck import compare  # noqa: E402  (bench/memcheck.py: the measurement)
 
 LOW, HIGH = -0.05, 0.10
 

@@ -1,4 +1,5 @@
-"""Compiler passes and the verifier (issue #3, part 3; DESIGN.md §3; STYLE.md rule 2).
+"""Compiler passes and the verifier (docs/design-overview.md §3; docs/contributing.md
+rule 2).
 
 Each pass is tested on its own (structure, numbers, input left unchanged); each verifier check
 is tested on a graph broken on purpose, and its message must name the offending task.

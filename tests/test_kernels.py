@@ -1,4 +1,4 @@
-"""The SMA update kernels (DESIGN.md §2 steps 1–3, §4) against the torch implementation.
+"""The SMA update kernels (docs/design-overview.md §2 steps 1–3, §4) against the torch implementation.
 
 On the CPU the Triton kernels run in Triton's interpreter (conftest.py sets TRITON_INTERPRET=1;
 the kernels also run without it, see test_interpreter_without_env_var). Sizes are small except

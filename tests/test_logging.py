@@ -67,6 +67,19 @@ def test_csv_tensorboard_and_history_json(tmp_path):
     assert len(acc.Scalars("epoch/train_loss")) == 2
 
 
+def test_tensorboard_missing_is_a_clear_error_before_any_round(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
+    plan = make_plan()
+    with pytest.raises(ImportError, match=r"pip install 'crossbow_graph\[tensorboard\]'"):
+        plan.fit(data(64, 0), 1, progress=False, log_dir=str(tmp_path / "log"))
+    assert plan.rounds_done == 0
+    plan.fit(data(64, 0), 1, progress=False,  # CSV files only need no tensorboard
+             hooks=[MetricsLogger(str(tmp_path / "csv"), tensorboard=False)])
+    assert len(rows(os.path.join(tmp_path, "csv", "rounds.csv"))) == 8
+
+
 class PoisonOnce(Hook):
     def before_round(self, ctx) -> None:
         if ctx.plan.rounds_done == 2:

@@ -185,9 +185,9 @@ def test_adaptive_batch_size_rule():
     assert p.target(16, 128.0) == 16 and p.target(16, 127.9) == 8  # 16 ≤ 128/8: stay; above: halve
     assert p.target(4, 255.9, k=4) == 4 and p.target(4, 256.0, k=4) == 8  # against k·b
     assert p.target(16, 511.9, k=4) == 8 and p.target(16, 512.0, k=4) == 16
-    quarter = AdaptiveBatchSize(min_batch_size=4, epoch_overhead=0.25)  # session 6's default
+    quarter = AdaptiveBatchSize(min_batch_size=4, epoch_overhead=0.25)  # a quarter instead of the default eighth
     assert quarter.target(4, 31.9) == 4 and quarter.target(4, 32.0) == 8 and quarter.target(16, 63.9) == 8
-    one = AdaptiveBatchSize(min_batch_size=4, epoch_overhead=1.0, shrink=False)  # sessions 3–5
+    one = AdaptiveBatchSize(min_batch_size=4, epoch_overhead=1.0, shrink=False)  # the plain critical-batch rule
     assert one.target(4, 7.9) == 4 and one.target(4, 8.0) == 8 and one.target(16, 1.0) == 16
     for bad in (0, -1.0, float("inf"), True, "0.25"):
         with pytest.raises(ValueError, match="epoch_overhead"):

@@ -1,5 +1,5 @@
-"""Property tests (hypothesis) over random small configurations: the SMA invariants of DESIGN.md §2
-and the data schedule (no sample lost or repeated within an epoch)."""
+"""Property tests (hypothesis) over random small configurations: the SMA invariants of
+docs/design-overview.md §2 and the data schedule (no sample lost or repeated within an epoch)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_one_learner_is_torch_sgd(opt, b, rounds):
 
 
 class SmaOracle(Hook):
-    """Checks every synchronising round against DESIGN.md §2 step 3, on every device:
+    """Checks every synchronising round against docs/design-overview.md §2 step 3, on every device:
     z_new = z + α·Σ_j (ŵ_j − z) + μ_z·(z − z_prev), and all devices' z identical."""
 
     def __init__(self, alpha: float, mu: float, tau: int) -> None:

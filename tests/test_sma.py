@@ -1,4 +1,4 @@
-"""SMA as DESIGN.md §2 says, checked against torch.optim.SGD and a hand-written reference."""
+"""SMA as docs/design-overview.md §2 says, checked against torch.optim.SGD and a hand-written reference."""
 
 import copy
 

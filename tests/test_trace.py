@@ -1,4 +1,4 @@
-"""Tracing robustness (issue #3, part 7): errors that point at the user's line with the fix;
+"""Tracing robustness: errors that point at the user's line with the fix;
 several inputs, keyword inputs, tuple/dict outputs, residual connections, ModuleList/ModuleDict."""
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _dict_loss(out, y):
 
 @pytest.mark.parametrize("keyword", [False, True])
 def test_several_or_keyword_inputs_and_dict_outputs_compile_and_fit_like_eager_sgd(keyword):
-    """k = 1 is exactly torch.optim.SGD (DESIGN.md §2): the oracle is an eager loop."""
+    """k = 1 is exactly torch.optim.SGD (docs/design-overview.md §2): the oracle is an eager loop."""
     torch.manual_seed(0)
     model = _TwoInputs()
     data = _Samples(keyword)

@@ -1,6 +1,6 @@
 """Model analysis on the shape-propagated fx graph: FLOPs, activation bytes, memory per learner.
 
-DESIGN.md §1 (compiler.trace: "fx GraphModule + shapes, FLOPs, bytes") and §3 ("Per-learner
+docs/design-overview.md §1 (compiler.trace: "fx GraphModule + shapes, FLOPs, bytes") and §3 ("Per-learner
 memory ... is estimated from the fx graph with shape propagation and bounds the replicas per
 device"). Every number here comes from the graph and the shapes of one example batch; nothing is
 timed.
@@ -185,7 +185,8 @@ class ModelAnalysis:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
-    """Memory of one learner at batch b on a device with m learners, in bytes (DESIGN.md §3, §4).
+    """Memory of one learner at batch b on a device with m learners, in bytes
+    (docs/design-overview.md §3, §4).
 
     Attributes:
         params: the replica's parameters (its row of ``w [m, P]`` and its frozen parameters).
@@ -350,7 +351,7 @@ def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buf
     Returns:
         The ModelAnalysis, per node at the example batch and totals per sample.
 
-    Source: DESIGN.md §1, §3; FLOP conventions in this module's docstring.
+    Source: docs/design-overview.md §1, §3; FLOP conventions in this module's docstring.
     """
     modules = dict(module.named_modules())
     base: dict[str, str] = {}  # node name → the node owning its memory
@@ -406,7 +407,7 @@ def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buf
 
 
 def estimate_memory(analysis: ModelAnalysis, batch_size: int, replicas_per_device: int = 1) -> MemoryEstimate:
-    """Memory of one learner at batch b with m learners per device (DESIGN.md §3, §4).
+    """Memory of one learner at batch b with m learners per device (docs/design-overview.md §3, §4).
 
     ``params + grads + optimizer + buffers + activations(b) + workspace(b) + flat_share(m)``, where
     grads and the SGD momentum are fp32 rows of the flat ``g, v [m, P]`` (4P bytes each),
@@ -443,7 +444,7 @@ def estimate_memory(analysis: ModelAnalysis, batch_size: int, replicas_per_devic
 def max_replicas_per_device(analysis: ModelAnalysis, batch_size: int, memory_budget_bytes: int,
                             *, limit: int = 1024) -> int:
     """The largest m ≤ ``limit`` with ``m × estimate_memory(analysis, b, m).total ≤ budget``
-    (0 when not even one learner fits): the bound the verifier enforces (DESIGN.md §3, §5).
+    (0 when not even one learner fits): the bound the verifier enforces (docs/design-overview.md §3, §5).
 
     Raises:
         ValueError: b < 1.

@@ -1,4 +1,4 @@
-"""Inspection of a plan's task graph: summary table, JSON, DOT and PNG (DESIGN.md §1 "Plan
+"""Inspection of a plan's task graph: summary table, JSON, DOT and PNG (docs/design-overview.md §1 "Plan
 (inspectable: summary table, JSON, DOT, PNG; runnable)"; schema in docs/compiler.md).
 
 The functions here read only the task graph (its Tasks and graph attributes, as the compiler

@@ -1,4 +1,4 @@
-"""SMA update kernels in Triton, emitted for a plan (DESIGN.md §2 steps 1–3, §4).
+"""SMA update kernels in Triton, emitted for a plan (docs/design-overview.md §2 steps 1–3, §4).
 
 Two kernels per plan:
 
@@ -346,7 +346,7 @@ def _check_master(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 class TritonSMAKernels:
     """The SMA update backend in Triton: ``local_update`` and ``central_update`` with the
     signatures and semantics of ``sma_local_update``/``sma_central_update`` (runtime/sma.py), each
-    one kernel launch (DESIGN.md §4). CUDA tensors run compiled kernels; CPU tensors run them in
+    one kernel launch (docs/design-overview.md §4). CUDA tensors run compiled kernels; CPU tensors run them in
     Triton's interpreter (slow; for tests).
 
     Args:

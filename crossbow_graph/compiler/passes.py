@@ -1,4 +1,4 @@
-"""Compiler passes: each a function from task graph to task graph (DESIGN.md §3).
+"""Compiler passes: each a function from task graph to task graph (docs/design-overview.md §3).
 
 A task graph is a ``networkx.DiGraph`` of one round; node ``id`` has attribute ``task`` (a Task);
 graph attributes: ``devices`` (list of device names), ``replicas_per_device`` (m),
@@ -39,7 +39,7 @@ def empty_task_graph(*, devices: list[str], replicas_per_device: int, batch_size
 def place_replicas(graph: nx.DiGraph) -> nx.DiGraph:
     """Placement: one LEARN task per replica, device-major (replica j on device j // m).
 
-    Task ids ``learn:d{d}:r{r}``; reads ``w[j]``, ``batch[j]``, writes ``g[j]`` (DESIGN.md §3).
+    Task ids ``learn:d{d}:r{r}``; reads ``w[j]``, ``batch[j]``, writes ``g[j]`` (docs/design-overview.md §3).
     """
     out = _copy_graph(graph)
     m = out.graph["replicas_per_device"]
@@ -55,7 +55,8 @@ def place_replicas(graph: nx.DiGraph) -> nx.DiGraph:
 def insert_sync(graph: nx.DiGraph) -> nx.DiGraph:
     """Synchronisation insertion: a LOCAL_SYNC per device after its learners, one GLOBAL_SYNC.
 
-    Edges: every LEARN of device d → ``local_sync:d{d}`` → ``global_sync`` (DESIGN.md §2–3).
+    Edges: every LEARN of device d → ``local_sync:d{d}`` → ``global_sync``
+    (docs/design-overview.md §2–3).
     """
     out = _copy_graph(graph)
     glob = Task(id="global_sync", kind=TaskKind.GLOBAL_SYNC, device=None,
@@ -97,7 +98,7 @@ def annotate_costs(graph: nx.DiGraph, model_graph: ModelGraph) -> nx.DiGraph:
     ``memory_per_learner_bytes`` (int) and ``memory`` (the MemoryEstimate as a dict), ``model``
     (name, parameter counts, FLOPs per sample). The input graph is not modified.
 
-    Source: DESIGN.md §2 (the SMA round) and §3.
+    Source: docs/design-overview.md §2 (the SMA round) and §3.
     """
     out = _copy_graph(graph)
     b = out.graph["batch_size"]
@@ -151,7 +152,7 @@ def build_task_graph(model_graph: ModelGraph, *, devices: list[str], replicas_pe
                      batch_size: int, memory_budget_bytes: int | None = None,
                      verify: bool = True) -> nx.DiGraph:
     """Run the compiler's passes (placement, sync insertion, cost annotation) with the verifier
-    between them (on by default; STYLE.md rule 2).
+    between them (on by default; docs/contributing.md rule 2).
 
     Raises:
         PlanError: the verifier's first violation (names the pass and the offending task), e.g.

@@ -1,4 +1,4 @@
-"""The closed task vocabulary of a plan (DESIGN.md §3)."""
+"""The closed task vocabulary of a plan (docs/design-overview.md §3)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class TaskKind(enum.Enum):
 
     LEARN: forward, backward (gradients into the device's flat ``g [m, P]``).
     LOCAL_SYNC: the local SGD step and the correction c_j = α(ŵ_j − z) of every replica on the
-    device, and their sum acc_d (DESIGN.md §2, steps 1–2).
+    device, and their sum acc_d (docs/design-overview.md §2, steps 1–2).
     GLOBAL_SYNC: C = Σ_d acc_d (all-reduce) and the central update of z on every device (step 3).
     """
 

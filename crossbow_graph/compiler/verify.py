@@ -1,4 +1,4 @@
-"""The verifier that runs between compiler passes (DESIGN.md §3; STYLE.md rule 2)."""
+"""The verifier that runs between compiler passes (docs/design-overview.md §3; docs/contributing.md rule 2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Private: CUDA streams and events of the inline executor (DESIGN.md §2 overlap, §5).
+"""Private: CUDA streams and events of the inline executor (docs/design-overview.md §2 overlap, §5).
 
 Every learner group of a device has its own stream; each device has a sync stream for its
 LOCAL_SYNC and a global stream for the GLOBAL_SYNC. Events carry exactly the task graph's edges

@@ -1,6 +1,6 @@
 """``AdaptiveBatchSize``: b kept at a fraction of the measured gradient noise scale, η following the
-batch by the gain of McCandlish et al. (2018) / AdaScale (DESIGN.md §5, Policies; issue 8).
-Exported by ``crossbow_graph.runtime.policies`` with the other built-in policies.
+batch by the gain of McCandlish et al. (2018) / AdaScale (docs/design-overview.md §5, Policies;
+docs/policies.md). Exported by ``crossbow_graph.runtime.policies`` with the other built-in policies.
 """
 
 from __future__ import annotations
@@ -32,40 +32,29 @@ class AdaptiveBatchSize(Policy):
     noise-scale estimate, b is multiplied by ``factor`` when ``factor``·k·b ≤ c·B_noise, and
     divided by it (``shrink``, default on) when k·b > c·B_noise; always within
     [``min_batch_size``, ``max_batch_size``]. B_noise grows as training proceeds, so b grows
-    with it. ``epoch_overhead=1`` is the critical batch (E = 2·E_min, S = 2·S_min), the rule of
-    sessions 3–5 without the shrink. The default 1/8 spends at most 12.5 % more epochs than
-    E_min: a budget counted in epochs (W1's 5) favours data efficiency over fewer steps. A
-    change is taken only when the estimate has *settled*:
+    with it. ``epoch_overhead=1`` is the critical batch (E = 2·E_min, S = 2·S_min); the default
+    1/8 spends at most 12.5 % more epochs than E_min. A change is taken only when the estimate
+    has *settled*:
 
     * at least ``settle_windows`` windows whose estimate entered the EMAs since the fit started
-      or since the last change (3 by default; None: ⌈1/(1 − a)⌉, one time constant of the
-      monitor's EMA decay a, 10 for a = 0.9). B_noise is a ratio of exponential moving averages
-      of two-batch estimates, each very noisy (which is why McCandlish et al. 2018, appendix A.1,
-      average them). The count is in windows, i.e. rounds, so each b gets the same number of SGD
+      or since the last change (one time constant of the monitor's EMA decay a is
+      ⌈1/(1 − a)⌉). The count is in windows, i.e. rounds, so each b gets the same number of SGD
       steps before the next change;
     * at least ``cooldown_epochs`` of training samples since the last change.
 
-    *Hardware efficiency* (opt-in, ``min_speedup``). Growing b toward B_noise trades epochs for
-    fewer, larger steps: by McCandlish et al. (2018, section 2.3) the epochs to a given loss grow
-    as E_min·(1 + B/B_noise) and the steps fall as S_min·(1 + B_noise/B). Fewer steps pay only if
-    a larger batch runs more samples per second. With ``min_speedup`` (e.g. 0.1, the threshold
-    the replica auto-tuner uses for m, CROSSBOW §4.4) a growth waits until ``speed_windows``
-    windows at the current b (after its warm-up window) give a baseline, and is then on trial:
-    after one warm-up window at the new b (it includes the re-plan) the median samples/s of the
-    next ``speed_windows`` windows is compared with the baseline's median. A gain ≤
-    ``min_speedup`` returns to the previous b, which becomes ``max_batch_size``; η returns
-    with it (by the gain's or the linear factor), keeping any drop made meanwhile. Windows
-    compare only at the same b, k, m and τ (as the windows' records give them): if another
-    policy changes one of them (AutoReplicas, a τ change) during a trial, it ends without a
-    verdict (a switch of the learner mode at the same m is not detected). A trial left open at
-    the end of a fit is judged in the next fit on the same plan. Under torchrun every rank runs
-    the rule on its own clock and rank 0's decision is broadcast; another rank's bound and log
-    may then differ from rank 0's. The decision reads a clock, so a fit is then not
-    bit-identical from run to run, and it is off by default. On W1 with session 5's rule (η
-    constant, 2-core CPU, 5 seeds × 5 start b) the same 14 runs of 25 reached 99.0 % with the
-    test as without it; it returned 4 growths, measured at +2 % to +8 %, two of them 32 → 64,
-    which gains 19 % in the median over every window of that rule's runs: on a 2-core host a
-    few windows decide by noise (docs/benchmarks.md, "Policies (issue 8)").
+    *Hardware efficiency* (opt-in, ``min_speedup``). Fewer, larger steps pay only if a larger
+    batch runs more samples per second. With ``min_speedup`` a growth waits until
+    ``speed_windows`` windows at the current b (after its warm-up window) give a baseline, and is
+    then on trial: after one warm-up window at the new b (it includes the re-plan) the median
+    samples/s of the next ``speed_windows`` windows is compared with the baseline's median. A
+    gain ≤ ``min_speedup`` returns to the previous b, which becomes ``max_batch_size``; η
+    returns with it (by the gain's or the linear factor), keeping any drop made meanwhile.
+    Windows compare only at the same b, k, m and τ (as the windows' records give them): if
+    another policy changes one of them during a trial, it ends without a verdict (a switch of the
+    learner mode at the same m is not detected). A trial left open at the end of a fit is judged
+    in the next fit on the same plan. Under torchrun every rank runs the rule on its own clock and
+    rank 0's decision is broadcast; another rank's bound and log may then differ from rank 0's.
+    The decision reads a clock, so such a fit is not bit-identical from run to run.
 
     *Learning rate* (``scale_lr``). The user's η is taken as right at a reference batch B₀
     (``reference_batch`` samples per round; default: k·b at the fit's start). By default
@@ -78,20 +67,18 @@ class AdaptiveBatchSize(Policy):
     is multiplied by r_new/r_old, so a change another policy makes by a factor (a schedule's
     drop) composes; a policy that sets η outright should include the gain (``policy.gain``).
     A policy object reused on another plan starts again at r = 1 with its bounds re-derived.
-    On W1 with the CLI's default η (0.02, tuned at B₀ = 64 samples per round, dropped 10× at
-    epochs 2 and 4), starts b ∈ {4, …, 64} × 15 seeds reached 99.0 % within 5 epochs in 71 of
-    75 runs with this policy, 35 of 75 without it (docs/benchmarks.md, "Policies (issue 8)",
-    session 7; session 6's ``epoch_overhead=0.25`` reached 43 of 50). With a constant η there is
-    no decay: the gain raises η as B_noise grows, up to B/B₀. ``"linear"`` (or True)
-    scales η by the factor of each change of b (η/b constant, Goyal et al. 2017); ``"none"`` (or
-    False) keeps η, so a growing b lowers the SGD noise temperature η/b as a learning-rate decay
-    would (Smith et al. 2018, "Don't decay the learning rate, increase the batch size").
+    Without a schedule nothing decays η: the gain raises it as B_noise grows, up to B/B₀.
+    ``"linear"`` (or True) scales η by the factor of each change of b (η/b constant, Goyal et
+    al. 2017); ``"none"`` (or False) keeps η, so a growing b lowers the SGD noise temperature η/b
+    as a learning-rate decay would (Smith et al. 2018, "Don't decay the learning rate, increase
+    the batch size").
 
     The change re-plans the learners and re-checks the memory bound (a batch that does not fit is
     not taken, and ``max_batch_size`` drops to the last that fit). Data stay disjoint: rounds
     take the next k·b positions of the epoch's order. The policy's state (bounds, windows and
     samples since the last change, the gain in η) is checkpointed; b and η themselves are part
     of the plan's checkpoint (``fit(checkpoint_dir=..., resume=True)`` continues at them).
+    docs/policies.md gives the measured effect on W1.
 
     Args:
         min_batch_size: smallest b (≥ 1); None: 4, or the b the fit starts with if smaller.

@@ -1,4 +1,5 @@
-"""The replica auto-tuner: measured throughput → replicas per device and learner mode (DESIGN.md §5).
+"""The replica auto-tuner: measured throughput → replicas per device and learner mode
+(docs/design-overview.md §5).
 
 Reference rule (CROSSBOW §4.4): start at m = 1 per device; after a warm-up (in rounds and in
 seconds: restarted worker processes need both), measure samples/s
@@ -44,9 +45,8 @@ class AutoTune:
         reprobe: re-probe m when throughput drifts by more than ``threshold``, in the same
             direction, in two consecutive windows while holding.
         confirm: a step that gained ``threshold`` or less is measured over one more window, and
-            the better of its two windows decides, before it is removed. On this 2-core CPU
-            single 1 s windows of 2 × 2 learners read 6,300–7,700 samples/s in three tuner runs
-            whose grid measured 9,000–9,900 a minute earlier, and the tuner removed the replica.
+            the better of its two windows decides, before it is removed (one window on a busy
+            host can read far below the configuration's speed).
 
     Raises:
         ValueError: a value outside its range.

@@ -1,4 +1,5 @@
-"""Global synchronisation across processes and machines over torch.distributed (DESIGN.md §2, §5).
+"""Global synchronisation across processes and machines over torch.distributed
+(docs/design-overview.md §2, §5).
 
 Under ``torchrun`` (its environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``) every process runs its own devices' learners and the global sync of each round

@@ -1,8 +1,9 @@
-"""SMA update kernels in C for the CPU: the ``"c"`` kernel backend (DESIGN.md §2 steps 1–3, §4).
+"""SMA update kernels in C for the CPU: the ``"c"`` kernel backend (docs/design-overview.md §2
+steps 1–3, §4).
 
 ``sma_cpu.c`` (next to this file) does the local update of a device's m replicas in one pass
-over memory, where the torch implementation (runtime/sma.py, the oracle) makes about eight: on
-this 2-core CPU one LeNet-5 replica's update took 16 µs against 67 µs (docs/kernels.md). It is
+over memory, where the torch implementation (runtime/sma.py, the oracle) makes about eight
+(docs/kernels.md has the measured times). It is
 compiled on first use with the system's C compiler (``$CC``, else Python's configured compiler,
 ``cc``, ``gcc``, ``clang``) at ``-O3 -march=native`` and cached as a shared library under
 ``$CROSSBOW_GRAPH_CACHE`` (default ``~/.cache/crossbow_graph``), keyed by the source, the

@@ -1,4 +1,4 @@
-"""Disjoint batches for every learner from one seeded order per epoch (DESIGN.md §6)."""
+"""Disjoint batches for every learner from one seeded order per epoch (docs/design-overview.md §6)."""
 
 from __future__ import annotations
 

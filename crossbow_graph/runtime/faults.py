@@ -1,4 +1,4 @@
-"""Numerical faults: NaN or Inf in a replica, found at the local synchronisation (DESIGN.md §2).
+"""Numerical faults: NaN or Inf in a replica, found at the local synchronisation (docs/design-overview.md §2).
 
 Before every local update, ``FaultMonitor.find_and_reset`` (called by the scheduler's
 ``local_update_rows``, in this process or in a worker for its own rows) reduces the replicas'

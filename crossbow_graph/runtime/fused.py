@@ -1,4 +1,5 @@
-"""Fused learners: a group of replicas stacked and run as one program with torch.func (DESIGN.md §5).
+"""Fused learners: a group of replicas stacked and run as one program with torch.func
+(docs/design-overview.md §5).
 
 The group's parameters are the rows ``w[r0:r1] [n, P]`` viewed per tensor as ``[n, *shape]``; the
 float buffers are ``buf[r0:r1] [n, Q]`` copied per tensor to ``[n, *shape]`` and written back

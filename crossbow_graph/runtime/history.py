@@ -1,4 +1,4 @@
-"""What a fit reports: per-epoch and per-evaluation records (DESIGN.md §5, metrics)."""
+"""What a fit reports: per-epoch and per-evaluation records (docs/design-overview.md §5, metrics)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class EvalRecord:
 
 @dataclass(kw_only=True)
 class AutotuneRecord:
-    """One decision of the replica auto-tuner (DESIGN.md §5).
+    """One decision of the replica auto-tuner (docs/design-overview.md §5).
 
     Attributes:
         round: the plan's round count when the decision was taken.

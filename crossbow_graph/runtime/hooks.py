@@ -1,6 +1,6 @@
 """Hooks into the training loop: what logging, checkpoints, the auto-tuner and policies plug into.
 
-A Hook's methods run at round, epoch and fit boundaries (DESIGN.md §5, Policies): every change
+A Hook's methods run at round, epoch and fit boundaries (docs/design-overview.md §5, Policies): every change
 they make to the plan takes effect at a round boundary, identically on every device.
 """
 

@@ -1,4 +1,4 @@
-"""Monitored metrics of a running fit (DESIGN.md §5, Policies; Mai et al. 2019 "Taming
+"""Monitored metrics of a running fit (docs/design-overview.md §5, Policies; Mai et al. 2019 "Taming
 Hyper-parameters in Deep Learning Systems"; McCandlish et al. 2018 "An Empirical Model of
 Large-Batch Training", appendix A.1).
 
@@ -18,26 +18,21 @@ the large one of B = k·b samples::
 
 Each window's estimates of |G|² and tr Σ are the means over its last R rounds (``measure_rounds``,
 10 by default) of the single-round estimates: one round's estimate from k small batches is very
-noisy, and the mean of R divides its variance by R (on W1 without a policy, b = 8…64, the
-standard deviation of a window's |G|² and tr Σ over epochs 3–5 fell 1.5–4× from R = 1 to 10;
-late in training |G|² is so small that a third of the windows still come out ≤ 0). Both terms
-are then averaged over windows with exponential moving averages (bias-corrected, as Adam does)
-before the ratio (McCandlish et al. 2018, A.1). ``warmup_windows=1`` (opt-in) keeps the first
-window of training out of those averages: it is taken straight after the random initialisation,
-and at some seeds it is far off (on W1 at b = 64, seeds 0, 6 and 7, it read tr Σ about 25×
-above the next window's with |G|² ≤ 0, and the ratio of averages then read B_noise
-5,000–100,000 samples for the whole run, against 175–550 in the first epoch at most other
-seeds). It is off by default because on W1
-with AdaptiveBatchSize it lost more runs than it saved (61 of 75 reached 99.0 % against 71;
-docs/benchmarks.md, "Session 7"). The learners hold slightly different replicas ŵ_j (SMA
-keeps them close to z): the estimator treats them as one point, as KungFu does.
+noisy, and the mean of R divides its variance by R (late in training |G|² is so small that some
+windows still come out ≤ 0). Both terms are then averaged over windows with exponential moving
+averages (bias-corrected, as Adam does) before the ratio (McCandlish et al. 2018, A.1).
+``warmup_windows=W`` (opt-in, default 0) keeps the first W windows of training out of those
+averages (their records have no ``noise_scale``): the first is taken straight after the random
+initialisation and can be far off. The learners hold slightly different replicas ŵ_j (SMA keeps
+them close to z): the estimator treats them as one point, as KungFu does. docs/policies.md gives
+the estimator's measured noise and its effect on AdaptiveBatchSize.
 
 Cost, on the R measured rounds of a window only: one pass over ``g`` per device (two reductions
 ``[m, P] → [P]`` and ``[m]``), and one over ``w`` at the window's end (divergence). ``g`` must hold
 that round's gradients when it is read: the process executor's workers start learning round t+1
 (overwriting ``g``) while round t's hooks run, so the trainer asks ``wants_gradients`` and runs a
-measured round without that overlap (LeNet-5, 2 × 2: R = 10 of every 50 rounds costs 1–3 % of
-samples/s against R = 1 at b = 8 and 16, ``bench/metrics_cost.py``).
+measured round without that overlap (``bench/metrics_cost.py`` measures the cost;
+docs/policies.md quotes it).
 """
 
 from __future__ import annotations

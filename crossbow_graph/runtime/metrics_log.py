@@ -53,10 +53,12 @@ class MetricsLogger(Hook):
         log_dir: the directory (created if missing).
         every_rounds: log every this many rounds (≥ 1); reading a round's loss waits for the
             device, so on a GPU a larger value keeps the learners busy.
-        tensorboard: also write TensorBoard event files.
+        tensorboard: also write TensorBoard event files (the ``tensorboard`` extra:
+            ``pip install 'crossbow_graph[tensorboard]'``).
 
     Raises:
         ValueError: ``every_rounds`` < 1.
+        ImportError: at the start of the fit, ``tensorboard=True`` without the tensorboard package.
     """
 
     mutates_replicas = False  # it only reads the metrics: the overlap of rounds stays on
@@ -69,13 +71,19 @@ class MetricsLogger(Hook):
         self._writer = None
 
     def before_fit(self, ctx: FitContext) -> None:
+        if self.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # slow import: only when used
+            except ImportError as exc:
+                raise ImportError(
+                    f"logging to {self.log_dir} with TensorBoard events needs the tensorboard "
+                    "package: pip install 'crossbow_graph[tensorboard]'; or log CSV files only with "
+                    "hooks=[MetricsLogger(log_dir, tensorboard=False)]") from exc
         os.makedirs(self.log_dir, exist_ok=True)
         for name, fields in (("rounds", _ROUND_FIELDS), ("evals", _EVAL_FIELDS),
                              ("epochs", _EPOCH_FIELDS), ("faults", _FAULT_FIELDS)):
             self._files[name] = _Csv(os.path.join(self.log_dir, f"{name}.csv"), fields)
         if self.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # slow import: only when used
-
             self._writer = SummaryWriter(log_dir=self.log_dir)
         self._last = (ctx.plan.rounds_done, ctx.train_seconds)
         self._faults_seen = len(ctx.history.faults)

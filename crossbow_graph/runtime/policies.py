@@ -1,6 +1,6 @@
 """Hyper-parameter policies: hooks that read the monitored metrics and change the plan
-(DESIGN.md §5, Policies; Mai et al., "Taming Hyper-parameters in Deep Learning Systems", ACM SIGOPS
-OSR 53(1) 2019; KungFu, OSDI 2020).
+(docs/design-overview.md §5, Policies; Mai et al., "Taming Hyper-parameters in Deep Learning
+Systems", ACM SIGOPS OSR 53(1) 2019; KungFu, OSDI 2020).
 
 A ``Policy`` is a Hook. It reads ``ctx.extra["metrics"]`` (the fit's ``MetricsMonitor``, updated
 every N rounds before the policies run) and ``ctx.history``, and changes the plan only through

@@ -1,6 +1,6 @@
-"""The policy interface (DESIGN.md §5, Policies): ``Policy``, a Hook that changes the plan between
-rounds only through ``Policy.adjust``, which builds one ``Adjustment`` (plain data: the decision)
-and applies it with ``apply_adjustment``; every applied one is a ``PolicyRecord`` in
+"""The policy interface (docs/design-overview.md §5, Policies): ``Policy``, a Hook that changes the
+plan between rounds only through ``Policy.adjust``, which builds one ``Adjustment`` (plain data:
+the decision) and applies it with ``apply_adjustment``; every applied one is a ``PolicyRecord`` in
 ``History.policy``. The built-in policies are in runtime/policies.py and
 runtime/adaptive_batch.py; ``crossbow_graph.runtime.policies`` exports all of these names.
 """

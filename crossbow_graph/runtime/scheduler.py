@@ -1,7 +1,8 @@
-"""Executes a plan's task graph round after round, like an interpreter (DESIGN.md §1, §2, §5).
+"""Executes a plan's task graph round after round, like an interpreter (docs/design-overview.md
+§1, §2, §5).
 
 One method per task kind (``learn``, ``local_sync``, ``global_sync``); a failure is re-raised as a
-TaskError naming the task, its device and the round (STYLE.md rule 3).
+TaskError naming the task, its device and the round (docs/contributing.md rule 3).
 
 Executors (``executor=``):
 
@@ -12,11 +13,11 @@ Executors (``executor=``):
 * ``"process"``: CPU only. The device's learners are split into groups, one worker process per
   group (``runtime.workers``); flat buffers live in shared memory; each worker learns and applies
   its own rows' local update, this process sums the corrections and updates z while the workers
-  already learn the next round (the overlap of DESIGN.md §2; when every hook of the fit declares
-  ``mutates_replicas = False``, else the rounds run one after the other).
+  already learn the next round (the overlap of docs/design-overview.md §2; when every hook of the
+  fit declares ``mutates_replicas = False``, else the rounds run one after the other).
 * ``"auto"``: ``"process"`` when every device is a CPU device, the machine has ≥ 2 cores, k ≥ 2
-  and fork is available; else ``"inline"`` (BENCHMARKS.md: single-threaded learner processes
-  ran 2× one; learners in Python threads ran 3× slower, so threads are not offered).
+  and fork is available; else ``"inline"`` (single-threaded learner processes run about twice as
+  fast as one process, learners in Python threads slower: threads are not offered).
 """
 
 from __future__ import annotations
@@ -296,7 +297,7 @@ class Scheduler:
     def local_update_rows(self, state: DeviceState, r0: int, r1: int, *, lr: float, alpha: float,
                           synchronise: bool, optimizer: SGD, out: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor | None, list[int]]:
-        """The SMA local update of rows ``r0 … r1−1`` (DESIGN.md §2, steps 1–2).
+        """The SMA local update of rows ``r0 … r1−1`` (docs/design-overview.md §2, steps 1–2).
 
         Replicas with NaN/Inf gradients are first reset from z and so left out of the sum
         (runtime/faults.py). Worker processes call it for their own rows. ``out``: ``[P]`` to

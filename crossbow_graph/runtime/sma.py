@@ -1,8 +1,8 @@
 """SMA update, torch implementation: the CPU path and the oracle for the Triton kernels.
 
-Both functions work in place on flat per-device buffers (DESIGN.md §4): the m replicas of a device
-are the rows of ``w [m, P]``; their momentum is ``v [m, P]``; their gradients ``g [m, P]``; the
-device's copy of the central average model is ``z [P]``. ``w``, ``v``, ``z`` are float32 (for a
+Both functions work in place on flat per-device buffers (docs/design-overview.md §4): the m
+replicas of a device are the rows of ``w [m, P]``; their momentum is ``v [m, P]``; their gradients
+``g [m, P]``; the device's copy of the central average model is ``z [P]``. ``w``, ``v``, ``z`` are float32 (for a
 bfloat16/float16 model they are the fp32 masters, runtime/state.py), or float64 for a float64
 model; ``g`` is in the model's dtype and is upcast element by element, so a small correction is
 never rounded away.
@@ -36,7 +36,8 @@ def sma_local_update(
     first_step: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """One round's local step and correction for every replica of a device (DESIGN.md §2, steps 1–2).
+    """One round's local step and correction for every replica of a device
+    (docs/design-overview.md §2, steps 1–2).
 
     With ŵ_j = w[j] (the pre-step point)::
 
@@ -118,7 +119,7 @@ def _local_block(w, v, g, z, acc, *, lr, momentum, nesterov, weight_decay, alpha
 def sma_central_update(
     z: torch.Tensor, z_prev: torch.Tensor, c: torch.Tensor, *, central_momentum: float
 ) -> None:
-    """The central average model's update (DESIGN.md §2, step 3), in place.
+    """The central average model's update (docs/design-overview.md §2, step 3), in place.
 
     ``z_new = z + c + μ_z·(z − z_prev)``; then ``z_prev ← z`` and ``z ← z_new``.
 

@@ -1,4 +1,4 @@
-/* SMA update kernels for the CPU (DESIGN.md §2 steps 1–3, §4): the C backend of
+/* SMA update kernels for the CPU (docs/design-overview.md §2 steps 1–3, §4): the C backend of
  * crossbow_graph/runtime/cpu_kernels.py, compiled on first use with the system's C compiler.
  *
  * Same mathematics as runtime/sma.py (the oracle) and the Triton kernels, in one pass over

@@ -1,4 +1,4 @@
-"""Per-device training state in flat buffers (DESIGN.md §4).
+"""Per-device training state in flat buffers (docs/design-overview.md §4).
 
 A device holds m replicas (deep copies of the user's model) whose trainable parameters are views
 into the rows of ``w [m, P]`` and whose gradients are views into ``g [m, P]``; floating-point
@@ -229,7 +229,7 @@ class DeviceState:
         Replicas 0 … min(m, m_old)−1 keep their parameters, momentum, buffers and
         ``first_step``; a new replica is cloned from z (buffers from zbuf, integer buffers from
         replica 0) with zeroed momentum; removed replicas are the last ones. z, z_prev and zbuf
-        are untouched, so the central model is continuous (DESIGN.md §5, auto-tuner).
+        are untouched, so the central model is continuous (docs/design-overview.md §5, auto-tuner).
 
         New flat buffers ``[m, P]``/``[m, Q]`` replace ``w, v, g, buf`` (ordinary memory: call
         ``share_memory()`` again if worker processes need them).

@@ -1,4 +1,4 @@
-"""Chrome-trace timelines of a fit (``Plan.fit(..., trace=path)``; DESIGN.md §2 overlap).
+"""Chrome-trace timelines of a fit (``Plan.fit(..., trace=path)``; docs/design-overview.md §2 overlap).
 
 Open the JSON in ``chrome://tracing`` or https://ui.perfetto.dev: one row (lane) per worker
 process (or ``inline`` for the in-process executor) and one for the coordinator's global sync; the

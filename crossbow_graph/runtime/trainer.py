@@ -1,4 +1,4 @@
-"""The training loop of ``Plan.fit``: rounds, evaluation, time-to-accuracy (DESIGN.md §2, §6)."""
+"""The training loop of ``Plan.fit``: rounds, evaluation, time-to-accuracy (docs/design-overview.md §2, §6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Learner worker processes on the CPU: the process executor (DESIGN.md §2 overlap, §5).
+"""Learner worker processes on the CPU: the process executor (docs/design-overview.md §2 overlap, §5).
 
 The learner groups of ``worker_groups`` (contiguous rows ``r0 … r1−1`` of one device's replicas,
 at most one per core) run in as many processes: group 0 in this process (the coordinator), the
@@ -96,15 +96,13 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     one learner's forward and backward at b in this process, single-threaded (as a worker runs),
     on a copy of the model and the dataset's first b samples: each library MEASURE_REPS times,
     interleaved, each time the fastest step of at least MEASURE_STEPS steps and MEASURE_S
-    seconds (but at most 5·MEASURE_S seconds after one step, for a slow model); ATen is chosen only if its fastest step was at least 5% faster. The choice is kept
+    seconds (but at most 5·MEASURE_S seconds after one step, for a slow model); ATen is chosen
+    only if its fastest step was at least 5% faster. The choice is kept
     per scheduler and b, and in this process per (model class, parameters, b, input shapes), so
     that plans of the same model (the auto-tuner's, a benchmark's) run the same kernels. A model
     whose first step takes more than BIG_STEP_S gets oneDNN unmeasured (measuring would cost
-    seconds, and ATen's convolutions lost by 1.4-2x already on ResNet-32).
-    Neither torch's RNG nor any replica is touched. Single-threaded on this 2-core CPU, oneDNN
-    ran LeNet-5 1.3x faster at b=16 and ResNet-32 1.4-2x faster at b=4…16, but ATen ran LeNet-5
-    1.1-1.2x faster at b=8 (docs/runtime.md): which one wins depends on the model and b. (A
-    shorter measurement, 2 × 3 steps, chose oneDNN at b=8 in 2 of 15 tries.)
+    seconds, and large models run faster with oneDNN). Neither torch's RNG nor any replica is
+    touched. Which library wins depends on the model and b (docs/runtime.md has a table).
     The two libraries round differently, so two fits that chose differently agree to float
     tolerance, not bit for bit; set ``cpu_conv`` to fix the choice.
 

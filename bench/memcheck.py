@@ -1,19 +1,27 @@
 """Measure the peak memory of an eager training step and compare it with the estimate.
 
-``python -m crossbow_graph.compiler._memcheck`` prints, for LeNet-5, ResNet-32 and VGG-16 at two
+``python bench/memcheck.py [cuda]`` prints, for LeNet-5, ResNet-32 and VGG-16 at two
 batch sizes each, the measured peak bytes, the estimate (analysis.py ``estimate_memory``, without the
 flat-buffer share that an eager step does not have) and the relative error. On the CPU the
 measurement is torch.profiler's allocator events (``profile_memory=True``); on a GPU it is
-``torch.cuda.max_memory_allocated``. docs/compiler.md quotes the numbers.
+``torch.cuda.max_memory_allocated``. docs/compiler.md quotes the numbers, and
+tests/test_compiler_memory.py holds the estimate within its tolerance of ``compare``'s measurement.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
 import torch
 from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from crossbow_graph.compiler.analysis import estimate_memory  # noqa: E402
+from crossbow_graph.compiler.trace import trace_model  # noqa: E402
+from crossbow_graph.models import get_model, input_shape  # noqa: E402
 
 __all__ = ["measure_training_step_bytes", "compare", "main"]
 
@@ -74,10 +82,6 @@ def measure_training_step_bytes(make_model: Callable[[], nn.Module], input_shape
 
 def compare(name: str, batch_size: int, *, device: str = "cpu") -> tuple[int, int, float]:
     """(measured bytes, estimated bytes, relative error of the estimate) for a zoo model."""
-    from ..models import get_model, input_shape
-    from .analysis import estimate_memory
-    from .trace import trace_model
-
     shape = input_shape(name)
     mg = trace_model(get_model(name), (torch.randn(2, *shape),))
     estimate = estimate_memory(mg.analysis, batch_size).training_step
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     """Print the comparison table (one intra-op thread, as the tests measure)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m crossbow_graph.compiler._memcheck",
+    parser = argparse.ArgumentParser(prog="python bench/memcheck.py",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("device", nargs="?", default="cpu", help="cpu (default) or cuda")
     device = parser.parse_args(argv).device
