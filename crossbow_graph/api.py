@@ -293,6 +293,7 @@ class Plan:
         if comm is not None:
             comm.agree(plan_facts(self), "the plan")
             self._start_from_rank0()
+            self._int_buffers_from_rank0(replicas=True)
         self.epochs_done = 0
         self.rounds_done = 0
         self.round_in_epoch = 0  # rounds done in an unfinished epoch (a resumed fit starts there)
@@ -330,6 +331,21 @@ class Plan:
             if zbuf.numel():
                 s.zbuf.copy_(zbuf)
                 s.buf.copy_(zbuf.expand_as(s.buf))
+
+    @torch.no_grad()
+    def _int_buffers_from_rank0(self, *, replicas: bool, round_index: int = -1) -> None:
+        """Under torchrun: rank 0's first replica's integer buffers (one broadcast) into the
+        central model on every rank, and into every replica with ``replicas`` (at start-up)."""
+        ints = {n: b.cpu() for n, b in self.states[0].replicas[0].named_buffers()
+                if not b.is_floating_point()}
+        if not ints:  # the same on every rank: the model fingerprints agree
+            return
+        ints = self.comm.broadcast_object(ints, round_index)
+        modules = [self._central] + ([r for s in self.states for r in s.replicas] if replicas else [])
+        for module in modules:
+            for name, b in module.named_buffers():
+                if name in ints:
+                    b.copy_(ints[name])
 
     @property
     def learner_mode(self) -> str:
@@ -471,8 +487,15 @@ class Plan:
         return torch.cat([s.w.detach().to(self.states[0].torch_device) for s in self.states]).clone()
 
     def _refresh_central(self) -> None:
-        """Carry integer buffers (num_batches_tracked) from the first replica into z's module."""
+        """Carry integer buffers (num_batches_tracked) from the first replica into z's module.
+
+        Under torchrun only rank 0 does: the other ranks' copies are rank 0's, received at
+        start-up and at the end of every fit (``_int_buffers_from_rank0``), so that the central
+        model is the same on every rank without a collective when it is read.
+        """
         self.scheduler.flush()
+        if self.comm is not None and not self.comm.is_main:
+            return
         src = dict(self.states[0].replicas[0].named_buffers())
         for name, b in self._central.named_buffers():
             if not b.is_floating_point():
@@ -482,7 +505,11 @@ class Plan:
         """The central average model z as a new ``nn.Module`` of the input model's class.
 
         Its state_dict has the input model's keys: trainable parameters from z, float buffers from
-        the replicas' mean at the last sync, integer buffers carried, frozen parameters unchanged.
+        the replicas' mean at the last sync, integer buffers (``num_batches_tracked``, counters)
+        from the first replica, frozen parameters unchanged. Under torchrun the integer buffers
+        are rank 0's first replica's on every rank (rank 0 reads its own; the others hold the
+        ones rank 0 broadcast at start-up and at the end of every fit, one broadcast per fit and
+        none per round), so the state_dict is bit-identical on every rank outside a fit.
         """
         self._refresh_central()
         out = copy.deepcopy(self._template)
@@ -596,18 +623,22 @@ class Plan:
                 created or written); all before the first round.
             TypeError: ``seed`` not an integer, ``target_accuracy`` not a number.
             TaskError: a task failed (names the task, its device and the round).
-            DivergenceError: every replica produced NaN/Inf in the same round.
+            DivergenceError: every replica produced NaN/Inf (loss or gradients) in the same
+                round; under torchrun on every rank at the same round, counting every rank's.
             CheckpointError: ``resume`` found checkpoints but none readable, or one written for
                 another model, plan or data order (before any round).
         """
-        return run_fit(self, train_dataset, epochs, eval_dataset=eval_dataset, shuffle=shuffle,
-                       seed=seed, target_accuracy=target_accuracy, evals_per_epoch=evals_per_epoch,
-                       eval_batch_size=eval_batch_size, progress=progress,
-                       hooks=([self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main)
-                              else []) + list(hooks),
-                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                       resume=resume, log_dir=log_dir, trace=trace, policies=list(policies),
-                       metrics_every=metrics_every)
+        history = run_fit(
+            self, train_dataset, epochs, eval_dataset=eval_dataset, shuffle=shuffle, seed=seed,
+            target_accuracy=target_accuracy, evals_per_epoch=evals_per_epoch,
+            eval_batch_size=eval_batch_size, progress=progress,
+            hooks=([self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main)
+                   else []) + list(hooks),
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+            log_dir=log_dir, trace=trace, policies=list(policies), metrics_every=metrics_every)
+        if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
+            self._int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)
+        return history
 
     def adjust(self, adjustment: "Adjustment") -> dict[str, Any]:
         """Change lr, b, α, τ or m (or reset every replica to z) between rounds, on every device:

@@ -33,7 +33,8 @@ class TaskError(RuntimeError):
 class DivergenceError(TaskError):
     """Every replica produced NaN or Inf in the same round: training cannot continue.
 
-    Raised at the local synchronisation of the round (runtime/faults.py); the central model z and
+    Raised at the local synchronisation of the round (runtime/faults.py; under torchrun at the
+    global sync, on every rank alike, counting every rank's faults); the central model z and
     the last checkpoint on disk are intact. The message names the round and the usual fixes
     (a lower learning rate, gradient-safe loss, resuming from the last checkpoint).
     """

@@ -7,12 +7,18 @@ replica per rank on the process executor), ``decide`` (a hook on rank 0 only cha
 and lr after round 3), ``resume`` (a second plan resumes from rank 0's checkpoint for a second
 epoch), ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
 changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3; rank 0 writes a
-checkpoint every round), ``hang`` (rank 1 sleeps after round 3). Groups run in one launch, one
-after the other in the same process group: ``ok`` = train, process, decide, resume; ``mismatch`` = both
-mismatches. Writes ``rank<r>.pt`` into OUT_DIR: per scenario a dict, ``error`` with the
-DistributedError's message, or the results.
+checkpoint every round), ``hang`` (rank 1 sleeps after round 3), ``fault_one`` (NaN in rank 1's
+replica 1 before round 2 and in rank 0's replica 0 before round 4; checkpoints every round and
+a log_dir), ``int_buffers`` (``Counting``: an integer counter that advances differently on each
+rank; saves ``central_model().state_dict()``), ``nan_all`` (NaN in every replica of every rank
+before every round from round 3 on, process executor, checkpoints every round). Groups run in one
+launch, one after the other in the same process group: ``ok`` = train, process, decide, resume;
+``mismatch`` = both mismatches; ``faults`` = fault_one, int_buffers, nan_all (last: its error
+closes the process group). Writes ``rank<r>.pt`` into OUT_DIR: per scenario a dict, ``error``
+with the TaskError's message (and ``kind``, ``round_index``), or the results.
 """
 
+import dataclasses
 import os
 import signal
 import sys
@@ -23,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import crossbow_graph as cg  # noqa: E402
-from crossbow_graph.errors import DistributedError  # noqa: E402
+from crossbow_graph.errors import TaskError  # noqa: E402
 from crossbow_graph.runtime.comm import z_digest  # noqa: E402
 from crossbow_graph.runtime.hooks import Hook  # noqa: E402
 from _runtime_helpers import TinyBN, TinyNet, compile_tiny, tiny_data  # noqa: E402
@@ -41,6 +47,31 @@ class _AtRound(Hook):
             self.action(ctx.plan)
 
 
+class _Poison(Hook):
+    """Before the rounds ``at`` (0-based), NaN into this rank's replicas ``rows`` of device 0."""
+
+    def __init__(self, at, rows) -> None:
+        self.at, self.rows = at, rows
+
+    def before_round(self, ctx) -> None:
+        if ctx.plan.rounds_done in self.at:
+            for r in self.rows:
+                ctx.plan.states[0].w[r, 3] = float("nan")
+
+
+class Counting(TinyBN):
+    """TinyBN with an integer buffer counting the samples whose first pixel is positive: each
+    rank's replicas see other samples, so their counters differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.seen.add_((x[:, 0, 0, 0] > 0).sum())
+        return super().forward(x)
+
+
 def _decide(plan) -> None:
     plan.set_replicas(3)
     plan.scheduler.lr = 0.02
@@ -50,11 +81,13 @@ def _decide(plan) -> None:
 def run(scenario: str, rank: int, out: str) -> dict:
     """One scenario on this rank; returns its results or ``{"error": message}``."""
     model_cls = TinyNet if scenario == "mismatch_model" and rank == 1 else TinyBN
+    model_cls = Counting if scenario == "int_buffers" else model_cls
     batch = 8 if scenario == "mismatch_batch" and rank == 1 else B
     settings = cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1)
     result = {}
     try:
         devices, replicas, executor = (2, 1, "process") if scenario == "process" else (1, M, "inline")
+        executor = "process" if scenario == "nan_all" else executor
         plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=devices,
                             replicas=replicas, executor=executor,
                             distributed=settings)  # seed=rank: rank 0's init wins
@@ -70,6 +103,13 @@ def run(scenario: str, rank: int, out: str) -> dict:
             if rank == 1:
                 hooks.append(_AtRound(3, lambda plan: os.kill(os.getpid(), signal.SIGKILL)))
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt"), checkpoint_every=1)
+        if scenario == "fault_one":
+            hooks.append(_Poison([2], [1]) if rank == 1 else _Poison([4], [0]))
+            kw = dict(checkpoint_dir=os.path.join(out, "ckpt-fault"), checkpoint_every=1,
+                      log_dir=os.path.join(out, "logs-fault"))
+        if scenario == "nan_all":
+            hooks.append(_Poison(range(3, ROUNDS), range(M)))
+            kw = dict(checkpoint_dir=os.path.join(out, "ckpt-nan"), checkpoint_every=1)
         if scenario == "resume":  # one epoch with checkpoints, then a new plan resumes for a second
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt-resume"))
             plan.fit(data, 1, shuffle=True, progress=False, **kw)
@@ -81,13 +121,18 @@ def run(scenario: str, rank: int, out: str) -> dict:
         result.update(z=plan.central_weights(), zbuf=plan.states[0].zbuf.clone(),
                       m=plan.replicas_per_device, lr=plan.scheduler.lr, tau=plan.sync.sync_every,
                       digest=z_digest(plan.states[0].z), rounds=plan.rounds_done,
-                      loss=history.epochs[-1].train_loss)
-    except DistributedError as exc:
-        result["error"] = str(exc)
+                      loss=history.epochs[-1].train_loss,
+                      faults=[dataclasses.asdict(f) for f in history.faults])
+        if scenario == "int_buffers":
+            result.update(central=plan.central_model().state_dict(),
+                          seen=[int(r.seen) for r in plan.states[0].replicas])
+    except TaskError as exc:  # DistributedError, DivergenceError
+        result.update(error=str(exc), kind=type(exc).__name__, round_index=exc.round_index)
     return result
 
 
-GROUPS = {"ok": ["train", "process", "decide", "resume"], "mismatch": ["mismatch_batch", "mismatch_model"]}
+GROUPS = {"ok": ["train", "process", "decide", "resume"], "mismatch": ["mismatch_batch", "mismatch_model"],
+          "faults": ["fault_one", "int_buffers", "nan_all"]}
 
 
 def main(scenario: str, out: str) -> None:

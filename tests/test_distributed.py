@@ -75,6 +75,16 @@ def mismatch_runs(tmp_path_factory):
     return results
 
 
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory):
+    """One launch: a fault on each rank, an integer counter, then NaN everywhere (its error last)."""
+    out = tmp_path_factory.mktemp("faults")
+    results, codes, logs = _launch("faults", out)
+    assert codes == [0, 0], logs
+    runs = {name: (results[0][name], results[1][name]) for name in ("fault_one", "int_buffers", "nan_all")}
+    return out, logs, runs
+
+
 def test_two_processes_give_the_one_process_z_and_identical_copies(ok_runs):
     r0, r1 = ok_runs["train"]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
@@ -162,6 +172,46 @@ def test_a_resumed_run_continues_on_every_rank_from_rank_0s_checkpoint(ok_runs):
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
     assert r0["rounds"] == r1["rounds"] == 2 * ROUNDS  # the second epoch only was run again
     assert torch.equal(r0["z"], r1["z"])
+
+
+def test_rank_0_keeps_every_ranks_faults_in_history_checkpoints_and_logs(fault_runs):
+    out, logs, runs = fault_runs
+    r0, r1 = runs["fault_one"]
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    # rank 1's replica 1 failed in round 2, rank 0's replica 0 in round 4
+    want = [dict(round=2, device="cpu:0", replica=1, rank=1), dict(round=4, device="cpu:0", replica=0, rank=0)]
+    assert r0["faults"] == want
+    _, state = load_latest(str(out / "ckpt-fault"))
+    assert state["plan"]["faults"] == want and state["history"]["faults"] == want
+    with open(out / "logs-fault" / "faults.csv") as f:
+        assert f.read().splitlines() == ["round,device,replica,rank", "2,cpu:0,1,1", "4,cpu:0,0,0"]
+    assert "round 2: replica 1 on cpu:0 of rank 1 has NaN/Inf" in logs[0], logs[0]
+    assert "round 4: replica 0 on cpu:0 of rank 0 has NaN/Inf" in logs[0], logs[0]
+    assert torch.isfinite(torch.tensor(r0["loss"])) and r0["loss"] == r1["loss"]
+    assert torch.equal(r0["z"], r1["z"])
+
+
+def test_every_rank_stops_with_divergence_error_at_the_same_round_when_every_learner_fails(fault_runs):
+    out, logs, runs = fault_runs
+    for r in runs["nan_all"]:  # NaN in every replica of both ranks from round 3 on
+        assert r.get("kind") == "DivergenceError", (r.get("error"), logs)
+        assert r["round_index"] == 3
+        assert "all 4 replicas have NaN/Inf gradients in round 3" in r["error"]
+        assert "on ranks 0, 1" in r["error"], r["error"]
+    _, state = load_latest(str(out / "ckpt-nan"))  # rank 0's: the round before, intact
+    assert state["plan"]["rounds_done"] == 3
+
+
+def test_the_central_model_is_bitwise_identical_on_every_rank_integer_buffers_included(fault_runs):
+    _, _, runs = fault_runs
+    r0, r1 = runs["int_buffers"]
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    assert r0["seen"] != r1["seen"]  # the ranks' replicas counted differently
+    assert r0["central"].keys() == r1["central"].keys()
+    for name, value in r0["central"].items():
+        other = r1["central"][name]
+        assert value.dtype == other.dtype and torch.equal(value, other), name
+    assert int(r0["central"]["seen"]) == r0["seen"][0]  # the rule: rank 0's first replica's
 
 
 def test_without_torchrun_nothing_changes(monkeypatch):

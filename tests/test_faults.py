@@ -16,20 +16,26 @@ from crossbow_graph.runtime.checkpoint import load_latest
 from crossbow_graph.runtime.hooks import Hook
 
 
-def data(n: int = 64, nan_at: int | None = None) -> TensorDataset:
+def data(n: int = 64, nan_at: int | None = None, ignored=()) -> TensorDataset:
+    """n samples of 5 features, 3 classes; ``ignored``: batches of 4 (index i: samples 4i … 4i+3)
+    whose labels are all cross-entropy's ignore_index, so their loss is NaN (0/0) and their
+    gradient zero."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(n, 5, generator=g)
     if nan_at is not None:
         x[nan_at, 0] = math.nan
-    return TensorDataset(x, torch.randint(0, 3, (n,), generator=g))
+    y = torch.randint(0, 3, (n,), generator=g)
+    for i in ignored:
+        y[4 * i:4 * i + 4] = -100
+    return TensorDataset(x, y)
 
 
-def make_plan(devices=2, replicas=2, central_momentum=0.0) -> cg.Plan:
+def make_plan(devices=2, replicas=2, central_momentum=0.0, executor="auto") -> cg.Plan:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     return cg.compile(model, (torch.zeros(1, 5),), nn.functional.cross_entropy, batch_size=4,
                       devices=devices, replicas=replicas, optimizer=cg.SGD(lr=0.1, momentum=0.9),
-                      sync=cg.SMA(central_momentum=central_momentum))
+                      sync=cg.SMA(central_momentum=central_momentum), executor=executor)
 
 
 class Poison(Hook):
@@ -76,7 +82,7 @@ def test_nan_in_data_resets_only_that_learner():
     history = plan.fit(data(nan_at=13), 1, shuffle=False, progress=False)
     assert [(f.round, f.device, f.replica) for f in history.faults] == [(1, "cpu:0", 1)]
     assert torch.isfinite(plan.central_weights()).all()
-    assert math.isnan(history.epochs[0].train_loss)  # the NaN loss is reported as it was
+    assert math.isfinite(history.epochs[0].train_loss)  # the faulty replica's NaN loss left out
 
 
 def test_all_replicas_failing_stops_with_divergence_error_and_checkpoint_intact(tmp_path):
@@ -94,6 +100,50 @@ def test_all_replicas_failing_stops_with_divergence_error_and_checkpoint_intact(
     assert state["plan"]["rounds_done"] == 3
     assert all(torch.isfinite(s["w"]).all() and torch.isfinite(s["z"]).all()
                for s in state["plan"]["states"])
+
+
+class Snapshot(Hook):
+    """Records ŵ and z before round ``at`` (0-based) and z after it."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def before_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == self.at:
+            self.pre_w, self.pre_z = ctx.plan.replica_weights(), ctx.plan.central_weights()
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == self.at + 1:
+            self.post_z = ctx.plan.central_weights()
+
+
+@pytest.mark.parametrize("executor", ["inline", "process"])
+def test_nan_loss_with_finite_gradients_is_a_fault(executor, caplog):
+    plan = make_plan(devices=1, replicas=2, executor=executor)
+    # shuffle=False, k = 2, b = 4: learner j of round t reads batch 2t + j; the loss of a batch
+    # of ignored labels is NaN while its gradient is zero
+    train = data(ignored=[2 * 1 + 1, 2 * 2 + 0])  # round 1 learner 1, round 2 learner 0
+    hook = Snapshot(at=1)
+    with caplog.at_level(logging.WARNING, logger="crossbow_graph.faults"):
+        history = plan.fit(train, 1, shuffle=False, progress=False, hooks=[hook])
+    assert plan.scheduler.resolved_executor() == executor
+    assert [(f.round, f.device, f.replica, f.rank) for f in history.faults] == [
+        (1, "cpu:0", 1, 0), (2, "cpu:0", 0, 0)]
+    assert "round 1: replica 1 on cpu:0 has NaN/Inf gradients or loss" in caplog.text
+    assert math.isfinite(history.epochs[0].train_loss)
+    # oracle (α = 1/k, μ_z = 0): the faulty replica's correction is left out of round 1's sum
+    expected = hook.pre_z + (hook.pre_w[0] - hook.pre_z) / 2
+    torch.testing.assert_close(hook.post_z, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("executor", ["inline", "process"])
+def test_nan_loss_of_every_replica_is_divergence(executor):
+    plan = make_plan(devices=1, replicas=2, executor=executor)
+    hook = Snapshot(at=2)
+    with pytest.raises(DivergenceError, match="all 2 replicas have NaN/Inf gradients in round 2") as err:
+        plan.fit(data(ignored=[4, 5]), 1, shuffle=False, progress=False, hooks=[hook])
+    assert err.value.round_index == 2
+    assert torch.equal(plan.central_weights(), hook.pre_z)  # z untouched by the failed round
 
 
 def test_single_learner_nan_is_divergence():

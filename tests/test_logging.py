@@ -91,7 +91,7 @@ def test_every_rounds_and_faults_csv(tmp_path):
     make_plan().fit(data(64, 0), 1, progress=False,
                     hooks=[PoisonOnce(), MetricsLogger(log, every_rounds=3, tensorboard=False)])
     assert [int(r["round"]) for r in rows(os.path.join(log, "rounds.csv"))] == [3, 6]
-    assert rows(os.path.join(log, "faults.csv")) == [{"round": "2", "device": "cpu:1", "replica": "0"}]
+    assert rows(os.path.join(log, "faults.csv")) == [{"round": "2", "device": "cpu:1", "replica": "0", "rank": "0"}]
     assert not [n for n in os.listdir(log) if n.startswith("events.out")]
     with pytest.raises(ValueError, match="every_rounds=0"):
         MetricsLogger(log, every_rounds=0)

@@ -5,9 +5,10 @@ Under ``torchrun`` (its environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, `
 ``MASTER_PORT``) every process runs its own devices' learners and the global sync of each round
 becomes hierarchical: the devices of a process sum their corrections first (``C_p = Σ_{d of p}
 acc_d``), then one all-reduce (sum) per process per sync adds the processes' sums, packed with the
-sums of the replicas' float buffers (BatchNorm statistics) into one flat tensor ``[P + Q]``; every
-process then applies the same z update to its own copy of z. Bytes per sync and process: 4·(P + Q)
-handed to the all-reduce, as for S-SGD's gradient all-reduce (docs/distributed.md).
+sums of the replicas' float buffers (BatchNorm statistics) and the number of the process's fault
+events not yet shared (runtime/faults.py) into one flat tensor ``[P + Q + 1]``; every process then
+applies the same z update to its own copy of z. Bytes per sync and process: 4·(P + Q + 1) handed
+to the all-reduce, as for S-SGD's gradient all-reduce (docs/distributed.md).
 
 Everything that must be the same on every rank is checked or decided once:
 
@@ -190,8 +191,8 @@ class Comm:
     # -- the global sync ------------------------------------------------------------------------
 
     def all_reduce_sum_(self, flat: torch.Tensor, round_index: int) -> None:
-        """Sum ``flat [P + Q]`` (this process's corrections and buffer sums) over every rank, in
-        place. Raises DistributedError when a peer died or timed out."""
+        """Sum ``flat [P + Q + 1]`` (this process's corrections, buffer sums and new fault count)
+        over every rank, in place. Raises DistributedError when a peer died or timed out."""
         self._call("the all-reduce of the global sync", round_index,
                    lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
 
@@ -234,6 +235,13 @@ class Comm:
                     f"the ranks disagree about {what}: '{key}' differs ({ranks}). Launch every "
                     "rank with the same model, devices, replicas, batch size, settings and data",
                     task_id="start-up", device=f"rank {self.rank}", round_index=-1)
+
+    def all_gather_object(self, obj: Any, what: str, round_index: int) -> list[Any]:
+        """Every rank's ``obj`` (pickled), in rank order, on every rank; ``what`` names the
+        collective in the DistributedError raised when a peer died or timed out."""
+        gathered: list[Any] = [None] * self.world_size
+        self._call(what, round_index, lambda: dist.all_gather_object(gathered, obj, group=self._ctrl))
+        return gathered
 
     def broadcast_floats(self, values: list[float], round_index: int) -> list[float]:
         """Rank 0's ``values`` on every rank (one broadcast of a float64 tensor)."""

@@ -2,18 +2,28 @@
 
 Before every local update, ``FaultMonitor.find_and_reset`` (called by the scheduler's
 ``local_update_rows``, in this process or in a worker for its own rows) reduces the replicas'
-gradients ``g [r0:r1, P]`` to one sum and tests it with ``isfinite``; only when it is not finite
-are the row sums tested, to find the faulty rows (a non-finite element makes its row sum
-non-finite; a row sum that overflows float32 means the replica diverged anyway). With the C kernel
-backend (runtime/cpu_kernels.py) the rows are tested in C instead, element by element, in one read
-of g (a finite row whose sum would overflow is then not faulty). A faulty replica j is reset
-from the device's central model before the local update — ``w[j] ← z``, ``v[j] ← 0``,
+gradients ``g [r0:r1, P]`` and their losses of the round ``[r1 − r0]`` to one sum and tests it
+with ``isfinite``; only when it is not finite are the row sums tested, to find the faulty rows (a
+non-finite element makes its row sum non-finite; a row sum that overflows float32 means the
+replica diverged anyway). A replica whose loss is NaN/Inf is faulty even when its gradients are
+finite (a ``torch.where`` that masks a NaN branch, a NaN term whose gradient is masked). With the
+C kernel backend (runtime/cpu_kernels.py) the rows are tested in C instead, element by element,
+in one read of g (a finite row whose sum would overflow is then not faulty). A faulty replica j
+is reset from the device's central model before the local update — ``w[j] ← z``, ``v[j] ← 0``,
 ``g[j] ← 0``, float buffers ``buf[j] ← zbuf`` — so its correction α·(w[j] − z) is exactly zero:
 it is left out of the round's sum acc_d, and it starts the next round as a fresh copy of z. After
 the update ``reset`` puts it back at z (the zero gradient still met weight decay). The faulty rows
 go back to the coordinator, where ``record`` logs each (logger ``crossbow_graph.faults``) and keeps
 it in ``events`` (the trainer copies them into ``History.faults``). If every learner of a round is
 faulty, ``DivergenceError`` stops training.
+
+Under torchrun each rank finds its own faults; k counts the learners of every rank. The global
+sync's all-reduce carries the number of this rank's events not yet shared (``pending``, one more
+float32), so every rank learns in the same round whether any rank has new faults; only then do the
+ranks all-gather those events (``share``): every rank keeps the other ranks' events too (so rank
+0's History, checkpoints and logs hold every rank's), and every rank raises the same
+DivergenceError, before z is updated, when the events of one round cover all k learners. With
+τ > 1 the events of rounds without a sync are shared at the next sync (or at the fit's end).
 
 By induction w, v and z stay finite: a replica is either healthy (finite w, g ⇒ finite update) or
 reset to the finite z, so checking g alone suffices (a replica poisoned from outside, e.g. NaN
@@ -24,7 +34,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from collections import Counter
+from typing import Any, Sequence
 
 import torch
 
@@ -38,58 +49,73 @@ log = logging.getLogger("crossbow_graph.faults")
 
 @dataclass(kw_only=True)
 class FaultEvent:
-    """One replica reset because of NaN/Inf.
+    """One replica reset because of a NaN/Inf loss or gradient (or divergence from z).
 
     Attributes:
         round: the global round index t in which the fault was found.
         device: the device name, e.g. ``"cpu:0"``.
         replica: the replica's index on that device (0 … m−1).
+        rank: the torchrun rank of the replica's process (0 in a single process).
     """
 
     round: int
     device: str
     replica: int
+    rank: int = 0
 
 
 class FaultMonitor:
     """Finds and contains non-finite replicas; one per Scheduler.
 
     Attributes:
-        events: every FaultEvent so far, in order.
+        events: every FaultEvent so far, in order (under torchrun this rank's as they are found,
+            the other ranks' as they are shared).
+        pending: this rank's events not yet shared with the other ranks (torchrun only).
     """
 
     def __init__(self) -> None:
         self.events: list[FaultEvent] = []
+        self.pending: list[FaultEvent] = []
         self._round = -1
         self._faulty_in_round = 0
 
     @staticmethod
     @torch.no_grad()
     def find_and_reset(state: DeviceState, r0: int, r1: int,
-                       max_divergence: float | None = None, kernels: Any = None) -> list[int]:
+                       max_divergence: float | None = None, kernels: Any = None,
+                       losses: Sequence[torch.Tensor] | None = None) -> list[int]:
         """Test replicas ``r0 … r1−1`` of a device before their local update; reset the faulty ones.
 
-        Cost: one reduction over ``g[r0:r1] [n, P]`` to one number and one host read (the row
-        sums only when it is not finite). A faulty
+        Cost: one reduction over ``g[r0:r1] [n, P]`` and the n losses to one number and one host
+        read (the row sums only when it is not finite). A faulty
         replica gets ``w ← z``, ``v ← 0``, ``g ← 0``, ``buf ← zbuf``, so its correction is zero.
-        Worker processes call it for their own rows. With ``max_divergence`` (policies'
-        DivergenceGuard) a replica with ‖ŵ_j − z‖/‖z‖ above it, or NaN, is faulty too (one more
-        reduction over ``w[r0:r1]``). ``kernels``: the SMA backend; one with ``nonfinite_rows``
-        (the C backend) tests the rows in one read of g instead.
+        Worker processes call it for their own rows. ``losses``: the rows' losses of the round
+        (n 0-dim tensors); a NaN/Inf one makes its row faulty, whatever its gradients. With
+        ``max_divergence`` (policies' DivergenceGuard) a replica with ‖ŵ_j − z‖/‖z‖ above it,
+        or NaN, is faulty too (one more reduction over ``w[r0:r1]``). ``kernels``: the SMA
+        backend; one with ``nonfinite_rows`` (the C backend) tests the rows in one read of g
+        instead (and the losses in one more).
 
         Returns:
             The faulty replicas' indices on the device (empty when all are finite).
         """
         rows_of = getattr(kernels, "nonfinite_rows", None)
         listed = rows_of(state.g[r0:r1]) if rows_of is not None else None
+        loss = torch.stack(list(losses)).float() if losses else None  # [n]
         if max_divergence is None:
-            if listed == [] or (listed is None and bool(torch.isfinite(state.g[r0:r1].sum()))):
-                return []  # a NaN or Inf anywhere makes the total non-finite: one reduction, one read
+            if listed is None:
+                total = state.g[r0:r1].sum() if loss is None else state.g[r0:r1].sum() + loss.sum()
+                if bool(torch.isfinite(total)):  # a NaN or Inf anywhere makes it non-finite
+                    return []
+            elif listed == [] and (loss is None or bool(torch.isfinite(loss.sum()))):
+                return []
         if listed is not None:
             faulty = torch.zeros(r1 - r0, dtype=torch.bool)
             faulty[listed] = True
         else:
             faulty = ~torch.isfinite(state.g[r0:r1].sum(dim=1))  # [n]
+        if loss is not None:
+            faulty |= ~torch.isfinite(loss).to(faulty.device)
         if max_divergence is not None:
             dist = (state.w[r0:r1] - state.z).norm(dim=1)  # [n]
             faulty |= ~(dist <= max_divergence * state.z.norm().clamp_min(1e-12))
@@ -111,26 +137,79 @@ class FaultMonitor:
         if state.buf.shape[1]:
             state.buf[rows] = state.zbuf
 
-    def record(self, state: DeviceState, rows: list[int], *, round_index: int, num_learners: int) -> None:
+    def record(self, state: DeviceState, rows: list[int], *, round_index: int, num_learners: int,
+               rank: int | None = None) -> None:
         """Log and keep one FaultEvent per faulty replica of ``state`` in round ``round_index``.
 
+        ``rank``: this process's torchrun rank, None in a single process. Under torchrun the
+        events are also kept in ``pending`` until ``share`` and the messages name the rank.
+
         Raises:
-            DivergenceError: every one of the round's k learners has been faulty.
+            DivergenceError: every one of the round's k learners has been faulty (this process's
+                count; under torchrun ``share`` counts every rank's).
         """
         if not rows:
             return
         if round_index != self._round:
             self._round, self._faulty_in_round = round_index, 0
         self._faulty_in_round += len(rows)
+        where = _where(state.name, rank)
         for r in rows:
-            self.events.append(FaultEvent(round=round_index, device=state.name, replica=r))
-            log.warning("round %d: replica %d on %s has NaN/Inf gradients or diverged; reset from the central "
-                        "model z and left out of the round's average", round_index, r, state.name)
+            event = FaultEvent(round=round_index, device=state.name, replica=r, rank=rank or 0)
+            self.events.append(event)
+            if rank is not None:
+                self.pending.append(event)
+            log.warning(_FAULT, round_index, r, where)
         if self._faulty_in_round >= num_learners:
-            raise DivergenceError(
-                f"training diverged: all {num_learners} replicas have NaN/Inf gradients in round "
-                f"{round_index} (last on {state.name}); the central model z and the last checkpoint "
-                "are intact. Lower the learning rate, check the loss for log(0) or division by zero "
-                "and the data for NaN, then resume from the last checkpoint (fit(..., resume=True))",
-                task_id=f"local_sync:{state.name}", device=state.name, round_index=round_index,
-            )
+            raise _diverged(num_learners, round_index, f"last on {where}",
+                            task_id=f"local_sync:{state.name}", device=state.name)
+
+    def share(self, comm: Any, round_index: int, num_learners: int) -> None:
+        """Under torchrun, when some rank has events not yet shared: every rank's ``pending``
+        reaches every rank (one all-gather of pickled events over ``comm``, a runtime.comm.Comm).
+        The other ranks' events join ``events`` (rank 0 logs them); ``pending`` empties.
+
+        Every rank calls it in the same round (the global sync's all-reduce tells them when).
+
+        Raises:
+            DivergenceError: on every rank alike, when the events of one round, over every rank,
+                cover all ``num_learners`` (k) learners; before z is updated.
+            DistributedError: a peer died or did not answer.
+        """
+        gathered = comm.all_gather_object(self.pending, "the all-gather of the ranks' faults",
+                                          round_index)
+        self.pending = []
+        for r, events in enumerate(gathered):
+            if r == comm.rank:
+                continue
+            self.events.extend(events)
+            for e in events if comm.is_main else ():
+                log.warning(_FAULT, e.round, e.replica, _where(e.device, e.rank))
+        everyone = [e for events in gathered for e in events]
+        failed = [t for t, n in Counter(e.round for e in everyone).items() if n >= num_learners]
+        if failed:
+            t = min(failed)
+            ranks = ", ".join(str(r) for r in sorted({e.rank for e in everyone if e.round == t}))
+            raise _diverged(num_learners, t, f"on ranks {ranks}", task_id="global_sync",
+                            device=f"rank {comm.rank}")
+
+
+_FAULT = ("round %d: replica %d on %s has NaN/Inf gradients or loss, or diverged; reset from the "
+          "central model z and left out of the round's average")
+
+
+def _where(device: str, rank: int | None) -> str:
+    """``"cpu:0"`` in a single process, ``"cpu:0 of rank 1"`` under torchrun."""
+    return device if rank is None else f"{device} of rank {rank}"
+
+
+def _diverged(num_learners: int, round_index: int, where: str, *, task_id: str,
+              device: str) -> DivergenceError:
+    return DivergenceError(
+        f"training diverged: all {num_learners} replicas have NaN/Inf gradients in round "
+        f"{round_index} (or a NaN/Inf loss, or diverged; {where}); the central model z and the "
+        "last checkpoint are intact. Lower the learning rate, check the loss for log(0) or "
+        "division by zero and the data for NaN, then resume from the last checkpoint "
+        "(fit(..., resume=True))",
+        task_id=task_id, device=device, round_index=round_index,
+    )

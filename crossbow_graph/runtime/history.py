@@ -86,7 +86,7 @@ class History:
         time_to_accuracy_s: training seconds when z first reached the target (None if never).
         epochs_to_accuracy: epochs (fractional) at that point.
         faults: every replica reset for NaN/Inf (runtime/faults.py FaultEvent: round, device,
-            replica).
+            replica, rank; under torchrun every rank's).
         autotune: every decision of the replica auto-tuner, in order.
         sync_seconds: synchronisation work during the fit (local and global syncs), seconds.
         sync_exposed_seconds: the part of it learners waited for (not hidden), seconds.

@@ -26,8 +26,8 @@ class FitContext:
         epoch: 0-based index of the current epoch (over the plan's life).
         round_in_epoch: rounds completed in the current epoch.
         rounds_per_epoch: rounds in a full epoch.
-        round_loss: mean training loss of the last round's learners (a 0-dim tensor, lazily
-            synchronised), None before the first round.
+        round_loss: mean training loss of the last round's learners, NaN/Inf (faulty) ones
+            left out (a 0-dim tensor, lazily synchronised), None before the first round.
         train_seconds: training wall seconds so far (evaluation excluded).
         stop: set True to end the fit after the current round.
         extra: free-form per-fit data hooks share.

@@ -270,8 +270,9 @@ class MetricsMonitor(Hook):
         plan.scheduler.flush()
         states = plan.states
         this_round = plan.rounds_done - 1
+        rank = plan.comm.rank if plan.comm is not None else 0  # the events hold every rank's
         bad = {(d, e.replica) for d, s in enumerate(states) for e in plan.scheduler.faults.events
-               if e.round == this_round and e.device == s.name}
+               if e.round == this_round and e.device == s.name and e.rank == rank}
         small, large, n = gradient_moments(states, bad)
         if n >= 2:
             est = two_batch_estimate(small, large, b, n)

@@ -7,7 +7,8 @@ rows between the last checkpoint and a crash can appear twice; the later ones ar
   loss of the round's k learners), samples_per_s (since the previous row), train_seconds;
 - ``evals.csv``: every evaluation of z (History.evals);
 - ``epochs.csv``: every epoch (History.epochs);
-- ``faults.csv``: every replica reset for NaN/Inf (round, device, replica);
+- ``faults.csv``: every replica reset for NaN/Inf (round, device, replica, rank: every rank's
+  under torchrun);
 - ``history.json``: the fit's History at its end (History.save_json);
 - TensorBoard event files (``torch.utils.tensorboard.SummaryWriter``): ``train/loss``,
   ``train/samples_per_s`` per round; ``eval/accuracy``, ``eval/loss`` per evaluation;
@@ -31,7 +32,7 @@ __all__ = ["MetricsLogger"]
 _ROUND_FIELDS = ["round", "epoch", "round_in_epoch", "loss", "samples_per_s", "train_seconds"]
 _EVAL_FIELDS = list(EvalRecord.__dataclass_fields__)
 _EPOCH_FIELDS = list(EpochRecord.__dataclass_fields__)
-_FAULT_FIELDS = ["round", "device", "replica"]
+_FAULT_FIELDS = ["round", "device", "replica", "rank"]
 
 
 class _Csv:

@@ -105,6 +105,7 @@ class Scheduler:
         self.seed = 0
         self.comm = None  # a runtime.comm.Comm under torchrun: the global sync spans the ranks
         self._fetch: Callable | None = None
+        self._round_losses: dict[int, list] = {}  # device → its replicas' losses of the round
         self._workers = None  # a runtime.workers.ProcessExecutor while one runs
         self._fused = [FusedProgram(_clone_structure(s), loss_fn, batch_size) for s in states]
         self._cuda = None
@@ -124,7 +125,9 @@ class Scheduler:
             task_graph.nodes[n]["task"]
             for n in nx.lexicographical_topological_sort(task_graph, key=_task_sort_key(task_graph))
         ]
+        pending = self.faults.pending if hasattr(self, "faults") else []
         self.faults = FaultMonitor()  # NaN/Inf replicas: reset from z, left out of the sum
+        self.faults.pending = pending  # torchrun: this rank's faults not yet shared go on
         self._cuda = None
 
     def set_learner_mode(self, mode: str) -> None:
@@ -144,6 +147,11 @@ class Scheduler:
     def learner_offset(self) -> int:
         """Global index of this process's first learner (rank · local learners)."""
         return sum(s.m for s in self.states) * self.comm.rank if self.comm else 0
+
+    @property
+    def rank(self) -> int | None:
+        """This process's torchrun rank, None in a single process (FaultMonitor.record)."""
+        return self.comm.rank if self.comm else None
 
     @property
     def alpha(self) -> float:
@@ -228,6 +236,7 @@ class Scheduler:
         if batch is None:
             batch = self._fetch(indices)
         self._batch = batch
+        self._round_losses = {d: [None] * s.m for d, s in enumerate(self.states)}  # for the fault test
         self._synchronise = synchronise
         for task in self.order:
             self._run_task(task, round_index)
@@ -275,10 +284,11 @@ class Scheduler:
             return
         mine = rows(self._batch, (first + r0) * b, (first + r1) * b)
         with self._cuda_learn(d, r0):
-            self.losses.extend(learn_group(state, r0, r1, mine, self.loss_fn, b,
-                                           self.learner_mode, self._fused[d],
-                                           rng_seed=learner_seed(self.seed, self._round,
-                                                                    self.learner_offset + first + r0)))
+            losses = learn_group(state, r0, r1, mine, self.loss_fn, b, self.learner_mode,
+                                 self._fused[d], rng_seed=learner_seed(self.seed, self._round,
+                                                                       self.learner_offset + first + r0))
+        self.losses.extend(losses)
+        self._round_losses[d][r0:r1] = losses
 
     def local_sync(self, task: Task) -> None:
         """Local SGD step and correction of every replica on the device, and their sum acc_d."""
@@ -291,15 +301,19 @@ class Scheduler:
         with self._cuda_local(d):
             state.acc, faulty = self.local_update_rows(state, 0, state.m, lr=self.lr, alpha=self.alpha,
                                                        synchronise=self._synchronise,
-                                                       optimizer=self.optimizer)
-        self.faults.record(state, faulty, round_index=self._round, num_learners=self.num_learners)
+                                                       optimizer=self.optimizer,
+                                                       losses=self._round_losses[d])
+        self.faults.record(state, faulty, round_index=self._round, num_learners=self.num_learners,
+                           rank=self.rank)
 
     def local_update_rows(self, state: DeviceState, r0: int, r1: int, *, lr: float, alpha: float,
-                          synchronise: bool, optimizer: SGD, out: torch.Tensor | None = None
+                          synchronise: bool, optimizer: SGD, out: torch.Tensor | None = None,
+                          losses: list[torch.Tensor] | None = None
                           ) -> tuple[torch.Tensor | None, list[int]]:
         """The SMA local update of rows ``r0 … r1−1`` (docs/design-overview.md §2, steps 1–2).
 
-        Replicas with NaN/Inf gradients are first reset from z and so left out of the sum
+        Replicas with NaN/Inf gradients, or a NaN/Inf loss in ``losses`` (the rows' losses of
+        the round, r1 − r0 0-dim tensors), are first reset from z and so left out of the sum
         (runtime/faults.py). Worker processes call it for their own rows. ``out``: ``[P]`` to
         write the sum of corrections into (default: a new tensor).
 
@@ -307,7 +321,7 @@ class Scheduler:
             (the rows' sum of corrections ``[P]``, None in a round without synchronisation;
             the faulty replicas' indices on the device).
         """
-        faulty = FaultMonitor.find_and_reset(state, r0, r1, self.max_divergence, self.kernels)
+        faulty = FaultMonitor.find_and_reset(state, r0, r1, self.max_divergence, self.kernels, losses)
         acc = self.kernels.local_update(
             state.w[r0:r1], state.v[r0:r1], state.g[r0:r1], state.z if synchronise else None,
             lr=lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov,
@@ -322,9 +336,11 @@ class Scheduler:
     def global_sync(self, task: Task, buffers: list[torch.Tensor] | None = None) -> None:
         """C = Σ_d acc_d, then z ← z + C + μ_z(z − z_prev) on every device; buffers averaged.
 
-        Under torchrun (``comm``) the process's sum and its replicas' buffer sums, packed into one
-        ``[P + Q]`` tensor in the masters' dtype (float32, or float64 for a float64 model), are
-        all-reduced (sum) over the ranks before the update.
+        Under torchrun (``comm``) the process's sum, its replicas' buffer sums and its count of
+        fault events not yet shared, packed into one ``[P + Q + 1]`` tensor in the masters' dtype
+        (float32, or float64 for a float64 model), are all-reduced (sum) over the ranks before
+        the update; a count above zero makes the ranks share their events first (``FaultMonitor.share``: DivergenceError when a round's
+        events cover all k learners, z untouched).
 
         With CPU devices and no torchrun, a kernel backend with ``central_update_shared`` (the C
         kernels) does the sum, the update and the devices' copies of z in one pass.
@@ -376,15 +392,20 @@ class Scheduler:
                     s.zbuf.copy_(mean_buf)
 
     def _all_reduce(self, total: torch.Tensor, bufs: list[torch.Tensor], home: torch.device):
-        """The hierarchical reduce's second level: one all-reduce of ``[C_p, Σ buf]`` ``[P + Q]``
-        over the processes; returns (C ``[P]``, the mean buffers over all k replicas ``[Q]`` or None)."""
+        """The hierarchical reduce's second level: one all-reduce of ``[C_p, Σ buf, n_faults]``
+        ``[P + Q + 1]`` over the processes, then the ranks' new faults if any rank has some
+        (``FaultMonitor.share``, which may raise DivergenceError); returns (C ``[P]``, the mean
+        buffers over all k replicas ``[Q]`` or None)."""
         P, Q = total.shape[0], self.states[0].buf.shape[1]
-        flat = torch.empty(P + Q, dtype=total.dtype, device=home)
+        flat = torch.empty(P + Q + 1, dtype=total.dtype, device=home)
         flat[:P].copy_(total)
         if Q:
-            torch.sum(torch.cat([bb.to(home, total.dtype) for bb in bufs]), dim=0, out=flat[P:])
+            torch.sum(torch.cat([bb.to(home, total.dtype) for bb in bufs]), dim=0, out=flat[P:P + Q])
+        flat[P + Q] = len(self.faults.pending)
         self.comm.all_reduce_sum_(flat, self._round)
-        mean_buf = flat[P:].div_(self.num_learners).to(self.states[0].buf.dtype) if Q else None
+        if flat[P + Q].item() > 0:  # some rank found faults since the last sync
+            self.faults.share(self.comm, self._round, self.num_learners)
+        mean_buf = flat[P:P + Q].div_(self.num_learners).to(self.states[0].buf.dtype) if Q else None
         return flat[:P], mean_buf
 
     def _ssgd_step(self, bufs: list[torch.Tensor]) -> None:

@@ -64,7 +64,11 @@ def run_fit(
     hooks, and rank 0's m, learner mode, lr, α, batch size, sync interval and stop are then
     broadcast and applied on every rank (``Comm.agree_settings``: after each round's hooks, and
     before a round when hooks ran since); z is compared across ranks every ``checksum_every``
-    rounds and at the end (docs/distributed.md).
+    rounds and at the end; every rank's faults reach every rank's History (runtime/faults.py,
+    at each global sync and at the end) (docs/distributed.md).
+
+    The epoch's ``train_loss`` and the hooks' ``round_loss`` are the means of the learners'
+    finite losses: a faulty replica's NaN/Inf loss is left out, as the replica is.
     """
     if not is_count(epochs):
         raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
@@ -178,6 +182,14 @@ def _share_resumed(plan: "Plan", comm, resumed: bool) -> bool:
     return state is not None
 
 
+def _share_faults(plan: "Plan", comm) -> None:
+    """At the fit's end: the faults found since the last global sync (τ > 1) reach every rank
+    (``FaultMonitor.share``, after one all-reduce of a flag; DivergenceError as at a sync)."""
+    faults, t = plan.scheduler.faults, plan.rounds_done - 1
+    if comm.any_rank(bool(faults.pending), t):
+        faults.share(comm, t, plan.num_learners)
+
+
 def _mine(plan: "Plan", indices: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's rows of a round's indices ``[k·b]``: rank r's learners are the global learners
     r·k_r … (r+1)·k_r − 1 (k_r = k / world size); all of them in a single process."""
@@ -199,12 +211,23 @@ def _evaluate(plan: "Plan", eval_dataset: Any, batch_size: int) -> tuple[float |
     return (None if acc != acc else acc), loss
 
 
+def _finite_mean(losses: torch.Tensor) -> torch.Tensor:
+    """The mean of the finite entries of ``losses [n]``, 0-dim, NaN when none is, without a host
+    read: a faulty replica's NaN/Inf loss is left out, as the replica is left out of the round's
+    average (runtime/faults.py)."""
+    finite = torch.isfinite(losses)
+    return torch.where(finite, losses, 0.0).sum() / finite.sum()
+
+
 def _mean_loss(comm, losses: torch.Tensor, plan: "Plan") -> float:
-    """The epoch's mean training loss over the learners of every rank (one all-reduce under torchrun)."""
+    """The epoch's mean training loss over the learners of every rank (one all-reduce under
+    torchrun), NaN/Inf losses (faulty replicas') left out."""
     if comm is None:
-        return float(losses.mean())
-    total, count = comm.sum_floats([float(losses.sum()), float(losses.numel())], plan.rounds_done - 1)
-    return total / max(count, 1.0)
+        return float(_finite_mean(losses))
+    finite = torch.isfinite(losses)
+    total, count = comm.sum_floats([float(losses[finite].sum()), float(finite.sum())],
+                                   plan.rounds_done - 1)
+    return total / count if count else float("nan")
 
 
 def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accuracy,
@@ -280,7 +303,7 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
                 ctx.batch_indices = indices
                 ctx.round_samples = len(indices)
                 ctx.extra["round_losses"] = sched.losses[n_losses:]
-                ctx.round_loss = torch.stack(sched.losses[n_losses:]).mean()
+                ctx.round_loss = _finite_mean(torch.stack(sched.losses[n_losses:]))
                 ctx.train_seconds = plan.train_seconds + epoch_seconds + time.perf_counter() - start
                 for hook in hooks:
                     hook.after_round(ctx)
@@ -333,6 +356,8 @@ def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accu
             hook.after_epoch(ctx, history.epochs[-1])
         if history.time_to_accuracy_s is not None or ctx.stop:
             break
+    if comm is not None:  # faults since the last sync reach every rank (one flag all-reduce)
+        _share_faults(plan, comm)
     if sched.faults is monitor and len(sched.faults.events) > faults_seen:  # a hook's, last round
         history.faults.extend(sched.faults.events[faults_seen:])
     sync_totals()

@@ -387,7 +387,7 @@ class ProcessExecutor:
             try:
                 _, faulty = sched.local_update_rows(state, r0, r1, lr=sched.lr, alpha=sched.alpha,
                                                     synchronise=synchronise, optimizer=sched.optimizer,
-                                                    out=self.acc_parts[0])
+                                                    out=self.acc_parts[0], losses=self.own_losses)
                 if self.buf_snaps[d].shape[1]:
                     self.buf_snaps[d][r0:r1].copy_(state.buf[r0:r1])
             except Exception as exc:
@@ -470,7 +470,7 @@ class ProcessExecutor:
             s.first_step = [False] * s.m
         for d, faulty in faults:  # raises DivergenceError when every learner failed
             sched.faults.record(sched.states[d], faulty, round_index=round_index,
-                                num_learners=sched.num_learners)
+                                num_learners=sched.num_learners, rank=sched.rank)
         g0 = g1 = time.perf_counter_ns()
         if synchronise:
             if self.sync_worker is None:
@@ -680,7 +680,8 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
                                     weight_decay=weight_decay)
                     _, faulty = sched.local_update_rows(state, r0, r1, lr=lr, alpha=alpha,
                                                         synchronise=bool(synchronise),
-                                                        optimizer=optimizer, out=acc_part)
+                                                        optimizer=optimizer, out=acc_part,
+                                                        losses=losses)
                     if buf_snap is not None:
                         buf_snap[r0:r1].copy_(state.buf[r0:r1])
                 except Exception as exc:
