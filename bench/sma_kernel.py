@@ -1,12 +1,12 @@
 """Benchmark of the SMA update (docs/design-overview.md §2 steps 1–3, §4; protocol in docs/benchmarking.md).
 
-CPU: the C kernels (runtime/sma_cpu.c, the CPU default when a C compiler is there) and the
-vectorised torch implementation on flat ``[m, P]`` buffers (runtime/sma.py) against a naive loop
+CPU: the C kernels (kernels/sma_cpu.c, the CPU default when a C compiler is there) and the
+vectorised torch implementation on flat ``[m, P]`` buffers (kernels/torch_ref.py) against a naive loop
 over replicas and parameter tensors (what a user without flat buffers writes), one whole round
 each: the local step + correction of every replica, the device sum, the central update. Reports
 the median time per round of each and their ratios.
 
-CUDA: the fused Triton kernels (compiler/kernels.py) and the torch implementation; for the local
+CUDA: the fused Triton kernels (kernels/triton_sma.py) and the torch implementation; for the local
 kernel, achieved bytes/s against the floor of ((3m+1) reads + (2m+1) writes) × 4P bytes per round
 (W, V, G of every replica and Z read; W, V of every replica and acc_d written), and that as a
 fraction of the bandwidth of a plain device-to-device copy measured in the same run.
@@ -36,8 +36,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's crossbow_graph
 
-from crossbow_graph.runtime.cpu_kernels import CSMAKernels  # noqa: E402
-from crossbow_graph.runtime.sma import TorchSMAKernels, sma_central_update, sma_local_update  # noqa: E402
+from crossbow_graph.kernels.c_sma import CSMAKernels  # noqa: E402
+from crossbow_graph.kernels.torch_ref import TorchSMAKernels, sma_central_update, sma_local_update  # noqa: E402
 
 __all__ = ["model_shapes", "naive_round", "main"]
 
@@ -216,7 +216,7 @@ def copy_bandwidth(reps: int) -> float:
 
 def bench_cuda(name, P, m, reps, iters, peak):
     """Median seconds of the Triton and torch local update (and central update); bytes/s."""
-    from crossbow_graph.compiler.kernels import TritonSMAKernels
+    from crossbow_graph.kernels.triton_sma import TritonSMAKernels
 
     tri = TritonSMAKernels()
     w = torch.randn(m, P, device="cuda")

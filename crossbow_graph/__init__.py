@@ -12,11 +12,11 @@ from .compiler.tasks import Cost, Task, TaskKind
 from .config import SGD, SMA, SSGD
 from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, PlanError,
                      TaskError, TraceError)
-from .runtime.autotune import AutoTune
-from .runtime.comm import Distributed
-from .runtime.history import History
-from .runtime.metrics import MetricsMonitor
-from .runtime.policies import (AdaptiveBatchSize, Adjustment, AutoReplicas, CosineLR,
+from .tuning.autotune import AutoTune
+from .engine.comm import Distributed
+from .training.history import History
+from .tuning.metrics import MetricsMonitor
+from .tuning.policies import (AdaptiveBatchSize, Adjustment, AutoReplicas, CosineLR,
                                DivergenceGuard, MultiStepLR, Policy, StepLR)
 
 __all__ = [

@@ -6,31 +6,30 @@ import copy
 import dataclasses
 import math
 import pathlib
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import networkx as nx
 import torch
 from torch import nn
 
 from .compiler import inspect as _inspect
-from .compiler.kernels import plan_kernels, select_backend
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
-from .config import SGD, SMA, SSGD
+from .config import SGD, SMA, SSGD, Adjustment
+from .engine.comm import Comm, Distributed, plan_facts
+from .engine.inputs import split_inputs
+from .engine.scheduler import Scheduler
+from .engine.state import DeviceState, FlatLayout, float_buffers_named, model_dtype, trainable_named
 from .errors import is_count
-from .runtime.checkpoint import load_plan_state_dict, plan_state_dict
-from .runtime.comm import Comm, Distributed, plan_facts
-from .runtime.data import as_dataset, make_fetch, split_inputs
-from .runtime.history import History
-from .runtime.hooks import Hook
-from .runtime.autotune import AutoTune, AutoTuner
-from .runtime.scheduler import Scheduler
-from .runtime.trainer import run_fit
-from .runtime.state import DeviceState, FlatLayout, float_buffers_named, model_dtype, trainable_named
-
-if TYPE_CHECKING:
-    from .runtime.metrics import MetricsMonitor
-    from .runtime.policies import Adjustment
+from .kernels.select import plan_kernels, select_backend
+from .training.checkpoint import load_plan_state_dict, plan_state_dict
+from .training.data import as_dataset, make_fetch
+from .training.history import History
+from .training.hooks import Hook
+from .training.trainer import run_fit
+from .tuning.autotune import AutoTune, AutoTuner
+from .tuning.metrics import MetricsMonitor
+from .tuning.policy_base import apply_adjustment
 
 __all__ = ["compile", "Plan", "resolve_devices"]
 
@@ -154,12 +153,12 @@ def compile(  # noqa: A001 - the public name the design asks for
         batch_size: b, samples per learner per round (> 0).
         devices: ``"auto"`` (every GPU, else one CPU device), a count, or device names.
         replicas: m, replicas per device (≥ 1), or ``"auto"``: start at m = 1 and let the
-            auto-tuner (``runtime.autotune``, docs/design-overview.md §5) add and remove replicas and pick the
+            auto-tuner (``tuning.autotune``, docs/design-overview.md §5) add and remove replicas and pick the
             learner mode while ``fit`` runs.
         learner_mode: ``"per_replica"`` (each learner its own forward/backward) or ``"fused"``
             (a device's replicas stacked and run as one vmapped program); same mathematics.
         executor: ``"auto"``, ``"inline"`` (this process; CUDA streams on GPUs) or ``"process"``
-            (CPU worker processes over shared memory); see ``runtime.scheduler``.
+            (CPU worker processes over shared memory); see ``engine.scheduler``.
         autotune: the auto-tuner's settings (with ``replicas="auto"``); default ``AutoTune()``.
         optimizer: each learner's local SGD.
         sync: the SMA settings (α = None means 1/k), or ``SSGD()``: gradients averaged over the
@@ -170,7 +169,7 @@ def compile(  # noqa: A001 - the public name the design asks for
         verify: run the verifier between compiler passes.
         kernel_backend: the SMA update kernels (docs/design-overview.md §4): ``"auto"`` — Triton on CUDA; on
             the CPU the C kernels when a C compiler is there, else torch; torch for a float64
-            model; ``"c"`` — C kernels compiled on first use and cached (runtime/cpu_kernels.py;
+            model; ``"c"`` — C kernels compiled on first use and cached (kernels/c_sma.py;
             one pass over memory); ``"triton"`` — fused Triton kernels emitted for this plan (on
             the CPU through Triton's interpreter: slow, for tests); ``"torch"`` — the vectorised
             torch implementation. ``Plan.kernels`` lists what runs. A float64 model
@@ -288,7 +287,7 @@ class Plan:
         self.memory_budget = memory_budget
         self._verify = verify
         self.autotuner = AutoTuner(autotune) if autotune is not None else None
-        self.comm = comm  # under torchrun: this rank's place in the process group (runtime/comm.py)
+        self.comm = comm  # under torchrun: this rank's place in the process group (engine/comm.py)
         self.scheduler.comm = comm
         if comm is not None:
             comm.agree(plan_facts(self), "the plan")
@@ -460,7 +459,7 @@ class Plan:
         counters (epochs, rounds, round in epoch, seconds); the model's parameter and buffer
         names, shapes and dtypes. CPU tensors and plain values;
         ``fit(checkpoint_dir=...)`` adds the RNGs, data position, hooks and history
-        (runtime/checkpoint.py)."""
+        (training/checkpoint.py)."""
         return plan_state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -600,10 +599,10 @@ class Plan:
                 (``chrome://tracing``, Perfetto): the global sync of round t under round t+1's
                 learning is the overlap.
             policies: hyper-parameter policies (``crossbow_graph.Policy``: AdaptiveBatchSize,
-                StepLR, DivergenceGuard, ...; runtime/policies.py, docs/design-overview.md §5), run after the
+                StepLR, DivergenceGuard, ...; tuning/policies.py, docs/design-overview.md §5), run after the
                 hooks and the metrics; they change the plan through ``Plan.adjust``.
             metrics_every: N, rounds per metrics window (``History.metrics``: samples/s, loss,
-                lr, divergence, gradient noise scale; runtime/metrics.py); or a
+                lr, divergence, gradient noise scale; tuning/metrics.py); or a
                 ``crossbow_graph.MetricsMonitor`` for its other settings (``ema``,
                 ``measure_rounds``, ``warmup_windows``); None: no metrics.
 
@@ -635,14 +634,16 @@ class Plan:
             hooks=([self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main)
                    else []) + list(hooks),
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-            log_dir=log_dir, trace=trace, policies=list(policies), metrics_every=metrics_every)
+            log_dir=log_dir, trace=trace, policies=list(policies),
+            metrics=metrics_every if isinstance(metrics_every, MetricsMonitor) or metrics_every is None
+            else MetricsMonitor(metrics_every))
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self._int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)
         return history
 
-    def adjust(self, adjustment: "Adjustment") -> dict[str, Any]:
+    def adjust(self, adjustment: Adjustment) -> dict[str, Any]:
         """Change lr, b, α, τ or m (or reset every replica to z) between rounds, on every device:
-        the one narrow interface of policies (runtime/policy_base.py ``apply_adjustment``;
+        the one narrow interface of policies (tuning/policy_base.py ``apply_adjustment``;
         docs/design-overview.md §5). A change of b re-plans the learners and re-checks the memory bound.
 
         Returns:
@@ -652,6 +653,4 @@ class Plan:
             PlanError: the new b or m exceeds the memory budget (nothing changed).
             ValueError: α with k = 1.
         """
-        from .runtime.policies import apply_adjustment
-
         return apply_adjustment(self, adjustment)

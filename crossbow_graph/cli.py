@@ -11,7 +11,15 @@ import sys
 
 import torch
 
+import crossbow_graph as cg
+
+from . import datasets, models
+from .compiler.inspect import inspect_model
+from .datasets import ImageDataset
+from .engine.comm import z_digest
 from .errors import CheckpointError, DistributedError, DivergenceError
+from .tuning.metrics import MetricsMonitor
+from .tuning.policies import AdaptiveBatchSize, MultiStepLR, parse_policy
 
 __all__ = ["main", "build_parser"]
 
@@ -48,8 +56,6 @@ def _metrics_monitor(every: int, measure_rounds: int):
     """
     if every == 0:
         return None
-    from .runtime.metrics import MetricsMonitor
-
     try:
         return MetricsMonitor(every, measure_rounds=measure_rounds)
     except ValueError as exc:
@@ -222,9 +228,6 @@ def _inspect_devices(spec: str) -> list[str]:
 def _inspect(args: argparse.Namespace) -> int:
     import dataclasses
 
-    import crossbow_graph as cg
-    from .compiler.inspect import inspect_model
-
     if args.model in cg.models.MODELS:
         model, shape = cg.models.get_model(args.model), cg.models.input_shape(args.model)
     else:
@@ -270,8 +273,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _first(dataset, n: int | None, flag: str):
-    from .datasets import ImageDataset
-
     if n is None:
         return dataset
     if n < 1:
@@ -281,8 +282,6 @@ def _first(dataset, n: int | None, flag: str):
 
 def _load_dataset(args: argparse.Namespace):
     """(train, test) datasets for ``--dataset`` and ``--data-dir``."""
-    from . import datasets, models
-
     name, root = args.dataset, args.data_dir
     # a CIFAR-style zoo model (3×32×32 input, e.g. resnet32: docs/benchmarking.md W2) gets Fashion-MNIST
     # padded to 32×32 with the channel repeated (INPUT_SHAPES: the zoo's input shape per model)
@@ -305,9 +304,6 @@ def _load_dataset(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> int:
-    import crossbow_graph as cg
-
-    from .runtime.policies import AdaptiveBatchSize, parse_policy
 
     policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
     lr = DEFAULT_LR if args.lr is None else args.lr
@@ -316,8 +312,6 @@ def _train(args: argparse.Namespace) -> int:
             p.reference_batch = DEFAULT_LR_BATCH
     metrics = _metrics_monitor(args.metrics_every, args.measure_rounds)  # likewise
     if args.lr_milestones and not any(type(p).__name__.endswith("LR") for p in policies):
-        from .runtime.policies import MultiStepLR
-
         policies.append(MultiStepLR(milestones=args.lr_milestones, gamma=0.1))
     torch.manual_seed(args.seed)
     model = cg.models.get_model(args.model)
@@ -353,8 +347,6 @@ def _train(args: argparse.Namespace) -> int:
         print(f"crossbow-graph train: error: {exc}", file=sys.stderr)
         return 2
     if comm is not None:
-        from .runtime.comm import z_digest
-
         # one write of the whole line: every rank shares the terminal or pipe, and print() writes
         # the text and its newline separately when stdout is unbuffered (PYTHONUNBUFFERED)
         sys.stdout.write(f"rank {comm.rank}/{comm.world_size}: z checksum "

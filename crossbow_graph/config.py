@@ -1,15 +1,17 @@
-"""Typed configuration: the optimiser and the synchronisation strategy (docs/design-overview.md §2)."""
+"""Typed configuration: the optimiser and the synchronisation strategy (docs/design-overview.md §2),
+and ``Adjustment``, one change of the run-time settings (§5, Policies)."""
 
 from __future__ import annotations
 
 import math
 import numbers
+import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .errors import is_count
 
-__all__ = ["SGD", "SMA", "SSGD"]
+__all__ = ["SGD", "SMA", "SSGD", "Adjustment"]
 
 
 def _check_number(owner: str, name: str, value: object, example: str) -> None:
@@ -126,3 +128,42 @@ class SSGD:
     def alpha_for(self, num_learners: int) -> float:
         """SSGD pulls nothing toward z: 0 for any k (the replicas are z)."""
         return 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Adjustment:
+    """One decision: the settings to change from the next round on (None: unchanged).
+
+    Attributes:
+        lr: learning rate η (> 0).
+        batch_size: b, samples per learner per round (≥ 1); the task graph is re-planned and the
+            memory bound re-checked.
+        alpha: SMA α in (0, 1] (the pull toward z); ``"auto"`` restores 1/k.
+        sync_every: τ, rounds between synchronisations (≥ 1).
+        replicas_per_device: m (≥ 1; new replicas are cloned from z, ``Plan.set_replicas``).
+        reset_replicas: put every replica at z with zero momentum (float buffers from zbuf).
+
+    Raises:
+        ValueError: a value outside its range.
+    """
+
+    lr: float | None = None
+    batch_size: int | None = None
+    alpha: float | str | None = None
+    sync_every: int | None = None
+    replicas_per_device: int | None = None
+    reset_replicas: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"Adjustment(lr={self.lr}): the learning rate must be finite and > 0")
+        for name in ("batch_size", "sync_every", "replicas_per_device"):
+            v = getattr(self, name)
+            if v is not None and not is_count(v):
+                raise ValueError(f"Adjustment({name}={v!r}): must be an integer ≥ 1")
+        if self.alpha is not None and self.alpha != "auto" and not 0 < self.alpha <= 1:
+            raise ValueError(f"Adjustment(alpha={self.alpha}): α must be in (0, 1], or 'auto' for 1/k")
+
+    def changes(self) -> dict[str, Any]:
+        """The fields that are set, as a dict."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, False)}

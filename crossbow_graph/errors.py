@@ -33,7 +33,7 @@ class TaskError(RuntimeError):
 class DivergenceError(TaskError):
     """Every replica produced NaN or Inf in the same round: training cannot continue.
 
-    Raised at the local synchronisation of the round (runtime/faults.py; under torchrun at the
+    Raised at the local synchronisation of the round (engine/faults.py; under torchrun at the
     global sync, on every rank alike, counting every rank's faults); the central model z and
     the last checkpoint on disk are intact. The message names the round and the usual fixes
     (a lower learning rate, gradient-safe loss, resuming from the last checkpoint).
@@ -41,7 +41,7 @@ class DivergenceError(TaskError):
 
 
 class DistributedError(TaskError):
-    """Processes of a torchrun launch disagree or lost each other (runtime/comm.py).
+    """Processes of a torchrun launch disagree or lost each other (engine/comm.py).
 
     Raised at start-up when the ranks' plans or data differ (the message names the difference and
     each rank's value), when a peer rank died or did not answer a collective within the timeout,
@@ -57,7 +57,7 @@ class CheckpointError(RuntimeError):
 
 
 class CompilerError(RuntimeError):
-    """The C kernels of the CPU (runtime/sma_cpu.c) could not be built or loaded.
+    """The C kernels of the CPU (kernels/sma_cpu.c) could not be built or loaded.
 
     Raised by ``compile(..., kernel_backend="c")``; ``"auto"`` then keeps the torch kernels. The
     message has the compiler's output and the fixes: install a C compiler, set ``$CC``, or use

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.errors import TaskError  # noqa: E402
-from crossbow_graph.runtime.comm import z_digest  # noqa: E402
-from crossbow_graph.runtime.hooks import Hook  # noqa: E402
+from crossbow_graph.engine.comm import z_digest  # noqa: E402
+from crossbow_graph.training.hooks import Hook  # noqa: E402
 from _runtime_helpers import TinyBN, TinyNet, compile_tiny, tiny_data  # noqa: E402
 
 ROUNDS = 8

@@ -2,7 +2,7 @@
 
 Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a function, and triton.language
 decorates its own helpers when it is first imported, so the variable is set here, before any test
-module imports triton. (crossbow_graph's kernels do not depend on it: see compiler/kernels.py.)
+module imports triton. (crossbow_graph's kernels do not depend on it: see kernels/triton_sma.py.)
 """
 
 import os

@@ -7,8 +7,8 @@ import torch
 
 import crossbow_graph as cg
 from crossbow_graph.compiler.tasks import TaskKind
-from crossbow_graph.runtime.autotune import AutoTuner
-from crossbow_graph.runtime.hooks import Hook
+from crossbow_graph.tuning.autotune import AutoTuner
+from crossbow_graph.training.hooks import Hook
 
 from _runtime_helpers import compile_tiny, tiny_data
 
@@ -85,8 +85,8 @@ def test_tuner_removes_the_last_replica_when_throughput_does_not_rise_and_reprob
 
 
 def test_one_noisy_window_is_not_a_drift():
-    from crossbow_graph.runtime.history import History
-    from crossbow_graph.runtime.hooks import FitContext
+    from crossbow_graph.training.history import History
+    from crossbow_graph.training.hooks import FitContext
 
     plan = _tuned_plan(_Clock(lambda k: 1.0))
     tuner = plan.autotuner

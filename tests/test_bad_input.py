@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, TensorDataset
 import crossbow_graph as cg
 from crossbow_graph import cli, datasets
 from crossbow_graph.errors import PlanError, TaskError, TraceError
-from crossbow_graph.runtime.hooks import Hook
+from crossbow_graph.training.hooks import Hook
 
 from _fake_cifar import write_fake_cifar
 

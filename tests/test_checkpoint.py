@@ -20,10 +20,10 @@ from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
 from crossbow_graph.errors import CheckpointError
-from crossbow_graph.runtime.checkpoint import list_checkpoints, load_checkpoint, load_latest
-from crossbow_graph.runtime.hooks import Hook
-from crossbow_graph.runtime.metrics import MetricsMonitor
-from crossbow_graph.runtime.policies import AdaptiveBatchSize, Policy
+from crossbow_graph.training.checkpoint import list_checkpoints, load_checkpoint, load_latest
+from crossbow_graph.training.hooks import Hook
+from crossbow_graph.tuning.metrics import MetricsMonitor
+from crossbow_graph.tuning.policies import AdaptiveBatchSize, Policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -339,7 +339,7 @@ _KILLED_WRITER = textwrap.dedent("""
     import os, sys, time, torch
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {tests!r})
-    import crossbow_graph.runtime.checkpoint as ck
+    import crossbow_graph.training.checkpoint as ck
     from test_checkpoint import make_plan, data
     marker, ckpt = sys.argv[1], sys.argv[2]
     real = ck._write_all

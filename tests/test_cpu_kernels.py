@@ -1,5 +1,5 @@
-"""The C kernel backend for the CPU (runtime/sma_cpu.c, runtime/cpu_kernels.py) against the torch
-implementation of the SMA update (runtime/sma.py, the oracle), its fault test, its build and cache,
+"""The C kernel backend for the CPU (kernels/sma_cpu.c, kernels/c_sma.py) against the torch
+implementation of the SMA update (kernels/torch_ref.py, the oracle), its fault test, its build and cache,
 and its place in a plan.
 
 Tolerances: the same float32 operations, but the C compiler may fuse a·b + c into one rounding
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 import crossbow_graph as cg
-from crossbow_graph.compiler import kernels as K
-from crossbow_graph.runtime import cpu_kernels as CK
-from crossbow_graph.runtime.faults import FaultMonitor
-from crossbow_graph.runtime.sma import TorchSMAKernels, sma_central_update, sma_local_update
+from crossbow_graph.kernels import c_sma as CK
+from crossbow_graph.kernels import select as S
+from crossbow_graph.engine.faults import FaultMonitor
+from crossbow_graph.kernels.torch_ref import TorchSMAKernels, sma_central_update, sma_local_update
 from test_kernels import MLP, tiny_data  # the model and data of the kernels' plan tests
 
 ATOL, RTOL = 1e-6, 1e-5
@@ -200,9 +200,9 @@ def test_build_is_cached_and_atomic(fresh_build):
 def test_without_a_compiler_auto_keeps_torch_and_c_says_why(fresh_build, monkeypatch):
     monkeypatch.setattr(CK, "_compiler", lambda: None)
     assert not CK.c_kernels_available()
-    assert isinstance(K.select_backend("auto", "cpu"), TorchSMAKernels)
+    assert isinstance(S.select_backend("auto", "cpu"), TorchSMAKernels)
     with pytest.raises(CK.CompilerError, match="no C compiler found.*kernel_backend='torch'"):
-        K.select_backend("c", "cpu")
+        S.select_backend("c", "cpu")
     plan = make_plan(replicas=2)  # kernel_backend="auto": trains with the torch kernels
     assert isinstance(plan.scheduler.kernels, TorchSMAKernels)
     plan.fit(tiny_data(16), 1, progress=False)

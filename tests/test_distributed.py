@@ -1,4 +1,4 @@
-"""Global synchronisation over torch.distributed (runtime/comm.py, docs/distributed.md).
+"""Global synchronisation over torch.distributed (engine/comm.py, docs/distributed.md).
 
 Real process groups: two processes (tests/_dist_worker.py) with gloo on 127.0.0.1, started with
 torchrun's variables on a free port, with hard timeouts; every process is killed on the way out.
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import crossbow_graph as cg
-from crossbow_graph.runtime.checkpoint import load_latest
-from crossbow_graph.runtime.comm import Comm, torchrun_env
+from crossbow_graph.training.checkpoint import load_latest
+from crossbow_graph.engine.comm import Comm, torchrun_env
 from _dist_worker import B, M, ROUNDS, _AtRound, _decide
 from _runtime_helpers import TinyBN, compile_tiny, reference_sma, tiny_data
 

@@ -12,8 +12,8 @@ from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
 from crossbow_graph.errors import DivergenceError, TaskError
-from crossbow_graph.runtime.checkpoint import load_latest
-from crossbow_graph.runtime.hooks import Hook
+from crossbow_graph.training.checkpoint import load_latest
+from crossbow_graph.training.hooks import Hook
 
 
 def data(n: int = 64, nan_at: int | None = None, ignored=()) -> TensorDataset:

@@ -18,8 +18,10 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
-from crossbow_graph.compiler import kernels as K
-from crossbow_graph.runtime.sma import TorchSMAKernels, sma_central_update, sma_local_update
+from crossbow_graph.kernels import select as S
+from crossbow_graph.kernels import triton_sma as K
+from crossbow_graph.kernels.c_sma import CSMAKernels, c_kernels_available
+from crossbow_graph.kernels.torch_ref import TorchSMAKernels, sma_central_update, sma_local_update
 
 # float32: the same operations, but torch's CPU kernels fuse a·b + c (one rounding) where the
 # interpreter rounds twice, and the sum over replicas may be ordered differently: ≤ a few ulps.
@@ -104,15 +106,15 @@ def test_local_update_random(m, P, block, momentum, nesterov, weight_decay, alph
 
 
 @pytest.mark.parametrize("backend", ["triton", pytest.param("c", marks=pytest.mark.skipif(
-    not K.c_kernels_available(), reason="no C compiler (scripts/setup.sh installs gcc)"))])
+    not c_kernels_available(), reason="no C compiler (scripts/setup.sh installs gcc)"))])
 @pytest.mark.parametrize("P", [1, 100, 1000, 5000])
 @pytest.mark.parametrize("mu_z", [0.0, 0.9])
 def test_central_update(backend, P, mu_z):
-    """Triton (interpreted) and C (runtime/sma_cpu.c, 2,048-column blocks) against torch."""
+    """Triton (interpreted) and C (kernels/sma_cpu.c, 2,048-column blocks) against torch."""
     gen = torch.Generator().manual_seed(P)
     z, z_prev, c = (torch.randn(P, generator=gen) for _ in range(3))
     z_ref, z_prev_ref = z.clone(), z_prev.clone()
-    (TRITON if backend == "triton" else K.CSMAKernels()).central_update(z, z_prev, c, central_momentum=mu_z)
+    (TRITON if backend == "triton" else CSMAKernels()).central_update(z, z_prev, c, central_momentum=mu_z)
     sma_central_update(z_ref, z_prev_ref, c, central_momentum=mu_z)
     torch.testing.assert_close(z, z_ref, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(z_prev, z_prev_ref, atol=0, rtol=0)
@@ -202,13 +204,13 @@ def test_plan_kernels_lists_what_runs():
 
 
 def test_select_backend():
-    cpu_default = K.CSMAKernels if K.c_kernels_available() else TorchSMAKernels
-    assert isinstance(K.select_backend("auto", "cpu"), cpu_default)  # C when a compiler is here
-    assert isinstance(K.select_backend("auto", "cuda"), K.TritonSMAKernels)
-    assert isinstance(K.select_backend("torch", "cuda"), TorchSMAKernels)
-    assert isinstance(K.select_backend("triton", "cpu"), K.TritonSMAKernels)
+    cpu_default = CSMAKernels if c_kernels_available() else TorchSMAKernels
+    assert isinstance(S.select_backend("auto", "cpu"), cpu_default)  # C when a compiler is here
+    assert isinstance(S.select_backend("auto", "cuda"), K.TritonSMAKernels)
+    assert isinstance(S.select_backend("torch", "cuda"), TorchSMAKernels)
+    assert isinstance(S.select_backend("triton", "cpu"), K.TritonSMAKernels)
     with pytest.raises(ValueError, match="kernel_backend='cuda'"):
-        K.select_backend("cuda", "cpu")
+        S.select_backend("cuda", "cpu")
 
 
 def test_triton_missing_says_how_to_install(monkeypatch):
@@ -216,7 +218,7 @@ def test_triton_missing_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton now raises ImportError
     with pytest.raises(ImportError, match="pip install"):
         make_plan(kernel_backend="triton")
-    cpu_default = K.CSMAKernels if K.c_kernels_available() else TorchSMAKernels
+    cpu_default = CSMAKernels if c_kernels_available() else TorchSMAKernels
     assert isinstance(make_plan(kernel_backend="auto").scheduler.kernels, cpu_default)
 
 
@@ -281,7 +283,7 @@ def test_float64_model_runs_the_torch_kernels_in_float64():
     plan = make_plan(dtype=torch.float64)
     assert isinstance(plan.scheduler.kernels, TorchSMAKernels)
     assert all(k.backend == "torch" and k.spec.dtype == torch.float64 for k in plan.kernels)
-    assert isinstance(K.select_backend("auto", "cuda", torch.float64), TorchSMAKernels)
+    assert isinstance(S.select_backend("auto", "cuda", torch.float64), TorchSMAKernels)
     for backend in ("c", "triton"):
         with pytest.raises(ValueError, match=rf"kernel_backend='{backend}' updates float32 masters "
                                              r"only, but the model is float64 .*use "
@@ -305,8 +307,8 @@ class Mixed(MLP):
 def test_interpreter_without_env_var():
     """Triton imported first, TRITON_INTERPRET unset: the emitter still runs CPU kernels."""
     code = ("import triton, torch\n"
-            "from crossbow_graph.compiler.kernels import TritonSMAKernels\n"
-            "from crossbow_graph.runtime.sma import sma_local_update\n"
+            "from crossbow_graph.kernels.triton_sma import TritonSMAKernels\n"
+            "from crossbow_graph.kernels.torch_ref import sma_local_update\n"
             "w, v, g, z = torch.randn(3, 70), torch.randn(3, 70), torch.randn(3, 70), torch.randn(70)\n"
             "w2, v2 = w.clone(), v.clone()\n"
             "kw = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.0, alpha=0.5)\n"
@@ -356,8 +358,8 @@ def test_gpu_fit_auto_picks_triton_and_matches_torch():
 
 
 def test_torch_column_blocks_change_nothing(monkeypatch):
-    """The torch implementation's CPU column blocking (runtime/sma.py) against one block."""
-    from crossbow_graph.runtime import sma
+    """The torch implementation's CPU column blocking (kernels/torch_ref.py) against one block."""
+    from crossbow_graph.kernels import torch_ref as sma
 
     out = []
     for block_bytes in (1 << 40, 1024):  # one block; blocks of 1024 columns (the minimum)

@@ -14,8 +14,8 @@ from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
 from crossbow_graph import cli
-from crossbow_graph.runtime.hooks import Hook
-from crossbow_graph.runtime.metrics_log import MetricsLogger
+from crossbow_graph.training.hooks import Hook
+from crossbow_graph.training.metrics_log import MetricsLogger
 
 
 def data(n: int, seed: int) -> TensorDataset:

@@ -1,4 +1,4 @@
-"""Monitored metrics (runtime/metrics.py): the two-batch noise-scale estimator against per-sample
+"""Monitored metrics (tuning/metrics.py): the two-batch noise-scale estimator against per-sample
 gradients (torch.func vmap + grad), divergence, and the metric records of a fit."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
-from crossbow_graph.runtime.metrics import MetricsMonitor, divergence, two_batch_estimate
+from crossbow_graph.tuning.metrics import MetricsMonitor, divergence, two_batch_estimate
 
 
 class MLP(nn.Module):

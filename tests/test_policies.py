@@ -1,4 +1,4 @@
-"""Policies (runtime/policy_base.py, policies.py, adaptive_batch.py): the adjust interface, schedules against torch's, batch-size
+"""Policies (tuning/policy_base.py, policies.py, adaptive_batch.py): the adjust interface, schedules against torch's, batch-size
 changes, the divergence guard, the CLI spec parser."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
 from crossbow_graph.errors import PlanError
-from crossbow_graph.runtime.hooks import Hook
-from crossbow_graph.runtime.metrics import MetricsMonitor
-from crossbow_graph.runtime.policies import (Adjustment, AdaptiveBatchSize, CosineLR,
+from crossbow_graph.training.hooks import Hook
+from crossbow_graph.tuning.metrics import MetricsMonitor
+from crossbow_graph.tuning.policies import (Adjustment, AdaptiveBatchSize, CosineLR,
                                              DivergenceGuard, MultiStepLR, Policy, StepLR,
                                              parse_policy)
 from _runtime_helpers import compile_tiny, tiny_data
@@ -579,7 +579,7 @@ def test_parse_policy():
 
 def test_auto_replicas_policy_grows_m():
     """The tuner as a policy, with a deterministic clock where samples/s rise with m."""
-    from crossbow_graph.runtime.autotune import AutoTune
+    from crossbow_graph.tuning.autotune import AutoTune
 
     pol = cg.AutoReplicas(AutoTune(warmup_rounds=1, min_window_rounds=2, window_s=1e-9, max_replicas=3,
                                    try_other_mode=False))

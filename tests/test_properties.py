@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
-from crossbow_graph.runtime.data import BatchSchedule
-from crossbow_graph.runtime.hooks import Hook
+from crossbow_graph.training.data import BatchSchedule
+from crossbow_graph.training.hooks import Hook
 
 FAST = settings(max_examples=12, deadline=None)
 F = nn.functional

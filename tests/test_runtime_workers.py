@@ -16,10 +16,10 @@ import torch
 import crossbow_graph as cg
 
 from crossbow_graph.errors import TaskError
-from crossbow_graph.runtime.hooks import Hook
-from crossbow_graph.runtime.data import make_fetch
-from crossbow_graph.runtime import workers
-from crossbow_graph.runtime.workers import choose_onednn, worker_groups
+from crossbow_graph.training.hooks import Hook
+from crossbow_graph.training.data import make_fetch
+from crossbow_graph.engine import workers
+from crossbow_graph.engine.workers import choose_onednn, worker_groups
 
 from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, reference_sma, tiny_data
 

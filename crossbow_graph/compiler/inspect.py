@@ -18,7 +18,10 @@ from typing import Any
 import networkx as nx
 
 from ..errors import PlanError
+from .passes import build_task_graph
 from .tasks import Cost, Task, TaskKind
+from .trace import trace_model
+from .verify import verify_task_graph
 
 __all__ = ["SCHEMA", "PlanView", "summary", "to_json", "from_json", "to_dot", "draw",
            "inspect_model"]
@@ -161,8 +164,6 @@ def from_json(text: str, *, verify: bool = True) -> "PlanView":
             or edge is malformed (names the task).
         PlanError: ``verify`` and the loaded task graph fails the verifier (names the task).
     """
-    from .verify import verify_task_graph
-
     graph, settings = _load(text)
     if verify:
         verify_task_graph(graph, stage="from_json")
@@ -331,9 +332,6 @@ def inspect_model(model: Any, example_inputs: tuple[Any, ...] | dict[str, Any], 
     Raises:
         TraceError: the model cannot be traced. PlanError: the plan is unsound (e.g. memory).
     """
-    from .passes import build_task_graph
-    from .trace import trace_model
-
     mg = trace_model(model, example_inputs, concrete_args=concrete_args, leaf_modules=leaf_modules)
     graph = build_task_graph(mg, devices=devices, replicas_per_device=replicas_per_device,
                              batch_size=batch_size, memory_budget_bytes=memory_budget_bytes)

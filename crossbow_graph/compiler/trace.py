@@ -227,7 +227,7 @@ def _fixed_defaults(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
                     concrete_args: dict[str, Any] | None) -> dict[str, Any] | None:
     """``concrete_args`` plus every forward argument the example inputs leave at its default.
 
-    The runtime calls the model with the same inputs as the example (runtime/data.py), so an
+    The runtime calls the model with the same inputs as the example (training/data.py), so an
     argument left out (``mask=None``) keeps its default in training too; fixing it lets Python
     code such as ``if mask is not None`` trace the branch that will run.
     """
@@ -259,7 +259,7 @@ def trace_model(
             attributes, and torch's global RNG state, are as before): the tracer and shape
             propagation work on a deep copy, which ``ModelGraph.module`` holds.
         example_inputs: one batch (any batch size) as the runtime passes it to the model
-            (runtime/data.py ``split_inputs``): a tuple of positional inputs, e.g. ``(x,)`` with
+            (engine/inputs.py ``split_inputs``): a tuple of positional inputs, e.g. ``(x,)`` with
             ``x [N, C, H, W]`` or ``(tokens, mask)``, or a dict of keyword inputs,
             e.g. ``{"x": x, "mask": mask}``.
         concrete_args: fixed values for arguments that steer Python control flow

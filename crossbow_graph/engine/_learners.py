@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
-from .data import split_inputs
+from .inputs import split_inputs
 from .fused import FusedProgram
 from .state import DeviceState
 

@@ -1,6 +1,6 @@
 """``AdaptiveBatchSize``: b kept at a fraction of the measured gradient noise scale, η following the
 batch by the gain of McCandlish et al. (2018) / AdaScale (docs/design-overview.md §5, Policies;
-docs/policies.md). Exported by ``crossbow_graph.runtime.policies`` with the other built-in policies.
+docs/policies.md). Exported by ``crossbow_graph.tuning.policies`` with the other built-in policies.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import statistics
 import weakref
 
 from ..errors import PlanError, is_count
-from .hooks import FitContext
+from ..training.hooks import FitContext
 from .policy_base import Policy
 
 __all__ = ["AdaptiveBatchSize", "MIN_BATCH_SIZE"]

@@ -2,7 +2,7 @@
 steps 1–3, §4).
 
 ``sma_cpu.c`` (next to this file) does the local update of a device's m replicas in one pass
-over memory, where the torch implementation (runtime/sma.py, the oracle) makes about eight
+over memory, where the torch implementation (kernels/torch_ref.py, the oracle) makes about eight
 (docs/kernels.md has the measured times). It is
 compiled on first use with the system's C compiler (``$CC``, else Python's configured compiler,
 ``cc``, ``gcc``, ``clang``) at ``-O3 -march=native`` and cached as a shared library under
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CompilerError
-from .sma import sma_central_update, sma_local_update
+from .torch_ref import sma_central_update, sma_local_update
 
 __all__ = ["CSMAKernels", "c_kernels_available", "load_library", "SOURCE_PATH", "CompilerError"]
 
@@ -193,7 +193,7 @@ def load_library() -> ctypes.CDLL:
             lib = ctypes.CDLL(str(target))
         except Exception as exc:  # noqa: BLE001 - every failure becomes one CompilerError
             why = exc if isinstance(exc, CompilerError) else f"{type(exc).__name__}: {exc}"
-            _load_error = (f"the C kernels (runtime/sma_cpu.c) could not be built or loaded: {why}. "
+            _load_error = (f"the C kernels (kernels/sma_cpu.c) could not be built or loaded: {why}. "
                            f"To fix: {_FIX}")
             raise CompilerError(_load_error) from exc
         i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
@@ -233,10 +233,10 @@ def _vec_ok(t: torch.Tensor | None, P: int) -> bool:
 
 class CSMAKernels:
     """The SMA update backend in C (CPU): ``local_update`` and ``central_update`` with the
-    signatures and semantics of ``sma_local_update``/``sma_central_update`` (runtime/sma.py, the
+    signatures and semantics of ``sma_local_update``/``sma_central_update`` (kernels/torch_ref.py, the
     oracle; results agree to float rounding: the C code may fuse a·b + c), ``nonfinite_rows``
-    for the fault check (runtime/faults.py) and ``central_update_shared`` for the global sync of
-    CPU devices (runtime/scheduler.py).
+    for the fault check (engine/faults.py) and ``central_update_shared`` for the global sync of
+    CPU devices (engine/scheduler.py).
 
     Tensors that are not float32 CPU tensors with contiguous rows go to the torch functions.
 
@@ -257,7 +257,7 @@ class CSMAKernels:
                      z: torch.Tensor | None, *, lr: float, momentum: float, nesterov: bool,
                      weight_decay: float, alpha: float, first_step: bool = False,
                      out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """See ``crossbow_graph.runtime.sma.sma_local_update``: ``w, v, g [m, P]``, ``z [P]`` or
+        """See ``crossbow_graph.kernels.torch_ref.sma_local_update``: ``w, v, g [m, P]``, ``z [P]`` or
         None; returns ``acc [P]`` (written into ``out [P]`` when given), or None without a
         correction."""
         m, P = w.shape
@@ -284,7 +284,7 @@ class CSMAKernels:
     @torch.no_grad()
     def central_update(self, z: torch.Tensor, z_prev: torch.Tensor, c: torch.Tensor, *,
                        central_momentum: float) -> None:
-        """See ``crossbow_graph.runtime.sma.sma_central_update``: ``z, z_prev, c [P]`` (the C
+        """See ``crossbow_graph.kernels.torch_ref.sma_central_update``: ``z, z_prev, c [P]`` (the C
         path is the shared update of one device with one part)."""
         if not self.central_update_shared([z], [z_prev], [c], central_momentum=central_momentum):
             sma_central_update(z, z_prev, c, central_momentum=central_momentum)

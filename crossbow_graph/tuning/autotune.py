@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .history import AutotuneRecord
-from .hooks import FitContext, Hook
+from ..training.history import AutotuneRecord
+from ..training.hooks import FitContext, Hook
 
 __all__ = ["AutoTune", "AutoTuner"]
 

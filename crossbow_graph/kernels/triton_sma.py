@@ -33,18 +33,12 @@ from typing import Any
 
 import torch
 
-from ..runtime.cpu_kernels import SOURCE_PATH as C_SOURCE_PATH
-from ..runtime.cpu_kernels import CSMAKernels, c_kernels_available
-from ..runtime.sma import TorchSMAKernels, sma_central_update, sma_local_update
+from .torch_ref import sma_central_update, sma_local_update
 
-__all__ = [
-    "KernelSpec", "EmittedKernel", "TorchKernel", "CKernel", "TritonSMAKernels", "emit", "plan_kernels",
-    "select_backend", "local_spec", "central_spec", "default_block", "KERNEL_BACKENDS",
-]
+__all__ = ["KernelSpec", "EmittedKernel", "TritonSMAKernels", "emit", "local_spec", "central_spec",
+           "default_block", "import_triton", "device_type"]
 
-KERNEL_BACKENDS = ("auto", "triton", "torch", "c")
-
-triton: Any = None  # the triton module, imported by _import_triton()
+triton: Any = None  # the triton module, imported by import_triton()
 tl: Any = None  # triton.language, resolved by the kernels' bodies at compile/run time
 
 FP_FUSION = True  # a·b + c in one rounding on the GPU (as torch's fused CPU kernels do)
@@ -52,7 +46,7 @@ _INSTALL_HINT = ("install it with `pip install 'triton==3.9.0'` (or `pip install
                  "'crossbow_graph[triton]'`), or use kernel_backend='torch'")
 
 
-def _import_triton() -> None:
+def import_triton() -> None:
     """Import triton on first use; ImportError with the install command if it is missing."""
     global triton, tl
     if triton is not None:
@@ -317,7 +311,7 @@ def emit(spec: KernelSpec) -> EmittedKernel:
     hit = _CACHE.get(spec)
     if hit is not None:
         return hit
-    _import_triton()
+    import_triton()
     key = (spec.kind, spec.device_type)
     fn = _FUNCTIONS.get(key)
     if fn is None:
@@ -332,7 +326,7 @@ def emit(spec: KernelSpec) -> EmittedKernel:
     return kernel
 
 
-def _device_type(t: torch.Tensor) -> str:
+def device_type(t: torch.Tensor) -> str:
     return "cuda" if t.is_cuda else "cpu"
 
 
@@ -345,7 +339,7 @@ def _check_master(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 class TritonSMAKernels:
     """The SMA update backend in Triton: ``local_update`` and ``central_update`` with the
-    signatures and semantics of ``sma_local_update``/``sma_central_update`` (runtime/sma.py), each
+    signatures and semantics of ``sma_local_update``/``sma_central_update`` (kernels/torch_ref.py), each
     one kernel launch (docs/design-overview.md §4). CUDA tensors run compiled kernels; CPU tensors run them in
     Triton's interpreter (slow; for tests).
 
@@ -369,7 +363,7 @@ class TritonSMAKernels:
                      z: torch.Tensor | None, *, lr: float, momentum: float, nesterov: bool,
                      weight_decay: float, alpha: float, first_step: bool = False,
                      out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """See ``crossbow_graph.runtime.sma.sma_local_update`` (the oracle): ``w, v, g [m, P]``,
+        """See ``crossbow_graph.kernels.torch_ref.sma_local_update`` (the oracle): ``w, v, g [m, P]``,
         ``z [P]`` or None; returns ``acc [P]`` float32 (in ``out`` when given), or None without a
         correction."""
         m, P = w.shape
@@ -382,7 +376,7 @@ class TritonSMAKernels:
         correct = z is not None and alpha != 0
         if correct:
             _check_master("z", z, (P,))
-        spec = local_spec(m, P, g.dtype, _device_type(w), momentum=momentum, nesterov=nesterov,
+        spec = local_spec(m, P, g.dtype, device_type(w), momentum=momentum, nesterov=nesterov,
                           weight_decay=weight_decay, first_step=first_step, correct=correct,
                           block=self.block)
         acc = None
@@ -398,117 +392,11 @@ class TritonSMAKernels:
     @torch.no_grad()
     def central_update(self, z: torch.Tensor, z_prev: torch.Tensor, c: torch.Tensor, *,
                        central_momentum: float) -> None:
-        """See ``crossbow_graph.runtime.sma.sma_central_update``: ``z, z_prev, c [P]`` float32."""
+        """See ``crossbow_graph.kernels.torch_ref.sma_central_update``: ``z, z_prev, c [P]`` float32."""
         P = z.shape[0]
         for name, t in (("z", z), ("z_prev", z_prev), ("c", c)):
             _check_master(name, t, (P,))
-        spec = central_spec(P, _device_type(z), central_momentum=central_momentum,
+        spec = central_spec(P, device_type(z), central_momentum=central_momentum,
                             block=self.block)
         emit(spec).launch(z, z_prev, c, float(central_momentum))
         torch.autograd.graph.increment_version([z, z_prev])
-
-
-@dataclass(frozen=True)
-class TorchKernel:
-    """One step of the torch backend as ``Plan.kernels`` lists it: the spec it covers and the
-    source of the vectorised torch function that runs (runtime/sma.py)."""
-
-    spec: KernelSpec
-    backend = "torch"
-
-    @property
-    def source(self) -> str:
-        fn = sma_local_update if self.spec.kind == "sma_local" else sma_central_update
-        return (f"# {self.spec.describe(launch=False)} — torch (vectorised over [m, P])\n"
-                + inspect.getsource(fn))
-
-    def __repr__(self) -> str:
-        return f"<{self.spec.describe(launch=False)}, torch>"
-
-
-@dataclass(frozen=True)
-class CKernel:
-    """One step of the C backend as ``Plan.kernels`` lists it: the spec it covers and the C
-    source that runs (runtime/sma_cpu.c, compiled once per machine; runtime/cpu_kernels.py)."""
-
-    spec: KernelSpec
-    backend = "c"
-
-    @property
-    def source(self) -> str:
-        return (f"// {self.spec.describe(launch=False)} — C (one pass over [m, P])\n"
-                + C_SOURCE_PATH.read_text())
-
-    def __repr__(self) -> str:
-        return f"<{self.spec.describe(launch=False)}, c>"
-
-
-def plan_kernels(backend: Any, states: list[Any], *, momentum: float, nesterov: bool,
-                 weight_decay: float, num_learners: int, sync_every: int,
-                 central_momentum: float) -> list[EmittedKernel | TorchKernel]:
-    """The kernels a plan runs on its devices' current flat buffers, one per distinct spec.
-
-    Local: the first step and later steps (when there is momentum), with the correction (k > 1)
-    and without it (k = 1, or rounds between syncs when τ > 1). Central: when k > 1. With the
-    Triton backend they are emitted (and cached) here; the torch backend lists TorchKernel.
-    """
-    specs: list[KernelSpec] = []
-    corrects = ([True] if num_learners > 1 else []) + ([False] if num_learners == 1 or sync_every > 1 else [])
-    firsts = [True, False] if momentum != 0 else [False]
-    block = getattr(backend, "block", None)
-    for s in states:
-        m, P = s.w.shape
-        dev = _device_type(s.w)
-        for first in firsts:
-            for correct in corrects:
-                specs.append(local_spec(m, P, s.g.dtype, dev, momentum=momentum, nesterov=nesterov,
-                                        weight_decay=weight_decay, first_step=first,
-                                        correct=correct, block=block))
-        if num_learners > 1:
-            specs.append(central_spec(P, dev, central_momentum=central_momentum, block=block,
-                                      dtype=s.z.dtype))
-    unique = list(dict.fromkeys(specs))
-    if isinstance(backend, TritonSMAKernels):
-        return [emit(s) for s in unique]
-    if isinstance(backend, CSMAKernels):  # gradients not in float32 take the torch path
-        return [CKernel(s) if s.dtype == torch.float32 else TorchKernel(s) for s in unique]
-    return [TorchKernel(s) for s in unique]
-
-
-def select_backend(kernel_backend: str, device_type: str, dtype: torch.dtype = torch.float32
-                   ) -> TorchSMAKernels | TritonSMAKernels | CSMAKernels:
-    """The SMA update backend for ``compile(..., kernel_backend=...)``.
-
-    ``"auto"``: Triton on CUDA (if triton is installed); on the CPU the C kernels (runtime/
-    sma_cpu.c, built on first use) when a C compiler is there, else torch; torch for a float64
-    model (``dtype``, the model's: the C and Triton kernels update float32 masters only).
-    ``"c"``: the C kernels (CPU tensors; anything else runs the torch functions). ``"triton"``:
-    Triton (on the CPU through its interpreter: slow, for tests). ``"torch"``: the vectorised
-    torch implementation (runtime/sma.py, the oracle).
-
-    Raises:
-        ValueError: an unknown name; ``"c"`` or ``"triton"`` with a float64 model.
-        ImportError: ``"triton"`` without the triton package (says how to install it).
-        CompilerError: ``"c"`` without a working C compiler (its message says why).
-    """
-    if kernel_backend not in KERNEL_BACKENDS:
-        raise ValueError(f"kernel_backend={kernel_backend!r}: use one of {', '.join(map(repr, KERNEL_BACKENDS))}")
-    if dtype == torch.float64 and kernel_backend in ("c", "triton"):
-        raise ValueError(f"kernel_backend={kernel_backend!r} updates float32 masters only, but the "
-                         "model is float64 (its masters are float64); use kernel_backend='torch' "
-                         "(or 'auto', which picks it), or cast the model to float32 with "
-                         "model.float()")
-    if kernel_backend == "torch" or dtype == torch.float64:
-        return TorchSMAKernels()
-    if kernel_backend == "c":
-        return CSMAKernels()
-    if kernel_backend == "auto":
-        if device_type != "cuda":
-            return CSMAKernels() if c_kernels_available() else TorchSMAKernels()
-        try:
-            _import_triton()
-        except ImportError:
-            return TorchSMAKernels()
-        return TritonSMAKernels()
-    _import_triton()
-    return TritonSMAKernels()

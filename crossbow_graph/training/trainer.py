@@ -9,15 +9,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
+from ..engine._learners import seed_host_rngs
+from ..engine.timeline import Timeline
 from ..errors import is_count
-from ._learners import seed_host_rngs
-from .checkpoint import CheckpointHook
+from .checkpoint import CheckpointHook, load_plan_state_dict, plan_state_dict
 from .data import BatchSchedule, as_dataset, make_fetch
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
-from .metrics import MetricsMonitor
 from .metrics_log import MetricsLogger
-from .timeline import Timeline
 from .validate import check_first_batch
 
 if TYPE_CHECKING:
@@ -45,7 +44,7 @@ def run_fit(
     log_dir: str | None = None,
     trace: str | None = None,
     policies: list[Hook] = (),
-    metrics_every: int | MetricsMonitor | None = 50,
+    metrics: Hook | None = None,
 ) -> History:
     """Run ``Plan.fit`` (see its docstring for the arguments and errors).
 
@@ -64,7 +63,7 @@ def run_fit(
     hooks, and rank 0's m, learner mode, lr, α, batch size, sync interval and stop are then
     broadcast and applied on every rank (``Comm.agree_settings``: after each round's hooks, and
     before a round when hooks ran since); z is compared across ranks every ``checksum_every``
-    rounds and at the end; every rank's faults reach every rank's History (runtime/faults.py,
+    rounds and at the end; every rank's faults reach every rank's History (engine/faults.py,
     at each global sync and at the end) (docs/distributed.md).
 
     The epoch's ``train_loss`` and the hooks' ``round_loss`` are the means of the learners'
@@ -106,10 +105,8 @@ def run_fit(
     seed_host_rngs(seed, plan.rounds_done, comm.rank if comm is not None else 0, 0)
     history = History(target_accuracy=target_accuracy)
     hooks = list(hooks)
-    if isinstance(metrics_every, MetricsMonitor):
-        hooks.append(metrics_every)
-    elif metrics_every is not None:
-        hooks.append(MetricsMonitor(metrics_every))
+    if metrics is not None:
+        hooks.append(metrics)
     hooks += list(policies)
     end_epoch = plan.epochs_done + epochs
     if log_dir is not None and main:
@@ -174,8 +171,6 @@ def _check_fit_args(seed: Any, target_accuracy: Any, evals_per_epoch: Any,
 def _share_resumed(plan: "Plan", comm, resumed: bool) -> bool:
     """Rank 0 resumed from its checkpoint: every rank takes its plan state (the other ranks'
     replicas restart as copies of rank 0's). Returns whether rank 0 resumed."""
-    from .checkpoint import load_plan_state_dict, plan_state_dict
-
     state = comm.broadcast_object(plan_state_dict(plan) if resumed else None, -1)
     if state is not None and not comm.is_main:
         load_plan_state_dict(plan, state)
@@ -214,7 +209,7 @@ def _evaluate(plan: "Plan", eval_dataset: Any, batch_size: int) -> tuple[float |
 def _finite_mean(losses: torch.Tensor) -> torch.Tensor:
     """The mean of the finite entries of ``losses [n]``, 0-dim, NaN when none is, without a host
     read: a faulty replica's NaN/Inf loss is left out, as the replica is left out of the round's
-    average (runtime/faults.py)."""
+    average (engine/faults.py)."""
     finite = torch.isfinite(losses)
     return torch.where(finite, losses, 0.0).sum() / finite.sum()
 

@@ -44,12 +44,13 @@ from ..compiler.tasks import TaskKind
 from ..config import SGD
 from ..errors import TaskError
 from ._learners import learn_group, learner_seed, rows, seed_host_rngs
-from .scheduler import available_cores
+from .inputs import split_inputs
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
-__all__ = ["ProcessExecutor", "worker_groups", "fork_available", "choose_onednn", "CPU_CONV_CHOICES"]
+__all__ = ["ProcessExecutor", "worker_groups", "fork_available", "available_cores", "choose_onednn",
+           "CPU_CONV_CHOICES"]
 
 CPU_CONV_CHOICES = ("auto", "onednn", "aten")
 BIG_STEP_S = 0.3  # choose_onednn: a learner step slower than this is not measured (oneDNN)
@@ -58,6 +59,14 @@ _POLL_S = 0.5          # how often a blocked wait checks that the other side is 
 ERROR_TEXT_MAX = 8000  # characters of a worker's error text kept in a TaskError
 _OK, _ERROR, _CANCELLED = 1, 2, 3  # a worker's answer (_Mailbox.reply[0])
 ROUND_TIMEOUT_S = 600  # the longest this process waits for one worker's round
+
+
+def available_cores() -> int:
+    """Logical CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def fork_available() -> bool:
@@ -118,8 +127,6 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     if cached is not None:
         return cached
     import copy
-
-    from .data import split_inputs
 
     state = scheduler.states[0]
     with torch.random.fork_rng(devices=[]), _host_rngs_kept():  # as if never fetched

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from .data import split_inputs
+from .inputs import split_inputs
 from .state import DeviceState
 
 __all__ = ["FusedProgram"]

@@ -1,7 +1,7 @@
 /* SMA update kernels for the CPU (docs/design-overview.md §2 steps 1–3, §4): the C backend of
  * crossbow_graph/runtime/cpu_kernels.py, compiled on first use with the system's C compiler.
  *
- * Same mathematics as runtime/sma.py (the oracle) and the Triton kernels, in one pass over
+ * Same mathematics as kernels/torch_ref.py (the oracle) and the Triton kernels, in one pass over
  * memory: sma_local reads ŵ, v, g, z once and writes w, v and the device's sum of corrections
  * acc; the torch version makes about eight passes over [m, P]. Columns are taken in blocks of
  * BLOCK floats and, inside a block, the m replicas one after the other, so that a block of acc
@@ -77,7 +77,7 @@ static inline void local_row(float *restrict w, float *restrict v, const float *
     if (first) { BY_CORRECT(MOM, NES, DEC, 1) } else { BY_CORRECT(MOM, NES, DEC, 0) }
 
 /* The local update of m replicas: w, v, g [m, P] with row strides sw, sv, sg (elements); z and
- * acc [P] (ignored unless correct). Flags as in runtime/sma.py's sma_local_update. */
+ * acc [P] (ignored unless correct). Flags as in kernels/torch_ref.py's sma_local_update. */
 void sma_local(int64_t m, int64_t P, float *w, int64_t sw, float *v, int64_t sv,
                const float *g, int64_t sg, const float *z, float *acc, float lr, float mu,
                float wd, float alpha, int momentum, int nesterov, int first, int correct) {

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
-__all__ = ["BatchSchedule", "as_dataset", "make_fetch", "split_inputs"]
+__all__ = ["BatchSchedule", "as_dataset", "make_fetch"]
 
 
 def as_dataset(data: Any, what: str = "train_dataset") -> Dataset:
@@ -91,20 +91,3 @@ def make_fetch(dataset: Dataset) -> Callable[[torch.Tensor], Any]:
         tensors = dataset.tensors
         return lambda idx: [t[idx] for t in tensors]
     return lambda idx: default_collate([dataset[int(i)] for i in idx])
-
-
-def split_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-    """``(inputs, target)`` → (positional args, keyword args, target) of the model call.
-
-    A sample is ``(x, y)``: x a tensor (one input), a tuple/list (several inputs) or a dict
-    (keyword inputs); y the target given to ``loss_fn``.
-    """
-    if not isinstance(batch, (list, tuple)) or len(batch) != 2:
-        raise ValueError("each sample must be a pair (inputs, target), e.g. (image, label); got "
-                         f"{type(batch).__name__} of length {len(batch) if hasattr(batch, '__len__') else '?'}")
-    x, y = batch
-    if isinstance(x, dict):
-        return (), x, y
-    if isinstance(x, (list, tuple)):
-        return tuple(x), {}, y
-    return (x,), {}, y

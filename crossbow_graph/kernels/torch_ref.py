@@ -3,7 +3,7 @@
 Both functions work in place on flat per-device buffers (docs/design-overview.md §4): the m
 replicas of a device are the rows of ``w [m, P]``; their momentum is ``v [m, P]``; their gradients
 ``g [m, P]``; the device's copy of the central average model is ``z [P]``. ``w``, ``v``, ``z`` are float32 (for a
-bfloat16/float16 model they are the fp32 masters, runtime/state.py), or float64 for a float64
+bfloat16/float16 model they are the fp32 masters, engine/state.py), or float64 for a float64
 model; ``g`` is in the model's dtype and is upcast element by element, so a small correction is
 never rounded away.
 
@@ -148,7 +148,7 @@ class TorchSMAKernels:
 
     A backend has two methods with the signatures of ``sma_local_update`` and
     ``sma_central_update``. Two more are optional, and the scheduler uses them when present (the
-    C backend has them): ``nonfinite_rows`` for the fault test (runtime/faults.py) and
+    C backend has them): ``nonfinite_rows`` for the fault test (engine/faults.py) and
     ``central_update_shared`` for the global sync of CPU devices.
     """
 

@@ -11,7 +11,7 @@ Executors (``executor=``):
   learner j's next round waits only for its own device's local sync), so the GPU overlaps the
   global sync of round t with the learning of round t+1.
 * ``"process"``: CPU only. The device's learners are split into groups, one worker process per
-  group (``runtime.workers``); flat buffers live in shared memory; each worker learns and applies
+  group (``engine.workers``); flat buffers live in shared memory; each worker learns and applies
   its own rows' local update, this process sums the corrections and updates z while the workers
   already learn the next round (the overlap of docs/design-overview.md §2; when every hook of the
   fit declares ``mutates_replicas = False``, else the rounds run one after the other).
@@ -22,7 +22,6 @@ Executors (``executor=``):
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
@@ -32,23 +31,17 @@ import torch
 from ..compiler.tasks import Task, TaskKind
 from ..config import SGD, SMA, SSGD
 from ..errors import TaskError
+from ..kernels.torch_ref import TorchSMAKernels
+from ._cuda import CudaStreams
 from ._learners import LEARNER_MODES, learn_group, learner_seed, rows
 from .faults import FaultMonitor
 from .fused import FusedProgram
-from .sma import TorchSMAKernels
 from .state import DeviceState
+from .workers import ProcessExecutor, available_cores, fork_available
 
-__all__ = ["Scheduler", "EXECUTORS", "available_cores"]
+__all__ = ["Scheduler", "EXECUTORS"]
 
 EXECUTORS = ("auto", "inline", "process")
-
-
-def available_cores() -> int:
-    """Logical CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 class Scheduler:
@@ -61,7 +54,7 @@ class Scheduler:
         optimizer: the local SGD settings.
         sync: the SMA settings.
         batch_size: b, samples per learner per round.
-        learner_mode: ``"per_replica"`` or ``"fused"`` (module docstring of ``runtime.fused``).
+        learner_mode: ``"per_replica"`` or ``"fused"`` (module docstring of ``engine.fused``).
         executor: ``"auto"``, ``"inline"`` or ``"process"`` (this module's docstring).
 
     Attributes:
@@ -72,9 +65,9 @@ class Scheduler:
             learners waited for (not hidden behind learning), in seconds.
         timeline: a ``Timeline`` receiving every task's span, or None.
         cpu_conv: the worker processes' convolution library: ``"auto"`` (measured once per b,
-            ``runtime.workers.choose_onednn``), ``"onednn"`` or ``"aten"``.
+            ``engine.workers.choose_onednn``), ``"onednn"`` or ``"aten"``.
         max_divergence: if set (policies' DivergenceGuard), a replica with ‖ŵ_j − z‖/‖z‖ above
-            it is reset from z before its local update, like a NaN/Inf one (runtime/faults.py);
+            it is reset from z before its local update, like a NaN/Inf one (engine/faults.py);
             worker processes read it when they start.
     """
 
@@ -103,10 +96,10 @@ class Scheduler:
         self.sync_exposed_seconds = 0.0
         self.timeline = None
         self.seed = 0
-        self.comm = None  # a runtime.comm.Comm under torchrun: the global sync spans the ranks
+        self.comm = None  # a engine.comm.Comm under torchrun: the global sync spans the ranks
         self._fetch: Callable | None = None
         self._round_losses: dict[int, list] = {}  # device → its replicas' losses of the round
-        self._workers = None  # a runtime.workers.ProcessExecutor while one runs
+        self._workers = None  # a workers.ProcessExecutor while one runs
         self._fused = [FusedProgram(_clone_structure(s), loss_fn, batch_size) for s in states]
         self._cuda = None
         self._resolved: tuple[int, str] | None = None  # (k, executor) cache
@@ -140,7 +133,7 @@ class Scheduler:
 
     @property
     def num_learners(self) -> int:
-        """k, learners of every process (every rank has the same m per device, runtime/comm.py)."""
+        """k, learners of every process (every rank has the same m per device, engine/comm.py)."""
         return sum(s.m for s in self.states) * (self.comm.world_size if self.comm else 1)
 
     @property
@@ -165,8 +158,6 @@ class Scheduler:
             return "inline"
         k = self.num_learners
         if self._resolved is None or self._resolved[0] != k:
-            from .workers import fork_available
-
             cpu = all(s.torch_device.type == "cpu" for s in self.states)
             self._resolved = (k, "process" if (cpu and available_cores() >= 2 and k >= 2
                                                and fork_available()) else "inline")
@@ -227,8 +218,6 @@ class Scheduler:
         self._round = round_index
         if indices is not None and batch is None and self.resolved_executor() == "process":
             if self._workers is None:
-                from .workers import ProcessExecutor
-
                 self._workers = ProcessExecutor(self, self._fetch, seed=self.seed + round_index)
             self._workers.run_round(round_index, indices, synchronise, next_indices)
             return
@@ -314,7 +303,7 @@ class Scheduler:
 
         Replicas with NaN/Inf gradients, or a NaN/Inf loss in ``losses`` (the rows' losses of
         the round, r1 − r0 0-dim tensors), are first reset from z and so left out of the sum
-        (runtime/faults.py). Worker processes call it for their own rows. ``out``: ``[P]`` to
+        (engine/faults.py). Worker processes call it for their own rows. ``out``: ``[P]`` to
         write the sum of corrections into (default: a new tensor).
 
         Returns:
@@ -440,8 +429,6 @@ class Scheduler:
 
     def _streams(self):
         if self._cuda is None:
-            from ._cuda import CudaStreams
-
             self._cuda = CudaStreams(self.states, self.learner_mode)
         return self._cuda
 

@@ -43,11 +43,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
+from ..config import Adjustment
 from ..errors import CheckpointError
-from .faults import FaultEvent
-from .history import EpochRecord, EvalRecord, History
+from ..engine.faults import FaultEvent
+from .history import EpochRecord, EvalRecord, History, MetricRecord, PolicyRecord
 from .hooks import FitContext, Hook
-from .state import float_buffers_named, trainable_named
+from ..engine.state import float_buffers_named, trainable_named
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -197,8 +198,6 @@ def _restore_settings(plan: "Plan", sd: dict[str, Any]) -> None:
     """b, α and τ of a ``plan_state_dict`` through ``Plan.adjust`` (before the tensors are copied:
     a change of b re-plans, which resets the fault monitor). States without them (older
     checkpoints) keep the plan's."""
-    from .policies import Adjustment
-
     changes: dict[str, Any] = {}
     if sd.get("batch_size", plan.batch_size) != plan.batch_size:
         changes["batch_size"] = sd["batch_size"]
@@ -344,8 +343,6 @@ def _hook_key(i: int, hook: Hook) -> str:
 
 
 def _history_from(d: dict[str, Any], into: History) -> None:
-    from .metrics import MetricRecord
-    from .policies import PolicyRecord
 
     into.epochs = [EpochRecord(**e) for e in d["epochs"]]
     into.evals = [EvalRecord(**e) for e in d["evals"]]

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from .data import split_inputs
+from ..engine.inputs import split_inputs
 
 if TYPE_CHECKING:
     from ..api import Plan

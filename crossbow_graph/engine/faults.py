@@ -7,7 +7,7 @@ with ``isfinite``; only when it is not finite are the row sums tested, to find t
 non-finite element makes its row sum non-finite; a row sum that overflows float32 means the
 replica diverged anyway). A replica whose loss is NaN/Inf is faulty even when its gradients are
 finite (a ``torch.where`` that masks a NaN branch, a NaN term whose gradient is masked). With the
-C kernel backend (runtime/cpu_kernels.py) the rows are tested in C instead, element by element,
+C kernel backend (kernels/c_sma.py) the rows are tested in C instead, element by element,
 in one read of g (a finite row whose sum would overflow is then not faulty). A faulty replica j
 is reset from the device's central model before the local update — ``w[j] ← z``, ``v[j] ← 0``,
 ``g[j] ← 0``, float buffers ``buf[j] ← zbuf`` — so its correction α·(w[j] − z) is exactly zero:
@@ -166,7 +166,7 @@ class FaultMonitor:
 
     def share(self, comm: Any, round_index: int, num_learners: int) -> None:
         """Under torchrun, when some rank has events not yet shared: every rank's ``pending``
-        reaches every rank (one all-gather of pickled events over ``comm``, a runtime.comm.Comm).
+        reaches every rank (one all-gather of pickled events over ``comm``, a engine.comm.Comm).
         The other ranks' events join ``events`` (rank 0 logs them); ``pending`` empties.
 
         Every rank calls it in the same round (the global sync's all-reduce tells them when).

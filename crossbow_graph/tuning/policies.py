@@ -12,10 +12,10 @@ processes the ``Adjustment`` is what is broadcast from rank 0 before it is appli
 is taken in one place. Every applied adjustment is kept in ``History.policy``.
 
 The interface (``Policy``, ``Adjustment``, ``apply_adjustment``, ``PolicyRecord``) is in
-runtime/policy_base.py and ``AdaptiveBatchSize`` in runtime/adaptive_batch.py; this module
+tuning/policy_base.py and ``AdaptiveBatchSize`` in tuning/adaptive_batch.py; this module
 exports them with the other built-in policies.
 
-Built-in policies: ``AutoReplicas`` (the replica auto-tuner of runtime/autotune.py as a policy),
+Built-in policies: ``AutoReplicas`` (the replica auto-tuner of tuning/autotune.py as a policy),
 ``AdaptiveBatchSize`` (b toward the gradient noise scale), ``StepLR`` / ``MultiStepLR`` (with
 warm-up) / ``CosineLR`` (learning-rate schedules; a drop resets every replica to z, as the
 CROSSBOW reference code does) and ``DivergenceGuard`` (a replica that diverges from z or whose
@@ -30,11 +30,13 @@ from typing import Any
 
 import torch
 
+from ..config import Adjustment
+from ..engine.faults import FaultMonitor
+from ..training.history import PolicyRecord
+from ..training.hooks import FitContext
 from .adaptive_batch import AdaptiveBatchSize
 from .autotune import AutoTune, AutoTuner
-from .faults import FaultMonitor
-from .hooks import FitContext
-from .policy_base import Adjustment, Policy, PolicyRecord, apply_adjustment
+from .policy_base import Policy, apply_adjustment
 
 __all__ = ["Adjustment", "apply_adjustment", "PolicyRecord", "Policy", "AutoReplicas",
            "AdaptiveBatchSize", "StepLR", "MultiStepLR", "CosineLR", "DivergenceGuard",
@@ -45,7 +47,7 @@ __all__ = ["Adjustment", "apply_adjustment", "PolicyRecord", "Policy", "AutoRepl
 
 
 class AutoReplicas(Policy):
-    """The replica auto-tuner (runtime/autotune.py, CROSSBOW §4.4) as a policy.
+    """The replica auto-tuner (tuning/autotune.py, CROSSBOW §4.4) as a policy.
 
     Wraps an ``AutoTuner``: after a warm-up, every measurement window of whole rounds, add a
     replica per device while samples/s rise by more than ``threshold``, else undo the last one and
@@ -216,7 +218,7 @@ class CosineLR(_LRSchedule):
 class DivergenceGuard(Policy):
     """Reset replicas that diverge from z or whose loss explodes; z is never poisoned.
 
-    Two checks, both on top of runtime/faults.py (which already resets replicas with NaN/Inf
+    Two checks, both on top of engine/faults.py (which already resets replicas with NaN/Inf
     gradients before the local update, so that their correction is zero):
 
     * before the local update of every round, a replica with ‖ŵ_j − z‖/‖z‖ > ``max_divergence``
@@ -229,7 +231,7 @@ class DivergenceGuard(Policy):
       (w ← z, v ← 0, buffers ← zbuf) before the next round.
 
     Resets are FaultEvents in ``History.faults``; every learner failing in one round raises
-    DivergenceError (runtime/faults.py).
+    DivergenceError (engine/faults.py).
 
     Args:
         max_divergence: threshold on ‖ŵ_j − z‖/‖z‖ (> 0); None: only the loss check.

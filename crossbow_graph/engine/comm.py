@@ -6,7 +6,7 @@ Under ``torchrun`` (its environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, `
 becomes hierarchical: the devices of a process sum their corrections first (``C_p = Σ_{d of p}
 acc_d``), then one all-reduce (sum) per process per sync adds the processes' sums, packed with the
 sums of the replicas' float buffers (BatchNorm statistics) and the number of the process's fault
-events not yet shared (runtime/faults.py) into one flat tensor ``[P + Q + 1]``; every process then
+events not yet shared (engine/faults.py) into one flat tensor ``[P + Q + 1]``; every process then
 applies the same z update to its own copy of z. Bytes per sync and process: 4·(P + Q + 1) handed
 to the all-reduce, as for S-SGD's gradient all-reduce (docs/distributed.md).
 
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..config import Adjustment
 from ..errors import DistributedError, is_count
 
 if TYPE_CHECKING:
@@ -292,8 +293,6 @@ class Comm:
         if self.is_main:
             return stop
         if int(b0) != plan.batch_size or int(tau0) != plan.sync.sync_every:
-            from .policies import Adjustment
-
             plan.adjust(Adjustment(
                 batch_size=int(b0) if int(b0) != plan.batch_size else None,
                 sync_every=int(tau0) if int(tau0) != plan.sync.sync_every else None))

@@ -1,67 +1,27 @@
 """The policy interface (docs/design-overview.md §5, Policies): ``Policy``, a Hook that changes the
 plan between rounds only through ``Policy.adjust``, which builds one ``Adjustment`` (plain data:
 the decision) and applies it with ``apply_adjustment``; every applied one is a ``PolicyRecord`` in
-``History.policy``. The built-in policies are in runtime/policies.py and
-runtime/adaptive_batch.py; ``crossbow_graph.runtime.policies`` exports all of these names.
+``History.policy``. The built-in policies are in tuning/policies.py and
+tuning/adaptive_batch.py; ``crossbow_graph.tuning.policies`` exports all of these names.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..compiler.passes import build_task_graph
-from ..errors import is_count
-from .faults import FaultMonitor
-from .hooks import FitContext, Hook
+from ..config import Adjustment
+from ..engine.faults import FaultMonitor
+from ..training.history import PolicyRecord
+from ..training.hooks import FitContext, Hook
 
 if TYPE_CHECKING:
     from ..api import Plan
 
-__all__ = ["Adjustment", "apply_adjustment", "PolicyRecord", "Policy"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Adjustment:
-    """One decision: the settings to change from the next round on (None: unchanged).
-
-    Attributes:
-        lr: learning rate η (> 0).
-        batch_size: b, samples per learner per round (≥ 1); the task graph is re-planned and the
-            memory bound re-checked.
-        alpha: SMA α in (0, 1] (the pull toward z); ``"auto"`` restores 1/k.
-        sync_every: τ, rounds between synchronisations (≥ 1).
-        replicas_per_device: m (≥ 1; new replicas are cloned from z, ``Plan.set_replicas``).
-        reset_replicas: put every replica at z with zero momentum (float buffers from zbuf).
-
-    Raises:
-        ValueError: a value outside its range.
-    """
-
-    lr: float | None = None
-    batch_size: int | None = None
-    alpha: float | str | None = None
-    sync_every: int | None = None
-    replicas_per_device: int | None = None
-    reset_replicas: bool = False
-
-    def __post_init__(self) -> None:
-        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"Adjustment(lr={self.lr}): the learning rate must be finite and > 0")
-        for name in ("batch_size", "sync_every", "replicas_per_device"):
-            v = getattr(self, name)
-            if v is not None and not is_count(v):
-                raise ValueError(f"Adjustment({name}={v!r}): must be an integer ≥ 1")
-        if self.alpha is not None and self.alpha != "auto" and not 0 < self.alpha <= 1:
-            raise ValueError(f"Adjustment(alpha={self.alpha}): α must be in (0, 1], or 'auto' for 1/k")
-
-    def changes(self) -> dict[str, Any]:
-        """The fields that are set, as a dict."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, False)}
+__all__ = ["apply_adjustment", "Policy"]
 
 
 @torch.no_grad()
@@ -116,25 +76,6 @@ def apply_adjustment(plan: "Plan", adj: Adjustment) -> dict[str, Any]:
             FaultMonitor.reset(s, list(range(s.m)))
         done["reset_replicas"] = True
     return done
-
-
-@dataclass(kw_only=True)
-class PolicyRecord:
-    """One applied adjustment.
-
-    Attributes:
-        round: the plan's round count when it was decided (it applies from the next round).
-        epoch: 0-based epoch index then.
-        policy: the policy's class name.
-        changes: what changed, e.g. ``{"batch_size": 32, "lr": 0.04}``.
-        reason: the policy's own words, with the numbers it acted on.
-    """
-
-    round: int
-    epoch: int
-    policy: str
-    changes: dict = field(default_factory=dict)
-    reason: str = ""
 
 
 class Policy(Hook):

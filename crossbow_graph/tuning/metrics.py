@@ -43,7 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import is_count
-from .hooks import FitContext, Hook
+from ..training.history import MetricRecord
+from ..training.hooks import FitContext, Hook
 
 __all__ = ["NoiseScaleEstimate", "two_batch_estimate", "gradient_moments", "divergence",
            "MetricsMonitor"]
@@ -127,47 +128,6 @@ def divergence(states) -> torch.Tensor:
         znorm = float(z.norm()) or 1.0
         out.append((s.w - z).norm(dim=1).float().cpu() / znorm)
     return torch.cat(out)
-
-
-@dataclass(kw_only=True)
-class MetricRecord:
-    """One metrics window (every ``MetricsMonitor.every`` rounds).
-
-    Attributes:
-        round: the plan's round count at the end of the window.
-        epoch: fractional epoch at the end of the window (2.5 = half-way through the third).
-        samples_per_s: training samples per training second over the window.
-        train_loss: mean learner loss over the window's rounds.
-        lr: learning rate η in force; batch_size: b; replicas_per_device: m; num_learners: k;
-        alpha: α; sync_every: τ.
-        divergence_mean, divergence_max: mean and max over replicas of ‖w_j − z‖ / ‖z‖.
-        grad_sq, trace_sigma: the window's two-batch estimates of |G|² and tr Σ (None: k = 1).
-        grad_sq_ema, trace_sigma_ema: their bias-corrected exponential moving averages (None in
-            the monitor's warm-up windows: ``MetricsMonitor.warmup_windows``).
-        noise_scale: B_noise = trace_sigma_ema / grad_sq_ema, samples (None when k = 1, in the
-            monitor's warm-up windows, or while the EMA of |G|² is ≤ 0).
-        test_accuracy: z's accuracy at the last evaluation inside the window (including one right
-            after its last round), else None.
-    """
-
-    round: int
-    epoch: float
-    samples_per_s: float
-    train_loss: float
-    lr: float
-    batch_size: int
-    replicas_per_device: int
-    num_learners: int
-    alpha: float
-    sync_every: int
-    divergence_mean: float
-    divergence_max: float
-    grad_sq: float | None = None
-    trace_sigma: float | None = None
-    grad_sq_ema: float | None = None
-    trace_sigma_ema: float | None = None
-    noise_scale: float | None = None
-    test_accuracy: float | None = None
 
 
 class MetricsMonitor(Hook):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["EpochRecord", "EvalRecord", "AutotuneRecord", "History"]
+__all__ = ["EpochRecord", "EvalRecord", "AutotuneRecord", "MetricRecord", "PolicyRecord", "History"]
 
 
 @dataclass(kw_only=True)
@@ -76,6 +76,66 @@ class AutotuneRecord:
 
 
 @dataclass(kw_only=True)
+class MetricRecord:
+    """One metrics window (every ``MetricsMonitor.every`` rounds).
+
+    Attributes:
+        round: the plan's round count at the end of the window.
+        epoch: fractional epoch at the end of the window (2.5 = half-way through the third).
+        samples_per_s: training samples per training second over the window.
+        train_loss: mean learner loss over the window's rounds.
+        lr: learning rate η in force; batch_size: b; replicas_per_device: m; num_learners: k;
+        alpha: α; sync_every: τ.
+        divergence_mean, divergence_max: mean and max over replicas of ‖w_j − z‖ / ‖z‖.
+        grad_sq, trace_sigma: the window's two-batch estimates of |G|² and tr Σ (None: k = 1).
+        grad_sq_ema, trace_sigma_ema: their bias-corrected exponential moving averages (None in
+            the monitor's warm-up windows: ``MetricsMonitor.warmup_windows``).
+        noise_scale: B_noise = trace_sigma_ema / grad_sq_ema, samples (None when k = 1, in the
+            monitor's warm-up windows, or while the EMA of |G|² is ≤ 0).
+        test_accuracy: z's accuracy at the last evaluation inside the window (including one right
+            after its last round), else None.
+    """
+
+    round: int
+    epoch: float
+    samples_per_s: float
+    train_loss: float
+    lr: float
+    batch_size: int
+    replicas_per_device: int
+    num_learners: int
+    alpha: float
+    sync_every: int
+    divergence_mean: float
+    divergence_max: float
+    grad_sq: float | None = None
+    trace_sigma: float | None = None
+    grad_sq_ema: float | None = None
+    trace_sigma_ema: float | None = None
+    noise_scale: float | None = None
+    test_accuracy: float | None = None
+
+
+@dataclass(kw_only=True)
+class PolicyRecord:
+    """One applied adjustment.
+
+    Attributes:
+        round: the plan's round count when it was decided (it applies from the next round).
+        epoch: 0-based epoch index then.
+        policy: the policy's class name.
+        changes: what changed, e.g. ``{"batch_size": 32, "lr": 0.04}``.
+        reason: the policy's own words, with the numbers it acted on.
+    """
+
+    round: int
+    epoch: int
+    policy: str
+    changes: dict = field(default_factory=dict)
+    reason: str = ""
+
+
+@dataclass(kw_only=True)
 class History:
     """Everything a fit measured.
 
@@ -85,14 +145,14 @@ class History:
         target_accuracy: the requested target, if any.
         time_to_accuracy_s: training seconds when z first reached the target (None if never).
         epochs_to_accuracy: epochs (fractional) at that point.
-        faults: every replica reset for NaN/Inf (runtime/faults.py FaultEvent: round, device,
+        faults: every replica reset for NaN/Inf (engine/faults.py FaultEvent: round, device,
             replica, rank; under torchrun every rank's).
         autotune: every decision of the replica auto-tuner, in order.
         sync_seconds: synchronisation work during the fit (local and global syncs), seconds.
         sync_exposed_seconds: the part of it learners waited for (not hidden), seconds.
-        metrics: one runtime/metrics.py MetricRecord per metrics window (samples/s, loss, lr, b,
+        metrics: one tuning/metrics.py MetricRecord per metrics window (samples/s, loss, lr, b,
             m, divergence, gradient noise scale; ``fit(metrics_every=N)``).
-        policy: every adjustment a policy applied (runtime/policy_base.py PolicyRecord).
+        policy: every adjustment a policy applied (tuning/policy_base.py PolicyRecord).
     """
 
     epochs: list[EpochRecord] = field(default_factory=list)
