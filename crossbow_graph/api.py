@@ -26,7 +26,8 @@ from .training.checkpoint import load_plan_state_dict, plan_state_dict
 from .training.data import as_dataset, make_fetch
 from .training.history import History
 from .training.hooks import Hook
-from .training.trainer import run_fit
+from .training.options import FitOptions
+from .training.trainer import Trainer
 from .tuning.autotune import AutoTune, AutoTuner
 from .tuning.metrics import MetricsMonitor
 from .tuning.policy_base import apply_adjustment
@@ -120,24 +121,12 @@ def _check_batch_norm(model_graph: ModelGraph, batch_size: int) -> None:
 
 
 def compile(  # noqa: A001 - the public name the design asks for
-    model: nn.Module,
-    example_inputs: tuple[Any, ...],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    *,
-    batch_size: int,
-    devices: int | str | Sequence[str] = 1,
-    replicas: int | str = "auto",
-    learner_mode: str = "per_replica",
-    executor: str = "auto",
-    autotune: AutoTune | None = None,
-    optimizer: SGD = SGD(),
-    sync: SMA | SSGD = SMA(),
-    concrete_args: dict[str, Any] | None = None,
-    leaf_modules: Sequence[type[nn.Module]] = (),
-    memory_budget: int | None = None,
-    verify: bool = True,
-    kernel_backend: str = "auto",
-    distributed: Distributed | None = None,
+    model: nn.Module, example_inputs: tuple[Any, ...], loss_fn: Callable[[Any, Any], torch.Tensor],
+    *, batch_size: int, devices: int | str | Sequence[str] = 1, replicas: int | str = "auto",
+    learner_mode: str = "per_replica", executor: str = "auto", autotune: AutoTune | None = None,
+    optimizer: SGD = SGD(), sync: SMA | SSGD = SMA(), concrete_args: dict[str, Any] | None = None,
+    leaf_modules: Sequence[type[nn.Module]] = (), memory_budget: int | None = None,
+    verify: bool = True, kernel_backend: str = "auto", distributed: Distributed | None = None,
 ) -> "Plan":
     """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training.
 
@@ -198,51 +187,109 @@ def compile(  # noqa: A001 - the public name the design asks for
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
         DistributedError: under torchrun, the ranks' plans differ (names the difference).
     """
-    if not is_count(batch_size):
-        raise ValueError(f"batch_size={batch_size!r}: must be a positive integer, e.g. 16")
-    tuned = replicas == "auto"
-    if not tuned and not is_count(replicas):
-        raise ValueError(f"replicas={replicas!r}: replicas per device must be an integer ≥ 1 "
-                         "or 'auto'")
-    if autotune is not None and not isinstance(autotune, AutoTune):
-        raise TypeError(f"autotune must be crossbow_graph.AutoTune(...), got {type(autotune).__name__}")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
-    if isinstance(loss_fn, type):  # the class itself is callable too: loss_fn(output, target) builds one
-        prefix = "nn." if loss_fn.__module__.startswith("torch.nn") else ""
-        raise TypeError(f"loss_fn={prefix}{loss_fn.__name__} is a class, not a loss: pass an "
-                        f"instance: {prefix}{loss_fn.__name__}()")
-    if not isinstance(optimizer, SGD):
-        raise TypeError(f"optimizer must be crossbow_graph.SGD(...), got {type(optimizer).__name__}")
-    if not isinstance(sync, (SMA, SSGD)):
-        raise TypeError(f"sync must be crossbow_graph.SMA(...) or crossbow_graph.SSGD(), "
-                        f"got {type(sync).__name__}")
-    if isinstance(sync, SSGD) and executor == "process":
-        raise ValueError("sync=SSGD() runs on the inline executor only: its step needs the global "
-                         "gradient, which the process executor's workers do not wait for; use "
-                         "executor='auto' or 'inline'")
-    _check_model(model)
-    if distributed is not None and not isinstance(distributed, Distributed):
-        raise TypeError(f"distributed must be crossbow_graph.Distributed(...), got {type(distributed).__name__}")
+    args = _CompileArgs(
+        model=model, example_inputs=example_inputs, loss_fn=loss_fn, batch_size=batch_size,
+        devices=devices, replicas=replicas, learner_mode=learner_mode, executor=executor,
+        autotune=autotune, optimizer=optimizer, sync=sync, concrete_args=concrete_args,
+        leaf_modules=leaf_modules, memory_budget=memory_budget, verify=verify,
+        kernel_backend=kernel_backend, distributed=distributed)
+    return _build_plan(args)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _CompileArgs:
+    """``compile``'s arguments, checked when built (ValueError/TypeError as ``compile``
+    documents them), before any tracing."""
+
+    model: nn.Module
+    example_inputs: tuple[Any, ...]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    batch_size: int
+    devices: int | str | Sequence[str]
+    replicas: int | str
+    learner_mode: str
+    executor: str
+    autotune: AutoTune | None
+    optimizer: SGD
+    sync: SMA | SSGD
+    concrete_args: dict[str, Any] | None
+    leaf_modules: Sequence[type[nn.Module]]
+    memory_budget: int | None
+    verify: bool
+    kernel_backend: str
+    distributed: Distributed | None
+
+    @property
+    def tuned(self) -> bool:
+        """``replicas="auto"``: the auto-tuner picks m."""
+        return self.replicas == "auto"
+
+    def __post_init__(self) -> None:
+        batch_size, replicas, loss_fn = self.batch_size, self.replicas, self.loss_fn
+        autotune, optimizer, sync = self.autotune, self.optimizer, self.sync
+        if not is_count(batch_size):
+            raise ValueError(f"batch_size={batch_size!r}: must be a positive integer, e.g. 16")
+        if not self.tuned and not is_count(replicas):
+            raise ValueError(f"replicas={replicas!r}: replicas per device must be an integer ≥ 1 "
+                             "or 'auto'")
+        if autotune is not None and not isinstance(autotune, AutoTune):
+            raise TypeError(f"autotune must be crossbow_graph.AutoTune(...), got {type(autotune).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+        if isinstance(loss_fn, type):  # the class itself is callable too: loss_fn(output, target) builds one
+            prefix = "nn." if loss_fn.__module__.startswith("torch.nn") else ""
+            raise TypeError(f"loss_fn={prefix}{loss_fn.__name__} is a class, not a loss: pass an "
+                            f"instance: {prefix}{loss_fn.__name__}()")
+        if not isinstance(optimizer, SGD):
+            raise TypeError(f"optimizer must be crossbow_graph.SGD(...), got {type(optimizer).__name__}")
+        if not isinstance(sync, (SMA, SSGD)):
+            raise TypeError(f"sync must be crossbow_graph.SMA(...) or crossbow_graph.SSGD(), "
+                            f"got {type(sync).__name__}")
+        if isinstance(sync, SSGD) and self.executor == "process":
+            raise ValueError("sync=SSGD() runs on the inline executor only: its step needs the global "
+                             "gradient, which the process executor's workers do not wait for; use "
+                             "executor='auto' or 'inline'")
+        _check_model(self.model)
+        distributed = self.distributed
+        if distributed is not None and not isinstance(distributed, Distributed):
+            raise TypeError(f"distributed must be crossbow_graph.Distributed(...), got {type(distributed).__name__}")
+
+
+def _build_plan(args: _CompileArgs) -> "Plan":
+    """``compile`` after its argument checks: devices and torchrun's process group, the update
+    kernels' backend, the traced model and the task graph, the Plan."""
+    names, comm = _devices_and_comm(args.devices, args.distributed)
+    kernels = select_backend(args.kernel_backend, "cuda" if names[0].startswith("cuda") else "cpu",
+                             model_dtype(trainable_named(args.model)))
+    model_graph = trace_model(args.model, args.example_inputs, concrete_args=args.concrete_args,
+                              leaf_modules=args.leaf_modules)
+    _check_batch_norm(model_graph, args.batch_size)
+    memory_budget = args.memory_budget
+    if memory_budget is None and names[0].startswith("cuda"):
+        memory_budget = torch.cuda.get_device_properties(_torch_device(names[0])).total_memory
+    graph = build_task_graph(model_graph, devices=names,
+                             replicas_per_device=1 if args.tuned else args.replicas,
+                             batch_size=args.batch_size, memory_budget_bytes=memory_budget,
+                             verify=args.verify)
+    plan = Plan(model=args.model, model_graph=model_graph, task_graph=graph, loss_fn=args.loss_fn,
+                batch_size=args.batch_size, optimizer=args.optimizer, sync=args.sync,
+                learner_mode=args.learner_mode, executor=args.executor,
+                memory_budget=memory_budget, verify=args.verify,
+                autotune=(args.autotune or AutoTune()) if args.tuned else None, kernels=kernels,
+                comm=comm)
+    plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
+    return plan
+
+
+def _devices_and_comm(devices: int | str | Sequence[str],
+                      distributed: Distributed | None) -> tuple[list[str], Comm | None]:
+    """The device names (``resolve_devices``) and, under torchrun, this rank's Comm; with
+    ``devices="auto"`` on GPUs a rank takes ``cuda:LOCAL_RANK``."""
     names = resolve_devices(devices)
     comm = Comm.from_env(distributed, on_cuda=names[0].startswith("cuda"))
     if comm is not None and devices == "auto" and names[0].startswith("cuda"):
         names = [f"cuda:{comm.local_rank}"]  # one process per GPU, as torchrun launches them
-    kernels = select_backend(kernel_backend, "cuda" if names[0].startswith("cuda") else "cpu",
-                             model_dtype(trainable_named(model)))
-    model_graph = trace_model(model, example_inputs, concrete_args=concrete_args,
-                              leaf_modules=leaf_modules)
-    _check_batch_norm(model_graph, batch_size)
-    if memory_budget is None and names[0].startswith("cuda"):
-        memory_budget = torch.cuda.get_device_properties(_torch_device(names[0])).total_memory
-    graph = build_task_graph(model_graph, devices=names, replicas_per_device=1 if tuned else replicas,
-                             batch_size=batch_size, memory_budget_bytes=memory_budget, verify=verify)
-    plan = Plan(model=model, model_graph=model_graph, task_graph=graph, loss_fn=loss_fn,
-                batch_size=batch_size, optimizer=optimizer, sync=sync, learner_mode=learner_mode,
-                executor=executor, memory_budget=memory_budget, verify=verify,
-                autotune=(autotune or AutoTune()) if tuned else None, kernels=kernels, comm=comm)
-    plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
-    return plan
+    return names, comm
 
 
 class Plan:
@@ -573,38 +620,15 @@ class Plan:
 
         Args:
             train_dataset: a torch Dataset (or DataLoader) of ``(inputs, target)`` samples.
-            epochs: epochs to run (≥ 1).
             eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch.
-            shuffle: shuffle every epoch.
-            seed: seeds the data order and, at the start of the fit, this process's torch,
-                Python ``random`` and NumPy global RNGs (dropout, a Dataset's augmentation; the
-                caller's states are replaced); worker processes reseed every round from (seed,
-                round, worker), so their draws differ and reproduce.
-            target_accuracy: stop once z's test accuracy reaches it (needs ``eval_dataset``).
-            evals_per_epoch: evaluations per epoch (time-to-accuracy resolution).
-            eval_batch_size: batch size of evaluation.
-            progress: show a progress bar.
-            hooks: Hook objects called at fit, epoch, round and evaluation boundaries (the
-                plan's auto-tuner, with ``replicas="auto"``, runs first); those with
-                ``state_dict()``/``load_state_dict()`` are checkpointed.
-            checkpoint_dir: write checkpoints of the whole state there (docs/reliability.md):
-                every ``checkpoint_every`` rounds and at the end of every complete epoch; the
-                newest two are kept.
-            checkpoint_every: rounds between checkpoints (≥ 1); None: at epoch ends only.
-            resume: continue from the newest good checkpoint in ``checkpoint_dir`` (bit-identical
-                to an uninterrupted run); ``epochs`` then counts the epochs of the whole run, as
-                when the same command is run again. Without a checkpoint there, start afresh.
-            log_dir: write per-round and per-epoch CSV, TensorBoard events and ``history.json``.
-            trace: write a Chrome-trace JSON timeline of every task to this path
-                (``chrome://tracing``, Perfetto): the global sync of round t under round t+1's
-                learning is the overlap.
-            policies: hyper-parameter policies (``crossbow_graph.Policy``: AdaptiveBatchSize,
-                StepLR, DivergenceGuard, ...; tuning/policies.py, docs/design-overview.md §5), run after the
-                hooks and the metrics; they change the plan through ``Plan.adjust``.
             metrics_every: N, rounds per metrics window (``History.metrics``: samples/s, loss,
                 lr, divergence, gradient noise scale; tuning/metrics.py); or a
                 ``crossbow_graph.MetricsMonitor`` for its other settings (``ema``,
                 ``measure_rounds``, ``warmup_windows``); None: no metrics.
+            epochs, shuffle, seed, target_accuracy, evals_per_epoch, eval_batch_size, progress,
+                hooks, checkpoint_dir, checkpoint_every, resume, log_dir, trace, policies: the
+                fit's options, as ``crossbow_graph.training.options.FitOptions`` documents them
+                (the plan's auto-tuner, with ``replicas="auto"``, runs before ``hooks``).
 
         Returns:
             The History: per epoch training loss, test accuracy, samples/s, training seconds;
@@ -627,16 +651,17 @@ class Plan:
             CheckpointError: ``resume`` found checkpoints but none readable, or one written for
                 another model, plan or data order (before any round).
         """
-        history = run_fit(
-            self, train_dataset, epochs, eval_dataset=eval_dataset, shuffle=shuffle, seed=seed,
-            target_accuracy=target_accuracy, evals_per_epoch=evals_per_epoch,
-            eval_batch_size=eval_batch_size, progress=progress,
-            hooks=([self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main)
-                   else []) + list(hooks),
-            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-            log_dir=log_dir, trace=trace, policies=list(policies),
-            metrics=metrics_every if isinstance(metrics_every, MetricsMonitor) or metrics_every is None
-            else MetricsMonitor(metrics_every))
+        tuner = [self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main) \
+            else []
+        hooks = tuner + list(hooks)
+        metrics = metrics_every if isinstance(metrics_every, MetricsMonitor) or metrics_every is None \
+            else MetricsMonitor(metrics_every)
+        options = FitOptions(
+            epochs=epochs, shuffle=shuffle, seed=seed, target_accuracy=target_accuracy,
+            evals_per_epoch=evals_per_epoch, eval_batch_size=eval_batch_size, progress=progress,
+            hooks=hooks, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            resume=resume, log_dir=log_dir, trace=trace, policies=policies, metrics=metrics)
+        history = Trainer(self, train_dataset, eval_dataset, options).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self._int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)
         return history

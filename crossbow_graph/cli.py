@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Small-batch, many-replica training with synchronous model averaging (SMA).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_train_parser(sub)
+    _add_inspect_parser(sub)
+    return parser
+
+
+def _add_train_parser(sub) -> None:
     train = sub.add_parser(
         "train", help="train a zoo model on a real dataset with SMA",
         description="Train a model of the zoo with SMA and print the central model's test accuracy. "
@@ -146,8 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a hyper-parameter policy, repeatable: auto_replicas, adaptive_batch, "
                             "step_lr, multistep_lr, cosine_lr, divergence_guard (e.g. "
                             "adaptive_batch:max_batch_size=128; tuples as 3/4)")
-    _add_inspect_parser(sub)
-    return parser
 
 
 def _add_inspect_parser(sub) -> None:
@@ -352,8 +356,13 @@ def _train(args: argparse.Namespace) -> int:
         sys.stdout.write(f"rank {comm.rank}/{comm.world_size}: z checksum "
                          f"{z_digest(plan.central_weights())} after {plan.rounds_done} rounds\n")
         sys.stdout.flush()
-    if not main_rank:
-        return 0
+    if main_rank:
+        _print_results(plan, history, target)
+    return 0
+
+
+def _print_results(plan: cg.Plan, history: cg.History, target: float | None) -> None:
+    """The auto-tuner's and policies' decisions, a line per epoch, the time to the target."""
     for d in history.autotune:
         print(f"autotune round {d.round}: m={d.replicas_per_device} {d.learner_mode} "
               f"{d.samples_per_s:,.0f} samples/s → {d.action} (m={d.next_replicas_per_device}, "
@@ -372,7 +381,6 @@ def _train(args: argparse.Namespace) -> int:
     print(f"final test accuracy {history.final_accuracy:.4f} ({reached} target {target}) after "
           f"{epochs:.2f} epochs, {seconds:.1f} training seconds, "
           f"{samples / max(plan.train_seconds, 1e-9):,.0f} samples/s")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

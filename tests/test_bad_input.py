@@ -16,6 +16,7 @@ import crossbow_graph as cg
 from crossbow_graph import cli, datasets
 from crossbow_graph.errors import PlanError, TaskError, TraceError
 from crossbow_graph.training.hooks import Hook
+from crossbow_graph.training.options import FitOptions
 
 from _fake_cifar import write_fake_cifar
 
@@ -202,6 +203,25 @@ def test_eval_batch_size_not_a_positive_integer():
 
 def test_seed_not_an_integer():
     fails_before_training(TypeError, r"seed=0.5: must be an integer, e.g. seed=0", seed=0.5)
+
+
+def test_epochs_resume_and_target_without_what_they_need():
+    p = plan()
+    with pytest.raises(ValueError, match=r"epochs=0: must be an integer ≥ 1"):
+        p.fit(ds(), 0, progress=False)
+    assert p.rounds_done == 0
+    fails_before_training(ValueError, r"resume=True needs checkpoint_dir", resume=True)
+    fails_before_training(ValueError, r"target_accuracy needs an eval_dataset", target_accuracy=0.9)
+
+
+def test_fit_options_are_checked_when_built():
+    """The options Plan.fit trains with fail when they are built, with fit's messages."""
+    with pytest.raises(TypeError, match=r"seed=0.5: must be an integer, e.g. seed=0"):
+        FitOptions(seed=0.5)
+    with pytest.raises(ValueError, match=r"eval_batch_size=0: must be an integer ≥ 1"):
+        FitOptions(eval_batch_size=0)
+    options = FitOptions(epochs=2, hooks=[RoundCounter()], policies=[])
+    assert isinstance(options.hooks, tuple) and options.policies == ()
 
 
 def test_eval_dataset_that_does_not_fit_the_model():

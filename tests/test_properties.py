@@ -121,17 +121,19 @@ def test_alpha_one_over_k_without_central_momentum_is_the_mean(devices, replicas
 @given(n=st.integers(1, 300), k=st.integers(1, 8), b=st.integers(1, 12), shuffle=st.booleans(),
        seed=st.integers(0, 2**31), epoch=st.integers(0, 5))
 def test_schedule_never_loses_or_repeats_a_sample(n, k, b, shuffle, seed, epoch):
-    schedule = BatchSchedule(n, k, b, shuffle=shuffle, seed=seed)
+    schedule = BatchSchedule(n, shuffle=shuffle, seed=seed)
     order = schedule.order(epoch)
-    rounds = schedule.rounds_per_epoch
+    rounds = schedule.rounds_per_epoch(k, b)
     assert rounds == n // (k * b)
-    per_learner = [schedule.round_indices(order, t, j, 1) for t in range(rounds) for j in range(k)]
+    per_learner = [schedule.round_indices(order, t, k, b, j, 1) for t in range(rounds)
+                   for j in range(k)]
     assert all(len(ix) == b for ix in per_learner)
     seen = torch.cat(per_learner + [torch.zeros(0, dtype=torch.long)])
     assert len(seen) == len(set(seen.tolist())) == rounds * k * b  # nothing repeated
     assert all(0 <= i < n for i in seen.tolist())
     assert n - len(seen) < k * b  # only the last partial round is dropped
-    whole = torch.cat([schedule.round_indices(order, t) for t in range(rounds)] + [seen[:0]])
+    whole = torch.cat([schedule.round_indices(order, t, k, b) for t in range(rounds)]
+                      + [seen[:0]])
     assert torch.equal(whole, seen)  # a round's batch is its learners' batches, device-major
 
 

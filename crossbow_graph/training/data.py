@@ -35,28 +35,24 @@ class BatchSchedule:
     dataset's own order with ``shuffle=False``. Rounds consume the order from a cursor: a round of
     k learners takes the next k·b positions, learner j (device-major) the positions
     ``[pos + j·b, pos + (j+1)·b)``; a last partial round is dropped. With a fixed k, round t is
-    positions ``[(t·k + j)·b, (t·k + j + 1)·b)``. ``num_learners`` may change between rounds (the
-    auto-tuner adds and removes replicas): the cursor keeps every batch of an epoch disjoint.
+    positions ``[(t·k + j)·b, (t·k + j + 1)·b)``. k and b are the caller's, given with every
+    round (the auto-tuner adds and removes replicas, policies change b, between rounds): the
+    cursor keeps every batch of an epoch disjoint.
 
     Args:
         num_samples: N.
-        num_learners: k (settable between rounds).
-        batch_size: b per learner.
         shuffle: shuffle each epoch.
         seed: the seed of the orders.
     """
 
-    def __init__(self, num_samples: int, num_learners: int, batch_size: int, *, shuffle: bool,
-                 seed: int) -> None:
+    def __init__(self, num_samples: int, *, shuffle: bool, seed: int) -> None:
         self.num_samples = num_samples
-        self.num_learners = num_learners
-        self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
 
-    @property
-    def rounds_per_epoch(self) -> int:
-        return self.num_samples // (self.num_learners * self.batch_size)
+    def rounds_per_epoch(self, num_learners: int, batch_size: int) -> int:
+        """Full rounds of k = ``num_learners`` learners × b = ``batch_size`` samples in an epoch."""
+        return self.num_samples // (num_learners * batch_size)
 
     def order(self, epoch: int) -> torch.Tensor:
         """The sample order of ``epoch``, ``[N]`` int64."""
@@ -65,17 +61,21 @@ class BatchSchedule:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_samples, generator=gen)
 
-    def next_round(self, order: torch.Tensor, position: int) -> torch.Tensor | None:
-        """Sample indices ``[k·b]`` of the round that starts at ``position`` of ``order``, or None
-        when fewer than k·b samples are left in the epoch."""
-        n = self.num_learners * self.batch_size
+    def next_round(self, order: torch.Tensor, position: int, num_learners: int,
+                   batch_size: int) -> torch.Tensor | None:
+        """Sample indices ``[k·b]`` of the round of k = ``num_learners`` learners × b =
+        ``batch_size`` samples that starts at ``position`` of ``order``, or None when fewer than
+        k·b samples are left in the epoch."""
+        n = num_learners * batch_size
         if position + n > len(order):
             return None
         return order[position:position + n]
 
-    def round_indices(self, order: torch.Tensor, t: int, first: int = 0, count: int | None = None) -> torch.Tensor:
-        """Sample indices of round t for learners ``first … first+count−1``, ``[count·b]``."""
-        k, b = self.num_learners, self.batch_size
+    def round_indices(self, order: torch.Tensor, t: int, num_learners: int, batch_size: int,
+                      first: int = 0, count: int | None = None) -> torch.Tensor:
+        """Sample indices of round t (of k = ``num_learners`` learners × b = ``batch_size``
+        samples every round) for learners ``first … first+count−1``, ``[count·b]``."""
+        k, b = num_learners, batch_size
         count = k - first if count is None else count
         start = (t * k + first) * b
         return order[start:start + count * b]

@@ -1,8 +1,14 @@
-"""The training loop of ``Plan.fit``: rounds, evaluation, time-to-accuracy (docs/design-overview.md §2, §6)."""
+"""The training loop of ``Plan.fit``: rounds, evaluation, time-to-accuracy (docs/design-overview.md §2, §6).
+
+``Trainer.run`` prepares the fit (``_prepare``: checks, agreement under torchrun, seeds, hooks,
+a resume) and runs its epochs; ``run_epoch`` runs rounds (``run_round``) until the epoch's order
+is used up, evaluating z (``evaluate``) at the epoch's evaluation points, and records the epoch
+(``record_epoch``). The fit's state (the epoch's position, rounds, samples, training seconds, the
+next evaluation point) lives in the Trainer's fields between the phases.
+"""
 
 from __future__ import annotations
 
-import numbers
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -11,51 +17,32 @@ from tqdm.auto import tqdm
 
 from ..engine._learners import seed_host_rngs
 from ..engine.timeline import Timeline
-from ..errors import is_count
 from .checkpoint import CheckpointHook, load_plan_state_dict, plan_state_dict
 from .data import BatchSchedule, as_dataset, make_fetch
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
 from .metrics_log import MetricsLogger
+from .options import FitOptions
 from .validate import check_first_batch
 
 if TYPE_CHECKING:
     from ..api import Plan
 
-__all__ = ["run_fit"]
+__all__ = ["Trainer"]
 
 
-def run_fit(
-    plan: "Plan",
-    train_dataset: Any,
-    epochs: int,
-    *,
-    eval_dataset: Any,
-    shuffle: bool,
-    seed: int,
-    target_accuracy: float | None,
-    evals_per_epoch: int,
-    eval_batch_size: int,
-    progress: bool,
-    hooks: list[Hook] = (),
-    checkpoint_dir: str | None = None,
-    checkpoint_every: int | None = None,
-    resume: bool = False,
-    log_dir: str | None = None,
-    trace: str | None = None,
-    policies: list[Hook] = (),
-    metrics: Hook | None = None,
-) -> History:
-    """Run ``Plan.fit`` (see its docstring for the arguments and errors).
+class Trainer:
+    """Runs ``Plan.fit``: ``Trainer(plan, train_dataset, eval_dataset, options).run()``.
 
     Rounds take the next k·b samples of the epoch's order (``BatchSchedule.next_round``), with k
-    read before every round, so hooks (the auto-tuner) may change the replicas between rounds and
-    every batch of an epoch stays disjoint (b too is read before every round: policies may change
-    it). A MetricsMonitor (every ``metrics_every`` rounds) runs after the other hooks and before
-    the ``policies``, which run last but for logging and checkpoints. A resumed fit starts at the
-    saved sample position of its epoch. Worker processes, if any, live for the fit. Torch's RNG
-    is seeded with ``seed``, Python's ``random`` and NumPy's from it (``seed_host_rngs``), before
-    a resume restores the checkpoint's states.
+    and b read from the plan before every round, so hooks (the auto-tuner) may change the
+    replicas between rounds and every batch of an epoch stays disjoint (policies may change b).
+    A MetricsMonitor (``options.metrics``, every ``metrics_every`` rounds) runs after the other
+    hooks and before the ``policies``, which run last but for logging and checkpoints. A resumed
+    fit starts at the saved sample position of its epoch. Worker processes, if any, live for the
+    fit. Torch's RNG is seeded with ``seed``, Python's ``random`` and NumPy's from it
+    (``seed_host_rngs``), before a resume restores the checkpoint's states. Training seconds
+    count the rounds and their hooks, not evaluation.
 
     Under torchrun (``plan.comm``) every rank draws the same round of k·b indices and keeps its own
     learners' rows (rank r: global learners r·k_r …, ``_mine``); only rank 0 shows progress,
@@ -68,104 +55,355 @@ def run_fit(
 
     The epoch's ``train_loss`` and the hooks' ``round_loss`` are the means of the learners'
     finite losses: a faulty replica's NaN/Inf loss is left out, as the replica is.
+
+    Args:
+        plan: the Plan to train.
+        train_dataset: a torch Dataset (or DataLoader) of ``(inputs, target)`` samples.
+        eval_dataset: evaluated with z ``options.evals_per_epoch`` times per epoch, or None.
+        options: the fit's FitOptions (already checked).
+
+    The state between the phases: ``epoch``, its ``order`` and ``position`` (samples of the
+    order used), ``rounds_run`` and ``samples_run`` in it, ``epoch_seconds`` (its training
+    seconds up to ``start``, the clock's last start, ``time.perf_counter``), ``eval_points``
+    (positions) and ``next_eval``, ``acc`` (the last test accuracy), ``agree`` (rank 0's
+    settings to apply before the next round), ``monitor`` and ``faults_seen`` (the fault events
+    already in the History).
+
+    ``run`` raises what ``Plan.fit`` documents.
     """
-    if not is_count(epochs):
-        raise ValueError(f"epochs={epochs!r}: must be an integer ≥ 1")
-    _check_fit_args(seed, target_accuracy, evals_per_epoch, eval_batch_size)
-    if target_accuracy is not None and eval_dataset is None:
-        raise ValueError("target_accuracy needs an eval_dataset to measure z's accuracy on")
-    train = as_dataset(train_dataset)
-    k, b = plan.num_learners, plan.batch_size
-    if len(train) < k * b:
-        raise ValueError(
-            f"train_dataset has {len(train)} samples, fewer than one round of {k} learners × "
-            f"{b} samples = {k * b}; lower the batch size or the replicas, or add data"
-        )
-    if resume and checkpoint_dir is None:
-        raise ValueError("resume=True needs checkpoint_dir, the directory to resume from")
-    comm = plan.comm
-    if comm is not None:
-        comm.agree({"train samples": len(train), "epochs": epochs, "shuffle": shuffle, "seed": seed,
-                    "evals_per_epoch": evals_per_epoch, "target_accuracy": target_accuracy,
-                    "checkpoint_every": checkpoint_every, "resume": resume,
-                    "rounds done": plan.rounds_done,
+
+    def __init__(self, plan: "Plan", train_dataset: Any, eval_dataset: Any,
+                 options: FitOptions) -> None:
+        self.plan, self.options = plan, options
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.comm = plan.comm
+        self.main = self.comm is None or self.comm.is_main  # rank 0 logs, checkpoints, evaluates
+
+    # -- the fit ------------------------------------------------------------------------------
+
+    def run(self) -> History:
+        """Prepare the fit, then run its epochs inside the scheduler's fit (worker processes);
+        under torchrun compare z at the end. Returns the History."""
+        self._prepare()
+        trace, comm, sched = self.options.trace, self.comm, self.plan.scheduler
+        self.timeline = Timeline() if trace is not None else None
+        self.fit_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
+        sched.begin_fit(self.fetch, seed=self.options.seed, timeline=self.timeline)
+        try:
+            self._run_epochs()
+            if comm is not None:
+                comm.check_z(self.plan.states[0].z, self.plan.rounds_done - 1)
+        except BaseException:
+            if comm is not None:
+                comm.close()  # the others see this rank gone at once instead of at their timeout
+            raise
+        finally:
+            sched.end_fit()
+            self._sync_totals()
+            if self.timeline is not None:
+                self.timeline.save(trace)
+        return self.history
+
+    def _prepare(self) -> None:
+        """Everything before the first round: the data's checks, the ranks' agreement on the fit,
+        the first batches' checks, the seeds, the hooks and a resume."""
+        opts, plan = self.options, self.plan
+        self.train = self._check_datasets()
+        self._agree_on_the_fit()
+        self.schedule = BatchSchedule(len(self.train), shuffle=opts.shuffle, seed=opts.seed)
+        # a dataset that gathers whole batches at once (e.g. vectorised augmentation) provides get_batch
+        train = self.train
+        self.fetch = train.get_batch if hasattr(train, "get_batch") else make_fetch(train)
+        self._check_first_batches()
+        torch.manual_seed(opts.seed)
+        # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
+        seed_host_rngs(opts.seed, plan.rounds_done, self.comm.rank if self.comm is not None else 0, 0)
+        self.history = History(target_accuracy=opts.target_accuracy)
+        self.hooks = self._fit_hooks()
+
+    def _check_datasets(self) -> Any:
+        """The training Dataset, after the checks that need the datasets (ValueError)."""
+        plan = self.plan
+        if self.options.target_accuracy is not None and self.eval_dataset is None:
+            raise ValueError("target_accuracy needs an eval_dataset to measure z's accuracy on")
+        train = as_dataset(self.train_dataset)
+        k, b = plan.num_learners, plan.batch_size
+        if len(train) < k * b:
+            raise ValueError(
+                f"train_dataset has {len(train)} samples, fewer than one round of {k} learners × "
+                f"{b} samples = {k * b}; lower the batch size or the replicas, or add data"
+            )
+        return train
+
+    def _agree_on_the_fit(self) -> None:
+        """Under torchrun: every rank runs the same fit (``Comm.agree``); only rank 0's progress
+        bar shows."""
+        opts, comm, eval_dataset = self.options, self.comm, self.eval_dataset
+        self.progress = opts.progress
+        if comm is None:
+            return
+        comm.agree({"train samples": len(self.train), "epochs": opts.epochs,
+                    "shuffle": opts.shuffle, "seed": opts.seed,
+                    "evals_per_epoch": opts.evals_per_epoch,
+                    "target_accuracy": opts.target_accuracy,
+                    "checkpoint_every": opts.checkpoint_every, "resume": opts.resume,
+                    "rounds done": self.plan.rounds_done,
                     "eval samples": None if eval_dataset is None else len(eval_dataset)}, "the fit")
-        progress = progress and comm.is_main
-    main = comm is None or comm.is_main
-    schedule = BatchSchedule(len(train), k, b, shuffle=shuffle, seed=seed)
-    # a dataset that gathers whole batches at once (e.g. vectorised augmentation) provides get_batch
-    fetch = train.get_batch if hasattr(train, "get_batch") else make_fetch(train)
-    check_first_batch(plan, train, fetch, schedule.round_indices(schedule.order(0), 0, 0, 1))
-    if eval_dataset is not None:  # its first b samples, as evaluation will read them
-        evals = as_dataset(eval_dataset, "eval_dataset")
-        check_first_batch(plan, evals, make_fetch(evals), torch.arange(min(b, len(evals))),
-                          what="eval_dataset")
-    torch.manual_seed(seed)
-    # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
-    seed_host_rngs(seed, plan.rounds_done, comm.rank if comm is not None else 0, 0)
-    history = History(target_accuracy=target_accuracy)
-    hooks = list(hooks)
-    if metrics is not None:
-        hooks.append(metrics)
-    hooks += list(policies)
-    end_epoch = plan.epochs_done + epochs
-    if log_dir is not None and main:
-        hooks.append(MetricsLogger(log_dir))
-    if checkpoint_dir is not None:  # last: it saves what the other hooks did in the round
-        saver = CheckpointHook(checkpoint_dir, schedule, hooks, every_rounds=checkpoint_every) \
-            if main else None
-        resumed = resume and main and saver.resume(plan, history) is not None
-        if comm is not None and resume:
+        self.progress = opts.progress and comm.is_main
+
+    def _check_first_batches(self) -> None:
+        """The first learner's first batch of the training data and the first b samples of the
+        eval_dataset, as evaluation reads them, fit the plan (``check_first_batch``)."""
+        plan, b = self.plan, self.plan.batch_size
+        first = self.schedule.next_round(self.schedule.order(0), 0, 1, b)
+        check_first_batch(plan, self.train, self.fetch, first)
+        if self.eval_dataset is not None:
+            evals = as_dataset(self.eval_dataset, "eval_dataset")
+            check_first_batch(plan, evals, make_fetch(evals), torch.arange(min(b, len(evals))),
+                              what="eval_dataset")
+
+    def _fit_hooks(self) -> list[Hook]:
+        """The fit's hooks in calling order: ``options.hooks``, the metrics, the policies, the
+        logger (rank 0), the checkpoints (last: they save what the others did in the round).
+        Sets ``end_epoch``: the plan's epochs plus ``epochs``, or ``epochs`` when resumed."""
+        opts = self.options
+        hooks = list(opts.hooks)
+        if opts.metrics is not None:
+            hooks.append(opts.metrics)
+        hooks += list(opts.policies)
+        self.end_epoch = self.plan.epochs_done + opts.epochs
+        if opts.log_dir is not None and self.main:
+            hooks.append(MetricsLogger(opts.log_dir))
+        if opts.checkpoint_dir is not None:
+            self._add_checkpoints(hooks)
+        return hooks
+
+    def _add_checkpoints(self, hooks: list[Hook]) -> None:
+        """Append the CheckpointHook (rank 0) to ``hooks`` and resume from its newest checkpoint
+        with ``options.resume`` (under torchrun every rank takes rank 0's state)."""
+        opts, plan, comm = self.options, self.plan, self.comm
+        saver = CheckpointHook(opts.checkpoint_dir, self.schedule, hooks,
+                               every_rounds=opts.checkpoint_every) if self.main else None
+        resumed = opts.resume and self.main and saver.resume(plan, self.history) is not None
+        if comm is not None and opts.resume:
             resumed = _share_resumed(plan, comm, resumed)
         if resumed:
-            end_epoch = epochs  # a resumed run finishes the epochs of the run it continues
+            self.end_epoch = opts.epochs  # a resumed run finishes the epochs of the run it continues
         if saver is not None:
             hooks.append(saver)
-    timeline = Timeline() if trace is not None else None
-    sched = plan.scheduler
-    sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
-    sched.begin_fit(fetch, seed=seed, timeline=timeline)
 
-    def sync_totals() -> None:  # before after_fit, so that hooks (history.json) see them
-        history.sync_seconds = sched.sync_seconds - sync0[0]
-        history.sync_exposed_seconds = sched.sync_exposed_seconds - sync0[1]
+    def _sync_totals(self) -> None:
+        """The fit's synchronisation seconds into the History (before after_fit, so that hooks,
+        history.json, see them)."""
+        sched, sync0 = self.plan.scheduler, self.fit_sync0
+        self.history.sync_seconds = sched.sync_seconds - sync0[0]
+        self.history.sync_exposed_seconds = sched.sync_exposed_seconds - sync0[1]
 
-    try:
-        _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accuracy,
-                evals_per_epoch, eval_batch_size, progress, sync_totals)
-        if comm is not None:
+    def _run_epochs(self) -> None:
+        """The hooks' before_fit, the epochs up to ``end_epoch`` or a stop, the hooks' after_fit."""
+        self._start_fit()
+        while self.plan.epochs_done < self.end_epoch:
+            if self.run_epoch():
+                break
+        self._finish_fit()
+
+    def _start_fit(self) -> None:
+        """The FitContext, the hooks' before_fit, and what the rounds read of the hooks."""
+        plan, hooks, comm, sched = self.plan, self.hooks, self.comm, self.plan.scheduler
+        n = self.schedule.num_samples
+        self.speculate = all(not getattr(h, "mutates_replicas", True) for h in hooks)
+        self.ctx = ctx = FitContext(plan=plan, history=self.history,
+                                    train_seconds=plan.train_seconds,
+                                    rounds_per_epoch=n // (plan.num_learners * plan.batch_size))
+        ctx.extra["num_samples"] = n  # N, samples per epoch
+        for hook in hooks:
+            hook.before_fit(ctx)
+        self.monitor, self.faults_seen = sched.faults, len(sched.faults.events)
+        self.measures = [h for h in hooks if hasattr(h, "wants_gradients")]
+        # rank 0's decisions are broadcast after every round's hooks, and before a round when hooks
+        # ran since (epoch boundaries, evaluations) or when a hook of any rank acts in before_round
+        self.pre_round = comm is not None and comm.any_rank(
+            any(type(h).before_round is not Hook.before_round for h in hooks), -1)
+
+    def _finish_fit(self) -> None:
+        """Every rank's last faults into the History, the sync totals, the hooks' after_fit."""
+        plan, comm, sched, history = self.plan, self.comm, self.plan.scheduler, self.history
+        if comm is not None:  # faults since the last sync reach every rank (one flag all-reduce)
+            _share_faults(plan, comm)
+        if sched.faults is self.monitor and len(sched.faults.events) > self.faults_seen:
+            history.faults.extend(sched.faults.events[self.faults_seen:])  # a hook's, last round
+        self._sync_totals()
+        for hook in self.hooks:
+            hook.after_fit(self.ctx)
+
+    # -- an epoch -----------------------------------------------------------------------------
+
+    def run_epoch(self) -> bool:
+        """One epoch (or the rest of a resumed one): its rounds, then its record and the hooks'
+        after_epoch. Returns whether the fit stops (target accuracy reached, or a hook's stop)."""
+        self._start_epoch()
+        while self.run_round():
+            pass
+        self._end_epoch()
+        return self.history.time_to_accuracy_s is not None or self.ctx.stop
+
+    def _start_epoch(self) -> None:
+        """The hooks' before_epoch, the epoch's order, evaluation points, progress bar and clock."""
+        plan, ctx, sched = self.plan, self.ctx, self.plan.scheduler
+        n = self.schedule.num_samples
+        self.epoch = epoch = plan.epochs_done
+        self.position = plan.position_in_epoch  # > 0 when resumed in the middle of an epoch
+        self.rounds_run = plan.round_in_epoch
+        ctx.epoch, ctx.round_in_epoch = epoch, self.rounds_run
+        ctx.rounds_per_epoch = n // (plan.num_learners * plan.batch_size)
+        for hook in self.hooks:
+            hook.before_epoch(ctx)
+        self.agree = self.comm is not None  # after_epoch and before_epoch hooks ran
+        self.order = self.schedule.order(epoch)
+        if self.position == 0:
+            sched.losses = []
+        self.epoch_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
+        self.epoch_seconds, self.acc, self.samples_run = 0.0, None, 0
+        evals = self.options.evals_per_epoch
+        self.eval_points = [n * i // evals for i in range(1, evals + 1)]
+        self.next_eval = sum(1 for p in self.eval_points if p <= self.position)
+        self.bar = tqdm(total=n, initial=self.position, desc=f"epoch {epoch + 1}", unit="sample",
+                        unit_scale=True, disable=not self.progress, leave=False,
+                        dynamic_ncols=True)
+        self.start = time.perf_counter()
+
+    def _end_epoch(self) -> None:
+        """Stop the epoch's clock, count the epoch in the plan, record it, run after_epoch."""
+        plan, ctx = self.plan, self.ctx
+        self.epoch_seconds += time.perf_counter() - self.start
+        self.bar.close()
+        plan.scheduler.flush()
+        plan.train_seconds += self.epoch_seconds
+        plan.epochs_done += 1
+        plan.round_in_epoch = plan.position_in_epoch = 0
+        self.record_epoch()
+        ctx.train_seconds = plan.train_seconds
+        for hook in self.hooks:
+            hook.after_epoch(ctx, self.history.epochs[-1])
+
+    def record_epoch(self) -> None:
+        """The epoch's EpochRecord into the History (one all-reduce of the loss under torchrun)."""
+        plan, sched = self.plan, self.plan.scheduler
+        losses = torch.stack(sched.losses) if sched.losses else torch.zeros(1)
+        sync_s = sched.sync_seconds - self.epoch_sync0[0]
+        exposed_s = sched.sync_exposed_seconds - self.epoch_sync0[1]
+        self.history.epochs.append(EpochRecord(
+            epoch=plan.epochs_done, rounds=self.rounds_run,
+            train_loss=_mean_loss(self.comm, losses, plan), test_accuracy=self.acc,
+            samples_per_s=self.samples_run / max(self.epoch_seconds, 1e-9),
+            train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
+            learner_mode=plan.learner_mode,
+            sync_unhidden_share=min(1.0, exposed_s / sync_s) if sync_s > 0 else None,
+            samples=self.samples_run,
+        ))
+
+    # -- a round ------------------------------------------------------------------------------
+
+    def run_round(self) -> bool:
+        """One round: the hooks' before_round, rank 0's settings (torchrun), the next k·b samples
+        (k and b read from the plan now), the scheduler's round, faults, the hooks' after_round,
+        an evaluation when due. Returns whether the epoch goes on."""
+        plan, ctx, comm, sched = self.plan, self.ctx, self.comm, self.plan.scheduler
+        for hook in self.hooks:
+            hook.before_round(ctx)
+        if self.agree or self.pre_round:  # rank 0's decisions (m, mode, lr, α) apply to this round
+            comm.agree_settings(plan, False, plan.rounds_done)
+            self.agree = False
+        k, b = plan.num_learners, plan.batch_size
+        ctx.rounds_per_epoch = self.schedule.rounds_per_epoch(k, b)
+        indices = self.schedule.next_round(self.order, self.position, k, b)
+        if indices is None:
+            return False
+        self.position += len(indices)
+        # if k and b stay, the next round's samples
+        upcoming = self.schedule.next_round(self.order, self.position, k, b)
+        n_losses = len(sched.losses)
+        plan.rounds_done += 1
+        # a round whose gradients a hook reads (the noise scale) does not overlap the next
+        ahead = self.speculate and not any(h.wants_gradients(plan.rounds_done)
+                                           for h in self.measures)
+        sched.run_round(plan.rounds_done - 1,
+                        synchronise=plan.rounds_done % plan.sync.sync_every == 0,
+                        indices=_mine(plan, indices),
+                        next_indices=_mine(plan, upcoming) if ahead else None)
+        if comm is not None and plan.rounds_done % comm.settings.checksum_every == 0:
             comm.check_z(plan.states[0].z, plan.rounds_done - 1)
-    except BaseException:
-        if comm is not None:
-            comm.close()  # the others see this rank gone at once instead of at their timeout
-        raise
-    finally:
-        sched.end_fit()
-        sync_totals()
-        if timeline is not None:
-            timeline.save(trace)
-    return history
+        self.rounds_run += 1
+        self.samples_run += len(indices)
+        plan.round_in_epoch, plan.position_in_epoch = self.rounds_run, self.position
+        self.bar.update(len(indices))
+        self._collect_faults()
+        if self.hooks:
+            self._after_round(indices, n_losses)
+        if comm is not None:  # every rank, hooks or not: rank 0's decisions and stop
+            ctx.stop = comm.agree_settings(plan, ctx.stop, plan.rounds_done - 1)
+        if ctx.stop:
+            return False
+        return not self._evaluate_if_due(last=upcoming is None)
 
+    def _collect_faults(self) -> None:
+        """The scheduler's new fault events into the History."""
+        sched = self.plan.scheduler
+        if sched.faults is not self.monitor:  # re-planned (replicas, batch size): a new monitor
+            self.monitor, self.faults_seen = sched.faults, 0
+        if len(sched.faults.events) > self.faults_seen:
+            self.history.faults.extend(sched.faults.events[self.faults_seen:])
+            self.faults_seen = len(sched.faults.events)
 
-def _check_fit_args(seed: Any, target_accuracy: Any, evals_per_epoch: Any,
-                    eval_batch_size: Any) -> None:
-    """TypeError/ValueError for ``fit``'s scalar arguments, before anything runs."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed={seed!r}: must be an integer, e.g. seed=0")
-    if target_accuracy is not None:
-        if isinstance(target_accuracy, bool) or not isinstance(target_accuracy, numbers.Real):
-            raise TypeError(f"target_accuracy={target_accuracy!r}: must be a fraction in (0, 1], "
-                            "e.g. 0.99, or None")
-        if not 0 < target_accuracy <= 1:
-            guess = (f"; did you mean {target_accuracy / 100:g}?"
-                     if 10 <= target_accuracy <= 100 else "")
-            raise ValueError(f"target_accuracy={target_accuracy!r}: must be a fraction in (0, 1] "
-                             f"of the eval_dataset's samples, e.g. 0.99{guess}")
-    if not is_count(evals_per_epoch):
-        raise ValueError(f"evals_per_epoch={evals_per_epoch!r}: must be an integer ≥ 1 "
-                         "(evaluations of z per epoch), e.g. 1")
-    if not is_count(eval_batch_size):
-        raise ValueError(f"eval_batch_size={eval_batch_size!r}: must be an integer ≥ 1, e.g. 1000")
+    def _after_round(self, indices: torch.Tensor, n_losses: int) -> None:
+        """The round's context (indices, losses, training seconds so far) and the hooks'
+        after_round."""
+        plan, ctx, sched = self.plan, self.ctx, self.plan.scheduler
+        ctx.round_in_epoch = self.rounds_run
+        ctx.batch_indices = indices
+        ctx.round_samples = len(indices)
+        ctx.extra["round_losses"] = sched.losses[n_losses:]
+        ctx.round_loss = _finite_mean(torch.stack(sched.losses[n_losses:]))
+        ctx.train_seconds = plan.train_seconds + self.epoch_seconds + time.perf_counter() - self.start
+        for hook in self.hooks:
+            hook.after_round(ctx)
+
+    def _evaluate_if_due(self, last: bool) -> bool:
+        """Evaluate when the epoch's position passed its next evaluation point (or at its
+        ``last`` round); returns whether the target accuracy is reached."""
+        points = self.eval_points
+        due = self.next_eval < len(points) and (self.position >= points[self.next_eval] or last)
+        if not due or self.eval_dataset is None:
+            return False
+        while self.next_eval < len(points) and (self.position >= points[self.next_eval] or last):
+            self.next_eval += 1
+        return self.evaluate()
+
+    def evaluate(self) -> bool:
+        """z's accuracy and loss on the eval_dataset into the History and the hooks' after_eval,
+        off the training clock. Returns whether ``target_accuracy`` is reached (and records the
+        time and epochs to it)."""
+        plan, history, n = self.plan, self.history, self.schedule.num_samples
+        self.epoch_seconds += time.perf_counter() - self.start  # evaluation is not training time
+        acc, test_loss = _evaluate(plan, self.eval_dataset, self.options.eval_batch_size)
+        self.acc = acc
+        trained = plan.train_seconds + self.epoch_seconds
+        history.evals.append(EvalRecord(epoch=self.epoch + self.position / n,
+                                        round=plan.rounds_done, train_seconds=trained,
+                                        test_accuracy=acc, test_loss=test_loss))
+        self.bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
+                             samples_per_s=f"{self.samples_run / self.epoch_seconds:,.0f}")
+        self.ctx.train_seconds = trained
+        for hook in self.hooks:
+            hook.after_eval(self.ctx, history.evals[-1])
+        self.agree = self.comm is not None
+        self.start = time.perf_counter()
+        target = self.options.target_accuracy
+        if target is not None and acc is not None and acc >= target:
+            history.time_to_accuracy_s = trained
+            history.epochs_to_accuracy = self.epoch + self.position / n
+            return True
+        return False
 
 
 def _share_resumed(plan: "Plan", comm, resumed: bool) -> bool:
@@ -223,138 +461,3 @@ def _mean_loss(comm, losses: torch.Tensor, plan: "Plan") -> float:
     total, count = comm.sum_floats([float(losses[finite].sum()), float(finite.sum())],
                                    plan.rounds_done - 1)
     return total / count if count else float("nan")
-
-
-def _epochs(plan, schedule, history, hooks, end_epoch, eval_dataset, target_accuracy,
-            evals_per_epoch, eval_batch_size, progress, sync_totals) -> None:
-    n = schedule.num_samples
-    comm = plan.comm
-    sched = plan.scheduler
-    speculate = all(not getattr(h, "mutates_replicas", True) for h in hooks)
-    ctx = FitContext(plan=plan, history=history, train_seconds=plan.train_seconds,
-                     rounds_per_epoch=n // (plan.num_learners * plan.batch_size))
-    ctx.extra["num_samples"] = n  # N, samples per epoch
-    for hook in hooks:
-        hook.before_fit(ctx)
-    monitor, faults_seen = sched.faults, len(sched.faults.events)
-    measures = [h for h in hooks if hasattr(h, "wants_gradients")]
-    # rank 0's decisions are broadcast after every round's hooks, and before a round when hooks ran
-    # since (epoch boundaries, evaluations) or when a hook of any rank acts in before_round
-    pre_round = comm is not None and comm.any_rank(
-        any(type(h).before_round is not Hook.before_round for h in hooks), -1)
-    while plan.epochs_done < end_epoch:
-        epoch = plan.epochs_done
-        position = plan.position_in_epoch  # > 0 when resumed in the middle of an epoch
-        rounds_run = plan.round_in_epoch
-        ctx.epoch, ctx.round_in_epoch = epoch, rounds_run
-        ctx.rounds_per_epoch = n // (plan.num_learners * plan.batch_size)
-        for hook in hooks:
-            hook.before_epoch(ctx)
-        agree = comm is not None  # after_epoch and before_epoch hooks ran
-        order = schedule.order(epoch)
-        if position == 0:
-            sched.losses = []
-        sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
-        epoch_seconds, acc, samples_run = 0.0, None, 0
-        eval_points = [n * i // evals_per_epoch for i in range(1, evals_per_epoch + 1)]
-        next_eval = sum(1 for p in eval_points if p <= position)
-        bar = tqdm(total=n, initial=position, desc=f"epoch {epoch + 1}", unit="sample",
-                   unit_scale=True, disable=not progress, leave=False, dynamic_ncols=True)
-        start = time.perf_counter()
-        while True:
-            for hook in hooks:
-                hook.before_round(ctx)
-            if agree or pre_round:  # rank 0's decisions (m, mode, lr, α) apply to this round
-                comm.agree_settings(plan, False, plan.rounds_done)
-                agree = False
-            schedule.num_learners, schedule.batch_size = plan.num_learners, plan.batch_size
-            ctx.rounds_per_epoch = schedule.rounds_per_epoch
-            indices = schedule.next_round(order, position)
-            if indices is None:
-                break
-            position += len(indices)
-            upcoming = schedule.next_round(order, position)  # if k stays, the next round's samples
-            n_losses = len(sched.losses)
-            plan.rounds_done += 1
-            # a round whose gradients a hook reads (the noise scale) does not overlap the next
-            ahead = speculate and not any(h.wants_gradients(plan.rounds_done) for h in measures)
-            sched.run_round(plan.rounds_done - 1,
-                            synchronise=plan.rounds_done % plan.sync.sync_every == 0,
-                            indices=_mine(plan, indices),
-                            next_indices=_mine(plan, upcoming) if ahead else None)
-            if comm is not None and plan.rounds_done % comm.settings.checksum_every == 0:
-                comm.check_z(plan.states[0].z, plan.rounds_done - 1)
-            rounds_run += 1
-            samples_run += len(indices)
-            plan.round_in_epoch, plan.position_in_epoch = rounds_run, position
-            bar.update(len(indices))
-            if sched.faults is not monitor:  # re-planned (replicas, batch size): a new monitor
-                monitor, faults_seen = sched.faults, 0
-            if len(sched.faults.events) > faults_seen:
-                history.faults.extend(sched.faults.events[faults_seen:])
-                faults_seen = len(sched.faults.events)
-            if hooks:
-                ctx.round_in_epoch = rounds_run
-                ctx.batch_indices = indices
-                ctx.round_samples = len(indices)
-                ctx.extra["round_losses"] = sched.losses[n_losses:]
-                ctx.round_loss = _finite_mean(torch.stack(sched.losses[n_losses:]))
-                ctx.train_seconds = plan.train_seconds + epoch_seconds + time.perf_counter() - start
-                for hook in hooks:
-                    hook.after_round(ctx)
-            if comm is not None:  # every rank, hooks or not: rank 0's decisions and stop
-                ctx.stop = comm.agree_settings(plan, ctx.stop, plan.rounds_done - 1)
-            if ctx.stop:
-                break
-            last = upcoming is None
-            due = next_eval < len(eval_points) and (position >= eval_points[next_eval] or last)
-            if not due or eval_dataset is None:
-                continue
-            while next_eval < len(eval_points) and (position >= eval_points[next_eval] or last):
-                next_eval += 1
-            epoch_seconds += time.perf_counter() - start  # evaluation is not training time
-            acc, test_loss = _evaluate(plan, eval_dataset, eval_batch_size)
-            trained = plan.train_seconds + epoch_seconds
-            history.evals.append(EvalRecord(epoch=epoch + position / n, round=plan.rounds_done,
-                                            train_seconds=trained, test_accuracy=acc,
-                                            test_loss=test_loss))
-            bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
-                            samples_per_s=f"{samples_run / epoch_seconds:,.0f}")
-            ctx.train_seconds = trained
-            for hook in hooks:
-                hook.after_eval(ctx, history.evals[-1])
-            agree = comm is not None
-            start = time.perf_counter()
-            if target_accuracy is not None and acc is not None and acc >= target_accuracy:
-                history.time_to_accuracy_s = trained
-                history.epochs_to_accuracy = epoch + position / n
-                break
-        epoch_seconds += time.perf_counter() - start
-        bar.close()
-        sched.flush()
-        plan.train_seconds += epoch_seconds
-        plan.epochs_done += 1
-        plan.round_in_epoch = plan.position_in_epoch = 0
-        losses = torch.stack(sched.losses) if sched.losses else torch.zeros(1)
-        sync_s = sched.sync_seconds - sync0[0]
-        exposed_s = sched.sync_exposed_seconds - sync0[1]
-        history.epochs.append(EpochRecord(
-            epoch=plan.epochs_done, rounds=rounds_run, train_loss=_mean_loss(comm, losses, plan),
-            test_accuracy=acc, samples_per_s=samples_run / max(epoch_seconds, 1e-9),
-            train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
-            learner_mode=plan.learner_mode,
-            sync_unhidden_share=min(1.0, exposed_s / sync_s) if sync_s > 0 else None,
-            samples=samples_run,
-        ))
-        ctx.train_seconds = plan.train_seconds
-        for hook in hooks:
-            hook.after_epoch(ctx, history.epochs[-1])
-        if history.time_to_accuracy_s is not None or ctx.stop:
-            break
-    if comm is not None:  # faults since the last sync reach every rank (one flag all-reduce)
-        _share_faults(plan, comm)
-    if sched.faults is monitor and len(sched.faults.events) > faults_seen:  # a hook's, last round
-        history.faults.extend(sched.faults.events[faults_seen:])
-    sync_totals()
-    for hook in hooks:
-        hook.after_fit(ctx)

@@ -1,0 +1,110 @@
+"""The options of ``Plan.fit``, checked when they are built, before any training round."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import TYPE_CHECKING
+
+from ..errors import is_count
+
+if TYPE_CHECKING:
+    from .hooks import Hook
+
+__all__ = ["FitOptions"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FitOptions:
+    """How ``Plan.fit`` trains (``Plan.fit`` takes these as keyword arguments and builds one).
+
+    Attributes:
+        epochs: epochs to run (≥ 1).
+        shuffle: shuffle every epoch (``False``: the dataset's order; learner j gets batch number
+            t·k + j in round t).
+        seed: seeds the data order and, at the start of the fit, this process's torch, Python
+            ``random`` and NumPy global RNGs (dropout, a Dataset's augmentation; the caller's
+            states are replaced); worker processes reseed every round from (seed, round,
+            worker), so their draws differ and reproduce.
+        target_accuracy: stop once z's test accuracy (a fraction in (0, 1]) reaches it (needs an
+            ``eval_dataset``); None: run every epoch.
+        evals_per_epoch: evaluations of z on the ``eval_dataset`` per epoch (time-to-accuracy
+            resolution, ≥ 1).
+        eval_batch_size: batch size of evaluation (≥ 1).
+        progress: show a progress bar.
+        hooks: Hook objects called at fit, epoch, round and evaluation boundaries, in this order
+            (``Plan.fit`` puts the plan's auto-tuner, with ``replicas="auto"``, first); those
+            with ``state_dict()``/``load_state_dict()`` are checkpointed.
+        checkpoint_dir: write checkpoints of the whole state there (docs/reliability.md): every
+            ``checkpoint_every`` rounds and at the end of every complete epoch; the newest two
+            are kept.
+        checkpoint_every: rounds between checkpoints (≥ 1); None: at epoch ends only.
+        resume: continue from the newest good checkpoint in ``checkpoint_dir`` (bit-identical to
+            an uninterrupted run); ``epochs`` then counts the epochs of the whole run, as when
+            the same command is run again. Without a checkpoint there, start afresh.
+        log_dir: write per-round and per-epoch CSV, TensorBoard events and ``history.json``.
+        trace: write a Chrome-trace JSON timeline of every task to this path
+            (``chrome://tracing``, Perfetto): the global sync of round t under round t+1's
+            learning is the overlap.
+        policies: hyper-parameter policies (``crossbow_graph.Policy``: AdaptiveBatchSize, StepLR,
+            DivergenceGuard, ...; tuning/policies.py, docs/design-overview.md §5), run after the
+            hooks and the metrics; they change the plan through ``Plan.adjust``.
+        metrics: the metrics monitor (``crossbow_graph.MetricsMonitor``, built by ``Plan.fit``
+            from its ``metrics_every``), run after the hooks and before the policies; None: no
+            metrics.
+
+    ``hooks`` and ``policies`` are kept as tuples.
+
+    Raises:
+        ValueError: ``epochs``, ``evals_per_epoch`` or ``eval_batch_size`` not an integer ≥ 1,
+            ``target_accuracy`` outside (0, 1], ``resume=True`` without ``checkpoint_dir``.
+        TypeError: ``seed`` not an integer, ``target_accuracy`` not a number.
+    """
+
+    epochs: int = 1
+    shuffle: bool = True
+    seed: int = 0
+    target_accuracy: float | None = None
+    evals_per_epoch: int = 1
+    eval_batch_size: int = 1000
+    progress: bool = True
+    hooks: tuple["Hook", ...] = ()
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    resume: bool = False
+    log_dir: str | None = None
+    trace: str | None = None
+    policies: tuple["Hook", ...] = ()
+    metrics: "Hook | None" = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hooks", tuple(self.hooks))
+        object.__setattr__(self, "policies", tuple(self.policies))
+        if not is_count(self.epochs):
+            raise ValueError(f"epochs={self.epochs!r}: must be an integer ≥ 1")
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed={seed!r}: must be an integer, e.g. seed=0")
+        _check_target_accuracy(self.target_accuracy)
+        if not is_count(self.evals_per_epoch):
+            raise ValueError(f"evals_per_epoch={self.evals_per_epoch!r}: must be an integer ≥ 1 "
+                             "(evaluations of z per epoch), e.g. 1")
+        if not is_count(self.eval_batch_size):
+            raise ValueError(f"eval_batch_size={self.eval_batch_size!r}: must be an integer ≥ 1, "
+                             "e.g. 1000")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("resume=True needs checkpoint_dir, the directory to resume from")
+
+
+def _check_target_accuracy(target_accuracy: object) -> None:
+    """TypeError/ValueError for a ``target_accuracy`` that is not None or a fraction in (0, 1]."""
+    if target_accuracy is None:
+        return
+    if isinstance(target_accuracy, bool) or not isinstance(target_accuracy, numbers.Real):
+        raise TypeError(f"target_accuracy={target_accuracy!r}: must be a fraction in (0, 1], "
+                        "e.g. 0.99, or None")
+    if not 0 < target_accuracy <= 1:
+        guess = (f"; did you mean {target_accuracy / 100:g}?"
+                 if 10 <= target_accuracy <= 100 else "")
+        raise ValueError(f"target_accuracy={target_accuracy!r}: must be a fraction in (0, 1] "
+                         f"of the eval_dataset's samples, e.g. 0.99{guess}")
