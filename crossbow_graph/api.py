@@ -47,6 +47,12 @@ def resolve_devices(devices: int | str | Sequence[str]) -> list[str]:
     n_cuda = torch.cuda.device_count()
     if devices == "auto":
         return [f"cuda:{i}" for i in range(n_cuda)] or ["cpu:0"]
+    if isinstance(devices, str) and devices.partition(":")[0] in ("cuda", "gpu"):
+        where = (f"this machine has {n_cuda} CUDA GPUs: use devices=[{devices!r}]" if n_cuda and devices != "gpu"
+                 else f"this machine has {n_cuda} CUDA GPUs: use devices='auto'" if n_cuda
+                 else "this machine has no CUDA GPU (torch.cuda.device_count() is 0): use devices=1 (the "
+                      "CPU), or a count of logical CPU devices such as devices=2")
+        raise ValueError(f"devices={devices!r}: {where}")
     if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
         raise ValueError(f"devices={devices!r}: use 'auto', a number of devices, or a list of "
                          "names such as ['cuda:0', 'cuda:1'] or ['cpu:0', 'cpu:1']")
@@ -76,6 +82,10 @@ def _torch_device(name: str) -> torch.device:
 
 
 def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        hint = (" (a factory: call it, e.g. cg.models.lenet5())" if callable(model) and not isinstance(model, str)
+                else " (a zoo name: build it with cg.models.get_model(name))" if isinstance(model, str) else "")
+        raise TypeError(f"compile() takes an nn.Module as model, got {type(model).__name__} {model!r:.60}{hint}")
     params = list(model.parameters())
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
@@ -250,6 +260,10 @@ class _CompileArgs:
                              "gradient, which the process executor's workers do not wait for; use "
                              "executor='auto' or 'inline'")
         _check_model(self.model)
+        budget = self.memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise TypeError(f"memory_budget={budget!r}: bytes per device as an integer, e.g. "
+                            f"memory_budget=2 * 2**30 for 2 GiB, or None")
         distributed = self.distributed
         if distributed is not None and not isinstance(distributed, Distributed):
             raise TypeError(f"distributed must be crossbow_graph.Distributed(...), got {type(distributed).__name__}")

@@ -249,10 +249,10 @@ def _inspect(args: argparse.Namespace) -> int:
     devices = _inspect_devices(args.devices)
     budget = int(args.memory_budget * 2**20) if args.memory_budget is not None else None
     sgd, sma = cg.SGD(), cg.SMA()
+    if args.replicas < 1 or args.batch_size < 1:
+        raise ValueError(f"--replicas {args.replicas} --batch-size {args.batch_size}: both must be ≥ 1")
     settings = {"optimizer": dataclasses.asdict(sgd), "sync": dataclasses.asdict(sma),
                 "alpha": sma.alpha_for(len(devices) * args.replicas)}
-    if args.replicas < 1 or args.batch_size < 1:
-        raise ValueError("--replicas and --batch-size must be ≥ 1")
     view = inspect_model(model, (torch.randn(2, *shape),), devices=devices,
                          replicas_per_device=args.replicas, batch_size=args.batch_size,
                          memory_budget_bytes=budget, settings=settings)
@@ -320,6 +320,9 @@ def _train(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model = cg.models.get_model(args.model)
     train_set, test_set = _load_dataset(args)
+    if args.devices != "auto" and not args.devices.isdigit():
+        raise ValueError(f"--devices {args.devices}: use 'auto' (every GPU, else one CPU device) or a "
+                         "count such as 2")
     devices = args.devices if args.devices == "auto" else int(args.devices)
     plan = cg.compile(
         model, (train_set[0][0].unsqueeze(0),), torch.nn.functional.cross_entropy,

@@ -90,4 +90,14 @@ def make_fetch(dataset: Dataset) -> Callable[[torch.Tensor], Any]:
     if isinstance(dataset, TensorDataset):
         tensors = dataset.tensors
         return lambda idx: [t[idx] for t in tensors]
-    return lambda idx: default_collate([dataset[int(i)] for i in idx])
+    return lambda idx: default_collate([_sample(dataset, int(i)) for i in idx])
+
+
+def _sample(dataset: Dataset, i: int) -> Any:
+    """``dataset[i]``; ValueError naming the index when it is None (default_collate's own error
+    names neither the index nor the cause)."""
+    sample = dataset[i]
+    if sample is None:
+        raise ValueError(f"the dataset's sample {i} is None, not an (inputs, target) pair; make "
+                         "__getitem__ return a pair such as (image, label) for every index")
+    return sample

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 from typing import TYPE_CHECKING
 
 from ..errors import is_count
@@ -57,8 +58,12 @@ class FitOptions:
 
     Raises:
         ValueError: ``epochs``, ``evals_per_epoch`` or ``eval_batch_size`` not an integer ≥ 1,
-            ``target_accuracy`` outside (0, 1], ``resume=True`` without ``checkpoint_dir``.
-        TypeError: ``seed`` not an integer, ``target_accuracy`` not a number.
+            ``target_accuracy`` outside (0, 1], ``resume=True`` or ``checkpoint_every`` without
+            ``checkpoint_dir``, a ``trace`` path whose folder is missing or not writable, a
+            ``log_dir`` that is a file or cannot be created or written.
+        TypeError: ``seed`` not an integer, ``target_accuracy`` not a number, ``shuffle``,
+            ``progress`` or ``resume`` not a bool, ``hooks``/``policies`` not a list of hook
+            objects (one hook alone, or a class instead of an instance).
     """
 
     epochs: int = 1
@@ -78,8 +83,11 @@ class FitOptions:
     metrics: "Hook | None" = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "hooks", tuple(self.hooks))
-        object.__setattr__(self, "policies", tuple(self.policies))
+        object.__setattr__(self, "hooks", _hook_tuple("hooks", self.hooks))
+        object.__setattr__(self, "policies", _hook_tuple("policies", self.policies))
+        for name in ("shuffle", "progress", "resume"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r}: must be True or False")
         if not is_count(self.epochs):
             raise ValueError(f"epochs={self.epochs!r}: must be an integer ≥ 1")
         seed = self.seed
@@ -94,6 +102,57 @@ class FitOptions:
                              "e.g. 1000")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume=True needs checkpoint_dir, the directory to resume from")
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every!r} needs checkpoint_dir, the "
+                             "directory to write the checkpoints to")
+        if self.trace is not None:
+            _check_trace_path(self.trace)
+        if self.log_dir is not None:
+            _check_log_dir(self.log_dir)
+
+
+def _hook_tuple(name: str, hooks: object) -> tuple:
+    """``hooks`` as a tuple; TypeError for one hook not in a list, or a class instead of an instance."""
+    if hasattr(hooks, "before_fit") and not isinstance(hooks, type):
+        raise TypeError(f"{name}={hooks!r}: pass a list of hooks, e.g. {name}=[{type(hooks).__name__}(...)]")
+    try:
+        items = tuple(hooks)
+    except TypeError:
+        raise TypeError(f"{name}={hooks!r}: must be a list of hook objects") from None
+    for h in items:
+        if isinstance(h, type):
+            raise TypeError(f"{name}: {h.__name__} is a class, not a hook: pass an instance, "
+                            f"e.g. {name}=[{h.__name__}()]")
+    return items
+
+
+def _check_trace_path(trace: object) -> None:
+    """ValueError unless the timeline can be written to ``trace`` (a file in an existing,
+    writable directory): it is written after the last round, when an error would lose it."""
+    if not isinstance(trace, (str, os.PathLike)):
+        raise TypeError(f"trace={trace!r}: must be a file path, e.g. trace='run.json'")
+    folder = os.path.dirname(os.path.abspath(trace))
+    if os.path.isdir(trace):
+        raise ValueError(f"trace={str(trace)!r} is a directory; pass a file path, e.g. "
+                         f"trace={os.path.join(str(trace), 'run.json')!r}")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"trace={str(trace)!r}: its folder {folder!r} does not exist or is not "
+                         "writable; create it or pass a path in a writable folder")
+
+
+def _check_log_dir(log_dir: object) -> None:
+    """ValueError unless ``log_dir`` is (or can be made) a writable directory."""
+    if not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(f"log_dir={log_dir!r}: must be a directory path, e.g. log_dir='runs/w1'")
+    if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise ValueError(f"log_dir={str(log_dir)!r} is a file, not a directory; pass a directory")
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"log_dir={str(log_dir)!r} cannot be created ({type(exc).__name__}: {exc}); "
+                         "pass a writable directory") from exc
+    if not os.access(log_dir, os.W_OK):
+        raise ValueError(f"log_dir={str(log_dir)!r} is not writable; pass a writable directory")
 
 
 def _check_target_accuracy(target_accuracy: object) -> None:

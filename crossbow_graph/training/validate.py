@@ -224,6 +224,8 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
         lo, hi = int(labels.min()), int(labels.max())
         raise ValueError(
             f"{what} has label {int(bad[0])}, outside the model's {classes} classes [0, "
-            f"{classes - 1}] (labels range over [{lo}, {hi}]); build the model with "
-            f"num_classes={hi + 1} or remap the labels to 0 … C−1"
+            f"{classes - 1}] (labels range over [{lo}, {hi}]); "
+            + (f"remap the labels to 0 … {classes - 1}, or mark the ones to skip with the loss's "
+               f"ignore_index ({ignore})" if int(bad[0]) < 0 else
+               f"build the model with num_classes={hi + 1} or remap the labels to 0 … C−1")
         )
