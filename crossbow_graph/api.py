@@ -15,10 +15,11 @@ from torch import nn
 from .compiler import inspect as _inspect
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
-from .config import SGD, SMA, SSGD, Adjustment
+from .config import LEARNER_MODES, SGD, SMA, SSGD, Adjustment
 from .engine.comm import Comm, Distributed, plan_facts
 from .engine.inputs import split_inputs
 from .engine.scheduler import Scheduler
+from .engine.settings import RunSettings, settings_view
 from .engine.state import DeviceState, FlatLayout, float_buffers_named, model_dtype, trainable_named
 from .errors import is_count
 from .kernels.select import plan_kernels, select_backend
@@ -310,14 +311,26 @@ class Plan:
     """A compiled SMA training plan: the task graph of one round and the state it runs on.
 
     Attributes:
-        task_graph: ``networkx.DiGraph``; node attribute ``"task"`` holds a Task.
+        task_graph: ``networkx.DiGraph``; node attribute ``"task"`` holds a Task; it records the
+            b and m it was planned for (re-planned when they change).
         model_graph: the traced model (fx GraphModule, shapes, parameter inventory).
+        settings: the run settings in force (engine/settings.py ``RunSettings``: η, b, α, τ, m,
+            learner mode), changed only through ``adjust``; the attributes below that name one
+            of them are read-only views of it.
         devices: device names; ``replicas_per_device``: m; ``num_learners``: k = G·m.
         batch_size: b.
         learner_mode: ``"per_replica"`` or ``"fused"``.
+        optimizer: the local SGD, with the learning rate in force; ``sync``: the SMA settings
+            with the α and τ in force (or SSGD).
         memory_budget: bytes per device for learners (None: unbounded).
         autotuner: the AutoTuner hook that ``fit`` runs (``replicas="auto"``), else None.
     """
+
+    batch_size = settings_view("batch_size", "b, samples per learner per round (read-only).")
+    replicas_per_device = settings_view("replicas_per_device", "m, replicas per device (read-only).")
+    learner_mode = settings_view("learner_mode", "'per_replica' or 'fused' (read-only).")
+    optimizer = settings_view("optimizer", "The local SGD with η in force (read-only).")
+    sync = settings_view("sync", "SMA with the α and τ in force, or SSGD (read-only).")
 
     def __init__(self, *, model: nn.Module, model_graph: ModelGraph, task_graph: nx.DiGraph,
                  loss_fn: Callable, batch_size: int, optimizer: SGD, sync: SMA,
@@ -328,9 +341,9 @@ class Plan:
         self.model_graph = model_graph
         self.task_graph = task_graph
         self.loss_fn = loss_fn
-        self.batch_size = batch_size
-        self.optimizer = optimizer
-        self.sync = sync
+        self.settings = RunSettings(optimizer=optimizer, sync=sync, batch_size=batch_size,
+                                    replicas_per_device=int(task_graph.graph["replicas_per_device"]),
+                                    learner_mode=learner_mode)
         self._template = copy.deepcopy(model).train()
         self._params = FlatLayout.of(trainable_named(self._template))
         self._buffers = FlatLayout.of(float_buffers_named(self._template))
@@ -341,8 +354,7 @@ class Plan:
         ]
         self._central = copy.deepcopy(self._template).to(self.states[0].torch_device).eval()
         self.states[0].bind_central(self._central)
-        self.scheduler = Scheduler(task_graph, self.states, loss_fn, optimizer, sync, batch_size,
-                                   learner_mode=learner_mode, executor=executor)
+        self.scheduler = Scheduler(task_graph, self.states, loss_fn, self.settings, executor=executor)
         if kernels is not None:
             self.scheduler.kernels = kernels
         self.memory_budget = memory_budget
@@ -365,10 +377,6 @@ class Plan:
     @property
     def devices(self) -> list[str]:
         return list(self.task_graph.graph["devices"])
-
-    @property
-    def replicas_per_device(self) -> int:
-        return int(self.task_graph.graph["replicas_per_device"])
 
     @property
     def num_learners(self) -> int:
@@ -408,8 +416,15 @@ class Plan:
                     b.copy_(ints[name])
 
     @property
-    def learner_mode(self) -> str:
-        return self.scheduler.learner_mode
+    def verify(self) -> bool:
+        """Whether the verifier runs between the compiler passes, also when ``adjust`` re-plans."""
+        return self._verify
+
+    @property
+    def template(self) -> nn.Module:
+        """The module every replica is cloned from: a copy of the input model in training mode,
+        never trained (read it, do not modify it; ``central_model()`` gives the trained one)."""
+        return self._template
 
     @property
     def max_replicas_per_device(self) -> int | None:
@@ -426,6 +441,7 @@ class Plan:
         what runs; kept replicas keep their state; new ones are cloned from z with zeroed
         momentum; removed ones are the last of each device; α is re-derived for the new k
         (``SMA.alpha_for``); z is untouched. The next fit round draws k·b samples for the new k.
+        The same as ``adjust(Adjustment(replicas_per_device=m))``.
 
         Raises:
             ValueError: m < 1.
@@ -434,26 +450,18 @@ class Plan:
         m = replicas_per_device
         if not is_count(m):
             raise ValueError(f"replicas_per_device={m!r}: must be an integer ≥ 1")
-        if m == self.replicas_per_device:
-            return
-        graph = build_task_graph(self.model_graph, devices=self.devices, replicas_per_device=m,
-                                 batch_size=self.batch_size, memory_budget_bytes=self.memory_budget,
-                                 verify=self._verify)
-        self.scheduler.flush()
-        self.scheduler.close_workers()
-        for state in self.states:
-            state.resize(m)
-        self.task_graph = graph
-        self.scheduler.set_task_graph(graph)
+        self.adjust(Adjustment(replicas_per_device=m))
 
     def set_learner_mode(self, mode: str) -> None:
-        """Switch the learner mode (``"per_replica"`` or ``"fused"``) from the next round on.
+        """Switch the learner mode (``"per_replica"`` or ``"fused"``) from the next round on; the
+        same as ``adjust(Adjustment(learner_mode=mode))``.
 
         Raises:
             ValueError: an unknown mode.
         """
-        self.scheduler.flush()
-        self.scheduler.set_learner_mode(mode)
+        if mode not in LEARNER_MODES:
+            raise ValueError(f"learner_mode={mode!r}: use one of {LEARNER_MODES}")
+        self.adjust(Adjustment(learner_mode=mode))
 
     @property
     def num_parameters(self) -> int:
@@ -545,6 +553,16 @@ class Plan:
         """A copy of every replica's parameters, ``[k, P]``, device-major (j = d·m + r)."""
         self.scheduler.flush()
         return torch.cat([s.w.detach().to(self.states[0].torch_device) for s in self.states]).clone()
+
+    def central_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The central model z (evaluation mode: no dropout, no BatchNorm update) on ``args``
+        (tensors moved to device 0) and ``kwargs``, its integer buffers first refreshed from the
+        replicas as ``central_model()``'s are. Gradients are tracked unless the caller disables
+        them (``torch.no_grad()``)."""
+        device = self.states[0].torch_device
+        moved = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+        self._refresh_central()
+        return self._central(*moved, **kwargs)
 
     def _refresh_central(self) -> None:
         """Carry integer buffers (num_batches_tracked) from the first replica into z's module.
@@ -681,15 +699,18 @@ class Plan:
         return history
 
     def adjust(self, adjustment: Adjustment) -> dict[str, Any]:
-        """Change lr, b, α, τ or m (or reset every replica to z) between rounds, on every device:
-        the one narrow interface of policies (tuning/policy_base.py ``apply_adjustment``;
-        docs/design-overview.md §5). A change of b re-plans the learners and re-checks the memory bound.
+        """Change lr, b, α, τ, m or the learner mode (or reset every replica to z) between rounds,
+        on every device: the one interface through which the run settings (``settings``) change
+        (tuning/policy_base.py ``apply_adjustment``; docs/design-overview.md §5, Run settings).
+        Policies, the auto-tuner, ``set_replicas``/``set_learner_mode``, the torchrun agreement
+        and checkpoint resumes all call it. A change of b or m re-plans the learners and
+        re-checks the memory bound.
 
         Returns:
             What changed, e.g. ``{"batch_size": 32}``.
 
         Raises:
             PlanError: the new b or m exceeds the memory budget (nothing changed).
-            ValueError: α with k = 1.
+            ValueError: α with k = 1; α or τ ≠ 1 with ``sync=SSGD()``.
         """
         return apply_adjustment(self, adjustment)

@@ -1,5 +1,5 @@
 """Typed configuration: the optimiser and the synchronisation strategy (docs/design-overview.md §2),
-and ``Adjustment``, one change of the run-time settings (§5, Policies)."""
+the learner modes, and ``Adjustment``, one change of the run-time settings (§5, Run settings)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from typing import Any, ClassVar
 
 from .errors import is_count
 
-__all__ = ["SGD", "SMA", "SSGD", "Adjustment"]
+__all__ = ["SGD", "SMA", "SSGD", "Adjustment", "LEARNER_MODES"]
+
+LEARNER_MODES = ("per_replica", "fused")  # engine/fused.py: the same mathematics, two programs
 
 
 def _check_number(owner: str, name: str, value: object, example: str) -> None:
@@ -141,10 +143,11 @@ class Adjustment:
         alpha: SMA α in (0, 1] (the pull toward z); ``"auto"`` restores 1/k.
         sync_every: τ, rounds between synchronisations (≥ 1).
         replicas_per_device: m (≥ 1; new replicas are cloned from z, ``Plan.set_replicas``).
+        learner_mode: ``"per_replica"`` or ``"fused"`` (``LEARNER_MODES``).
         reset_replicas: put every replica at z with zero momentum (float buffers from zbuf).
 
     Raises:
-        ValueError: a value outside its range.
+        ValueError: a value outside its range, an unknown learner mode.
     """
 
     lr: float | None = None
@@ -152,6 +155,7 @@ class Adjustment:
     alpha: float | str | None = None
     sync_every: int | None = None
     replicas_per_device: int | None = None
+    learner_mode: str | None = None
     reset_replicas: bool = False
 
     def __post_init__(self) -> None:
@@ -163,6 +167,8 @@ class Adjustment:
                 raise ValueError(f"Adjustment({name}={v!r}): must be an integer ≥ 1")
         if self.alpha is not None and self.alpha != "auto" and not 0 < self.alpha <= 1:
             raise ValueError(f"Adjustment(alpha={self.alpha}): α must be in (0, 1], or 'auto' for 1/k")
+        if self.learner_mode is not None and self.learner_mode not in LEARNER_MODES:
+            raise ValueError(f"Adjustment(learner_mode={self.learner_mode!r}): use one of {LEARNER_MODES}")
 
     def changes(self) -> dict[str, Any]:
         """The fields that are set, as a dict."""

@@ -3,8 +3,8 @@ SCENARIO OUT_DIR`` with torchrun's variables (RANK, WORLD_SIZE, ...) set by the 
 
 Scenarios (TinyBN, 1 device × 2 replicas per rank, b = 4, z checked every round):
 ``train`` (shuffle=False; saves z, zbuf, the digest), ``process`` (the same with 2 devices × 1
-replica per rank on the process executor), ``decide`` (a hook on rank 0 only changes m
-and lr after round 3), ``resume`` (a second plan resumes from rank 0's checkpoint for a second
+replica per rank on the process executor), ``decide`` (a hook on rank 0 only changes m,
+the learner mode, lr, α and τ after round 3), ``resume`` (a second plan resumes from rank 0's checkpoint for a second
 epoch), ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
 changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3; rank 0 writes a
 checkpoint every round), ``hang`` (rank 1 sleeps after round 3), ``fault_one`` (NaN in rank 1's
@@ -74,7 +74,8 @@ class Counting(TinyBN):
 
 def _decide(plan) -> None:
     plan.set_replicas(3)
-    plan.scheduler.lr = 0.02
+    plan.set_learner_mode("fused")
+    plan.adjust(cg.Adjustment(lr=0.02, alpha=0.3))
     plan.adjust(cg.Adjustment(sync_every=2))  # a policy's change of τ, through the one interface
 
 
@@ -95,7 +96,7 @@ def run(scenario: str, rank: int, out: str) -> dict:
         hooks, kw = [], {}
         if scenario == "diverge" and rank == 1:
             hooks.append(_AtRound(3, lambda plan: plan.states[0].z.add_(1e-3)))
-        if scenario == "decide" and rank == 0:  # a policy on rank 0 only: m 2 → 3 and a new lr
+        if scenario == "decide" and rank == 0:  # a policy on rank 0 only: m 2 → 3, fused, new lr, α, τ
             hooks.append(_AtRound(3, _decide))
         if scenario == "hang" and rank == 1:  # alive but silent: only the timeout can tell
             hooks.append(_AtRound(3, lambda plan: time.sleep(600)))
@@ -120,6 +121,7 @@ def run(scenario: str, rank: int, out: str) -> dict:
             history = plan.fit(data, 1, shuffle=False, progress=False, hooks=hooks, **kw)
         result.update(z=plan.central_weights(), zbuf=plan.states[0].zbuf.clone(),
                       m=plan.replicas_per_device, lr=plan.scheduler.lr, tau=plan.sync.sync_every,
+                      alpha=plan.sync.alpha, mode=plan.learner_mode,
                       digest=z_digest(plan.states[0].z), rounds=plan.rounds_done,
                       loss=history.epochs[-1].train_loss,
                       faults=[dataclasses.asdict(f) for f in history.faults])

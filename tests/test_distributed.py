@@ -120,6 +120,7 @@ def test_rank_0s_decisions_reach_every_rank_at_the_same_round(ok_runs):
     r0, r1 = ok_runs["decide"]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
     assert (r0["m"], r1["m"], r0["lr"], r1["lr"], r0["tau"], r1["tau"]) == (3, 3, 0.02, 0.02, 2, 2)
+    assert (r0["alpha"], r1["alpha"], r0["mode"], r1["mode"]) == (0.3, 0.3, "fused", "fused")
     assert torch.equal(r0["z"], r1["z"])
     # oracle: one process with 2 devices (device-major = rank-major learners), the same change
     one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=2, replicas=M, executor="inline")

@@ -14,14 +14,13 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
+from ..config import LEARNER_MODES
 from .inputs import split_inputs
 from .fused import FusedProgram
 from .state import DeviceState
 
 __all__ = ["LEARNER_MODES", "check_loss", "learn_group", "learner_seed", "rows", "seed_host_rngs",
            "seed_rng", "slice_batch"]
-
-LEARNER_MODES = ("per_replica", "fused")
 
 
 def check_loss(loss: Any) -> None:

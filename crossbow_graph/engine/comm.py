@@ -15,10 +15,11 @@ Everything that must be the same on every rank is checked or decided once:
 * start-up: ``Comm.agree`` all-gathers each rank's plan facts (model fingerprint, devices, replicas,
   batch size, optimiser, SMA settings) and the fit's data facts, and raises DistributedError naming
   the first difference, instead of hanging in a collective later;
-* every round: the plan settings that hooks may change (m, learner mode, lr, α, b, τ, stop) are
-  broadcast from rank 0 after the round's hooks (``Comm.agree_settings``; also before a round
-  when epoch or evaluation hooks ran since, or when some rank has a ``before_round`` hook): the
-  auto-tuner runs on rank 0 only, and rank 0's settings win over any other rank's hooks;
+* every round: the run settings that hooks may change (m, learner mode, lr, α, b, τ, stop) are
+  broadcast from rank 0 after the round's hooks and applied with ``Plan.adjust``
+  (``Comm.agree_settings``; also before a round when epoch or evaluation hooks ran since, or when
+  some rank has a ``before_round`` hook): the auto-tuner runs on rank 0 only, and rank 0's
+  settings win over any other rank's hooks;
 * every ``checksum_every`` rounds: ``Comm.check_z`` all-reduces an exact bit checksum of z (max and
   min over ranks in one all-reduce) and raises DistributedError if the copies differ.
 
@@ -282,36 +283,32 @@ class Comm:
         returns rank 0's ``stop``.
 
         Hooks that decide (auto-tuner, policies) run on rank 0; a change they make reaches the
-        other ranks at the same round boundary (b and τ through ``Plan.adjust``, as a policy's).
+        other ranks at the same round boundary, applied through ``Plan.adjust`` as one
+        ``Adjustment`` of the values that differ (as a policy's).
         """
-        sched = plan.scheduler
-        alpha = sched.sync.alpha
-        mine = [float(plan.replicas_per_device), float(plan.learner_mode == "fused"), sched.lr,
-                math.nan if alpha is None else alpha, float(stop), float(plan.batch_size),
-                float(plan.sync.sync_every)]
+        settings = plan.settings
+        alpha = settings.alpha
+        mine = [float(settings.replicas_per_device), float(settings.learner_mode == "fused"),
+                settings.lr, math.nan if alpha is None else alpha, float(stop),
+                float(settings.batch_size), float(settings.sync_every)]
         m, fused, lr, alpha0, stop0, b0, tau0 = self.broadcast_floats(mine, round_index)
         if self.is_main:
             return stop
-        if int(b0) != plan.batch_size or int(tau0) != plan.sync.sync_every:
-            plan.adjust(Adjustment(
-                batch_size=int(b0) if int(b0) != plan.batch_size else None,
-                sync_every=int(tau0) if int(tau0) != plan.sync.sync_every else None))
-        if int(m) != plan.replicas_per_device:
-            plan.set_replicas(int(m))
-        mode = "fused" if fused else "per_replica"
-        if mode != plan.learner_mode:
-            plan.set_learner_mode(mode)
-        sched.lr = lr
         alpha0 = None if math.isnan(alpha0) else alpha0
-        if alpha0 != alpha:
-            sched.sync = plan.sync = dataclasses.replace(sched.sync, alpha=alpha0)
+        theirs = {"batch_size": int(b0), "sync_every": int(tau0), "replicas_per_device": int(m),
+                  "learner_mode": "fused" if fused else "per_replica", "lr": lr, "alpha": alpha0}
+        changes = {k: v for k, v in theirs.items() if v != getattr(settings, k)}
+        if "alpha" in changes and alpha0 is None:
+            changes["alpha"] = "auto"  # Adjustment: None is "unchanged", "auto" is 1/k
+        if changes:  # nothing to build or apply in the usual round without a decision
+            plan.adjust(Adjustment(**changes))
         return bool(stop0)
 
 
 def plan_facts(plan: "Plan") -> dict[str, Any]:
     """What every rank's plan must share: the model's fingerprint (parameter and buffer names,
     shapes, dtypes), devices per process, replicas, batch size, optimiser and SMA settings."""
-    template = plan._template
+    template = plan.template
     model = [(n, tuple(p.shape), str(p.dtype)) for n, p in template.named_parameters()]
     model += [(n, tuple(b.shape), str(b.dtype)) for n, b in template.named_buffers()]
     return {

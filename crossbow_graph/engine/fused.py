@@ -20,6 +20,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .inputs import split_inputs
+from .settings import RunSettings, settings_view
 from .state import DeviceState
 
 __all__ = ["FusedProgram"]
@@ -31,13 +32,15 @@ class FusedProgram:
     Args:
         template: a module of the model's structure (its parameter values are never used).
         loss_fn: ``loss_fn(output, target) -> scalar`` per replica.
-        batch_size: b.
+        settings: the plan's RunSettings; b is read from it at every step.
     """
 
-    def __init__(self, template: nn.Module, loss_fn: Callable, batch_size: int) -> None:
+    batch_size = settings_view("batch_size", "b, samples per replica (read-only: the plan's settings).")
+
+    def __init__(self, template: nn.Module, loss_fn: Callable, settings: RunSettings) -> None:
         self.module = template
         self.loss_fn = loss_fn
-        self.batch_size = batch_size
+        self.settings = settings
 
         def one(params: dict, buffers: dict, args: tuple, kwargs: dict, target: Any) -> torch.Tensor:
             loss = loss_fn(functional_call(self.module, (params, buffers), args, kwargs), target)
@@ -60,7 +63,7 @@ class FusedProgram:
         Returns:
             The n losses, ``[n]``, detached.
         """
-        n, b = r1 - r0, self.batch_size
+        n, b = r1 - r0, self.settings.batch_size
         w = state.w[r0:r1].detach().requires_grad_(True)  # [n, P], shares storage with state.w
         params = {name: w[:, off:off + k].view(n, *shape)
                   for name, shape, off, k in state.params.entries}

@@ -29,13 +29,14 @@ import networkx as nx
 import torch
 
 from ..compiler.tasks import Task, TaskKind
-from ..config import SGD, SMA, SSGD
+from ..config import SSGD
 from ..errors import TaskError
 from ..kernels.torch_ref import TorchSMAKernels
 from ._cuda import CudaStreams
-from ._learners import LEARNER_MODES, learn_group, learner_seed, rows
+from ._learners import learn_group, learner_seed, rows
 from .faults import FaultMonitor
 from .fused import FusedProgram
+from .settings import RunSettings, settings_view
 from .state import DeviceState
 from .workers import ProcessExecutor, available_cores, fork_available
 
@@ -51,15 +52,14 @@ class Scheduler:
         task_graph: the plan's task graph (one round).
         states: one DeviceState per device, in the plan's device order.
         loss_fn: ``loss_fn(output, target) -> scalar tensor``.
-        optimizer: the local SGD settings.
-        sync: the SMA settings.
-        batch_size: b, samples per learner per round.
-        learner_mode: ``"per_replica"`` or ``"fused"`` (module docstring of ``engine.fused``).
+        settings: the plan's RunSettings (engine/settings.py): η, b, α, τ, m, the learner mode
+            and the optimiser and sync strategy, read from there every round.
         executor: ``"auto"``, ``"inline"`` or ``"process"`` (this module's docstring).
 
     Attributes:
+        settings: the RunSettings; ``lr``, ``batch_size``, ``learner_mode``, ``optimizer`` and
+            ``sync`` are read-only views of it (``Plan.adjust`` changes them).
         kernels: the SMA update backend (``local_update``, ``central_update``).
-        lr: the learning rate used from the next round on (policies may change it).
         losses: the learners' losses of the current epoch (0-dim tensors).
         sync_seconds, sync_exposed_seconds: synchronisation work so far, and the part of it that
             learners waited for (not hidden behind learning), in seconds.
@@ -71,25 +71,24 @@ class Scheduler:
             worker processes read it when they start.
     """
 
+    lr = settings_view("lr", "η in force (read-only: ``settings.lr``).")
+    batch_size = settings_view("batch_size", "b in force (read-only: ``settings.batch_size``).")
+    learner_mode = settings_view("learner_mode", "The learner mode in force (read-only).")
+    optimizer = settings_view("optimizer", "The local SGD with η in force (read-only).")
+    sync = settings_view("sync", "The SMA (α, τ in force) or SSGD strategy (read-only).")
+
     def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Callable,
-                 optimizer: SGD, sync: SMA, batch_size: int, *, learner_mode: str = "per_replica",
-                 executor: str = "auto") -> None:
-        if learner_mode not in LEARNER_MODES:
-            raise ValueError(f"learner_mode={learner_mode!r}: use one of {LEARNER_MODES}")
+                 settings: RunSettings, *, executor: str = "auto") -> None:
         if executor not in EXECUTORS:
             raise ValueError(f"executor={executor!r}: use one of {EXECUTORS}")
         if executor == "process" and any(s.torch_device.type != "cpu" for s in states):
             raise ValueError("executor='process' runs CPU devices only; use 'inline' (CUDA streams) "
                              "or 'auto' for CUDA devices")
-        self.batch_size = batch_size
+        self.settings = settings
         self.kernels = TorchSMAKernels()  # the SMA update backend: local_update, central_update
         self.states = states
         self.loss_fn = loss_fn
-        self.optimizer = optimizer
-        self.sync = sync
-        self.lr = optimizer.lr
         self.max_divergence: float | None = None
-        self.learner_mode = learner_mode
         self.executor = executor
         self.losses: list[torch.Tensor] = []
         self.sync_seconds = 0.0
@@ -100,7 +99,7 @@ class Scheduler:
         self._fetch: Callable | None = None
         self._round_losses: dict[int, list] = {}  # device → its replicas' losses of the round
         self._workers = None  # a workers.ProcessExecutor while one runs
-        self._fused = [FusedProgram(_clone_structure(s), loss_fn, batch_size) for s in states]
+        self._fused = [FusedProgram(_clone_structure(s), loss_fn, settings) for s in states]
         self._cuda = None
         self._resolved: tuple[int, str] | None = None  # (k, executor) cache
         self.cpu_conv = "auto"  # worker processes' convolutions: "auto", "onednn", "aten"
@@ -123,13 +122,10 @@ class Scheduler:
         self.faults.pending = pending  # torchrun: this rank's faults not yet shared go on
         self._cuda = None
 
-    def set_learner_mode(self, mode: str) -> None:
-        """Switch between ``"per_replica"`` and ``"fused"`` from the next round on (same maths)."""
-        if mode not in LEARNER_MODES:
-            raise ValueError(f"learner_mode={mode!r}: use one of {LEARNER_MODES}")
-        if mode != self.learner_mode:
-            self.close_workers()
-            self.learner_mode = mode
+    @property
+    def fused(self) -> list[FusedProgram]:
+        """The fused-mode program of every device, in device order (engine/fused.py)."""
+        return self._fused
 
     @property
     def num_learners(self) -> int:
@@ -148,13 +144,14 @@ class Scheduler:
 
     @property
     def alpha(self) -> float:
-        return self.sync.alpha_for(self.num_learners)
+        """α used in the next round's local updates: ``settings.alpha``, or 1/k; 0 when k = 1."""
+        return self.settings.sync.alpha_for(self.num_learners)
 
     def resolved_executor(self) -> str:
         """The executor that runs the next round: ``"inline"`` or ``"process"``."""
         if self.executor != "auto":
             return self.executor
-        if isinstance(self.sync, SSGD):  # its step needs the global gradient (config.SSGD)
+        if isinstance(self.settings.sync, SSGD):  # its step needs the global gradient (config.SSGD)
             return "inline"
         k = self.num_learners
         if self._resolved is None or self._resolved[0] != k:
@@ -267,13 +264,13 @@ class Scheduler:
         state = self.states[d]
         first = sum(s.m for s in self.states[:d])
         r = j - first
-        b = self.batch_size
-        r0, r1 = (0, state.m) if self.learner_mode == "fused" else (r, r + 1)
-        if self.learner_mode == "fused" and r != 0:
+        b = self.settings.batch_size
+        r0, r1 = (0, state.m) if self.settings.learner_mode == "fused" else (r, r + 1)
+        if self.settings.learner_mode == "fused" and r != 0:
             return
         mine = rows(self._batch, (first + r0) * b, (first + r1) * b)
         with self._cuda_learn(d, r0):
-            losses = learn_group(state, r0, r1, mine, self.loss_fn, b, self.learner_mode,
+            losses = learn_group(state, r0, r1, mine, self.loss_fn, b, self.settings.learner_mode,
                                  self._fused[d], rng_seed=learner_seed(self.seed, self._round,
                                                                        self.learner_offset + first + r0))
         self.losses.extend(losses)
@@ -283,14 +280,15 @@ class Scheduler:
         """Local SGD step and correction of every replica on the device, and their sum acc_d."""
         d = self._device_index[task.device]
         state = self.states[d]
-        if isinstance(self.sync, SSGD):  # S-SGD: only the device's gradient sum; the step is global
+        if isinstance(self.settings.sync, SSGD):  # S-SGD: only the device's gradient sum; the step is global
             with self._cuda_local(d):
                 state.acc = state.g.sum(dim=0, dtype=state.w.dtype)  # [P], in the masters' dtype
             return
         with self._cuda_local(d):
-            state.acc, faulty = self.local_update_rows(state, 0, state.m, lr=self.lr, alpha=self.alpha,
+            state.acc, faulty = self.local_update_rows(state, 0, state.m, lr=self.settings.optimizer.lr,
+                                                       alpha=self.alpha,
                                                        synchronise=self._synchronise,
-                                                       optimizer=self.optimizer,
+                                                       optimizer=self.settings.optimizer,
                                                        losses=self._round_losses[d])
         self.faults.record(state, faulty, round_index=self._round, num_learners=self.num_learners,
                            rank=self.rank)
@@ -342,7 +340,7 @@ class Scheduler:
             return
         states = self.states
         bufs = buffers if buffers is not None else [s.buf for s in states]
-        if isinstance(self.sync, SSGD):
+        if isinstance(self.settings.sync, SSGD):
             self._ssgd_step(bufs)
             return
         if self.num_learners == 1:  # the single replica is the central model
@@ -352,7 +350,7 @@ class Scheduler:
             s.zbuf.copy_(bufs[0][0])
             return
         home = states[0].torch_device
-        mu_z = self.sync.central_momentum
+        mu_z = self.settings.sync.central_momentum
         on_cpu = all(s.torch_device.type == "cpu" for s in states)
         shared = getattr(self.kernels, "central_update_shared", None) if on_cpu and self.comm is None else None
         with self._cuda_global():
@@ -408,10 +406,10 @@ class Scheduler:
         for s in states:
             acc = s.acc.to(home)
             total = acc if total is None else total + acc
-        s0, opt = states[0], self.optimizer
+        s0, opt = states[0], self.settings.optimizer
         with self._cuda_global():
             self.kernels.local_update(
-                s0.w[:1], s0.v[:1], (total / self.num_learners).unsqueeze(0), None, lr=self.lr,
+                s0.w[:1], s0.v[:1], (total / self.num_learners).unsqueeze(0), None, lr=opt.lr,
                 momentum=opt.momentum, nesterov=opt.nesterov, weight_decay=opt.weight_decay,
                 alpha=0.0, first_step=s0.first_step[0])
             w0, v0 = s0.w[0].clone(), s0.v[0].clone()  # [P]
@@ -429,7 +427,7 @@ class Scheduler:
 
     def _streams(self):
         if self._cuda is None:
-            self._cuda = CudaStreams(self.states, self.learner_mode)
+            self._cuda = CudaStreams(self.states, self.settings.learner_mode)
         return self._cuda
 
     def _cuda_learn(self, d: int, r0: int):
@@ -462,7 +460,7 @@ _NULL = _Null()
 def _clone_structure(state: DeviceState):
     import copy
 
-    return copy.deepcopy(state._template).to(state.torch_device).train()
+    return copy.deepcopy(state.template).to(state.torch_device).train()
 
 
 def _task_sort_key(graph: nx.DiGraph):

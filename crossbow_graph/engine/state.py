@@ -204,7 +204,14 @@ class DeviceState:
 
     @property
     def m(self) -> int:
+        """Replicas on this device (rows of ``w``); the plan's ``settings.replicas_per_device``."""
         return len(self.replicas)
+
+    @property
+    def template(self) -> nn.Module:
+        """The module new replicas are cloned from: a copy of the input model (on its device) in
+        training mode, never trained (read it, do not modify it)."""
+        return self._template
 
     def _new_replica(self, template: nn.Module, j: int) -> nn.Module:
         r = copy.deepcopy(template).to(self.torch_device)

@@ -122,7 +122,7 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
         raise ValueError(f"scheduler.cpu_conv={scheduler.cpu_conv!r}: use one of {CPU_CONV_CHOICES}")
     if scheduler.cpu_conv != "auto":
         return scheduler.cpu_conv == "onednn"
-    b = scheduler.batch_size
+    b = scheduler.settings.batch_size
     cached = scheduler._onednn_choice.get(b)
     if cached is not None:
         return cached
@@ -134,10 +134,10 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     args, kwargs, target = split_inputs(batch)
     shapes = tuple((tuple(t.shape), t.dtype) for t in (*args, *kwargs.values(), target)
                    if isinstance(t, torch.Tensor))
-    key = (type(state._template).__qualname__, state.params.size, state.buffers.size, b, shapes)
+    key = (type(state.template).__qualname__, state.params.size, state.buffers.size, b, shapes)
     choice = _ONEDNN_CHOICES.get(key)
     if choice is None:
-        model = copy.deepcopy(state._template).train()
+        model = copy.deepcopy(state.template).train()
         saved_threads, saved_onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
         try:
             torch.set_num_threads(1)
@@ -273,7 +273,7 @@ class ProcessExecutor:
         states = scheduler.states
         # fused learners: a device's replicas in one program, whose dropout masks depend on the
         # group (vmap draws them for the whole group at once), hence one group per device
-        cores = 1 if scheduler.learner_mode == "fused" else available_cores()
+        cores = 1 if scheduler.settings.learner_mode == "fused" else available_cores()
         self.groups = worker_groups([s.m for s in states], cores)
         n = len(self.groups)
         threads = 1  # forked children cannot start OpenMP teams (see _worker_main)
@@ -323,7 +323,7 @@ class ProcessExecutor:
                     continue
                 sem = ctx.Semaphore(0)
                 here, there = ctx.Pipe(duplex=False)  # an error's text, worker → here
-                mail = _Mailbox(ctx, (r1 - r0) * scheduler.batch_size, r1 - r0, states[d].z.dtype)
+                mail = _Mailbox(ctx, (r1 - r0) * scheduler.settings.batch_size, r1 - r0, states[d].z.dtype)
                 learn_tasks = [self.learn_ids[(d, r)] for r in range(r0, r1)]
                 proc = ctx.Process(
                     target=_worker_main, name=f"crossbow-learner-{wid}", daemon=True,
@@ -349,7 +349,7 @@ class ProcessExecutor:
     def _group_indices(self, indices: torch.Tensor, wid: int) -> torch.Tensor:
         """Group ``wid``'s part of a round's sample indices ``[k·b]``: ``[(r1 − r0)·b]``, int64."""
         d, r0, r1 = self.groups[wid]
-        b = self.sched.batch_size
+        b = self.sched.settings.batch_size
         return indices[(self.firsts[d] + r0) * b:(self.firsts[d] + r1) * b].to(torch.int64)
 
     def _send_go(self, round_index: int, indices: torch.Tensor) -> None:
@@ -357,7 +357,7 @@ class ProcessExecutor:
             self.mail[wid].post(round_index, self._group_indices(indices, wid).numpy())
 
     def _release(self, *, lr: float, alpha: float, synchronise: bool, cancel: bool) -> None:
-        opt = self.sched.optimizer
+        opt = self.sched.settings.optimizer
         self._ctrl_np[:] = (lr, alpha, float(synchronise), float(cancel), opt.momentum,
                             float(opt.nesterov), opt.weight_decay)  # no tensor per round
         for wid in self.workers:
@@ -392,7 +392,7 @@ class ProcessExecutor:
         state, faulty = sched.states[d], []
         if self.own_error is None:
             try:
-                _, faulty = sched.local_update_rows(state, r0, r1, lr=sched.lr, alpha=sched.alpha,
+                _, faulty = sched.local_update_rows(state, r0, r1, lr=sched.settings.lr, alpha=sched.alpha,
                                                     synchronise=synchronise, optimizer=sched.optimizer,
                                                     out=self.acc_parts[0], losses=self.own_losses)
                 if self.buf_snaps[d].shape[1]:
@@ -442,7 +442,7 @@ class ProcessExecutor:
         self.ahead = None
         ta, tb = self.own_learn_span  # group 0 has waited for z_t since it finished learning
         tc = time.perf_counter_ns()
-        self._release(lr=sched.lr, alpha=sched.alpha, synchronise=synchronise, cancel=False)
+        self._release(lr=sched.settings.lr, alpha=sched.alpha, synchronise=synchronise, cancel=False)
         own_faulty = self._own_local(synchronise)
         td = time.perf_counter_ns()
         own = (self.own_losses, self.own_error)
@@ -589,12 +589,12 @@ def _learn_rows(sched: "Scheduler", d: int, r0: int, r1: int, batch: Any, round_
     (r1 − r0)·b samples), in this process, in the scheduler's learner mode, each replica's RNG
     seeded by ``learner_seed``. Returns (the losses, None) or ([], (failing task id, error text)).
     """
-    b, state = sched.batch_size, sched.states[d]
+    b, state = sched.settings.batch_size, sched.states[d]
     first = sched.learner_offset + sum(s.m for s in sched.states[:d])  # global index of row 0
     task_id, losses = learn_ids[0], []
     try:
-        if sched.learner_mode == "fused":
-            return learn_group(state, r0, r1, batch, sched.loss_fn, b, "fused", sched._fused[d],
+        if sched.settings.learner_mode == "fused":
+            return learn_group(state, r0, r1, batch, sched.loss_fn, b, "fused", sched.fused[d],
                                rng_seed=learner_seed(sched.seed, round_index, first + r0)), None
         for r in range(r0, r1):
             task_id = learn_ids[r - r0]

@@ -6,9 +6,9 @@ A checkpoint holds everything the next round depends on:
   trainable parameter, float buffer and integer buffer, in the order of the flat buffers; checked
   on load by ``check_same_model``); per device the replicas ``w [m, P]``, momenta ``v [m, P]``,
   the central model ``z [P]`` and ``z_prev [P]``, float buffers ``buf [m, Q]`` and ``zbuf [Q]``,
-  every replica's integer buffers (``num_batches_tracked``), the ``first_step`` flags; the
-  settings a policy may have changed (``Plan.adjust``: batch size b, SMA α and τ, the
-  scheduler's learning rate), which a resumed fit continues with; the current epoch's losses;
+  every replica's integer buffers (``num_batches_tracked``), the ``first_step`` flags; the run
+  settings a policy may have changed (``Plan.settings``: batch size b, SMA α and τ, the
+  learning rate η, the learner mode), which a resumed fit continues with; the current epoch's losses;
   the counters (epochs and rounds done, the round within the epoch, the sample position in it,
   training seconds);
 - the data position (epoch, sample position within it) and what fixes the sample order (N,
@@ -81,16 +81,16 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
             "int_buffers": [{n: b.detach().cpu().clone() for n, b in r.named_buffers()
                              if not b.is_floating_point()} for r in s.replicas],
         })
-    sched = plan.scheduler
+    sched, settings = plan.scheduler, plan.settings
     return {
         "format": _FORMAT,
         "model": model_layout(plan),
         "devices": plan.devices, "replicas_per_device": plan.replicas_per_device,
         "num_parameters": plan.num_parameters, "num_float_buffers": plan.states[0].buf.shape[1],
         "states": states,
-        "batch_size": plan.batch_size,
-        "alpha": getattr(plan.sync, "alpha", None), "sync_every": plan.sync.sync_every,
-        "lr": sched.lr,
+        "batch_size": settings.batch_size,
+        "alpha": settings.alpha, "sync_every": settings.sync_every,
+        "lr": settings.lr, "learner_mode": settings.learner_mode,
         "losses": torch.stack(sched.losses).cpu() if sched.losses else torch.zeros(0),
         "faults": [asdict(e) for e in sched.faults.events],
         "epochs_done": plan.epochs_done, "rounds_done": plan.rounds_done,
@@ -153,9 +153,10 @@ def check_same_model(plan: "Plan", sd: dict[str, Any], source: str = "the checkp
 def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
     """Copy a ``plan_state_dict`` into ``plan`` in place (module parameters stay views of ``w``).
 
-    The settings a policy changes through ``Plan.adjust`` are restored the same way first: a
-    saved b other than the plan's re-plans the learners (and re-checks the memory bound), and α
-    and τ are set, so the plan continues with the b, α, τ and η in force when it was saved.
+    The run settings a policy changes through ``Plan.adjust`` are restored the same way first: a
+    saved b other than the plan's re-plans the learners (and re-checks the memory bound), and α,
+    τ, η and the learner mode are set, so the plan continues with the settings in force when it
+    was saved (m too for an auto-tuned plan; otherwise m must match).
 
     Raises:
         CheckpointError: the state was saved for another model (``check_same_model``: names the
@@ -185,7 +186,6 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
             for n, value in ints.items():
                 named[n].copy_(value)
     sched = plan.scheduler
-    sched.lr = sd["lr"]
     device = plan.states[0].torch_device
     sched.losses = [x.to(device) for x in sd["losses"].unbind()]
     sched.faults.events = [FaultEvent(**e) for e in sd["faults"]]
@@ -195,16 +195,20 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
 
 
 def _restore_settings(plan: "Plan", sd: dict[str, Any]) -> None:
-    """b, α and τ of a ``plan_state_dict`` through ``Plan.adjust`` (before the tensors are copied:
-    a change of b re-plans, which resets the fault monitor). States without them (older
-    checkpoints) keep the plan's."""
-    changes: dict[str, Any] = {}
-    if sd.get("batch_size", plan.batch_size) != plan.batch_size:
+    """b, α, τ, η and the learner mode of a ``plan_state_dict`` through ``Plan.adjust`` (before
+    the tensors are copied: a change of b re-plans, which resets the fault monitor). A state
+    without one of them (an older checkpoint) keeps the plan's."""
+    settings, changes = plan.settings, {}
+    if sd.get("batch_size", settings.batch_size) != settings.batch_size:
         changes["batch_size"] = sd["batch_size"]
-    if hasattr(plan.sync, "alpha") and "alpha" in sd and sd["alpha"] != plan.sync.alpha:
+    if hasattr(plan.sync, "alpha") and "alpha" in sd and sd["alpha"] != settings.alpha:
         changes["alpha"] = "auto" if sd["alpha"] is None else sd["alpha"]
-    if sd.get("sync_every", plan.sync.sync_every) != plan.sync.sync_every:
+    if sd.get("sync_every", settings.sync_every) != settings.sync_every:
         changes["sync_every"] = sd["sync_every"]
+    if sd.get("lr", settings.lr) != settings.lr:
+        changes["lr"] = sd["lr"]
+    if sd.get("learner_mode", settings.learner_mode) != settings.learner_mode:
+        changes["learner_mode"] = sd["learner_mode"]
     if changes:
         plan.adjust(Adjustment(**changes))
 

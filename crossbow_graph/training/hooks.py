@@ -36,9 +36,9 @@ class FitContext:
         round_samples: samples of the last round (k·b at that round).
 
     In ``after_round`` every task of the round has run (w, v, z, zbuf are final). A hook may
-    change the plan between rounds (``plan.set_replicas``, ``plan.set_learner_mode``,
-    ``scheduler.lr``). On CUDA, call ``ctx.plan.scheduler.flush()`` before reading buffers on
-    the host (the Plan's own methods do).
+    change the plan between rounds (``plan.adjust(Adjustment(...))``, ``plan.set_replicas``,
+    ``plan.set_learner_mode``; the run settings in force are ``plan.settings``). On CUDA, call
+    ``ctx.plan.scheduler.flush()`` before reading buffers on the host (the Plan's own methods do).
     """
 
     plan: "Plan"
@@ -61,7 +61,7 @@ class Hook:
         mutates_replicas: True (the default) if the hook may write the replicas' state (w, v, g,
             buf, z) directly. When every hook of a fit sets it False, worker processes learn round
             t+1 while the hooks of round t run (changing the plan through its methods, such as
-            ``set_replicas``, ``set_learner_mode`` or ``scheduler.lr``, stays safe: a speculative
+            ``adjust``, ``set_replicas`` or ``set_learner_mode``, stays safe: a speculative
             round whose replicas changed is cancelled and rolled back).
     """
 

@@ -42,10 +42,7 @@ _CAST = {torch.float64: ".double()", torch.float32: ".float()", torch.bfloat16: 
 
 def _run_central(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The central model in evaluation mode (no dropout, no BatchNorm update) on ``args``."""
-    device = plan.states[0].torch_device
-    moved = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-    plan._refresh_central()
-    return plan._central(*moved, **kwargs)
+    return plan.central_forward(*args, **kwargs)
 
 
 @torch.no_grad()

@@ -280,7 +280,7 @@ class AdaptiveBatchSize(Policy):
     def _lr_for(self, ctx: FitContext, b: int) -> tuple[float | None, float]:
         """η for moving to batch size ``b`` now (None: unchanged) and the gain it carries."""
         plan = ctx.plan
-        lr = plan.scheduler.lr
+        lr = plan.settings.lr
         if self.scale_lr == "linear":
             return lr * b / plan.batch_size, self.gain
         if self.scale_lr != "gain" or self._gain_windows_seen < self.gain_windows or self._noise is None:

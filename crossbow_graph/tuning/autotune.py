@@ -88,7 +88,7 @@ class AutoTuner(Hook):
         decisions: every AutotuneRecord over the plan's life.
     """
 
-    mutates_replicas = False  # changes the plan only through Plan.set_replicas/set_learner_mode
+    mutates_replicas = False  # changes the plan only through Plan.adjust (set_replicas, set_learner_mode)
 
     def __init__(self, config: AutoTune = AutoTune(), *,
                  clock: Callable[[FitContext], float] | None = None) -> None:

@@ -5,7 +5,7 @@ Systems", ACM SIGOPS OSR 53(1) 2019; KungFu, OSDI 2020).
 A ``Policy`` is a Hook. It reads ``ctx.extra["metrics"]`` (the fit's ``MetricsMonitor``, updated
 every N rounds before the policies run) and ``ctx.history``, and changes the plan only through
 one narrow interface, ``Policy.adjust(ctx, lr=..., batch_size=..., alpha=..., sync_every=...,
-replicas_per_device=..., reset_replicas=...)``: it builds one ``Adjustment`` (plain data: the
+replicas_per_device=..., learner_mode=..., reset_replicas=...)``: it builds one ``Adjustment`` (plain data: the
 decision) and applies it with ``Plan.adjust``. Hooks run between rounds, so a change takes effect
 at the next round, on every device at once (the devices share one scheduler). With several
 processes the ``Adjustment`` is what is broadcast from rank 0 before it is applied: the decision
@@ -118,14 +118,14 @@ class _LRSchedule(Policy):
 
     def before_fit(self, ctx: FitContext) -> None:
         if self.base_lr is None:
-            self.base_lr = float(ctx.plan.scheduler.lr)
+            self.base_lr = float(ctx.plan.settings.lr)
             self._applied = 1.0
 
     def before_epoch(self, ctx: FitContext) -> None:
         # multiplicative, like torch's chained schedulers: composes with AdaptiveBatchSize's
         # scaling of η (η is multiplied by factor(e)/factor(e−1), not overwritten)
         f = self.factor(ctx.epoch)
-        old = float(ctx.plan.scheduler.lr)
+        old = float(ctx.plan.settings.lr)
         new = old * f / self._applied
         self._applied = f
         if math.isclose(old, new, rel_tol=1e-12):

@@ -7,7 +7,6 @@ tuning/adaptive_batch.py; ``crossbow_graph.tuning.policies`` exports all of thes
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,46 +27,44 @@ __all__ = ["apply_adjustment", "Policy"]
 def apply_adjustment(plan: "Plan", adj: Adjustment) -> dict[str, Any]:
     """Apply ``adj`` to ``plan`` between rounds; returns what actually changed.
 
-    Order: batch size (re-plan, memory check), replicas, α, τ, lr, replica reset. Anything in
-    flight is finished first; worker processes restart when b changes or replicas are reset (a
-    speculative round, learned from the old replicas, is cancelled).
+    The one place that changes the plan's run settings (``plan.settings``, engine/settings.py):
+    ``Plan.adjust`` calls it, and through it policies, the auto-tuner, ``Plan.set_replicas`` and
+    ``Plan.set_learner_mode``, the torchrun agreement (``Comm.agree_settings``) and checkpoint
+    resumes. A value equal to the one in force is no change.
+
+    Order: batch size (re-plan, memory check), replicas (re-plan, memory check, replicas
+    resized), learner mode, α, τ, lr, replica reset. Anything in flight is finished first; worker
+    processes restart when b, m or the learner mode change or replicas are reset (a speculative
+    round, learned from the old replicas, is cancelled).
 
     Raises:
         PlanError: the new b (or m) does not fit the memory budget; nothing is changed then.
-        ValueError: α given with k = 1 (a single learner has no averaging).
+        ValueError: α given with k = 1 (a single learner has no averaging); α or τ under SSGD.
     """
-    sched, done = plan.scheduler, {}
-    if adj.batch_size is not None and adj.batch_size != plan.batch_size:
-        b = adj.batch_size
-        graph = build_task_graph(plan.model_graph, devices=plan.devices,
-                                 replicas_per_device=plan.replicas_per_device, batch_size=b,
-                                 memory_budget_bytes=plan.memory_budget,
-                                 verify=plan._verify)  # raises PlanError
+    settings, sched, done = plan.settings, plan.scheduler, {}
+    if adj.batch_size is not None and adj.batch_size != settings.batch_size:
+        _replan(plan, adj.batch_size, settings.replicas_per_device)
+        done["batch_size"] = adj.batch_size
+    if adj.replicas_per_device is not None and adj.replicas_per_device != settings.replicas_per_device:
+        _replan(plan, settings.batch_size, adj.replicas_per_device)
+        done["replicas_per_device"] = adj.replicas_per_device
+    if adj.learner_mode is not None and adj.learner_mode != settings.learner_mode:
         sched.flush()
         sched.close_workers()
-        plan.batch_size = sched.batch_size = b
-        for fused in sched._fused:
-            fused.batch_size = b
-        plan.task_graph = graph
-        sched.set_task_graph(graph)
-        done["batch_size"] = b
-    if adj.replicas_per_device is not None and adj.replicas_per_device != plan.replicas_per_device:
-        plan.set_replicas(adj.replicas_per_device)
-        done["replicas_per_device"] = adj.replicas_per_device
-    sync = plan.sync
+        settings.learner_mode = adj.learner_mode
+        done["learner_mode"] = adj.learner_mode
     if adj.alpha is not None:
         alpha = None if adj.alpha == "auto" else float(adj.alpha)
         if alpha is not None and plan.num_learners == 1:
             raise ValueError("Adjustment(alpha=...) with k = 1 learner: there is no averaging")
-        if alpha != sync.alpha:
-            sync = dataclasses.replace(sync, alpha=alpha)
+        if alpha != settings.alpha:
+            settings.alpha = alpha
             done["alpha"] = adj.alpha
-    if adj.sync_every is not None and adj.sync_every != sync.sync_every:
-        sync = dataclasses.replace(sync, sync_every=adj.sync_every)
+    if adj.sync_every is not None and adj.sync_every != settings.sync_every:
+        settings.sync_every = adj.sync_every
         done["sync_every"] = adj.sync_every
-    plan.sync = sched.sync = sync
-    if adj.lr is not None and adj.lr != sched.lr:
-        sched.lr = float(adj.lr)
+    if adj.lr is not None and adj.lr != settings.lr:
+        settings.lr = float(adj.lr)
         done["lr"] = float(adj.lr)
     if adj.reset_replicas:
         sched.flush()
@@ -76,6 +73,25 @@ def apply_adjustment(plan: "Plan", adj: Adjustment) -> dict[str, Any]:
             FaultMonitor.reset(s, list(range(s.m)))
         done["reset_replicas"] = True
     return done
+
+
+def _replan(plan: "Plan", b: int, m: int) -> None:
+    """Re-plan the learners for batch size ``b`` and ``m`` replicas per device (the compiler
+    passes, the verifier and the memory check first: PlanError leaves everything unchanged), then
+    resize the replicas (kept ones keep their state, new ones are cloned from z with zeroed
+    momentum, ``DeviceState.resize``) and adopt the new task graph."""
+    graph = build_task_graph(plan.model_graph, devices=plan.devices, replicas_per_device=m,
+                             batch_size=b, memory_budget_bytes=plan.memory_budget,
+                             verify=plan.verify)  # raises PlanError
+    sched, settings = plan.scheduler, plan.settings
+    sched.flush()
+    sched.close_workers()
+    if m != settings.replicas_per_device:
+        for state in plan.states:
+            state.resize(m)
+    settings.batch_size, settings.replicas_per_device = b, m
+    plan.task_graph = graph
+    sched.set_task_graph(graph)
 
 
 class Policy(Hook):
