@@ -27,7 +27,7 @@ from .training.checkpoint import load_plan_state_dict, plan_state_dict
 from .training.data import as_dataset, make_fetch
 from .training.history import History
 from .training.hooks import Hook
-from .training.options import FitOptions
+from .training.options import FitOptions, as_hooks
 from .training.trainer import Trainer
 from .tuning.autotune import AutoTune, AutoTuner
 from .tuning.metrics import MetricsMonitor
@@ -685,7 +685,7 @@ class Plan:
         """
         tuner = [self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main) \
             else []
-        hooks = tuner + list(hooks)
+        hooks = tuner + list(as_hooks("hooks", hooks))
         metrics = metrics_every if isinstance(metrics_every, MetricsMonitor) or metrics_every is None \
             else MetricsMonitor(metrics_every)
         options = FitOptions(

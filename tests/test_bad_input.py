@@ -255,6 +255,59 @@ def test_sample_that_is_not_an_inputs_target_pair(item, what):
                                       r"pair; make __getitem__ return a pair", data=Items(item))
 
 
+def test_a_none_sample_past_the_first_batch_names_its_index():
+    """Only the first batch and the last index are read before round 0; a None sample found later
+    fails that round with an error naming the index (default_collate's names neither)."""
+    data = Items(lambda i: None if i == 20 else (torch.randn(4), i % 3))
+    with pytest.raises(TaskError, match=r"sample 20 is None, not an \(inputs, target\) pair"):
+        plan().fit(data, 1, progress=False, shuffle=False)
+
+
+@pytest.mark.parametrize("fit, error, pattern", [
+    (dict(shuffle="yes"), TypeError, r"shuffle='yes': must be True or False"),
+    (dict(checkpoint_every=5), ValueError, r"checkpoint_every=5 needs checkpoint_dir"),
+    (dict(trace="/proc/no-such-folder/run.json"), ValueError,
+     r"trace='/proc/no-such-folder/run.json': its folder '/proc/no-such-folder' does not exist"),
+    (dict(policies=[cg.AdaptiveBatchSize]), TypeError,
+     r"AdaptiveBatchSize is a class, not a hook: pass an instance"),
+], ids=["shuffle", "checkpoint_every", "trace", "policy-class"])
+def test_more_fit_options_that_fail_before_training(fit, error, pattern):
+    fails_before_training(error, pattern, **fit)
+
+
+def test_one_hook_not_in_a_list_a_log_dir_that_is_a_file_and_progress_not_a_bool(tmp_path):
+    with pytest.raises(TypeError, match=r"hooks=.*: pass a list of hooks, e.g. hooks=\[RoundCounter"):
+        plan().fit(ds(), 1, progress=False, hooks=RoundCounter())
+    (tmp_path / "f").write_text("")
+    fails_before_training(ValueError, r"log_dir='.*f' is a file, not a directory", log_dir=str(tmp_path / "f"))
+    with pytest.raises(TypeError, match=r"progress='no': must be True or False"):
+        plan().fit(ds(), 1, progress="no")
+
+
+@pytest.mark.parametrize("model, pattern", [
+    ("lenet5", r"compile\(\) takes an nn.Module as model, got str 'lenet5' \(a zoo name: build it "
+               r"with cg.models.get_model\(name\)\)"),
+    (cg.models.lenet5, r"got function .* \(a factory: call it, e.g. cg.models.lenet5\(\)\)"),
+], ids=["name", "factory"])
+def test_compile_a_model_that_is_not_a_module(model, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        cg.compile(model, (torch.zeros(1, 1, 28, 28),), F.cross_entropy, batch_size=4)
+
+
+def test_memory_budget_not_an_integer_and_cuda_without_a_gpu():
+    with pytest.raises(TypeError, match=r"memory_budget='1GB': bytes per device as an integer"):
+        plan(memory_budget="1GB")
+    if torch.cuda.device_count() == 0:
+        with pytest.raises(ValueError, match=r"devices='cuda': this machine has no CUDA GPU"):
+            plan(devices="cuda")
+
+
+def test_negative_labels_get_the_ignore_index_fix():
+    data = TensorDataset(torch.randn(32, 4), torch.tensor([-1, 0, 1, 2] * 8))
+    fails_before_training(ValueError, r"has label -1, .*remap the labels to 0 … 2, or mark the ones "
+                                      r"to skip with the loss's ignore_index \(-100\)", data=data)
+
+
 def test_len_larger_than_the_data():
     data = Items(lambda i: (torch.randn(4), i % 3), n=32, readable=20)
     fails_before_training(ValueError, r"train_dataset\[31\] fails \(IndexError: index 31 out of range\); "

@@ -324,6 +324,43 @@ def test_load_state_dict_of_the_same_model_in_another_dtype_is_refused():
         plan.load_state_dict(state)
 
 
+class _Frozen(nn.Module):
+    """A frozen feature extractor of width ``h`` before a trained head, and an EMA buffer."""
+
+    def __init__(self, h: int, buffer_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.pre = nn.Sequential(nn.Linear(12, h), nn.Linear(h, 12)).requires_grad_(False)
+        self.fc = nn.Linear(12, 3)
+        self.register_buffer("ema", torch.zeros(12, dtype=buffer_dtype))
+
+    def forward(self, x):
+        return self.fc(self.pre(x))
+
+
+@pytest.mark.parametrize("other, first_difference", [
+    (lambda: _Frozen(32), r"frozen parameter 'pre\.0\.weight' has shape \[4, 12\], this plan's has "
+                          r"shape \[32, 12\]"),
+    (lambda: _Frozen(4, torch.float64), r"float buffer 'ema' has dtype float32, this plan's has "
+                                        r"dtype float64"),
+], ids=["frozen-shape", "buffer-dtype"])
+def test_resume_with_other_frozen_parameters_or_buffer_dtypes_is_refused(tmp_path, other,
+                                                                         first_difference):
+    """Frozen parameters and the model's own buffer dtypes identify it too (same trainable layout)."""
+    def plan(model):  # not _mlp_plan: model.to(float32) would cast a float64 buffer
+        return cg.compile(model, (torch.zeros(2, 12),), nn.functional.cross_entropy, batch_size=4,
+                          devices=1, replicas=2)
+
+    torch.manual_seed(0)
+    plan(_Frozen(4)).fit(_mlp_data(), 1, progress=False, checkpoint_dir=str(tmp_path))
+    rounds = Counter()
+    with pytest.raises(CheckpointError, match=first_difference):
+        plan(other()).fit(_mlp_data(), 2, progress=False, checkpoint_dir=str(tmp_path),
+                               resume=True, hooks=[rounds])
+    assert rounds.seen == 0
+    plan(_Frozen(4)).fit(_mlp_data(), 2, progress=False, checkpoint_dir=str(tmp_path),
+                         resume=True)  # the model that wrote it resumes
+
+
 def test_resume_without_checkpoint_starts_afresh_and_needs_dir(tmp_path):
     a, b = make_plan(), make_plan()
     a.fit(data(), 1, progress=False)

@@ -101,14 +101,19 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
 
 def model_layout(plan: "Plan") -> dict[str, list[list[Any]]]:
     """What identifies the plan's model in a checkpoint: ``[name, shape, dtype]`` per trainable
-    parameter (the columns of ``w``), float buffer (of ``buf``) and integer buffer, in that order,
-    as the replicas hold them (e.g. ``["net.0.weight", [5, 12], "float32"]``)."""
-    replica = plan.states[0].replicas[0]
-    ints = [(n, b) for n, b in replica.named_buffers() if not b.is_floating_point()]
-    return {key: [[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in named]
-            for key, named in (("parameters", trainable_named(replica)),
-                               ("float_buffers", float_buffers_named(replica)),
-                               ("int_buffers", ints))}
+    parameter (the columns of ``w``), float buffer (of ``buf``), integer buffer and frozen
+    parameter, in that order, with the dtypes of the input model (e.g.
+    ``["net.0.weight", [5, 12], "float32"]``)."""
+    template = plan.template
+
+    def rows(named) -> list[list[Any]]:
+        return [[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in named]
+
+    ints = [(n, b) for n, b in template.named_buffers() if not b.is_floating_point()]
+    frozen = [(n, p) for n, p in template.named_parameters() if not p.requires_grad]
+    return {"parameters": rows(trainable_named(template)),
+            "float_buffers": rows(float_buffers_named(template)),
+            "int_buffers": rows(ints), "frozen_parameters": rows(frozen)}
 
 
 def _first_difference(what: str, saved: list[list[Any]], have: list[list[Any]]) -> str | None:
@@ -140,7 +145,9 @@ def check_same_model(plan: "Plan", sd: dict[str, Any], source: str = "the checkp
         return
     have = model_layout(plan)
     for key, what in (("parameters", "parameter"), ("float_buffers", "float buffer"),
-                      ("int_buffers", "integer buffer")):
+                      ("int_buffers", "integer buffer"), ("frozen_parameters", "frozen parameter")):
+        if key not in sd["model"]:  # a layout without frozen parameters: checked without them
+            continue
         diff = _first_difference(what, sd["model"][key], have[key])
         if diff is not None:
             raise CheckpointError(

@@ -12,7 +12,7 @@ from ..errors import is_count
 if TYPE_CHECKING:
     from .hooks import Hook
 
-__all__ = ["FitOptions"]
+__all__ = ["FitOptions", "as_hooks"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,8 +83,8 @@ class FitOptions:
     metrics: "Hook | None" = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "hooks", _hook_tuple("hooks", self.hooks))
-        object.__setattr__(self, "policies", _hook_tuple("policies", self.policies))
+        object.__setattr__(self, "hooks", as_hooks("hooks", self.hooks))
+        object.__setattr__(self, "policies", as_hooks("policies", self.policies))
         for name in ("shuffle", "progress", "resume"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r}: must be True or False")
@@ -111,8 +111,13 @@ class FitOptions:
             _check_log_dir(self.log_dir)
 
 
-def _hook_tuple(name: str, hooks: object) -> tuple:
-    """``hooks`` as a tuple; TypeError for one hook not in a list, or a class instead of an instance."""
+def as_hooks(name: str, hooks: object) -> tuple:
+    """``hooks`` (the argument ``name``) as a tuple.
+
+    Raises:
+        TypeError: one hook not in a list, something not iterable, or a class instead of an
+            instance.
+    """
     if hasattr(hooks, "before_fit") and not isinstance(hooks, type):
         raise TypeError(f"{name}={hooks!r}: pass a list of hooks, e.g. {name}=[{type(hooks).__name__}(...)]")
     try:
