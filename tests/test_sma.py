@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
 from _reference import flat, reference_sma
+from test_fit import BNNet
 
 ATOL, RTOL = 1e-6, 1e-5  # float32, a few dozen rounds of the same operations in another order
 
@@ -130,26 +131,13 @@ def test_sync_every_tau_rounds_matches_reference_on_sync_rounds():
 ATOL64 = RTOL64 = 1e-12  # float64: the same sums in another order, many digits below float32's
 
 
-class Small64BN(nn.Module):
-    """Small with BatchNorm (float buffers), in float64."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4 * 6 * 6, 5)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
-
-
 def batches64(n, b):
     return [(x.double(), y) for x, y in batches(n, b)]
 
 
 @pytest.mark.parametrize("learner_mode", ["per_replica", "fused"])
 def test_float64_one_learner_equals_torch_sgd_in_float64(learner_mode):
-    model = Small64BN().double()
+    model = BNNet().double()  # conv, BatchNorm (float buffers), linear
     eager = copy.deepcopy(model)
     sgd = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     plan = cg.compile(model, (torch.randn(2, 1, 8, 8, dtype=torch.float64),), F.cross_entropy,
