@@ -311,7 +311,7 @@ class Comm:
 def plan_facts(plan: "Plan") -> dict[str, Any]:
     """What every rank's plan must share: the model's fingerprint (parameter and buffer names,
     shapes, dtypes), devices per process, replicas, batch size, optimiser and SMA settings."""
-    template = plan._template
+    template = plan.states[0].template
     model = [(n, tuple(p.shape), str(p.dtype)) for n, p in template.named_parameters()]
     model += [(n, tuple(b.shape), str(b.dtype)) for n, b in template.named_buffers()]
     return {

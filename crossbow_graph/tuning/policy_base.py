@@ -46,7 +46,7 @@ def apply_adjustment(plan: "Plan", adj: Adjustment) -> dict[str, Any]:
         sched.flush()
         sched.close_workers()
         plan.batch_size = sched.batch_size = b
-        for fused in sched._fused:
+        for fused in sched.fused_programs:
             fused.batch_size = b
         plan.task_graph = graph
         sched.set_task_graph(graph)
