@@ -495,7 +495,7 @@ class Plan:
         return _inspect.summary(self.task_graph, self._inspection_settings())
 
     def to_json(self, *, indent: int | None = 2) -> str:
-        """The task graph as JSON, schema ``crossbow_graph.plan/1`` (docs/compiler.md)."""
+        """The task graph as JSON, schema ``crossbow_graph.plan/2`` (docs/compiler.md)."""
         return _inspect.to_json(self.task_graph, self._inspection_settings(), indent=indent)
 
     @staticmethod

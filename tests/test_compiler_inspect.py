@@ -42,7 +42,9 @@ def test_summary_has_a_row_per_device_with_replicas_tasks_flops_and_memory(plan)
 def test_json_round_trip_keeps_every_task_edge_and_the_summary(plan):
     text = plan.to_json()
     doc = json.loads(text)
-    assert doc["schema"] == "crossbow_graph.plan/1"
+    assert doc["schema"] == "crossbow_graph.plan/2"
+    assert set(doc["tasks"][0]) == {"id", "kind", "device", "replicas", "cost", "meta"}
+    assert set(doc["tasks"][0]["cost"]) == {"flops", "bytes"}
     assert sorted(t["kind"] for t in doc["tasks"]) == ["global_sync"] + ["learn"] * 6 + ["local_sync"] * 2
     view = cg.Plan.from_json(text)
     assert isinstance(view, PlanView)
@@ -56,6 +58,17 @@ def test_json_round_trip_keeps_every_task_edge_and_the_summary(plan):
         ["cpu:0", "cpu:1"], 3, 6, 16)
 
 
+def test_a_plan_1_document_still_loads(plan):
+    """Schema plan/1 also listed buffer names per task and a cost in seconds that was never set."""
+    doc = json.loads(plan.to_json())
+    doc["schema"] = "crossbow_graph.plan/1"
+    for t in doc["tasks"]:
+        t.update(inputs=["w[0]"], outputs=["g[0]"])
+        t["cost"]["seconds"] = None
+    view = from_json(json.dumps(doc))
+    assert view.summary() == plan.summary() and view.to_json() == plan.to_json()
+
+
 def test_a_loaded_plan_cannot_train(plan):
     view = cg.Plan.from_json(plan.to_json())
     with pytest.raises(cg.PlanError, match=r"fit\(\) needs training state.*crossbow_graph.compile"):
@@ -66,7 +79,7 @@ def test_a_loaded_plan_cannot_train(plan):
 
 def test_from_json_rejects_bad_documents_with_the_reason(plan):
     doc = json.loads(plan.to_json())
-    with pytest.raises(ValueError, match="schema is 'other/1', expected 'crossbow_graph.plan/1'"):
+    with pytest.raises(ValueError, match="schema is 'other/1', expected 'crossbow_graph.plan/2'"):
         from_json(json.dumps({**doc, "schema": "other/1"}))
     bad = json.loads(plan.to_json())
     bad["tasks"][0]["kind"] = "teach"

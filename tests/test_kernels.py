@@ -5,6 +5,7 @@ the kernels also run without it, see test_interpreter_without_env_var). Sizes ar
 one LeNet-5-sized case: the interpreter is slow.
 """
 
+import inspect
 import os
 import subprocess
 import sys
@@ -21,12 +22,41 @@ import crossbow_graph as cg
 from crossbow_graph.kernels import select as S
 from crossbow_graph.kernels import triton_sma as K
 from crossbow_graph.kernels.c_sma import CSMAKernels, c_kernels_available
+from crossbow_graph.kernels.protocol import SMAKernels
 from crossbow_graph.kernels.torch_ref import TorchSMAKernels, sma_central_update, sma_local_update
 
 # float32: the same operations, but torch's CPU kernels fuse a·b + c (one rounding) where the
 # interpreter rounds twice, and the sum over replicas may be ordered differently: ≤ a few ulps.
 ATOL, RTOL = 1e-6, 1e-5
 TRITON = K.TritonSMAKernels(block=64)  # a small block: most P below are not multiples of it
+
+
+def _params(fn) -> list[tuple[str, object]]:
+    """A method's parameters but ``self``: (name, kind), in order."""
+    return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+
+
+@pytest.mark.parametrize("backend", [TorchSMAKernels, CSMAKernels, K.TritonSMAKernels])
+def test_every_backend_implements_the_whole_kernel_protocol(backend):
+    """The engine calls every SMAKernels method directly: each backend defines all of them, with
+    the protocol's parameters, and the attributes (checked on an instance where one can be built:
+    the C backend needs a C compiler)."""
+    methods = [n for n, v in vars(SMAKernels).items() if callable(v) and not n.startswith("_")]
+    assert set(methods) == {"local_update", "central_update", "central_update_shared", "nonfinite_rows"}
+    for name in methods:
+        assert callable(getattr(backend, name, None)), f"{backend.__name__} lacks {name}"
+        assert _params(getattr(backend, name)) == _params(getattr(SMAKernels, name)), name
+    if backend is not CSMAKernels or c_kernels_available():
+        instance = backend()
+        assert isinstance(instance, SMAKernels)
+        assert isinstance(instance.name, str) and instance.block is None
+
+
+def test_backends_without_a_fused_pass_decline_it():
+    z = torch.zeros(4)
+    for backend in (TorchSMAKernels(), TRITON):
+        assert backend.central_update_shared([z], [z.clone()], [z.clone()], central_momentum=0.9) is False
+        assert backend.nonfinite_rows(torch.full((2, 4), float("nan"))) is None
 
 
 def make_inputs(m, P, *, dtype=torch.float32, seed=0):

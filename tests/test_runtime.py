@@ -64,13 +64,13 @@ def test_dropout_masks_differ_per_replica(mode):
     batch = [torch.cat([x, x]), torch.cat([y, y])]  # the same samples for both replicas
     torch.manual_seed(1)
     learn_group(state, 0, 2, batch, torch.nn.functional.cross_entropy, 4, mode,
-                plan.scheduler.fused[0])
+                plan.scheduler.fused_programs[0])
     assert state.g[0].abs().sum() > 0
     assert not torch.allclose(state.g[0], state.g[1])  # only dropout can tell them apart
     # and without dropout the same program gives identical gradients
     plain = compile_tiny(TinyNet, replicas=2, learner_mode=mode, executor="inline")
     learn_group(plain.states[0], 0, 2, batch, torch.nn.functional.cross_entropy, 4, mode,
-                plain.scheduler.fused[0])
+                plain.scheduler.fused_programs[0])
     torch.testing.assert_close(plain.states[0].g[0], plain.states[0].g[1], **TOL)
 
 

@@ -20,6 +20,7 @@ from crossbow_graph.training.hooks import Hook
 from crossbow_graph.training.data import make_fetch
 from crossbow_graph.engine import workers
 from crossbow_graph.engine.workers import choose_onednn, worker_groups
+from crossbow_graph.kernels.torch_ref import TorchSMAKernels
 
 from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, reference_sma, tiny_data
 
@@ -45,7 +46,7 @@ def test_workers_convolution_library_is_measured_once_per_batch_size_or_fixed():
     fetch = make_fetch(data)
     rng, onednn = torch.get_rng_state(), torch.backends.mkldnn.enabled
     choice = choose_onednn(sched, fetch)
-    assert sched._onednn_choice == {plan.batch_size: choice}
+    assert sched.onednn_choices == {plan.batch_size: choice}
     assert torch.equal(torch.get_rng_state(), rng) and torch.backends.mkldnn.enabled == onednn
     buf = plan.states[0].buf.clone()
     assert choose_onednn(sched, fetch) is choice and torch.equal(plan.states[0].buf, buf)
@@ -228,10 +229,9 @@ def test_worker_processes_draw_their_own_augmentation_noise_reproducibly(draw):
     assert not torch.allclose(fit(1, 3)[1], z)
 
 
-class _CentralFails:
-    """The torch SMA kernels, except that the central update raises on its ``at``-th call."""
-
-    name = "torch"
+class _CentralFails(TorchSMAKernels):
+    """The plan's SMA kernels' local update, and the torch central update, which raises on its
+    ``at``-th call."""
 
     def __init__(self, kernels, at: int) -> None:
         self.kernels, self.at, self.calls = kernels, at, 0

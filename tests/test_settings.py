@@ -61,7 +61,7 @@ def _readers(plan: cg.Plan) -> dict[str, dict]:
                      learner_mode=plan.learner_mode),
         "scheduler": dict(lr=sched.lr, batch_size=sched.batch_size, alpha=sched.sync.alpha,
                           sync_every=sched.sync.sync_every, learner_mode=sched.learner_mode),
-        **{f"fused program {d}": dict(batch_size=f.batch_size) for d, f in enumerate(sched.fused)},
+        **{f"fused program {d}": dict(batch_size=f.batch_size) for d, f in enumerate(sched.fused_programs)},
         "task graph": dict(batch_size=graph.graph["batch_size"],
                            replicas_per_device=graph.graph["replicas_per_device"]),
         "its learn tasks": dict(replicas_per_device=learn_tasks / len(plan.devices)),
@@ -114,7 +114,7 @@ def test_the_views_of_the_settings_are_read_only_and_name_the_interface():
     plan = _plan()
     for owner, name in ((plan, "batch_size"), (plan, "sync"), (plan, "learner_mode"),
                         (plan, "replicas_per_device"), (plan.scheduler, "lr"),
-                        (plan.scheduler.fused[0], "batch_size")):
+                        (plan.scheduler.fused_programs[0], "batch_size")):
         with pytest.raises(AttributeError, match=r"read-only.*plan\.adjust\(crossbow_graph\.Adjustment"):
             setattr(owner, name, getattr(owner, name))
     assert plan.adjust(Adjustment(learner_mode="fused")) == {"learner_mode": "fused"}

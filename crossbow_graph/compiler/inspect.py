@@ -27,7 +27,10 @@ __all__ = ["SCHEMA", "PlanView", "summary", "to_json", "from_json", "to_dot", "d
            "inspect_model"]
 
 #: The ``schema`` field of every JSON document ``to_json`` writes.
-SCHEMA = "crossbow_graph.plan/1"
+SCHEMA = "crossbow_graph.plan/2"
+#: Schemas ``from_json`` reads: plan/1 also listed buffer names per task and ``cost.seconds``,
+#: which nothing read (they are ignored).
+READABLE_SCHEMAS = (SCHEMA, "crossbow_graph.plan/1")
 
 _MIB = 2**20
 _COLORS = {TaskKind.LEARN: "#dbe9f6", TaskKind.LOCAL_SYNC: "#fde9c8", TaskKind.GLOBAL_SYNC: "#f6d3d3"}
@@ -99,17 +102,15 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
 
 def _task_to_dict(t: Task) -> dict[str, Any]:
     return {"id": t.id, "kind": t.kind.value, "device": t.device, "replicas": list(t.replicas),
-            "inputs": list(t.inputs), "outputs": list(t.outputs),
-            "cost": {"flops": t.cost.flops, "bytes": t.cost.bytes, "seconds": t.cost.seconds},
-            "meta": t.meta}
+            "cost": {"flops": t.cost.flops, "bytes": t.cost.bytes}, "meta": t.meta}
 
 
 def to_json(graph: nx.DiGraph, settings: dict[str, Any] | None = None, *, indent: int | None = 2) -> str:
-    """The task graph as a JSON document (schema ``crossbow_graph.plan/1``, docs/compiler.md).
+    """The task graph as a JSON document (schema ``crossbow_graph.plan/2``, docs/compiler.md).
 
     Keys: ``schema``; ``graph`` (the graph attributes: devices, replicas_per_device, batch_size,
     memory_per_learner_bytes, memory, model); ``settings``; ``tasks`` (id, kind, device, replicas,
-    inputs, outputs, cost {flops, bytes, seconds}, meta); ``edges`` ([from_id, to_id] pairs).
+    cost {flops, bytes}, meta); ``edges`` ([from_id, to_id] pairs).
 
     Raises:
         TypeError: a graph attribute or task meta value is not JSON-serialisable.
@@ -129,7 +130,7 @@ def _load(text: str) -> tuple[nx.DiGraph, dict[str, Any]]:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not a plan JSON document: {exc}") from exc
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+    if not isinstance(doc, dict) or doc.get("schema") not in READABLE_SCHEMAS:
         found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(f"not a plan JSON document: schema is {found!r}, expected {SCHEMA!r}; "
                          "write it with plan.to_json()")
@@ -142,9 +143,9 @@ def _load(text: str) -> tuple[nx.DiGraph, dict[str, Any]]:
     for i, d in enumerate(doc["tasks"]):
         try:
             kind = kinds[d["kind"]]
+            cost = Cost(flops=d["cost"]["flops"], bytes=d["cost"]["bytes"])
             task = Task(id=d["id"], kind=kind, device=d["device"], replicas=tuple(d["replicas"]),
-                        inputs=tuple(d["inputs"]), outputs=tuple(d["outputs"]),
-                        cost=Cost(**d["cost"]), meta=dict(d.get("meta", {})))
+                        cost=cost, meta=dict(d.get("meta", {})))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"plan JSON document: task #{i} ('{d.get('id', '?')}') is malformed: "
                              f"{type(exc).__name__}: {exc}; kinds are {sorted(kinds)}") from exc
@@ -160,7 +161,8 @@ def from_json(text: str, *, verify: bool = True) -> "PlanView":
     """Load a plan written by ``to_json`` as an inspectable PlanView (no training state).
 
     Raises:
-        ValueError: the text is not a plan document of schema ``crossbow_graph.plan/1``, or a task
+        ValueError: the text is not a plan document of schema ``crossbow_graph.plan/2`` (or
+            ``/1``, whose per-task buffer names and ``cost.seconds`` are ignored), or a task
             or edge is malformed (names the task).
         PlanError: ``verify`` and the loaded task graph fails the verifier (names the task).
     """

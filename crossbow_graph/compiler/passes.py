@@ -39,15 +39,14 @@ def empty_task_graph(*, devices: list[str], replicas_per_device: int, batch_size
 def place_replicas(graph: nx.DiGraph) -> nx.DiGraph:
     """Placement: one LEARN task per replica, device-major (replica j on device j // m).
 
-    Task ids ``learn:d{d}:r{r}``; reads ``w[j]``, ``batch[j]``, writes ``g[j]`` (docs/design-overview.md §3).
+    Task ids ``learn:d{d}:r{r}`` (docs/design-overview.md §3).
     """
     out = _copy_graph(graph)
     m = out.graph["replicas_per_device"]
     for d, device in enumerate(out.graph["devices"]):
         for r in range(m):
             j = d * m + r
-            task = Task(id=f"learn:d{d}:r{r}", kind=TaskKind.LEARN, device=device, replicas=(j,),
-                        inputs=(f"w[{j}]", f"batch[{j}]"), outputs=(f"g[{j}]",))
+            task = Task(id=f"learn:d{d}:r{r}", kind=TaskKind.LEARN, device=device, replicas=(j,))
             out.add_node(task.id, task=task)
     return out
 
@@ -60,17 +59,13 @@ def insert_sync(graph: nx.DiGraph) -> nx.DiGraph:
     """
     out = _copy_graph(graph)
     glob = Task(id="global_sync", kind=TaskKind.GLOBAL_SYNC, device=None,
-                replicas=tuple(range(len(out.graph["devices"]) * out.graph["replicas_per_device"])),
-                inputs=tuple(f"acc[{d}]" for d in range(len(out.graph["devices"]))) + ("z",),
-                outputs=("z", "z_prev"))
+                replicas=tuple(range(len(out.graph["devices"]) * out.graph["replicas_per_device"])))
     learns = [out.nodes[n]["task"] for n in list(out.nodes)
               if out.nodes[n]["task"].kind is TaskKind.LEARN]
     for d, device in enumerate(out.graph["devices"]):
         mine = [t for t in learns if t.device == device]
         local = Task(id=f"local_sync:d{d}", kind=TaskKind.LOCAL_SYNC, device=device,
-                     replicas=tuple(j for t in mine for j in t.replicas),
-                     inputs=(f"w@d{d}", f"v@d{d}", f"g@d{d}", f"z@d{d}"),
-                     outputs=(f"w@d{d}", f"v@d{d}", f"acc[{d}]"))
+                     replicas=tuple(j for t in mine for j in t.replicas))
         out.add_node(local.id, task=local)
         for t in mine:
             out.add_edge(t.id, local.id)

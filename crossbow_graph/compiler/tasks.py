@@ -1,4 +1,5 @@
-"""The closed task vocabulary of a plan (docs/design-overview.md §3)."""
+"""The closed task vocabulary of a plan (docs/design-overview.md §3): every field of a Task, and
+what it means for each kind, is documented here and nowhere else."""
 
 from __future__ import annotations
 
@@ -12,18 +13,25 @@ __all__ = ["TaskKind", "Task", "Cost"]
 class TaskKind(enum.Enum):
     """What a task does in one round. Every Task field, by kind:
 
-    ========== ======================== ======================================== ==========================
-    kind       ``device``               ``replicas``                             ``inputs`` → ``outputs``
-    ========== ======================== ======================================== ==========================
-    LEARN      the replica's device     one global replica index j               ``w[j]``, batch → ``g[j]``
-    LOCAL_SYNC the device it reduces    every replica j on that device           ``w, v, g, z`` → ``w, v, acc_d``
-    GLOBAL_SYNC ``None`` (all devices)  every replica                            every ``acc_d``, ``z`` → ``z``
-    ========== ======================== ======================================== ==========================
+    =========== ====================== ================================ ================================
+    kind        ``device``             ``replicas``                     reads → writes
+    =========== ====================== ================================ ================================
+    LEARN       the replica's device   one global replica index j       ``w[j]``, batch → ``g[j]``
+    LOCAL_SYNC  the device it reduces  a contiguous run of its replicas ``w, v, g, z`` → ``w, v, acc_d``
+    GLOBAL_SYNC ``None`` (all devices) every replica                    every ``acc_d``, ``z`` → ``z``
+    =========== ====================== ================================ ================================
 
-    LEARN: forward, backward (gradients into the device's flat ``g [m, P]``).
-    LOCAL_SYNC: the local SGD step and the correction c_j = α(ŵ_j − z) of every replica on the
-    device, and their sum acc_d (docs/design-overview.md §2, steps 1–2).
-    GLOBAL_SYNC: C = Σ_d acc_d (all-reduce) and the central update of z on every device (step 3).
+    LEARN: forward, backward (gradients into the device's flat ``g [m, P]``, row j − first_d).
+    LOCAL_SYNC: the local SGD step and the correction c_j = α(ŵ_j − z) of each of its replicas,
+    and their sum acc_d (docs/design-overview.md §2, steps 1–2).
+    GLOBAL_SYNC: C = Σ_d acc_d over the devices with a LOCAL_SYNC (all-reduced under torchrun)
+    and the central update of z on every device (step 3); the float buffers of the replicas are
+    averaged into ``zbuf``.
+
+    The executors run what a graph says (engine/interpreter.py), in a topological order of its
+    edges: a replica without a LEARN task does not learn and (the verifier's rule) has no
+    LOCAL_SYNC either, so it keeps its weights. They run at most one LOCAL_SYNC per device and
+    exactly one GLOBAL_SYNC (``RoundProgram.of`` raises PlanError for other graphs).
     """
 
     LEARN = "learn"
@@ -33,17 +41,15 @@ class TaskKind(enum.Enum):
 
 @dataclass(kw_only=True)
 class Cost:
-    """A task's cost estimate, per round.
+    """A task's cost estimate, per round (compiler pass ``annotate_costs``).
 
     Attributes:
         flops: floating-point operations (multiply-add = 2).
         bytes: bytes read plus written in memory.
-        seconds: measured seconds per round, ``None`` until measured.
     """
 
     flops: int = 0
     bytes: int = 0
-    seconds: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -51,13 +57,12 @@ class Task:
     """One node of the task graph of a round.
 
     Attributes:
-        id: unique, readable name, e.g. ``"learn:d0:r1"``, ``"local_sync:d1"``, ``"global_sync"``.
-        kind: the TaskKind (closed vocabulary; see its docstring for each field's meaning).
+        id: unique, readable name, e.g. ``"learn:d0:r1"``, ``"local_sync:d1"``, ``"global_sync"``;
+            errors (TaskError) and timelines name tasks by it.
+        kind: the TaskKind (closed vocabulary; its docstring gives each field's meaning per kind).
         device: the device name (``"cpu:0"``, ``"cuda:1"``), ``None`` for GLOBAL_SYNC.
         replicas: global replica indices j this task touches (device-major order).
-        inputs: names of the buffers it reads.
-        outputs: names of the buffers it writes.
-        cost: the cost estimate.
+        cost: the cost estimate (``summary`` and the JSON show it; the executors do not read it).
         meta: extra data that compiler passes attach (never new fields).
     """
 
@@ -65,7 +70,5 @@ class Task:
     kind: TaskKind
     device: str | None
     replicas: tuple[int, ...]
-    inputs: tuple[str, ...] = ()
-    outputs: tuple[str, ...] = ()
     cost: Cost = field(default_factory=Cost)
     meta: dict[str, Any] = field(default_factory=dict)

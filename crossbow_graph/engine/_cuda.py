@@ -39,7 +39,9 @@ class CudaStreams:
     @contextmanager
     def learn(self, d: int, r0: int):
         """Issue a group's learning on its stream, after its own device's last local sync."""
-        stream = self.groups[d][r0]
+        stream = self.groups[d].get(r0)
+        if stream is None:  # a group that a task graph's LEARN tasks start elsewhere
+            stream = self.groups[d][r0] = torch.cuda.Stream(device=self.states[d].torch_device)
         if self.local_done[d] is not None:
             stream.wait_event(self.local_done[d])
         with torch.cuda.stream(stream):

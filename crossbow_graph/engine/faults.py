@@ -40,6 +40,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import DivergenceError
+from ..kernels.protocol import SMAKernels
 from .state import DeviceState
 
 __all__ = ["FaultEvent", "FaultMonitor"]
@@ -82,7 +83,7 @@ class FaultMonitor:
     @staticmethod
     @torch.no_grad()
     def find_and_reset(state: DeviceState, r0: int, r1: int,
-                       max_divergence: float | None = None, kernels: Any = None,
+                       max_divergence: float | None = None, kernels: SMAKernels | None = None,
                        losses: Sequence[torch.Tensor] | None = None) -> list[int]:
         """Test replicas ``r0 … r1−1`` of a device before their local update; reset the faulty ones.
 
@@ -93,14 +94,13 @@ class FaultMonitor:
         (n 0-dim tensors); a NaN/Inf one makes its row faulty, whatever its gradients. With
         ``max_divergence`` (policies' DivergenceGuard) a replica with ‖ŵ_j − z‖/‖z‖ above it,
         or NaN, is faulty too (one more reduction over ``w[r0:r1]``). ``kernels``: the SMA
-        backend; one with ``nonfinite_rows`` (the C backend) tests the rows in one read of g
-        instead (and the losses in one more).
+        backend (``kernels.protocol.SMAKernels``); when its ``nonfinite_rows`` tests the rows (the
+        C backend's does) they are tested in one read of g instead (and the losses in one more).
 
         Returns:
             The faulty replicas' indices on the device (empty when all are finite).
         """
-        rows_of = getattr(kernels, "nonfinite_rows", None)
-        listed = rows_of(state.g[r0:r1]) if rows_of is not None else None
+        listed = kernels.nonfinite_rows(state.g[r0:r1]) if kernels is not None else None
         loss = torch.stack(list(losses)).float() if losses else None  # [n]
         if max_divergence is None:
             if listed is None:

@@ -1,8 +1,12 @@
 """Executes a plan's task graph round after round, like an interpreter (docs/design-overview.md
 §1, §2, §5).
 
-One method per task kind (``learn``, ``local_sync``, ``global_sync``); a failure is re-raised as a
-TaskError naming the task, its device and the round (docs/contributing.md rule 3).
+The Scheduler is a RoundInterpreter (engine/interpreter.py): one method per task kind (``learn``,
+``local_sync``, ``global_sync``), a failure re-raised as a TaskError naming the task, its device
+and the round (docs/contributing.md rule 3). What runs is what the plan's task graph says
+(``RoundProgram``, read once per graph): a replica without a LEARN task does not learn, a
+LOCAL_SYNC updates the rows of its replicas, the GLOBAL_SYNC adds the sums of the devices that
+have a LOCAL_SYNC.
 
 Executors (``executor=``):
 
@@ -11,8 +15,9 @@ Executors (``executor=``):
   learner j's next round waits only for its own device's local sync), so the GPU overlaps the
   global sync of round t with the learning of round t+1.
 * ``"process"``: CPU only. The device's learners are split into groups, one worker process per
-  group (``engine.workers``); flat buffers live in shared memory; each worker learns and applies
-  its own rows' local update, this process sums the corrections and updates z while the workers
+  group (``engine.workers``); flat buffers live in shared memory; each group runs its share of
+  the graph's tasks (its rows' LEARN tasks and part of their LOCAL_SYNC), and the process the
+  graph places the GLOBAL_SYNC in sums the corrections and updates z while the others
   already learn the next round (the overlap of docs/design-overview.md §2; when every hook of the
   fit declares ``mutates_replicas = False``, else the rounds run one after the other).
 * ``"auto"``: ``"process"`` when every device is a CPU device, the machine has ≥ 2 cores, k ≥ 2
@@ -29,13 +34,14 @@ import networkx as nx
 import torch
 
 from ..compiler.tasks import Task, TaskKind
-from ..config import SSGD
-from ..errors import TaskError
+from ..config import SGD, SSGD
+from ..kernels.protocol import SMAKernels
 from ..kernels.torch_ref import TorchSMAKernels
 from ._cuda import CudaStreams
 from ._learners import learn_group, learner_seed, rows
 from .faults import FaultMonitor
 from .fused import FusedProgram
+from .interpreter import RoundInterpreter, RoundProgram
 from .settings import RunSettings, settings_view
 from .state import DeviceState
 from .workers import ProcessExecutor, available_cores, fork_available
@@ -45,8 +51,8 @@ __all__ = ["Scheduler", "EXECUTORS"]
 EXECUTORS = ("auto", "inline", "process")
 
 
-class Scheduler:
-    """Runs rounds of SMA over the devices' replicas.
+class Scheduler(RoundInterpreter):
+    """Runs rounds of SMA over the devices' replicas: the task graph's tasks, one method per kind.
 
     Args:
         task_graph: the plan's task graph (one round).
@@ -59,7 +65,8 @@ class Scheduler:
     Attributes:
         settings: the RunSettings; ``lr``, ``batch_size``, ``learner_mode``, ``optimizer`` and
             ``sync`` are read-only views of it (``Plan.adjust`` changes them).
-        kernels: the SMA update backend (``local_update``, ``central_update``).
+        kernels: the SMA update backend (a ``kernels.protocol.SMAKernels``).
+        program: the task graph as it runs (``RoundProgram``: tasks in topological order, rows).
         losses: the learners' losses of the current epoch (0-dim tensors).
         sync_seconds, sync_exposed_seconds: synchronisation work so far, and the part of it that
             learners waited for (not hidden behind learning), in seconds.
@@ -85,7 +92,7 @@ class Scheduler:
             raise ValueError("executor='process' runs CPU devices only; use 'inline' (CUDA streams) "
                              "or 'auto' for CUDA devices")
         self.settings = settings
-        self.kernels = TorchSMAKernels()  # the SMA update backend: local_update, central_update
+        self.kernels: SMAKernels = TorchSMAKernels()  # the SMA update backend
         self.states = states
         self.loss_fn = loss_fn
         self.max_divergence: float | None = None
@@ -103,29 +110,30 @@ class Scheduler:
         self._cuda = None
         self._resolved: tuple[int, str] | None = None  # (k, executor) cache
         self.cpu_conv = "auto"  # worker processes' convolutions: "auto", "onednn", "aten"
-        self._onednn_choice: dict[int, bool] = {}  # b → measured choice (workers.choose_onednn)
+        self._onednn_choices: dict[int, bool] = {}  # b → measured choice (workers.choose_onednn)
         self.set_task_graph(task_graph)
 
     # -- configuration ------------------------------------------------------------------------
 
     def set_task_graph(self, task_graph: nx.DiGraph) -> None:
-        """Adopt a (re-compiled) task graph; the states must already have its replica counts."""
+        """Adopt a (re-compiled) task graph; the states must already have its replica counts.
+
+        Raises:
+            PlanError: a graph the executors cannot run (``RoundProgram.of`` names the task).
+        """
         self.close_workers()
         self.task_graph = task_graph
-        self._device_index = {s.name: d for d, s in enumerate(self.states)}
-        self.order: list[Task] = [
-            task_graph.nodes[n]["task"]
-            for n in nx.lexicographical_topological_sort(task_graph, key=_task_sort_key(task_graph))
-        ]
+        self.program = RoundProgram.of(task_graph, [s.name for s in self.states],
+                                       [s.m for s in self.states])  # raises PlanError
+        self.order: list[Task] = list(self.program.tasks)
+        self._fused_runs: dict[str, tuple[int, int]] = {}  # fused learners: lead task → rows
+        for d in range(len(self.states)):
+            self._fused_runs.update(self.program.learn_runs(
+                [t for t in self.order if t.kind is TaskKind.LEARN and self.program.device[t.id] == d]))
         pending = self.faults.pending if hasattr(self, "faults") else []
         self.faults = FaultMonitor()  # NaN/Inf replicas: reset from z, left out of the sum
         self.faults.pending = pending  # torchrun: this rank's faults not yet shared go on
         self._cuda = None
-
-    @property
-    def fused(self) -> list[FusedProgram]:
-        """The fused-mode program of every device, in device order (engine/fused.py)."""
-        return self._fused
 
     @property
     def num_learners(self) -> int:
@@ -146,6 +154,17 @@ class Scheduler:
     def alpha(self) -> float:
         """α used in the next round's local updates: ``settings.alpha``, or 1/k; 0 when k = 1."""
         return self.settings.sync.alpha_for(self.num_learners)
+
+    @property
+    def fused_programs(self) -> list[FusedProgram]:
+        """Per device, the FusedProgram its fused learners run (engine/fused.py)."""
+        return self._fused
+
+    @property
+    def onednn_choices(self) -> dict[int, bool]:
+        """b → whether worker processes run convolutions with oneDNN at batch b, as
+        ``engine.workers.choose_onednn`` measured it for this scheduler (it fills the dict)."""
+        return self._onednn_choices
 
     def resolved_executor(self) -> str:
         """The executor that runs the next round: ``"inline"`` or ``"process"``."""
@@ -212,11 +231,15 @@ class Scheduler:
         Raises:
             TaskError: a task failed (names the task, its device and the round).
         """
-        self._round = round_index
+        self.round_index = round_index
         if indices is not None and batch is None and self.resolved_executor() == "process":
             if self._workers is None:
                 self._workers = ProcessExecutor(self, self._fetch, seed=self.seed + round_index)
-            self._workers.run_round(round_index, indices, synchronise, next_indices)
+            try:
+                self._workers.run_round(round_index, indices, synchronise, next_indices)
+            finally:
+                if self._workers.closed:  # a task failed: the executor stopped its workers
+                    self._workers = None
             return
         self.close_workers()
         if batch is None:
@@ -224,74 +247,62 @@ class Scheduler:
         self._batch = batch
         self._round_losses = {d: [None] * s.m for d, s in enumerate(self.states)}  # for the fault test
         self._synchronise = synchronise
-        for task in self.order:
-            self._run_task(task, round_index)
+        self.run(self.order)
 
-    def _run_task(self, task: Task, round_index: int) -> None:
+    def run_task(self, task: Task) -> None:
+        """Run one task (``RoundInterpreter.run_task``), timed: its span goes to the timeline and
+        a sync task's seconds to ``sync_seconds`` (all exposed: nothing runs beside it)."""
         t0 = time.perf_counter_ns()
-        try:
-            getattr(self, task.kind.value)(task)
-        except TaskError:
-            raise
-        except Exception as exc:
-            raise self.task_error(task, round_index, f"{type(exc).__name__}: {exc}") from exc
+        super().run_task(task)
         t1 = time.perf_counter_ns()
         if task.kind is not TaskKind.LEARN:
             self.sync_seconds += (t1 - t0) / 1e9
             self.sync_exposed_seconds += (t1 - t0) / 1e9  # sequential: nothing is hidden
         if self.timeline is not None:
-            self.timeline.span(task.id, t0, t1, lane="inline", round_index=round_index)
-
-    @staticmethod
-    def task_error(task: Task, round_index: int, what: str) -> TaskError:
-        """The TaskError for ``task`` failing in round ``round_index`` with ``what``."""
-        return TaskError(
-            f"task '{task.id}' ({task.kind.name} on {task.device or 'all devices'}) failed "
-            f"in round {round_index}: {what}",
-            task_id=task.id, device=str(task.device), round_index=round_index,
-        )
+            self.timeline.span(task.id, t0, t1, lane="inline", round_index=self.round_index)
 
     # -- one method per task kind -------------------------------------------------------------
 
     def learn(self, task: Task) -> None:
-        """Forward and backward of one replica on its own batch; gradients land in ``g[j]``.
+        """Forward and backward of the task's replica on its own batch; gradients land in ``g[j]``.
 
-        In fused mode the device's first LEARN task runs the whole device as one program and the
-        others have nothing left to do.
+        Fused learners run a device's LEARN tasks of contiguous rows as one program, at the
+        first of them (``RoundProgram.learn_runs``); the others have nothing left to do.
         """
-        j = task.replicas[0]
-        d = self._device_index[task.device]
-        state = self.states[d]
-        first = sum(s.m for s in self.states[:d])
-        r = j - first
-        b = self.settings.batch_size
-        r0, r1 = (0, state.m) if self.settings.learner_mode == "fused" else (r, r + 1)
-        if self.settings.learner_mode == "fused" and r != 0:
-            return
+        d = self.program.device[task.id]
+        if self.learner_mode == "fused":
+            run = self._fused_runs.get(task.id)
+            if run is None:
+                return
+            r0, r1 = run
+        else:
+            r0, r1 = self.program.rows[task.id]
+        state, b, first = self.states[d], self.batch_size, self.program.first[d]
         mine = rows(self._batch, (first + r0) * b, (first + r1) * b)
         with self._cuda_learn(d, r0):
-            losses = learn_group(state, r0, r1, mine, self.loss_fn, b, self.settings.learner_mode,
-                                 self._fused[d], rng_seed=learner_seed(self.seed, self._round,
+            losses = learn_group(state, r0, r1, mine, self.loss_fn, b, self.learner_mode,
+                                 self._fused[d], rng_seed=learner_seed(self.seed, self.round_index,
                                                                        self.learner_offset + first + r0))
         self.losses.extend(losses)
         self._round_losses[d][r0:r1] = losses
 
     def local_sync(self, task: Task) -> None:
-        """Local SGD step and correction of every replica on the device, and their sum acc_d."""
-        d = self._device_index[task.device]
+        """Local SGD step and correction of the task's replicas (rows a … b−1 of its device), and
+        their sum acc_d."""
+        d = self.program.device[task.id]
+        a, b = self.program.rows[task.id]
         state = self.states[d]
         if isinstance(self.settings.sync, SSGD):  # S-SGD: only the device's gradient sum; the step is global
             with self._cuda_local(d):
-                state.acc = state.g.sum(dim=0, dtype=state.w.dtype)  # [P], in the masters' dtype
+                state.acc = state.g[a:b].sum(dim=0, dtype=state.w.dtype)  # [P], in the masters' dtype
             return
         with self._cuda_local(d):
-            state.acc, faulty = self.local_update_rows(state, 0, state.m, lr=self.settings.optimizer.lr,
-                                                       alpha=self.alpha,
+            state.acc, faulty = self.local_update_rows(state, a, b, lr=self.lr, alpha=self.alpha,
                                                        synchronise=self._synchronise,
-                                                       optimizer=self.settings.optimizer,
-                                                       losses=self._round_losses[d])
-        self.faults.record(state, faulty, round_index=self._round, num_learners=self.num_learners,
-                           rank=self.rank)
+                                                       optimizer=self.optimizer,
+                                                       losses=self._round_losses[d][a:b])
+        self.faults.record(state, faulty, round_index=self.round_index,
+                           num_learners=self.num_learners, rank=self.rank)
 
     def local_update_rows(self, state: DeviceState, r0: int, r1: int, *, lr: float, alpha: float,
                           synchronise: bool, optimizer: SGD, out: torch.Tensor | None = None,
@@ -320,8 +331,15 @@ class Scheduler:
         FaultMonitor.reset(state, faulty)  # back at z: the zero gradient still met weight decay
         return acc, faulty
 
-    def global_sync(self, task: Task, buffers: list[torch.Tensor] | None = None) -> None:
-        """C = Σ_d acc_d, then z ← z + C + μ_z(z − z_prev) on every device; buffers averaged.
+    def global_sync(self, task: Task) -> None:
+        """In a round that synchronises: ``sync_central`` of the sums acc_d of the devices that
+        have a LOCAL_SYNC (``RoundProgram.synced``)."""
+        if self._synchronise:
+            self.sync_central([self.states[d].acc for d in self.program.synced])
+
+    def sync_central(self, accs: list[torch.Tensor], buffers: list[torch.Tensor] | None = None) -> None:
+        """The GLOBAL_SYNC's work: C = Σ_d acc_d, then z ← z + C + μ_z(z − z_prev) on every
+        device; buffers averaged.
 
         Under torchrun (``comm``) the process's sum, its replicas' buffer sums and its count of
         fault events not yet shared, packed into one ``[P + Q + 1]`` tensor in the masters' dtype
@@ -329,19 +347,18 @@ class Scheduler:
         the update; a count above zero makes the ranks share their events first (``FaultMonitor.share``: DivergenceError when a round's
         events cover all k learners, z untouched).
 
-        With CPU devices and no torchrun, a kernel backend with ``central_update_shared`` (the C
-        kernels) does the sum, the update and the devices' copies of z in one pass.
+        With CPU devices and no torchrun, the kernel backend's ``central_update_shared`` (the C
+        kernels'; the others decline) does the sum, the update and the devices' copies of z in
+        one pass.
 
-        ``buffers``: per device the replicas' float buffers ``[m, Q]`` to average (default: the
-        live ``buf``; the process executor passes the snapshots its workers took at the round's
-        end).
+        ``accs``: the sums acc_d ``[P]`` to add, in device order. ``buffers``: per device the
+        replicas' float buffers ``[m, Q]`` to average (default: the live ``buf``; the process
+        executor passes its groups' sums and the snapshots its workers took at the round's end).
         """
-        if not self._synchronise:
-            return
         states = self.states
         bufs = buffers if buffers is not None else [s.buf for s in states]
-        if isinstance(self.settings.sync, SSGD):
-            self._ssgd_step(bufs)
+        if isinstance(self.sync, SSGD):
+            self._ssgd_step(accs, bufs)
             return
         if self.num_learners == 1:  # the single replica is the central model
             s = states[0]
@@ -352,15 +369,15 @@ class Scheduler:
         home = states[0].torch_device
         mu_z = self.settings.sync.central_momentum
         on_cpu = all(s.torch_device.type == "cpu" for s in states)
-        shared = getattr(self.kernels, "central_update_shared", None) if on_cpu and self.comm is None else None
+        shared = on_cpu and self.comm is None
         with self._cuda_global():
             mean_buf = None
             # CPU devices share one memory: Σ acc_d, the update and z's copies in one pass
-            if shared is None or not shared([s.z for s in states], [s.z_prev for s in states],
-                                            [s.acc for s in states], central_momentum=mu_z):
+            if not shared or not self.kernels.central_update_shared(
+                    [s.z for s in states], [s.z_prev for s in states], accs, central_momentum=mu_z):
                 total = None
-                for s in states:
-                    acc = s.acc.to(home)
+                for acc in accs:
+                    acc = acc.to(home)
                     total = acc if total is None else total + acc  # never writes an acc_d
                 if self.comm is not None:
                     total, mean_buf = self._all_reduce(total, bufs, home)
@@ -389,13 +406,13 @@ class Scheduler:
         if Q:
             torch.sum(torch.cat([bb.to(home, total.dtype) for bb in bufs]), dim=0, out=flat[P:P + Q])
         flat[P + Q] = len(self.faults.pending)
-        self.comm.all_reduce_sum_(flat, self._round)
+        self.comm.all_reduce_sum_(flat, self.round_index)
         if flat[P + Q].item() > 0:  # some rank found faults since the last sync
-            self.faults.share(self.comm, self._round, self.num_learners)
+            self.faults.share(self.comm, self.round_index, self.num_learners)
         mean_buf = flat[P:P + Q].div_(self.num_learners).to(self.states[0].buf.dtype) if Q else None
         return flat[:P], mean_buf
 
-    def _ssgd_step(self, bufs: list[torch.Tensor]) -> None:
+    def _ssgd_step(self, accs: list[torch.Tensor], bufs: list[torch.Tensor]) -> None:
         """S-SGD (config.SSGD): ḡ = Σ_d acc_d / k, one SGD step of replica 0 of device 0 with ḡ,
         then every replica (w, v) and z on every device set to it; float buffers averaged."""
         if self.comm is not None:
@@ -403,8 +420,8 @@ class Scheduler:
                              "all-reduced across torchrun ranks); use SMA under torchrun")
         states, home = self.states, self.states[0].torch_device
         total = None
-        for s in states:
-            acc = s.acc.to(home)
+        for acc in accs:
+            acc = acc.to(home)
             total = acc if total is None else total + acc
         s0, opt = states[0], self.settings.optimizer
         with self._cuda_global():
@@ -462,12 +479,3 @@ def _clone_structure(state: DeviceState):
 
     return copy.deepcopy(state.template).to(state.torch_device).train()
 
-
-def _task_sort_key(graph: nx.DiGraph):
-    rank = {TaskKind.LEARN: 0, TaskKind.LOCAL_SYNC: 1, TaskKind.GLOBAL_SYNC: 2}
-
-    def key(n: str) -> tuple:
-        task: Task = graph.nodes[n]["task"]
-        return (task.device or "~", rank[task.kind], n)
-
-    return key

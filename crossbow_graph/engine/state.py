@@ -203,6 +203,11 @@ class DeviceState:
         self.acc: torch.Tensor | None = None
 
     @property
+    def template(self) -> nn.Module:
+        """The model every replica is a copy of (never trained; engine/comm.py fingerprints it)."""
+        return self._template
+
+    @property
     def m(self) -> int:
         """Replicas on this device (rows of ``w``); the plan's ``settings.replicas_per_device``."""
         return len(self.replicas)

@@ -1,31 +1,34 @@
 """Learner worker processes on the CPU: the process executor (docs/design-overview.md §2 overlap, §5).
 
-The learner groups of ``worker_groups`` (contiguous rows ``r0 … r1−1`` of one device's replicas,
-at most one per core) run in as many processes: group 0 in this process (the coordinator), the
-others in forked workers. The flat buffers ``w, v, g, buf, z, z_prev, zbuf`` (and the replicas'
-integer buffers) live in shared memory, so every process sees the same numbers, and so do the
-messages: each worker has a ``_Mailbox`` of small shared arrays and semaphores (no pipe, no
-pickling on the hot path). Per round t this process writes t and each worker's sample indices
-into the worker's mailbox and releases its ``go`` semaphore; the worker fetches its samples from
-its forked copy of the dataset and learns, as this process learns group 0. When z_t is ready
-this process writes lr, α, whether to synchronise and the optimizer's settings to a shared
-control block and releases each worker's semaphore; every group applies its rows' local update
-(the correction with z_t) and writes its partial sum of corrections. The last worker then waits
-until every group has written its own (the ``parts`` semaphore) and runs the global sync of round
-t (``Scheduler.global_sync``: z_{t+1} on every device), unless a group failed or every learner
-was faulty (z is then untouched and this process raises); under torchrun this process runs it
-instead, since it owns the all-reduce. Each worker answers with its losses and timestamps (an
-error's text alone goes through a pipe). When the next round's samples are known and no hook
-writes the replicas, each group starts learning round t+1 right after its local update of round
-t, so learning overlaps the global sync and the hooks, and learner j's round t+1 waits only for
-its own correction; the worker that runs the global sync runs it before its own next learning
-(one core per process: the sync takes some process's time, and that one has no hooks to run).
-Every process has one intra-op thread (fork safety, see ``_worker_main``), but for a coordinator
-without workers. Each worker seeds torch's CPU generator, Python's ``random`` and NumPy's global
-RNG every round from (fit seed, round, rank, worker) before it fetches (``seed_host_rngs``): a
-Dataset's augmentation draws differ between processes, and reproduce (also after a resume).
-Fused learners get one group per device: vmap draws a group's dropout masks at once, from one
-seed, so a device split over processes would draw other masks than the inline executor.
+The learner groups of ``worker_groups`` (contiguous rows ``r0 … r1−1`` of one device's replicas, at
+most one per core) run in as many processes: group 0 in this process (the coordinator), the others
+in forked workers. Each runs its share of the task graph, its GroupProgram, assigned once when the
+executor starts (``group_programs``): the LEARN tasks of its rows, its part of their LOCAL_SYNC and,
+in one of them, the GLOBAL_SYNC. The flat buffers ``w, v, g, buf, z, z_prev, zbuf`` (and the
+replicas' integer buffers) live in shared memory, so every process sees the same numbers, and so do
+the messages: each worker has a ``_Mailbox`` of small shared arrays and semaphores (no pipe, no
+pickling on the hot path). Per round t this process writes t and each worker's sample indices into
+the worker's mailbox and releases its ``go`` semaphore; the worker fetches its samples from its
+forked copy of the dataset and learns, as this process learns group 0. When z_t is ready this
+process writes lr, α, whether to synchronise and the optimizer's settings to a shared control block
+and releases each worker's semaphore; every group runs its part of the LOCAL_SYNC (the correction
+with z_t) and writes its partial sum of corrections. The worker the graph places the GLOBAL_SYNC in
+(the one with the last LOCAL_SYNC part: for a compiled graph the last worker) then waits until every
+group has written its own (the ``parts`` semaphore) and runs it for round t
+(``Scheduler.sync_central``: z_{t+1} on every device), unless a group failed or every learner was
+faulty (z is then untouched and this process raises); under torchrun this process runs it instead,
+since it owns the all-reduce. Each worker answers with its losses and timestamps (``Spans``; an
+error's text alone goes through a pipe). When the next round's samples are known and no hook writes
+the replicas, each group starts learning round t+1 right after its local update of round t, so
+learning overlaps the global sync and the hooks, and learner j's round t+1 waits only for its own
+correction; the worker that runs the global sync runs it before its own next learning (one core per
+process: the sync takes some process's time, and that one has no hooks to run). Every process has
+one intra-op thread (fork safety, see ``_worker_main``), but for a coordinator without workers. Each
+worker seeds torch's CPU generator, Python's ``random`` and NumPy's global RNG every round from (fit
+seed, round, rank, worker) before it fetches (``seed_host_rngs``): a Dataset's augmentation draws
+differ between processes, and reproduce (also after a resume). Fused learners get one group per
+device: vmap draws a group's dropout masks at once, from one seed, so a device split over processes
+would draw other masks than the inline executor.
 """
 
 from __future__ import annotations
@@ -35,29 +38,31 @@ import multiprocessing as mp
 import os
 import random
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
-from ..compiler.tasks import TaskKind
+from ..compiler.tasks import Task, TaskKind
 from ..config import SGD
 from ..errors import TaskError
 from ._learners import learn_group, learner_seed, rows, seed_host_rngs
 from .inputs import split_inputs
+from .interpreter import RoundInterpreter, RoundProgram, cause_text, task_error
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
-__all__ = ["ProcessExecutor", "worker_groups", "fork_available", "available_cores", "choose_onednn",
-           "CPU_CONV_CHOICES"]
+__all__ = ["ProcessExecutor", "GroupProgram", "group_programs", "Reply", "Spans", "worker_groups",
+           "fork_available", "available_cores", "choose_onednn", "CPU_CONV_CHOICES"]
 
 CPU_CONV_CHOICES = ("auto", "onednn", "aten")
 BIG_STEP_S = 0.3  # choose_onednn: a learner step slower than this is not measured (oneDNN)
 
 _POLL_S = 0.5          # how often a blocked wait checks that the other side is alive
 ERROR_TEXT_MAX = 8000  # characters of a worker's error text kept in a TaskError
-_OK, _ERROR, _CANCELLED = 1, 2, 3  # a worker's answer (_Mailbox.reply[0])
+_OK, _ERROR, _CANCELLED = 1, 2, 3  # a worker's answer (_Mailbox.reply[Reply.STATUS])
 ROUND_TIMEOUT_S = 600  # the longest this process waits for one worker's round
 
 
@@ -122,8 +127,8 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
         raise ValueError(f"scheduler.cpu_conv={scheduler.cpu_conv!r}: use one of {CPU_CONV_CHOICES}")
     if scheduler.cpu_conv != "auto":
         return scheduler.cpu_conv == "onednn"
-    b = scheduler.settings.batch_size
-    cached = scheduler._onednn_choice.get(b)
+    b = scheduler.batch_size
+    cached = scheduler.onednn_choices.get(b)
     if cached is not None:
         return cached
     import copy
@@ -149,7 +154,7 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
             torch.set_num_threads(saved_threads)
             torch.backends.mkldnn.enabled = saved_onednn
         choice = _ONEDNN_CHOICES[key] = not best[False] < 0.95 * best[True]
-    scheduler._onednn_choice[b] = choice
+    scheduler.onednn_choices[b] = choice
     return choice
 
 
@@ -190,28 +195,67 @@ def _step_seconds(model, loss_fn, args, kwargs, target) -> dict[bool, float]:
     return best
 
 
+class Reply:
+    """The slots of a worker's answer (``_Mailbox.reply``, int64): its status and round, the six
+    timestamps of ``Spans`` (ns; the slice ``SPANS``), the number of faulty rows, then the faulty
+    rows. (Plain ints, not an IntEnum: they are read a dozen times per round.)"""
+
+    STATUS = 0
+    ROUND = 1
+    LEARN_START = 2
+    LEARN_END = 3
+    LOCAL_START = 4
+    LOCAL_END = 5
+    GLOBAL_START = 6
+    GLOBAL_END = 7
+    N_FAULTY = 8
+    FAULTY = 9
+    SPANS = slice(LEARN_START, GLOBAL_END + 1)
+
+
+class Spans(NamedTuple):
+    """One group's timestamps of a round (``time.perf_counter_ns``): its learning, its local
+    update (from its release on) and the global sync it ran (0, 0 when it ran none)."""
+
+    learn_start: int
+    learn_end: int
+    local_start: int
+    local_end: int
+    global_start: int = 0
+    global_end: int = 0
+
+
+class _Answer(NamedTuple):
+    """Group ``wid``'s answer of a round: its losses ``[n]``, Spans and faulty rows."""
+
+    wid: int
+    losses: torch.Tensor
+    spans: Spans
+    faulty: list[int]
+
+
 class _Mailbox:
     """One worker's messages in shared memory: two slots of (round, sample indices), written by
-    the coordinator, and one answer (status, round, six timestamps, faulty rows, losses), written
-    by the worker; each direction is announced by a semaphore release, which also orders the
-    memory accesses. Two slots are enough: the coordinator writes round t + 2 only after the
+    the coordinator, and one answer (``Reply``: status, round, Spans, faulty rows; and the losses),
+    written by the worker; each direction is announced by a semaphore release, which also orders
+    the memory accesses. Two slots are enough: the coordinator writes round t + 2 only after the
     worker answered round t, and the worker reads round t + 1's slot before it answers round t + 1.
 
     Args:
         ctx: the multiprocessing context (fork).
         n_indices: sample indices per round, (r1 − r0)·b.
         n_rows: the worker's replicas, r1 − r0.
+        n_losses: the losses it answers per round (its LEARN tasks).
         loss_dtype: of the losses (the masters': float64 for a float64 model, else float32).
     """
 
-    def __init__(self, ctx, n_indices: int, n_rows: int,
+    def __init__(self, ctx, n_indices: int, n_rows: int, n_losses: int,
                  loss_dtype: torch.dtype = torch.float32) -> None:
         self.go, self.done = ctx.Semaphore(0), ctx.Semaphore(0)
         self.indices = torch.zeros(2, n_indices, dtype=torch.int64).share_memory_().numpy()
         self.head = torch.zeros(3, dtype=torch.int64).share_memory_().numpy()  # rounds; stop
-        # status, round, ta, tb, tc, td, g0, g1, number of faulty rows, the faulty rows
-        self.reply = torch.zeros(9 + n_rows, dtype=torch.int64).share_memory_().numpy()
-        self._losses = torch.zeros(n_rows, dtype=loss_dtype).share_memory_()
+        self.reply = torch.zeros(Reply.FAULTY + n_rows, dtype=torch.int64).share_memory_().numpy()
+        self._losses = torch.zeros(n_losses, dtype=loss_dtype).share_memory_()
         self.losses = self._losses.numpy()
         self.sent = self.taken = 0  # slots written (coordinator), read (worker)
 
@@ -235,101 +279,275 @@ class _Mailbox:
         self.head[2] = 1
         self.go.release()
 
-    def answer(self, status: int, round_index: int, spans=(0,) * 6, faulty=(), losses=()) -> None:
-        """Worker: the round's answer, then ``done``. ``spans``: learn start and end, local
-        update start and end, global sync start and end (0, 0 when the worker ran none)."""
+    def answer(self, status: int, round_index: int, spans: Spans = Spans(0, 0, 0, 0),
+               faulty=(), losses=()) -> None:
+        """Worker: the round's answer, then ``done``."""
         r = self.reply
-        r[0], r[1] = status, round_index
-        r[2:8] = spans
-        r[8] = len(faulty)
-        r[9:9 + len(faulty)] = faulty
+        r[Reply.STATUS], r[Reply.ROUND] = status, round_index
+        r[Reply.SPANS] = spans
+        r[Reply.N_FAULTY] = len(faulty)
+        r[Reply.FAULTY:Reply.FAULTY + len(faulty)] = faulty
         for i, x in enumerate(losses):
             self.losses[i] = float(x)
         self.done.release()
 
-    def read(self) -> tuple:
-        """Coordinator, after ``done`` was acquired: (status, spans, faulty rows, losses [n_rows])."""
+    def read(self) -> tuple[int, Spans, list[int], torch.Tensor]:
+        """Coordinator, after ``done`` was acquired: (status, Spans, faulty rows, losses [n_losses])."""
         r = self.reply
-        return (int(r[0]), tuple(int(x) for x in r[2:8]), [int(x) for x in r[9:9 + int(r[8])]],
-                self._losses.clone())
+        n = int(r[Reply.N_FAULTY])
+        return (int(r[Reply.STATUS]), Spans(*(int(x) for x in r[Reply.SPANS])),
+                [int(x) for x in r[Reply.FAULTY:Reply.FAULTY + n]], self._losses.clone())
+
+
+@dataclass(frozen=True)
+class GroupProgram:
+    """One learner group's share of a round's task graph (``group_programs``), in the graph's
+    topological order.
+
+    Attributes:
+        learn: the LEARN tasks of the group's rows (a replica without one does not learn).
+        local: the LOCAL_SYNC of the group's device when it covers rows of the group, else None:
+            the group runs its part, rows ``local_rows``, and writes their sum of corrections.
+        local_rows: ``(a, b)``, those rows of the device (``(0, 0)`` without a part).
+        global_sync: the GLOBAL_SYNC when this group's process runs it, else None.
+        fused_runs: for fused learners, ``RoundProgram.learn_runs(learn)``.
+    """
+
+    learn: tuple[Task, ...]
+    local: Task | None
+    local_rows: tuple[int, int]
+    global_sync: Task | None
+    fused_runs: dict[str, tuple[int, int]]
+
+
+def group_programs(program: RoundProgram, groups: list[tuple[int, int, int]], *,
+                   coordinator_syncs: bool) -> list[GroupProgram]:
+    """Assign a round's tasks (``program``, in topological order) to the learner groups
+    ``groups`` (``worker_groups``): a LEARN to the group of its replica's row; a LOCAL_SYNC to
+    every group of its device that holds some of its rows (each runs its part); the GLOBAL_SYNC
+    to the group that runs the last part of the last LOCAL_SYNC in that order (its process has
+    every other part by then), or to group 0 (this process) with ``coordinator_syncs`` (torchrun:
+    this process owns the all-reduce)."""
+    owner = {(d, r): wid for wid, (d, r0, r1) in enumerate(groups) for r in range(r0, r1)}
+    learns: list[list[Task]] = [[] for _ in groups]
+    parts: list[tuple[Task | None, tuple[int, int]]] = [(None, (0, 0))] * len(groups)
+    last = 0
+    for task in program.tasks:
+        if task.kind is TaskKind.LEARN:
+            learns[owner[(program.device[task.id], program.rows[task.id][0])]].append(task)
+        elif task.kind is TaskKind.LOCAL_SYNC:
+            a, b = program.rows[task.id]
+            for wid, (d, r0, r1) in enumerate(groups):
+                if d == program.device[task.id] and max(a, r0) < min(b, r1):
+                    parts[wid] = (task, (max(a, r0), min(b, r1)))
+                    last = wid
+    sync = 0 if coordinator_syncs else last
+    return [GroupProgram(learn=tuple(learns[w]), local=parts[w][0], local_rows=parts[w][1],
+                         global_sync=program.global_sync if w == sync else None,
+                         fused_runs=program.learn_runs(learns[w])) for w in range(len(groups))]
+
+
+class _Group(RoundInterpreter):
+    """Learner group ``wid``'s share of every round (its GroupProgram) in the process that runs
+    it: group 0 in the coordinator, the others in their worker (``_worker_main``).
+
+    ``learn_round`` runs its LEARN tasks, ``local_round`` its part of the LOCAL_SYNC (with z_t),
+    ``run_global`` the GLOBAL_SYNC where the graph places it. A failed task is kept in ``error``
+    (task id, text) until every group has answered; the coordinator then raises it.
+    """
+
+    def __init__(self, ex: "ProcessExecutor", wid: int) -> None:
+        sched = ex.sched
+        self.ex, self.sched, self.wid, self.program = ex, sched, wid, ex.programs[wid]
+        d, self.r0, self.r1 = ex.groups[wid]
+        self.state = state = sched.states[d]
+        self.mode, self.fused = sched.learner_mode, sched.fused_programs[d]
+        self.first = sched.learner_offset + sched.program.first[d]  # global index of row 0
+        q = state.buf.shape[1]
+        self.keep = state.buf[self.r0:self.r1].clone() if q else None  # restored on cancel
+        self.acc_part, self.buf_snap = ex.acc_parts[wid], ex.buf_snaps[d] if q else None
+        self.batch: Any = None
+        self.row_losses: list[torch.Tensor | None] = []
+        self.error: tuple[str, str] | None = None
+        self.faulty: list[int] = []
+        self.release: tuple = ()  # (lr, α, synchronise, optimizer) of the local update
+
+    @property
+    def losses(self) -> list[torch.Tensor]:
+        """The round's losses of the rows that learned, in row order (0-dim tensors)."""
+        return [x for x in self.row_losses if x is not None]
+
+    def learn_round(self, round_index: int, indices: torch.Tensor) -> None:
+        """Run the LEARN tasks of round ``round_index`` on the samples ``indices`` of the rows."""
+        self.round_index, self.error, self.faulty = round_index, None, []
+        self.row_losses = [None] * (self.r1 - self.r0)
+        if self.keep is not None:
+            self.keep.copy_(self.state.buf[self.r0:self.r1])
+        if not self.program.learn:
+            return
+        try:
+            self.batch = self.ex.fetch(indices)
+            self.run(self.program.learn)
+        except TaskError as err:
+            self.error = (err.task_id, cause_text(err))
+        except Exception as exc:  # the fetch
+            self.error = (self.program.learn[0].id, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.batch = None
+
+    def learn(self, task: Task) -> None:
+        """Forward and backward of the task's replica (fused: of its run of rows, at its first)."""
+        if self.mode == "fused":
+            run = self.program.fused_runs.get(task.id)
+            if run is None:
+                return
+            a, b = run
+        else:
+            a, b = self.sched.program.rows[task.id]
+        sched, bs = self.sched, self.sched.batch_size
+        mine = rows(self.batch, (a - self.r0) * bs, (b - self.r0) * bs)
+        self.row_losses[a - self.r0:b - self.r0] = learn_group(
+            self.state, a, b, mine, sched.loss_fn, bs, self.mode, self.fused,
+            rng_seed=learner_seed(sched.seed, self.round_index, self.first + a))
+
+    def local_round(self, round_index: int, *, lr: float, alpha: float, synchronise: bool,
+                    optimizer: SGD) -> None:
+        """Run the group's part of its LOCAL_SYNC (z_t is final), unless its learning failed."""
+        self.round_index, self.release = round_index, (lr, alpha, synchronise, optimizer)
+        if self.error is None and self.program.local is not None:
+            try:
+                self.run_task(self.program.local)
+            except TaskError as err:
+                self.error = (err.task_id, cause_text(err))
+
+    def local_sync(self, task: Task) -> None:
+        """Rows a … b−1 of the LOCAL_SYNC: their local update, their sum of corrections into
+        ``acc_parts[wid]``, and the group's buffers into the snapshot for the global sync."""
+        lr, alpha, synchronise, optimizer = self.release
+        (a, b), r0 = self.program.local_rows, self.r0
+        _, self.faulty = self.sched.local_update_rows(
+            self.state, a, b, lr=lr, alpha=alpha, synchronise=synchronise, optimizer=optimizer,
+            out=self.acc_part, losses=self.row_losses[a - r0:b - r0])
+        if self.buf_snap is not None:
+            self.buf_snap[r0:self.r1].copy_(self.state.buf[r0:self.r1])
+
+    def announce(self) -> None:
+        """Tell the sync worker that this group's part is written (and how it went)."""
+        self.ex.part_info[self.wid] = (len(self.faulty), int(self.error is not None))
+        self.ex.parts.release()
+
+    def sync_round(self, round_index: int, parent: int) -> tuple[int, int] | None:
+        """The sync worker, after its own part: wait for every other group's, then run the
+        GLOBAL_SYNC unless a group failed or every learner was faulty (the coordinator then
+        raises, z untouched). Returns its span (ns; (0, 0) if skipped), None if the parent died."""
+        ex = self.ex
+        for _ in range(len(ex.groups) - 1):
+            if not _wait(lambda: ex.parts.acquire(timeout=_POLL_S), parent):
+                return None
+        ex.part_info[self.wid] = (len(self.faulty), int(self.error is not None))
+        if ex.part_info[:, 1].any() or int(ex.part_info[:, 0].sum()) >= self.sched.num_learners:
+            return 0, 0
+        g0 = time.perf_counter_ns()
+        try:
+            self.run_global(round_index)
+        except TaskError as err:  # keep what it wraps: the coordinator names the task again
+            if self.error is None:
+                self.error = (err.task_id, cause_text(err))
+        return g0, time.perf_counter_ns()
+
+    def run_global(self, round_index: int) -> None:
+        """Run the GLOBAL_SYNC of round ``round_index`` (raises TaskError)."""
+        self.round_index = round_index
+        self.run_task(self.program.global_sync)
+
+    def global_sync(self, task: Task) -> None:
+        self.ex.sync_central()
+
+    def cancel(self) -> None:
+        """The speculative round will not run: restore the rows' float buffers."""
+        if self.keep is not None:
+            self.state.buf[self.r0:self.r1].copy_(self.keep)
+        self.error = None
 
 
 class ProcessExecutor:
     """The coordinator's side of the process executor (see the module docstring).
 
-    Learner group 0 (``worker_groups``) runs in this process; groups 1 … n−1 in forked worker
-    processes, the last of which also runs the global sync when this process need not (no
-    torchrun all-reduce).
+    Learner group 0 (``worker_groups``) runs in this process, groups 1 … n−1 in forked worker
+    processes; each runs its GroupProgram, computed here once from the scheduler's
+    ``RoundProgram``.
 
     Args:
-        scheduler: the Scheduler (its states, tasks, loss, mode, kernels).
+        scheduler: the Scheduler (its states, program, loss, mode, kernels).
         fetch: sample indices ``[n]`` → collated batch; inherited by the forked workers.
         seed: seeds each worker's RNG (dropout) differently.
+
+    Attributes:
+        groups: ``(device index, r0, r1)`` per learner group.
+        programs: per group, its share of the task graph (GroupProgram).
+        sync_worker: the worker that runs the GLOBAL_SYNC, None when this process runs it.
+        closed: whether the workers are stopped (``close``; a failed task stops them).
     """
 
     def __init__(self, scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any], *,
                  seed: int) -> None:
         self.sched, self.fetch = scheduler, fetch
-        states = scheduler.states
+        states, program = scheduler.states, scheduler.program
         # fused learners: a device's replicas in one program, whose dropout masks depend on the
         # group (vmap draws them for the whole group at once), hence one group per device
         cores = 1 if scheduler.settings.learner_mode == "fused" else available_cores()
         self.groups = worker_groups([s.m for s in states], cores)
         n = len(self.groups)
-        threads = 1  # forked children cannot start OpenMP teams (see _worker_main)
+        self.programs = group_programs(program, self.groups,
+                                       coordinator_syncs=scheduler.comm is not None)
+        placed = next(w for w, p in enumerate(self.programs) if p.global_sync is not None)
+        self.sync_worker = placed or None  # group 0: this process
         self.onednn = choose_onednn(scheduler, fetch)
         for s in states:
             s.share_memory()
-        p_size, q_size = states[0].params.size, states[0].buffers.size
-        self.acc_parts = torch.zeros(n, p_size, dtype=states[0].z.dtype).share_memory_()  # [n, P]
+        self.acc_parts = torch.zeros(n, states[0].params.size, dtype=states[0].z.dtype).share_memory_()
         self.buf_snaps = [s.buf.clone().share_memory_() for s in states]        # [m, Q] per device
         # per group, written before it releases ``parts``: faulty rows, failed (1) or not
-        self.part_info = torch.zeros(n, 2, dtype=torch.int64).share_memory_()
-        self._part_info_np = self.part_info.numpy()
-        self.global_task = next(t for t in scheduler.order if t.kind is TaskKind.GLOBAL_SYNC)
-        self.learn_ids, self.local_ids = {}, {}
-        for t in scheduler.order:
-            if t.kind is TaskKind.LEARN:
-                d = scheduler._device_index[t.device]
-                self.learn_ids[(d, t.replicas[0] - sum(s.m for s in states[:d]))] = t
-            elif t.kind is TaskKind.LOCAL_SYNC:
-                self.local_ids[scheduler._device_index[t.device]] = t
-        ctx = mp.get_context("fork")
-        self.sems, self.conns, self.procs, self.mail = [], [], [], []
-        self.firsts = [sum(s.m for s in states[:d]) for d in range(len(states))]
-        self.device_rows = [[w for w, g in enumerate(self.groups) if g[0] == d]
-                            for d in range(len(states))]
+        self.part_info = torch.zeros(n, 2, dtype=torch.int64).share_memory_().numpy()
+        self.parts = mp.get_context("fork").Semaphore(0)
+        # per device with a LOCAL_SYNC, the groups whose partial sums make up its acc_d
+        self.device_parts = [[w for w, p in enumerate(self.programs) if p.local is not None
+                              and self.groups[w][0] == d] for d in program.synced]
+        self.stepped = [(states[g[0]], *p.local_rows) for g, p in zip(self.groups, self.programs)
+                        if p.local is not None]  # rows whose next local update is not the first
+        self.tasks = {t.id: t for t in program.tasks}
+        self.lanes = [f"{'coordinator' if w == 0 else f'worker {w}'} (d{d} r{r0}-{r1 - 1})"
+                      for w, (d, r0, r1) in enumerate(self.groups)]
+        self.learn_names = [f"learn:d{d}:r{r0}-{r1 - 1}" for d, r0, r1 in self.groups]
         # lr, α, synchronise, cancel, μ_l, nesterov, λ of the round being released
         self.ctrl = torch.zeros(7, dtype=torch.float64).share_memory_()
         self._ctrl_np = self.ctrl.numpy()  # a view: writes go to the shared block
         self.ahead: tuple[int, torch.Tensor] | None = None  # the speculative round, if any
-        # the last worker runs the global sync (after every group's ``parts`` release) unless
-        # this process must all-reduce (torchrun) or there is no worker
-        self.sync_worker = n - 1 if scheduler.comm is None and n >= 2 else None
-        self.parts = ctx.Semaphore(0)
-        d0, r0, r1 = self.groups[0]
-        self.own_keep = states[d0].buf[r0:r1].clone() if q_size else None  # restored on cancel
-        self.own_losses: list[torch.Tensor] = []
-        self.own_error: tuple[str, str] | None = None  # (task id, text) of a failed own step
+        self.own = _Group(self, 0)
         self.own_learn_span = (0, 0)  # start and end (ns) of group 0's last learning
         self.z_ready_ns = 0  # when the z of the next local update became final (perf_counter_ns)
         self.main_threads = torch.get_num_threads()
-        parent = os.getpid()
+        self.closed = False
+        self._start_workers(seed)
+        if n > 1:  # one intra-op thread here too: the workers have the other cores
+            torch.set_num_threads(1)
+
+    def _start_workers(self, seed: int) -> None:
+        """Fork one worker process per group but group 0, each with its mailbox, release
+        semaphore and error pipe."""
+        ctx, parent = mp.get_context("fork"), os.getpid()
+        self.sems, self.conns, self.procs, self.mail = [None], [None], [None], [None]
         try:
-            for wid, (d, r0, r1) in enumerate(self.groups):
-                if wid == 0:  # run here
-                    for x in (self.sems, self.conns, self.mail, self.procs):
-                        x.append(None)
-                    continue
+            for wid in self.workers:
+                d, r0, r1 = self.groups[wid]
                 sem = ctx.Semaphore(0)
                 here, there = ctx.Pipe(duplex=False)  # an error's text, worker → here
-                mail = _Mailbox(ctx, (r1 - r0) * scheduler.settings.batch_size, r1 - r0, states[d].z.dtype)
-                learn_tasks = [self.learn_ids[(d, r)] for r in range(r0, r1)]
+                mail = _Mailbox(ctx, (r1 - r0) * self.sched.batch_size, r1 - r0,
+                                len(self.programs[wid].learn), self.sched.states[d].z.dtype)
                 proc = ctx.Process(
                     target=_worker_main, name=f"crossbow-learner-{wid}", daemon=True,
-                    args=(scheduler, wid, self, there, mail, sem,
-                          seed * 1_000_003 + 7919 * (wid + 1), threads, parent,
-                          [t.id for t in learn_tasks], self.local_ids[d].id))
+                    args=(self.sched, wid, self, there, mail, sem,
+                          seed * 1_000_003 + 7919 * (wid + 1), 1, parent))
                 proc.start()
                 there.close()
                 self.sems.append(sem)
@@ -339,8 +557,6 @@ class ProcessExecutor:
         except BaseException:
             self.close()
             raise
-        if n > 1:  # one intra-op thread here too: the workers have the other cores
-            torch.set_num_threads(1)
 
     @property
     def workers(self) -> range:
@@ -349,8 +565,8 @@ class ProcessExecutor:
     def _group_indices(self, indices: torch.Tensor, wid: int) -> torch.Tensor:
         """Group ``wid``'s part of a round's sample indices ``[k·b]``: ``[(r1 − r0)·b]``, int64."""
         d, r0, r1 = self.groups[wid]
-        b = self.sched.settings.batch_size
-        return indices[(self.firsts[d] + r0) * b:(self.firsts[d] + r1) * b].to(torch.int64)
+        b, first = self.sched.batch_size, self.sched.program.first[d]
+        return indices[(first + r0) * b:(first + r1) * b].to(torch.int64)
 
     def _send_go(self, round_index: int, indices: torch.Tensor) -> None:
         for wid in self.workers:
@@ -363,46 +579,23 @@ class ProcessExecutor:
         for wid in self.workers:
             self.sems[wid].release()
 
-    # -- group 0, in this process ---------------------------------------------------------------
-
     def _own_learn(self, round_index: int, indices: torch.Tensor) -> None:
-        """Group 0's forward and backward for round ``round_index`` (as ``_worker_main``)."""
-        sched = self.sched
-        d, r0, r1 = self.groups[0]
-        state = sched.states[d]
-        if self.own_keep is not None:
-            self.own_keep.copy_(state.buf[r0:r1])
-        ids = [self.learn_ids[(d, r)].id for r in range(r0, r1)]
+        """Group 0's LEARN tasks of round ``round_index``, with the workers' convolutions."""
         start = time.perf_counter_ns()
         saved = torch.backends.mkldnn.enabled
         torch.backends.mkldnn.enabled = self.onednn  # as the workers (choose_onednn)
         try:
-            batch = self.fetch(self._group_indices(indices, 0))
-            self.own_losses, self.own_error = _learn_rows(sched, d, r0, r1, batch, round_index, ids)
-        except Exception as exc:  # the fetch; raised as a TaskError once the workers have answered
-            self.own_losses, self.own_error = [], (ids[0], f"{type(exc).__name__}: {exc}")
+            self.own.learn_round(round_index, self._group_indices(indices, 0))
         finally:
             torch.backends.mkldnn.enabled = saved
             self.own_learn_span = (start, time.perf_counter_ns())  # its end: waiting for z begins
 
-    def _own_local(self, synchronise: bool) -> list[int]:
-        """Group 0's local update with z_t; its partial sum and buffers for the global sync."""
-        sched = self.sched
-        d, r0, r1 = self.groups[0]
-        state, faulty = sched.states[d], []
-        if self.own_error is None:
-            try:
-                _, faulty = sched.local_update_rows(state, r0, r1, lr=sched.settings.lr, alpha=sched.alpha,
-                                                    synchronise=synchronise, optimizer=sched.optimizer,
-                                                    out=self.acc_parts[0], losses=self.own_losses)
-                if self.buf_snaps[d].shape[1]:
-                    self.buf_snaps[d][r0:r1].copy_(state.buf[r0:r1])
-            except Exception as exc:
-                self.own_error = (self.local_ids[d].id, f"{type(exc).__name__}: {exc}")
-        if synchronise and self.sync_worker is not None:
-            self._part_info_np[0] = (len(faulty), int(self.own_error is not None))
-            self.parts.release()
-        return faulty
+    def sync_central(self) -> None:
+        """The GLOBAL_SYNC's work on the groups' results: per device with a LOCAL_SYNC the sum of
+        its groups' partial sums, and the buffers they snapshotted (``Scheduler.sync_central``)."""
+        parts = self.acc_parts
+        accs = [parts[g[0]] if len(g) == 1 else parts[g].sum(dim=0) for g in self.device_parts]
+        self.sched.sync_central(accs, buffers=self.buf_snaps)
 
     # -- rounds ---------------------------------------------------------------------------------
 
@@ -413,10 +606,7 @@ class ProcessExecutor:
         round_index, _ = self.ahead
         self.ahead = None
         self._release(lr=0.0, alpha=0.0, synchronise=False, cancel=True)
-        d, r0, r1 = self.groups[0]
-        if self.own_keep is not None:
-            self.sched.states[d].buf[r0:r1].copy_(self.own_keep)
-        self.own_error = None
+        self.own.cancel()
         for wid in self.workers:
             self._recv(wid, round_index)  # "cancelled" (or the error of a round that never was)
 
@@ -430,8 +620,42 @@ class ProcessExecutor:
         local updates, or cancels it if its indices differ (the replicas changed). On return
         every task of the round has run: w, v, z, zbuf are final (only g and buf may already move
         for the speculative round).
+
+        Raises:
+            TaskError: a group's task failed (names the task, its device and the round; the
+                workers are stopped), or DivergenceError: every learner was faulty.
         """
         sched = self.sched
+        learned = self._learn(round_index, indices)
+        ta, tb = self.own_learn_span  # group 0 has waited for z_t since it finished learning
+        tc = time.perf_counter_ns()
+        self._release(lr=sched.lr, alpha=sched.alpha, synchronise=synchronise, cancel=False)
+        self.own.local_round(round_index, lr=sched.lr, alpha=sched.alpha, synchronise=synchronise,
+                             optimizer=sched.optimizer)
+        if synchronise and self.sync_worker is not None:
+            self.own.announce()
+        spans = Spans(ta, tb, tc, time.perf_counter_ns())
+        own, error, faulty = self.own.losses, self.own.error, self.own.faulty  # before round t+1
+        if next_indices is not None:
+            self._learn_ahead(round_index + 1, next_indices)
+        losses = torch.stack(own) if own else torch.zeros(0)
+        answers = self._collect(round_index, _Answer(0, losses, spans, faulty), error)
+        self._record(round_index, answers)
+        g0 = g1 = time.perf_counter_ns()
+        if synchronise:
+            if self.sync_worker is None:
+                self.own.run_global(round_index)
+                g1 = time.perf_counter_ns()
+            else:
+                ran = answers[self.sync_worker].spans
+                g0, g1 = ran.global_start, ran.global_end
+        z_at = self._account(answers, synchronise, g0, g1)
+        if sched.timeline is not None:
+            self._trace(round_index, answers, z_at, (g0, g1) if synchronise else None, learned)
+
+    def _learn(self, round_index: int, indices: torch.Tensor) -> bool:
+        """Start round ``round_index``'s learning in every group unless the previous call did (a
+        speculative round, cancelled here if its indices differ); returns whether it had."""
         if self.ahead is not None and (self.ahead[0] != round_index
                                        or not torch.equal(self.ahead[1], indices)):
             self.cancel_ahead()
@@ -440,103 +664,95 @@ class ProcessExecutor:
             self._send_go(round_index, indices)
             self._own_learn(round_index, indices)
         self.ahead = None
-        ta, tb = self.own_learn_span  # group 0 has waited for z_t since it finished learning
-        tc = time.perf_counter_ns()
-        self._release(lr=sched.settings.lr, alpha=sched.alpha, synchronise=synchronise, cancel=False)
-        own_faulty = self._own_local(synchronise)
-        td = time.perf_counter_ns()
-        own = (self.own_losses, self.own_error)
-        if next_indices is not None:
-            self._send_go(round_index + 1, next_indices)
-            self._own_learn(round_index + 1, next_indices)
-            self.ahead = (round_index + 1, next_indices)
-            if sched.timeline is not None:
-                d, r0, r1 = self.groups[0]
-                sched.timeline.span(f"learn:d{d}:r{r0}-{r1 - 1}", *self.own_learn_span,
-                                    lane=self._lane(0), round_index=round_index + 1)
-        spans, faults, failure = [(ta, tb, tc, td, 0, 0)], [(self.groups[0][0], own_faulty)], None
-        if own[1] is not None:
-            failure = ("error", *own[1])
-        losses = [torch.stack(own[0]) if own[0] else torch.zeros(0)]
+        return learned
+
+    def _learn_ahead(self, round_index: int, indices: torch.Tensor) -> None:
+        """Start the next round's learning now (the overlap with this round's global sync)."""
+        self._send_go(round_index, indices)
+        self._own_learn(round_index, indices)
+        self.ahead = (round_index, indices)
+        if self.sched.timeline is not None and self.programs[0].learn:
+            self.sched.timeline.span(self.learn_names[0], *self.own_learn_span, lane=self.lanes[0],
+                                     round_index=round_index)
+
+    def _collect(self, round_index: int, own: _Answer, own_error: tuple[str, str] | None
+                 ) -> list[_Answer]:
+        """Every group's answer of round ``round_index`` (group 0's: ``own``), in group order.
+
+        Raises:
+            TaskError: some group's task failed (the first one's; the workers are stopped).
+        """
+        answers, failure = [own], own_error
         for wid in self.workers:
             reply = self._recv(wid, round_index)
             if reply[0] == "error" and failure is None:
-                failure = reply
+                failure = reply[1:]
             elif reply[0] == "ok":
-                losses.append(reply[1])
-                spans.append(reply[2])
-                faults.append((self.groups[wid][0], reply[3]))
+                answers.append(_Answer(wid, *reply[1:]))
         if failure is not None:
-            task = next(t for t in sched.order if t.id == failure[1])
             self.close()
-            sched._workers = None
-            raise sched.task_error(task, round_index, failure[2])
-        for part in losses:
-            sched.losses.extend(part.unbind())
-        for s in sched.states:
-            s.first_step = [False] * s.m
-        for d, faulty in faults:  # raises DivergenceError when every learner failed
-            sched.faults.record(sched.states[d], faulty, round_index=round_index,
-                                num_learners=sched.num_learners, rank=sched.rank)
-        g0 = g1 = time.perf_counter_ns()
-        if synchronise:
-            if self.sync_worker is None:
-                self._global_sync(round_index)
-                g1 = time.perf_counter_ns()
-            else:
-                g0, g1 = spans[-1][4], spans[-1][5]
-        local_s = sum(td - tc for _, _, tc, td, _, _ in spans) / len(spans) / 1e9
+            raise task_error(self.tasks[failure[0]], round_index, failure[1])
+        return answers
+
+    def _record(self, round_index: int, answers: list[_Answer]) -> None:
+        """The groups' losses and faults into the scheduler; raises DivergenceError when every
+        learner was faulty."""
+        sched = self.sched
+        for answer in answers:
+            sched.losses.extend(answer.losses.unbind())
+        for state, a, b in self.stepped:
+            state.first_step[a:b] = [False] * (b - a)
+        for answer in answers:
+            sched.faults.record(sched.states[self.groups[answer.wid][0]], answer.faulty,
+                                round_index=round_index, num_learners=sched.num_learners,
+                                rank=sched.rank)
+
+    def _account(self, answers: list[_Answer], synchronise: bool, g0: int, g1: int) -> list[int]:
+        """Add the round's synchronisation seconds to the scheduler's counters; returns per
+        group when its wait stopped being one for z (see below)."""
+        sched, n = self.sched, len(answers)
+        local_s = sum(a.spans.local_end - a.spans.local_start for a in answers) / n / 1e9
         # a group's wait counts as synchronisation only until z_t was final (the previous
         # global sync's end); after that it waits for this process's release (hooks, bookkeeping)
         z_ready = self.z_ready_ns
-        waits = [(tb, max(tb, min(tc, z_ready))) for _, tb, tc, _, _, _ in spans]
-        waited_s = sum(z - tb for tb, z in waits) / len(spans) / 1e9 + local_s
+        z_at = [max(a.spans.learn_end, min(a.spans.local_start, z_ready)) for a in answers]
+        waited_s = sum(z - a.spans.learn_end for a, z in zip(answers, z_at)) / n / 1e9 + local_s
         sched.sync_seconds += (g1 - g0) / 1e9 + local_s
         # the sync worker's learners do not learn while it runs the global sync: exposed too
-        sync_in_worker = (g1 - g0) / len(spans) / 1e9 if synchronise and self.sync_worker else 0.0
-        sched.sync_exposed_seconds += waited_s + sync_in_worker
+        in_worker = (g1 - g0) / n / 1e9 if synchronise and self.sync_worker is not None else 0.0
+        sched.sync_exposed_seconds += waited_s + in_worker
         if synchronise:
             self.z_ready_ns = g1
-        if sched.timeline is not None:
-            if synchronise:
-                lane = "coordinator" if self.sync_worker is None else self._lane(self.sync_worker)
-                sched.timeline.span(self.global_task.id, g0, g1, lane=lane, round_index=round_index)
-            for wid, (ta, tb, tc, td, _, _) in enumerate(spans):
-                d, r0, r1 = self.groups[wid]
-                lane = self._lane(wid)
-                if wid or not learned:  # group 0's speculative learning has its span already
-                    sched.timeline.span(f"learn:d{d}:r{r0}-{r1 - 1}", ta, tb, lane=lane,
-                                        round_index=round_index)
-                z_at = waits[wid][1]
-                sched.timeline.span("wait for z", tb, z_at, lane=lane, round_index=round_index)
-                if tc > z_at:
-                    sched.timeline.span("wait for release", z_at, tc, lane=lane,
-                                        round_index=round_index)
-                sched.timeline.span(self.local_ids[d].id, tc, td, lane=lane, round_index=round_index)
+        return z_at
 
-    def _lane(self, wid: int) -> str:
-        d, r0, r1 = self.groups[wid]
-        who = "coordinator" if wid == 0 else f"worker {wid}"
-        return f"{who} (d{d} r{r0}-{r1 - 1})"
+    def _trace(self, round_index: int, answers: list[_Answer], z_at: list[int],
+               global_span: tuple[int, int] | None, learned: bool) -> None:
+        """The round's spans on the timeline: per group its learning, its waits and its local
+        sync part; the global sync in the lane of the process that ran it."""
+        timeline = self.sched.timeline
+        if global_span is not None:
+            lane = "coordinator" if self.sync_worker is None else self.lanes[self.sync_worker]
+            timeline.span(self.sched.program.global_sync.id, *global_span, lane=lane,
+                          round_index=round_index)
+        for answer, z in zip(answers, z_at):
+            s, lane, program = answer.spans, self.lanes[answer.wid], self.programs[answer.wid]
+            if program.learn and (answer.wid or not learned):  # group 0's speculative learning
+                timeline.span(self.learn_names[answer.wid], s.learn_start, s.learn_end, lane=lane,
+                              round_index=round_index)  # has its span already
+            timeline.span("wait for z", s.learn_end, z, lane=lane, round_index=round_index)
+            if s.local_start > z:
+                timeline.span("wait for release", z, s.local_start, lane=lane,
+                              round_index=round_index)
+            if program.local is not None:
+                timeline.span(program.local.id, s.local_start, s.local_end, lane=lane,
+                              round_index=round_index)
 
     def flush(self) -> None:
         """Nothing is in flight between rounds (z is final when run_round returns)."""
 
-    def _global_sync(self, round_index: int) -> None:
-        sched = self.sched
-        for d, s in enumerate(sched.states):
-            mine = self.device_rows[d]
-            s.acc = self.acc_parts[mine[0]] if len(mine) == 1 else self.acc_parts[mine].sum(dim=0)
-        sched._synchronise = True
-        try:
-            sched.global_sync(self.global_task, buffers=self.buf_snaps)
-        except TaskError:  # already names the task and round (DistributedError)
-            raise
-        except Exception as exc:
-            raise sched.task_error(self.global_task, round_index, f"{type(exc).__name__}: {exc}") from exc
-
     def close(self) -> None:
         """Cancel the speculative round, stop every worker (join, then terminate, then kill)."""
+        self.closed = True
         try:
             if self.ahead is not None and all(p.is_alive() for p in self.procs if p is not None):
                 self.cancel_ahead()
@@ -564,46 +780,23 @@ class ProcessExecutor:
             torch.set_num_threads(self.main_threads)
 
     def _recv(self, wid: int, round_index: int):
-        """Worker ``wid``'s answer: ("ok", losses [n], spans, faulty rows), ("cancelled",) or
+        """Worker ``wid``'s answer: ("ok", losses [n], Spans, faulty rows), ("cancelled",) or
         ("error", task id, text)."""
         mail, proc = self.mail[wid], self.procs[wid]
         deadline = time.monotonic() + ROUND_TIMEOUT_S
         while not mail.done.acquire(timeout=_POLL_S):
             if not proc.is_alive() or time.monotonic() > deadline:
-                d, r0, _ = self.groups[wid]
-                task = self.learn_ids[(d, r0)]
+                p = self.programs[wid]
+                task = p.learn[0] if p.learn else p.local or self.sched.program.global_sync
                 why = (f"worker process {proc.pid} exited with code {proc.exitcode}"
                        if not proc.is_alive() else f"no answer within {ROUND_TIMEOUT_S} s")
-                raise self.sched.task_error(task, round_index, why)
+                raise task_error(task, round_index, why)
         status, spans, faulty, losses = mail.read()
         if status == _OK:
             return "ok", losses, spans, faulty
         if status == _CANCELLED:
             return ("cancelled",)
         return self.conns[wid].recv()
-
-
-def _learn_rows(sched: "Scheduler", d: int, r0: int, r1: int, batch: Any, round_index: int,
-                learn_ids: list[str]) -> tuple[list[torch.Tensor], tuple[str, str] | None]:
-    """Rows ``r0 … r1−1`` of device ``d`` learn round ``round_index`` on ``batch`` (their
-    (r1 − r0)·b samples), in this process, in the scheduler's learner mode, each replica's RNG
-    seeded by ``learner_seed``. Returns (the losses, None) or ([], (failing task id, error text)).
-    """
-    b, state = sched.settings.batch_size, sched.states[d]
-    first = sched.learner_offset + sum(s.m for s in sched.states[:d])  # global index of row 0
-    task_id, losses = learn_ids[0], []
-    try:
-        if sched.settings.learner_mode == "fused":
-            return learn_group(state, r0, r1, batch, sched.loss_fn, b, "fused", sched.fused[d],
-                               rng_seed=learner_seed(sched.seed, round_index, first + r0)), None
-        for r in range(r0, r1):
-            task_id = learn_ids[r - r0]
-            mine = rows(batch, (r - r0) * b, (r - r0 + 1) * b)
-            losses += learn_group(state, r, r + 1, mine, sched.loss_fn, b, "per_replica", None,
-                                  rng_seed=learner_seed(sched.seed, round_index, first + r))
-        return losses, None
-    except Exception as exc:  # the caller reports it as a TaskError naming the task
-        return [], (task_id, f"{type(exc).__name__}: {exc}")
 
 
 def _shorten(text: str) -> str:
@@ -623,18 +816,18 @@ def _wait(ready: Callable[[], bool], parent: int) -> bool:
 
 
 def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: _Mailbox, sem,
-                 seed: int, threads: int, parent: int, learn_ids: list[str], local_id: str) -> None:
+                 seed: int, threads: int, parent: int) -> None:
     """The loop of worker ``wid`` (forked: it shares the scheduler's state, the dataset and the
-    executor's shared blocks).
+    executor's shared blocks), which runs group ``wid``'s GroupProgram every round.
 
-    Per round: take (round, indices) from the mailbox; learn; wait for the semaphore (z ready);
-    read lr, α, synchronise, cancel and the optimizer's μ_l, Nesterov, λ from ``ex.ctrl``; if
-    cancelled (a speculative round that will not run) restore the float buffers and answer
-    "cancelled", else apply the local update, write the group's partial sum of corrections, and
-    (in a synchronising round) announce it on ``ex.parts``; the sync worker instead waits for
-    every other group's and runs the global sync (skipped when a group failed or every learner
-    was faulty: the coordinator then raises, with z untouched). Then answer with the losses,
-    timestamps and faulty rows. Every round consumes exactly one semaphore release.
+    Per round: take (round, indices) from the mailbox; run the LEARN tasks; wait for the
+    semaphore (z_t ready); read lr, α, synchronise, cancel and the optimizer's μ_l, Nesterov, λ
+    from ``ex.ctrl``; if cancelled (a speculative round that will not run) restore the float
+    buffers and answer "cancelled", else run the group's part of the LOCAL_SYNC (its partial sum
+    of corrections) and, in a synchronising round, announce it on ``ex.parts``, or in the sync
+    worker wait for every other group's and run the GLOBAL_SYNC (``_Group.sync_round``). Then
+    answer with the losses, Spans and faulty rows (an error's text through the pipe). Every
+    round consumes exactly one semaphore release.
     """
     # GNU OpenMP cannot start a thread team in a forked child of a process that used one: the
     # team barrier waits forever for threads that do not exist here. So a worker runs one
@@ -645,79 +838,42 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
     torch.set_num_threads(threads)
     torch.backends.mkldnn.enabled = ex.onednn  # choose_onednn
     torch.manual_seed(seed)
-    d, r0, r1 = ex.groups[wid]
-    state = sched.states[d]
-    keep = state.buf[r0:r1].clone() if state.buf.shape[1] else None  # restored on cancel
-    acc_part, buf_snap = ex.acc_parts[wid], ex.buf_snaps[d] if state.buf.shape[1] else None
-    info, others = ex._part_info_np, len(ex.groups) - 1
-    syncs = ex.sync_worker == wid
+    group = _Group(ex, wid)
     rank = sched.comm.rank if sched.comm is not None else 0
     try:
-        while True:
-            if not _wait(lambda: mail.go.acquire(timeout=_POLL_S), parent):
-                return
+        while _wait(lambda: mail.go.acquire(timeout=_POLL_S), parent):
             msg = mail.take()
             if msg is None:
                 return
             round_index, idx = msg
             ta = time.perf_counter_ns()
             seed_host_rngs(sched.seed, round_index, rank, wid, torch_cpu=True)  # for the fetch
-            if keep is not None:
-                keep.copy_(state.buf[r0:r1])
-            try:
-                losses, failed = _learn_rows(sched, d, r0, r1, ex.fetch(idx), round_index, learn_ids)
-            except Exception as exc:  # the fetch
-                losses, failed = [], (learn_ids[0], f"{type(exc).__name__}: {exc}")
-            task_id, error = failed if failed is not None else (learn_ids[0], None)
+            group.learn_round(round_index, idx)
             tb = time.perf_counter_ns()
             if not _wait(lambda: sem.acquire(timeout=_POLL_S), parent):
                 return
             tc = time.perf_counter_ns()
             lr, alpha, synchronise, cancel, momentum, nesterov, weight_decay = ex.ctrl.tolist()
             if cancel:
-                if keep is not None:
-                    state.buf[r0:r1].copy_(keep)
+                group.cancel()
                 mail.answer(_CANCELLED, round_index)
                 continue
-            faulty = []
-            if error is None:
-                try:
-                    task_id = local_id
-                    optimizer = SGD(lr=lr, momentum=momentum, nesterov=bool(nesterov),
-                                    weight_decay=weight_decay)
-                    _, faulty = sched.local_update_rows(state, r0, r1, lr=lr, alpha=alpha,
-                                                        synchronise=bool(synchronise),
-                                                        optimizer=optimizer, out=acc_part,
-                                                        losses=losses)
-                    if buf_snap is not None:
-                        buf_snap[r0:r1].copy_(state.buf[r0:r1])
-                except Exception as exc:
-                    error = f"{type(exc).__name__}: {exc}"
+            group.local_round(round_index, lr=lr, alpha=alpha, synchronise=bool(synchronise),
+                              optimizer=SGD(lr=lr, momentum=momentum, nesterov=bool(nesterov),
+                                            weight_decay=weight_decay))
             td = time.perf_counter_ns()
             g0 = g1 = 0
-            if synchronise and ex.sync_worker is not None:
-                if not syncs:
-                    info[wid] = (len(faulty), int(error is not None))
-                    ex.parts.release()
-                else:
-                    for _ in range(others):  # every other group's partial sum (ours is written)
-                        if not _wait(lambda: ex.parts.acquire(timeout=_POLL_S), parent):
-                            return
-                    info[wid] = (len(faulty), int(error is not None))
-                    if not info[:, 1].any() and int(info[:, 0].sum()) < sched.num_learners:
-                        g0 = time.perf_counter_ns()
-                        try:
-                            ex._global_sync(round_index)
-                        except Exception as exc:  # a TaskError already: keep what it wraps
-                            cause = exc.__cause__ or exc
-                            if error is None:
-                                task_id, error = ex.global_task.id, f"{type(cause).__name__}: {cause}"
-                        g1 = time.perf_counter_ns()
-            if error is not None:  # the answer first: the coordinator then reads the pipe
+            if synchronise and ex.sync_worker == wid:
+                span = group.sync_round(round_index, parent)
+                if span is None:
+                    return
+                g0, g1 = span
+            elif synchronise and ex.sync_worker is not None:
+                group.announce()
+            if group.error is not None:  # the answer first: the coordinator then reads the pipe
                 mail.answer(_ERROR, round_index)
-                conn.send(("error", task_id, _shorten(error)))
+                conn.send(("error", group.error[0], _shorten(group.error[1])))
                 continue
-            mail.answer(_OK, round_index, (ta, tb, tc, td, g0, g1), faulty, losses)
+            mail.answer(_OK, round_index, Spans(ta, tb, tc, td, g0, g1), group.faulty, group.losses)
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         return
-

@@ -232,11 +232,11 @@ def _vec_ok(t: torch.Tensor | None, P: int) -> bool:
 
 
 class CSMAKernels:
-    """The SMA update backend in C (CPU): ``local_update`` and ``central_update`` with the
-    signatures and semantics of ``sma_local_update``/``sma_central_update`` (kernels/torch_ref.py, the
-    oracle; results agree to float rounding: the C code may fuse a·b + c), ``nonfinite_rows``
-    for the fault check (engine/faults.py) and ``central_update_shared`` for the global sync of
-    CPU devices (engine/scheduler.py).
+    """The SMA update backend in C (CPU; a ``kernels.protocol.SMAKernels``): ``local_update`` and
+    ``central_update`` with the signatures and semantics of ``sma_local_update``/
+    ``sma_central_update`` (kernels/torch_ref.py, the oracle; results agree to float rounding:
+    the C code may fuse a·b + c), ``nonfinite_rows`` for the fault check (engine/faults.py) and
+    ``central_update_shared`` for the global sync of CPU devices (engine/scheduler.py).
 
     Tensors that are not float32 CPU tensors with contiguous rows go to the torch functions.
 
@@ -245,6 +245,7 @@ class CSMAKernels:
     """
 
     name = "c"
+    block = None
 
     def __init__(self) -> None:
         self._lib = load_library()

@@ -12,6 +12,7 @@ import torch
 
 from .c_sma import SOURCE_PATH as C_SOURCE_PATH
 from .c_sma import CSMAKernels, c_kernels_available
+from .protocol import SMAKernels
 from .torch_ref import TorchSMAKernels, sma_central_update, sma_local_update
 from .triton_sma import (EmittedKernel, KernelSpec, TritonSMAKernels, central_spec, device_type, emit,
                          import_triton, local_spec)
@@ -56,7 +57,7 @@ class CKernel:
         return f"<{self.spec.describe(launch=False)}, c>"
 
 
-def plan_kernels(backend: Any, states: list[Any], *, momentum: float, nesterov: bool,
+def plan_kernels(backend: SMAKernels, states: list[Any], *, momentum: float, nesterov: bool,
                  weight_decay: float, num_learners: int, sync_every: int,
                  central_momentum: float) -> list[EmittedKernel | TorchKernel]:
     """The kernels a plan runs on its devices' current flat buffers, one per distinct spec.
@@ -68,7 +69,7 @@ def plan_kernels(backend: Any, states: list[Any], *, momentum: float, nesterov: 
     specs: list[KernelSpec] = []
     corrects = ([True] if num_learners > 1 else []) + ([False] if num_learners == 1 or sync_every > 1 else [])
     firsts = [True, False] if momentum != 0 else [False]
-    block = getattr(backend, "block", None)
+    block = backend.block
     for s in states:
         m, P = s.w.shape
         dev = device_type(s.w)

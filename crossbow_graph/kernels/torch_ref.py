@@ -143,15 +143,26 @@ def sma_central_update(
 
 
 class TorchSMAKernels:
-    """The SMA update backend in torch: the oracle of the C and Triton backends, and the CPU's
-    backend when no C compiler is there.
+    """The SMA update backend in torch (a ``kernels.protocol.SMAKernels``): the oracle of the C
+    and Triton backends, and the CPU's backend when no C compiler is there.
 
-    A backend has two methods with the signatures of ``sma_local_update`` and
-    ``sma_central_update``. Two more are optional, and the scheduler uses them when present (the
-    C backend has them): ``nonfinite_rows`` for the fault test (engine/faults.py) and
-    ``central_update_shared`` for the global sync of CPU devices.
+    ``local_update`` and ``central_update`` are ``sma_local_update`` and ``sma_central_update``;
+    the fused passes are the C backend's: ``central_update_shared`` declines (False) and
+    ``nonfinite_rows`` leaves the rows to the caller's torch test (None).
     """
 
     name = "torch"
+    block = None
     local_update = staticmethod(sma_local_update)
     central_update = staticmethod(sma_central_update)
+
+    @staticmethod
+    def central_update_shared(zs: list[torch.Tensor], z_prevs: list[torch.Tensor],
+                              parts: list[torch.Tensor], *, central_momentum: float) -> bool:
+        """No one-pass update here: False (the scheduler sums and updates in torch)."""
+        return False
+
+    @staticmethod
+    def nonfinite_rows(g: torch.Tensor) -> list[int] | None:
+        """No row test here: None (engine/faults.py tests the rows in torch)."""
+        return None

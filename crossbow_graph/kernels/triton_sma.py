@@ -338,10 +338,11 @@ def _check_master(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 
 class TritonSMAKernels:
-    """The SMA update backend in Triton: ``local_update`` and ``central_update`` with the
-    signatures and semantics of ``sma_local_update``/``sma_central_update`` (kernels/torch_ref.py), each
-    one kernel launch (docs/design-overview.md §4). CUDA tensors run compiled kernels; CPU tensors run them in
-    Triton's interpreter (slow; for tests).
+    """The SMA update backend in Triton (a ``kernels.protocol.SMAKernels``): ``local_update`` and
+    ``central_update`` with the signatures and semantics of ``sma_local_update``/``sma_central_update``
+    (kernels/torch_ref.py), each one kernel launch (docs/design-overview.md §4); the fused passes
+    of the C backend decline (``central_update_shared`` False, ``nonfinite_rows`` None). CUDA
+    tensors run compiled kernels; CPU tensors run them in Triton's interpreter (slow; for tests).
 
     Args:
         block: columns per program; None picks ``default_block(P, device)``.
@@ -400,3 +401,15 @@ class TritonSMAKernels:
                             block=self.block)
         emit(spec).launch(z, z_prev, c, float(central_momentum))
         torch.autograd.graph.increment_version([z, z_prev])
+
+    @staticmethod
+    def central_update_shared(zs: list[torch.Tensor], z_prevs: list[torch.Tensor],
+                              parts: list[torch.Tensor], *, central_momentum: float) -> bool:
+        """No one-pass update of several devices' z: False (the scheduler sums in torch and
+        calls ``central_update``)."""
+        return False
+
+    @staticmethod
+    def nonfinite_rows(g: torch.Tensor) -> list[int] | None:
+        """No row test in Triton: None (engine/faults.py tests the rows in torch)."""
+        return None
