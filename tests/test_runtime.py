@@ -7,7 +7,7 @@ import torch
 
 import crossbow_graph as cg
 from crossbow_graph.compiler.tasks import TaskKind
-from crossbow_graph.engine._learners import learn_group, seed_rng
+from crossbow_graph.engine.learners import learn_group, seed_rng
 from crossbow_graph.training.hooks import Hook
 
 from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, reference_sma, tiny_data

@@ -38,7 +38,7 @@ from ..config import SGD, SSGD
 from ..kernels.protocol import SMAKernels
 from ..kernels.torch_ref import TorchSMAKernels
 from ._cuda import CudaStreams
-from ._learners import learn_group, learner_seed, rows
+from .learners import learn_group, learner_seed, rows
 from .faults import FaultMonitor
 from .fused import FusedProgram
 from .interpreter import RoundInterpreter, RoundProgram

@@ -47,7 +47,7 @@ import torch
 from ..compiler.tasks import Task, TaskKind
 from ..config import SGD
 from ..errors import TaskError
-from ._learners import learn_group, learner_seed, rows, seed_host_rngs
+from .learners import learn_group, learner_seed, rows, seed_host_rngs
 from .inputs import split_inputs
 from .interpreter import RoundInterpreter, RoundProgram, cause_text, task_error
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from ..engine._learners import seed_host_rngs
+from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook, load_plan_state_dict, plan_state_dict
 from .data import BatchSchedule, as_dataset, make_fetch
