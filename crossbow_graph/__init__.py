@@ -9,15 +9,18 @@ from __future__ import annotations
 from . import datasets, models
 from .api import Plan, compile
 from .compiler.tasks import Cost, Task, TaskKind
-from .config import SGD, SMA, SSGD
+from .config import SGD, SMA, SSGD, Adjustment
+from .engine.comm import Distributed
+from .engine.settings import RunSettings
 from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, PlanError,
                      TaskError, TraceError)
-from .tuning.autotune import AutoTune
-from .engine.comm import Distributed
 from .training.history import History
+from .training.hooks import FitContext, Hook
+from .training.options import FitOptions
+from .tuning.autotune import AutoTune
 from .tuning.metrics import MetricsMonitor
-from .tuning.policies import (AdaptiveBatchSize, Adjustment, AutoReplicas, CosineLR,
-                               DivergenceGuard, MultiStepLR, Policy, StepLR)
+from .tuning.policies import (AdaptiveBatchSize, AutoReplicas, CosineLR, DivergenceGuard, MultiStepLR,
+                              Policy, StepLR)
 
 __all__ = [
     "compile", "Plan", "SGD", "SMA", "SSGD", "AutoTune", "Task", "TaskKind", "Cost", "History",
@@ -25,6 +28,6 @@ __all__ = [
     "DivergenceError", "CheckpointError",
     "datasets", "models",
     "Policy", "Adjustment", "AutoReplicas", "AdaptiveBatchSize", "StepLR", "MultiStepLR",
-    "CosineLR", "DivergenceGuard", "MetricsMonitor",
+    "CosineLR", "DivergenceGuard", "MetricsMonitor", "Hook", "FitContext", "FitOptions", "RunSettings",
 ]
 __version__ = "0.1.0"
