@@ -1,8 +1,7 @@
 """Model analysis on the shape-propagated fx graph: FLOPs, activation bytes, memory per learner.
 
-docs/design-overview.md §1 (compiler.trace: "fx GraphModule + shapes, FLOPs, bytes") and §3 ("Per-learner
-memory ... is estimated from the fx graph with shape propagation and bounds the replicas per
-device"). Every number here comes from the graph and the shapes of one example batch; nothing is
+docs/design-overview.md §1 (compiler/analysis.py) and §3 (the memory per learner, which bounds
+the replicas per device). Every number here comes from the graph and the shapes of one example batch; nothing is
 timed.
 
 Conventions (documented in docs/compiler.md):

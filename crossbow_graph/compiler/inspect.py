@@ -1,5 +1,5 @@
-"""Inspection of a plan's task graph: summary table, JSON, DOT and PNG (docs/design-overview.md §1 "Plan
-(inspectable: summary table, JSON, DOT, PNG; runnable)"; schema in docs/compiler.md).
+"""Inspection of a plan's task graph: summary table, JSON, DOT and PNG (docs/design-overview.md §1;
+schema in docs/compiler.md).
 
 The functions here read only the task graph (its Tasks and graph attributes, as the compiler
 passes leave them) and a small ``settings`` dict (optimiser and SMA settings), so that a plan

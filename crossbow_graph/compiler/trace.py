@@ -1,4 +1,4 @@
-"""Trace a model with torch.fx and describe it: the ModelGraph (docs/design-overview.md §1, compiler.trace)."""
+"""Trace a model with torch.fx and describe it: the ModelGraph (docs/design-overview.md §1, compiler/trace.py)."""
 
 from __future__ import annotations
 

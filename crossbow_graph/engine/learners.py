@@ -1,4 +1,4 @@
-"""Private helpers of the runtime: one learner group's forward/backward, in either learner mode.
+"""Learner groups of the engine: one learner group's forward/backward, in either learner mode.
 
 A *learner group* is a contiguous block of replicas ``r0 … r1−1`` of one device that run together
 (on one CUDA stream, in one worker process, or fused into one vmapped program). Both modes leave

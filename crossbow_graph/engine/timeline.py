@@ -1,8 +1,9 @@
 """Chrome-trace timelines of a fit (``Plan.fit(..., trace=path)``; docs/design-overview.md §2 overlap).
 
 Open the JSON in ``chrome://tracing`` or https://ui.perfetto.dev: one row (lane) per worker
-process (or ``inline`` for the in-process executor) and one for the coordinator's global sync; the
-global sync of round t drawn under the learning of round t+1 is the overlap.
+process (or ``inline`` for the in-process executor); the global sync is drawn in the lane of the
+process that ran it (the last worker, or the coordinator under torchrun), and the global sync of
+round t drawn under the learning of round t+1 is the overlap.
 """
 
 from __future__ import annotations

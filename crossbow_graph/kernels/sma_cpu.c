@@ -1,5 +1,5 @@
 /* SMA update kernels for the CPU (docs/design-overview.md §2 steps 1–3, §4): the C backend of
- * crossbow_graph/runtime/cpu_kernels.py, compiled on first use with the system's C compiler.
+ * crossbow_graph/kernels/c_sma.py, compiled on first use with the system's C compiler.
  *
  * Same mathematics as kernels/torch_ref.py (the oracle) and the Triton kernels, in one pass over
  * memory: sma_local reads ŵ, v, g, z once and writes w, v and the device's sum of corrections

@@ -150,9 +150,9 @@ class History:
         autotune: every decision of the replica auto-tuner, in order.
         sync_seconds: synchronisation work during the fit (local and global syncs), seconds.
         sync_exposed_seconds: the part of it learners waited for (not hidden), seconds.
-        metrics: one tuning/metrics.py MetricRecord per metrics window (samples/s, loss, lr, b,
+        metrics: one MetricRecord per metrics window (samples/s, loss, lr, b,
             m, divergence, gradient noise scale; ``fit(metrics_every=N)``).
-        policy: every adjustment a policy applied (tuning/policy_base.py PolicyRecord).
+        policy: every adjustment a policy applied (a PolicyRecord each).
     """
 
     epochs: list[EpochRecord] = field(default_factory=list)

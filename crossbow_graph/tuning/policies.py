@@ -11,9 +11,9 @@ at the next round, on every device at once (the devices share one scheduler). Wi
 processes the ``Adjustment`` is what is broadcast from rank 0 before it is applied: the decision
 is taken in one place. Every applied adjustment is kept in ``History.policy``.
 
-The interface (``Policy``, ``Adjustment``, ``apply_adjustment``, ``PolicyRecord``) is in
-tuning/policy_base.py and ``AdaptiveBatchSize`` in tuning/adaptive_batch.py; this module
-exports them with the other built-in policies.
+The interface: ``Policy`` and ``apply_adjustment`` are in tuning/policy_base.py, ``Adjustment``
+in config.py, ``PolicyRecord`` in training/history.py, ``AdaptiveBatchSize`` in
+tuning/adaptive_batch.py; this module exports them with the other built-in policies.
 
 Built-in policies: ``AutoReplicas`` (the replica auto-tuner of tuning/autotune.py as a policy),
 ``AdaptiveBatchSize`` (b toward the gradient noise scale), ``StepLR`` / ``MultiStepLR`` (with
