@@ -19,7 +19,9 @@ from crossbow_graph.errors import TaskError
 from crossbow_graph.training.hooks import Hook
 from crossbow_graph.training.data import make_fetch
 from crossbow_graph.engine import workers
-from crossbow_graph.engine.workers import choose_onednn, worker_groups
+from crossbow_graph.engine import conv_choice
+from crossbow_graph.engine.conv_choice import choose_onednn
+from crossbow_graph.engine.workers import worker_groups
 from crossbow_graph.kernels.torch_ref import TorchSMAKernels
 
 from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, reference_sma, tiny_data
@@ -53,7 +55,7 @@ def test_workers_convolution_library_is_measured_once_per_batch_size_or_fixed():
     # another plan of the same model and b reuses this process's measurement, unmeasured
     again = compile_tiny(TinyBN, replicas=2, executor="process").scheduler
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(workers, "_step_seconds", lambda *a: pytest.fail("measured twice"))
+        mp.setattr(conv_choice, "_step_seconds", lambda *a: pytest.fail("measured twice"))
         assert choose_onednn(again, fetch) is choice
     # fixed by cpu_conv: both libraries give the same z to float tolerance
     z = {}

@@ -72,7 +72,7 @@ class Scheduler(RoundInterpreter):
             learners waited for (not hidden behind learning), in seconds.
         timeline: a ``Timeline`` receiving every task's span, or None.
         cpu_conv: the worker processes' convolution library: ``"auto"`` (measured once per b,
-            ``engine.workers.choose_onednn``), ``"onednn"`` or ``"aten"``.
+            ``engine.conv_choice.choose_onednn``), ``"onednn"`` or ``"aten"``.
         max_divergence: if set (policies' DivergenceGuard), a replica with ‖ŵ_j − z‖/‖z‖ above
             it is reset from z before its local update, like a NaN/Inf one (engine/faults.py);
             worker processes read it when they start.
@@ -110,7 +110,7 @@ class Scheduler(RoundInterpreter):
         self._cuda = None
         self._resolved: tuple[int, str] | None = None  # (k, executor) cache
         self.cpu_conv = "auto"  # worker processes' convolutions: "auto", "onednn", "aten"
-        self._onednn_choices: dict[int, bool] = {}  # b → measured choice (workers.choose_onednn)
+        self._onednn_choices: dict[int, bool] = {}  # b → measured choice (conv_choice.choose_onednn)
         self.set_task_graph(task_graph)
 
     # -- configuration ------------------------------------------------------------------------
@@ -163,7 +163,7 @@ class Scheduler(RoundInterpreter):
     @property
     def onednn_choices(self) -> dict[int, bool]:
         """b → whether worker processes run convolutions with oneDNN at batch b, as
-        ``engine.workers.choose_onednn`` measured it for this scheduler (it fills the dict)."""
+        ``engine.conv_choice.choose_onednn`` measured it for this scheduler (it fills the dict)."""
         return self._onednn_choices
 
     def resolved_executor(self) -> str:

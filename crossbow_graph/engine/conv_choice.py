@@ -1,0 +1,115 @@
+"""Which library runs the worker processes' convolutions on the CPU: oneDNN or ATen's own kernels,
+measured once per model and batch size (docs/runtime.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+
+from .inputs import split_inputs
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+__all__ = ["choose_onednn", "CPU_CONV_CHOICES"]
+
+CPU_CONV_CHOICES = ("auto", "onednn", "aten")
+BIG_STEP_S = 0.3  # choose_onednn: a learner step slower than this is not measured (oneDNN)
+
+_ONEDNN_CHOICES: dict[tuple, bool] = {}  # choose_onednn's measurements in this process
+
+
+def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) -> bool:
+    """Whether the worker processes run convolutions with oneDNN (else ATen's own kernels).
+
+    ``scheduler.cpu_conv``: ``"onednn"`` or ``"aten"`` decide; ``"auto"`` (default) measures
+    one learner's forward and backward at b in this process, single-threaded (as a worker runs),
+    on a copy of the model and the dataset's first b samples: each library MEASURE_REPS times,
+    interleaved, each time the fastest step of at least MEASURE_STEPS steps and MEASURE_S
+    seconds (but at most 5·MEASURE_S seconds after one step, for a slow model); ATen is chosen
+    only if its fastest step was at least 5% faster. The choice is kept
+    per scheduler and b, and in this process per (model class, parameters, b, input shapes), so
+    that plans of the same model (the auto-tuner's, a benchmark's) run the same kernels. A model
+    whose first step takes more than BIG_STEP_S gets oneDNN unmeasured (measuring would cost
+    seconds, and large models run faster with oneDNN). Neither torch's RNG nor any replica is
+    touched. Which library wins depends on the model and b (docs/runtime.md has a table).
+    The two libraries round differently, so two fits that chose differently agree to float
+    tolerance, not bit for bit; set ``cpu_conv`` to fix the choice.
+
+    Raises:
+        ValueError: ``scheduler.cpu_conv`` is not one of CPU_CONV_CHOICES.
+    """
+    if scheduler.cpu_conv not in CPU_CONV_CHOICES:
+        raise ValueError(f"scheduler.cpu_conv={scheduler.cpu_conv!r}: use one of {CPU_CONV_CHOICES}")
+    if scheduler.cpu_conv != "auto":
+        return scheduler.cpu_conv == "onednn"
+    b = scheduler.batch_size
+    cached = scheduler.onednn_choices.get(b)
+    if cached is not None:
+        return cached
+    state = scheduler.states[0]
+    with torch.random.fork_rng(devices=[]), _host_rngs_kept():  # as if never fetched
+        batch = fetch(torch.arange(b))
+    args, kwargs, target = split_inputs(batch)
+    shapes = tuple((tuple(t.shape), t.dtype) for t in (*args, *kwargs.values(), target)
+                   if isinstance(t, torch.Tensor))
+    key = (type(state.template).__qualname__, state.params.size, state.buffers.size, b, shapes)
+    choice = _ONEDNN_CHOICES.get(key)
+    if choice is None:
+        model = copy.deepcopy(state.template).train()
+        saved_threads, saved_onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
+        try:
+            torch.set_num_threads(1)
+            with torch.random.fork_rng(devices=[]):
+                best = _step_seconds(model, scheduler.loss_fn, args, kwargs, target)
+        except Exception:  # noqa: BLE001 - a failing model fails in its first round, as a TaskError
+            return True
+        finally:
+            torch.set_num_threads(saved_threads)
+            torch.backends.mkldnn.enabled = saved_onednn
+        choice = _ONEDNN_CHOICES[key] = not best[False] < 0.95 * best[True]
+    scheduler.onednn_choices[b] = choice
+    return choice
+
+
+MEASURE_REPS, MEASURE_STEPS, MEASURE_S = 3, 5, 0.02  # choose_onednn's measurement
+
+
+@contextlib.contextmanager
+def _host_rngs_kept():
+    """Restore Python's ``random`` and NumPy's global RNG states on exit."""
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
+def _step_seconds(model, loss_fn, args, kwargs, target) -> dict[bool, float]:
+    """The fastest forward + backward step, keyed by oneDNN on/off (see choose_onednn); a
+    model slower than BIG_STEP_S gets ``{True: 0.0, False: inf}`` after one step."""
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(MEASURE_REPS):
+        for onednn in (True, False):
+            torch.backends.mkldnn.enabled = onednn
+            start = time.perf_counter()
+            loss_fn(model(*args, **kwargs), target).backward()  # warm-up
+            end = time.perf_counter()
+            if onednn and end - start > BIG_STEP_S:  # a large model: oneDNN, unmeasured
+                return {True: 0.0, False: float("inf")}
+            steps, t0 = 0, end  # ≥ MEASURE_STEPS steps and MEASURE_S, ≤ 5·MEASURE_S (≥ 1 step)
+            while steps < 1 or ((steps < MEASURE_STEPS or end - t0 < MEASURE_S)
+                                and end - t0 < 5 * MEASURE_S):
+                start = time.perf_counter()
+                loss_fn(model(*args, **kwargs), target).backward()
+                end = time.perf_counter()
+                best[onednn] = min(best[onednn], end - start)
+                steps += 1
+    return best
