@@ -48,6 +48,7 @@ from ..errors import CheckpointError
 from ..engine.faults import FaultEvent
 from .history import EpochRecord, EvalRecord, History, MetricRecord, PolicyRecord
 from .hooks import FitContext, Hook
+from .options import check_writable_dir
 from ..engine.state import float_buffers_named, trainable_named
 
 if TYPE_CHECKING:
@@ -363,23 +364,6 @@ def _history_from(d: dict[str, Any], into: History) -> None:
     into.time_to_accuracy_s, into.epochs_to_accuracy = d["time_to_accuracy_s"], d["epochs_to_accuracy"]
 
 
-def _check_writable(directory: str) -> None:
-    """Create ``directory`` (if missing) and write and remove a probe file in it."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ValueError(f"checkpoint_dir={directory!r} is a file, not a directory; pass a "
-                         "directory (it is created if missing)")
-    step = "cannot be created"
-    try:
-        os.makedirs(directory, exist_ok=True)
-        step = "is not writable: creating a file in it fails"
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".probe-", suffix=".tmp")
-        os.close(fd)
-        os.remove(probe)
-    except OSError as exc:
-        raise ValueError(f"checkpoint_dir={directory!r} {step} ({type(exc).__name__}: "
-                         f"{exc.strerror or exc}); pass a writable directory") from exc
-
-
 class CheckpointHook(Hook):
     """Saves a checkpoint every ``every_rounds`` rounds and at the end of every complete epoch.
 
@@ -408,7 +392,7 @@ class CheckpointHook(Hook):
         self.directory, self.schedule, self.hooks = directory, schedule, list(hooks)
         self.every_rounds, self.keep = every_rounds, keep
         self._last_saved = -1
-        _check_writable(directory)
+        check_writable_dir("checkpoint_dir", directory)
 
     def resume(self, plan: "Plan", history: History) -> str | None:
         """Load the newest good checkpoint into the plan, the hooks, the RNGs and ``history``.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+import tempfile
 from typing import TYPE_CHECKING
 
 from ..errors import is_count
@@ -12,7 +13,7 @@ from ..errors import is_count
 if TYPE_CHECKING:
     from .hooks import Hook
 
-__all__ = ["FitOptions", "as_hooks"]
+__all__ = ["FitOptions", "as_hooks", "check_writable_dir"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,7 +109,7 @@ class FitOptions:
         if self.trace is not None:
             _check_trace_path(self.trace)
         if self.log_dir is not None:
-            _check_log_dir(self.log_dir)
+            check_writable_dir("log_dir", self.log_dir)
 
 
 def as_hooks(name: str, hooks: object) -> tuple:
@@ -145,19 +146,30 @@ def _check_trace_path(trace: object) -> None:
                          "writable; create it or pass a path in a writable folder")
 
 
-def _check_log_dir(log_dir: object) -> None:
-    """ValueError unless ``log_dir`` is (or can be made) a writable directory."""
-    if not isinstance(log_dir, (str, os.PathLike)):
-        raise TypeError(f"log_dir={log_dir!r}: must be a directory path, e.g. log_dir='runs/w1'")
-    if os.path.exists(log_dir) and not os.path.isdir(log_dir):
-        raise ValueError(f"log_dir={str(log_dir)!r} is a file, not a directory; pass a directory")
+def check_writable_dir(argument: str, directory: object) -> None:
+    """Create ``directory`` (the argument ``argument``, e.g. ``"checkpoint_dir"``) if missing and
+    write and remove a probe file in it (``os.access`` says yes to root even where writes fail).
+
+    Raises:
+        TypeError: not a path. ValueError: a file, or a directory that cannot be created or
+            written (the message names the argument, the path and the OS error).
+    """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"{argument}={directory!r}: must be a directory path, e.g. {argument}='runs/w1'")
+    directory = str(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"{argument}={directory!r} is a file, not a directory; pass a "
+                         "directory (it is created if missing)")
+    step = "cannot be created"
     try:
-        os.makedirs(log_dir, exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
+        step = "is not writable: creating a file in it fails"
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".probe-", suffix=".tmp")
+        os.close(fd)
+        os.remove(probe)
     except OSError as exc:
-        raise ValueError(f"log_dir={str(log_dir)!r} cannot be created ({type(exc).__name__}: {exc}); "
-                         "pass a writable directory") from exc
-    if not os.access(log_dir, os.W_OK):
-        raise ValueError(f"log_dir={str(log_dir)!r} is not writable; pass a writable directory")
+        raise ValueError(f"{argument}={directory!r} {step} ({type(exc).__name__}: "
+                         f"{exc.strerror or exc}); pass a writable directory") from exc
 
 
 def _check_target_accuracy(target_accuracy: object) -> None:
