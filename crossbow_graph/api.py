@@ -18,6 +18,7 @@ from .compiler.trace import ModelGraph, trace_model
 from .config import LEARNER_MODES, SGD, SMA, SSGD, Adjustment
 from .engine.comm import Comm, Distributed, plan_facts
 from .engine.inputs import split_inputs
+from .engine.optim import LocalOptimizer, OptimizerRows, as_local_optimizer
 from .engine.scheduler import Scheduler
 from .engine.settings import RunSettings, settings_view
 from .engine.state import DeviceState, FlatLayout, float_buffers_named, model_dtype, trainable_named
@@ -135,7 +136,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     model: nn.Module, example_inputs: tuple[Any, ...], loss_fn: Callable[[Any, Any], torch.Tensor],
     *, batch_size: int, devices: int | str | Sequence[str] = 1, replicas: int | str = "auto",
     learner_mode: str = "per_replica", executor: str = "auto", autotune: AutoTune | None = None,
-    optimizer: SGD = SGD(), sync: SMA | SSGD = SMA(), concrete_args: dict[str, Any] | None = None,
+    optimizer: "SGD | torch.optim.Optimizer" = SGD(), sync: SMA | SSGD = SMA(), concrete_args: dict[str, Any] | None = None,
     leaf_modules: Sequence[type[nn.Module]] = (), memory_budget: int | None = None,
     verify: bool = True, kernel_backend: str = "auto", distributed: Distributed | None = None,
 ) -> "Plan":
@@ -160,7 +161,14 @@ def compile(  # noqa: A001 - the public name the design asks for
         executor: ``"auto"``, ``"inline"`` (this process; CUDA streams on GPUs) or ``"process"``
             (CPU worker processes over shared memory); see ``engine.scheduler``.
         autotune: the auto-tuner's settings (with ``replicas="auto"``); default ``AutoTune()``.
-        optimizer: each learner's local SGD.
+        optimizer: each learner's local optimiser: a ``torch.optim`` optimizer built over
+            ``model``'s parameters, with its param groups and per-group settings (e.g.
+            ``torch.optim.AdamW(model.parameters(), lr=1e-3)``), or ``crossbow_graph.SGD(...)``,
+            the shorthand for a one-group ``torch.optim.SGD``. Every replica gets its own
+            optimizer state; the SMA correction is applied to the weights after the local step
+            (engine/optim.py, docs/design-overview.md §2). The object is not stepped: its
+            param groups hold the settings in force (``Plan.optimizer``; an LR scheduler built
+            over it drives them, ``fit(lr_scheduler=...)``).
         sync: the SMA settings (α = None means 1/k), or ``SSGD()``: gradients averaged over the
             k learners and one SGD step for all replicas (a batch of k·b; the inline executor).
         concrete_args, leaf_modules: passed to the torch.fx tracer (see TraceError's advice).
@@ -221,7 +229,7 @@ class _CompileArgs:
     learner_mode: str
     executor: str
     autotune: AutoTune | None
-    optimizer: SGD
+    optimizer: Any
     sync: SMA | SSGD
     concrete_args: dict[str, Any] | None
     leaf_modules: Sequence[type[nn.Module]]
@@ -251,8 +259,10 @@ class _CompileArgs:
             prefix = "nn." if loss_fn.__module__.startswith("torch.nn") else ""
             raise TypeError(f"loss_fn={prefix}{loss_fn.__name__} is a class, not a loss: pass an "
                             f"instance: {prefix}{loss_fn.__name__}()")
-        if not isinstance(optimizer, SGD):
-            raise TypeError(f"optimizer must be crossbow_graph.SGD(...), got {type(optimizer).__name__}")
+        if not isinstance(optimizer, (SGD, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer must be a torch.optim optimizer built over the model's "
+                            f"parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3), "
+                            f"or crossbow_graph.SGD(lr=0.01); got {type(optimizer).__name__}")
         if not isinstance(sync, (SMA, SSGD)):
             raise TypeError(f"sync must be crossbow_graph.SMA(...) or crossbow_graph.SSGD(), "
                             f"got {type(sync).__name__}")
@@ -296,6 +306,20 @@ def _build_plan(args: _CompileArgs) -> "Plan":
     return plan
 
 
+def _local_optimizer(optimizer: Any, model: nn.Module, template: nn.Module,
+                     layout: FlatLayout) -> LocalOptimizer:
+    """The plan's LocalOptimizer: the user's torch.optim optimizer mapped onto ``model``'s
+    parameters, or for ``crossbow_graph.SGD`` a one-group torch.optim.SGD over ``template``'s
+    (engine/optim.py ``as_local_optimizer`` raises TypeError/ValueError)."""
+    names = [name for name, *_ in layout.entries]
+    if isinstance(optimizer, SGD):
+        params = [p for p in template.parameters() if p.requires_grad]
+        sgd = torch.optim.SGD(params, lr=optimizer.lr, momentum=optimizer.momentum,
+                              nesterov=optimizer.nesterov, weight_decay=optimizer.weight_decay)
+        return as_local_optimizer(sgd, template, names)
+    return as_local_optimizer(optimizer, model, names)
+
+
 def _devices_and_comm(devices: int | str | Sequence[str],
                       distributed: Distributed | None) -> tuple[list[str], Comm | None]:
     """The device names (``resolve_devices``) and, under torchrun, this rank's Comm; with
@@ -320,8 +344,8 @@ class Plan:
         devices: device names; ``replicas_per_device``: m; ``num_learners``: k = G·m.
         batch_size: b.
         learner_mode: ``"per_replica"`` or ``"fused"``.
-        optimizer: the local SGD, with the learning rate in force; ``sync``: the SMA settings
-            with the α and τ in force (or SSGD).
+        optimizer: the local optimiser (a torch.optim optimizer; its param groups hold the
+            settings in force); ``sync``: the SMA settings with the α and τ in force (or SSGD).
         memory_budget: bytes per device for learners (None: unbounded).
         autotuner: the AutoTuner hook that ``fit`` runs (``replicas="auto"``), else None.
     """
@@ -329,11 +353,19 @@ class Plan:
     batch_size = settings_view("batch_size", "b, samples per learner per round (read-only).")
     replicas_per_device = settings_view("replicas_per_device", "m, replicas per device (read-only).")
     learner_mode = settings_view("learner_mode", "'per_replica' or 'fused' (read-only).")
-    optimizer = settings_view("optimizer", "The local SGD with η in force (read-only).")
     sync = settings_view("sync", "SMA with the α and τ in force, or SSGD (read-only).")
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The local optimiser as the user gave it (a torch.optim optimizer; for
+        ``crossbow_graph.SGD`` a one-group ``torch.optim.SGD`` over the plan's own copy of the
+        model): never stepped, its ``param_groups`` hold the settings in force. Build an LR
+        scheduler over it (``fit(lr_scheduler=...)``); ``settings.optimizer`` maps its groups
+        to the replicas (engine/optim.py)."""
+        return self.settings.optimizer.optimizer
+
     def __init__(self, *, model: nn.Module, model_graph: ModelGraph, task_graph: nx.DiGraph,
-                 loss_fn: Callable, batch_size: int, optimizer: SGD, sync: SMA,
+                 loss_fn: Callable, batch_size: int, optimizer: Any, sync: SMA,
                  learner_mode: str = "per_replica", executor: str = "auto",
                  memory_budget: int | None = None, verify: bool = True,
                  autotune: AutoTune | None = None, kernels: Any = None,
@@ -341,17 +373,25 @@ class Plan:
         self.model_graph = model_graph
         self.task_graph = task_graph
         self.loss_fn = loss_fn
-        self.settings = RunSettings(optimizer=optimizer, sync=sync, batch_size=batch_size,
-                                    replicas_per_device=int(task_graph.graph["replicas_per_device"]),
-                                    learner_mode=learner_mode)
         self._template = copy.deepcopy(model).train()
         self._params = FlatLayout.of(trainable_named(self._template))
         self._buffers = FlatLayout.of(float_buffers_named(self._template))
+        local = _local_optimizer(optimizer, model, self._template, self._params)
+        if isinstance(sync, SSGD) and not local.kernel:
+            raise ValueError(f"sync=SSGD() steps with SGD only; got optimizer="
+                             f"{type(local.optimizer).__name__}: use crossbow_graph.SGD(...) or "
+                             f"torch.optim.SGD with one param group, or sync=SMA()")
+        self.settings = RunSettings(optimizer=local, sync=sync, batch_size=batch_size,
+                                    replicas_per_device=int(task_graph.graph["replicas_per_device"]),
+                                    learner_mode=learner_mode)
         self.states = [
             DeviceState(name, _torch_device(name), self._template, self.replicas_per_device,
                         self._params, self._buffers)
             for name in self.devices
         ]
+        if not local.kernel:
+            for s in self.states:
+                s.optim_rows = OptimizerRows(local, s)
         self._central = copy.deepcopy(self._template).to(self.states[0].torch_device).eval()
         self.states[0].bind_central(self._central)
         self.scheduler = Scheduler(task_graph, self.states, loss_fn, self.settings, executor=executor)
@@ -469,7 +509,7 @@ class Plan:
         return self._params.size
 
     def _inspection_settings(self) -> dict[str, Any]:
-        return {"optimizer": dataclasses.asdict(self.optimizer), "sync": dataclasses.asdict(self.sync),
+        return {"optimizer": self.settings.optimizer.describe(), "sync": dataclasses.asdict(self.sync),
                 "alpha": self.sync.alpha_for(self.num_learners)}
 
     @property
@@ -481,9 +521,11 @@ class Plan:
         the torch function); Triton ones on CUDA also carry ``asm`` after their first launch, and
         ``lower(arch)`` compiles them to PTX without a GPU.
         """
-        opt, sync = self.optimizer, self.sync
-        return plan_kernels(self.scheduler.kernels, self.states, momentum=opt.momentum,
-                            nesterov=opt.nesterov, weight_decay=opt.weight_decay,
+        local, sync = self.settings.optimizer, self.sync
+        opt = local.sgd()
+        return plan_kernels(self.scheduler.kernels, self.states, local=local.kernel,
+                            momentum=opt.momentum, nesterov=opt.nesterov,
+                            weight_decay=opt.weight_decay,
                             num_learners=self.num_learners, sync_every=sync.sync_every,
                             central_momentum=sync.central_momentum)
 
@@ -643,6 +685,8 @@ class Plan:
         trace: str | None = None,
         policies: Sequence[Hook] = (),
         metrics_every: "int | MetricsMonitor | None" = 50,
+        lr_scheduler: Any = None,
+        lr_scheduler_interval: str = "epoch",
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -657,6 +701,12 @@ class Plan:
                 lr, divergence, gradient noise scale; tuning/metrics.py); or a
                 ``crossbow_graph.MetricsMonitor`` for its other settings (``ema``,
                 ``measure_rounds``, ``warmup_windows``); None: no metrics.
+            lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler built over ``plan.optimizer``
+                (the optimizer given to ``compile``), e.g. ``OneCycleLR(plan.optimizer,
+                max_lr=0.05, total_steps=epochs * rounds_per_epoch)``; stepped every
+                ``lr_scheduler_interval`` (``"epoch"`` or ``"round"``), ReduceLROnPlateau after
+                every evaluation with z's test loss (training/lr_schedule.py). Every learner (and
+                torchrun rank) uses the same η in the same round; ``History.lr`` has η per round.
             epochs, shuffle, seed, target_accuracy, evals_per_epoch, eval_batch_size, progress,
                 hooks, checkpoint_dir, checkpoint_every, resume, log_dir, trace, policies: the
                 fit's options, as ``crossbow_graph.training.options.FitOptions`` documents them
@@ -692,7 +742,8 @@ class Plan:
             epochs=epochs, shuffle=shuffle, seed=seed, target_accuracy=target_accuracy,
             evals_per_epoch=evals_per_epoch, eval_batch_size=eval_batch_size, progress=progress,
             hooks=hooks, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            resume=resume, log_dir=log_dir, trace=trace, policies=policies, metrics=metrics)
+            resume=resume, log_dir=log_dir, trace=trace, policies=policies, metrics=metrics,
+            lr_scheduler=lr_scheduler, lr_scheduler_interval=lr_scheduler_interval)
         history = Trainer(self, train_dataset, eval_dataset, options).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self._int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)

@@ -7,7 +7,9 @@ The benchmarks are scripts of the repository's bench/ folder (``python bench/thr
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from typing import Any
 
 import torch
 
@@ -25,6 +27,11 @@ __all__ = ["main", "build_parser"]
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
 DEFAULT_LR = 0.02  # --lr's default, tuned on LeNet-5/MNIST at b = 16, k = 4 (bench/lr_sweep_w1.py)
+OPTIMIZERS = {  # --optimizer: the torch.optim class and its default η
+    "sgd": (torch.optim.SGD, DEFAULT_LR), "adamw": (torch.optim.AdamW, 1e-3),
+    "adam": (torch.optim.Adam, 1e-3), "rmsprop": (torch.optim.RMSprop, 1e-3),
+}
+LR_SCHEDULES = ("multistep", "onecycle", "cosine", "constant")
 DEFAULT_LR_BATCH = 64  # the samples per round (k·b) DEFAULT_LR was tuned at
 
 
@@ -127,8 +134,21 @@ def _add_train_parser(sub) -> None:
                        help="epochs at which η drops 10×, replicas reset to z (a MultiStepLR policy); "
                             "'' for a constant η (LeNet-5/MNIST reaches 99.0%% sooner with the drops: "
                             "docs/benchmarking.md). Ignored when --policy names an LR schedule")
-    train.add_argument("--momentum", type=float, default=0.9, help="local momentum μ_l")
-    train.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty λ")
+    train.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS),
+                       help="each learner's torch.optim optimizer (sgd: SGD with --momentum; "
+                            "adamw, adam, rmsprop: their torch defaults but lr; default η "
+                            + ", ".join(f"{k} {v[1]:g}" for k, v in OPTIMIZERS.items()) + ")")
+    train.add_argument("--lr-schedule", default="multistep", choices=LR_SCHEDULES,
+                       help="η over the run: multistep (10× drops at --lr-milestones, replicas "
+                            "reset to z), onecycle (torch's OneCycleLR shape over --epochs: warm-up "
+                            "to --lr for 30%%, cosine down), cosine (linear warm-up for "
+                            "--warmup-epochs, then cosine to 0 at --epochs), constant")
+    train.add_argument("--warmup-epochs", type=float, default=0.25,
+                       help="epochs of linear warm-up of --lr-schedule cosine")
+    train.add_argument("--momentum", type=float, default=0.9,
+                       help="local momentum μ_l (--optimizer sgd, rmsprop)")
+    train.add_argument("--weight-decay", type=float, default=0.0,
+                       help="weight decay λ (decoupled for adamw)")
     train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
     train.add_argument("--central-momentum", type=float, default=0.9, help="SMA μ_z")
     train.add_argument("--epochs", type=int, default=5, help="most epochs to run")
@@ -307,15 +327,59 @@ def _load_dataset(args: argparse.Namespace):
     return train_set, test_set
 
 
+def _optimizer(args: argparse.Namespace, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """``--optimizer``, ``--lr``, ``--momentum`` and ``--weight-decay`` as a torch.optim optimizer
+    over ``model``'s parameters (SGD with one group runs the fused SMA kernels)."""
+    cls = OPTIMIZERS[args.optimizer][0]
+    if lr <= 0 or args.weight_decay < 0 or not 0 <= args.momentum < 1:
+        raise ValueError(f"--lr {lr} --weight-decay {args.weight_decay} --momentum "
+                         f"{args.momentum}: need η > 0, λ ≥ 0 and μ in [0, 1)")
+    kwargs: dict[str, Any] = {"lr": lr, "weight_decay": args.weight_decay}
+    if cls in (torch.optim.SGD, torch.optim.RMSprop):
+        kwargs["momentum"] = args.momentum
+    return cls(model.parameters(), **kwargs)
+
+
+def _lr_schedule(args: argparse.Namespace, plan: cg.Plan, n_train: int):
+    """``--lr-schedule`` onecycle or cosine as a torch LambdaLR over the plan's optimizer, a
+    function of the run's progress (samples trained / (--epochs · samples per epoch)), so that
+    it spans the run whatever the auto-tuner does to k; None for multistep (a policy) and
+    constant."""
+    epochs, warm = args.epochs, args.warmup_epochs
+    if args.lr_schedule in ("multistep", "constant"):
+        return None
+    if not 0 <= warm < epochs:
+        raise ValueError(f"--warmup-epochs {warm}: must be in [0, --epochs {epochs})")
+
+    def progress() -> float:
+        return min(1.0, (plan.epochs_done + plan.position_in_epoch / n_train) / epochs)
+
+    def onecycle(_: int) -> float:  # torch.optim.lr_scheduler.OneCycleLR's cosine shape
+        p, low, end = progress(), 1 / 25, 1 / 25 / 1e4
+        if p < 0.3:
+            return low + (1 - low) * (1 - math.cos(math.pi * p / 0.3)) / 2
+        return 1 + (end - 1) * (1 - math.cos(math.pi * (p - 0.3) / 0.7)) / 2
+
+    def cosine(_: int) -> float:
+        p, w = progress(), warm / epochs
+        if p < w:
+            return 0.1 + 0.9 * p / w
+        return 0.5 * (1 + math.cos(math.pi * (p - w) / (1 - w)))
+
+    fn = onecycle if args.lr_schedule == "onecycle" else cosine
+    return torch.optim.lr_scheduler.LambdaLR(plan.optimizer, fn)
+
+
 def _train(args: argparse.Namespace) -> int:
 
     policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
-    lr = DEFAULT_LR if args.lr is None else args.lr
+    lr = OPTIMIZERS[args.optimizer][1] if args.lr is None else args.lr
     for p in policies:  # the default η is right at DEFAULT_LR_BATCH samples per round
         if isinstance(p, AdaptiveBatchSize) and p.reference_batch is None and args.lr is None:
             p.reference_batch = DEFAULT_LR_BATCH
     metrics = _metrics_monitor(args.metrics_every, args.measure_rounds)  # likewise
-    if args.lr_milestones and not any(type(p).__name__.endswith("LR") for p in policies):
+    if args.lr_schedule == "multistep" and args.lr_milestones and \
+            not any(type(p).__name__.endswith("LR") for p in policies):
         policies.append(MultiStepLR(milestones=args.lr_milestones, gamma=0.1))
     torch.manual_seed(args.seed)
     model = cg.models.get_model(args.model)
@@ -329,7 +393,7 @@ def _train(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, devices=devices,
         replicas=args.replicas,
         learner_mode=args.learner_mode,
-        optimizer=cg.SGD(lr=lr, momentum=args.momentum, weight_decay=args.weight_decay),
+        optimizer=_optimizer(args, model, lr),
         sync=cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum),
         distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every),
     )
@@ -343,13 +407,15 @@ def _train(args: argparse.Namespace) -> int:
                   f"one all-reduce of {4 * (plan.num_parameters + plan.states[0].buf.shape[1]):,} "
                   "bytes per process per sync", flush=True)
     target = args.target if args.target > 0 else None
+    schedule = _lr_schedule(args, plan, len(train_set))
     try:
         history = plan.fit(train_set, args.epochs, eval_dataset=test_set, seed=args.seed,
                            target_accuracy=target, evals_per_epoch=args.evals_per_epoch,
                            progress=not args.quiet, checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, resume=args.resume,
                            log_dir=args.log_dir, policies=policies,
-                           metrics_every=metrics)
+                           metrics_every=metrics, lr_scheduler=schedule,
+                           lr_scheduler_interval="round")
     except (CheckpointError, DivergenceError, DistributedError) as exc:  # one line, exit 2
         print(f"crossbow-graph train: error: {exc}", file=sys.stderr)
         return 2

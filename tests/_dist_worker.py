@@ -111,6 +111,15 @@ def run(scenario: str, rank: int, out: str) -> dict:
         if scenario == "nan_all":
             hooks.append(_Poison(range(3, ROUNDS), range(M)))
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt-nan"), checkpoint_every=1)
+        if scenario == "adamw":  # AdamW in two groups on worker processes, OneCycleLR per round
+            plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=2, replicas=1,
+                                executor="process", distributed=settings,
+                                optimizer=lambda m: torch.optim.AdamW(
+                                    [{"params": list(m.parameters())[:2], "lr": 1e-3},
+                                     {"params": list(m.parameters())[2:]}], lr=2e-3))
+            kw = dict(lr_scheduler=torch.optim.lr_scheduler.OneCycleLR(
+                plan.optimizer, max_lr=[4e-3, 8e-3], total_steps=ROUNDS * M),
+                lr_scheduler_interval="round")
         if scenario == "resume":  # one epoch with checkpoints, then a new plan resumes for a second
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt-resume"))
             plan.fit(data, 1, shuffle=True, progress=False, **kw)
@@ -124,7 +133,8 @@ def run(scenario: str, rank: int, out: str) -> dict:
                       alpha=plan.sync.alpha, mode=plan.learner_mode,
                       digest=z_digest(plan.states[0].z), rounds=plan.rounds_done,
                       loss=history.epochs[-1].train_loss,
-                      faults=[dataclasses.asdict(f) for f in history.faults])
+                      faults=[dataclasses.asdict(f) for f in history.faults],
+                      lrs=list(history.lr), group_lrs=[g["lr"] for g in plan.optimizer.param_groups])
         if scenario == "int_buffers":
             result.update(central=plan.central_model().state_dict(),
                           seen=[int(r.seen) for r in plan.states[0].replicas])
@@ -133,7 +143,7 @@ def run(scenario: str, rank: int, out: str) -> dict:
     return result
 
 
-GROUPS = {"ok": ["train", "process", "decide", "resume"], "mismatch": ["mismatch_batch", "mismatch_model"],
+GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw"], "mismatch": ["mismatch_batch", "mismatch_model"],
           "faults": ["fault_one", "int_buffers", "nan_all"]}
 
 

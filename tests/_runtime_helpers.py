@@ -54,11 +54,14 @@ def tiny_data(n: int = 256, seed: int = 0) -> TensorDataset:
 
 
 def compile_tiny(model_cls=TinyNet, *, seed: int = 0, **kw) -> "cg.Plan":
-    """A plan of a fresh ``model_cls`` (seeded init) with batch 4 and SGD(lr 0.05, momentum 0.9)."""
+    """A plan of a fresh ``model_cls`` (seeded init) with batch 4 and SGD(lr 0.05, momentum 0.9);
+    ``optimizer`` may be a function of the model (``lambda m: torch.optim.Adam(m.parameters())``)."""
     torch.manual_seed(seed)
     model = model_cls()
     kw.setdefault("batch_size", 4)
     kw.setdefault("optimizer", cg.SGD(lr=0.05, momentum=0.9))
+    if callable(kw["optimizer"]):  # a torch.optim optimizer to build over the model
+        kw["optimizer"] = kw["optimizer"](model)
     loss_fn = kw.pop("loss_fn", nn.functional.cross_entropy)
     return cg.compile(model, (torch.randn(2, 1, 8, 8),), loss_fn, **kw)
 

@@ -79,3 +79,34 @@ def test_train_stops_at_the_target_and_prints_the_result(capsys):
     assert main(["train", "--epochs", "1", "--target", "0.9", "--evals-per-epoch", "10", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "reached target 0.9" in out and "samples/s" in out and "training seconds" in out
+
+
+@pytest.mark.parametrize("optimizer,schedule", [("adamw", "onecycle"), ("sgd", "cosine"),
+                                                ("rmsprop", "constant")])
+def test_optimizer_and_lr_schedule_flags_reach_the_fit(tmp_path, optimizer, schedule):
+    """--optimizer builds that torch.optim optimizer (default η per optimizer); --lr-schedule
+    onecycle and cosine are LambdaLRs of the run's progress: η per round in history.json."""
+    log = tmp_path / "log"
+    assert main(["train", "--train-samples", "512", "--test-samples", "256", "--epochs", "2",
+                 "--target", "0", "--evals-per-epoch", "1", "--quiet", "--optimizer", optimizer,
+                 "--lr-schedule", schedule, "--log-dir", str(log)]) == 0
+    lrs = json.loads((log / "history.json").read_text())["lr"]
+    assert len(lrs) == 16  # 2 epochs × 512 / (k·b = 64)
+    peak = {"adamw": 1e-3, "sgd": DEFAULT_LR, "rmsprop": 1e-3}[optimizer]
+    if schedule == "constant":
+        assert lrs == [peak] * 16
+    elif schedule == "onecycle":  # warm-up from peak/25 for 30 % of the run, then down
+        top = lrs.index(max(lrs))
+        assert lrs[0] == pytest.approx(peak / 25) and 3 <= top <= 6 and lrs[-1] < lrs[top] / 10
+    else:  # linear warm-up for 0.25 epochs from 0.1·peak, then cosine towards 0
+        assert lrs[0] == pytest.approx(0.1 * peak) and max(lrs) <= peak and lrs[-1] < 0.05 * peak
+
+
+def test_bad_optimizer_flags_are_one_line_errors(capsys):
+    assert main(["train", "--lr-schedule", "cosine", "--warmup-epochs", "9", "--quiet"]) == 2
+    assert "--warmup-epochs 9" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--optimizer", "lbfgs"])
+    out = subprocess.run([sys.executable, "-m", "crossbow_graph", "train", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "--optimizer" in out and "(default: sgd)" in out and "(default: multistep)" in out

@@ -64,7 +64,7 @@ def ok_runs(tmp_path_factory):
     results, codes, logs = _launch("ok", tmp_path_factory.mktemp("ok"))
     assert codes == [0, 0], logs
     return {name: (results[0][name], results[1][name])
-            for name in ("train", "process", "decide", "resume")}
+            for name in ("train", "process", "decide", "resume", "adamw")}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,16 @@ def test_two_processes_with_two_devices_each_on_worker_processes_give_the_same_z
     one.fit(tiny_data(ROUNDS * B * M * 2), 1, shuffle=False, progress=False)
     torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(r0["zbuf"], one.states[0].zbuf, rtol=1e-5, atol=1e-6)
+
+
+def test_ranks_agree_on_eta_every_round_with_adamw_and_a_scheduler(ok_runs):
+    """AdamW in two param groups on worker processes, OneCycleLR stepped every round: both ranks
+    use the same η in every round (History.lr) and end with the same z."""
+    r0, r1 = ok_runs["adamw"]
+    assert "error" not in r0 and "error" not in r1, (r0, r1)
+    assert len(r0["lrs"]) == r0["rounds"] > 1 and r0["lrs"] == r1["lrs"]
+    assert len(set(r0["lrs"])) > 1 and r0["group_lrs"] == r1["group_lrs"]
+    assert r0["digest"] == r1["digest"] and torch.equal(r0["z"], r1["z"])
 
 
 def test_rank_0s_decisions_reach_every_rank_at_the_same_round(ok_runs):

@@ -4,6 +4,7 @@ changes, the divergence guard, the CLI spec parser."""
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import crossbow_graph as cg
 from crossbow_graph.errors import PlanError
 from crossbow_graph.training.hooks import Hook
 from crossbow_graph.tuning.metrics import MetricsMonitor
+from crossbow_graph.tuning.adaptive_batch import lr_power
 from crossbow_graph.tuning.policies import (Adjustment, AdaptiveBatchSize, CosineLR,
                                              DivergenceGuard, MultiStepLR, Policy, StepLR,
                                              parse_policy)
@@ -222,6 +224,24 @@ def test_adaptive_batch_size_grows_b_in_a_fit():
     # settled: 3 windows (the default) of 2 rounds with an estimate before each change
     first, second = (p.round for p in h.policy)
     assert first >= 6 and second - first >= 6
+
+
+@pytest.mark.parametrize("make,power", [
+    (lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9), 1.0),
+    (lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), 0.5),
+    (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), 0.5)], ids=["sgd", "adam", "adamw"])
+def test_adaptive_batch_sizes_lr_rule_is_linear_for_sgd_and_square_root_for_adam(make, power):
+    """η ← η·f^p for the batch's factor f (linear) or the gain's ratio r_new/r_old (gain): p = 1
+    for SGD-like optimizers, 1/2 for adaptive ones (lr_power)."""
+    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=make)
+    assert lr_power(plan.optimizer) == power
+    ctx = types.SimpleNamespace(plan=plan)
+    linear = AdaptiveBatchSize(scale_lr="linear")
+    assert linear._lr_for(ctx, 16)[0] == pytest.approx(1e-2 * 4.0 ** power)  # b 4 → 16
+    gain = AdaptiveBatchSize(scale_lr="gain", reference_batch=8)
+    gain._noise, gain._gain_windows_seen = (100.0,), gain.gain_windows
+    lr, r = gain._lr_for(ctx, 16)
+    assert r == pytest.approx(gain.gain_at(2 * 16, 100.0)) and lr == pytest.approx(1e-2 * r ** power)
 
 
 def test_adaptive_batch_size_waits_for_the_estimate_to_settle():

@@ -56,7 +56,7 @@ def _readers(plan: cg.Plan) -> dict[str, dict]:
     return {
         "settings": dict(lr=s.lr, batch_size=s.batch_size, alpha=s.alpha, sync_every=s.sync_every,
                          replicas_per_device=s.replicas_per_device, learner_mode=s.learner_mode),
-        "plan": dict(lr=plan.optimizer.lr, batch_size=plan.batch_size, alpha=plan.sync.alpha,
+        "plan": dict(lr=plan.optimizer.param_groups[0]["lr"], batch_size=plan.batch_size, alpha=plan.sync.alpha,
                      sync_every=plan.sync.sync_every, replicas_per_device=plan.replicas_per_device,
                      learner_mode=plan.learner_mode),
         "scheduler": dict(lr=sched.lr, batch_size=sched.batch_size, alpha=sched.sync.alpha,

@@ -40,6 +40,17 @@ def _tasks(graph: nx.DiGraph) -> list[Task]:
     return [graph.nodes[n]["task"] for n in graph.nodes]
 
 
+def _optimizer_text(opt: dict[str, Any]) -> str:
+    """``AdamW(lr=0.001, betas=[0.9, 0.999], ...)`` from ``LocalOptimizer.describe()``: the class
+    and its first group's numbers, with how many groups there are."""
+    groups = opt.get("groups") or [{}]
+    name = str(opt.get("class", "SGD")).rsplit(".", 1)[-1]
+    shown = ("lr", "momentum", "betas", "nesterov", "weight_decay", "eps", "alpha")
+    args = ", ".join(f"{k}={groups[0][k]}" for k in shown if k in groups[0])
+    more = f"; {len(groups)} param groups" if len(groups) > 1 else ""
+    return f"{name}({args}){more}"
+
+
 def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
     """A text table per device: replicas, tasks, GFLOP per round, memory; then the global sync.
 
@@ -74,8 +85,7 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
         opt, sync = settings.get("optimizer", {}), settings.get("sync", {})
         lines.append(
             f"sync: SMA(α={settings.get('alpha', 0):.4g}, μ_z={sync.get('central_momentum')}, every "
-            f"{sync.get('sync_every')} round(s)); optimizer: SGD(lr={opt.get('lr')}, momentum="
-            f"{opt.get('momentum')}, nesterov={opt.get('nesterov')}, weight_decay={opt.get('weight_decay')})")
+            f"{sync.get('sync_every')} round(s)); optimizer: {_optimizer_text(opt)}")
     header = f"{'device':<10}{'replicas':>9}{'LEARN':>7}{'LOCAL_SYNC':>12}{'GFLOP/round':>13}{'memory MiB':>12}"
     lines += [header, "-" * len(header)]
     tasks = _tasks(graph)

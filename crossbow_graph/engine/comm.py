@@ -316,7 +316,7 @@ def plan_facts(plan: "Plan") -> dict[str, Any]:
         "devices per process": len(plan.devices),
         "replicas per device": "auto" if plan.autotuner is not None else plan.replicas_per_device,
         "batch_size": plan.batch_size,
-        "optimizer": dataclasses.asdict(plan.optimizer),
+        "optimizer": plan.settings.optimizer.describe(),
         "sync": dataclasses.asdict(plan.sync),
     }
 

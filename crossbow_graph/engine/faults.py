@@ -129,11 +129,14 @@ class FaultMonitor:
     @staticmethod
     @torch.no_grad()
     def reset(state: DeviceState, rows: list[int]) -> None:
-        """Put replicas ``rows`` at the device's z, with zero momentum and the central buffers."""
+        """Put replicas ``rows`` at the device's z, with zero momentum (a row optimizer's state
+        fresh: engine/optim.py) and the central buffers."""
         if not rows:
             return
         state.w[rows] = state.z
         state.v[rows] = 0.0
+        if state.optim_rows is not None:
+            state.optim_rows.reset(rows)
         if state.buf.shape[1]:
             state.buf[rows] = state.zbuf
 

@@ -34,7 +34,7 @@ import networkx as nx
 import torch
 
 from ..compiler.tasks import Task, TaskKind
-from ..config import SGD, SSGD
+from ..config import SSGD
 from ..kernels.protocol import SMAKernels
 from ..kernels.torch_ref import TorchSMAKernels
 from ._cuda import CudaStreams
@@ -42,6 +42,7 @@ from .learners import learn_group, learner_seed, rows
 from .faults import FaultMonitor
 from .fused import FusedProgram
 from .interpreter import RoundInterpreter, RoundProgram
+from .optim import LocalOptimizer
 from .settings import RunSettings, settings_view
 from .state import DeviceState
 from .workers import ProcessExecutor, available_cores, fork_available
@@ -81,7 +82,8 @@ class Scheduler(RoundInterpreter):
     lr = settings_view("lr", "η in force (read-only: ``settings.lr``).")
     batch_size = settings_view("batch_size", "b in force (read-only: ``settings.batch_size``).")
     learner_mode = settings_view("learner_mode", "The learner mode in force (read-only).")
-    optimizer = settings_view("optimizer", "The local SGD with η in force (read-only).")
+    optimizer = settings_view("optimizer", "The local optimiser, its groups' settings in force "
+                              "(read-only; engine/optim.py LocalOptimizer).")
     sync = settings_view("sync", "The SMA (α, τ in force) or SSGD strategy (read-only).")
 
     def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Callable,
@@ -297,18 +299,21 @@ class Scheduler(RoundInterpreter):
                 state.acc = state.g[a:b].sum(dim=0, dtype=state.w.dtype)  # [P], in the masters' dtype
             return
         with self._cuda_local(d):
-            state.acc, faulty = self.local_update_rows(state, a, b, lr=self.lr, alpha=self.alpha,
+            state.acc, faulty = self.local_update_rows(state, a, b, alpha=self.alpha,
                                                        synchronise=self._synchronise,
                                                        optimizer=self.optimizer,
                                                        losses=self._round_losses[d][a:b])
         self.faults.record(state, faulty, round_index=self.round_index,
                            num_learners=self.num_learners, rank=self.rank)
 
-    def local_update_rows(self, state: DeviceState, r0: int, r1: int, *, lr: float, alpha: float,
-                          synchronise: bool, optimizer: SGD, out: torch.Tensor | None = None,
+    def local_update_rows(self, state: DeviceState, r0: int, r1: int, *, alpha: float,
+                          synchronise: bool, optimizer: LocalOptimizer,
+                          out: torch.Tensor | None = None,
                           losses: list[torch.Tensor] | None = None
                           ) -> tuple[torch.Tensor | None, list[int]]:
-        """The SMA local update of rows ``r0 … r1−1`` (docs/design-overview.md §2, steps 1–2).
+        """The SMA local update of rows ``r0 … r1−1`` (docs/design-overview.md §2, steps 1–2):
+        the optimizer's step (the SGD kernels, or a row optimizer: engine/optim.py) with the
+        hyper-parameters now in its param groups, and the correction with z.
 
         Replicas with NaN/Inf gradients, or a NaN/Inf loss in ``losses`` (the rows' losses of
         the round, r1 − r0 0-dim tensors), are first reset from z and so left out of the sum
@@ -320,14 +325,19 @@ class Scheduler(RoundInterpreter):
             the faulty replicas' indices on the device).
         """
         faulty = FaultMonitor.find_and_reset(state, r0, r1, self.max_divergence, self.kernels, losses)
-        acc = self.kernels.local_update(
-            state.w[r0:r1], state.v[r0:r1], state.g[r0:r1], state.z if synchronise else None,
-            lr=lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov,
-            weight_decay=optimizer.weight_decay, alpha=alpha if synchronise else 0.0,
-            first_step=all(state.first_step[r0:r1]),  # a new replica's momentum is zero: same maths
-            out=out,
-        )
-        state.first_step[r0:r1] = [False] * (r1 - r0)
+        z = state.z if synchronise and alpha else None
+        if optimizer.kernel:
+            sgd = optimizer.sgd()
+            acc = self.kernels.local_update(
+                state.w[r0:r1], state.v[r0:r1], state.g[r0:r1], z, lr=sgd.lr,
+                momentum=sgd.momentum, nesterov=sgd.nesterov, weight_decay=sgd.weight_decay,
+                alpha=alpha if z is not None else 0.0,
+                first_step=all(state.first_step[r0:r1]),  # a new replica's momentum is zero: same maths
+                out=out,
+            )
+            state.first_step[r0:r1] = [False] * (r1 - r0)
+        else:
+            acc = row_update(state, r0, r1, z, alpha, out)
         FaultMonitor.reset(state, faulty)  # back at z: the zero gradient still met weight decay
         return acc, faulty
 
@@ -423,7 +433,7 @@ class Scheduler(RoundInterpreter):
         for acc in accs:
             acc = acc.to(home)
             total = acc if total is None else total + acc
-        s0, opt = states[0], self.settings.optimizer
+        s0, opt = states[0], self.settings.optimizer.sgd()  # a kernel optimizer (api.py checks)
         with self._cuda_global():
             self.kernels.local_update(
                 s0.w[:1], s0.v[:1], (total / self.num_learners).unsqueeze(0), None, lr=opt.lr,
@@ -472,6 +482,23 @@ class _Null:
 
 
 _NULL = _Null()
+
+
+@torch.no_grad()
+def row_update(state: DeviceState, r0: int, r1: int, z: torch.Tensor | None, alpha: float,
+               out: torch.Tensor | None) -> torch.Tensor | None:
+    """A row optimizer's local update of rows r0 … r1−1 (engine/optim.py): c = α·(ŵ − z) from
+    the pre-step weights, the optimizer's step, w ← w − c; returns Σ c ``[P]`` (in ``out``), or
+    None without a correction (``z`` None)."""
+    w = state.w[r0:r1]
+    c = None
+    if z is not None:
+        c = torch.sub(w, z, out=state.optim_rows.scratch(w)).mul_(alpha)
+    state.optim_rows.step(state, r0, r1)
+    if c is None:
+        return None
+    w.sub_(c)
+    return torch.sum(c, dim=0, out=out) if out is not None else c.sum(dim=0)
 
 
 def _clone_structure(state: DeviceState):

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import operator
 
-from ..config import LEARNER_MODES, SGD, SMA, SSGD
+from ..config import LEARNER_MODES, SMA, SSGD
+from .optim import LocalOptimizer
 
 __all__ = ["RunSettings", "settings_view"]
 
@@ -24,14 +25,15 @@ class RunSettings:
     """The settings in force from the next round on.
 
     Attributes:
-        optimizer: the local SGD (``config.SGD``) with the learning rate in force; its momentum,
-            Nesterov flag and weight decay are the compiled ones and never change.
+        optimizer: the local optimiser (engine/optim.py ``LocalOptimizer``): the user's
+            torch.optim optimizer, whose param groups hold the hyper-parameters in force (an LR
+            scheduler over it changes them between rounds).
         sync: ``config.SMA`` with the α and τ in force (μ_z fixed), or ``config.SSGD()``.
         batch_size: b, samples per learner per round (≥ 1).
         replicas_per_device: m, replicas on every device (≥ 1; k = G·m over every process).
         learner_mode: ``"per_replica"`` or ``"fused"`` (engine/fused.py).
-        lr: η, the learning rate in force (> 0), applied to the mean loss of a learner's b
-            samples; ``optimizer.lr``.
+        lr: η, the first param group's learning rate in force (≥ 0), applied to the mean loss
+            of a learner's b samples; setting it scales every group's lr by the same factor.
         alpha: SMA α in (0, 1], the pull of each replica toward z, or None: 1/k (re-derived when
             k changes); None under SSGD. ``sync.alpha``.
         sync_every: τ, rounds between synchronisations (≥ 1; 1 under SSGD). ``sync.sync_every``.
@@ -46,7 +48,7 @@ class RunSettings:
 
     __slots__ = ("optimizer", "sync", "batch_size", "replicas_per_device", "learner_mode")
 
-    def __init__(self, *, optimizer: SGD, sync: SMA | SSGD, batch_size: int,
+    def __init__(self, *, optimizer: LocalOptimizer, sync: SMA | SSGD, batch_size: int,
                  replicas_per_device: int, learner_mode: str) -> None:
         if learner_mode not in LEARNER_MODES:
             raise ValueError(f"learner_mode={learner_mode!r}: use one of {LEARNER_MODES}")
@@ -58,12 +60,12 @@ class RunSettings:
 
     @property
     def lr(self) -> float:
-        """η in force (``optimizer.lr``)."""
+        """η in force: the first param group's learning rate (``optimizer.lr``)."""
         return self.optimizer.lr
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.optimizer = dataclasses.replace(self.optimizer, lr=value)
+        self.optimizer.scale_lr(value)
 
     @property
     def alpha(self) -> float | None:

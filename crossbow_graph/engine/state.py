@@ -170,6 +170,9 @@ class DeviceState:
             modules' parameters are views of (``w`` and ``z`` themselves when float32 or float64).
         zbuf: ``[Q]`` the central model's float buffers (mean over all replicas at each sync).
         first_step: per replica, momentum not yet initialised (bool list of length m).
+        optim_rows: the replicas' optimizer state when a row optimizer (not the SGD kernels)
+            runs the local step (engine/optim.py ``OptimizerRows``; ``v`` is then unused), else
+            None.
     """
 
     def __init__(self, name: str, torch_device: torch.device, template: nn.Module, m: int,
@@ -201,6 +204,7 @@ class DeviceState:
         self.zbuf.copy_(self.buf[0])
         self.first_step = [True] * m
         self.acc: torch.Tensor | None = None
+        self.optim_rows = None  # engine/optim.py OptimizerRows: the state of a row optimizer
 
     @property
     def template(self) -> nn.Module:
@@ -281,6 +285,8 @@ class DeviceState:
             replicas.append(r)
         self.replicas = replicas
         self.first_step = self.first_step[:keep] + [True] * (m - keep)
+        if self.optim_rows is not None:
+            self.optim_rows.resize(self, keep, m)
 
     def share_memory(self) -> None:
         """Move every flat buffer, and the replicas' integer buffers (``num_batches_tracked``), to
@@ -292,3 +298,5 @@ class DeviceState:
             for b in r.buffers():
                 if not b.is_floating_point():
                     b.share_memory_()
+        if self.optim_rows is not None:
+            self.optim_rows.share_memory()

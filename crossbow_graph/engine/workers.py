@@ -10,7 +10,8 @@ the messages: each worker has a ``_Mailbox`` of small shared arrays and semaphor
 pickling on the hot path). Per round t this process writes t and each worker's sample indices into
 the worker's mailbox and releases its ``go`` semaphore; the worker fetches its samples from its
 forked copy of the dataset and learns, as this process learns group 0. When z_t is ready this
-process writes lr, α, whether to synchronise and the optimizer's settings to a shared control block
+process writes α, whether to synchronise and the optimizer's param groups' settings (η, momentum,
+betas, ...: ``LocalOptimizer.hyper_vector``) to a shared control block
 and releases each worker's semaphore; every group runs its part of the LOCAL_SYNC (the correction
 with z_t) and writes its partial sum of corrections. The worker the graph places the GLOBAL_SYNC in
 (the one with the last LOCAL_SYNC part: for a compiled graph the last worker) then waits until every
@@ -42,7 +43,6 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import torch
 
 from ..compiler.tasks import Task, TaskKind
-from ..config import SGD
 from ..errors import TaskError
 from .conv_choice import choose_onednn
 from .learners import learn_group, learner_seed, rows, seed_host_rngs
@@ -269,7 +269,7 @@ class _Group(RoundInterpreter):
         self.row_losses: list[torch.Tensor | None] = []
         self.error: tuple[str, str] | None = None
         self.faulty: list[int] = []
-        self.release: tuple = ()  # (lr, α, synchronise, optimizer) of the local update
+        self.release: tuple = ()  # (α, synchronise) of the local update
 
     @property
     def losses(self) -> list[torch.Tensor]:
@@ -309,10 +309,10 @@ class _Group(RoundInterpreter):
             self.state, a, b, mine, sched.loss_fn, bs, self.mode, self.fused,
             rng_seed=learner_seed(sched.seed, self.round_index, self.first + a))
 
-    def local_round(self, round_index: int, *, lr: float, alpha: float, synchronise: bool,
-                    optimizer: SGD) -> None:
-        """Run the group's part of its LOCAL_SYNC (z_t is final), unless its learning failed."""
-        self.round_index, self.release = round_index, (lr, alpha, synchronise, optimizer)
+    def local_round(self, round_index: int, *, alpha: float, synchronise: bool) -> None:
+        """Run the group's part of its LOCAL_SYNC (z_t is final), unless its learning failed;
+        the optimizer's settings are those now in this process's ``settings.optimizer``."""
+        self.round_index, self.release = round_index, (alpha, synchronise)
         if self.error is None and self.program.local is not None:
             try:
                 self.run_task(self.program.local)
@@ -322,10 +322,11 @@ class _Group(RoundInterpreter):
     def local_sync(self, task: Task) -> None:
         """Rows a … b−1 of the LOCAL_SYNC: their local update, their sum of corrections into
         ``acc_parts[wid]``, and the group's buffers into the snapshot for the global sync."""
-        lr, alpha, synchronise, optimizer = self.release
+        alpha, synchronise = self.release
         (a, b), r0 = self.program.local_rows, self.r0
         _, self.faulty = self.sched.local_update_rows(
-            self.state, a, b, lr=lr, alpha=alpha, synchronise=synchronise, optimizer=optimizer,
+            self.state, a, b, alpha=alpha, synchronise=synchronise,
+            optimizer=self.sched.settings.optimizer,
             out=self.acc_part, losses=self.row_losses[a - r0:b - r0])
         if self.buf_snap is not None:
             self.buf_snap[r0:self.r1].copy_(self.state.buf[r0:self.r1])
@@ -418,8 +419,9 @@ class ProcessExecutor:
         self.lanes = [f"{'coordinator' if w == 0 else f'worker {w}'} (d{d} r{r0}-{r1 - 1})"
                       for w, (d, r0, r1) in enumerate(self.groups)]
         self.learn_names = [f"learn:d{d}:r{r0}-{r1 - 1}" for d, r0, r1 in self.groups]
-        # lr, α, synchronise, cancel, μ_l, nesterov, λ of the round being released
-        self.ctrl = torch.zeros(7, dtype=torch.float64).share_memory_()
+        # α, synchronise, cancel of the round being released, then the optimizer's hyper_vector
+        self.ctrl = torch.zeros(3 + scheduler.settings.optimizer.hyper_size(),
+                                dtype=torch.float64).share_memory_()
         self._ctrl_np = self.ctrl.numpy()  # a view: writes go to the shared block
         self.ahead: tuple[int, torch.Tensor] | None = None  # the speculative round, if any
         self.own = _Group(self, 0)
@@ -471,10 +473,9 @@ class ProcessExecutor:
         for wid in self.workers:
             self.mail[wid].post(round_index, self._group_indices(indices, wid).numpy())
 
-    def _release(self, *, lr: float, alpha: float, synchronise: bool, cancel: bool) -> None:
-        opt = self.sched.settings.optimizer
-        self._ctrl_np[:] = (lr, alpha, float(synchronise), float(cancel), opt.momentum,
-                            float(opt.nesterov), opt.weight_decay)  # no tensor per round
+    def _release(self, *, alpha: float, synchronise: bool, cancel: bool) -> None:
+        self._ctrl_np[:3] = (alpha, float(synchronise), float(cancel))  # no tensor per round
+        self._ctrl_np[3:] = self.sched.settings.optimizer.hyper_vector()
         for wid in self.workers:
             self.sems[wid].release()
 
@@ -504,7 +505,7 @@ class ProcessExecutor:
             return
         round_index, _ = self.ahead
         self.ahead = None
-        self._release(lr=0.0, alpha=0.0, synchronise=False, cancel=True)
+        self._release(alpha=0.0, synchronise=False, cancel=True)
         self.own.cancel()
         for wid in self.workers:
             self._recv(wid, round_index)  # "cancelled" (or the error of a round that never was)
@@ -528,9 +529,8 @@ class ProcessExecutor:
         learned = self._learn(round_index, indices)
         ta, tb = self.own_learn_span  # group 0 has waited for z_t since it finished learning
         tc = time.perf_counter_ns()
-        self._release(lr=sched.lr, alpha=sched.alpha, synchronise=synchronise, cancel=False)
-        self.own.local_round(round_index, lr=sched.lr, alpha=sched.alpha, synchronise=synchronise,
-                             optimizer=sched.optimizer)
+        self._release(alpha=sched.alpha, synchronise=synchronise, cancel=False)
+        self.own.local_round(round_index, alpha=sched.alpha, synchronise=synchronise)
         if synchronise and self.sync_worker is not None:
             self.own.announce()
         spans = Spans(ta, tb, tc, time.perf_counter_ns())
@@ -720,7 +720,7 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
     executor's shared blocks), which runs group ``wid``'s GroupProgram every round.
 
     Per round: take (round, indices) from the mailbox; run the LEARN tasks; wait for the
-    semaphore (z_t ready); read lr, α, synchronise, cancel and the optimizer's μ_l, Nesterov, λ
+    semaphore (z_t ready); read α, synchronise, cancel and the optimizer's param groups' settings
     from ``ex.ctrl``; if cancelled (a speculative round that will not run) restore the float
     buffers and answer "cancelled", else run the group's part of the LOCAL_SYNC (its partial sum
     of corrections) and, in a synchronising round, announce it on ``ex.parts``, or in the sync
@@ -752,14 +752,14 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
             if not _wait(lambda: sem.acquire(timeout=_POLL_S), parent):
                 return
             tc = time.perf_counter_ns()
-            lr, alpha, synchronise, cancel, momentum, nesterov, weight_decay = ex.ctrl.tolist()
+            ctrl = ex.ctrl.tolist()
+            alpha, synchronise, cancel = ctrl[:3]
             if cancel:
                 group.cancel()
                 mail.answer(_CANCELLED, round_index)
                 continue
-            group.local_round(round_index, lr=lr, alpha=alpha, synchronise=bool(synchronise),
-                              optimizer=SGD(lr=lr, momentum=momentum, nesterov=bool(nesterov),
-                                            weight_decay=weight_decay))
+            sched.settings.optimizer.set_hyper_vector(ctrl[3:])  # this process's copy
+            group.local_round(round_index, alpha=alpha, synchronise=bool(synchronise))
             td = time.perf_counter_ns()
             g0 = g1 = 0
             if synchronise and ex.sync_worker == wid:

@@ -57,12 +57,14 @@ class CKernel:
         return f"<{self.spec.describe(launch=False)}, c>"
 
 
-def plan_kernels(backend: SMAKernels, states: list[Any], *, momentum: float, nesterov: bool,
+def plan_kernels(backend: SMAKernels, states: list[Any], *, local: bool = True, momentum: float,
+                 nesterov: bool,
                  weight_decay: float, num_learners: int, sync_every: int,
                  central_momentum: float) -> list[EmittedKernel | TorchKernel]:
     """The kernels a plan runs on its devices' current flat buffers, one per distinct spec.
 
-    Local: the first step and later steps (when there is momentum), with the correction (k > 1)
+    Local (``local``: the SGD kernels run the local step, not a row optimizer, engine/optim.py):
+    the first step and later steps (when there is momentum), with the correction (k > 1)
     and without it (k = 1, or rounds between syncs when τ > 1). Central: when k > 1. With the
     Triton backend they are emitted (and cached) here; the torch backend lists TorchKernel.
     """
@@ -73,7 +75,7 @@ def plan_kernels(backend: SMAKernels, states: list[Any], *, momentum: float, nes
     for s in states:
         m, P = s.w.shape
         dev = device_type(s.w)
-        for first in firsts:
+        for first in firsts if local else ():
             for correct in corrects:
                 specs.append(local_spec(m, P, s.g.dtype, dev, momentum=momentum, nesterov=nesterov,
                                         weight_decay=weight_decay, first_step=first,

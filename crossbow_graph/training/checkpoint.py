@@ -79,6 +79,7 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
             "z": s.z.detach().cpu().clone(), "z_prev": s.z_prev.detach().cpu().clone(),
             "buf": s.buf.detach().cpu().clone(), "zbuf": s.zbuf.detach().cpu().clone(),
             "first_step": list(s.first_step),
+            "optimizer_rows": s.optim_rows.state_dict() if s.optim_rows is not None else None,
             "int_buffers": [{n: b.detach().cpu().clone() for n, b in r.named_buffers()
                              if not b.is_floating_point()} for r in s.replicas],
         })
@@ -92,6 +93,8 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         "batch_size": settings.batch_size,
         "alpha": settings.alpha, "sync_every": settings.sync_every,
         "lr": settings.lr, "learner_mode": settings.learner_mode,
+        "optimizer": {"class": settings.optimizer.describe()["class"],
+                      "groups": settings.optimizer.group_settings()},
         "losses": torch.stack(sched.losses).cpu() if sched.losses else torch.zeros(0),
         "faults": [asdict(e) for e in sched.faults.events],
         "epochs_done": plan.epochs_done, "rounds_done": plan.rounds_done,
@@ -173,6 +176,7 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
         PlanError: the saved batch size does not fit this plan's memory budget.
     """
     check_same_model(plan, sd)
+    _check_same_optimizer(plan, sd)
     if plan.autotuner is not None and sd["replicas_per_device"] != plan.replicas_per_device:
         plan.set_replicas(sd["replicas_per_device"])  # the tuner had changed m: continue from there
     have = (len(plan.devices), plan.replicas_per_device, plan.num_parameters, plan.states[0].buf.shape[1])
@@ -189,6 +193,12 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
         for key in ("w", "v", "z", "z_prev", "buf", "zbuf"):
             getattr(s, key).copy_(saved[key])
         s.first_step = list(saved["first_step"])
+        if s.optim_rows is not None and saved.get("optimizer_rows") is not None:
+            try:
+                s.optim_rows.load_state_dict(saved["optimizer_rows"])
+            except ValueError as exc:
+                raise CheckpointError(f"{exc}; resume with the optimizer the checkpoint was "
+                                      f"written with") from None
         for r, ints in zip(s.replicas, saved["int_buffers"]):
             named = dict(r.named_buffers())
             for n, value in ints.items():
@@ -202,6 +212,22 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
     plan.position_in_epoch = sd["position_in_epoch"]
 
 
+def _check_same_optimizer(plan: "Plan", sd: dict[str, Any]) -> None:
+    """CheckpointError unless the state was saved with the plan's optimizer class, as many param
+    groups, and a row optimizer's state exactly where this plan keeps one."""
+    if "optimizer" not in sd:
+        return
+    mine = plan.settings.optimizer.describe()["class"]
+    theirs, groups = sd["optimizer"]["class"], len(sd["optimizer"]["groups"])
+    rows = [saved.get("optimizer_rows") is not None for saved in sd["states"]]
+    if theirs != mine or groups != len(plan.optimizer.param_groups) or \
+            any(r != (s.optim_rows is not None) for r, s in zip(rows, plan.states)):
+        raise CheckpointError(
+            f"the checkpoint was written with optimizer {theirs} ({groups} param group(s)), but "
+            f"this plan's is {mine} ({len(plan.optimizer.param_groups)}); compile with the same "
+            f"optimizer to resume, or use another checkpoint_dir to start afresh")
+
+
 def _restore_settings(plan: "Plan", sd: dict[str, Any]) -> None:
     """b, α, τ, η and the learner mode of a ``plan_state_dict`` through ``Plan.adjust`` (before
     the tensors are copied: a change of b re-plans, which resets the fault monitor). A state
@@ -213,7 +239,9 @@ def _restore_settings(plan: "Plan", sd: dict[str, Any]) -> None:
         changes["alpha"] = "auto" if sd["alpha"] is None else sd["alpha"]
     if sd.get("sync_every", settings.sync_every) != settings.sync_every:
         changes["sync_every"] = sd["sync_every"]
-    if sd.get("lr", settings.lr) != settings.lr:
+    if "optimizer" in sd:  # every group's settings (η, momentum, betas, ...) as saved
+        settings.optimizer.load_group_settings(sd["optimizer"]["groups"])
+    elif sd.get("lr", settings.lr) != settings.lr:
         changes["lr"] = sd["lr"]
     if sd.get("learner_mode", settings.learner_mode) != settings.learner_mode:
         changes["learner_mode"] = sd["learner_mode"]

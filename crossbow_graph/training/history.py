@@ -153,6 +153,7 @@ class History:
         metrics: one MetricRecord per metrics window (samples/s, loss, lr, b,
             m, divergence, gradient noise scale; ``fit(metrics_every=N)``).
         policy: every adjustment a policy applied (a PolicyRecord each).
+        lr: η of every round run (the first param group's learning rate in force), in order.
     """
 
     epochs: list[EpochRecord] = field(default_factory=list)
@@ -166,6 +167,7 @@ class History:
     sync_exposed_seconds: float = 0.0
     metrics: list = field(default_factory=list)
     policy: list = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
 
     @property
     def sync_unhidden_share(self) -> float | None:

@@ -6,9 +6,10 @@ import dataclasses
 import numbers
 import os
 import tempfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import is_count
+from .lr_schedule import LR_INTERVALS
 
 if TYPE_CHECKING:
     from .hooks import Hook
@@ -54,6 +55,10 @@ class FitOptions:
         metrics: the metrics monitor (``crossbow_graph.MetricsMonitor``, built by ``Plan.fit``
             from its ``metrics_every``), run after the hooks and before the policies; None: no
             metrics.
+        lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler built over ``Plan.optimizer``,
+            stepped after the policies every ``lr_scheduler_interval`` (training/lr_schedule.py;
+            ReduceLROnPlateau after every evaluation, with z's test loss); None: none.
+        lr_scheduler_interval: ``"epoch"`` or ``"round"``.
 
     ``hooks`` and ``policies`` are kept as tuples.
 
@@ -82,6 +87,8 @@ class FitOptions:
     trace: str | None = None
     policies: tuple["Hook", ...] = ()
     metrics: "Hook | None" = None
+    lr_scheduler: Any = None
+    lr_scheduler_interval: str = "epoch"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hooks", as_hooks("hooks", self.hooks))
@@ -110,6 +117,9 @@ class FitOptions:
             _check_trace_path(self.trace)
         if self.log_dir is not None:
             check_writable_dir("log_dir", self.log_dir)
+        if self.lr_scheduler_interval not in LR_INTERVALS:
+            raise ValueError(f"lr_scheduler_interval={self.lr_scheduler_interval!r}: use 'epoch' "
+                             f"or 'round'")
 
 
 def as_hooks(name: str, hooks: object) -> tuple:

@@ -21,6 +21,7 @@ from .checkpoint import CheckpointHook, load_plan_state_dict, plan_state_dict
 from .data import BatchSchedule, as_dataset, make_fetch
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
+from .lr_schedule import LRSchedulerHook, check_lr_scheduler
 from .metrics_log import MetricsLogger
 from .options import FitOptions
 from .validate import check_first_batch
@@ -164,13 +165,16 @@ class Trainer:
 
     def _fit_hooks(self) -> list[Hook]:
         """The fit's hooks in calling order: ``options.hooks``, the metrics, the policies, the
-        logger (rank 0), the checkpoints (last: they save what the others did in the round).
+        LR scheduler, the logger (rank 0), the checkpoints (last: they save what the others did in the round).
         Sets ``end_epoch``: the plan's epochs plus ``epochs``, or ``epochs`` when resumed."""
         opts = self.options
         hooks = list(opts.hooks)
         if opts.metrics is not None:
             hooks.append(opts.metrics)
         hooks += list(opts.policies)
+        if opts.lr_scheduler is not None:
+            check_lr_scheduler(self.plan, opts.lr_scheduler, opts.lr_scheduler_interval)
+            hooks.append(LRSchedulerHook(opts.lr_scheduler, opts.lr_scheduler_interval))
         self.end_epoch = self.plan.epochs_done + opts.epochs
         if opts.log_dir is not None and self.main:
             hooks.append(MetricsLogger(opts.log_dir))
@@ -327,6 +331,7 @@ class Trainer:
         # a round whose gradients a hook reads (the noise scale) does not overlap the next
         ahead = self.speculate and not any(h.wants_gradients(plan.rounds_done)
                                            for h in self.measures)
+        self.history.lr.append(plan.settings.lr)  # η of this round (first param group)
         sched.run_round(plan.rounds_done - 1,
                         synchronise=plan.rounds_done % plan.sync.sync_every == 0,
                         indices=_mine(plan, indices),

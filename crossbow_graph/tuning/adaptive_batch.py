@@ -9,14 +9,27 @@ import math
 import statistics
 import weakref
 
+import torch
+
 from ..errors import PlanError, is_count
 from ..training.hooks import FitContext
 from .policy_base import Policy
 
-__all__ = ["AdaptiveBatchSize", "MIN_BATCH_SIZE"]
+__all__ = ["AdaptiveBatchSize", "MIN_BATCH_SIZE", "lr_power"]
 
 
 MIN_BATCH_SIZE = 4  # AdaptiveBatchSize's default lower bound (or the starting b, if smaller)
+
+# optimizers whose step is normalised by the gradient's second moment: η scales by the square root
+ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+            torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta,
+            torch.optim.Adafactor)
+
+
+def lr_power(optimizer: torch.optim.Optimizer) -> float:
+    """The power p of a batch-size factor f applied to η (η ← η·f^p): 1 for SGD-like optimizers
+    (the linear rule), 1/2 for adaptive ones (``ADAPTIVE``: the square-root rule)."""
+    return 0.5 if isinstance(optimizer, ADAPTIVE) else 1.0
 
 
 class AdaptiveBatchSize(Policy):
@@ -72,6 +85,13 @@ class AdaptiveBatchSize(Policy):
     al. 2017); ``"none"`` (or False) keeps η, so a growing b lowers the SGD noise temperature η/b
     as a learning-rate decay would (Smith et al. 2018, "Don't decay the learning rate, increase
     the batch size").
+
+    *Per optimizer family* (``lr_power``): the factors above (the gain's ratio, the linear
+    factor) apply as they are to SGD-like optimizers (SGD, ASGD, Rprop; the step is η times the
+    gradient) and as their square root to adaptive ones (Adam, AdamW, Adamax, NAdam, RAdam,
+    RMSprop, Adagrad, Adadelta, Adafactor), whose step is normalised by the gradient's second
+    moment: the square-root rule of Malladi et al. (2022, "On the SDEs and scaling rules for
+    adaptive gradient algorithms") and AdaptDL's AdamScale (Qiao et al., OSDI 2021).
 
     The change re-plans the learners and re-checks the memory bound (a batch that does not fit is
     not taken, and ``max_batch_size`` drops to the last that fit). Data stay disjoint: rounds
@@ -280,13 +300,13 @@ class AdaptiveBatchSize(Policy):
     def _lr_for(self, ctx: FitContext, b: int) -> tuple[float | None, float]:
         """η for moving to batch size ``b`` now (None: unchanged) and the gain it carries."""
         plan = ctx.plan
-        lr = plan.settings.lr
+        lr, power = plan.settings.lr, lr_power(plan.settings.optimizer.optimizer)
         if self.scale_lr == "linear":
-            return lr * b / plan.batch_size, self.gain
+            return lr * (b / plan.batch_size) ** power, self.gain
         if self.scale_lr != "gain" or self._gain_windows_seen < self.gain_windows or self._noise is None:
             return None, self.gain
         gain = self.gain_at(plan.num_learners * b, self._noise[0])
-        return lr * gain / self.gain, gain
+        return lr * (gain / self.gain) ** power, gain
 
     def target(self, b: int, noise_scale: float, k: int = 1) -> int:
         """The next b for the current b, B_noise (samples) and k learners: one ``factor`` step

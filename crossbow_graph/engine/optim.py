@@ -1,0 +1,414 @@
+"""Each learner's local optimiser: any torch.optim optimizer (docs/design-overview.md §2, step 1).
+
+The user builds a torch.optim optimizer over the model's own parameters, with param groups and
+per-group settings, and passes it to ``compile(optimizer=...)``; ``crossbow_graph.SGD(...)`` is a
+shorthand for ``torch.optim.SGD`` with one group. That optimizer object is never stepped: its
+``param_groups`` hold the hyper-parameters in force (an LR scheduler built over it changes them),
+and ``LocalOptimizer`` maps each group to the entries of the flat layout (engine/state.py).
+
+Two update rules run it:
+
+- **the SGD kernels** (``LocalOptimizer.kernel``): ``torch.optim.SGD`` with one param group,
+  ``dampening=0`` and ``maximize=False`` is exactly the SGD of §2, so the fused SMA kernels
+  (kernels/) run its step and the correction in one pass, reading η, μ_l, Nesterov and λ from the
+  group every round;
+- **row optimizers** (``OptimizerRows``) for every other optimizer: per device, the optimizer's
+  own ``step`` runs over the device's replica rows. An elementwise optimizer (``ELEMENTWISE``:
+  each parameter's update reads only its own gradient and state) runs as one instance over the
+  stacked rows ``[n, *shape]`` of replicas of the same age (m independent optimizers by
+  construction, one launch per tensor instead of m); any other runs one instance per replica.
+  Its state lives in per-device tensors ``[m, *shape]`` (one per parameter and state key;
+  scalar state such as Adam's ``step`` as ``[m]``), in shared memory under the process executor,
+  so every process steps its own rows and the coordinator reads all of them (checkpoints,
+  resizes). A replica with fresh state (new, reset to z, or faulty) gets torch.optim's own
+  initialisation at its next step, and ``age`` (steps since fresh state) keeps replicas of
+  different ages in different instances, so Adam's bias correction is per replica.
+
+The SMA correction is applied to the weights after the local step, whatever the optimizer:
+c_j = α·(ŵ_j − z) from the pre-step weights, w_j ← step(ŵ_j) − c_j, acc_d = Σ_j c_j.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["LocalOptimizer", "OptimizerRows", "KernelSGD", "ELEMENTWISE", "as_local_optimizer"]
+
+# exact classes whose update of a tensor reads only that tensor, its gradient and its own state
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
+               torch.optim.Adagrad, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+               torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD)
+_REFUSED = {
+    torch.optim.LBFGS: "LBFGS re-evaluates the model through a closure at every step, which a "
+                       "replica's local step cannot do; use Adam/AdamW or SGD",
+    torch.optim.SparseAdam: "SparseAdam needs sparse gradients, and replicas' gradients are dense "
+                            "rows of one buffer; use Adam",
+}
+
+
+class KernelSGD(NamedTuple):
+    """The SGD settings the fused SMA kernels take (kernels/protocol.py ``local_update``)."""
+
+    lr: float
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _hyper_keys(defaults: dict[str, Any]) -> tuple[str, ...]:
+    """The keys of a group that an LR scheduler may change: numbers and tuples of numbers."""
+    keys = []
+    for k, v in defaults.items():
+        if _is_number(v) or (isinstance(v, tuple) and v and all(_is_number(x) for x in v)):
+            keys.append(k)
+    return tuple(sorted(keys))
+
+
+@dataclass(eq=False)
+class LocalOptimizer:
+    """The plan's local optimiser: the user's torch.optim optimizer and where its groups live.
+
+    Attributes:
+        optimizer: the ``torch.optim.Optimizer`` (never stepped; its ``param_groups`` hold the
+            hyper-parameters in force, what an LR scheduler over it changes).
+        groups: per param group, the indices of its parameters in the flat layout's entries.
+        hyper_keys: the numeric keys of a group (``lr``, ``momentum``, ``betas``, ...), those a
+            scheduler may change and every process copies each round.
+        kernel: the fused SGD kernels run it (one-group ``torch.optim.SGD`` without dampening).
+        stacked: an elementwise optimizer: one instance over a device's rows of the same age.
+    """
+
+    optimizer: torch.optim.Optimizer
+    groups: tuple[tuple[int, ...], ...]
+    hyper_keys: tuple[str, ...]
+    kernel: bool
+    stacked: bool
+
+    @property
+    def lr(self) -> float:
+        """η: the first param group's learning rate in force."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def scale_lr(self, value: float) -> None:
+        """Set the first group's learning rate to ``value`` and scale every other group's by the
+        same factor (their ratios are kept, as a policy's η change means)."""
+        old = self.lr
+        for g in self.optimizer.param_groups:
+            g["lr"] = value if old == 0 else float(g["lr"]) * value / old
+        self.optimizer.param_groups[0]["lr"] = float(value)
+
+    def sgd(self) -> KernelSGD:
+        """The first group as the SGD kernels take it (``kernel`` optimizers)."""
+        g = self.optimizer.param_groups[0]
+        return KernelSGD(float(g["lr"]), float(g.get("momentum", 0.0)), bool(g.get("nesterov", False)),
+                         float(g.get("weight_decay", 0.0)))
+
+    # the worker processes' copy of the groups' hyper-parameters (engine/workers.py ctrl block)
+    def hyper_vector(self) -> list[float]:
+        """Every group's ``hyper_keys`` values, flattened in order (tuples element by element)."""
+        out: list[float] = []
+        for g in self.optimizer.param_groups:
+            for k in self.hyper_keys:
+                v = g[k]
+                out.extend(float(x) for x in v) if isinstance(v, tuple) else out.append(float(v))
+        return out
+
+    def set_hyper_vector(self, values: Sequence[float]) -> None:
+        """Write ``hyper_vector()``'s values back into this process's param groups."""
+        it = iter(values)
+        for g in self.optimizer.param_groups:
+            for k in self.hyper_keys:
+                v = g[k]
+                g[k] = tuple(next(it) for _ in v) if isinstance(v, tuple) else next(it)
+
+    def hyper_size(self) -> int:
+        """Length of ``hyper_vector()``."""
+        return len(self.hyper_vector())
+
+    def describe(self) -> dict[str, Any]:
+        """The class and every group's settings (no tensors): for summaries, the torchrun
+        agreement and checkpoints."""
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
+                   if k != "params" and (v is None or isinstance(v, (bool, int, float, str, tuple)))}
+                  for g in self.optimizer.param_groups]
+        return {"class": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
+                "kernel": self.kernel, "stacked": self.stacked,
+                "groups": [dict(g, params=len(ix)) for g, ix in zip(groups, self.groups)]}
+
+    def group_settings(self) -> list[dict[str, Any]]:
+        """Every group's settings but its parameters (``describe()['groups']`` without counts)."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def load_group_settings(self, saved: list[dict[str, Any]]) -> None:
+        """Restore ``group_settings()`` (a checkpoint's) into the param groups."""
+        for g, s in zip(self.optimizer.param_groups, saved):
+            for k, v in s.items():
+                g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
+
+
+def _model_param_index(model: nn.Module, names: list[str]) -> dict[int, int]:
+    """id(parameter) of ``model`` → its index in the flat layout's entries (by name)."""
+    index = {n: i for i, n in enumerate(names)}
+    out: dict[int, int] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if n in index:
+            out.setdefault(id(p), index[n])
+    return out
+
+
+def as_local_optimizer(optimizer: Any, model: nn.Module, names: list[str]) -> LocalOptimizer:
+    """Check the user's ``optimizer`` against ``model`` and map its groups to the flat layout.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` built over ``model``'s parameters (a subset is
+            allowed: parameters in no group are not stepped, as in eager PyTorch).
+        model: the model given to ``compile``.
+        names: the flat layout's parameter names (trainable ones, tied once).
+
+    Raises:
+        TypeError: not a torch.optim optimizer; an optimizer class that cannot be replicated
+            (LBFGS, SparseAdam: the message says why and what to use).
+        ValueError: a group holds a tensor that is not a trainable parameter of ``model``, or a
+            parameter twice.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim optimizer built over the model's "
+                        f"parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3), or "
+                        f"crossbow_graph.SGD(lr=...); got {type(optimizer).__name__}")
+    for cls, why in _REFUSED.items():
+        if isinstance(optimizer, cls):
+            raise TypeError(f"optimizer={type(optimizer).__name__}: cannot run one per replica: {why}")
+    where = _model_param_index(model, names)
+    groups, seen = [], set()
+    for gi, group in enumerate(optimizer.param_groups):
+        ix = []
+        for p in group["params"]:
+            if id(p) not in where:
+                frozen = any(q is p for q in model.parameters()) and not p.requires_grad
+                raise ValueError(
+                    f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is "
+                    + ("a frozen parameter of the model (requires_grad=False)" if frozen else
+                       "not a parameter of the model passed to compile")
+                    + "; build the optimizer over that model's trainable parameters, e.g. "
+                      "torch.optim.AdamW(model.parameters(), lr=1e-3), before compile")
+            i = where[id(p)]
+            if i in seen:
+                raise ValueError(f"optimizer param group {gi}: parameter '{names[i]}' is in two "
+                                 f"groups (or twice in one); torch.optim refuses that too")
+            seen.add(i)
+            ix.append(i)
+        groups.append(tuple(ix))
+    g0 = optimizer.param_groups[0]
+    kernel = (type(optimizer) is torch.optim.SGD and len(optimizer.param_groups) == 1
+              and len(groups[0]) == len(names) and g0.get("dampening", 0) == 0
+              and not g0.get("maximize", False) and not g0.get("differentiable", False))
+    return LocalOptimizer(optimizer=optimizer, groups=tuple(groups),
+                          hyper_keys=_hyper_keys(optimizer.defaults), kernel=kernel,
+                          stacked=type(optimizer) in ELEMENTWISE)
+
+
+class OptimizerRows:
+    """One device's optimizer state per replica, and the step of a range of its rows.
+
+    Args:
+        local: the plan's LocalOptimizer (not ``kernel``).
+        state: the device's DeviceState (its flat layout, ``w [m, P]`` and ``g [m, P]``).
+
+    Attributes:
+        store: per parameter (flat layout entry), state key → ``[m, *shape]`` (``[m]`` for
+            scalar state), in the dtype torch.optim gives it (``step``: float32).
+        age: ``[m]`` int64, steps since each replica's state was fresh (0: fresh).
+
+    Raises:
+        TypeError: the optimizer cannot be rebuilt as ``type(opt)(groups, **defaults)`` or
+            keeps state that is not a tensor (found by one step on a scratch copy).
+    """
+
+    def __init__(self, local: LocalOptimizer, state: Any) -> None:
+        self.local = local
+        self.entries = state.params.entries
+        self._cache: dict[tuple, torch.optim.Optimizer] = {}
+        self._g32: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None
+        self.store = self._allocate(state)
+        self.age = torch.zeros(state.m, dtype=torch.int64)
+
+    # -- building instances ---------------------------------------------------------------------
+
+    def _views(self, flat: torch.Tensor, a: int, b: int) -> list[torch.Tensor]:
+        """Per entry, rows a … b−1 of ``flat`` as ``[n, *shape]`` (stacked) or row a as
+        ``shape`` (one replica)."""
+        if self.local.stacked:
+            return [flat[a:b, off:off + n].view(b - a, *shape) for _, shape, off, n in self.entries]
+        return [flat[a, off:off + n].view(shape) for _, shape, off, n in self.entries]
+
+    def _build(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.optim.Optimizer:
+        opt = self.local.optimizer
+        for p, g in zip(params, grads):
+            p.grad = g
+        groups = [dict({k: v for k, v in group.items() if k != "params"},
+                       params=[params[i] for i in ix])
+                  for group, ix in zip(opt.param_groups, self.local.groups)]
+        try:
+            accepted = inspect.signature(type(opt).__init__).parameters
+            kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}
+            inst = type(opt)(groups, **kwargs)
+            inst.defaults = dict(opt.defaults)  # e.g. AdamW's decoupled_weight_decay, not an argument
+            return inst
+        except TypeError as exc:
+            raise TypeError(f"optimizer {type(opt).__name__} cannot be rebuilt per replica as "
+                            f"{type(opt).__name__}(param_groups, **optimizer.defaults): {exc}; give "
+                            f"its __init__ the keyword arguments of its defaults") from None
+
+    def _allocate(self, state: Any) -> list[dict[str, torch.Tensor]]:
+        """One step on a scratch copy of replica 0 shows the state's keys, shapes and dtypes."""
+        params = [t.clone() for t in self._views(state.w, 0, 1)]
+        grads = [torch.zeros_like(t) for t in params]
+        scratch = self._build(params, grads)
+        with torch.no_grad():
+            scratch.step()
+        store: list[dict[str, torch.Tensor]] = [{} for _ in params]
+        for i, p in enumerate(params):
+            for key, t in scratch.state.get(p, {}).items():
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"optimizer {type(self.local.optimizer).__name__} keeps state "
+                                    f"'{key}' as {type(t).__name__}; replicas' optimizer state "
+                                    f"must be tensors")
+                shape = t.shape[1:] if self.local.stacked and t.dim() else t.shape
+                store[i][key] = torch.zeros(state.m, *shape, dtype=t.dtype, device=t.device)
+        return store
+
+    def _instance(self, state: Any, a: int, b: int) -> torch.optim.Optimizer:
+        key = (a, b, state.w.data_ptr(), state.g.data_ptr())
+        inst = self._cache.get(key)
+        if inst is None:
+            grads = state.g if state.g.dtype == state.w.dtype else self._g32
+            inst = self._build(self._views(state.w, a, b), self._views(grads, a, b))
+            self._cache[key] = inst
+        return inst
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def segments(self, r0: int, r1: int) -> list[tuple[int, int]]:
+        """Rows r0 … r1−1 as runs of one instance: replicas of equal age (stacked), or single
+        replicas."""
+        if not self.local.stacked:
+            return [(j, j + 1) for j in range(r0, r1)]
+        ages = self.age[r0:r1].tolist()
+        runs, start = [], r0
+        for j in range(r0 + 1, r1 + 1):
+            if j == r1 or ages[j - r0] != ages[start - r0]:
+                runs.append((start, j))
+                start = j
+        return runs
+
+    @torch.no_grad()
+    def step(self, state: Any, r0: int, r1: int) -> None:
+        """The optimizer's step of replicas r0 … r1−1 of ``state`` (weights ``w``, gradients
+        ``g``), with the hyper-parameters now in ``local.optimizer.param_groups``."""
+        if state.g.dtype != state.w.dtype:  # low precision: the float32 copy the instances read
+            if self._g32 is None or self._g32.shape != state.w.shape:
+                self._g32 = torch.zeros_like(state.w)
+                self._cache.clear()
+            self._g32[r0:r1].copy_(state.g[r0:r1])
+        user = self.local.optimizer.param_groups
+        for a, b in self.segments(r0, r1):
+            inst = self._instance(state, a, b)
+            for mine, theirs in zip(inst.param_groups, user):
+                for k in self.local.hyper_keys:
+                    mine[k] = theirs[k]
+            params = [p for g in inst.param_groups for p in g["params"]]
+            order = [i for ix in self.local.groups for i in ix]
+            fresh = int(self.age[a]) == 0
+            if fresh:
+                inst.state.clear()  # torch.optim's own initialisation at this step
+            else:
+                self._bind(inst, params, order, a, b)
+            inst.step()
+            if fresh:
+                self._adopt(inst, params, order, a, b)
+            elif self.local.stacked and b - a > 1:  # one scalar (step) stands for every row
+                for per_param in self.store:
+                    for t in per_param.values():
+                        if t.dim() == 1:
+                            t[a + 1:b] = t[a]
+            self.age[a:b] += 1
+
+    def _bind(self, inst, params, order, a, b) -> None:
+        stacked = self.local.stacked
+        for p, i in zip(params, order):
+            inst.state[p] = {key: (t[a] if (t.dim() == 1 or not stacked) else t[a:b])
+                             for key, t in self.store[i].items()}
+
+    def _adopt(self, inst, params, order, a, b) -> None:
+        """Copy a fresh step's state into the store and bind the instance to it."""
+        for p, i in zip(params, order):
+            for key, t in inst.state.get(p, {}).items():
+                self.store[i][key][a:b].copy_(t)
+        self._bind(inst, params, order, a, b)
+
+    def scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped and typed as ``like`` (the corrections ``[n, P]``), kept between calls
+        (this process's own)."""
+        if self._scratch is None or self._scratch.shape != like.shape or \
+                self._scratch.dtype != like.dtype or self._scratch.device != like.device:
+            self._scratch = torch.empty_like(like)
+        return self._scratch
+
+    # -- replicas come and go -------------------------------------------------------------------
+
+    def reset(self, rows: Sequence[int]) -> None:
+        """Give replicas ``rows`` fresh state (torch.optim's initialisation at their next step)."""
+        if len(rows):
+            self.age[list(rows)] = 0
+
+    def resize(self, state: Any, keep: int, m: int) -> None:
+        """Rows 0 … keep−1 keep their state; new rows up to m start fresh (DeviceState.resize)."""
+        for per_param in self.store:
+            for key, t in per_param.items():
+                new = torch.zeros(m, *t.shape[1:], dtype=t.dtype, device=t.device)
+                new[:keep].copy_(t[:keep])
+                per_param[key] = new
+        age = torch.zeros(m, dtype=torch.int64)
+        age[:keep] = self.age[:keep]
+        self.age = age
+        self._cache.clear()
+        self._g32 = None
+
+    def share_memory(self) -> None:
+        """Move the state and ages to shared memory (worker processes step their rows)."""
+        for per_param in self.store:
+            for t in per_param.values():
+                t.share_memory_()
+        self.age.share_memory_()
+        self._cache.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"age": [m], "state": {"<index>/<key>": [m, ...]}}``, CPU copies."""
+        return {"age": self.age.clone(),
+                "state": {f"{i}/{k}": t.detach().cpu().clone()
+                          for i, per_param in enumerate(self.store) for k, t in per_param.items()}}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` in place (same keys and shapes).
+
+        Raises:
+            ValueError: other keys or shapes (another optimizer or model).
+        """
+        mine = {f"{i}/{k}": t for i, per_param in enumerate(self.store) for k, t in per_param.items()}
+        if set(mine) != set(saved["state"]) or saved["age"].shape != self.age.shape:
+            raise ValueError("the saved optimizer state has other keys or replicas than this "
+                             "plan's optimizer")
+        for name, t in mine.items():
+            t.copy_(saved["state"][name])
+        self.age.copy_(saved["age"])

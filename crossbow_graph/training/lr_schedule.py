@@ -1,0 +1,98 @@
+"""A torch.optim LR scheduler driving a fit (docs/design-overview.md §5, Run settings).
+
+``fit(lr_scheduler=sched, lr_scheduler_interval="epoch" | "round")`` takes any
+``torch.optim.lr_scheduler`` built over the plan's optimizer (``Plan.optimizer``: the optimizer
+given to ``compile``): OneCycleLR, SequentialLR of LinearLR warm-up and CosineAnnealingLR,
+MultiStepLR, ReduceLROnPlateau, ... ``LRSchedulerHook`` steps it at the end of every round or
+epoch (ReduceLROnPlateau: after each evaluation of z, with z's test loss; without an evaluation
+set, at the end of each epoch with its training loss). The scheduler writes the param groups'
+``lr`` (and momentum or betas, e.g. OneCycleLR's ``cycle_momentum``); every learner reads them at
+the next round (worker processes through the control block, engine/workers.py), so all learners
+see the same η at the same round, and so do all torchrun ranks (each steps its own scheduler on
+the same rounds). Its state is checkpointed with the fit (a hook's ``state_dict``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .hooks import FitContext, Hook
+
+if TYPE_CHECKING:
+    from ..api import Plan
+    from .history import EpochRecord, EvalRecord
+
+__all__ = ["LRSchedulerHook", "LR_INTERVALS", "check_lr_scheduler"]
+
+LR_INTERVALS = ("epoch", "round")
+
+
+def check_lr_scheduler(plan: "Plan", scheduler: Any, interval: str) -> None:
+    """Check ``fit(lr_scheduler=..., lr_scheduler_interval=...)`` before any round.
+
+    Raises:
+        TypeError: not a torch.optim LR scheduler.
+        ValueError: built over another optimizer than the plan's, or an unknown interval.
+    """
+    if interval not in LR_INTERVALS:
+        raise ValueError(f"lr_scheduler_interval={interval!r}: use 'epoch' or 'round'")
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+    if not isinstance(scheduler, (torch.optim.lr_scheduler.LRScheduler, plateau)):
+        raise TypeError(f"lr_scheduler must be a torch.optim.lr_scheduler scheduler built over "
+                        f"plan.optimizer, e.g. OneCycleLR(plan.optimizer, max_lr=0.1, "
+                        f"total_steps=...), got {type(scheduler).__name__}")
+    if scheduler.optimizer is not plan.optimizer:
+        raise ValueError(
+            f"lr_scheduler is built over another optimizer ({type(scheduler.optimizer).__name__} "
+            f"at {id(scheduler.optimizer):#x}) than the plan's; build it over the optimizer given "
+            f"to compile, or over plan.optimizer (with crossbow_graph.SGD the plan builds its own)")
+
+
+class LRSchedulerHook(Hook):
+    """Steps a torch.optim LR scheduler once per round or epoch of a fit (module docstring).
+
+    Args:
+        scheduler: a ``torch.optim.lr_scheduler`` scheduler over ``Plan.optimizer``.
+        interval: ``"epoch"`` or ``"round"`` (ignored by ReduceLROnPlateau, which steps after
+            each evaluation).
+    """
+
+    def __init__(self, scheduler: Any, interval: str = "epoch") -> None:
+        self.scheduler = scheduler
+        self.interval = interval
+        self.plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        self._evaluated = False
+
+    def _step(self, *args: float) -> None:
+        with warnings.catch_warnings():  # the plan, not the user, steps the optimizer
+            warnings.filterwarnings("ignore", message=r".*(lr_scheduler\.step\(\)|optimizer\.step\(\)).*")
+            self.scheduler.step(*args)
+
+    def before_fit(self, ctx: FitContext) -> None:
+        self._evaluated = False
+
+    def after_round(self, ctx: FitContext) -> None:
+        if self.interval == "round" and not self.plateau:
+            self._step()
+
+    def after_eval(self, ctx: FitContext, record: "EvalRecord") -> None:
+        if self.plateau:
+            self._evaluated = True
+            self._step(float(record.test_loss))
+
+    def after_epoch(self, ctx: FitContext, record: "EpochRecord") -> None:
+        if self.plateau:
+            if not self._evaluated and record.train_loss is not None:
+                self._step(float(record.train_loss))
+        elif self.interval == "epoch":
+            self._step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "evaluated": self._evaluated}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._evaluated = state["evaluated"]

@@ -1,0 +1,283 @@
+"""Any torch.optim optimizer and LR scheduler as each learner's local optimiser (engine/optim.py,
+training/lr_schedule.py): eager PyTorch is the oracle."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import crossbow_graph as cg
+from crossbow_graph.engine.optim import ELEMENTWISE
+
+N, B = 256, 8
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(N, 12, generator=g), torch.randint(0, 3, (N,), generator=g)
+    return TensorDataset(x, y)
+
+
+def _groups_adamw(model):
+    return torch.optim.AdamW([
+        {"params": model[0].parameters(), "lr": 3e-3},
+        {"params": list(model[1].parameters()) + list(model[3].parameters()), "lr": 1e-3,
+         "weight_decay": 0.1}], lr=1e-3, betas=(0.8, 0.99))
+
+
+def _rmsprop(model):
+    return torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.5)
+
+
+def _nesterov(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True,
+                           weight_decay=1e-4)
+
+
+def _adafactor(model):  # not elementwise: one instance per replica
+    return torch.optim.Adafactor(model.parameters(), lr=1e-2)
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _eager(model, make_opt, data, rounds, sched=None):
+    """The oracle: plain PyTorch on batch t in round t (shuffle=False, one learner)."""
+    opt = make_opt(model)
+    scheduler = sched(opt) if sched else None
+    x, y = data.tensors
+    model.train()
+    for t in range(rounds):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[t * B:(t + 1) * B]), y[t * B:(t + 1) * B]).backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+    return _flat(model)
+
+
+def _one_cycle(opt):
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=N // B)
+
+
+@pytest.mark.parametrize("make_opt,sched", [(_groups_adamw, None), (_rmsprop, None),
+                                            (_nesterov, _one_cycle), (_adafactor, None)],
+                         ids=["adamw-groups", "rmsprop", "sgd-nesterov-onecycle", "adafactor"])
+def test_one_learner_equals_eager_pytorch_step_for_step(data, make_opt, sched):
+    model = _net()
+    expected = _eager(copy.deepcopy(model), make_opt, data, N // B, sched)
+    opt = make_opt(model)
+    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                      devices=1, replicas=1, optimizer=opt, executor="inline")
+    history = plan.fit(data, shuffle=False, progress=False, metrics_every=None,
+                       lr_scheduler=sched(plan.optimizer) if sched else None,
+                       lr_scheduler_interval="round")
+    z = plan.central_weights()
+    assert float((z - expected).norm() / expected.norm()) < 1e-5
+    assert len(history.lr) == N // B
+    if sched:  # η per round, as the eager scheduler gave it
+        ref = _one_cycle(torch.optim.SGD([torch.zeros(1)], lr=0.05, momentum=0.9))
+        etas = []
+        for _ in range(N // B):
+            etas.append(ref.get_last_lr()[0])
+            ref.optimizer.step()
+            ref.step()
+        assert history.lr == pytest.approx(etas, rel=1e-12)
+
+
+@pytest.mark.parametrize("executor", ["inline", "process"])
+def test_four_learners_adamw_train_and_a_zero_lr_group_stays_bitwise(data, executor):
+    model = _net()
+    frozen = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 0.0},
+                             {"params": list(model[1].parameters()) + list(model[3].parameters())}],
+                            lr=1e-2)
+    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                      devices=2, replicas=2, optimizer=opt, executor=executor)
+    history = plan.fit(data, epochs=3, progress=False, metrics_every=None, eval_dataset=data)
+    losses = [e.test_loss for e in history.evals]
+    assert losses[-1] < losses[0]
+    z = plan.central_model()
+    assert torch.equal(z[0].weight, frozen[0]) and torch.equal(z[0].bias, frozen[1])
+    assert not torch.equal(z[3].weight, model[3].weight)
+
+
+def test_stacked_replicas_equal_one_instance_per_replica(data, monkeypatch):
+    """The elementwise optimizers' one instance over a device's rows is m optimizers: the same
+    numbers as one AdamW per replica."""
+    results = []
+    for stacked in (True, False):
+        model = _net()
+        opt = _groups_adamw(model)
+        plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy,
+                          batch_size=B, devices=1, replicas=4, optimizer=opt, executor="inline")
+        assert plan.settings.optimizer.stacked
+        if not stacked:
+            monkeypatch.setattr(plan.settings.optimizer, "stacked", False)
+            for s in plan.states:
+                s.optim_rows = type(s.optim_rows)(plan.settings.optimizer, s)
+        plan.fit(data, epochs=1, shuffle=False, progress=False, metrics_every=None)
+        results.append(plan.replica_weights())
+    torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-7)
+
+
+def test_a_new_replica_starts_from_z_with_fresh_optimizer_state(data):
+    model = _net()
+    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                      devices=1, replicas=2, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+                      executor="inline")
+    plan.fit(data, epochs=1, progress=False, metrics_every=None)
+    rows = plan.states[0].optim_rows
+    kept = {k: t[:2].clone() for k, t in rows.store[0].items()}
+    plan.set_replicas(3)
+    assert rows.age.tolist() == [N // (2 * B)] * 2 + [0]
+    for key, t in rows.store[0].items():
+        assert torch.equal(t[:2], kept[key])
+    torch.testing.assert_close(plan.states[0].w[2], plan.states[0].z, rtol=0, atol=0)
+    plan.fit(data, epochs=1, progress=False, metrics_every=None)  # ages differ: instances split
+    assert rows.age.tolist()[2] == N // (3 * B)
+    # Adam's step count is per replica: the new replica's bias correction is its own
+    assert float(rows.store[0]["step"][2]) == N // (3 * B)
+    assert float(rows.store[0]["step"][0]) == N // (2 * B) + N // (3 * B)
+
+
+def test_a_faulty_replica_gets_fresh_optimizer_state(data):
+    model = _net()
+    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                      devices=1, replicas=2, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+                      executor="inline")
+    plan.fit(data, epochs=1, progress=False, metrics_every=None)
+    poisoned = [False]
+
+    class Poison(cg.Hook):
+        def before_round(self, ctx):
+            if not poisoned[0]:
+                poisoned[0] = True
+                ctx.plan.states[0].w[1, 0] = float("nan")
+
+    history = plan.fit(data, epochs=1, progress=False, metrics_every=None, hooks=[Poison()])
+    assert [f.replica for f in history.faults] == [1]
+    rows = plan.states[0].optim_rows
+    ages = rows.age.tolist()
+    assert ages[1] < ages[0]  # fresh state at the fault, then its own steps
+    assert [float(rows.store[0]["step"][j]) for j in range(2)] == ages
+
+
+def test_resume_with_adamw_and_a_scheduler_is_bit_identical(data, tmp_path):
+    def run(epochs, resume, directory):
+        model = _net()
+        opt = _groups_adamw(model)
+        plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy,
+                          batch_size=B, devices=2, replicas=2, optimizer=opt)
+        sched = torch.optim.lr_scheduler.SequentialLR(plan.optimizer, [
+            torch.optim.lr_scheduler.LinearLR(plan.optimizer, start_factor=0.1, total_iters=4),
+            torch.optim.lr_scheduler.CosineAnnealingLR(plan.optimizer, T_max=20)], milestones=[4])
+        history = plan.fit(data, epochs=epochs, progress=False, metrics_every=None,
+                           checkpoint_dir=str(directory), resume=resume, lr_scheduler=sched,
+                           lr_scheduler_interval="round")
+        return plan, history
+
+    whole, h_whole = run(3, False, tmp_path / "a")
+    run(2, False, tmp_path / "b")
+    resumed, h_resumed = run(3, True, tmp_path / "b")
+    assert torch.equal(whole.central_weights(), resumed.central_weights())
+    assert torch.equal(whole.replica_weights(), resumed.replica_weights())
+    for a, b in zip(whole.states, resumed.states):
+        for key, t in a.optim_rows.store[0].items():
+            assert torch.equal(t, b.optim_rows.store[0][key])
+    assert h_whole.lr[-5:] == h_resumed.lr[-5:]
+    assert whole.optimizer.param_groups[1]["lr"] == resumed.optimizer.param_groups[1]["lr"]
+
+
+def test_reduce_on_plateau_reads_the_central_models_test_loss(data):
+    model = _net()
+    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                      devices=1, replicas=2, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(plan.optimizer, patience=0, factor=0.5,
+                                                       threshold=10.0, threshold_mode="abs")
+    # better only at the first evaluation, then halved at each
+    history = plan.fit(data, epochs=3, progress=False, metrics_every=None, eval_dataset=data,
+                       lr_scheduler=sched)
+    assert sched.best == pytest.approx(history.evals[0].test_loss)
+    assert plan.settings.lr == pytest.approx(0.05 * 0.5 ** 2)
+
+
+def test_torch_sgd_with_one_group_runs_the_sma_kernels(data):
+    model = _net()
+    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                      devices=1, replicas=2, optimizer=torch.optim.SGD(model.parameters(), lr=0.1,
+                                                                       momentum=0.9))
+    assert plan.settings.optimizer.kernel and plan.states[0].optim_rows is None
+    adam = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                      devices=1, replicas=2, optimizer=torch.optim.Adam(model.parameters()))
+    assert len(plan.kernels) > len(adam.kernels) == 1  # the row optimizer: central update only
+    assert "SGD(lr=0.1" in plan.summary() and "Adam(lr=0.001" in adam.summary()
+
+
+def test_cg_sgd_is_a_torch_sgd_a_scheduler_can_drive(data):
+    model = _net()
+    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                      devices=1, replicas=2, optimizer=cg.SGD(lr=0.1))
+    assert isinstance(plan.optimizer, torch.optim.SGD) and plan.settings.optimizer.kernel
+    sched = torch.optim.lr_scheduler.MultiStepLR(plan.optimizer, milestones=[1], gamma=0.1)
+    history = plan.fit(data, epochs=2, progress=False, metrics_every=None, lr_scheduler=sched)
+    per_epoch = N // (2 * B)
+    assert history.lr[:per_epoch] == [0.1] * per_epoch
+    assert history.lr[per_epoch:] == pytest.approx([0.01] * per_epoch)
+
+
+def test_elementwise_list_holds_the_elementwise_torch_optimizers():
+    assert torch.optim.AdamW in ELEMENTWISE and torch.optim.Adafactor not in ELEMENTWISE
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda m: torch.optim.LBFGS(m.parameters()), "closure"),
+    (lambda m: torch.optim.SparseAdam(m.parameters()), "sparse"),
+    (lambda m: torch.optim.Adam(_net().parameters()), "not a parameter of the model"),
+    (lambda m: torch.optim.Adam([{"params": m.parameters()}, {"params": m[0].parameters()}]),
+     None),
+    ("adam", "torch.optim optimizer"),
+])
+def test_optimizers_that_cannot_be_replicated_are_refused_before_training(data, bad, match):
+    model = _net()
+    x = data.tensors[0][:B]
+    if isinstance(bad, str):
+        with pytest.raises(TypeError, match=match):
+            cg.compile(model, (x,), nn.functional.cross_entropy, batch_size=B, optimizer=bad)
+        return
+    try:
+        opt = bad(model)
+    except ValueError as exc:  # torch.optim itself refuses a parameter in two groups
+        assert "more than one" in str(exc) or "appear" in str(exc)
+        return
+    with pytest.raises((TypeError, ValueError), match=match):
+        cg.compile(model, (x,), nn.functional.cross_entropy, batch_size=B, optimizer=opt)
+
+
+def test_ssgd_with_adamw_is_refused(data):
+    model = _net()
+    with pytest.raises(ValueError, match="SSGD"):
+        cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                   replicas=2, optimizer=torch.optim.AdamW(model.parameters()), sync=cg.SSGD())
+
+
+def test_a_scheduler_over_another_optimizer_is_refused(data):
+    model = _net()
+    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                      replicas=2, optimizer=torch.optim.AdamW(model.parameters()))
+    other = torch.optim.AdamW(_net().parameters())
+    with pytest.raises(ValueError, match="another optimizer"):
+        plan.fit(data, progress=False, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+    with pytest.raises(ValueError, match="lr_scheduler_interval"):
+        plan.fit(data, progress=False, lr_scheduler_interval="batch")
