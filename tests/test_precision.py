@@ -142,24 +142,26 @@ def _huge_loss(out, target):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_fp16_overflow_is_computed_again_at_a_lower_scale_not_a_fault(mode):
-    """An overflow of the loss scale halves that replica's scale and computes its step again:
-    no fault is recorded, every scale ends below 2¹⁶ (and ≥ 1), and the steps equal a float32
-    plan's at float16's resolution."""
+    """An overflow of the loss scale halves that replica's scale and computes its step again,
+    from the BatchNorm statistics it had: no fault is recorded, every scale ends below 2¹⁶ (and
+    ≥ 1), and the steps and statistics equal a float32 plan's at float16's resolution."""
     data = _learnable(64)
     out = {}
     for precision in ("fp32", "fp16"):
         torch.manual_seed(0)
-        plan = _plan(TinyNet(), replicas=2, learner_mode=mode, precision=precision,
+        plan = _plan(TinyBN(), replicas=2, learner_mode=mode, precision=precision,
                      loss_fn=_huge_loss, optimizer=cg.SGD(lr=1e-6, momentum=0.9))
         w0 = plan.central_weights()
         hist = plan.fit(data, 1, shuffle=False, progress=False)
         assert hist.faults == []
-        out[precision] = plan.central_weights() - w0, plan.states[0].loss_scales
-    scales = out["fp16"][1].scale
+        out[precision] = plan.central_weights() - w0, plan.central_model().bn, plan.states[0].loss_scales
+    scales = out["fp16"][2].scale
     assert bool((scales < LossScales.INIT).all()) and bool((scales >= 1).all())
-    assert out["fp32"][1] is None
-    step16, step32 = out["fp16"][0], out["fp32"][0]
+    assert out["fp32"][2] is None
+    (step16, bn16, _), (step32, bn32, _) = out["fp16"], out["fp32"]
     assert (step16 - step32).norm() / step32.norm() < 1e-2
+    torch.testing.assert_close(bn16.running_var, bn32.running_var, rtol=1e-2, atol=1e-3)
+    assert bn16.num_batches_tracked.item() == bn32.num_batches_tracked.item() == 4  # rounds
 
 
 def test_fp16_scale_grows_after_the_interval_of_finite_steps(monkeypatch):
