@@ -49,24 +49,27 @@ def _plan(model: nn.Module, **kw) -> cg.Plan:
     return cg.compile(model, (torch.randn(2, 1, 8, 8),), kw.pop("loss_fn", F.cross_entropy), **kw)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("mode", MODES)
-def test_one_learner_equals_eager_autocast_and_sgd(mode, precision):
+def test_one_learner_equals_eager_autocast_and_sgd(mode, precision, device):
     """One learner (k = 1) is torch.optim.SGD; under autocast it is eager autocast's forward,
     backward and SGD step (with GradScaler for float16), two steps. per_replica runs the same
     ops (float32 accumulation order only); fused runs batched kernels whose bfloat16/float16
     roundings differ, so its update is compared at the low precision's resolution (1e-2)."""
     torch.manual_seed(0)
     model = TinyBN()
-    eager = copy.deepcopy(model)
+    eager = copy.deepcopy(model).to(device)
     sgd = torch.optim.SGD(eager.parameters(), **OPT)
-    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
-    plan = _plan(model, learner_mode=mode, precision=precision)
+    scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
+    plan = _plan(model, learner_mode=mode, precision=precision,
+                 devices=1 if device == "cpu" else ["cuda:0"])
     w0 = _flat(eager.parameters())
     for x, y in _batches(2):
         plan.fit(TensorDataset(x, y), 1, shuffle=False, progress=False)
         sgd.zero_grad()
-        with torch.autocast("cpu", dtype=DTYPES[precision]):
+        x, y = x.to(device), y.to(device)
+        with torch.autocast(device, dtype=DTYPES[precision]):
             loss = F.cross_entropy(eager(x), y)
         scaler.scale(loss).backward()
         scaler.step(sgd)
@@ -76,7 +79,8 @@ def test_one_learner_equals_eager_autocast_and_sgd(mode, precision):
     if mode == "per_replica":
         torch.testing.assert_close(step_plan, step_eager, rtol=1e-5, atol=1e-7)
         bn = plan.central_model().bn
-        torch.testing.assert_close(bn.running_mean, eager.bn.running_mean, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(bn.running_mean.to(device), eager.bn.running_mean,
+                                   rtol=1e-5, atol=1e-7)
     else:
         assert (step_plan - step_eager).norm() / step_eager.norm() < 1e-2
     assert plan.states[0].g.dtype == torch.float32  # float32 parameters and gradients
