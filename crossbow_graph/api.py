@@ -19,6 +19,7 @@ from .config import LEARNER_MODES, SGD, SMA, SSGD, Adjustment
 from .engine.comm import Comm, Distributed, plan_facts
 from .engine.inputs import split_inputs
 from .engine.optim import LocalOptimizer, OptimizerRows, as_local_optimizer
+from .engine.precision import check_precision
 from .engine.scheduler import Scheduler
 from .engine.settings import RunSettings, settings_view
 from .engine.state import DeviceState, FlatLayout, float_buffers_named, model_dtype, trainable_named
@@ -139,6 +140,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     optimizer: "SGD | torch.optim.Optimizer" = SGD(), sync: SMA | SSGD = SMA(), concrete_args: dict[str, Any] | None = None,
     leaf_modules: Sequence[type[nn.Module]] = (), memory_budget: int | None = None,
     verify: bool = True, kernel_backend: str = "auto", distributed: Distributed | None = None,
+    precision: str = "fp32",
 ) -> "Plan":
     """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training.
 
@@ -189,6 +191,11 @@ def compile(  # noqa: A001 - the public name the design asks for
             ``devices`` × m learners of its own (``devices="auto"`` on GPUs: ``cuda:LOCAL_RANK``),
             k counts the learners of all ranks, and z starts as rank 0's model on every rank
             (docs/distributed.md). Without torchrun's environment it is ignored.
+        precision: the learners' forward: ``"fp32"`` (the default), or ``"bf16"``/``"fp16"``:
+            under ``torch.autocast`` of the device's type with bfloat16/float16, the parameters
+            and the SMA update staying float32 (a float32 model only); ``"fp16"`` adds a dynamic
+            loss scale per replica. Evaluation of z runs in float32 (engine/precision.py,
+            docs/runtime.md).
 
     Returns:
         The Plan.
@@ -198,7 +205,8 @@ def compile(  # noqa: A001 - the public name the design asks for
         ValueError: a bad argument (batch size, replicas, devices, a model without trainable
             floating-point parameters or with tensors on the meta device, an unknown
             kernel_backend, ``"c"`` or ``"triton"`` with a float64 model, batch_size=1 with
-            a BatchNorm layer that then sees one value per channel).
+            a BatchNorm layer that then sees one value per channel, an unknown precision, or
+            ``"bf16"``/``"fp16"`` with a model that is not float32).
         TypeError: ``loss_fn`` not callable, or a loss class instead of an instance.
         ImportError: ``kernel_backend="triton"`` without the triton package (says how to install).
         CompilerError: ``kernel_backend="c"`` and the C kernels cannot be built (says why and how
@@ -211,7 +219,7 @@ def compile(  # noqa: A001 - the public name the design asks for
         devices=devices, replicas=replicas, learner_mode=learner_mode, executor=executor,
         autotune=autotune, optimizer=optimizer, sync=sync, concrete_args=concrete_args,
         leaf_modules=leaf_modules, memory_budget=memory_budget, verify=verify,
-        kernel_backend=kernel_backend, distributed=distributed)
+        kernel_backend=kernel_backend, distributed=distributed, precision=precision)
     return _build_plan(args)
 
 
@@ -237,6 +245,7 @@ class _CompileArgs:
     verify: bool
     kernel_backend: str
     distributed: Distributed | None
+    precision: str
 
     @property
     def tuned(self) -> bool:
@@ -271,6 +280,7 @@ class _CompileArgs:
                              "gradient, which the process executor's workers do not wait for; use "
                              "executor='auto' or 'inline'")
         _check_model(self.model)
+        check_precision(self.precision, model_dtype(trainable_named(self.model)))
         budget = self.memory_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise TypeError(f"memory_budget={budget!r}: bytes per device as an integer, e.g. "
@@ -301,7 +311,7 @@ def _build_plan(args: _CompileArgs) -> "Plan":
                 learner_mode=args.learner_mode, executor=args.executor,
                 memory_budget=memory_budget, verify=args.verify,
                 autotune=(args.autotune or AutoTune()) if args.tuned else None, kernels=kernels,
-                comm=comm)
+                comm=comm, precision=args.precision)
     plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
     return plan
 
@@ -348,6 +358,7 @@ class Plan:
             settings in force); ``sync``: the SMA settings with the α and τ in force (or SSGD).
         memory_budget: bytes per device for learners (None: unbounded).
         autotuner: the AutoTuner hook that ``fit`` runs (``replicas="auto"``), else None.
+        precision: the learners' precision, ``"fp32"``, ``"bf16"`` or ``"fp16"`` (read-only).
     """
 
     batch_size = settings_view("batch_size", "b, samples per learner per round (read-only).")
@@ -369,7 +380,7 @@ class Plan:
                  learner_mode: str = "per_replica", executor: str = "auto",
                  memory_budget: int | None = None, verify: bool = True,
                  autotune: AutoTune | None = None, kernels: Any = None,
-                 comm: Comm | None = None) -> None:
+                 comm: Comm | None = None, precision: str = "fp32") -> None:
         self.model_graph = model_graph
         self.task_graph = task_graph
         self.loss_fn = loss_fn
@@ -386,7 +397,7 @@ class Plan:
                                     learner_mode=learner_mode)
         self.states = [
             DeviceState(name, _torch_device(name), self._template, self.replicas_per_device,
-                        self._params, self._buffers)
+                        self._params, self._buffers, precision=precision)
             for name in self.devices
         ]
         if not local.kernel:
@@ -417,6 +428,11 @@ class Plan:
     @property
     def devices(self) -> list[str]:
         return list(self.task_graph.graph["devices"])
+
+    @property
+    def precision(self) -> str:
+        """The learners' precision (engine/precision.py), held by the device states."""
+        return self.states[0].precision
 
     @property
     def num_learners(self) -> int:

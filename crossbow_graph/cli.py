@@ -19,6 +19,7 @@ from . import datasets, models
 from .compiler.inspect import inspect_model
 from .datasets import ImageDataset
 from .engine.comm import z_digest
+from .engine.precision import PRECISIONS
 from .errors import CheckpointError, DistributedError, DivergenceError
 from .tuning.metrics import MetricsMonitor
 from .tuning.policies import AdaptiveBatchSize, MultiStepLR, parse_policy
@@ -125,6 +126,9 @@ def _add_train_parser(sub) -> None:
                             "by measured samples/s)")
     train.add_argument("--learner-mode", default="per_replica", choices=("per_replica", "fused"),
                        help="learners' mode (with --replicas auto the tuner also tries the other one)")
+    train.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                       help="learners' forward: fp32 (default), or bf16/fp16 under torch.autocast "
+                            "with float32 parameters (fp16 with a loss scale per replica)")
     train.add_argument("--lr", type=float, default=None,
                        help=f"learning rate η of every learner (default {DEFAULT_LR}, tuned for "
                             "LeNet-5/MNIST at b=16, k=4 by bench/lr_sweep_w1.py). With the default, "
@@ -394,6 +398,7 @@ def _train(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         learner_mode=args.learner_mode,
         optimizer=_optimizer(args, model, lr),
+        precision=args.precision,
         sync=cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum),
         distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every),
     )

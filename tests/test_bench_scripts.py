@@ -1,5 +1,6 @@
 """The benchmarks are scripts of bench/, run from a checkout; the CLI has no ``bench`` subcommand."""
 
+import json
 import os
 import subprocess
 import sys
@@ -23,3 +24,24 @@ def test_tta_script_help_lists_the_systems():
                          capture_output=True, text=True, check=True).stdout
     for system in ("plain-B32", "localsgd", "crossbow-r2", "crossbow-auto", "crossbow-ssgd"):
         assert system in out
+
+
+def test_tta_baselines_smoke_runs_one_plain_recipe(tmp_path, capsys):
+    """bench/tta_baselines.py --smoke: one plain-PyTorch recipe for one epoch of a subset, in a
+    ``--one`` subprocess as every run of the sweep; its JSON holds the run's evaluations at the
+    bench/tta.py cadence (here 2 per epoch) and the summary."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import tta_baselines
+
+    out = tmp_path / "smoke.json"
+    assert tta_baselines.main(["--smoke", "--threads", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (run,) = data["runs"]
+    assert run["system"] == "sgd-multistep:64:0.04" and "error" not in run["result"]
+    assert [e["epoch"] for e in run["result"]["evals"]] == [0.5, 1.0]
+    assert run["result"]["samples"] == 2048 // 64 * 64 and run["result"]["threads"] == 1
+    assert data["summary"]["systems"]["sgd-multistep:64:0.04"]["runs"] == 1
+    assert "sgd-multistep:64:0.04" in capsys.readouterr().out
+    assert len(tta_baselines.grid()) == 3 * 4 * 3  # recipes × B × lrs
+    assert tta_baselines.parse_config("adamw-onecycle:128:0.004") == dict(
+        recipe="adamw-onecycle", batch=128, lr=0.004)

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+import crossbow_graph as cg
+
 from crossbow_graph.cli import DEFAULT_LR, DEFAULT_LR_BATCH, build_parser, main
 
 
@@ -110,3 +112,22 @@ def test_bad_optimizer_flags_are_one_line_errors(capsys):
     out = subprocess.run([sys.executable, "-m", "crossbow_graph", "train", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "--optimizer" in out and "(default: sgd)" in out and "(default: multistep)" in out
+
+
+def test_precision_flag_reaches_the_plan(capsys, monkeypatch):
+    """--precision (default fp32, said by --help) compiles the learners' precision; a bad one is
+    an argparse usage error naming the choices."""
+    assert build_parser().parse_args(["train"]).precision == "fp32"
+    helptext = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    assert "--precision" in helptext and "fp32 (default)" in helptext
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--precision", "bf17"])
+    err = capsys.readouterr().err
+    assert "'bf17'" in err and all(p in err for p in ("fp32", "bf16", "fp16"))
+    plans = []
+    compile_ = cg.compile
+    monkeypatch.setattr(cg, "compile", lambda *a, **kw: plans.append(compile_(*a, **kw)) or plans[-1])
+    small = ["train", "--train-samples", "512", "--test-samples", "256", "--epochs", "1",
+             "--target", "0", "--evals-per-epoch", "1", "--quiet", "--metrics-every", "0"]
+    assert main(small + ["--precision", "bf16"]) == 0
+    assert [p.precision for p in plans] == ["bf16"]

@@ -307,7 +307,8 @@ class Comm:
 
 def plan_facts(plan: "Plan") -> dict[str, Any]:
     """What every rank's plan must share: the model's fingerprint (parameter and buffer names,
-    shapes, dtypes), devices per process, replicas, batch size, optimiser and SMA settings."""
+    shapes, dtypes), devices per process, replicas, batch size, optimiser and SMA settings, the
+    learners' precision."""
     template = plan.template
     model = [(n, tuple(p.shape), str(p.dtype)) for n, p in template.named_parameters()]
     model += [(n, tuple(b.shape), str(b.dtype)) for n, b in template.named_buffers()]
@@ -318,6 +319,7 @@ def plan_facts(plan: "Plan") -> dict[str, Any]:
         "batch_size": plan.batch_size,
         "optimizer": plan.settings.optimizer.describe(),
         "sync": dataclasses.asdict(plan.sync),
+        "precision": plan.precision,
     }
 
 

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 from ..config import LEARNER_MODES
 from .inputs import split_inputs
 from .fused import FusedProgram
+from .precision import autocast
 from .state import DeviceState
 
 __all__ = ["LEARNER_MODES", "check_loss", "learn_group", "learner_seed", "rows", "seed_host_rngs",
@@ -102,6 +103,11 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
                 rng_seed: int | None = None) -> list[torch.Tensor]:
     """Forward and backward of replicas ``r0 … r1−1`` of ``state`` on their own batches.
 
+    The forward and loss run under the state's precision (``state.precision``: autocast for
+    ``"bf16"``/``"fp16"``, engine/precision.py); with ``"fp16"`` each replica backpropagates its
+    loss times its loss scale, its gradient is unscaled, and an overflow is computed again at a
+    lower scale (``LossScales.settle``), so ``g`` holds the unscaled gradients.
+
     Args:
         state: the device's replicas and flat buffers.
         r0, r1: the group's rows of ``w``/``g`` (``r1 − r0`` replicas).
@@ -114,7 +120,7 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
         fused: the FusedProgram of the device (fused mode).
         rng_seed: if given, torch's RNG is seeded with it before replica r0's forward and with
             ``rng_seed + (r − r0)`` before replica r's (see ``learner_seed``); fused mode seeds
-            once for the group.
+            once for the group. A float16 recomputation seeds again (the same dropout masks).
 
     Returns:
         The r1 − r0 losses (0-dim tensors, detached).
@@ -122,18 +128,51 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
     state.g[r0:r1].zero_()
     if mode == "fused":
         assert fused is not None
-        if rng_seed is not None:
-            seed_rng(state.torch_device, rng_seed)
-        return list(fused.step(state, r0, r1, batch).unbind())
+        reseed = None if rng_seed is None else (lambda: seed_rng(state.torch_device, rng_seed))
+        return list(fused.step(state, r0, r1, batch, reseed=reseed).unbind())
     b = batch_size
     losses = []
     for r in range(r0, r1):
         mine = slice_batch(batch, (r - r0) * b, (r - r0 + 1) * b, state.torch_device)
-        args, kwargs, target = split_inputs(mine)
-        if rng_seed is not None:
-            seed_rng(state.torch_device, rng_seed + (r - r0))
-        loss = loss_fn(state.replicas[r](*args, **kwargs), target)
-        check_loss(loss)
-        loss.backward()
-        losses.append(loss.detach())
+        seed = None if rng_seed is None else rng_seed + (r - r0)
+        losses.append(_learn_replica(state, r, mine, loss_fn, seed))
     return losses
+
+
+def _learn_replica(state: DeviceState, r: int, batch: Any, loss_fn: Callable,
+                   seed: int | None) -> torch.Tensor:
+    """Replica r's forward (under the state's precision) and backward into ``g[r]``; with float16
+    loss scales, computed again at half the scale, from the same buffers, while it overflows."""
+    args, kwargs, target = split_inputs(batch)
+    module, scales = state.replicas[r], state.loss_scales
+    saved = _buffers_of(state, r) if scales is not None else None
+    while True:
+        if seed is not None:
+            seed_rng(state.torch_device, seed)
+        with autocast(state.precision, state.torch_device):
+            loss = loss_fn(module(*args, **kwargs), target)
+        check_loss(loss)
+        if scales is None:
+            loss.backward()
+            return loss.detach()
+        (loss * scales.weights(r, r + 1, loss)[0]).backward()
+        if scales.settle(r, r + 1, loss.reshape(1), state.g[r:r + 1]):
+            return loss.detach()
+        state.g[r].zero_()
+        _restore_buffers(state, r, saved)
+
+
+def _buffers_of(state: DeviceState, r: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Replica r's float buffers ``[Q]`` and integer buffers, copied (before a forward that a
+    float16 overflow may make us run again)."""
+    ints = {n: t.clone() for n, t in state.replicas[r].named_buffers() if not t.is_floating_point()}
+    return state.buf[r].clone(), ints
+
+
+@torch.no_grad()
+def _restore_buffers(state: DeviceState, r: int,
+                     saved: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+    state.buf[r].copy_(saved[0])
+    named = dict(state.replicas[r].named_buffers())
+    for n, t in saved[1].items():
+        named[n].copy_(t)

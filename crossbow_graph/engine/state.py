@@ -14,6 +14,10 @@ changed (their version counter moved).
 
 A float64 model trains in float64: ``w``, ``v``, ``z``, ``z_prev``, ``g`` and the buffers are all
 float64 and its modules' parameters are views into ``w``/``z`` directly, as for a float32 model.
+
+Mixed precision (``precision="bf16"``/``"fp16"``, engine/precision.py) keeps a float32 model's
+state as it is: the learners' forward runs under autocast; with ``"fp16"`` each replica also has
+its loss scale in ``loss_scales``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from .precision import LossScales
 
 __all__ = ["FlatLayout", "DeviceState", "bind_flat", "model_dtype", "master_dtype", "LOW_PRECISION"]
 
@@ -173,12 +179,17 @@ class DeviceState:
         optim_rows: the replicas' optimizer state when a row optimizer (not the SGD kernels)
             runs the local step (engine/optim.py ``OptimizerRows``; ``v`` is then unused), else
             None.
+        precision: the learners' precision (``"fp32"``, ``"bf16"``, ``"fp16"``;
+            engine/precision.py); ``loss_scales``: the replicas' float16 loss scales
+            (``LossScales``) with ``"fp16"``, else None.
     """
 
     def __init__(self, name: str, torch_device: torch.device, template: nn.Module, m: int,
-                 params: FlatLayout, buffers: FlatLayout) -> None:
+                 params: FlatLayout, buffers: FlatLayout, *, precision: str = "fp32") -> None:
         self.name = name
         self.torch_device = torch_device
+        self.precision = precision
+        self.loss_scales = LossScales(m) if precision == "fp16" else None
         self.params = params
         self.buffers = buffers
         self.dtype = dtype = model_dtype(trainable_named(template))
@@ -287,6 +298,8 @@ class DeviceState:
         self.first_step = self.first_step[:keep] + [True] * (m - keep)
         if self.optim_rows is not None:
             self.optim_rows.resize(self, keep, m)
+        if self.loss_scales is not None:
+            self.loss_scales = self.loss_scales.resized(m)
 
     def share_memory(self) -> None:
         """Move every flat buffer, and the replicas' integer buffers (``num_batches_tracked``), to
@@ -294,6 +307,8 @@ class DeviceState:
         for t in (self.w, self.v, self.g, self.buf, self.z, self.z_prev, self.zbuf, self.w_model,
                   self.z_model):
             t.share_memory_()
+        if self.loss_scales is not None:
+            self.loss_scales.share_memory()
         for r in self.replicas:
             for b in r.buffers():
                 if not b.is_floating_point():

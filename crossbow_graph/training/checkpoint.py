@@ -6,7 +6,8 @@ A checkpoint holds everything the next round depends on:
   trainable parameter, float buffer and integer buffer, in the order of the flat buffers; checked
   on load by ``check_same_model``); per device the replicas ``w [m, P]``, momenta ``v [m, P]``,
   the central model ``z [P]`` and ``z_prev [P]``, float buffers ``buf [m, Q]`` and ``zbuf [Q]``,
-  every replica's integer buffers (``num_batches_tracked``), the ``first_step`` flags; the run
+  every replica's integer buffers (``num_batches_tracked``), the ``first_step`` flags, the
+  float16 learners' loss scales (engine/precision.py); the run
   settings a policy may have changed (``Plan.settings``: batch size b, SMA α and τ, the
   learning rate η, the learner mode), which a resumed fit continues with; the current epoch's losses;
   the counters (epochs and rounds done, the round within the epoch, the sample position in it,
@@ -82,6 +83,8 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
             "optimizer_rows": s.optim_rows.state_dict() if s.optim_rows is not None else None,
             "int_buffers": [{n: b.detach().cpu().clone() for n, b in r.named_buffers()
                              if not b.is_floating_point()} for r in s.replicas],
+            "loss_scales": None if s.loss_scales is None else  # float16 learners (engine/precision.py)
+            (s.loss_scales.scale.clone(), s.loss_scales.good.clone()),
         })
     sched, settings = plan.scheduler, plan.settings
     return {
@@ -199,6 +202,9 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
             except ValueError as exc:
                 raise CheckpointError(f"{exc}; resume with the optimizer the checkpoint was "
                                       f"written with") from None
+        if s.loss_scales is not None and saved.get("loss_scales") is not None:
+            s.loss_scales.scale.copy_(saved["loss_scales"][0])
+            s.loss_scales.good.copy_(saved["loss_scales"][1])
         for r, ints in zip(s.replicas, saved["int_buffers"]):
             named = dict(r.named_buffers())
             for n, value in ints.items():
