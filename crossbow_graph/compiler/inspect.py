@@ -331,8 +331,11 @@ def inspect_model(model: Any, example_inputs: tuple[Any, ...] | dict[str, Any], 
 
     No replica is allocated, so plans too large for this machine can still be inspected.
 
+    A model torch.fx cannot trace is analysed eagerly, with a TraceWarning (compiler/trace.py).
+
     Raises:
-        TraceError: the model cannot be traced. PlanError: the plan is unsound (e.g. memory).
+        TraceError: the example inputs do not run through the model. PlanError: the plan is
+            unsound (e.g. memory).
     """
     mg = trace_model(model, example_inputs, concrete_args=concrete_args, leaf_modules=leaf_modules)
     graph = build_task_graph(mg, devices=devices, replicas_per_device=replicas_per_device,

@@ -105,7 +105,7 @@ def annotate_costs(graph: nx.DiGraph, model_graph: ModelGraph) -> nx.DiGraph:
     out.graph["memory_per_learner_bytes"] = est.total
     out.graph["memory"] = est.as_dict()
     out.graph["model"] = {
-        "name": model_graph.module.__class__.__name__,
+        "name": model_graph.name,
         "num_trainable": p,
         "num_parameters": model_graph.num_parameters,
         "num_buffers": sum(x.numel for x in model_graph.buffers),

@@ -6,7 +6,7 @@ import dataclasses
 import numbers
 import os
 import tempfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import is_count
 
@@ -54,6 +54,12 @@ class FitOptions:
         metrics: the metrics monitor (``crossbow_graph.MetricsMonitor``, built by ``Plan.fit``
             from its ``metrics_every``), run after the hooks and before the policies; None: no
             metrics.
+        metric_fn: ``metric_fn(output, target) -> float`` (or a 0-dim tensor), a batch's mean
+            accuracy in [0, 1] (higher is better): z's ``test_accuracy`` is its mean over the
+            ``eval_dataset`` and ``target_accuracy`` compares with it. None: the class accuracy
+            of the output's ``[N, C]`` scores (a tensor, ``output.logits``, or the first tensor
+            of a tuple or dict) against integer targets ``[N]``; for any other output
+            ``test_accuracy`` is None, with a warning (training/evaluation.py).
 
     ``hooks`` and ``policies`` are kept as tuples.
 
@@ -62,7 +68,7 @@ class FitOptions:
             ``target_accuracy`` outside (0, 1], ``resume=True`` or ``checkpoint_every`` without
             ``checkpoint_dir``, a ``trace`` path whose folder is missing or not writable, a
             ``log_dir`` that is a file or cannot be created or written.
-        TypeError: ``seed`` not an integer, ``target_accuracy`` not a number, ``shuffle``,
+        TypeError: ``metric_fn`` not callable, ``seed`` not an integer, ``target_accuracy`` not a number, ``shuffle``,
             ``progress`` or ``resume`` not a bool, ``hooks``/``policies`` not a list of hook
             objects (one hook alone, or a class instead of an instance).
     """
@@ -82,6 +88,7 @@ class FitOptions:
     trace: str | None = None
     policies: tuple["Hook", ...] = ()
     metrics: "Hook | None" = None
+    metric_fn: "Callable[[Any, Any], Any] | None" = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hooks", as_hooks("hooks", self.hooks))
@@ -89,6 +96,9 @@ class FitOptions:
         for name in ("shuffle", "progress", "resume"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if self.metric_fn is not None and not callable(self.metric_fn):
+            raise TypeError(f"metric_fn={self.metric_fn!r}: must be callable as "
+                            "metric_fn(output, target) -> the batch's accuracy, or None")
         if not is_count(self.epochs):
             raise ValueError(f"epochs={self.epochs!r}: must be an integer ≥ 1")
         seed = self.seed
