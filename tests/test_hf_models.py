@@ -178,6 +178,32 @@ def test_the_analysis_of_an_untraceable_hf_model_counts_flopcountermodes_flops()
         cg.compile(model, {"input_ids": ids}, _logits_loss, batch_size=4, strict_trace=True)
 
 
+class _Wrapper(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+def test_an_hf_model_as_a_leaf_module_counts_its_flops():
+    """The root as a leaf, and a wrapper with the model as a leaf: both measured eagerly."""
+    model = _gpt2()
+    ids = _tokens(7)[:2]
+    with FlopCounterMode(display=False) as counter:
+        model.train()(input_ids=ids)
+    flops = counter.get_total_flops()
+    root = cg.compile(model, {"input_ids": ids}, _logits_loss, batch_size=2, replicas=1,
+                      leaf_modules=[transformers.GPT2LMHeadModel], strict_trace=True)
+    assert root.model_graph.analysis.forward_flops_per_sample * 2 == pytest.approx(flops, rel=1e-12)
+    wrapped = cg.compile(_Wrapper(model), (ids,), lambda out, y: out.sum(), batch_size=2,
+                         replicas=1, leaf_modules=[transformers.GPT2LMHeadModel], strict_trace=True)
+    leaf = next(n for n in wrapped.model_graph.analysis.nodes if n.name == "model")
+    assert leaf.op == "measured" and leaf.flops == flops and leaf.saved_bytes > 0
+    assert " 0.00 MFLOP/sample" not in wrapped.summary()
+
+
 def test_loss_fn_none_without_labels_among_the_inputs_fails_at_compile():
     ids = _tokens(5)[:2]
     with pytest.raises(ValueError, match=r"loss_fn=None trains on the loss GPT2LMHeadModel computes.*"
