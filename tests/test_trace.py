@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
+from torch.utils.flop_counter import FlopCounterMode
 
 import crossbow_graph as cg
 from crossbow_graph.compiler.trace import trace_model
@@ -312,7 +313,6 @@ class _Branchy(nn.Module):
 
 
 def _flop_counter(module: nn.Module, *args) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
     with FlopCounterMode(display=False) as counter:
         module(*args)
     return counter.get_total_flops()
