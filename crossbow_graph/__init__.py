@@ -1,6 +1,6 @@
 """crossbow_graph: small-batch, many-replica training with synchronous model averaging (SMA).
 
-``compile(model, ...)`` traces a PyTorch model with torch.fx into a Plan of learner and
+``compile(model, ...)`` traces a PyTorch model (torch.fx, or an eager analysis) into a Plan of learner and
 synchronisation tasks; ``Plan.fit`` runs it. See docs/design-overview.md and the README.
 """
 
@@ -13,7 +13,7 @@ from .config import SGD, SMA, SSGD, Adjustment
 from .engine.comm import Distributed
 from .engine.settings import RunSettings
 from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, PlanError,
-                     TaskError, TraceError)
+                     TaskError, TraceError, TraceWarning)
 from .training.history import History
 from .training.hooks import FitContext, Hook
 from .training.options import FitOptions
@@ -24,7 +24,7 @@ from .tuning.policies import (AdaptiveBatchSize, AutoReplicas, CosineLR, Diverge
 
 __all__ = [
     "compile", "Plan", "SGD", "SMA", "SSGD", "AutoTune", "Task", "TaskKind", "Cost", "History",
-    "TraceError", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
+    "TraceError", "TraceWarning", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
     "DivergenceError", "CheckpointError",
     "datasets", "models",
     "Policy", "Adjustment", "AutoReplicas", "AdaptiveBatchSize", "StepLR", "MultiStepLR",

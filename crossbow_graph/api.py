@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import math
 import pathlib
+import warnings
 from typing import Any, Callable, Sequence
 
 import networkx as nx
@@ -13,11 +14,11 @@ import torch
 from torch import nn
 
 from .compiler import inspect as _inspect
+from .compiler.outputs import model_loss
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
 from .config import LEARNER_MODES, SGD, SMA, SSGD, Adjustment
 from .engine.comm import Comm, Distributed, plan_facts
-from .engine.inputs import split_inputs
 from .engine.optim import LocalOptimizer, OptimizerRows, as_local_optimizer
 from .engine.precision import check_precision
 from .engine.scheduler import Scheduler
@@ -26,7 +27,8 @@ from .engine.state import DeviceState, FlatLayout, float_buffers_named, model_dt
 from .errors import is_count
 from .kernels.select import plan_kernels, select_backend
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
-from .training.data import as_dataset, make_fetch
+from .training.data import as_dataset
+from .training.evaluation import evaluate_model
 from .training.history import History
 from .training.hooks import Hook
 from .training.options import FitOptions, as_hooks
@@ -108,39 +110,31 @@ def _check_model(model: nn.Module) -> None:
                          "(requires_grad=False): there is nothing to train")
 
 
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-
 def _check_batch_norm(model_graph: ModelGraph, batch_size: int) -> None:
     """BatchNorm in training mode needs more than one value per channel: b · (spatial size) > 1,
-    read from the traced input shape of every BatchNorm module (BatchNorm1d on ``[N, C]`` at
-    b = 1 fails; BatchNorm2d on ``[N, C, H, W]`` with H·W > 1 works)."""
+    read from the traced (or measured) input shape of every BatchNorm module (BatchNorm1d on
+    ``[N, C]`` at b = 1 fails; BatchNorm2d on ``[N, C, H, W]`` with H·W > 1 works)."""
     if batch_size != 1:
         return
-    gm = model_graph.module
-    for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        module = gm.get_submodule(str(node.target))
-        shape = model_graph.node_meta.get(node.name, {}).get("shape")
-        if not isinstance(module, _BATCH_NORMS) or shape is None:
-            continue
+    for path, cls, shape in model_graph.batch_norm_inputs:
         if math.prod(shape[2:]) == 1:  # one value per channel and sample
             raise ValueError(
-                f"batch_size=1 with {type(module).__name__} '{node.target}', which normalises "
+                f"batch_size=1 with {cls} '{path}', which normalises "
                 f"inputs of shape [1, {', '.join(map(str, shape[1:]))}] per learner: BatchNorm "
                 "needs more than one value per channel in training; use batch_size ≥ 2, or "
                 "GroupNorm/LayerNorm instead of BatchNorm")
 
 
 def compile(  # noqa: A001 - the public name the design asks for
-    model: nn.Module, example_inputs: tuple[Any, ...], loss_fn: Callable[[Any, Any], torch.Tensor],
+    model: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     *, batch_size: int, devices: int | str | Sequence[str] = 1, replicas: int | str = "auto",
     learner_mode: str = "per_replica", executor: str = "auto", autotune: AutoTune | None = None,
     optimizer: "SGD | torch.optim.Optimizer" = SGD(), sync: SMA | SSGD = SMA(), concrete_args: dict[str, Any] | None = None,
     leaf_modules: Sequence[type[nn.Module]] = (), memory_budget: int | None = None,
     verify: bool = True, kernel_backend: str = "auto", distributed: Distributed | None = None,
     precision: str = "fp32",
+    strict_trace: bool = False,
 ) -> "Plan":
     """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training.
 
@@ -150,9 +144,14 @@ def compile(  # noqa: A001 - the public name the design asks for
 
     Args:
         model: the ``nn.Module`` to train (floating-point parameters).
-        example_inputs: one batch of positional inputs, e.g. ``(x,)`` with ``x [N, 1, 28, 28]``.
+        example_inputs: one batch: a tuple of positional inputs, e.g. ``(x,)`` with
+            ``x [N, 1, 28, 28]``, or a dict of keyword inputs, e.g. a HuggingFace model's
+            ``{"input_ids": ids [N, T], "attention_mask": mask [N, T]}``.
         loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the batch), e.g.
-            ``torch.nn.functional.cross_entropy``.
+            ``torch.nn.functional.cross_entropy``; it receives the output as the model returns
+            it (a tensor, tuple, dict or HuggingFace ModelOutput: ``output.logits``). None:
+            train on the loss the model computes from labels among its inputs
+            (``output.loss`` or ``output["loss"]``; compiler/outputs.py ``model_loss``).
         batch_size: b, samples per learner per round (> 0).
         devices: ``"auto"`` (every GPU, else one CPU device), a count, or device names.
         replicas: m, replicas per device (≥ 1), or ``"auto"``: start at m = 1 and let the
@@ -173,7 +172,8 @@ def compile(  # noqa: A001 - the public name the design asks for
             over it drives them, ``fit(lr_scheduler=...)``).
         sync: the SMA settings (α = None means 1/k), or ``SSGD()``: gradients averaged over the
             k learners and one SGD step for all replicas (a batch of k·b; the inline executor).
-        concrete_args, leaf_modules: passed to the torch.fx tracer (see TraceError's advice).
+        concrete_args, leaf_modules: passed to the torch.fx tracer (see TraceError's advice);
+            leaf modules, and the model itself as one, are measured eagerly for the analysis.
         memory_budget: bytes available per device for learners; None: no bound on the CPU, the
             GPU's total memory on CUDA.
         verify: run the verifier between compiler passes.
@@ -196,17 +196,23 @@ def compile(  # noqa: A001 - the public name the design asks for
             and the SMA update staying float32 (a float32 model only); ``"fp16"`` adds a dynamic
             loss scale per replica. Evaluation of z runs in float32 (engine/precision.py,
             docs/runtime.md).
+        strict_trace: require an fx graph: raise TraceError when torch.fx (and, for a
+            HuggingFace model, transformers' tracer) cannot trace the model. False: such a model
+            trains as given, analysed by one measured eager forward, with a ``TraceWarning``
+            saying what inspection lost (compiler/trace.py, docs/compiler.md §1).
 
     Returns:
         The Plan.
 
     Raises:
-        TraceError: torch.fx cannot trace the model, or the example inputs do not run through it.
+        TraceError: the example inputs do not run through the model, or (``strict_trace``)
+            torch.fx cannot trace it.
         ValueError: a bad argument (batch size, replicas, devices, a model without trainable
             floating-point parameters or with tensors on the meta device, an unknown
             kernel_backend, ``"c"`` or ``"triton"`` with a float64 model, batch_size=1 with
-            a BatchNorm layer that then sees one value per channel, an unknown precision, or
-            ``"bf16"``/``"fp16"`` with a model that is not float32).
+            a BatchNorm layer that then sees one value per channel, an unknown precision,
+            ``"bf16"``/``"fp16"`` with a model that is not float32, ``loss_fn=None`` with a
+            model whose output on the example inputs carries no loss).
         TypeError: ``loss_fn`` not callable, or a loss class instead of an instance.
         ImportError: ``kernel_backend="triton"`` without the triton package (says how to install).
         CompilerError: ``kernel_backend="c"`` and the C kernels cannot be built (says why and how
@@ -219,7 +225,8 @@ def compile(  # noqa: A001 - the public name the design asks for
         devices=devices, replicas=replicas, learner_mode=learner_mode, executor=executor,
         autotune=autotune, optimizer=optimizer, sync=sync, concrete_args=concrete_args,
         leaf_modules=leaf_modules, memory_budget=memory_budget, verify=verify,
-        kernel_backend=kernel_backend, distributed=distributed, precision=precision)
+        kernel_backend=kernel_backend, distributed=distributed, precision=precision,
+        strict_trace=strict_trace)
     return _build_plan(args)
 
 
@@ -230,7 +237,7 @@ class _CompileArgs:
 
     model: nn.Module
     example_inputs: tuple[Any, ...]
-    loss_fn: Callable[[Any, Any], torch.Tensor]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
     batch_size: int
     devices: int | str | Sequence[str]
     replicas: int | str
@@ -246,6 +253,7 @@ class _CompileArgs:
     kernel_backend: str
     distributed: Distributed | None
     precision: str
+    strict_trace: bool = False
 
     @property
     def tuned(self) -> bool:
@@ -262,8 +270,9 @@ class _CompileArgs:
                              "or 'auto'")
         if autotune is not None and not isinstance(autotune, AutoTune):
             raise TypeError(f"autotune must be crossbow_graph.AutoTune(...), got {type(autotune).__name__}")
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), or None (the "
+                            f"model's own output.loss), got {type(loss_fn).__name__}")
         if isinstance(loss_fn, type):  # the class itself is callable too: loss_fn(output, target) builds one
             prefix = "nn." if loss_fn.__module__.startswith("torch.nn") else ""
             raise TypeError(f"loss_fn={prefix}{loss_fn.__name__} is a class, not a loss: pass an "
@@ -297,8 +306,13 @@ def _build_plan(args: _CompileArgs) -> "Plan":
     kernels = select_backend(args.kernel_backend, "cuda" if names[0].startswith("cuda") else "cpu",
                              model_dtype(trainable_named(args.model)))
     model_graph = trace_model(args.model, args.example_inputs, concrete_args=args.concrete_args,
-                              leaf_modules=args.leaf_modules)
+                              leaf_modules=args.leaf_modules, strict=args.strict_trace)
     _check_batch_norm(model_graph, args.batch_size)
+    if args.loss_fn is None and not model_graph.output_has_loss:
+        raise ValueError(f"loss_fn=None trains on the loss {model_graph.name} computes itself "
+                         "(output.loss or output['loss']), but its output on the example inputs "
+                         "has none: put the labels among the example inputs, e.g. "
+                         "{'input_ids': ids, 'labels': labels}, or pass a loss_fn(output, target)")
     memory_budget = args.memory_budget
     if memory_budget is None and names[0].startswith("cuda"):
         memory_budget = torch.cuda.get_device_properties(_torch_device(names[0])).total_memory
@@ -306,7 +320,8 @@ def _build_plan(args: _CompileArgs) -> "Plan":
                              replicas_per_device=1 if args.tuned else args.replicas,
                              batch_size=args.batch_size, memory_budget_bytes=memory_budget,
                              verify=args.verify)
-    plan = Plan(model=args.model, model_graph=model_graph, task_graph=graph, loss_fn=args.loss_fn,
+    plan = Plan(model=args.model, model_graph=model_graph, task_graph=graph,
+                loss_fn=model_loss if args.loss_fn is None else args.loss_fn,
                 batch_size=args.batch_size, optimizer=args.optimizer, sync=args.sync,
                 learner_mode=args.learner_mode, executor=args.executor,
                 memory_budget=memory_budget, verify=args.verify,
@@ -422,6 +437,7 @@ class Plan:
         self.round_in_epoch = 0  # rounds done in an unfinished epoch (a resumed fit starts there)
         self.position_in_epoch = 0  # samples of the epoch's order used so far
         self.train_seconds = 0.0
+        self._unscored_warned = False  # evaluate's warning that no accuracy can be computed
 
     # -- shape of the plan ------------------------------------------------------------------
 
@@ -653,31 +669,27 @@ class Plan:
         return out.eval()
 
     @torch.no_grad()
-    def evaluate(self, dataset: Any, *, batch_size: int = 1000) -> tuple[float | None, float]:
-        """Test accuracy (fraction) and mean loss of z on ``dataset``.
+    def evaluate(self, dataset: Any, *, batch_size: int = 1000,
+                 metric_fn: Callable[[Any, Any], Any] | None = None) -> tuple[float | None, float]:
+        """Test accuracy (fraction) and mean loss of z on ``dataset``
+        (training/evaluation.py ``evaluate_model``).
 
-        The accuracy is None when the output is not ``[N, C]`` class scores with integer targets.
+        The accuracy is ``metric_fn(output, target)`` averaged over the samples when given;
+        else the class accuracy of the output's class scores ``[N, C]`` (the output,
+        ``output.logits`` of a HuggingFace ModelOutput, or the first tensor of a tuple or dict)
+        against integer targets ``[N]``; None otherwise, with a ``UserWarning`` (once per plan)
+        that says why and names ``metric_fn``.
         """
         dataset = as_dataset(dataset, "eval_dataset")
         self._refresh_central()
-        fetch = make_fetch(dataset)
-        device = self.states[0].torch_device
-        correct, loss_sum, n, scored = 0, 0.0, 0, True
-        for start in range(0, len(dataset), batch_size):
-            idx = torch.arange(start, min(start + batch_size, len(dataset)))
-            batch = fetch(idx)
-            args, kwargs, y = split_inputs(batch)
-            args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-            y = y.to(device) if isinstance(y, torch.Tensor) else y
-            out = self._central(*args, **kwargs)
-            loss_sum += float(self.loss_fn(out, y)) * len(idx)
-            n += len(idx)
-            if isinstance(out, torch.Tensor) and out.dim() == 2 and isinstance(y, torch.Tensor) \
-                    and not y.is_floating_point():
-                correct += int((out.argmax(dim=1) == y).sum())
-            else:
-                scored = False
-        return (correct / n if scored else None), loss_sum / n
+        result = evaluate_model(self._central, self.loss_fn, dataset, batch_size=batch_size,
+                                device=self.states[0].torch_device, metric_fn=metric_fn)
+        if result.unscored and not self._unscored_warned:
+            self._unscored_warned = True
+            warnings.warn(f"{self.model_graph.name}: no test accuracy: {result.unscored}; "
+                          "test_accuracy is None and target_accuracy cannot stop training",
+                          UserWarning, stacklevel=2)
+        return result.accuracy, result.loss
 
     # -- training -----------------------------------------------------------------------------
 
@@ -703,6 +715,7 @@ class Plan:
         metrics_every: "int | MetricsMonitor | None" = 50,
         lr_scheduler: Any = None,
         lr_scheduler_interval: str = "epoch",
+        metric_fn: Callable[[Any, Any], Any] | None = None,
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -711,7 +724,8 @@ class Plan:
         number t·k + j in round t); a last partial round is dropped.
 
         Args:
-            train_dataset: a torch Dataset (or DataLoader) of ``(inputs, target)`` samples.
+            train_dataset: a torch Dataset (or DataLoader) of ``(inputs, target)`` samples, or
+                of dicts of keyword inputs whose ``"labels"`` are the target (engine/inputs.py).
             eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch.
             metrics_every: N, rounds per metrics window (``History.metrics``: samples/s, loss,
                 lr, divergence, gradient noise scale; tuning/metrics.py); or a
@@ -724,9 +738,10 @@ class Plan:
                 every evaluation with z's test loss (training/lr_schedule.py). Every learner (and
                 torchrun rank) uses the same η in the same round; ``History.lr`` has η per round.
             epochs, shuffle, seed, target_accuracy, evals_per_epoch, eval_batch_size, progress,
-                hooks, checkpoint_dir, checkpoint_every, resume, log_dir, trace, policies: the
-                fit's options, as ``crossbow_graph.training.options.FitOptions`` documents them
-                (the plan's auto-tuner, with ``replicas="auto"``, runs before ``hooks``).
+                hooks, checkpoint_dir, checkpoint_every, resume, log_dir, trace, policies,
+                metric_fn: the fit's options, as ``crossbow_graph.training.options.FitOptions``
+                documents them (the plan's auto-tuner, with ``replicas="auto"``, runs before
+                ``hooks``; ``metric_fn(output, target)`` gives z's accuracy for any output).
 
         Returns:
             The History: per epoch training loss, test accuracy, samples/s, training seconds;
@@ -742,7 +757,8 @@ class Plan:
                 ``train_dataset`` and of ``eval_dataset``); bad arguments (``target_accuracy``
                 outside (0, 1], ``evals_per_epoch`` < 1, a ``checkpoint_dir`` that cannot be
                 created or written); all before the first round.
-            TypeError: ``seed`` not an integer, ``target_accuracy`` not a number.
+            TypeError: ``seed`` not an integer, ``target_accuracy`` not a number,
+                ``metric_fn`` not callable.
             TaskError: a task failed (names the task, its device and the round).
             DivergenceError: every replica produced NaN/Inf (loss or gradients) in the same
                 round; under torchrun on every rank at the same round, counting every rank's.
@@ -759,7 +775,8 @@ class Plan:
             evals_per_epoch=evals_per_epoch, eval_batch_size=eval_batch_size, progress=progress,
             hooks=hooks, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             resume=resume, log_dir=log_dir, trace=trace, policies=policies, metrics=metrics,
-            lr_scheduler=lr_scheduler, lr_scheduler_interval=lr_scheduler_interval)
+            lr_scheduler=lr_scheduler, lr_scheduler_interval=lr_scheduler_interval,
+            metric_fn=metric_fn)
         history = Trainer(self, train_dataset, eval_dataset, options).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self._int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)

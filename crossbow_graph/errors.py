@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TraceError", "PlanError", "TaskError", "DivergenceError", "CheckpointError",
+__all__ = ["TraceError", "TraceWarning", "PlanError", "TaskError", "DivergenceError", "CheckpointError",
            "DistributedError", "CompilerError", "is_count"]
 
 
@@ -13,7 +13,15 @@ def is_count(value: object, minimum: int = 1) -> bool:
 
 
 class TraceError(ValueError):
-    """The model cannot be traced by torch.fx; the message names the module, the operation and the fix."""
+    """The example inputs do not run through the model, or (``compile(..., strict_trace=True)``)
+    torch.fx cannot trace it; the message names the module, the operation and the fix."""
+
+
+class TraceWarning(UserWarning):
+    """No fx tracer could trace the model (or a module in it could not be measured): it trains
+    as given, and the message says what the tracers reported and what inspection lost
+    (docs/compiler.md §1, "Trace fallback"). ``compile(..., strict_trace=True)`` raises the
+    TraceError instead."""
 
 
 class PlanError(ValueError):

@@ -4,12 +4,14 @@ several inputs, keyword inputs, tuple/dict outputs, residual connections, Module
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
+from torch.utils.flop_counter import FlopCounterMode
 
 import crossbow_graph as cg
 from crossbow_graph.compiler.trace import trace_model
@@ -56,7 +58,8 @@ def _line_of(cls: type, text: str) -> int:
 ])
 def test_untraceable_python_raises_trace_error_naming_module_line_and_fix(inner, code, fix):
     with pytest.raises(cg.TraceError) as info:
-        cg.compile(_Outer(inner()), (torch.randn(2, 4),), F.mse_loss, batch_size=2)
+        cg.compile(_Outer(inner()), (torch.randn(2, 4),), F.mse_loss, batch_size=2,
+                   strict_trace=True)
     msg = str(info.value)
     assert f"in module 'inner' ({inner.__name__})" in msg
     assert f"{__file__}:{_line_of(inner, code)}" in msg
@@ -254,8 +257,19 @@ def _frozen_batch_norm() -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("make", [_frozen_batch_norm, _EMA, _Counter],
-                         ids=["batch_norm", "ema_buffer", "counter_and_noise"])
+class _UntraceableCounter(_Counter):
+    """_Counter with control flow on a tensor's value: analysed by an eager forward."""
+
+    def forward(self, x):
+        self.calls += 1
+        if x.sum() > 0:
+            x = x + 0.01 * torch.randn_like(x)
+        return self.lin(x)
+
+
+@pytest.mark.filterwarnings("ignore::crossbow_graph.errors.TraceWarning")
+@pytest.mark.parametrize("make", [_frozen_batch_norm, _EMA, _Counter, _UntraceableCounter],
+                         ids=["batch_norm", "ema_buffer", "counter_and_noise", "eager_analysis"])
 def test_compile_leaves_the_model_and_the_global_rng_bitwise_unchanged(make):
     """Tracing and shape propagation run the forward once: on a copy, under a forked RNG. The
     model's state_dict, modes, requires_grad and attributes are as before, and the plan's
@@ -278,3 +292,106 @@ def test_compile_leaves_the_model_and_the_global_rng_bitwise_unchanged(make):
     assert torch.equal(torch.get_rng_state(), rng), "compile drew from torch's global RNG"
     central = plan.central_model().state_dict()
     assert all(torch.equal(central[key], value) for key, value in before.items())
+
+
+# -- the trace fallback: a model torch.fx cannot trace trains, analysed eagerly ------------------
+
+
+class _Branchy(nn.Module):
+    """Control flow on a tensor's value at the root: torch.fx cannot trace it; eager runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if h.sum() > 0:
+            h = h * 2
+        return self.b(h)
+
+
+def _flop_counter(module: nn.Module, *args) -> int:
+    with FlopCounterMode(display=False) as counter:
+        module(*args)
+    return counter.get_total_flops()
+
+
+def test_an_untraceable_model_warns_trains_and_gets_flopcountermodes_flops():
+    torch.manual_seed(0)
+    model, x = _Branchy(), torch.randn(4, 8)
+    with pytest.warns(cg.TraceWarning, match=r"_Branchy has no fx graph \(torch\.fx cannot trace "
+                                             r"_Branchy: .*`if h\.sum\(\) > 0:`.*It trains as given; "
+                                             r"inspection is approximate: FLOPs count matrix products.*"
+                                             r"strict_trace=True"):
+        plan = cg.compile(model, (x,), F.cross_entropy, batch_size=4, devices=["cpu:0"], replicas=1,
+                          optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    graph = plan.model_graph
+    assert graph.tracer == "eager" and graph.module is None
+    assert graph.analysis.forward_flops_per_sample * 4 == _flop_counter(model, x)  # the oracle
+    # saved for backward, per sample: the input x [8], relu's output [16], the second linear's
+    # input h * 2 [16], float32; the weights are parameters, not activations
+    assert graph.analysis.saved_bytes_per_sample == (8 + 16 + 16) * 4
+    assert [n.name for n in graph.analysis.nodes] == ["a", "b", "rest"]
+    assert [i.shape for i in graph.inputs] == [(4, 8)] and graph.output_shape == (4, 3)
+    # it trains as the eager module does (k = 1 is torch.optim.SGD)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    plan.fit(data, 1, shuffle=False, progress=False)
+    ref = _Branchy()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for start in range(0, 16, 4):
+        opt.zero_grad()
+        F.cross_entropy(ref(data.tensors[0][start:start + 4]), data.tensors[1][start:start + 4]).backward()
+        opt.step()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(plan.central_model().state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_strict_trace_keeps_the_trace_error():
+    with pytest.raises(cg.TraceError, match=r"torch\.fx cannot trace _Branchy: in module '<root>'"):
+        cg.compile(_Branchy(), (torch.randn(4, 8),), F.cross_entropy, batch_size=4, strict_trace=True)
+
+
+def test_the_root_as_a_leaf_module_is_measured_eagerly_without_a_warning():
+    model, x = _Branchy(), torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graph = trace_model(model, (x,), leaf_modules=[_Branchy], strict=True)
+    assert graph.tracer == "eager" and graph.analysis.forward_flops_per_sample * 4 == _flop_counter(model, x)
+
+
+class _GatedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 32)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.lin(x)
+        return self.lin(-x)
+
+
+class _WithLeaf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _GatedLinear()
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.inner(x)))
+
+
+def test_leaf_modules_get_their_measured_flops_and_memory():
+    torch.manual_seed(0)
+    model, x = _WithLeaf(), torch.randn(2, 4).abs()
+    graph = trace_model(model, (x,), leaf_modules=[_GatedLinear])
+    assert graph.tracer == "torch.fx"
+    inner = next(n for n in graph.analysis.nodes if n.name == "inner")
+    assert inner.op == "measured"
+    assert inner.flops == _flop_counter(model.inner, x)  # 2·2·4·32, the oracle's count
+    assert inner.saved_bytes == 2 * 4 * 4  # the leaf's linear keeps its input [2, 4]
+    head_flops = 2 * 2 * 32 * 3 + 2 * 3  # the fx analysis's linear with its bias
+    relu_flops = 2 * 32
+    assert graph.analysis.forward_flops_per_sample * 2 == inner.flops + relu_flops + head_flops

@@ -22,15 +22,18 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["NodeCost", "ModelAnalysis", "MemoryEstimate", "analyze", "estimate_memory",
-           "max_replicas_per_device"]
+if TYPE_CHECKING:
+    from .eager import EagerCost
+
+__all__ = ["NodeCost", "ModelAnalysis", "MemoryEstimate", "analyze", "analysis_of_totals",
+           "estimate_memory", "max_replicas_per_device", "unknown_modules"]
 
 #: Gradient temporaries alive at the peak of backward, in units of the largest activation: the
 #: gradient of an op's output and (part of) its input's; a model with residual joins keeps more
@@ -72,7 +75,7 @@ _FUNCTIONS: dict[Any, str] = {
     F.dropout: "dropout",
     torch.flatten: "view", torch.reshape: "view", torch.squeeze: "view",
     torch.unsqueeze: "view", torch.transpose: "view", torch.permute: "view",
-    torch.chunk: "view", torch.split: "view", operator.getitem: "view",
+    torch.chunk: "view", torch.split: "view", operator.getitem: "view", getattr: "view",
     F.pad: "copy", torch.cat: "copy", torch.stack: "copy",
 }
 _METHODS: dict[str, str] = {
@@ -96,7 +99,10 @@ class NodeCost:
     Attributes:
         name: the fx node's name.
         op: its category: conv, linear, matmul, norm, maxpool, avgpool, adaptive, save_output,
-            save_input, add, mul, dropout, view, copy, shape, input, param, output, other.
+            save_input, add, mul, dropout, view, copy, shape, input, param, output, other;
+            ``measured``: a module the eager analysis measured (compiler/eager.py), ``module``:
+            a top-level module of a model analysed eagerly as a whole, ``rest``: that model's
+            ops outside its top-level modules.
         target: what the node calls, readably (module path, function or method name).
         shape: output shape (``None`` for non-tensor outputs such as tuples).
         dtype: output dtype (``None`` for non-tensor outputs).
@@ -339,13 +345,26 @@ def _is_inplace(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     return bool(node.kwargs.get("inplace", False))
 
 
-def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buffers: list) -> ModelAnalysis:
+def unknown_modules(module: fx.GraphModule) -> list[str]:
+    """The targets of ``call_module`` nodes the op vocabulary has no formula for (a user's leaf
+    module, ``nn.LSTM``, ``nn.MultiheadAttention``, ``nn.Embedding``, ...): the eager analysis
+    measures them (compiler/eager.py)."""
+    modules = dict(module.named_modules())
+    return list(dict.fromkeys(str(n.target) for n in module.graph.nodes
+                              if n.op == "call_module" and _category(n, modules)[0] == "other"))
+
+
+def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buffers: list,
+            measured: "Mapping[str, EagerCost] | None" = None) -> ModelAnalysis:
     """Analyse a shape-propagated GraphModule (every node has ``meta["tensor_meta"]``).
 
     Args:
         module: the traced ``fx.GraphModule`` after ``ShapeProp`` on one example batch.
         example_batch: that batch's size N (dimension 0 of the first input).
         parameters, buffers: the ParamInfo inventory (tied parameters once).
+        measured: per ``call_module`` target, its measured EagerCost (compiler/eager.py): such a
+            node's FLOPs, output bytes and saved bytes are the measured ones (divided among the
+            nodes that call the module), in place of the op vocabulary's.
 
     Returns:
         The ModelAnalysis, per node at the example batch and totals per sample.
@@ -353,6 +372,7 @@ def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buf
     Source: docs/design-overview.md §1, §3; FLOP conventions in this module's docstring.
     """
     modules = dict(module.named_modules())
+    measured = dict(measured or {})
     base: dict[str, str] = {}  # node name → the node owning its memory
     cats: dict[str, tuple[str, str]] = {}
     saved_base: set[str] = set()
@@ -364,6 +384,8 @@ def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buf
         first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         alias = cat in _ALIASES or (_is_inplace(node, modules) and first is not None)
         base[node.name] = base[first.name] if alias and first is not None else node.name
+        if _measured(node, measured) is not None:
+            continue  # its saved bytes are measured, inputs included
         inputs, keeps_output, extra_per_elt = _saved_inputs(node, cat, modules)
         for a in inputs:
             saved_base.add(base[a.name])
@@ -374,34 +396,65 @@ def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buf
             joins += 1
         if extra_per_elt:
             extra[node.name] = extra_per_elt * _numel(_tensor_meta(node)[0])
-    nodes = []
+    nodes, largest = [], 0
     for node in module.graph.nodes:
         cat, target = cats[node.name]
         shape, dtype = _tensor_meta(node)
+        cost = _measured(node, measured)
+        if cost is not None:
+            calls = max(cost.calls, 1)
+            nodes.append(NodeCost(name=node.name, op="measured", target=target, shape=shape,
+                                  dtype=dtype, flops=cost.flops // calls,
+                                  bytes=cost.activation_bytes // calls,
+                                  saved_bytes=cost.saved_bytes // calls))
+            largest = max(largest, cost.max_activation_bytes)
+            continue
         owns = base[node.name] == node.name and cat not in ("param", "output")
         nbytes = _numel(shape) * _itemsize(dtype) if owns and shape is not None else 0
         saved = (nbytes if node.name in saved_base else 0) + extra.get(node.name, 0)
         nodes.append(NodeCost(name=node.name, op=cat, target=target, shape=shape, dtype=dtype,
                               flops=_flops(node, cat, shape, modules), bytes=nbytes,
                               saved_bytes=saved))
+        largest = max(largest, nbytes)
+    return analysis_of_totals(
+        nodes, example_batch, parameters=parameters, buffers=buffers,
+        forward_flops=sum(c.flops for c in nodes),
+        activation_bytes=sum(c.bytes for c in nodes if c.op != "input"),
+        saved_bytes=sum(c.saved_bytes for c in nodes), max_activation_bytes=largest,
+        residual_joins=joins)
+
+
+def _measured(node: fx.Node, measured: dict[str, "EagerCost"]) -> "EagerCost | None":
+    return measured.get(str(node.target)) if node.op == "call_module" else None
+
+
+def analysis_of_totals(nodes: list[NodeCost], example_batch: int, *, parameters: list,
+                       buffers: list, forward_flops: float, activation_bytes: float,
+                       saved_bytes: float, max_activation_bytes: float,
+                       residual_joins: int | None) -> ModelAnalysis:
+    """A ModelAnalysis from totals at the example batch of N = ``example_batch`` samples (the
+    fx analysis's sums, or an eager measurement's, compiler/eager.py): per-sample figures are
+    the totals / N; parameter and buffer bytes come from the inventory. ``residual_joins=None``
+    (unknown: no graph to count them in) takes the residual workspace factor, the larger one.
+    """
     n = max(example_batch, 1)
-    fwd = sum(c.flops for c in nodes) / n
-    float_q = sum(b.numel for b in buffers if b.dtype.is_floating_point)
+    joins = residual_joins or 0
+    workspace = _WORKSPACE_RESIDUAL if residual_joins is None or joins else _WORKSPACE_CHAIN
     return ModelAnalysis(
         nodes=tuple(nodes), example_batch=example_batch,
-        forward_flops_per_sample=fwd, train_flops_per_sample=3 * fwd,
-        activation_bytes_per_sample=sum(c.bytes for c in nodes if c.op != "input") / n,
-        saved_bytes_per_sample=sum(c.saved_bytes for c in nodes) / n,
-        max_activation_bytes_per_sample=max((c.bytes for c in nodes), default=0) / n,
+        forward_flops_per_sample=forward_flops / n, train_flops_per_sample=3 * forward_flops / n,
+        activation_bytes_per_sample=activation_bytes / n,
+        saved_bytes_per_sample=saved_bytes / n,
+        max_activation_bytes_per_sample=max_activation_bytes / n,
         max_param_bytes=max((p.numel * _itemsize(p.dtype) for p in parameters if p.trainable), default=0),
         param_bytes=sum(p.numel * _itemsize(p.dtype) for p in parameters),
         trainable_bytes=sum(p.numel * _itemsize(p.dtype) for p in parameters if p.trainable),
         frozen_bytes=sum(p.numel * _itemsize(p.dtype) for p in parameters if not p.trainable),
         buffer_bytes=sum(b.numel * _itemsize(b.dtype) for b in buffers),
         num_trainable=sum(p.numel for p in parameters if p.trainable),
-        num_float_buffers=float_q,
+        num_float_buffers=sum(b.numel for b in buffers if b.dtype.is_floating_point),
         residual_joins=joins,
-        workspace_activations=_WORKSPACE_RESIDUAL if joins else _WORKSPACE_CHAIN,
+        workspace_activations=workspace,
     )
 
 

@@ -33,6 +33,10 @@ SCHEMA = "crossbow_graph.plan/2"
 READABLE_SCHEMAS = (SCHEMA, "crossbow_graph.plan/1")
 
 _MIB = 2**20
+#: How each tracer's analysis is named in the summary (compiler/trace.py, docs/compiler.md §1).
+_TRACERS = {"transformers.fx": "transformers' fx trace",
+            "eager": "one measured eager forward: matrix products, convolutions, attention",
+            "none": "no analysis: FLOPs and activations unknown"}
 _COLORS = {TaskKind.LEARN: "#dbe9f6", TaskKind.LOCAL_SYNC: "#fde9c8", TaskKind.GLOBAL_SYNC: "#f6d3d3"}
 
 
@@ -76,7 +80,9 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
             f"model: {model['num_trainable']:,} trainable parameters of {model['num_parameters']:,}, "
             f"{model['num_buffers']:,} buffer scalars; forward "
             f"{model['forward_flops_per_sample'] / 1e6:,.2f} MFLOP/sample, training step "
-            f"{model['train_flops_per_sample'] / 1e6:,.2f} MFLOP/sample")
+            f"{model['train_flops_per_sample'] / 1e6:,.2f} MFLOP/sample"
+            + (f" (from {_TRACERS.get(model['tracer'], model['tracer'])})"
+               if model.get("tracer", "torch.fx") != "torch.fx" else ""))
     if parts:
         names = ("params", "grads", "optimizer", "buffers", "activations", "workspace", "flat_share")
         lines.append(f"memory per learner ≈ {mem / _MIB:.2f} MiB = "
@@ -341,8 +347,11 @@ def inspect_model(model: Any, example_inputs: tuple[Any, ...] | dict[str, Any], 
 
     No replica is allocated, so plans too large for this machine can still be inspected.
 
+    A model torch.fx cannot trace is analysed eagerly, with a TraceWarning (compiler/trace.py).
+
     Raises:
-        TraceError: the model cannot be traced. PlanError: the plan is unsound (e.g. memory).
+        TraceError: the example inputs do not run through the model. PlanError: the plan is
+            unsound (e.g. memory).
     """
     mg = trace_model(model, example_inputs, concrete_args=concrete_args, leaf_modules=leaf_modules)
     graph = build_task_graph(mg, devices=devices, replicas_per_device=replicas_per_device,

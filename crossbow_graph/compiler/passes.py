@@ -91,7 +91,8 @@ def annotate_costs(graph: nx.DiGraph, model_graph: ModelGraph) -> nx.DiGraph:
     (``(5m + 2)·4P`` bytes). GLOBAL_SYNC over G devices: 4P FLOPs reading every acc_d, z, z_prev
     and writing z, z_prev (``(G + 4)·4P`` bytes). Graph attributes added:
     ``memory_per_learner_bytes`` (int) and ``memory`` (the MemoryEstimate as a dict), ``model``
-    (name, parameter counts, FLOPs per sample). The input graph is not modified.
+    (name, parameter counts, FLOPs per sample, the tracer that gave them). The input graph is
+    not modified.
 
     Source: docs/design-overview.md §2 (the SMA round) and §3.
     """
@@ -105,12 +106,13 @@ def annotate_costs(graph: nx.DiGraph, model_graph: ModelGraph) -> nx.DiGraph:
     out.graph["memory_per_learner_bytes"] = est.total
     out.graph["memory"] = est.as_dict()
     out.graph["model"] = {
-        "name": model_graph.module.__class__.__name__,
+        "name": model_graph.name,
         "num_trainable": p,
         "num_parameters": model_graph.num_parameters,
         "num_buffers": sum(x.numel for x in model_graph.buffers),
         "forward_flops_per_sample": analysis.forward_flops_per_sample,
         "train_flops_per_sample": analysis.train_flops_per_sample,
+        "tracer": model_graph.tracer,
     }
     for n in out.nodes:
         task: Task = out.nodes[n]["task"]

@@ -1,24 +1,41 @@
-"""Trace a model with torch.fx and describe it: the ModelGraph (docs/design-overview.md §1, compiler/trace.py)."""
+"""Trace a model and describe it: the ModelGraph (docs/design-overview.md §1, compiler/trace.py).
+
+The trace serves analysis and inspection only (the learners run copies of the module itself), so
+the best one available is used (docs/compiler.md §1, "Trace fallback"): torch.fx; for a
+HuggingFace model, transformers' own fx tracer where it is installed; else an eager analysis of
+one measured forward (compiler/eager.py). ``strict=True`` raises torch.fx's TraceError instead.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import importlib.util
 import inspect
 import io
+import math
 import os
 import traceback
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch.fx.passes.shape_prop import ShapeProp
 
-from ..errors import TraceError
-from .analysis import ModelAnalysis, analyze
+from torch import nn
 
-__all__ = ["ModelGraph", "ParamInfo", "trace_model"]
+from ..errors import TraceError, TraceWarning
+from .analysis import ModelAnalysis, NodeCost, analysis_of_totals, analyze, unknown_modules
+from .eager import EagerMeasurement, measure_forward
+from .outputs import loss_of
+
+__all__ = ["InputSpec", "ModelGraph", "ParamInfo", "trace_model"]
+
+#: BatchNorm modules, whose input shapes ``ModelGraph.batch_norm_inputs`` records.
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -49,26 +66,54 @@ class ParamInfo:
         return n
 
 
+@dataclass(frozen=True, kw_only=True)
+class InputSpec:
+    """One input of the example batch: its forward argument's name, and its shape and dtype
+    when it is a tensor (else None)."""
+
+    name: str
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+
+
 @dataclass(kw_only=True)
 class ModelGraph:
-    """A traced model: the fx GraphModule with shapes, and its parameter inventory.
+    """A traced (or measured) model: its graph with shapes, its inputs and output, its
+    parameter inventory and analysis.
 
     Attributes:
-        module: the ``torch.fx.GraphModule``, built on a deep copy of the model; its state_dict
-            keys are the model's.
+        name: the model's class name.
+        module: the ``torch.fx.GraphModule``, built on a deep copy of the model (its state_dict
+            keys are the model's); None when the model was analysed eagerly (``tracer``).
         example_batch: the batch size of the example inputs (dimension 0 of the first tensor).
         parameters: every distinct parameter (tied ones once), in ``named_parameters()`` order.
         buffers: every buffer, in ``named_buffers()`` order.
+        inputs: the example's tensor inputs, in the forward's argument order.
+        output_shape: the output's shape when it is one tensor, else None.
+        output_has_loss: the output on the example inputs carries a loss (``output.loss`` or
+            ``output["loss"]``, compiler/outputs.py): ``loss_fn=None`` can train on it.
+        batch_norm_inputs: ``(module path, class name, input shape)`` of every BatchNorm call.
+        tracer: what gave the analysis: ``"torch.fx"``, ``"transformers.fx"`` (transformers'
+            own fx tracer), ``"eager"`` (one measured forward, compiler/eager.py) or ``"none"``
+            (the forward ran but could not be measured: FLOPs and activations are 0).
+        lost: what inspection lost with this tracer (empty for the fx tracers).
         node_meta: per fx node name: ``shape`` (tuple or None) and ``bytes`` of its output at the
-            example batch.
+            example batch (empty without a graph).
         meta: extra analysis: ``"analysis"`` (the ModelAnalysis: per-node FLOPs and bytes,
             totals per sample) and ``"train_flops_per_sample"``; compiler passes may add more.
     """
 
-    module: fx.GraphModule
+    name: str
+    module: fx.GraphModule | None
     example_batch: int
     parameters: list[ParamInfo]
     buffers: list[ParamInfo]
+    inputs: tuple[InputSpec, ...] = ()
+    output_shape: tuple[int, ...] | None = None
+    output_has_loss: bool = False
+    batch_norm_inputs: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+    tracer: str = "torch.fx"
+    lost: str = ""
     node_meta: dict[str, dict[str, Any]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -209,13 +254,17 @@ def _cuda_indices(model: torch.nn.Module, inputs: list[Any]) -> list[int]:
     return sorted({t.device.index or 0 for t in tensors if t.is_cuda})
 
 
+class _InputsError(TraceError):
+    """The example inputs do not run through the traced graph (or do not bind to its forward)."""
+
+
 def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The example inputs as the GraphModule's positional arguments (placeholder order)."""
     sig = inspect.signature(gm.forward)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
-        raise TraceError(
+        raise _InputsError(
             f"the example inputs do not match the model's forward{sig}: {exc}. Pass a tuple of "
             "positional inputs, e.g. (x,), or a dict of keyword inputs, e.g. {'x': x, 'mask': m}."
         ) from exc
@@ -251,8 +300,18 @@ def trace_model(
     *,
     concrete_args: dict[str, Any] | None = None,
     leaf_modules: Sequence[type[torch.nn.Module]] = (),
+    strict: bool = False,
 ) -> ModelGraph:
-    """Trace ``model`` with torch.fx, propagate the example inputs' shapes, and analyse it.
+    """Trace ``model``, propagate the example inputs' shapes, and analyse it.
+
+    The best trace available serves (docs/compiler.md §1): torch.fx; for a HuggingFace model,
+    ``transformers.utils.fx.symbolic_trace`` where transformers has it; else one measured eager
+    forward (compiler/eager.py: FLOPs of matrix products, convolutions and attention, the bytes
+    autograd saves, parameter bytes from the module), with a ``TraceWarning`` that names the
+    tracers' errors and what inspection lost; when even that measurement fails but the forward
+    runs, FLOPs and activation memory are 0, with the same warning. The root module given as a
+    leaf (``leaf_modules=[type(model)]``) is measured eagerly without a warning. Leaf modules and
+    modules without a cost formula inside an fx graph are measured eagerly too.
 
     Args:
         model: any ``nn.Module``; it is not modified (its parameters, buffers, modes and
@@ -261,19 +320,21 @@ def trace_model(
         example_inputs: one batch (any batch size) as the runtime passes it to the model
             (engine/inputs.py ``split_inputs``): a tuple of positional inputs, e.g. ``(x,)`` with
             ``x [N, C, H, W]`` or ``(tokens, mask)``, or a dict of keyword inputs,
-            e.g. ``{"x": x, "mask": mask}``.
+            e.g. ``{"input_ids": ids, "attention_mask": mask}``.
         concrete_args: fixed values for arguments that steer Python control flow
             (``torch.fx.symbolic_trace``'s ``concrete_args``); forward arguments that the example
             inputs leave out are fixed to their defaults as well.
         leaf_modules: module classes called as a whole instead of traced through.
+        strict: a graph is required: raise torch.fx's TraceError when no fx tracer can trace
+            the model, instead of the eager analysis.
 
     Returns:
         The ModelGraph, with ``meta["analysis"]`` (compiler/analysis.py) and
         ``meta["train_flops_per_sample"]``.
 
     Raises:
-        TraceError: torch.fx cannot trace the model (names the module, the line and the fix), or
-            the example inputs do not run through the traced model.
+        TraceError: the example inputs do not run through the model; or, with ``strict``,
+            torch.fx cannot trace it (names the module, the line and the fix).
         TypeError: ``model`` is not an ``nn.Module``, cannot be deep-copied, or ``example_inputs``
             is neither a tuple nor a dict.
     """
@@ -289,33 +350,124 @@ def trace_model(
             f"dict of its keyword inputs, e.g. {{'x': x}}; got {type(example_inputs).__name__}"
         )
     concrete_args = _fixed_defaults(model, args, kwargs, concrete_args)
+    devices = _cuda_indices(model, list(args) + list(kwargs.values()))
     # tracing and shape propagation run the forward on a copy, and torch's RNG (dropout, randn in
     # a forward) is restored afterwards: the model and the random stream are as they were
-    with torch.random.fork_rng(devices=_cuda_indices(model, list(args) + list(kwargs.values()))):
-        return _trace_copy(model, _working_copy(model), args, kwargs, concrete_args, leaf_modules)
+    with torch.random.fork_rng(devices=devices):
+        work = _working_copy(model)
+        if leaf_modules and isinstance(work, tuple(leaf_modules)):  # the root as a leaf
+            return _eager_graph(model, work, args, kwargs, devices, failures=[], asked=True)
+        failures: list[tuple[str, TraceError]] = []
+        for name, make in _tracers(model, args, kwargs, concrete_args, leaf_modules):
+            try:
+                return _fx_graph(model, work, name, make, args, kwargs, devices)
+            except TraceError as exc:
+                failures.append((name, exc))
+        if strict:
+            raise failures[0][1]
+        return _eager_graph(model, work, args, kwargs, devices, failures=failures)
 
 
-def _trace_copy(model: torch.nn.Module, work: torch.nn.Module, args: tuple[Any, ...],
-                kwargs: dict[str, Any], concrete_args: dict[str, Any] | None,
-                leaf_modules: Sequence[type[torch.nn.Module]]) -> ModelGraph:
-    """``trace_model`` on ``work``, a copy of ``model`` (the inventory and messages use ``model``)."""
-    tracer = _Tracer(leaf_modules)
+def _tracers(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             concrete_args: dict[str, Any] | None,
+             leaf_modules: Sequence[type[nn.Module]]) -> list[tuple[str, Callable]]:
+    """(name, ``make(model, work) -> GraphModule``) of every fx tracer that applies, best first:
+    torch.fx, then transformers' tracer for a HuggingFace model where transformers has one."""
+    def torch_fx(model: nn.Module, work: nn.Module) -> fx.GraphModule:
+        tracer = _Tracer(leaf_modules)
+        try:
+            graph = tracer.trace(work, concrete_args=concrete_args)
+        except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
+            raise _trace_error(model, exc) from exc
+        return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+    found = [("torch.fx", torch_fx)]
+    hf_fx = _transformers_fx() if type(model).__module__.startswith("transformers.") else None
+    if hf_fx is not None:
+        names = _argument_names(model, args, kwargs)
+
+        def transformers_fx(model: nn.Module, work: nn.Module) -> fx.GraphModule:
+            try:
+                return hf_fx.symbolic_trace(work, input_names=names)
+            except Exception as exc:  # noqa: BLE001 - unsupported models, ops, arguments
+                raise TraceError(f"transformers.utils.fx cannot trace {type(model).__name__}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        found.append(("transformers.fx", transformers_fx))
+    return found
+
+
+def _transformers_fx() -> Any:
+    """``transformers.utils.fx`` when the installed transformers has it (versions before 5),
+    else None. Imported only for a HuggingFace model (transformers is then imported already)."""
     try:
-        graph = tracer.trace(work, concrete_args=concrete_args)
-    except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
-        raise _trace_error(model, exc) from exc
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        if importlib.util.find_spec("transformers.utils.fx") is None:
+            return None
+        return importlib.import_module("transformers.utils.fx")
+    except Exception:  # noqa: BLE001 - a broken or partial install is as good as none
+        return None
+
+
+def _argument_names(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """The forward's argument names that the example inputs give, in the forward's order."""
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return list(kwargs)
+    return list(bound.arguments)
+
+
+def _fx_graph(model: nn.Module, work: nn.Module, tracer: str, make: Callable,
+              args: tuple[Any, ...], kwargs: dict[str, Any], devices: list[int]) -> ModelGraph:
+    """The ModelGraph of ``work`` (a copy of ``model``) traced by ``make``, shape-propagated on
+    the example inputs and analysed, its unknown modules measured eagerly."""
+    gm = make(model, work)
     first = _first_tensor(list(args) + list(kwargs.values()))
     example_batch = int(first.shape[0]) if first is not None and first.dim() > 0 else 1
     positional = _positional(gm, args, kwargs)
+    output = _propagate(model, gm, positional, args, kwargs)
     node_meta: dict[str, dict[str, Any]] = {}
+    for node in gm.graph.nodes:
+        tm = node.meta.get("tensor_meta")
+        if tm is not None and hasattr(tm, "shape"):
+            shape = tuple(tm.shape)
+            nbytes = math.prod(shape) * torch.empty((), dtype=tm.dtype).element_size()
+            node_meta[node.name] = {"shape": shape, "bytes": nbytes, "dtype": tm.dtype}
+        else:
+            node_meta[node.name] = {"shape": None, "bytes": 0, "dtype": None}
+    params, buffers = _inventory(model)
+    measured = _measure_modules(model, gm, positional, devices)
+    analysis = analyze(gm, example_batch, parameters=params, buffers=buffers, measured=measured)
+    nodes = list(gm.graph.nodes)
+    out_node = next(n for n in reversed(nodes) if n.op == "output")
+    norms = tuple((str(n.target), type(gm.get_submodule(str(n.target))).__name__,
+                   node_meta[n.name]["shape"]) for n in nodes
+                  if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), BATCH_NORMS)
+                  and node_meta[n.name]["shape"] is not None)
+    return ModelGraph(
+        name=type(model).__name__, module=gm, example_batch=example_batch, parameters=params,
+        buffers=buffers, node_meta=node_meta, tracer=tracer,
+        inputs=tuple(InputSpec(name=str(n.target), shape=node_meta[n.name]["shape"],
+                               dtype=node_meta[n.name]["dtype"]) for n in nodes if n.op == "placeholder"),
+        output_shape=node_meta[out_node.name]["shape"], output_has_loss=loss_of(output) is not None,
+        batch_norm_inputs=norms,
+        meta={"analysis": analysis, "train_flops_per_sample": analysis.train_flops_per_sample})
+
+
+def _propagate(model: nn.Module, gm: fx.GraphModule, positional: list[Any],
+               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """ShapeProp of the example inputs through ``gm`` in evaluation mode (BatchNorm statistics
+    untouched), without autograd; returns the output.
+
+    Raises:
+        TraceError: the inputs do not run through (names the module or node and the shapes).
+    """
     was_training = gm.training
     prop = _ShapeProp(gm)
     try:
-        gm.eval()  # shape propagation must not touch BatchNorm statistics
+        gm.eval()
         # ShapeProp prints the traceback itself; the TraceError below says what matters
         with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-            prop.propagate(*positional)
+            return prop.propagate(*positional)
     except Exception as exc:  # noqa: BLE001
         cause = exc.__cause__ or exc  # ShapeProp wraps the model's own error
         node = prop.current
@@ -324,29 +476,153 @@ def _trace_copy(model: torch.nn.Module, work: torch.nn.Module, args: tuple[Any, 
             where = f" in module '{node.target}' ({type(gm.get_submodule(node.target)).__name__})"
         elif node is not None:
             where = f" at node '{node.name}' ({getattr(node.target, '__name__', node.target)})"
-        shapes = [list(t.shape) for t in list(args) + list(kwargs.values())
-                  if isinstance(t, torch.Tensor)]
-        raise TraceError(
-            f"the example inputs (shapes {shapes}) do not run through {type(model).__name__}"
-            f"{where}: {type(cause).__name__}: {cause}. Pass example_inputs=(x,) with x one batch "
-            "shaped like the training data (e.g. x = train_dataset[0][0].unsqueeze(0))."
-        ) from exc
+        raise _inputs_error(model, args, kwargs, cause, where) from exc
     finally:
         gm.train(was_training)
-    for node in gm.graph.nodes:
-        tm = node.meta.get("tensor_meta")
-        if tm is not None and hasattr(tm, "shape"):
-            shape = tuple(tm.shape)
-            nbytes = 1
-            for s in shape:
-                nbytes *= s
-            nbytes *= torch.empty((), dtype=tm.dtype).element_size()
-            node_meta[node.name] = {"shape": shape, "bytes": nbytes, "dtype": tm.dtype}
-        else:
-            node_meta[node.name] = {"shape": None, "bytes": 0, "dtype": None}
+
+
+def _inputs_error(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  cause: BaseException, where: str = "") -> TraceError:
+    shapes = [list(t.shape) for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+    return _InputsError(
+        f"the example inputs (shapes {shapes}) do not run through {type(model).__name__}"
+        f"{where}: {type(cause).__name__}: {cause}. Pass example_inputs=(x,) with x one batch "
+        "shaped like the training data (e.g. x = train_dataset[0][0].unsqueeze(0)).")
+
+
+def _measure_modules(model: nn.Module, gm: fx.GraphModule, positional: list[Any],
+                     devices: list[int]) -> dict[str, Any]:
+    """Eager costs of the graph's modules without a cost formula (leaf modules, nn.LSTM, ...):
+    one measured forward of ``gm``; {} (with a TraceWarning) when it cannot be measured."""
+    targets = unknown_modules(gm)
+    if not targets:
+        return {}
+    error = None
+    for training in (True, False):
+        try:
+            return measure_forward(gm, positional, scopes=targets, devices=devices,
+                                   training=training).scopes
+        except Exception as exc:  # noqa: BLE001 - the fx analysis stands without it
+            error = error or exc
+    warnings.warn(f"{type(model).__name__}: the modules {targets} cannot be measured eagerly "
+                  f"({type(error).__name__}: {error}); their FLOPs and memory are the op "
+                  "vocabulary's guess (docs/compiler.md §2)", TraceWarning, stacklevel=6)
+    return {}
+
+
+def _eager_graph(model: nn.Module, work: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 devices: list[int], *, failures: list[tuple[str, TraceError]],
+                 asked: bool = False) -> ModelGraph:
+    """The ModelGraph of a model without a graph, from one measured forward of ``work``; a
+    TraceWarning (unless the user ``asked``: the root as a leaf) says why and what was lost."""
+    children = [name for name, _ in work.named_children()]
+    norms = [name for name, m in work.named_modules() if isinstance(m, BATCH_NORMS)]
+    measurement, error = None, None
+    for training in (True, False):
+        try:
+            measurement = measure_forward(work, args, kwargs, scopes=children + norms,
+                                          devices=devices, training=training)
+            break
+        except Exception as exc:  # noqa: BLE001 - tried again in evaluation mode, then plainly
+            error = error or exc
     params, buffers = _inventory(model)
-    analysis = analyze(gm, example_batch, parameters=params, buffers=buffers)
-    return ModelGraph(module=gm, example_batch=example_batch, parameters=params, buffers=buffers,
-                      node_meta=node_meta,
-                      meta={"analysis": analysis,
-                            "train_flops_per_sample": analysis.train_flops_per_sample})
+    first = _first_tensor(list(args) + list(kwargs.values()))
+    example_batch = int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+    if measurement is None:
+        output = _plain_forward(model, work, args, kwargs, failures, error)
+        analysis = analysis_of_totals([], example_batch, parameters=params, buffers=buffers,
+                                      forward_flops=0, activation_bytes=0, saved_bytes=0,
+                                      max_activation_bytes=0, residual_joins=None)
+        tracer, lost = "none", (
+            f"the eager measurement failed too ({type(error).__name__}: {error}): FLOPs and "
+            "activation memory are unknown (0 in plan.summary(); memory_budget bounds "
+            "parameters, gradients and momentum only) and there is no per-op table")
+    else:
+        output = measurement.output
+        analysis = _eager_analysis(work, measurement, children, example_batch, params, buffers)
+        tracer, lost = "eager", (
+            "FLOPs count matrix products, convolutions and attention only (FlopCounterMode; "
+            "element-wise ops and norms are left out), activation memory is one measured "
+            "forward, parameter bytes come from the module; there is no fx graph "
+            "(plan.model_graph.module is None), and analysis.table() lists the top-level "
+            "modules instead of every op")
+    if not asked:
+        tried = "; ".join(str(exc).rstrip(".") for _, exc in failures)
+        warnings.warn(f"{type(model).__name__} has no fx graph ({tried}). It trains as given; "
+                      f"inspection is approximate: {lost}. compile(..., strict_trace=True) "
+                      "raises the TraceError instead.", TraceWarning, stacklevel=5)
+    scopes = measurement.scopes if measurement is not None else {}
+    batch_norms = tuple((path, type(work.get_submodule(path)).__name__, scopes[path].input_shape)
+                        for path in norms if path in scopes and scopes[path].input_shape)
+    shape = tuple(output.shape) if isinstance(output, torch.Tensor) else None
+    return ModelGraph(
+        name=type(model).__name__, module=None, example_batch=example_batch, parameters=params,
+        buffers=buffers, inputs=_bound_inputs(model, args, kwargs), output_shape=shape,
+        output_has_loss=loss_of(output) is not None, batch_norm_inputs=batch_norms,
+        tracer=tracer, lost=lost,
+        meta={"analysis": analysis, "train_flops_per_sample": analysis.train_flops_per_sample})
+
+
+def _plain_forward(model: nn.Module, work: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   failures: list[tuple[str, TraceError]], error: BaseException | None) -> Any:
+    """``work``'s output on the example inputs, in evaluation mode without autograd.
+
+    Raises:
+        TraceError: the inputs do not run through the model: the fx shape propagation's error
+            when there is one (it names the module), else this forward's.
+    """
+    was_training = work.training
+    try:
+        work.eval()
+        with torch.no_grad():
+            return work(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        found = next((e for _, e in failures if isinstance(e, _InputsError)), None)
+        raise (found or _inputs_error(model, args, kwargs, exc)) from exc
+    finally:
+        work.train(was_training)
+
+
+def _eager_analysis(work: nn.Module, measurement: EagerMeasurement, children: list[str],
+                    example_batch: int, params: list[ParamInfo], buffers: list[ParamInfo]) -> ModelAnalysis:
+    """A ModelAnalysis of one measured forward: a node per top-level module that ran, and one
+    for the ops outside them (``rest``)."""
+    nodes = []
+    for path in children:
+        c = measurement.scopes[path]
+        if c.calls:
+            nodes.append(NodeCost(name=path, op="module", target=f"{path} ({type(work.get_submodule(path)).__name__})",
+                                  shape=c.output_shape, dtype=c.output_dtype, flops=c.flops,
+                                  bytes=c.activation_bytes, saved_bytes=c.saved_bytes))
+    t = measurement.total
+    nodes.append(NodeCost(name="rest", op="rest", target=f"{type(work).__name__}'s own ops",
+                          shape=t.output_shape, dtype=t.output_dtype,
+                          flops=max(t.flops - sum(n.flops for n in nodes), 0),
+                          bytes=max(t.activation_bytes - sum(n.bytes for n in nodes), 0),
+                          saved_bytes=max(t.saved_bytes - sum(n.saved_bytes for n in nodes), 0)))
+    return analysis_of_totals(nodes, example_batch, parameters=params, buffers=buffers,
+                              forward_flops=t.flops, activation_bytes=t.activation_bytes,
+                              saved_bytes=t.saved_bytes, max_activation_bytes=t.max_activation_bytes,
+                              residual_joins=None)
+
+
+def _bound_inputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[InputSpec, ...]:
+    """The example's inputs by forward argument, in the forward's order (``*args`` and
+    ``**kwargs`` entries one by one); a non-tensor argument has no shape or dtype."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        named = [(f"input{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    else:
+        named = []
+        params = inspect.signature(model.forward).parameters
+        for name, value in bound.arguments.items():
+            kind = params[name].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                named += [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                named += list(value.items())
+            else:
+                named.append((name, value))
+    return tuple(InputSpec(name=name, shape=tuple(v.shape) if isinstance(v, torch.Tensor) else None,
+                           dtype=v.dtype if isinstance(v, torch.Tensor) else None) for name, v in named)

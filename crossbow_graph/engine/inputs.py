@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["split_inputs"]
@@ -11,14 +12,24 @@ def split_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
     """``(inputs, target)`` → (positional args, keyword args, target) of the model call.
 
     A sample is ``(x, y)``: x a tensor (one input), a tuple/list (several inputs) or a dict
-    (keyword inputs); y the target given to ``loss_fn``.
+    (keyword inputs); y the target given to ``loss_fn``. Or a sample is a dict (any Mapping,
+    e.g. a HuggingFace ``BatchEncoding``) of keyword inputs alone, as HuggingFace data sets
+    give them: ``{"input_ids": ids, "attention_mask": mask, "labels": labels}``; its target is
+    its ``"labels"`` entry (None without one), and the labels stay among the keyword inputs, so
+    that a model given ``loss_fn=None`` computes its own loss from them.
+
+    Raises:
+        ValueError: neither a pair nor a dict.
     """
+    if isinstance(batch, Mapping):
+        return (), dict(batch), batch.get("labels")
     if not isinstance(batch, (list, tuple)) or len(batch) != 2:
-        raise ValueError("each sample must be a pair (inputs, target), e.g. (image, label); got "
+        raise ValueError("each sample must be a pair (inputs, target), e.g. (image, label), or a "
+                         "dict of keyword inputs, e.g. {'input_ids': ids, 'labels': labels}; got "
                          f"{type(batch).__name__} of length {len(batch) if hasattr(batch, '__len__') else '?'}")
     x, y = batch
-    if isinstance(x, dict):
-        return (), x, y
+    if isinstance(x, Mapping):
+        return (), dict(x), y
     if isinstance(x, (list, tuple)):
         return tuple(x), {}, y
     return (x,), {}, y

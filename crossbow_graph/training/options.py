@@ -6,7 +6,7 @@ import dataclasses
 import numbers
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import is_count
 from .lr_schedule import LR_INTERVALS
@@ -59,6 +59,12 @@ class FitOptions:
             stepped after the policies every ``lr_scheduler_interval`` (training/lr_schedule.py;
             ReduceLROnPlateau after every evaluation, with z's test loss); None: none.
         lr_scheduler_interval: ``"epoch"`` or ``"round"``.
+        metric_fn: ``metric_fn(output, target) -> float`` (or a 0-dim tensor), a batch's mean
+            accuracy in [0, 1] (higher is better): z's ``test_accuracy`` is its mean over the
+            ``eval_dataset`` and ``target_accuracy`` compares with it. None: the class accuracy
+            of the output's ``[N, C]`` scores (a tensor, ``output.logits``, or the first tensor
+            of a tuple or dict) against integer targets ``[N]``; for any other output
+            ``test_accuracy`` is None, with a warning (training/evaluation.py).
 
     ``hooks`` and ``policies`` are kept as tuples.
 
@@ -67,7 +73,7 @@ class FitOptions:
             ``target_accuracy`` outside (0, 1], ``resume=True`` or ``checkpoint_every`` without
             ``checkpoint_dir``, a ``trace`` path whose folder is missing or not writable, a
             ``log_dir`` that is a file or cannot be created or written.
-        TypeError: ``seed`` not an integer, ``target_accuracy`` not a number, ``shuffle``,
+        TypeError: ``metric_fn`` not callable, ``seed`` not an integer, ``target_accuracy`` not a number, ``shuffle``,
             ``progress`` or ``resume`` not a bool, ``hooks``/``policies`` not a list of hook
             objects (one hook alone, or a class instead of an instance).
     """
@@ -89,6 +95,7 @@ class FitOptions:
     metrics: "Hook | None" = None
     lr_scheduler: Any = None
     lr_scheduler_interval: str = "epoch"
+    metric_fn: "Callable[[Any, Any], Any] | None" = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hooks", as_hooks("hooks", self.hooks))
@@ -96,6 +103,9 @@ class FitOptions:
         for name in ("shuffle", "progress", "resume"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if self.metric_fn is not None and not callable(self.metric_fn):
+            raise TypeError(f"metric_fn={self.metric_fn!r}: must be callable as "
+                            "metric_fn(output, target) -> the batch's accuracy, or None")
         if not is_count(self.epochs):
             raise ValueError(f"epochs={self.epochs!r}: must be an integer ≥ 1")
         seed = self.seed

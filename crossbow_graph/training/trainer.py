@@ -10,7 +10,7 @@ next evaluation point) lives in the Trainer's fields between the phases.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -390,7 +390,8 @@ class Trainer:
         time and epochs to it)."""
         plan, history, n = self.plan, self.history, self.schedule.num_samples
         self.epoch_seconds += time.perf_counter() - self.start  # evaluation is not training time
-        acc, test_loss = _evaluate(plan, self.eval_dataset, self.options.eval_batch_size)
+        acc, test_loss = _evaluate(plan, self.eval_dataset, self.options.eval_batch_size,
+                                   self.options.metric_fn)
         self.acc = acc
         trained = plan.train_seconds + self.epoch_seconds
         history.evals.append(EvalRecord(epoch=self.epoch + self.position / n,
@@ -438,12 +439,15 @@ def _mine(plan: "Plan", indices: torch.Tensor | None) -> torch.Tensor | None:
     return indices[comm.rank * per_rank:(comm.rank + 1) * per_rank]
 
 
-def _evaluate(plan: "Plan", eval_dataset: Any, batch_size: int) -> tuple[float | None, float]:
-    """z's test accuracy and loss; under torchrun rank 0 evaluates and broadcasts them."""
+def _evaluate(plan: "Plan", eval_dataset: Any, batch_size: int,
+              metric_fn: Callable[[Any, Any], Any] | None) -> tuple[float | None, float]:
+    """z's test accuracy (or ``metric_fn``) and loss; under torchrun rank 0 evaluates and
+    broadcasts them."""
     comm = plan.comm
     if comm is None:
-        return plan.evaluate(eval_dataset, batch_size=batch_size)
-    acc, loss = plan.evaluate(eval_dataset, batch_size=batch_size) if comm.is_main else (0.0, 0.0)
+        return plan.evaluate(eval_dataset, batch_size=batch_size, metric_fn=metric_fn)
+    acc, loss = plan.evaluate(eval_dataset, batch_size=batch_size, metric_fn=metric_fn) \
+        if comm.is_main else (0.0, 0.0)
     acc, loss = comm.broadcast_floats([float("nan") if acc is None else acc, loss],
                                       plan.rounds_done - 1)
     return (None if acc != acc else acc), loss

@@ -9,6 +9,7 @@ rounds.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -24,16 +25,14 @@ if TYPE_CHECKING:
 __all__ = ["check_first_batch"]
 
 
-def _placeholder_shapes(plan: "Plan") -> list[tuple[str, tuple[int, ...] | None]]:
-    graph = plan.model_graph
-    return [(str(n.target), graph.node_meta.get(n.name, {}).get("shape"))
-            for n in graph.module.graph.nodes if n.op == "placeholder"]
-
-
-def _placeholder_dtypes(plan: "Plan") -> list[tuple[str, torch.dtype | None]]:
-    graph = plan.model_graph
-    return [(str(n.target), graph.node_meta.get(n.name, {}).get("dtype"))
-            for n in graph.module.graph.nodes if n.op == "placeholder"]
+def _given_inputs(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(label for messages, value, the compiled InputSpec) of a batch's inputs: positional ones
+    in the forward's order, keyword ones by name."""
+    specs = plan.model_graph.inputs
+    by_name = {s.name: s for s in specs}
+    given = [(f"input {i} ('{spec.name}')", arg, spec) for i, (arg, spec) in enumerate(zip(args, specs))]
+    return given + [(f"input '{name}'", value, by_name[name]) for name, value in kwargs.items()
+                    if name in by_name]
 
 
 _CAST = {torch.float64: ".double()", torch.float32: ".float()", torch.bfloat16: ".bfloat16()",
@@ -49,7 +48,8 @@ def _run_central(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 def _check_dtypes(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> None:
     """Floating inputs of another dtype than the example inputs' are an error unless the model
     takes them (a model that casts its inputs)."""
-    for i, (arg, (name, want)) in enumerate(zip(args, _placeholder_dtypes(plan))):
+    for label, arg, spec in _given_inputs(plan, args, kwargs):
+        want = spec.dtype
         if (not isinstance(arg, torch.Tensor) or not arg.is_floating_point() or want is None
                 or not want.is_floating_point or arg.dtype == want):
             continue
@@ -59,7 +59,7 @@ def _check_dtypes(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], w
             model = plan.states[0].dtype
             have = str(arg.dtype).removeprefix("torch.")
             raise ValueError(
-                f"{what}: input {i} ('{name}') is {arg.dtype}, but the plan was compiled for "
+                f"{what}: {label} is {arg.dtype}, but the plan was compiled for "
                 f"example inputs of {want} (the model's parameters are {model}), and the model "
                 f"fails on {have} inputs ({type(exc).__name__}: {exc}); cast the data to {want} "
                 f"(e.g. TensorDataset(x{_CAST.get(want, f'.to({want})')}, y)), or compile the "
@@ -69,11 +69,7 @@ def _check_dtypes(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], w
 
 
 def _output_shape(plan: "Plan") -> tuple[int, ...] | None:
-    graph = plan.model_graph
-    for n in graph.module.graph.nodes:
-        if n.op == "output":
-            return graph.node_meta.get(n.name, {}).get("shape")
-    return None
+    return plan.model_graph.output_shape
 
 
 @torch.no_grad()
@@ -83,10 +79,11 @@ def _check_inputs(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], w
     fix = (f"compile the plan with example_inputs shaped like one sample of {what}, e.g. "
            f"(x,) with x = {what}[0][0].unsqueeze(0)") if what == "train_dataset" else \
         f"give {what} samples shaped like the training data's (the compiled example inputs)"
-    for i, (arg, (name, want)) in enumerate(zip(args, _placeholder_shapes(plan))):
+    for label, arg, spec in _given_inputs(plan, args, kwargs):
+        want = spec.shape
         if not isinstance(arg, torch.Tensor) or want is None or tuple(arg.shape[1:]) == tuple(want[1:]):
             continue
-        problem = (f"{what}: input {i} ('{name}') of a sample has shape {list(arg.shape[1:])}, but "
+        problem = (f"{what}: {label} of a sample has shape {list(arg.shape[1:])}, but "
                    f"the plan was compiled for example inputs of shape {list(want[1:])} per sample")
         try:
             out = _run_central(plan, args, kwargs)
@@ -126,9 +123,10 @@ def _check_samples(dataset: Any, first: int, what: str) -> None:
             hint = (f"; {what} says len() = {last + 1}: make __len__ return the number of samples "
                     "that __getitem__ can return") if i == last else ""
             raise ValueError(f"{what}[{i}] fails ({type(exc).__name__}: {exc}){hint}") from exc
-        if not isinstance(sample, (list, tuple)) or len(sample) != 2:
+        if not isinstance(sample, Mapping) and (not isinstance(sample, (list, tuple)) or len(sample) != 2):
             raise ValueError(f"{what}[{i}] is {_describe(sample)}, not an (inputs, target) pair; "
-                             "make __getitem__ return a pair such as (image, label)")
+                             "make __getitem__ return a pair such as (image, label), or a dict of "
+                             "keyword inputs such as {'input_ids': ids, 'labels': labels}")
 
 
 def _check_label_form(loss_fn: Any, target: torch.Tensor, out_shape: tuple[int, ...],

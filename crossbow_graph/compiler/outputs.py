@@ -1,0 +1,74 @@
+"""What a model call gives back: its loss and its class scores, whatever the output's form.
+
+A model's output may be a tensor, a tuple or list, a dict, or a HuggingFace ``ModelOutput`` (an
+ordered dict whose fields are also attributes: ``output.loss``, ``output.logits``). ``loss_fn``
+receives the output as the model returns it; ``compile(..., loss_fn=None)`` trains on the loss
+the model computes itself (``model_loss``); evaluation reads class scores with ``logits_of``
+(docs/design-overview.md §6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["describe_output", "logits_of", "loss_of", "model_loss"]
+
+
+def loss_of(output: Any) -> torch.Tensor | None:
+    """The loss the model computed: ``output.loss`` (a ModelOutput or any object with a ``loss``
+    tensor attribute) or ``output["loss"]`` (a dict); None when there is none."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def model_loss(output: Any, target: Any = None) -> torch.Tensor:
+    """The loss function of ``compile(..., loss_fn=None)``: the loss the model computed from the
+    labels among its inputs (``output.loss`` or ``output["loss"]``); ``target`` is not used.
+
+    Raises:
+        ValueError: the output carries no loss (the inputs hold no labels); says what it holds.
+    """
+    loss = loss_of(output)
+    if loss is None:
+        raise ValueError(
+            f"loss_fn=None trains on the loss the model computes (output.loss or "
+            f"output['loss']), but its output ({describe_output(output)}) has none: give the "
+            "labels among the inputs, e.g. {'input_ids': ids, 'labels': labels}, or pass a "
+            "loss_fn(output, target)")
+    return loss
+
+
+def logits_of(output: Any) -> torch.Tensor | None:
+    """The class scores of an output: the output itself when it is a tensor; ``output.logits``
+    or ``output["logits"]``; else the first tensor of at least one dimension of a tuple, list or
+    dict (a 0-dim loss first, as in HuggingFace's tuples, is skipped). None when there is none."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):
+        logits = output.get("logits")
+    if isinstance(logits, torch.Tensor):
+        return logits
+    values = list(output.values()) if isinstance(output, Mapping) else \
+        list(output) if isinstance(output, (list, tuple)) else []
+    return next((v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+
+
+def describe_output(output: Any) -> str:
+    """A short text of an output's form for messages, e.g. ``"SequenceClassifierOutput with
+    logits [4, 3]"`` or ``"Tensor [4, 10]"``."""
+    def shape(t: Any) -> str:
+        return f"[{', '.join(map(str, t.shape))}]" if isinstance(t, torch.Tensor) else type(t).__name__
+    if isinstance(output, torch.Tensor):
+        return f"Tensor {shape(output)}"
+    if isinstance(output, Mapping):
+        fields = ", ".join(f"{k} {shape(v)}" for k, v in output.items())
+        return f"{type(output).__name__} with {fields or 'no fields'}"
+    if isinstance(output, (list, tuple)):
+        return f"{type(output).__name__} of {', '.join(shape(v) for v in output) or 'nothing'}"
+    return type(output).__name__

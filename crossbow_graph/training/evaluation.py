@@ -1,0 +1,99 @@
+"""Evaluation of a model on a data set for any output: mean loss and accuracy (or a metric).
+
+The accuracy of a batch is ``metric_fn(output, target)`` when one is given; else the fraction of
+samples whose class scores' argmax is the target, read from the output as
+``compiler/outputs.py logits_of`` finds the scores (the output itself, ``output.logits``, or the
+first tensor of a tuple or dict) when they are ``[N, C]`` and the target is integer classes
+``[N]``. Otherwise there is no accuracy, and ``unscored`` says why (docs/design-overview.md §6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..compiler.outputs import describe_output, logits_of
+from ..engine.inputs import split_inputs
+from .data import make_fetch
+
+__all__ = ["Evaluation", "batch_correct", "evaluate_model"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    """A model's results on a data set.
+
+    Attributes:
+        accuracy: the mean accuracy (or ``metric_fn``) over the samples, in [0, 1] for an
+            accuracy; None when it cannot be computed.
+        loss: the mean loss over the samples.
+        unscored: why there is no accuracy (empty when there is one).
+    """
+
+    accuracy: float | None
+    loss: float
+    unscored: str = ""
+
+
+def batch_correct(output: Any, target: Any) -> int | None:
+    """Samples of a batch whose class scores' argmax equals the target: ``logits_of(output)``
+    ``[N, C]`` against integer classes ``[N]``; None for any other output or target."""
+    logits = logits_of(output)
+    if (isinstance(logits, torch.Tensor) and logits.dim() == 2 and isinstance(target, torch.Tensor)
+            and not target.is_floating_point() and tuple(target.shape) == tuple(logits.shape[:1])):
+        return int((logits.argmax(dim=1) == target).sum())
+    return None
+
+
+def _why_unscored(output: Any, target: Any) -> str:
+    have = (f"Tensor [{', '.join(map(str, target.shape))}] of {target.dtype}"
+            if isinstance(target, torch.Tensor) else type(target).__name__)
+    return (f"the output ({describe_output(output)}) with targets ({have}) gives no accuracy: "
+            "it needs class scores [N, C] (the output, output.logits, or the first tensor of a "
+            "tuple or dict) and integer class targets [N]; pass fit(..., metric_fn=fn), "
+            "fn(output, target) -> the batch's accuracy in [0, 1]")
+
+
+@torch.no_grad()
+def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], torch.Tensor],
+                   dataset: Any, *, batch_size: int, device: torch.device,
+                   metric_fn: Callable[[Any, Any], Any] | None = None) -> Evaluation:
+    """Mean loss and accuracy of ``forward`` on ``dataset``, in batches of ``batch_size``.
+
+    Args:
+        forward: the model call, ``forward(*args, **kwargs) -> output``.
+        loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the batch).
+        dataset: a Dataset of ``(inputs, target)`` pairs or dicts of keyword inputs
+            (engine/inputs.py ``split_inputs``).
+        batch_size: samples per batch (the last one may be smaller).
+        device: where the model is; every tensor of a batch is moved there.
+        metric_fn: ``metric_fn(output, target) -> float`` (or a 0-dim tensor), the batch's mean
+            accuracy, averaged over the batches weighted by their sizes; None: class accuracy
+            (``batch_correct``).
+
+    Returns:
+        The Evaluation.
+    """
+    fetch = make_fetch(dataset)
+    correct, loss_sum, n, unscored = 0.0, 0.0, 0, ""
+    for start in range(0, len(dataset), batch_size):
+        idx = torch.arange(start, min(start + batch_size, len(dataset)))
+        batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, fetch(idx))
+        args, kwargs, y = split_inputs(batch)
+        out = forward(*args, **kwargs)
+        loss_sum += float(loss_fn(out, y)) * len(idx)
+        n += len(idx)
+        if unscored:
+            continue
+        if metric_fn is not None:
+            correct += float(metric_fn(out, y)) * len(idx)
+            continue
+        hits = batch_correct(out, y)
+        if hits is None:
+            unscored = _why_unscored(out, y)
+        else:
+            correct += hits
+    return Evaluation(accuracy=None if unscored else correct / n, loss=loss_sum / n, unscored=unscored)
