@@ -50,6 +50,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crossbow_graph as cg  # noqa: E402
+from crossbow_graph.cli import build_parser, prepare_train  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
 
 __all__ = ["SYSTEMS", "run_one", "summarise", "main"]
@@ -81,6 +82,7 @@ SYSTEMS: dict[str, dict] = {
                           lr_milestones=CLI_MILESTONES),
     "crossbow-ssgd": dict(kind="crossbow", batch=16, lr=0.02, devices=2, replicas=2, sync="ssgd",
                           lr_milestones=CLI_MILESTONES),
+    "crossbow-cli": dict(kind="cli", argv=[]),  # ``crossbow-graph train`` exactly, its defaults
 }
 DEFAULT = "crossbow-r2"  # the CLI's default configuration: what the acceptance bar is about
 
@@ -288,7 +290,37 @@ def _result(evals: list[dict], samples: int, trained: float, target: float) -> d
                 best_accuracy=max((e["test_accuracy"] for e in evals), default=None))
 
 
-RUNNERS = {"plain": run_plain, "crossbow": run_crossbow, "localsgd": run_localsgd}
+def system_spec(name: str) -> dict:
+    """A system by name: one of SYSTEMS, or ``"cli:FLAGS"``, ``crossbow-graph train FLAGS`` (e.g.
+    ``"cli:--batch-size 64 --devices 2 --replicas 1"``; the bench sets --seed, --epochs,
+    --target, --evals-per-epoch and --quiet).
+
+    Raises:
+        KeyError: an unknown name.
+    """
+    if name.startswith("cli:"):
+        return dict(kind="cli", argv=name[4:].split())
+    return dict(SYSTEMS[name])
+
+
+def run_cli(spec, train, test, *, model_name, seed, max_epochs, target, evals_per_epoch,
+            max_train_s=math.inf) -> dict:
+    """``crossbow-graph train`` with ``spec["argv"]`` (cli.prepare_train: the same plan, data,
+    optimizer, schedule and policies as the command), its own data (W1: the CLI's MNIST)."""
+    argv = ["train", *spec["argv"], "--seed", str(seed), "--epochs", str(max_epochs),
+            "--target", str(target), "--evals-per-epoch", str(evals_per_epoch), "--quiet"]
+    plan, fit = prepare_train(build_parser().parse_args(argv))
+    fit["hooks"] = [_TimeCap(max_train_s)]
+    h = plan.fit(**fit)
+    evals = [dict(epoch=e.epoch, train_seconds=e.train_seconds, test_accuracy=e.test_accuracy)
+             for e in h.evals]
+    out = _result(evals, sum(e.samples for e in h.epochs), plan.train_seconds, target)
+    out.update(argv=argv, final_replicas_per_device=plan.replicas_per_device,
+               executor=plan.scheduler.resolved_executor())
+    return out
+
+
+RUNNERS = {"plain": run_plain, "crossbow": run_crossbow, "localsgd": run_localsgd, "cli": run_cli}
 
 
 def run_one(job: dict) -> dict:
@@ -396,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--workload", choices=("w1", "w2"), default="w1")
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS),
-                        metavar="SYSTEM", help=f"systems to run, of: {' '.join(SYSTEMS)}")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), metavar="SYSTEM",
+                        help=f"systems to run, of: {' '.join(SYSTEMS)}, or 'cli:FLAGS' "
+                             "(crossbow-graph train FLAGS)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--max-epochs", type=int, default=6, help="cap of every run")
     parser.add_argument("--target", type=float, default=None, help="default: 0.99 (W1), 0.92 (W2)")
@@ -445,7 +478,10 @@ def main(argv: list[str] | None = None) -> int:
         meta["resumed_from"] = dict(when=old["when"], command=old["command"])
     done = {(r["system"], r["seed"]) for r in runs}
     t_start = time.perf_counter()
-    specs = {n: dict(SYSTEMS[n]) for n in args.systems}
+    try:
+        specs = {n: system_spec(n) for n in args.systems}
+    except KeyError as exc:
+        parser.error(f"--systems: unknown system {exc}; use one of {' '.join(SYSTEMS)} or 'cli:FLAGS'")
     for n, spec in specs.items():
         if spec["kind"] == "plain" and not n.endswith("-t1"):
             spec["threads"] = args.plain_threads

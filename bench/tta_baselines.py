@@ -299,7 +299,7 @@ def _jobs(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
                   test_samples=args.test_samples)
     systems = [(config_name(c), dict(c, seed=None, threads=args.threads, cycle_epochs=args.cycle_epochs,
                                      **common)) for c in configs]
-    systems += [(name, dict(tta=dict(spec=tta.SYSTEMS[name], workload="w1", seed=None, **common)))
+    systems += [(name, dict(tta=dict(spec=tta.system_spec(name), workload="w1", seed=None, **common)))
                 for name in args.with_tta_systems]
     jobs = []
     for i, seed in enumerate(args.seeds):

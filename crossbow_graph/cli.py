@@ -24,7 +24,7 @@ from .errors import CheckpointError, DistributedError, DivergenceError
 from .tuning.metrics import MetricsMonitor
 from .tuning.policies import AdaptiveBatchSize, MultiStepLR, parse_policy
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "prepare_train"]
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
 DEFAULT_LR = 0.02  # --lr's default, tuned on LeNet-5/MNIST at b = 16, k = 4 (bench/lr_sweep_w1.py)
@@ -374,8 +374,14 @@ def _lr_schedule(args: argparse.Namespace, plan: cg.Plan, n_train: int):
     return torch.optim.lr_scheduler.LambdaLR(plan.optimizer, fn)
 
 
-def _train(args: argparse.Namespace) -> int:
+def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
+    """``crossbow-graph train``'s plan and ``Plan.fit`` keyword arguments for parsed ``args``
+    (the model, data, optimizer, schedule, policies and options its flags give; bench/tta.py
+    runs the CLI's configurations through it).
 
+    Raises:
+        ValueError: a bad flag value (before any training).
+    """
     policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
     lr = OPTIMIZERS[args.optimizer][1] if args.lr is None else args.lr
     for p in policies:  # the default η is right at DEFAULT_LR_BATCH samples per round
@@ -402,6 +408,18 @@ def _train(args: argparse.Namespace) -> int:
         sync=cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum),
         distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every),
     )
+    fit = dict(train_dataset=train_set, epochs=args.epochs, eval_dataset=test_set, seed=args.seed,
+               target_accuracy=args.target if args.target > 0 else None,
+               evals_per_epoch=args.evals_per_epoch, progress=not args.quiet,
+               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+               resume=args.resume, log_dir=args.log_dir, policies=policies, metrics_every=metrics,
+               lr_scheduler=_lr_schedule(args, plan, len(train_set)),
+               lr_scheduler_interval="round")
+    return plan, fit
+
+
+def _train(args: argparse.Namespace) -> int:
+    plan, fit = prepare_train(args)
     comm = plan.comm  # under torchrun: only rank 0 prints, every rank prints its z checksum
     main_rank = comm is None or comm.is_main
     if main_rank:
@@ -411,16 +429,9 @@ def _train(args: argparse.Namespace) -> int:
                   f"{plan.num_learners // comm.world_size} learners = k {plan.num_learners}; "
                   f"one all-reduce of {4 * (plan.num_parameters + plan.states[0].buf.shape[1]):,} "
                   "bytes per process per sync", flush=True)
-    target = args.target if args.target > 0 else None
-    schedule = _lr_schedule(args, plan, len(train_set))
+    target = fit["target_accuracy"]
     try:
-        history = plan.fit(train_set, args.epochs, eval_dataset=test_set, seed=args.seed,
-                           target_accuracy=target, evals_per_epoch=args.evals_per_epoch,
-                           progress=not args.quiet, checkpoint_dir=args.checkpoint_dir,
-                           checkpoint_every=args.checkpoint_every, resume=args.resume,
-                           log_dir=args.log_dir, policies=policies,
-                           metrics_every=metrics, lr_scheduler=schedule,
-                           lr_scheduler_interval="round")
+        history = plan.fit(**fit)
     except (CheckpointError, DivergenceError, DistributedError) as exc:  # one line, exit 2
         print(f"crossbow-graph train: error: {exc}", file=sys.stderr)
         return 2

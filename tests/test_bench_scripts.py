@@ -45,3 +45,19 @@ def test_tta_baselines_smoke_runs_one_plain_recipe(tmp_path, capsys):
     assert len(tta_baselines.grid()) == 3 * 4 * 3  # recipes × B × lrs
     assert tta_baselines.parse_config("adamw-onecycle:128:0.004") == dict(
         recipe="adamw-onecycle", batch=128, lr=0.004)
+
+
+def test_tta_runs_the_cli_itself_for_a_cli_system():
+    """bench/tta.py's ``cli:FLAGS`` systems (and ``crossbow-cli``, the defaults) run
+    ``crossbow-graph train FLAGS`` through cli.prepare_train: the same plan and schedule."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import tta
+
+    assert tta.system_spec("crossbow-cli") == {"kind": "cli", "argv": []}
+    spec = tta.system_spec("cli:--train-samples 512 --test-samples 256 --optimizer adamw")
+    out = tta.run_cli(spec, None, None, model_name="lenet5", seed=0, max_epochs=1, target=0.99,
+                      evals_per_epoch=2)
+    assert "--optimizer" in out["argv"] and len(out["evals"]) == 2
+    assert out["samples"] == 512 and out["final_replicas_per_device"] == 2
+    with pytest.raises(KeyError):
+        tta.system_spec("crossbow-r9")
