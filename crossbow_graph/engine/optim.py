@@ -22,7 +22,10 @@ Two update rules run it:
   so every process steps its own rows and the coordinator reads all of them (checkpoints,
   resizes). A replica with fresh state (new, reset to z, or faulty) gets torch.optim's own
   initialisation at its next step, and ``age`` (steps since fresh state) keeps replicas of
-  different ages in different instances, so Adam's bias correction is per replica.
+  different ages in different instances, so Adam's bias correction is per replica. On one
+  replica's row, where the user left ``fused`` and ``foreach`` unset, Adam, AdamW, SGD and
+  Adagrad run torch.optim's fused kernels (``FUSED``: contiguous tensors only; stacked rows are
+  strided views; bench/optim_rows.py measures both).
 
 The SMA correction is applied to the weights after the local step, whatever the optimizer:
 c_j = α·(ŵ_j − z) from the pre-step weights, w_j ← step(ŵ_j) − c_j, acc_d = Σ_j c_j.
@@ -44,6 +47,10 @@ __all__ = ["LocalOptimizer", "OptimizerRows", "KernelSGD", "ELEMENTWISE", "as_lo
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
                torch.optim.Adagrad, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
                torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD)
+# exact classes with torch.optim's fused CPU and CUDA kernels (``fused=True``), which the row
+# optimizers use for one replica's (contiguous) row where the user left ``fused`` and ``foreach``
+# unset: one kernel per tensor
+FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 _REFUSED = {
     torch.optim.LBFGS: "LBFGS re-evaluates the model through a closure at every step, which a "
                        "replica's local step cannot do; use Adam/AdamW or SGD",
@@ -259,6 +266,11 @@ class OptimizerRows:
         groups = [dict({k: v for k, v in group.items() if k != "params"},
                        params=[params[i] for i in ix])
                   for group, ix in zip(opt.param_groups, self.local.groups)]
+        if type(opt) in FUSED and all(p.is_contiguous() for p in params) and \
+                all(g.get("fused") is None and g.get("foreach") is None for g in groups):
+            for g in groups:  # the user left the implementation to torch: its fused kernels,
+                # which take contiguous tensors only (one replica's row; stacked rows are strided)
+                g["fused"] = True
         try:
             accepted = inspect.signature(type(opt).__init__).parameters
             kwargs = {k: v for k, v in opt.defaults.items() if k in accepted}
