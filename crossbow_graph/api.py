@@ -24,7 +24,7 @@ from .engine.state import DeviceState, FlatLayout, float_buffers_named, model_dt
 from .errors import is_count
 from .kernels.select import plan_kernels, select_backend
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
-from .training.data import as_dataset, make_fetch
+from .training.data import as_dataset, collate_of, make_fetch
 from .training.history import History
 from .training.hooks import Hook
 from .training.options import FitOptions, as_hooks
@@ -599,10 +599,12 @@ class Plan:
         """Test accuracy (fraction) and mean loss of z on ``dataset``.
 
         The accuracy is None when the output is not ``[N, C]`` class scores with integer targets.
+        ``dataset``: a Dataset, or a DataLoader whose collate_fn collates each batch of
+        ``batch_size`` samples (its other settings are not used).
         """
-        dataset = as_dataset(dataset, "eval_dataset")
+        data, dataset = dataset, as_dataset(dataset, "eval_dataset")
         self._refresh_central()
-        fetch = make_fetch(dataset)
+        fetch = make_fetch(dataset, collate_of(data))
         device = self.states[0].torch_device
         correct, loss_sum, n, scored = 0, 0.0, 0, True
         for start in range(0, len(dataset), batch_size):

@@ -15,6 +15,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..config import LEARNER_MODES
+from .batches import LearnerBatches, to_device
 from .inputs import split_inputs
 from .fused import FusedProgram
 from .state import DeviceState
@@ -40,14 +41,22 @@ def _flat_pair(batch: Any) -> bool:
 
 
 def rows(batch: Any, start: int, stop: int) -> Any:
-    """Rows ``[start, stop)`` of every tensor of a collated batch (views, same device)."""
+    """Rows ``[start, stop)`` of every tensor of a collated batch (views, same device); of a
+    ``LearnerBatches``, the learners of those rows."""
+    if isinstance(batch, LearnerBatches):
+        return batch.rows(start, stop)
     if _flat_pair(batch):
         return type(batch)([t[start:stop] for t in batch])
     return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, batch)
 
 
 def slice_batch(batch: Any, start: int, stop: int, device: torch.device) -> Any:
-    """Rows ``[start, stop)`` of every tensor of a collated batch, moved to ``device``."""
+    """Rows ``[start, stop)`` of every tensor of a collated batch, moved to ``device``; of a
+    ``LearnerBatches``, the one learner of those rows' batch as its collate_fn returned it."""
+    if isinstance(batch, LearnerBatches):
+        mine = batch.rows(start, stop).batches
+        assert len(mine) == 1, (start, stop, batch.batch_size)
+        return to_device(mine[0], device)
     if _flat_pair(batch) and all(t.device == device for t in batch):
         return type(batch)([t[start:stop] for t in batch])
     return tree_map(lambda t: t[start:stop].to(device, non_blocking=True)
@@ -106,7 +115,8 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
         state: the device's replicas and flat buffers.
         r0, r1: the group's rows of ``w``/``g`` (``r1 − r0`` replicas).
         batch: the group's collated samples, ``(r1 − r0)·b`` along dimension 0, replica r's at
-            ``[(r − r0)·b, (r − r0 + 1)·b)``, already on the device.
+            ``[(r − r0)·b, (r − r0 + 1)·b)``, already on the device; or a ``LearnerBatches`` of
+            the r1 − r0 replicas' batches (fused: stacked, ``LearnerBatches.stacked``).
         loss_fn: ``loss_fn(output, target) -> scalar``.
         batch_size: b.
         mode: ``"per_replica"`` (each replica its own forward/backward) or ``"fused"`` (one vmapped
@@ -124,6 +134,8 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
         assert fused is not None
         if rng_seed is not None:
             seed_rng(state.torch_device, rng_seed)
+        if isinstance(batch, LearnerBatches):
+            batch = to_device(batch.stacked(), state.torch_device)
         return list(fused.step(state, r0, r1, batch).unbind())
     b = batch_size
     losses = []

@@ -139,6 +139,10 @@ class _Mailbox:
     written by the worker; each direction is announced by a semaphore release, which also orders
     the memory accesses. Two slots are enough: the coordinator writes round t + 2 only after the
     worker answered round t, and the worker reads round t + 1's slot before it answers round t + 1.
+    With ``shipped``, the coordinator loads the rounds (a DataLoader's workers) and sends each
+    worker its learners' batches through a pipe, after the indices: tensors travel as shared
+    memory (torch's pickler passes their storage's file descriptor; nothing is copied), one
+    message per round.
 
     Args:
         ctx: the multiprocessing context (fork).
@@ -146,10 +150,11 @@ class _Mailbox:
         n_rows: the worker's replicas, r1 − r0.
         n_losses: the losses it answers per round (its LEARN tasks).
         loss_dtype: of the losses (the masters': float64 for a float64 model, else float32).
+        shipped: whether the coordinator sends the batches (``ship``, ``receive``).
     """
 
     def __init__(self, ctx, n_indices: int, n_rows: int, n_losses: int,
-                 loss_dtype: torch.dtype = torch.float32) -> None:
+                 loss_dtype: torch.dtype = torch.float32, shipped: bool = False) -> None:
         self.go, self.done = ctx.Semaphore(0), ctx.Semaphore(0)
         self.indices = torch.zeros(2, n_indices, dtype=torch.int64).share_memory_().numpy()
         self.head = torch.zeros(3, dtype=torch.int64).share_memory_().numpy()  # rounds; stop
@@ -157,6 +162,27 @@ class _Mailbox:
         self._losses = torch.zeros(n_losses, dtype=loss_dtype).share_memory_()
         self.losses = self._losses.numpy()
         self.sent = self.taken = 0  # slots written (coordinator), read (worker)
+        self.parent = os.getpid()  # the coordinator
+        self.inbox, self.outbox = ctx.Pipe(duplex=False) if shipped else (None, None)
+
+    def ship(self, batch: Any) -> None:
+        """Coordinator, after ``post``: the round's batches of the worker's learners."""
+        self.outbox.send(batch)
+
+    def receive(self) -> Any:
+        """Worker, after ``take``: the batches the coordinator shipped for the round.
+
+        Raises:
+            EOFError: the coordinator died before sending them.
+        """
+        if not _wait(lambda: self.inbox.poll(_POLL_S), self.parent):
+            raise EOFError("the coordinator process exited")
+        return self.inbox.recv()
+
+    def close_pipe(self) -> None:
+        if self.outbox is not None:
+            self.inbox.close()
+            self.outbox.close()
 
     def post(self, round_index: int, indices) -> None:
         """Coordinator: round ``round_index``'s sample indices (an int64 array) to the worker."""
@@ -255,8 +281,9 @@ class _Group(RoundInterpreter):
     (task id, text) until every group has answered; the coordinator then raises it.
     """
 
-    def __init__(self, ex: "ProcessExecutor", wid: int) -> None:
+    def __init__(self, ex: "ProcessExecutor", wid: int, mail: "_Mailbox | None" = None) -> None:
         sched = ex.sched
+        self.mail = mail  # a worker's mailbox: its shipped batches
         self.ex, self.sched, self.wid, self.program = ex, sched, wid, ex.programs[wid]
         d, self.r0, self.r1 = ex.groups[wid]
         self.state = state = sched.states[d]
@@ -276,8 +303,10 @@ class _Group(RoundInterpreter):
         """The round's losses of the rows that learned, in row order (0-dim tensors)."""
         return [x for x in self.row_losses if x is not None]
 
-    def learn_round(self, round_index: int, indices: torch.Tensor) -> None:
-        """Run the LEARN tasks of round ``round_index`` on the samples ``indices`` of the rows."""
+    def learn_round(self, round_index: int, indices: torch.Tensor, batch: Any = None) -> None:
+        """Run the LEARN tasks of round ``round_index`` on the samples ``indices`` of the rows:
+        ``batch`` (the coordinator's own group, with a load), the batches the coordinator
+        shipped (a worker, with a load), or the samples fetched here."""
         self.round_index, self.error, self.faulty = round_index, None, []
         self.row_losses = [None] * (self.r1 - self.r0)
         if self.keep is not None:
@@ -285,7 +314,10 @@ class _Group(RoundInterpreter):
         if not self.program.learn:
             return
         try:
-            self.batch = self.ex.fetch(indices)
+            if batch is None:
+                shipped = self.mail is not None and self.mail.inbox is not None
+                batch = self.mail.receive() if shipped else self.ex.fetch(indices)
+            self.batch = batch
             self.run(self.program.learn)
         except TaskError as err:
             self.error = (err.task_id, cause_text(err))
@@ -380,6 +412,9 @@ class ProcessExecutor:
         scheduler: the Scheduler (its states, program, loss, mode, kernels).
         fetch: sample indices ``[n]`` → collated batch; inherited by the forked workers.
         seed: seeds each worker's RNG (dropout) differently.
+        load: (round, indices ``[k·b]``) → the round's batch, in this process (a DataLoader's
+            workers load it): each worker then receives its learners' rows of it through its
+            mailbox's pipe (``_Mailbox.ship``) instead of fetching; None: workers fetch.
 
     Attributes:
         groups: ``(device index, r0, r1)`` per learner group.
@@ -389,8 +424,9 @@ class ProcessExecutor:
     """
 
     def __init__(self, scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any], *,
-                 seed: int) -> None:
-        self.sched, self.fetch = scheduler, fetch
+                 seed: int, load: Callable[[int, torch.Tensor], Any] | None = None) -> None:
+        self.sched, self.fetch, self.load = scheduler, fetch, load
+        self.own_batch: Any = None  # group 0's rows of the round being started, with a load
         states, program = scheduler.states, scheduler.program
         # fused learners: a device's replicas in one program, whose dropout masks depend on the
         # group (vmap draws them for the whole group at once), hence one group per device
@@ -442,7 +478,8 @@ class ProcessExecutor:
                 sem = ctx.Semaphore(0)
                 here, there = ctx.Pipe(duplex=False)  # an error's text, worker → here
                 mail = _Mailbox(ctx, (r1 - r0) * self.sched.batch_size, r1 - r0,
-                                len(self.programs[wid].learn), self.sched.states[d].z.dtype)
+                                len(self.programs[wid].learn), self.sched.states[d].z.dtype,
+                                shipped=self.load is not None)
                 proc = ctx.Process(
                     target=_worker_main, name=f"crossbow-learner-{wid}", daemon=True,
                     args=(self.sched, wid, self, there, mail, sem,
@@ -461,15 +498,28 @@ class ProcessExecutor:
     def workers(self) -> range:
         return range(1, len(self.groups))
 
-    def _group_indices(self, indices: torch.Tensor, wid: int) -> torch.Tensor:
-        """Group ``wid``'s part of a round's sample indices ``[k·b]``: ``[(r1 − r0)·b]``, int64."""
+    def _group_rows(self, wid: int) -> tuple[int, int]:
+        """Group ``wid``'s sample rows ``[start, stop)`` of a round's ``k·b``."""
         d, r0, r1 = self.groups[wid]
         b, first = self.sched.batch_size, self.sched.program.first[d]
-        return indices[(first + r0) * b:(first + r1) * b].to(torch.int64)
+        return (first + r0) * b, (first + r1) * b
+
+    def _group_indices(self, indices: torch.Tensor, wid: int) -> torch.Tensor:
+        """Group ``wid``'s part of a round's sample indices ``[k·b]``: ``[(r1 − r0)·b]``, int64."""
+        start, stop = self._group_rows(wid)
+        return indices[start:stop].to(torch.int64)
 
     def _send_go(self, round_index: int, indices: torch.Tensor) -> None:
+        """Post the round's indices to every worker; with a load, load the round here and ship
+        each worker that learns its rows (group 0's wait in ``own_batch``)."""
+        batch = self.load(round_index, indices) if self.load is not None else None
         for wid in self.workers:
             self.mail[wid].post(round_index, self._group_indices(indices, wid).numpy())
+        if batch is not None:
+            for wid in self.workers:
+                if self.programs[wid].learn:
+                    self.mail[wid].ship(rows(batch, *self._group_rows(wid)))
+            self.own_batch = rows(batch, *self._group_rows(0))
 
     def _release(self, *, lr: float, alpha: float, synchronise: bool, cancel: bool) -> None:
         opt = self.sched.settings.optimizer
@@ -484,8 +534,9 @@ class ProcessExecutor:
         saved = torch.backends.mkldnn.enabled
         torch.backends.mkldnn.enabled = self.onednn  # as the workers (choose_onednn)
         try:
-            self.own.learn_round(round_index, self._group_indices(indices, 0))
+            self.own.learn_round(round_index, self._group_indices(indices, 0), self.own_batch)
         finally:
+            self.own_batch = None
             torch.backends.mkldnn.enabled = saved
             self.own_learn_span = (start, time.perf_counter_ns())  # its end: waiting for z begins
 
@@ -675,6 +726,9 @@ class ProcessExecutor:
             for conn in self.conns:
                 if conn is not None:
                     conn.close()
+            for mail in self.mail:
+                if mail is not None:
+                    mail.close_pipe()
             self.conns, self.procs, self.mail = [], [], []
             torch.set_num_threads(self.main_threads)
 
@@ -737,7 +791,7 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
     torch.set_num_threads(threads)
     torch.backends.mkldnn.enabled = ex.onednn  # choose_onednn
     torch.manual_seed(seed)
-    group = _Group(ex, wid)
+    group = _Group(ex, wid, mail)
     rank = sched.comm.rank if sched.comm is not None else 0
     try:
         while _wait(lambda: mail.go.acquire(timeout=_POLL_S), parent):

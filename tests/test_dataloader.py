@@ -1,0 +1,222 @@
+"""The user's DataLoader: its collate_fn per learner batch, its workers, worker_init_fn and
+generator, determinism and resume through it, and the settings the plan refuses."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
+                              WeightedRandomSampler)
+
+import crossbow_graph as cg
+from crossbow_graph.errors import TaskError
+from crossbow_graph.training.data import BatchSchedule
+from crossbow_graph.training.hooks import Hook
+from _reference import flat, reference_sma
+
+VOCAB = 30
+COLLATES = mp.Value("i", 0)  # in shared memory: a DataLoader's forked workers count here too
+INITS = mp.Array("q", 16)    # worker_init_fn: [calls, then per call torch.initial_seed()]
+
+
+class Sequences(Dataset):
+    """``n`` token sequences of 2–11 tokens (1 … VOCAB−1; 0 pads) and a label: whether the first
+    token is in the upper half. With ``noise``, every read drops a token at random (from NumPy,
+    Python's and torch's global RNGs: an augmentation, drawn where the sample is read)."""
+
+    def __init__(self, n: int = 96, noise: bool = False) -> None:
+        g = torch.Generator().manual_seed(1)
+        lengths = torch.randint(2, 12, (n,), generator=g)
+        self.tokens = [torch.randint(1, VOCAB, (int(n_),), generator=g) for n_ in lengths]
+        self.labels = torch.tensor([int(t[0] >= VOCAB // 2) for t in self.tokens])
+        self.noise = noise
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int):
+        x = self.tokens[i]
+        if self.noise and len(x) > 2:
+            drop = (int(np.random.randint(len(x))) + random.randrange(len(x))
+                    + int(torch.randint(len(x), ()))) % len(x)
+            x = torch.cat([x[:drop], x[drop + 1:]])
+        return x, self.labels[i]
+
+
+def pad(samples):
+    """Pads a batch to its own longest sequence: ``(tokens [n, L], labels [n])``."""
+    with COLLATES.get_lock():
+        COLLATES.value += 1
+    tokens = nn.utils.rnn.pad_sequence([x for x, _ in samples], batch_first=True)
+    return tokens, torch.stack([y for _, y in samples])
+
+
+def count_init(worker_id: int) -> None:
+    with INITS.get_lock():
+        INITS[0] += 1
+        INITS[INITS[0]] = torch.initial_seed()
+
+
+class MeanBag(nn.Module):
+    """Embedding, the mean over every position (padding included: the padded length changes the
+    output, so a batch padded to another length gives other numbers), a linear classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8, padding_idx=0)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc(self.emb(x).mean(dim=1))
+
+
+def make_plan(devices=2, replicas=2, **kw) -> cg.Plan:
+    torch.manual_seed(0)
+    return cg.compile(MeanBag(), (torch.ones(1, 5, dtype=torch.long),), F.cross_entropy,
+                      batch_size=4, devices=devices, replicas=replicas,
+                      optimizer=cg.SGD(lr=0.2, momentum=0.9), sync=cg.SMA(central_momentum=0.9),
+                      **kw)
+
+
+def loader(ds=None, **kw) -> DataLoader:
+    kw.setdefault("batch_size", 4)
+    return DataLoader(Sequences() if ds is None else ds, collate_fn=pad, **kw)
+
+
+def test_one_learner_through_a_padding_dataloader_trains_as_torch_sgd_does():
+    """k = 1: the plan's learner gets batch t of the dataset's order, collated by collate_fn as
+    the DataLoader collates it, and its training is torch.optim.SGD's on those batches."""
+    ds = Sequences()
+    plan = make_plan(devices=1, replicas=1)
+    COLLATES.value = 0
+    h = plan.fit(loader(ds, num_workers=2), 2, shuffle=False, progress=False,
+                 eval_dataset=loader(ds))
+    rounds = 2 * (len(ds) // 4)
+    # every learner batch once, the first-batch checks (train, eval), one evaluation per epoch
+    assert COLLATES.value == rounds + 2 + 2
+
+    torch.manual_seed(0)
+    model = MeanBag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    for _ in range(2):
+        for x, y in DataLoader(ds, batch_size=4, collate_fn=pad, shuffle=False):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    torch.testing.assert_close(flat(plan.central_model().parameters()), flat(model.parameters()),
+                               rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # evaluation collates its batch (all 96 samples) with collate_fn too
+        x, y = pad([ds[i] for i in range(len(ds))])
+        want = F.cross_entropy(plan.central_model()(x), y).item()
+    assert h.evals[-1].test_loss == pytest.approx(want, rel=1e-5)
+
+
+def test_every_learner_gets_its_own_collated_batch_whatever_the_executor_and_workers():
+    """k = 4 (2 devices × 2): the SMA reference on learner j's samples of round t, padded on their
+    own (not a slice of the round's batch, which would pad to the round's longest), gives z;
+    the DataLoader's workers with the process executor, no workers with it, and no workers
+    inline give the same numbers."""
+    ds = Sequences()
+    fits = {}
+    for workers, executor in ((2, "process"), (0, "process"), (0, "inline")):
+        plan = make_plan(executor=executor)
+        plan.fit(loader(ds, num_workers=workers), 1, seed=3, progress=False)
+        fits[workers, executor] = plan.central_weights()
+    order = BatchSchedule(len(ds), shuffle=True, seed=3).order(0).tolist()
+    rounds = len(ds) // 16
+    batches = [pad([ds[i] for i in order[s:s + 4]]) for s in range(0, rounds * 16, 4)]
+    torch.manual_seed(0)
+    z, _ = reference_sma(MeanBag(), batches, k=4, rounds=rounds, lr=0.2, momentum=0.9,
+                         central_momentum=0.9)
+    for got in fits.values():
+        torch.testing.assert_close(got, flat(z), rtol=1e-5, atol=1e-6)
+    assert torch.equal(fits[2, "process"], fits[0, "process"])
+    assert torch.equal(fits[2, "process"], fits[0, "inline"])
+
+
+def test_worker_init_fn_generator_and_persistent_workers_are_honoured():
+    gen = torch.Generator().manual_seed(123)
+    base = torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(123))
+    for persistent, calls in ((False, 4), (True, 2)):  # 2 epochs × 2 workers, or the 2 kept
+        INITS[0] = 0
+        plan = make_plan()
+        plan.fit(loader(num_workers=2, worker_init_fn=count_init, generator=gen.manual_seed(123),
+                        persistent_workers=persistent), 2, progress=False)
+        assert INITS[0] == calls
+        # the first epoch's workers are seeded as plain PyTorch seeds them from the generator
+        assert sorted(INITS[1:3]) == [int(base) + 0, int(base) + 1]
+        assert mp.active_children() == []  # the fit stopped the DataLoader's workers
+
+
+class StopAfter(Hook):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def after_round(self, ctx) -> None:
+        ctx.stop = ctx.plan.rounds_done >= self.n
+
+
+def test_fits_through_a_dataloader_are_deterministic_and_resume_bit_identically(tmp_path):
+    """Augmentation drawn in the DataLoader's workers: seeded per learner batch from (seed,
+    round, learner), so two fits agree and a fit resumed in the middle of an epoch continues
+    as the uninterrupted one."""
+    def fit(**kw) -> cg.Plan:
+        plan = make_plan(executor="process")
+        plan.fit(loader(Sequences(noise=True), num_workers=2), 2, seed=5, progress=False, **kw)
+        return plan
+
+    full, again = fit(), fit()
+    ckpt = str(tmp_path / "ckpt")
+    fit(hooks=[StopAfter(4)], checkpoint_dir=ckpt, checkpoint_every=1)  # 6 rounds per epoch
+    resumed = fit(checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
+    assert resumed.rounds_done == full.rounds_done == 12
+    for other in (again, resumed):
+        for a, b in zip(full.states, other.states):
+            for key in ("z", "z_prev", "w", "v"):
+                assert torch.equal(getattr(a, key), getattr(b, key)), key
+    clean = make_plan(executor="process")
+    clean.fit(loader(Sequences(), num_workers=2), 2, seed=5, progress=False)
+    assert not torch.equal(clean.central_weights(), full.central_weights())  # the noise is drawn
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(Sequences())
+
+
+@pytest.mark.parametrize("data, message", [
+    (lambda ds: DataLoader(ds, batch_size=4, collate_fn=pad,
+                           sampler=WeightedRandomSampler(torch.ones(len(ds)), len(ds))),
+     r"sampler \(WeightedRandomSampler\).*the plan draws every learner's batch"),
+    (lambda ds: DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), 4, False),
+                           collate_fn=pad),
+     r"batch_sampler \(BatchSampler\).*without batch_sampler"),
+    (lambda ds: DataLoader(ds, batch_size=4, collate_fn=pad,
+                           sampler=RandomSampler(ds, replacement=True)),
+     r"sampler \(RandomSampler\)"),
+    (lambda ds: DataLoader(ds, batch_size=None), r"batch_size=None.*give it a batch_size"),
+    (lambda ds: DataLoader(Stream(), batch_size=4, collate_fn=pad), r"IterableDataset.*no indices"),
+])
+def test_a_dataloader_that_chooses_the_samples_is_refused_before_training(data, message):
+    plan = make_plan()
+    with pytest.raises(ValueError, match=message):
+        plan.fit(data(Sequences()), 1, progress=False)
+    assert plan.rounds_done == 0
+
+
+def test_a_collate_fn_that_returns_no_pair_is_a_clear_error():
+    plan = make_plan()
+    with pytest.raises(ValueError, match="collate_fn returned a list of 4 items for a batch of 4 samples, not an"):
+        plan.fit(DataLoader(Sequences(), batch_size=4, collate_fn=list), 1, progress=False)
+
+
+def test_fused_learners_cannot_stack_batches_padded_to_their_own_lengths():
+    plan = make_plan(devices=1, replicas=2, learner_mode="fused", executor="inline")
+    with pytest.raises(TaskError, match="learner_mode='per_replica'"):
+        plan.fit(loader(), 1, progress=False)
