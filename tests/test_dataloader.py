@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+from collections import namedtuple
 
 import numpy as np
 import pytest
@@ -15,12 +16,15 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
                               WeightedRandomSampler)
 
 import crossbow_graph as cg
+from crossbow_graph.engine.batches import LearnerBatches
+from crossbow_graph.engine.shipping import BY_DESCRIPTOR_BYTES, BatchPipe
 from crossbow_graph.errors import TaskError
 from crossbow_graph.training.data import BatchSchedule
 from crossbow_graph.training.hooks import Hook
 from _reference import flat, reference_sma
 
 VOCAB = 30
+Pair = namedtuple("Pair", "tokens lengths")  # a batch may hold any picklable structure
 COLLATES = mp.Value("i", 0)  # in shared memory: a DataLoader's forked workers count here too
 INITS = mp.Array("q", 16)    # worker_init_fn: [calls, then per call torch.initial_seed()]
 
@@ -220,3 +224,99 @@ def test_fused_learners_cannot_stack_batches_padded_to_their_own_lengths():
     plan = make_plan(devices=1, replicas=2, learner_mode="fused", executor="inline")
     with pytest.raises(TaskError, match="learner_mode='per_replica'"):
         plan.fit(loader(), 1, progress=False)
+
+
+class Indexed(Dataset):
+    """Sequences whose target is the sample's index (what the loss records)."""
+
+    def __init__(self) -> None:
+        self.base = Sequences()
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        return self.base[i][0], torch.tensor(i)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.seen = []
+
+    def __call__(self, out, y):
+        self.seen.append(y)
+        return out.pow(2).mean()
+
+
+class Change(Hook):
+    """b 4 → 3 after round 2, m 2 → 1 after round 4 (as policies and the auto-tuner change
+    them between rounds); records every round's indices."""
+
+    mutates_replicas = False  # the process executor learns the next round ahead
+
+    def __init__(self) -> None:
+        self.rounds = []
+
+    def after_round(self, ctx) -> None:
+        self.rounds.append(ctx.batch_indices.clone())
+        if ctx.plan.rounds_done == 2:
+            ctx.plan.adjust(cg.Adjustment(batch_size=3))
+        if ctx.plan.rounds_done == 4:
+            ctx.plan.adjust(cg.Adjustment(replicas_per_device=1))
+
+
+def test_changes_of_b_and_m_between_rounds_keep_the_learners_on_the_plans_samples():
+    record, change = Recorder(), Change()
+    torch.manual_seed(0)
+    plan = cg.compile(MeanBag(), (torch.ones(1, 5, dtype=torch.long),), record, batch_size=4,
+                      devices=2, replicas=2, executor="inline")  # the recorder is in this process
+    plan.fit(loader(Indexed(), num_workers=2), 1, progress=False, hooks=[change])
+    seen = torch.cat(record.seen)
+    assert torch.equal(seen, torch.cat(change.rounds))  # learner by learner, round by round
+    assert len(set(seen.tolist())) == len(seen) == 2 * 16 + 2 * 12 + 6 * 6  # disjoint; 4 left
+    weights = []
+    for workers in (2, 0):  # worker processes: shipped the loader's batches, or fetching their own
+        plan = make_plan(executor="process")
+        plan.fit(loader(num_workers=workers), 1, seed=1, progress=False, hooks=[Change()])
+        weights.append(plan.central_weights())
+    assert torch.equal(weights[0], weights[1])
+
+
+def test_the_batch_pipe_carries_any_batch_to_a_forked_worker_as_views_of_shared_memory():
+    """The coordinator → worker path of loaded rounds (engine/shipping.py): structure, dtypes,
+    shapes and values arrive unchanged; the arena grows for a larger batch; a large tensor in
+    shared memory travels by descriptor."""
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        LearnerBatches([(torch.randn(4, 3, generator=g), torch.arange(4)),
+                        ((torch.ones(4, 2, dtype=torch.float16), torch.tensor(True)),
+                         torch.zeros(4, dtype=torch.uint8))], 4),
+        LearnerBatches([({"x": torch.randn(4, 7, 5, generator=g), "names": ["a", "b"]},
+                         Pair(torch.randint(0, 9, (4, 7), generator=g), torch.empty(0)))], 4),
+        LearnerBatches([(torch.randn(64, 1024, generator=g), torch.arange(64))], 64),  # grows
+        [torch.randn(BY_DESCRIPTOR_BYTES // 4 + 1, generator=g).share_memory_(), torch.ones(2)],
+    ]
+    ctx = mp.get_context("fork")
+    pipe, back = BatchPipe(ctx), ctx.SimpleQueue()
+
+    def worker():
+        for _ in batches:
+            got = pipe.receive()
+            back.put(got.batches if isinstance(got, LearnerBatches) else got)
+
+    proc = ctx.Process(target=worker, daemon=True)
+    proc.start()
+    try:
+        for sent in batches:
+            pipe.send(sent)
+            got = back.get()
+            want = sent.batches if isinstance(sent, LearnerBatches) else sent
+            torch.utils._pytree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)
+                                         if isinstance(a, torch.Tensor) else None, want, got)
+            assert type(got) is type(want) and repr(type(got[0])) == repr(type(want[0]))
+        proc.join(timeout=10)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        pipe.close()

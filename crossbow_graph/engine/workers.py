@@ -9,7 +9,8 @@ replicas' integer buffers) live in shared memory, so every process sees the same
 the messages: each worker has a ``_Mailbox`` of small shared arrays and semaphores (no pipe, no
 pickling on the hot path). Per round t this process writes t and each worker's sample indices into
 the worker's mailbox and releases its ``go`` semaphore; the worker fetches its samples from its
-forked copy of the dataset and learns, as this process learns group 0. When z_t is ready this
+forked copy of the dataset (or receives its rows of the round a DataLoader loaded here:
+engine/shipping.py) and learns, as this process learns group 0. When z_t is ready this
 process writes lr, α, whether to synchronise and the optimizer's settings to a shared control block
 and releases each worker's semaphore; every group runs its part of the LOCAL_SYNC (the correction
 with z_t) and writes its partial sum of corrections. The worker the graph places the GLOBAL_SYNC in
@@ -46,6 +47,7 @@ from ..config import SGD
 from ..errors import TaskError
 from .conv_choice import choose_onednn
 from .learners import learn_group, learner_seed, rows, seed_host_rngs
+from .shipping import BatchPipe
 from .interpreter import RoundInterpreter, RoundProgram, cause_text, task_error
 
 if TYPE_CHECKING:
@@ -139,10 +141,8 @@ class _Mailbox:
     written by the worker; each direction is announced by a semaphore release, which also orders
     the memory accesses. Two slots are enough: the coordinator writes round t + 2 only after the
     worker answered round t, and the worker reads round t + 1's slot before it answers round t + 1.
-    With ``shipped``, the coordinator loads the rounds (a DataLoader's workers) and sends each
-    worker its learners' batches through a pipe, after the indices: tensors travel as shared
-    memory (torch's pickler passes their storage's file descriptor; nothing is copied), one
-    message per round.
+    With ``shipped`` the coordinator also sends the worker its rows of each round's batch
+    (``batches``: engine/shipping.py).
 
     Args:
         ctx: the multiprocessing context (fork).
@@ -150,7 +150,7 @@ class _Mailbox:
         n_rows: the worker's replicas, r1 − r0.
         n_losses: the losses it answers per round (its LEARN tasks).
         loss_dtype: of the losses (the masters': float64 for a float64 model, else float32).
-        shipped: whether the coordinator sends the batches (``ship``, ``receive``).
+        shipped: whether the coordinator loads the rounds and sends the batches.
     """
 
     def __init__(self, ctx, n_indices: int, n_rows: int, n_losses: int,
@@ -162,27 +162,7 @@ class _Mailbox:
         self._losses = torch.zeros(n_losses, dtype=loss_dtype).share_memory_()
         self.losses = self._losses.numpy()
         self.sent = self.taken = 0  # slots written (coordinator), read (worker)
-        self.parent = os.getpid()  # the coordinator
-        self.inbox, self.outbox = ctx.Pipe(duplex=False) if shipped else (None, None)
-
-    def ship(self, batch: Any) -> None:
-        """Coordinator, after ``post``: the round's batches of the worker's learners."""
-        self.outbox.send(batch)
-
-    def receive(self) -> Any:
-        """Worker, after ``take``: the batches the coordinator shipped for the round.
-
-        Raises:
-            EOFError: the coordinator died before sending them.
-        """
-        if not _wait(lambda: self.inbox.poll(_POLL_S), self.parent):
-            raise EOFError("the coordinator process exited")
-        return self.inbox.recv()
-
-    def close_pipe(self) -> None:
-        if self.outbox is not None:
-            self.inbox.close()
-            self.outbox.close()
+        self.batches = BatchPipe(ctx) if shipped else None  # the shipped rounds' batches
 
     def post(self, round_index: int, indices) -> None:
         """Coordinator: round ``round_index``'s sample indices (an int64 array) to the worker."""
@@ -283,7 +263,7 @@ class _Group(RoundInterpreter):
 
     def __init__(self, ex: "ProcessExecutor", wid: int, mail: "_Mailbox | None" = None) -> None:
         sched = ex.sched
-        self.mail = mail  # a worker's mailbox: its shipped batches
+        self.pipe = mail.batches if mail is not None else None  # a worker's shipped batches
         self.ex, self.sched, self.wid, self.program = ex, sched, wid, ex.programs[wid]
         d, self.r0, self.r1 = ex.groups[wid]
         self.state = state = sched.states[d]
@@ -305,8 +285,7 @@ class _Group(RoundInterpreter):
 
     def learn_round(self, round_index: int, indices: torch.Tensor, batch: Any = None) -> None:
         """Run the LEARN tasks of round ``round_index`` on the samples ``indices`` of the rows:
-        ``batch`` (the coordinator's own group, with a load), the batches the coordinator
-        shipped (a worker, with a load), or the samples fetched here."""
+        ``batch`` if given, else the batch shipped to this worker (a load), else fetched here."""
         self.round_index, self.error, self.faulty = round_index, None, []
         self.row_losses = [None] * (self.r1 - self.r0)
         if self.keep is not None:
@@ -315,8 +294,7 @@ class _Group(RoundInterpreter):
             return
         try:
             if batch is None:
-                shipped = self.mail is not None and self.mail.inbox is not None
-                batch = self.mail.receive() if shipped else self.ex.fetch(indices)
+                batch = self.pipe.receive() if self.pipe is not None else self.ex.fetch(indices)
             self.batch = batch
             self.run(self.program.learn)
         except TaskError as err:
@@ -412,9 +390,8 @@ class ProcessExecutor:
         scheduler: the Scheduler (its states, program, loss, mode, kernels).
         fetch: sample indices ``[n]`` → collated batch; inherited by the forked workers.
         seed: seeds each worker's RNG (dropout) differently.
-        load: (round, indices ``[k·b]``) → the round's batch, in this process (a DataLoader's
-            workers load it): each worker then receives its learners' rows of it through its
-            mailbox's pipe (``_Mailbox.ship``) instead of fetching; None: workers fetch.
+        load: (round, indices ``[k·b]``) → the round's batch, loaded in this process: each worker
+            then receives its rows of it (``_Mailbox.batches``) instead of fetching them.
 
     Attributes:
         groups: ``(device index, r0, r1)`` per learner group.
@@ -426,7 +403,7 @@ class ProcessExecutor:
     def __init__(self, scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any], *,
                  seed: int, load: Callable[[int, torch.Tensor], Any] | None = None) -> None:
         self.sched, self.fetch, self.load = scheduler, fetch, load
-        self.own_batch: Any = None  # group 0's rows of the round being started, with a load
+        self.own_batch: Any = None  # with a load: group 0's rows of the round it starts
         states, program = scheduler.states, scheduler.program
         # fused learners: a device's replicas in one program, whose dropout masks depend on the
         # group (vmap draws them for the whole group at once), hence one group per device
@@ -506,19 +483,17 @@ class ProcessExecutor:
 
     def _group_indices(self, indices: torch.Tensor, wid: int) -> torch.Tensor:
         """Group ``wid``'s part of a round's sample indices ``[k·b]``: ``[(r1 − r0)·b]``, int64."""
-        start, stop = self._group_rows(wid)
-        return indices[start:stop].to(torch.int64)
+        return indices[slice(*self._group_rows(wid))].to(torch.int64)
 
     def _send_go(self, round_index: int, indices: torch.Tensor) -> None:
-        """Post the round's indices to every worker; with a load, load the round here and ship
-        each worker that learns its rows (group 0's wait in ``own_batch``)."""
+        """Post the round's indices to every worker; with a load, ship each its rows of the round."""
         batch = self.load(round_index, indices) if self.load is not None else None
         for wid in self.workers:
             self.mail[wid].post(round_index, self._group_indices(indices, wid).numpy())
         if batch is not None:
             for wid in self.workers:
                 if self.programs[wid].learn:
-                    self.mail[wid].ship(rows(batch, *self._group_rows(wid)))
+                    self.mail[wid].batches.send(rows(batch, *self._group_rows(wid)))
             self.own_batch = rows(batch, *self._group_rows(0))
 
     def _release(self, *, lr: float, alpha: float, synchronise: bool, cancel: bool) -> None:
@@ -726,9 +701,8 @@ class ProcessExecutor:
             for conn in self.conns:
                 if conn is not None:
                     conn.close()
-            for mail in self.mail:
-                if mail is not None:
-                    mail.close_pipe()
+            for pipe in (m.batches for m in self.mail if m is not None and m.batches is not None):
+                pipe.close()
             self.conns, self.procs, self.mail = [], [], []
             torch.set_num_threads(self.main_threads)
 
