@@ -297,12 +297,13 @@ def test_the_batch_pipe_carries_any_batch_to_a_forked_worker_as_views_of_shared_
         [torch.randn(BY_DESCRIPTOR_BYTES // 4 + 1, generator=g).share_memory_(), torch.ones(2)],
     ]
     ctx = mp.get_context("fork")
-    pipe, back = BatchPipe(ctx), ctx.SimpleQueue()
+    pipe, back, finished = BatchPipe(ctx), ctx.SimpleQueue(), ctx.Event()
 
     def worker():
         for _ in batches:
             got = pipe.receive()
             back.put(got.batches if isinstance(got, LearnerBatches) else got)
+        finished.wait(10)  # alive until the last answer's tensors were taken (their descriptors)
 
     proc = ctx.Process(target=worker, daemon=True)
     proc.start()
@@ -314,6 +315,7 @@ def test_the_batch_pipe_carries_any_batch_to_a_forked_worker_as_views_of_shared_
             torch.utils._pytree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)
                                          if isinstance(a, torch.Tensor) else None, want, got)
             assert type(got) is type(want) and repr(type(got[0])) == repr(type(want[0]))
+        finished.set()
         proc.join(timeout=10)
         assert proc.exitcode == 0
     finally:
