@@ -229,8 +229,8 @@ def test_fused_learners_cannot_stack_batches_padded_to_their_own_lengths():
 class Indexed(Dataset):
     """Sequences whose target is the sample's index (what the loss records)."""
 
-    def __init__(self) -> None:
-        self.base = Sequences()
+    def __init__(self, n: int = 96) -> None:
+        self.base = Sequences(n)
 
     def __len__(self) -> int:
         return len(self.base)
@@ -249,20 +249,20 @@ class Recorder:
 
 
 class Change(Hook):
-    """b 4 → 3 after round 2, m 2 → 1 after round 4 (as policies and the auto-tuner change
-    them between rounds); records every round's indices."""
+    """After the rounds of ``changes``, their Adjustment (as policies and the auto-tuner change
+    b and m between rounds); records every round's indices."""
 
     mutates_replicas = False  # the process executor learns the next round ahead
 
-    def __init__(self) -> None:
+    def __init__(self, changes=None) -> None:
         self.rounds = []
+        self.changes = changes or {2: cg.Adjustment(batch_size=3),
+                                   4: cg.Adjustment(replicas_per_device=1)}
 
     def after_round(self, ctx) -> None:
         self.rounds.append(ctx.batch_indices.clone())
-        if ctx.plan.rounds_done == 2:
-            ctx.plan.adjust(cg.Adjustment(batch_size=3))
-        if ctx.plan.rounds_done == 4:
-            ctx.plan.adjust(cg.Adjustment(replicas_per_device=1))
+        if ctx.plan.rounds_done in self.changes:
+            ctx.plan.adjust(self.changes[ctx.plan.rounds_done])
 
 
 def test_changes_of_b_and_m_between_rounds_keep_the_learners_on_the_plans_samples():
@@ -322,3 +322,16 @@ def test_the_batch_pipe_carries_any_batch_to_a_forked_worker_as_views_of_shared_
         if proc.is_alive():
             proc.kill()
         pipe.close()
+
+
+def test_a_round_past_the_loaders_last_batch_is_loaded_too():
+    """k = 3 × b = 4 ends its loader at sample 96 of 100; m 3 → 1 after round 8 makes a ninth
+    round of the last 4 samples."""
+    record, change = Recorder(), Change({8: cg.Adjustment(replicas_per_device=1)})
+    torch.manual_seed(0)
+    plan = cg.compile(MeanBag(), (torch.ones(1, 5, dtype=torch.long),), record, batch_size=4,
+                      devices=1, replicas=3, executor="inline")
+    plan.fit(loader(Indexed(100), num_workers=2), 1, shuffle=False, progress=False,
+             hooks=[change])
+    assert torch.equal(torch.cat(record.seen), torch.arange(100))
+    assert [len(r) for r in change.rounds] == [12] * 8 + [4]

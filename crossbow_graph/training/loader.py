@@ -67,14 +67,15 @@ def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset
                          "a dataset that does (e.g. a torch.utils.data.Subset)")
 
 
-def seed_learner_batch(fit_seed: int, round_index: int, learner: int) -> None:
+def seed_learner_batch(fit_seed: int, epoch: int, position: int) -> None:
     """Seed Python's ``random``, NumPy's global RNG and torch's CPU generator from (fit seed,
-    round t, global learner j), before learner j's samples of round t are read: what a Dataset's
-    augmentation draws from in a DataLoader worker, so its draws are a function of the fit's
-    seed, whichever worker loads the batch, and a resumed fit draws them again.
-    ``numpy.random.SeedSequence``, as ``seed_host_rngs`` (engine/learners.py) and torch's
+    epoch, position), before the learner batch at ``position`` of the epoch's order (its b
+    samples ``order[position:position + b]``) is read: what a Dataset's augmentation draws from
+    in a DataLoader worker, so its draws are a function of the fit's seed and the batch, whichever
+    worker loads it and however many learners share the round, and a resumed fit draws them
+    again. ``numpy.random.SeedSequence``, as ``seed_host_rngs`` (engine/learners.py) and torch's
     DataLoader derive seeds."""
-    words = np.random.SeedSequence([fit_seed % 2**64, round_index, learner,
+    words = np.random.SeedSequence([fit_seed % 2**64, epoch, position,
                                     _LOADER_TAG]).generate_state(4)
     random.seed(int.from_bytes(words.tobytes(), "little"))
     np.random.seed(words)
@@ -87,8 +88,9 @@ def _as_is(item: Any) -> Any:
 
 
 class _LearnerBatchView(Dataset):
-    """The dataset as the DataLoader's workers read it: a key ``(t, j, indices)`` → ``(t, j,
-    collate_fn(samples))``, learner j's batch of round t, after ``seed_learner_batch``.
+    """The dataset as the DataLoader's workers read it: a key ``(epoch, position, indices)`` →
+    ``(position, collate_fn(samples))``, the learner batch at ``position`` of the epoch's order,
+    read after ``seed_learner_batch``.
 
     ``dataset`` is the user's; other attributes are read from it, so that a worker_init_fn that
     reads ``torch.utils.data.get_worker_info().dataset`` finds what it set up.
@@ -98,13 +100,13 @@ class _LearnerBatchView(Dataset):
                  seed: int) -> None:
         self.dataset, self.collate_fn, self.seed = dataset, collate_fn, seed
 
-    def __getitem__(self, key: tuple[int, int, list[int]]) -> tuple[int, int, Any]:
-        t, j, idx = key
-        seed_learner_batch(self.seed, t, j)
+    def __getitem__(self, key: tuple[int, int, list[int]]) -> tuple[int, Any]:
+        epoch, position, idx = key
+        seed_learner_batch(self.seed, epoch, position)
         if self.collate_fn is None and hasattr(self.dataset, "get_batch"):
-            return t, j, self.dataset.get_batch(torch.tensor(idx))  # reads a batch at once
+            return position, self.dataset.get_batch(torch.tensor(idx))  # reads a batch at once
         samples = read_samples(self.dataset, idx)
-        return t, j, (self.collate_fn or torch.utils.data.default_collate)(samples)
+        return position, (self.collate_fn or torch.utils.data.default_collate)(samples)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -115,27 +117,26 @@ class _LearnerBatchView(Dataset):
         return getattr(self.dataset, name)
 
 
-class _RoundKeys(Sampler):
-    """The DataLoader's sampler: from round ``first_round`` at ``position`` of ``order`` on,
-    with ``num_learners`` learners (this rank's) of ``batch_size`` samples every round, the keys
-    ``(t, j, indices)`` of learner j's batch of round t (j global: rank·k_r + j'), learner by
-    learner, round by round, up to the last full round of the epoch. Set by ``RoundLoader``
-    before each ``iter``."""
+class _BatchKeys(Sampler):
+    """The DataLoader's sampler: the keys ``(epoch, q, order[q:q+b])`` of this process's learner
+    batches, from ``position`` of the epoch's ``order`` on, in the order the rounds take them,
+    up to the last full round of k = ``num_learners`` (this rank's) learners of b = ``batch_size``
+    samples. In one process the rounds take every batch in turn, q = position, position + b, …,
+    whatever k is; under torchrun rank r takes, of each round at p, the batches
+    q = p + (r·k + j)·b. Set by ``RoundLoader`` before each ``iter``."""
 
     def __init__(self) -> None:
         self.order = torch.zeros(0, dtype=torch.int64)
-        self.first_round = self.position = self.num_learners = self.batch_size = 0
+        self.epoch = self.position = self.num_learners = self.batch_size = 0
         self.rank, self.world_size = 0, 1
 
     def __iter__(self) -> Iterator[tuple[int, int, list[int]]]:
-        k, b = self.num_learners, self.batch_size
+        k, b, e = self.num_learners, self.batch_size, self.epoch
         n = k * b * self.world_size  # one round of every rank's learners
-        t, p, first = self.first_round, self.position, self.rank * k
-        while p + n <= len(self.order):
-            mine = self.order[p + first * b:p + (first + k) * b].tolist()
-            for j in range(k):
-                yield t, first + j, mine[j * b:(j + 1) * b]
-            t, p = t + 1, p + n
+        end = self.position + (len(self.order) - self.position) // n * n
+        for p in range(self.position, end, n):
+            for q in range(p + self.rank * k * b, p + (self.rank + 1) * k * b, b):
+                yield e, q, self.order[q:q + b].tolist()
 
 
 class RoundLoader:
@@ -145,11 +146,13 @@ class RoundLoader:
     ``pin_memory`` (and ``pin_memory_device``), ``prefetch_factor``, ``persistent_workers``,
     ``worker_init_fn``, ``generator`` (the workers' base seed; without one, a generator seeded
     from the fit's seed, so the global RNG is not drawn from), ``timeout``,
-    ``multiprocessing_context`` and ``in_order``; its sampler (``_RoundKeys``) yields one item per
-    learner and round: learner j's b samples of round t, collated alone in a worker. An epoch's
-    items come from one iterator, started at ``start_epoch``; a round that is not the iterator's
-    next (k or b changed, as the auto-tuner and policies do between rounds) restarts it at that
-    round's position (the items loaded ahead are dropped).
+    ``multiprocessing_context`` and ``in_order``; its sampler (``_BatchKeys``) yields one item per
+    learner batch: b samples of the epoch's order, collated alone in a worker. An epoch's items
+    come from one iterator, started at ``start_epoch``. A change of k between rounds (the
+    auto-tuner) keeps it in one process, where the rounds take the same batches in the same order
+    whatever k is; a change of b (policies), or of k under torchrun, restarts it at that round's
+    position (the items loaded ahead are dropped), as does a round past the iterator's last
+    (k grew near the epoch's end).
 
     Args:
         loader: the user's DataLoader (``check_loader`` passed).
@@ -159,7 +162,7 @@ class RoundLoader:
 
     def __init__(self, loader: DataLoader, plan: "Plan", seed: int) -> None:
         self.plan = plan
-        self.keys = _RoundKeys()
+        self.keys = _BatchKeys()
         comm = plan.comm
         self.keys.rank, self.keys.world_size = (comm.rank, comm.world_size) if comm else (0, 1)
         generator = loader.generator
@@ -176,14 +179,14 @@ class RoundLoader:
             persistent_workers=loader.persistent_workers,
             pin_memory_device=loader.pin_memory_device, **extra)
         self.iterator: Iterator | None = None
-        self.next: tuple[int, int, int, int] | None = None  # the iterator's next (t, pos, k, b)
+        self.expect: tuple[int, int, int] | None = None  # the iterator's next (q, k, b)
         self.starts: dict[int, int] = {}  # round → its position in the epoch's order
-        self.waiting: dict[tuple[int, int], Any] = {}  # items that came before their turn
+        self.waiting: dict[int, Any] = {}  # position → a batch that came before its turn
 
-    def start_epoch(self, order: torch.Tensor, position: int, first_round: int) -> None:
-        """A new epoch: its order ``[N]``, the position and round index it starts at (> 0 when
-        resumed in the middle)."""
-        self.keys.order = order
+    def start_epoch(self, order: torch.Tensor, position: int, epoch: int, first_round: int) -> None:
+        """A new epoch: its order ``[N]``, the position it starts at (> 0 when resumed in the
+        middle), its number and the index of its first round."""
+        self.keys.order, self.keys.epoch = order, epoch
         self.starts = {first_round: position}
         self._drop_iterator()
 
@@ -191,40 +194,47 @@ class RoundLoader:
         """Round ``round_index``'s batches of this process's learners, whose samples are
         ``indices [k_r·b]`` (learner j's at ``[j·b, (j+1)·b)``), from the DataLoader's workers.
         Rounds are asked for in order (a round again when the one asked before was dropped)."""
-        b = self.plan.batch_size
+        keys, b = self.keys, self.plan.batch_size
         k = len(indices) // b
         position = self.starts[round_index]
-        if self.next != (round_index, position, k, b):
-            self._restart(round_index, position, k, b)
-        keys = self.keys
-        first = keys.rank * k
-        want = keys.order[position + first * b:position + (first + k) * b]
-        assert torch.equal(want, indices), "the round's indices are not the epoch order's"
-        batches = [self._item(round_index, first + j) for j in range(k)]
+        first = position + keys.rank * k * b  # this rank's first batch of the round
+        assert torch.equal(keys.order[first:first + k * b], indices), "not the epoch order's"
+        if self.expect is None or not self._continues(first, k, b):
+            self._restart(position, k, b)
+        batches = [self._item(q, k, b) for q in range(first, first + k * b, b)]
         after = position + len(indices) * keys.world_size
-        self.next = (round_index + 1, after, k, b)
+        self.expect = (after + keys.rank * k * b, k, b)
         self.starts = {t: p for t, p in self.starts.items() if t >= round_index}
         self.starts[round_index + 1] = after
         return LearnerBatches(batches, b)
 
-    def _item(self, round_index: int, learner: int) -> Any:
-        """Learner ``learner``'s batch of round ``round_index``, waiting for it if needed."""
-        key = (round_index, learner)
-        while key not in self.waiting:
-            t, j, batch = next(self.iterator)
-            self.waiting[(t, j)] = batch
-        return self.waiting.pop(key)
+    def _continues(self, first: int, k: int, b: int) -> bool:
+        """Whether the iterator's next batches are the round's whose first is at ``first``."""
+        q, k0, b0 = self.expect
+        return q == first and b0 == b and (k0 == k or self.keys.world_size == 1)
 
-    def _restart(self, round_index: int, position: int, k: int, b: int) -> None:
+    def _item(self, q: int, k: int, b: int) -> Any:
+        """The learner batch at position ``q``, waiting for it if needed (restarting there if the
+        iterator ended first: in one process, where batches follow each other, after k grew)."""
+        while q not in self.waiting:
+            try:
+                got, batch = next(self.iterator)
+            except StopIteration:
+                assert self.keys.world_size == 1  # under torchrun a new k restarts in load
+                self._restart(q, k, b)
+                continue
+            self.waiting[got] = batch
+        return self.waiting.pop(q)
+
+    def _restart(self, position: int, k: int, b: int) -> None:
         self._drop_iterator()
         keys = self.keys
-        keys.first_round, keys.position, keys.num_learners, keys.batch_size = (
-            round_index, position, k, b)
+        keys.position, keys.num_learners, keys.batch_size = position, k, b
         self.iterator = iter(self.loader)
 
     def _drop_iterator(self) -> None:
         """Forget the items in flight; without persistent workers, stop the workers."""
-        self.iterator, self.next, self.waiting = None, None, {}
+        self.iterator, self.expect, self.waiting = None, None, {}
 
     def close(self) -> None:
         """Stop the DataLoader's workers (persistent ones too): the fit is over."""

@@ -283,7 +283,7 @@ class Trainer:
         self.agree = self.comm is not None  # after_epoch and before_epoch hooks ran
         self.order = self.schedule.order(epoch)
         if self.loader is not None:
-            self.loader.start_epoch(self.order, self.position, plan.rounds_done)
+            self.loader.start_epoch(self.order, self.position, epoch, plan.rounds_done)
         if self.position == 0:
             sched.losses = []
         self.epoch_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
