@@ -653,8 +653,11 @@ class Plan:
         number t·k + j in round t); a last partial round is dropped.
 
         Args:
-            train_dataset: a torch Dataset (or DataLoader) of ``(inputs, target)`` samples.
-            eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch.
+            train_dataset: a torch Dataset of ``(inputs, target)`` samples, or a DataLoader: its
+                ``collate_fn`` gets each learner's b samples, its workers load the rounds ahead;
+                the plan still picks the samples (docs/runtime.md, Your DataLoader).
+            eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch (a DataLoader:
+                its ``collate_fn`` collates each evaluation batch).
             metrics_every: N, rounds per metrics window (``History.metrics``: samples/s, loss,
                 lr, divergence, gradient noise scale; tuning/metrics.py); or a
                 ``crossbow_graph.MetricsMonitor`` for its other settings (``ema``,
@@ -675,7 +678,9 @@ class Plan:
                 the example inputs or of another floating dtype that the model does not
                 take (e.g. float32 data for a float64 model), labels outside the model's classes or of the wrong dtype or
                 shape for a class-index loss (checked once, on the first batch of
-                ``train_dataset`` and of ``eval_dataset``); bad arguments (``target_accuracy``
+                ``train_dataset`` and of ``eval_dataset``); a DataLoader with a sampler or
+                batch_sampler (the plan picks the samples), with ``batch_size=None``, over an
+                IterableDataset, or whose collate_fn returns no ``(inputs, target)`` pair; bad arguments (``target_accuracy``
                 outside (0, 1], ``evals_per_epoch`` < 1, a ``checkpoint_dir`` that cannot be
                 created or written); all before the first round.
             TypeError: ``seed`` not an integer, ``target_accuracy`` not a number.

@@ -127,7 +127,7 @@ class Trainer:
 
     def _data_path(self) -> tuple[Any, RoundLoader | None]:
         """How the rounds' samples are read: the fetch (indices → batch, in any process) and,
-        for a DataLoader with worker processes (or pinned memory on a CUDA machine), the
+        for a DataLoader with worker processes (or pinned memory for CUDA devices), the
         RoundLoader that loads the rounds through it (docs/runtime.md, Your DataLoader)."""
         train, data = self.train, self.train_dataset
         collate = collate_of(data)
@@ -137,8 +137,8 @@ class Trainer:
             fetch = train.get_batch
         else:
             fetch = make_fetch(train)
-        loads = isinstance(data, DataLoader) and (
-            data.num_workers > 0 or (data.pin_memory and torch.cuda.is_available()))
+        cuda = any(s.torch_device.type == "cuda" for s in self.plan.states)
+        loads = isinstance(data, DataLoader) and (data.num_workers > 0 or (data.pin_memory and cuda))
         return fetch, RoundLoader(data, self.plan, self.options.seed) if loads else None
 
     def _check_datasets(self) -> Any:
