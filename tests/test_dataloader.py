@@ -335,3 +335,18 @@ def test_a_round_past_the_loaders_last_batch_is_loaded_too():
              hooks=[change])
     assert torch.equal(torch.cat(record.seen), torch.arange(100))
     assert [len(r) for r in change.rounds] == [12] * 8 + [4]
+
+
+class LostSample(Sequences):
+    def __getitem__(self, i: int):
+        if i == 50:
+            raise OSError("sample 50: the disk is gone")
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("executor", ["process", "inline"])
+def test_a_sample_that_fails_in_a_loader_worker_stops_the_fit_and_every_process(executor):
+    plan = make_plan(executor=executor)
+    with pytest.raises(OSError, match="sample 50: the disk is gone"):
+        plan.fit(loader(LostSample(), num_workers=2), 1, shuffle=False, progress=False)
+    assert mp.active_children() == []  # the loader's workers and the learner processes

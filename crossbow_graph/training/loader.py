@@ -232,11 +232,21 @@ class RoundLoader:
         keys.position, keys.num_learners, keys.batch_size = position, k, b
         self.iterator = iter(self.loader)
 
-    def _drop_iterator(self) -> None:
-        """Forget the items in flight; without persistent workers, stop the workers."""
+    def _drop_iterator(self, stop: bool = False) -> None:
+        """Forget the items in flight; without persistent workers (or with ``stop``), stop the
+        workers now, not when the iterator is collected (an exception's traceback can hold it)."""
+        if self.iterator is not None and (stop or not self.loader.persistent_workers):
+            _stop_workers(self.iterator)
         self.iterator, self.expect, self.waiting = None, None, {}
 
     def close(self) -> None:
         """Stop the DataLoader's workers (persistent ones too): the fit is over."""
-        self._drop_iterator()
+        self._drop_iterator(stop=True)
         self.loader = None
+
+
+def _stop_workers(iterator: Iterator) -> None:
+    """Stop a DataLoader iterator's worker processes, as its ``__del__`` does (idempotent)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # multi-process iterators have it
+    if shutdown is not None:
+        shutdown()
