@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import warnings
 from collections import namedtuple
 
 import numpy as np
@@ -18,7 +19,6 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
 import crossbow_graph as cg
 from crossbow_graph.engine.batches import LearnerBatches
 from crossbow_graph.engine.shipping import BY_DESCRIPTOR_BYTES, BatchPipe
-from crossbow_graph.errors import TaskError
 from crossbow_graph.training.data import BatchSchedule
 from crossbow_graph.training.hooks import Hook
 from _reference import flat, reference_sma
@@ -62,6 +62,7 @@ def pad(samples):
 
 
 def count_init(worker_id: int) -> None:
+    assert len(torch.utils.data.get_worker_info().dataset.tokens) == 96  # the user's dataset's
     with INITS.get_lock():
         INITS[0] += 1
         INITS[INITS[0]] = torch.initial_seed()
@@ -71,18 +72,18 @@ class MeanBag(nn.Module):
     """Embedding, the mean over every position (padding included: the padded length changes the
     output, so a batch padded to another length gives other numbers), a linear classifier."""
 
-    def __init__(self) -> None:
+    def __init__(self, padding_idx: int | None = 0) -> None:
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, 8, padding_idx=0)
+        self.emb = nn.Embedding(VOCAB, 8, padding_idx=padding_idx)
         self.fc = nn.Linear(8, 2)
 
     def forward(self, x):
         return self.fc(self.emb(x).mean(dim=1))
 
 
-def make_plan(devices=2, replicas=2, **kw) -> cg.Plan:
+def make_plan(devices=2, replicas=2, model=None, **kw) -> cg.Plan:
     torch.manual_seed(0)
-    return cg.compile(MeanBag(), (torch.ones(1, 5, dtype=torch.long),), F.cross_entropy,
+    return cg.compile(model or MeanBag(), (torch.ones(1, 5, dtype=torch.long),), F.cross_entropy,
                       batch_size=4, devices=devices, replicas=replicas,
                       optimizer=cg.SGD(lr=0.2, momentum=0.9), sync=cg.SMA(central_momentum=0.9),
                       **kw)
@@ -216,15 +217,27 @@ def test_a_dataloader_that_chooses_the_samples_is_refused_before_training(data, 
 
 def test_a_collate_fn_that_returns_no_pair_is_a_clear_error():
     plan = make_plan()
-    with pytest.raises(ValueError, match="collate_fn returned a list of 4 items for a batch of 4 samples, not an"):
+    with pytest.raises(ValueError, match="collate_fn returned a list of 4 items for a batch of 4 "
+                                         "samples, not an"):
         plan.fit(DataLoader(Sequences(), batch_size=4, collate_fn=list), 1, progress=False)
 
 
-def test_fused_learners_cannot_stack_batches_padded_to_their_own_lengths():
-    plan = make_plan(devices=1, replicas=2, learner_mode="fused", executor="inline")
-    with pytest.raises(TaskError, match="learner_mode='per_replica'"):
-        plan.fit(loader(), 1, progress=False)
-
+def test_fused_learners_given_batches_of_their_own_lengths_run_one_replica_at_a_time():
+    """vmap needs one stacked batch; a group whose batches differ in length learns replica by
+    replica (the same numbers, with a warning naming per_replica). (No padding_idx: vmap's
+    embedding backward does not keep the padding row's gradient at zero.)"""
+    weights = {}
+    for mode in ("fused", "per_replica"):
+        torch.manual_seed(0)
+        plan = make_plan(devices=1, replicas=2, learner_mode=mode, executor="inline",
+                         model=MeanBag(padding_idx=None))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan.fit(loader(), 1, progress=False)
+        weights[mode] = plan.central_weights()
+        said = [str(w.message) for w in caught if "one replica at a time" in str(w.message)]
+        assert bool(said) == (mode == "fused") and all("per_replica" in m for m in said)
+    torch.testing.assert_close(weights["fused"], weights["per_replica"], rtol=1e-5, atol=1e-6)
 
 class Indexed(Dataset):
     """Sequences whose target is the sample's index (what the loss records)."""
@@ -312,8 +325,9 @@ def test_the_batch_pipe_carries_any_batch_to_a_forked_worker_as_views_of_shared_
             pipe.send(sent)
             got = back.get()
             want = sent.batches if isinstance(sent, LearnerBatches) else sent
-            torch.utils._pytree.tree_map(lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)
-                                         if isinstance(a, torch.Tensor) else None, want, got)
+            torch.utils._pytree.tree_map(
+                lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)
+                if isinstance(a, torch.Tensor) else None, want, got)
             assert type(got) is type(want) and repr(type(got[0])) == repr(type(want[0]))
         finished.set()
         proc.join(timeout=10)

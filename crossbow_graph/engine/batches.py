@@ -53,8 +53,8 @@ class LearnerBatches:
         spec = flat[0][1]
         if any(s != spec for _, s in flat):
             raise ValueError("fused learners stack the learners' batches, but the collate_fn "
-                             "returned batches of different structure; use "
-                             "learner_mode='per_replica'")
+                             "returned batches of different structure (learner_mode='per_replica' "
+                             "takes them)")
         leaves = []
         for column in zip(*(leaves_ for leaves_, _ in flat)):
             if not all(isinstance(x, torch.Tensor) for x in column):
@@ -65,8 +65,8 @@ class LearnerBatches:
                 raise ValueError(
                     f"fused learners stack the learners' batches, but the collate_fn returned "
                     f"tensors of per-sample shapes {sorted(shapes)} for the learners of one "
-                    "group (it pads each batch to its own length); use "
-                    "learner_mode='per_replica', or pad every batch to one fixed length")
+                    "group (it pads each batch to its own length; learner_mode='per_replica' "
+                    "takes them, and a collate_fn that pads to one fixed length can be fused)")
             leaves.append(torch.cat(column))
         return tree_unflatten(leaves, spec)
 

@@ -8,6 +8,7 @@ the group's loss gradients in ``state.g[r0:r1]`` and return the per-replica loss
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -116,7 +117,8 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
         r0, r1: the group's rows of ``w``/``g`` (``r1 − r0`` replicas).
         batch: the group's collated samples, ``(r1 − r0)·b`` along dimension 0, replica r's at
             ``[(r − r0)·b, (r − r0 + 1)·b)``, already on the device; or a ``LearnerBatches`` of
-            the r1 − r0 replicas' batches (fused: stacked, ``LearnerBatches.stacked``).
+            the r1 − r0 replicas' batches (fused: stacked, ``LearnerBatches.stacked``; batches
+            of different shapes run per replica instead, with a warning).
         loss_fn: ``loss_fn(output, target) -> scalar``.
         batch_size: b.
         mode: ``"per_replica"`` (each replica its own forward/backward) or ``"fused"`` (one vmapped
@@ -130,12 +132,16 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
         The r1 − r0 losses (0-dim tensors, detached).
     """
     state.g[r0:r1].zero_()
+    if mode == "fused" and isinstance(batch, LearnerBatches):
+        try:
+            batch = to_device(batch.stacked(), state.torch_device)
+        except ValueError as exc:  # batches padded to their own lengths: one replica at a time
+            warnings.warn(f"{exc}; these learners run one replica at a time", stacklevel=2)
+            mode = "per_replica"
     if mode == "fused":
         assert fused is not None
         if rng_seed is not None:
             seed_rng(state.torch_device, rng_seed)
-        if isinstance(batch, LearnerBatches):
-            batch = to_device(batch.stacked(), state.torch_device)
         return list(fused.step(state, r0, r1, batch).unbind())
     b = batch_size
     losses = []

@@ -10,7 +10,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from ..engine.batches import LearnerBatches
 from ..engine.settings import RunSettings
 
-__all__ = ["BatchSchedule", "CollateFetch", "LearnerFetch", "as_dataset", "collate_of", "make_fetch", "read_samples"]
+__all__ = ["BatchSchedule", "CollateFetch", "LearnerFetch", "as_dataset", "collate_of", "make_fetch",
+           "read_samples"]
 
 
 def as_dataset(data: Any, what: str = "train_dataset") -> Dataset:

@@ -20,7 +20,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, RandomSampler, 
                               SequentialSampler)
 
 from ..engine.batches import LearnerBatches
-from .data import read_samples
+from .data import collate_of, read_samples
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -168,7 +168,7 @@ class RoundLoader:
         generator = loader.generator
         if generator is None:
             generator = torch.Generator().manual_seed(seed)
-        collate = None if loader.collate_fn is torch.utils.data.default_collate else loader.collate_fn
+        collate = collate_of(loader)
         extra = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}
         self.loader = DataLoader(
             _LearnerBatchView(loader.dataset, collate, seed), batch_size=None, sampler=self.keys,
