@@ -107,6 +107,11 @@ def seed_host_rngs(fit_seed: int, round_index: int, rank: int, process: int, *,
         torch.default_generator.manual_seed(int.from_bytes(words[:2].tobytes(), "little"))
 
 
+_UNSTACKABLE = ("fused learners stack the learners' batches, but the collate_fn returned batches "
+                "of different shapes (padded to their own lengths, say): these learners run one "
+                "replica at a time, as learner_mode='per_replica' does")
+
+
 def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Callable,
                 batch_size: int, mode: str, fused: FusedProgram | None,
                 rng_seed: int | None = None) -> list[torch.Tensor]:
@@ -135,8 +140,8 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
     if mode == "fused" and isinstance(batch, LearnerBatches):
         try:
             batch = to_device(batch.stacked(), state.torch_device)
-        except ValueError as exc:  # batches padded to their own lengths: one replica at a time
-            warnings.warn(f"{exc}; these learners run one replica at a time", stacklevel=2)
+        except ValueError:  # batches padded to their own lengths: one replica at a time
+            warnings.warn(_UNSTACKABLE, stacklevel=2)  # one text: shown once per process
             mode = "per_replica"
     if mode == "fused":
         assert fused is not None
