@@ -27,7 +27,7 @@ from .engine.state import DeviceState, FlatLayout, float_buffers_named, model_dt
 from .errors import is_count
 from .kernels.select import plan_kernels, select_backend
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
-from .training.data import as_dataset
+from .training.data import as_dataset, collate_of
 from .training.evaluation import evaluate_model
 from .training.history import History
 from .training.hooks import Hook
@@ -679,11 +679,14 @@ class Plan:
         ``output.logits`` of a HuggingFace ModelOutput, or the first tensor of a tuple or dict)
         against integer targets ``[N]``; None otherwise, with a ``UserWarning`` (once per plan)
         that says why and names ``metric_fn``.
+        ``dataset``: a Dataset, or a DataLoader whose collate_fn collates each batch of
+        ``batch_size`` samples (its other settings are not used).
         """
-        dataset = as_dataset(dataset, "eval_dataset")
+        data, dataset = dataset, as_dataset(dataset, "eval_dataset")
         self._refresh_central()
         result = evaluate_model(self._central, self.loss_fn, dataset, batch_size=batch_size,
-                                device=self.states[0].torch_device, metric_fn=metric_fn)
+                                device=self.states[0].torch_device, metric_fn=metric_fn,
+                                collate_fn=collate_of(data))
         if result.unscored and not self._unscored_warned:
             self._unscored_warned = True
             warnings.warn(f"{self.model_graph.name}: no test accuracy: {result.unscored}; "
@@ -724,9 +727,12 @@ class Plan:
         number t·k + j in round t); a last partial round is dropped.
 
         Args:
-            train_dataset: a torch Dataset (or DataLoader) of ``(inputs, target)`` samples, or
-                of dicts of keyword inputs whose ``"labels"`` are the target (engine/inputs.py).
-            eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch.
+            train_dataset: a torch Dataset of ``(inputs, target)`` samples (or of dicts of keyword
+                inputs whose ``"labels"`` are the target, engine/inputs.py), or a DataLoader: its
+                ``collate_fn`` gets each learner's b samples, its workers load the rounds ahead;
+                the plan still picks the samples (docs/runtime.md, Your DataLoader).
+            eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch (a DataLoader:
+                its ``collate_fn`` collates each evaluation batch).
             metrics_every: N, rounds per metrics window (``History.metrics``: samples/s, loss,
                 lr, divergence, gradient noise scale; tuning/metrics.py); or a
                 ``crossbow_graph.MetricsMonitor`` for its other settings (``ema``,
@@ -754,7 +760,9 @@ class Plan:
                 the example inputs or of another floating dtype that the model does not
                 take (e.g. float32 data for a float64 model), labels outside the model's classes or of the wrong dtype or
                 shape for a class-index loss (checked once, on the first batch of
-                ``train_dataset`` and of ``eval_dataset``); bad arguments (``target_accuracy``
+                ``train_dataset`` and of ``eval_dataset``); a DataLoader with a sampler or
+                batch_sampler (the plan picks the samples), with ``batch_size=None``, over an
+                IterableDataset, or whose collate_fn returns no ``(inputs, target)`` pair; bad arguments (``target_accuracy``
                 outside (0, 1], ``evals_per_epoch`` < 1, a ``checkpoint_dir`` that cannot be
                 created or written); all before the first round.
             TypeError: ``seed`` not an integer, ``target_accuracy`` not a number,

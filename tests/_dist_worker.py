@@ -3,7 +3,8 @@ SCENARIO OUT_DIR`` with torchrun's variables (RANK, WORLD_SIZE, ...) set by the 
 
 Scenarios (TinyBN, 1 device × 2 replicas per rank, b = 4, z checked every round):
 ``train`` (shuffle=False; saves z, zbuf, the digest), ``process`` (the same with 2 devices × 1
-replica per rank on the process executor), ``decide`` (a hook on rank 0 only changes m,
+replica per rank on the process executor, the data through a DataLoader with a worker process:
+each rank loads its own learners' batches), ``decide`` (a hook on rank 0 only changes m,
 the learner mode, lr, α and τ after round 3), ``resume`` (a second plan resumes from rank 0's checkpoint for a second
 epoch), ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
 changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3; rank 0 writes a
@@ -127,6 +128,8 @@ def run(scenario: str, rank: int, out: str) -> dict:
                                 executor="inline", distributed=settings)
             history = plan.fit(data, 2, shuffle=True, progress=False, resume=True, **kw)
         else:
+            if scenario == "process":  # each rank's DataLoader loads its learners' rows
+                data = torch.utils.data.DataLoader(data, batch_size=B, num_workers=1)
             history = plan.fit(data, 1, shuffle=False, progress=False, hooks=hooks, **kw)
         result.update(z=plan.central_weights(), zbuf=plan.states[0].zbuf.clone(),
                       m=plan.replicas_per_device, lr=plan.scheduler.lr, tau=plan.sync.sync_every,

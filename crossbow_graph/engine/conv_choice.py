@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
+from .batches import single
 from .inputs import split_inputs
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
         return cached
     state = scheduler.states[0]
     with torch.random.fork_rng(devices=[]), _host_rngs_kept():  # as if never fetched
-        batch = fetch(torch.arange(b))
+        batch = single(fetch(torch.arange(b)))  # one learner's
     args, kwargs, target = split_inputs(batch)
     shapes = tuple((tuple(t.shape), t.dtype) for t in (*args, *kwargs.values(), target)
                    if isinstance(t, torch.Tensor))

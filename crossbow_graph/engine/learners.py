@@ -8,6 +8,7 @@ the group's loss gradients in ``state.g[r0:r1]`` and return the per-replica loss
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..config import LEARNER_MODES
+from .batches import LearnerBatches, to_device
 from .inputs import split_inputs
 from .fused import FusedProgram
 from .precision import autocast
@@ -41,14 +43,22 @@ def _flat_pair(batch: Any) -> bool:
 
 
 def rows(batch: Any, start: int, stop: int) -> Any:
-    """Rows ``[start, stop)`` of every tensor of a collated batch (views, same device)."""
+    """Rows ``[start, stop)`` of every tensor of a collated batch (views, same device); of a
+    ``LearnerBatches``, the learners of those rows."""
+    if isinstance(batch, LearnerBatches):
+        return batch.rows(start, stop)
     if _flat_pair(batch):
         return type(batch)([t[start:stop] for t in batch])
     return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, batch)
 
 
 def slice_batch(batch: Any, start: int, stop: int, device: torch.device) -> Any:
-    """Rows ``[start, stop)`` of every tensor of a collated batch, moved to ``device``."""
+    """Rows ``[start, stop)`` of every tensor of a collated batch, moved to ``device``; of a
+    ``LearnerBatches``, the one learner of those rows' batch as its collate_fn returned it."""
+    if isinstance(batch, LearnerBatches):
+        mine = batch.rows(start, stop).batches
+        assert len(mine) == 1, (start, stop, batch.batch_size)
+        return to_device(mine[0], device)
     if _flat_pair(batch) and all(t.device == device for t in batch):
         return type(batch)([t[start:stop] for t in batch])
     return tree_map(lambda t: t[start:stop].to(device, non_blocking=True)
@@ -98,6 +108,11 @@ def seed_host_rngs(fit_seed: int, round_index: int, rank: int, process: int, *,
         torch.default_generator.manual_seed(int.from_bytes(words[:2].tobytes(), "little"))
 
 
+_UNSTACKABLE = ("fused learners stack the learners' batches, but the collate_fn returned batches "
+                "of different shapes (padded to their own lengths, say): these learners run one "
+                "replica at a time, as learner_mode='per_replica' does")
+
+
 def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Callable,
                 batch_size: int, mode: str, fused: FusedProgram | None,
                 rng_seed: int | None = None) -> list[torch.Tensor]:
@@ -112,7 +127,9 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
         state: the device's replicas and flat buffers.
         r0, r1: the group's rows of ``w``/``g`` (``r1 − r0`` replicas).
         batch: the group's collated samples, ``(r1 − r0)·b`` along dimension 0, replica r's at
-            ``[(r − r0)·b, (r − r0 + 1)·b)``, already on the device.
+            ``[(r − r0)·b, (r − r0 + 1)·b)``, already on the device; or a ``LearnerBatches`` of
+            the r1 − r0 replicas' batches (fused: stacked, ``LearnerBatches.stacked``; batches
+            of different shapes run per replica instead, with a warning).
         loss_fn: ``loss_fn(output, target) -> scalar``.
         batch_size: b.
         mode: ``"per_replica"`` (each replica its own forward/backward) or ``"fused"`` (one vmapped
@@ -126,6 +143,12 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
         The r1 − r0 losses (0-dim tensors, detached).
     """
     state.g[r0:r1].zero_()
+    if mode == "fused" and isinstance(batch, LearnerBatches):
+        try:
+            batch = to_device(batch.stacked(), state.torch_device)
+        except ValueError:  # batches padded to their own lengths: one replica at a time
+            warnings.warn(_UNSTACKABLE, stacklevel=2)  # one text: shown once per process
+            mode = "per_replica"
     if mode == "fused":
         assert fused is not None
         reseed = None if rng_seed is None else (lambda: seed_rng(state.torch_device, rng_seed))

@@ -106,6 +106,7 @@ class Scheduler(RoundInterpreter):
         self.seed = 0
         self.comm = None  # a engine.comm.Comm under torchrun: the global sync spans the ranks
         self._fetch: Callable | None = None
+        self._load: Callable | None = None  # begin_fit's load, if any
         self._round_losses: dict[int, list] = {}  # device → its replicas' losses of the round
         self._workers = None  # a workers.ProcessExecutor while one runs
         self._fused = [FusedProgram(_clone_structure(s), loss_fn, settings) for s in states]
@@ -183,9 +184,14 @@ class Scheduler(RoundInterpreter):
 
     # -- fit boundaries -----------------------------------------------------------------------
 
-    def begin_fit(self, fetch: Callable[[torch.Tensor], Any], *, seed: int = 0, timeline=None) -> None:
-        """Prepare a fit: ``fetch`` maps sample indices ``[n]`` to a collated batch."""
-        self._fetch = fetch
+    def begin_fit(self, fetch: Callable[[torch.Tensor], Any], *, seed: int = 0, timeline=None,
+                  load: Callable[[int, torch.Tensor], Any] | None = None) -> None:
+        """Prepare a fit: ``fetch`` maps sample indices ``[n]`` to a collated batch (in any
+        process: forked workers fetch their own samples); ``load``, if given, maps (round t, its
+        indices ``[k·b]``) to the round's batch in this process, called once per round in round
+        order (a DataLoader's workers load it ahead): worker processes then receive their
+        learners' batches from this process instead of fetching."""
+        self._fetch, self._load = fetch, load
         self.seed = seed
         self.timeline = timeline
 
@@ -195,7 +201,7 @@ class Scheduler(RoundInterpreter):
             self.flush()
         finally:
             self.close_workers()
-            self._fetch = None
+            self._fetch = self._load = None
 
     def flush(self) -> None:
         """Complete the work still in flight: CUDA streams are synchronised, so that z and zbuf
@@ -222,10 +228,12 @@ class Scheduler(RoundInterpreter):
         Args:
             round_index: the global round number t (for error messages).
             batch: the round's collated samples, ``k·b`` along dimension 0, learner j's at
-                ``[j·b, (j+1)·b)``; or None with ``indices`` (fetched after ``begin_fit``).
+                ``[j·b, (j+1)·b)``, or a ``LearnerBatches`` (engine/batches.py); or None with
+                ``indices`` (fetched, or loaded, after ``begin_fit``).
             synchronise: whether this round ends with a synchronisation (every τ-th round).
             indices: the round's sample indices ``[k·b]`` (learner j's at ``[j·b, (j+1)·b)``);
-                worker processes fetch their own samples from them.
+                worker processes fetch their own samples from them (or, with begin_fit's
+                ``load``, receive their batches from this process).
             next_indices: the next round's indices when nothing will write the replicas between
                 the rounds: worker processes start learning it while this process runs this
                 round's global sync (the overlap); ignored by the inline executor.
@@ -236,7 +244,8 @@ class Scheduler(RoundInterpreter):
         self.round_index = round_index
         if indices is not None and batch is None and self.resolved_executor() == "process":
             if self._workers is None:
-                self._workers = ProcessExecutor(self, self._fetch, seed=self.seed + round_index)
+                self._workers = ProcessExecutor(self, self._fetch, seed=self.seed + round_index,
+                                                load=self._load)
             try:
                 self._workers.run_round(round_index, indices, synchronise, next_indices)
             finally:
@@ -245,7 +254,7 @@ class Scheduler(RoundInterpreter):
             return
         self.close_workers()
         if batch is None:
-            batch = self._fetch(indices)
+            batch = self._fetch(indices) if self._load is None else self._load(round_index, indices)
         self._batch = batch
         self._round_losses = {d: [None] * s.m for d, s in enumerate(self.states)}  # for the fault test
         self._synchronise = synchronise

@@ -9,7 +9,8 @@ replicas' integer buffers) live in shared memory, so every process sees the same
 the messages: each worker has a ``_Mailbox`` of small shared arrays and semaphores (no pipe, no
 pickling on the hot path). Per round t this process writes t and each worker's sample indices into
 the worker's mailbox and releases its ``go`` semaphore; the worker fetches its samples from its
-forked copy of the dataset and learns, as this process learns group 0. When z_t is ready this
+forked copy of the dataset (or receives its rows of the round a DataLoader loaded here:
+engine/shipping.py) and learns, as this process learns group 0. When z_t is ready this
 process writes α, whether to synchronise and the optimizer's param groups' settings (η, momentum,
 betas, ...: ``LocalOptimizer.hyper_vector``) to a shared control block
 and releases each worker's semaphore; every group runs its part of the LOCAL_SYNC (the correction
@@ -46,6 +47,7 @@ from ..compiler.tasks import Task, TaskKind
 from ..errors import TaskError
 from .conv_choice import choose_onednn
 from .learners import learn_group, learner_seed, rows, seed_host_rngs
+from .shipping import BatchPipe
 from .interpreter import RoundInterpreter, RoundProgram, cause_text, task_error
 
 if TYPE_CHECKING:
@@ -139,6 +141,8 @@ class _Mailbox:
     written by the worker; each direction is announced by a semaphore release, which also orders
     the memory accesses. Two slots are enough: the coordinator writes round t + 2 only after the
     worker answered round t, and the worker reads round t + 1's slot before it answers round t + 1.
+    With ``shipped`` the coordinator also sends the worker its rows of each round's batch
+    (``batches``: engine/shipping.py).
 
     Args:
         ctx: the multiprocessing context (fork).
@@ -146,10 +150,11 @@ class _Mailbox:
         n_rows: the worker's replicas, r1 − r0.
         n_losses: the losses it answers per round (its LEARN tasks).
         loss_dtype: of the losses (the masters': float64 for a float64 model, else float32).
+        shipped: whether the coordinator loads the rounds and sends the batches.
     """
 
     def __init__(self, ctx, n_indices: int, n_rows: int, n_losses: int,
-                 loss_dtype: torch.dtype = torch.float32) -> None:
+                 loss_dtype: torch.dtype = torch.float32, shipped: bool = False) -> None:
         self.go, self.done = ctx.Semaphore(0), ctx.Semaphore(0)
         self.indices = torch.zeros(2, n_indices, dtype=torch.int64).share_memory_().numpy()
         self.head = torch.zeros(3, dtype=torch.int64).share_memory_().numpy()  # rounds; stop
@@ -157,6 +162,7 @@ class _Mailbox:
         self._losses = torch.zeros(n_losses, dtype=loss_dtype).share_memory_()
         self.losses = self._losses.numpy()
         self.sent = self.taken = 0  # slots written (coordinator), read (worker)
+        self.batches = BatchPipe(ctx) if shipped else None  # the shipped rounds' batches
 
     def post(self, round_index: int, indices) -> None:
         """Coordinator: round ``round_index``'s sample indices (an int64 array) to the worker."""
@@ -255,8 +261,9 @@ class _Group(RoundInterpreter):
     (task id, text) until every group has answered; the coordinator then raises it.
     """
 
-    def __init__(self, ex: "ProcessExecutor", wid: int) -> None:
+    def __init__(self, ex: "ProcessExecutor", wid: int, mail: "_Mailbox | None" = None) -> None:
         sched = ex.sched
+        self.pipe = mail.batches if mail is not None else None  # a worker's shipped batches
         self.ex, self.sched, self.wid, self.program = ex, sched, wid, ex.programs[wid]
         d, self.r0, self.r1 = ex.groups[wid]
         self.state = state = sched.states[d]
@@ -276,8 +283,9 @@ class _Group(RoundInterpreter):
         """The round's losses of the rows that learned, in row order (0-dim tensors)."""
         return [x for x in self.row_losses if x is not None]
 
-    def learn_round(self, round_index: int, indices: torch.Tensor) -> None:
-        """Run the LEARN tasks of round ``round_index`` on the samples ``indices`` of the rows."""
+    def learn_round(self, round_index: int, indices: torch.Tensor, batch: Any = None) -> None:
+        """Run the LEARN tasks of round ``round_index`` on the samples ``indices`` of the rows:
+        ``batch`` if given, else the batch shipped to this worker (a load), else fetched here."""
         self.round_index, self.error, self.faulty = round_index, None, []
         self.row_losses = [None] * (self.r1 - self.r0)
         if self.keep is not None:
@@ -285,7 +293,9 @@ class _Group(RoundInterpreter):
         if not self.program.learn:
             return
         try:
-            self.batch = self.ex.fetch(indices)
+            if batch is None:
+                batch = self.pipe.receive() if self.pipe is not None else self.ex.fetch(indices)
+            self.batch = batch
             self.run(self.program.learn)
         except TaskError as err:
             self.error = (err.task_id, cause_text(err))
@@ -381,6 +391,8 @@ class ProcessExecutor:
         scheduler: the Scheduler (its states, program, loss, mode, kernels).
         fetch: sample indices ``[n]`` → collated batch; inherited by the forked workers.
         seed: seeds each worker's RNG (dropout) differently.
+        load: (round, indices ``[k·b]``) → the round's batch, loaded in this process: each worker
+            then receives its rows of it (``_Mailbox.batches``) instead of fetching them.
 
     Attributes:
         groups: ``(device index, r0, r1)`` per learner group.
@@ -390,8 +402,9 @@ class ProcessExecutor:
     """
 
     def __init__(self, scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any], *,
-                 seed: int) -> None:
-        self.sched, self.fetch = scheduler, fetch
+                 seed: int, load: Callable[[int, torch.Tensor], Any] | None = None) -> None:
+        self.sched, self.fetch, self.load = scheduler, fetch, load
+        self.own_batch: Any = None  # with a load: group 0's rows of the round it starts
         states, program = scheduler.states, scheduler.program
         # fused learners: a device's replicas in one program, whose dropout masks depend on the
         # group (vmap draws them for the whole group at once), hence one group per device
@@ -444,7 +457,8 @@ class ProcessExecutor:
                 sem = ctx.Semaphore(0)
                 here, there = ctx.Pipe(duplex=False)  # an error's text, worker → here
                 mail = _Mailbox(ctx, (r1 - r0) * self.sched.batch_size, r1 - r0,
-                                len(self.programs[wid].learn), self.sched.states[d].z.dtype)
+                                len(self.programs[wid].learn), self.sched.states[d].z.dtype,
+                                shipped=self.load is not None)
                 proc = ctx.Process(
                     target=_worker_main, name=f"crossbow-learner-{wid}", daemon=True,
                     args=(self.sched, wid, self, there, mail, sem,
@@ -463,15 +477,26 @@ class ProcessExecutor:
     def workers(self) -> range:
         return range(1, len(self.groups))
 
-    def _group_indices(self, indices: torch.Tensor, wid: int) -> torch.Tensor:
-        """Group ``wid``'s part of a round's sample indices ``[k·b]``: ``[(r1 − r0)·b]``, int64."""
+    def _group_rows(self, wid: int) -> tuple[int, int]:
+        """Group ``wid``'s sample rows ``[start, stop)`` of a round's ``k·b``."""
         d, r0, r1 = self.groups[wid]
         b, first = self.sched.batch_size, self.sched.program.first[d]
-        return indices[(first + r0) * b:(first + r1) * b].to(torch.int64)
+        return (first + r0) * b, (first + r1) * b
+
+    def _group_indices(self, indices: torch.Tensor, wid: int) -> torch.Tensor:
+        """Group ``wid``'s part of a round's sample indices ``[k·b]``: ``[(r1 − r0)·b]``, int64."""
+        return indices[slice(*self._group_rows(wid))].to(torch.int64)
 
     def _send_go(self, round_index: int, indices: torch.Tensor) -> None:
+        """Post the round's indices to every worker; with a load, ship each its rows of the round."""
+        batch = self.load(round_index, indices) if self.load is not None else None
         for wid in self.workers:
             self.mail[wid].post(round_index, self._group_indices(indices, wid).numpy())
+        if batch is not None:
+            for wid in self.workers:
+                if self.programs[wid].learn:
+                    self.mail[wid].batches.send(rows(batch, *self._group_rows(wid)))
+            self.own_batch = rows(batch, *self._group_rows(0))
 
     def _release(self, *, alpha: float, synchronise: bool, cancel: bool) -> None:
         self._ctrl_np[:3] = (alpha, float(synchronise), float(cancel))  # no tensor per round
@@ -485,8 +510,9 @@ class ProcessExecutor:
         saved = torch.backends.mkldnn.enabled
         torch.backends.mkldnn.enabled = self.onednn  # as the workers (choose_onednn)
         try:
-            self.own.learn_round(round_index, self._group_indices(indices, 0))
+            self.own.learn_round(round_index, self._group_indices(indices, 0), self.own_batch)
         finally:
+            self.own_batch = None
             torch.backends.mkldnn.enabled = saved
             self.own_learn_span = (start, time.perf_counter_ns())  # its end: waiting for z begins
 
@@ -675,6 +701,8 @@ class ProcessExecutor:
             for conn in self.conns:
                 if conn is not None:
                     conn.close()
+            for pipe in (m.batches for m in self.mail if m is not None and m.batches is not None):
+                pipe.close()
             self.conns, self.procs, self.mail = [], [], []
             torch.set_num_threads(self.main_threads)
 
@@ -737,7 +765,7 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
     torch.set_num_threads(threads)
     torch.backends.mkldnn.enabled = ex.onednn  # choose_onednn
     torch.manual_seed(seed)
-    group = _Group(ex, wid)
+    group = _Group(ex, wid, mail)
     rank = sched.comm.rank if sched.comm is not None else 0
     try:
         while _wait(lambda: mail.go.acquire(timeout=_POLL_S), parent):

@@ -5,20 +5,29 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
-__all__ = ["BatchSchedule", "as_dataset", "make_fetch"]
+from ..engine.batches import LearnerBatches
+from ..engine.settings import RunSettings
+
+__all__ = ["BatchSchedule", "CollateFetch", "LearnerFetch", "as_dataset", "collate_of", "make_fetch",
+           "read_samples"]
 
 
 def as_dataset(data: Any, what: str = "train_dataset") -> Dataset:
-    """Accept a torch Dataset or a DataLoader (its dataset is used; batches are drawn by the plan).
+    """Accept a torch Dataset or a DataLoader (its dataset; the plan draws the batches).
 
     Raises:
         TypeError: neither a Dataset nor a DataLoader.
-        ValueError: the dataset is empty.
+        ValueError: the dataset is empty, or an IterableDataset (no indices to draw from).
     """
     if isinstance(data, DataLoader):
         data = data.dataset
+    if isinstance(data, IterableDataset):
+        raise ValueError(f"{what} is an IterableDataset ({type(data).__name__}): the plan draws "
+                         "each learner's samples by index from one seeded order per epoch, and an "
+                         "IterableDataset has no indices; give a map-style Dataset (__getitem__ "
+                         "and __len__)")
     if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
         raise TypeError(f"{what} must be a torch Dataset (with __getitem__ and __len__) or a "
                         f"DataLoader, got {type(data).__name__}")
@@ -81,16 +90,74 @@ class BatchSchedule:
         return order[start:start + count * b]
 
 
-def make_fetch(dataset: Dataset) -> Callable[[torch.Tensor], Any]:
+def collate_of(data: Any) -> Callable[[list], Any] | None:
+    """A DataLoader's collate_fn unless it is ``default_collate`` (what the plan uses without
+    one); None for a Dataset."""
+    if isinstance(data, DataLoader) and data.collate_fn is not default_collate:
+        return data.collate_fn
+    return None
+
+
+def make_fetch(dataset: Dataset, collate_fn: Callable[[list], Any] | None = None
+               ) -> Callable[[torch.Tensor], Any]:
     """A function from sample indices ``[n]`` to one collated batch ``(inputs, target)``.
 
-    TensorDatasets are gathered with one index per tensor; any other Dataset is read item by item
-    and collated with ``torch.utils.data.default_collate``.
+    With ``collate_fn`` (a DataLoader's): the samples read item by item (``read_samples``), then
+    ``collate_fn(samples)``. Without: TensorDatasets are gathered with one index per tensor; any
+    other Dataset is read item by item and collated with ``torch.utils.data.default_collate``.
     """
+    if collate_fn is not None:
+        return CollateFetch(dataset, collate_fn)
     if isinstance(dataset, TensorDataset):
         tensors = dataset.tensors
         return lambda idx: [t[idx] for t in tensors]
     return lambda idx: default_collate([_sample(dataset, int(i)) for i in idx])
+
+
+def read_samples(dataset: Dataset, indices: list[int]) -> list[Any]:
+    """``[dataset[i] for i in indices]``, or ``dataset.__getitems__(indices)`` where the dataset
+    reads many samples at once (as a DataLoader's fetcher does)."""
+    many = getattr(dataset, "__getitems__", None)
+    if many:
+        return many(indices)
+    return [dataset[i] for i in indices]
+
+
+class CollateFetch:
+    """Sample indices ``[n]`` → ``collate_fn`` of the n samples (one batch; evaluation's).
+
+    Args:
+        dataset: the map-style dataset.
+        collate_fn: a DataLoader's ``collate_fn``: a list of samples → ``(inputs, target)``.
+    """
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any]) -> None:
+        self.dataset, self.collate_fn = dataset, collate_fn
+
+    def __call__(self, indices: torch.Tensor) -> Any:
+        return self.collate_fn(read_samples(self.dataset, indices.tolist()))
+
+
+class LearnerFetch:
+    """Sample indices ``[n·b]`` of n learners → a ``LearnerBatches``: learner j's b samples
+    ``indices[j·b:(j+1)·b]`` read and given to ``collate_fn`` on their own, so that every learner
+    gets its batch as collate_fn makes it (padded to its own longest sequence, say). b is the
+    run settings' batch size when called (it changes only between rounds).
+
+    Args:
+        dataset: the map-style dataset.
+        collate_fn: the DataLoader's ``collate_fn``: a list of b samples → ``(inputs, target)``.
+        settings: the plan's RunSettings (b).
+    """
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any],
+                 settings: RunSettings) -> None:
+        self.dataset, self.collate_fn, self.settings = dataset, collate_fn, settings
+
+    def __call__(self, indices: torch.Tensor) -> LearnerBatches:
+        b, idx = self.settings.batch_size, indices.tolist()
+        return LearnerBatches([self.collate_fn(read_samples(self.dataset, idx[s:s + b]))
+                               for s in range(0, len(idx), b)], b)
 
 
 def _sample(dataset: Dataset, i: int) -> Any:

@@ -60,7 +60,8 @@ def _why_unscored(output: Any, target: Any) -> str:
 @torch.no_grad()
 def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], torch.Tensor],
                    dataset: Any, *, batch_size: int, device: torch.device,
-                   metric_fn: Callable[[Any, Any], Any] | None = None) -> Evaluation:
+                   metric_fn: Callable[[Any, Any], Any] | None = None,
+                   collate_fn: Callable[[list], Any] | None = None) -> Evaluation:
     """Mean loss and accuracy of ``forward`` on ``dataset``, in batches of ``batch_size``.
 
     Args:
@@ -73,11 +74,13 @@ def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], to
         metric_fn: ``metric_fn(output, target) -> float`` (or a 0-dim tensor), the batch's mean
             accuracy, averaged over the batches weighted by their sizes; None: class accuracy
             (``batch_correct``).
+        collate_fn: a DataLoader's collate_fn for each batch's samples (training/data.py
+            ``collate_of``); None: the default collation.
 
     Returns:
         The Evaluation.
     """
-    fetch = make_fetch(dataset)
+    fetch = make_fetch(dataset, collate_fn)
     correct, loss_sum, n, unscored = 0.0, 0.0, 0, ""
     for start in range(0, len(dataset), batch_size):
         idx = torch.arange(start, min(start + batch_size, len(dataset)))

@@ -13,15 +13,17 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook, load_plan_state_dict, plan_state_dict
-from .data import BatchSchedule, as_dataset, make_fetch
+from .data import BatchSchedule, LearnerFetch, as_dataset, collate_of, make_fetch
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
 from .lr_schedule import LRSchedulerHook, check_lr_scheduler
+from .loader import RoundLoader, check_loader
 from .metrics_log import MetricsLogger
 from .options import FitOptions
 from .validate import check_first_batch
@@ -59,7 +61,8 @@ class Trainer:
 
     Args:
         plan: the Plan to train.
-        train_dataset: a torch Dataset (or DataLoader) of ``(inputs, target)`` samples.
+        train_dataset: a torch Dataset of ``(inputs, target)`` samples, or a DataLoader (its
+            collate_fn and loading settings are honoured, ``RoundLoader``; its sampler is not).
         eval_dataset: evaluated with z ``options.evals_per_epoch`` times per epoch, or None.
         options: the fit's FitOptions (already checked).
 
@@ -89,7 +92,8 @@ class Trainer:
         trace, comm, sched = self.options.trace, self.comm, self.plan.scheduler
         self.timeline = Timeline() if trace is not None else None
         self.fit_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
-        sched.begin_fit(self.fetch, seed=self.options.seed, timeline=self.timeline)
+        sched.begin_fit(self.fetch, seed=self.options.seed, timeline=self.timeline,
+                        load=self.loader.load if self.loader is not None else None)
         try:
             self._run_epochs()
             if comm is not None:
@@ -100,6 +104,8 @@ class Trainer:
             raise
         finally:
             sched.end_fit()
+            if self.loader is not None:
+                self.loader.close()
             self._sync_totals()
             if self.timeline is not None:
                 self.timeline.save(trace)
@@ -112,15 +118,29 @@ class Trainer:
         self.train = self._check_datasets()
         self._agree_on_the_fit()
         self.schedule = BatchSchedule(len(self.train), shuffle=opts.shuffle, seed=opts.seed)
-        # a dataset that gathers whole batches at once (e.g. vectorised augmentation) provides get_batch
-        train = self.train
-        self.fetch = train.get_batch if hasattr(train, "get_batch") else make_fetch(train)
+        self.fetch, self.loader = self._data_path()
         self._check_first_batches()
         torch.manual_seed(opts.seed)
         # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
         seed_host_rngs(opts.seed, plan.rounds_done, self.comm.rank if self.comm is not None else 0, 0)
         self.history = History(target_accuracy=opts.target_accuracy)
         self.hooks = self._fit_hooks()
+
+    def _data_path(self) -> tuple[Any, RoundLoader | None]:
+        """How the rounds' samples are read: the fetch (indices → batch, in any process) and,
+        for a DataLoader with worker processes (or pinned memory for CUDA devices), the
+        RoundLoader that loads the rounds through it (docs/runtime.md, Your DataLoader)."""
+        train, data = self.train, self.train_dataset
+        collate = collate_of(data)
+        if collate is not None:  # every learner's b samples collated on their own
+            fetch = LearnerFetch(train, collate, self.plan.settings)
+        elif hasattr(train, "get_batch"):  # whole batches at once (e.g. vectorised augmentation)
+            fetch = train.get_batch
+        else:
+            fetch = make_fetch(train)
+        cuda = any(s.torch_device.type == "cuda" for s in self.plan.states)
+        loads = isinstance(data, DataLoader) and (data.num_workers > 0 or (data.pin_memory and cuda))
+        return fetch, RoundLoader(data, self.plan, self.options.seed) if loads else None
 
     def _check_datasets(self) -> Any:
         """The training Dataset, after the checks that need the datasets (ValueError)."""
@@ -129,6 +149,8 @@ class Trainer:
             raise ValueError("target_accuracy needs an eval_dataset to measure z's accuracy on")
         train = as_dataset(self.train_dataset)
         k, b = plan.num_learners, plan.batch_size
+        if isinstance(self.train_dataset, DataLoader):
+            check_loader(self.train_dataset, b)
         if len(train) < k * b:
             raise ValueError(
                 f"train_dataset has {len(train)} samples, fewer than one round of {k} learners × "
@@ -160,8 +182,8 @@ class Trainer:
         check_first_batch(plan, self.train, self.fetch, first)
         if self.eval_dataset is not None:
             evals = as_dataset(self.eval_dataset, "eval_dataset")
-            check_first_batch(plan, evals, make_fetch(evals), torch.arange(min(b, len(evals))),
-                              what="eval_dataset")
+            check_first_batch(plan, evals, make_fetch(evals, collate_of(self.eval_dataset)),
+                              torch.arange(min(b, len(evals))), what="eval_dataset")
 
     def _fit_hooks(self) -> list[Hook]:
         """The fit's hooks in calling order: ``options.hooks``, the metrics, the policies, the
@@ -264,6 +286,8 @@ class Trainer:
             hook.before_epoch(ctx)
         self.agree = self.comm is not None  # after_epoch and before_epoch hooks ran
         self.order = self.schedule.order(epoch)
+        if self.loader is not None:
+            self.loader.start_epoch(self.order, self.position, epoch, plan.rounds_done)
         if self.position == 0:
             sched.losses = []
         self.epoch_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)

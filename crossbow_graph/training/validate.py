@@ -17,7 +17,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
+from ..engine.batches import single
 from ..engine.inputs import split_inputs
+from .data import CollateFetch, LearnerFetch
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -113,8 +115,9 @@ def _describe(sample: Any) -> str:
     return "None" if sample is None else f"a {type(sample).__name__}"
 
 
-def _check_samples(dataset: Any, first: int, what: str) -> None:
-    """The last index ``len − 1`` and ``dataset[first]`` give ``(inputs, target)`` pairs."""
+def _check_samples(dataset: Any, first: int, what: str, pairs: bool = True) -> None:
+    """The last index ``len − 1`` and ``dataset[first]`` give ``(inputs, target)`` pairs (with
+    ``pairs=False``, for a collate_fn that makes the pairs: they are read without error)."""
     last = len(dataset) - 1
     for i in dict.fromkeys((last, first)):
         try:
@@ -123,7 +126,8 @@ def _check_samples(dataset: Any, first: int, what: str) -> None:
             hint = (f"; {what} says len() = {last + 1}: make __len__ return the number of samples "
                     "that __getitem__ can return") if i == last else ""
             raise ValueError(f"{what}[{i}] fails ({type(exc).__name__}: {exc}){hint}") from exc
-        if not isinstance(sample, Mapping) and (not isinstance(sample, (list, tuple)) or len(sample) != 2):
+        if pairs and not isinstance(sample, Mapping) and \
+                (not isinstance(sample, (list, tuple)) or len(sample) != 2):
             raise ValueError(f"{what}[{i}] is {_describe(sample)}, not an (inputs, target) pair; "
                              "make __getitem__ return a pair such as (image, label), or a dict of "
                              "keyword inputs such as {'input_ids': ids, 'labels': labels}")
@@ -172,7 +176,8 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
 
     Checks: the batch's first sample and the dataset's last index (``len − 1``) are ``(inputs,
     target)`` pairs (a dataset read through its ``get_batch``: the batch and the last index, in one
-    call); every floating input's dtype equals the compiled example input's (or, if not, the model
+    call; read through a DataLoader's collate_fn, ``LearnerFetch`` or ``CollateFetch``: the
+    collated batch is the pair); every floating input's dtype equals the compiled example input's (or, if not, the model
     in evaluation mode takes the batch: it casts its inputs); every input's per-sample shape equals
     the compiled example input's (or, if not, the model in evaluation mode takes the batch and
     gives an output of the compiled shape); with a class-index loss (``cross_entropy``,
@@ -199,6 +204,13 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
         except IndexError as exc:
             raise ValueError(f"{what}.get_batch fails on index {last} ({exc}); {what} says len() = "
                              f"{last + 1}: make __len__ return the number of samples it has") from exc
+    elif isinstance(fetch, (LearnerFetch, CollateFetch)):  # a DataLoader's collate_fn makes pairs
+        _check_samples(dataset, int(indices[0]), what, pairs=False)
+        batch = single(fetch(indices))
+        if not isinstance(batch, (list, tuple)) or len(batch) != 2:
+            raise ValueError(f"{what}'s collate_fn returned {_describe(batch)} for a batch of "
+                             f"{len(indices)} samples, not an (inputs, target) pair; make it "
+                             "return a pair such as (padded_tokens, labels)")
     else:
         _check_samples(dataset, int(indices[0]), what)
         batch = fetch(indices)

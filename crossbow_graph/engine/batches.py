@@ -1,0 +1,85 @@
+"""A round's samples collated per learner: one batch per learner, as the user's collate_fn made it
+(docs/design-overview.md §6; docs/runtime.md, Your DataLoader).
+
+The engine takes a round's samples in one of two forms: one collated batch of k·b rows (learner j's
+at rows ``[j·b, (j+1)·b)``: what ``default_collate`` gives), or a ``LearnerBatches``: k batches,
+learner j's collated from its own b samples alone. The second form keeps what a collate_fn that
+pads to the longest sequence of its batch, or lays a batch out time-major, returns: each learner
+receives its batch exactly as ``collate_fn`` returned it, never a slice of another's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = ["LearnerBatches", "single", "to_device"]
+
+
+@dataclass
+class LearnerBatches:
+    """Per learner, its collated batch of b samples.
+
+    Attributes:
+        batches: learner j's batch at ``batches[j]``, in learner order (device-major), each what
+            the collate_fn returned for that learner's b samples.
+        batch_size: b, the samples behind each batch (row offsets of ``rows`` count in samples).
+    """
+
+    batches: list[Any]
+    batch_size: int
+
+    def rows(self, start: int, stop: int) -> "LearnerBatches":
+        """The learners of sample rows ``[start, stop)`` (multiples of b): learners
+        ``start/b … stop/b − 1``."""
+        b = self.batch_size
+        assert start % b == 0 and stop % b == 0, (start, stop, b)
+        return LearnerBatches(self.batches[start // b:stop // b], b)
+
+    def stacked(self) -> Any:
+        """The batches concatenated along dimension 0, one batch of ``len(batches)·b`` rows (what
+        fused learners take: vmap runs every learner on one stacked batch).
+
+        Raises:
+            ValueError: the batches differ in structure, or in a tensor's shape past dimension 0
+                (a collate_fn that pads each batch to its own longest sequence).
+        """
+        if len(self.batches) == 1:
+            return self.batches[0]
+        flat = [tree_flatten(batch) for batch in self.batches]
+        spec = flat[0][1]
+        if any(s != spec for _, s in flat):
+            raise ValueError("fused learners stack the learners' batches, but the collate_fn "
+                             "returned batches of different structure (learner_mode='per_replica' "
+                             "takes them)")
+        leaves = []
+        for column in zip(*(leaves_ for leaves_, _ in flat)):
+            if not all(isinstance(x, torch.Tensor) for x in column):
+                leaves.append(column[0])
+                continue
+            shapes = {tuple(x.shape[1:]) for x in column}
+            if len(shapes) > 1:
+                raise ValueError(
+                    f"fused learners stack the learners' batches, but the collate_fn returned "
+                    f"tensors of per-sample shapes {sorted(shapes)} for the learners of one "
+                    "group (it pads each batch to its own length; learner_mode='per_replica' "
+                    "takes them, and a collate_fn that pads to one fixed length can be fused)")
+            leaves.append(torch.cat(column))
+        return tree_unflatten(leaves, spec)
+
+
+def single(batch: Any) -> Any:
+    """The one learner's batch of a ``LearnerBatches`` of one learner; any other batch as it is."""
+    if isinstance(batch, LearnerBatches):
+        assert len(batch.batches) == 1, len(batch.batches)
+        return batch.batches[0]
+    return batch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor of a collated batch on ``device`` (non-blocking copies from pinned memory)."""
+    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor)
+                    else t, batch)

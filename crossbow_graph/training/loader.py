@@ -1,0 +1,252 @@
+"""The user's DataLoader, honoured: its collate_fn, worker processes, pinning and seeds, on the
+plan's batches (docs/design-overview.md §6; docs/runtime.md, Your DataLoader).
+
+The plan decides which samples every learner gets (``BatchSchedule``: one seeded order per epoch,
+disjoint batches); the DataLoader decides how they are loaded. ``check_loader`` refuses the
+settings that would decide the samples instead (a sampler, a batch sampler); ``RoundLoader`` builds
+a DataLoader over the same dataset with the user's loading settings whose sampler yields the
+plan's rounds, one item per learner: learner j's b indices of round t, read and given to
+``collate_fn`` in a DataLoader worker, which loads whole rounds ahead while the learners train.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, RandomSampler, Sampler,
+                              SequentialSampler)
+
+from ..engine.batches import LearnerBatches
+from .data import collate_of, read_samples
+
+if TYPE_CHECKING:
+    from ..api import Plan
+
+__all__ = ["RoundLoader", "check_loader", "seed_learner_batch"]
+
+_LOADER_TAG = 0x4C4F4144  # "LOAD": keeps these seeds apart from seed_host_rngs' (engine/learners.py)
+
+
+def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset") -> None:
+    """Refuse a DataLoader whose settings choose the samples, which the plan does.
+
+    A ``SequentialSampler`` or a plain ``RandomSampler`` (what ``shuffle=False``/``True`` make)
+    is accepted: the order is ``fit(shuffle=, seed=)``'s. ``batch_size`` and ``drop_last`` are
+    not used (b is the plan's; a last partial round is always dropped).
+
+    Raises:
+        ValueError: a ``batch_sampler``, ``batch_size=None`` (single samples), or a sampler
+            other than those two (e.g. ``WeightedRandomSampler``, ``DistributedSampler``); the
+            message says what the plan does instead and the fix.
+    """
+    plan_draws = (f"the plan draws every learner's batch of b = {batch_size} itself (disjoint "
+                  "batches from one seeded order per epoch, fit(shuffle=, seed=); under torchrun "
+                  "it shards the samples across the ranks too)")
+    batches = loader.batch_sampler
+    if loader.batch_size is None and batches is not None:
+        raise ValueError(f"{what} is a DataLoader with a batch_sampler "
+                         f"({type(batches).__name__}), but {plan_draws}; pass "
+                         "DataLoader(dataset, batch_size=..., collate_fn=..., num_workers=...) "
+                         "without batch_sampler")
+    if loader.batch_size is None:
+        raise ValueError(f"{what} is a DataLoader with batch_size=None, which loads single "
+                         f"samples without collating them, but the learners take batches: "
+                         f"{plan_draws}; give it a batch_size (b is the plan's) and, if "
+                         "needed, a collate_fn")
+    sampler = loader.sampler
+    plain = type(sampler) is SequentialSampler or (
+        type(sampler) is RandomSampler and not sampler.replacement
+        and sampler.num_samples == len(loader.dataset))
+    if not plain or type(batches) is not BatchSampler:
+        raise ValueError(f"{what} is a DataLoader with a sampler ({type(sampler).__name__}), "
+                         f"but {plan_draws}, so it cannot follow the sampler; pass the DataLoader "
+                         "without it (shuffle= is fit's), and to weight or select samples give "
+                         "a dataset that does (e.g. a torch.utils.data.Subset)")
+
+
+def seed_learner_batch(fit_seed: int, epoch: int, position: int) -> None:
+    """Seed Python's ``random``, NumPy's global RNG and torch's CPU generator from (fit seed,
+    epoch, position), before the learner batch at ``position`` of the epoch's order (its b
+    samples ``order[position:position + b]``) is read: what a Dataset's augmentation draws from
+    in a DataLoader worker, so its draws are a function of the fit's seed and the batch, whichever
+    worker loads it and however many learners share the round, and a resumed fit draws them
+    again. ``numpy.random.SeedSequence``, as ``seed_host_rngs`` (engine/learners.py) and torch's
+    DataLoader derive seeds."""
+    words = np.random.SeedSequence([fit_seed % 2**64, epoch, position,
+                                    _LOADER_TAG]).generate_state(4)
+    random.seed(int.from_bytes(words.tobytes(), "little"))
+    np.random.seed(words)
+    torch.default_generator.manual_seed(int.from_bytes(words[:2].tobytes(), "little"))
+
+
+def _as_is(item: Any) -> Any:
+    """The DataLoader's collate_fn: an item is already a collated learner batch."""
+    return item
+
+
+class _LearnerBatchView(Dataset):
+    """The dataset as the DataLoader's workers read it: a key ``(epoch, position, indices)`` →
+    ``(position, collate_fn(samples))``, the learner batch at ``position`` of the epoch's order,
+    read after ``seed_learner_batch``.
+
+    ``dataset`` is the user's; other attributes are read from it, so that a worker_init_fn that
+    reads ``torch.utils.data.get_worker_info().dataset`` finds what it set up.
+    """
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any] | None,
+                 seed: int) -> None:
+        self.dataset, self.collate_fn, self.seed = dataset, collate_fn, seed
+
+    def __getitem__(self, key: tuple[int, int, list[int]]) -> tuple[int, Any]:
+        epoch, position, idx = key
+        seed_learner_batch(self.seed, epoch, position)
+        if self.collate_fn is None and hasattr(self.dataset, "get_batch"):
+            return position, self.dataset.get_batch(torch.tensor(idx))  # reads a batch at once
+        samples = read_samples(self.dataset, idx)
+        return position, (self.collate_fn or torch.utils.data.default_collate)(samples)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("dataset", "collate_fn", "seed"):
+            raise AttributeError(name)  # not set yet (unpickling in a spawned worker)
+        return getattr(self.dataset, name)
+
+
+class _BatchKeys(Sampler):
+    """The DataLoader's sampler: the keys ``(epoch, q, order[q:q+b])`` of this process's learner
+    batches, from ``position`` of the epoch's ``order`` on, in the order the rounds take them,
+    up to the last full round of k = ``num_learners`` (this rank's) learners of b = ``batch_size``
+    samples. In one process the rounds take every batch in turn, q = position, position + b, …,
+    whatever k is; under torchrun rank r takes, of each round at p, the batches
+    q = p + (r·k + j)·b. Set by ``RoundLoader`` before each ``iter``."""
+
+    def __init__(self) -> None:
+        self.order = torch.zeros(0, dtype=torch.int64)
+        self.epoch = self.position = self.num_learners = self.batch_size = 0
+        self.rank, self.world_size = 0, 1
+
+    def __iter__(self) -> Iterator[tuple[int, int, list[int]]]:
+        k, b, e = self.num_learners, self.batch_size, self.epoch
+        n = k * b * self.world_size  # one round of every rank's learners
+        end = self.position + (len(self.order) - self.position) // n * n
+        for p in range(self.position, end, n):
+            for q in range(p + self.rank * k * b, p + (self.rank + 1) * k * b, b):
+                yield e, q, self.order[q:q + b].tolist()
+
+
+class RoundLoader:
+    """Loads the plan's rounds through a DataLoader with the user's loading settings.
+
+    One DataLoader per fit over the user's dataset, with its ``collate_fn``, ``num_workers``,
+    ``pin_memory`` (and ``pin_memory_device``), ``prefetch_factor``, ``persistent_workers``,
+    ``worker_init_fn``, ``generator`` (the workers' base seed; without one, a generator seeded
+    from the fit's seed, so the global RNG is not drawn from), ``timeout``,
+    ``multiprocessing_context`` and ``in_order``; its sampler (``_BatchKeys``) yields one item per
+    learner batch: b samples of the epoch's order, collated alone in a worker. An epoch's items
+    come from one iterator, started at ``start_epoch``. A change of k between rounds (the
+    auto-tuner) keeps it in one process, where the rounds take the same batches in the same order
+    whatever k is; a change of b (policies), or of k under torchrun, restarts it at that round's
+    position (the items loaded ahead are dropped), as does a round past the iterator's last
+    (k grew near the epoch's end).
+
+    Args:
+        loader: the user's DataLoader (``check_loader`` passed).
+        plan: the Plan: b (``plan.batch_size``) and, under torchrun, the rank's learners.
+        seed: the fit's seed (``seed_learner_batch``).
+    """
+
+    def __init__(self, loader: DataLoader, plan: "Plan", seed: int) -> None:
+        self.plan = plan
+        self.keys = _BatchKeys()
+        comm = plan.comm
+        self.keys.rank, self.keys.world_size = (comm.rank, comm.world_size) if comm else (0, 1)
+        generator = loader.generator
+        if generator is None:
+            generator = torch.Generator().manual_seed(seed)
+        collate = collate_of(loader)
+        extra = {"in_order": loader.in_order} if hasattr(loader, "in_order") else {}
+        self.loader = DataLoader(
+            _LearnerBatchView(loader.dataset, collate, seed), batch_size=None, sampler=self.keys,
+            collate_fn=_as_is, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+            timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context, generator=generator,
+            prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
+            persistent_workers=loader.persistent_workers,
+            pin_memory_device=loader.pin_memory_device, **extra)
+        self.iterator: Iterator | None = None
+        self.expect: tuple[int, int, int] | None = None  # the iterator's next (q, k, b)
+        self.starts: dict[int, int] = {}  # round → its position in the epoch's order
+        self.waiting: dict[int, Any] = {}  # position → a batch that came before its turn
+
+    def start_epoch(self, order: torch.Tensor, position: int, epoch: int, first_round: int) -> None:
+        """A new epoch: its order ``[N]``, the position it starts at (> 0 when resumed in the
+        middle), its number and the index of its first round."""
+        self.keys.order, self.keys.epoch = order, epoch
+        self.starts = {first_round: position}
+        self._drop_iterator()
+
+    def load(self, round_index: int, indices: torch.Tensor) -> LearnerBatches:
+        """Round ``round_index``'s batches of this process's learners, whose samples are
+        ``indices [k_r·b]`` (learner j's at ``[j·b, (j+1)·b)``), from the DataLoader's workers.
+        Rounds are asked for in order (a round again when the one asked before was dropped)."""
+        keys, b = self.keys, self.plan.batch_size
+        k = len(indices) // b
+        position = self.starts[round_index]
+        first = position + keys.rank * k * b  # this rank's first batch of the round
+        assert torch.equal(keys.order[first:first + k * b], indices), "not the epoch order's"
+        if self.expect is None or not self._continues(first, k, b):
+            self._restart(position, k, b)
+        batches = [self._item(q, k, b) for q in range(first, first + k * b, b)]
+        after = position + len(indices) * keys.world_size
+        self.expect = (after + keys.rank * k * b, k, b)
+        self.starts = {t: p for t, p in self.starts.items() if t >= round_index}
+        self.starts[round_index + 1] = after
+        return LearnerBatches(batches, b)
+
+    def _continues(self, first: int, k: int, b: int) -> bool:
+        """Whether the iterator's next batches are the round's whose first is at ``first``."""
+        q, k0, b0 = self.expect
+        return q == first and b0 == b and (k0 == k or self.keys.world_size == 1)
+
+    def _item(self, q: int, k: int, b: int) -> Any:
+        """The learner batch at position ``q``, waiting for it if needed (restarting there if the
+        iterator ended first: in one process, where batches follow each other, after k grew)."""
+        while q not in self.waiting:
+            try:
+                got, batch = next(self.iterator)
+            except StopIteration:
+                assert self.keys.world_size == 1  # under torchrun a new k restarts in load
+                self._restart(q, k, b)
+                continue
+            self.waiting[got] = batch
+        return self.waiting.pop(q)
+
+    def _restart(self, position: int, k: int, b: int) -> None:
+        self._drop_iterator()
+        keys = self.keys
+        keys.position, keys.num_learners, keys.batch_size = position, k, b
+        self.iterator = iter(self.loader)
+
+    def _drop_iterator(self, stop: bool = False) -> None:
+        """Forget the items in flight; without persistent workers (or with ``stop``), stop the
+        workers now, not when the iterator is collected (an exception's traceback can hold it)."""
+        if self.iterator is not None and (stop or not self.loader.persistent_workers):
+            _stop_workers(self.iterator)
+        self.iterator, self.expect, self.waiting = None, None, {}
+
+    def close(self) -> None:
+        """Stop the DataLoader's workers (persistent ones too): the fit is over."""
+        self._drop_iterator(stop=True)
+        self.loader = None
+
+
+def _stop_workers(iterator: Iterator) -> None:
+    """Stop a DataLoader iterator's worker processes, as its ``__del__`` does (idempotent)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # multi-process iterators have it
+    if shutdown is not None:
+        shutdown()
