@@ -6,17 +6,20 @@ import copy
 import dataclasses
 import math
 import pathlib
+import warnings
 from typing import Any, Callable, Sequence
 
 import networkx as nx
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .compiler import inspect as _inspect
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
 from .config import LEARNER_MODES, SGD, SMA, SSGD, Adjustment
 from .engine.comm import Comm, Distributed, plan_facts
+from .engine.fused import fused_mode_message, vmap_failure
 from .engine.inputs import split_inputs
 from .engine.scheduler import Scheduler
 from .engine.settings import RunSettings, settings_view
@@ -157,6 +160,10 @@ def compile(  # noqa: A001 - the public name the design asks for
             learner mode while ``fit`` runs.
         learner_mode: ``"per_replica"`` (each learner its own forward/backward) or ``"fused"``
             (a device's replicas stacked and run as one vmapped program); same mathematics.
+            ``"fused"`` is tried first on the example inputs (``Plan.fused_failure``): where
+            torch.func.vmap cannot run the model (LSTM, GRU, ``torch.utils.checkpoint``) it
+            raises ValueError naming ``"per_replica"``, or with ``replicas="auto"`` warns and
+            starts with ``"per_replica"``.
         executor: ``"auto"``, ``"inline"`` (this process; CUDA streams on GPUs) or ``"process"``
             (CPU worker processes over shared memory); see ``engine.scheduler``.
         autotune: the auto-tuner's settings (with ``replicas="auto"``); default ``AutoTune()``.
@@ -190,7 +197,8 @@ def compile(  # noqa: A001 - the public name the design asks for
         ValueError: a bad argument (batch size, replicas, devices, a model without trainable
             floating-point parameters or with tensors on the meta device, an unknown
             kernel_backend, ``"c"`` or ``"triton"`` with a float64 model, batch_size=1 with
-            a BatchNorm layer that then sees one value per channel).
+            a BatchNorm layer that then sees one value per channel, ``learner_mode="fused"``
+            with fixed replicas for a model that torch.func.vmap cannot run).
         TypeError: ``loss_fn`` not callable, or a loss class instead of an instance.
         ImportError: ``kernel_backend="triton"`` without the triton package (says how to install).
         CompilerError: ``kernel_backend="c"`` and the C kernels cannot be built (says why and how
@@ -291,8 +299,14 @@ def _build_plan(args: _CompileArgs) -> "Plan":
                 learner_mode=args.learner_mode, executor=args.executor,
                 memory_budget=memory_budget, verify=args.verify,
                 autotune=(args.autotune or AutoTune()) if args.tuned else None, kernels=kernels,
-                comm=comm)
+                comm=comm, example_inputs=args.example_inputs)
     plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
+    if args.learner_mode == "fused" and plan.fused_failure is not None:
+        message = fused_mode_message(type(args.model).__name__, plan.fused_failure)
+        if not args.tuned:
+            raise ValueError(message)
+        warnings.warn(f"{message}; replicas='auto' starts with per_replica", stacklevel=3)
+        plan.set_learner_mode("per_replica")
     return plan
 
 
@@ -337,7 +351,7 @@ class Plan:
                  learner_mode: str = "per_replica", executor: str = "auto",
                  memory_budget: int | None = None, verify: bool = True,
                  autotune: AutoTune | None = None, kernels: Any = None,
-                 comm: Comm | None = None) -> None:
+                 comm: Comm | None = None, example_inputs: Any = None) -> None:
         self.model_graph = model_graph
         self.task_graph = task_graph
         self.loss_fn = loss_fn
@@ -362,6 +376,9 @@ class Plan:
         self.autotuner = AutoTuner(autotune) if autotune is not None else None
         self.comm = comm  # under torchrun: this rank's place in the process group (engine/comm.py)
         self.scheduler.comm = comm
+        self._example_inputs = tree_map(  # fused_failure's dry run
+            lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, example_inputs)
+        self._fused_failure: tuple[str | None] | None = None  # (failure,) once probed
         if comm is not None:
             comm.agree(plan_facts(self), "the plan")
             self._start_from_rank0()
@@ -414,6 +431,19 @@ class Plan:
             for name, b in module.named_buffers():
                 if name in ints:
                     b.copy_(ints[name])
+
+    @property
+    def fused_failure(self) -> str | None:
+        """Why ``learner_mode="fused"`` cannot run this model, or None: torch.func.vmap's error
+        in a dry run of two stacked replicas on the first two example inputs (engine/fused.py
+        ``vmap_failure``; e.g. ``torch.nn.LSTM`` has no batching rule). Probed once, when first
+        read: by ``compile(learner_mode="fused")``, by ``adjust`` before it switches to fused,
+        and by the auto-tuner before it tries fused."""
+        if self._fused_failure is None:
+            found = None if self._example_inputs is None else \
+                vmap_failure(self._template, self._example_inputs)
+            self._fused_failure = (found,)
+        return self._fused_failure[0]
 
     @property
     def verify(self) -> bool:
