@@ -26,6 +26,7 @@ from .engine.settings import RunSettings, settings_view
 from .engine.state import DeviceState, FlatLayout, float_buffers_named, model_dtype, trainable_named
 from .errors import is_count
 from .kernels.select import plan_kernels, select_backend
+from .training.batchnorm import BNRecalibration
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
 from .training.data import as_dataset, make_fetch
 from .training.history import History
@@ -367,7 +368,9 @@ class Plan:
             for name in self.devices
         ]
         self._central = copy.deepcopy(self._template).to(self.states[0].torch_device).eval()
-        self.states[0].bind_central(self._central)
+        self._central_buf = self.states[0].zbuf.clone()  # [Q] the evaluated central model's buffers
+        self.states[0].bind_central(self._central, self._central_buf)
+        self.bn_recalibration = BNRecalibration(self._central)  # set by every fit
         self.scheduler = Scheduler(task_graph, self.states, loss_fn, self.settings, executor=executor)
         if kernels is not None:
             self.scheduler.kernels = kernels
@@ -586,22 +589,28 @@ class Plan:
 
     def central_forward(self, *args: Any, **kwargs: Any) -> Any:
         """The central model z (evaluation mode: no dropout, no BatchNorm update) on ``args``
-        (tensors moved to device 0) and ``kwargs``, its integer buffers first refreshed from the
-        replicas as ``central_model()``'s are. Gradients are tracked unless the caller disables
-        them (``torch.no_grad()``)."""
+        (tensors moved to device 0) and ``kwargs``, its buffers first refreshed as
+        ``central_model()``'s are (BatchNorm statistics re-estimated for z). Gradients are
+        tracked unless the caller disables them (``torch.no_grad()``)."""
         device = self.states[0].torch_device
         moved = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
         self._refresh_central()
         return self._central(*moved, **kwargs)
 
     def _refresh_central(self) -> None:
-        """Carry integer buffers (num_batches_tracked) from the first replica into z's module.
+        """The evaluated central model's buffers for the current z: float buffers from zbuf,
+        BatchNorm statistics re-estimated for z when the last fit asked for it
+        (training/batchnorm.py ``BNRecalibration``; on every rank alike, from the same samples),
+        integer buffers (num_batches_tracked) from the first replica.
 
-        Under torchrun only rank 0 does: the other ranks' copies are rank 0's, received at
-        start-up and at the end of every fit (``_int_buffers_from_rank0``), so that the central
-        model is the same on every rank without a collective when it is read.
+        Under torchrun only rank 0 carries the integer buffers: the other ranks' copies are rank
+        0's, received at start-up and at the end of every fit (``_int_buffers_from_rank0``), so
+        that the central model is the same on every rank without a collective when it is read.
         """
         self.scheduler.flush()
+        first = self.states[0]
+        self.bn_recalibration.refresh(self._central, self._central_buf, z=first.z, zbuf=first.zbuf,
+                                      batch_size=self.batch_size, round_index=self.rounds_done)
         if self.comm is not None and not self.comm.is_main:
             return
         src = dict(self.states[0].replicas[0].named_buffers())
@@ -612,9 +621,12 @@ class Plan:
     def central_model(self) -> nn.Module:
         """The central average model z as a new ``nn.Module`` of the input model's class.
 
-        Its state_dict has the input model's keys: trainable parameters from z, float buffers from
-        the replicas' mean at the last sync, integer buffers (``num_batches_tracked``, counters)
-        from the first replica, frozen parameters unchanged. Under torchrun the integer buffers
+        Its state_dict has the input model's keys: trainable parameters from z; BatchNorm running
+        statistics re-estimated for z's weights on ``fit(bn_recalibration_batches=...)`` batches
+        of b training samples of the last fit (training/batchnorm.py; without a fit, or with 0
+        batches, the replicas' mean at the last sync); other float buffers from the replicas'
+        mean at the last sync; integer buffers (``num_batches_tracked``, counters) from the first
+        replica; frozen parameters unchanged. Under torchrun the integer buffers
         are rank 0's first replica's on every rank (rank 0 reads its own; the others hold the
         ones rank 0 broadcast at start-up and at the end of every fit, one broadcast per fit and
         none per round), so the state_dict is bit-identical on every rank outside a fit.
@@ -626,7 +638,8 @@ class Plan:
 
     @torch.no_grad()
     def evaluate(self, dataset: Any, *, batch_size: int = 1000) -> tuple[float | None, float]:
-        """Test accuracy (fraction) and mean loss of z on ``dataset``.
+        """Test accuracy (fraction) and mean loss of z on ``dataset``, with the central model's
+        buffers as ``central_model()`` has them (BatchNorm statistics re-estimated for z).
 
         The accuracy is None when the output is not ``[N, C]`` class scores with integer targets.
         """
@@ -673,6 +686,7 @@ class Plan:
         trace: str | None = None,
         policies: Sequence[Hook] = (),
         metrics_every: "int | MetricsMonitor | None" = 50,
+        bn_recalibration_batches: int = 20,
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -688,9 +702,13 @@ class Plan:
                 ``crossbow_graph.MetricsMonitor`` for its other settings (``ema``,
                 ``measure_rounds``, ``warmup_windows``); None: no metrics.
             epochs, shuffle, seed, target_accuracy, evals_per_epoch, eval_batch_size, progress,
-                hooks, checkpoint_dir, checkpoint_every, resume, log_dir, trace, policies: the
-                fit's options, as ``crossbow_graph.training.options.FitOptions`` documents them
-                (the plan's auto-tuner, with ``replicas="auto"``, runs before ``hooks``).
+                hooks, checkpoint_dir, checkpoint_every, resume, log_dir, trace, policies,
+                bn_recalibration_batches: the fit's options, as
+                ``crossbow_graph.training.options.FitOptions`` documents them (the plan's
+                auto-tuner, with ``replicas="auto"``, runs before ``hooks``;
+                ``bn_recalibration_batches``: BatchNorm statistics of z re-estimated on that many
+                training batches of b before every evaluation and in ``central_model()``, 0: the
+                replicas' mean).
 
         Returns:
             The History: per epoch training loss, test accuracy, samples/s, training seconds;
@@ -722,7 +740,8 @@ class Plan:
             epochs=epochs, shuffle=shuffle, seed=seed, target_accuracy=target_accuracy,
             evals_per_epoch=evals_per_epoch, eval_batch_size=eval_batch_size, progress=progress,
             hooks=hooks, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            resume=resume, log_dir=log_dir, trace=trace, policies=policies, metrics=metrics)
+            resume=resume, log_dir=log_dir, trace=trace, policies=policies, metrics=metrics,
+            bn_recalibration_batches=bn_recalibration_batches)
         history = Trainer(self, train_dataset, eval_dataset, options).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self._int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)

@@ -135,6 +135,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--target", type=float, default=0.99,
                        help="stop when the central model's test accuracy reaches it (0 disables)")
     train.add_argument("--evals-per-epoch", type=int, default=4, help="test evaluations per epoch")
+    train.add_argument("--bn-recalibration-batches", type=int, default=20,
+                       help="training batches of b that re-estimate the central model's BatchNorm "
+                            "statistics before each evaluation; 0: the replicas' mean")
     train.add_argument("--metrics-every", type=int, default=50,
                        help="N, rounds per metrics window (history.metrics: samples/s, loss, "
                             "divergence, gradient noise scale); 0: no metrics")
@@ -349,7 +352,8 @@ def _train(args: argparse.Namespace) -> int:
                            progress=not args.quiet, checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, resume=args.resume,
                            log_dir=args.log_dir, policies=policies,
-                           metrics_every=metrics)
+                           metrics_every=metrics,
+                           bn_recalibration_batches=args.bn_recalibration_batches)
     except (CheckpointError, DivergenceError, DistributedError) as exc:  # one line, exit 2
         print(f"crossbow-graph train: error: {exc}", file=sys.stderr)
         return 2

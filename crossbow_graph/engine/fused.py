@@ -138,7 +138,8 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
     backward of the sum of every floating output (the loss needs a target, which example inputs
     lack). When it fails, one eager forward and backward of a copy on the same inputs decides:
     if that fails too the model, not vmap, is at fault and None is returned (training reports
-    it). Neither ``template`` nor any RNG is changed.
+    it). Neither ``template`` nor any RNG is changed; gradients are enabled inside, whatever the
+    caller's mode.
 
     Args:
         template: the model in the mode it trains in (training mode).
@@ -165,7 +166,7 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
         return total(functional_call(template, (p, b), a, kw))
 
     devices = [p.device for p in params.values() if p.device.type == "cuda"][:1]
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():  # callers may be in no_grad
         try:
             vmap(one, randomness="different")(params, buffers, *bargs).sum().backward()
             return None

@@ -54,11 +54,17 @@ class FitOptions:
         metrics: the metrics monitor (``crossbow_graph.MetricsMonitor``, built by ``Plan.fit``
             from its ``metrics_every``), run after the hooks and before the policies; None: no
             metrics.
+        bn_recalibration_batches: before every evaluation of z and in ``Plan.central_model()``,
+            z's BatchNorm running statistics are re-estimated for z's weights on this many
+            training batches of b samples (training/batchnorm.py: ``update_bn``'s cumulative
+            average, on the evaluated copy only; training is unchanged); 0: z keeps the
+            replicas' mean statistics. Models without BatchNorm skip it.
 
     ``hooks`` and ``policies`` are kept as tuples.
 
     Raises:
         ValueError: ``epochs``, ``evals_per_epoch`` or ``eval_batch_size`` not an integer ≥ 1,
+            ``bn_recalibration_batches`` not an integer ≥ 0,
             ``target_accuracy`` outside (0, 1], ``resume=True`` or ``checkpoint_every`` without
             ``checkpoint_dir``, a ``trace`` path whose folder is missing or not writable, a
             ``log_dir`` that is a file or cannot be created or written.
@@ -82,6 +88,7 @@ class FitOptions:
     trace: str | None = None
     policies: tuple["Hook", ...] = ()
     metrics: "Hook | None" = None
+    bn_recalibration_batches: int = 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hooks", as_hooks("hooks", self.hooks))
@@ -98,6 +105,10 @@ class FitOptions:
         if not is_count(self.evals_per_epoch):
             raise ValueError(f"evals_per_epoch={self.evals_per_epoch!r}: must be an integer ≥ 1 "
                              "(evaluations of z per epoch), e.g. 1")
+        if not is_count(self.bn_recalibration_batches, 0):
+            raise ValueError(f"bn_recalibration_batches={self.bn_recalibration_batches!r}: must be "
+                             "an integer ≥ 0 (training batches of b per re-estimation of z's "
+                             "BatchNorm statistics; 0 turns it off), e.g. 20")
         if not is_count(self.eval_batch_size):
             raise ValueError(f"eval_batch_size={self.eval_batch_size!r}: must be an integer ≥ 1, "
                              "e.g. 1000")

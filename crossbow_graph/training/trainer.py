@@ -114,6 +114,8 @@ class Trainer:
         # a dataset that gathers whole batches at once (e.g. vectorised augmentation) provides get_batch
         train = self.train
         self.fetch = train.get_batch if hasattr(train, "get_batch") else make_fetch(train)
+        plan.bn_recalibration.use(self.fetch, len(train), batches=opts.bn_recalibration_batches,
+                                  seed=opts.seed)  # z's BatchNorm statistics for evaluation
         self._check_first_batches()
         torch.manual_seed(opts.seed)
         # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
