@@ -610,7 +610,8 @@ class Plan:
         self.scheduler.flush()
         first = self.states[0]
         self.bn_recalibration.refresh(self._central, self._central_buf, z=first.z, zbuf=first.zbuf,
-                                      batch_size=self.batch_size, round_index=self.rounds_done)
+                                      batch_size=self.batch_size, num_learners=self.num_learners,
+                                      round_index=self.rounds_done)
         if self.comm is not None and not self.comm.is_main:
             return
         src = dict(self.states[0].replicas[0].named_buffers())
@@ -623,9 +624,10 @@ class Plan:
 
         Its state_dict has the input model's keys: trainable parameters from z; BatchNorm running
         statistics re-estimated for z's weights on ``fit(bn_recalibration_batches=...)`` batches
-        of b training samples of the last fit (training/batchnorm.py; without a fit, or with 0
-        batches, the replicas' mean at the last sync); other float buffers from the replicas'
-        mean at the last sync; integer buffers (``num_batches_tracked``, counters) from the first
+        of b training samples of the last fit when k > 1 (training/batchnorm.py; with k = 1 the
+        replica's own, as plain PyTorch has them; without a fit, or with 0 batches, the
+        replicas' mean at the last sync); other float buffers from the replicas' mean at the
+        last sync; integer buffers (``num_batches_tracked``, counters) from the first
         replica; frozen parameters unchanged. Under torchrun the integer buffers
         are rank 0's first replica's on every rank (rank 0 reads its own; the others hold the
         ones rank 0 broadcast at start-up and at the end of every fit, one broadcast per fit and

@@ -119,6 +119,37 @@ def test_with_zero_batches_z_has_the_replicas_mean_statistics():
         torch.testing.assert_close(value.reshape(-1), zbuf[name], rtol=0, atol=0)
 
 
+class WithCounters(BNNet):
+    """BNNet with a float and an integer buffer that its forward counts up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.seen.add_(torch.ones_like(x[:, 0, 0, 0]).sum())
+        self.calls.add_(1)
+        return super().forward(x)
+
+
+def test_only_batch_norm_statistics_change_and_k1_keeps_the_replicas_own():
+    torch.manual_seed(0)
+    plan = cg.compile(WithCounters(), (torch.randn(2, 1, 8, 8),), F.cross_entropy, batch_size=8,
+                      devices=2, replicas=2, executor="inline")
+    plan.fit(blobs(128, 0), 1, progress=False, metrics_every=None)
+    (off,) = [off for name, _, off, _ in plan.states[0].buffers.entries if name == "seen"]
+    seen = float(plan.states[0].zbuf[off])  # the replicas' mean count
+    z = plan.central_model()
+    assert float(z.seen) == seen and int(z.calls) == int(plan.states[0].replicas[0].calls)
+    assert seen == 4 * 8.0  # 4 rounds of b = 8 per replica, not + 20 batches
+    assert not torch.equal(z.b1.running_mean, plan.states[0].replicas[0].b1.running_mean)
+    one = _plan(devices=1, replicas=1)
+    one.fit(blobs(64, 0), 1, progress=False, metrics_every=None)
+    torch.testing.assert_close(_bn_stats(one.central_model()), _bn_stats(one.states[0].replicas[0]),
+                               rtol=0, atol=0)  # z is the replica: plain PyTorch's statistics
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
 def test_bad_bn_recalibration_batches_is_refused_before_training(bad):
     plan = _plan()

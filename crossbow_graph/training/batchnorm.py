@@ -40,8 +40,9 @@ def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.
     reset, its momentum set to None (a cumulative average: after n batches, running_mean is the
     mean of the n batch means and running_var that of the n unbiased batch variances), the module
     runs forward in training mode on each batch, without gradients; then momenta and the module's
-    mode are restored. Integer buffers (``num_batches_tracked``) are restored too. Other float
-    buffers and the parameters are not changed.
+    mode are restored, and every other buffer (``num_batches_tracked``, a model's own counters or
+    averages) is put back as it was: only the BatchNorm layers' running means and variances
+    change. The parameters are not changed.
 
     Args:
         module: the model (any mode).
@@ -54,7 +55,8 @@ def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.
     norms = _batch_norms(module)
     if not norms or not batches:
         return 0
-    ints = {name: b.clone() for name, b in module.named_buffers() if not b.is_floating_point()}
+    stats = {id(t) for bn in norms for t in (bn.running_mean, bn.running_var)}
+    others = {name: b.clone() for name, b in module.named_buffers() if id(b) not in stats}
     momenta = [bn.momentum for bn in norms]
     was_training = module.training
     move = lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t  # noqa: E731
@@ -71,8 +73,8 @@ def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.
             bn.momentum = momentum
         module.train(was_training)
         for name, b in module.named_buffers():
-            if name in ints:
-                b.copy_(ints[name])
+            if name in others:
+                b.copy_(others[name])
     return len(batches)
 
 
@@ -81,7 +83,8 @@ class BNRecalibration:
 
     Each fit sets its training data (``use``); ``refresh`` is called before every read of the
     central model and re-estimates only when z, its buffers, b or the data changed since the last
-    time. The batches are ``batches`` disjoint batches of b samples (b in force), drawn from the
+    time. With k = 1 learner z is the replica itself, and its own running statistics (those plain
+    PyTorch's training gives) are kept. The batches are ``batches`` disjoint batches of b samples (b in force), drawn from the
     training data with a generator seeded with (the fit's seed, the plan's rounds done): the same
     state evaluates the same, and a resumed fit evaluates as an uninterrupted one. Torch's,
     Python's and NumPy's global RNGs are as before (dropout in the forward passes, a Dataset's
@@ -119,11 +122,13 @@ class BNRecalibration:
         return chunks
 
     def refresh(self, module: nn.Module, buf: torch.Tensor, *, z: torch.Tensor,
-                zbuf: torch.Tensor, batch_size: int, round_index: int) -> None:
+                zbuf: torch.Tensor, batch_size: int, num_learners: int, round_index: int) -> None:
         """Make ``module``'s float buffers (views of ``buf [Q]``) right for z: ``zbuf [Q]``
-        copied, then, when on and the model has BatchNorm, the BatchNorm statistics
-        re-estimated (``recalibrate_batch_norm``) on ``draw(batch_size, round_index)``."""
-        if not (self.batches and self.has_batch_norm and self._fetch is not None):
+        copied, then, when on, with k = ``num_learners`` > 1 and a model with BatchNorm, the
+        BatchNorm statistics re-estimated (``recalibrate_batch_norm``) on
+        ``draw(batch_size, round_index)``."""
+        if not (self.batches and self.has_batch_norm and self._fetch is not None
+                and num_learners > 1):
             buf.copy_(zbuf)
             self._key = None
             return

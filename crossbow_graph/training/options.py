@@ -58,7 +58,8 @@ class FitOptions:
             z's BatchNorm running statistics are re-estimated for z's weights on this many
             training batches of b samples (training/batchnorm.py: ``update_bn``'s cumulative
             average, on the evaluated copy only; training is unchanged); 0: z keeps the
-            replicas' mean statistics. Models without BatchNorm skip it.
+            replicas' mean statistics. Models without BatchNorm, and k = 1 (z is the replica,
+            with its own statistics), skip it.
 
     ``hooks`` and ``policies`` are kept as tuples.
 
