@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"torch": torch.__version__, "load_average_1min": os.getloadavg()[0],
-                       "command": "python bench/bn_central.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                       "command": " ".join(["python bench/bn_central.py",
+                                            *(sys.argv[1:] if argv is None else argv)]),
                        "ratio_2x2_to_1x1": ratios, "runs": rows}, f, indent=1)
 
 
