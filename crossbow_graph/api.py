@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import networkx as nx
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .compiler import inspect as _inspect
 from .compiler.outputs import model_loss
@@ -21,11 +22,13 @@ from .config import LEARNER_MODES, SGD, SMA, SSGD, Adjustment
 from .engine.comm import Comm, Distributed, plan_facts
 from .engine.optim import LocalOptimizer, OptimizerRows, as_local_optimizer
 from .engine.precision import check_precision
+from .engine.fused import fused_mode_message, vmap_failure
 from .engine.scheduler import Scheduler
 from .engine.settings import RunSettings, settings_view
 from .engine.state import DeviceState, FlatLayout, float_buffers_named, model_dtype, trainable_named
 from .errors import is_count
 from .kernels.select import plan_kernels, select_backend
+from .training.batchnorm import BNRecalibration
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
 from .training.data import as_dataset, collate_of
 from .training.evaluation import evaluate_model
@@ -159,6 +162,10 @@ def compile(  # noqa: A001 - the public name the design asks for
             learner mode while ``fit`` runs.
         learner_mode: ``"per_replica"`` (each learner its own forward/backward) or ``"fused"``
             (a device's replicas stacked and run as one vmapped program); same mathematics.
+            ``"fused"`` is tried first on the example inputs (``Plan.fused_failure``): where
+            torch.func.vmap cannot run the model (LSTM, GRU, ``torch.utils.checkpoint``) it
+            raises ValueError naming ``"per_replica"``, or with ``replicas="auto"`` warns and
+            starts with ``"per_replica"``.
         executor: ``"auto"``, ``"inline"`` (this process; CUDA streams on GPUs) or ``"process"``
             (CPU worker processes over shared memory); see ``engine.scheduler``.
         autotune: the auto-tuner's settings (with ``replicas="auto"``); default ``AutoTune()``.
@@ -212,7 +219,8 @@ def compile(  # noqa: A001 - the public name the design asks for
             kernel_backend, ``"c"`` or ``"triton"`` with a float64 model, batch_size=1 with
             a BatchNorm layer that then sees one value per channel, an unknown precision,
             ``"bf16"``/``"fp16"`` with a model that is not float32, ``loss_fn=None`` with a
-            model whose output on the example inputs carries no loss).
+            model whose output on the example inputs carries no loss, ``learner_mode="fused"``
+            with fixed replicas for a model that torch.func.vmap cannot run).
         TypeError: ``loss_fn`` not callable, or a loss class instead of an instance.
         ImportError: ``kernel_backend="triton"`` without the triton package (says how to install).
         CompilerError: ``kernel_backend="c"`` and the C kernels cannot be built (says why and how
@@ -326,8 +334,14 @@ def _build_plan(args: _CompileArgs) -> "Plan":
                 learner_mode=args.learner_mode, executor=args.executor,
                 memory_budget=memory_budget, verify=args.verify,
                 autotune=(args.autotune or AutoTune()) if args.tuned else None, kernels=kernels,
-                comm=comm, precision=args.precision)
+                comm=comm, precision=args.precision, example_inputs=args.example_inputs)
     plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
+    if args.learner_mode == "fused" and plan.fused_failure is not None:
+        message = fused_mode_message(type(args.model).__name__, plan.fused_failure)
+        if not args.tuned:
+            raise ValueError(message)
+        warnings.warn(f"{message}; replicas='auto' starts with per_replica", stacklevel=3)
+        plan.set_learner_mode("per_replica")
     return plan
 
 
@@ -395,7 +409,8 @@ class Plan:
                  learner_mode: str = "per_replica", executor: str = "auto",
                  memory_budget: int | None = None, verify: bool = True,
                  autotune: AutoTune | None = None, kernels: Any = None,
-                 comm: Comm | None = None, precision: str = "fp32") -> None:
+                 comm: Comm | None = None, precision: str = "fp32",
+                 example_inputs: Any = None) -> None:
         self.model_graph = model_graph
         self.task_graph = task_graph
         self.loss_fn = loss_fn
@@ -419,7 +434,9 @@ class Plan:
             for s in self.states:
                 s.optim_rows = OptimizerRows(local, s)
         self._central = copy.deepcopy(self._template).to(self.states[0].torch_device).eval()
-        self.states[0].bind_central(self._central)
+        self._central_buf = self.states[0].zbuf.clone()  # [Q] the evaluated central model's buffers
+        self.states[0].bind_central(self._central, self._central_buf)
+        self.bn_recalibration = BNRecalibration(self._central)  # set by every fit
         self.scheduler = Scheduler(task_graph, self.states, loss_fn, self.settings, executor=executor)
         if kernels is not None:
             self.scheduler.kernels = kernels
@@ -428,6 +445,9 @@ class Plan:
         self.autotuner = AutoTuner(autotune) if autotune is not None else None
         self.comm = comm  # under torchrun: this rank's place in the process group (engine/comm.py)
         self.scheduler.comm = comm
+        self._example_inputs = tree_map(  # fused_failure's dry run
+            lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, example_inputs)
+        self._fused_failure: tuple[str | None] | None = None  # (failure,) once probed
         if comm is not None:
             comm.agree(plan_facts(self), "the plan")
             self._start_from_rank0()
@@ -486,6 +506,19 @@ class Plan:
             for name, b in module.named_buffers():
                 if name in ints:
                     b.copy_(ints[name])
+
+    @property
+    def fused_failure(self) -> str | None:
+        """Why ``learner_mode="fused"`` cannot run this model, or None: torch.func.vmap's error
+        in a dry run of two stacked replicas on the first two example inputs (engine/fused.py
+        ``vmap_failure``; e.g. ``torch.nn.LSTM`` has no batching rule). Probed once, when first
+        read: by ``compile(learner_mode="fused")``, by ``adjust`` before it switches to fused,
+        and by the auto-tuner before it tries fused."""
+        if self._fused_failure is None:
+            found = None if self._example_inputs is None else \
+                vmap_failure(self._template, self._example_inputs)
+            self._fused_failure = (found,)
+        return self._fused_failure[0]
 
     @property
     def verify(self) -> bool:
@@ -630,22 +663,29 @@ class Plan:
 
     def central_forward(self, *args: Any, **kwargs: Any) -> Any:
         """The central model z (evaluation mode: no dropout, no BatchNorm update) on ``args``
-        (tensors moved to device 0) and ``kwargs``, its integer buffers first refreshed from the
-        replicas as ``central_model()``'s are. Gradients are tracked unless the caller disables
-        them (``torch.no_grad()``)."""
+        (tensors moved to device 0) and ``kwargs``, its buffers first refreshed as
+        ``central_model()``'s are (BatchNorm statistics re-estimated for z). Gradients are
+        tracked unless the caller disables them (``torch.no_grad()``)."""
         device = self.states[0].torch_device
         moved = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
         self._refresh_central()
         return self._central(*moved, **kwargs)
 
     def _refresh_central(self) -> None:
-        """Carry integer buffers (num_batches_tracked) from the first replica into z's module.
+        """The evaluated central model's buffers for the current z: float buffers from zbuf,
+        BatchNorm statistics re-estimated for z when the last fit asked for it
+        (training/batchnorm.py ``BNRecalibration``; on every rank alike, from the same samples),
+        integer buffers (num_batches_tracked) from the first replica.
 
-        Under torchrun only rank 0 does: the other ranks' copies are rank 0's, received at
-        start-up and at the end of every fit (``_int_buffers_from_rank0``), so that the central
-        model is the same on every rank without a collective when it is read.
+        Under torchrun only rank 0 carries the integer buffers: the other ranks' copies are rank
+        0's, received at start-up and at the end of every fit (``_int_buffers_from_rank0``), so
+        that the central model is the same on every rank without a collective when it is read.
         """
         self.scheduler.flush()
+        first = self.states[0]
+        self.bn_recalibration.refresh(self._central, self._central_buf, z=first.z, zbuf=first.zbuf,
+                                      batch_size=self.batch_size, num_learners=self.num_learners,
+                                      round_index=self.rounds_done)
         if self.comm is not None and not self.comm.is_main:
             return
         src = dict(self.states[0].replicas[0].named_buffers())
@@ -656,9 +696,13 @@ class Plan:
     def central_model(self) -> nn.Module:
         """The central average model z as a new ``nn.Module`` of the input model's class.
 
-        Its state_dict has the input model's keys: trainable parameters from z, float buffers from
-        the replicas' mean at the last sync, integer buffers (``num_batches_tracked``, counters)
-        from the first replica, frozen parameters unchanged. Under torchrun the integer buffers
+        Its state_dict has the input model's keys: trainable parameters from z; BatchNorm running
+        statistics re-estimated for z's weights on ``fit(bn_recalibration_batches=...)`` batches
+        of b training samples of the last fit when k > 1 (training/batchnorm.py; with k = 1 the
+        replica's own, as plain PyTorch has them; without a fit, or with 0 batches, the
+        replicas' mean at the last sync); other float buffers from the replicas' mean at the
+        last sync; integer buffers (``num_batches_tracked``, counters) from the first
+        replica; frozen parameters unchanged. Under torchrun the integer buffers
         are rank 0's first replica's on every rank (rank 0 reads its own; the others hold the
         ones rank 0 broadcast at start-up and at the end of every fit, one broadcast per fit and
         none per round), so the state_dict is bit-identical on every rank outside a fit.
@@ -672,7 +716,8 @@ class Plan:
     def evaluate(self, dataset: Any, *, batch_size: int = 1000,
                  metric_fn: Callable[[Any, Any], Any] | None = None) -> tuple[float | None, float]:
         """Test accuracy (fraction) and mean loss of z on ``dataset``
-        (training/evaluation.py ``evaluate_model``).
+        (training/evaluation.py ``evaluate_model``), with the central model's buffers as
+        ``central_model()`` has them (BatchNorm statistics re-estimated for z).
 
         The accuracy is ``metric_fn(output, target)`` averaged over the samples when given;
         else the class accuracy of the output's class scores ``[N, C]`` (the output,
@@ -719,6 +764,7 @@ class Plan:
         lr_scheduler: Any = None,
         lr_scheduler_interval: str = "epoch",
         metric_fn: Callable[[Any, Any], Any] | None = None,
+        bn_recalibration_batches: int = 20,
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -745,9 +791,13 @@ class Plan:
                 torchrun rank) uses the same η in the same round; ``History.lr`` has η per round.
             epochs, shuffle, seed, target_accuracy, evals_per_epoch, eval_batch_size, progress,
                 hooks, checkpoint_dir, checkpoint_every, resume, log_dir, trace, policies,
-                metric_fn: the fit's options, as ``crossbow_graph.training.options.FitOptions``
-                documents them (the plan's auto-tuner, with ``replicas="auto"``, runs before
-                ``hooks``; ``metric_fn(output, target)`` gives z's accuracy for any output).
+                metric_fn, bn_recalibration_batches: the fit's options, as
+                ``crossbow_graph.training.options.FitOptions`` documents them (the plan's
+                auto-tuner, with ``replicas="auto"``, runs before ``hooks``;
+                ``metric_fn(output, target)`` gives z's accuracy for any output;
+                ``bn_recalibration_batches``: BatchNorm statistics of z re-estimated on that many
+                training batches of b before every evaluation and in ``central_model()``, 0: the
+                replicas' mean).
 
         Returns:
             The History: per epoch training loss, test accuracy, samples/s, training seconds;
@@ -784,7 +834,7 @@ class Plan:
             hooks=hooks, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             resume=resume, log_dir=log_dir, trace=trace, policies=policies, metrics=metrics,
             lr_scheduler=lr_scheduler, lr_scheduler_interval=lr_scheduler_interval,
-            metric_fn=metric_fn)
+            metric_fn=metric_fn, bn_recalibration_batches=bn_recalibration_batches)
         history = Trainer(self, train_dataset, eval_dataset, options).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self._int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)

@@ -159,6 +159,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--target", type=float, default=0.99,
                        help="stop when the central model's test accuracy reaches it (0 disables)")
     train.add_argument("--evals-per-epoch", type=int, default=4, help="test evaluations per epoch")
+    train.add_argument("--bn-recalibration-batches", type=int, default=20,
+                       help="training batches of b that re-estimate the central model's BatchNorm "
+                            "statistics before each evaluation; 0: the replicas' mean")
     train.add_argument("--metrics-every", type=int, default=50,
                        help="N, rounds per metrics window (history.metrics: samples/s, loss, "
                             "divergence, gradient noise scale); 0: no metrics")
@@ -414,7 +417,8 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                resume=args.resume, log_dir=args.log_dir, policies=policies, metrics_every=metrics,
                lr_scheduler=_lr_schedule(args, plan, len(train_set)),
-               lr_scheduler_interval="round")
+               lr_scheduler_interval="round",
+               bn_recalibration_batches=args.bn_recalibration_batches)
     return plan, fit
 
 

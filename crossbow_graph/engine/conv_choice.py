@@ -18,7 +18,7 @@ from .inputs import split_inputs
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
-__all__ = ["choose_onednn", "CPU_CONV_CHOICES"]
+__all__ = ["choose_onednn", "CPU_CONV_CHOICES", "host_rngs_kept"]
 
 CPU_CONV_CHOICES = ("auto", "onednn", "aten")
 BIG_STEP_S = 0.3  # choose_onednn: a learner step slower than this is not measured (oneDNN)
@@ -55,7 +55,7 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     if cached is not None:
         return cached
     state = scheduler.states[0]
-    with torch.random.fork_rng(devices=[]), _host_rngs_kept():  # as if never fetched
+    with torch.random.fork_rng(devices=[]), host_rngs_kept():  # as if never fetched
         batch = single(fetch(torch.arange(b)))  # one learner's
     args, kwargs, target = split_inputs(batch)
     shapes = tuple((tuple(t.shape), t.dtype) for t in (*args, *kwargs.values(), target)
@@ -83,7 +83,7 @@ MEASURE_REPS, MEASURE_STEPS, MEASURE_S = 3, 5, 0.02  # choose_onednn's measureme
 
 
 @contextlib.contextmanager
-def _host_rngs_kept():
+def host_rngs_kept():
     """Restore Python's ``random`` and NumPy's global RNG states on exit."""
     py, npy = random.getstate(), np.random.get_state()
     try:

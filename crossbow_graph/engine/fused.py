@@ -1,30 +1,55 @@
 """Fused learners: a group of replicas stacked and run as one program with torch.func
 (docs/design-overview.md §5).
 
-The group's parameters are the rows ``w[r0:r1] [n, P]`` viewed per tensor as ``[n, *shape]``; the
+The group's parameters are the rows ``w[r0:r1] [n, P]`` viewed per tensor as ``[n, *shape]``,
+each view its own autograd leaf (one leaf for the whole ``[n, P]`` block would make every
+tensor's backward a zero-filled ``[n, P]`` slice gradient summed into it: O(tensors · P) work and
+memory per step, 20× slower than per-replica learners on a ResNet-18, docs/runtime.md); the
 float buffers are ``buf[r0:r1] [n, Q]`` copied per tensor to ``[n, *shape]`` and written back
 after the step (BatchNorm statistics stay per replica; vmap's in-place running-stat updates do not
 write through strided views, hence the copies); integer
 buffers (``num_batches_tracked``) are stacked from the replicas' modules and written back.
 ``torch.func.functional_call`` runs the model on them under ``torch.func.vmap`` with
 ``randomness="different"`` (every replica draws its own dropout mask); the sum of the n mean losses
-is backpropagated once, which gives each replica the gradient of its own loss.
+is differentiated once, which gives each replica the gradient of its own loss.
+
+Not every model runs under vmap (``torch.nn.LSTM``/``GRU`` have no batching rule,
+``torch.utils.checkpoint`` cannot be vmapped): ``vmap_failure`` finds out on the example inputs,
+and ``FusedProgram.step`` names ``learner_mode="per_replica"`` when vmap fails in training.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .inputs import split_inputs
 from .precision import autocast
 from .settings import RunSettings, settings_view
 from .state import DeviceState
 
-__all__ = ["FusedProgram"]
+__all__ = ["FusedProgram", "fused_mode_message", "vmap_failure"]
+
+
+def fused_mode_message(model_name: str, failure: str) -> str:
+    """The error (or warning) text when fused learners cannot run ``model_name``: what failed
+    and the fix, ``learner_mode="per_replica"``."""
+    return (f"learner_mode='fused' cannot run {model_name}: torch.func.vmap fails on it "
+            f"({failure}); use learner_mode='per_replica' (the same mathematics, each replica its "
+            "own forward and backward, which runs any model that trains in eager PyTorch)")
+
+
+def _vmap_error(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from torch.func's transforms (a missing batching rule, an op or an
+    autograd.Function they cannot run) rather than from the model itself."""
+    text = str(exc)
+    return any(s in text for s in ("Batching rule", "vmap", "functorch", "escaped from inside a "
+                                   "function being vmapped", "setup_context"))
 
 
 class FusedProgram:
@@ -71,6 +96,10 @@ class FusedProgram:
 
         Returns:
             The n losses, ``[n]``, detached.
+
+        Raises:
+            RuntimeError: torch.func.vmap cannot run the model or the loss (the message names
+                ``learner_mode="per_replica"``).
         """
         n, b = r1 - r0, self.settings.batch_size
         args, kwargs, target = split_inputs(batch)
@@ -87,14 +116,9 @@ class FusedProgram:
         while True:
             if reseed is not None:
                 reseed()
-            w, buffers, losses = self._run(state, r0, r1, ints, args, kwargs, target)  # w: [n, P]
-            if scales is None:
-                losses.sum().backward()
+            buffers, losses = self._run(state, r0, r1, ints, args, kwargs, target)  # g rows set
+            if scales is None or scales.settle(r0, r1, losses, state.g[r0:r1]):
                 break
-            (losses * scales.weights(r0, r1, losses)).sum().backward()
-            if scales.settle(r0, r1, losses, w.grad):
-                break
-        state.g[r0:r1].copy_(w.grad)
         for name, shape, off, k in state.buffers.entries:
             state.buf[r0:r1, off:off + k].copy_(buffers[name].reshape(n, k))
         for name in ints:
@@ -103,20 +127,90 @@ class FusedProgram:
         return losses.detach()
 
     def _run(self, state: DeviceState, r0: int, r1: int, ints: list[str], args: tuple,
-             kwargs: dict, target: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """The vmapped forward of rows ``r0 … r1−1`` from their current parameters and buffers:
-        (the rows as a leaf ``[n, P]`` sharing storage with the state, the buffers the forward
-        updated, the losses ``[n]``)."""
+             kwargs: dict, target: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The vmapped forward and backward of rows ``r0 … r1−1`` from their current parameters
+        and buffers, one autograd leaf ``[n, *shape]`` per parameter tensor (a view of the rows:
+        one ``[n, P]`` leaf would make every tensor's backward a zero-filled ``[n, P]`` gradient);
+        the gradients (of Σ_j S_j·ℓ_j with float16 loss scales) into ``state.g[r0:r1]``. Returns
+        (the buffers the forward updated, the losses ``[n]``)."""
         n = r1 - r0
-        flat = state.w_model if state.w_model is not state.w else state.w
-        w = flat[r0:r1].detach().requires_grad_(True)  # [n, P], shares storage with the state
-        params = {name: w[:, off:off + k].view(n, *shape)
+        flat = (state.w_model if state.w_model is not state.w else state.w)[r0:r1].detach()
+        params = {name: flat[:, off:off + k].view(n, *shape).requires_grad_(True)
                   for name, shape, off, k in state.params.entries}
         # contiguous copies: vmap's batch-norm rule does not write through strided views
         buffers = {name: state.buf[r0:r1, off:off + k].reshape(n, *shape).clone()
                    for name, shape, off, k in state.buffers.entries}
         for name in ints:
             buffers[name] = torch.stack([state.replicas[r].get_buffer(name) for r in range(r0, r1)])
-        with autocast(state.precision, state.torch_device, vmapped=True):
-            losses = self._batched(params, buffers, args, kwargs, target)  # [n]
-        return w, buffers, losses
+        scales = state.loss_scales
+        try:
+            with autocast(state.precision, state.torch_device, vmapped=True):
+                losses = self._batched(params, buffers, args, kwargs, target)  # [n]
+            total = (losses * scales.weights(r0, r1, losses)).sum() if scales is not None \
+                else losses.sum()
+            grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
+        except (RuntimeError, NotImplementedError) as exc:
+            if not _vmap_error(exc):
+                raise
+            raise RuntimeError(fused_mode_message(type(self.module).__name__,
+                                                  f"{type(exc).__name__}: {exc}")) from exc
+        for (name, shape, off, k), grad in zip(state.params.entries, grads):
+            if grad is None:  # unused in forward: a zero gradient
+                state.g[r0:r1, off:off + k].zero_()
+            else:
+                state.g[r0:r1, off:off + k].copy_(grad.reshape(n, k))
+        return buffers, losses
+
+
+def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any], *,
+                 replicas: int = 2, rows: int = 2) -> str | None:
+    """Why fused learners cannot run ``template``, or None when they can (or when it cannot tell).
+
+    A dry run of what ``FusedProgram.step`` does, on copies: ``replicas`` stacked copies of the
+    trainable parameters and buffers, the first ``rows`` samples of ``example_inputs`` (every
+    tensor sliced along dimension 0), a vmapped forward (``randomness="different"``) and the
+    backward of the sum of every floating output (the loss needs a target, which example inputs
+    lack). When it fails, one eager forward and backward of a copy on the same inputs decides:
+    if that fails too the model, not vmap, is at fault and None is returned (training reports
+    it). Neither ``template`` nor any RNG is changed; gradients are enabled inside, whatever the
+    caller's mode.
+
+    Args:
+        template: the model in the mode it trains in (training mode).
+        example_inputs: compile's example inputs, a tuple of positional inputs or a dict of
+            keyword inputs, batch along dimension 0.
+
+    Returns:
+        ``"ExcType: message"`` of vmap's failure, or None.
+    """
+    args, kwargs = (((), dict(example_inputs)) if isinstance(example_inputs, dict)
+                    else (tuple(example_inputs), {}))
+    first = lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t  # noqa: E731
+    args, kwargs = tree_map(first, args), tree_map(first, kwargs)
+    stacked = lambda t: t.detach().unsqueeze(0).repeat(replicas, *[1] * t.dim())  # noqa: E731
+    params = {n: stacked(p).requires_grad_(True) for n, p in template.named_parameters() if p.requires_grad}
+    buffers = {n: stacked(b) for n, b in template.named_buffers()}
+    bargs = tree_map(lambda t: stacked(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+    def total(out: Any) -> torch.Tensor:
+        leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return sum(t.sum() for t in leaves) if leaves else torch.zeros(())
+
+    def one(p: dict, b: dict, a: tuple, kw: dict) -> torch.Tensor:
+        return total(functional_call(template, (p, b), a, kw))
+
+    devices = [p.device for p in params.values() if p.device.type == "cuda"][:1]
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():  # callers may be in no_grad
+        try:
+            vmap(one, randomness="different")(params, buffers, *bargs).sum().backward()
+            return None
+        except Exception as exc:  # noqa: BLE001 - any failure: is it vmap's?
+            failure = f"{type(exc).__name__}: {exc}".strip()
+        try:
+            eager = copy.deepcopy(template)
+            out = total(eager(*args, **kwargs))
+            if out.requires_grad:
+                out.backward()
+        except Exception:  # noqa: BLE001 - the model fails without vmap: not vmap's failure
+            return None
+    return failure

@@ -241,11 +241,13 @@ class DeviceState:
             r.register_forward_pre_hook(_CopyRow(self, j))
         return r
 
-    def bind_central(self, module: nn.Module) -> None:
+    def bind_central(self, module: nn.Module, buffers: torch.Tensor | None = None) -> None:
         """Make ``module`` (a copy of the model) show this device's central model: its parameters
         views of ``z_model`` (refreshed from z before each forward when low precision), its
-        float buffers views of ``zbuf``."""
-        bind_flat(module, self.z_model, None, self.zbuf, self.params, self.buffers)
+        float buffers views of ``buffers [Q]`` (default ``zbuf``; the Plan's evaluated central
+        model has its own, training/batchnorm.py)."""
+        bind_flat(module, self.z_model, None, self.zbuf if buffers is None else buffers,
+                  self.params, self.buffers)
         if self.z_model is not self.z:
             module.register_forward_pre_hook(_CopyBack(self, "z", "z_model"))
 

@@ -61,7 +61,8 @@ class AutotuneRecord:
         samples_per_s: measured throughput over the window (training samples per second).
         action: what the tuner did: ``"add"`` (m+1), ``"remove"`` (undo the last add and hold),
             ``"bound"`` (m is at the memory or replica bound), ``"try_mode"`` (switch learner mode),
-            ``"keep_mode"``, ``"revert_mode"``, ``"hold"`` (keep measuring), ``"drift"``
+            ``"keep_mode"``, ``"revert_mode"``, ``"skip_mode"`` (fused learners cannot run the
+            model, ``Plan.fused_failure``: per-replica, hold), ``"hold"`` (keep measuring), ``"drift"``
             (throughput moved by more than the threshold: re-probe).
         next_replicas_per_device, next_learner_mode: the configuration after the decision.
     """

@@ -65,11 +65,18 @@ class FitOptions:
             of the output's ``[N, C]`` scores (a tensor, ``output.logits``, or the first tensor
             of a tuple or dict) against integer targets ``[N]``; for any other output
             ``test_accuracy`` is None, with a warning (training/evaluation.py).
+        bn_recalibration_batches: before every evaluation of z and in ``Plan.central_model()``,
+            z's BatchNorm running statistics are re-estimated for z's weights on this many
+            training batches of b samples (training/batchnorm.py: ``update_bn``'s cumulative
+            average, on the evaluated copy only; training is unchanged); 0: z keeps the
+            replicas' mean statistics. Models without BatchNorm, and k = 1 (z is the replica,
+            with its own statistics), skip it.
 
     ``hooks`` and ``policies`` are kept as tuples.
 
     Raises:
         ValueError: ``epochs``, ``evals_per_epoch`` or ``eval_batch_size`` not an integer ≥ 1,
+            ``bn_recalibration_batches`` not an integer ≥ 0,
             ``target_accuracy`` outside (0, 1], ``resume=True`` or ``checkpoint_every`` without
             ``checkpoint_dir``, a ``trace`` path whose folder is missing or not writable, a
             ``log_dir`` that is a file or cannot be created or written.
@@ -96,6 +103,7 @@ class FitOptions:
     lr_scheduler: Any = None
     lr_scheduler_interval: str = "epoch"
     metric_fn: "Callable[[Any, Any], Any] | None" = None
+    bn_recalibration_batches: int = 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hooks", as_hooks("hooks", self.hooks))
@@ -115,6 +123,10 @@ class FitOptions:
         if not is_count(self.evals_per_epoch):
             raise ValueError(f"evals_per_epoch={self.evals_per_epoch!r}: must be an integer ≥ 1 "
                              "(evaluations of z per epoch), e.g. 1")
+        if not is_count(self.bn_recalibration_batches, 0):
+            raise ValueError(f"bn_recalibration_batches={self.bn_recalibration_batches!r}: must be "
+                             "an integer ≥ 0 (training batches of b per re-estimation of z's "
+                             "BatchNorm statistics; 0 turns it off), e.g. 20")
         if not is_count(self.eval_batch_size):
             raise ValueError(f"eval_batch_size={self.eval_batch_size!r}: must be an integer ≥ 1, "
                              "e.g. 1000")

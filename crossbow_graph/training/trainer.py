@@ -119,6 +119,8 @@ class Trainer:
         self._agree_on_the_fit()
         self.schedule = BatchSchedule(len(self.train), shuffle=opts.shuffle, seed=opts.seed)
         self.fetch, self.loader = self._data_path()
+        plan.bn_recalibration.use(self.fetch, len(self.train), batches=opts.bn_recalibration_batches,
+                                  seed=opts.seed)  # z's BatchNorm statistics for evaluation
         self._check_first_batches()
         torch.manual_seed(opts.seed)
         # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round

@@ -6,7 +6,8 @@ seconds: restarted worker processes need both), measure samples/s
 over a window of whole rounds; if it rose by more than a threshold (default 10 %) over the best so
 far, add a replica per device, otherwise (after a second window confirms it: ``AutoTune.confirm``)
 remove the last one added and hold. Then try the other
-learner mode at that m and keep the faster (growing further in it if it wins). While holding,
+learner mode at that m and keep the faster (growing further in it if it wins; fused only where
+torch.func.vmap runs the model, ``Plan.fused_failure``, else a warning and per-replica). While holding,
 re-probe when the throughput drifts by more than the threshold. Never beyond the memory bound
 (the task graph's ``memory_per_learner_bytes`` against ``compile(memory_budget=...)``) or
 ``AutoTune.max_replicas``. Replicas change between rounds without losing state
@@ -16,6 +17,7 @@ k, the compiler passes re-run). Every decision goes to ``History.autotune``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -180,7 +182,7 @@ class AutoTuner(Hook):
                 return False
             else:
                 steps.append(("remove", self.best[1], mode))
-                steps += self._settle(self.best[1], mode, other)
+                steps += self._settle(plan, self.best[1], mode, other)
         for action, m2, mode2 in steps:
             self._record(ctx, rate, action, m, mode, m2, mode2)
         m2, mode2 = steps[-1][1], steps[-1][2]
@@ -193,10 +195,16 @@ class AutoTuner(Hook):
     def _grow(self, plan, m: int, mode: str, other: str) -> list[tuple[str, int, str]]:
         if m + 1 <= self.bound(plan):
             return [("add", m + 1, mode)]
-        return [("bound", m, mode)] + self._settle(m, mode, other)
+        return [("bound", m, mode)] + self._settle(plan, m, mode, other)
 
-    def _settle(self, m: int, mode: str, other: str) -> list[tuple[str, int, str]]:
+    def _settle(self, plan, m: int, mode: str, other: str) -> list[tuple[str, int, str]]:
         if self.config.try_other_mode and not self.mode_tried:
+            if other == "fused" and plan.fused_failure is not None:
+                self.mode_tried = True  # vmap cannot run the model: per_replica it stays
+                warnings.warn(f"the auto-tuner keeps learner_mode='per_replica': fused learners "
+                              f"cannot run this model ({plan.fused_failure})", stacklevel=2)
+                self.phase, self.held = "hold", self.best[0]
+                return [("skip_mode", m, mode)]
             self.phase = "mode"
             return [("try_mode", m, other)]
         self.phase, self.held = "hold", self.best[0]

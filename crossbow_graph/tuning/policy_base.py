@@ -14,6 +14,7 @@ import torch
 from ..compiler.passes import build_task_graph
 from ..config import Adjustment
 from ..engine.faults import FaultMonitor
+from ..engine.fused import fused_mode_message
 from ..training.history import PolicyRecord
 from ..training.hooks import FitContext, Hook
 
@@ -39,9 +40,13 @@ def apply_adjustment(plan: "Plan", adj: Adjustment) -> dict[str, Any]:
 
     Raises:
         PlanError: the new b (or m) does not fit the memory budget; nothing is changed then.
-        ValueError: α given with k = 1 (a single learner has no averaging); α or τ under SSGD.
+        ValueError: α given with k = 1 (a single learner has no averaging); α or τ under SSGD;
+            ``learner_mode="fused"`` for a model that torch.func.vmap cannot run
+            (``Plan.fused_failure``; names ``"per_replica"``), before anything changes.
     """
     settings, sched, done = plan.settings, plan.scheduler, {}
+    if adj.learner_mode == "fused" and settings.learner_mode != "fused" and plan.fused_failure:
+        raise ValueError(fused_mode_message(type(plan.template).__name__, plan.fused_failure))
     if adj.batch_size is not None and adj.batch_size != settings.batch_size:
         _replan(plan, adj.batch_size, settings.replicas_per_device)
         done["batch_size"] = adj.batch_size
