@@ -292,8 +292,9 @@ def _result(evals: list[dict], samples: int, trained: float, target: float) -> d
 
 def system_spec(name: str) -> dict:
     """A system by name: one of SYSTEMS, or ``"cli:FLAGS"``, ``crossbow-graph train FLAGS`` (e.g.
-    ``"cli:--batch-size 64 --devices 2 --replicas 1"``; the bench sets --seed, --epochs,
-    --target, --evals-per-epoch and --quiet).
+    ``"cli:--batch-size 64 --devices 2 --replicas 1"``; the bench sets --seed, --target,
+    --evals-per-epoch and --quiet, and --epochs only when ``--max-epochs`` is below the CLI's
+    own, which is a schedule's length).
 
     Raises:
         KeyError: an unknown name.
@@ -307,8 +308,11 @@ def run_cli(spec, train, test, *, model_name, seed, max_epochs, target, evals_pe
             max_train_s=math.inf) -> dict:
     """``crossbow-graph train`` with ``spec["argv"]`` (cli.prepare_train: the same plan, data,
     optimizer, schedule and policies as the command), its own data (W1: the CLI's MNIST)."""
-    argv = ["train", *spec["argv"], "--seed", str(seed), "--epochs", str(max_epochs),
-            "--target", str(target), "--evals-per-epoch", str(evals_per_epoch), "--quiet"]
+    argv = ["train", *spec["argv"], "--seed", str(seed), "--target", str(target),
+            "--evals-per-epoch", str(evals_per_epoch), "--quiet"]
+    if "--epochs" not in argv:  # the CLI's own --epochs (a schedule's length) unless capped lower
+        defaults = build_parser().parse_args(argv)
+        argv += ["--epochs", str(min(defaults.epochs, max_epochs))]
     plan, fit = prepare_train(build_parser().parse_args(argv))
     fit["hooks"] = [_TimeCap(max_train_s)]
     h = plan.fit(**fit)

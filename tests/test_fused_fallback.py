@@ -72,7 +72,7 @@ def test_fused_is_refused_by_adjust_and_nothing_changes():
         plan.set_learner_mode("fused")
     with pytest.raises(ValueError, match="per_replica"):
         plan.adjust(cg.Adjustment(learner_mode="fused", lr=0.5))
-    assert plan.learner_mode == "per_replica" and plan.optimizer.lr == 0.1
+    assert plan.learner_mode == "per_replica" and plan.settings.lr == 0.1
 
 
 def test_models_vmap_runs_are_not_refused():
