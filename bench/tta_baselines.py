@@ -268,7 +268,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", nargs="+", default=None, metavar="RECIPE:B:LR",
                    help="run these configurations instead of the grid")
     p.add_argument("--with-tta-systems", nargs="+", default=[], metavar="SYSTEM",
-                   choices=list(tta.SYSTEMS), help="bench/tta.py systems to interleave, e.g. crossbow-r2")
+                   help="bench/tta.py systems to interleave, e.g. crossbow-cli (crossbow-graph train "
+                        "with its defaults) or 'cli:FLAGS' (with those flags)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--max-epochs", type=int, default=6, help="cap of every run")
     p.add_argument("--cycle-epochs", type=int, default=3,

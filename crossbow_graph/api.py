@@ -286,9 +286,11 @@ class _CompileArgs:
             raise TypeError(f"loss_fn={prefix}{loss_fn.__name__} is a class, not a loss: pass an "
                             f"instance: {prefix}{loss_fn.__name__}()")
         if not isinstance(optimizer, (SGD, torch.optim.Optimizer)):
+            got = (f"the class {optimizer.__name__}: build an instance over the model's parameters"
+                   if isinstance(optimizer, type) else type(optimizer).__name__)
             raise TypeError(f"optimizer must be a torch.optim optimizer built over the model's "
                             f"parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3), "
-                            f"or crossbow_graph.SGD(lr=0.01); got {type(optimizer).__name__}")
+                            f"or crossbow_graph.SGD(lr=0.01); got {got}")
         if not isinstance(sync, (SMA, SSGD)):
             raise TypeError(f"sync must be crossbow_graph.SMA(...) or crossbow_graph.SSGD(), "
                             f"got {type(sync).__name__}")

@@ -27,13 +27,16 @@ from .tuning.policies import AdaptiveBatchSize, MultiStepLR, parse_policy
 __all__ = ["main", "build_parser", "prepare_train"]
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
-DEFAULT_LR = 0.02  # --lr's default, tuned on LeNet-5/MNIST at b = 16, k = 4 (bench/lr_sweep_w1.py)
-OPTIMIZERS = {  # --optimizer: the torch.optim class and its default η
-    "sgd": (torch.optim.SGD, DEFAULT_LR), "adamw": (torch.optim.AdamW, 1e-3),
-    "adam": (torch.optim.Adam, 1e-3), "rmsprop": (torch.optim.RMSprop, 1e-3),
+# --optimizer: the torch.optim class, its default η and the samples per round (k·b) that η was
+# measured at on LeNet-5/MNIST (adaptive_batch's reference for the gain with the default η):
+# AdamW's with the default OneCycle schedule at b = 128, k = 2 (bench/tta_baselines.py, docs/
+# benchmarking.md), SGD's with 10× drops at b = 16, k = 4 (bench/lr_sweep_w1.py)
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, 8e-3, 256), "adam": (torch.optim.Adam, 8e-3, 256),
+    "sgd": (torch.optim.SGD, 0.02, 64), "rmsprop": (torch.optim.RMSprop, 1e-3, 256),
 }
-LR_SCHEDULES = ("multistep", "onecycle", "cosine", "constant")
-DEFAULT_LR_BATCH = 64  # the samples per round (k·b) DEFAULT_LR was tuned at
+LR_SCHEDULES = ("onecycle", "multistep", "cosine", "constant")
+DEFAULT_LR, DEFAULT_LR_BATCH = OPTIMIZERS["adamw"][1:]  # the default optimizer's
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -62,10 +65,9 @@ def _metrics_monitor(every: int, measure_rounds: int):
     Raises:
         ValueError: a negative N, or R < 1 (MetricsMonitor's message, naming the flag).
     """
-    if every == 0:
-        return None
     try:
-        return MetricsMonitor(every, measure_rounds=measure_rounds)
+        monitor = MetricsMonitor(every or 50, measure_rounds=measure_rounds)  # checks R too
+        return monitor if every else None
     except ValueError as exc:
         raise ValueError(f"--metrics-every {every} --measure-rounds {measure_rounds}: {exc}") from None
 
@@ -94,8 +96,8 @@ def _add_train_parser(sub) -> None:
     train = sub.add_parser(
         "train", help="train a zoo model on a real dataset with SMA",
         description="Train a model of the zoo with SMA and print the central model's test accuracy. "
-                    "With no arguments: LeNet-5 on MNIST, b=16, 2 devices × 2 replicas, until 99.0% "
-                    "test accuracy or 5 epochs.",
+                    "With no arguments: LeNet-5 on MNIST, b=128, 2 devices × 1 replica (k=2), "
+                    "AdamW with a OneCycle schedule over 4 epochs, until 99.0% test accuracy.",
         formatter_class=_DefaultsFormatter,
     )
     train.add_argument("--model", default="lenet5", help="zoo model name (crossbow_graph.models.MODELS)")
@@ -118,10 +120,10 @@ def _add_train_parser(sub) -> None:
                        help="continue from the newest good checkpoint in --checkpoint-dir")
     train.add_argument("--log-dir", default=None,
                        help="write per-round/epoch CSV, TensorBoard events and history.json there")
-    train.add_argument("--batch-size", type=int, default=16, help="b, samples per learner per round")
+    train.add_argument("--batch-size", type=int, default=128, help="b, samples per learner per round")
     train.add_argument("--devices", default="2",
                        help="devices: 'auto' (every GPU, else one CPU device) or a count G")
-    train.add_argument("--replicas", default=2, type=_replicas_arg,
+    train.add_argument("--replicas", default=1, type=_replicas_arg,
                        help="m, replicas (learners) per device, or 'auto' (the auto-tuner picks m "
                             "by measured samples/s)")
     train.add_argument("--learner-mode", default="per_replica", choices=("per_replica", "fused"),
@@ -130,19 +132,21 @@ def _add_train_parser(sub) -> None:
                        help="learners' forward: fp32 (default), or bf16/fp16 under torch.autocast "
                             "with float32 parameters (fp16 with a loss scale per replica)")
     train.add_argument("--lr", type=float, default=None,
-                       help=f"learning rate η of every learner (default {DEFAULT_LR}, tuned for "
-                            "LeNet-5/MNIST at b=16, k=4 by bench/lr_sweep_w1.py). With the default, "
-                            f"adaptive_batch's η gain takes {DEFAULT_LR_BATCH} samples per round "
-                            "(b=16, k=4) as its reference; with --lr, the k·b you start at")
+                       help="learning rate η of every learner, the peak of --lr-schedule onecycle "
+                            "(default per --optimizer: "
+                            + ", ".join(f"{k} {v[1]:g}" for k, v in OPTIMIZERS.items())
+                            + "; measured on LeNet-5/MNIST at the k·b of "
+                            + ", ".join(f"{v[2]}" for v in OPTIMIZERS.values())
+                            + " samples per round, adaptive_batch's reference for its η gain; "
+                              "with --lr, the k·b you start at)")
     train.add_argument("--lr-milestones", type=_milestones_arg, default=(2, 4),
-                       help="epochs at which η drops 10×, replicas reset to z (a MultiStepLR policy); "
-                            "'' for a constant η (LeNet-5/MNIST reaches 99.0%% sooner with the drops: "
-                            "docs/benchmarking.md). Ignored when --policy names an LR schedule")
-    train.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS),
+                       help="with --lr-schedule multistep: epochs at which η drops 10×, replicas "
+                            "reset to z (a MultiStepLR policy); '' for a constant η. Ignored when "
+                            "--policy names an LR schedule")
+    train.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS),
                        help="each learner's torch.optim optimizer (sgd: SGD with --momentum; "
-                            "adamw, adam, rmsprop: their torch defaults but lr; default η "
-                            + ", ".join(f"{k} {v[1]:g}" for k, v in OPTIMIZERS.items()) + ")")
-    train.add_argument("--lr-schedule", default="multistep", choices=LR_SCHEDULES,
+                            "adamw, adam, rmsprop: their torch defaults but lr)")
+    train.add_argument("--lr-schedule", default="onecycle", choices=LR_SCHEDULES,
                        help="η over the run: multistep (10× drops at --lr-milestones, replicas "
                             "reset to z), onecycle (torch's OneCycleLR shape over --epochs: warm-up "
                             "to --lr for 30%%, cosine down), cosine (linear warm-up for "
@@ -152,19 +156,21 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--momentum", type=float, default=0.9,
                        help="local momentum μ_l (--optimizer sgd, rmsprop)")
     train.add_argument("--weight-decay", type=float, default=0.0,
-                       help="weight decay λ (decoupled for adamw)")
+                       help="weight decay λ (decoupled for adamw; default 0.0 for every optimizer)")
     train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
     train.add_argument("--central-momentum", type=float, default=0.9, help="SMA μ_z")
-    train.add_argument("--epochs", type=int, default=5, help="most epochs to run")
+    train.add_argument("--epochs", type=int, default=4,
+                       help="most epochs to run (the length of --lr-schedule onecycle and cosine)")
     train.add_argument("--target", type=float, default=0.99,
                        help="stop when the central model's test accuracy reaches it (0 disables)")
     train.add_argument("--evals-per-epoch", type=int, default=4, help="test evaluations per epoch")
     train.add_argument("--bn-recalibration-batches", type=int, default=20,
                        help="training batches of b that re-estimate the central model's BatchNorm "
                             "statistics before each evaluation; 0: the replicas' mean")
-    train.add_argument("--metrics-every", type=int, default=50,
+    train.add_argument("--metrics-every", type=int, default=None,
                        help="N, rounds per metrics window (history.metrics: samples/s, loss, "
-                            "divergence, gradient noise scale); 0: no metrics")
+                            "divergence, gradient noise scale); 0: no metrics (default: 50 with a "
+                            "--policy, else 0)")
     train.add_argument("--measure-rounds", type=int, default=10,
                        help="R, the last rounds of each metrics window whose noise-scale "
                             "estimates are averaged (each costs the next round's overlap)")
@@ -355,7 +361,7 @@ def _lr_schedule(args: argparse.Namespace, plan: cg.Plan, n_train: int):
     epochs, warm = args.epochs, args.warmup_epochs
     if args.lr_schedule in ("multistep", "constant"):
         return None
-    if not 0 <= warm < epochs:
+    if args.lr_schedule == "cosine" and not 0 <= warm < epochs:
         raise ValueError(f"--warmup-epochs {warm}: must be in [0, --epochs {epochs})")
 
     def progress() -> float:
@@ -386,11 +392,13 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
         ValueError: a bad flag value (before any training).
     """
     policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
-    lr = OPTIMIZERS[args.optimizer][1] if args.lr is None else args.lr
-    for p in policies:  # the default η is right at DEFAULT_LR_BATCH samples per round
+    _, default_lr, lr_batch = OPTIMIZERS[args.optimizer]
+    lr = default_lr if args.lr is None else args.lr
+    for p in policies:  # the default η is right at lr_batch samples per round
         if isinstance(p, AdaptiveBatchSize) and p.reference_batch is None and args.lr is None:
-            p.reference_batch = DEFAULT_LR_BATCH
-    metrics = _metrics_monitor(args.metrics_every, args.measure_rounds)  # likewise
+            p.reference_batch = lr_batch
+    every = args.metrics_every if args.metrics_every is not None else (50 if policies else 0)
+    metrics = _metrics_monitor(every, args.measure_rounds)  # likewise
     if args.lr_schedule == "multistep" and args.lr_milestones and \
             not any(type(p).__name__.endswith("LR") for p in policies):
         policies.append(MultiStepLR(milestones=args.lr_milestones, gamma=0.1))

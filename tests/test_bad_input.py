@@ -518,7 +518,7 @@ def test_cifar_pickle_cannot_run_code(tmp_path):
 
 def test_cli_unreadable_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "ckpt-0000000001.pt").write_bytes(b"garbage")
-    argv = ["train", "--train-samples", "64", "--test-samples", "10", "--quiet",
+    argv = ["train", "--train-samples", "64", "--test-samples", "10", "--quiet", "--batch-size", "16",
             "--checkpoint-dir", str(tmp_path), "--resume"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err

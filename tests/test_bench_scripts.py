@@ -58,6 +58,6 @@ def test_tta_runs_the_cli_itself_for_a_cli_system():
     out = tta.run_cli(spec, None, None, model_name="lenet5", seed=0, max_epochs=1, target=0.99,
                       evals_per_epoch=2)
     assert "--optimizer" in out["argv"] and len(out["evals"]) == 2
-    assert out["samples"] == 512 and out["final_replicas_per_device"] == 2
+    assert out["samples"] == 512 and out["final_replicas_per_device"] == 1  # the CLI default m
     with pytest.raises(KeyError):
         tta.system_spec("crossbow-r9")

@@ -8,14 +8,18 @@ import pytest
 
 import crossbow_graph as cg
 
-from crossbow_graph.cli import DEFAULT_LR, DEFAULT_LR_BATCH, build_parser, main
+from crossbow_graph.cli import DEFAULT_LR, DEFAULT_LR_BATCH, OPTIMIZERS, build_parser, main
+
+# the layout of the SGD tests below: b = 16, 2 devices × 2 replicas (k·b = 64), SGD with drops
+SGD16 = ["--batch-size", "16", "--replicas", "2", "--optimizer", "sgd", "--lr-schedule", "multistep"]
 
 
 def test_train_defaults_are_the_main_job():
     args = build_parser().parse_args(["train"])
-    assert (args.model, args.dataset, args.batch_size, args.devices, args.replicas) == ("lenet5", "mnist", 16, "2", 2)
-    assert (args.epochs, args.target, args.lr, args.lr_milestones) == (5, 0.99, None, (2, 4))
-    assert (DEFAULT_LR, DEFAULT_LR_BATCH) == (0.02, 64)  # --lr's default η and its k·b
+    assert (args.model, args.dataset, args.batch_size, args.devices, args.replicas) == ("lenet5", "mnist", 128, "2", 1)
+    assert (args.optimizer, args.lr_schedule, args.epochs, args.target, args.lr) == ("adamw", "onecycle", 4, 0.99, None)
+    assert (DEFAULT_LR, DEFAULT_LR_BATCH) == (8e-3, 256)  # --lr's default η and its k·b (AdamW)
+    assert OPTIMIZERS["sgd"][1:] == (0.02, 64) and args.lr_milestones == (2, 4)
     assert build_parser().parse_args(["train", "--lr-milestones", ""]).lr_milestones == ()
 
 
@@ -23,11 +27,11 @@ def test_metrics_flags(tmp_path, capsys):
     """--metrics-every N --measure-rounds R reach fit (windows of N rounds in history.json);
     0 turns metrics off; a bad R is a one-line error before any work."""
     args = build_parser().parse_args(["train"])
-    assert (args.metrics_every, args.measure_rounds) == (50, 10)
+    assert (args.metrics_every, args.measure_rounds) == (None, 10)  # None: 50 with a --policy, else off
     assert main(["train", "--measure-rounds", "0", "--quiet"]) == 2
     assert "--measure-rounds 0" in capsys.readouterr().err
     small = ["train", "--train-samples", "512", "--test-samples", "256", "--epochs", "1",
-             "--target", "0", "--evals-per-epoch", "1", "--quiet"]
+             "--target", "0", "--evals-per-epoch", "1", "--quiet", *SGD16]
     for every, rounds in ((4, [4, 8]), (0, [])):  # 512 samples / (k·b = 64) = 8 rounds
         log = tmp_path / f"log{every}"
         assert main(small + ["--metrics-every", str(every), "--measure-rounds", "2",
@@ -37,11 +41,11 @@ def test_metrics_flags(tmp_path, capsys):
 
 
 def test_adaptive_batch_gain_refers_to_the_default_lrs_batch(tmp_path):
-    """With the default η, adaptive_batch's gain takes DEFAULT_LR_BATCH (64) samples per round as
-    its reference: at b = 4, k = 4 (16 per round) η falls below 0.02 by the gain. With --lr the
-    reference is the k·b the run starts at: r = 1 there, η stays."""
+    """With the default η, adaptive_batch's gain takes the k·b that η was measured at (SGD: 64
+    samples per round) as its reference: at b = 4, k = 4 (16 per round) η falls below 0.02 by
+    the gain. With --lr the reference is the k·b the run starts at: r = 1 there, η stays."""
     small = ["train", "--train-samples", "512", "--test-samples", "256", "--epochs", "1",
-             "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "4",
+             "--target", "0", "--evals-per-epoch", "1", "--quiet", *SGD16, "--batch-size", "4",
              "--metrics-every", "2", "--measure-rounds", "1", "--lr-milestones", "",
              "--policy", "adaptive_batch:max_batch_size=4"]
     lrs = {}
@@ -90,11 +94,12 @@ def test_optimizer_and_lr_schedule_flags_reach_the_fit(tmp_path, optimizer, sche
     onecycle and cosine are LambdaLRs of the run's progress: η per round in history.json."""
     log = tmp_path / "log"
     assert main(["train", "--train-samples", "512", "--test-samples", "256", "--epochs", "2",
-                 "--target", "0", "--evals-per-epoch", "1", "--quiet", "--optimizer", optimizer,
-                 "--lr-schedule", schedule, "--log-dir", str(log)]) == 0
+                 "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "16",
+                 "--replicas", "2", "--optimizer", optimizer, "--lr-schedule", schedule,
+                 "--log-dir", str(log)]) == 0
     lrs = json.loads((log / "history.json").read_text())["lr"]
     assert len(lrs) == 16  # 2 epochs × 512 / (k·b = 64)
-    peak = {"adamw": 1e-3, "sgd": DEFAULT_LR, "rmsprop": 1e-3}[optimizer]
+    peak = OPTIMIZERS[optimizer][1]
     if schedule == "constant":
         assert lrs == [peak] * 16
     elif schedule == "onecycle":  # warm-up from peak/25 for 30 % of the run, then down
@@ -111,7 +116,7 @@ def test_bad_optimizer_flags_are_one_line_errors(capsys):
         build_parser().parse_args(["train", "--optimizer", "lbfgs"])
     out = subprocess.run([sys.executable, "-m", "crossbow_graph", "train", "--help"],
                          capture_output=True, text=True, check=True).stdout
-    assert "--optimizer" in out and "(default: sgd)" in out and "(default: multistep)" in out
+    assert "--optimizer" in out and "(default: adamw)" in out and "(default: onecycle)" in out
 
 
 def test_precision_flag_reaches_the_plan(capsys, monkeypatch):

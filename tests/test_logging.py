@@ -108,7 +108,7 @@ def test_progress_bar_shows_accuracy_and_rate_and_quiet_shows_nothing(capsys):
 def test_cli_log_dir_checkpoint_and_resume(tmp_path, capsys):
     log, ckpt = str(tmp_path / "log"), str(tmp_path / "ckpt")
     base = ["train", "--train-samples", "256", "--test-samples", "100", "--devices", "1",
-            "--replicas", "2", "--quiet", "--target", "0", "--evals-per-epoch", "1",
+            "--replicas", "2", "--batch-size", "16", "--quiet", "--target", "0", "--evals-per-epoch", "1",
             "--log-dir", log, "--checkpoint-dir", ckpt]
     assert cli.main(base + ["--epochs", "1"]) == 0
     with open(os.path.join(log, "history.json")) as f:

@@ -202,7 +202,7 @@ def test_resume_with_adamw_and_a_scheduler_is_bit_identical(data, tmp_path):
     for a, b in zip(whole.states, resumed.states):
         for key, t in a.optim_rows.store[0].items():
             assert torch.equal(t, b.optim_rows.store[0][key])
-    assert h_whole.lr[-5:] == h_resumed.lr[-5:]
+    assert h_whole.lr == h_resumed.lr  # η of every round, the resumed run's restored too
     assert whole.optimizer.param_groups[1]["lr"] == resumed.optimizer.param_groups[1]["lr"]
 
 
@@ -287,3 +287,27 @@ def test_a_scheduler_over_another_optimizer_is_refused(data):
         plan.fit(data, progress=False, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
     with pytest.raises(ValueError, match="lr_scheduler_interval"):
         plan.fit(data, progress=False, lr_scheduler_interval="batch")
+
+
+def test_frozen_parameters_in_the_optimizer_are_skipped_as_torch_skips_them(data):
+    model = _net()
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # holds the frozen one too
+    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                      devices=1, replicas=2, optimizer=opt)
+    plan.fit(data, progress=False, metrics_every=None)
+    assert torch.equal(plan.central_model()[0].weight, frozen)
+    with pytest.raises(TypeError, match="the class AdamW"):
+        cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                   optimizer=torch.optim.AdamW)
+
+
+def test_a_one_cycle_shorter_than_the_fit_is_refused_before_any_round(data):
+    model = _net()
+    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                      devices=1, replicas=2, optimizer=torch.optim.AdamW(model.parameters()))
+    short = torch.optim.lr_scheduler.OneCycleLR(plan.optimizer, max_lr=0.01, total_steps=5)
+    with pytest.raises(ValueError, match="total_steps=16"):
+        plan.fit(data, progress=False, lr_scheduler=short, lr_scheduler_interval="round")
+    assert plan.rounds_done == 0

@@ -178,7 +178,8 @@ def as_local_optimizer(optimizer: Any, model: nn.Module, names: list[str]) -> Lo
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` built over ``model``'s parameters (a subset is
-            allowed: parameters in no group are not stepped, as in eager PyTorch).
+            allowed: parameters in no group are not stepped, as in eager PyTorch; frozen ones,
+            ``requires_grad=False``, are skipped, as torch.optim skips them).
         model: the model given to ``compile``.
         names: the flat layout's parameter names (trainable ones, tied once).
 
@@ -201,13 +202,13 @@ def as_local_optimizer(optimizer: Any, model: nn.Module, names: list[str]) -> Lo
         ix = []
         for p in group["params"]:
             if id(p) not in where:
-                frozen = any(q is p for q in model.parameters()) and not p.requires_grad
+                if not p.requires_grad and any(q is p for q in model.parameters()):
+                    continue  # a frozen parameter: never stepped, as in eager PyTorch
                 raise ValueError(
                     f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is "
-                    + ("a frozen parameter of the model (requires_grad=False)" if frozen else
-                       "not a parameter of the model passed to compile")
-                    + "; build the optimizer over that model's trainable parameters, e.g. "
-                      "torch.optim.AdamW(model.parameters(), lr=1e-3), before compile")
+                    f"not a parameter of the model passed to compile; build the optimizer over "
+                    f"that model's parameters, e.g. torch.optim.AdamW(model.parameters(), "
+                    f"lr=1e-3), before compile")
             i = where[id(p)]
             if i in seen:
                 raise ValueError(f"optimizer param group {gi}: parameter '{names[i]}' is in two "

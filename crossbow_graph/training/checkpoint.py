@@ -395,6 +395,7 @@ def _history_from(d: dict[str, Any], into: History) -> None:
     into.faults = [FaultEvent(**e) for e in d["faults"]]
     into.metrics = [MetricRecord(**m) for m in d.get("metrics", [])]
     into.policy = [PolicyRecord(**p) for p in d.get("policy", [])]
+    into.lr = list(d.get("lr", []))
     into.time_to_accuracy_s, into.epochs_to_accuracy = d["time_to_accuracy_s"], d["epochs_to_accuracy"]
 
 

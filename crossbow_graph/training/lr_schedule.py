@@ -30,25 +30,37 @@ __all__ = ["LRSchedulerHook", "LR_INTERVALS", "check_lr_scheduler"]
 LR_INTERVALS = ("epoch", "round")
 
 
-def check_lr_scheduler(plan: "Plan", scheduler: Any, interval: str) -> None:
-    """Check ``fit(lr_scheduler=..., lr_scheduler_interval=...)`` before any round.
+def check_lr_scheduler(plan: "Plan", scheduler: Any, interval: str,
+                       rounds: int | None = None) -> None:
+    """Check ``fit(lr_scheduler=..., lr_scheduler_interval=...)`` before any round; ``rounds``:
+    the rounds the fit will run (None: unknown, e.g. the auto-tuner changes k).
 
     Raises:
-        TypeError: not a torch.optim LR scheduler.
-        ValueError: built over another optimizer than the plan's, or an unknown interval.
+        TypeError: not a torch.optim LR scheduler (or a scheduler class, not an instance).
+        ValueError: built over another optimizer than the plan's, an unknown interval, or a
+            OneCycleLR stepped per round with fewer steps left than the fit's rounds.
     """
     if interval not in LR_INTERVALS:
         raise ValueError(f"lr_scheduler_interval={interval!r}: use 'epoch' or 'round'")
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
     if not isinstance(scheduler, (torch.optim.lr_scheduler.LRScheduler, plateau)):
+        got = (f"the class {scheduler.__name__}: build one over plan.optimizer"
+               if isinstance(scheduler, type) else type(scheduler).__name__)
         raise TypeError(f"lr_scheduler must be a torch.optim.lr_scheduler scheduler built over "
                         f"plan.optimizer, e.g. OneCycleLR(plan.optimizer, max_lr=0.1, "
-                        f"total_steps=...), got {type(scheduler).__name__}")
+                        f"total_steps=...), got {got}")
     if scheduler.optimizer is not plan.optimizer:
         raise ValueError(
             f"lr_scheduler is built over another optimizer ({type(scheduler.optimizer).__name__} "
             f"at {id(scheduler.optimizer):#x}) than the plan's; build it over the optimizer given "
             f"to compile, or over plan.optimizer (with crossbow_graph.SGD the plan builds its own)")
+    one_cycle = isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR)
+    if one_cycle and interval == "round" and rounds is not None:
+        left = scheduler.total_steps - scheduler.last_epoch
+        if rounds > left:
+            raise ValueError(f"lr_scheduler OneCycleLR has {left} steps left (total_steps="
+                             f"{scheduler.total_steps}) but the fit runs {rounds} rounds; build it "
+                             f"with total_steps={rounds + scheduler.last_epoch} or fewer epochs")
 
 
 class LRSchedulerHook(Hook):

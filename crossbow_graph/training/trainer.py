@@ -197,7 +197,11 @@ class Trainer:
             hooks.append(opts.metrics)
         hooks += list(opts.policies)
         if opts.lr_scheduler is not None:
-            check_lr_scheduler(self.plan, opts.lr_scheduler, opts.lr_scheduler_interval)
+            plan = self.plan
+            known = not opts.resume and plan.autotuner is None and not opts.policies
+            rounds = self.schedule.rounds_per_epoch(plan.num_learners, plan.batch_size) * opts.epochs
+            check_lr_scheduler(plan, opts.lr_scheduler, opts.lr_scheduler_interval,
+                               rounds if known else None)
             hooks.append(LRSchedulerHook(opts.lr_scheduler, opts.lr_scheduler_interval))
         self.end_epoch = self.plan.epochs_done + opts.epochs
         if opts.log_dir is not None and self.main:
