@@ -133,11 +133,10 @@ def compile(  # noqa: A001 - the public name the design asks for
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     *, batch_size: int, devices: int | str | Sequence[str] = 1, replicas: int | str = "auto",
     learner_mode: str = "per_replica", executor: str = "auto", autotune: AutoTune | None = None,
-    optimizer: "SGD | torch.optim.Optimizer" = SGD(), sync: SMA | SSGD = SMA(), concrete_args: dict[str, Any] | None = None,
-    leaf_modules: Sequence[type[nn.Module]] = (), memory_budget: int | None = None,
-    verify: bool = True, kernel_backend: str = "auto", distributed: Distributed | None = None,
-    precision: str = "fp32",
-    strict_trace: bool = False,
+    optimizer: "SGD | torch.optim.Optimizer" = SGD(), sync: SMA | SSGD = SMA(),
+    concrete_args: dict[str, Any] | None = None, leaf_modules: Sequence[type[nn.Module]] = (),
+    memory_budget: int | None = None, verify: bool = True, kernel_backend: str = "auto",
+    distributed: Distributed | None = None, precision: str = "fp32", strict_trace: bool = False,
 ) -> "Plan":
     """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training.
 
@@ -150,33 +149,23 @@ def compile(  # noqa: A001 - the public name the design asks for
         example_inputs: one batch: a tuple of positional inputs, e.g. ``(x,)`` with
             ``x [N, 1, 28, 28]``, or a dict of keyword inputs, e.g. a HuggingFace model's
             ``{"input_ids": ids [N, T], "attention_mask": mask [N, T]}``.
-        loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the batch), e.g.
-            ``torch.nn.functional.cross_entropy``; it receives the output as the model returns
-            it (a tensor, tuple, dict or HuggingFace ModelOutput: ``output.logits``). None:
-            train on the loss the model computes from labels among its inputs
-            (``output.loss`` or ``output["loss"]``; compiler/outputs.py ``model_loss``).
+        loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the batch) on the output as
+            the model returns it (a tensor, tuple, dict or HuggingFace ModelOutput); None: the
+            loss the model computes from labels in its inputs (compiler/outputs.py).
         batch_size: b, samples per learner per round (> 0).
         devices: ``"auto"`` (every GPU, else one CPU device), a count, or device names.
-        replicas: m, replicas per device (≥ 1), or ``"auto"``: start at m = 1 and let the
-            auto-tuner (``tuning.autotune``, docs/design-overview.md §5) add and remove replicas and pick the
-            learner mode while ``fit`` runs.
-        learner_mode: ``"per_replica"`` (each learner its own forward/backward) or ``"fused"``
-            (a device's replicas stacked and run as one vmapped program); same mathematics.
-            ``"fused"`` is tried first on the example inputs (``Plan.fused_failure``): where
-            torch.func.vmap cannot run the model (LSTM, GRU, ``torch.utils.checkpoint``) it
-            raises ValueError naming ``"per_replica"``, or with ``replicas="auto"`` warns and
-            starts with ``"per_replica"``.
+        replicas: m, replicas per device (≥ 1), or ``"auto"``: the auto-tuner (tuning/autotune.py,
+            docs/design-overview.md §5) picks m and the learner mode while ``fit`` runs.
+        learner_mode: ``"per_replica"`` or ``"fused"`` (a device's replicas as one vmapped
+            program, tried first on the example inputs: where vmap cannot run the model,
+            ValueError naming ``"per_replica"``, or with ``replicas="auto"`` a warning).
         executor: ``"auto"``, ``"inline"`` (this process; CUDA streams on GPUs) or ``"process"``
             (CPU worker processes over shared memory); see ``engine.scheduler``.
         autotune: the auto-tuner's settings (with ``replicas="auto"``); default ``AutoTune()``.
-        optimizer: each learner's local optimiser: a ``torch.optim`` optimizer built over
-            ``model``'s parameters, with its param groups and per-group settings (e.g.
-            ``torch.optim.AdamW(model.parameters(), lr=1e-3)``), or ``crossbow_graph.SGD(...)``,
-            the shorthand for a one-group ``torch.optim.SGD``. Every replica gets its own
-            optimizer state; the SMA correction is applied to the weights after the local step
-            (engine/optim.py, docs/design-overview.md §2). The object is not stepped: its
-            param groups hold the settings in force (``Plan.optimizer``; an LR scheduler built
-            over it drives them, ``fit(lr_scheduler=...)``).
+        optimizer: a ``torch.optim`` optimizer built over ``model``'s parameters, param groups
+            kept (e.g. ``torch.optim.AdamW(model.parameters(), lr=1e-3)``), or
+            ``crossbow_graph.SGD(...)``; each replica has its own state, the SMA correction
+            follows the local step (engine/optim.py, docs/optimizers.md). ``Plan.optimizer``.
         sync: the SMA settings (α = None means 1/k), or ``SSGD()``: gradients averaged over the
             k learners and one SGD step for all replicas (a batch of k·b; the inline executor).
         concrete_args, leaf_modules: passed to the torch.fx tracer (see TraceError's advice);
@@ -184,29 +173,17 @@ def compile(  # noqa: A001 - the public name the design asks for
         memory_budget: bytes available per device for learners; None: no bound on the CPU, the
             GPU's total memory on CUDA.
         verify: run the verifier between compiler passes.
-        kernel_backend: the SMA update kernels (docs/design-overview.md §4): ``"auto"`` — Triton on CUDA; on
-            the CPU the C kernels when a C compiler is there, else torch; torch for a float64
-            model; ``"c"`` — C kernels compiled on first use and cached (kernels/c_sma.py;
-            one pass over memory); ``"triton"`` — fused Triton kernels emitted for this plan (on
-            the CPU through Triton's interpreter: slow, for tests); ``"torch"`` — the vectorised
-            torch implementation. ``Plan.kernels`` lists what runs. A float64 model
-            (``model.double()``) trains in float64 (its masters w, v, z too); a bfloat16/float16
-            one keeps float32 masters.
-        distributed: settings used when the process was launched by torchrun (its RANK,
-            WORLD_SIZE, ... are set): the timeout and the z checksum period
-            (``crossbow_graph.Distributed``; default ``Distributed()``). Every rank then runs
-            ``devices`` × m learners of its own (``devices="auto"`` on GPUs: ``cuda:LOCAL_RANK``),
-            k counts the learners of all ranks, and z starts as rank 0's model on every rank
-            (docs/distributed.md). Without torchrun's environment it is ignored.
-        precision: the learners' forward: ``"fp32"`` (the default), or ``"bf16"``/``"fp16"``:
-            under ``torch.autocast`` of the device's type with bfloat16/float16, the parameters
-            and the SMA update staying float32 (a float32 model only); ``"fp16"`` adds a dynamic
-            loss scale per replica. Evaluation of z runs in float32 (engine/precision.py,
-            docs/runtime.md).
-        strict_trace: require an fx graph: raise TraceError when torch.fx (and, for a
-            HuggingFace model, transformers' tracer) cannot trace the model. False: such a model
-            trains as given, analysed by one measured eager forward, with a ``TraceWarning``
-            saying what inspection lost (compiler/trace.py, docs/compiler.md §1).
+        kernel_backend: the SMA update kernels (docs/kernels.md): ``"auto"`` (Triton on CUDA,
+            C on the CPU with a C compiler, else torch; torch for a float64 model), ``"c"``,
+            ``"triton"`` (on the CPU through its interpreter) or ``"torch"``.
+        distributed: under torchrun, the timeout and z checksum period
+            (``crossbow_graph.Distributed``): every rank runs ``devices`` × m learners of its own
+            and z starts as rank 0's model (docs/distributed.md); ignored without torchrun.
+        precision: ``"fp32"``, or ``"bf16"``/``"fp16"``: the learners' forward under
+            ``torch.autocast`` with float32 parameters and SMA update, fp16 with a loss scale per
+            replica (a float32 model only; engine/precision.py, docs/runtime.md).
+        strict_trace: raise TraceError when no fx graph can be made; False: train as given,
+            analysed by one measured forward, with a ``TraceWarning`` (docs/compiler.md §1).
 
     Returns:
         The Plan.
@@ -214,17 +191,11 @@ def compile(  # noqa: A001 - the public name the design asks for
     Raises:
         TraceError: the example inputs do not run through the model, or (``strict_trace``)
             torch.fx cannot trace it.
-        ValueError: a bad argument (batch size, replicas, devices, a model without trainable
-            floating-point parameters or with tensors on the meta device, an unknown
-            kernel_backend, ``"c"`` or ``"triton"`` with a float64 model, batch_size=1 with
-            a BatchNorm layer that then sees one value per channel, an unknown precision,
-            ``"bf16"``/``"fp16"`` with a model that is not float32, ``loss_fn=None`` with a
-            model whose output on the example inputs carries no loss, ``learner_mode="fused"``
-            with fixed replicas for a model that torch.func.vmap cannot run).
+        ValueError: a bad argument (batch size, replicas, devices, backend, precision; a model
+            without trainable float parameters; ``loss_fn=None`` without a loss in the output;
+            ``"fused"`` for a model vmap cannot run; docs/reliability.md lists them).
         TypeError: ``loss_fn`` not callable, or a loss class instead of an instance.
-        ImportError: ``kernel_backend="triton"`` without the triton package (says how to install).
-        CompilerError: ``kernel_backend="c"`` and the C kernels cannot be built (says why and how
-            to fix it).
+        ImportError, CompilerError: the Triton or C kernels asked for cannot be built.
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
         DistributedError: under torchrun, the ranks' plans differ (names the difference).
     """
@@ -770,9 +741,8 @@ class Plan:
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
-        Every round, each of the k learners draws its own disjoint batch of b samples from one
-        seeded order per epoch (``shuffle=False``: the dataset's order; learner j gets batch
-        number t·k + j in round t); a last partial round is dropped.
+        Each of the k learners draws its own disjoint batch of b samples per round from one
+        seeded order per epoch; a last partial round is dropped.
 
         Args:
             train_dataset: a torch Dataset of ``(inputs, target)`` samples (or of dicts of keyword
@@ -781,25 +751,16 @@ class Plan:
                 the plan still picks the samples (docs/runtime.md, Your DataLoader).
             eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch (a DataLoader:
                 its ``collate_fn`` collates each evaluation batch).
-            metrics_every: N, rounds per metrics window (``History.metrics``: samples/s, loss,
-                lr, divergence, gradient noise scale; tuning/metrics.py); or a
-                ``crossbow_graph.MetricsMonitor`` for its other settings (``ema``,
-                ``measure_rounds``, ``warmup_windows``); None: no metrics.
-            lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler built over ``plan.optimizer``
-                (the optimizer given to ``compile``), e.g. ``OneCycleLR(plan.optimizer,
-                max_lr=0.05, total_steps=epochs * rounds_per_epoch)``; stepped every
-                ``lr_scheduler_interval`` (``"epoch"`` or ``"round"``), ReduceLROnPlateau after
-                every evaluation with z's test loss (training/lr_schedule.py). Every learner (and
-                torchrun rank) uses the same η in the same round; ``History.lr`` has η per round.
+            metrics_every: N, rounds per metrics window (``History.metrics``; tuning/metrics.py),
+                or a ``crossbow_graph.MetricsMonitor``; None: no metrics.
+            lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler over ``plan.optimizer``,
+                stepped every ``lr_scheduler_interval`` (``"epoch"`` or ``"round"``;
+                training/lr_schedule.py); ``History.lr`` has η per round.
             epochs, shuffle, seed, target_accuracy, evals_per_epoch, eval_batch_size, progress,
                 hooks, checkpoint_dir, checkpoint_every, resume, log_dir, trace, policies,
                 metric_fn, bn_recalibration_batches: the fit's options, as
                 ``crossbow_graph.training.options.FitOptions`` documents them (the plan's
-                auto-tuner, with ``replicas="auto"``, runs before ``hooks``;
-                ``metric_fn(output, target)`` gives z's accuracy for any output;
-                ``bn_recalibration_batches``: BatchNorm statistics of z re-estimated on that many
-                training batches of b before every evaluation and in ``central_model()``, 0: the
-                replicas' mean).
+                auto-tuner, with ``replicas="auto"``, runs before ``hooks``).
 
         Returns:
             The History: per epoch training loss, test accuracy, samples/s, training seconds;
@@ -807,23 +768,15 @@ class Plan:
             hidden behind learning (``sync_unhidden_share``).
 
         Raises:
-            ValueError: an empty dataset, a dataset smaller than one round, a sample that is not
-                an ``(inputs, target)`` pair or a ``len()`` past the data, inputs shaped unlike
-                the example inputs or of another floating dtype that the model does not
-                take (e.g. float32 data for a float64 model), labels outside the model's classes or of the wrong dtype or
-                shape for a class-index loss (checked once, on the first batch of
-                ``train_dataset`` and of ``eval_dataset``); a DataLoader with a sampler or
-                batch_sampler (the plan picks the samples), with ``batch_size=None``, over an
-                IterableDataset, or whose collate_fn returns no ``(inputs, target)`` pair; bad arguments (``target_accuracy``
-                outside (0, 1], ``evals_per_epoch`` < 1, a ``checkpoint_dir`` that cannot be
-                created or written); all before the first round.
+            ValueError: before the first round: an empty dataset or one smaller than a round,
+                samples that are not ``(inputs, target)`` pairs or unlike the example inputs,
+                labels outside the classes (the first batches are checked), a DataLoader with
+                its own sampler, bad options (training/validate.py, docs/reliability.md).
             TypeError: ``seed`` not an integer, ``target_accuracy`` not a number,
                 ``metric_fn`` not callable.
             TaskError: a task failed (names the task, its device and the round).
-            DivergenceError: every replica produced NaN/Inf (loss or gradients) in the same
-                round; under torchrun on every rank at the same round, counting every rank's.
-            CheckpointError: ``resume`` found checkpoints but none readable, or one written for
-                another model, plan or data order (before any round).
+            DivergenceError: every replica (of every rank) produced NaN/Inf in the same round.
+            CheckpointError: ``resume`` found no readable checkpoint of this model and plan.
         """
         tuner = [self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main) \
             else []

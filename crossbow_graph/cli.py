@@ -131,32 +131,7 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--precision", default="fp32", choices=PRECISIONS,
                        help="learners' forward: fp32 (default), or bf16/fp16 under torch.autocast "
                             "with float32 parameters (fp16 with a loss scale per replica)")
-    train.add_argument("--lr", type=float, default=None,
-                       help="learning rate η of every learner, the peak of --lr-schedule onecycle "
-                            "(default per --optimizer: "
-                            + ", ".join(f"{k} {v[1]:g}" for k, v in OPTIMIZERS.items())
-                            + "; measured on LeNet-5/MNIST at the k·b of "
-                            + ", ".join(f"{v[2]}" for v in OPTIMIZERS.values())
-                            + " samples per round, adaptive_batch's reference for its η gain; "
-                              "with --lr, the k·b you start at)")
-    train.add_argument("--lr-milestones", type=_milestones_arg, default=(2, 4),
-                       help="with --lr-schedule multistep: epochs at which η drops 10×, replicas "
-                            "reset to z (a MultiStepLR policy); '' for a constant η. Ignored when "
-                            "--policy names an LR schedule")
-    train.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS),
-                       help="each learner's torch.optim optimizer (sgd: SGD with --momentum; "
-                            "adamw, adam, rmsprop: their torch defaults but lr)")
-    train.add_argument("--lr-schedule", default="onecycle", choices=LR_SCHEDULES,
-                       help="η over the run: multistep (10× drops at --lr-milestones, replicas "
-                            "reset to z), onecycle (torch's OneCycleLR shape over --epochs: warm-up "
-                            "to --lr for 30%%, cosine down), cosine (linear warm-up for "
-                            "--warmup-epochs, then cosine to 0 at --epochs), constant")
-    train.add_argument("--warmup-epochs", type=float, default=0.25,
-                       help="epochs of linear warm-up of --lr-schedule cosine")
-    train.add_argument("--momentum", type=float, default=0.9,
-                       help="local momentum μ_l (--optimizer sgd, rmsprop)")
-    train.add_argument("--weight-decay", type=float, default=0.0,
-                       help="weight decay λ (decoupled for adamw; default 0.0 for every optimizer)")
+    _add_optimizer_flags(train)
     train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
     train.add_argument("--central-momentum", type=float, default=0.9, help="SMA μ_z")
     train.add_argument("--epochs", type=int, default=4,
@@ -185,6 +160,37 @@ def _add_train_parser(sub) -> None:
                        help="a hyper-parameter policy, repeatable: auto_replicas, adaptive_batch, "
                             "step_lr, multistep_lr, cosine_lr, divergence_guard (e.g. "
                             "adaptive_batch:max_batch_size=128; tuples as 3/4)")
+
+
+def _add_optimizer_flags(train: argparse.ArgumentParser) -> None:
+    """``train``'s flags of the learners' optimizer and its learning-rate schedule."""
+    train.add_argument("--lr", type=float, default=None,
+                       help="learning rate η of every learner, the peak of --lr-schedule onecycle "
+                            "(default per --optimizer: "
+                            + ", ".join(f"{k} {v[1]:g}" for k, v in OPTIMIZERS.items())
+                            + "; measured on LeNet-5/MNIST at the k·b of "
+                            + ", ".join(f"{v[2]}" for v in OPTIMIZERS.values())
+                            + " samples per round, adaptive_batch's reference for its η gain; "
+                              "with --lr, the k·b you start at)")
+    train.add_argument("--lr-milestones", type=_milestones_arg, default=(2, 4),
+                       help="with --lr-schedule multistep: epochs at which η drops 10×, replicas "
+                            "reset to z (a MultiStepLR policy); '' for a constant η. Ignored when "
+                            "--policy names an LR schedule")
+    train.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS),
+                       help="each learner's torch.optim optimizer (sgd: SGD with --momentum; "
+                            "adamw, adam: their torch defaults but lr and --weight-decay; "
+                            "rmsprop: also --momentum)")
+    train.add_argument("--lr-schedule", default="onecycle", choices=LR_SCHEDULES,
+                       help="η over the run: multistep (10× drops at --lr-milestones, replicas "
+                            "reset to z), onecycle (torch's OneCycleLR shape over --epochs: warm-up "
+                            "to --lr for 30%%, cosine down), cosine (linear warm-up for "
+                            "--warmup-epochs, then cosine to 0 at --epochs), constant")
+    train.add_argument("--warmup-epochs", type=float, default=0.25,
+                       help="epochs of linear warm-up of --lr-schedule cosine")
+    train.add_argument("--momentum", type=float, default=0.9,
+                       help="local momentum μ_l (--optimizer sgd, rmsprop)")
+    train.add_argument("--weight-decay", type=float, default=0.0,
+                       help="weight decay λ (decoupled for adamw; default 0.0 for every optimizer)")
 
 
 def _add_inspect_parser(sub) -> None:
