@@ -338,11 +338,12 @@ def run_one(job: dict) -> dict:
                                  max_train_s=job.get("max_train_s") or math.inf)
 
 
-def run_in_subprocess(job: dict, timeout_s: float) -> dict:
-    """``run_one(job)`` in a fresh ``python bench/tta.py --one`` process (its own threads, forks)."""
+def run_in_subprocess(job: dict, timeout_s: float, script: str = __file__) -> dict:
+    """``run_one(job)`` in a fresh ``python bench/tta.py --one`` process (its own threads, forks);
+    ``script``: another bench script with the same ``--one JSON`` protocol (tta_baselines.py)."""
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(job)],
+        proc = subprocess.run([sys.executable, os.path.abspath(script), "--one", json.dumps(job)],
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return dict(error=f"timed out after {timeout_s:.0f} s", wall_s=time.perf_counter() - t0)

@@ -193,18 +193,7 @@ def _record(evals, samples, trained, target, recipe, batch, lr, threads) -> dict
 
 def _run_in_subprocess(job: dict, timeout_s: float) -> dict:
     """``run_recipe(**job)`` in a fresh ``python bench/tta_baselines.py --one`` process."""
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(job)],
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return dict(error=f"timed out after {timeout_s:.0f} s", wall_s=time.perf_counter() - t0)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return dict(error=(proc.stderr or proc.stdout)[-2000:], wall_s=time.perf_counter() - t0)
-    out = json.loads(lines[-1])
-    out["wall_s"] = time.perf_counter() - t0
-    return out
+    return tta.run_in_subprocess(job, timeout_s, script=__file__)
 
 
 # -- summary ------------------------------------------------------------------------------------
