@@ -364,3 +364,18 @@ def test_a_sample_that_fails_in_a_loader_worker_stops_the_fit_and_every_process(
     with pytest.raises(OSError, match="sample 50: the disk is gone"):
         plan.fit(loader(LostSample(), num_workers=2), 1, shuffle=False, progress=False)
     assert mp.active_children() == []  # the loader's workers and the learner processes
+
+
+def test_samples_of_different_sizes_without_a_collate_fn_are_a_clear_error():
+    class Ragged(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return torch.ones(4 + i % 3), i % 2
+
+    plan = cg.compile(nn.Linear(4, 2), (torch.ones(2, 4),), nn.functional.cross_entropy, batch_size=4,
+                      devices=1, replicas=2)
+    with pytest.raises(ValueError, match="collate_fn that pads"):
+        plan.fit(Ragged(), progress=False)
+    assert plan.rounds_done == 0

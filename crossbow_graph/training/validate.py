@@ -213,7 +213,15 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
                              "return a pair such as (padded_tokens, labels)")
     else:
         _check_samples(dataset, int(indices[0]), what)
-        batch = fetch(indices)
+        try:
+            batch = fetch(indices)
+        except RuntimeError as exc:
+            if "stack expects each tensor to be equal size" not in str(exc):
+                raise
+            raise ValueError(f"{what}'s samples have tensors of different sizes ({exc}), which "
+                             "the default collation cannot stack; pass a DataLoader with a "
+                             "collate_fn that pads them, e.g. DataLoader(dataset, batch_size=b, "
+                             "collate_fn=pad)") from exc
     args, kwargs, target = split_inputs(batch)
     _check_dtypes(plan, args, kwargs, what)
     _check_inputs(plan, args, kwargs, what)
