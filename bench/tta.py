@@ -123,29 +123,29 @@ def _eval_points(steps_per_epoch: int, evals_per_epoch: int) -> set[int]:
 
 # -- one run of each kind ------------------------------------------------------------------------
 
-def run_plain(spec, train, test, *, model_name, seed, max_epochs, target, evals_per_epoch,
-                max_train_s=math.inf) -> dict:
-    """Plain PyTorch eager S-SGD: one model, batch B, torch.optim.SGD(momentum=0.9)."""
-    torch.set_num_threads(spec["threads"])
-    torch.manual_seed(seed)
-    model = cg.models.get_model(model_name).train()
-    opt = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=0.9)
-    B, n = spec["batch"], len(train)
-    steps = n // B
+def train_plain(model, opt, train, test, *, batch, seed, epochs, target, evals_per_epoch,
+                max_train_s=math.inf, step_each_batch=None, step_each_epoch=None) -> dict:
+    """The plain-PyTorch loop every plain system runs: ``epochs`` epochs of ``torch.randperm``
+    order (seeded by ``seed``, last partial batch dropped), ``evals_per_epoch`` evaluations per
+    epoch (``_eval_points``), evaluation off the clock; ends at ``target`` or at the first
+    evaluation after ``max_train_s``. ``step_each_batch``/``step_each_epoch``: a scheduler's
+    ``step`` called after every batch / epoch. Returns ``_result``'s record."""
+    n = len(train)
+    steps = n // batch
     points = _eval_points(steps, evals_per_epoch)
     evals, trained, samples = [], 0.0, 0
-    schedule = torch.optim.lr_scheduler.MultiStepLR(  # stepped per epoch; no milestones: constant
-        opt, milestones=list(spec.get("lr_milestones", ())), gamma=0.1)
     gen = torch.Generator().manual_seed(seed)
-    for epoch in range(max_epochs):
+    for epoch in range(epochs):
         order = torch.randperm(n, generator=gen)
         start = time.perf_counter()
         for i in range(steps):
-            idx = order[i * B:(i + 1) * B]
+            idx = order[i * batch:(i + 1) * batch]
             opt.zero_grad(set_to_none=True)
             torch.nn.functional.cross_entropy(model(train.images[idx]), train.labels[idx]).backward()
             opt.step()
-            samples += B
+            if step_each_batch is not None:
+                step_each_batch()
+            samples += batch
             if i + 1 in points:
                 trained += time.perf_counter() - start
                 acc = accuracy(model, test)
@@ -154,8 +154,23 @@ def run_plain(spec, train, test, *, model_name, seed, max_epochs, target, evals_
                 if acc >= target or trained >= max_train_s:
                     return _result(evals, samples, trained, target)
                 start = time.perf_counter()
-        schedule.step()
+        if step_each_epoch is not None:
+            step_each_epoch()
     return _result(evals, samples, trained, target)
+
+
+def run_plain(spec, train, test, *, model_name, seed, max_epochs, target, evals_per_epoch,
+              max_train_s=math.inf) -> dict:
+    """Plain PyTorch eager S-SGD: one model, batch B, torch.optim.SGD(momentum=0.9)."""
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(seed)
+    model = cg.models.get_model(model_name).train()
+    opt = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=0.9)
+    schedule = torch.optim.lr_scheduler.MultiStepLR(  # stepped per epoch; no milestones: constant
+        opt, milestones=list(spec.get("lr_milestones", ())), gamma=0.1)
+    return train_plain(model, opt, train, test, batch=spec["batch"], seed=seed, epochs=max_epochs,
+                       target=target, evals_per_epoch=evals_per_epoch, max_train_s=max_train_s,
+                       step_each_epoch=schedule.step)
 
 
 def run_crossbow(spec, train, test, *, model_name, seed, max_epochs, target, evals_per_epoch,

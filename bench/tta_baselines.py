@@ -45,7 +45,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -152,41 +151,17 @@ def run_recipe(recipe: str, batch: int, lr: float, seed: int, max_epochs: int = 
     torch.manual_seed(seed)
     model = cg.models.get_model("lenet5").train()
     opt = _optimizer(spec, model, lr)
-    n = len(train)
-    steps = n // batch
+    steps = len(train) // batch
     epochs = min(max_epochs, cycle_epochs) if spec.schedule == "onecycle" else max_epochs
-    sched = (torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * steps)
-             if spec.schedule == "onecycle" else
-             torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(MILESTONES), gamma=0.1))
-    points = tta._eval_points(steps, evals_per_epoch)
-    evals, trained, samples = [], 0.0, 0
-    gen = torch.Generator().manual_seed(seed)
-    for epoch in range(epochs):
-        order = torch.randperm(n, generator=gen)
-        start = time.perf_counter()
-        for i in range(steps):
-            idx = order[i * batch:(i + 1) * batch]
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(model(train.images[idx]), train.labels[idx]).backward()
-            opt.step()
-            if spec.schedule == "onecycle":
-                sched.step()
-            samples += batch
-            if i + 1 in points:
-                trained += time.perf_counter() - start
-                acc = tta.accuracy(model, test)
-                evals.append(dict(epoch=epoch + (i + 1) / steps, train_seconds=trained,
-                                  test_accuracy=acc))
-                if acc >= target or trained >= max_train_s:
-                    return _record(evals, samples, trained, target, recipe, batch, lr, threads)
-                start = time.perf_counter()
-        if spec.schedule == "multistep":
-            sched.step()
-    return _record(evals, samples, trained, target, recipe, batch, lr, threads)
-
-
-def _record(evals, samples, trained, target, recipe, batch, lr, threads) -> dict:
-    out = tta._result(evals, samples, trained, target)
+    if spec.schedule == "onecycle":
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * steps)
+        steppers = dict(step_each_batch=sched.step)
+    else:
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(MILESTONES), gamma=0.1)
+        steppers = dict(step_each_epoch=sched.step)
+    out = tta.train_plain(model, opt, train, test, batch=batch, seed=seed, epochs=epochs,
+                          target=target, evals_per_epoch=evals_per_epoch,
+                          max_train_s=max_train_s, **steppers)
     out.update(recipe=recipe, batch=batch, lr=lr, threads=threads)
     return out
 
