@@ -20,7 +20,7 @@ from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
 from .config import LEARNER_MODES, SGD, SMA, SSGD, Adjustment
 from .engine.comm import Comm, Distributed, plan_facts
-from .engine.optim import LocalOptimizer, OptimizerRows, as_local_optimizer
+from .engine.optim import OptimizerRows, as_local_optimizer
 from .engine.precision import check_precision
 from .engine.fused import fused_mode_message, vmap_failure
 from .engine.scheduler import Scheduler
@@ -318,20 +318,6 @@ def _build_plan(args: _CompileArgs) -> "Plan":
     return plan
 
 
-def _local_optimizer(optimizer: Any, model: nn.Module, template: nn.Module,
-                     layout: FlatLayout) -> LocalOptimizer:
-    """The plan's LocalOptimizer: the user's torch.optim optimizer mapped onto ``model``'s
-    parameters, or for ``crossbow_graph.SGD`` a one-group torch.optim.SGD over ``template``'s
-    (engine/optim.py ``as_local_optimizer`` raises TypeError/ValueError)."""
-    names = [name for name, *_ in layout.entries]
-    if isinstance(optimizer, SGD):
-        params = [p for p in template.parameters() if p.requires_grad]
-        sgd = torch.optim.SGD(params, lr=optimizer.lr, momentum=optimizer.momentum,
-                              nesterov=optimizer.nesterov, weight_decay=optimizer.weight_decay)
-        return as_local_optimizer(sgd, template, names)
-    return as_local_optimizer(optimizer, model, names)
-
-
 def _devices_and_comm(devices: int | str | Sequence[str],
                       distributed: Distributed | None) -> tuple[list[str], Comm | None]:
     """The device names (``resolve_devices``) and, under torchrun, this rank's Comm; with
@@ -390,7 +376,8 @@ class Plan:
         self._template = copy.deepcopy(model).train()
         self._params = FlatLayout.of(trainable_named(self._template))
         self._buffers = FlatLayout.of(float_buffers_named(self._template))
-        local = _local_optimizer(optimizer, model, self._template, self._params)
+        local = as_local_optimizer(optimizer, model, self._template,
+                                   [name for name, *_ in self._params.entries])
         if isinstance(sync, SSGD) and not local.kernel:
             raise ValueError(f"sync=SSGD() steps with SGD only; got optimizer="
                              f"{type(local.optimizer).__name__}: use crossbow_graph.SGD(...) or "

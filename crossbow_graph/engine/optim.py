@@ -41,6 +41,8 @@ from typing import Any, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from ..config import SGD
+
 __all__ = ["LocalOptimizer", "OptimizerRows", "KernelSGD", "ELEMENTWISE", "as_local_optimizer"]
 
 # exact classes whose update of a tensor reads only that tensor, its gradient and its own state
@@ -173,14 +175,18 @@ def _model_param_index(model: nn.Module, names: list[str]) -> dict[int, int]:
     return out
 
 
-def as_local_optimizer(optimizer: Any, model: nn.Module, names: list[str]) -> LocalOptimizer:
+def as_local_optimizer(optimizer: Any, model: nn.Module, template: nn.Module,
+                       names: list[str]) -> LocalOptimizer:
     """Check the user's ``optimizer`` against ``model`` and map its groups to the flat layout.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` built over ``model``'s parameters (a subset is
             allowed: parameters in no group are not stepped, as in eager PyTorch; frozen ones,
-            ``requires_grad=False``, are skipped, as torch.optim skips them).
+            ``requires_grad=False``, are skipped, as torch.optim skips them); or
+            ``config.SGD``, built here as a one-group ``torch.optim.SGD`` over ``template``'s
+            trainable parameters.
         model: the model given to ``compile``.
+        template: the plan's copy of it (the same parameter names).
         names: the flat layout's parameter names (trainable ones, tied once).
 
     Raises:
@@ -189,6 +195,12 @@ def as_local_optimizer(optimizer: Any, model: nn.Module, names: list[str]) -> Lo
         ValueError: a group holds a tensor that is not a trainable parameter of ``model``, or a
             parameter twice.
     """
+    if isinstance(optimizer, SGD):
+        params = [p for p in template.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(params, lr=optimizer.lr, momentum=optimizer.momentum,
+                                    nesterov=optimizer.nesterov,
+                                    weight_decay=optimizer.weight_decay)
+        model = template
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim optimizer built over the model's "
                         f"parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3), or "
@@ -245,7 +257,9 @@ class OptimizerRows:
     def __init__(self, local: LocalOptimizer, state: Any) -> None:
         self.local = local
         self.entries = state.params.entries
-        self._cache: dict[tuple, torch.optim.Optimizer] = {}
+        self._cache: dict[tuple, tuple[torch.optim.Optimizer, list]] = {}
+        self._bound: set[tuple] = set()  # cache keys whose instance's state is bound to the store
+        self._order = [i for ix in local.groups for i in ix]  # an instance's params → entries
         self._g32: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
         self.store = self._allocate(state)
@@ -301,14 +315,15 @@ class OptimizerRows:
                 store[i][key] = torch.zeros(state.m, *shape, dtype=t.dtype, device=t.device)
         return store
 
-    def _instance(self, state: Any, a: int, b: int) -> torch.optim.Optimizer:
+    def _instance(self, state: Any, a: int, b: int) -> tuple[tuple, torch.optim.Optimizer, list]:
+        """The instance of rows a … b−1 (built once per row range and buffers): (its cache key,
+        it, its parameters in ``local.groups`` order)."""
         key = (a, b, state.w.data_ptr(), state.g.data_ptr())
-        inst = self._cache.get(key)
-        if inst is None:
+        if key not in self._cache:
             grads = state.g if state.g.dtype == state.w.dtype else self._g32
             inst = self._build(self._views(state.w, a, b), self._views(grads, a, b))
-            self._cache[key] = inst
-        return inst
+            self._cache[key] = inst, [p for g in inst.param_groups for p in g["params"]]
+        return (key, *self._cache[key])
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -333,23 +348,24 @@ class OptimizerRows:
             if self._g32 is None or self._g32.shape != state.w.shape:
                 self._g32 = torch.zeros_like(state.w)
                 self._cache.clear()
+                self._bound.clear()
             self._g32[r0:r1].copy_(state.g[r0:r1])
         user = self.local.optimizer.param_groups
         for a, b in self.segments(r0, r1):
-            inst = self._instance(state, a, b)
+            key, inst, params = self._instance(state, a, b)
             for mine, theirs in zip(inst.param_groups, user):
                 for k in self.local.hyper_keys:
                     mine[k] = theirs[k]
-            params = [p for g in inst.param_groups for p in g["params"]]
-            order = [i for ix in self.local.groups for i in ix]
             fresh = int(self.age[a]) == 0
             if fresh:
                 inst.state.clear()  # torch.optim's own initialisation at this step
-            else:
-                self._bind(inst, params, order, a, b)
+            elif key not in self._bound:  # views of the store, which the steps update in place
+                self._bind(inst, params, a, b)
+                self._bound.add(key)
             inst.step()
             if fresh:
-                self._adopt(inst, params, order, a, b)
+                self._adopt(inst, params, a, b)
+                self._bound.add(key)
             elif self.local.stacked and b - a > 1:  # one scalar (step) stands for every row
                 for per_param in self.store:
                     for t in per_param.values():
@@ -357,18 +373,18 @@ class OptimizerRows:
                             t[a + 1:b] = t[a]
             self.age[a:b] += 1
 
-    def _bind(self, inst, params, order, a, b) -> None:
+    def _bind(self, inst, params, a, b) -> None:
         stacked = self.local.stacked
-        for p, i in zip(params, order):
+        for p, i in zip(params, self._order):
             inst.state[p] = {key: (t[a] if (t.dim() == 1 or not stacked) else t[a:b])
                              for key, t in self.store[i].items()}
 
-    def _adopt(self, inst, params, order, a, b) -> None:
+    def _adopt(self, inst, params, a, b) -> None:
         """Copy a fresh step's state into the store and bind the instance to it."""
-        for p, i in zip(params, order):
+        for p, i in zip(params, self._order):
             for key, t in inst.state.get(p, {}).items():
                 self.store[i][key][a:b].copy_(t)
-        self._bind(inst, params, order, a, b)
+        self._bind(inst, params, a, b)
 
     def scratch(self, like: torch.Tensor) -> torch.Tensor:
         """A tensor shaped and typed as ``like`` (the corrections ``[n, P]``), kept between calls
@@ -396,6 +412,7 @@ class OptimizerRows:
         age[:keep] = self.age[:keep]
         self.age = age
         self._cache.clear()
+        self._bound.clear()
         self._g32 = None
 
     def share_memory(self) -> None:
@@ -405,6 +422,7 @@ class OptimizerRows:
                 t.share_memory_()
         self.age.share_memory_()
         self._cache.clear()
+        self._bound.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"age": [m], "state": {"<index>/<key>": [m, ...]}}``, CPU copies."""
