@@ -215,3 +215,26 @@ def test_metric_records_of_a_fit():
 def test_metrics_every_validated():
     with pytest.raises(ValueError, match="metrics_every"):
         MetricsMonitor(0)
+
+
+def test_windows_of_window_samples_follow_the_batch_size():
+    """With window_samples S a window is ⌈S/(k·b)⌉ rounds within [measure_rounds, every]: after a
+    policy quadruples b the windows are a quarter as many rounds."""
+    with pytest.raises(ValueError, match="window_samples"):
+        MetricsMonitor(5, window_samples=0)
+    mon = MetricsMonitor(50, measure_rounds=2, window_samples=96)
+    assert [mon.window_rounds(kb) for kb in (1, 16, 32, 64, 96, 1000)] == [50, 6, 3, 2, 2, 2]
+
+    class Quadruple(cg.Policy):  # b 4 → 16 at round 12
+        def after_round(self, ctx):
+            if ctx.plan.rounds_done == 12:
+                self.adjust(ctx, batch_size=16)
+
+    data = teacher_data(4 * 16 * 12, seed=5)
+    plan = compile_mlp(4, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.9))
+    monitor = MetricsMonitor(50, measure_rounds=2, window_samples=96)
+    h = plan.fit(data, 1, progress=False, metrics_every=monitor, policies=[Quadruple()])
+    # k·b = 16: windows of 6 rounds, then k·b = 64: windows of 2 rounds
+    assert [m.round for m in h.metrics][:4] == [6, 12, 14, 16]
+    assert [m.batch_size for m in h.metrics][:4] == [4, 4, 16, 16]
+    assert all(m.grad_sq is not None for m in h.metrics)  # each window measured its last rounds

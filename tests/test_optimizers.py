@@ -311,3 +311,34 @@ def test_a_one_cycle_shorter_than_the_fit_is_refused_before_any_round(data):
     with pytest.raises(ValueError, match="total_steps=16"):
         plan.fit(data, progress=False, lr_scheduler=short, lr_scheduler_interval="round")
     assert plan.rounds_done == 0
+
+
+@pytest.mark.parametrize("make_sched", [
+    lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t)),
+    lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.04, total_steps=64),
+    lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[5, 10], gamma=0.5)],
+    ids=["lambda", "onecycle", "multistep"])
+def test_a_policys_lr_change_composes_with_the_schedule_as_a_factor(data, make_sched):
+    """A policy that doubles η at round 4 keeps η = 2·schedule(t) in every group from then on,
+    under closed-form schedulers (which alone would overwrite it) and chainable ones."""
+    def run(policy):
+        model = _net()
+        opt = _groups_adamw(model)
+        plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy,
+                          batch_size=B, devices=1, replicas=2, optimizer=opt, executor="inline")
+        h = plan.fit(data, epochs=2, progress=False, metrics_every=None,
+                     lr_scheduler=make_sched(plan.optimizer), lr_scheduler_interval="round",
+                     policies=[policy] if policy else [])
+        return h, plan
+
+    class Double(cg.Policy):
+        def after_round(self, ctx):
+            if ctx.plan.rounds_done == 4:
+                self.adjust(ctx, lr=2 * ctx.plan.settings.lr)
+
+    (plain, p0), (doubled, p1) = run(None), run(Double())
+    assert len(plain.lr) == len(doubled.lr) == 2 * N // (2 * B)
+    assert doubled.lr[:4] == pytest.approx(plain.lr[:4], rel=1e-12)
+    assert doubled.lr[4:] == pytest.approx([2 * x for x in plain.lr[4:]], rel=1e-9)
+    for g0, g1 in zip(p0.optimizer.param_groups, p1.optimizer.param_groups):  # every group
+        assert g1["lr"] == pytest.approx(2 * g0["lr"], rel=1e-9)

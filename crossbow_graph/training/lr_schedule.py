@@ -10,6 +10,15 @@ set, at the end of each epoch with its training loss). The scheduler writes the 
 the next round (worker processes through the control block, engine/workers.py), so all learners
 see the same η at the same round, and so do all torchrun ranks (each steps its own scheduler on
 the same rounds). Its state is checkpointed with the fit (a hook's ``state_dict``).
+
+A policy's η change composes with the schedule as a factor: when a policy (AdaptiveBatchSize's
+gain or batch-size rule, a user's ``Policy.adjust(lr=...)``) has moved a group's ``lr`` away from
+the value the scheduler last wrote, the hook keeps the ratio f as that group's factor. Before each
+step it hands the scheduler its own value (``lr / F``, F the product of the factors), steps it and
+writes ``F ×`` the new value: the η in force is F · schedule(t) for every scheduler, closed-form
+(LambdaLR, OneCycleLR, CosineAnnealingLR) or chainable (MultiStepLR, ReduceLROnPlateau), where a
+closed-form scheduler alone would overwrite the policy's change at its next step. The factors are
+checkpointed with the scheduler.
 """
 
 from __future__ import annotations
@@ -77,14 +86,42 @@ class LRSchedulerHook(Hook):
         self.interval = interval
         self.plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         self._evaluated = False
+        groups = scheduler.optimizer.param_groups
+        self._factors = [1.0] * len(groups)  # F per group: the policies' changes, composed
+        self._written = [float(g["lr"]) for g in groups]  # the lr each group had after the last step
+
+    def _take_policy_changes(self) -> None:
+        """Fold a policy's change of a group's lr since the last step into its factor F."""
+        for i, g in enumerate(self.scheduler.optimizer.param_groups):
+            lr, was = float(g["lr"]), self._written[i]
+            if lr != was and was != 0:
+                self._factors[i] *= lr / was
 
     def _step(self, *args: float) -> None:
+        self._take_policy_changes()
+        groups = self.scheduler.optimizer.param_groups
+        for g, f in zip(groups, self._factors):  # the scheduler steps from its own value
+            if f != 1.0:
+                g["lr"] = float(g["lr"]) / f
         with warnings.catch_warnings():  # the plan, not the user, steps the optimizer
             warnings.filterwarnings("ignore", message=r".*(lr_scheduler\.step\(\)|optimizer\.step\(\)).*")
             self.scheduler.step(*args)
+        for g, f in zip(groups, self._factors):
+            if f != 1.0:
+                g["lr"] = float(g["lr"]) * f
+        self._written = [float(g["lr"]) for g in groups]
+
+    @property
+    def factors(self) -> list[float]:
+        """Per param group, the product F of the policies' η factors composed with the schedule."""
+        self._take_policy_changes()
+        self._written = [float(g["lr"]) for g in self.scheduler.optimizer.param_groups]
+        return list(self._factors)
 
     def before_fit(self, ctx: FitContext) -> None:
         self._evaluated = False
+        self._take_policy_changes()  # e.g. a resume, or a change made between fits
+        self._written = [float(g["lr"]) for g in self.scheduler.optimizer.param_groups]
 
     def after_round(self, ctx: FitContext) -> None:
         if self.interval == "round" and not self.plateau:
@@ -103,8 +140,12 @@ class LRSchedulerHook(Hook):
             self._step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.scheduler.state_dict(), "evaluated": self._evaluated}
+        return {"scheduler": self.scheduler.state_dict(), "evaluated": self._evaluated,
+                "factors": self.factors, "written": list(self._written)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self._evaluated = state["evaluated"]
+        self._factors = list(state.get("factors", self._factors))
+        self._written = list(state.get("written", [float(g["lr"]) for g in
+                                                    self.scheduler.optimizer.param_groups]))

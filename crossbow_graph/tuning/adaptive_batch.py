@@ -111,7 +111,7 @@ class AdaptiveBatchSize(Policy):
         scale_lr: ``"gain"`` (default): η times the gain r(k·b) against ``reference_batch``;
             ``"linear"`` (True): η scaled by each change's factor; ``"none"`` (False): η kept.
         reference_batch: B₀, the samples per round (k·b) at which the fit's η is right (≥ 1);
-            None: k·b at the fit's start. The CLI passes 64 with its default η.
+            None: k·b at the fit's start. The CLI passes 256 with its default AdamW η (0.008).
         gain_windows: windows with a noise-scale estimate before the gain first applies (≥ 1).
         epoch_overhead: c > 0, the bound on k·b as a fraction of B_noise (the extra epochs over
             McCandlish's E_min allowed; default 0.125: E ≤ 1.125·E_min).
@@ -127,7 +127,8 @@ class AdaptiveBatchSize(Policy):
     Raises:
         ValueError: bounds, factor, epoch_overhead, cooldown, settle_windows, scale_lr, reference_batch,
             gain_windows, shrink, min_speedup or speed_windows out of range; at the start of a
-            fit without a metrics monitor (``fit(metrics_every=None)``).
+            fit without a metrics monitor (``fit(metrics_every=None)``), or with k = 1 learner
+            and no replica auto-tuner (the noise-scale estimate needs k ≥ 2).
     """
 
     def __init__(self, *, min_batch_size: int | None = None, max_batch_size: int = 128,
@@ -238,6 +239,10 @@ class AdaptiveBatchSize(Policy):
                              "--metrics-every 0 on the CLI): leave metrics_every at its default "
                              "(50) or pass a cg.MetricsMonitor")
         plan = ctx.plan
+        if plan.num_learners < 2 and plan.autotuner is None:
+            raise ValueError("AdaptiveBatchSize reads the gradient noise scale from the two-batch "
+                             "estimate over k ≥ 2 learners, and this plan has k = 1: compile with "
+                             "devices=2 or replicas=2 (on the CLI: --devices 2 or --replicas 2)")
         if self._plan is not None and self._plan() is not plan and not self._resumed:
             # another plan: its η holds no gain of ours, and derived bounds are re-derived
             self.gain, self._trial, self._noise = 1.0, None, None

@@ -153,20 +153,26 @@ class MetricsMonitor(Hook):
             first ``warmup_windows·every`` rounds) whose estimates are recorded but kept out of
             the EMAs, so their B_noise is None (≥ 0; default 0). Rounds are the plan's, so a
             later fit (or a resumed one) past them is not held back.
+        window_samples: S, samples per window (≥ 1), or None (default): windows of ``every``
+            rounds whatever k·b is. With S a window is ⌈S / (k·b)⌉ rounds, at least
+            ``measure_rounds`` and at most ``every``, for the k·b in force: a policy that changes
+            b then waits the same number of samples, not rounds, whatever b is (at k·b = 1,024 a
+            50-round window is almost an epoch of MNIST). The CLI passes 12,800 (50 rounds at
+            its default k·b = 256).
 
     Attributes:
         last: the newest MetricRecord (None before the first window).
         noise_scale: the newest B_noise estimate, samples (None before one exists).
 
     Raises:
-        ValueError: ``every`` < 1, ``ema`` outside [0, 1), ``measure_rounds`` < 1 or
-            ``warmup_windows`` < 0.
+        ValueError: ``every`` < 1, ``ema`` outside [0, 1), ``measure_rounds`` < 1,
+            ``warmup_windows`` < 0 or ``window_samples`` < 1.
     """
 
     mutates_replicas = False
 
     def __init__(self, every: int = 50, *, ema: float = 0.9, measure_rounds: int = 10,
-                 warmup_windows: int = 0) -> None:
+                 warmup_windows: int = 0, window_samples: int | None = None) -> None:
         if not is_count(every):
             raise ValueError(f"metrics_every={every!r}: must be an integer ≥ 1 (rounds per window)")
         if not 0 <= ema < 1:
@@ -177,8 +183,14 @@ class MetricsMonitor(Hook):
         if not is_count(warmup_windows, minimum=0):
             raise ValueError(f"MetricsMonitor(warmup_windows={warmup_windows!r}): must be an integer "
                              "≥ 0 (the first windows of training kept out of the moving averages)")
+        if window_samples is not None and not is_count(window_samples):
+            raise ValueError(f"MetricsMonitor(window_samples={window_samples!r}): must be an integer "
+                             "≥ 1 (samples per window), or None for windows of `every` rounds")
         self.every, self.ema, self.warmup_windows = every, ema, warmup_windows
         self.measure_rounds = min(measure_rounds, every)
+        self.window_samples = window_samples
+        self._round_samples = 0  # k·b of the plan in the fit (window_samples: the window's length)
+        self._plan = None  # the fit's plan (before_fit)
         self.last: MetricRecord | None = None
         self._g2 = self._tr = 0.0     # biased EMAs
         self._weight = 0.0            # 1 − ema^n, the bias correction
@@ -211,14 +223,24 @@ class MetricsMonitor(Hook):
         self._rounds, self._samples, self._loss, self._t0 = 0, 0, None, t0
         self._est: list[tuple[float, float]] = []  # the window's (|G|², tr Σ) single-round estimates
 
+    def window_rounds(self, round_samples: int) -> int:
+        """Rounds per window at ``round_samples`` = k·b samples per round: ``every``, or with
+        ``window_samples`` S, ⌈S / (k·b)⌉ within [``measure_rounds``, ``every``]."""
+        if self.window_samples is None or round_samples < 1:
+            return self.every
+        return min(self.every, max(self.measure_rounds, -(-self.window_samples // round_samples)))
+
     def _measured(self, round_in_window: int) -> bool:
-        """Whether the window's round ``round_in_window`` (1 … every) is one of its last
+        """Whether the window's round ``round_in_window`` (1 … its length) is one of its last
         ``measure_rounds``."""
-        return round_in_window > self.every - self.measure_rounds
+        return round_in_window > self.window_rounds(self._round_samples) - self.measure_rounds
 
     def wants_gradients(self, rounds_done: int) -> bool:
         """Whether the round that makes the plan's round count ``rounds_done`` is measured (one of
         the window's last ``measure_rounds``)."""
+        plan = self._plan
+        if plan is not None:  # the k·b of the coming round
+            self._round_samples = plan.num_learners * plan.batch_size
         return self._measured(self._rounds + 1)
 
     def _measure(self, ctx: FitContext) -> None:
@@ -245,6 +267,7 @@ class MetricsMonitor(Hook):
 
     def before_fit(self, ctx: FitContext) -> None:
         ctx.extra["metrics"] = self
+        self._plan = ctx.plan
         if not self._resumed:  # a resumed fit continues the checkpoint's window
             self._reset_window(ctx.train_seconds)
         self._resumed = False
@@ -258,11 +281,12 @@ class MetricsMonitor(Hook):
     def after_round(self, ctx: FitContext) -> None:
         self._rounds += 1
         self._samples += ctx.round_samples
+        self._round_samples = ctx.plan.num_learners * ctx.plan.batch_size
         loss = ctx.round_loss.detach().float()
         self._loss = loss if self._loss is None else self._loss + loss
         if self._measured(self._rounds):
             self._measure(ctx)
-        if self._rounds < self.every:
+        if self._rounds < self.window_rounds(self._round_samples):
             return
         plan = ctx.plan
         plan.scheduler.flush()

@@ -17,15 +17,16 @@ tuning/adaptive_batch.py; this module exports them with the other built-in polic
 
 Built-in policies: ``AutoReplicas`` (the replica auto-tuner of tuning/autotune.py as a policy),
 ``AdaptiveBatchSize`` (b toward the gradient noise scale), ``StepLR`` / ``MultiStepLR`` (with
-warm-up) / ``CosineLR`` (learning-rate schedules; a drop resets every replica to z, as the
+warm-up) / ``CosineLR`` (torch.optim.lr_scheduler's StepLR, MultiStepLR chained with LinearLR,
+CosineAnnealingLR, stepped per epoch as policies; a drop resets every replica to z, as the
 CROSSBOW reference code does) and ``DivergenceGuard`` (a replica that diverges from z or whose
 loss explodes is reset from z; z is never poisoned).
 """
 
 from __future__ import annotations
 
-import bisect
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -91,40 +92,72 @@ class AutoReplicas(Policy):
 
 
 class _LRSchedule(Policy):
-    """Sets η at every epoch start to η·factor(e)/factor(e−1) (e = 0-based epoch index), like a
-    torch.optim.lr_scheduler stepped once per epoch from the plan's lr at the first fit (alone,
-    η = η₀·factor(e); other policies' changes of η, such as AdaptiveBatchSize's, compose). When
-    η drops and ``reset_on_drop``, every replica is reset to z (CROSSBOW reference behaviour)."""
+    """A torch.optim.lr_scheduler stepped once per epoch, as a policy: at every epoch start η is
+    multiplied by factor(e)/factor(e−1) (e = 0-based epoch index), factor(e) the ratio of the
+    torch scheduler's η after e steps to its η₀ (the plan's lr at the first fit). Alone,
+    η = η₀·factor(e); other policies' changes of η, such as AdaptiveBatchSize's, compose. The
+    torch scheduler (``torch_scheduler``) runs over a one-tensor shadow optimizer at lr η₀, so it
+    never writes the plan's param groups: the change goes through ``Policy.adjust`` (every group's
+    η is scaled by the same factor), and when η drops and ``reset_on_drop``, every replica is reset
+    to z (CROSSBOW reference behaviour). For any other torch scheduler, or one stepped per round,
+    pass it to ``fit(lr_scheduler=...)``."""
 
     reset_default = True
+    max_steps: int | None = None  # steps after which η holds (CosineLR: T)
 
     def __init__(self, *, reset_on_drop: bool | None = None) -> None:
         self.reset_on_drop = self.reset_default if reset_on_drop is None else reset_on_drop
         self.base_lr: float | None = None
         self._applied = 1.0  # factor(e) in force
+        self._shadow = None  # (torch scheduler over the shadow optimizer, steps taken)
 
-    def factor(self, epoch: int) -> float:
+    def torch_scheduler(self, optimizer: torch.optim.Optimizer):
+        """This schedule as a torch.optim.lr_scheduler over ``optimizer``, stepped per epoch."""
         raise NotImplementedError
 
+    def _new_shadow(self, base_lr: float) -> list:
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base_lr)
+        return [self.torch_scheduler(opt), 0, base_lr]
+
+    def _factor_of(self, shadow: list, epoch: int) -> float:
+        sched, cap = shadow[0], epoch if self.max_steps is None else min(epoch, self.max_steps)
+        with warnings.catch_warnings():  # the shadow optimizer never steps
+            warnings.filterwarnings("ignore", message=r".*lr_scheduler\.step\(\).*")
+            while shadow[1] < cap:
+                sched.step()
+                shadow[1] += 1
+        return float(sched.optimizer.param_groups[0]["lr"]) / shadow[2]
+
+    def factor(self, epoch: int) -> float:
+        """factor(e) = η(e)/η₀ of the torch scheduler stepped e times (0-based epoch ``epoch``)."""
+        return self._factor_of(self._new_shadow(self.base_lr or 1.0), epoch)
+
     def lr_at(self, epoch: int) -> float:
-        """η in epoch ``epoch`` (0-based)."""
+        """η in epoch ``epoch`` (0-based), this schedule alone."""
         return self.base_lr * self.factor(epoch)
 
     def state_dict(self) -> dict:
-        return {"base_lr": self.base_lr, "applied": self._applied}
+        return {"base_lr": self.base_lr, "applied": self._applied,
+                "steps": None if self._shadow is None else self._shadow[1]}
 
     def load_state_dict(self, state: dict) -> None:
         self.base_lr, self._applied = state["base_lr"], state["applied"]
+        self._shadow = None
+        if self.base_lr is not None and state.get("steps") is not None:
+            self._shadow = self._new_shadow(self.base_lr)
+            self._factor_of(self._shadow, state["steps"])  # the same torch state, replayed
 
     def before_fit(self, ctx: FitContext) -> None:
         if self.base_lr is None:
             self.base_lr = float(ctx.plan.settings.lr)
             self._applied = 1.0
+        if self._shadow is None:
+            self._shadow = self._new_shadow(self.base_lr)
 
     def before_epoch(self, ctx: FitContext) -> None:
         # multiplicative, like torch's chained schedulers: composes with AdaptiveBatchSize's
         # scaling of η (η is multiplied by factor(e)/factor(e−1), not overwritten)
-        f = self.factor(ctx.epoch)
+        f = self._factor_of(self._shadow, ctx.epoch)
         old = float(ctx.plan.settings.lr)
         new = old * f / self._applied
         self._applied = f
@@ -136,7 +169,7 @@ class _LRSchedule(Policy):
 
 
 class StepLR(_LRSchedule):
-    """η = η₀·γ^⌊e/step⌋ (torch.optim.lr_scheduler.StepLR stepped per epoch).
+    """η = η₀·γ^⌊e/step⌋: torch.optim.lr_scheduler.StepLR stepped per epoch.
 
     Args:
         step_epochs: epochs between drops (≥ 1). gamma: factor per drop, in (0, 1].
@@ -150,14 +183,14 @@ class StepLR(_LRSchedule):
                              "and gamma in (0, 1]")
         self.step_epochs, self.gamma = step_epochs, gamma
 
-    def factor(self, epoch: int) -> float:
-        return self.gamma ** (epoch // self.step_epochs)
+    def torch_scheduler(self, optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=self.step_epochs, gamma=self.gamma)
 
 
 class MultiStepLR(_LRSchedule):
     """η = η₀·w(e)·γ^(number of milestones ≤ e), with linear warm-up
-    w(e) = s + (1 − s)·min(e, W)/W (torch's LinearLR(start_factor=s, total_iters=W) chained with
-    MultiStepLR(milestones, γ), stepped per epoch; W = 0: no warm-up).
+    w(e) = s + (1 − s)·min(e, W)/W: torch's LinearLR(start_factor=s, total_iters=W) chained with
+    MultiStepLR(milestones, γ), stepped per epoch (W = 0: MultiStepLR alone).
 
     Args:
         milestones: epochs at which η is multiplied by γ (increasing).
@@ -177,18 +210,20 @@ class MultiStepLR(_LRSchedule):
         self.milestones, self.gamma = ms, gamma
         self.warmup_epochs, self.warmup_start = warmup_epochs, warmup_start
 
-    def factor(self, epoch: int) -> float:
-        w = 1.0
-        if self.warmup_epochs:
-            s = self.warmup_start
-            w = s + (1 - s) * min(epoch, self.warmup_epochs) / self.warmup_epochs
-        return w * self.gamma ** bisect.bisect_right(self.milestones, epoch)
+    def torch_scheduler(self, optimizer):
+        steps = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=self.milestones,
+                                                     gamma=self.gamma)
+        if not self.warmup_epochs:
+            return steps
+        warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=self.warmup_start,
+                                                 total_iters=self.warmup_epochs)
+        return torch.optim.lr_scheduler.ChainedScheduler([warm, steps])
 
 
 class CosineLR(_LRSchedule):
-    """η = η_min + (η₀ − η_min)(1 + cos(π·e/T))/2 for e ≤ T, then η_min
-    (torch.optim.lr_scheduler.CosineAnnealingLR(T_max=T, eta_min) stepped per epoch, for e ≤ T;
-    torch's then rises again, periodically, where this one holds η_min).
+    """η = η_min + (η₀ − η_min)(1 + cos(π·e/T))/2 for e ≤ T, then η_min:
+    torch.optim.lr_scheduler.CosineAnnealingLR(T_max=T, eta_min) stepped per epoch up to T (torch's
+    then rises again, periodically, where this one holds η_min).
 
     Args:
         epochs: T ≥ 1. eta_min: floor ≥ 0.
@@ -203,13 +238,11 @@ class CosineLR(_LRSchedule):
         if epochs < 1 or eta_min < 0:
             raise ValueError(f"CosineLR(epochs={epochs}, eta_min={eta_min}): need epochs ≥ 1, eta_min ≥ 0")
         self.epochs, self.eta_min = epochs, eta_min
+        self.max_steps = epochs
 
-    def lr_at(self, epoch: int) -> float:
-        e = min(epoch, self.epochs)
-        return self.eta_min + (self.base_lr - self.eta_min) * (1 + math.cos(math.pi * e / self.epochs)) / 2
-
-    def factor(self, epoch: int) -> float:
-        return self.lr_at(epoch) / self.base_lr
+    def torch_scheduler(self, optimizer):
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.epochs,
+                                                          eta_min=self.eta_min)
 
 
 # -- DivergenceGuard -----------------------------------------------------------------------------
