@@ -7,7 +7,10 @@
 
 Writes docs/images/tta_<workload>.png (test accuracy against training seconds, every run of every
 system), throughput_replicas.png (samples/s against learners), epochs_vs_k.png (epochs to target
-against k) and robustness_b.png (final accuracy against b at the default lr).
+against k) and robustness_b.png (final accuracy against b at the default lr); with
+``--tta-tuned bench/results/tta_w1_tuned.json``, tta_w1_tuned.png (the tuned plain-PyTorch grid's
+time to 99.0 % against B at seed 0, and each seed's time of the chosen configurations against
+crossbow_graph's defaults).
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ except ImportError as exc:
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
-__all__ = ["plot_tta", "plot_throughput", "plot_epochs", "plot_robustness", "main"]
+__all__ = ["plot_tta", "plot_tta_tuned", "plot_throughput", "plot_epochs", "plot_robustness",
+           "main"]
 
+PLAIN_RECIPES = ("sgd-multistep", "sgd-onecycle", "adamw-onecycle")  # bench/tta_baselines.py's
 IMAGES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "images")
 
 
@@ -89,6 +95,54 @@ def plot_tta(path: str, out: str) -> str:
     ax.set_ylabel("test accuracy (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right", ncol=2)
+    return _save(fig, out)
+
+
+def plot_tta_tuned(path: str, out: str) -> str:
+    """bench/tta_baselines.py's summary: left, the grid (seed 0): time to the target against B for
+    each recipe at its best lr (a missed target is not drawn); right, the final interleaved
+    comparison: every seed's time (dots; a miss drawn at the top as ×) and the median (bar)."""
+    d = _load(path)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.3]})
+    grid = d.get("grid_seed0", []) + d.get("grid_seed0_b256", [])
+    best: dict[str, dict[int, float]] = {}
+    for r in grid:
+        recipe, batch, _ = r["system"].split(":")
+        t = r["time_to_accuracy_s"]
+        if t is not None:
+            at = best.setdefault(recipe, {})
+            at[int(batch)] = min(t, at.get(int(batch), float("inf")))
+    for recipe, at in sorted(best.items()):
+        bs = sorted(at)
+        left.plot(bs, [at[b] for b in bs], marker="o", label=recipe)
+    left.set(xscale="log", xlabel="B (samples per step)", ylabel="seconds to 99.0 % (best lr)",
+             title="tuned plain PyTorch, W1, seed 0")
+    left.set_xticks(sorted({b for at in best.values() for b in at}))
+    left.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    left.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    final = d["final"]
+    systems = list(dict.fromkeys(r["system"] for r in final))
+    times = [r["time_to_accuracy_s"] for r in final if r["time_to_accuracy_s"] is not None]
+    top = 1.1 * max(times, default=1.0)
+    for i, name in enumerate(systems):
+        mine = [r["time_to_accuracy_s"] for r in final if r["system"] == name]
+        ok = sorted(t for t in mine if t is not None)
+        missed = len(mine) - len(ok)
+        ranked = ok + [float("inf")] * missed
+        median = ranked[len(ranked) // 2] if len(ranked) % 2 else None
+        colour = "tab:blue" if name.split(":")[0] in PLAIN_RECIPES else "tab:red"
+        if median is not None and median != float("inf"):
+            right.barh(i, median, color=colour, alpha=0.35)
+        right.plot(ok, [i] * len(ok), "o", color=colour)
+        if missed:
+            right.plot([top] * missed, [i] * missed, "x", color=colour)
+    right.set_yticks(range(len(systems)), systems, fontsize=8)
+    right.invert_yaxis()
+    right.set(xlabel="training seconds to 99.0 % (bar: median of seeds; ×: missed)",
+              title="interleaved: crossbow_graph (red), best plain recipes (blue)")
+    right.grid(alpha=0.3, axis="x")
     return _save(fig, out)
 
 
@@ -198,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--throughput", default=None)
     parser.add_argument("--epochs", nargs="*", default=[], help="stat_eff epochs JSONs (merged)")
     parser.add_argument("--robustness", default=None)
+    parser.add_argument("--tta-tuned", default=None, help="bench/tta_baselines.py's summary JSON")
     parser.add_argument("--out-dir", default=IMAGES)
     args = parser.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -207,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         print(plot_throughput(args.throughput, os.path.join(args.out_dir, "throughput_replicas.png")))
     if args.epochs:
         print(plot_epochs(args.epochs, os.path.join(args.out_dir, "epochs_vs_k.png")))
+    if args.tta_tuned:
+        print(plot_tta_tuned(args.tta_tuned, os.path.join(args.out_dir, "tta_w1_tuned.png")))
     if args.robustness:
         print(plot_robustness(args.robustness, os.path.join(args.out_dir, "robustness_b.png")))
     return 0

@@ -1,12 +1,12 @@
-"""W1 (LeNet-5 / MNIST, target 99.0 %): epochs to the target for b ∈ {4, 8, 16, 32, 64}, with and
-without AdaptiveBatchSize, learning rate left at the CLI's default (η = 0.02 dropped 10× at epochs
-2 and 4 by its MultiStepLR policy, replicas reset to z), k = 2 devices × 2 replicas (the CLI's
-default), process executor; and the gradient noise scale over training.
-``--lr-milestones ""`` keeps η constant at 0.02.
+"""W1 (LeNet-5 / MNIST, target 99.0 %): epochs to the target from every start b, with and without
+AdaptiveBatchSize, everything else at ``crossbow-graph train``'s defaults (AdamW at its default η
+with the OneCycle schedule over ``--epochs``) but ``--devices 2`` (k = 2 learners: the two-batch
+noise-scale estimate needs k ≥ 2): each run is the CLI's own plan (``cli.prepare_train``) with
+``--devices 2 --batch-size b`` and the variant's ``--policy`` flags; and the gradient noise scale
+over training.
 
-    python bench/policies_w1.py [--batch-sizes 4,8,16,32,64] [--variants none,adaptive]
-                                [--epochs 5] [--seed 0] [--lr-milestones 2,4]
-                                [--metrics-every 50] [--measure-rounds 10] [--warmup-windows 0]
+    python bench/policies_w1.py [--batch-sizes 4,8,16,32,64,128,256,512] [--variants none,adaptive]
+                                [--epochs 5] [--seed 0] [--cli-flags "..."]
                                 [--out bench/runs/policies_w1.json]
                                 [--summary bench/results/policies_w1_summary.json]
                                 [--plot docs/images/noise_scale_w1.png] [--merge FILE ...]
@@ -18,13 +18,11 @@ the summary and the plot. The summary (committed) holds, per variant, the runs r
 start b, the median epochs over all seeds and over each triple of consecutive seeds, and one row
 per run (epochs to 99.0 % or the best accuracy, the final b and η; seed 0's noise-scale windows).
 
-Variants: ``none`` (no policy); ``adaptive``, ``AdaptiveBatchSize(reference_batch=64)`` as the CLI
-builds it with its default η (0.02 was tuned at 64 samples per round); ``overhead-0.25`` the same
-with ``epoch_overhead=0.25``; ``adaptive-warmup`` the default with
-``MetricsMonitor(warmup_windows=1)``; ``adaptive-speed`` with the opt-in throughput test
-(``min_speedup=0.1``); ``grow-only`` (η kept when b grows; b doubles while 2·k·b ≤ B_noise, no
-shrinking, 10 settling windows, 0.5 epoch cool-down) and ``grow-only-gain`` (the same with the η
-gain); ``shrink-early`` and ``band``, grow-only with halving (docs/benchmarking.md).
+Variants (``VARIANTS``: the ``--policy`` flags): ``none`` (no policy, so no metrics either);
+``adaptive``, ``--policy adaptive_batch`` (the η gain's reference B₀ is the k·b of 256 at which
+the default η was tuned); ``adaptive-speed`` with the opt-in throughput test (``min_speedup=0.1``);
+``metrics`` the metrics monitor alone (``--metrics-every 50``, no policy: the monitor's cost).
+``--cli-flags`` adds flags to every run (e.g. ``"--optimizer sgd"``).
 
 Prints a markdown table. Not a test; no timing asserted.
 """
@@ -35,64 +33,31 @@ import argparse
 import json
 import math
 import os
+import shlex
 import statistics
 import time
 
-import torch
+from crossbow_graph.cli import build_parser, prepare_train
 
-import crossbow_graph as cg
-from crossbow_graph.cli import DEFAULT_LR, DEFAULT_LR_BATCH
-
-
-WARMUP = {"adaptive-warmup": 1}  # MetricsMonitor(warmup_windows=...) of a variant (default 0)
-GROW_ONLY = dict(epoch_overhead=1.0, shrink=False, settle_windows=None, cooldown_epochs=0.5)
+VARIANTS = {"none": [], "adaptive": ["--policy", "adaptive_batch"],
+            "adaptive-speed": ["--policy", "adaptive_batch:min_speedup=0.1"],
+            "metrics": ["--metrics-every", "50"]}
 
 
-def variants(lr: float) -> dict:
-    """The policies of each variant. Like the CLI, the η gain's reference B₀ is DEFAULT_LR_BATCH
-    (64 samples per round, where the default η 0.02 was tuned) at the default η, else the k·b the
-    run starts at (None)."""
-    ref = DEFAULT_LR_BATCH if lr == DEFAULT_LR else None
-    return {"none": lambda: [],
-            "adaptive": lambda: [cg.AdaptiveBatchSize(reference_batch=ref)],
-            "overhead-0.25": lambda: [cg.AdaptiveBatchSize(reference_batch=ref, epoch_overhead=0.25)],
-            # the default rule with the monitor's first window kept out of the noise-scale EMAs
-            "adaptive-warmup": lambda: [cg.AdaptiveBatchSize(reference_batch=ref)],
-            "adaptive-speed": lambda: [cg.AdaptiveBatchSize(reference_batch=ref, min_speedup=0.1)],
-            # η kept when b grows, k·b ≤ B_noise/2, no shrink; and the same with the η gain
-            "grow-only": lambda: [cg.AdaptiveBatchSize(**GROW_ONLY, scale_lr="none")],
-            "grow-only-gain": lambda: [cg.AdaptiveBatchSize(**GROW_ONLY, reference_batch=ref)],
-            # grow-only with a shrink when k·b > B_noise (k·b kept in (B_noise/2, B_noise]), η kept
-            "shrink-early": lambda: [cg.AdaptiveBatchSize(**{**GROW_ONLY, "settle_windows": 3, "shrink": True},
-                                                          min_batch_size=8, scale_lr="none")],
-            "band": lambda: [cg.AdaptiveBatchSize(**{**GROW_ONLY, "shrink": True}, min_batch_size=1,
-                                                  scale_lr="none")]}
-
-
-def run(b: int, variant: str, *, epochs: int, seed: int, lr: float, milestones: tuple[int, ...],
-        metrics_every: int, measure_rounds: int = 10, warmup_windows: int = 0) -> dict:
-    train, test = cg.datasets.mnist(train=True), cg.datasets.mnist(train=False)
-    torch.manual_seed(seed)
-    plan = cg.compile(cg.models.lenet5(), (train[0][0].unsqueeze(0),),
-                      torch.nn.functional.cross_entropy, batch_size=b, devices=2, replicas=2,
-                      optimizer=cg.SGD(lr=lr, momentum=0.9))
-    policies = variants(lr)[variant]()
-    warmup_windows = WARMUP.get(variant, warmup_windows)
-    if milestones:  # as crossbow-graph train adds it
-        policies = policies + [cg.MultiStepLR(milestones=milestones, gamma=0.1)]
+def run(b: int, variant: str, *, epochs: int, seed: int, cli_flags: str = "") -> dict:
+    argv = ["train", "--devices", "2", "--batch-size", str(b), "--epochs", str(epochs), "--seed", str(seed),
+            "--quiet", *VARIANTS[variant], *shlex.split(cli_flags)]
+    plan, fit = prepare_train(build_parser().parse_args(argv))
     t0 = time.perf_counter()
-    h = plan.fit(train, epochs, eval_dataset=test, target_accuracy=0.99, evals_per_epoch=4,
-                 seed=seed, progress=False, policies=policies,
-                 metrics_every=cg.MetricsMonitor(metrics_every, measure_rounds=measure_rounds,
-                                                 warmup_windows=warmup_windows))
+    h = plan.fit(**fit)
     wall = time.perf_counter() - t0
     return {
-        "batch_size": b, "variant": variant, "lr": lr, "lr_milestones": list(milestones), "seed": seed, "epochs_max": epochs,
-        "metrics_every": metrics_every, "measure_rounds": measure_rounds, "warmup_windows": warmup_windows,
+        "batch_size": b, "variant": variant, "argv": argv, "lr": h.lr[0] if h.lr else None,
+        "seed": seed, "epochs_max": epochs,
         "final_accuracy": h.final_accuracy, "reached": h.epochs_to_accuracy is not None,
         "epochs_to_accuracy": h.epochs_to_accuracy, "time_to_accuracy_s": h.time_to_accuracy_s,
         "train_seconds": plan.train_seconds, "wall_seconds": wall,
-        "final_batch_size": plan.batch_size, "final_lr": plan.scheduler.lr,
+        "final_batch_size": plan.batch_size, "final_lr": plan.settings.lr,
         "policy": [vars(p) for p in h.policy],
         "evals": [vars(e) for e in h.evals],
         "metrics": [vars(m) for m in h.metrics],
@@ -114,7 +79,7 @@ def plot(rows: list[dict], path: str) -> None:
         if not ms:
             continue
         style = "-" if r["variant"] == "none" else "--"
-        if r["seed"] != 0 or r["variant"] not in ("none", "adaptive"):  # seed 0, the default rule
+        if r["seed"] != 0 or r["variant"] not in ("none", "metrics", "adaptive"):  # seed 0
             continue
         label = f"b={r['batch_size']} {r['variant']}"
         axes[0].plot([m["epoch"] for m in ms], [m["noise_scale"] for m in ms], style, label=label)
@@ -157,9 +122,9 @@ def summarise(rows: list[dict]) -> dict:
                 for i in range(0, len(seeds) - 2, 3)]
         out["pass"][variant]["all"] = f"{sum(r['reached'] for r in mine)}/{len(mine)}"
     for r in sorted(rows, key=lambda r: (r["variant"], r["batch_size"], r["seed"])):
-        row = {k: r[k] for k in ("variant", "batch_size", "seed", "reached", "epochs_to_accuracy",
-                                 "final_batch_size", "final_lr", "lr", "lr_milestones",
-                                 "warmup_windows")}
+        row = {k: r.get(k) for k in ("variant", "batch_size", "seed", "reached",
+                                     "epochs_to_accuracy", "final_batch_size", "final_lr", "lr",
+                                     "train_seconds")}
         row["best_accuracy"] = max((e["test_accuracy"] for e in r["evals"]), default=None)
         if r["seed"] == 0:  # what the plot draws
             row["metrics"] = [{k: m[k] for k in ("epoch", "noise_scale", "batch_size")}
@@ -170,19 +135,11 @@ def summarise(rows: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch-sizes", default="4,8,16,32,64")
+    ap.add_argument("--batch-sizes", default="4,8,16,32,64,128,256,512")
     ap.add_argument("--variants", default="none,adaptive")
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=DEFAULT_LR, help="the CLI's default")
-    ap.add_argument("--lr-milestones", default="2,4",
-                    help="epochs at which η drops 10× (default: the CLI's, 2,4); '' keeps η constant")
-    ap.add_argument("--metrics-every", type=int, default=50, help="N, rounds per metrics window")
-    ap.add_argument("--measure-rounds", type=int, default=10,
-                    help="R, the window's last rounds whose noise-scale estimates are averaged")
-    ap.add_argument("--warmup-windows", type=int, default=0,
-                    help="MetricsMonitor(warmup_windows=): the first windows of training kept out of "
-                         "the noise-scale EMAs (variant adaptive-warmup: 1)")
+    ap.add_argument("--cli-flags", default="", help="more crossbow-graph train flags for every run")
     ap.add_argument("--out", default="bench/runs/policies_w1.json", help="raw runs (not committed)")
     ap.add_argument("--summary", default="bench/results/policies_w1_summary.json")
     ap.add_argument("--plot", default="docs/images/noise_scale_w1.png")
@@ -198,12 +155,9 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"workload": "W1 LeNet-5/MNIST", "target": 0.99, "runs": rows}, f, indent=1)
-    milestones = tuple(int(x) for x in args.lr_milestones.split(",") if x)
     for b in [int(x) for x in args.batch_sizes.split(",") if x]:
         for variant in args.variants.split(","):
-            r = run(b, variant, epochs=args.epochs, seed=args.seed, lr=args.lr,
-                    milestones=milestones, metrics_every=args.metrics_every,
-                    measure_rounds=args.measure_rounds, warmup_windows=args.warmup_windows)
+            r = run(b, variant, epochs=args.epochs, seed=args.seed, cli_flags=args.cli_flags)
             rows = [x for x in rows if (x["batch_size"], x["variant"], x["seed"]) != (b, variant, args.seed)]
             rows.append(r)
             print(f"b={b:3d} {variant:9s} acc={r['final_accuracy']:.4f} "

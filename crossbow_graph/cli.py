@@ -29,12 +29,15 @@ __all__ = ["main", "build_parser", "prepare_train"]
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
 # --optimizer: the torch.optim class, its default η and the samples per round (k·b) that η was
 # measured at on LeNet-5/MNIST (adaptive_batch's reference for the gain with the default η):
-# AdamW's with the default OneCycle schedule at b = 128, k = 2 (bench/tta_baselines.py, docs/
-# benchmarking.md), SGD's with 10× drops at b = 16, k = 4 (bench/lr_sweep_w1.py)
+# AdamW's with the default OneCycle schedule at b = 256, k = 1 and b = 128, k = 2
+# (bench/tta_baselines.py, docs/benchmarking.md), SGD's with 10× drops at b = 16, k = 4
+# (bench/lr_sweep_w1.py)
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, 8e-3, 256), "adam": (torch.optim.Adam, 8e-3, 256),
     "sgd": (torch.optim.SGD, 0.02, 64), "rmsprop": (torch.optim.RMSprop, 1e-3, 256),
 }
+# samples per metrics window (MetricsMonitor(window_samples=...)): 50 rounds at the default k·b
+WINDOW_SAMPLES = 12_800
 LR_SCHEDULES = ("onecycle", "multistep", "cosine", "constant")
 DEFAULT_LR, DEFAULT_LR_BATCH = OPTIMIZERS["adamw"][1:]  # the default optimizer's
 
@@ -66,7 +69,8 @@ def _metrics_monitor(every: int, measure_rounds: int):
         ValueError: a negative N, or R < 1 (MetricsMonitor's message, naming the flag).
     """
     try:
-        monitor = MetricsMonitor(every or 50, measure_rounds=measure_rounds)  # checks R too
+        monitor = MetricsMonitor(every or 50, measure_rounds=measure_rounds,  # checks R too
+                                 window_samples=WINDOW_SAMPLES)
         return monitor if every else None
     except ValueError as exc:
         raise ValueError(f"--metrics-every {every} --measure-rounds {measure_rounds}: {exc}") from None
@@ -96,8 +100,9 @@ def _add_train_parser(sub) -> None:
     train = sub.add_parser(
         "train", help="train a zoo model on a real dataset with SMA",
         description="Train a model of the zoo with SMA and print the central model's test accuracy. "
-                    "With no arguments: LeNet-5 on MNIST, b=128, 2 devices × 1 replica (k=2), "
-                    "AdamW with a OneCycle schedule over 4 epochs, until 99.0% test accuracy.",
+                    "With no arguments: LeNet-5 on MNIST, b=256, every GPU (else one CPU device) "
+                    "× 1 replica, AdamW with a OneCycle schedule over 3 epochs, until 99.0% test "
+                    "accuracy.",
         formatter_class=_DefaultsFormatter,
     )
     train.add_argument("--model", default="lenet5", help="zoo model name (crossbow_graph.models.MODELS)")
@@ -120,9 +125,11 @@ def _add_train_parser(sub) -> None:
                        help="continue from the newest good checkpoint in --checkpoint-dir")
     train.add_argument("--log-dir", default=None,
                        help="write per-round/epoch CSV, TensorBoard events and history.json there")
-    train.add_argument("--batch-size", type=int, default=128, help="b, samples per learner per round")
-    train.add_argument("--devices", default="2",
-                       help="devices: 'auto' (every GPU, else one CPU device) or a count G")
+    train.add_argument("--batch-size", type=int, default=256, help="b, samples per learner per round")
+    train.add_argument("--devices", default="auto",
+                       help="devices: 'auto' (every GPU, else one CPU device, whose learners use "
+                            "every core) or a count G (on a CPU: G logical devices splitting the "
+                            "cores; --policy adaptive_batch needs k ≥ 2 learners, e.g. --devices 2)")
     train.add_argument("--replicas", default=1, type=_replicas_arg,
                        help="m, replicas (learners) per device, or 'auto' (the auto-tuner picks m "
                             "by measured samples/s)")
@@ -134,7 +141,7 @@ def _add_train_parser(sub) -> None:
     _add_optimizer_flags(train)
     train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
     train.add_argument("--central-momentum", type=float, default=0.9, help="SMA μ_z")
-    train.add_argument("--epochs", type=int, default=4,
+    train.add_argument("--epochs", type=int, default=3,
                        help="most epochs to run (the length of --lr-schedule onecycle and cosine)")
     train.add_argument("--target", type=float, default=0.99,
                        help="stop when the central model's test accuracy reaches it (0 disables)")
@@ -143,9 +150,10 @@ def _add_train_parser(sub) -> None:
                        help="training batches of b that re-estimate the central model's BatchNorm "
                             "statistics before each evaluation; 0: the replicas' mean")
     train.add_argument("--metrics-every", type=int, default=None,
-                       help="N, rounds per metrics window (history.metrics: samples/s, loss, "
-                            "divergence, gradient noise scale); 0: no metrics (default: 50 with a "
-                            "--policy, else 0)")
+                       help="N, the most rounds per metrics window (history.metrics: samples/s, "
+                            "loss, divergence, gradient noise scale); a window is 12,800 samples "
+                            "(⌈12,800 / (k·b)⌉ rounds, at least --measure-rounds) up to N; 0: no "
+                            "metrics (default: 50 with a --policy, else 0)")
     train.add_argument("--measure-rounds", type=int, default=10,
                        help="R, the last rounds of each metrics window whose noise-scale "
                             "estimates are averaged (each costs the next round's overlap)")

@@ -11,13 +11,14 @@ import crossbow_graph as cg
 from crossbow_graph.cli import DEFAULT_LR, DEFAULT_LR_BATCH, OPTIMIZERS, build_parser, main
 
 # the layout of the SGD tests below: b = 16, 2 devices × 2 replicas (k·b = 64), SGD with drops
-SGD16 = ["--batch-size", "16", "--replicas", "2", "--optimizer", "sgd", "--lr-schedule", "multistep"]
+SGD16 = ["--batch-size", "16", "--devices", "2", "--replicas", "2", "--optimizer", "sgd",
+         "--lr-schedule", "multistep"]
 
 
 def test_train_defaults_are_the_main_job():
     args = build_parser().parse_args(["train"])
-    assert (args.model, args.dataset, args.batch_size, args.devices, args.replicas) == ("lenet5", "mnist", 128, "2", 1)
-    assert (args.optimizer, args.lr_schedule, args.epochs, args.target, args.lr) == ("adamw", "onecycle", 4, 0.99, None)
+    assert (args.model, args.dataset, args.batch_size, args.devices, args.replicas) == ("lenet5", "mnist", 256, "auto", 1)
+    assert (args.optimizer, args.lr_schedule, args.epochs, args.target, args.lr) == ("adamw", "onecycle", 3, 0.99, None)
     assert (DEFAULT_LR, DEFAULT_LR_BATCH) == (8e-3, 256)  # --lr's default η and its k·b (AdamW)
     assert OPTIMIZERS["sgd"][1:] == (0.02, 64) and args.lr_milestones == (2, 4)
     assert build_parser().parse_args(["train", "--lr-milestones", ""]).lr_milestones == ()
@@ -61,6 +62,15 @@ def test_adaptive_batch_gain_refers_to_the_default_lrs_batch(tmp_path):
     assert lrs["given"] == []
 
 
+def test_adaptive_batch_with_one_learner_is_a_one_line_error(capsys):
+    """The default run has k = 1 on a CPU; the noise scale needs k ≥ 2: the error names the fix."""
+    argv = ["train", "--train-samples", "512", "--test-samples", "256", "--epochs", "1", "--quiet",
+            "--policy", "adaptive_batch"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "k = 1" in err and "--devices 2" in err
+
+
 def test_bad_lr_milestones_are_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--lr-milestones", "4,2"])
@@ -95,7 +105,7 @@ def test_optimizer_and_lr_schedule_flags_reach_the_fit(tmp_path, optimizer, sche
     log = tmp_path / "log"
     assert main(["train", "--train-samples", "512", "--test-samples", "256", "--epochs", "2",
                  "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "16",
-                 "--replicas", "2", "--optimizer", optimizer, "--lr-schedule", schedule,
+                 "--devices", "2", "--replicas", "2", "--optimizer", optimizer, "--lr-schedule", schedule,
                  "--log-dir", str(log)]) == 0
     lrs = json.loads((log / "history.json").read_text())["lr"]
     assert len(lrs) == 16  # 2 epochs × 512 / (k·b = 64)

@@ -629,3 +629,24 @@ def test_cli_policy_flag(capsys):
     assert args.policy == ["adaptive_batch", "step_lr:gamma=0.5"]
     assert main(["train", "--policy", "nope", "--quiet"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
+
+
+def test_adaptive_batch_size_moves_a_start_outside_its_bounds_into_them():
+    """A start above max_batch_size is moved to it before the first round (η unchanged), and every
+    batch of the fit is then of the bound's size; a plan of k = 1 without the tuner is refused."""
+    sizes = []
+
+    class Record(Hook):
+        def before_round(self, ctx):
+            sizes.append(ctx.plan.batch_size)
+
+    plan = compile_tiny(batch_size=16, devices=1, replicas=2, executor="inline")
+    h = plan.fit(tiny_data(64), 1, progress=False, hooks=[Record()], metrics_every=5,
+                 policies=[AdaptiveBatchSize(max_batch_size=8)])
+    assert sizes and set(sizes) == {8}
+    first = h.policy[0]
+    assert (first.round, first.changes) == (0, {"batch_size": 8}) and "outside" in first.reason
+    assert plan.settings.lr == 0.05
+    single = compile_tiny(batch_size=4, devices=1, replicas=1, executor="inline")
+    with pytest.raises(ValueError, match="k = 1"):
+        single.fit(tiny_data(16), 1, progress=False, policies=[AdaptiveBatchSize()])

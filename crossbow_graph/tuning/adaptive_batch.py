@@ -93,8 +93,9 @@ class AdaptiveBatchSize(Policy):
     moment: the square-root rule of Malladi et al. (2022, "On the SDEs and scaling rules for
     adaptive gradient algorithms") and AdaptDL's AdamScale (Qiao et al., OSDI 2021).
 
-    The change re-plans the learners and re-checks the memory bound (a batch that does not fit is
-    not taken, and ``max_batch_size`` drops to the last that fit). Data stay disjoint: rounds
+    A fit that starts with b outside the bounds moves it to the nearer bound before the first
+    round. The change re-plans the learners and re-checks the memory bound (a batch that does not
+    fit is not taken, and ``max_batch_size`` drops to the last that fit). Data stay disjoint: rounds
     take the next k·b positions of the epoch's order. The policy's state (bounds, windows and
     samples since the last change, the gain in η) is checkpointed; b and η themselves are part
     of the plan's checkpoint (``fit(checkpoint_dir=..., resume=True)`` continues at them).
@@ -260,6 +261,22 @@ class AdaptiveBatchSize(Policy):
             self._speeds, self._setting = [], None
         self._resumed = False
         self._seen = mon.last
+        self._into_bounds(ctx)
+
+    def _into_bounds(self, ctx: FitContext) -> None:
+        """A fit that starts with b outside [min_batch_size, max_batch_size] moves b to the nearer
+        bound before its first round (η unchanged: the gain applies once it is measured)."""
+        b = ctx.plan.batch_size
+        inside = min(max(b, self.min_batch_size or 1), self.max_batch_size)
+        if inside == b:
+            return
+        try:
+            self.adjust(ctx, batch_size=inside,
+                        reason=f"start b = {b} outside the bounds {self.min_batch_size}…"
+                               f"{self.max_batch_size}")
+        except PlanError:  # the bound does not fit the memory budget: stay
+            return
+        self._changed(ctx)
 
     def _judge_growth(self, ctx: FitContext) -> bool:
         """With a growth on trial and ``speed_windows`` windows measured at the new b: keep it, or
