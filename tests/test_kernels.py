@@ -189,6 +189,34 @@ def test_lower_compiles_for_cuda_without_a_gpu():
     assert "tensor<1024xi64>" in K.emit(big).lower(arch=90)["ttir"]  # 64-bit offsets
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+def test_every_kernel_lowers_for_sm90_with_16_byte_loads(dtype):
+    """Every kernel (local, with and without momentum/Nesterov/weight decay/correction, for m ∈
+    {1, 2, 8}; central) lowers to an sm_90 cubin without a GPU. The pointers are declared
+    16-byte aligned as the JIT's are: with P ≡ 0 mod 4 the fp32 rows load as 16-byte vectors
+    (ld.global.v4); at LeNet-5's P ≡ 2 mod 4 as 8-byte ones (v2), never one float at a time."""
+    import re
+
+    options = [dict(momentum=0.9, nesterov=False, weight_decay=0.0, first_step=False, correct=True),
+               dict(momentum=0.9, nesterov=True, weight_decay=1e-4, first_step=True, correct=False),
+               dict(momentum=0.0, nesterov=False, weight_decay=0.0, first_step=False, correct=True)]
+    for m in (1, 2, 8):
+        for P in (61_706, 65_536):
+            for opts in options:
+                asm = K.emit(K.local_spec(m, P, dtype, "cuda", **opts)).lower(arch=90)
+                assert len(asm["cubin"]) > 0 and ".target sm_90" in asm["ptx"]
+                loads = set(re.findall(r"ld\.global[\w.]*", asm["ptx"]))
+                if dtype == torch.float32 or P % 4 == 0:  # w, v, g, z: vectors only
+                    want = "ld.global.v4.b32" if P % 4 == 0 else "ld.global.v2.b32"
+                    assert loads == {want}, (m, P, opts, loads)
+    for P in (61_706, 65_536):
+        asm = K.emit(K.central_spec(P, "cuda", central_momentum=0.9)).lower(arch=90)
+        assert len(asm["cubin"]) > 0
+        loads = set(re.findall(r"ld\.global[\w.]*", asm["ptx"]))
+        assert loads == {"ld.global.v4.b32" if P % 4 == 0 else "ld.global.v2.b32"}
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()

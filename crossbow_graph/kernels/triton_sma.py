@@ -268,8 +268,8 @@ class EmittedKernel:
         """Compile this spec ahead of time for CUDA ``sm_<arch>`` — no GPU needed — and return
         the code by stage (``"ttir"``, ``"ttgir"``, ``"llir"``, ``"ptx"``, ``"cubin"``).
 
-        This is what the JIT builds on a GPU of that architecture, up to pointer-alignment
-        specialisation (the JIT also assumes 16-byte-aligned pointers).
+        This is what the JIT builds on a GPU of that architecture: the pointers are declared
+        16-byte aligned, as the JIT specialises them for tensors torch allocates.
         """
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -281,8 +281,12 @@ class EmittedKernel:
                      for name in fn.arg_names}
         if self.spec.kind == "sma_local":
             signature["g_ptr"] = "*" + _TRITON_DTYPE[self.spec.dtype]
+        # the JIT's specialisation: every tensor torch allocates is 16-byte aligned
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                   if name.endswith("_ptr")}
         src = ASTSource(fn, signature,
-                        constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+                        constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                        attrs=aligned)
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": num_warps, "enable_fp_fusion": FP_FUSION})
         return dict(compiled.asm)
