@@ -320,12 +320,28 @@ def _build_plan(args: _CompileArgs) -> "Plan":
 
 def _devices_and_comm(devices: int | str | Sequence[str],
                       distributed: Distributed | None) -> tuple[list[str], Comm | None]:
-    """The device names (``resolve_devices``) and, under torchrun, this rank's Comm; with
-    ``devices="auto"`` on GPUs a rank takes ``cuda:LOCAL_RANK``."""
+    """The device names (``resolve_devices``) and, under torchrun, this rank's Comm. On GPUs
+    under torchrun the ranks of a machine take disjoint GPUs (NCCL refuses two ranks on one):
+    with ``devices="auto"`` local rank r takes ``cuda:r``; with a count G, ``cuda:r·G`` …
+    ``cuda:r·G+G−1``; a list of names is taken as given.
+
+    Raises:
+        ValueError: a count G whose GPUs for this local rank do not exist on the machine.
+    """
     names = resolve_devices(devices)
     comm = Comm.from_env(distributed, on_cuda=names[0].startswith("cuda"))
-    if comm is not None and devices == "auto" and names[0].startswith("cuda"):
+    if comm is None or not names[0].startswith("cuda"):
+        return names, comm
+    if devices == "auto":
         names = [f"cuda:{comm.local_rank}"]  # one process per GPU, as torchrun launches them
+    elif isinstance(devices, int) and not isinstance(devices, bool):
+        first, n_cuda = comm.local_rank * devices, torch.cuda.device_count()
+        if first + devices > n_cuda:
+            raise ValueError(f"devices={devices} under torchrun: local rank {comm.local_rank} "
+                             f"would take cuda:{first}…cuda:{first + devices - 1}, but this machine "
+                             f"has {n_cuda} CUDA GPUs; use devices='auto' (one GPU per process) or "
+                             f"--nproc-per-node {max(1, n_cuda // devices)}")
+        names = [f"cuda:{first + i}" for i in range(devices)]
     return names, comm
 
 

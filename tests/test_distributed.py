@@ -263,3 +263,22 @@ def test_torchrun_cli_prints_the_same_z_checksum_on_both_ranks():
     assert len(sums) == 2 and sums[0].startswith("rank 0/2") and sums[1].startswith("rank 1/2"), out
     assert sums[0].split("checksum")[1] == sums[1].split("checksum")[1], out
     assert out.count("final test accuracy") == 1, out  # rank 0 only
+
+
+def test_torchrun_ranks_of_a_machine_take_disjoint_gpus(monkeypatch):
+    """Under torchrun on GPUs (faked: 4 GPUs, local rank 1, no process group), devices='auto'
+    gives cuda:1, devices=2 gives cuda:2 and cuda:3, and devices=3 is an error naming the fix;
+    without torchrun the names are resolve_devices' own."""
+    import types
+
+    from crossbow_graph import api
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(api.Comm, "from_env", staticmethod(lambda *a, **k: types.SimpleNamespace(local_rank=1)))
+    assert api._devices_and_comm("auto", None)[0] == ["cuda:1"]
+    assert api._devices_and_comm(2, None)[0] == ["cuda:2", "cuda:3"]
+    assert api._devices_and_comm(["cuda:0"], None)[0] == ["cuda:0"]
+    with pytest.raises(ValueError, match=r"local rank 1 would take cuda:3…cuda:5.*devices='auto'"):
+        api._devices_and_comm(3, None)
+    monkeypatch.setattr(api.Comm, "from_env", staticmethod(lambda *a, **k: None))
+    assert api._devices_and_comm(2, None)[0] == ["cuda:0", "cuda:1"]
