@@ -25,11 +25,11 @@ configuration per seed). A run that misses the target counts as +∞ in a median
     python bench/tta_baselines.py                              # the whole grid, 3 seeds (hours)
     python bench/tta_baselines.py --recipes adamw-onecycle --batches 128 --seeds 0
     python bench/tta_baselines.py --configs sgd-multistep:64:0.04 adamw-onecycle:128:0.004 \\
-        --with-tta-systems crossbow-r2 --seeds 0 1 2       # chosen ones, interleaved with crossbow
+        --with-tta-systems crossbow-cli --seeds 0 1 2      # chosen ones, interleaved with crossbow
     python bench/tta_baselines.py --smoke                      # one short run (tests)
 
 ``--configs`` runs only the listed ``recipe:B:lr`` configurations; ``--with-tta-systems`` adds
-systems of ``bench/tta.py`` (e.g. ``crossbow-r2``, crossbow_graph with the CLI's defaults) into
+systems of ``bench/tta.py`` (e.g. ``crossbow-cli``, ``crossbow-graph train`` with its defaults) into
 the same interleaving, each run by ``bench/tta.py``'s own runner. Prints a table; writes
 ``bench/runs/tta-baselines-<UTC time>.json`` (not committed) after every run. ``run_recipe`` runs
 one configuration in this process (importable: ``from tta_baselines import run_recipe`` with

@@ -46,7 +46,7 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default unless it is None or False (those say what happens in the help)."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "(default" in (action.help or ""):
+        if action.default is None or action.default is False or "(default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -488,8 +488,10 @@ def _print_results(plan: cg.Plan, history: cg.History, target: float | None) -> 
     epochs = history.epochs_to_accuracy or float(len(history.epochs))
     seconds = history.time_to_accuracy_s or plan.train_seconds
     samples = sum(e.samples for e in history.epochs)
-    reached = "reached" if history.time_to_accuracy_s is not None else "did not reach"
-    print(f"final test accuracy {history.final_accuracy:.4f} ({reached} target {target}) after "
+    reached = ("no target" if target is None else
+               f"{'reached' if history.time_to_accuracy_s is not None else 'did not reach'} "
+               f"target {target}")
+    print(f"final test accuracy {history.final_accuracy:.4f} ({reached}) after "
           f"{epochs:.2f} epochs, {seconds:.1f} training seconds, "
           f"{samples / max(plan.train_seconds, 1e-9):,.0f} samples/s")
 
