@@ -198,7 +198,7 @@ def _add_optimizer_flags(train: argparse.ArgumentParser) -> None:
     train.add_argument("--momentum", type=float, default=0.9,
                        help="local momentum μ_l (--optimizer sgd, rmsprop)")
     train.add_argument("--weight-decay", type=float, default=0.0,
-                       help="weight decay λ (decoupled for adamw; default 0.0 for every optimizer)")
+                       help="weight decay λ (decoupled for adamw; the same default for every optimizer)")
 
 
 def _add_inspect_parser(sub) -> None:
