@@ -296,7 +296,7 @@ def _build_plan(args: _CompileArgs) -> "Plan":
                          "{'input_ids': ids, 'labels': labels}, or pass a loss_fn(output, target)")
     memory_budget = args.memory_budget
     if memory_budget is None and names[0].startswith("cuda"):
-        memory_budget = torch.cuda.get_device_properties(_torch_device(names[0])).total_memory
+        memory_budget = cuda_memory_budget(names)
     graph = build_task_graph(model_graph, devices=names,
                              replicas_per_device=1 if args.tuned else args.replicas,
                              batch_size=args.batch_size, memory_budget_bytes=memory_budget,
@@ -316,6 +316,18 @@ def _build_plan(args: _CompileArgs) -> "Plan":
         warnings.warn(f"{message}; replicas='auto' starts with per_replica", stacklevel=3)
         plan.set_learner_mode("per_replica")
     return plan
+
+
+def cuda_memory_budget(names: Sequence[str]) -> int:
+    """Bytes the plan may use per GPU: the smallest over ``names`` of what the device has free
+    (``torch.cuda.mem_get_info``) plus what this process's caching allocator already reserved
+    there (reusable), so that other processes' memory and the CUDA context are left out."""
+    budgets = []
+    for name in names:
+        device = _torch_device(name)
+        free, _total = torch.cuda.mem_get_info(device)
+        budgets.append(int(free) + int(torch.cuda.memory_reserved(device)))
+    return min(budgets)
 
 
 def _devices_and_comm(devices: int | str | Sequence[str],

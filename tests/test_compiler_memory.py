@@ -111,3 +111,32 @@ def test_max_replicas_per_device_is_the_bound_compile_enforces():
         cg.compile(model, (x,), F.cross_entropy, batch_size=16, devices=["cpu:0"], replicas=m + 1,
                    memory_budget=budget)
     assert max_replicas_per_device(analysis, 16, 1000) == 0
+
+
+def test_cuda_estimate_adds_cublas_workspace_per_learner_and_the_budget_is_free_memory(monkeypatch):
+    """On CUDA each learner's stream gets cuBLAS's workspace (32 MiB on sm_90, 8.125 MiB
+    before; CUBLAS_WORKSPACE_CONFIG overrides it), part `library` of the estimate; the budget is
+    the free memory plus this process's reserved cache, the smallest over the devices."""
+    from crossbow_graph import api
+    from crossbow_graph.compiler.analysis import cublas_workspace_bytes
+    from crossbow_graph.compiler.passes import library_workspace
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert cublas_workspace_bytes((9, 0)) == 32 * 2**20
+    assert cublas_workspace_bytes((8, 0)) == (4096 * 2 + 16 * 8) * 1024
+    assert cublas_workspace_bytes((9, 0), ":4096:2") == 8 * 2**20
+    with pytest.raises(ValueError, match="CUBLAS_WORKSPACE_CONFIG"):
+        cublas_workspace_bytes((9, 0), ":4096")
+    analysis = trace_model(models.lenet5(), (torch.randn(2, 1, 28, 28),)).analysis
+    base = estimate_memory(analysis, 64, 2)
+    gpu = estimate_memory(analysis, 64, 2, library_workspace=32 * 2**20)
+    assert gpu.total == base.total + 32 * 2**20 and gpu.as_dict()["library"] == 32 * 2**20
+    assert gpu.training_step == base.training_step and "library 32.00" in gpu.breakdown()
+    assert library_workspace(["cpu:0", "cpu:1"]) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert library_workspace(["cuda:0"]) == 32 * 2**20
+    free = {0: 70 * 2**30, 1: 60 * 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[d.index], 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 2**30)
+    assert api.cuda_memory_budget(["cuda:0", "cuda:1"]) == 61 * 2**30

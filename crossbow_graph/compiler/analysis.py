@@ -20,6 +20,7 @@ Conventions (documented in docs/compiler.md):
 from __future__ import annotations
 
 import math
+import os
 import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
@@ -32,8 +33,13 @@ from torch.nn import functional as F
 if TYPE_CHECKING:
     from .eager import EagerCost
 
-__all__ = ["NodeCost", "ModelAnalysis", "MemoryEstimate", "analyze", "analysis_of_totals",
-           "estimate_memory", "max_replicas_per_device", "unknown_modules"]
+__all__ = ["NodeCost", "ModelAnalysis", "MemoryEstimate", "MEMORY_PARTS", "analyze",
+           "analysis_of_totals", "estimate_memory", "max_replicas_per_device", "unknown_modules",
+           "cublas_workspace_bytes"]
+
+#: The parts of a learner's memory estimate, in the order summaries print them.
+MEMORY_PARTS = ("params", "grads", "optimizer", "buffers", "activations", "workspace", "library",
+                "flat_share")
 
 #: Gradient temporaries alive at the peak of backward, in units of the largest activation: the
 #: gradient of an op's output and (part of) its input's; a model with residual joins keeps more
@@ -203,6 +209,8 @@ class MemoryEstimate:
             ``max(c·A, A + W)`` with A the largest activation, W the largest trainable parameter
             tensor and c = 1.5 (3 for models with residual joins).
         flat_share: 1/m of the device's shared flat buffers ``z, z_prev, acc [P]`` and ``zbuf [Q]``.
+        library: the CUDA libraries' workspace of the learner's stream (``cublas_workspace_bytes``;
+            0 on the CPU): cuBLAS keeps one per stream that runs a matmul.
         batch_size: b; replicas_per_device: m.
     """
 
@@ -215,27 +223,25 @@ class MemoryEstimate:
     flat_share: int
     batch_size: int
     replicas_per_device: int
+    library: int = 0
 
     @property
     def total(self) -> int:
         """Bytes per learner: the sum of every part."""
-        return (self.params + self.grads + self.optimizer + self.buffers + self.activations
-                + self.workspace + self.flat_share)
+        return sum(getattr(self, p) for p in MEMORY_PARTS)
 
     @property
     def training_step(self) -> int:
-        """Bytes of one eager training step (no flat share): what the profiler test measures."""
-        return self.total - self.flat_share
+        """Bytes of one eager training step (no flat share, no library workspace): what the
+        profiler test measures."""
+        return self.total - self.flat_share - self.library
 
     def breakdown(self) -> str:
         """``"params 1.8 + grads 1.8 + ... MiB"``: the parts of ``total`` in MiB."""
-        parts = ("params", "grads", "optimizer", "buffers", "activations", "workspace", "flat_share")
-        return " + ".join(f"{p} {getattr(self, p) / 2**20:.2f}" for p in parts) + " MiB"
+        return " + ".join(f"{p} {getattr(self, p) / 2**20:.2f}" for p in MEMORY_PARTS) + " MiB"
 
     def as_dict(self) -> dict[str, int]:
-        return {p: getattr(self, p) for p in ("params", "grads", "optimizer", "buffers",
-                                               "activations", "workspace", "flat_share",
-                                               "batch_size", "replicas_per_device")}
+        return {p: getattr(self, p) for p in MEMORY_PARTS + ("batch_size", "replicas_per_device")}
 
 
 def _itemsize(dtype: torch.dtype | None) -> int:
@@ -458,7 +464,26 @@ def analysis_of_totals(nodes: list[NodeCost], example_batch: int, *, parameters:
     )
 
 
-def estimate_memory(analysis: ModelAnalysis, batch_size: int, replicas_per_device: int = 1) -> MemoryEstimate:
+def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = None) -> int:
+    """cuBLAS's workspace per stream on a GPU of compute ``capability``: PyTorch's default
+    ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8`` (32 MiB) on sm_90 and newer, ``:4096:2:16:8``
+    (8.125 MiB) before; ``config`` (default: the environment's ``CUBLAS_WORKSPACE_CONFIG``) as
+    ``:SIZE_KiB:COUNT`` pairs overrides it (torch.backends.cuda, CUDA semantics: cuBLAS workspaces).
+
+    Raises:
+        ValueError: a ``config`` that is not ``:SIZE:COUNT`` pairs of integers.
+    """
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG") if config is None else config
+    if not config:
+        config = ":4096:8" if capability >= (9, 0) else ":4096:2:16:8"
+    fields = config.split(":")[1:]
+    if len(fields) % 2 or not all(f.isdigit() for f in fields):
+        raise ValueError(f"CUBLAS_WORKSPACE_CONFIG={config!r}: use :SIZE_KiB:COUNT pairs, e.g. :4096:8")
+    return sum(int(size) * int(count) * 1024 for size, count in zip(fields[::2], fields[1::2]))
+
+
+def estimate_memory(analysis: ModelAnalysis, batch_size: int, replicas_per_device: int = 1,
+                    *, library_workspace: int = 0) -> MemoryEstimate:
     """Memory of one learner at batch b with m learners per device (docs/design-overview.md §3, §4).
 
     ``params + grads + optimizer + buffers + activations(b) + workspace(b) + flat_share(m)``, where
@@ -467,12 +492,15 @@ def estimate_memory(analysis: ModelAnalysis, batch_size: int, replicas_per_devic
     workspace is ``max(c·A, A + W)`` (A the largest activation at b, W the largest trainable
     parameter tensor, c = ``analysis.workspace_activations``: the gradients of an op's output and
     input, or an activation gradient and a weight gradient's temporary), and the flat share is
-    ``(3·4P + 4Q) / m`` for the device's ``z, z_prev, acc`` and ``zbuf``.
+    ``(3·4P + 4Q) / m`` for the device's ``z, z_prev, acc`` and ``zbuf``; ``library_workspace``
+    is added as the learner's ``library`` part (on CUDA: ``cublas_workspace_bytes``, one per
+    learner stream; cuDNN's convolution workspace is not modelled).
 
     Args:
         analysis: the model's analysis.
         batch_size: b (> 0), samples per learner.
         replicas_per_device: m (≥ 1).
+        library_workspace: bytes of library workspace per learner (≥ 0).
 
     Raises:
         ValueError: b < 1 or m < 1.
@@ -490,6 +518,7 @@ def estimate_memory(analysis: ModelAnalysis, batch_size: int, replicas_per_devic
                                     largest + analysis.max_param_bytes))),
         flat_share=int(math.ceil(shared / replicas_per_device)),
         batch_size=batch_size, replicas_per_device=replicas_per_device,
+        library=int(library_workspace),
     )
 
 

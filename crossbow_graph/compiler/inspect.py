@@ -18,6 +18,7 @@ from typing import Any
 import networkx as nx
 
 from ..errors import PlanError
+from .analysis import MEMORY_PARTS
 from .passes import build_task_graph
 from .tasks import Cost, Task, TaskKind
 from .trace import trace_model
@@ -84,9 +85,9 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
             + (f" (from {_TRACERS.get(model['tracer'], model['tracer'])})"
                if model.get("tracer", "torch.fx") != "torch.fx" else ""))
     if parts:
-        names = ("params", "grads", "optimizer", "buffers", "activations", "workspace", "flat_share")
+        names = MEMORY_PARTS
         lines.append(f"memory per learner ≈ {mem / _MIB:.2f} MiB = "
-                     + " + ".join(f"{n} {parts[n] / _MIB:.2f}" for n in names if n in parts))
+                     + " + ".join(f"{n} {parts[n] / _MIB:.2f}" for n in names if parts.get(n) or n in parts and n != "library"))
     if settings:
         opt, sync = settings.get("optimizer", {}), settings.get("sync", {})
         lines.append(

@@ -11,8 +11,9 @@ import dataclasses
 from typing import Callable
 
 import networkx as nx
+import torch
 
-from .analysis import estimate_memory
+from .analysis import cublas_workspace_bytes, estimate_memory
 from .tasks import Cost, Task, TaskKind
 from .trace import ModelGraph
 from .verify import verify_task_graph
@@ -82,6 +83,15 @@ def learner_memory_bytes(model_graph: ModelGraph, batch_size: int, replicas_per_
     return estimate_memory(model_graph.analysis, batch_size, replicas_per_device).total
 
 
+def library_workspace(devices: list[str]) -> int:
+    """Bytes of CUDA library workspace per learner on ``devices`` (names): cuBLAS's workspace of
+    its stream on the first device's architecture (``cublas_workspace_bytes``); 0 on CPUs, or
+    where the GPU cannot be queried."""
+    if not devices or not str(devices[0]).startswith("cuda") or not torch.cuda.is_available():
+        return 0
+    return cublas_workspace_bytes(torch.cuda.get_device_capability(devices[0]))
+
+
 def annotate_costs(graph: nx.DiGraph, model_graph: ModelGraph) -> nx.DiGraph:
     """Cost annotation: FLOPs and bytes moved by each task per round, memory per learner.
 
@@ -102,7 +112,7 @@ def annotate_costs(graph: nx.DiGraph, model_graph: ModelGraph) -> nx.DiGraph:
     analysis = model_graph.analysis
     p = analysis.num_trainable
     p4 = 4 * p
-    est = estimate_memory(analysis, b, m)
+    est = estimate_memory(analysis, b, m, library_workspace=library_workspace(out.graph["devices"]))
     out.graph["memory_per_learner_bytes"] = est.total
     out.graph["memory"] = est.as_dict()
     out.graph["model"] = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import networkx as nx
 
 from ..errors import PlanError
+from .analysis import MEMORY_PARTS
 from .tasks import Task, TaskKind
 
 __all__ = ["verify_task_graph"]
@@ -100,8 +101,8 @@ def _memory_message(graph: nx.DiGraph, device: str, learns: list[str], mem: int,
     fit = max(0, (budget - shared) // own) if own > 0 else 0
     detail = ""
     if parts:
-        names = ("params", "grads", "optimizer", "buffers", "activations", "workspace", "flat_share")
-        detail = " (" + " + ".join(f"{n} {parts[n] / mib:.3g}" for n in names if n in parts) + \
+        names = MEMORY_PARTS
+        detail = " (" + " + ".join(f"{n} {parts[n] / mib:.3g}" for n in names if parts.get(n) or n in parts and n != "library") + \
             f" MiB at batch {parts.get('batch_size')})"
     advice = (f"at most {fit} replica(s) fit: lower the replicas per device to {fit} or the batch "
               "size, or raise memory_budget") if fit else \
