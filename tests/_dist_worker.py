@@ -158,6 +158,11 @@ def main(scenario: str, out: str) -> None:
     for name in GROUPS.get(scenario, [scenario]):
         results[name] = run(name, rank, out)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    if scenario in ("ok", "mismatch") and torch.distributed.is_initialized():
+        # every rank is alive here: leave together, so that no rank tears gloo down while its
+        # peer still uses the group (that aborted a rank at exit: "terminate called ...")
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
