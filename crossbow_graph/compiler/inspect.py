@@ -86,12 +86,15 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
                if model.get("tracer", "torch.fx") != "torch.fx" else ""))
     if parts:
         names = MEMORY_PARTS
+        shown = [n for n in names if parts.get(n) or n in parts and n != "library"]  # library: CUDA
         lines.append(f"memory per learner ≈ {mem / _MIB:.2f} MiB = "
-                     + " + ".join(f"{n} {parts[n] / _MIB:.2f}" for n in names if parts.get(n) or n in parts and n != "library"))
+                     + " + ".join(f"{n} {parts[n] / _MIB:.2f}" for n in shown))
     if settings:
         opt, sync = settings.get("optimizer", {}), settings.get("sync", {})
+        alpha = settings.get("alpha", 0)
+        alpha = "— (one learner: nothing to average)" if not alpha and k == 1 else f"{alpha:.4g}"
         lines.append(
-            f"sync: SMA(α={settings.get('alpha', 0):.4g}, μ_z={sync.get('central_momentum')}, every "
+            f"sync: SMA(α={alpha}, μ_z={sync.get('central_momentum')}, every "
             f"{sync.get('sync_every')} round(s)); optimizer: {_optimizer_text(opt)}")
     header = f"{'device':<10}{'replicas':>9}{'LEARN':>7}{'LOCAL_SYNC':>12}{'GFLOP/round':>13}{'memory MiB':>12}"
     lines += [header, "-" * len(header)]

@@ -102,7 +102,8 @@ def _memory_message(graph: nx.DiGraph, device: str, learns: list[str], mem: int,
     detail = ""
     if parts:
         names = MEMORY_PARTS
-        detail = " (" + " + ".join(f"{n} {parts[n] / mib:.3g}" for n in names if parts.get(n) or n in parts and n != "library") + \
+        shown = [n for n in names if parts.get(n) or n in parts and n != "library"]  # library: CUDA
+        detail = " (" + " + ".join(f"{n} {parts[n] / mib:.3g}" for n in shown) + \
             f" MiB at batch {parts.get('batch_size')})"
     advice = (f"at most {fit} replica(s) fit: lower the replicas per device to {fit} or the batch "
               "size, or raise memory_budget") if fit else \
