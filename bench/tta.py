@@ -424,6 +424,18 @@ def _fmt(x, spec="{:.1f}"):
     return "—" if x is None else spec.format(x)
 
 
+def print_run(seed: int, name: str, res: dict, load1: float, width: int = 14) -> None:
+    """One line per finished run: its time and epochs to the target, samples/s, final accuracy,
+    wall seconds and the load average when it started (or its error)."""
+    if "error" in res:
+        print(f"seed {seed} {name:<{width}} ERROR {res['error'][-300:]}", flush=True)
+        return
+    print(f"seed {seed} {name:<{width}} TTA {_fmt(res['time_to_accuracy_s']):>6} s  "
+          f"epochs {_fmt(res['epochs_to_accuracy'], '{:.2f}'):>5}  "
+          f"{res['samples_per_s']:>8,.0f} samples/s  final {res['final_accuracy']:.4f}  "
+          f"(wall {res['wall_s']:.0f} s, load {load1:.1f})", flush=True)
+
+
 def print_table(summary: dict, target: float) -> None:
     print(f"\n{'system':<15} {'reached':>7} {'TTA median s':>12} {'spread s':>13} "
           f"{'epochs':>6} {'samples/s':>10} {'final acc':>9} {'÷ default':>9}")
@@ -518,13 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             load1 = os.getloadavg()[0]
             res = run_in_subprocess(job, args.timeout)
             runs.append(dict(system=name, seed=seed, load_average_1min=load1, result=res))
-            if "error" in res:
-                print(f"seed {seed} {name:<14} ERROR {res['error'][-300:]}", flush=True)
-            else:
-                print(f"seed {seed} {name:<14} TTA {_fmt(res['time_to_accuracy_s']):>6} s  "
-                      f"epochs {_fmt(res['epochs_to_accuracy'], '{:.2f}'):>5}  "
-                      f"{res['samples_per_s']:>8,.0f} samples/s  final {res['final_accuracy']:.4f}  "
-                      f"(wall {res['wall_s']:.0f} s, load {load1:.1f})", flush=True)
+            print_run(seed, name, res, load1)
             summary = summarise(runs, args.systems)
             with open(out, "w") as f:
                 json.dump(dict(meta, wall_s=time.perf_counter() - t_start, runs=runs,

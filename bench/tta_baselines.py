@@ -202,8 +202,7 @@ def summarise(runs: list[dict]) -> dict:
                 baseline_tta_median_s=plain[best]["tta_median_s"] if best else None)
 
 
-def _fmt(x, spec="{:.1f}"):
-    return "—" if x is None else spec.format(x)
+_fmt = tta._fmt  # "—" for a missed target
 
 
 def print_table(summary: dict) -> None:
@@ -303,13 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         res = (tta.run_in_subprocess(job["tta"], args.timeout) if "tta" in job
                else _run_in_subprocess(job, args.timeout))
         runs.append(dict(system=name, seed=seed, load_average_1min=load1, result=res))
-        if "error" in res:
-            print(f"seed {seed} {name:<26} ERROR {res['error'][-300:]}", flush=True)
-        else:
-            print(f"seed {seed} {name:<26} TTA {_fmt(res['time_to_accuracy_s']):>6} s  "
-                  f"epochs {_fmt(res['epochs_to_accuracy'], '{:.2f}'):>5}  "
-                  f"{res['samples_per_s']:>8,.0f} samples/s  final {res['final_accuracy']:.4f}  "
-                  f"(wall {res['wall_s']:.0f} s, load {load1:.1f})", flush=True)
+        tta.print_run(seed, name, res, load1, width=26)
         with open(out, "w") as f:
             json.dump(dict(meta, wall_s=time.perf_counter() - t_start, runs=runs,
                            summary=summarise(runs)), f, indent=1)

@@ -3,43 +3,26 @@ in central_model() (training/batchnorm.py); oracle: torch.optim.swa_utils.update
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.optim.swa_utils import update_bn
-from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from bn_central import SmallBN, quadrants  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-class BNNet(nn.Module):
-    """Two 3×3 conv + BatchNorm2d + ReLU layers, mean-pooled, → 4 classes, on 1×8×8 images."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1, self.b1 = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8)
-        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x):
-        x = F.relu(self.b2(self.c2(F.relu(self.b1(self.c1(x))))))
-        return self.fc(x.mean((2, 3)))
-
-
-def blobs(n: int, seed: int) -> TensorDataset:
-    """The class (0–3) is the quadrant of an 8×8 image that is brighter by 1, in N(0, 0.5²) noise."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, 4, (n,), generator=g)
-    x = torch.randn(n, 1, 8, 8, generator=g) * 0.5
-    for q in range(4):
-        r, c = divmod(q, 2)
-        x[y == q, :, 4 * r:4 * r + 4, 4 * c:4 * c + 4] += 1.0
-    return TensorDataset(x, y)
+# the benchmark's small BatchNorm net and its quadrant images (bench/bn_central.py)
+BNNet, blobs = SmallBN, quadrants
 
 
 def _plan(lr: float = 0.1, devices: int = 2, replicas: int = 2, executor: str = "inline") -> cg.Plan:

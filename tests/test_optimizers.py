@@ -48,6 +48,20 @@ def _adafactor(model):  # not elementwise: one instance per replica
     return torch.optim.Adafactor(model.parameters(), lr=1e-2)
 
 
+def _compile(model, data, **kw) -> cg.Plan:
+    """A plan of ``model`` at batch B on ``data``'s inputs with cross-entropy."""
+    return cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B, **kw)
+
+
+def _adam_after_one_epoch(data) -> cg.Plan:
+    """One device × 2 replicas with Adam (lr 1e-2), inline, after one epoch of ``data``."""
+    model = _net()
+    plan = _compile(model, data, devices=1, replicas=2,
+                    optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), executor="inline")
+    plan.fit(data, epochs=1, progress=False, metrics_every=None)
+    return plan
+
+
 def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
@@ -78,8 +92,7 @@ def test_one_learner_equals_eager_pytorch_step_for_step(data, make_opt, sched):
     model = _net()
     expected = _eager(copy.deepcopy(model), make_opt, data, N // B, sched)
     opt = make_opt(model)
-    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                      devices=1, replicas=1, optimizer=opt, executor="inline")
+    plan = _compile(model, data, devices=1, replicas=1, optimizer=opt, executor="inline")
     history = plan.fit(data, shuffle=False, progress=False, metrics_every=None,
                        lr_scheduler=sched(plan.optimizer) if sched else None,
                        lr_scheduler_interval="round")
@@ -106,8 +119,7 @@ def test_four_learners_adamw_train_and_a_zero_lr_group_stays_bitwise(data, execu
     opt = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 0.0},
                              {"params": list(model[1].parameters()) + list(model[3].parameters())}],
                             lr=1e-2)
-    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                      devices=2, replicas=replicas, optimizer=opt, executor=executor)
+    plan = _compile(model, data, devices=2, replicas=replicas, optimizer=opt, executor=executor)
     history = plan.fit(data, epochs=3, progress=False, metrics_every=None, eval_dataset=data)
     losses = [e.test_loss for e in history.evals]
     assert losses[-1] < losses[0]
@@ -126,8 +138,7 @@ def test_stacked_replicas_equal_one_instance_per_replica(data, monkeypatch):
         opt = _groups_adamw(model)
         for group in opt.param_groups:
             group["foreach"] = False
-        plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy,
-                          batch_size=B, devices=1, replicas=4, optimizer=opt, executor="inline")
+        plan = _compile(model, data, devices=1, replicas=4, optimizer=opt, executor="inline")
         assert plan.settings.optimizer.stacked
         if not stacked:
             monkeypatch.setattr(plan.settings.optimizer, "stacked", False)
@@ -139,11 +150,7 @@ def test_stacked_replicas_equal_one_instance_per_replica(data, monkeypatch):
 
 
 def test_a_new_replica_starts_from_z_with_fresh_optimizer_state(data):
-    model = _net()
-    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                      devices=1, replicas=2, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
-                      executor="inline")
-    plan.fit(data, epochs=1, progress=False, metrics_every=None)
+    plan = _adam_after_one_epoch(data)
     rows = plan.states[0].optim_rows
     kept = {k: t[:2].clone() for k, t in rows.store[0].items()}
     plan.set_replicas(3)
@@ -159,11 +166,7 @@ def test_a_new_replica_starts_from_z_with_fresh_optimizer_state(data):
 
 
 def test_a_faulty_replica_gets_fresh_optimizer_state(data):
-    model = _net()
-    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                      devices=1, replicas=2, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
-                      executor="inline")
-    plan.fit(data, epochs=1, progress=False, metrics_every=None)
+    plan = _adam_after_one_epoch(data)
     poisoned = [False]
 
     class Poison(cg.Hook):
@@ -184,8 +187,7 @@ def test_resume_with_adamw_and_a_scheduler_is_bit_identical(data, tmp_path):
     def run(epochs, resume, directory):
         model = _net()
         opt = _groups_adamw(model)
-        plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy,
-                          batch_size=B, devices=2, replicas=2, optimizer=opt)
+        plan = _compile(model, data, devices=2, replicas=2, optimizer=opt)
         sched = torch.optim.lr_scheduler.SequentialLR(plan.optimizer, [
             torch.optim.lr_scheduler.LinearLR(plan.optimizer, start_factor=0.1, total_iters=4),
             torch.optim.lr_scheduler.CosineAnnealingLR(plan.optimizer, T_max=20)], milestones=[4])
@@ -208,8 +210,8 @@ def test_resume_with_adamw_and_a_scheduler_is_bit_identical(data, tmp_path):
 
 def test_reduce_on_plateau_reads_the_central_models_test_loss(data):
     model = _net()
-    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                      devices=1, replicas=2, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    plan = _compile(model, data, devices=1, replicas=2,
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
     sched = torch.optim.lr_scheduler.ReduceLROnPlateau(plan.optimizer, patience=0, factor=0.5,
                                                        threshold=10.0, threshold_mode="abs")
     # better only at the first evaluation, then halved at each
@@ -221,20 +223,17 @@ def test_reduce_on_plateau_reads_the_central_models_test_loss(data):
 
 def test_torch_sgd_with_one_group_runs_the_sma_kernels(data):
     model = _net()
-    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                      devices=1, replicas=2, optimizer=torch.optim.SGD(model.parameters(), lr=0.1,
-                                                                       momentum=0.9))
+    plan = _compile(model, data, devices=1, replicas=2,
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     assert plan.settings.optimizer.kernel and plan.states[0].optim_rows is None
-    adam = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                      devices=1, replicas=2, optimizer=torch.optim.Adam(model.parameters()))
+    adam = _compile(model, data, devices=1, replicas=2, optimizer=torch.optim.Adam(model.parameters()))
     assert len(plan.kernels) > len(adam.kernels) == 1  # the row optimizer: central update only
     assert "SGD(lr=0.1" in plan.summary() and "Adam(lr=0.001" in adam.summary()
 
 
 def test_cg_sgd_is_a_torch_sgd_a_scheduler_can_drive(data):
     model = _net()
-    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                      devices=1, replicas=2, optimizer=cg.SGD(lr=0.1))
+    plan = _compile(model, data, devices=1, replicas=2, optimizer=cg.SGD(lr=0.1))
     assert isinstance(plan.optimizer, torch.optim.SGD) and plan.settings.optimizer.kernel
     sched = torch.optim.lr_scheduler.MultiStepLR(plan.optimizer, milestones=[1], gamma=0.1)
     history = plan.fit(data, epochs=2, progress=False, metrics_every=None, lr_scheduler=sched)
@@ -274,14 +273,12 @@ def test_optimizers_that_cannot_be_replicated_are_refused_before_training(data, 
 def test_ssgd_with_adamw_is_refused(data):
     model = _net()
     with pytest.raises(ValueError, match="SSGD"):
-        cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                   replicas=2, optimizer=torch.optim.AdamW(model.parameters()), sync=cg.SSGD())
+        _compile(model, data, replicas=2, optimizer=torch.optim.AdamW(model.parameters()), sync=cg.SSGD())
 
 
 def test_a_scheduler_over_another_optimizer_is_refused(data):
     model = _net()
-    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                      replicas=2, optimizer=torch.optim.AdamW(model.parameters()))
+    plan = _compile(model, data, replicas=2, optimizer=torch.optim.AdamW(model.parameters()))
     other = torch.optim.AdamW(_net().parameters())
     with pytest.raises(ValueError, match="another optimizer"):
         plan.fit(data, progress=False, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
@@ -294,19 +291,16 @@ def test_frozen_parameters_in_the_optimizer_are_skipped_as_torch_skips_them(data
     model[0].weight.requires_grad_(False)
     frozen = model[0].weight.detach().clone()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # holds the frozen one too
-    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                      devices=1, replicas=2, optimizer=opt)
+    plan = _compile(model, data, devices=1, replicas=2, optimizer=opt)
     plan.fit(data, progress=False, metrics_every=None)
     assert torch.equal(plan.central_model()[0].weight, frozen)
     with pytest.raises(TypeError, match="the class AdamW"):
-        cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                   optimizer=torch.optim.AdamW)
+        _compile(model, data, optimizer=torch.optim.AdamW)
 
 
 def test_a_one_cycle_shorter_than_the_fit_is_refused_before_any_round(data):
     model = _net()
-    plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                      devices=1, replicas=2, optimizer=torch.optim.AdamW(model.parameters()))
+    plan = _compile(model, data, devices=1, replicas=2, optimizer=torch.optim.AdamW(model.parameters()))
     short = torch.optim.lr_scheduler.OneCycleLR(plan.optimizer, max_lr=0.01, total_steps=5)
     with pytest.raises(ValueError, match="total_steps=16"):
         plan.fit(data, progress=False, lr_scheduler=short, lr_scheduler_interval="round")
@@ -324,8 +318,7 @@ def test_a_policys_lr_change_composes_with_the_schedule_as_a_factor(data, make_s
     def run(policy):
         model = _net()
         opt = _groups_adamw(model)
-        plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy,
-                          batch_size=B, devices=1, replicas=2, optimizer=opt, executor="inline")
+        plan = _compile(model, data, devices=1, replicas=2, optimizer=opt, executor="inline")
         h = plan.fit(data, epochs=2, progress=False, metrics_every=None,
                      lr_scheduler=make_sched(plan.optimizer), lr_scheduler_interval="round",
                      policies=[policy] if policy else [])
