@@ -86,16 +86,20 @@ class LRSchedulerHook(Hook):
         self.interval = interval
         self.plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         self._evaluated = False
-        groups = scheduler.optimizer.param_groups
-        self._factors = [1.0] * len(groups)  # F per group: the policies' changes, composed
-        self._written = [float(g["lr"]) for g in groups]  # the lr each group had after the last step
+        self._factors = [1.0] * len(scheduler.optimizer.param_groups)  # F per group: the
+        # policies' changes, composed
+        self._written = self._lrs()  # each group's lr when the hook last looked
+
+    def _lrs(self) -> list[float]:
+        return [float(g["lr"]) for g in self.scheduler.optimizer.param_groups]
 
     def _take_policy_changes(self) -> None:
-        """Fold a policy's change of a group's lr since the last step into its factor F."""
-        for i, g in enumerate(self.scheduler.optimizer.param_groups):
-            lr, was = float(g["lr"]), self._written[i]
+        """Fold a policy's change of a group's lr since the hook last looked into its factor F."""
+        lrs = self._lrs()
+        for i, (lr, was) in enumerate(zip(lrs, self._written)):
             if lr != was and was != 0:
                 self._factors[i] *= lr / was
+        self._written = lrs
 
     def _step(self, *args: float) -> None:
         self._take_policy_changes()
@@ -109,19 +113,17 @@ class LRSchedulerHook(Hook):
         for g, f in zip(groups, self._factors):
             if f != 1.0:
                 g["lr"] = float(g["lr"]) * f
-        self._written = [float(g["lr"]) for g in groups]
+        self._written = self._lrs()
 
     @property
     def factors(self) -> list[float]:
         """Per param group, the product F of the policies' η factors composed with the schedule."""
         self._take_policy_changes()
-        self._written = [float(g["lr"]) for g in self.scheduler.optimizer.param_groups]
         return list(self._factors)
 
     def before_fit(self, ctx: FitContext) -> None:
         self._evaluated = False
-        self._take_policy_changes()  # e.g. a resume, or a change made between fits
-        self._written = [float(g["lr"]) for g in self.scheduler.optimizer.param_groups]
+        self._take_policy_changes()  # e.g. a change made between fits
 
     def after_round(self, ctx: FitContext) -> None:
         if self.interval == "round" and not self.plateau:
@@ -147,5 +149,4 @@ class LRSchedulerHook(Hook):
         self.scheduler.load_state_dict(state["scheduler"])
         self._evaluated = state["evaluated"]
         self._factors = list(state.get("factors", self._factors))
-        self._written = list(state.get("written", [float(g["lr"]) for g in
-                                                    self.scheduler.optimizer.param_groups]))
+        self._written = list(state.get("written", self._lrs()))

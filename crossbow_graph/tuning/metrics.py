@@ -189,8 +189,7 @@ class MetricsMonitor(Hook):
         self.every, self.ema, self.warmup_windows = every, ema, warmup_windows
         self.measure_rounds = min(measure_rounds, every)
         self.window_samples = window_samples
-        self._round_samples = 0  # k·b of the plan in the fit (window_samples: the window's length)
-        self._plan = None  # the fit's plan (before_fit)
+        self._plan = None  # the fit's plan (before_fit): its k·b sizes the window
         self.last: MetricRecord | None = None
         self._g2 = self._tr = 0.0     # biased EMAs
         self._weight = 0.0            # 1 − ema^n, the bias correction
@@ -230,17 +229,19 @@ class MetricsMonitor(Hook):
             return self.every
         return min(self.every, max(self.measure_rounds, -(-self.window_samples // round_samples)))
 
+    def _length(self) -> int:
+        """Rounds of the current window, at the plan's k·b in force (``every`` outside a fit)."""
+        plan = self._plan
+        return self.every if plan is None else self.window_rounds(plan.num_learners * plan.batch_size)
+
     def _measured(self, round_in_window: int) -> bool:
         """Whether the window's round ``round_in_window`` (1 … its length) is one of its last
         ``measure_rounds``."""
-        return round_in_window > self.window_rounds(self._round_samples) - self.measure_rounds
+        return round_in_window > self._length() - self.measure_rounds
 
     def wants_gradients(self, rounds_done: int) -> bool:
         """Whether the round that makes the plan's round count ``rounds_done`` is measured (one of
         the window's last ``measure_rounds``)."""
-        plan = self._plan
-        if plan is not None:  # the k·b of the coming round
-            self._round_samples = plan.num_learners * plan.batch_size
         return self._measured(self._rounds + 1)
 
     def _measure(self, ctx: FitContext) -> None:
@@ -281,12 +282,11 @@ class MetricsMonitor(Hook):
     def after_round(self, ctx: FitContext) -> None:
         self._rounds += 1
         self._samples += ctx.round_samples
-        self._round_samples = ctx.plan.num_learners * ctx.plan.batch_size
         loss = ctx.round_loss.detach().float()
         self._loss = loss if self._loss is None else self._loss + loss
         if self._measured(self._rounds):
             self._measure(ctx)
-        if self._rounds < self.window_rounds(self._round_samples):
+        if self._rounds < self._length():  # the monitor runs before the policies: this round's k·b
             return
         plan = ctx.plan
         plan.scheduler.flush()

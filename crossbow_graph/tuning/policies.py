@@ -91,6 +91,25 @@ class AutoReplicas(Policy):
 # -- learning-rate schedules ---------------------------------------------------------------------
 
 
+class _ShadowSchedule:
+    """A torch.optim.lr_scheduler over a one-tensor optimizer at lr ``base``, stepped on demand:
+    ``factor_at(e)`` steps it to e steps (at most ``max_steps``; it never steps back) and gives
+    η(e)/η₀."""
+
+    def __init__(self, make, base: float, max_steps: int | None) -> None:
+        self.base, self.max_steps, self.steps = base, max_steps, 0
+        self.scheduler = make(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base))
+
+    def factor_at(self, epoch: int) -> float:
+        cap = epoch if self.max_steps is None else min(epoch, self.max_steps)
+        with warnings.catch_warnings():  # the shadow optimizer never steps
+            warnings.filterwarnings("ignore", message=r".*lr_scheduler\.step\(\).*")
+            while self.steps < cap:
+                self.scheduler.step()
+                self.steps += 1
+        return float(self.scheduler.optimizer.param_groups[0]["lr"]) / self.base
+
+
 class _LRSchedule(Policy):
     """A torch.optim.lr_scheduler stepped once per epoch, as a policy: at every epoch start η is
     multiplied by factor(e)/factor(e−1) (e = 0-based epoch index), factor(e) the ratio of the
@@ -109,28 +128,18 @@ class _LRSchedule(Policy):
         self.reset_on_drop = self.reset_default if reset_on_drop is None else reset_on_drop
         self.base_lr: float | None = None
         self._applied = 1.0  # factor(e) in force
-        self._shadow = None  # (torch scheduler over the shadow optimizer, steps taken)
+        self._shadow: _ShadowSchedule | None = None  # the torch scheduler, at the epoch in force
 
     def torch_scheduler(self, optimizer: torch.optim.Optimizer):
         """This schedule as a torch.optim.lr_scheduler over ``optimizer``, stepped per epoch."""
         raise NotImplementedError
 
-    def _new_shadow(self, base_lr: float) -> list:
-        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base_lr)
-        return [self.torch_scheduler(opt), 0, base_lr]
-
-    def _factor_of(self, shadow: list, epoch: int) -> float:
-        sched, cap = shadow[0], epoch if self.max_steps is None else min(epoch, self.max_steps)
-        with warnings.catch_warnings():  # the shadow optimizer never steps
-            warnings.filterwarnings("ignore", message=r".*lr_scheduler\.step\(\).*")
-            while shadow[1] < cap:
-                sched.step()
-                shadow[1] += 1
-        return float(sched.optimizer.param_groups[0]["lr"]) / shadow[2]
+    def _new_shadow(self, base_lr: float) -> _ShadowSchedule:
+        return _ShadowSchedule(self.torch_scheduler, base_lr, self.max_steps)
 
     def factor(self, epoch: int) -> float:
         """factor(e) = η(e)/η₀ of the torch scheduler stepped e times (0-based epoch ``epoch``)."""
-        return self._factor_of(self._new_shadow(self.base_lr or 1.0), epoch)
+        return self._new_shadow(self.base_lr or 1.0).factor_at(epoch)
 
     def lr_at(self, epoch: int) -> float:
         """η in epoch ``epoch`` (0-based), this schedule alone."""
@@ -138,14 +147,14 @@ class _LRSchedule(Policy):
 
     def state_dict(self) -> dict:
         return {"base_lr": self.base_lr, "applied": self._applied,
-                "steps": None if self._shadow is None else self._shadow[1]}
+                "steps": None if self._shadow is None else self._shadow.steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.base_lr, self._applied = state["base_lr"], state["applied"]
         self._shadow = None
         if self.base_lr is not None and state.get("steps") is not None:
             self._shadow = self._new_shadow(self.base_lr)
-            self._factor_of(self._shadow, state["steps"])  # the same torch state, replayed
+            self._shadow.factor_at(state["steps"])  # the same torch state, replayed
 
     def before_fit(self, ctx: FitContext) -> None:
         if self.base_lr is None:
@@ -157,7 +166,7 @@ class _LRSchedule(Policy):
     def before_epoch(self, ctx: FitContext) -> None:
         # multiplicative, like torch's chained schedulers: composes with AdaptiveBatchSize's
         # scaling of η (η is multiplied by factor(e)/factor(e−1), not overwritten)
-        f = self._factor_of(self._shadow, ctx.epoch)
+        f = self._shadow.factor_at(ctx.epoch)
         old = float(ctx.plan.settings.lr)
         new = old * f / self._applied
         self._applied = f
