@@ -128,6 +128,49 @@ class FaultMonitor:
 
     @staticmethod
     @torch.no_grad()
+    def find_and_reset_masked(state: DeviceState, r0: int, r1: int,
+                              max_divergence: float | None = None,
+                              losses: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """``find_and_reset`` without a host read (the CUDA streams' path): the faulty rows'
+        mask is computed on the device and the reset is a ``torch.where`` over every row.
+
+        Cost: the row sums of ``g[r0:r1] [n, P]`` (one read), and one read and write of the
+        rows of w, v, g, buf for the reset. The same rows are faulty as with ``find_and_reset``
+        without a kernel backend's test, and the same values result, except for a row
+        optimizer's state (``reset_masked``).
+
+        Returns:
+            The faulty rows' mask ``[n]`` bool, on the device (the caller reads it a round late).
+        """
+        g = state.g[r0:r1]
+        bad = ~torch.isfinite(g.sum(dim=1))  # [n]
+        if losses:
+            bad |= ~torch.isfinite(torch.stack(list(losses)).float()).to(bad.device)
+        if max_divergence is not None:
+            dist = (state.w[r0:r1] - state.z).norm(dim=1)  # [n]
+            bad |= ~(dist <= max_divergence * state.z.norm().clamp_min(1e-12))
+        FaultMonitor.reset_masked(state, r0, bad)
+        g.masked_fill_(bad[:, None], 0.0)
+        return bad
+
+    @staticmethod
+    @torch.no_grad()
+    def reset_masked(state: DeviceState, r0: int, bad: torch.Tensor) -> None:
+        """``reset`` of the rows ``r0 + i`` where ``bad [n]`` is True, without a host read. A row
+        optimizer's state (engine/optim.py) is made fresh when the host reads the mask, a round
+        later: meanwhile the row steps once with its previous, finite state and a zero gradient
+        (its correction is zero all the same, and it ends the round at z)."""
+        r1 = r0 + len(bad)
+        keep = ~bad[:, None]
+        w = state.w[r0:r1]
+        torch.where(keep, w, state.z, out=w)
+        state.v[r0:r1].masked_fill_(bad[:, None], 0.0)
+        if state.buf.shape[1]:
+            buf = state.buf[r0:r1]
+            torch.where(keep, buf, state.zbuf, out=buf)
+
+    @staticmethod
+    @torch.no_grad()
     def reset(state: DeviceState, rows: list[int]) -> None:
         """Put replicas ``rows`` at the device's z, with zero momentum (a row optimizer's state
         fresh: engine/optim.py) and the central buffers."""

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..config import SGD
+from .streams import host_resident
 
 __all__ = ["LocalOptimizer", "OptimizerRows", "KernelSGD", "ELEMENTWISE", "as_local_optimizer"]
 
@@ -263,7 +264,7 @@ class OptimizerRows:
         self._g32: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
         self.store = self._allocate(state)
-        self.age = torch.zeros(state.m, dtype=torch.int64)
+        self.age = host_resident(torch.zeros(state.m, dtype=torch.int64))
 
     # -- building instances ---------------------------------------------------------------------
 
@@ -408,7 +409,7 @@ class OptimizerRows:
                 new = torch.zeros(m, *t.shape[1:], dtype=t.dtype, device=t.device)
                 new[:keep].copy_(t[:keep])
                 per_param[key] = new
-        age = torch.zeros(m, dtype=torch.int64)
+        age = host_resident(torch.zeros(m, dtype=torch.int64))
         age[:keep] = self.age[:keep]
         self.age = age
         self._cache.clear()
@@ -420,7 +421,7 @@ class OptimizerRows:
         for per_param in self.store:
             for t in per_param.values():
                 t.share_memory_()
-        self.age.share_memory_()
+        host_resident(self.age.share_memory_())
         self._cache.clear()
         self._bound.clear()
 

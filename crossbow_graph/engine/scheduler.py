@@ -37,12 +37,12 @@ from ..compiler.tasks import Task, TaskKind
 from ..config import SSGD
 from ..kernels.protocol import SMAKernels
 from ..kernels.torch_ref import TorchSMAKernels
-from ._cuda import CudaStreams
 from .learners import learn_group, learner_seed, rows
 from .faults import FaultMonitor
 from .fused import FusedProgram
 from .interpreter import RoundInterpreter, RoundProgram
 from .optim import LocalOptimizer
+from .streams import CUDA_OPS, CudaStreams
 from .settings import RunSettings, settings_view
 from .state import DeviceState
 from .workers import ProcessExecutor, available_cores, fork_available
@@ -77,6 +77,11 @@ class Scheduler(RoundInterpreter):
         max_divergence: if set (policies' DivergenceGuard), a replica with ‖ŵ_j − z‖/‖z‖ above
             it is reset from z before its local update, like a NaN/Inf one (engine/faults.py);
             worker processes read it when they start.
+        stream_ops: what issues the streams and events of the inline executor
+            (engine/streams.py): None runs them on CUDA devices through ``torch.cuda``; a
+            ``RaceRecorder`` (engine/race_check.py) runs the same discipline on CPU devices.
+        fault_masks: per device, ``[m]`` bool: the replicas reset for NaN/Inf (or divergence) in
+            the last round, on the device (None before the first local sync).
     """
 
     lr = settings_view("lr", "η in force (read-only: ``settings.lr``).")
@@ -110,7 +115,11 @@ class Scheduler(RoundInterpreter):
         self._round_losses: dict[int, list] = {}  # device → its replicas' losses of the round
         self._workers = None  # a workers.ProcessExecutor while one runs
         self._fused = [FusedProgram(_clone_structure(s), loss_fn, settings) for s in states]
-        self._cuda = None
+        self._cuda: CudaStreams | None = None
+        self.stream_ops = None
+        self.fault_masks: list[torch.Tensor | None] = [None] * len(states)
+        self._late_faults: list[tuple[int, int, int, torch.Tensor, object]] = []
+        self._buf_snapshot: list[torch.Tensor | None] = [None] * len(states)
         self._resolved: tuple[int, str] | None = None  # (k, executor) cache
         self.cpu_conv = "auto"  # worker processes' convolutions: "auto", "onednn", "aten"
         self._onednn_choices: dict[int, bool] = {}  # b → measured choice (conv_choice.choose_onednn)
@@ -136,6 +145,8 @@ class Scheduler(RoundInterpreter):
         pending = self.faults.pending if hasattr(self, "faults") else []
         self.faults = FaultMonitor()  # NaN/Inf replicas: reset from z, left out of the sum
         self.faults.pending = pending  # torchrun: this rank's faults not yet shared go on
+        if self._cuda is not None:
+            self.flush()  # the new graph's streams start after the old ones' work
         self._cuda = None
 
     @property
@@ -204,13 +215,25 @@ class Scheduler(RoundInterpreter):
             self._fetch = self._load = None
 
     def flush(self) -> None:
-        """Complete the work still in flight: CUDA streams are synchronised, so that z and zbuf
-        reflect every round run so far (the process executor finishes each round's global sync
+        """Complete the work still in flight, so that z, zbuf and the replicas reflect every round
+        run so far on the host too: ``join``, then the host waits for the GPU; the faults of the
+        rounds so far are recorded (the process executor finishes each round's global sync
         before ``run_round`` returns)."""
         if self._workers is not None:
             self._workers.flush()
         if self._cuda is not None:
-            torch.cuda.synchronize()
+            self.join()
+            self._cuda.ops.synchronize()
+            self._take_late_faults(block=True)
+            self._take_spans(block=True)
+
+    def join(self) -> None:
+        """Order the caller's default stream after every stream's work so far, without waiting on
+        the host (engine/streams.py step 5): what the caller then reads or writes there (z for
+        an evaluation, the gradients for a metric) sees every round run so far. Nothing to do
+        without CUDA streams."""
+        if self._cuda is not None:
+            self._cuda.join()
 
     def close_workers(self) -> None:
         """Stop the worker processes (cancelling a speculative round); the next round restarts them."""
@@ -258,7 +281,14 @@ class Scheduler(RoundInterpreter):
         self._batch = batch
         self._round_losses = {d: [None] * s.m for d, s in enumerate(self.states)}  # for the fault test
         self._synchronise = synchronise
+        streams = self._streams()
+        if streams is not None:
+            streams.begin_round(batch)
         self.run(self.order)
+        if streams is not None:  # the last round's fault flags and timings: done by now, or soon
+            streams.end_round()
+            self._take_late_faults(block=False, before=round_index)
+            self._take_spans(block=False)
 
     def run_task(self, task: Task) -> None:
         """Run one task (``RoundInterpreter.run_task``), timed: its span goes to the timeline and
@@ -266,6 +296,8 @@ class Scheduler(RoundInterpreter):
         t0 = time.perf_counter_ns()
         super().run_task(task)
         t1 = time.perf_counter_ns()
+        if self._cuda is not None:
+            return  # timed on the GPU by events (_take_spans)
         if task.kind is not TaskKind.LEARN:
             self.sync_seconds += (t1 - t0) / 1e9
             self.sync_exposed_seconds += (t1 - t0) / 1e9  # sequential: nothing is hidden
@@ -290,7 +322,7 @@ class Scheduler(RoundInterpreter):
             r0, r1 = self.program.rows[task.id]
         state, b, first = self.states[d], self.batch_size, self.program.first[d]
         mine = rows(self._batch, (first + r0) * b, (first + r1) * b)
-        with self._cuda_learn(d, r0):
+        with self._on_stream("learn", task, d, r0):
             losses = learn_group(state, r0, r1, mine, self.loss_fn, b, self.learner_mode,
                                  self._fused[d], rng_seed=learner_seed(self.seed, self.round_index,
                                                                        self.learner_offset + first + r0))
@@ -303,23 +335,31 @@ class Scheduler(RoundInterpreter):
         d = self.program.device[task.id]
         a, b = self.program.rows[task.id]
         state = self.states[d]
-        if isinstance(self.settings.sync, SSGD):  # S-SGD: only the device's gradient sum; the step is global
-            with self._cuda_local(d):
+        streams = self._cuda
+        with self._on_stream("local", task, d):
+            if isinstance(self.settings.sync, SSGD):  # S-SGD: the device's gradient sum; the step is global
                 state.acc = state.g[a:b].sum(dim=0, dtype=state.w.dtype)  # [P], in the masters' dtype
-            return
-        with self._cuda_local(d):
-            state.acc, faulty = self.local_update_rows(state, a, b, alpha=self.alpha,
-                                                       synchronise=self._synchronise,
-                                                       optimizer=self.optimizer,
-                                                       losses=self._round_losses[d][a:b])
-        self.faults.record(state, faulty, round_index=self.round_index,
-                           num_learners=self.num_learners, rank=self.rank)
+                faulty = []
+            else:
+                state.acc, faulty = self.local_update_rows(
+                    state, a, b, alpha=self.alpha, synchronise=self._synchronise,
+                    optimizer=self.optimizer, losses=self._round_losses[d][a:b],
+                    on_device=streams is not None)
+            if streams is not None:
+                self._snapshot_buffers(d, a, b)
+                streams.keep_for_global([state.acc, self._buf_snapshot[d]])
+                if not isinstance(faulty, list):
+                    self._note_faults(d, a, faulty)
+        if isinstance(faulty, list):
+            self.fault_masks[d] = None
+            self.faults.record(state, faulty, round_index=self.round_index,
+                               num_learners=self.num_learners, rank=self.rank)
 
     def local_update_rows(self, state: DeviceState, r0: int, r1: int, *, alpha: float,
                           synchronise: bool, optimizer: LocalOptimizer,
                           out: torch.Tensor | None = None,
-                          losses: list[torch.Tensor] | None = None
-                          ) -> tuple[torch.Tensor | None, list[int]]:
+                          losses: list[torch.Tensor] | None = None, on_device: bool = False
+                          ) -> tuple[torch.Tensor | None, list[int] | torch.Tensor]:
         """The SMA local update of rows ``r0 … r1−1`` (docs/design-overview.md §2, steps 1–2):
         the optimizer's step (the SGD kernels, or a row optimizer: engine/optim.py) with the
         hyper-parameters now in its param groups, and the correction with z.
@@ -327,13 +367,20 @@ class Scheduler(RoundInterpreter):
         Replicas with NaN/Inf gradients, or a NaN/Inf loss in ``losses`` (the rows' losses of
         the round, r1 − r0 0-dim tensors), are first reset from z and so left out of the sum
         (engine/faults.py). Worker processes call it for their own rows. ``out``: ``[P]`` to
-        write the sum of corrections into (default: a new tensor).
+        write the sum of corrections into (default: a new tensor). ``on_device``: the faulty rows
+        are found and reset without a host read (``FaultMonitor.find_and_reset_masked``; the
+        CUDA streams' path).
 
         Returns:
             (the rows' sum of corrections ``[P]``, None in a round without synchronisation;
-            the faulty replicas' indices on the device).
+            the faulty replicas' indices on the device, or with ``on_device`` their mask
+            ``[r1 − r0]`` bool on the device).
         """
-        faulty = FaultMonitor.find_and_reset(state, r0, r1, self.max_divergence, self.kernels, losses)
+        if on_device:
+            faulty = FaultMonitor.find_and_reset_masked(state, r0, r1, self.max_divergence, losses)
+        else:
+            faulty = FaultMonitor.find_and_reset(state, r0, r1, self.max_divergence, self.kernels,
+                                                 losses)
         z = state.z if synchronise and alpha else None
         if optimizer.kernel:
             sgd = optimizer.sgd()
@@ -347,14 +394,20 @@ class Scheduler(RoundInterpreter):
             state.first_step[r0:r1] = [False] * (r1 - r0)
         else:
             acc = row_update(state, r0, r1, z, alpha, out)
-        FaultMonitor.reset(state, faulty)  # back at z: the zero gradient still met weight decay
+        if on_device:
+            FaultMonitor.reset_masked(state, r0, faulty)
+        else:
+            FaultMonitor.reset(state, faulty)  # back at z: the zero gradient still met weight decay
         return acc, faulty
 
     def global_sync(self, task: Task) -> None:
         """In a round that synchronises: ``sync_central`` of the sums acc_d of the devices that
         have a LOCAL_SYNC (``RoundProgram.synced``)."""
         if self._synchronise:
-            self.sync_central([self.states[d].acc for d in self.program.synced])
+            snap = self._buf_snapshot if self._cuda is not None else None  # see _snapshot_buffers
+            self.sync_central([self.states[d].acc for d in self.program.synced],
+                              None if snap is None else [b if b is not None else s.buf
+                                                         for b, s in zip(snap, self.states)])
 
     def sync_central(self, accs: list[torch.Tensor], buffers: list[torch.Tensor] | None = None) -> None:
         """The GLOBAL_SYNC's work: C = Σ_d acc_d, then z ← z + C + μ_z(z − z_prev) on every
@@ -381,15 +434,16 @@ class Scheduler(RoundInterpreter):
             return
         if self.num_learners == 1:  # the single replica is the central model
             s = states[0]
-            s.z_prev.copy_(s.z)
-            s.z.copy_(s.w[0])
-            s.zbuf.copy_(bufs[0][0])
+            with self._on_stream("global", self._global_task):
+                s.z_prev.copy_(s.z)
+                s.z.copy_(s.w[0])
+                s.zbuf.copy_(bufs[0][0])
             return
         home = states[0].torch_device
         mu_z = self.settings.sync.central_momentum
         on_cpu = all(s.torch_device.type == "cpu" for s in states)
         shared = on_cpu and self.comm is None
-        with self._cuda_global():
+        with self._on_stream("global", self._global_task):
             mean_buf = None
             # CPU devices share one memory: Σ acc_d, the update and z's copies in one pass
             if not shared or not self.kernels.central_update_shared(
@@ -438,12 +492,12 @@ class Scheduler(RoundInterpreter):
             raise ValueError("sync=SSGD() runs in one process for now (its gradient sum is not "
                              "all-reduced across torchrun ranks); use SMA under torchrun")
         states, home = self.states, self.states[0].torch_device
-        total = None
-        for acc in accs:
-            acc = acc.to(home)
-            total = acc if total is None else total + acc
         s0, opt = states[0], self.settings.optimizer.sgd()  # a kernel optimizer (api.py checks)
-        with self._cuda_global():
+        with self._on_stream("global", self._global_task):
+            total = None
+            for acc in accs:
+                acc = acc.to(home)
+                total = acc if total is None else total + acc
             self.kernels.local_update(
                 s0.w[:1], s0.v[:1], (total / self.num_learners).unsqueeze(0), None, lr=opt.lr,
                 momentum=opt.momentum, nesterov=opt.nesterov, weight_decay=opt.weight_decay,
@@ -459,27 +513,90 @@ class Scheduler(RoundInterpreter):
                 if mean_buf is not None:
                     s.zbuf.copy_(mean_buf.to(s.torch_device))
 
-    # -- CUDA streams (inline executor on GPUs) -------------------------------------------------
+    # -- CUDA streams (inline executor on GPUs; engine/streams.py) -----------------------------
 
-    def _streams(self):
+    _global_task = ("global_sync", None)  # the span label of a global sync run outside a task
+
+    def _streams(self) -> CudaStreams | None:
+        """The streams of the inline executor: on CUDA devices, or with ``stream_ops`` set."""
         if self._cuda is None:
-            self._cuda = CudaStreams(self.states, self.settings.learner_mode)
+            ops = self.stream_ops
+            if ops is None and any(s.torch_device.type == "cuda" for s in self.states):
+                ops = CUDA_OPS
+            if ops is not None:
+                self._cuda = CudaStreams(self.states, ops)
+                self._origin_ns = time.perf_counter_ns()
         return self._cuda
 
-    def _cuda_learn(self, d: int, r0: int):
-        if self.states[d].torch_device.type != "cuda":
+    def _on_stream(self, kind: str, task, d: int = 0, r0: int = 0):
+        """The context that issues a task's work on its stream (nothing without streams)."""
+        streams = self._cuda
+        if streams is None:
             return _NULL
-        return self._streams().learn(d, r0)
+        label = (task.id if isinstance(task, Task) else task[0], self.round_index)
+        if kind == "learn":
+            return streams.learn(label, d, r0, after_global=isinstance(self.sync, SSGD))
+        if kind == "local":
+            return streams.local(label, d)
+        return streams.global_(label)
 
-    def _cuda_local(self, d: int):
-        if self.states[d].torch_device.type != "cuda":
-            return _NULL
-        return self._streams().local(d, self._synchronise)
+    def _snapshot_buffers(self, d: int, a: int, b: int) -> None:
+        """In a round that synchronises, the local sync copies rows a … b−1 of ``buf`` for the
+        global sync to read (round t+1's BatchNorm forward may update ``buf`` meanwhile)."""
+        buf = self.states[d].buf
+        if not (self._synchronise and buf.shape[1]):
+            return
+        snap = self._buf_snapshot[d]
+        if snap is None or snap.shape != buf.shape:
+            snap = self._buf_snapshot[d] = torch.empty_like(buf)
+        snap[a:b].copy_(buf[a:b])
 
-    def _cuda_global(self):
-        if self.states[0].torch_device.type != "cuda":
-            return _NULL
-        return self._streams().global_()
+    def _note_faults(self, d: int, a: int, mask: torch.Tensor) -> None:
+        """A local sync's fault mask ``[n]`` (on the device): kept in ``fault_masks`` and copied to
+        the host behind an event, recorded a round late (``_take_late_faults``)."""
+        state = self.states[d]
+        full = self.fault_masks[d]
+        if full is None or full.shape[0] != state.m:
+            full = self.fault_masks[d] = torch.zeros(state.m, dtype=torch.bool, device=mask.device)
+        full[a:a + len(mask)].copy_(mask)
+        pinned = state.torch_device.type == "cuda"
+        host = torch.empty(len(mask), dtype=torch.bool, pin_memory=pinned)
+        host.copy_(mask, non_blocking=pinned)
+        event = self._cuda.ops.new_event()
+        self._cuda.ops.record(event, self._cuda.sync_stream[d])
+        self._late_faults.append((self.round_index, d, a, host, event))
+
+    def _take_late_faults(self, *, block: bool, before: int | None = None) -> None:
+        """Record the faults of the rounds before ``before`` (every round with ``block``): the host
+        waits for each one's event, issued a round ago. Raises DivergenceError as ``record``."""
+        pending, self._late_faults = self._late_faults, []
+        for i, (t, d, a, host, event) in enumerate(pending):
+            if not block and t >= before:
+                self._late_faults = pending[i:]
+                break
+            self._cuda.ops.wait_host(event)
+            rows = [a + r for r in host.nonzero().flatten().tolist()]
+            if rows and self.states[d].optim_rows is not None:
+                self.states[d].optim_rows.reset(rows)  # their next step starts fresh
+            self.faults.record(self.states[d], rows, round_index=t, num_learners=self.num_learners,
+                               rank=self.rank)
+
+    def _take_spans(self, *, block: bool) -> None:
+        """The GPU times of the finished tasks into ``sync_seconds``, ``sync_exposed_seconds``
+        (a local sync: all of it, learners wait for it; a global sync: the part no learner span
+        overlaps) and the timeline."""
+        spans = self._cuda.take_spans(block=block)
+        learning = [(t0, t1) for _, kind, _, t0, t1 in spans if kind == "learn"]
+        for (task_id, round_index), kind, d, t0, t1 in spans:
+            if kind != "learn":
+                self.sync_seconds += (t1 - t0) / 1e3
+                hidden = sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in learning) \
+                    if kind == "global" else 0.0
+                self.sync_exposed_seconds += max(0.0, t1 - t0 - hidden) / 1e3
+            if self.timeline is not None:
+                self.timeline.span(task_id, self._origin_ns + int(t0 * 1e6),
+                                   self._origin_ns + int(t1 * 1e6), lane=f"{kind} stream",
+                                   round_index=round_index)
 
 
 class _Null:

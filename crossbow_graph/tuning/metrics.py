@@ -99,21 +99,35 @@ def gradient_moments(states, exclude: set[tuple[int, int]] = frozenset()) -> tup
     round, whose ``g`` was zeroed). The per-device partial sums (``Σ_j g_j [P]`` and ``Σ_j |g_j|²``)
     are what a multi-process run would all-reduce.
     """
+    masks = [torch.tensor([(d, r) in exclude for r in range(s.m)]) for d, s in enumerate(states)]
+    return _moments_of(moment_sums(states, masks))
+
+
+@torch.no_grad()
+def moment_sums(states, faulty: list[torch.Tensor | None]) -> torch.Tensor:
+    """``[Σ_j |g_j|², |Σ_j g_j|², n]`` (float64, on the first device; no host read) over every
+    device's ``g [m, P]`` in float32, leaving out the replicas ``faulty[d] [m]`` (bool, any device;
+    None: none) marks."""
     home = states[0].torch_device
-    total, sq, n = None, 0.0, 0
-    for d, s in enumerate(states):
-        rows = [r for r in range(s.m) if (d, r) not in exclude]
-        if not rows:
-            continue
-        g = s.g[rows].float() if len(rows) < s.m else s.g.float()  # [n_d, P]
-        part = g.sum(dim=0).to(home)
-        total = part if total is None else total + part
-        sq += float((g * g).sum())
-        n += len(rows)
+    total, sq, n = None, None, None
+    for s, bad in zip(states, faulty):
+        ok = torch.ones(s.m, device=s.torch_device) if bad is None else \
+            (~bad).to(s.torch_device, torch.float32)  # [m]
+        g = s.g.float() * ok[:, None]  # [m, P]: a faulty row's g is zero already; the mask counts
+        part = torch.stack([(g * g).sum(), ok.sum()]).to(home, torch.float64)
+        rows = g.sum(dim=0).to(home)
+        total = rows if total is None else total + rows
+        sq, n = (part[0], part[1]) if sq is None else (sq + part[0], n + part[1])
+    return torch.stack([sq, total.double().dot(total.double()), n])
+
+
+def _moments_of(sums: torch.Tensor) -> tuple[float, float, int]:
+    """``moment_sums``' tensor as (mean_j |g_j|², |mean_j g_j|², n) on the host (one read)."""
+    sq, large, n = sums.tolist()
+    n = int(round(n))
     if n == 0:
         return 0.0, 0.0, 0
-    mean = total / n
-    return sq / n, float(mean.dot(mean)), n
+    return sq / n, large / (n * n), n
 
 
 @torch.no_grad()
@@ -200,6 +214,7 @@ class MetricsMonitor(Hook):
     # -- checkpointable state ----------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        self._take_pending()
         return {"g2": self._g2, "tr": self._tr, "weight": self._weight,
                 "window": {"rounds": self._rounds, "samples": self._samples, "t0": self._t0,
                            "loss": None if self._loss is None else float(self._loss),
@@ -221,6 +236,7 @@ class MetricsMonitor(Hook):
     def _reset_window(self, t0: float) -> None:
         self._rounds, self._samples, self._loss, self._t0 = 0, 0, None, t0
         self._est: list[tuple[float, float]] = []  # the window's (|G|², tr Σ) single-round estimates
+        self._pending: list[tuple[torch.Tensor, int]] = []  # measured rounds not read yet
 
     def window_rounds(self, round_samples: int) -> int:
         """Rounds per window at ``round_samples`` = k·b samples per round: ``every``, or with
@@ -250,17 +266,30 @@ class MetricsMonitor(Hook):
         k, b = plan.num_learners, plan.batch_size
         if k < 2:
             return
-        plan.scheduler.flush()
+        sched = plan.scheduler
+        sched.join()  # the default stream reads g after the round's syncs; the host does not wait
         states = plan.states
-        this_round = plan.rounds_done - 1
-        rank = plan.comm.rank if plan.comm is not None else 0  # the events hold every rank's
-        bad = {(d, e.replica) for d, s in enumerate(states) for e in plan.scheduler.faults.events
-               if e.round == this_round and e.device == s.name and e.rank == rank}
-        small, large, n = gradient_moments(states, bad)
-        if n >= 2:
-            est = two_batch_estimate(small, large, b, n)
-            if math.isfinite(est.grad_sq) and math.isfinite(est.trace_sigma):
-                self._est.append((est.grad_sq, est.trace_sigma))
+        if any(m is not None for m in sched.fault_masks):  # the streams' path: on the device
+            faulty = list(sched.fault_masks)
+        else:
+            this_round = plan.rounds_done - 1
+            rank = plan.comm.rank if plan.comm is not None else 0  # the events hold every rank's
+            faulty = [torch.tensor([any(e.round == this_round and e.device == s.name and
+                                        e.rank == rank and e.replica == r
+                                        for e in sched.faults.events) for r in range(s.m)])
+                      for s in states]
+        self._pending.append((moment_sums(states, faulty), b))  # read at the window's end
+
+    def _take_pending(self) -> None:
+        """The window's measured rounds' moments, read on the host (once per window), into its
+        two-batch estimates (those with n ≥ 2 and finite)."""
+        for sums, b in self._pending:
+            small, large, n = _moments_of(sums)
+            if n >= 2:
+                est = two_batch_estimate(small, large, b, n)
+                if math.isfinite(est.grad_sq) and math.isfinite(est.trace_sigma):
+                    self._est.append((est.grad_sq, est.trace_sigma))
+        self._pending = []
 
     @property
     def noise_scale(self) -> float | None:
@@ -289,7 +318,8 @@ class MetricsMonitor(Hook):
         if self._rounds < self._length():  # the monitor runs before the policies: this round's k·b
             return
         plan = ctx.plan
-        plan.scheduler.flush()
+        plan.scheduler.flush()  # the window's one host wait
+        self._take_pending()
         states = plan.states
         k, b = plan.num_learners, plan.batch_size
         g2 = tr = g2_ema = tr_ema = ns = None

@@ -1,0 +1,163 @@
+"""The inline executor's stream discipline (engine/streams.py), checked on the CPU by a race
+recorder (engine/race_check.py): simulated streams and events, every aten op's reads and writes.
+
+Oracles: no pair of unordered conflicting accesses in fits that exercise every writer and reader
+of the state (BatchNorm buffers, evaluation, checkpoints, metrics, faults, τ = 2, S-SGD, k = 1,
+a change of m and of the learner mode); dropping any one wait of the discipline makes the recorder
+report a race; the device-side fault path gives the host path's z and fault events.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import crossbow_graph as cg
+from crossbow_graph.engine.faults import FaultMonitor
+from crossbow_graph.engine.race_check import RaceRecorder
+from crossbow_graph.engine.streams import CudaStreams
+from crossbow_graph.training.hooks import Hook
+
+from _runtime_helpers import TinyBN, compile_tiny, tiny_data
+
+
+def _ignored(data, batches):
+    """``data`` with the labels of batches of 4 ``batches`` set to ignore_index: their loss is NaN."""
+    x, y = data.tensors
+    y = y.clone()
+    for i in batches:
+        y[4 * i:4 * i + 4] = -100
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _fit(scenario: str, tmp_path, rec: RaceRecorder | None):
+    """Run a scenario's plan and fit(s) with ``rec`` as the scheduler's stream ops; returns the plan
+    and its last History."""
+    kw = dict(executor="inline", kernel_backend="torch")
+    fit = dict(epochs=1, progress=False, metrics_every=None)
+    if scenario == "batchnorm, 2 devices, evaluation, checkpoints, metrics":
+        plan = compile_tiny(TinyBN, devices=2, replicas=2, **kw)
+        fit.update(eval_dataset=tiny_data(16, 1), evals_per_epoch=2, checkpoint_dir=str(tmp_path),
+                   checkpoint_every=2, metrics_every=2, hooks=[ResetFromZ()])
+    elif scenario == "batchnorm, nothing between rounds":
+        plan = compile_tiny(TinyBN, devices=2, replicas=2, **kw)
+    elif scenario == "τ = 2, NaN losses":
+        plan = compile_tiny(devices=1, replicas=2, sync=cg.SMA(sync_every=2), **kw)
+    elif scenario == "S-SGD":
+        plan = compile_tiny(TinyBN, devices=1, replicas=2, sync=cg.SSGD(), **kw)
+    elif scenario == "one learner, AdamW":
+        plan = compile_tiny(TinyBN, devices=1, replicas=1,
+                            optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01), **kw)
+    else:  # "m and the learner mode change between fits"
+        plan = compile_tiny(devices=1, replicas=2, learner_mode="fused", **kw)
+    plan.scheduler.stream_ops = rec
+    data = tiny_data(64)
+    if scenario == "τ = 2, NaN losses":
+        data = _ignored(data, [3, 6])
+    with rec if rec is not None else _nothing():
+        history = plan.fit(data, shuffle=False, **fit)
+        if scenario == "m and the learner mode change between fits":
+            plan.set_learner_mode("per_replica")
+            plan.set_replicas(3)
+            history = plan.fit(data, shuffle=False, **fit)
+            plan.set_replicas(1)
+            history = plan.fit(data, shuffle=False, **fit)
+        plan.scheduler.flush()
+        z = plan.central_weights()
+    return plan, history, z
+
+
+class ResetFromZ(Hook):
+    """Before every third round, puts replica 1 of device 0 back at z on the default stream, as
+    a policy does (after ``flush``, with no host read after it)."""
+
+    def before_round(self, ctx) -> None:
+        if ctx.plan.rounds_done % 3 == 1:
+            ctx.plan.scheduler.flush()
+            FaultMonitor.reset(ctx.plan.states[0], [1])
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+SCENARIOS = ["batchnorm, 2 devices, evaluation, checkpoints, metrics", "τ = 2, NaN losses",
+             "batchnorm, nothing between rounds", "S-SGD", "one learner, AdamW",
+             "m and the learner mode change between fits"]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_fits_on_recorded_streams_have_no_race_and_match_the_unstreamed_fit(scenario, tmp_path):
+    rec = RaceRecorder()
+    plan, history, z = _fit(scenario, tmp_path / "a", rec)
+    assert rec.streams_made >= 3 and rec.accesses > 1000  # the streams ran and were recorded
+    assert [str(r) for r in rec.races] == []
+    _, ref_history, ref_z = _fit(scenario, tmp_path / "b", None)  # no streams: the host paths
+    torch.testing.assert_close(z, ref_z, rtol=1e-6, atol=1e-7)
+    assert [(f.round, f.device, f.replica) for f in history.faults] == \
+        [(f.round, f.device, f.replica) for f in ref_history.faults]
+    if scenario == "τ = 2, NaN losses":
+        assert [(f.round, f.replica) for f in history.faults] == [(1, 1), (3, 0)]
+
+
+def _rules():
+    return [(kind, rule) for kind, rules in CudaStreams.WAITS.items() for rule in rules]
+
+
+@pytest.mark.parametrize("kind, rule", _rules())
+def test_every_wait_of_the_discipline_is_needed(kind, rule, monkeypatch, tmp_path):
+    """Without any one of the waits the recorder finds a race in some scenario."""
+    waits = dict(CudaStreams.WAITS)
+    waits[kind] = tuple(r for r in waits[kind] if r != rule)
+    monkeypatch.setattr(CudaStreams, "WAITS", waits)
+    # a fit with nothing between its rounds: only the discipline orders a round after the last
+    scenario = "S-SGD" if rule == "global sync (S-SGD)" else "batchnorm, nothing between rounds"
+    rec = RaceRecorder()
+    _fit(scenario, tmp_path, rec)
+    assert rec.races, f"no race without {kind} waiting for {rule}"
+
+
+def test_join_and_the_buffer_snapshot_are_needed(monkeypatch, tmp_path):
+    """The default stream reads z and the replicas only after ``join``; the global sync reads
+    the local sync's copy of the BatchNorm buffers, not the live ones the next round updates."""
+    monkeypatch.setattr(CudaStreams, "join", lambda self: None)
+    rec = RaceRecorder()
+    _fit(SCENARIOS[0], tmp_path / "a", rec)
+    assert any("metrics.py" in str(r) for r in rec.races)  # the noise scale's read of g
+    monkeypatch.undo()
+    from crossbow_graph.engine.scheduler import Scheduler
+    monkeypatch.setattr(Scheduler, "_snapshot_buffers", lambda self, d, a, b: None)
+    rec = RaceRecorder()
+    _fit("batchnorm, nothing between rounds", tmp_path / "b", rec)
+    assert any("native_batch_norm" in str(r) for r in rec.races)
+
+
+def test_device_fault_path_resets_like_the_host_path_and_raises_a_round_late():
+    """All learners NaN in round 2: the device path resets every replica from z (finite), and the
+    DivergenceError names round 2, raised when the host reads the flags a round later."""
+    def plan_of():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+        return cg.compile(model, (torch.zeros(1, 5),), nn.functional.cross_entropy, batch_size=4,
+                          devices=1, replicas=2, optimizer=cg.SGD(lr=0.1, momentum=0.9),
+                          executor="inline", kernel_backend="torch")
+    g = torch.Generator().manual_seed(2)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 5, generator=g),
+                                          torch.randint(0, 3, (64,), generator=g))
+    data = _ignored(data, [4, 5])  # round 2's two learners
+    plan = plan_of()
+    rec = RaceRecorder()
+    plan.scheduler.stream_ops = rec
+    with rec, pytest.raises(cg.DivergenceError, match="all 2 replicas .* round 2"):
+        plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
+    assert plan.rounds_done == 4  # round 3 ran before the host read round 2's flags
+    assert all(torch.isfinite(s.w).all() and torch.isfinite(s.z).all() for s in plan.states)
+    assert rec.races == []
+    assert math.isfinite(float(plan.central_weights().sum()))
