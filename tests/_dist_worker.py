@@ -10,7 +10,8 @@ epoch), ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), 
 changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3; rank 0 writes a
 checkpoint every round), ``hang`` (rank 1 sleeps after round 3), ``fault_one`` (NaN in rank 1's
 replica 1 before round 2 and in rank 0's replica 0 before round 4; checkpoints every round and
-a log_dir), ``int_buffers`` (``Counting``: an integer counter that advances differently on each
+a log_dir), ``fault_streams`` (the same faults on the CUDA streams' path, simulated on the CPU by
+a RaceRecorder: found on the device, read a round late), ``int_buffers`` (``Counting``: an integer counter that advances differently on each
 rank; saves ``central_model().state_dict()``), ``nan_all`` (NaN in every replica of every rank
 before every round from round 3 on, process executor, checkpoints every round). Groups run in one
 launch, one after the other in the same process group: ``ok`` = train, process, decide, resume;
@@ -32,6 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.errors import TaskError  # noqa: E402
 from crossbow_graph.engine.comm import z_digest  # noqa: E402
+from crossbow_graph.engine.race_check import RaceRecorder  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
 from _runtime_helpers import TinyBN, TinyNet, compile_tiny, tiny_data  # noqa: E402
 
@@ -51,11 +53,13 @@ class _AtRound(Hook):
 class _Poison(Hook):
     """Before the rounds ``at`` (0-based), NaN into this rank's replicas ``rows`` of device 0."""
 
-    def __init__(self, at, rows) -> None:
-        self.at, self.rows = at, rows
+    def __init__(self, at, rows, flush: bool = False) -> None:
+        self.at, self.rows, self.flush = at, rows, flush
 
     def before_round(self, ctx) -> None:
         if ctx.plan.rounds_done in self.at:
+            if self.flush:  # the streams' work before writing on the default stream
+                ctx.plan.scheduler.flush()
             for r in self.rows:
                 ctx.plan.states[0].w[r, 3] = float("nan")
 
@@ -109,6 +113,10 @@ def run(scenario: str, rank: int, out: str) -> dict:
             hooks.append(_Poison([2], [1]) if rank == 1 else _Poison([4], [0]))
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt-fault"), checkpoint_every=1,
                       log_dir=os.path.join(out, "logs-fault"))
+        if scenario == "fault_streams":  # fault_one on the CUDA streams' path, recorded on the CPU
+            hooks.append(_Poison([2], [1], flush=True) if rank == 1 else _Poison([4], [0], flush=True))
+            plan.scheduler.stream_ops = recorder = RaceRecorder()
+            recorder.__enter__()
         if scenario == "nan_all":
             hooks.append(_Poison(range(3, ROUNDS), range(M)))
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt-nan"), checkpoint_every=1)
@@ -131,6 +139,9 @@ def run(scenario: str, rank: int, out: str) -> dict:
             if scenario == "process":  # each rank's DataLoader loads its learners' rows
                 data = torch.utils.data.DataLoader(data, batch_size=B, num_workers=1)
             history = plan.fit(data, 1, shuffle=False, progress=False, hooks=hooks, **kw)
+        if scenario == "fault_streams":
+            recorder.__exit__(None, None, None)
+            result.update(races=[str(r) for r in recorder.races])
         result.update(z=plan.central_weights(), zbuf=plan.states[0].zbuf.clone(),
                       m=plan.replicas_per_device, lr=plan.scheduler.lr, tau=plan.sync.sync_every,
                       alpha=plan.sync.alpha, mode=plan.learner_mode,
@@ -147,7 +158,7 @@ def run(scenario: str, rank: int, out: str) -> dict:
 
 
 GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw"], "mismatch": ["mismatch_batch", "mismatch_model"],
-          "faults": ["fault_one", "int_buffers", "nan_all"]}
+          "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"]}
 
 
 def main(scenario: str, out: str) -> None:

@@ -81,7 +81,8 @@ def fault_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults")
     results, codes, logs = _launch("faults", out)
     assert codes == [0, 0], logs
-    runs = {name: (results[0][name], results[1][name]) for name in ("fault_one", "int_buffers", "nan_all")}
+    runs = {name: (results[0][name], results[1][name])
+            for name in ("fault_one", "fault_streams", "int_buffers", "nan_all")}
     return out, logs, runs
 
 
@@ -200,6 +201,20 @@ def test_rank_0_keeps_every_ranks_faults_in_history_checkpoints_and_logs(fault_r
     assert "round 4: replica 0 on cpu:0 of rank 0 has NaN/Inf" in logs[0], logs[0]
     assert torch.isfinite(torch.tensor(r0["loss"])) and r0["loss"] == r1["loss"]
     assert torch.equal(r0["z"], r1["z"])
+
+
+def test_faults_found_on_the_device_reach_every_rank_with_the_same_rounds(fault_runs):
+    """The streams' path (a round late, through the all-reduced count) keeps the same events as
+    the host path, the ranks' z identical, and no race on the recorded streams."""
+    _, _, runs = fault_runs
+    (h0, h1), (r0, r1) = runs["fault_one"], runs["fault_streams"]
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    def by_round(faults):  # a rank's own events may arrive before another's earlier ones
+        return sorted(faults, key=lambda f: (f["round"], f["rank"]))
+    assert by_round(r0["faults"]) == by_round(r1["faults"]) == h0["faults"]
+    assert torch.equal(r0["z"], r1["z"])
+    torch.testing.assert_close(r0["z"], h0["z"], rtol=1e-6, atol=1e-7)
+    assert r0["races"] == [] and r1["races"] == []
 
 
 def test_every_rank_stops_with_divergence_error_at_the_same_round_when_every_learner_fails(fault_runs):

@@ -41,7 +41,7 @@ def _fit(scenario: str, tmp_path, rec: RaceRecorder | None):
     if scenario == "batchnorm, 2 devices, evaluation, checkpoints, metrics":
         plan = compile_tiny(TinyBN, devices=2, replicas=2, **kw)
         fit.update(eval_dataset=tiny_data(16, 1), evals_per_epoch=2, checkpoint_dir=str(tmp_path),
-                   checkpoint_every=2, metrics_every=2, hooks=[ResetFromZ()])
+                   checkpoint_every=2, metrics_every=2, hooks=[ResetFromZ(), SaveMidFit()])
     elif scenario == "batchnorm, nothing between rounds":
         plan = compile_tiny(TinyBN, devices=2, replicas=2, **kw)
     elif scenario == "τ = 2, NaN losses":
@@ -78,6 +78,14 @@ class ResetFromZ(Hook):
         if ctx.plan.rounds_done % 3 == 1:
             ctx.plan.scheduler.flush()
             FaultMonitor.reset(ctx.plan.states[0], [1])
+
+
+class SaveMidFit(Hook):
+    """After every second round, takes the plan's state_dict (as a user's hook may)."""
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done % 2 == 0:
+            self.saved = ctx.plan.state_dict()
 
 
 class _nothing:
@@ -161,3 +169,25 @@ def test_device_fault_path_resets_like_the_host_path_and_raises_a_round_late():
     assert all(torch.isfinite(s.w).all() and torch.isfinite(s.z).all() for s in plan.states)
     assert rec.races == []
     assert math.isfinite(float(plan.central_weights().sum()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["per_replica", "fused"])
+@pytest.mark.parametrize("kind", ["learn", "local", "global"])
+def test_a_delayed_stream_changes_nothing_on_cuda(mode, kind):
+    """Each kind of stream sleeps ~10 ms before its work every round (``CudaStreams.delay``): a
+    missing wait would let another stream read or overwrite its data early; z stays bitwise the
+    same as without the delay."""
+    torch.backends.cudnn.deterministic = True
+
+    def run(delay: int):
+        plan = compile_tiny(TinyBN, devices=1, replicas=2, learner_mode=mode, executor="inline",
+                            kernel_backend="torch")
+        streams = plan.scheduler._streams()
+        streams.delay = {kind: delay} if delay else {}
+        plan.fit(tiny_data(64), 1, shuffle=False, progress=False, metrics_every=None)
+        return plan.central_weights(), plan.states[0].zbuf.clone()
+
+    z, zbuf = run(0)
+    z_late, zbuf_late = run(10_000_000)
+    assert torch.equal(z, z_late) and torch.equal(zbuf, zbuf_late)

@@ -210,6 +210,8 @@ class Scheduler(RoundInterpreter):
         """Finish the work in flight and stop any worker processes."""
         try:
             self.flush()
+            if self._cuda is not None:  # every rank ends the fit: the last counts are shared
+                self._take_late_faults(block=True)
         finally:
             self.close_workers()
             self._fetch = self._load = None
@@ -224,7 +226,7 @@ class Scheduler(RoundInterpreter):
         if self._cuda is not None:
             self.join()
             self._cuda.ops.synchronize()
-            self._take_late_faults(block=True)
+            self._take_late_faults(block=True, counts=False)
             self._take_spans(block=True)
 
     def join(self) -> None:
@@ -480,8 +482,16 @@ class Scheduler(RoundInterpreter):
             torch.sum(torch.cat([bb.to(home, total.dtype) for bb in bufs]), dim=0, out=flat[P:P + Q])
         flat[P + Q] = len(self.faults.pending)
         self.comm.all_reduce_sum_(flat, self.round_index)
-        if flat[P + Q].item() > 0:  # some rank found faults since the last sync
-            self.faults.share(self.comm, self.round_index, self.num_learners)
+        if self._cuda is None:
+            if flat[P + Q].item() > 0:  # some rank found faults since the last sync
+                self.faults.share(self.comm, self.round_index, self.num_learners)
+        else:  # read a round late, at the same round on every rank (_take_late_faults)
+            pinned = home.type == "cuda"
+            host = torch.empty(1, dtype=flat.dtype, pin_memory=pinned)
+            host.copy_(flat[P + Q:], non_blocking=pinned)
+            event = self._cuda.ops.new_event()
+            self._cuda.ops.record(event, self._cuda.global_stream)
+            self._late_faults.append((self.round_index, -1, 0, host, event))
         mean_buf = flat[P:P + Q].div_(self.num_learners).to(self.states[0].buf.dtype) if Q else None
         return flat[:P], mean_buf
 
@@ -558,6 +568,7 @@ class Scheduler(RoundInterpreter):
         full = self.fault_masks[d]
         if full is None or full.shape[0] != state.m:
             full = self.fault_masks[d] = torch.zeros(state.m, dtype=torch.bool, device=mask.device)
+            self._cuda.ops.keep_alive(full, self._cuda.default[d])  # read there (the metrics)
         full[a:a + len(mask)].copy_(mask)
         pinned = state.torch_device.type == "cuda"
         host = torch.empty(len(mask), dtype=torch.bool, pin_memory=pinned)
@@ -566,15 +577,26 @@ class Scheduler(RoundInterpreter):
         self._cuda.ops.record(event, self._cuda.sync_stream[d])
         self._late_faults.append((self.round_index, d, a, host, event))
 
-    def _take_late_faults(self, *, block: bool, before: int | None = None) -> None:
+    def _take_late_faults(self, *, block: bool, before: int | None = None,
+                          counts: bool = True) -> None:
         """Record the faults of the rounds before ``before`` (every round with ``block``): the host
-        waits for each one's event, issued a round ago. Raises DivergenceError as ``record``."""
+        waits for each one's event, issued a round ago; under torchrun, share the ranks' faults
+        when a round's all-reduced count says some rank has new ones (every rank at the same
+        round; ``counts=False`` leaves those for later: a flush on one rank only, for a
+        checkpoint). Raises DivergenceError as ``record`` and ``FaultMonitor.share``."""
         pending, self._late_faults = self._late_faults, []
         for i, (t, d, a, host, event) in enumerate(pending):
             if not block and t >= before:
-                self._late_faults = pending[i:]
+                self._late_faults += pending[i:]
                 break
+            if d < 0 and not counts:
+                self._late_faults.append(pending[i])
+                continue
             self._cuda.ops.wait_host(event)
+            if d < 0:  # the ranks' count of new faults of round t's all-reduce
+                if host.item() > 0:
+                    self.faults.share(self.comm, t, self.num_learners)
+                continue
             rows = [a + r for r in host.nonzero().flatten().tolist()]
             if rows and self.states[d].optim_rows is not None:
                 self.states[d].optim_rows.reset(rows)  # their next step starts fresh

@@ -130,6 +130,7 @@ class CudaStreams:
         self.sync_stream = [ops.new_stream(s.torch_device) for s in states]
         self.global_stream = ops.new_stream(states[0].torch_device)
         self.origin = [self._event(ops.current(s.torch_device), timing=True) for s in states]
+        self.default: list[Any] = [ops.current(s.torch_device) for s in states]  # D per device
         self.start: list[Any] = [None] * len(states)  # start_t per device (on D)
         self.learned: list[list[Any]] = [[] for _ in states]  # this round's learner events
         self.local_done: list[Any] = [None] * len(states)
@@ -180,8 +181,9 @@ class CudaStreams:
         round's batch included)."""
         self._batch_leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)] \
             if batch is not None else []
-        for d, s in enumerate(self.states):
-            self.start[d] = self._event(self.ops.current(s.torch_device))
+        self.default = [self.ops.current(s.torch_device) for s in self.states]
+        for d, stream in enumerate(self.default):
+            self.start[d] = self._event(stream)
             self.learned[d] = []
 
     @contextmanager
@@ -235,8 +237,8 @@ class CudaStreams:
     def end_round(self) -> None:
         """Step 5: every device's ``D`` waits for its learners of the round (the losses, which the
         caller reads there), not for the syncs."""
-        for d, s in enumerate(self.states):
-            self._wait_all(self.ops.current(s.torch_device), self.learned[d])
+        for d, stream in enumerate(self.default):
+            self._wait_all(stream, self.learned[d])
 
     def join(self) -> None:
         """Step 5: every device's ``D`` waits for every stream's last event (no host wait)."""

@@ -72,6 +72,7 @@ _CHUNK = 1 << 20
 
 def plan_state_dict(plan: "Plan") -> dict[str, Any]:
     """The plan's training state as CPU tensors and plain values (see the module docstring)."""
+    plan.scheduler.flush()  # the streams' work so far, on the host
     states = []
     for s in plan.states:
         states.append({
@@ -182,6 +183,7 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
     _check_same_optimizer(plan, sd)
     if plan.autotuner is not None and sd["replicas_per_device"] != plan.replicas_per_device:
         plan.set_replicas(sd["replicas_per_device"])  # the tuner had changed m: continue from there
+    plan.scheduler.flush()  # the copies below come after the streams' work so far
     have = (len(plan.devices), plan.replicas_per_device, plan.num_parameters, plan.states[0].buf.shape[1])
     want = (len(sd["devices"]), sd["replicas_per_device"], sd["num_parameters"], sd["num_float_buffers"])
     if have != want:

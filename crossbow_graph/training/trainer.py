@@ -367,6 +367,7 @@ class Trainer:
                         indices=_mine(plan, indices),
                         next_indices=_mine(plan, upcoming) if ahead else None)
         if comm is not None and plan.rounds_done % comm.settings.checksum_every == 0:
+            sched.join()  # the checksum reads z after the round's global sync
             comm.check_z(plan.states[0].z, plan.rounds_done - 1)
         self.rounds_run += 1
         self.samples_run += len(indices)
