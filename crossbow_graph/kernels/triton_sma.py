@@ -85,7 +85,7 @@ def sma_local_kernel(
     P: tl.constexpr,  # parameters per replica (row length)
     ROW_STRIDE: tl.constexpr,  # elements from row j to row j+1 of W, V, G (≥ P; the pad unread)
     M: tl.constexpr,  # replicas on the device (rows)
-    UNROLL: tl.constexpr,  # the loop over the M rows is unrolled UNROLL times (M: fully)
+    UNROLL: tl.constexpr,  # full blocks unroll the loop over the M rows UNROLL times (M: fully)
     BLOCK: tl.constexpr,  # columns per program (a power of two)
     MOMENTUM: tl.constexpr,  # μ_l ≠ 0: keep and use V
     NESTEROV: tl.constexpr,  # u = d + μ_l·v instead of u = v
@@ -101,8 +101,8 @@ def sma_local_kernel(
     tail = pid >= P // BLOCK  # the last program, when BLOCK does not divide P
     # The body below is compiled twice when BLOCK does not divide P: unmasked for the full
     # blocks, where each thread moves 16-byte vectors when the rows are 16-byte aligned, and
-    # masked for the tail, whose mask cols < P splits vectors when 4 does not divide P. Each
-    # program runs one of them.
+    # masked for the tail, whose mask cols < P splits vectors when 4 does not divide P (one
+    # program: its loop over the rows is not unrolled). Each program runs one of them.
     for MASKED in tl.static_range(2 if P % BLOCK else 1):
         if tail == MASKED:
             if MASKED:
@@ -115,7 +115,7 @@ def sma_local_kernel(
             w_row = w_ptr + cols  # [BLOCK] pointers into row j, advanced ROW_STRIDE per replica
             v_row = v_ptr + cols
             g_row = g_ptr + cols
-            for _ in tl.range(0, M, loop_unroll_factor=UNROLL):
+            for _ in tl.range(0, M, loop_unroll_factor=1 if MASKED else UNROLL):
                 w = tl.load(w_row, mask=mask)  # ŵ_j, the pre-step point
                 d = tl.load(g_row, mask=mask).to(tl.float32)
                 if WEIGHT_DECAY:
