@@ -12,11 +12,10 @@ Low precision: a model whose parameters are bfloat16 or float16 keeps ``w``, ``v
 masters are copied back into the model copies lazily, before a module's forward, whenever they
 changed (their version counter moved).
 
-Rows on CUDA devices: the rows of ``w``, ``v``, ``g`` (and ``w_model``) start ``ROW_ALIGN`` = 32
-elements apart at least: each is a ``[:, :P]`` view of an ``[m, P_pad]`` buffer, P_pad = P rounded
-up to a multiple of 32 (``row_length``), so that every row starts 128-byte aligned and the Triton
-kernels move 16-byte vectors whatever P is (docs/kernels.md). The pad columns are never read or
-written. CPU devices keep contiguous ``[m, P]`` rows (shared memory, the C kernels and worker
+Rows on CUDA devices: ``w``, ``v``, ``g`` (and ``w_model``) are ``[:, :P]`` views of ``[m, P_pad]``
+buffers, P_pad = P rounded up to a multiple of ``ROW_ALIGN`` = 32 elements (``row_length``), so
+that every row starts at least 64-byte aligned and the Triton kernels move 16-byte vectors
+whatever P is (docs/kernels.md). The pad columns are never read or written. CPU devices keep contiguous ``[m, P]`` rows (shared memory, the C kernels and worker
 processes see plain rows there); ``buf`` is contiguous everywhere (no kernel reads it).
 
 A float64 model trains in float64: ``w``, ``v``, ``z``, ``z_prev``, ``g`` and the buffers are all

@@ -238,8 +238,8 @@ class KernelSpec:
     @property
     def unroll(self) -> int:
         """How many times the local kernel's loop over the m rows is unrolled: m up to
-        ``UNROLL_MAX`` (fully), else 1 — fully unrolled, m = 64 compiles to about 10× the code of
-        m = 8 (docs/kernels.md)."""
+        ``UNROLL_MAX`` (fully), else 1: fully unrolled, m = 64 compiles to 7.5× the cubin of m = 8
+        (508 against 68 KB with fp32 gradients, docs/kernels.md). The tail block never unrolls."""
         return self.m if self.m <= UNROLL_MAX else 1
 
     @property
