@@ -94,7 +94,7 @@ OPTS = dict(lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.0, alpha=0.25)
 
 
 @pytest.mark.parametrize("m", [*range(1, 9), 9, 16])  # unrolled up to UNROLL_MAX = 8, then a loop
-@pytest.mark.parametrize("P", [1, 100, 193])
+@pytest.mark.parametrize("P", [1, 100, 128, 193])  # 128: full blocks only (no tail program)
 def test_local_update_every_m(m, P):
     check_local(m, P, **dict(OPTS, nesterov=m % 2 == 0, weight_decay=1e-3 if m > 4 else 0.0))
 
