@@ -6,10 +6,12 @@ over replicas and parameter tensors (what a user without flat buffers writes), o
 each: the local step + correction of every replica, the device sum, the central update. Reports
 the median time per round of each and their ratios.
 
-CUDA: the fused Triton kernels (kernels/triton_sma.py) and the torch implementation; for the local
-kernel, achieved bytes/s against the floor of ((3m+1) reads + (2m+1) writes) × 4P bytes per round
-(W, V, G of every replica and Z read; W, V of every replica and acc_d written), and that as a
-fraction of the bandwidth of a plain device-to-device copy measured in the same run.
+CUDA: the fused Triton kernels (kernels/triton_sma.py) and the torch implementation, on rows padded
+to a multiple of 32 elements as a CUDA DeviceState holds them (the Triton kernel on contiguous rows
+too, "P-apart"); for the local kernel, achieved bytes/s against the floor of ((3m+1) reads +
+(2m+1) writes) × 4P bytes per round (W, V, G of every replica and Z read; W, V of every replica
+and acc_d written), and that as a fraction of the bandwidth of a plain device-to-device copy
+measured in the same run.
 
 Sizes: LeNet-5 (61,706), ResNet-32 (464,154), ResNet-50 (25,557,032) parameter tensors, built
 from the real layer shapes; m ∈ {1, 2, 4, 8}. A and B are interleaved (A B A B …) and medians
@@ -36,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's crossbow_graph
 
+from crossbow_graph.engine.state import row_length  # noqa: E402
 from crossbow_graph.kernels.c_sma import CSMAKernels  # noqa: E402
 from crossbow_graph.kernels.torch_ref import TorchSMAKernels, sma_central_update, sma_local_update  # noqa: E402
 
@@ -214,27 +217,40 @@ def copy_bandwidth(reps: int) -> float:
                              for _ in range(reps))
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [m, P]`` in rows ``row_length(P)`` apart, as a CUDA DeviceState allocates them."""
+    m, P = t.shape
+    full = torch.zeros(m, row_length(P, t.device), dtype=t.dtype, device=t.device)
+    full[:, :P] = t
+    return full[:, :P]
+
+
 def bench_cuda(name, P, m, reps, iters, peak):
-    """Median seconds of the Triton and torch local update (and central update); bytes/s."""
+    """Median seconds of the Triton local update on padded rows (what a CUDA DeviceState holds)
+    and on contiguous rows, of the torch one, and of the central updates; bytes/s."""
     from crossbow_graph.kernels.triton_sma import TritonSMAKernels
 
     tri = TritonSMAKernels()
-    w = torch.randn(m, P, device="cuda")
-    v, g = torch.zeros_like(w), torch.randn_like(w) * 1e-3
+    dev = torch.device("cuda")
+    w = _rows(torch.randn(m, P, device=dev))  # [m, P], rows padded as engine/state.py pads them
+    v, g = _rows(torch.zeros(m, P, device=dev)), _rows(torch.randn(m, P, device=dev) * 1e-3)
+    w_c, v_c, g_c = w.contiguous(), v.contiguous(), g.contiguous()  # rows P apart
     z, z_prev = w.mean(0), w.mean(0)
     c = torch.zeros_like(z)
     kw = dict(lr=LR, momentum=MOMENTUM, nesterov=False, weight_decay=0.0, alpha=1.0 / m)
     outs = []
     for backend in (tri, _Torch):  # compile, warm up, and the same numbers on copies
-        wc, vc, zc, zpc = w.clone(), v.clone(), z.clone(), z_prev.clone()
+        wc, vc, zc, zpc = _rows(w.clone()), _rows(v.clone()), z.clone(), z_prev.clone()
         acc = backend.local_update(wc, vc, g, zc, **kw)
         backend.central_update(zc, zpc, acc, central_momentum=MU_Z)
         outs.append((wc, vc, zc, zpc))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    tri.local_update(w_c.clone(), v_c.clone(), g_c, z.clone(), **kw)  # compile the P-stride spec
     torch.cuda.synchronize()
-    t_tri, t_torch, t_ctri, t_ctorch = [], [], [], []
+    t_tri, t_flat, t_torch, t_ctri, t_ctorch = [], [], [], [], []
     for _ in range(reps):  # interleaved A B A B
         t_tri.append(_time_cuda(lambda: tri.local_update(w, v, g, z, **kw), iters))
+        t_flat.append(_time_cuda(lambda: tri.local_update(w_c, v_c, g_c, z, **kw), iters))
         t_torch.append(_time_cuda(lambda: sma_local_update(w, v, g, z, **kw), iters))
         t_ctri.append(_time_cuda(lambda: tri.central_update(z, z_prev, c, central_momentum=MU_Z), iters))
         t_ctorch.append(_time_cuda(lambda: sma_central_update(z, z_prev, c, central_momentum=MU_Z), iters))
@@ -243,6 +259,7 @@ def bench_cuda(name, P, m, reps, iters, peak):
     return {"model": name, "m": m, "P": P, "floor_bytes": floor, "triton_local_s": tt,
             "torch_local_s": to, "triton_bytes_per_s": floor / tt, "torch_bytes_per_s": floor / to,
             "triton_fraction_of_copy_bw": floor / tt / peak, "torch_over_triton": to / tt,
+            "triton_contiguous_rows_local_s": statistics.median(t_flat),
             "triton_central_s": statistics.median(t_ctri),
             "torch_central_s": statistics.median(t_ctorch),
             "spread_triton_local_s": [min(t_tri), max(t_tri)]}
@@ -304,8 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         peak = copy_bandwidth(args.reps)
         meta["copy_bytes_per_s"] = peak
         print(f"{meta['gpu']}: device-to-device copy {peak / 1e9:,.0f} GB/s")
+        print("triton: rows padded to 32 elements (engine/state.py); P-apart: contiguous rows")
         print(f"{'model':<10}{'m':>3}{'P':>12}{'triton µs':>11}{'GB/s':>8}{'of copy':>9}"
-              f"{'torch µs':>10}{'GB/s':>8}{'torch/tri':>10}{'central tri/torch µs':>22}")
+              f"{'P-apart µs':>12}{'torch µs':>10}{'GB/s':>8}{'torch/tri':>10}"
+              f"{'central tri/torch µs':>22}")
         for name in names:
             P = sum(_numel(s) for s in shapes[name])
             for m in ms:
@@ -313,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(r)
                 print(f"{name:<10}{m:>3}{P:>12,}{r['triton_local_s'] * 1e6:>11.1f}"
                       f"{r['triton_bytes_per_s'] / 1e9:>8.0f}{r['triton_fraction_of_copy_bw']:>9.0%}"
+                      f"{r['triton_contiguous_rows_local_s'] * 1e6:>12.1f}"
                       f"{r['torch_local_s'] * 1e6:>10.1f}{r['torch_bytes_per_s'] / 1e9:>8.0f}"
                       f"{r['torch_over_triton']:>10.2f}"
                       f"{r['triton_central_s'] * 1e6:>11.1f}/{r['torch_central_s'] * 1e6:<10.1f}")

@@ -7,8 +7,10 @@ one LeNet-5-sized case: the interpreter is slow.
 
 import inspect
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -91,8 +93,8 @@ def check_local(m, P, *, steps=2, dtype=torch.float32, backend=TRITON, with_z=Tr
 OPTS = dict(lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.0, alpha=0.25)
 
 
-@pytest.mark.parametrize("m", range(1, 9))
-@pytest.mark.parametrize("P", [1, 100, 193])
+@pytest.mark.parametrize("m", [*range(1, 9), 9, 16])  # unrolled up to UNROLL_MAX = 8, then a loop
+@pytest.mark.parametrize("P", [1, 100, 128, 193])  # 128: full blocks only (no tail program)
 def test_local_update_every_m(m, P):
     check_local(m, P, **dict(OPTS, nesterov=m % 2 == 0, weight_decay=1e-3 if m > 4 else 0.0))
 
@@ -118,10 +120,31 @@ def test_local_update_first_step_copies_d_into_momentum():
     torch.testing.assert_close(v, g + 0.01 * w0, atol=ATOL, rtol=RTOL)  # the old v is ignored
 
 
-def test_local_update_lenet5_size_default_block():
-    """One medium case: P = 61,706 (LeNet-5), m = 4, the interpreter's default block."""
-    check_local(4, 61_706, steps=2, backend=K.TritonSMAKernels(),
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_local_update_lenet5_size_default_block(device):
+    """One medium case: P = 61,706 (LeNet-5), m = 4, with the interpreter's default block (8 programs)
+    and with CUDA's (128 columns: 483 programs, the last one partial)."""
+    block = K.default_block(61_706, device)
+    assert (block, -(-61_706 // block)) == ((8192, 8) if device == "cpu" else (128, 483))
+    check_local(4, 61_706, steps=2, backend=K.TritonSMAKernels(block=block),
                 **dict(OPTS, nesterov=True, weight_decay=1e-4))
+
+
+@pytest.mark.parametrize("P,block", [(61_706, 128), (464_154, 1024), (25_557_032, 1024),
+                                     (1_000_000, 1024), (100_000, 256), (10_000, 128), (100, 128),
+                                     (50, 64), (1, 16)])
+def test_default_block_fills_the_sms_on_cuda(P, block):
+    """The CUDA block is the largest power of two in [128, 1024] whose grid has ≥ 2 programs
+    per SM of a 132-SM H200 (else 128, or P rounded up when smaller): LeNet-5 (P = 61,706) and
+    ResNet-32/-50 sizes get ≥ 264 programs; a thread holds 4 float32 (8 at BLOCK 1024)."""
+    spec = K.local_spec(4, P, torch.float32, "cuda", momentum=0.9, nesterov=False,
+                        weight_decay=0.0, first_step=False, correct=True)
+    assert spec.block == K.default_block(P, "cuda") == block
+    if P >= 128 * K.TARGET_PROGRAMS:
+        assert spec.grid[0] >= K.TARGET_PROGRAMS == 264
+        assert block == 1024 or -(-P // (2 * block)) < K.TARGET_PROGRAMS  # the largest such
+    assert spec.num_warps == max(1, min(4, block // 128))
+    assert K.default_block(P, "cpu") == max(16, min(8192, 1 << (P - 1).bit_length()))
 
 
 @settings(max_examples=25, deadline=None)
@@ -154,8 +177,10 @@ def test_backend_rejects_non_float32_masters():
     w, v, g, z = make_inputs(2, 10)
     with pytest.raises(TypeError, match="float32"):
         TRITON.local_update(w.bfloat16(), v, g, z, **OPTS)
-    with pytest.raises(TypeError, match="contiguous"):
+    with pytest.raises(ValueError, match="unit-stride rows"):  # tests/test_row_padding.py: more
         TRITON.local_update(w.t().contiguous().t(), v, g, z, **OPTS)
+    with pytest.raises(TypeError, match="contiguous"):
+        TRITON.local_update(w, v, g, torch.randn(20)[::2], **OPTS)  # z [P] strided
 
 
 # -- emission: specialisation, cache, visibility ----------------------------------------------
@@ -168,10 +193,21 @@ def test_emit_caches_by_spec_and_specialises():
                          weight_decay=0.0, first_step=False, correct=True)
     assert K.emit(other) is not K.emit(spec)
     assert spec.constexprs["M"] == 3 and spec.constexprs["P"] == 100
+    assert spec.constexprs["ROW_STRIDE"] == 100 and spec.constexprs["UNROLL"] == 3
     assert dict(spec.flags) == {"MOMENTUM": True, "NESTEROV": False, "WEIGHT_DECAY": False,
                                 "FIRST_STEP": False, "CORRECT": True, "INT64": False}
     src = K.emit(spec).source
-    assert "#   M = 3" in src and "def sma_local_kernel" in src and "tl.static_range(M)" in src
+    assert "#   M = 3" in src and "def sma_local_kernel" in src
+    assert "tl.range(0, M, loop_unroll_factor=1 if MASKED else UNROLL)" in src
+    padded = K.local_spec(3, 100, torch.float32, "cpu", momentum=0.9, nesterov=False,
+                          weight_decay=0.0, first_step=False, correct=True, row_stride=128)
+    assert K.emit(padded) is not K.emit(spec) and "row_stride=128" in padded.describe()
+    assert K.local_spec(1, 100, torch.float32, "cpu", momentum=0.9, nesterov=False,
+                        weight_decay=0.0, first_step=False, correct=True,
+                        row_stride=128).row_stride == 100  # one row: no stride to specialise
+    many = K.local_spec(K.UNROLL_MAX + 1, 100, torch.float32, "cpu", momentum=0.9,
+                        nesterov=False, weight_decay=0.0, first_step=False, correct=True)
+    assert many.unroll == 1  # a run-time loop over the rows above UNROLL_MAX
 
 
 def test_lower_compiles_for_cuda_without_a_gpu():
@@ -189,32 +225,76 @@ def test_lower_compiles_for_cuda_without_a_gpu():
     assert "tensor<1024xi64>" in K.emit(big).lower(arch=90)["ttir"]  # 64-bit offsets
 
 
+_LOAD = {16: "ld.global.v4.b32", 8: "ld.global.v2.b32", 4: "ld.global.b32"}
+
+
+def _expected_loads(spec: K.KernelSpec, *, tail: bool) -> Counter:
+    """The global loads of one compiled body of ``spec`` (a full block's, or the tail's), per
+    thread: each array's E = BLOCK / threads elements as accesses of up to 16 bytes — 2
+    elements in the tail, whose mask splits vectors when P ≡ 2 mod 4 — for 16-byte aligned
+    rows. Arrays: per unrolled row (the tail does not unroll) w, g and v (with momentum, after
+    the first step); z when correcting; central: z, C, z_prev."""
+    E = spec.block // (32 * spec.num_warps)
+    f = dict(spec.flags)
+    if spec.kind == "sma_central":
+        arrays = [4] * (2 + f["MOMENTUM"])
+    else:
+        per_row = [4, spec.dtype.itemsize] + [4] * (f["MOMENTUM"] and not f["FIRST_STEP"])
+        arrays = per_row * (1 if tail else spec.unroll) + [4] * f["CORRECT"]
+    out = Counter()
+    for size in arrays:
+        k = min(E, 16 // size, 2 if tail else E)  # elements per access
+        out[_LOAD[k * size]] += E // k
+    return out
+
+
+def _loads(ptx: str) -> Counter:
+    return Counter(re.findall(r"ld\.global[\w.]*", ptx))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
 def test_every_kernel_lowers_for_sm90_with_16_byte_loads(dtype):
     """Every kernel (local, with and without momentum/Nesterov/weight decay/correction, for m ∈
-    {1, 2, 8}; central) lowers to an sm_90 cubin without a GPU. The pointers are declared
-    16-byte aligned as the JIT's are: with P ≡ 0 mod 4 the fp32 rows load as 16-byte vectors
-    (ld.global.v4); at LeNet-5's P ≡ 2 mod 4 as 8-byte ones (v2), never one float at a time."""
-    import re
+    {1, 2, 8, 64}; central) lowers to an sm_90 cubin without a GPU, with nothing spilled
+    (``cubin_resources``). The pointers are declared 16-byte aligned as the JIT's are.
 
+    Loads (docs/kernels.md): P = 65,536, a multiple of the block, has only full blocks, and
+    every access is a 16-byte vector (the 2-byte gradients': 8 bytes, 4 per thread). At
+    LeNet-5's P = 61,706 with the rows padded to 61,728 elements (engine/state.py on CUDA) the
+    full blocks' accesses are the same, and only the tail program's are split in two by its
+    mask; with unpadded rows (61,706 apart, 8-byte aligned) rows 1… are 8-byte loads too.
+
+    m = 64 loops over the rows at run time (UNROLL 1): its cubin is smaller than the unrolled
+    m = 8 one (fully unrolled, it is about 7× larger: docs/kernels.md)."""
     options = [dict(momentum=0.9, nesterov=False, weight_decay=0.0, first_step=False, correct=True),
                dict(momentum=0.9, nesterov=True, weight_decay=1e-4, first_step=True, correct=False),
                dict(momentum=0.0, nesterov=False, weight_decay=0.0, first_step=False, correct=True)]
-    for m in (1, 2, 8):
-        for P in (61_706, 65_536):
-            for opts in options:
-                asm = K.emit(K.local_spec(m, P, dtype, "cuda", **opts)).lower(arch=90)
-                assert len(asm["cubin"]) > 0 and ".target sm_90" in asm["ptx"]
-                loads = set(re.findall(r"ld\.global[\w.]*", asm["ptx"]))
-                if dtype == torch.float32 or P % 4 == 0:  # w, v, g, z: vectors only
-                    want = "ld.global.v4.b32" if P % 4 == 0 else "ld.global.v2.b32"
-                    assert loads == {want}, (m, P, opts, loads)
+    for opts in options:
+        cubin_bytes = {}
+        for m in (1, 2, 8, 64):
+            for P, row_stride in ((65_536, None), (61_706, 61_728)):
+                spec = K.local_spec(m, P, dtype, "cuda", row_stride=row_stride, **opts)
+                asm = K.emit(spec).lower(arch=90)
+                assert ".target sm_90" in asm["ptx"]
+                used = K.cubin_resources(asm["cubin"])
+                assert used["local_bytes"] == used["stack_bytes"] == 0, (spec.describe(), used)
+                loads, full = _loads(asm["ptx"]), _expected_loads(spec, tail=False)
+                tail = loads - full  # what is left once the full blocks' loads are taken
+                assert loads["ld.global.v4.b32"] == full["ld.global.v4.b32"] and full <= loads
+                assert set(tail) <= {"ld.global.v2.b32", "ld.global.b32"}, spec.describe()
+                assert bool(tail) == bool(P % spec.block), (spec.describe(), loads, full)
+                if P % spec.block and spec.unroll == 1:  # LLVM may unroll a short tail loop
+                    assert tail == _expected_loads(spec, tail=True), (spec.describe(), tail)
+                cubin_bytes[m, P] = len(asm["cubin"])
+        assert cubin_bytes[64, 61_706] < cubin_bytes[8, 61_706], cubin_bytes
+    spec = K.local_spec(8, 61_706, dtype, "cuda", **options[0])  # unpadded rows
+    full = _expected_loads(spec, tail=False)
+    assert _loads(K.emit(spec).lower(arch=90)["ptx"])["ld.global.v4.b32"] < full["ld.global.v4.b32"]
     for P in (61_706, 65_536):
-        asm = K.emit(K.central_spec(P, "cuda", central_momentum=0.9)).lower(arch=90)
-        assert len(asm["cubin"]) > 0
-        loads = set(re.findall(r"ld\.global[\w.]*", asm["ptx"]))
-        assert loads == {"ld.global.v4.b32" if P % 4 == 0 else "ld.global.v2.b32"}
+        spec = K.central_spec(P, "cuda", central_momentum=0.9)
+        want = _expected_loads(spec, tail=False) + (_expected_loads(spec, tail=True) if P % 4 else Counter())
+        assert _loads(K.emit(spec).lower(arch=90)["ptx"]) == want, P
 
 
 class MLP(nn.Module):
@@ -383,12 +463,20 @@ def test_interpreter_without_env_var():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("padded", [False, True], ids=["rows", "padded_rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 4, 8])
-def test_gpu_kernels_match_torch(m, dtype):
-    P = 464_154  # ResNet-32 size: many programs, P not a multiple of the block
+@pytest.mark.parametrize("m", [1, 4, 8, 16])
+def test_gpu_kernels_match_torch(m, dtype, padded):
+    """ResNet-32's P: many programs, P not a multiple of the block; contiguous rows, and rows
+    padded to 32 elements as engine/state.py allocates them on CUDA (pads left untouched)."""
+    P = 464_154
     gpu = K.TritonSMAKernels()
     w, v, g, z = (t.cuda() for t in make_inputs(m, P, dtype=dtype))
+    if padded:
+        fulls = [torch.full((m, 464_160), -3.5, dtype=t.dtype, device="cuda") for t in (w, v, g)]
+        for full, t in zip(fulls, (w, v, g)):
+            full[:, :P] = t
+        w, v, g = (full[:, :P] for full in fulls)
     w_ref, v_ref = w.clone(), v.clone()
     for step in range(3):
         kw = dict(lr=0.05, momentum=0.9, nesterov=step == 2, weight_decay=1e-4, alpha=1 / m,
@@ -401,6 +489,8 @@ def test_gpu_kernels_match_torch(m, dtype):
     sma_central_update(z_ref, z_prev_ref, acc_ref, central_momentum=0.9)
     torch.testing.assert_close((z, z_prev), (z_ref, z_prev_ref), atol=1e-5, rtol=1e-5)
     assert any("ptx" in k.asm for k in K._CACHE.values() if k.spec.device_type == "cuda")
+    if padded:
+        assert all((full[:, P:] == -3.5).all() for full in fulls)
 
 
 @pytest.mark.gpu

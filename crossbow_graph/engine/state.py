@@ -12,6 +12,12 @@ Low precision: a model whose parameters are bfloat16 or float16 keeps ``w``, ``v
 masters are copied back into the model copies lazily, before a module's forward, whenever they
 changed (their version counter moved).
 
+Rows on CUDA devices: ``w``, ``v``, ``g`` (and ``w_model``) are ``[:, :P]`` views of ``[m, P_pad]``
+buffers, P_pad = P rounded up to a multiple of ``ROW_ALIGN`` = 32 elements (``row_length``), so
+that every row starts at least 64-byte aligned and the Triton kernels move 16-byte vectors
+whatever P is (docs/kernels.md). The pad columns are never read or written. CPU devices keep contiguous ``[m, P]`` rows (shared memory, the C kernels and worker
+processes see plain rows there); ``buf`` is contiguous everywhere (no kernel reads it).
+
 A float64 model trains in float64: ``w``, ``v``, ``z``, ``z_prev``, ``g`` and the buffers are all
 float64 and its modules' parameters are views into ``w``/``z`` directly, as for a float32 model.
 
@@ -30,9 +36,29 @@ from torch import nn
 
 from .precision import LossScales
 
-__all__ = ["FlatLayout", "DeviceState", "bind_flat", "model_dtype", "master_dtype", "LOW_PRECISION"]
+__all__ = ["FlatLayout", "DeviceState", "bind_flat", "model_dtype", "master_dtype", "row_length",
+           "LOW_PRECISION", "ROW_ALIGN"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+ROW_ALIGN = 32  # elements: CUDA devices pad the rows of w, v, g, w_model to a multiple of it
+_PAD_ROWS_ON_CPU = False  # tests set it: pad the rows on CPU devices too (no CUDA here)
+
+
+def row_length(P: int, device: torch.device) -> int:
+    """Elements from one row of ``w, v, g, w_model`` to the next on ``device``: P rounded up to a
+    multiple of ``ROW_ALIGN`` on a CUDA device (rows 128-byte aligned for 4-byte elements), P
+    on others."""
+    if device.type == "cuda" or _PAD_ROWS_ON_CPU:
+        return -(-P // ROW_ALIGN) * ROW_ALIGN
+    return P
+
+
+def _zero_rows(m: int, P: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros ``[m, P]`` whose rows are ``row_length(P, device)`` apart: a ``[:, :P]`` view of
+    ``[m, P_pad]`` (the tensor itself when P_pad = P)."""
+    P_pad = row_length(P, device)
+    rows = torch.zeros(m, P_pad, dtype=dtype, device=device)
+    return rows[:, :P] if P_pad != P else rows
 
 
 @dataclass(frozen=True)
@@ -169,7 +195,8 @@ class DeviceState:
         replicas: m modules, training mode, parameters are views of ``w_model`` (that is ``w``
             for a float32 model).
         w, v, g: ``[m, P]`` parameters, momentum (``master_dtype``: float64 for a float64 model,
-            else float32), gradients (model dtype).
+            else float32), gradients (model dtype); rows ``row_length(P, device)`` apart (padded
+            to a multiple of 32 elements on CUDA, contiguous on the CPU).
         buf: ``[m, Q]`` float buffers (model dtype).
         z, z_prev: ``[P]`` the central average model and its previous value (``master_dtype``).
         dtype: the model's dtype; w_model ``[m, P]`` and z_model ``[P]`` in it, the tensors the
@@ -194,14 +221,14 @@ class DeviceState:
         self.buffers = buffers
         self.dtype = dtype = model_dtype(trainable_named(template))
         master = master_dtype(dtype)
-        self.w = torch.zeros(m, params.size, dtype=master, device=torch_device)
-        self.v = torch.zeros_like(self.w)
-        self.g = torch.zeros(m, params.size, dtype=dtype, device=torch_device)
+        self.w = _zero_rows(m, params.size, master, torch_device)
+        self.v = _zero_rows(m, params.size, master, torch_device)
+        self.g = _zero_rows(m, params.size, dtype, torch_device)
         self.buf = torch.zeros(m, buffers.size, dtype=dtype, device=torch_device)
         self.z = torch.zeros(params.size, dtype=master, device=torch_device)
         self.zbuf = torch.zeros(buffers.size, dtype=dtype, device=torch_device)
         low = dtype in LOW_PRECISION
-        self.w_model = torch.zeros_like(self.w, dtype=dtype) if low else self.w
+        self.w_model = _zero_rows(m, params.size, dtype, torch_device) if low else self.w
         self.z_model = torch.zeros_like(self.z, dtype=dtype) if low else self.z
         self._low = low
         self._template = template
@@ -260,8 +287,9 @@ class DeviceState:
         replica 0) with zeroed momentum; removed replicas are the last ones. z, z_prev and zbuf
         are untouched, so the central model is continuous (docs/design-overview.md §5, auto-tuner).
 
-        New flat buffers ``[m, P]``/``[m, Q]`` replace ``w, v, g, buf`` (ordinary memory: call
-        ``share_memory()`` again if worker processes need them).
+        New flat buffers ``[m, P]``/``[m, Q]`` replace ``w, v, g, buf`` (rows padded on CUDA as in
+        ``__init__``; ordinary memory: call ``share_memory()`` again if worker processes need
+        them).
 
         Raises:
             ValueError: ``m < 1``.
@@ -269,9 +297,10 @@ class DeviceState:
         if m < 1:
             raise ValueError(f"replicas per device must be ≥ 1, got {m}")
         keep = min(m, self.m)
-        w = torch.zeros(m, self.params.size, dtype=self.w.dtype, device=self.torch_device)
-        v = torch.zeros_like(w)
-        g = torch.zeros(m, self.params.size, dtype=self.g.dtype, device=self.torch_device)
+        P = self.params.size
+        w = _zero_rows(m, P, self.w.dtype, self.torch_device)
+        v = _zero_rows(m, P, self.v.dtype, self.torch_device)
+        g = _zero_rows(m, P, self.g.dtype, self.torch_device)
         buf = torch.zeros(m, self.buffers.size, dtype=self.buf.dtype, device=self.torch_device)
         w[:keep].copy_(self.w[:keep])
         v[:keep].copy_(self.v[:keep])
@@ -281,7 +310,7 @@ class DeviceState:
         ints = {n: b.clone() for n, b in self.replicas[0].named_buffers() if not b.is_floating_point()}
         low = self._low
         self.w, self.v, self.g, self.buf = w, v, g, buf
-        self.w_model = torch.zeros_like(w, dtype=self.dtype) if low else w
+        self.w_model = _zero_rows(m, P, self.dtype, self.torch_device) if low else w
         if low:
             self.w_model.copy_(w)
         replicas = []

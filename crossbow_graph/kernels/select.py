@@ -79,7 +79,8 @@ def plan_kernels(backend: SMAKernels, states: list[Any], *, local: bool = True, 
             for correct in corrects:
                 specs.append(local_spec(m, P, s.g.dtype, dev, momentum=momentum, nesterov=nesterov,
                                         weight_decay=weight_decay, first_step=first,
-                                        correct=correct, block=block))
+                                        correct=correct, block=block,
+                                        row_stride=s.w.stride(0)))
         if num_learners > 1:
             specs.append(central_spec(P, dev, central_momentum=central_momentum, block=block,
                                       dtype=s.z.dtype))

@@ -10,9 +10,15 @@ Two kernels per plan:
   no atomics.
 * ``sma_central`` — ``z_new = z + C + μ_z(z − z_prev)``, ``z_prev ← z``.
 
-Emission: a kernel is specialised to a ``KernelSpec`` — m, P, the gradients' dtype, the block
-and the options — which Triton receives as ``tl.constexpr`` compile-time constants, so each spec
-compiles to its own binary with the disabled branches removed. Emitted kernels are cached by spec
+Tunings for CUDA (docs/kernels.md): the block fills the SMs (``default_block``); the loop over the
+m rows is unrolled up to ``UNROLL_MAX`` replicas and a run-time loop above, so the code stays
+small; the rows of W, V, G may be ``ROW_STRIDE`` apart (engine/state.py pads them to 32 elements
+on CUDA, so that they start 16-byte aligned whatever P is); full blocks run without a mask, so
+their accesses are 16-byte vectors, and only the last, partial block is masked.
+
+Emission: a kernel is specialised to a ``KernelSpec`` — m, P, the row stride, the gradients'
+dtype, the block and the options — which Triton receives as ``tl.constexpr`` compile-time
+constants, so each spec compiles to its own binary with the disabled branches removed. Emitted kernels are cached by spec
 (`emit`), and a plan lists the ones it runs (``Plan.kernels``); ``EmittedKernel.source`` prints
 what runs (the Triton source with its specialisation; on CUDA, after the first launch, the
 compiled TTIR/PTX in ``EmittedKernel.asm``).
@@ -28,6 +34,9 @@ triton was imported. This module imports triton only when a kernel is first emit
 from __future__ import annotations
 
 import inspect
+import re
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +45,8 @@ import torch
 from .torch_ref import sma_central_update, sma_local_update
 
 __all__ = ["KernelSpec", "EmittedKernel", "TritonSMAKernels", "emit", "local_spec", "central_spec",
-           "default_block", "import_triton", "device_type"]
+           "default_block", "cubin_resources", "import_triton", "device_type", "UNROLL_MAX",
+           "TARGET_PROGRAMS"]
 
 triton: Any = None  # the triton module, imported by import_triton()
 tl: Any = None  # triton.language, resolved by the kernels' bodies at compile/run time
@@ -63,9 +73,9 @@ def import_triton() -> None:
 # -- the Triton kernels (bodies use tl.* core builtins only; see the module docstring) ----------
 
 def sma_local_kernel(
-    w_ptr,  # [M, P] float32, row-major: replicas' parameters; read ŵ, written w (master copy)
-    v_ptr,  # [M, P] float32: momentum buffers, read and written (untouched unless MOMENTUM)
-    g_ptr,  # [M, P] gradients at ŵ, float32/bfloat16/float16 (read, upcast to float32)
+    w_ptr,  # [M, P] float32, rows ROW_STRIDE apart: replicas' parameters; read ŵ, written w
+    v_ptr,  # [M, P] float32, rows ROW_STRIDE apart: momentum buffers (untouched unless MOMENTUM)
+    g_ptr,  # [M, P] float32/bfloat16/float16, rows ROW_STRIDE apart: gradients at ŵ (upcast)
     z_ptr,  # [P] float32: the device's central model z (read only if CORRECT)
     acc_ptr,  # [P] float32: out, acc_d = Σ_j c_j (written only if CORRECT)
     lr,  # float32 scalar: learning rate η (run-time: policies change it)
@@ -73,51 +83,66 @@ def sma_local_kernel(
     weight_decay,  # float32 scalar: λ
     alpha,  # float32 scalar: α, the pull toward z (run-time: re-derived when k changes)
     P: tl.constexpr,  # parameters per replica (row length)
-    M: tl.constexpr,  # replicas on the device (rows), unrolled
+    ROW_STRIDE: tl.constexpr,  # elements from row j to row j+1 of W, V, G (≥ P; the pad unread)
+    M: tl.constexpr,  # replicas on the device (rows)
+    UNROLL: tl.constexpr,  # full blocks unroll the loop over the M rows UNROLL times (M: fully)
     BLOCK: tl.constexpr,  # columns per program (a power of two)
     MOMENTUM: tl.constexpr,  # μ_l ≠ 0: keep and use V
     NESTEROV: tl.constexpr,  # u = d + μ_l·v instead of u = v
     WEIGHT_DECAY: tl.constexpr,  # λ ≠ 0: d = g + λ·ŵ
     FIRST_STEP: tl.constexpr,  # V holds nothing yet: v ← d (torch.optim.SGD's first step)
     CORRECT: tl.constexpr,  # apply c_j = α(ŵ_j − z) and write acc_d (a synchronising round)
-    INT64: tl.constexpr,  # M·P ≥ 2^31: index in 64 bits
+    INT64: tl.constexpr,  # M·ROW_STRIDE ≥ 2^31: index in 64 bits
 ):
     pid = tl.program_id(0)
     cols = pid * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] this program's columns
     if INT64:
         cols = cols.to(tl.int64)
-    mask = cols < P
-    if CORRECT:
-        z = tl.load(z_ptr + cols, mask=mask)  # read once, reused for all M replicas
-    for j in tl.static_range(M):
-        offs = j * P + cols
-        w = tl.load(w_ptr + offs, mask=mask)  # ŵ_j, the pre-step point
-        d = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-        if WEIGHT_DECAY:
-            d = d + weight_decay * w
-        if MOMENTUM:
-            if FIRST_STEP:
-                v = d
+    tail = pid >= P // BLOCK  # the last program, when BLOCK does not divide P
+    # The body below is compiled twice when BLOCK does not divide P: unmasked for the full
+    # blocks, where each thread moves 16-byte vectors when the rows are 16-byte aligned, and
+    # masked for the tail, whose mask cols < P splits vectors when 4 does not divide P (one
+    # program: its loop over the rows is not unrolled). Each program runs one of them.
+    for MASKED in tl.static_range(2 if P % BLOCK else 1):
+        if tail == MASKED:
+            if MASKED:
+                mask = cols < P
             else:
-                v = momentum * tl.load(v_ptr + offs, mask=mask) + d
-            tl.store(v_ptr + offs, v, mask=mask)
-            if NESTEROV:
-                u = d + momentum * v
-            else:
-                u = v
-        else:
-            u = d
-        w_new = w - lr * u
-        if CORRECT:
-            c = alpha * (w - z)
-            w_new = w_new - c
-            if j == 0:
-                acc = c
-            else:
-                acc = acc + c
-        tl.store(w_ptr + offs, w_new, mask=mask)
-    if CORRECT:
-        tl.store(acc_ptr + cols, acc, mask=mask)
+                mask = None
+            if CORRECT:
+                z = tl.load(z_ptr + cols, mask=mask)  # read once, reused for all M replicas
+                acc = tl.full((BLOCK,), 0.0, tl.float32)  # Σ_j c_j, in registers
+            w_row = w_ptr + cols  # [BLOCK] pointers into row j, advanced ROW_STRIDE per replica
+            v_row = v_ptr + cols
+            g_row = g_ptr + cols
+            for _ in tl.range(0, M, loop_unroll_factor=1 if MASKED else UNROLL):
+                w = tl.load(w_row, mask=mask)  # ŵ_j, the pre-step point
+                d = tl.load(g_row, mask=mask).to(tl.float32)
+                if WEIGHT_DECAY:
+                    d = d + weight_decay * w
+                if MOMENTUM:
+                    if FIRST_STEP:
+                        v = d
+                    else:
+                        v = momentum * tl.load(v_row, mask=mask) + d
+                    tl.store(v_row, v, mask=mask)
+                    if NESTEROV:
+                        u = d + momentum * v
+                    else:
+                        u = v
+                else:
+                    u = d
+                w_new = w - lr * u
+                if CORRECT:
+                    c = alpha * (w - z)
+                    w_new = w_new - c
+                    acc = acc + c
+                tl.store(w_row, w_new, mask=mask)
+                w_row += ROW_STRIDE
+                v_row += ROW_STRIDE
+                g_row += ROW_STRIDE
+            if CORRECT:
+                tl.store(acc_ptr + cols, acc, mask=mask)
 
 
 def sma_central_kernel(
@@ -131,13 +156,19 @@ def sma_central_kernel(
 ):
     pid = tl.program_id(0)
     cols = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < P
-    z = tl.load(z_ptr + cols, mask=mask)
-    step = tl.load(c_ptr + cols, mask=mask)
-    if MOMENTUM:
-        step = step + central_momentum * (z - tl.load(z_prev_ptr + cols, mask=mask))
-    tl.store(z_prev_ptr + cols, z, mask=mask)
-    tl.store(z_ptr + cols, z + step, mask=mask)
+    tail = pid >= P // BLOCK
+    for MASKED in tl.static_range(2 if P % BLOCK else 1):  # as in sma_local_kernel
+        if tail == MASKED:
+            if MASKED:
+                mask = cols < P
+            else:
+                mask = None
+            z = tl.load(z_ptr + cols, mask=mask)
+            step = tl.load(c_ptr + cols, mask=mask)
+            if MOMENTUM:
+                step = step + central_momentum * (z - tl.load(z_prev_ptr + cols, mask=mask))
+            tl.store(z_prev_ptr + cols, z, mask=mask)
+            tl.store(z_ptr + cols, z + step, mask=mask)
 
 
 # -- specialisation, emission, cache -----------------------------------------------------------
@@ -147,11 +178,34 @@ _FLAGS = {"sma_local": ("MOMENTUM", "NESTEROV", "WEIGHT_DECAY", "FIRST_STEP", "C
 _BODIES = {"sma_local": sma_local_kernel, "sma_central": sma_central_kernel}
 
 
+UNROLL_MAX = 8  # the local kernel's loop over M rows is unrolled fully up to this M
+TARGET_PROGRAMS = 2 * 132  # CUDA: the grid default_block aims for (2 programs per SM, 132 SMs)
+
+
 def default_block(P: int, device_type: str) -> int:
-    """Columns per program: 1024 on CUDA (4 warps × 8 elements per thread); up to 8192 in the
-    interpreter, whose cost is per program, not per element; never more than P rounded up."""
-    cap = 1024 if device_type == "cuda" else 8192
-    return max(16, min(cap, 1 << max(0, P - 1).bit_length()))
+    """Columns per program for P parameters: a pure function of ``(P, device_type)``, so that
+    specs stay cacheable.
+
+    CUDA: the largest power of two in [128, 1024] whose grid ``ceil(P / BLOCK)`` has at least
+    ``TARGET_PROGRAMS`` = 264 programs (two per SM of a 132-SM H100/H200), else 128. The update is
+    memory-bound and a program runs on one SM, so a grid below the SM count leaves SMs, and the
+    bytes they would keep in flight, idle: at LeNet-5's P = 61,706, BLOCK 1024 gives 61
+    programs, BLOCK 128 gives 483; ResNet-32 (P = 464,154) keeps 1024 (454 programs). Each
+    thread holds 4 contiguous float32 (one 16-byte access) or, at 1024, 8
+    (``KernelSpec.num_warps``).
+
+    Interpreter (CPU): up to 8192, since its cost is per program, not per element.
+
+    Never more than P rounded up to a power of two (at least 16).
+    """
+    fit = 1 << max(0, P - 1).bit_length()  # P rounded up to a power of two
+    if device_type == "cuda":
+        block = 1024
+        while block > 128 and -(-P // block) < TARGET_PROGRAMS:
+            block //= 2
+    else:
+        block = 8192
+    return max(16, min(block, fit))
 
 
 @dataclass(frozen=True)
@@ -162,6 +216,9 @@ class KernelSpec:
         kind: ``"sma_local"`` or ``"sma_central"``.
         m: replicas per device (rows of W; 1 for sma_central).
         P: parameters per replica.
+        row_stride: elements from one row of W, V, G to the next (≥ P; P rounded up to a
+            multiple of 32 for the padded rows of CUDA devices, engine/state.py; P when m = 1 and
+            for sma_central). The pad columns are never read or written.
         dtype: the gradients' dtype (the model's: float32, bfloat16 or float16); W, V, Z, acc are
             float32 (the fp32 masters of a low-precision model).
         block: columns per program (power of two); the grid is ceil(P / block) programs.
@@ -172,17 +229,30 @@ class KernelSpec:
     kind: str
     m: int
     P: int
+    row_stride: int
     dtype: torch.dtype
     block: int
     flags: tuple[tuple[str, bool], ...]
     device_type: str
 
     @property
+    def unroll(self) -> int:
+        """How many times the local kernel's loop over the m rows is unrolled: m up to
+        ``UNROLL_MAX`` (fully), else 1: fully unrolled, m = 64 compiles to 7.5× the cubin of m = 8
+        (508 against 68 KB with fp32 gradients, docs/kernels.md). The tail block never unrolls."""
+        return self.m if self.m <= UNROLL_MAX else 1
+
+    @property
+    def num_warps(self) -> int:
+        """Warps per program on CUDA: BLOCK / 128 (4 float32 per thread), between 1 and 4."""
+        return max(1, min(4, self.block // 128))
+
+    @property
     def constexprs(self) -> dict[str, int | bool]:
         """The compile-time constants passed to the kernel."""
         out: dict[str, int | bool] = {"P": self.P}
         if self.kind == "sma_local":
-            out["M"] = self.m
+            out.update(ROW_STRIDE=self.row_stride, M=self.m, UNROLL=self.unroll)
         out["BLOCK"] = self.block
         out.update(self.flags)
         return out
@@ -192,32 +262,43 @@ class KernelSpec:
         return ((self.P + self.block - 1) // self.block,)
 
     def describe(self, launch: bool = True) -> str:
-        """One line: kind, m, P, dtype, flags; with ``launch``, the block and the grid too."""
+        """One line: kind, m, P (and the row stride when it is not P), dtype, flags; with
+        ``launch``, the block and the grid too."""
         flags = ", ".join(f"{k}={int(v)}" for k, v in self.flags if launch or k != "INT64")
         dtype = str(self.dtype).removeprefix("torch.")
+        rows = f"P={self.P:,}" + (f", row_stride={self.row_stride:,}"
+                                  if self.row_stride != self.P else "")
         if not launch:
-            return f"{self.kind}[m={self.m}, P={self.P:,}, dtype={dtype}, {flags}]"
-        return (f"{self.kind}[m={self.m}, P={self.P:,}, dtype={dtype}, BLOCK={self.block}, "
+            return f"{self.kind}[m={self.m}, {rows}, dtype={dtype}, {flags}]"
+        return (f"{self.kind}[m={self.m}, {rows}, dtype={dtype}, BLOCK={self.block}, "
                 f"{flags}] grid={self.grid[0]}")
 
 
 def local_spec(m: int, P: int, dtype: torch.dtype, device_type: str, *, momentum: float,
                nesterov: bool, weight_decay: float, first_step: bool, correct: bool,
-               block: int | None = None) -> KernelSpec:
+               block: int | None = None, row_stride: int | None = None) -> KernelSpec:
     """The spec of the local kernel for these options (flags normalised: no momentum ⇒ no
-    Nesterov, no first step)."""
+    Nesterov, no first step; ``row_stride`` None or m = 1 ⇒ P).
+
+    Raises:
+        ValueError: ``row_stride < P`` (rows would overlap).
+    """
+    stride = P if row_stride is None or m == 1 else row_stride
+    if stride < P:
+        raise ValueError(f"row_stride={stride} < P={P}: the rows of W, V, G would overlap; "
+                         f"pass the tensors' stride(0) (≥ P)")
     has_mom = momentum != 0
     flags = (("MOMENTUM", has_mom), ("NESTEROV", has_mom and bool(nesterov)),
              ("WEIGHT_DECAY", weight_decay != 0), ("FIRST_STEP", has_mom and bool(first_step)),
-             ("CORRECT", bool(correct)), ("INT64", m * P >= 2**31))
-    return KernelSpec("sma_local", m, P, dtype, block or default_block(P, device_type), flags,
-                      device_type)
+             ("CORRECT", bool(correct)), ("INT64", m * stride >= 2**31))
+    return KernelSpec("sma_local", m, P, stride, dtype, block or default_block(P, device_type),
+                      flags, device_type)
 
 
 def central_spec(P: int, device_type: str, *, central_momentum: float,
                  block: int | None = None, dtype: torch.dtype = torch.float32) -> KernelSpec:
     """The spec of the central kernel (``dtype``: the masters', z's)."""
-    return KernelSpec("sma_central", 1, P, dtype, block or default_block(P, device_type),
+    return KernelSpec("sma_central", 1, P, P, dtype, block or default_block(P, device_type),
                       (("MOMENTUM", central_momentum != 0),), device_type)
 
 
@@ -251,9 +332,10 @@ class EmittedKernel:
         head += [f"#   {k} = {v!r}" for k, v in self.spec.constexprs.items()]
         return "\n".join(head) + "\n" + inspect.getsource(_BODIES[self.spec.kind])
 
-    def launch(self, *args: Any, num_warps: int = 4) -> None:
+    def launch(self, *args: Any, num_warps: int | None = None) -> None:
         """Run the kernel on its grid with run-time ``args`` (pointers and scalars, in order;
-        the first a tensor on the device to run on)."""
+        the first a tensor on the device to run on); ``num_warps`` None: ``spec.num_warps``."""
+        num_warps = num_warps or self.spec.num_warps
         if self.spec.device_type == "cuda":
             with torch.cuda.device(args[0].device):  # Triton launches on the current device
                 compiled = self.fn[self.spec.grid](*args, **self.spec.constexprs,
@@ -264,13 +346,16 @@ class EmittedKernel:
             self.fn[self.spec.grid](*args, **self.spec.constexprs)
         self.launches += 1
 
-    def lower(self, arch: int = 90, num_warps: int = 4) -> dict[str, Any]:
+    def lower(self, arch: int = 90, num_warps: int | None = None) -> dict[str, Any]:
         """Compile this spec ahead of time for CUDA ``sm_<arch>`` — no GPU needed — and return
-        the code by stage (``"ttir"``, ``"ttgir"``, ``"llir"``, ``"ptx"``, ``"cubin"``).
+        the code by stage (``"ttir"``, ``"ttgir"``, ``"llir"``, ``"ptx"``, ``"cubin"``);
+        ``num_warps`` None: ``spec.num_warps``, as ``launch``. ``cubin_resources`` reads the
+        cubin's registers and spills.
 
         This is what the JIT builds on a GPU of that architecture: the pointers are declared
         16-byte aligned, as the JIT specialises them for tensors torch allocates.
         """
+        num_warps = num_warps or self.spec.num_warps
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from triton.runtime.jit import JITFunction
@@ -293,6 +378,31 @@ class EmittedKernel:
 
     def __repr__(self) -> str:
         return f"<{self.spec.describe()}, {self.mode}, {self.launches} launches>"
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """What a kernel's sm_<arch> cubin (``EmittedKernel.lower()["cubin"]``) uses per thread, read
+    by the ``cuobjdump -res-usage`` that ships with Triton (no GPU needed): ``"registers"``,
+    ``"stack_bytes"`` and ``"local_bytes"`` (both 0 when nothing spills), ``"shared_bytes"``
+    (per program).
+
+    Raises:
+        RuntimeError: cuobjdump fails or prints no resource line (its output in the message).
+    """
+    import_triton()
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name],
+                             capture_output=True, text=True)
+    found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", res.stdout))
+    if res.returncode != 0 or len(found) < 4:
+        raise RuntimeError(f"cuobjdump -res-usage gave no resource usage (exit {res.returncode}): "
+                           f"{res.stdout[-500:]}{res.stderr[-500:]}")
+    return {"registers": int(found["REG"]), "stack_bytes": int(found["STACK"]),
+            "local_bytes": int(found["LOCAL"]), "shared_bytes": int(found["SHARED"])}
 
 
 _TRITON_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -341,6 +451,30 @@ def _check_master(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
                         f"{'' if t.is_contiguous() else ' (not contiguous)'}")
 
 
+def _row_stride(rows: dict[str, torch.Tensor]) -> int:
+    """The one row stride (elements) of the ``[m, P]`` tensors ``rows`` (W, and V, G when read):
+    each row unit-stride, the rows equally far apart and not overlapping; P when m = 1.
+
+    Raises:
+        ValueError: a row is not unit-stride, the rows overlap, or the strides differ.
+    """
+    m, P = next(iter(rows.values())).shape
+    for name, t in rows.items():
+        if P > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} [{m}, {P}] has stride {tuple(t.stride())}: the Triton kernel "
+                             f"needs unit-stride rows (stride(1) == 1), e.g. {name}.contiguous() "
+                             f"or a [:, :P] view of a row-major [m, P_pad] tensor")
+    if m == 1:
+        return P
+    strides = {name: t.stride(0) for name, t in rows.items()}
+    stride = strides[next(iter(strides))]
+    if len(set(strides.values())) > 1 or stride < P:
+        raise ValueError(f"the rows of {', '.join(strides)} [{m}, {P}] are {strides} elements "
+                         f"apart: the Triton kernel needs one row stride ≥ P for all of them "
+                         f"(engine/state.py allocates them alike), e.g. .contiguous() each")
+    return stride
+
+
 class TritonSMAKernels:
     """The SMA update backend in Triton (a ``kernels.protocol.SMAKernels``): ``local_update`` and
     ``central_update`` with the signatures and semantics of ``sma_local_update``/``sma_central_update``
@@ -353,7 +487,10 @@ class TritonSMAKernels:
 
     Raises (from the methods):
         ImportError: triton is not installed.
-        TypeError: W, V, Z, acc are not contiguous float32 (G may be float32/bfloat16/float16).
+        TypeError: W, V, Z, acc are not float32 (G may be float32/bfloat16/float16), or a
+            shape is not ``[m, P]``/``[P]``; Z, acc (and the central update's tensors) are not
+            contiguous.
+        ValueError: the rows of W, V, G are not unit-stride, or not one row stride ≥ P apart.
     """
 
     name = "triton"
@@ -370,20 +507,25 @@ class TritonSMAKernels:
                      out: torch.Tensor | None = None) -> torch.Tensor | None:
         """See ``crossbow_graph.kernels.torch_ref.sma_local_update`` (the oracle): ``w, v, g [m, P]``,
         ``z [P]`` or None; returns ``acc [P]`` float32 (in ``out`` when given), or None without a
-        correction."""
+        correction. The rows of w, v, g may be further apart than P (one shared ``stride(0)``,
+        e.g. ``[:, :P]`` of the padded ``[m, P_pad]`` buffers of engine/state.py); each row must be
+        unit-stride."""
         m, P = w.shape
-        _check_master("w", w, (m, P))
-        if momentum != 0:
-            _check_master("v", v, (m, P))
-        if tuple(g.shape) != (m, P) or not g.is_contiguous() or g.dtype not in _TRITON_DTYPE:
-            raise TypeError(f"g must be a contiguous float32, bfloat16 or float16 tensor of shape "
+        rows = {"w": w, "v": v, "g": g} if momentum != 0 else {"w": w, "g": g}
+        for name in rows.keys() - {"g"}:
+            if rows[name].dtype != torch.float32 or tuple(rows[name].shape) != (m, P):
+                raise TypeError(f"{name} must be a float32 tensor of shape {[m, P]} (the fp32 "
+                                f"master copy), got {rows[name].dtype} {list(rows[name].shape)}")
+        if tuple(g.shape) != (m, P) or g.dtype not in _TRITON_DTYPE:
+            raise TypeError(f"g must be a float32, bfloat16 or float16 tensor of shape "
                             f"{[m, P]}, got {g.dtype} {list(g.shape)}")
+        row_stride = _row_stride(rows)
         correct = z is not None and alpha != 0
         if correct:
             _check_master("z", z, (P,))
         spec = local_spec(m, P, g.dtype, device_type(w), momentum=momentum, nesterov=nesterov,
                           weight_decay=weight_decay, first_step=first_step, correct=correct,
-                          block=self.block)
+                          block=self.block, row_stride=row_stride)
         acc = None
         if correct:
             acc = out if out is not None else torch.empty(P, dtype=torch.float32, device=w.device)
