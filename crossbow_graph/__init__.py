@@ -9,7 +9,7 @@ from __future__ import annotations
 from . import datasets, models
 from .api import Plan, compile
 from .compiler.tasks import Cost, Task, TaskKind
-from .config import SGD, SMA, SSGD, Adjustment
+from .config import SGD, SMA, SSGD, Adjustment, DiLoCo
 from .engine.comm import Distributed
 from .engine.settings import RunSettings
 from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, PlanError,
@@ -23,7 +23,7 @@ from .tuning.policies import (AdaptiveBatchSize, AutoReplicas, CosineLR, Diverge
                               Policy, StepLR)
 
 __all__ = [
-    "compile", "Plan", "SGD", "SMA", "SSGD", "AutoTune", "Task", "TaskKind", "Cost", "History",
+    "compile", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "AutoTune", "Task", "TaskKind", "Cost", "History",
     "TraceError", "TraceWarning", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
     "DivergenceError", "CheckpointError",
     "datasets", "models",

@@ -18,8 +18,9 @@ from .compiler import inspect as _inspect
 from .compiler.outputs import model_loss
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
-from .config import LEARNER_MODES, SGD, SMA, SSGD, Adjustment
+from .config import LEARNER_MODES, SGD, SMA, SSGD, Adjustment, DiLoCo
 from .engine.comm import Comm, Distributed, plan_facts
+from .engine.outer import sync_facts
 from .engine.optim import OptimizerRows, as_local_optimizer
 from .engine.precision import check_precision
 from .engine.fused import fused_mode_message, vmap_failure
@@ -133,7 +134,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     *, batch_size: int, devices: int | str | Sequence[str] = 1, replicas: int | str = "auto",
     learner_mode: str = "per_replica", executor: str = "auto", autotune: AutoTune | None = None,
-    optimizer: "SGD | torch.optim.Optimizer" = SGD(), sync: SMA | SSGD = SMA(),
+    optimizer: "SGD | torch.optim.Optimizer" = SGD(), sync: SMA | SSGD | DiLoCo = SMA(),
     concrete_args: dict[str, Any] | None = None, leaf_modules: Sequence[type[nn.Module]] = (),
     memory_budget: int | None = None, verify: bool = True, kernel_backend: str = "auto",
     distributed: Distributed | None = None, precision: str = "fp32", strict_trace: bool = False,
@@ -167,7 +168,9 @@ def compile(  # noqa: A001 - the public name the design asks for
             ``crossbow_graph.SGD(...)``; each replica has its own state, the SMA correction
             follows the local step (engine/optim.py, docs/optimizers.md). ``Plan.optimizer``.
         sync: the SMA settings (α = None means 1/k), or ``SSGD()``: gradients averaged over the
-            k learners and one SGD step for all replicas (a batch of k·b; the inline executor).
+            k learners and one SGD step for all replicas (a batch of k·b; the inline executor),
+            or ``DiLoCo(sync_every=H)``: an outer optimizer over z every H rounds, replicas
+            restarted from z (config.DiLoCo; the inline executor).
         concrete_args, leaf_modules: passed to the torch.fx tracer (see TraceError's advice);
             leaf modules, and the model itself as one, are measured eagerly for the analysis.
         memory_budget: bytes available per device for learners; None: no bound on the CPU, the
@@ -224,7 +227,7 @@ class _CompileArgs:
     executor: str
     autotune: AutoTune | None
     optimizer: Any
-    sync: SMA | SSGD
+    sync: SMA | SSGD | DiLoCo
     concrete_args: dict[str, Any] | None
     leaf_modules: Sequence[type[nn.Module]]
     memory_budget: int | None
@@ -262,13 +265,14 @@ class _CompileArgs:
             raise TypeError(f"optimizer must be a torch.optim optimizer built over the model's "
                             f"parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3), "
                             f"or crossbow_graph.SGD(lr=0.01); got {got}")
-        if not isinstance(sync, (SMA, SSGD)):
-            raise TypeError(f"sync must be crossbow_graph.SMA(...) or crossbow_graph.SSGD(), "
-                            f"got {type(sync).__name__}")
-        if isinstance(sync, SSGD) and self.executor == "process":
-            raise ValueError("sync=SSGD() runs on the inline executor only: its step needs the global "
-                             "gradient, which the process executor's workers do not wait for; use "
-                             "executor='auto' or 'inline'")
+        if not isinstance(sync, (SMA, SSGD, DiLoCo)):
+            raise TypeError(f"sync must be crossbow_graph.SMA(...), crossbow_graph.SSGD() or "
+                            f"crossbow_graph.DiLoCo(sync_every=H), got {type(sync).__name__}")
+        if isinstance(sync, (SSGD, DiLoCo)) and self.executor == "process":
+            raise ValueError(f"sync={type(sync).__name__}(...) runs on the inline executor only: its "
+                             "global sync writes every replica, which the process executor's "
+                             "workers do not wait for; use executor='inline' (or 'auto', which "
+                             "picks it)")
         _check_model(self.model)
         check_precision(self.precision, model_dtype(trainable_named(self.model)))
         budget = self.memory_budget
@@ -562,7 +566,7 @@ class Plan:
         return self._params.size
 
     def _inspection_settings(self) -> dict[str, Any]:
-        return {"optimizer": self.settings.optimizer.describe(), "sync": dataclasses.asdict(self.sync),
+        return {"optimizer": self.settings.optimizer.describe(), "sync": sync_facts(self.sync, self.scheduler.outer),
                 "alpha": self.sync.alpha_for(self.num_learners)}
 
     @property
@@ -579,7 +583,8 @@ class Plan:
         return plan_kernels(self.scheduler.kernels, self.states, local=local.kernel,
                             momentum=opt.momentum, nesterov=opt.nesterov,
                             weight_decay=opt.weight_decay,
-                            num_learners=self.num_learners, sync_every=sync.sync_every,
+                            num_learners=1 if isinstance(sync, DiLoCo) else self.num_learners,
+                            sync_every=sync.sync_every,  # DiLoCo: no correction, no SMA z update
                             central_momentum=sync.central_momentum)
 
     def summary(self) -> str:

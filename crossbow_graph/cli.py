@@ -39,6 +39,7 @@ OPTIMIZERS = {
 # samples per metrics window (MetricsMonitor(window_samples=...)): 50 rounds at the default k·b
 WINDOW_SAMPLES = 12_800
 LR_SCHEDULES = ("onecycle", "multistep", "cosine", "constant")
+DILOCO_H = 16  # --sync diloco's default H (docs/benchmarking.md, DiLoCo on W1)
 DEFAULT_LR, DEFAULT_LR_BATCH = OPTIMIZERS["adamw"][1:]  # the default optimizer's
 
 
@@ -139,6 +140,13 @@ def _add_train_parser(sub) -> None:
                        help="learners' forward: fp32 (default), or bf16/fp16 under torch.autocast "
                             "with float32 parameters (fp16 with a loss scale per replica)")
     _add_optimizer_flags(train)
+    train.add_argument("--sync", default="sma", choices=("sma", "diloco"),
+                       help="sma: SMA (--alpha, --central-momentum); diloco: DiLoCo, an outer "
+                            "Nesterov SGD (lr 0.7, momentum 0.9) on z every --sync-every rounds, "
+                            "replicas restarted from z (the inline executor)")
+    train.add_argument("--sync-every", type=int, default=None,
+                       help="rounds between synchronisations: SMA's τ (default 1), DiLoCo's H "
+                            f"(default {DILOCO_H})")
     train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
     train.add_argument("--central-momentum", type=float, default=0.9, help="SMA μ_z")
     train.add_argument("--epochs", type=int, default=3,
@@ -430,7 +438,7 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
         learner_mode=args.learner_mode,
         optimizer=_optimizer(args, model, lr),
         precision=args.precision,
-        sync=cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum),
+        sync=_sync(args),
         distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every),
     )
     fit = dict(train_dataset=train_set, epochs=args.epochs, eval_dataset=test_set, seed=args.seed,
@@ -442,6 +450,21 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
                lr_scheduler_interval="round",
                bn_recalibration_batches=args.bn_recalibration_batches)
     return plan, fit
+
+
+def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo:
+    """``--sync``'s strategy: SMA with ``--alpha``, ``--central-momentum``, τ; or DiLoCo with H.
+
+    Raises:
+        ValueError: ``--alpha`` with ``--sync diloco`` (DiLoCo has no α).
+    """
+    if args.sync == "sma":
+        return cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum,
+                      sync_every=1 if args.sync_every is None else args.sync_every)
+    if args.alpha is not None:
+        raise ValueError("--alpha with --sync diloco: DiLoCo pulls no replica toward z; drop "
+                         "--alpha, or use --sync sma")
+    return cg.DiLoCo(sync_every=DILOCO_H if args.sync_every is None else args.sync_every)
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import math
 import numbers
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
+
+import torch
 
 from .errors import is_count
 
-__all__ = ["SGD", "SMA", "SSGD", "Adjustment", "LEARNER_MODES"]
+__all__ = ["SGD", "SMA", "SSGD", "DiLoCo", "Adjustment", "LEARNER_MODES"]
 
 LEARNER_MODES = ("per_replica", "fused")  # engine/fused.py: the same mathematics, two programs
 
@@ -129,6 +132,62 @@ class SSGD:
 
     def alpha_for(self, num_learners: int) -> float:
         """SSGD pulls nothing toward z: 0 for any k (the replicas are z)."""
+        return 0.0
+
+
+#: DiLoCo's outer optimizer (Douillard et al. 2023, §2): Nesterov SGD, lr 0.7, momentum 0.9.
+DILOCO_OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCo:
+    """DiLoCo: local training with an outer optimizer over z every H rounds (Douillard et al.
+    2023, "DiLoCo: Distributed Low-Communication Training of Language Models", Algorithm 1;
+    docs/design-overview.md §2, "Outer optimizers").
+
+    Between synchronisations every replica takes its own optimizer's steps (the ``optimizer`` of
+    ``compile``, e.g. AdamW) with no pull toward z (α = 0). Every H-th round, after the learners'
+    steps, the pseudo-gradient Δ = z − (1/k)·Σ_j w_j (over all k learners, every process) is the
+    gradient of the outer optimizer over z: ``z.grad = Δ; outer.step()``; then every replica
+    restarts from z (w_j ← z) and keeps its optimizer state. Float buffers (BatchNorm) are
+    averaged into the central buffers as under SMA and stay per replica.
+
+    Attributes:
+        sync_every: H, rounds between outer steps (an integer ≥ 1).
+        outer_optimizer: a callable that builds a ``torch.optim.Optimizer`` from a list of
+            parameters; it is called once, by ``compile``, with ``[z]`` (a leaf tensor ``[P]``
+            sharing the first device's central model). Default: Nesterov SGD, lr 0.7, momentum
+            0.9 (``DILOCO_OUTER``); ``functools.partial(torch.optim.SGD, lr=1.0)`` is local SGD
+            (periodic model averaging).
+
+    Raises:
+        ValueError: ``sync_every`` not an integer ≥ 1.
+        TypeError: ``outer_optimizer`` not callable, or an optimizer instance instead of a
+            factory (``compile`` raises TypeError/ValueError when calling it fails or does not
+            return a torch.optim optimizer over ``[z]``).
+    """
+
+    sync_every: int
+    outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = DILOCO_OUTER
+    central_momentum: ClassVar[float] = 0.0  # SMA's μ_z has no role: the outer optimizer moves z
+
+    def __post_init__(self) -> None:
+        if not is_count(self.sync_every):
+            raise ValueError(f"DiLoCo(sync_every={self.sync_every!r}): H, rounds between outer "
+                             "steps, must be an integer ≥ 1, e.g. sync_every=16")
+        factory = self.outer_optimizer
+        if isinstance(factory, torch.optim.Optimizer):
+            raise TypeError(f"DiLoCo(outer_optimizer={type(factory).__name__}(...)): pass a "
+                            "factory that builds the optimizer from z's parameters, not an "
+                            "optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.7, "
+                            "momentum=0.9, nesterov=True)")
+        if not callable(factory):
+            raise TypeError(f"DiLoCo(outer_optimizer={factory!r}): must be callable as "
+                            "outer_optimizer(params) -> torch.optim.Optimizer, e.g. "
+                            "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)")
+
+    def alpha_for(self, num_learners: int) -> float:
+        """DiLoCo pulls nothing toward z between its outer steps: 0 for any k."""
         return 0.0
 
 

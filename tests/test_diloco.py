@@ -101,3 +101,268 @@ def test_sma_default_rule_is_bit_identical_to_exact_sma(case):
     z, ws = _exact_sma(rounds, k=k, b=b, sync_every=tau)
     assert torch.equal(plan.central_weights(), _as_float32(z))
     assert torch.equal(plan.replica_weights(), torch.stack([_as_float32(w) for w in ws]))
+
+
+# -- DiLoCo against a hand-written DiLoCo in eager PyTorch -------------------------------------
+
+RTOL = 1e-5  # float32: the same operations, Δ summed in another order
+
+
+class Small(nn.Module):
+    """conv(1→4, 3×3) → ReLU → linear(4·6·6 → 5) on 1×8×8 inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.fc = nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def _data(n: int, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g))
+
+
+def _flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def reference_diloco(model: nn.Module, data: TensorDataset, *, k: int, b: int, rounds: int, H: int,
+                     inner, outer) -> tuple[torch.Tensor, torch.Tensor]:
+    """DiLoCo (Douillard et al. 2023, Algorithm 1) by hand: k model copies, each with its own
+    ``inner(params)`` optimizer, learner j taking batch t·k + j in round t (shuffle=False); after
+    every H-th round Δ = z − mean_j w_j is the gradient of ``outer([z])``, and every copy restarts
+    from z with its optimizer state kept. Returns (z ``[P]``, the replicas ``[k, P]``)."""
+    x, y = data.tensors
+    copies = [copy.deepcopy(model) for _ in range(k)]
+    inners = [inner(c.parameters()) for c in copies]
+    z = [p.detach().clone() for p in model.parameters()]
+    outer_opt = outer(z)
+    for t in range(rounds):
+        for j, (c, opt) in enumerate(zip(copies, inners)):
+            sl = slice((t * k + j) * b, (t * k + j + 1) * b)
+            opt.zero_grad()
+            F.cross_entropy(c(x[sl]), y[sl]).backward()
+            opt.step()
+        if (t + 1) % H == 0:
+            with torch.no_grad():
+                for i, zi in enumerate(z):
+                    zi.grad = zi - torch.stack([list(c.parameters())[i] for c in copies]).mean(0)
+                outer_opt.step()
+                for c in copies:
+                    for p, zi in zip(c.parameters(), z):
+                        p.copy_(zi)
+    return torch.cat([zi.reshape(-1) for zi in z]), torch.stack([_flat(c) for c in copies])
+
+
+NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
+
+@pytest.mark.parametrize("devices,replicas", [(2, 2), (1, 4)])
+def test_diloco_equals_the_hand_written_reference(devices, replicas):
+    """k = 4, τ = H = 5, inner AdamW, 20 rounds: z within 1e-5 relative error of eager DiLoCo."""
+    k, b, rounds, H = 4, 4, 20, 5
+    torch.manual_seed(0)
+    model, data = Small(), _data(k * b * rounds)
+    plan = cg.compile(model, (torch.zeros(1, 1, 8, 8),), F.cross_entropy, batch_size=b,
+                      devices=devices, replicas=replicas,
+                      optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01),
+                      sync=cg.DiLoCo(sync_every=H))
+    assert plan.scheduler.resolved_executor() == "inline"  # auto picks it for DiLoCo
+    plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
+    assert plan.rounds_done == rounds
+    z, ws = reference_diloco(model, data, k=k, b=b, rounds=rounds, H=H, outer=NESTEROV,
+                             inner=lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01))
+    got = plan.central_weights()
+    assert (got - z).norm() / z.norm() < RTOL
+    torch.testing.assert_close(got, z, rtol=RTOL, atol=1e-6)
+    assert torch.equal(plan.replica_weights(), got.expand(k, -1))  # restarted from z
+    assert not torch.allclose(got, _flat(model), atol=1e-3)  # it trained
+
+
+def _ignored(data: TensorDataset, batches: list[int], b: int) -> TensorDataset:
+    """``data`` with the labels of batches ``batches`` (of b samples) set to ignore_index: their
+    loss is NaN, so the learner that takes one is faulty that round (engine/faults.py)."""
+    x, y = data.tensors
+    y = y.clone()
+    for i in batches:
+        y[i * b:(i + 1) * b] = -100
+    return TensorDataset(x, y)
+
+
+@pytest.mark.parametrize("case", ["one learner", "local SGD", "faults"])
+def test_diloco_with_the_sgd_kernels_one_learner_local_sgd_and_faults(case):
+    """Inner SGD with momentum (the fused SGD kernels), H = 3, 9 rounds. One learner: DiLoCo is
+    still an outer step (Δ = z − w_0). Local SGD: an outer SGD with lr 1 and no momentum makes z
+    the mean of the replicas. Faults: a faulty replica is reset to z with fresh optimizer state
+    (mid-window: it trains on from z; in a sync round: it is in the mean at z, Δ_j = 0, the
+    mean still over all k)."""
+    k = 1 if case == "one learner" else 2
+    b, rounds, H = 4, 9, 3
+    outer = functools.partial(torch.optim.SGD, lr=1.0) if case == "local SGD" else NESTEROV
+    torch.manual_seed(0)
+    model, data = Small(), _data(k * b * rounds)
+    faulty = {(1, 1), (5, 0)} if case == "faults" else set()  # (round, learner): mid-window, sync
+    if faulty:
+        data = _ignored(data, [t * k + j for t, j in faulty], b)
+    plan = cg.compile(model, (torch.zeros(1, 1, 8, 8),), F.cross_entropy, batch_size=b,
+                      devices=1, replicas=k, optimizer=cg.SGD(lr=0.05, momentum=0.9),
+                      sync=cg.DiLoCo(sync_every=H, outer_optimizer=outer))
+    history = plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
+    assert sorted((f.round, f.replica) for f in history.faults) == sorted(faulty)
+
+    x, y = data.tensors  # the reference: k copies, torch.optim.SGD each
+    copies = [copy.deepcopy(model) for _ in range(k)]
+    inners = [torch.optim.SGD(c.parameters(), lr=0.05, momentum=0.9) for c in copies]
+    z = [p.detach().clone() for p in model.parameters()]
+    outer_opt = outer(z)
+    for t in range(rounds):
+        for j, c in enumerate(copies):
+            if (t, j) in faulty:  # reset to z, fresh state, no step
+                with torch.no_grad():
+                    for p, zi in zip(c.parameters(), z):
+                        p.copy_(zi)
+                inners[j] = torch.optim.SGD(c.parameters(), lr=0.05, momentum=0.9)
+                continue
+            sl = slice((t * k + j) * b, (t * k + j + 1) * b)
+            inners[j].zero_grad()
+            F.cross_entropy(c(x[sl]), y[sl]).backward()
+            inners[j].step()
+        if (t + 1) % H == 0:
+            with torch.no_grad():
+                mean = [torch.stack([list(c.parameters())[i] for c in copies]).mean(0)
+                        for i in range(len(z))]
+                if case == "local SGD":  # periodic averaging: z is the replicas' mean
+                    expected_mean = torch.cat([m.reshape(-1) for m in mean])
+                for zi, m in zip(z, mean):
+                    zi.grad = zi - m
+                outer_opt.step()
+                for c in copies:
+                    for p, zi in zip(c.parameters(), z):
+                        p.copy_(zi)
+    expected = torch.cat([zi.reshape(-1) for zi in z])
+    torch.testing.assert_close(plan.central_weights(), expected, rtol=RTOL, atol=1e-6)
+    if case == "local SGD":
+        torch.testing.assert_close(plan.central_weights(), expected_mean, rtol=RTOL, atol=1e-6)
+
+
+class SmallBN(Small):
+    """Small with BatchNorm2d after the convolution (running statistics per replica)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def test_diloco_averages_float_buffers_into_zbuf_and_keeps_them_per_replica():
+    """Only parameters restart from z: zbuf is the replicas' mean buffers at the sync, and each
+    replica keeps its own running statistics (as DiLoCo syncs parameters only)."""
+    torch.manual_seed(0)
+    plan = cg.compile(SmallBN(), (torch.zeros(2, 1, 8, 8),), F.cross_entropy, batch_size=4,
+                      devices=2, replicas=2, optimizer=cg.SGD(lr=0.05, momentum=0.9),
+                      sync=cg.DiLoCo(sync_every=2))
+    plan.fit(_data(4 * 4 * 4), 1, shuffle=False, progress=False, metrics_every=None)
+    bufs = torch.cat([s.buf for s in plan.states])  # [k, Q]
+    assert not torch.allclose(bufs[0], bufs[1])
+    for s in plan.states:
+        torch.testing.assert_close(s.zbuf, bufs.mean(0), rtol=1e-6, atol=1e-7)
+        assert torch.equal(s.z, plan.states[0].z) and torch.equal(s.z_prev, plan.states[0].z_prev)
+    assert not torch.equal(plan.states[0].z, plan.states[0].z_prev)
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+class _StopAfter(cg.Hook):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def after_round(self, ctx) -> None:
+        ctx.stop = ctx.plan.rounds_done >= self.n
+
+
+def _adamw_plan() -> cg.Plan:
+    torch.manual_seed(0)
+    model = SmallBN()
+    return cg.compile(model, (torch.zeros(2, 1, 8, 8),), F.cross_entropy, batch_size=4,
+                      devices=2, replicas=2, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
+                      sync=cg.DiLoCo(sync_every=3))
+
+
+@pytest.mark.parametrize("stop_at", [4, 6])  # mid-window (after 1 outer step), at an outer step
+def test_resume_mid_run_gives_the_uninterrupted_z_bit_for_bit(tmp_path, stop_at):
+    data = _data(4 * 4 * 10)
+    full = _adamw_plan()
+    full.fit(data, 1, progress=False, seed=3, metrics_every=None)
+    ckpt = str(tmp_path / "ckpt")
+    first = _adamw_plan()
+    first.fit(data, 1, progress=False, seed=3, metrics_every=None, checkpoint_dir=ckpt,
+              checkpoint_every=1, hooks=[_StopAfter(stop_at)])
+    second = _adamw_plan()
+    second.fit(data, 1, progress=False, seed=3, metrics_every=None, checkpoint_dir=ckpt,
+               checkpoint_every=1, resume=True)
+    assert second.rounds_done == full.rounds_done == 10
+    for a, b in zip(full.states, second.states):
+        for key in ("z", "z_prev", "w", "buf", "zbuf"):
+            assert torch.equal(getattr(a, key), getattr(b, key)), key
+    mine, theirs = (p.scheduler.outer.state_dict()["state"][0]["momentum_buffer"] for p in (full, second))
+    assert torch.equal(mine, theirs) and mine.abs().sum() > 0
+
+
+def test_a_checkpoint_of_another_sync_is_refused(tmp_path):
+    data = _data(4 * 4 * 2)
+    sma = cg.compile(Small(), (torch.zeros(1, 1, 8, 8),), F.cross_entropy, batch_size=4,
+                     devices=2, replicas=2)
+    sma.fit(data, 1, progress=False, metrics_every=None, checkpoint_dir=str(tmp_path))
+    diloco = cg.compile(Small(), (torch.zeros(1, 1, 8, 8),), F.cross_entropy, batch_size=4,
+                        devices=2, replicas=2, sync=cg.DiLoCo(sync_every=2))
+    with pytest.raises(cg.CheckpointError, match="no outer optimizer .* outer optimizer torch.optim.sgd.SGD"):
+        diloco.fit(data, 2, progress=False, metrics_every=None, checkpoint_dir=str(tmp_path),
+                   resume=True)
+
+
+# -- bad arguments -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(sync_every=0), ValueError, r"DiLoCo\(sync_every=0\): H, .* integer ≥ 1"),
+    (dict(sync_every=2.5), ValueError, r"sync_every=2.5"),
+    (dict(sync_every=4, outer_optimizer=3), TypeError, r"must be callable as outer_optimizer\(params\)"),
+    (dict(sync_every=4, outer_optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1)),
+     TypeError, r"pass a factory .* not an optimizer"),
+])
+def test_bad_diloco_arguments_are_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        cg.DiLoCo(**kwargs)
+
+
+def _compile(sync, **kw) -> cg.Plan:
+    return cg.compile(Small(), (torch.zeros(1, 1, 8, 8),), F.cross_entropy, batch_size=4,
+                      devices=2, replicas=1, sync=sync, **kw)
+
+
+@pytest.mark.parametrize("factory, error, match", [
+    (functools.partial(torch.optim.SGD, lr=-1.0), ValueError, r"calling it with \[z\] raised ValueError: Invalid learning rate"),
+    (lambda params: "SGD", TypeError, r"returned str, not a torch.optim optimizer"),
+    (lambda params: torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=1.0), TypeError,
+     r"must optimise the list it is called with"),
+    (torch.optim.LBFGS, TypeError, r"LBFGS re-evaluates a loss"),
+])
+def test_a_bad_outer_optimizer_fails_at_compile(factory, error, match):
+    with pytest.raises(error, match=match):
+        _compile(cg.DiLoCo(sync_every=2, outer_optimizer=factory))
+
+
+def test_diloco_on_the_process_executor_and_alpha_are_refused():
+    with pytest.raises(ValueError, match=r"DiLoCo\(...\) runs on the inline executor only.*executor='inline'"):
+        _compile(cg.DiLoCo(sync_every=2), executor="process")
+    plan = _compile(cg.DiLoCo(sync_every=2))
+    assert plan.scheduler.resolved_executor() == "inline"
+    with pytest.raises(ValueError, match="DiLoCo pulls no replica toward z"):
+        plan.adjust(cg.Adjustment(alpha=0.5))
+    plan.adjust(cg.Adjustment(sync_every=4))  # H changes like τ
+    assert plan.sync == cg.DiLoCo(sync_every=4) and plan.sync.sync_every == 4
+    assert "DiLoCo(outer SGD(lr=0.7, momentum=0.9, nesterov=True" in plan.summary()

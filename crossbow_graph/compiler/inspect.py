@@ -93,9 +93,13 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
         opt, sync = settings.get("optimizer", {}), settings.get("sync", {})
         alpha = settings.get("alpha", 0)
         alpha = "— (one learner: nothing to average)" if not alpha and k == 1 else f"{alpha:.4g}"
-        lines.append(
-            f"sync: SMA(α={alpha}, μ_z={sync.get('central_momentum')}, every "
-            f"{sync.get('sync_every')} round(s)); optimizer: {_optimizer_text(opt)}")
+        if sync.get("name") == "DiLoCo":  # engine/outer.py sync_facts
+            rule = (f"DiLoCo(outer {_optimizer_text(sync.get('outer_optimizer') or {})} on "
+                    f"Δ = z − mean w, every {sync.get('sync_every')} round(s))")
+        else:
+            rule = (f"SMA(α={alpha}, μ_z={sync.get('central_momentum')}, every "
+                    f"{sync.get('sync_every')} round(s))")
+        lines.append(f"sync: {rule}; optimizer: {_optimizer_text(opt)}")
     header = f"{'device':<10}{'replicas':>9}{'LEARN':>7}{'LOCAL_SYNC':>12}{'GFLOP/round':>13}{'memory MiB':>12}"
     lines += [header, "-" * len(header)]
     tasks = _tasks(graph)

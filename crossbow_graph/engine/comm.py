@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ..config import Adjustment
 from ..errors import DistributedError, is_count
+from .outer import sync_facts
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -318,7 +319,7 @@ def plan_facts(plan: "Plan") -> dict[str, Any]:
         "replicas per device": "auto" if plan.autotuner is not None else plan.replicas_per_device,
         "batch_size": plan.batch_size,
         "optimizer": plan.settings.optimizer.describe(),
-        "sync": dataclasses.asdict(plan.sync),
+        "sync": sync_facts(plan.sync, plan.scheduler.outer),
         "precision": plan.precision,
     }
 

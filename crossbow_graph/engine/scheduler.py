@@ -34,7 +34,7 @@ import networkx as nx
 import torch
 
 from ..compiler.tasks import Task, TaskKind
-from ..config import SSGD
+from ..config import SSGD, DiLoCo
 from ..kernels.protocol import SMAKernels
 from ..kernels.torch_ref import TorchSMAKernels
 from .learners import learn_group, learner_seed, rows
@@ -42,6 +42,7 @@ from .faults import FaultMonitor
 from .fused import FusedProgram
 from .interpreter import RoundInterpreter, RoundProgram
 from .optim import LocalOptimizer
+from .outer import OuterOptimizer
 from .streams import CUDA_OPS, CudaStreams
 from .settings import RunSettings, settings_view
 from .state import DeviceState
@@ -82,6 +83,8 @@ class Scheduler(RoundInterpreter):
             ``RaceRecorder`` (engine/race_check.py) runs the same discipline on CPU devices.
         fault_masks: per device, ``[m]`` bool: the replicas reset for NaN/Inf (or divergence) in
             the last round, on the device (None before the first local sync).
+        outer: under ``sync=DiLoCo(...)`` its outer optimizer over the first device's z
+            (engine/outer.py ``OuterOptimizer``, built here), else None.
     """
 
     lr = settings_view("lr", "η in force (read-only: ``settings.lr``).")
@@ -123,6 +126,8 @@ class Scheduler(RoundInterpreter):
         self._resolved: tuple[int, str] | None = None  # (k, executor) cache
         self.cpu_conv = "auto"  # worker processes' convolutions: "auto", "onednn", "aten"
         self._onednn_choices: dict[int, bool] = {}  # b → measured choice (conv_choice.choose_onednn)
+        self.outer = OuterOptimizer(settings.sync.outer_optimizer, states[0].z) \
+            if isinstance(settings.sync, DiLoCo) else None  # raises TypeError, ValueError
         self.set_task_graph(task_graph)
 
     # -- configuration ------------------------------------------------------------------------
@@ -184,7 +189,7 @@ class Scheduler(RoundInterpreter):
         """The executor that runs the next round: ``"inline"`` or ``"process"``."""
         if self.executor != "auto":
             return self.executor
-        if isinstance(self.settings.sync, SSGD):  # its step needs the global gradient (config.SSGD)
+        if isinstance(self.settings.sync, (SSGD, DiLoCo)):  # their global sync writes every w
             return "inline"
         k = self.num_learners
         if self._resolved is None or self._resolved[0] != k:
@@ -347,6 +352,8 @@ class Scheduler(RoundInterpreter):
                     state, a, b, alpha=self.alpha, synchronise=self._synchronise,
                     optimizer=self.optimizer, losses=self._round_losses[d][a:b],
                     on_device=streams is not None)
+                if self._synchronise and self.outer is not None:  # DiLoCo: Σ_j (w_j − z), post-step
+                    state.acc = torch.sub(state.w[a:b], state.z).sum(dim=0)  # [P]
             if streams is not None:
                 self._snapshot_buffers(d, a, b)
                 streams.keep_for_global([state.acc, self._buf_snapshot[d]])
@@ -434,6 +441,9 @@ class Scheduler(RoundInterpreter):
         if isinstance(self.sync, SSGD):
             self._ssgd_step(accs, bufs)
             return
+        if self.outer is not None:
+            self._outer_step(accs, bufs)
+            return
         if self.num_learners == 1:  # the single replica is the central model
             s = states[0]
             with self._on_stream("global", self._global_task):
@@ -495,6 +505,34 @@ class Scheduler(RoundInterpreter):
         mean_buf = flat[P:P + Q].div_(self.num_learners).to(self.states[0].buf.dtype) if Q else None
         return flat[:P], mean_buf
 
+    @torch.no_grad()
+    def _outer_step(self, accs: list[torch.Tensor], bufs: list[torch.Tensor]) -> None:
+        """DiLoCo (config.DiLoCo; docs/design-overview.md §2, "Outer optimizers"): Σ_d acc_d (each
+        the device's Σ_j (w_j − z) after the learners' steps; all-reduced under torchrun) gives
+        Δ = z − mean_j w_j = −Σ/k, the outer optimizer steps z with it, z_prev ← the old z, the
+        devices copy z, every replica restarts from z with its optimizer state kept; float
+        buffers averaged into zbuf. With one learner it is the same (Δ = z − w_0)."""
+        states, home = self.states, self.states[0].torch_device
+        s0 = states[0]
+        with self._on_stream("global", self._global_task):
+            total, mean_buf = None, None
+            for acc in accs:
+                acc = acc.to(home)
+                total = acc if total is None else total + acc  # never writes an acc_d
+            if self.comm is not None:  # the same Δ on every rank: the same outer state
+                total, mean_buf = self._all_reduce(total, bufs, home)
+            s0.z_prev.copy_(s0.z)
+            self.outer.step(s0.z, torch.div(total, -self.num_learners))  # Δ [P]
+            if mean_buf is None and s0.buf.shape[1]:
+                mean_buf = torch.cat([bb.to(home) for bb in bufs]).mean(dim=0)
+            for s in states:
+                if s is not s0:
+                    s.z.copy_(s0.z.to(s.torch_device))
+                    s.z_prev.copy_(s0.z_prev.to(s.torch_device))
+                s.w.copy_(s.z.expand_as(s.w))  # w_j ← z; v, the row optimizers' state kept
+                if mean_buf is not None:
+                    s.zbuf.copy_(mean_buf.to(s.torch_device))
+
     def _ssgd_step(self, accs: list[torch.Tensor], bufs: list[torch.Tensor]) -> None:
         """S-SGD (config.SSGD): ḡ = Σ_d acc_d / k, one SGD step of replica 0 of device 0 with ḡ,
         then every replica (w, v) and z on every device set to it; float buffers averaged."""
@@ -545,7 +583,7 @@ class Scheduler(RoundInterpreter):
             return _NULL
         label = (task.id if isinstance(task, Task) else task[0], self.round_index)
         if kind == "learn":
-            return streams.learn(label, d, r0, after_global=isinstance(self.sync, SSGD))
+            return streams.learn(label, d, r0, after_global=isinstance(self.sync, (SSGD, DiLoCo)))
         if kind == "local":
             return streams.local(label, d)
         return streams.global_(label)

@@ -8,8 +8,9 @@ reset or read state on it. Every round:
 
 1. ``begin_round``: an event ``start_t`` on each device's ``D`` after the round's batch is there.
 2. A learner group on ``L`` waits for ``start_t`` and for its device's last local sync (its own
-   correction; under S-SGD also for the last global sync, which writes every w and v), then reads
-   w[j] and its batch (kept alive for ``L`` with ``record_stream``) and writes g[j] and buf[j].
+   correction; under S-SGD and DiLoCo also for the last global sync, which writes every w), then
+   reads w[j] and its batch (kept alive for ``L`` with ``record_stream``) and writes g[j] and
+   buf[j].
 3. The local sync on ``S_d`` waits for every learner group of the device in this round (and so
    for ``start_t``) and for the last global sync (z, zbuf: the update's pull and a fault's reset read them);
    it writes w, v, g of its rows, their sum acc_d and, in a round that synchronises, a snapshot
@@ -118,7 +119,7 @@ class CudaStreams:
     """
 
     WAITS = {  # what each kind of stream waits for before its work of a round (the discipline)
-        "learn": ("start", "own local sync", "global sync (S-SGD)"),
+        "learn": ("start", "own local sync", "global sync (S-SGD, DiLoCo)"),
         "local": ("learners", "global sync"),  # after start_t through the learners
         "global": ("every local sync",),
     }
@@ -147,7 +148,7 @@ class CudaStreams:
             if event is not None:
                 self.ops.wait(stream, event)
 
-    def _wait_rules(self, kind: str, stream: Any, d: int, ssgd: bool = False) -> None:
+    def _wait_rules(self, kind: str, stream: Any, d: int, after_global: bool = False) -> None:
         """``stream`` (of ``kind``, on device d) waits for the events ``WAITS[kind]`` names."""
         for rule in self.WAITS[kind]:
             if rule == "start":
@@ -158,7 +159,7 @@ class CudaStreams:
                 events = self.local_done
             elif rule == "learners":
                 events = self.learned[d]
-            elif rule == "global sync" or (rule == "global sync (S-SGD)" and ssgd):
+            elif rule == "global sync" or (rule == "global sync (S-SGD, DiLoCo)" and after_global):
                 events = self.global_done
             else:
                 continue
@@ -188,11 +189,12 @@ class CudaStreams:
 
     @contextmanager
     def learn(self, task: Any, d: int, r0: int, *, after_global: bool) -> Iterator[None]:
-        """Step 2: a learner group's work on its stream (``after_global``: S-SGD's)."""
+        """Step 2: a learner group's work on its stream (``after_global``: S-SGD's and DiLoCo's,
+        whose global sync writes every replica)."""
         stream = self.groups.get((d, r0))
         if stream is None:
             stream = self.groups[d, r0] = self.ops.new_stream(self.states[d].torch_device)
-        self._wait_rules("learn", stream, d, ssgd=after_global)
+        self._wait_rules("learn", stream, d, after_global=after_global)
         for t in self._batch_leaves:
             if t.device == self.states[d].torch_device:
                 self.ops.keep_alive(t, stream)

@@ -7,7 +7,8 @@ A checkpoint holds everything the next round depends on:
   on load by ``check_same_model``); per device the replicas ``w [m, P]``, momenta ``v [m, P]``,
   the central model ``z [P]`` and ``z_prev [P]``, float buffers ``buf [m, Q]`` and ``zbuf [Q]``,
   every replica's integer buffers (``num_batches_tracked``), the ``first_step`` flags, the
-  float16 learners' loss scales (engine/precision.py); the run
+  float16 learners' loss scales (engine/precision.py); DiLoCo's outer optimizer state
+  (``outer_optimizer``: class and torch.optim ``state_dict``, engine/outer.py); the run
   settings a policy may have changed (``Plan.settings``: batch size b, SMA α and τ, the
   learning rate η, the learner mode), which a resumed fit continues with; the current epoch's losses;
   the counters (epochs and rounds done, the round within the epoch, the sample position in it,
@@ -104,6 +105,8 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         "epochs_done": plan.epochs_done, "rounds_done": plan.rounds_done,
         "round_in_epoch": plan.round_in_epoch, "position_in_epoch": plan.position_in_epoch,
         "train_seconds": plan.train_seconds,
+        "outer_optimizer": None if sched.outer is None else  # sync=DiLoCo(...): engine/outer.py
+        {"class": sched.outer.describe()["class"], "state": sched.outer.state_dict()},
     }
 
 
@@ -176,7 +179,8 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
     Raises:
         CheckpointError: the state was saved for another model (``check_same_model``: names the
             first parameter or buffer whose name, shape or dtype differs), or from a plan of
-            another shape (devices, replicas, parameter or buffer count).
+            another shape (devices, replicas, parameter or buffer count), or with another outer
+            optimizer (or none where this plan has one: DiLoCo).
         PlanError: the saved batch size does not fit this plan's memory budget.
     """
     check_same_model(plan, sd)
@@ -194,6 +198,7 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
             "same devices and replicas to resume, or use another checkpoint_dir to start afresh"
         )
     _restore_settings(plan, sd)
+    _load_outer(plan, sd.get("outer_optimizer"))
     for s, saved in zip(plan.states, sd["states"]):
         for key in ("w", "v", "z", "z_prev", "buf", "zbuf"):
             getattr(s, key).copy_(saved[key])
@@ -234,6 +239,26 @@ def _check_same_optimizer(plan: "Plan", sd: dict[str, Any]) -> None:
             f"the checkpoint was written with optimizer {theirs} ({groups} param group(s)), but "
             f"this plan's is {mine} ({len(plan.optimizer.param_groups)}); compile with the same "
             f"optimizer to resume, or use another checkpoint_dir to start afresh")
+
+
+def _load_outer(plan: "Plan", saved: dict[str, Any] | None) -> None:
+    """DiLoCo's outer optimizer state into the plan's (engine/outer.py); CheckpointError when
+    one of the two has an outer optimizer and the other not, or another class."""
+    outer = plan.scheduler.outer
+    mine = None if outer is None else outer.describe()["class"]
+    theirs = None if saved is None else saved["class"]
+    if mine != theirs:
+        def say(c):
+            return "no outer optimizer (SMA or SSGD)" if c is None else f"outer optimizer {c} (DiLoCo)"
+        raise CheckpointError(f"the checkpoint was written with {say(theirs)}, but this plan has "
+                              f"{say(mine)}; compile with the same sync to resume, or use another "
+                              "checkpoint_dir to start afresh")
+    if outer is not None:
+        try:
+            outer.load_state_dict(saved["state"])
+        except ValueError as exc:
+            raise CheckpointError(f"the checkpoint's outer optimizer state does not fit this "
+                                  f"plan's: {exc}") from None
 
 
 def _restore_settings(plan: "Plan", sd: dict[str, Any]) -> None:
