@@ -2,8 +2,8 @@
 recorder (engine/race_check.py): simulated streams and events, every aten op's reads and writes.
 
 Oracles: no pair of unordered conflicting accesses in fits that exercise every writer and reader
-of the state (BatchNorm buffers, evaluation, checkpoints, metrics, faults, τ = 2, S-SGD, k = 1,
-a change of m and of the learner mode); dropping any one wait of the discipline makes the recorder
+of the state (BatchNorm buffers, evaluation, checkpoints, metrics, faults, τ = 2, S-SGD, DiLoCo,
+k = 1, a change of m and of the learner mode); dropping any one wait of the discipline makes the recorder
 report a race; the device-side fault path gives the host path's z and fault events.
 """
 
@@ -48,6 +48,9 @@ def _fit(scenario: str, tmp_path, rec: RaceRecorder | None):
         plan = compile_tiny(devices=1, replicas=2, sync=cg.SMA(sync_every=2), **kw)
     elif scenario == "S-SGD":
         plan = compile_tiny(TinyBN, devices=1, replicas=2, sync=cg.SSGD(), **kw)
+    elif scenario == "DiLoCo, 2 devices, NaN losses":  # its global sync writes every w
+        plan = compile_tiny(TinyBN, devices=2, replicas=2, sync=cg.DiLoCo(sync_every=2), **kw)
+        fit.update(checkpoint_dir=str(tmp_path), checkpoint_every=3)
     elif scenario == "one learner, AdamW":
         plan = compile_tiny(TinyBN, devices=1, replicas=1,
                             optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01), **kw)
@@ -57,6 +60,8 @@ def _fit(scenario: str, tmp_path, rec: RaceRecorder | None):
     data = tiny_data(64)
     if scenario == "τ = 2, NaN losses":
         data = _ignored(data, [3, 6])
+    if scenario == "DiLoCo, 2 devices, NaN losses":
+        data = _ignored(data, [5, 12])  # round 1's learner 1 (between syncs), round 3's learner 0
     with rec if rec is not None else _nothing():
         history = plan.fit(data, shuffle=False, **fit)
         if scenario == "m and the learner mode change between fits":
@@ -97,7 +102,8 @@ class _nothing:
 
 
 SCENARIOS = ["batchnorm, 2 devices, evaluation, checkpoints, metrics", "τ = 2, NaN losses",
-             "batchnorm, nothing between rounds", "S-SGD", "one learner, AdamW",
+             "batchnorm, nothing between rounds", "S-SGD", "DiLoCo, 2 devices, NaN losses",
+             "one learner, AdamW",
              "m and the learner mode change between fits"]
 
 
@@ -113,6 +119,9 @@ def test_fits_on_recorded_streams_have_no_race_and_match_the_unstreamed_fit(scen
         [(f.round, f.device, f.replica) for f in ref_history.faults]
     if scenario == "τ = 2, NaN losses":
         assert [(f.round, f.replica) for f in history.faults] == [(1, 1), (3, 0)]
+    if scenario == "DiLoCo, 2 devices, NaN losses":  # learner j = 2·d + r
+        assert [(f.round, f.device, f.replica) for f in history.faults] == \
+            [(1, "cpu:0", 1), (3, "cpu:0", 0)]
 
 
 def _rules():
@@ -126,7 +135,8 @@ def test_every_wait_of_the_discipline_is_needed(kind, rule, monkeypatch, tmp_pat
     waits[kind] = tuple(r for r in waits[kind] if r != rule)
     monkeypatch.setattr(CudaStreams, "WAITS", waits)
     # a fit with nothing between its rounds: only the discipline orders a round after the last
-    scenario = "S-SGD" if rule == "global sync (S-SGD)" else "batchnorm, nothing between rounds"
+    scenario = {"global sync (S-SGD, DiLoCo)": "DiLoCo, 2 devices, NaN losses"}.get(
+        rule, "batchnorm, nothing between rounds")
     rec = RaceRecorder()
     _fit(scenario, tmp_path, rec)
     assert rec.races, f"no race without {kind} waiting for {rule}"
