@@ -366,3 +366,51 @@ def test_diloco_on_the_process_executor_and_alpha_are_refused():
     plan.adjust(cg.Adjustment(sync_every=4))  # H changes like τ
     assert plan.sync == cg.DiLoCo(sync_every=4) and plan.sync.sync_every == 4
     assert "DiLoCo(outer SGD(lr=0.7, momentum=0.9, nesterov=True" in plan.summary()
+
+
+# -- torchrun: two processes -------------------------------------------------------------------
+
+@pytest.mark.distributed
+def test_two_processes_step_the_same_outer_optimizer_and_give_the_one_process_z(tmp_path):
+    """Two gloo ranks × 2 learners: every rank has the same z and outer optimizer state bit for
+    bit (the same all-reduced Δ, the same steps), and z is the one-process DiLoCo's with k = 4
+    up to the summation order."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from _dist_diloco import B, H, M, ROUNDS, BNNoBias
+    from _runtime_helpers import compile_tiny, tiny_data
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+               PYTHONPATH=os.path.dirname(here), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, "_dist_diloco.py"), str(tmp_path)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=90)[0] for p in procs]  # a safety net against a hang
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], logs
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    assert r0["rounds"] == r1["rounds"] == ROUNDS
+    assert torch.equal(r0["z"], r1["z"]) and torch.equal(r0["zbuf"], r1["zbuf"])
+    b0, b1 = (r["outer"]["state"][0]["momentum_buffer"] for r in (r0, r1))
+    assert torch.equal(b0, b1) and b0.abs().sum() > 0
+    one = compile_tiny(BNNoBias, seed=0, batch_size=B, devices=1, replicas=2 * M, executor="inline",
+                       sync=cg.DiLoCo(sync_every=H),
+                       optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01))
+    one.fit(tiny_data(ROUNDS * B * M * 2), 1, shuffle=False, progress=False)
+    torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r0["zbuf"], one.states[0].zbuf, rtol=1e-5, atol=1e-6)

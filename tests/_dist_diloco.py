@@ -1,0 +1,57 @@
+"""One rank of the two-process DiLoCo test (tests/test_diloco.py): ``python _dist_diloco.py OUT_DIR``
+with torchrun's variables set by the test. ``BNNoBias``, 1 device × 2 replicas per rank, b = 4, inner
+AdamW, DiLoCo with H = 3 over 8 rounds (z checked on every rank every round). Writes
+``rank<r>.pt``: z, zbuf, the outer optimizer's state, or ``error``."""
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import crossbow_graph as cg  # noqa: E402
+from crossbow_graph.errors import TaskError  # noqa: E402
+from _runtime_helpers import TinyBN, compile_tiny, tiny_data  # noqa: E402
+
+ROUNDS, B, M, H = 8, 4, 2, 3
+
+
+class BNNoBias(TinyBN):
+    """TinyBN whose convolution has no bias: a bias before BatchNorm has a zero gradient up to
+    rounding, which Adam's normalisation turns into steps of ±η that depend on the summation
+    order (threads), so the one-process oracle could not be matched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3, bias=False)
+
+
+def plan_of(rank: int) -> cg.Plan:
+    """This rank's plan (seed=rank: every rank starts from rank 0's model)."""
+    return compile_tiny(BNNoBias, seed=rank, batch_size=B, devices=1, replicas=M, executor="inline",
+                        sync=cg.DiLoCo(sync_every=H),
+                        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
+                        distributed=cg.Distributed(timeout_s=20.0, checksum_every=1))
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    data = tiny_data(ROUNDS * B * M * 2)
+    result = {}
+    try:
+        plan = plan_of(rank)
+        plan.fit(data, 1, shuffle=False, progress=False)
+        result.update(z=plan.central_weights(), zbuf=plan.states[0].zbuf.clone(),
+                      rounds=plan.rounds_done, outer=plan.scheduler.outer.state_dict())
+    except TaskError as exc:
+        result.update(error=str(exc))
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
