@@ -146,3 +146,23 @@ def test_precision_flag_reaches_the_plan(capsys, monkeypatch):
              "--target", "0", "--evals-per-epoch", "1", "--quiet", "--metrics-every", "0"]
     assert main(small + ["--precision", "bf16"]) == 0
     assert [p.precision for p in plans] == ["bf16"]
+
+
+def test_sync_diloco_flags_build_a_diloco_plan(capsys):
+    """--sync diloco --sync-every H trains with DiLoCo (its default H without the flag); --alpha
+    with it is a one-line error before any work; --sync-every sets SMA's τ too."""
+    from crossbow_graph.cli import DILOCO_H, prepare_train
+
+    small = ["train", "--train-samples", "256", "--test-samples", "128", "--epochs", "1",
+             "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "16",
+             "--devices", "2"]
+    plan, fit = prepare_train(build_parser().parse_args(small + ["--sync", "diloco", "--sync-every", "4"]))
+    assert plan.sync == cg.DiLoCo(sync_every=4) and plan.scheduler.resolved_executor() == "inline"
+    plan.fit(**fit)
+    assert plan.rounds_done == 8 and plan.scheduler.outer.optimizer.state  # 2 outer steps
+    plan, _ = prepare_train(build_parser().parse_args(small + ["--sync", "diloco"]))
+    assert plan.sync.sync_every == DILOCO_H
+    plan, _ = prepare_train(build_parser().parse_args(small + ["--sync-every", "3"]))
+    assert plan.sync == cg.SMA(sync_every=3)
+    assert main(small + ["--sync", "diloco", "--alpha", "0.5"]) == 2
+    assert "--alpha with --sync diloco" in capsys.readouterr().err
