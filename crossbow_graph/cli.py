@@ -7,6 +7,7 @@ The benchmarks are scripts of the repository's bench/ folder (``python bench/thr
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from typing import Any
@@ -142,11 +143,15 @@ def _add_train_parser(sub) -> None:
     _add_optimizer_flags(train)
     train.add_argument("--sync", default="sma", choices=("sma", "diloco"),
                        help="sma: SMA (--alpha, --central-momentum); diloco: DiLoCo, an outer "
-                            "Nesterov SGD (lr 0.7, momentum 0.9) on z every --sync-every rounds, "
+                            "SGD on z every --sync-every rounds (--outer-lr, --outer-momentum), "
                             "replicas restarted from z (the inline executor)")
     train.add_argument("--sync-every", type=int, default=None,
                        help="rounds between synchronisations: SMA's τ (default 1), DiLoCo's H "
                             f"(default {DILOCO_H})")
+    train.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD lr")
+    train.add_argument("--outer-momentum", type=float, default=0.9,
+                       help="DiLoCo's outer SGD momentum, Nesterov when > 0 (--outer-lr 1 "
+                            "--outer-momentum 0 is local SGD: z the replicas' mean)")
     train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
     train.add_argument("--central-momentum", type=float, default=0.9, help="SMA μ_z")
     train.add_argument("--epochs", type=int, default=3,
@@ -453,7 +458,8 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
 
 
 def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo:
-    """``--sync``'s strategy: SMA with ``--alpha``, ``--central-momentum``, τ; or DiLoCo with H.
+    """``--sync``'s strategy: SMA with ``--alpha``, ``--central-momentum``, τ; or DiLoCo with H and
+    an outer SGD of ``--outer-lr``, ``--outer-momentum`` (Nesterov when > 0).
 
     Raises:
         ValueError: ``--alpha`` with ``--sync diloco`` (DiLoCo has no α).
@@ -464,7 +470,10 @@ def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo:
     if args.alpha is not None:
         raise ValueError("--alpha with --sync diloco: DiLoCo pulls no replica toward z; drop "
                          "--alpha, or use --sync sma")
-    return cg.DiLoCo(sync_every=DILOCO_H if args.sync_every is None else args.sync_every)
+    outer = functools.partial(torch.optim.SGD, lr=args.outer_lr, momentum=args.outer_momentum,
+                              nesterov=args.outer_momentum > 0)
+    return cg.DiLoCo(sync_every=DILOCO_H if args.sync_every is None else args.sync_every,
+                     outer_optimizer=outer)
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -149,19 +149,25 @@ def test_precision_flag_reaches_the_plan(capsys, monkeypatch):
 
 
 def test_sync_diloco_flags_build_a_diloco_plan(capsys):
-    """--sync diloco --sync-every H trains with DiLoCo (its default H without the flag); --alpha
-    with it is a one-line error before any work; --sync-every sets SMA's τ too."""
+    """--sync diloco --sync-every H trains with DiLoCo (its default H without the flag, its outer
+    SGD from --outer-lr, --outer-momentum); --alpha with it is a one-line error before any work;
+    --sync-every sets SMA's τ too."""
     from crossbow_graph.cli import DILOCO_H, prepare_train
 
     small = ["train", "--train-samples", "256", "--test-samples", "128", "--epochs", "1",
              "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "16",
              "--devices", "2"]
     plan, fit = prepare_train(build_parser().parse_args(small + ["--sync", "diloco", "--sync-every", "4"]))
-    assert plan.sync == cg.DiLoCo(sync_every=4) and plan.scheduler.resolved_executor() == "inline"
+    assert isinstance(plan.sync, cg.DiLoCo) and plan.sync.sync_every == 4
+    assert plan.scheduler.resolved_executor() == "inline"
+    group = plan.scheduler.outer.optimizer.param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.9, True)  # DiLoCo's
     plan.fit(**fit)
     assert plan.rounds_done == 8 and plan.scheduler.outer.optimizer.state  # 2 outer steps
-    plan, _ = prepare_train(build_parser().parse_args(small + ["--sync", "diloco"]))
-    assert plan.sync.sync_every == DILOCO_H
+    plan, _ = prepare_train(build_parser().parse_args(
+        small + ["--sync", "diloco", "--outer-lr", "1", "--outer-momentum", "0"]))  # local SGD
+    group = plan.scheduler.outer.optimizer.param_groups[0]
+    assert plan.sync.sync_every == DILOCO_H and (group["lr"], group["momentum"], group["nesterov"]) == (1, 0, False)
     plan, _ = prepare_train(build_parser().parse_args(small + ["--sync-every", "3"]))
     assert plan.sync == cg.SMA(sync_every=3)
     assert main(small + ["--sync", "diloco", "--alpha", "0.5"]) == 2
