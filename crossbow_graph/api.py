@@ -375,7 +375,7 @@ class Plan:
         batch_size: b.
         learner_mode: ``"per_replica"`` or ``"fused"``.
         optimizer: the local optimiser (a torch.optim optimizer; its param groups hold the
-            settings in force); ``sync``: the SMA settings with the α and τ in force (or SSGD).
+            settings in force); ``sync``: SMA with the α and τ in force (or DiLoCo, SSGD).
         memory_budget: bytes per device for learners (None: unbounded).
         autotuner: the AutoTuner hook that ``fit`` runs (``replicas="auto"``), else None.
         precision: the learners' precision, ``"fp32"``, ``"bf16"`` or ``"fp16"`` (read-only).
@@ -384,7 +384,7 @@ class Plan:
     batch_size = settings_view("batch_size", "b, samples per learner per round (read-only).")
     replicas_per_device = settings_view("replicas_per_device", "m, replicas per device (read-only).")
     learner_mode = settings_view("learner_mode", "'per_replica' or 'fused' (read-only).")
-    sync = settings_view("sync", "SMA with the α and τ in force, or SSGD (read-only).")
+    sync = settings_view("sync", "SMA with the α and τ in force, DiLoCo with its H, or SSGD (read-only).")
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

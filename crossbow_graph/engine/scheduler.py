@@ -21,7 +21,8 @@ Executors (``executor=``):
   already learn the next round (the overlap of docs/design-overview.md §2; when every hook of the
   fit declares ``mutates_replicas = False``, else the rounds run one after the other).
 * ``"auto"``: ``"process"`` when every device is a CPU device, the machine has ≥ 2 cores, k ≥ 2
-  and fork is available; else ``"inline"`` (single-threaded learner processes run about twice as
+  and fork is available (and the sync is SMA: SSGD's and DiLoCo's global sync writes every
+  replica); else ``"inline"`` (single-threaded learner processes run about twice as
   fast as one process, learners in Python threads slower: threads are not offered).
 """
 
@@ -92,7 +93,7 @@ class Scheduler(RoundInterpreter):
     learner_mode = settings_view("learner_mode", "The learner mode in force (read-only).")
     optimizer = settings_view("optimizer", "The local optimiser, its groups' settings in force "
                               "(read-only; engine/optim.py LocalOptimizer).")
-    sync = settings_view("sync", "The SMA (α, τ in force) or SSGD strategy (read-only).")
+    sync = settings_view("sync", "The SMA (α, τ in force), DiLoCo (H) or SSGD strategy (read-only).")
 
     def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Callable,
                  settings: RunSettings, *, executor: str = "auto") -> None:
@@ -420,7 +421,8 @@ class Scheduler(RoundInterpreter):
 
     def sync_central(self, accs: list[torch.Tensor], buffers: list[torch.Tensor] | None = None) -> None:
         """The GLOBAL_SYNC's work: C = Σ_d acc_d, then z ← z + C + μ_z(z − z_prev) on every
-        device; buffers averaged.
+        device; buffers averaged. (``sync=SSGD()``: ``_ssgd_step``; ``sync=DiLoCo(...)``: the
+        outer step, ``_outer_step``.)
 
         Under torchrun (``comm``) the process's sum, its replicas' buffer sums and its count of
         fault events not yet shared, packed into one ``[P + Q + 1]`` tensor in the masters' dtype
