@@ -14,7 +14,9 @@ bench/acceptance_report.py turns them into ``$OUT/summary.md``. A section exits 
   a child process under PyTorch's CUDA sanitizer (``TORCH_CUDA_SANITIZER=1``: an unsynchronised
   access raises); (b) for each stream kind of ``engine.streams.STREAM_KINDS`` a seeded fit whose
   streams of that kind sleep ~20 ms (``torch.cuda._sleep``) before their work every round, against
-  the same fit undelayed: w, z and zbuf must be equal bit for bit (and two undelayed fits too).
+  the same fit undelayed: w, z and zbuf must be equal bit for bit (and two undelayed fits too);
+  fits ``RACE_SCENARIOS``: per_replica, fused, S-SGD with nothing between rounds, and one with
+  evaluation, checkpoints and metrics reading the state on the default stream mid-fit.
 - ``reference``: the same seeded fits on the GPU and on the CPU (kernel_backend "torch"; TF32 off,
   deterministic cuDNN) and kernel_backend "triton" against "torch" on the GPU, both learner modes:
   w, z, zbuf within rtol 1e-4, atol 1e-5.
@@ -112,7 +114,8 @@ def _device_name(device: torch.device) -> str:
 
 def _exact() -> None:
     """fp32 as on the CPU: no TF32, deterministic cuDNN and algorithms (CUBLAS_WORKSPACE_CONFIG
-    is set by the shell script before CUDA starts)."""
+    is set by the shell script before CUDA starts; a nondeterministic op warns). New memory is
+    then filled with NaN, so a read of uninitialised memory shows as a difference too."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.deterministic = True
@@ -130,6 +133,13 @@ def _state(plan: cg.Plan) -> dict[str, torch.Tensor]:
     plan.scheduler.flush()
     return {"w": plan.replica_weights().cpu(), "z": plan.central_weights().cpu(),
             "zbuf": plan.states[0].zbuf.detach().cpu().clone()}
+
+
+def _bitwise_equal(a: dict, b: dict) -> bool:
+    """Every tensor of ``a`` has the bits of ``b``'s (a NaN equals the same NaN)."""
+    return all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype and
+               torch.equal(a[k].contiguous().view(torch.uint8), b[k].contiguous().view(torch.uint8))
+               for k in a)
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -272,20 +282,25 @@ class DelayStream(cg.Hook):
         self.delayed_rounds += streams is self.streams and streams.delay.get(self.kind) == self.cycles
 
 
-RACE_SCENARIOS = {"per_replica, SMA": dict(learner_mode="per_replica"),
-                  "fused, SMA": dict(learner_mode="fused"),
-                  "per_replica, S-SGD": dict(learner_mode="per_replica", sync=cg.SSGD())}
+_READERS = dict(evals_per_epoch=2, checkpoint_every=3, metrics_every=2)  # D's reads mid-fit
+RACE_SCENARIOS = {  # name → (compile keywords, fit keywords); all but the last: nothing between rounds
+    "per_replica, SMA": (dict(learner_mode="per_replica"), {}),
+    "fused, SMA": (dict(learner_mode="fused"), {}),
+    "per_replica, S-SGD": (dict(learner_mode="per_replica", sync=cg.SSGD()), {}),
+    "per_replica, SMA, evaluation, checkpoints, metrics": (dict(learner_mode="per_replica"), _READERS),
+}
 
 
 def probe_fit(scenario: str, device: torch.device, tmp: Path, *, smoke: bool,
               kind: str | None = None, cycles: int = 0, kernel_backend: str = "auto") -> dict:
-    """A seeded fit of BNNet (m = 2, b = 8) with evaluation, checkpoints and metrics; with
-    ``kind``, that kind of stream delayed. Returns its state, wall seconds, the races a
-    RaceRecorder found (smoke) and whether the delay was set."""
-    n = 32 if smoke else 128
-    data, evals = synthetic("bnnet", n, device), synthetic("bnnet", 16, device, seed=1)
-    plan = _compile("bnnet", device, kernel_backend="torch" if smoke else kernel_backend,
-                    **RACE_SCENARIOS[scenario])
+    """A seeded fit of BNNet (m = 2, 8 rounds of b = 8; smoke: b = 4) as ``RACE_SCENARIOS``
+    says, evaluated at its end; with ``kind``, that kind of stream delayed. Returns its state,
+    wall seconds, rounds, the races a RaceRecorder found (smoke) and the rounds delayed."""
+    compile_kw, fit_kw = RACE_SCENARIOS[scenario]
+    b = 4 if smoke else 8
+    data, evals = synthetic("bnnet", 8 * 2 * b, device), synthetic("bnnet", 16, device, seed=1)
+    plan = _compile("bnnet", device, b=b, kernel_backend="torch" if smoke else kernel_backend,
+                    **compile_kw)
     rec = RaceRecorder() if smoke else None
     if rec is not None:
         plan.scheduler.stream_ops = rec
@@ -294,8 +309,8 @@ def probe_fit(scenario: str, device: torch.device, tmp: Path, *, smoke: bool,
     _sync(device)
     t0 = time.perf_counter()
     with rec if rec is not None else contextlib.nullcontext():
-        plan.fit(data, 1, seed=0, progress=False, hooks=hooks, eval_dataset=evals, evals_per_epoch=2,
-                 checkpoint_dir=str(tmp), checkpoint_every=4, metrics_every=2)
+        plan.fit(data, 1, seed=0, progress=False, hooks=hooks, eval_dataset=evals,
+                 checkpoint_dir=str(tmp), **{"evals_per_epoch": 1, "metrics_every": None} | fit_kw)
         state = _state(plan)
     seconds = time.perf_counter() - t0
     return {"state": state, "seconds": seconds, "rounds": plan.rounds_done,
@@ -339,7 +354,7 @@ def _delay_probes(args, sec: Section, device: torch.device, tmp: Path, stop_at: 
                 sec.check(False, f"{scenario}, {label}: {type(exc).__name__}: {str(exc)[:300]}")
                 rows.append([scenario, label, "error", "—", "—", "—"])
                 continue
-            same = all(torch.equal(r["state"][k], base["state"][k]) for k in base["state"])
+            same = _bitwise_equal(r["state"], base["state"])
             sec.check(same, f"{scenario}: {label}: w, z or zbuf differ from the undelayed fit "
                             f"(max |Δ| {_max_diff(r['state'], base['state']):.3g})")
             sec.check(not base["races"] and not r["races"],
@@ -396,7 +411,7 @@ def section_races(args, sec: Section) -> None:
            f"each stream of the kind sleeps {DELAY_MS:.0f} ms ({sec.data['sleep_cycles']:,} "
            "cycles) before its work, every round")
     sec.tables[f"(b) delayed streams against the undelayed fit, bitwise ({how})"] = _md_table(
-        ["fit (BNNet, m = 2, b = 8)", "delayed", "w, z, zbuf", "rounds delayed", "extra ms",
+        [f"fit (BNNet, m = 2, b = {4 if args.smoke else 8}, 8 rounds)", "delayed", "w, z, zbuf", "rounds delayed", "extra ms",
          "races found"], rows)
     bad = sum(1 for r in rows if r[2] != "equal")
     sec.key = f"{len(rows) - bad} of {len(rows)} fits bitwise equal to the undelayed one; sanitizer " + \
