@@ -225,7 +225,7 @@ class Scheduler(RoundInterpreter):
             self._workers.flush()
         if self._cuda is not None:
             self.join()
-            self._cuda.ops.synchronize()
+            self._cuda.ops.synchronize([s.torch_device for s in self.states])
             self._take_late_faults(block=True, counts=False)
             self._take_spans(block=True)
 
