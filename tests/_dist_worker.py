@@ -4,7 +4,7 @@ SCENARIO OUT_DIR`` with torchrun's variables (RANK, WORLD_SIZE, ...) set by the 
 Scenarios (TinyBN, 1 device × 2 replicas per rank, b = 4, z checked every round):
 ``train`` (shuffle=False; saves z, zbuf, the digest), ``process`` (the same with 2 devices × 1
 replica per rank on the process executor, the data through a DataLoader with a worker process:
-each rank loads its own learners' batches), ``decide`` (a hook on rank 0 only changes m,
+each rank loads its own learners' batches), ``bf16_sync`` (train with the corrections all-reduced in bfloat16), ``decide`` (a hook on rank 0 only changes m,
 the learner mode, lr, α and τ after round 3), ``resume`` (a second plan resumes from rank 0's checkpoint for a second
 epoch), ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
 changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3; rank 0 writes a
@@ -89,7 +89,8 @@ def run(scenario: str, rank: int, out: str) -> dict:
     model_cls = TinyNet if scenario == "mismatch_model" and rank == 1 else TinyBN
     model_cls = Counting if scenario == "int_buffers" else model_cls
     batch = 8 if scenario == "mismatch_batch" and rank == 1 else B
-    settings = cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1)
+    settings = cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1,
+                              sync_dtype="bf16" if scenario == "bf16_sync" else "fp32")
     result = {}
     try:
         devices, replicas, executor = (2, 1, "process") if scenario == "process" else (1, M, "inline")
@@ -148,7 +149,9 @@ def run(scenario: str, rank: int, out: str) -> dict:
                       digest=z_digest(plan.states[0].z), rounds=plan.rounds_done,
                       loss=history.epochs[-1].train_loss,
                       faults=[dataclasses.asdict(f) for f in history.faults],
-                      lrs=list(history.lr), group_lrs=[g["lr"] for g in plan.optimizer.param_groups])
+                      lrs=list(history.lr), group_lrs=[g["lr"] for g in plan.optimizer.param_groups],
+                      bytes_reduced=plan.comm.bytes_reduced, summary=plan.summary(),
+                      P=plan.num_parameters, Q=plan.states[0].buf.shape[1])
         if scenario == "int_buffers":
             result.update(central=plan.central_model().state_dict(),
                           seen=[int(r.seen) for r in plan.states[0].replicas])
@@ -157,7 +160,7 @@ def run(scenario: str, rank: int, out: str) -> dict:
     return result
 
 
-GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw"], "mismatch": ["mismatch_batch", "mismatch_model"],
+GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync"], "mismatch": ["mismatch_batch", "mismatch_model"],
           "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"]}
 
 

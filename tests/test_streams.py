@@ -201,3 +201,26 @@ def test_a_delayed_stream_changes_nothing_on_cuda(mode, kind):
     z, zbuf = run(0)
     z_late, zbuf_late = run(10_000_000)
     assert torch.equal(z, z_late) and torch.equal(zbuf, zbuf_late)
+
+
+def test_stream_timings_come_from_events_into_the_trace(tmp_path):
+    """On streams the tasks are timed by events (read when done), one trace lane per kind of
+    stream, every task of every round in it; the host clock is not used (the recorder's
+    events measure 0 ms)."""
+    import json
+    plan = compile_tiny(devices=2, replicas=2, executor="inline", kernel_backend="torch")
+    rec = RaceRecorder()
+    plan.scheduler.stream_ops = rec
+    trace = tmp_path / "run.json"
+    with rec:
+        plan.fit(tiny_data(64), 1, shuffle=False, progress=False, metrics_every=None,
+                 trace=str(trace))
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    lanes = {e["args"]["name"] for e in events if e.get("ph") == "M"}
+    assert lanes == {"learn stream", "local stream", "global stream"}
+    names = [e["name"] for e in events if e.get("ph") == "X"]
+    rounds = plan.rounds_done
+    assert rounds == 4 and names.count("global_sync") == rounds
+    assert sum(n.startswith("learn") for n in names) == 4 * rounds
+    assert plan.scheduler.sync_seconds == 0.0  # the simulated events' durations
