@@ -1,6 +1,7 @@
 """One rank of the two-process DiLoCo test (tests/test_diloco.py): ``python _dist_diloco.py OUT_DIR``
 with torchrun's variables set by the test. ``BNNoBias``, 1 device × 2 replicas per rank, b = 4, inner
-AdamW, DiLoCo with H = 3 over 8 rounds (z checked on every rank every round). Writes
+AdamW, DiLoCo with H = 3 over 8 rounds (z checked on every rank every round), the all-reduce in
+``CB_SYNC_DTYPE`` (fp32 or bf16, ``Distributed(sync_dtype=...)``). Writes
 ``rank<r>.pt``: z, zbuf, the outer optimizer's state, or ``error``."""
 
 import os
@@ -33,7 +34,8 @@ def plan_of(rank: int) -> cg.Plan:
     return compile_tiny(BNNoBias, seed=rank, batch_size=B, devices=1, replicas=M, executor="inline",
                         sync=cg.DiLoCo(sync_every=H),
                         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
-                        distributed=cg.Distributed(timeout_s=20.0, checksum_every=1))
+                        distributed=cg.Distributed(timeout_s=20.0, checksum_every=1,
+                                                   sync_dtype=os.environ.get("CB_SYNC_DTYPE", "fp32")))
 
 
 def main(out: str) -> None:
