@@ -37,11 +37,11 @@ BASE = ["--devices", "2", "--replicas", "2", "--batch-size", "64"]
 
 
 def _variants() -> dict[str, list[str]]:
+    hs = (1, 2, 4, 8, 16, 32, 64)
     out = {"sma": []}
-    for h in (1, 2, 4, 8, 16, 32):
-        out[f"diloco-{h}"] = ["--sync", "diloco", "--sync-every", str(h)]
-        out[f"local-sgd-{h}"] = ["--sync", "diloco", "--sync-every", str(h), "--outer-lr", "1",
-                                 "--outer-momentum", "0"]
+    out.update({f"diloco-{h}": ["--sync", "diloco", "--sync-every", str(h)] for h in hs})
+    out.update({f"local-sgd-{h}": ["--sync", "diloco", "--sync-every", str(h), "--outer-lr", "1",
+                                   "--outer-momentum", "0"] for h in hs})
     return out
 
 

@@ -89,3 +89,21 @@ def test_gpu_acceptance_smoke_runs_every_section_on_the_cpu(tmp_path):
     assert results["mode"] == "smoke"
     assert results["sections"]["races"]["data"]["sleep_cycles"] == 0  # simulated streams
     assert results["sections"]["nccl"]["data"]["backend"] == "gloo"
+
+
+def test_diloco_w1_variants_and_summary():
+    """bench/diloco_w1.py runs the CLI's flags per variant (local SGD: DiLoCo with outer lr 1, no
+    momentum) and summarises epochs to 99.0 % with a miss counted as +∞."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import diloco_w1
+
+    assert diloco_w1.VARIANTS["diloco-16"] == ["--sync", "diloco", "--sync-every", "16"]
+    assert diloco_w1.VARIANTS["local-sgd-4"][-4:] == ["--outer-lr", "1", "--outer-momentum", "0"]
+    args = build_parser().parse_args(["train", *diloco_w1.BASE, *diloco_w1.VARIANTS["local-sgd-4"]])
+    assert (args.sync, args.sync_every, args.outer_lr, args.outer_momentum) == ("diloco", 4, 1.0, 0.0)
+    rows = [dict(variant="diloco-4", seed=s, reached=e is not None, epochs_to_accuracy=e,
+                 final_accuracy=0.99, best_accuracy=0.991, rounds=10) for s, e in
+            [(0, 2.0), (1, None), (2, None)]]
+    summary = diloco_w1.summarise(rows)["variants"]["diloco-4"]
+    assert summary["reached"] == "1/3" and summary["median_epochs_to_99"] is None
+    assert "| diloco-4 |" in diloco_w1.table(diloco_w1.summarise(rows))
