@@ -1,4 +1,4 @@
-"""W1 (LeNet-5 / MNIST, target 99.0 %): epochs to the target with DiLoCo at H ∈ {1, 4, 16}
+"""W1 (LeNet-5 / MNIST, target 99.0 %): epochs to the target with DiLoCo at H ∈ {1, 4, 16, 64}
 beside SMA and local SGD, the same learners, inner optimizer and data.
 
 Every run is the CLI's own plan (``cli.prepare_train``): ``crossbow-graph train --devices 2
@@ -7,11 +7,12 @@ epoch), AdamW at the default η 0.008 with the OneCycle schedule over ``--epochs
 variant's sync flags (``VARIANTS``):
 
 * ``sma``: SMA, α = 1/k, μ_z = 0.9, every round (the default);
-* ``diloco-H``: ``--sync diloco --sync-every H``, Nesterov outer SGD, lr 0.7, momentum 0.9;
+* ``diloco-H`` (H = 1, 2, 4, …, 64): ``--sync diloco --sync-every H``, Nesterov outer SGD, lr 0.7,
+  momentum 0.9;
 * ``local-sgd-H``: ``--sync diloco --sync-every H --outer-lr 1 --outer-momentum 0``, periodic
   averaging (z the replicas' mean every H rounds).
 
-    python bench/diloco_w1.py [--variants sma,diloco-1,diloco-4,diloco-16,local-sgd-4]
+    python bench/diloco_w1.py [--variants sma,diloco-1,diloco-4,diloco-16,diloco-64,local-sgd-4,local-sgd-16]
                               [--seeds 0 1] [--epochs 5] [--out bench/runs/diloco_w1.json]
                               [--summary bench/results/diloco_w1_summary.json]
 
@@ -46,6 +47,8 @@ def _variants() -> dict[str, list[str]]:
 
 
 VARIANTS = _variants()
+DEFAULT_VARIANTS = ("sma", "diloco-1", "diloco-4", "diloco-16", "diloco-64", "local-sgd-4",
+                    "local-sgd-16")
 
 
 def run(variant: str, *, epochs: int, seed: int) -> dict:
@@ -103,7 +106,7 @@ def table(summary: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="sma,diloco-1,diloco-4,diloco-16,local-sgd-4")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--out", default="bench/runs/diloco_w1.json", help="raw runs (not committed)")
