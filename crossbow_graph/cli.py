@@ -141,19 +141,7 @@ def _add_train_parser(sub) -> None:
                        help="learners' forward: fp32 (default), or bf16/fp16 under torch.autocast "
                             "with float32 parameters (fp16 with a loss scale per replica)")
     _add_optimizer_flags(train)
-    train.add_argument("--sync", default="sma", choices=("sma", "diloco"),
-                       help="sma: SMA (--alpha, --central-momentum); diloco: DiLoCo, an outer "
-                            "SGD on z every --sync-every rounds (--outer-lr, --outer-momentum), "
-                            "replicas restarted from z (the inline executor)")
-    train.add_argument("--sync-every", type=int, default=None,
-                       help="rounds between synchronisations: SMA's τ (default 1), DiLoCo's H "
-                            f"(default {DILOCO_H})")
-    train.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD lr")
-    train.add_argument("--outer-momentum", type=float, default=0.9,
-                       help="DiLoCo's outer SGD momentum, Nesterov when > 0 (--outer-lr 1 "
-                            "--outer-momentum 0 is local SGD: z the replicas' mean)")
-    train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
-    train.add_argument("--central-momentum", type=float, default=0.9, help="SMA μ_z")
+    _add_sync_flags(train)
     train.add_argument("--epochs", type=int, default=3,
                        help="most epochs to run (the length of --lr-schedule onecycle and cosine)")
     train.add_argument("--target", type=float, default=0.99,
@@ -184,6 +172,23 @@ def _add_train_parser(sub) -> None:
                        help="a hyper-parameter policy, repeatable: auto_replicas, adaptive_batch, "
                             "step_lr, multistep_lr, cosine_lr, divergence_guard (e.g. "
                             "adaptive_batch:max_batch_size=128; tuples as 3/4)")
+
+
+def _add_sync_flags(train: argparse.ArgumentParser) -> None:
+    """``train``'s flags of the synchronisation: SMA's or DiLoCo's (``_sync``)."""
+    train.add_argument("--sync", default="sma", choices=("sma", "diloco"),
+                       help="sma: SMA (--alpha, --central-momentum); diloco: DiLoCo, an outer "
+                            "SGD on z every --sync-every rounds (--outer-lr, --outer-momentum), "
+                            "replicas restarted from z (the inline executor)")
+    train.add_argument("--sync-every", type=int, default=None,
+                       help="rounds between synchronisations: SMA's τ (default 1), DiLoCo's H "
+                            f"(default {DILOCO_H})")
+    train.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD lr")
+    train.add_argument("--outer-momentum", type=float, default=0.9,
+                       help="DiLoCo's outer SGD momentum, Nesterov when > 0 (--outer-lr 1 "
+                            "--outer-momentum 0 is local SGD: z the replicas' mean)")
+    train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
+    train.add_argument("--central-momentum", type=float, default=0.9, help="SMA μ_z")
 
 
 def _add_optimizer_flags(train: argparse.ArgumentParser) -> None:
