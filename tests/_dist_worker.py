@@ -7,7 +7,7 @@ replica per rank on the process executor, the data through a DataLoader with a w
 each rank loads its own learners' batches), ``decide`` (a hook on rank 0 only changes m,
 the learner mode, lr, α and τ after round 3), ``resume`` (a second plan resumes from rank 0's checkpoint for a second
 epoch), ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
-changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3; rank 0 writes a
+changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3 and its checkpoint; rank 0 writes a
 checkpoint every round), ``hang`` (rank 1 sleeps after round 3), ``fault_one`` (NaN in rank 1's
 replica 1 before round 2 and in rank 0's replica 0 before round 4; checkpoints every round and
 a log_dir), ``fault_streams`` (the same faults on the CUDA streams' path, simulated on the CPU by
@@ -50,6 +50,18 @@ class _AtRound(Hook):
             self.action(ctx.plan)
 
 
+class _BeforeRoundAfter(Hook):
+    """``action(plan)`` before the round that follows round ``round_`` (1-based), after every
+    hook of round ``round_`` ran (its checkpoint too)."""
+
+    def __init__(self, round_: int, action) -> None:
+        self.round, self.action = round_, action
+
+    def before_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == self.round:
+            self.action(ctx.plan)
+
+
 class _Poison(Hook):
     """Before the rounds ``at`` (0-based), NaN into this rank's replicas ``rows`` of device 0."""
 
@@ -75,6 +87,57 @@ class Counting(TinyBN):
     def forward(self, x):
         self.seen.add_((x[:, 0, 0, 0] > 0).sum())
         return super().forward(x)
+
+
+class Recording(torch.utils.data.TensorDataset):
+    """A TensorDataset whose batches are read with ``get_batch`` (the trainer's fetch), which
+    records the indices this process reads in ``seen`` (list of int lists) from the fit's start
+    on (``RecordSamples``)."""
+
+    def __init__(self, *tensors) -> None:
+        super().__init__(*tensors)
+        self.seen: list[list[int]] = []
+
+    def get_batch(self, idx):
+        self.seen.append(idx.tolist())
+        return [t[idx] for t in self.tensors]
+
+
+class RecordSamples(Hook):
+    """Empty ``data.seen`` at the fit's start (the first-batch checks read too) and stop the fit
+    after round ``stop_after`` (1-based, over the plan's life), if given."""
+
+    def __init__(self, data: Recording, stop_after: int | None = None) -> None:
+        self.data, self.stop_after = data, stop_after
+
+    def before_fit(self, ctx) -> None:
+        self.data.seen.clear()
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == self.stop_after:
+            ctx.stop = True
+
+
+class Snapshot(Hook):
+    """The plan's state right after a resume (``before_fit`` runs after it): device 0's w, v,
+    z, z_prev, zbuf, first_step, integer buffers, k, α and the data position, in ``got``."""
+
+    def __init__(self) -> None:
+        self.got: dict = {}
+
+    def before_fit(self, ctx) -> None:
+        plan, s = ctx.plan, ctx.plan.states[0]
+        self.got = dict(w=s.w.clone(), v=s.v.clone(), z=s.z.clone(), z_prev=s.z_prev.clone(),
+                        zbuf=s.zbuf.clone(), first_step=list(s.first_step),
+                        ints=[{n: b.clone() for n, b in r.named_buffers() if not b.is_floating_point()}
+                              for r in s.replicas],
+                        k=plan.num_learners, alpha=plan.settings.alpha_for(plan.num_learners),
+                        position=plan.position_in_epoch, rounds=plan.rounds_done)
+
+
+def recording_data() -> Recording:
+    """tiny_data of ROUNDS·B·M·2 = 128 samples, recorded."""
+    return Recording(*tiny_data(ROUNDS * B * M * 2).tensors)
 
 
 def _decide(plan) -> None:
@@ -107,7 +170,8 @@ def run(scenario: str, rank: int, out: str) -> dict:
             hooks.append(_AtRound(3, lambda plan: time.sleep(600)))
         if scenario == "kill":
             if rank == 1:
-                hooks.append(_AtRound(3, lambda plan: os.kill(os.getpid(), signal.SIGKILL)))
+                # after round 3's checkpoint (a collective of every rank: rank 1 sends its learners)
+                hooks.append(_BeforeRoundAfter(3, lambda plan: os.kill(os.getpid(), signal.SIGKILL)))
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt"), checkpoint_every=1)
         if scenario == "fault_one":
             hooks.append(_Poison([2], [1]) if rank == 1 else _Poison([4], [0]))
@@ -135,6 +199,10 @@ def run(scenario: str, rank: int, out: str) -> dict:
             plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
                                 executor="inline", distributed=settings)
             history = plan.fit(data, 2, shuffle=True, progress=False, resume=True, **kw)
+            straight = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
+                                    executor="inline", distributed=settings)
+            straight.fit(data, 2, shuffle=True, progress=False)  # the same 2 epochs, not stopped
+            result.update(z_straight=straight.central_weights())
         else:
             if scenario == "process":  # each rank's DataLoader loads its learners' rows
                 data = torch.utils.data.DataLoader(data, batch_size=B, num_workers=1)
@@ -157,8 +225,27 @@ def run(scenario: str, rank: int, out: str) -> dict:
     return result
 
 
+def run_reshape(scenario: str, rank: int, out: str) -> dict:
+    """``resume_1to2``: every rank resumes from the 1-process checkpoint the test wrote in
+    ``OUT_DIR/ckpt-1to2`` (k = 2 → 4) and finishes its epoch; ``write_2to1``: 3 rounds of k = 4
+    with a checkpoint every 3 rounds into ``OUT_DIR/ckpt-2to1``, then a stop (the test resumes
+    it in one process). Returns the Snapshot after the resume, the indices read, z."""
+    settings = cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1)
+    plan = compile_tiny(TinyBN, seed=rank + 7, devices=1, replicas=M, executor="inline",
+                        distributed=settings)  # another init: the checkpoint's state must win
+    data, snap = recording_data(), Snapshot()
+    if scenario == "resume_1to2":
+        plan.fit(data, 1, shuffle=True, progress=False, checkpoint_dir=os.path.join(out, "ckpt-1to2"),
+                 resume=True, hooks=[RecordSamples(data), snap])
+    else:
+        plan.fit(data, 1, shuffle=True, progress=False, checkpoint_dir=os.path.join(out, "ckpt-2to1"),
+                 checkpoint_every=3, hooks=[RecordSamples(data, stop_after=3)])
+    return dict(snapshot=snap.got, seen=data.seen, z=plan.central_weights(), rounds=plan.rounds_done)
+
+
 GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw"], "mismatch": ["mismatch_batch", "mismatch_model"],
-          "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"]}
+          "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"],
+          "reshape": ["resume_1to2", "write_2to1"]}
 
 
 def main(scenario: str, out: str) -> None:
@@ -167,9 +254,9 @@ def main(scenario: str, out: str) -> None:
     rank = int(os.environ["RANK"])
     results = {}
     for name in GROUPS.get(scenario, [scenario]):
-        results[name] = run(name, rank, out)
+        results[name] = (run_reshape if name in GROUPS["reshape"] else run)(name, rank, out)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    if scenario in ("ok", "mismatch") and torch.distributed.is_initialized():
+    if scenario in ("ok", "mismatch", "reshape") and torch.distributed.is_initialized():
         # every rank is alive here: leave together, so that no rank tears gloo down while its
         # peer still uses the group (that aborted a rank at exit: "terminate called ...")
         torch.distributed.barrier()
