@@ -4,20 +4,24 @@ SCENARIO OUT_DIR`` with torchrun's variables (RANK, WORLD_SIZE, ...) set by the 
 Scenarios (TinyBN, 1 device × 2 replicas per rank, b = 4, z checked every round):
 ``train`` (shuffle=False; saves z, zbuf, the digest), ``process`` (the same with 2 devices × 1
 replica per rank on the process executor, the data through a DataLoader with a worker process:
-each rank loads its own learners' batches), ``decide`` (a hook on rank 0 only changes m,
-the learner mode, lr, α and τ after round 3), ``resume`` (a second plan resumes from rank 0's checkpoint for a second
-epoch), ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
-changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3 and its checkpoint; rank 0 writes a
-checkpoint every round), ``hang`` (rank 1 sleeps after round 3), ``fault_one`` (NaN in rank 1's
-replica 1 before round 2 and in rank 0's replica 0 before round 4; checkpoints every round and
-a log_dir), ``fault_streams`` (the same faults on the CUDA streams' path, simulated on the CPU by
-a RaceRecorder: found on the device, read a round late), ``int_buffers`` (``Counting``: an integer counter that advances differently on each
-rank; saves ``central_model().state_dict()``), ``nan_all`` (NaN in every replica of every rank
-before every round from round 3 on, process executor, checkpoints every round). Groups run in one
-launch, one after the other in the same process group: ``ok`` = train, process, decide, resume;
-``mismatch`` = both mismatches; ``faults`` = fault_one, int_buffers, nan_all (last: its error
-closes the process group). Writes ``rank<r>.pt`` into OUT_DIR: per scenario a dict, ``error``
-with the TaskError's message (and ``kind``, ``round_index``), or the results.
+each rank loads its own learners' batches), ``decide`` (a hook on rank 0 only changes m, the
+learner mode, lr, α and τ after round 3), ``resume`` (2 epochs with a checkpoint every 3 rounds,
+stopped after round 10; a new plan resumes from round 9; then the same 2 epochs not stopped),
+``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
+changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3 and its checkpoint;
+rank 0 writes a checkpoint every round), ``hang`` (rank 1 sleeps after round 3), ``fault_one``
+(NaN in rank 1's replica 1 before round 2 and in rank 0's replica 0 before round 4; checkpoints
+every round and a log_dir), ``fault_streams`` (the same faults on the CUDA streams' path,
+simulated on the CPU by a RaceRecorder: found on the device, read a round late),
+``int_buffers`` (``Counting``: an integer counter that advances differently on each rank; saves
+``central_model().state_dict()``), ``nan_all`` (NaN in every replica of every rank before every
+round from round 3 on, process executor, checkpoints every round), ``resume_1to2`` /
+``write_2to1`` (``run_reshape``: a checkpoint resumed on another number of processes). Groups
+run in one launch, one after the other in the same process group: ``ok`` = train, process,
+decide, resume, adamw; ``mismatch`` = both mismatches; ``faults`` = fault_one, fault_streams,
+int_buffers, nan_all (last: its error closes the process group); ``reshape`` = resume_1to2,
+write_2to1. Writes ``rank<r>.pt`` into OUT_DIR: per scenario a dict, ``error`` with the
+TaskError's message (and ``kind``, ``round_index``), or the results.
 """
 
 import dataclasses
@@ -104,17 +108,23 @@ class Recording(torch.utils.data.TensorDataset):
 
 
 class RecordSamples(Hook):
-    """Empty ``data.seen`` at the fit's start (the first-batch checks read too) and stop the fit
-    after round ``stop_after`` (1-based, over the plan's life), if given."""
+    """Empty ``data.seen`` at the fit's start (the first-batch checks read too)."""
 
-    def __init__(self, data: Recording, stop_after: int | None = None) -> None:
-        self.data, self.stop_after = data, stop_after
+    def __init__(self, data: Recording) -> None:
+        self.data = data
 
     def before_fit(self, ctx) -> None:
         self.data.seen.clear()
 
+
+class StopAfter(Hook):
+    """Stop the fit after round ``round_`` (1-based, over the plan's life)."""
+
+    def __init__(self, round_: int) -> None:
+        self.round = round_
+
     def after_round(self, ctx) -> None:
-        if ctx.plan.rounds_done == self.stop_after:
+        if ctx.plan.rounds_done == self.round:
             ctx.stop = True
 
 
@@ -193,16 +203,17 @@ def run(scenario: str, rank: int, out: str) -> dict:
             kw = dict(lr_scheduler=torch.optim.lr_scheduler.OneCycleLR(
                 plan.optimizer, max_lr=[4e-3, 8e-3], total_steps=ROUNDS * M),
                 lr_scheduler_interval="round")
-        if scenario == "resume":  # one epoch with checkpoints, then a new plan resumes for a second
-            kw = dict(checkpoint_dir=os.path.join(out, "ckpt-resume"))
-            plan.fit(data, 1, shuffle=True, progress=False, **kw)
+        if scenario == "resume":  # stopped after round 10 of 16, resumed from round 9 by a new plan
+            kw = dict(checkpoint_dir=os.path.join(out, "ckpt-resume"), checkpoint_every=3)
+            plan.fit(data, 2, shuffle=True, progress=False, hooks=[StopAfter(ROUNDS + 2)], **kw)
             plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
                                 executor="inline", distributed=settings)
             history = plan.fit(data, 2, shuffle=True, progress=False, resume=True, **kw)
             straight = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
                                     executor="inline", distributed=settings)
-            straight.fit(data, 2, shuffle=True, progress=False)  # the same 2 epochs, not stopped
-            result.update(z_straight=straight.central_weights())
+            whole = straight.fit(data, 2, shuffle=True, progress=False)  # not stopped
+            result.update(z_straight=straight.central_weights(),
+                          loss_straight=whole.epochs[-1].train_loss)
         else:
             if scenario == "process":  # each rank's DataLoader loads its learners' rows
                 data = torch.utils.data.DataLoader(data, batch_size=B, num_workers=1)
@@ -239,7 +250,7 @@ def run_reshape(scenario: str, rank: int, out: str) -> dict:
                  resume=True, hooks=[RecordSamples(data), snap])
     else:
         plan.fit(data, 1, shuffle=True, progress=False, checkpoint_dir=os.path.join(out, "ckpt-2to1"),
-                 checkpoint_every=3, hooks=[RecordSamples(data, stop_after=3)])
+                 checkpoint_every=3, hooks=[RecordSamples(data), StopAfter(3)])
     return dict(snapshot=snap.got, seen=data.seen, z=plan.central_weights(), rounds=plan.rounds_done)
 
 

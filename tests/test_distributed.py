@@ -16,7 +16,8 @@ import torch
 import crossbow_graph as cg
 from crossbow_graph.training.checkpoint import load_latest
 from crossbow_graph.engine.comm import Comm, torchrun_env
-from _dist_worker import B, M, ROUNDS, RecordSamples, Snapshot, _AtRound, _decide, recording_data
+from _dist_worker import (B, M, ROUNDS, RecordSamples, Snapshot, StopAfter, _AtRound, _decide,
+                          recording_data)
 from _runtime_helpers import TinyBN, compile_tiny, reference_sma, tiny_data
 
 pytestmark = pytest.mark.distributed
@@ -182,11 +183,12 @@ def test_a_hung_rank_stops_the_others_at_the_timeout(tmp_path):
 def test_a_resumed_run_continues_on_every_rank_from_rank_0s_checkpoint(ok_runs):
     r0, r1 = ok_runs["resume"]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
-    assert r0["rounds"] == r1["rounds"] == 2 * ROUNDS  # the second epoch only was run again
+    assert r0["rounds"] == r1["rounds"] == 2 * ROUNDS  # rounds 10 … 16 were run again
     assert torch.equal(r0["z"], r1["z"])
-    # every rank's learners are in the checkpoint: resumed on as many ranks, the run is the
-    # uninterrupted one, bit for bit
+    # every rank's learners, RNG states and losses are in the checkpoint: resumed on as many
+    # ranks in the middle of an epoch, the run is the uninterrupted one, bit for bit
     assert torch.equal(r0["z"], r0["z_straight"]) and torch.equal(r1["z"], r1["z_straight"])
+    assert r0["loss"] == r1["loss"] == r0["loss_straight"]  # every rank's losses of the epoch
 
 
 N_RESHAPE = ROUNDS * B * M * 2  # recording_data's samples
@@ -200,7 +202,7 @@ def reshape_runs(tmp_path_factory):
     data = recording_data()
     one = compile_tiny(TinyBN, seed=0, devices=1, replicas=M, executor="inline")
     one.fit(data, 1, shuffle=True, progress=False, checkpoint_dir=str(out / "ckpt-1to2"),
-            checkpoint_every=4, hooks=[RecordSamples(data, stop_after=4)])
+            checkpoint_every=4, hooks=[RecordSamples(data), StopAfter(4)])
     before = list(data.seen)
     _, one_process = load_latest(str(out / "ckpt-1to2"))  # the resumed ranks write there too
     results, codes, logs = _launch("reshape", out)

@@ -25,7 +25,7 @@ def _two_rank_checkpoint():
     sd0, sd1 = plan_state_dict(p0), plan_state_dict(p1)
     sd1["states"][0]["loss_scales"] = (torch.tensor([1024.0, 2048.0]), torch.tensor([3, 4]))
     return {"plan": sd0, "rng": "rng of rank 0", "world_size": 2,
-            "peers": [{"states": sd1["states"], "rng": "rng of rank 1"}]}
+            "peers": [{"states": sd1["states"], "losses": sd1["losses"], "rng": "rng of rank 1"}]}
 
 
 def _rows(dev, i):
@@ -53,6 +53,8 @@ def test_three_ranks_keep_the_saved_learners_in_order_and_clone_new_ones_from_z(
     parts = split_for_ranks(state, 3)
     assert [rng for _, rng in parts] == ["rng of rank 0", "rng of rank 1", None]
     for r in (0, 1):  # learners 0 … 3: the saved ones, rank by rank
+        want = state["plan"]["losses"] if r == 0 else state["peers"][0]["losses"]
+        assert torch.equal(parts[r][0]["losses"], want)
         dev = parts[r][0]["states"][0]
         for i in range(M):
             _assert_same_row(_rows(dev, i), _rows(ranks[r], i))
@@ -63,6 +65,7 @@ def test_three_ranks_keep_the_saved_learners_in_order_and_clone_new_ones_from_z(
             assert torch.equal(dev[key], ranks[0][key]), key
         assert sd["rounds_done"] == state["plan"]["rounds_done"]
         assert sd["position_in_epoch"] == state["plan"]["position_in_epoch"]
+    assert len(parts[2][0]["losses"]) == 0
     new = parts[2][0]["states"][0]  # learners 4, 5: new, by DeviceState.resize's rule
     assert torch.equal(new["w"], z.expand(M, -1)) and not new["v"].any()
     assert torch.equal(new["buf"], ranks[0]["zbuf"].expand(M, -1))
@@ -79,6 +82,9 @@ def test_one_rank_keeps_rank_0s_learners_and_loads_into_a_plan():
     state = _two_rank_checkpoint()
     (sd, rng), = split_for_ranks(state, 1)
     assert rng == "rng of rank 0"
+    # the epoch's losses of both ranks' learners, each once (the epoch's mean loss counts them)
+    want = torch.cat([state["plan"]["losses"], state["peers"][0]["losses"]])
+    assert len(state["plan"]["losses"]) > 0 and torch.equal(sd["losses"], want)
     saved = state["plan"]["states"][0]
     for i in range(M):
         _assert_same_row(_rows(sd["states"][0], i), _rows(saved, i))

@@ -18,7 +18,8 @@ A checkpoint holds everything the next round depends on:
 - the state of every hook that has ``state_dict()``/``load_state_dict()`` (auto-tuner, policies);
 - the History so far;
 - under torchrun, the world size R and, per rank 1 … R−1, its device states (as in the plan's
-  ``states``: replicas, momenta or optimizer state, buffers) and RNG states (``peers``), gathered
+  ``states``: replicas, momenta or optimizer state, buffers), its losses of the current epoch and
+  its RNG states (``peers``), gathered
   to rank 0 at every checkpoint, so that every learner resumes exactly, on R ranks or on another
   number (training/reshard.py).
 
@@ -530,7 +531,8 @@ class CheckpointHook(Hook):
         plan, comm = ctx.plan, ctx.plan.comm
         peers: list[Any] = []
         if comm is not None:
-            mine = None if self.writer else {"states": plan_state_dict(plan)["states"],
+            sd = None if self.writer else plan_state_dict(plan)
+            mine = None if self.writer else {"states": sd["states"], "losses": sd["losses"],
                                              "rng": _rng_state()}
             gathered = comm.gather_object(mine, "the gather of every rank's learners for a "
                                           "checkpoint", plan.rounds_done - 1)
@@ -549,7 +551,7 @@ class CheckpointHook(Hook):
                       if hasattr(h, "state_dict")},
             "history": ctx.history.to_dict(),
             "world_size": 1 if comm is None else comm.world_size,
-            "peers": peers,  # ranks 1 … R−1: {"states": [...], "rng": {...}}
+            "peers": peers,  # ranks 1 … R−1: {"states": [...], "losses": [n], "rng": {...}}
         }
         path = os.path.join(self.directory, f"ckpt-{plan.rounds_done:010d}.pt")
         save_checkpoint(path, state)

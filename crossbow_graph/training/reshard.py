@@ -2,8 +2,8 @@
 number of processes).
 
 A checkpoint holds every rank's learners: rank 0's plan state (``plan_state_dict``, its
-``states``) and its RNG states, and per other rank r = 1 … R−1 the same two in ``peers[r − 1]``
-(``{"states": [...], "rng": {...}}``); ``world_size`` is R (a checkpoint without it is of one
+``states``, its ``losses``) and its RNG states, and per other rank r = 1 … R−1 the same three in
+``peers[r − 1]`` (``{"states": [...], "losses": [n], "rng": {...}}``); ``world_size`` is R (a checkpoint without it is of one
 process). Learners are numbered globally, rank-major, then device, then replica:
 j = (r·G + d)·m + i for G devices × m replicas per rank, the order in which the learners take a
 round's k·b samples (k = R·G·m; the trainer's ``_mine``).
@@ -19,9 +19,12 @@ its plan state:
   next step), ``first_step`` set, loss scale the smallest saved one;
 - saved learners j ≥ k′ are dropped;
 - z, z_prev (the central momentum is z − z_prev) and zbuf, the run settings, counters, the data
-  position, the epoch's losses and the fault events are every rank's, copied as saved; α = 1/k′
-  follows from k′ (an explicit α stays); rank r < R takes saved rank r's RNG states, a new rank
-  none (the trainer seeds it from the fit's seed, rank and round).
+  position and the fault events are every rank's, copied as saved; α = 1/k′ follows from k′ (an
+  explicit α stays);
+- rank r < R takes saved rank r's losses of the current epoch (new rank 0 also those of the
+  saved ranks ≥ R′, so that the epoch's mean loss counts every learner's once) and its RNG
+  states; a new rank r ≥ R none (the checkpoint hook seeds it from the fit's seed, rank and
+  round).
 
 With R′ = R every rank gets its own saved state, unchanged (a bit-identical resume).
 """
@@ -61,10 +64,14 @@ def split_for_ranks(state: dict[str, Any], world_size: int
             version).
     """
     ranks = _saved_ranks(state)
-    rngs = [state["rng"]] + [p["rng"] for p in state.get("peers", [])]
+    peers = state.get("peers", [])
+    rngs = [state["rng"]] + [p["rng"] for p in peers]
     plan = state["plan"]
+    losses = [plan["losses"]] + [p.get("losses", torch.zeros(0)) for p in peers]
     if world_size == len(ranks):
-        return [({**plan, "states": devs}, rng) for devs, rng in zip(ranks, rngs)]
+        return [({**plan, "states": devs, "losses": loss}, rng)
+                for devs, loss, rng in zip(ranks, losses, rngs)]
+    losses[0] = torch.cat([losses[0], *losses[world_size:]])  # dropped ranks' into rank 0's
     G, m = len(ranks[0]), len(ranks[0][0]["first_step"])
     if any(len(devs) != G or any(len(d["first_step"]) != m for d in devs) for devs in ranks):
         raise ValueError("the checkpoint's ranks hold different numbers of devices or replicas")
@@ -80,7 +87,8 @@ def split_for_ranks(state: dict[str, Any], world_size: int
             first = (r * G + d) * m
             rows = [saved[j] if j < len(saved) else None for j in range(first, first + m)]
             devices.append(_device_state(ranks[0][d], rows, fresh))
-        out.append(({**plan, "states": devices}, rngs[r] if r < len(rngs) else None))
+        mine = losses[r] if r < len(ranks) else torch.zeros(0)
+        out.append(({**plan, "states": devices, "losses": mine}, rngs[r] if r < len(rngs) else None))
     return out
 
 
