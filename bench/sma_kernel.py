@@ -11,7 +11,9 @@ to a multiple of 32 elements as a CUDA DeviceState holds them (the Triton kernel
 too, "P-apart"); for the local kernel, achieved bytes/s against the floor of ((3m+1) reads +
 (2m+1) writes) × 4P bytes per round (W, V, G of every replica and Z read; W, V of every replica
 and acc_d written), and that as a fraction of the bandwidth of a plain device-to-device copy
-measured in the same run.
+measured in the same run. Every timed launch follows a 256 MiB read (``L2Flush``), so its data
+comes from memory, not from the L2 cache (LeNet-5's whole working set fits in an H200's 60 MB L2),
+and is timed alone by CUDA events.
 
 Sizes: LeNet-5 (61,706), ResNet-32 (464,154), ResNet-50 (25,557,032) parameter tensors, built
 from the real layer shapes; m ∈ {1, 2, 4, 8}. A and B are interleaved (A B A B …) and medians
@@ -42,7 +44,8 @@ from crossbow_graph.engine.state import row_length  # noqa: E402
 from crossbow_graph.kernels.c_sma import CSMAKernels  # noqa: E402
 from crossbow_graph.kernels.torch_ref import TorchSMAKernels, sma_central_update, sma_local_update  # noqa: E402
 
-__all__ = ["model_shapes", "naive_round", "main"]
+__all__ = ["model_shapes", "naive_round", "bench_cuda", "copy_bandwidth", "nominal_bandwidth",
+           "L2Flush", "main"]
 
 LR, MOMENTUM, MU_Z = 0.01, 0.9, 0.9
 
@@ -198,7 +201,57 @@ def bench_cpu(name, shapes, m, reps, min_s):
             "spread_flat_s": [min(flat_s), max(flat_s)], "spread_naive_s": [min(naive_s), max(naive_s)]}
 
 
+L2_FLUSH_BYTES = 256 * 2**20  # over 4× the 50–60 MB L2 of an H100/H200
+HEAD_START_CYCLES = 1_000_000  # ~0.5 ms of GPU sleep: the host queues the timed launch meanwhile
+
+
+class L2Flush:
+    """Evicts the GPU's L2 cache before a timed launch: reads a buffer of ``nbytes`` (reading, so
+    that the evicted lines are clean and no write-back of the flush's own data falls in the timed
+    launch), then sleeps ``HEAD_START_CYCLES`` so that the host has queued the launch when the GPU
+    reaches it (the time measured is the GPU's, not the host's launch overhead).
+
+    Args:
+        device: where the timed kernels run; on a CPU device the flush reads its buffer and the
+            timer is the host clock (the smoke run of bench/gpu_acceptance.sh).
+        nbytes: the buffer's size in bytes.
+    """
+
+    def __init__(self, device: torch.device | str = "cuda", nbytes: int = L2_FLUSH_BYTES) -> None:
+        self.device = torch.device(device)
+        self.buf = torch.ones(nbytes // 4, device=self.device)  # [nbytes / 4] float32
+        self.sink = torch.empty((), device=self.device)
+
+    def __call__(self) -> None:
+        torch.sum(self.buf, dim=0, out=self.sink)
+        if self.device.type == "cuda":
+            torch.cuda._sleep(HEAD_START_CYCLES)
+
+
+def _time_launches(fn, iters: int, flush: L2Flush) -> float:
+    """Median seconds of one call of ``fn`` over ``iters`` calls, each after ``flush()`` (its data
+    out of L2); on CUDA timed by events around the call alone."""
+    if flush.device.type != "cuda":
+        times = []
+        for _ in range(iters):
+            flush()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters)]
+    for start, end in events:
+        flush()
+        start.record()
+        fn()
+        end.record()
+    events[-1][1].synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+
+
 def _time_cuda(fn, iters: int) -> float:
+    """Mean seconds per call of ``fn`` over ``iters`` back-to-back calls (a large copy's rate)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -225,13 +278,25 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return full[:, :P]
 
 
-def bench_cuda(name, P, m, reps, iters, peak):
-    """Median seconds of the Triton local update on padded rows (what a CUDA DeviceState holds)
-    and on contiguous rows, of the torch one, and of the central updates; bytes/s."""
+def nominal_bandwidth() -> float | None:
+    """The GPU's nominal memory bandwidth in bytes/s: 2 (double data rate) × memory clock ×
+    bus width (H200: 2 × 3.2 GHz × 6144 bits ≈ 4.9 TB/s); None where torch does not report them."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
+
+
+def bench_cuda(name, P, m, reps, iters, peak, device="cuda", flush: L2Flush | None = None):
+    """Median seconds of one Triton local update on padded rows (what a CUDA DeviceState holds)
+    and on contiguous rows, of one torch local update, and of the central updates, with their
+    data out of L2 (``flush`` before each launch); bytes/s against the floor and ``peak``
+    (bytes/s, e.g. the copy bandwidth; None: no fraction). On a CPU ``device`` the Triton
+    kernels run in its interpreter (a check of the code path, not a bandwidth)."""
     from crossbow_graph.kernels.triton_sma import TritonSMAKernels
 
+    flush = flush or L2Flush(device)
     tri = TritonSMAKernels()
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     w = _rows(torch.randn(m, P, device=dev))  # [m, P], rows padded as engine/state.py pads them
     v, g = _rows(torch.zeros(m, P, device=dev)), _rows(torch.randn(m, P, device=dev) * 1e-3)
     w_c, v_c, g_c = w.contiguous(), v.contiguous(), g.contiguous()  # rows P apart
@@ -246,23 +311,29 @@ def bench_cuda(name, P, m, reps, iters, peak):
         outs.append((wc, vc, zc, zpc))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     tri.local_update(w_c.clone(), v_c.clone(), g_c, z.clone(), **kw)  # compile the P-stride spec
-    torch.cuda.synchronize()
+    if w.is_cuda:
+        torch.cuda.synchronize()
     t_tri, t_flat, t_torch, t_ctri, t_ctorch = [], [], [], [], []
     for _ in range(reps):  # interleaved A B A B
-        t_tri.append(_time_cuda(lambda: tri.local_update(w, v, g, z, **kw), iters))
-        t_flat.append(_time_cuda(lambda: tri.local_update(w_c, v_c, g_c, z, **kw), iters))
-        t_torch.append(_time_cuda(lambda: sma_local_update(w, v, g, z, **kw), iters))
-        t_ctri.append(_time_cuda(lambda: tri.central_update(z, z_prev, c, central_momentum=MU_Z), iters))
-        t_ctorch.append(_time_cuda(lambda: sma_central_update(z, z_prev, c, central_momentum=MU_Z), iters))
+        t_tri.append(_time_launches(lambda: tri.local_update(w, v, g, z, **kw), iters, flush))
+        t_flat.append(_time_launches(lambda: tri.local_update(w_c, v_c, g_c, z, **kw), iters, flush))
+        t_torch.append(_time_launches(lambda: sma_local_update(w, v, g, z, **kw), iters, flush))
+        t_ctri.append(_time_launches(lambda: tri.central_update(z, z_prev, c, central_momentum=MU_Z),
+                                     iters, flush))
+        t_ctorch.append(_time_launches(lambda: sma_central_update(z, z_prev, c, central_momentum=MU_Z),
+                                       iters, flush))
     floor = ((3 * m + 1) + (2 * m + 1)) * 4 * P
+    central_floor = 5 * 4 * P  # z, z_prev, C read; z, z_prev written
     tt, to = statistics.median(t_tri), statistics.median(t_torch)
+    tc = statistics.median(t_ctri)
     return {"model": name, "m": m, "P": P, "floor_bytes": floor, "triton_local_s": tt,
             "torch_local_s": to, "triton_bytes_per_s": floor / tt, "torch_bytes_per_s": floor / to,
-            "triton_fraction_of_copy_bw": floor / tt / peak, "torch_over_triton": to / tt,
+            "triton_fraction_of_copy_bw": floor / tt / peak if peak else None,
+            "torch_over_triton": to / tt,
             "triton_contiguous_rows_local_s": statistics.median(t_flat),
-            "triton_central_s": statistics.median(t_ctri),
+            "triton_central_s": tc, "triton_central_bytes_per_s": central_floor / tc,
             "torch_central_s": statistics.median(t_ctorch),
-            "spread_triton_local_s": [min(t_tri), max(t_tri)]}
+            "spread_triton_local_s": [min(t_tri), max(t_tri)], "l2_flushed": True}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,7 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         meta["gpu"] = torch.cuda.get_device_name()
         peak = copy_bandwidth(args.reps)
         meta["copy_bytes_per_s"] = peak
-        print(f"{meta['gpu']}: device-to-device copy {peak / 1e9:,.0f} GB/s")
+        meta["nominal_bytes_per_s"] = nominal_bandwidth()
+        flush = L2Flush("cuda")
+        print(f"{meta['gpu']}: device-to-device copy {peak / 1e9:,.0f} GB/s; each timed launch "
+              f"after a {L2_FLUSH_BYTES >> 20} MiB read (its data out of L2)")
         print("triton: rows padded to 32 elements (engine/state.py); P-apart: contiguous rows")
         print(f"{'model':<10}{'m':>3}{'P':>12}{'triton µs':>11}{'GB/s':>8}{'of copy':>9}"
               f"{'P-apart µs':>12}{'torch µs':>10}{'GB/s':>8}{'torch/tri':>10}"
@@ -328,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             P = sum(_numel(s) for s in shapes[name])
             for m in ms:
-                r = bench_cuda(name, P, m, args.reps, args.iters, peak)
+                r = bench_cuda(name, P, m, args.reps, args.iters, peak, flush=flush)
                 rows.append(r)
                 print(f"{name:<10}{m:>3}{P:>12,}{r['triton_local_s'] * 1e6:>11.1f}"
                       f"{r['triton_bytes_per_s'] / 1e9:>8.0f}{r['triton_fraction_of_copy_bw']:>9.0%}"

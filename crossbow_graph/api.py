@@ -585,9 +585,16 @@ class Plan:
     def summary(self) -> str:
         """A table per device: replicas, tasks, GFLOP per round, memory (MiB); then the totals.
 
-        See ``crossbow_graph.compiler.inspect.summary``.
+        See ``crossbow_graph.compiler.inspect.summary``; under torchrun a last line gives the
+        bytes each process hands to the global sync's all-reduce (``Distributed.sync_bytes``).
         """
-        return _inspect.summary(self.task_graph, self._inspection_settings())
+        text = _inspect.summary(self.task_graph, self._inspection_settings())
+        if self.comm is not None:
+            d = self.comm.settings
+            text += (f"\nglobal sync over {self.comm.world_size} processes: "
+                     f"{d.sync_bytes(self.num_parameters, self.states[0].buf.shape[1]):,} bytes "
+                     f"per process per sync ({d.sync_dtype} corrections)")
+        return text
 
     def to_json(self, *, indent: int | None = 2) -> str:
         """The task graph as JSON, schema ``crossbow_graph.plan/2`` (docs/compiler.md)."""

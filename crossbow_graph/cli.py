@@ -164,6 +164,9 @@ def _add_train_parser(sub) -> None:
                             "with an error (a rank died or hangs)")
     train.add_argument("--checksum-every", type=int, default=100,
                        help="under torchrun: rounds between checks that z is identical on every rank")
+    train.add_argument("--sync-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                       help="under torchrun: the corrections' dtype in the global sync's "
+                            "all-reduce (bf16/fp16: half the bytes, with error feedback)")
     train.add_argument("--policy", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
                        help="a hyper-parameter policy, repeatable: auto_replicas, adaptive_batch, "
                             "step_lr, multistep_lr, cosine_lr, divergence_guard (e.g. "
@@ -431,7 +434,8 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
         optimizer=_optimizer(args, model, lr),
         precision=args.precision,
         sync=cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum),
-        distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every),
+        distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every,
+                                   sync_dtype=args.sync_dtype),
     )
     fit = dict(train_dataset=train_set, epochs=args.epochs, eval_dataset=test_set, seed=args.seed,
                target_accuracy=args.target if args.target > 0 else None,
@@ -453,8 +457,8 @@ def _train(args: argparse.Namespace) -> int:
         if comm is not None:
             print(f"torchrun: {comm.world_size} processes ({comm.backend}) × "
                   f"{plan.num_learners // comm.world_size} learners = k {plan.num_learners}; "
-                  f"one all-reduce of {4 * (plan.num_parameters + plan.states[0].buf.shape[1]):,} "
-                  "bytes per process per sync", flush=True)
+                  f"{comm.settings.sync_bytes(plan.num_parameters, plan.states[0].buf.shape[1]):,} "
+                  f"bytes per process per sync ({comm.settings.sync_dtype} corrections)", flush=True)
     target = fit["target_accuracy"]
     try:
         history = plan.fit(**fit)

@@ -4,8 +4,9 @@ SCENARIO OUT_DIR`` with torchrun's variables (RANK, WORLD_SIZE, ...) set by the 
 Scenarios (TinyBN, 1 device × 2 replicas per rank, b = 4, z checked every round):
 ``train`` (shuffle=False; saves z, zbuf, the digest), ``process`` (the same with 2 devices × 1
 replica per rank on the process executor, the data through a DataLoader with a worker process:
-each rank loads its own learners' batches), ``decide`` (a hook on rank 0 only changes m, the
-learner mode, lr, α and τ after round 3), ``resume`` (2 epochs with a checkpoint every 3 rounds,
+each rank loads its own learners' batches), ``bf16_sync`` (train with the corrections
+all-reduced in bfloat16), ``decide`` (a hook on rank 0 only changes m, the learner mode, lr, α
+and τ after round 3), ``resume`` (2 epochs with a checkpoint every 3 rounds,
 stopped after round 10; a new plan resumes from round 9; then the same 2 epochs not stopped),
 ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
 changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3 and its checkpoint;
@@ -18,7 +19,7 @@ simulated on the CPU by a RaceRecorder: found on the device, read a round late),
 round from round 3 on, process executor, checkpoints every round), ``resume_1to2`` /
 ``write_2to1`` (``run_reshape``: a checkpoint resumed on another number of processes). Groups
 run in one launch, one after the other in the same process group: ``ok`` = train, process,
-decide, resume, adamw; ``mismatch`` = both mismatches; ``faults`` = fault_one, fault_streams,
+decide, resume, adamw, bf16_sync; ``mismatch`` = both mismatches; ``faults`` = fault_one, fault_streams,
 int_buffers, nan_all (last: its error closes the process group); ``reshape`` = resume_1to2,
 write_2to1. Writes ``rank<r>.pt`` into OUT_DIR: per scenario a dict, ``error`` with the
 TaskError's message (and ``kind``, ``round_index``), or the results.
@@ -162,7 +163,8 @@ def run(scenario: str, rank: int, out: str) -> dict:
     model_cls = TinyNet if scenario == "mismatch_model" and rank == 1 else TinyBN
     model_cls = Counting if scenario == "int_buffers" else model_cls
     batch = 8 if scenario == "mismatch_batch" and rank == 1 else B
-    settings = cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1)
+    settings = cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1,
+                              sync_dtype="bf16" if scenario == "bf16_sync" else "fp32")
     result = {}
     try:
         devices, replicas, executor = (2, 1, "process") if scenario == "process" else (1, M, "inline")
@@ -227,7 +229,9 @@ def run(scenario: str, rank: int, out: str) -> dict:
                       digest=z_digest(plan.states[0].z), rounds=plan.rounds_done,
                       loss=history.epochs[-1].train_loss,
                       faults=[dataclasses.asdict(f) for f in history.faults],
-                      lrs=list(history.lr), group_lrs=[g["lr"] for g in plan.optimizer.param_groups])
+                      lrs=list(history.lr), group_lrs=[g["lr"] for g in plan.optimizer.param_groups],
+                      bytes_reduced=plan.comm.bytes_reduced, summary=plan.summary(),
+                      P=plan.num_parameters, Q=plan.states[0].buf.shape[1])
         if scenario == "int_buffers":
             result.update(central=plan.central_model().state_dict(),
                           seen=[int(r.seen) for r in plan.states[0].replicas])
@@ -254,7 +258,7 @@ def run_reshape(scenario: str, rank: int, out: str) -> dict:
     return dict(snapshot=snap.got, seen=data.seen, z=plan.central_weights(), rounds=plan.rounds_done)
 
 
-GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw"], "mismatch": ["mismatch_batch", "mismatch_model"],
+GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync"], "mismatch": ["mismatch_batch", "mismatch_model"],
           "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"],
           "reshape": ["resume_1to2", "write_2to1"]}
 

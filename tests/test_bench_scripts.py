@@ -61,3 +61,31 @@ def test_tta_runs_the_cli_itself_for_a_cli_system():
     assert out["samples"] == 512 and out["final_replicas_per_device"] == 1  # the CLI default m
     with pytest.raises(KeyError):
         tta.system_spec("crossbow-r9")
+
+
+def test_gpu_acceptance_smoke_runs_every_section_on_the_cpu(tmp_path):
+    """bash bench/gpu_acceptance.sh --smoke: every section of the GPU acceptance check end to end
+    on the CPU (tiny sizes, Triton interpreted, gloo, the race probes on a RaceRecorder); it
+    exits 0, its summary lists every section with a status, and it writes at most 8 files."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import acceptance_report
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable,
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_acceptance.sh"), "--smoke"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=330)
+    log = (out / "acceptance.log").read_text() if (out / "acceptance.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:] + log[-4000:]
+    summary = (out / "summary.md").read_text()
+    for _, label in acceptance_report.SECTIONS:
+        status = summary.split(f"| {label} | ")[1].split(" |")[0]
+        assert status in ("pass", "skip"), (label, status, summary)
+    assert "| 1. gpu-marked tests | skip |" in summary  # no GPU here: every gpu test skipped
+    assert "**Overall: PASS**" in summary
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8, files
+    results = json.loads((out / "results.json").read_text())
+    assert results["mode"] == "smoke"
+    assert results["sections"]["races"]["data"]["sleep_cycles"] == 0  # simulated streams
+    assert results["sections"]["nccl"]["data"]["backend"] == "gloo"

@@ -65,7 +65,7 @@ def ok_runs(tmp_path_factory):
     results, codes, logs = _launch("ok", tmp_path_factory.mktemp("ok"))
     assert codes == [0, 0], logs
     return {name: (results[0][name], results[1][name])
-            for name in ("train", "process", "decide", "resume", "adamw")}
+            for name in ("train", "process", "decide", "resume", "adamw", "bf16_sync")}
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,48 @@ def test_ranks_agree_on_eta_every_round_with_adamw_and_a_scheduler(ok_runs):
     assert len(r0["lrs"]) == r0["rounds"] > 1 and r0["lrs"] == r1["lrs"]
     assert len(set(r0["lrs"])) > 1 and r0["group_lrs"] == r1["group_lrs"]
     assert r0["digest"] == r1["digest"] and torch.equal(r0["z"], r1["z"])
+
+
+def test_bf16_sync_halves_the_bytes_and_stays_near_the_fp32_z(ok_runs):
+    """Corrections all-reduced in bfloat16 with error feedback: 2·P + 4·(Q + 1) bytes per sync
+    (counted as handed to the all-reduces, and printed by the summary), z the same on both ranks
+    (checked every round) and within 1 % of the float32 sync's after 8 rounds."""
+    (f0, _), (r0, r1) = ok_runs["train"], ok_runs["bf16_sync"]
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    P, Q, rounds = r0["P"], r0["Q"], r0["rounds"]
+    assert r0["bytes_reduced"] == rounds * (2 * P + 4 * (Q + 1))
+    assert f0["bytes_reduced"] == rounds * 4 * (P + Q + 1)
+    assert f"{2 * P + 4 * (Q + 1):,} bytes per process per sync (bf16 corrections)" in r0["summary"]
+    assert torch.equal(r0["z"], r1["z"])
+    assert (r0["z"] - f0["z"]).norm() / f0["z"].norm() < 1e-2
+    assert not torch.equal(r0["z"], f0["z"])  # the corrections were rounded
+
+
+def test_error_feedback_sends_what_the_rounding_lost_next_time(monkeypatch):
+    """One rank's view: Σ_t sent_t = Σ_t C_t − e_T exactly (telescoping), with the residual
+    e_T within half a bfloat16 step of the last sum; without feedback the rounding errors of
+    small corrections add up."""
+    from crossbow_graph.engine import comm as comm_mod
+    comm = comm_mod.Comm.__new__(comm_mod.Comm)
+    comm.settings, comm._residual, comm.bytes_reduced = cg.Distributed(sync_dtype="bf16"), None, 0
+    monkeypatch.setattr(comm_mod.dist, "all_reduce", lambda t, op=None, group=None: None)  # one rank
+    g = torch.Generator().manual_seed(0)
+    P, Q = 1000, 3
+    sent, total = torch.zeros(P, dtype=torch.float64), torch.zeros(P, dtype=torch.float64)
+    for t in range(200):
+        c = 1.0 + 1e-3 * torch.randn(P, generator=g)  # small changes that bfloat16 rounds away
+        flat = torch.cat([c, torch.arange(Q + 1, dtype=torch.float32)])
+        comm.all_reduce_sum_(flat, t, num_parameters=P)
+        assert torch.equal(flat[P:], torch.arange(Q + 1, dtype=torch.float32))  # fp32 tail as given
+        sent += flat[:P].double()
+        total += c.double()
+    e = comm._residual.double()
+    torch.testing.assert_close(sent, total - e, rtol=0, atol=1e-3)
+    assert e.abs().max() <= 2.0 ** -8  # half an ulp of bfloat16 near 1 (ulp 2⁻⁷)
+    plain = sum(c.to(torch.bfloat16).double() for c in [1.0 + 1e-3 * torch.randn(P, generator=g)
+                                                         for _ in range(200)])
+    assert (plain - total).abs().max() > 10 * (sent - total).abs().max()  # feedback matters
+    assert comm.bytes_reduced == 200 * (2 * P + 4 * (Q + 1))
 
 
 def test_rank_0s_decisions_reach_every_rank_at_the_same_round(ok_runs):

@@ -8,7 +8,8 @@ acc_d``), then one all-reduce (sum) per process per sync adds the processes' sum
 sums of the replicas' float buffers (BatchNorm statistics) and the number of the process's fault
 events not yet shared (engine/faults.py) into one flat tensor ``[P + Q + 1]``; every process then
 applies the same z update to its own copy of z. Bytes per sync and process: 4·(P + Q + 1) handed
-to the all-reduce, as for S-SGD's gradient all-reduce (docs/distributed.md).
+to the all-reduce, as for S-SGD's gradient all-reduce (docs/distributed.md); with
+``Distributed(sync_dtype="bf16")`` 2·P + 4·(Q + 1), the corrections rounded with error feedback.
 
 Everything that must be the same on every rank is checked or decided once:
 
@@ -61,6 +62,10 @@ class Distributed:
             DistributedError (the process group's timeout), > 0. Default 60.
         checksum_every: rounds between checks that z is identical on every rank (≥ 1).
         backend: ``"auto"`` (NCCL when the devices are GPUs, else gloo), ``"gloo"`` or ``"nccl"``.
+        sync_dtype: the dtype the global sync's all-reduce carries the corrections in: ``"fp32"``
+            (exact), or ``"bf16"``/``"fp16"`` (half the bytes; each rank keeps the float32
+            rounding error of what it sent and adds it to its next sum, error feedback:
+            ``Comm.all_reduce_sum_``). Buffer sums and the fault count stay float32.
 
     Raises:
         ValueError: a value outside its range.
@@ -69,6 +74,7 @@ class Distributed:
     timeout_s: float = 60.0
     checksum_every: int = 100
     backend: str = "auto"
+    sync_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -78,6 +84,17 @@ class Distributed:
                              "integer number of rounds ≥ 1")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"Distributed(backend={self.backend!r}): use 'auto', 'gloo' or 'nccl'")
+        if self.sync_dtype not in SYNC_DTYPES:
+            raise ValueError(f"Distributed(sync_dtype={self.sync_dtype!r}): use one of "
+                             f"{tuple(SYNC_DTYPES)} (the corrections' dtype in the all-reduce)")
+
+    def sync_bytes(self, num_parameters: int, num_float_buffers: int) -> int:
+        """Bytes one process hands to the all-reduce per sync: the P corrections in
+        ``sync_dtype``, the Q buffer sums and the fault count in float32."""
+        return SYNC_DTYPES[self.sync_dtype].itemsize * num_parameters + 4 * (num_float_buffers + 1)
+
+
+SYNC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def torchrun_env() -> dict[str, str] | None:
@@ -126,6 +143,8 @@ class Comm:
         env = torchrun_env()
         assert env is not None, "Comm needs torchrun's environment (see Comm.from_env)"
         self.settings = settings
+        self.bytes_reduced = 0  # handed to the global sync's all-reduces so far
+        self._residual: torch.Tensor | None = None  # error feedback of a low sync_dtype, [P]
         self.rank, self.world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         backend = settings.backend if settings.backend != "auto" else ("nccl" if on_cuda else "gloo")
@@ -192,11 +211,36 @@ class Comm:
 
     # -- the global sync ------------------------------------------------------------------------
 
-    def all_reduce_sum_(self, flat: torch.Tensor, round_index: int) -> None:
+    def all_reduce_sum_(self, flat: torch.Tensor, round_index: int,
+                        num_parameters: int | None = None) -> None:
         """Sum ``flat [P + Q + 1]`` (this process's corrections, buffer sums and new fault count)
-        over every rank, in place. Raises DistributedError when a peer died or timed out."""
+        over every rank, in place. Raises DistributedError when a peer died or timed out.
+
+        With ``sync_dtype`` bf16/fp16 and ``num_parameters`` = P: the corrections plus this rank's
+        residual e (float32, ``[P]``) are rounded to the low dtype, e becomes what the rounding
+        lost, and the low-precision sum is all-reduced (so every rank gets the same one); the
+        other Q + 1 values go in a second, float32 all-reduce (Seide et al. 2014, 1-bit SGD's
+        error feedback; Karimireddy et al. 2019, EF-SGD). ``bytes_reduced`` counts the bytes
+        handed to the all-reduces."""
+        low = SYNC_DTYPES[self.settings.sync_dtype]
+        if num_parameters is None or low is torch.float32 or flat.dtype != torch.float32:
+            self._call("the all-reduce of the global sync", round_index,
+                       lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
+            self.bytes_reduced += flat.numel() * flat.element_size()
+            return
+        P = num_parameters
+        head, tail = flat[:P], flat[P:]
+        if self._residual is None or self._residual.shape != head.shape:
+            self._residual = torch.zeros_like(head)
+        head.add_(self._residual)
+        sent = head.to(low)
+        self._residual.copy_(head).sub_(sent.float())  # e ← (C + e) − round(C + e)
         self._call("the all-reduce of the global sync", round_index,
-                   lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
+                   lambda: dist.all_reduce(sent, op=dist.ReduceOp.SUM))
+        self._call("the all-reduce of the global sync's buffers", round_index,
+                   lambda: dist.all_reduce(tail, op=dist.ReduceOp.SUM))
+        head.copy_(sent)
+        self.bytes_reduced += sent.numel() * sent.element_size() + tail.numel() * 4
 
     def check_z(self, z: torch.Tensor, round_index: int) -> None:
         """Raise DistributedError unless ``z [P]`` is bit-identical on every rank.
@@ -338,6 +382,7 @@ def plan_facts(plan: "Plan") -> dict[str, Any]:
         "optimizer": plan.settings.optimizer.describe(),
         "sync": dataclasses.asdict(plan.sync),
         "precision": plan.precision,
+        "sync dtype": plan.comm.settings.sync_dtype if plan.comm is not None else "fp32",
     }
 
 

@@ -134,7 +134,7 @@ class RaceRecorder(TorchDispatchMode):
     def keep_alive(self, tensor: torch.Tensor, stream: _Stream) -> None:
         pass
 
-    def synchronize(self) -> None:
+    def synchronize(self, devices=()) -> None:
         self.syncs.sync_all_streams()
 
     def done(self, event: _Event) -> bool:

@@ -225,7 +225,7 @@ class Scheduler(RoundInterpreter):
             self._workers.flush()
         if self._cuda is not None:
             self.join()
-            self._cuda.ops.synchronize()
+            self._cuda.ops.synchronize([s.torch_device for s in self.states])
             self._take_late_faults(block=True, counts=False)
             self._take_spans(block=True)
 
@@ -481,7 +481,7 @@ class Scheduler(RoundInterpreter):
         if Q:
             torch.sum(torch.cat([bb.to(home, total.dtype) for bb in bufs]), dim=0, out=flat[P:P + Q])
         flat[P + Q] = len(self.faults.pending)
-        self.comm.all_reduce_sum_(flat, self.round_index)
+        self.comm.all_reduce_sum_(flat, self.round_index, num_parameters=P)
         if self._cuda is None:
             if flat[P + Q].item() > 0:  # some rank found faults since the last sync
                 self.faults.share(self.comm, self.round_index, self.num_learners)

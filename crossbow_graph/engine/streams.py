@@ -86,8 +86,10 @@ class StreamOps:
         """The caching allocator keeps ``tensor``'s memory until ``stream``'s work so far is done."""
         tensor.record_stream(stream)
 
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
+    def synchronize(self, devices=()) -> None:
+        """The host waits for every stream of each of ``devices`` (default: the current one)."""
+        for device in devices or [None]:
+            torch.cuda.synchronize(device)
 
     def done(self, event: Any) -> bool:
         return event.query()
