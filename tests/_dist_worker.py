@@ -17,12 +17,13 @@ simulated on the CPU by a RaceRecorder: found on the device, read a round late),
 ``int_buffers`` (``Counting``: an integer counter that advances differently on each rank; saves
 ``central_model().state_dict()``), ``nan_all`` (NaN in every replica of every rank before every
 round from round 3 on, process executor, checkpoints every round), ``resume_1to2`` /
-``write_2to1`` (``run_reshape``: a checkpoint resumed on another number of processes). Groups
-run in one launch, one after the other in the same process group: ``ok`` = train, process,
-decide, resume, adamw, bf16_sync; ``mismatch`` = both mismatches; ``faults`` = fault_one, fault_streams,
-int_buffers, nan_all (last: its error closes the process group); ``reshape`` = resume_1to2,
-write_2to1. Writes ``rank<r>.pt`` into OUT_DIR: per scenario a dict, ``error`` with the
-TaskError's message (and ``kind``, ``round_index``), or the results.
+``write_2to1`` / ``refused`` (``run_reshape``: a checkpoint resumed on another number of
+processes; one of another seed refused). Groups run in one launch, one after the other in the
+same process group: ``ok`` = train, process, decide, resume, adamw, bf16_sync; ``mismatch`` = both
+mismatches; ``faults`` = fault_one, fault_streams, int_buffers, nan_all (last: its error closes
+the process group); ``reshape`` = resume_1to2, write_2to1, refused. Writes ``rank<r>.pt`` into
+OUT_DIR: per scenario a dict, ``error`` with the TaskError's message (and ``kind``,
+``round_index``), or the results.
 """
 
 import dataclasses
@@ -36,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import crossbow_graph as cg  # noqa: E402
-from crossbow_graph.errors import TaskError  # noqa: E402
+from crossbow_graph.errors import CheckpointError, TaskError  # noqa: E402
 from crossbow_graph.engine.comm import z_digest  # noqa: E402
 from crossbow_graph.engine.race_check import RaceRecorder  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
@@ -244,11 +245,19 @@ def run_reshape(scenario: str, rank: int, out: str) -> dict:
     """``resume_1to2``: every rank resumes from the 1-process checkpoint the test wrote in
     ``OUT_DIR/ckpt-1to2`` (k = 2 → 4) and finishes its epoch; ``write_2to1``: 3 rounds of k = 4
     with a checkpoint every 3 rounds into ``OUT_DIR/ckpt-2to1``, then a stop (the test resumes
-    it in one process). Returns the Snapshot after the resume, the indices read, z."""
+    it in one process); ``refused``: a resume of ``ckpt-2to1`` with another seed (the error).
+    Returns the Snapshot after the resume, the indices read, z."""
     settings = cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1)
     plan = compile_tiny(TinyBN, seed=rank + 7, devices=1, replicas=M, executor="inline",
                         distributed=settings)  # another init: the checkpoint's state must win
     data, snap = recording_data(), Snapshot()
+    if scenario == "refused":  # another seed than the checkpoint's: rank 0 refuses, every rank says why
+        try:
+            plan.fit(data, 1, shuffle=True, seed=1, progress=False, resume=True,
+                     checkpoint_dir=os.path.join(out, "ckpt-2to1"))
+        except CheckpointError as exc:
+            return dict(error=str(exc))
+        return {}
     if scenario == "resume_1to2":
         plan.fit(data, 1, shuffle=True, progress=False, checkpoint_dir=os.path.join(out, "ckpt-1to2"),
                  resume=True, hooks=[RecordSamples(data), snap])
@@ -260,7 +269,7 @@ def run_reshape(scenario: str, rank: int, out: str) -> dict:
 
 GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync"], "mismatch": ["mismatch_batch", "mismatch_model"],
           "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"],
-          "reshape": ["resume_1to2", "write_2to1"]}
+          "reshape": ["resume_1to2", "write_2to1", "refused"]}
 
 
 def main(scenario: str, out: str) -> None:

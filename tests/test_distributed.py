@@ -284,6 +284,14 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(reshape_runs):
     assert "written by 1 process(es) with k = 2 learners and resumes on 2 with k = 4" in logs[0], logs[0]
 
 
+def test_a_refused_checkpoint_stops_every_rank_with_rank_0s_reason(reshape_runs):
+    _, _, results, _ = reshape_runs
+    r0, r1 = (r["refused"] for r in results)
+    assert "written for another data order: seed=0 (now 1)" in r0.get("error", ""), r0
+    assert r1.get("error", "").startswith("rank 0 could not resume: checkpoint "), r1
+    assert "seed=0 (now 1)" in r1["error"]
+
+
 def test_a_two_rank_checkpoint_resumes_in_one_process(reshape_runs, caplog):
     """2 → 1 process (no torchrun): z, z_prev, zbuf exact; the learners are rank 0's saved ones
     (rank 1's dropped); α = 1/2; the epoch continues from sample 48 of the same order, each

@@ -19,9 +19,8 @@ A checkpoint holds everything the next round depends on:
 - the History so far;
 - under torchrun, the world size R and, per rank 1 … R−1, its device states (as in the plan's
   ``states``: replicas, momenta or optimizer state, buffers), its losses of the current epoch and
-  its RNG states (``peers``), gathered
-  to rank 0 at every checkpoint, so that every learner resumes exactly, on R ranks or on another
-  number (training/reshard.py).
+  its RNG states (``peers``), gathered to rank 0 at every checkpoint, so that every learner
+  resumes exactly, on R ranks or on another number (training/reshard.py).
 
 File format: ``MAGIC`` (8 bytes), payload length (8 bytes, little endian), SHA-256 of the payload
 (32 bytes), then the payload (``torch.save`` of the dict above, loaded with ``weights_only=True``).
@@ -52,11 +51,11 @@ import torch
 from ..config import Adjustment
 from ..errors import CheckpointError
 from ..engine.faults import FaultEvent
+from ..engine.learners import seed_host_rngs
 from .history import EpochRecord, EvalRecord, History, MetricRecord, PolicyRecord
 from .hooks import FitContext, Hook
 from .options import check_writable_dir
 from .reshard import saved_learners, saved_world_size, split_for_ranks
-from ..engine.learners import seed_host_rngs
 from ..engine.state import float_buffers_named, trainable_named
 
 if TYPE_CHECKING:
