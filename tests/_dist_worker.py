@@ -4,20 +4,26 @@ SCENARIO OUT_DIR`` with torchrun's variables (RANK, WORLD_SIZE, ...) set by the 
 Scenarios (TinyBN, 1 device × 2 replicas per rank, b = 4, z checked every round):
 ``train`` (shuffle=False; saves z, zbuf, the digest), ``process`` (the same with 2 devices × 1
 replica per rank on the process executor, the data through a DataLoader with a worker process:
-each rank loads its own learners' batches), ``bf16_sync`` (train with the corrections all-reduced in bfloat16), ``decide`` (a hook on rank 0 only changes m,
-the learner mode, lr, α and τ after round 3), ``resume`` (a second plan resumes from rank 0's checkpoint for a second
-epoch), ``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
-changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3; rank 0 writes a
-checkpoint every round), ``hang`` (rank 1 sleeps after round 3), ``fault_one`` (NaN in rank 1's
-replica 1 before round 2 and in rank 0's replica 0 before round 4; checkpoints every round and
-a log_dir), ``fault_streams`` (the same faults on the CUDA streams' path, simulated on the CPU by
-a RaceRecorder: found on the device, read a round late), ``int_buffers`` (``Counting``: an integer counter that advances differently on each
-rank; saves ``central_model().state_dict()``), ``nan_all`` (NaN in every replica of every rank
-before every round from round 3 on, process executor, checkpoints every round). Groups run in one
-launch, one after the other in the same process group: ``ok`` = train, process, decide, resume;
-``mismatch`` = both mismatches; ``faults`` = fault_one, int_buffers, nan_all (last: its error
-closes the process group). Writes ``rank<r>.pt`` into OUT_DIR: per scenario a dict, ``error``
-with the TaskError's message (and ``kind``, ``round_index``), or the results.
+each rank loads its own learners' batches), ``bf16_sync`` (train with the corrections
+all-reduced in bfloat16), ``decide`` (a hook on rank 0 only changes m, the learner mode, lr, α
+and τ after round 3), ``resume`` (2 epochs with a checkpoint every 3 rounds,
+stopped after round 10; a new plan resumes from round 9; then the same 2 epochs not stopped),
+``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
+changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3 and its checkpoint;
+rank 0 writes a checkpoint every round), ``hang`` (rank 1 sleeps after round 3), ``fault_one``
+(NaN in rank 1's replica 1 before round 2 and in rank 0's replica 0 before round 4; checkpoints
+every round and a log_dir), ``fault_streams`` (the same faults on the CUDA streams' path,
+simulated on the CPU by a RaceRecorder: found on the device, read a round late),
+``int_buffers`` (``Counting``: an integer counter that advances differently on each rank; saves
+``central_model().state_dict()``), ``nan_all`` (NaN in every replica of every rank before every
+round from round 3 on, process executor, checkpoints every round), ``resume_1to2`` /
+``write_2to1`` / ``refused`` (``run_reshape``: a checkpoint resumed on another number of
+processes; one of another seed refused). Groups run in one launch, one after the other in the
+same process group: ``ok`` = train, process, decide, resume, adamw, bf16_sync; ``mismatch`` = both
+mismatches; ``faults`` = fault_one, fault_streams, int_buffers, nan_all (last: its error closes
+the process group); ``reshape`` = resume_1to2, write_2to1, refused. Writes ``rank<r>.pt`` into
+OUT_DIR: per scenario a dict, ``error`` with the TaskError's message (and ``kind``,
+``round_index``), or the results.
 """
 
 import dataclasses
@@ -31,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import crossbow_graph as cg  # noqa: E402
-from crossbow_graph.errors import TaskError  # noqa: E402
+from crossbow_graph.errors import CheckpointError, TaskError  # noqa: E402
 from crossbow_graph.engine.comm import z_digest  # noqa: E402
 from crossbow_graph.engine.race_check import RaceRecorder  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
@@ -46,6 +52,18 @@ class _AtRound(Hook):
         self.round, self.action = round_, action
 
     def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == self.round:
+            self.action(ctx.plan)
+
+
+class _BeforeRoundAfter(Hook):
+    """``action(plan)`` before the round that follows round ``round_`` (1-based), after every
+    hook of round ``round_`` ran (its checkpoint too)."""
+
+    def __init__(self, round_: int, action) -> None:
+        self.round, self.action = round_, action
+
+    def before_round(self, ctx) -> None:
         if ctx.plan.rounds_done == self.round:
             self.action(ctx.plan)
 
@@ -75,6 +93,63 @@ class Counting(TinyBN):
     def forward(self, x):
         self.seen.add_((x[:, 0, 0, 0] > 0).sum())
         return super().forward(x)
+
+
+class Recording(torch.utils.data.TensorDataset):
+    """A TensorDataset whose batches are read with ``get_batch`` (the trainer's fetch), which
+    records the indices this process reads in ``seen`` (list of int lists) from the fit's start
+    on (``RecordSamples``)."""
+
+    def __init__(self, *tensors) -> None:
+        super().__init__(*tensors)
+        self.seen: list[list[int]] = []
+
+    def get_batch(self, idx):
+        self.seen.append(idx.tolist())
+        return [t[idx] for t in self.tensors]
+
+
+class RecordSamples(Hook):
+    """Empty ``data.seen`` at the fit's start (the first-batch checks read too)."""
+
+    def __init__(self, data: Recording) -> None:
+        self.data = data
+
+    def before_fit(self, ctx) -> None:
+        self.data.seen.clear()
+
+
+class StopAfter(Hook):
+    """Stop the fit after round ``round_`` (1-based, over the plan's life)."""
+
+    def __init__(self, round_: int) -> None:
+        self.round = round_
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == self.round:
+            ctx.stop = True
+
+
+class Snapshot(Hook):
+    """The plan's state right after a resume (``before_fit`` runs after it): device 0's w, v,
+    z, z_prev, zbuf, first_step, integer buffers, k, α and the data position, in ``got``."""
+
+    def __init__(self) -> None:
+        self.got: dict = {}
+
+    def before_fit(self, ctx) -> None:
+        plan, s = ctx.plan, ctx.plan.states[0]
+        self.got = dict(w=s.w.clone(), v=s.v.clone(), z=s.z.clone(), z_prev=s.z_prev.clone(),
+                        zbuf=s.zbuf.clone(), first_step=list(s.first_step),
+                        ints=[{n: b.clone() for n, b in r.named_buffers() if not b.is_floating_point()}
+                              for r in s.replicas],
+                        k=plan.num_learners, alpha=plan.settings.alpha_for(plan.num_learners),
+                        position=plan.position_in_epoch, rounds=plan.rounds_done)
+
+
+def recording_data() -> Recording:
+    """tiny_data of ROUNDS·B·M·2 = 128 samples, recorded."""
+    return Recording(*tiny_data(ROUNDS * B * M * 2).tensors)
 
 
 def _decide(plan) -> None:
@@ -108,7 +183,8 @@ def run(scenario: str, rank: int, out: str) -> dict:
             hooks.append(_AtRound(3, lambda plan: time.sleep(600)))
         if scenario == "kill":
             if rank == 1:
-                hooks.append(_AtRound(3, lambda plan: os.kill(os.getpid(), signal.SIGKILL)))
+                # after round 3's checkpoint (a collective of every rank: rank 1 sends its learners)
+                hooks.append(_BeforeRoundAfter(3, lambda plan: os.kill(os.getpid(), signal.SIGKILL)))
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt"), checkpoint_every=1)
         if scenario == "fault_one":
             hooks.append(_Poison([2], [1]) if rank == 1 else _Poison([4], [0]))
@@ -130,12 +206,17 @@ def run(scenario: str, rank: int, out: str) -> dict:
             kw = dict(lr_scheduler=torch.optim.lr_scheduler.OneCycleLR(
                 plan.optimizer, max_lr=[4e-3, 8e-3], total_steps=ROUNDS * M),
                 lr_scheduler_interval="round")
-        if scenario == "resume":  # one epoch with checkpoints, then a new plan resumes for a second
-            kw = dict(checkpoint_dir=os.path.join(out, "ckpt-resume"))
-            plan.fit(data, 1, shuffle=True, progress=False, **kw)
+        if scenario == "resume":  # stopped after round 10 of 16, resumed from round 9 by a new plan
+            kw = dict(checkpoint_dir=os.path.join(out, "ckpt-resume"), checkpoint_every=3)
+            plan.fit(data, 2, shuffle=True, progress=False, hooks=[StopAfter(ROUNDS + 2)], **kw)
             plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
                                 executor="inline", distributed=settings)
             history = plan.fit(data, 2, shuffle=True, progress=False, resume=True, **kw)
+            straight = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
+                                    executor="inline", distributed=settings)
+            whole = straight.fit(data, 2, shuffle=True, progress=False)  # not stopped
+            result.update(z_straight=straight.central_weights(),
+                          loss_straight=whole.epochs[-1].train_loss)
         else:
             if scenario == "process":  # each rank's DataLoader loads its learners' rows
                 data = torch.utils.data.DataLoader(data, batch_size=B, num_workers=1)
@@ -160,8 +241,35 @@ def run(scenario: str, rank: int, out: str) -> dict:
     return result
 
 
+def run_reshape(scenario: str, rank: int, out: str) -> dict:
+    """``resume_1to2``: every rank resumes from the 1-process checkpoint the test wrote in
+    ``OUT_DIR/ckpt-1to2`` (k = 2 → 4) and finishes its epoch; ``write_2to1``: 3 rounds of k = 4
+    with a checkpoint every 3 rounds into ``OUT_DIR/ckpt-2to1``, then a stop (the test resumes
+    it in one process); ``refused``: a resume of ``ckpt-2to1`` with another seed (the error).
+    Returns the Snapshot after the resume, the indices read, z."""
+    settings = cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1)
+    plan = compile_tiny(TinyBN, seed=rank + 7, devices=1, replicas=M, executor="inline",
+                        distributed=settings)  # another init: the checkpoint's state must win
+    data, snap = recording_data(), Snapshot()
+    if scenario == "refused":  # another seed than the checkpoint's: rank 0 refuses, every rank says why
+        try:
+            plan.fit(data, 1, shuffle=True, seed=1, progress=False, resume=True,
+                     checkpoint_dir=os.path.join(out, "ckpt-2to1"))
+        except CheckpointError as exc:
+            return dict(error=str(exc))
+        return {}
+    if scenario == "resume_1to2":
+        plan.fit(data, 1, shuffle=True, progress=False, checkpoint_dir=os.path.join(out, "ckpt-1to2"),
+                 resume=True, hooks=[RecordSamples(data), snap])
+    else:
+        plan.fit(data, 1, shuffle=True, progress=False, checkpoint_dir=os.path.join(out, "ckpt-2to1"),
+                 checkpoint_every=3, hooks=[RecordSamples(data), StopAfter(3)])
+    return dict(snapshot=snap.got, seen=data.seen, z=plan.central_weights(), rounds=plan.rounds_done)
+
+
 GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync"], "mismatch": ["mismatch_batch", "mismatch_model"],
-          "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"]}
+          "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"],
+          "reshape": ["resume_1to2", "write_2to1", "refused"]}
 
 
 def main(scenario: str, out: str) -> None:
@@ -170,9 +278,9 @@ def main(scenario: str, out: str) -> None:
     rank = int(os.environ["RANK"])
     results = {}
     for name in GROUPS.get(scenario, [scenario]):
-        results[name] = run(name, rank, out)
+        results[name] = (run_reshape if name in GROUPS["reshape"] else run)(name, rank, out)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    if scenario in ("ok", "mismatch") and torch.distributed.is_initialized():
+    if scenario in ("ok", "mismatch", "reshape") and torch.distributed.is_initialized():
         # every rank is alive here: leave together, so that no rank tears gloo down while its
         # peer still uses the group (that aborted a rank at exit: "terminate called ...")
         torch.distributed.barrier()

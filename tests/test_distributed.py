@@ -16,7 +16,8 @@ import torch
 import crossbow_graph as cg
 from crossbow_graph.training.checkpoint import load_latest
 from crossbow_graph.engine.comm import Comm, torchrun_env
-from _dist_worker import B, M, ROUNDS, _AtRound, _decide
+from _dist_worker import (B, M, ROUNDS, RecordSamples, Snapshot, StopAfter, _AtRound, _decide,
+                          recording_data)
 from _runtime_helpers import TinyBN, compile_tiny, reference_sma, tiny_data
 
 pytestmark = pytest.mark.distributed
@@ -224,8 +225,99 @@ def test_a_hung_rank_stops_the_others_at_the_timeout(tmp_path):
 def test_a_resumed_run_continues_on_every_rank_from_rank_0s_checkpoint(ok_runs):
     r0, r1 = ok_runs["resume"]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
-    assert r0["rounds"] == r1["rounds"] == 2 * ROUNDS  # the second epoch only was run again
+    assert r0["rounds"] == r1["rounds"] == 2 * ROUNDS  # rounds 10 … 16 were run again
     assert torch.equal(r0["z"], r1["z"])
+    # every rank's learners, RNG states and losses are in the checkpoint: resumed on as many
+    # ranks in the middle of an epoch, the run is the uninterrupted one, bit for bit
+    assert torch.equal(r0["z"], r0["z_straight"]) and torch.equal(r1["z"], r1["z_straight"])
+    assert r0["loss"] == r1["loss"] == r0["loss_straight"]  # every rank's losses of the epoch
+
+
+N_RESHAPE = ROUNDS * B * M * 2  # recording_data's samples
+
+
+@pytest.fixture(scope="module")
+def reshape_runs(tmp_path_factory):
+    """One process writes a checkpoint after 4 rounds of k = 2 (position 32); then one launch of
+    two ranks resumes it (k = 4) and, next, writes its own after 3 rounds of k = 4 (position 48)."""
+    out = tmp_path_factory.mktemp("reshape")
+    data = recording_data()
+    one = compile_tiny(TinyBN, seed=0, devices=1, replicas=M, executor="inline")
+    one.fit(data, 1, shuffle=True, progress=False, checkpoint_dir=str(out / "ckpt-1to2"),
+            checkpoint_every=4, hooks=[RecordSamples(data), StopAfter(4)])
+    before = list(data.seen)
+    _, one_process = load_latest(str(out / "ckpt-1to2"))  # the resumed ranks write there too
+    results, codes, logs = _launch("reshape", out)
+    assert codes == [0, 0], logs
+    return out, (before, one_process), results, logs
+
+
+def _no_sample_twice_and_none_skipped(*batches_of_processes):
+    seen = [i for batches in batches_of_processes for batch in batches for i in batch]
+    assert sorted(seen) == list(range(N_RESHAPE)), (len(seen), len(set(seen)))
+
+
+def test_a_one_process_checkpoint_resumes_on_two_ranks(reshape_runs):
+    """1 → 2 processes: z, z_prev, zbuf exact on both ranks; rank 0's learners are the saved
+    ones, rank 1's new ones start from z with zero momentum (the auto-tuner's rule); α = 1/4;
+    the epoch's samples are each read once, by one process."""
+    _, (before, state), results, logs = reshape_runs
+    saved = state["plan"]["states"][0]
+    assert state["world_size"] == 1 and state["plan"]["position_in_epoch"] == 4 * M * B
+    r0, r1 = (r["resume_1to2"] for r in results)
+    for r in (r0, r1):
+        snap = r["snapshot"]
+        for key in ("z", "z_prev", "zbuf"):
+            assert torch.equal(snap[key], saved[key]), key
+        assert snap["k"] == 2 * M and snap["alpha"] == 1 / (2 * M) and snap["position"] == 32
+    assert not torch.equal(saved["z"], saved["z_prev"])  # a central momentum to carry
+    assert torch.equal(r0["snapshot"]["w"], saved["w"]) and torch.equal(r0["snapshot"]["v"], saved["v"])
+    assert r0["snapshot"]["first_step"] == saved["first_step"] == [False] * M
+    new = r1["snapshot"]
+    assert torch.equal(new["w"], saved["z"].expand(M, -1)) and not new["v"].any()
+    assert new["first_step"] == [True] * M
+    assert all(torch.equal(ints["bn.num_batches_tracked"], saved["int_buffers"][0]["bn.num_batches_tracked"])
+               for ints in new["ints"])
+    _no_sample_twice_and_none_skipped(before, r0["seen"], r1["seen"])
+    assert r0["rounds"] == r1["rounds"] == 4 + (N_RESHAPE - 32) // (2 * M * B)
+    assert torch.equal(r0["z"], r1["z"])
+    assert "written by 1 process(es) with k = 2 learners and resumes on 2 with k = 4" in logs[0], logs[0]
+
+
+def test_a_refused_checkpoint_stops_every_rank_with_rank_0s_reason(reshape_runs):
+    _, _, results, _ = reshape_runs
+    r0, r1 = (r["refused"] for r in results)
+    assert "written for another data order: seed=0 (now 1)" in r0.get("error", ""), r0
+    assert r1.get("error", "").startswith("rank 0 could not resume: checkpoint "), r1
+    assert "seed=0 (now 1)" in r1["error"]
+
+
+def test_a_two_rank_checkpoint_resumes_in_one_process(reshape_runs, caplog):
+    """2 → 1 process (no torchrun): z, z_prev, zbuf exact; the learners are rank 0's saved ones
+    (rank 1's dropped); α = 1/2; the epoch continues from sample 48 of the same order, each
+    sample read once; the epoch's end is checkpointed though its rounds had two k's."""
+    out, _, results, _ = reshape_runs
+    ckpt = out / "ckpt-2to1"
+    _, state = load_latest(str(ckpt))
+    assert state["world_size"] == 2 and len(state["peers"]) == 1
+    assert state["plan"]["rounds_done"] == 3 and state["plan"]["position_in_epoch"] == 3 * 2 * M * B
+    saved = state["plan"]["states"][0]
+    assert not torch.equal(saved["w"], state["peers"][0]["states"][0]["w"])  # rank 1's own learners
+    data, snap = recording_data(), Snapshot()
+    plan = compile_tiny(TinyBN, seed=9, devices=1, replicas=M, executor="inline")
+    with caplog.at_level("INFO", logger="crossbow_graph.checkpoint"):
+        plan.fit(data, 1, shuffle=True, progress=False, checkpoint_dir=str(ckpt), resume=True,
+                 hooks=[RecordSamples(data), snap])
+    got = snap.got
+    for key in ("z", "z_prev", "zbuf", "w", "v"):
+        assert torch.equal(got[key], saved[key]), key
+    assert got["k"] == M and got["alpha"] == 1 / M and got["position"] == 48
+    _no_sample_twice_and_none_skipped(*(r["write_2to1"]["seen"] for r in results), data.seen)
+    assert plan.rounds_done == 3 + (N_RESHAPE - 48) // (M * B)
+    _, end = load_latest(str(ckpt))
+    assert end["world_size"] == 1 and end["plan"]["rounds_done"] == plan.rounds_done
+    assert end["plan"]["epochs_done"] == 1 and end["plan"]["position_in_epoch"] == 0
+    assert "written by 2 process(es) with k = 4 learners and resumes on 1 with k = 2" in caplog.text
 
 
 def test_rank_0_keeps_every_ranks_faults_in_history_checkpoints_and_logs(fault_runs):

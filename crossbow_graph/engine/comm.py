@@ -323,6 +323,24 @@ class Comm:
                    lambda: dist.broadcast_object_list(box, src=0, group=self._ctrl))
         return box[0]
 
+    def gather_object(self, obj: Any, what: str, round_index: int) -> list[Any] | None:
+        """Every rank's ``obj`` (pickled), in rank order, on rank 0; None on the other ranks.
+        ``what`` names the collective in the DistributedError raised when a peer died or timed
+        out."""
+        gathered: list[Any] | None = [None] * self.world_size if self.is_main else None
+        self._call(what, round_index,
+                   lambda: dist.gather_object(obj, gathered, dst=0, group=self._ctrl))
+        return gathered
+
+    def scatter_object(self, objs: list[Any] | None, what: str, round_index: int) -> Any:
+        """Rank r's entry of rank 0's ``objs`` (one per rank, pickled) on rank r; the other
+        ranks pass None. ``what`` names the collective in the DistributedError."""
+        box: list[Any] = [None]
+        self._call(what, round_index,
+                   lambda: dist.scatter_object_list(box, objs if self.is_main else None, src=0,
+                                                    group=self._ctrl))
+        return box[0]
+
     def agree_settings(self, plan: "Plan", stop: bool, round_index: int) -> bool:
         """Apply rank 0's m, learner mode, lr, α, batch size and sync interval τ on every rank;
         returns rank 0's ``stop``.

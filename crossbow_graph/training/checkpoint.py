@@ -17,7 +17,11 @@ A checkpoint holds everything the next round depends on:
   shuffle, seed), checked on resume;
 - every random number generator: torch CPU (and CUDA when present), Python ``random``, NumPy;
 - the state of every hook that has ``state_dict()``/``load_state_dict()`` (auto-tuner, policies);
-- the History so far.
+- the History so far;
+- under torchrun, the world size R and, per rank 1 … R−1, its device states (as in the plan's
+  ``states``: replicas, momenta or optimizer state, buffers), its losses of the current epoch and
+  its RNG states (``peers``), gathered to rank 0 at every checkpoint, so that every learner
+  resumes exactly, on R ranks or on another number (training/reshard.py).
 
 File format: ``MAGIC`` (8 bytes), payload length (8 bytes, little endian), SHA-256 of the payload
 (32 bytes), then the payload (``torch.save`` of the dict above, loaded with ``weights_only=True``).
@@ -48,9 +52,11 @@ import torch
 from ..config import Adjustment
 from ..errors import CheckpointError
 from ..engine.faults import FaultEvent
+from ..engine.learners import seed_host_rngs
 from .history import EpochRecord, EvalRecord, History, MetricRecord, PolicyRecord
 from .hooks import FitContext, Hook
 from .options import check_writable_dir
+from .reshard import saved_learners, saved_world_size, split_for_ranks
 from ..engine.state import float_buffers_named, trainable_named
 
 if TYPE_CHECKING:
@@ -429,12 +435,19 @@ def _history_from(d: dict[str, Any], into: History) -> None:
 class CheckpointHook(Hook):
     """Saves a checkpoint every ``every_rounds`` rounds and at the end of every complete epoch.
 
+    Under torchrun every rank has one: rank 0's (``writer``) writes the file, with every other
+    rank's device states and RNG states gathered to it (``peers``, one gather per checkpoint) and
+    the world size; on resume rank 0 reads it and sends each rank its part, for any number of
+    ranks (training/reshard.py ``split_for_ranks``).
+
     Args:
         directory: where ``ckpt-*.pt`` files go (created if missing).
         schedule: the fit's BatchSchedule (its N, shuffle and seed are saved and checked).
         hooks: the fit's other hooks; those with ``state_dict``/``load_state_dict`` are saved.
         every_rounds: rounds between checkpoints (≥ 1); None: only at epoch ends.
         keep: checkpoints kept (≥ 2, so that a corrupt newest one has a fallback).
+        writer: this process writes and reads the files (rank 0, or a single process); the
+            other ranks only take part in the gather and the resume.
 
     Raises:
         ValueError: ``every_rounds`` < 1 or ``keep`` < 2, or ``directory`` cannot be created or
@@ -443,7 +456,7 @@ class CheckpointHook(Hook):
     """
 
     def __init__(self, directory: str, schedule: "BatchSchedule", hooks: Sequence[Hook] = (), *,
-                 every_rounds: int | None = None, keep: int = 2) -> None:
+                 every_rounds: int | None = None, keep: int = 2, writer: bool = True) -> None:
         if every_rounds is not None and (isinstance(every_rounds, bool) or
                                          not isinstance(every_rounds, int) or every_rounds < 1):
             raise ValueError(f"checkpoint_every={every_rounds!r}: must be a number of rounds ≥ 1 "
@@ -452,12 +465,18 @@ class CheckpointHook(Hook):
             raise ValueError(f"keep={keep}: keep at least 2 checkpoints so that a corrupt newest "
                              "one has a fallback")
         self.directory, self.schedule, self.hooks = directory, schedule, list(hooks)
-        self.every_rounds, self.keep = every_rounds, keep
+        self.every_rounds, self.keep, self.writer = every_rounds, keep, writer
         self._last_saved = -1
-        check_writable_dir("checkpoint_dir", directory)
+        if writer:
+            check_writable_dir("checkpoint_dir", directory)
 
     def resume(self, plan: "Plan", history: History) -> str | None:
         """Load the newest good checkpoint into the plan, the hooks, the RNGs and ``history``.
+
+        Under torchrun every rank calls it: rank 0 reads the file and sends every rank its
+        learners, RNG states and the shared state (one scatter), on as many ranks as wrote it or
+        on another number (``split_for_ranks``; a warning says how k changes). The other ranks'
+        hooks and History are not restored (rank 0's decide).
 
         Returns:
             The path loaded, or None when the directory holds no checkpoint.
@@ -465,9 +484,47 @@ class CheckpointHook(Hook):
         Raises:
             CheckpointError: no checkpoint can be read, or the newest good one was written for
                 another model, another plan shape or another data order (dataset size, shuffle,
-                seed); such a checkpoint is refused, never skipped.
+                seed); such a checkpoint is refused, never skipped (under torchrun on every
+                rank, naming rank 0's reason).
             PlanError: the checkpoint's batch size (a policy's) does not fit the memory budget.
         """
+        comm = plan.comm
+        world = 1 if comm is None else comm.world_size
+        parts, state, problem = [None] * world, None, None
+        if self.writer:
+            try:
+                found = self._read(plan)
+            except CheckpointError as exc:
+                if comm is None:
+                    raise
+                found, problem = None, exc
+                parts = [("error", str(exc))] * world
+            if found is not None:
+                path, state = found
+                parts = [(path, sd, rng) for sd, rng in split_for_ranks(state, world)]
+        mine = parts[0] if comm is None else comm.scatter_object(
+            parts if self.writer else None, "the resume from rank 0's checkpoint", -1)
+        if problem is not None:
+            raise problem
+        if mine is None:
+            return None
+        if mine[0] == "error":
+            raise CheckpointError(f"rank 0 could not resume: {mine[1]}")
+        path, sd, rng = mine
+        load_plan_state_dict(plan, sd)
+        if rng is not None:
+            _set_rng_state(rng)
+        else:  # a rank the checkpoint did not have: its own stream from this round on
+            seed_host_rngs(self.schedule.seed, plan.rounds_done, comm.rank, 0)
+        self._last_saved = plan.rounds_done
+        if self.writer:
+            self._restore_hooks_and_history(state, history)
+            _log_resume(path, plan, state, world)
+        return path
+
+    def _read(self, plan: "Plan") -> tuple[str, dict[str, Any]] | None:
+        """The newest good checkpoint ``(path, state)``, checked against the plan's model and the
+        fit's data order; None when there is none."""
         found = load_latest(self.directory)
         if found is None:
             return None
@@ -483,21 +540,30 @@ class CheckpointHook(Hook):
                 f"checkpoint {path} was written for another data order: {diff}; resume with the "
                 "same dataset, shuffle and seed"
             )
-        load_plan_state_dict(plan, state["plan"])
+        return path, state
+
+    def _restore_hooks_and_history(self, state: dict[str, Any], history: History) -> None:
         for i, hook in enumerate(self.hooks):
             key = _hook_key(i, hook)
             if hasattr(hook, "load_state_dict") and key in state["hooks"]:
                 hook.load_state_dict(state["hooks"][key])
         _history_from(state["history"], history)
-        _set_rng_state(state["rng"])
-        self._last_saved = plan.rounds_done
-        log.info("resumed from %s: epoch %d, round %d of it (%d rounds done)", path,
-                 plan.epochs_done, plan.round_in_epoch, plan.rounds_done)
-        return path
 
-    def save(self, ctx: FitContext) -> str:
-        """Write a checkpoint of the current state; returns its path."""
-        plan = ctx.plan
+    def save(self, ctx: FitContext) -> str | None:
+        """Write a checkpoint of the current state; returns its path (None on a rank other than
+        rank 0, which sends it its device states and RNG states: a collective of every rank)."""
+        plan, comm = ctx.plan, ctx.plan.comm
+        peers: list[Any] = []
+        if comm is not None:
+            sd = None if self.writer else plan_state_dict(plan)
+            mine = None if self.writer else {"states": sd["states"], "losses": sd["losses"],
+                                             "rng": _rng_state()}
+            gathered = comm.gather_object(mine, "the gather of every rank's learners for a "
+                                          "checkpoint", plan.rounds_done - 1)
+            peers = gathered[1:] if self.writer else []
+        self._last_saved = plan.rounds_done
+        if not self.writer:
+            return None
         plan_state = plan_state_dict(plan)
         plan_state["train_seconds"] = ctx.train_seconds  # includes the unfinished epoch's rounds
         state = {
@@ -508,15 +574,18 @@ class CheckpointHook(Hook):
             "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)
                       if hasattr(h, "state_dict")},
             "history": ctx.history.to_dict(),
+            "world_size": 1 if comm is None else comm.world_size,
+            "peers": peers,  # ranks 1 … R−1: {"states": [...], "losses": [n], "rng": {...}}
         }
         path = os.path.join(self.directory, f"ckpt-{plan.rounds_done:010d}.pt")
         save_checkpoint(path, state)
-        self._last_saved = plan.rounds_done
         for old in list_checkpoints(self.directory)[:-self.keep]:
             os.unlink(old)
         return path
 
     def before_fit(self, ctx: FitContext) -> None:
+        if not self.writer:
+            return
         for stale in glob.glob(os.path.join(glob.escape(self.directory), ".ckpt-*.tmp")):
             os.unlink(stale)  # the remains of a write that was killed
 
@@ -525,6 +594,22 @@ class CheckpointHook(Hook):
             self.save(ctx)
 
     def after_epoch(self, ctx: FitContext, record: EpochRecord) -> None:
-        complete = record.rounds == ctx.rounds_per_epoch
-        if complete and self._last_saved != ctx.plan.rounds_done:
+        if ctx.epoch_complete and self._last_saved != ctx.plan.rounds_done:
             self.save(ctx)
+
+
+def _log_resume(path: str, plan: "Plan", state: dict[str, Any], world: int) -> None:
+    """The resume's log line; a warning saying how k changes when the number of ranks does."""
+    log.info("resumed from %s: epoch %d, round %d of it (%d rounds done)", path,
+             plan.epochs_done, plan.round_in_epoch, plan.rounds_done)
+    saved = saved_world_size(state)
+    if saved == world:
+        return
+    k_old, k_new, b = saved_learners(state), plan.num_learners, plan.batch_size
+    log.warning(
+        "checkpoint %s was written by %d process(es) with k = %d learners and resumes on %d "
+        "with k = %d: learners 0…%d continue from it, %d new one(s) start from z with zero "
+        "momentum, %d are dropped; α = %.6g; epoch %d continues at sample %d of its order with "
+        "%d samples per round", path, saved, k_old, world, k_new, min(k_old, k_new) - 1,
+        max(k_new - k_old, 0), max(k_old - k_new, 0), plan.settings.alpha_for(k_new),
+        plan.epochs_done + 1, plan.position_in_epoch, k_new * b)

@@ -34,6 +34,9 @@ class FitContext:
         batch_indices: the last round's sample indices ``[k·b]`` (learner j's at
             ``[j·b, (j+1)·b)``), None before the first round.
         round_samples: samples of the last round (k·b at that round).
+        epoch_complete: in ``after_epoch``, whether the epoch used its order up (fewer than one
+            round of k·b samples left, whatever k and b were on the way); False when a target
+            or ``stop`` cut it short.
 
     In ``after_round`` every task of the round has run (w, v, z, zbuf are final). A hook may
     change the plan between rounds (``plan.adjust(Adjustment(...))``, ``plan.set_replicas``,
@@ -52,6 +55,7 @@ class FitContext:
     extra: dict[str, Any] = field(default_factory=dict)
     batch_indices: Any = None
     round_samples: int = 0
+    epoch_complete: bool = False
 
 
 class Hook:

@@ -43,8 +43,9 @@ class FitOptions:
             are kept.
         checkpoint_every: rounds between checkpoints (≥ 1); None: at epoch ends only.
         resume: continue from the newest good checkpoint in ``checkpoint_dir`` (bit-identical to
-            an uninterrupted run); ``epochs`` then counts the epochs of the whole run, as when
-            the same command is run again. Without a checkpoint there, start afresh.
+            an uninterrupted run; under torchrun also on another number of processes than
+            wrote it, docs/distributed.md); ``epochs`` then counts the epochs of the whole run,
+            as when the same command is run again. Without a checkpoint there, start afresh.
         log_dir: write per-round and per-epoch CSV, TensorBoard events and ``history.json``.
         trace: write a Chrome-trace JSON timeline of every task to this path
             (``chrome://tracing``, Perfetto): the global sync of round t under round t+1's

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
-from .checkpoint import CheckpointHook, load_plan_state_dict, plan_state_dict
+from .checkpoint import CheckpointHook
 from .data import BatchSchedule, LearnerFetch, as_dataset, collate_of, make_fetch
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
@@ -42,14 +42,17 @@ class Trainer:
     replicas between rounds and every batch of an epoch stays disjoint (policies may change b).
     A MetricsMonitor (``options.metrics``, every ``metrics_every`` rounds) runs after the other
     hooks and before the ``policies``, which run last but for logging and checkpoints. A resumed
-    fit starts at the saved sample position of its epoch. Worker processes, if any, live for the
+    fit starts at the saved sample position of its epoch, in samples of the epoch's order, so a
+    resume on another number of ranks (another k) continues the same order from there, k′·b
+    samples a round. Worker processes, if any, live for the
     fit. Torch's RNG is seeded with ``seed``, Python's ``random`` and NumPy's from it
     (``seed_host_rngs``), before a resume restores the checkpoint's states. Training seconds
     count the rounds and their hooks, not evaluation.
 
     Under torchrun (``plan.comm``) every rank draws the same round of k·b indices and keeps its own
     learners' rows (rank r: global learners r·k_r …, ``_mine``); only rank 0 shows progress,
-    writes logs and checkpoints, evaluates and runs the auto-tuner; every rank runs the fit's
+    writes logs and checkpoint files (gathering every rank's learners), evaluates and runs the
+    auto-tuner; every rank runs the fit's
     hooks, and rank 0's m, learner mode, lr, α, batch size, sync interval and stop are then
     broadcast and applied on every rank (``Comm.agree_settings``: after each round's hooks, and
     before a round when hooks ran since); z is compared across ranks every ``checksum_every``
@@ -211,18 +214,15 @@ class Trainer:
         return hooks
 
     def _add_checkpoints(self, hooks: list[Hook]) -> None:
-        """Append the CheckpointHook (rank 0) to ``hooks`` and resume from its newest checkpoint
-        with ``options.resume`` (under torchrun every rank takes rank 0's state)."""
-        opts, plan, comm = self.options, self.plan, self.comm
+        """Append the CheckpointHook to ``hooks`` and resume from its newest checkpoint with
+        ``options.resume`` (under torchrun every rank has one; rank 0's writes and reads the
+        files and sends every rank its part, on any number of ranks)."""
+        opts, plan = self.options, self.plan
         saver = CheckpointHook(opts.checkpoint_dir, self.schedule, hooks,
-                               every_rounds=opts.checkpoint_every) if self.main else None
-        resumed = opts.resume and self.main and saver.resume(plan, self.history) is not None
-        if comm is not None and opts.resume:
-            resumed = _share_resumed(plan, comm, resumed)
-        if resumed:
+                               every_rounds=opts.checkpoint_every, writer=self.main)
+        if opts.resume and saver.resume(plan, self.history) is not None:
             self.end_epoch = opts.epochs  # a resumed run finishes the epochs of the run it continues
-        if saver is not None:
-            hooks.append(saver)
+        hooks.append(saver)
 
     def _sync_totals(self) -> None:
         """The fit's synchronisation seconds into the History (before after_fit, so that hooks,
@@ -312,6 +312,8 @@ class Trainer:
         self.epoch_seconds += time.perf_counter() - self.start
         self.bar.close()
         plan.scheduler.flush()
+        ctx.epoch_complete = self.schedule.next_round(self.order, self.position, plan.num_learners,
+                                                      plan.batch_size) is None
         plan.train_seconds += self.epoch_seconds
         plan.epochs_done += 1
         plan.round_in_epoch = plan.position_in_epoch = 0
@@ -441,15 +443,6 @@ class Trainer:
             history.epochs_to_accuracy = self.epoch + self.position / n
             return True
         return False
-
-
-def _share_resumed(plan: "Plan", comm, resumed: bool) -> bool:
-    """Rank 0 resumed from its checkpoint: every rank takes its plan state (the other ranks'
-    replicas restart as copies of rank 0's). Returns whether rank 0 resumed."""
-    state = comm.broadcast_object(plan_state_dict(plan) if resumed else None, -1)
-    if state is not None and not comm.is_main:
-        load_plan_state_dict(plan, state)
-    return state is not None
 
 
 def _share_faults(plan: "Plan", comm) -> None:
