@@ -1,7 +1,8 @@
 """One rank of the two-process DiLoCo test (tests/test_diloco.py): ``python _dist_diloco.py OUT_DIR``
 with torchrun's variables set by the test. ``BNNoBias``, 1 device × 2 replicas per rank, b = 4, inner
 AdamW, DiLoCo with H = 3 over 8 rounds (z checked on every rank every round), the all-reduce in
-``CB_SYNC_DTYPE`` (fp32 or bf16, ``Distributed(sync_dtype=...)``). Writes
+``CB_SYNC_DTYPE`` (fp32 or bf16, ``Distributed(sync_dtype=...)``): 4 rounds in a first fit that
+writes a checkpoint, the other 4 in a second plan that resumes from it. Writes
 ``rank<r>.pt``: z, zbuf, the outer optimizer's state, or ``error``."""
 
 import os
@@ -42,10 +43,14 @@ def main(out: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     data = tiny_data(ROUNDS * B * M * 2)
+    ckpt = os.path.join(out, "ckpt")
     result = {}
     try:
+        first = plan_of(rank)  # 4 rounds: one outer step, then a round of the next window
+        first.fit(data, 1, shuffle=False, progress=False, checkpoint_dir=ckpt, checkpoint_every=4,
+                  hooks=[_StopAfter(4)])
         plan = plan_of(rank)
-        plan.fit(data, 1, shuffle=False, progress=False)
+        plan.fit(data, 1, shuffle=False, progress=False, checkpoint_dir=ckpt, resume=True)
         result.update(z=plan.central_weights(), zbuf=plan.states[0].zbuf.clone(),
                       rounds=plan.rounds_done, outer=plan.scheduler.outer.state_dict())
     except TaskError as exc:
@@ -53,6 +58,14 @@ def main(out: str) -> None:
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+class _StopAfter(cg.Hook):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def after_round(self, ctx) -> None:
+        ctx.stop = ctx.plan.rounds_done >= self.n
 
 
 if __name__ == "__main__":

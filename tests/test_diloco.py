@@ -373,10 +373,11 @@ def test_diloco_on_the_process_executor_and_alpha_are_refused():
 @pytest.mark.distributed
 @pytest.mark.parametrize("sync_dtype", ["fp32", "bf16"])
 def test_two_processes_step_the_same_outer_optimizer_and_give_the_one_process_z(tmp_path, sync_dtype):
-    """Two gloo ranks × 2 learners: every rank has the same z and outer optimizer state bit for
-    bit (the same all-reduced Δ, the same steps), and z is the one-process DiLoCo's with k = 4
-    up to the summation order (fp32), or up to bf16's rounding of Σ_j (w_j − z) (2⁻⁹ relative,
-    the rest carried by error feedback: bf16)."""
+    """Two gloo ranks × 2 learners, resumed from a checkpoint in the middle of a window: every
+    rank has the same z and outer optimizer state bit for bit (the same all-reduced Δ, the same
+    steps), and z is the uninterrupted one-process DiLoCo's with k = 4 up to the summation order
+    (fp32), or up to bf16's rounding of Σ_j (w_j − z) (2⁻⁹ relative, the rest carried by error
+    feedback: bf16)."""
     import os
     import socket
     import subprocess
