@@ -179,9 +179,8 @@ def compile(  # noqa: A001 - the public name the design asks for
         kernel_backend: the SMA update kernels (docs/kernels.md): ``"auto"`` (Triton on CUDA,
             C on the CPU with a C compiler, else torch; torch for a float64 model), ``"c"``,
             ``"triton"`` (on the CPU through its interpreter) or ``"torch"``.
-        distributed: under torchrun, the timeout and z checksum period
-            (``crossbow_graph.Distributed``): every rank runs ``devices`` × m learners of its own
-            and z starts as rank 0's model (docs/distributed.md); ignored without torchrun.
+        distributed: under torchrun, ``crossbow_graph.Distributed`` (timeout, checksum period,
+            sync dtype); each rank runs ``devices`` × m learners, z starts as rank 0's model.
         precision: ``"fp32"``, or ``"bf16"``/``"fp16"``: the learners' forward under
             ``torch.autocast`` with float32 parameters and SMA update, fp16 with a loss scale per
             replica (a float32 model only; engine/precision.py, docs/runtime.md).
