@@ -406,8 +406,9 @@ def test_torchrun_cli_prints_the_same_z_checksum_on_both_ranks():
            "-m", "crossbow_graph", "train", "--epochs", "1", "--train-samples", "2048",
            "--test-samples", "500", "--quiet", "--checksum-every", "1"]
     env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=180).stdout
+    run = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=180)
+    out = f"exit code {run.returncode}\n{run.stdout}"  # stderr too: the reason if a rank failed
     sums = sorted(line for line in out.splitlines() if "z checksum" in line)
     assert len(sums) == 2 and sums[0].startswith("rank 0/2") and sums[1].startswith("rank 1/2"), out
     assert sums[0].split("checksum")[1] == sums[1].split("checksum")[1], out
