@@ -183,12 +183,13 @@ def _add_sync_flags(train: argparse.ArgumentParser) -> None:
     train.add_argument("--sync-every", type=int, default=None,
                        help="rounds between synchronisations: SMA's τ (default 1), DiLoCo's H "
                             f"(default {DILOCO_H})")
-    train.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD lr")
-    train.add_argument("--outer-momentum", type=float, default=0.9,
-                       help="DiLoCo's outer SGD momentum, Nesterov when > 0 (--outer-lr 1 "
-                            "--outer-momentum 0 is local SGD: z the replicas' mean)")
+    train.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's outer SGD lr "
+                       "(default 0.7)")
+    train.add_argument("--outer-momentum", type=float, default=None,
+                       help="DiLoCo's outer SGD momentum in [0, 1), Nesterov when > 0 (default "
+                            "0.9; --outer-lr 1 --outer-momentum 0 is local SGD: z the replicas' mean)")
     train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
-    train.add_argument("--central-momentum", type=float, default=0.9, help="SMA μ_z")
+    train.add_argument("--central-momentum", type=float, default=None, help="SMA μ_z (default 0.9)")
 
 
 def _add_optimizer_flags(train: argparse.ArgumentParser) -> None:
@@ -471,16 +472,30 @@ def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo:
     an outer SGD of ``--outer-lr``, ``--outer-momentum`` (Nesterov when > 0).
 
     Raises:
-        ValueError: ``--alpha`` with ``--sync diloco`` (DiLoCo has no α).
+        ValueError: an SMA flag (``--alpha``, ``--central-momentum``) with ``--sync diloco``, a
+            DiLoCo flag (``--outer-lr``, ``--outer-momentum``) with ``--sync sma``, or an outer
+            lr ≤ 0 or momentum outside [0, 1).
     """
     if args.sync == "sma":
-        return cg.SMA(alpha=args.alpha, central_momentum=args.central_momentum,
+        for flag, value in (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum)):
+            if value is not None:
+                raise ValueError(f"{flag} with --sync sma: it sets DiLoCo's outer optimizer; add "
+                                 "--sync diloco, or drop it")
+        return cg.SMA(alpha=args.alpha, central_momentum=0.9 if args.central_momentum is None
+                      else args.central_momentum,
                       sync_every=1 if args.sync_every is None else args.sync_every)
-    if args.alpha is not None:
-        raise ValueError("--alpha with --sync diloco: DiLoCo pulls no replica toward z; drop "
-                         "--alpha, or use --sync sma")
-    outer = functools.partial(torch.optim.SGD, lr=args.outer_lr, momentum=args.outer_momentum,
-                              nesterov=args.outer_momentum > 0)
+    for flag, value in (("--alpha", args.alpha), ("--central-momentum", args.central_momentum)):
+        if value is not None:
+            raise ValueError(f"{flag} with --sync diloco: it is an SMA setting (DiLoCo pulls no "
+                             "replica toward z; its outer optimizer is --outer-lr, "
+                             f"--outer-momentum); drop {flag}, or use --sync sma")
+    lr = 0.7 if args.outer_lr is None else args.outer_lr
+    momentum = 0.9 if args.outer_momentum is None else args.outer_momentum
+    if not lr > 0:
+        raise ValueError(f"--outer-lr {lr:g}: the outer SGD's lr must be > 0, e.g. 0.7")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"--outer-momentum {momentum:g}: must be in [0, 1), e.g. 0.9 (0: none)")
+    outer = functools.partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=momentum > 0)
     return cg.DiLoCo(sync_every=DILOCO_H if args.sync_every is None else args.sync_every,
                      outer_optimizer=outer)
 
@@ -496,6 +511,9 @@ def _train(args: argparse.Namespace) -> int:
                   f"{plan.num_learners // comm.world_size} learners = k {plan.num_learners}; "
                   f"{comm.settings.sync_bytes(plan.num_parameters, plan.states[0].buf.shape[1]):,} "
                   f"bytes per process per sync ({comm.settings.sync_dtype} corrections)", flush=True)
+    if args.sync_dtype != "fp32" and comm is None:
+        print(f"note: --sync-dtype {args.sync_dtype} applies under torchrun only (one process has "
+              "no all-reduce); training as given", file=sys.stderr, flush=True)
     target = fit["target_accuracy"]
     try:
         history = plan.fit(**fit)

@@ -172,3 +172,17 @@ def test_sync_diloco_flags_build_a_diloco_plan(capsys):
     assert plan.sync == cg.SMA(sync_every=3)
     assert main(small + ["--sync", "diloco", "--alpha", "0.5"]) == 2
     assert "--alpha with --sync diloco" in capsys.readouterr().err
+    for flags, says in [(["--sync", "diloco", "--central-momentum", "0.5"], "--central-momentum with --sync diloco"),
+                        (["--outer-lr", "1"], "--outer-lr with --sync sma"),
+                        (["--outer-momentum", "0"], "--outer-momentum with --sync sma"),
+                        (["--sync", "diloco", "--outer-momentum", "1.5"], "--outer-momentum 1.5: must be in [0, 1)"),
+                        (["--sync", "diloco", "--outer-lr", "0"], "--outer-lr 0: the outer SGD's lr must be > 0")]:
+        assert main(small + flags) == 2, flags
+        assert says in capsys.readouterr().err, flags
+
+
+def test_sync_dtype_without_torchrun_says_it_has_no_effect(capsys):
+    small = ["train", "--train-samples", "256", "--test-samples", "128", "--epochs", "1",
+             "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "64"]
+    assert main(small + ["--sync-dtype", "bf16"]) == 0
+    assert "--sync-dtype bf16 applies under torchrun only" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from fractions import Fraction
 
 import pytest
@@ -423,3 +424,17 @@ def test_two_processes_step_the_same_outer_optimizer_and_give_the_one_process_z(
         assert not torch.equal(r0["z"], one.central_weights())
         torch.testing.assert_close(r0["z"], one.central_weights(), rtol=0, atol=1e-3)
         torch.testing.assert_close(r0["zbuf"], one.states[0].zbuf, rtol=0, atol=1e-3)
+
+
+def test_a_fit_shorter_than_h_warns_that_z_gets_no_outer_step():
+    """8 rounds with H = 16: z would end where it started; the warning names the fix."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 1, 8, 8, generator=g),
+                                          torch.randint(0, 4, (64,), generator=g))
+    plan = _compile(cg.DiLoCo(sync_every=16))
+    with pytest.warns(UserWarning, match=r"runs 8 rounds, fewer than H.*sync_every ≤ 8"):
+        plan.fit(data, 1, progress=False, metrics_every=None)
+    plan = _compile(cg.DiLoCo(sync_every=8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        plan.fit(data, 1, progress=False, metrics_every=None)

@@ -10,6 +10,7 @@ next evaluation point) lives in the Trainer's fields between the phases.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -207,6 +208,7 @@ class Trainer:
                                rounds if known else None)
             hooks.append(LRSchedulerHook(opts.lr_scheduler, opts.lr_scheduler_interval))
         self.end_epoch = self.plan.epochs_done + opts.epochs
+        _warn_if_no_outer_step(self.plan, self.schedule, opts.epochs)
         if opts.log_dir is not None and self.main:
             hooks.append(MetricsLogger(opts.log_dir))
         if opts.checkpoint_dir is not None:
@@ -494,3 +496,15 @@ def _mean_loss(comm, losses: torch.Tensor, plan: "Plan") -> float:
     total, count = comm.sum_floats([float(losses[finite].sum()), float(finite.sum())],
                                    plan.rounds_done - 1)
     return total / count if count else float("nan")
+
+
+def _warn_if_no_outer_step(plan, schedule: BatchSchedule, epochs: int) -> None:
+    """A warning when a DiLoCo fit (config.DiLoCo) runs fewer rounds than H: its central model z
+    moves only at an outer step, so it would end where it started."""
+    H = getattr(plan.sync, "outer_optimizer", None) and plan.sync.sync_every
+    rounds = schedule.rounds_per_epoch(plan.num_learners, plan.batch_size) * epochs
+    if H and plan.rounds_done + rounds < H:
+        warnings.warn(f"DiLoCo(sync_every={H}): this fit runs {rounds} rounds, fewer than H, so the "
+                      "central model z (what evaluation and central_model() use) gets no outer "
+                      f"step and stays where it started; use sync_every ≤ {max(rounds, 1)} or "
+                      "train longer", stacklevel=4)
