@@ -609,7 +609,8 @@ def _log_resume(path: str, plan: "Plan", state: dict[str, Any], world: int) -> N
     log.warning(
         "checkpoint %s was written by %d process(es) with k = %d learners and resumes on %d "
         "with k = %d: learners 0…%d continue from it, %d new one(s) start from z with zero "
-        "momentum, %d are dropped; α = %.6g; epoch %d continues at sample %d of its order with "
+        "momentum, %d are dropped; α = %s; epoch %d continues at sample %d of its order with "
         "%d samples per round", path, saved, k_old, world, k_new, min(k_old, k_new) - 1,
-        max(k_new - k_old, 0), max(k_old - k_new, 0), plan.settings.alpha_for(k_new),
+        max(k_new - k_old, 0), max(k_old - k_new, 0),
+        f"{plan.settings.alpha_for(k_new):.6g}" if k_new > 1 else "— (one learner: z follows it)",
         plan.epochs_done + 1, plan.position_in_epoch, k_new * b)
