@@ -117,8 +117,7 @@ class FaultMonitor:
         if loss is not None:
             faulty |= ~torch.isfinite(loss).to(faulty.device)
         if max_divergence is not None:
-            dist = (state.w[r0:r1] - state.z).norm(dim=1)  # [n]
-            faulty |= ~(dist <= max_divergence * state.z.norm().clamp_min(1e-12))
+            faulty |= _far_from_z(state, r0, r1, max_divergence)
         if not bool(faulty.any()):
             return []
         rows = (faulty.nonzero().flatten() + r0).tolist()
@@ -147,8 +146,7 @@ class FaultMonitor:
         if losses:
             bad |= ~torch.isfinite(torch.stack(list(losses)).float()).to(bad.device)
         if max_divergence is not None:
-            dist = (state.w[r0:r1] - state.z).norm(dim=1)  # [n]
-            bad |= ~(dist <= max_divergence * state.z.norm().clamp_min(1e-12))
+            bad |= _far_from_z(state, r0, r1, max_divergence)
         FaultMonitor.reset_masked(state, r0, bad)
         g.masked_fill_(bad[:, None], 0.0)
         return bad
@@ -238,6 +236,12 @@ class FaultMonitor:
             ranks = ", ".join(str(r) for r in sorted({e.rank for e in everyone if e.round == t}))
             raise _diverged(num_learners, t, f"on ranks {ranks}", task_id="global_sync",
                             device=f"rank {comm.rank}")
+
+
+def _far_from_z(state: DeviceState, r0: int, r1: int, max_divergence: float) -> torch.Tensor:
+    """Rows r0 … r1−1 with ‖ŵ_j − z‖ > max_divergence · ‖z‖, or NaN, ``[n]`` bool on the device."""
+    dist = (state.w[r0:r1] - state.z).norm(dim=1)  # [n]
+    return ~(dist <= max_divergence * state.z.norm().clamp_min(1e-12))
 
 
 _FAULT = ("round %d: replica %d on %s has NaN/Inf gradients or loss, or diverged; reset from the "

@@ -462,10 +462,7 @@ class Scheduler(RoundInterpreter):
             # CPU devices share one memory: Σ acc_d, the update and z's copies in one pass
             if not shared or not self.kernels.central_update_shared(
                     [s.z for s in states], [s.z_prev for s in states], accs, central_momentum=mu_z):
-                total = None
-                for acc in accs:
-                    acc = acc.to(home)
-                    total = acc if total is None else total + acc  # never writes an acc_d
+                total = _sum_on(accs, home)
                 if self.comm is not None:
                     total, mean_buf = self._all_reduce(total, bufs, home)
                 # CPU logical devices share one memory: update z once and copy it (same numbers)
@@ -476,8 +473,8 @@ class Scheduler(RoundInterpreter):
                     for s in states[1:]:
                         s.z.copy_(states[0].z)
                         s.z_prev.copy_(states[0].z_prev)
-            if mean_buf is None and states[0].buf.shape[1]:
-                mean_buf = torch.cat([bb.to(home) for bb in bufs]).mean(dim=0)
+            if mean_buf is None:
+                mean_buf = _mean_buffers(bufs, home)
             if mean_buf is not None:
                 for s in states:
                     s.zbuf.copy_(mean_buf)
@@ -498,12 +495,7 @@ class Scheduler(RoundInterpreter):
             if flat[P + Q].item() > 0:  # some rank found faults since the last sync
                 self.faults.share(self.comm, self.round_index, self.num_learners)
         else:  # read a round late, at the same round on every rank (_take_late_faults)
-            pinned = home.type == "cuda"
-            host = torch.empty(1, dtype=flat.dtype, pin_memory=pinned)
-            host.copy_(flat[P + Q:], non_blocking=pinned)
-            event = self._cuda.ops.new_event()
-            self._cuda.ops.record(event, self._cuda.global_stream)
-            self._late_faults.append((self.round_index, -1, 0, host, event))
+            self._read_late(-1, 0, flat[P + Q:], self._cuda.global_stream)
         mean_buf = flat[P:P + Q].div_(self.num_learners).to(self.states[0].buf.dtype) if Q else None
         return flat[:P], mean_buf
 
@@ -517,16 +509,13 @@ class Scheduler(RoundInterpreter):
         states, home = self.states, self.states[0].torch_device
         s0 = states[0]
         with self._on_stream("global", self._global_task):
-            total, mean_buf = None, None
-            for acc in accs:
-                acc = acc.to(home)
-                total = acc if total is None else total + acc  # never writes an acc_d
+            total, mean_buf = _sum_on(accs, home), None
             if self.comm is not None:  # the same Δ on every rank: the same outer state
                 total, mean_buf = self._all_reduce(total, bufs, home)
             s0.z_prev.copy_(s0.z)
             self.outer.step(s0.z, torch.div(total, -self.num_learners))  # Δ [P]
-            if mean_buf is None and s0.buf.shape[1]:
-                mean_buf = torch.cat([bb.to(home) for bb in bufs]).mean(dim=0)
+            if mean_buf is None:
+                mean_buf = _mean_buffers(bufs, home)
             for s in states:
                 if s is not s0:
                     s.z.copy_(s0.z.to(s.torch_device))
@@ -544,16 +533,13 @@ class Scheduler(RoundInterpreter):
         states, home = self.states, self.states[0].torch_device
         s0, opt = states[0], self.settings.optimizer.sgd()  # a kernel optimizer (api.py checks)
         with self._on_stream("global", self._global_task):
-            total = None
-            for acc in accs:
-                acc = acc.to(home)
-                total = acc if total is None else total + acc
+            total = _sum_on(accs, home)
             self.kernels.local_update(
                 s0.w[:1], s0.v[:1], (total / self.num_learners).unsqueeze(0), None, lr=opt.lr,
                 momentum=opt.momentum, nesterov=opt.nesterov, weight_decay=opt.weight_decay,
                 alpha=0.0, first_step=s0.first_step[0])
             w0, v0 = s0.w[0].clone(), s0.v[0].clone()  # [P]
-            mean_buf = torch.cat([bb.to(home) for bb in bufs]).mean(dim=0) if s0.buf.shape[1] else None
+            mean_buf = _mean_buffers(bufs, home)
             for s in states:
                 s.w.copy_(w0.to(s.torch_device).expand_as(s.w))
                 s.v.copy_(v0.to(s.torch_device).expand_as(s.v))
@@ -610,11 +596,17 @@ class Scheduler(RoundInterpreter):
             full = self.fault_masks[d] = torch.zeros(state.m, dtype=torch.bool, device=mask.device)
             self._cuda.ops.keep_alive(full, self._cuda.default[d])  # read there (the metrics)
         full[a:a + len(mask)].copy_(mask)
-        pinned = state.torch_device.type == "cuda"
-        host = torch.empty(len(mask), dtype=torch.bool, pin_memory=pinned)
-        host.copy_(mask, non_blocking=pinned)
+        self._read_late(d, a, mask, self._cuda.sync_stream[d])
+
+    def _read_late(self, d: int, a: int, t: torch.Tensor, stream) -> None:
+        """Copy ``t`` (a fault mask of device d's rows a …, or with d = −1 the all-reduced fault
+        count) to host memory (pinned on CUDA) behind an event on ``stream``; the host reads it
+        in ``_take_late_faults``."""
+        pinned = t.device.type == "cuda"
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+        host.copy_(t, non_blocking=pinned)
         event = self._cuda.ops.new_event()
-        self._cuda.ops.record(event, self._cuda.sync_stream[d])
+        self._cuda.ops.record(event, stream)
         self._late_faults.append((self.round_index, d, a, host, event))
 
     def _take_late_faults(self, *, block: bool, before: int | None = None,
@@ -659,6 +651,23 @@ class Scheduler(RoundInterpreter):
                 self.timeline.span(task_id, self._origin_ns + int(t0 * 1e6),
                                    self._origin_ns + int(t1 * 1e6), lane=f"{kind} stream",
                                    round_index=round_index)
+
+
+def _sum_on(accs: list[torch.Tensor], home: torch.device) -> torch.Tensor:
+    """Σ_d acc_d ``[P]`` on ``home`` (never writes an acc_d)."""
+    total = None
+    for acc in accs:
+        acc = acc.to(home)
+        total = acc if total is None else total + acc
+    return total
+
+
+def _mean_buffers(bufs: list[torch.Tensor], home: torch.device) -> torch.Tensor | None:
+    """The mean over every replica of the devices' float buffers ``[m_d, Q]``, ``[Q]`` on
+    ``home``; None without float buffers."""
+    if not bufs[0].shape[1]:
+        return None
+    return torch.cat([bb.to(home) for bb in bufs]).mean(dim=0)
 
 
 class _Null:

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from ..config import DiLoCo
 from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook
@@ -501,9 +502,11 @@ def _mean_loss(comm, losses: torch.Tensor, plan: "Plan") -> float:
 def _warn_if_no_outer_step(plan, schedule: BatchSchedule, epochs: int) -> None:
     """A warning when a DiLoCo fit (config.DiLoCo) runs fewer rounds than H: its central model z
     moves only at an outer step, so it would end where it started."""
-    H = getattr(plan.sync, "outer_optimizer", None) and plan.sync.sync_every
+    if not isinstance(plan.sync, DiLoCo):
+        return
+    H = plan.sync.sync_every
     rounds = schedule.rounds_per_epoch(plan.num_learners, plan.batch_size) * epochs
-    if H and plan.rounds_done + rounds < H:
+    if plan.rounds_done + rounds < H:
         warnings.warn(f"DiLoCo(sync_every={H}): this fit runs {rounds} rounds, fewer than H, so the "
                       "central model z (what evaluation and central_model() use) gets no outer "
                       f"step and stays where it started; use sync_every ≤ {max(rounds, 1)} or "

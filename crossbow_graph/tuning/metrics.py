@@ -99,8 +99,12 @@ def gradient_moments(states, exclude: set[tuple[int, int]] = frozenset()) -> tup
     round, whose ``g`` was zeroed). The per-device partial sums (``Σ_j g_j [P]`` and ``Σ_j |g_j|²``)
     are what a multi-process run would all-reduce.
     """
-    masks = [torch.tensor([(d, r) in exclude for r in range(s.m)]) for d, s in enumerate(states)]
-    return _moments_of(moment_sums(states, masks))
+    return _moments_of(moment_sums(states, _excluded(states, exclude)))
+
+
+def _excluded(states, exclude: set[tuple[int, int]]) -> list[torch.Tensor]:
+    """Per device, ``[m]`` bool: the replicas ``exclude``'s ``(device index, replica)`` pairs name."""
+    return [torch.tensor([(d, r) in exclude for r in range(s.m)]) for d, s in enumerate(states)]
 
 
 @torch.no_grad()
@@ -274,10 +278,9 @@ class MetricsMonitor(Hook):
         else:
             this_round = plan.rounds_done - 1
             rank = plan.comm.rank if plan.comm is not None else 0  # the events hold every rank's
-            faulty = [torch.tensor([any(e.round == this_round and e.device == s.name and
-                                        e.rank == rank and e.replica == r
-                                        for e in sched.faults.events) for r in range(s.m)])
-                      for s in states]
+            faulty = _excluded(states, {(d, e.replica) for d, s in enumerate(states)
+                                        for e in sched.faults.events if e.round == this_round
+                                        and e.device == s.name and e.rank == rank})
         self._pending.append((moment_sums(states, faulty), b))  # read at the window's end
 
     def _take_pending(self) -> None:
