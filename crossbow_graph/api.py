@@ -26,7 +26,8 @@ from .engine.precision import check_precision
 from .engine.fused import fused_mode_message, vmap_failure
 from .engine.scheduler import Scheduler
 from .engine.settings import RunSettings, settings_view
-from .engine.state import DeviceState, FlatLayout, float_buffers_named, model_dtype, trainable_named
+from .engine.state import (MEMORY_FORMATS, DeviceState, FlatLayout, channels_last_weights,
+                           float_buffers_named, model_dtype, trainable_named)
 from .errors import is_count
 from .kernels.select import plan_kernels, select_backend
 from .training.batchnorm import BNRecalibration
@@ -138,6 +139,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     concrete_args: dict[str, Any] | None = None, leaf_modules: Sequence[type[nn.Module]] = (),
     memory_budget: int | None = None, verify: bool = True, kernel_backend: str = "auto",
     distributed: Distributed | None = None, precision: str = "fp32", strict_trace: bool = False,
+    memory_format: str = "auto",
 ) -> "Plan":
     """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training.
 
@@ -186,6 +188,11 @@ def compile(  # noqa: A001 - the public name the design asks for
             replica (a float32 model only; engine/precision.py, docs/runtime.md).
         strict_trace: raise TraceError when no fx graph can be made; False: train as given,
             analysed by one measured forward, with a ``TraceWarning`` (docs/compiler.md §1).
+        memory_format: how the replicas' ``nn.Conv2d`` weights lie in the flat rows:
+            ``"auto"`` (channels-last on CPU devices, where convolutions and pooling run faster
+            so; contiguous on CUDA), ``"channels_last"`` or ``"contiguous"``
+            (engine/state.py ``channels_last_weights``). Flat weights read from the plan
+            (``central_weights``, checkpoints) are in the standard order either way.
 
     Returns:
         The Plan.
@@ -207,7 +214,7 @@ def compile(  # noqa: A001 - the public name the design asks for
         autotune=autotune, optimizer=optimizer, sync=sync, concrete_args=concrete_args,
         leaf_modules=leaf_modules, memory_budget=memory_budget, verify=verify,
         kernel_backend=kernel_backend, distributed=distributed, precision=precision,
-        strict_trace=strict_trace)
+        strict_trace=strict_trace, memory_format=memory_format)
     return _build_plan(args)
 
 
@@ -235,6 +242,7 @@ class _CompileArgs:
     distributed: Distributed | None
     precision: str
     strict_trace: bool = False
+    memory_format: str = "auto"
 
     @property
     def tuned(self) -> bool:
@@ -273,6 +281,9 @@ class _CompileArgs:
                              "workers do not wait for; use executor='inline' (or 'auto', which "
                              "picks it)")
         _check_model(self.model)
+        if self.memory_format not in MEMORY_FORMATS:
+            raise ValueError(f"memory_format={self.memory_format!r}: must be one of "
+                             f"{', '.join(map(repr, MEMORY_FORMATS))}")
         check_precision(self.precision, model_dtype(trainable_named(self.model)))
         budget = self.memory_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
@@ -310,7 +321,8 @@ def _build_plan(args: _CompileArgs) -> "Plan":
                 learner_mode=args.learner_mode, executor=args.executor,
                 memory_budget=memory_budget, verify=args.verify,
                 autotune=(args.autotune or AutoTune()) if args.tuned else None, kernels=kernels,
-                comm=comm, precision=args.precision, example_inputs=args.example_inputs)
+                comm=comm, precision=args.precision, example_inputs=args.example_inputs,
+                memory_format=args.memory_format)
     plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
     if args.learner_mode == "fused" and plan.fused_failure is not None:
         message = fused_mode_message(type(args.model).__name__, plan.fused_failure)
@@ -400,12 +412,13 @@ class Plan:
                  memory_budget: int | None = None, verify: bool = True,
                  autotune: AutoTune | None = None, kernels: Any = None,
                  comm: Comm | None = None, precision: str = "fp32",
-                 example_inputs: Any = None) -> None:
+                 example_inputs: Any = None, memory_format: str = "auto") -> None:
         self.model_graph = model_graph
         self.task_graph = task_graph
         self.loss_fn = loss_fn
         self._template = copy.deepcopy(model).train()
-        self._params = FlatLayout.of(trainable_named(self._template))
+        self._params = FlatLayout.of(trainable_named(self._template), channels_last_weights(
+            self._template, memory_format, {_torch_device(d).type for d in task_graph.graph["devices"]}))
         self._buffers = FlatLayout.of(float_buffers_named(self._template))
         local = as_local_optimizer(optimizer, model, self._template,
                                    [name for name, *_ in self._params.entries])
@@ -650,15 +663,18 @@ class Plan:
     # -- the central average model ----------------------------------------------------------
 
     def central_weights(self, device: int = 0) -> torch.Tensor:
-        """A copy of device ``device``'s central average model z, ``[P]``: float64 for a float64
-        model, else float32 (the masters' dtype)."""
+        """A copy of device ``device``'s central average model z, ``[P]``: the trainable
+        parameters flattened and concatenated in ``named_parameters()`` order, float64 for a
+        float64 model, else float32 (the masters' dtype)."""
         self.scheduler.flush()
-        return self.states[device].z.detach().clone()
+        return self._params.to_standard(self.states[device].z.detach())
 
     def replica_weights(self) -> torch.Tensor:
-        """A copy of every replica's parameters, ``[k, P]``, device-major (j = d·m + r)."""
+        """A copy of every replica's parameters, ``[k, P]``, device-major (j = d·m + r), each row
+        in ``central_weights``' order."""
         self.scheduler.flush()
-        return torch.cat([s.w.detach().to(self.states[0].torch_device) for s in self.states]).clone()
+        return self._params.to_standard(
+            torch.cat([s.w.detach().to(self.states[0].torch_device) for s in self.states]))
 
     def central_forward(self, *args: Any, **kwargs: Any) -> Any:
         """The central model z (evaluation mode: no dropout, no BatchNorm update) on ``args``

@@ -21,6 +21,7 @@ from .compiler.inspect import inspect_model
 from .datasets import ImageDataset
 from .engine.comm import z_digest
 from .engine.precision import PRECISIONS
+from .engine.state import MEMORY_FORMATS
 from .errors import CheckpointError, DistributedError, DivergenceError
 from .tuning.metrics import MetricsMonitor
 from .tuning.policies import AdaptiveBatchSize, MultiStepLR, parse_policy
@@ -140,6 +141,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--precision", default="fp32", choices=PRECISIONS,
                        help="learners' forward: fp32 (default), or bf16/fp16 under torch.autocast "
                             "with float32 parameters (fp16 with a loss scale per replica)")
+    train.add_argument("--memory-format", default="auto", choices=MEMORY_FORMATS,
+                       help="layout of the Conv2d weights in the replicas' rows: auto (default: "
+                            "channels_last on the CPU, contiguous on CUDA), channels_last, contiguous")
     _add_optimizer_flags(train)
     _add_sync_flags(train)
     train.add_argument("--epochs", type=int, default=3,
@@ -451,7 +455,7 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
         replicas=args.replicas,
         learner_mode=args.learner_mode,
         optimizer=_optimizer(args, model, lr),
-        precision=args.precision,
+        precision=args.precision, memory_format=args.memory_format,
         sync=_sync(args),
         distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every,
                                    sync_dtype=args.sync_dtype),

@@ -135,8 +135,8 @@ class FusedProgram:
         (the buffers the forward updated, the losses ``[n]``)."""
         n = r1 - r0
         flat = (state.w_model if state.w_model is not state.w else state.w)[r0:r1].detach()
-        params = {name: flat[:, off:off + k].view(n, *shape).requires_grad_(True)
-                  for name, shape, off, k in state.params.entries}
+        params = {entry[0]: state.params.view(flat, entry).requires_grad_(True)
+                  for entry in state.params.entries}
         # contiguous copies: vmap's batch-norm rule does not write through strided views
         buffers = {name: state.buf[r0:r1, off:off + k].reshape(n, *shape).clone()
                    for name, shape, off, k in state.buffers.entries}
@@ -154,11 +154,12 @@ class FusedProgram:
                 raise
             raise RuntimeError(fused_mode_message(type(self.module).__name__,
                                                   f"{type(exc).__name__}: {exc}")) from exc
-        for (name, shape, off, k), grad in zip(state.params.entries, grads):
+        for entry, grad in zip(state.params.entries, grads):
+            rows = state.params.view(state.g[r0:r1], entry)  # [n, *shape]
             if grad is None:  # unused in forward: a zero gradient
-                state.g[r0:r1, off:off + k].zero_()
+                rows.zero_()
             else:
-                state.g[r0:r1, off:off + k].copy_(grad.reshape(n, k))
+                rows.copy_(grad)
         return buffers, losses
 
 

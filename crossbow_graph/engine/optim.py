@@ -238,6 +238,18 @@ def as_local_optimizer(optimizer: Any, model: nn.Module, template: nn.Module,
                           stacked=type(optimizer) in ELEMENTWISE)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` fills its memory without gaps, in some order of its dimensions (one row's
+    view, channels-last or not; a stack of several rows is strided), as torch's fused optimizer
+    kernels take it when its gradient and state have the same strides (``FlatLayout.zeros``)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class OptimizerRows:
     """One device's optimizer state per replica, and the step of a range of its rows.
 
@@ -257,6 +269,7 @@ class OptimizerRows:
 
     def __init__(self, local: LocalOptimizer, state: Any) -> None:
         self.local = local
+        self.layout = state.params
         self.entries = state.params.entries
         self._cache: dict[tuple, tuple[torch.optim.Optimizer, list]] = {}
         self._bound: set[tuple] = set()  # cache keys whose instance's state is bound to the store
@@ -271,9 +284,8 @@ class OptimizerRows:
     def _views(self, flat: torch.Tensor, a: int, b: int) -> list[torch.Tensor]:
         """Per entry, rows a … b−1 of ``flat`` as ``[n, *shape]`` (stacked) or row a as
         ``shape`` (one replica)."""
-        if self.local.stacked:
-            return [flat[a:b, off:off + n].view(b - a, *shape) for _, shape, off, n in self.entries]
-        return [flat[a, off:off + n].view(shape) for _, shape, off, n in self.entries]
+        rows = flat[a:b] if self.local.stacked else flat[a]
+        return [self.layout.view(rows, entry) for entry in self.entries]
 
     def _build(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.optim.Optimizer:
         opt = self.local.optimizer
@@ -282,7 +294,7 @@ class OptimizerRows:
         groups = [dict({k: v for k, v in group.items() if k != "params"},
                        params=[params[i] for i in ix])
                   for group, ix in zip(opt.param_groups, self.local.groups)]
-        if type(opt) in FUSED and all(p.is_contiguous() for p in params) and \
+        if type(opt) in FUSED and all(_dense(p) for p in params) and \
                 all(g.get("fused") is None and g.get("foreach") is None for g in groups):
             for g in groups:  # the user left the implementation to torch: its fused kernels,
                 # which take contiguous tensors only (one replica's row; stacked rows are strided)
@@ -313,8 +325,15 @@ class OptimizerRows:
                                     f"'{key}' as {type(t).__name__}; replicas' optimizer state "
                                     f"must be tensors")
                 shape = t.shape[1:] if self.local.stacked and t.dim() else t.shape
-                store[i][key] = torch.zeros(state.m, *shape, dtype=t.dtype, device=t.device)
+                store[i][key] = self._zeros(state.m, i, shape, t)
         return store
+
+    def _zeros(self, m: int, i: int, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
+        """Zeros ``[m, *shape]`` for entry i's state: laid out as the parameter's views when
+        shaped as it (so that torch's fused kernels may walk both in memory order)."""
+        if tuple(shape) == self.entries[i][1]:
+            return self.layout.zeros((m,), self.entries[i], dtype=like.dtype, device=like.device)
+        return torch.zeros(m, *shape, dtype=like.dtype, device=like.device)
 
     def _instance(self, state: Any, a: int, b: int) -> tuple[tuple, torch.optim.Optimizer, list]:
         """The instance of rows a … b−1 (built once per row range and buffers): (its cache key,
@@ -404,9 +423,9 @@ class OptimizerRows:
 
     def resize(self, state: Any, keep: int, m: int) -> None:
         """Rows 0 … keep−1 keep their state; new rows up to m start fresh (DeviceState.resize)."""
-        for per_param in self.store:
+        for i, per_param in enumerate(self.store):
             for key, t in per_param.items():
-                new = torch.zeros(m, *t.shape[1:], dtype=t.dtype, device=t.device)
+                new = self._zeros(m, i, t.shape[1:], t)
                 new[:keep].copy_(t[:keep])
                 per_param[key] = new
         age = host_resident(torch.zeros(m, dtype=torch.int64))

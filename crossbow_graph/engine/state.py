@@ -36,11 +36,12 @@ from torch import nn
 
 from .precision import LossScales
 
-__all__ = ["FlatLayout", "DeviceState", "bind_flat", "model_dtype", "master_dtype", "row_length",
-           "LOW_PRECISION", "ROW_ALIGN"]
+__all__ = ["FlatLayout", "DeviceState", "bind_flat", "channels_last_weights", "model_dtype",
+           "master_dtype", "row_length", "LOW_PRECISION", "MEMORY_FORMATS", "ROW_ALIGN"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 ROW_ALIGN = 32  # elements: CUDA devices pad the rows of w, v, g, w_model to a multiple of it
+MEMORY_FORMATS = ("auto", "channels_last", "contiguous")  # of convolution weights in the rows
 _PAD_ROWS_ON_CPU = False  # tests set it: pad the rows on CPU devices too (no CUDA here)
 
 
@@ -65,23 +66,89 @@ def _zero_rows(m: int, P: int, dtype: torch.dtype, device: torch.device) -> torc
 class FlatLayout:
     """Where each tensor of a module lives in a flat row.
 
+    A tensor named in ``channels_last`` (a 4-D convolution weight ``[O, I, kH, kW]``) is stored in
+    ``[O, kH, kW, I]`` order within its segment, so that its view has the channels-last strides
+    under which the CPU's convolution and pooling kernels run fastest (``MEMORY_FORMATS``); any
+    other tensor is stored in its own (contiguous) order. ``to_standard``/``from_standard``
+    convert a row to and from the order of the tensors' ``flatten()`` concatenated, which
+    ``Plan.central_weights`` and checkpoints use whatever the layout.
+
     Attributes:
         entries: ``(name, shape, offset, numel)`` per tensor, in ``named_parameters()`` (tied ones
             once) or ``named_buffers()`` order.
         size: total scalars (P for parameters, Q for float buffers).
+        channels_last: names of the entries stored channels-last.
     """
 
     entries: tuple[tuple[str, tuple[int, ...], int, int], ...]
     size: int
+    channels_last: frozenset[str] = frozenset()
 
     @staticmethod
-    def of(named: list[tuple[str, torch.Tensor]]) -> "FlatLayout":
+    def of(named: list[tuple[str, torch.Tensor]], channels_last: frozenset[str] = frozenset()
+           ) -> "FlatLayout":
         entries, off = [], 0
         for name, t in named:
             n = t.numel()
             entries.append((name, tuple(t.shape), off, n))
             off += n
-        return FlatLayout(tuple(entries), off)
+        return FlatLayout(tuple(entries), off, frozenset(channels_last))
+
+    def view(self, flat: torch.Tensor, entry: tuple[str, tuple[int, ...], int, int]) -> torch.Tensor:
+        """The tensor of ``entry`` as a view of ``flat [..., ≥ P]``: ``[..., *shape]``, with
+        channels-last strides for an entry of ``channels_last``."""
+        name, shape, off, n = entry
+        segment = flat[..., off:off + n]
+        if name in self.channels_last:
+            o, i, h, w = shape
+            return segment.unflatten(-1, (o, h, w, i)).movedim(-1, -3)
+        return segment.unflatten(-1, shape)
+
+    def to_standard(self, flat: torch.Tensor) -> torch.Tensor:
+        """A copy of ``flat [..., P]`` in the standard order (every tensor ``flatten()``-ed)."""
+        out = flat.clone(memory_format=torch.contiguous_format)
+        for entry in self._permuted():
+            out[..., entry[2]:entry[2] + entry[3]] = self.view(flat, entry).flatten(-4)
+        return out
+
+    def from_standard(self, flat: torch.Tensor) -> torch.Tensor:
+        """A copy of ``flat [..., P]`` (standard order, as ``to_standard`` gives) in this layout."""
+        out = flat.clone(memory_format=torch.contiguous_format)
+        for entry in self._permuted():
+            _, shape, off, n = entry
+            self.view(out, entry).copy_(flat[..., off:off + n].unflatten(-1, shape))
+        return out
+
+    def zeros(self, lead: tuple[int, ...], entry: tuple[str, tuple[int, ...], int, int], *,
+              dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """Zeros ``[*lead, *shape]`` with the strides of ``entry``'s views (per-row optimizer
+        state that fused kernels walk in memory order alongside the parameter)."""
+        name, shape, _, n = entry
+        return self.view(torch.zeros(*lead, n, dtype=dtype, device=device), (name, shape, 0, n))
+
+    def _permuted(self) -> list[tuple[str, tuple[int, ...], int, int]]:
+        return [e for e in self.entries if e[0] in self.channels_last]
+
+
+def channels_last_weights(module: nn.Module, memory_format: str, device_types: set[str]
+                          ) -> frozenset[str]:
+    """The trainable parameters a plan stores channels-last (``FlatLayout.channels_last``).
+
+    Args:
+        module: the model.
+        memory_format: one of ``MEMORY_FORMATS``: ``"channels_last"``: every ``nn.Conv2d``
+            weight; ``"contiguous"``: none; ``"auto"``: every ``nn.Conv2d`` weight when all the
+            plan's devices are CPUs (there LeNet-5 and ResNet-32 train 8–26 % faster per step
+            so, docs/runtime.md), none on CUDA devices.
+        device_types: the plan's device types (``{"cpu"}``, ``{"cuda"}``).
+
+    """
+    if memory_format == "contiguous" or (memory_format == "auto" and device_types != {"cpu"}):
+        return frozenset()
+    trainable = {id(p): n for n, p in trainable_named(module)}
+    return frozenset(trainable[id(m.weight)] for m in module.modules()
+                     if isinstance(m, nn.Conv2d) and id(m.weight) in trainable
+                     and m.weight.dim() == 4)
 
 
 def trainable_named(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -111,12 +178,12 @@ def bind_flat(module: nn.Module, params_row: torch.Tensor, grads_row: torch.Tens
     named = dict(module.named_parameters())
     for name, shape, off, n in params.entries:
         p = named[name]
-        view = params_row[off:off + n].view(shape)
+        view = params.view(params_row, (name, shape, off, n))
         if copy_values:
             view.copy_(p.detach())
         p.data = view
         if grads_row is not None:
-            p.grad = grads_row[off:off + n].view(shape)
+            p.grad = params.view(grads_row, (name, shape, off, n))
     if bufs_row is not None:
         named_b = dict(module.named_buffers())
         for name, shape, off, n in buffers.entries:

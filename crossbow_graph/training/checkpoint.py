@@ -82,10 +82,10 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
     plan.scheduler.flush()  # the streams' work so far, on the host
     states = []
     for s in plan.states:
+        flat = lambda t: s.params.to_standard(t.detach().cpu())  # noqa: E731 (any memory format)
         states.append({
             "name": s.name,
-            "w": s.w.detach().cpu().clone(), "v": s.v.detach().cpu().clone(),
-            "z": s.z.detach().cpu().clone(), "z_prev": s.z_prev.detach().cpu().clone(),
+            "w": flat(s.w), "v": flat(s.v), "z": flat(s.z), "z_prev": flat(s.z_prev),
             "buf": s.buf.detach().cpu().clone(), "zbuf": s.zbuf.detach().cpu().clone(),
             "first_step": list(s.first_step),
             "optimizer_rows": s.optim_rows.state_dict() if s.optim_rows is not None else None,
@@ -112,7 +112,8 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         "round_in_epoch": plan.round_in_epoch, "position_in_epoch": plan.position_in_epoch,
         "train_seconds": plan.train_seconds,
         "outer_optimizer": None if sched.outer is None else  # sync=DiLoCo(...): engine/outer.py
-        {"class": sched.outer.describe()["class"], "state": sched.outer.state_dict()},
+        {"class": sched.outer.describe()["class"],
+         "state": _outer_layout(plan, sched.outer.state_dict(), "to_standard")},
     }
 
 
@@ -206,7 +207,9 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
     _restore_settings(plan, sd)
     _load_outer(plan, sd.get("outer_optimizer"))
     for s, saved in zip(plan.states, sd["states"]):
-        for key in ("w", "v", "z", "z_prev", "buf", "zbuf"):
+        for key in ("w", "v", "z", "z_prev"):  # saved in the standard order
+            getattr(s, key).copy_(s.params.from_standard(saved[key]))
+        for key in ("buf", "zbuf"):
             getattr(s, key).copy_(saved[key])
         s.first_step = list(saved["first_step"])
         if s.optim_rows is not None and saved.get("optimizer_rows") is not None:
@@ -247,6 +250,16 @@ def _check_same_optimizer(plan: "Plan", sd: dict[str, Any]) -> None:
             f"optimizer to resume, or use another checkpoint_dir to start afresh")
 
 
+def _outer_layout(plan: "Plan", sd: dict[str, Any], way: str) -> dict[str, Any]:
+    """The outer optimizer's ``state_dict`` with its ``[P]`` tensors (momentum of z) converted by
+    the plan's flat layout's ``to_standard`` or ``from_standard`` (engine/state.py FlatLayout)."""
+    layout = plan.states[0].params
+    convert = getattr(layout, way)
+    state = {i: {k: convert(t) if isinstance(t, torch.Tensor) and t.shape == (layout.size,) else t
+                 for k, t in per_param.items()} for i, per_param in sd["state"].items()}
+    return {**sd, "state": state}
+
+
 def _load_outer(plan: "Plan", saved: dict[str, Any] | None) -> None:
     """DiLoCo's outer optimizer state into the plan's (engine/outer.py); CheckpointError when
     one of the two has an outer optimizer and the other not, or another class."""
@@ -261,7 +274,7 @@ def _load_outer(plan: "Plan", saved: dict[str, Any] | None) -> None:
                               "checkpoint_dir to start afresh")
     if outer is not None:
         try:
-            outer.load_state_dict(saved["state"])
+            outer.load_state_dict(_outer_layout(plan, saved["state"], "from_standard"))
         except ValueError as exc:
             raise CheckpointError(f"the checkpoint's outer optimizer state does not fit this "
                                   f"plan's: {exc}") from None
