@@ -8,7 +8,8 @@ each rank loads its own learners' batches), ``bf16_sync`` (train with the correc
 all-reduced in bfloat16), ``decide`` (a hook on rank 0 only changes m, the learner mode, lr, α
 and τ after round 3), ``resume`` (2 epochs with a checkpoint every 3 rounds,
 stopped after round 10; a new plan resumes from round 9; then the same 2 epochs not stopped),
-``mismatch_batch`` / ``mismatch_model`` (rank 1 compiles another plan), ``diverge`` (rank 1
+``mismatch_batch`` / ``mismatch_model`` / ``mismatch_layout`` (rank 1 compiles another plan:
+another batch size, model, or its convolution weights contiguous instead of channels-last), ``diverge`` (rank 1
 changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3 and its checkpoint;
 rank 0 writes a checkpoint every round), ``hang`` (rank 1 sleeps after round 3), ``fault_one``
 (NaN in rank 1's replica 1 before round 2 and in rank 0's replica 0 before round 4; checkpoints
@@ -19,8 +20,8 @@ simulated on the CPU by a RaceRecorder: found on the device, read a round late),
 round from round 3 on, process executor, checkpoints every round), ``resume_1to2`` /
 ``write_2to1`` / ``refused`` (``run_reshape``: a checkpoint resumed on another number of
 processes; one of another seed refused). Groups run in one launch, one after the other in the
-same process group: ``ok`` = train, process, decide, resume, adamw, bf16_sync; ``mismatch`` = both
-mismatches; ``faults`` = fault_one, fault_streams, int_buffers, nan_all (last: its error closes
+same process group: ``ok`` = train, process, decide, resume, adamw, bf16_sync; ``mismatch`` = the
+three mismatches; ``faults`` = fault_one, fault_streams, int_buffers, nan_all (last: its error closes
 the process group); ``reshape`` = resume_1to2, write_2to1, refused. Writes ``rank<r>.pt`` into
 OUT_DIR: per scenario a dict, ``error`` with the TaskError's message (and ``kind``,
 ``round_index``), or the results.
@@ -170,8 +171,9 @@ def run(scenario: str, rank: int, out: str) -> dict:
     try:
         devices, replicas, executor = (2, 1, "process") if scenario == "process" else (1, M, "inline")
         executor = "process" if scenario == "nan_all" else executor
+        layout = "contiguous" if scenario == "mismatch_layout" and rank == 1 else "auto"
         plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=devices,
-                            replicas=replicas, executor=executor,
+                            replicas=replicas, executor=executor, memory_format=layout,
                             distributed=settings)  # seed=rank: rank 0's init wins
         data = tiny_data(ROUNDS * B * M * 2)
         hooks, kw = [], {}
@@ -267,7 +269,7 @@ def run_reshape(scenario: str, rank: int, out: str) -> dict:
     return dict(snapshot=snap.got, seen=data.seen, z=plan.central_weights(), rounds=plan.rounds_done)
 
 
-GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync"], "mismatch": ["mismatch_batch", "mismatch_model"],
+GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync"], "mismatch": ["mismatch_batch", "mismatch_model", "mismatch_layout"],
           "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"],
           "reshape": ["resume_1to2", "write_2to1", "refused"]}
 

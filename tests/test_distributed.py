@@ -70,7 +70,7 @@ def ok_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mismatch_runs(tmp_path_factory):
-    """One launch: rank 1 compiles another batch size, then another model."""
+    """One launch: rank 1 compiles another batch size, then another model, then contiguous rows."""
     results, codes, logs = _launch("mismatch", tmp_path_factory.mktemp("mismatch"))
     assert codes == [0, 0], logs
     return results
@@ -195,6 +195,7 @@ def test_checksum_stops_when_z_differs_between_ranks(tmp_path):
 @pytest.mark.parametrize("scenario, names", [
     ("mismatch_batch", ["'batch_size' differs", "rank 0: 4", "rank 1: 8"]),
     ("mismatch_model", ["'model' differs", "TinyBN", "TinyNet", "bn.weight"]),
+    ("mismatch_layout", ["'channels-last weights' differs", "conv.weight"]),
 ])
 def test_ranks_with_different_plans_fail_at_start_up_naming_the_difference(mismatch_runs, scenario,
                                                                            names):

@@ -371,7 +371,7 @@ class Comm:
 def plan_facts(plan: "Plan") -> dict[str, Any]:
     """What every rank's plan must share: the model's fingerprint (parameter and buffer names,
     shapes, dtypes), devices per process, replicas, batch size, optimiser and SMA settings, the
-    learners' precision."""
+    learners' precision, the flat rows' layout (which weights lie channels-last)."""
     template = plan.template
     model = [(n, tuple(p.shape), str(p.dtype)) for n, p in template.named_parameters()]
     model += [(n, tuple(b.shape), str(b.dtype)) for n, b in template.named_buffers()]
@@ -383,6 +383,7 @@ def plan_facts(plan: "Plan") -> dict[str, Any]:
         "optimizer": plan.settings.optimizer.describe(),
         "sync": sync_facts(plan.sync, plan.scheduler.outer),
         "precision": plan.precision,
+        "channels-last weights": sorted(plan.states[0].params.channels_last),  # the rows' layout
         "sync dtype": plan.comm.settings.sync_dtype if plan.comm is not None else "fp32",
     }
 
