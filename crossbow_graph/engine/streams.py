@@ -212,10 +212,9 @@ class CudaStreams:
             stream = self.copy_stream.get(d)
             if stream is None:
                 stream = self.copy_stream[d] = self.ops.new_stream(device)
-            if "copy" in self.delay:
-                with self.ops.use(stream):
-                    self.ops.sleep(self.delay["copy"])
             with self.ops.use(stream):
+                if "copy" in self.delay:
+                    self.ops.sleep(self.delay["copy"])
                 moved.append(_map_tensors(part, lambda t: self._copy(t, device)))
             events.append(self._event(stream))
         return DeviceParts(moved), events
