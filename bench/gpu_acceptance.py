@@ -25,6 +25,9 @@ bench/acceptance_report.py turns them into ``$OUT/summary.md``. A section exits 
 - ``throughput``: plain PyTorch eager (SGD fused on CUDA) at b and 4b against crossbow_graph
   per_replica and fused with m = 4 learners at b, LeNet-5 and ResNet-32, b ∈ {8, 16, 32},
   synthetic data on the device; samples/s after a warm-up, timed between CUDA synchronizations.
+  Then the data paths (LeNet-5, b = 16, m = 4, fused; the last ``DATA_PATH_S`` of the budget):
+  host data gathered on the device (``fit(data_on_device=True)``) against gathered on the host
+  and copied a round ahead (``False``).
 
 ``--smoke`` runs every section on the CPU at tiny sizes (bench/gpu_acceptance.sh --smoke, in CI):
 Triton in its interpreter, gloo instead of NCCL, the race probes with a ``RaceRecorder`` as the
@@ -602,13 +605,14 @@ class _Meter(cg.Hook):
 
 
 def crossbow_rate(name: str, b: int, mode: str, data: TensorDataset, seconds: float,
-                  warmup: int) -> float:
-    """crossbow_graph samples/s with m = 4 learners at b on the data's device (default kernels)."""
-    device = data.tensors[0].device
+                  warmup: int, device: torch.device | None = None, **fit_kw) -> float:
+    """crossbow_graph samples/s with m = 4 learners at b on ``device`` (default: the data's;
+    default kernels); ``fit_kw`` go to ``fit``."""
+    device = device or data.tensors[0].device
     plan = _compile(name, device, m=4, b=b, learner_mode=mode,
                     optimizer=cg.SGD(lr=0.01, momentum=0.9))
     meter = _Meter(device, seconds, warmup)
-    plan.fit(data, 10_000, progress=False, metrics_every=None, hooks=[meter])
+    plan.fit(data, 10_000, progress=False, metrics_every=None, hooks=[meter], **fit_kw)
     return meter.rate or float("nan")
 
 
@@ -629,7 +633,7 @@ def section_throughput(args, sec: Section) -> None:
         for name in names:
             cell = {"model": name, "b": b}
             for label, rate in systems:
-                if time.perf_counter() - start > args.budget_s:
+                if time.perf_counter() - start > args.budget_s - DATA_PATH_S:
                     sec.notes.append(f"{name} b={b} {label} not run: over the section's "
                                      f"{args.budget_s:.0f} s")
                     continue
@@ -641,6 +645,34 @@ def section_throughput(args, sec: Section) -> None:
     sec.data["cells"] = cells
     sec.data.update(seconds_per_cell=seconds, warmup=warmup, learners=4)
     _throughput_table(sec, cells)
+    _data_path_rates(args, sec, device, seconds, warmup)
+
+
+DATA_PATH_S = 5.0  # seconds of the throughput section's budget kept for the data paths
+
+
+def _data_path_rates(args, sec: Section, device: torch.device, seconds: float, warmup: int) -> None:
+    """samples/s of LeNet-5 (b = 16, m = 4, fused) on MNIST-shaped synthetic data in host memory:
+    moved to the device once and gathered there, against gathered on the host and copied to the
+    device a round ahead on a copy stream (docs/runtime.md, Data on the device)."""
+    b = 8 if args.smoke else 16
+    host = synthetic("lenet5", 512 if args.smoke else 8192, torch.device("cpu"))
+    rates = {}
+    for label, where in (("on the device", True), ("host, copied ahead", False)):
+        try:
+            rates[label] = crossbow_rate("lenet5", b, "fused", host, seconds, warmup,
+                                         device=device, data_on_device=where)
+        except Exception as exc:
+            sec.check(False, f"data path {label}: {type(exc).__name__}: {str(exc)[:300]}")
+    sec.data["data_path"] = {"model": "lenet5", "b": b, "learners": 4, "mode": "fused", **rates}
+    on, ahead = rates.get("on the device"), rates.get("host, copied ahead")
+    ratio = f"{on / ahead:.2f}×" if on and ahead and on == on and ahead == ahead else "—"
+    sec.tables[f"data paths, LeNet-5 at b = {b}, m = 4 fused: samples/s"] = _md_table(
+        ["data gathered on the device", "host data copied a round ahead", "device ÷ host"],
+        [[f"{on:,.0f}" if on else "—", f"{ahead:,.0f}" if ahead else "—", ratio]])
+    if args.smoke:
+        sec.notes.append("smoke: the data paths at b = 8 on the CPU, whose device is the host "
+                         "(nothing is copied ahead: that needs CUDA streams)")
 
 
 def _throughput_table(sec: Section, cells: list[dict]) -> None:

@@ -780,6 +780,7 @@ class Plan:
         lr_scheduler_interval: str = "epoch",
         metric_fn: Callable[[Any, Any], Any] | None = None,
         bn_recalibration_batches: int = 20,
+        data_on_device: bool | str = "auto",
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -791,6 +792,10 @@ class Plan:
                 inputs whose ``"labels"`` are the target, engine/inputs.py), or a DataLoader: its
                 ``collate_fn`` gets each learner's b samples, its workers load the rounds ahead;
                 the plan still picks the samples (docs/runtime.md, Your DataLoader).
+            data_on_device: ``"auto"``, True or False: a TensorDataset's tensors ``[N, ...]`` on
+                the plan's first device for the fit, each round's ``[k·b]`` samples gathered
+                there (``"auto"``: on CUDA, if they take ≤ ¼ of its free memory); other data is
+                copied to CUDA devices a round ahead (docs/runtime.md, Data on the device).
             eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch (a DataLoader:
                 its ``collate_fn`` collates each evaluation batch).
             metrics_every: N, rounds per metrics window (``History.metrics``; tuning/metrics.py),
@@ -813,7 +818,8 @@ class Plan:
             ValueError: before the first round: an empty dataset or one smaller than a round,
                 samples that are not ``(inputs, target)`` pairs or unlike the example inputs,
                 labels outside the classes (the first batches are checked), a DataLoader with
-                its own sampler, bad options (training/validate.py, docs/reliability.md).
+                its own sampler, bad options (training/validate.py, docs/reliability.md),
+                ``data_on_device`` not "auto"/True/False, or True for data not a TensorDataset.
             TypeError: ``seed`` not an integer, ``target_accuracy`` not a number,
                 ``metric_fn`` not callable.
             TaskError: a task failed (names the task, its device and the round).
@@ -831,7 +837,8 @@ class Plan:
             hooks=hooks, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             resume=resume, log_dir=log_dir, trace=trace, policies=policies, metrics=metrics,
             lr_scheduler=lr_scheduler, lr_scheduler_interval=lr_scheduler_interval,
-            metric_fn=metric_fn, bn_recalibration_batches=bn_recalibration_batches)
+            metric_fn=metric_fn, bn_recalibration_batches=bn_recalibration_batches,
+            data_on_device=data_on_device)
         history = Trainer(self, train_dataset, eval_dataset, options).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self._int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)

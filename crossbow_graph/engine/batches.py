@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["LearnerBatches", "single", "to_device"]
+__all__ = ["DeviceParts", "LearnerBatches", "batch_tensors", "single", "to_device"]
 
 
 @dataclass
@@ -69,6 +69,30 @@ class LearnerBatches:
                     "takes them, and a collate_fn that pads to one fixed length can be fused)")
             leaves.append(torch.cat(column))
         return tree_unflatten(leaves, spec)
+
+
+@dataclass
+class DeviceParts:
+    """A round's batch split by device, each part on its own device (what a copy ahead makes,
+    engine/prefetch.py).
+
+    Attributes:
+        parts: device d's part at ``parts[d]``: the rows of its learners, its first learner's at
+            row 0 (a collated batch of ``m_d·b`` rows, or a ``LearnerBatches`` of its m_d
+            learners), every tensor on device d.
+    """
+
+    parts: list[Any]
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor of a round's batch: of a collated batch, a ``LearnerBatches`` or a
+    ``DeviceParts``."""
+    if isinstance(batch, DeviceParts):
+        return [t for part in batch.parts for t in batch_tensors(part)]
+    if isinstance(batch, LearnerBatches):
+        return [t for b in batch.batches for t in batch_tensors(b)]
+    return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
 
 
 def single(batch: Any) -> Any:

@@ -99,6 +99,8 @@ class RaceRecorder(TorchDispatchMode):
         self._current: list[_Stream] = []
         self._table: dict[int, list[_Access]] = {}
         self._alive: list[torch.UntypedStorage] = []
+        self._host: set[int] = set()  # storages of host memory (``stage``): on no stream
+        self._paused = False
         self._default = _Stream(DEFAULT_STREAM_ID, torch.device("cpu"))
 
     # -- StreamOps ------------------------------------------------------------------------------
@@ -134,6 +136,19 @@ class RaceRecorder(TorchDispatchMode):
     def keep_alive(self, tensor: torch.Tensor, stream: _Stream) -> None:
         pass
 
+    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``tensor`` (the pinned buffer on a GPU), made by the host, not on a
+        stream: the copy's read of the host batch the host just made is not recorded, nor is
+        any access to the copy (host memory, read by copies on any stream)."""
+        self._paused = True
+        try:
+            host = tensor.clone()
+        finally:
+            self._paused = False
+        self._host.add(host.untyped_storage().data_ptr())
+        self._alive.append(host.untyped_storage())  # its address is not reused while recording
+        return host
+
     def synchronize(self, devices=()) -> None:
         self.syncs.sync_all_streams()
 
@@ -153,7 +168,7 @@ class RaceRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _SKIP:
+        if func in _SKIP or self._paused:
             return func(*args, **kwargs)
         reads, writes = [], []
         named = dict((a.name, v) for a, v in zip_arguments(func._schema, args, kwargs))
@@ -182,7 +197,8 @@ class RaceRecorder(TorchDispatchMode):
         return out
 
     def _access(self, t: torch.Tensor, write: bool, stream: _Stream, op: str, where: str) -> None:
-        if t.device.type != "cpu" or t.numel() == 0 or t.is_sparse or is_host_resident(t):
+        if t.device.type != "cpu" or t.numel() == 0 or t.is_sparse or is_host_resident(t) \
+                or t.untyped_storage().data_ptr() in self._host:
             return
         storage = t.untyped_storage()
         self._alive.append(storage)

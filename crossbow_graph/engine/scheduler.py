@@ -38,12 +38,14 @@ from ..compiler.tasks import Task, TaskKind
 from ..config import SSGD, DiLoCo
 from ..kernels.protocol import SMAKernels
 from ..kernels.torch_ref import TorchSMAKernels
+from .batches import DeviceParts
 from .learners import learn_group, learner_seed, rows
 from .faults import FaultMonitor
 from .fused import FusedProgram
 from .interpreter import RoundInterpreter, RoundProgram
 from .optim import LocalOptimizer
 from .outer import OuterOptimizer
+from .prefetch import BatchPrefetch, device_parts
 from .streams import CUDA_OPS, CudaStreams
 from .settings import RunSettings, settings_view
 from .state import DeviceState
@@ -86,6 +88,8 @@ class Scheduler(RoundInterpreter):
             the last round, on the device (None before the first local sync).
         outer: under ``sync=DiLoCo(...)`` its outer optimizer over the first device's z
             (engine/outer.py ``OuterOptimizer``, built here), else None.
+        batch_ahead: the batch copied to the devices one round ahead (``prefetch``;
+            engine/prefetch.py ``BatchPrefetch``).
     """
 
     lr = settings_view("lr", "η in force (read-only: ``settings.lr``).")
@@ -121,6 +125,7 @@ class Scheduler(RoundInterpreter):
         self._fused = [FusedProgram(_clone_structure(s), loss_fn, settings) for s in states]
         self._cuda: CudaStreams | None = None
         self.stream_ops = None
+        self.batch_ahead = BatchPrefetch()
         self.fault_masks: list[torch.Tensor | None] = [None] * len(states)
         self._late_faults: list[tuple[int, int, int, torch.Tensor, object]] = []
         self._buf_snapshot: list[torch.Tensor | None] = [None] * len(states)
@@ -154,6 +159,7 @@ class Scheduler(RoundInterpreter):
         if self._cuda is not None:
             self.flush()  # the new graph's streams start after the old ones' work
         self._cuda = None
+        self.batch_ahead.drop()  # split for the old graph's devices and rows
 
     @property
     def num_learners(self) -> int:
@@ -220,6 +226,7 @@ class Scheduler(RoundInterpreter):
                 self._take_late_faults(block=True)
         finally:
             self.close_workers()
+            self.batch_ahead.drop()
             self._fetch = self._load = None
 
     def flush(self) -> None:
@@ -284,19 +291,37 @@ class Scheduler(RoundInterpreter):
                     self._workers = None
             return
         self.close_workers()
+        copied = None  # per device, the event after its copy of a batch copied ahead
         if batch is None:
-            batch = self._fetch(indices) if self._load is None else self._load(round_index, indices)
+            ahead = self.batch_ahead.take(round_index, indices)
+            if ahead is not None:
+                batch, copied = ahead
+            else:
+                batch = self._fetch(indices) if self._load is None else self._load(round_index, indices)
         self._batch = batch
         self._round_losses = {d: [None] * s.m for d, s in enumerate(self.states)}  # for the fault test
         self._synchronise = synchronise
         streams = self._streams()
         if streams is not None:
-            streams.begin_round(batch)
+            streams.begin_round(batch, copied)
         self.run(self.order)
         if streams is not None:  # the last round's fault flags and timings: done by now, or soon
             streams.end_round()
             self._take_late_faults(block=False, before=round_index)
             self._take_spans(block=False)
+
+    def prefetch(self, round_index: int, indices: torch.Tensor) -> None:
+        """Fetch (or load) round ``round_index``'s batch of samples ``indices [k·b]`` now and copy
+        each device's rows to it on its copy stream (``CudaStreams.copy_in``), while the rounds
+        issued so far run; ``run_round`` of that round takes it if its indices are these
+        (``batch_ahead``). Nothing without CUDA streams (the inline executor on CUDA devices, or
+        ``stream_ops`` set)."""
+        if self.resolved_executor() != "inline" or self._streams() is None:
+            return
+        batch = self._fetch(indices) if self._load is None else self._load(round_index, indices)
+        b, first = self.batch_size, self.program.first
+        bounds = [(first[d] * b, (first[d] + s.m) * b) for d, s in enumerate(self.states)]
+        self.batch_ahead.put(round_index, indices, *self._cuda.copy_in(device_parts(batch, bounds)))
 
     def run_task(self, task: Task) -> None:
         """Run one task (``RoundInterpreter.run_task``), timed: its span goes to the timeline and
@@ -329,7 +354,10 @@ class Scheduler(RoundInterpreter):
         else:
             r0, r1 = self.program.rows[task.id]
         state, b, first = self.states[d], self.batch_size, self.program.first[d]
-        mine = rows(self._batch, (first + r0) * b, (first + r1) * b)
+        batch = self._batch
+        if isinstance(batch, DeviceParts):  # copied ahead: device d's rows, on device d
+            batch, first = batch.parts[d], 0
+        mine = rows(batch, (first + r0) * b, (first + r1) * b)
         with self._on_stream("learn", task, d, r0):
             losses = learn_group(state, r0, r1, mine, self.loss_fn, b, self.learner_mode,
                                  self._fused[d], rng_seed=learner_seed(self.seed, self.round_index,

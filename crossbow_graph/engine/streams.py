@@ -4,10 +4,12 @@ Every learner group of a device has its own stream ``L``; each device has a sync
 its LOCAL_SYNC; the GLOBAL_SYNC runs on a global stream ``G`` on the first device (and, for its
 copies to and from another device d, on ``S_d``). The default stream ``D`` is the caller's: the
 trainer's batch gather and transfer, evaluation, checkpoints, ``Plan.set_replicas`` and policies
-reset or read state on it. Every round:
+reset or read state on it. A round's batch copied ahead (``copy_in``, engine/prefetch.py) is
+copied on each device's copy stream ``C_d`` while the round before runs. Every round:
 
 1. ``begin_round``: an event ``start_t`` on each device's ``D`` after the round's batch is there.
-2. A learner group on ``L`` waits for ``start_t`` and for its device's last local sync (its own
+2. A learner group on ``L`` waits for ``start_t``, for its device's copy of the round's batch
+   (if copied ahead), and for its device's last local sync (its own
    correction; under S-SGD and DiLoCo also for the last global sync, which writes every w), then
    reads w[j] and its batch (kept alive for ``L`` with ``record_stream``) and writes g[j] and
    buf[j].
@@ -39,7 +41,9 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_map
+
+from .batches import DeviceParts, LearnerBatches, batch_tensors
 
 __all__ = ["StreamOps", "CudaStreams", "STREAM_KINDS", "host_resident", "is_host_resident"]
 
@@ -87,6 +91,11 @@ class StreamOps:
         """The caching allocator keeps ``tensor``'s memory until ``stream``'s work so far is done."""
         tensor.record_stream(stream)
 
+    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor as a non-blocking copy to a device reads it: in pinned memory (a copy,
+        unless it is pinned already)."""
+        return tensor if tensor.is_pinned() else tensor.pin_memory()
+
     def synchronize(self, devices=()) -> None:
         """The host waits for every stream of each of ``devices`` (default: the current one)."""
         for device in devices or [None]:
@@ -108,6 +117,13 @@ class StreamOps:
 CUDA_OPS = StreamOps()
 
 
+def _map_tensors(batch: Any, fn) -> Any:
+    """``fn`` applied to every tensor of a collated batch or of a ``LearnerBatches``."""
+    if isinstance(batch, LearnerBatches):
+        return LearnerBatches([_map_tensors(b, fn) for b in batch.batches], batch.batch_size)
+    return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, batch)
+
+
 class CudaStreams:
     """Streams and events of the inline executor (this module's docstring: the discipline).
 
@@ -116,12 +132,13 @@ class CudaStreams:
         ops: ``StreamOps`` (CUDA) or a RaceRecorder (CPU devices, tests).
 
     Attributes:
-        delay: stream kind (``"learn"``, ``"local"``, ``"global"``) → GPU cycles that kind of
-            stream sleeps before its work, every round (race probes; empty in training).
+        delay: stream kind (``"learn"``, ``"local"``, ``"global"``, or ``"copy"``: the copy
+            streams) → GPU cycles that kind of stream sleeps before its work, every round (race
+            probes; empty in training).
     """
 
     WAITS = {  # what each kind of stream waits for before its work of a round (the discipline)
-        "learn": ("start", "own local sync", "global sync (S-SGD, DiLoCo)"),
+        "learn": ("start", "batch copy", "own local sync", "global sync (S-SGD, DiLoCo)"),
         "local": ("learners", "global sync"),  # after start_t through the learners
         "global": ("every local sync",),
     }
@@ -135,6 +152,8 @@ class CudaStreams:
         self.origin = [self._event(ops.current(s.torch_device), timing=True) for s in states]
         self.default: list[Any] = [ops.current(s.torch_device) for s in states]  # D per device
         self.start: list[Any] = [None] * len(states)  # start_t per device (on D)
+        self.copy_stream: dict[int, Any] = {}  # device → C_d, made at its first copy
+        self.copied: list[Any] = [None] * len(states)  # the round's batch copy, per device (on C_d)
         self.learned: list[list[Any]] = [[] for _ in states]  # this round's learner events
         self.local_done: list[Any] = [None] * len(states)
         self.global_done: list[Any] = []  # on G and on the other devices' S_d
@@ -155,6 +174,8 @@ class CudaStreams:
         for rule in self.WAITS[kind]:
             if rule == "start":
                 events = [self.start[d]]
+            elif rule == "batch copy":
+                events = [self.copied[d]]
             elif rule == "own local sync":
                 events = [self.local_done[d]]
             elif rule == "every local sync":
@@ -179,11 +200,38 @@ class CudaStreams:
         self.spans.append((task, kind, d, start, end))
         return end
 
-    def begin_round(self, batch: Any) -> None:
+    def copy_in(self, parts: list[Any]) -> tuple[DeviceParts, list[Any]]:
+        """A round's batch copied ahead: each host tensor of ``parts[d]`` (device d's rows, as
+        ``DeviceParts`` holds them) staged in pinned memory and copied to device d with a
+        non-blocking copy on its copy stream ``C_d``; tensors already on a GPU stay as they are.
+        Returns the copies and, per device, the event after its copy (``begin_round``'s
+        ``copied``: the round's learners wait for it)."""
+        moved, events = [], []
+        for d, part in enumerate(parts):
+            device = self.states[d].torch_device
+            stream = self.copy_stream.get(d)
+            if stream is None:
+                stream = self.copy_stream[d] = self.ops.new_stream(device)
+            with self.ops.use(stream):
+                if "copy" in self.delay:
+                    self.ops.sleep(self.delay["copy"])
+                moved.append(_map_tensors(part, lambda t: self._copy(t, device)))
+            events.append(self._event(stream))
+        return DeviceParts(moved), events
+
+    def _copy(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if t.device.type != "cpu":
+            return t
+        host = self.ops.stage(t)
+        out = torch.empty_like(host, device=device)
+        return out.copy_(host, non_blocking=True)
+
+    def begin_round(self, batch: Any, copied: list[Any] | None = None) -> None:
         """Step 1: ``start_t`` on every device's ``D``, after whatever the caller issued there (the
-        round's batch included)."""
-        self._batch_leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)] \
-            if batch is not None else []
+        round's batch included); ``copied``: per device, the event after its copy of the batch
+        (``copy_in``), or None."""
+        self._batch_leaves = batch_tensors(batch) if batch is not None else []
+        self.copied = list(copied) if copied is not None else [None] * len(self.states)
         self.default = [self.ops.current(s.torch_device) for s in self.states]
         for d, stream in enumerate(self.default):
             self.start[d] = self._event(stream)

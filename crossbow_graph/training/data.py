@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from ..engine.batches import LearnerBatches
 from ..engine.settings import RunSettings
 
-__all__ = ["BatchSchedule", "CollateFetch", "LearnerFetch", "as_dataset", "collate_of", "make_fetch",
-           "read_samples"]
+__all__ = ["BatchSchedule", "CollateFetch", "DeviceFetch", "LearnerFetch", "as_dataset", "collate_of",
+           "device_fetch", "make_fetch", "read_samples"]
 
 
 def as_dataset(data: Any, what: str = "train_dataset") -> Dataset:
@@ -112,6 +112,70 @@ def make_fetch(dataset: Dataset, collate_fn: Callable[[list], Any] | None = None
         tensors = dataset.tensors
         return lambda idx: [t[idx] for t in tensors]
     return lambda idx: default_collate([_sample(dataset, int(i)) for i in idx])
+
+
+class DeviceFetch:
+    """Sample indices ``[n]`` → ``[t[indices] for t in tensors]`` gathered on ``device``, where
+    the tensors were moved once (a device-resident TensorDataset): the indices go to the device
+    from a pinned host tensor with a non-blocking copy, and ``index_select`` runs there, on the
+    caller's current stream (the default stream ``D``, before the round's learners). The same
+    samples, in the same order, as ``make_fetch``'s host gather.
+
+    Args:
+        tensors: the TensorDataset's tensors, ``[N, ...]`` each.
+        device: where they live from now on (a CUDA device; a CPU device runs the same path).
+    """
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], device: torch.device) -> None:
+        self.device = device
+        self.tensors = [t.to(device) for t in tensors]
+        self.pinned = device.type == "cuda"
+
+    def __call__(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        idx = indices.to(torch.int64)
+        if self.pinned and idx.device.type == "cpu":
+            idx = torch.empty(idx.shape, dtype=torch.int64, pin_memory=True).copy_(idx)
+        idx = idx.to(self.device, non_blocking=True)
+        return [t.index_select(0, idx) for t in self.tensors]
+
+
+DATA_ON_DEVICE = ("auto", True, False)
+
+
+def device_fetch(data: Any, dataset: Dataset, data_on_device: bool | str,
+                 device: torch.device) -> DeviceFetch | None:
+    """The fit's ``DeviceFetch`` when its training data lives on the plan's first device
+    ``device``, else None (the host gathers or collates every round).
+
+    ``data``: what ``fit`` was given (a Dataset or a DataLoader); ``dataset``: its Dataset.
+    ``data_on_device``: ``True`` moves a TensorDataset (``crossbow_graph.datasets.ImageDataset``
+    is one) given as the Dataset itself; ``"auto"`` does so on a CUDA device when its tensors
+    take at most a quarter of the device's free memory (``torch.cuda.mem_get_info``);
+    ``False`` never.
+
+    Raises:
+        ValueError: ``data_on_device=True`` with data other than a TensorDataset (a DataLoader,
+            a Dataset that reads its samples, or one with ``get_batch``).
+    """
+    eligible = isinstance(dataset, TensorDataset) and not isinstance(data, DataLoader) \
+        and not hasattr(dataset, "get_batch")
+    if data_on_device is True and not eligible:
+        raise ValueError(
+            f"data_on_device=True keeps a TensorDataset's tensors on the device and gathers each "
+            f"round there, but train_dataset is a {type(data).__name__}"
+            + (" over a TensorDataset" if isinstance(data, DataLoader) else "")
+            + ", read sample by sample on the host; pass TensorDataset(x, y) itself, or "
+            "data_on_device='auto' (its batches are then copied to the device one round ahead)")
+    if data_on_device is False or not eligible:
+        return None
+    if data_on_device == "auto":
+        if device.type != "cuda":
+            return None
+        need = sum(t.numel() * t.element_size() for t in dataset.tensors if t.device != device)
+        free, _ = torch.cuda.mem_get_info(device)
+        if need > free / 4:
+            return None
+    return DeviceFetch(dataset.tensors, device)
 
 
 def read_samples(dataset: Dataset, indices: list[int]) -> list[Any]:

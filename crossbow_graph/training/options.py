@@ -72,13 +72,20 @@ class FitOptions:
             average, on the evaluated copy only; training is unchanged); 0: z keeps the
             replicas' mean statistics. Models without BatchNorm, and k = 1 (z is the replica,
             with its own statistics), skip it.
+        data_on_device: where a TensorDataset's samples are gathered (training/data.py
+            ``device_fetch``; docs/runtime.md, Data on the device): ``True`` moves its tensors to
+            the plan's first device once per fit and gathers every round there; ``"auto"`` does
+            so on a CUDA device when they take at most a quarter of its free memory; ``False``
+            gathers on the host. On CUDA devices the batches gathered or collated on the host are
+            copied to the devices one round ahead (engine/prefetch.py).
 
     ``hooks`` and ``policies`` are kept as tuples.
 
     Raises:
         ValueError: ``epochs``, ``evals_per_epoch`` or ``eval_batch_size`` not an integer ≥ 1,
             ``bn_recalibration_batches`` not an integer ≥ 0,
-            ``target_accuracy`` outside (0, 1], ``resume=True`` or ``checkpoint_every`` without
+            ``target_accuracy`` outside (0, 1], ``data_on_device`` not ``"auto"``, True or
+            False, ``resume=True`` or ``checkpoint_every`` without
             ``checkpoint_dir``, a ``trace`` path whose folder is missing or not writable, a
             ``log_dir`` that is a file or cannot be created or written.
         TypeError: ``metric_fn`` not callable, ``seed`` not an integer, ``target_accuracy`` not a number, ``shuffle``,
@@ -105,6 +112,7 @@ class FitOptions:
     lr_scheduler_interval: str = "epoch"
     metric_fn: "Callable[[Any, Any], Any] | None" = None
     bn_recalibration_batches: int = 20
+    data_on_device: bool | str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hooks", as_hooks("hooks", self.hooks))
@@ -131,6 +139,11 @@ class FitOptions:
         if not is_count(self.eval_batch_size):
             raise ValueError(f"eval_batch_size={self.eval_batch_size!r}: must be an integer ≥ 1, "
                              "e.g. 1000")
+        where = self.data_on_device
+        if not (where is True or where is False or (isinstance(where, str) and where == "auto")):
+            raise ValueError(f"data_on_device={where!r}: use 'auto' (the default: "
+                             "a TensorDataset on a CUDA device when it fits in a quarter of the "
+                             "free memory), True or False")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume=True needs checkpoint_dir, the directory to resume from")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:

@@ -21,7 +21,7 @@ from ..config import DiLoCo
 from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook
-from .data import BatchSchedule, LearnerFetch, as_dataset, collate_of, make_fetch
+from .data import BatchSchedule, LearnerFetch, as_dataset, collate_of, device_fetch, make_fetch
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
 from .lr_schedule import LRSchedulerHook, check_lr_scheduler
@@ -60,6 +60,11 @@ class Trainer:
     before a round when hooks ran since); z is compared across ranks every ``checksum_every``
     rounds and at the end; every rank's faults reach every rank's History (engine/faults.py,
     at each global sync and at the end) (docs/distributed.md).
+
+    A TensorDataset lives on the plan's first device with ``options.data_on_device``
+    (training/data.py ``device_fetch``: each round gathered there); any other data is fetched on
+    the host and, on CUDA streams, the next round's batch is copied to the devices after each
+    round's hooks and evaluation (``Scheduler.prefetch``), when k and b stay.
 
     The epoch's ``train_loss`` and the hooks' ``round_loss`` are the means of the learners'
     finite losses: a faulty replica's NaN/Inf loss is left out, as the replica is.
@@ -124,9 +129,13 @@ class Trainer:
         self._agree_on_the_fit()
         self.schedule = BatchSchedule(len(self.train), shuffle=opts.shuffle, seed=opts.seed)
         self.fetch, self.loader = self._data_path()
+        self._check_first_batches()
+        resident = device_fetch(self.train_dataset, self.train, opts.data_on_device,
+                                plan.states[0].torch_device)  # raises ValueError
+        self.fetch = resident or self.fetch
+        self.prefetch = resident is None  # host batches: copied one round ahead on CUDA
         plan.bn_recalibration.use(self.fetch, len(self.train), batches=opts.bn_recalibration_batches,
                                   seed=opts.seed)  # z's BatchNorm statistics for evaluation
-        self._check_first_batches()
         torch.manual_seed(opts.seed)
         # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
         seed_host_rngs(opts.seed, plan.rounds_done, self.comm.rank if self.comm is not None else 0, 0)
@@ -383,9 +392,11 @@ class Trainer:
             self._after_round(indices, n_losses)
         if comm is not None:  # every rank, hooks or not: rank 0's decisions and stop
             ctx.stop = comm.agree_settings(plan, ctx.stop, plan.rounds_done - 1)
-        if ctx.stop:
+        if ctx.stop or self._evaluate_if_due(last=upcoming is None):
             return False
-        return not self._evaluate_if_due(last=upcoming is None)
+        if self.prefetch and upcoming is not None and (plan.num_learners, plan.batch_size) == (k, b):
+            sched.prefetch(plan.rounds_done, _mine(plan, upcoming))  # the next round's batch
+        return True
 
     def _collect_faults(self) -> None:
         """The scheduler's new fault events into the History."""
