@@ -29,7 +29,9 @@ reset or read state on it. Every round:
 ``StreamOps`` is the one place that touches ``torch.cuda``'s streams and events; a
 ``RaceRecorder`` (engine/race_check.py) stands in for it on CPU devices, running the same
 discipline on simulated streams and reporting every pair of unordered accesses, so the ordering is
-tested without a GPU. ``delay`` makes one kind of stream sleep at the start of its work
+tested without a GPU. A round captured in a CUDA graph (engine/graphs.py) runs the same
+discipline with ``captured`` set and between two ``seal``s, so that every event it waits for is
+its own. ``delay`` makes one kind of stream sleep at the start of its work
 (``torch.cuda._sleep``): the GPU acceptance script's race probes (bench/gpu_acceptance.sh).
 """
 
@@ -118,6 +120,8 @@ class CudaStreams:
     Attributes:
         delay: stream kind (``"learn"``, ``"local"``, ``"global"``) → GPU cycles that kind of
             stream sleeps before its work, every round (race probes; empty in training).
+        captured: the rounds run into a CUDA graph (engine/graphs.py): no timing events or
+            spans, no ``keep_alive`` (a graph's tensors are static).
     """
 
     WAITS = {  # what each kind of stream waits for before its work of a round (the discipline)
@@ -129,6 +133,7 @@ class CudaStreams:
     def __init__(self, states, ops: StreamOps = CUDA_OPS) -> None:
         self.states, self.ops = states, ops
         self.delay: dict[str, int] = {}
+        self.captured = False
         self.groups: dict[tuple[int, int], Any] = {}  # (device, first row) → learner stream
         self.sync_stream = [ops.new_stream(s.torch_device) for s in states]
         self.global_stream = ops.new_stream(states[0].torch_device)
@@ -172,11 +177,12 @@ class CudaStreams:
         if kind in self.delay:
             with self.ops.use(stream):
                 self.ops.sleep(self.delay[kind])
-        return self._event(stream, timing=True)
+        return None if self.captured else self._event(stream, timing=True)
 
     def _end(self, task: Any, kind: str, d: int, stream: Any, start: Any) -> Any:
-        end = self._event(stream, timing=True)
-        self.spans.append((task, kind, d, start, end))
+        end = self._event(stream, timing=start is not None)
+        if start is not None:
+            self.spans.append((task, kind, d, start, end))
         return end
 
     def begin_round(self, batch: Any) -> None:
@@ -197,7 +203,7 @@ class CudaStreams:
         if stream is None:
             stream = self.groups[d, r0] = self.ops.new_stream(self.states[d].torch_device)
         self._wait_rules("learn", stream, d, after_global=after_global)
-        for t in self._batch_leaves:
+        for t in self._batch_leaves if not self.captured else ():
             if t.device == self.states[d].torch_device:
                 self.ops.keep_alive(t, stream)
         start = self._begin("learn", stream)
@@ -217,7 +223,7 @@ class CudaStreams:
 
     def keep_for_global(self, tensors) -> None:
         """Tensors a local sync allocated (acc_d, the buffer snapshot) stay alive for ``G``."""
-        for t in tensors:
+        for t in tensors if not self.captured else ():
             if t is not None:
                 self.ops.keep_alive(t, self.global_stream)
 
@@ -249,6 +255,15 @@ class CudaStreams:
         last = [*self.local_done, *self.global_done, *(e for ev in self.learned for e in ev)]
         for s in self.states:
             self._wait_all(self.ops.current(s.torch_device), last)
+
+    def seal(self) -> None:
+        """``join``, then forget every event: what runs next on ``D`` (a round captured in a CUDA
+        graph, or after it) is ordered after the work so far and waits for no event of it (a
+        capture must not wait for an event recorded outside it, nor eager work for one inside)."""
+        self.join()
+        self.local_done = [None] * len(self.states)
+        self.global_done = []
+        self.learned = [[] for _ in self.states]
 
     def take_spans(self, *, block: bool) -> list[tuple[str, str, int, float, float]]:
         """(task id, kind, device, start, end) of the timed tasks, start and end in GPU
