@@ -252,8 +252,7 @@ class RoundGraph:
             with self.ops.capture(graph, sched.states[0].torch_device):
                 losses = sched.graph_body(entry.batch, synchronise)
         except Exception as exc:  # noqa: BLE001 - any op that cannot be captured: fall back
-            cause = exc.__cause__ if exc.__cause__ is not None else exc
-            self.failure = f"{type(cause).__name__}: {cause}".strip()
+            self.failure = _first_failure(exc)
             for s, flags in zip(sched.states, first_steps):
                 s.first_step[:] = flags
             sched.drop_streams()  # new streams: none of a failed capture's state lingers
@@ -268,6 +267,15 @@ class RoundGraph:
             self._warned.add(reason)
             warnings.warn(f"cuda_graphs=True: rounds run eagerly, without CUDA graphs: {reason}",
                           GraphWarning, stacklevel=4)
+
+
+def _first_failure(exc: BaseException) -> str:
+    """``"ExcType: message"`` of the first exception of a chain (the op that failed, not the
+    TaskError around it or the capture's end that failed after it)."""
+    first = exc
+    while (first.__cause__ or first.__context__) is not None:
+        first = first.__cause__ or first.__context__
+    return f"{type(first).__name__}: {first}".strip()
 
 
 def _clone(x: Any) -> Any:

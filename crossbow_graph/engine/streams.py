@@ -207,9 +207,11 @@ class CudaStreams:
             if t.device == self.states[d].torch_device:
                 self.ops.keep_alive(t, stream)
         start = self._begin("learn", stream)
-        with self.ops.use(stream):
-            yield
-        self.learned[d].append(self._end(task, "learn", d, stream, start))
+        try:  # the end event even when the work fails: a failed capture joins every stream
+            with self.ops.use(stream):
+                yield
+        finally:
+            self.learned[d].append(self._end(task, "learn", d, stream, start))
 
     @contextmanager
     def local(self, task: Any, d: int) -> Iterator[None]:
@@ -217,9 +219,11 @@ class CudaStreams:
         stream = self.sync_stream[d]
         self._wait_rules("local", stream, d)
         start = self._begin("local", stream)
-        with self.ops.use(stream):
-            yield
-        self.local_done[d] = self._end(task, "local", d, stream, start)
+        try:
+            with self.ops.use(stream):
+                yield
+        finally:
+            self.local_done[d] = self._end(task, "local", d, stream, start)
 
     def keep_for_global(self, tensors) -> None:
         """Tensors a local sync allocated (acc_d, the buffer snapshot) stay alive for ``G``."""
@@ -236,13 +240,15 @@ class CudaStreams:
         for d, stream in others:  # ordered after its own local sync: the same stream
             self._wait_rules("global", stream, d)
         start = self._begin("global", G)
-        with ExitStack() as stack:
-            for _, stream in others:
-                stack.enter_context(self.ops.use(stream))
-            stack.enter_context(self.ops.use(G))  # last: the first device is current
-            yield
-        self.global_done = [self._end(task, "global", 0, G, start)]
-        self.global_done += [self._event(stream) for _, stream in others]
+        try:
+            with ExitStack() as stack:
+                for _, stream in others:
+                    stack.enter_context(self.ops.use(stream))
+                stack.enter_context(self.ops.use(G))  # last: the first device is current
+                yield
+        finally:
+            self.global_done = [self._end(task, "global", 0, G, start)]
+            self.global_done += [self._event(stream) for _, stream in others]
 
     def end_round(self) -> None:
         """Step 5: every device's ``D`` waits for its learners of the round (the losses, which the
