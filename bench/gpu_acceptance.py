@@ -28,6 +28,8 @@ bench/acceptance_report.py turns them into ``$OUT/summary.md``. A section exits 
   Then the data paths (LeNet-5, b = 16, m = 4, fused; the last ``DATA_PATH_S`` of the budget):
   host data gathered on the device (``fit(data_on_device=True)``) against gathered on the host
   and copied a round ahead (``False``).
+  On a GPU also CUDA-graph rounds (``compile(cuda_graphs=True)``, both modes) and plain PyTorch's
+  step captured in one CUDA graph at b (``GRAPH_SYSTEMS``; skipped in ``--smoke``).
 
 ``--smoke`` runs every section on the CPU at tiny sizes (bench/gpu_acceptance.sh --smoke, in CI):
 Triton in its interpreter, gloo instead of NCCL, the race probes with a ``RaceRecorder`` as the
@@ -605,29 +607,107 @@ class _Meter(cg.Hook):
 
 
 def crossbow_rate(name: str, b: int, mode: str, data: TensorDataset, seconds: float,
-                  warmup: int, device: torch.device | None = None, **fit_kw) -> float:
+                  warmup: int, device: torch.device | None = None,
+                  compile_kw: dict | None = None, **fit_kw) -> float:
     """crossbow_graph samples/s with m = 4 learners at b on ``device`` (default: the data's;
-    default kernels); ``fit_kw`` go to ``fit``."""
+    default kernels); ``compile_kw``: more of compile's arguments (e.g. ``cuda_graphs=True``),
+    ``fit_kw`` go to ``fit``."""
     device = device or data.tensors[0].device
+    kw = compile_kw or {}
     plan = _compile(name, device, m=4, b=b, learner_mode=mode,
-                    optimizer=cg.SGD(lr=0.01, momentum=0.9))
+                    optimizer=cg.SGD(lr=0.01, momentum=0.9), **kw)
     meter = _Meter(device, seconds, warmup)
     plan.fit(data, 10_000, progress=False, metrics_every=None, hooks=[meter], **fit_kw)
     return meter.rate or float("nan")
+
+
+def plain_graph_rate(name: str, b: int, data: TensorDataset, seconds: float, warmup: int) -> float:
+    """Plain PyTorch samples/s at batch b with its whole step in one CUDA graph (torch.cuda's
+    whole-network capture: the random batch's gather from the default generator, forward,
+    backward, fused SGD with momentum 0.9), replayed; ``warmup`` eager steps on a side stream
+    before the capture."""
+    x, y = data.tensors
+    device = x.device
+    torch.manual_seed(0)
+    model = _model(name).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
+
+    def step():
+        idx = torch.randint(0, len(x), (b,), device=device)
+        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            opt.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        step()  # its gradients' buffers stay the graph's: each replay overwrites them
+    for _ in range(3):
+        graph.replay()
+    _sync(device)
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        graph.replay()
+        steps += 1
+        if steps % 50 == 0:
+            _sync(device)
+    _sync(device)
+    return steps * b / (time.perf_counter() - t0)
+
+
+GRAPH_SYSTEMS = ("graphs per_replica", "graphs fused", "plain graph")  # CUDA only
+
+
+def _graph_systems(datasets: dict, seconds: float, warmup: int) -> list:
+    """The throughput section's CUDA-graph columns: crossbow_graph's rounds in graphs (both
+    modes) and plain PyTorch's step in a graph, at b."""
+    return [("graphs per_replica", lambda n, b: crossbow_rate(n, b, "per_replica", datasets[n], seconds,
+                                                            warmup, compile_kw=dict(cuda_graphs=True))),
+            ("graphs fused", lambda n, b: crossbow_rate(n, b, "fused", datasets[n], seconds, warmup,
+                                                      compile_kw=dict(cuda_graphs=True))),
+            ("plain graph", lambda n, b: plain_graph_rate(n, b, datasets[n], seconds, warmup))]
+
+
+def _graph_table(sec: Section, cells: list[dict]) -> None:
+    """The CUDA-graph columns beside plain PyTorch eager and in a graph at the same b."""
+    def f(x):
+        return f"{x:,.0f}" if x is not None and x == x else "—"
+
+    def ratio(a, b):
+        return f"{a / b:.2f}×" if a and b and a == a and b == b else "—"
+
+    rows = []
+    for c in cells:
+        gp, gf, pg, pb = (c.get(k) for k in (*GRAPH_SYSTEMS, "plain b"))
+        best = max((x for x in (gp, gf) if x is not None and x == x), default=None)
+        rows.append([c["model"], c["b"], f(gp), f(gf), f(pg), ratio(best, pb), ratio(best, pg)])
+    sec.tables["CUDA graphs: samples/s (crossbow_graph: m = 4 learners at b, cuda_graphs=True; "
+               "plain: its step in one graph at b)"] = _md_table(
+        ["model", "b", "graphs per_replica", "graphs fused", "plain graph", "best ÷ plain b",
+         "best ÷ plain graph"], rows)
 
 
 def section_throughput(args, sec: Section) -> None:
     start = time.perf_counter()
     device = _device(args)
     names, bs = (["lenet5"], [8]) if args.smoke else (["lenet5", "resnet32"], [8, 16, 32])
-    seconds, warmup = (0.2, 2) if args.smoke else (0.5, 10)
+    seconds, warmup = (0.2, 2) if args.smoke else (0.25, 8)  # warm-up ≥ 4: a graph's capture
     if args.smoke:
         sec.notes.append("smoke: LeNet-5 at b = 8 on the CPU only (ResNet-32 and b = 16, 32 on a GPU)")
+        sec.notes.append(f"skip (smoke): the columns {', '.join(GRAPH_SYSTEMS)} need CUDA graphs")
     datasets = {name: synthetic(name, 512 if args.smoke else 8192, device) for name in names}
     systems = [("plain b", lambda n, b: plain_rate(n, b, datasets[n], seconds, warmup)),
                ("plain 4b", lambda n, b: plain_rate(n, 4 * b, datasets[n], seconds, warmup)),
                ("per_replica", lambda n, b: crossbow_rate(n, b, "per_replica", datasets[n], seconds, warmup)),
                ("fused", lambda n, b: crossbow_rate(n, b, "fused", datasets[n], seconds, warmup))]
+    systems += [] if args.smoke else _graph_systems(datasets, seconds, warmup)
     cells = []
     for b in bs:
         for name in names:
@@ -645,6 +725,8 @@ def section_throughput(args, sec: Section) -> None:
     sec.data["cells"] = cells
     sec.data.update(seconds_per_cell=seconds, warmup=warmup, learners=4)
     _throughput_table(sec, cells)
+    if not args.smoke:
+        _graph_table(sec, cells)
     _data_path_rates(args, sec, device, seconds, warmup)
 
 

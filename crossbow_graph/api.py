@@ -24,6 +24,7 @@ from .engine.outer import sync_facts
 from .engine.optim import OptimizerRows, as_local_optimizer
 from .engine.precision import check_precision
 from .engine.fused import fused_mode_message, vmap_failure
+from .engine.graphs import RoundGraph, cuda_graphs_refusal
 from .engine.scheduler import Scheduler
 from .engine.settings import RunSettings, settings_view
 from .engine.state import (MEMORY_FORMATS, DeviceState, FlatLayout, channels_last_weights,
@@ -139,7 +140,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     concrete_args: dict[str, Any] | None = None, leaf_modules: Sequence[type[nn.Module]] = (),
     memory_budget: int | None = None, verify: bool = True, kernel_backend: str = "auto",
     distributed: Distributed | None = None, precision: str = "fp32", strict_trace: bool = False,
-    memory_format: str = "auto",
+    memory_format: str = "auto", cuda_graphs: bool = False,
 ) -> "Plan":
     """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training.
 
@@ -193,6 +194,10 @@ def compile(  # noqa: A001 - the public name the design asks for
             so; contiguous on CUDA), ``"channels_last"`` or ``"contiguous"``
             (engine/state.py ``channels_last_weights``). Flat weights read from the plan
             (``central_weights``, checkpoints) are in the standard order either way.
+        cuda_graphs: capture each round on CUDA devices in a CUDA graph after eager warm-up
+            rounds and replay it (engine/graphs.py, docs/runtime.md "CUDA-graph rounds"): one
+            device, SMA with the SGD kernels; other rounds, or a capture that fails, run
+            eagerly with a ``GraphWarning``. Off by default.
 
     Returns:
         The Plan.
@@ -200,7 +205,8 @@ def compile(  # noqa: A001 - the public name the design asks for
     Raises:
         TraceError: the example inputs do not run through the model, or (``strict_trace``)
             torch.fx cannot trace it.
-        ValueError: a bad argument (batch size, replicas, devices, backend, precision; a model
+        ValueError: a bad argument (batch size, replicas, devices, backend, precision,
+            ``cuda_graphs=True`` without CUDA devices; a model
             without trainable float parameters; ``loss_fn=None`` without a loss in the output;
             ``"fused"`` for a model vmap cannot run; docs/reliability.md lists them).
         TypeError: ``loss_fn`` not callable, or a loss class instead of an instance.
@@ -214,7 +220,7 @@ def compile(  # noqa: A001 - the public name the design asks for
         autotune=autotune, optimizer=optimizer, sync=sync, concrete_args=concrete_args,
         leaf_modules=leaf_modules, memory_budget=memory_budget, verify=verify,
         kernel_backend=kernel_backend, distributed=distributed, precision=precision,
-        strict_trace=strict_trace, memory_format=memory_format)
+        strict_trace=strict_trace, memory_format=memory_format, cuda_graphs=cuda_graphs)
     return _build_plan(args)
 
 
@@ -243,6 +249,7 @@ class _CompileArgs:
     precision: str
     strict_trace: bool = False
     memory_format: str = "auto"
+    cuda_graphs: bool = False
 
     @property
     def tuned(self) -> bool:
@@ -298,6 +305,8 @@ def _build_plan(args: _CompileArgs) -> "Plan":
     """``compile`` after its argument checks: devices and torchrun's process group, the update
     kernels' backend, the traced model and the task graph, the Plan."""
     names, comm = _devices_and_comm(args.devices, args.distributed)
+    if args.cuda_graphs and (refusal := cuda_graphs_refusal(names)):
+        raise ValueError(refusal)
     kernels = select_backend(args.kernel_backend, "cuda" if names[0].startswith("cuda") else "cpu",
                              model_dtype(trainable_named(args.model)))
     model_graph = trace_model(args.model, args.example_inputs, concrete_args=args.concrete_args,
@@ -324,6 +333,7 @@ def _build_plan(args: _CompileArgs) -> "Plan":
                 comm=comm, precision=args.precision, example_inputs=args.example_inputs,
                 memory_format=args.memory_format)
     plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
+    plan.scheduler.round_graph = RoundGraph() if args.cuda_graphs else None
     if args.learner_mode == "fused" and plan.fused_failure is not None:
         message = fused_mode_message(type(args.model).__name__, plan.fused_failure)
         if not args.tuned:

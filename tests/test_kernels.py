@@ -297,6 +297,80 @@ def test_every_kernel_lowers_for_sm90_with_16_byte_loads(dtype):
         assert _loads(K.emit(spec).lower(arch=90)["ptx"]) == want, P
 
 
+def _scalars(**values):
+    """The hyper-parameters as 0-dim float32 tensors (the form a CUDA graph captures)."""
+    return {k: torch.tensor(v, dtype=torch.float32) for k, v in values.items()}
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", pytest.param("c", marks=pytest.mark.skipif(
+    not c_kernels_available(), reason="no C compiler"))])
+@pytest.mark.parametrize("momentum,nesterov,weight_decay,alpha", [
+    (0.9, False, 0.0, 0.25), (0.9, True, 5e-3, 1.0), (0.0, False, 1e-3, 0.3)])
+def test_tensor_hyper_parameters_equal_the_numbers(backend, momentum, nesterov, weight_decay, alpha):
+    """η, μ_l, λ, α and μ_z as 0-dim float32 tensors give the numbers' results (Triton: the
+    same arithmetic on the loaded values, bitwise; torch: the products in other operations,
+    within the usual tolerances); a changed tensor value changes the next launch's result as
+    the number would."""
+    kernels = {"triton": TRITON, "torch": TorchSMAKernels()}.get(backend) or CSMAKernels()
+    w, v, g, z = make_inputs(3, 130)
+    w_t, v_t = w.clone(), v.clone()
+    hyper = dict(lr=0.05, momentum=momentum, weight_decay=weight_decay, alpha=alpha)
+    tensors = _scalars(**hyper)
+    if momentum == 0:
+        tensors["momentum"] = 0.0  # the number 0 compiles the branch out among tensors
+    exact = backend == "triton"
+    same = (lambda a, b: torch.equal(a, b)) if exact else \
+        (lambda a, b: torch.allclose(a, b, atol=ATOL, rtol=RTOL))
+    for step, lr in enumerate((0.05, 0.2)):  # η changes between the launches
+        hyper["lr"] = lr
+        tensors["lr"].fill_(lr)
+        acc = kernels.local_update(w, v, g, z, nesterov=nesterov, first_step=step == 0, **hyper)
+        acc_t = kernels.local_update(w_t, v_t, g, z, nesterov=nesterov, first_step=step == 0,
+                                     **tensors)
+        assert same(w, w_t) and same(acc, acc_t), (step, (w - w_t).abs().max())
+        if momentum:
+            assert same(v, v_t)
+        g = g.roll(1, dims=1)
+    assert not torch.allclose(w, make_inputs(3, 130)[0])  # it moved
+    for mu_z in (0.9, 0.5):
+        zs = [z.clone(), z.clone()]
+        prev = [z + 0.1, z + 0.1]
+        kernels.central_update(zs[0], prev[0], acc, central_momentum=mu_z)
+        kernels.central_update(zs[1], prev[1], acc, central_momentum=torch.tensor(mu_z))
+        assert same(zs[0], zs[1]) and same(prev[0], prev[1]), mu_z
+
+
+def test_tensor_hyper_parameters_are_checked():
+    """Tensors and numbers mixed (other than a 0 that compiles a branch out), or a tensor of
+    another shape or dtype, are TypeErrors naming the argument."""
+    w, v, g, z = make_inputs(2, 40)
+    kw = dict(nesterov=False, first_step=False, weight_decay=0.0)
+    with pytest.raises(TypeError, match="momentum=0.9 is a number"):
+        TRITON.local_update(w, v, g, z, lr=torch.tensor(0.1), momentum=0.9, alpha=torch.tensor(0.5), **kw)
+    with pytest.raises(TypeError, match="lr must be a number or a 0-dim float32 tensor"):
+        TRITON.local_update(w, v, g, z, lr=torch.tensor([0.1]), momentum=0.0, alpha=0.5, **kw)
+    with pytest.raises(TypeError, match="alpha must be"):
+        TRITON.local_update(w, v, g, z, lr=torch.tensor(0.1), momentum=0.0,
+                            alpha=torch.tensor(0.5, dtype=torch.float64), **kw)
+
+
+def test_tensor_hyper_parameter_kernels_lower_for_sm90():
+    """With ``hyper_ptr`` the kernels lower for sm_90 with nothing spilled, the same 16-byte
+    vector loads of the rows as with numbers, and one scalar load per hyper-parameter."""
+    opts = dict(momentum=0.9, nesterov=True, weight_decay=1e-4, first_step=False, correct=True)
+    for make, extra in ((lambda hp: K.local_spec(8, 61_706, torch.float32, "cuda", row_stride=61_728,
+                                                 hyper_ptr=hp, **opts), 4),
+                        (lambda hp: K.central_spec(61_706, "cuda", central_momentum=0.9,
+                                                   hyper_ptr=hp), 1)):
+        spec = make(True)
+        assert "HYPER_PTR=1" in spec.describe() and spec.constexprs["HYPER_PTR"] is True
+        asm = K.emit(spec).lower(arch=90)
+        used = K.cubin_resources(asm["cubin"])
+        assert used["local_bytes"] == used["stack_bytes"] == 0, used
+        numbers = _loads(K.emit(make(False)).lower(arch=90)["ptx"])
+        assert _loads(asm["ptx"]) == numbers + Counter({"ld.global.b32": extra}), spec.describe()
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()

@@ -90,6 +90,8 @@ class Scheduler(RoundInterpreter):
             (engine/outer.py ``OuterOptimizer``, built here), else None.
         batch_ahead: the batch copied to the devices one round ahead (``prefetch``;
             engine/prefetch.py ``BatchPrefetch``).
+        round_graph: a ``graphs.RoundGraph`` that captures the inline executor's rounds in CUDA
+            graphs and replays them (``compile(..., cuda_graphs=True)``), or None: eager rounds.
     """
 
     lr = settings_view("lr", "η in force (read-only: ``settings.lr``).")
@@ -134,6 +136,9 @@ class Scheduler(RoundInterpreter):
         self._onednn_choices: dict[int, bool] = {}  # b → measured choice (conv_choice.choose_onednn)
         self.outer = OuterOptimizer(settings.sync.outer_optimizer, states[0].z) \
             if isinstance(settings.sync, DiLoCo) else None  # raises TypeError, ValueError
+        self.round_graph = None  # a graphs.RoundGraph: CUDA-graph rounds
+        self._in_graph = False  # the round body runs as a graph captures it (graph_body)
+        self._graph_losses: list[torch.Tensor] = []
         self.set_task_graph(task_graph)
 
     # -- configuration ------------------------------------------------------------------------
@@ -160,6 +165,8 @@ class Scheduler(RoundInterpreter):
             self.flush()  # the new graph's streams start after the old ones' work
         self._cuda = None
         self.batch_ahead.drop()  # split for the old graph's devices and rows
+        if getattr(self, "round_graph", None) is not None:
+            self.round_graph.clear()  # other tasks, other buffers: new graphs
 
     @property
     def num_learners(self) -> int:
@@ -298,6 +305,9 @@ class Scheduler(RoundInterpreter):
                 batch, copied = ahead
             else:
                 batch = self._fetch(indices) if self._load is None else self._load(round_index, indices)
+        if self.round_graph is not None and self._streams() is not None and \
+                self.round_graph.run_round(self, round_index, batch, synchronise):
+            return
         self._batch = batch
         self._round_losses = {d: [None] * s.m for d, s in enumerate(self.states)}  # for the fault test
         self._synchronise = synchronise
@@ -315,13 +325,58 @@ class Scheduler(RoundInterpreter):
         each device's rows to it on its copy stream (``CudaStreams.copy_in``), while the rounds
         issued so far run; ``run_round`` of that round takes it if its indices are these
         (``batch_ahead``). Nothing without CUDA streams (the inline executor on CUDA devices, or
-        ``stream_ops`` set)."""
-        if self.resolved_executor() != "inline" or self._streams() is None:
+        ``stream_ops`` set), nor with CUDA-graph rounds (they copy each batch into static inputs)."""
+        if self.resolved_executor() != "inline" or self._streams() is None or \
+                self.round_graph is not None:
             return
         batch = self._fetch(indices) if self._load is None else self._load(round_index, indices)
         b, first = self.batch_size, self.program.first
         bounds = [(first[d] * b, (first[d] + s.m) * b) for d, s in enumerate(self.states)]
         self.batch_ahead.put(round_index, indices, *self._cuda.copy_in(device_parts(batch, bounds)))
+
+    # -- CUDA-graph rounds (engine/graphs.py) ----------------------------------------------------
+
+    @property
+    def cuda_streams(self) -> CudaStreams | None:
+        """The inline executor's streams (engine/streams.py), made at the first round on CUDA
+        devices or with ``stream_ops`` set; None otherwise."""
+        return self._streams()
+
+    def drop_streams(self) -> None:
+        """Forget the streams (after a failed capture): the next round makes new ones."""
+        self._cuda = None
+
+    def graph_body(self, batch: Any, synchronise: bool) -> list[torch.Tensor]:
+        """One round's tasks as a CUDA graph captures them (``RoundGraph``): on the streams
+        between two ``seal``s, the update kernels reading the hyper-parameters from the round
+        graph's device tensors, no dropout seeding (the round graph seeds before), no host copy of
+        the fault masks and no timing (``graph_epilogue`` does what follows a replay). Returns
+        the learners' losses (0-dim tensors, in learning order)."""
+        self._batch = batch
+        self._round_losses = {d: [None] * s.m for d, s in enumerate(self.states)}
+        self._synchronise = synchronise
+        self._graph_losses = []
+        self._in_graph = True
+        try:
+            self._cuda.begin_round(batch)
+            self.run(self.order)
+        finally:
+            self._in_graph = False
+            self._cuda.seal()  # every stream joins the caller's again
+        return self._graph_losses
+
+    def graph_epilogue(self, round_index: int, losses: list[torch.Tensor]) -> None:
+        """After a graph round (or its eager warm-up): its losses (copies) into ``losses``, each
+        device's fault mask to the host behind an event, the faults of the rounds before."""
+        self.losses.extend(losses)
+        for d, mask in enumerate(self.fault_masks):
+            if mask is not None:
+                self._read_late(d, 0, mask, self._cuda.ops.current(self.states[d].torch_device))
+        self._take_late_faults(block=False, before=round_index)
+
+    def _graph_hyper(self, state: DeviceState):
+        """In a graph round's body, the device's hyper-parameter tensors (graphs.DeviceHyper)."""
+        return self.round_graph.hyper_of(state) if self._in_graph else None
 
     def run_task(self, task: Task) -> None:
         """Run one task (``RoundInterpreter.run_task``), timed: its span goes to the timeline and
@@ -354,15 +409,16 @@ class Scheduler(RoundInterpreter):
         else:
             r0, r1 = self.program.rows[task.id]
         state, b, first = self.states[d], self.batch_size, self.program.first[d]
-        batch = self._batch
+        batch, at = self._batch, first
         if isinstance(batch, DeviceParts):  # copied ahead: device d's rows, on device d
-            batch, first = batch.parts[d], 0
-        mine = rows(batch, (first + r0) * b, (first + r1) * b)
+            batch, at = batch.parts[d], 0
+        mine = rows(batch, (at + r0) * b, (at + r1) * b)
+        seed = None if self._in_graph else \
+            learner_seed(self.seed, self.round_index, self.learner_offset + first + r0)
         with self._on_stream("learn", task, d, r0):
             losses = learn_group(state, r0, r1, mine, self.loss_fn, b, self.learner_mode,
-                                 self._fused[d], rng_seed=learner_seed(self.seed, self.round_index,
-                                                                       self.learner_offset + first + r0))
-        self.losses.extend(losses)
+                                 self._fused[d], rng_seed=seed)
+        (self._graph_losses if self._in_graph else self.losses).extend(losses)
         self._round_losses[d][r0:r1] = losses
 
     def local_sync(self, task: Task) -> None:
@@ -422,13 +478,14 @@ class Scheduler(RoundInterpreter):
         z = state.z if synchronise and alpha else None
         if optimizer.kernel:
             sgd = optimizer.sgd()
+            hyper = self._graph_hyper(state)  # a graph round: device tensors, read at replay
+            alpha_in = alpha if z is not None else 0.0
+            args = hyper.local_args(sgd, alpha_in) if hyper is not None else dict(
+                lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay, alpha=alpha_in)
             acc = self.kernels.local_update(
-                state.w[r0:r1], state.v[r0:r1], state.g[r0:r1], z, lr=sgd.lr,
-                momentum=sgd.momentum, nesterov=sgd.nesterov, weight_decay=sgd.weight_decay,
-                alpha=alpha if z is not None else 0.0,
+                state.w[r0:r1], state.v[r0:r1], state.g[r0:r1], z, nesterov=sgd.nesterov,
                 first_step=all(state.first_step[r0:r1]),  # a new replica's momentum is zero: same maths
-                out=out,
-            )
+                out=out, **args)
             state.first_step[r0:r1] = [False] * (r1 - r0)
         else:
             acc = row_update(state, r0, r1, z, alpha, out)
@@ -483,6 +540,8 @@ class Scheduler(RoundInterpreter):
             return
         home = states[0].torch_device
         mu_z = self.settings.sync.central_momentum
+        if self._in_graph:  # a graph round: μ_z from its device tensor (one device)
+            mu_z = self._graph_hyper(states[0]).central(mu_z)
         on_cpu = all(s.torch_device.type == "cpu" for s in states)
         shared = on_cpu and self.comm is None
         with self._on_stream("global", self._global_task):
@@ -624,7 +683,8 @@ class Scheduler(RoundInterpreter):
             full = self.fault_masks[d] = torch.zeros(state.m, dtype=torch.bool, device=mask.device)
             self._cuda.ops.keep_alive(full, self._cuda.default[d])  # read there (the metrics)
         full[a:a + len(mask)].copy_(mask)
-        self._read_late(d, a, mask, self._cuda.sync_stream[d])
+        if not self._in_graph:  # a graph round's mask goes to the host after it (graph_epilogue)
+            self._read_late(d, a, mask, self._cuda.sync_stream[d])
 
     def _read_late(self, d: int, a: int, t: torch.Tensor, stream) -> None:
         """Copy ``t`` (a fault mask of device d's rows a …, or with d = −1 the all-reduced fault

@@ -31,7 +31,9 @@ copied on each device's copy stream ``C_d`` while the round before runs. Every r
 ``StreamOps`` is the one place that touches ``torch.cuda``'s streams and events; a
 ``RaceRecorder`` (engine/race_check.py) stands in for it on CPU devices, running the same
 discipline on simulated streams and reporting every pair of unordered accesses, so the ordering is
-tested without a GPU. ``delay`` makes one kind of stream sleep at the start of its work
+tested without a GPU. A round captured in a CUDA graph (engine/graphs.py) runs the same
+discipline with ``captured`` set and between two ``seal``s, so that every event it waits for is
+its own. ``delay`` makes one kind of stream sleep at the start of its work
 (``torch.cuda._sleep``): the GPU acceptance script's race probes (bench/gpu_acceptance.sh).
 """
 
@@ -135,6 +137,8 @@ class CudaStreams:
         delay: stream kind (``"learn"``, ``"local"``, ``"global"``, or ``"copy"``: the copy
             streams) → GPU cycles that kind of stream sleeps before its work, every round (race
             probes; empty in training).
+        captured: the rounds run into a CUDA graph (engine/graphs.py): no timing events or
+            spans, no ``keep_alive`` (a graph's tensors are static).
     """
 
     WAITS = {  # what each kind of stream waits for before its work of a round (the discipline)
@@ -146,6 +150,7 @@ class CudaStreams:
     def __init__(self, states, ops: StreamOps = CUDA_OPS) -> None:
         self.states, self.ops = states, ops
         self.delay: dict[str, int] = {}
+        self.captured = False
         self.groups: dict[tuple[int, int], Any] = {}  # (device, first row) → learner stream
         self.sync_stream = [ops.new_stream(s.torch_device) for s in states]
         self.global_stream = ops.new_stream(states[0].torch_device)
@@ -193,11 +198,12 @@ class CudaStreams:
         if kind in self.delay:
             with self.ops.use(stream):
                 self.ops.sleep(self.delay[kind])
-        return self._event(stream, timing=True)
+        return None if self.captured else self._event(stream, timing=True)
 
     def _end(self, task: Any, kind: str, d: int, stream: Any, start: Any) -> Any:
-        end = self._event(stream, timing=True)
-        self.spans.append((task, kind, d, start, end))
+        end = self._event(stream, timing=start is not None)
+        if start is not None:
+            self.spans.append((task, kind, d, start, end))
         return end
 
     def copy_in(self, parts: list[Any]) -> tuple[DeviceParts, list[Any]]:
@@ -245,13 +251,15 @@ class CudaStreams:
         if stream is None:
             stream = self.groups[d, r0] = self.ops.new_stream(self.states[d].torch_device)
         self._wait_rules("learn", stream, d, after_global=after_global)
-        for t in self._batch_leaves:
+        for t in self._batch_leaves if not self.captured else ():
             if t.device == self.states[d].torch_device:
                 self.ops.keep_alive(t, stream)
         start = self._begin("learn", stream)
-        with self.ops.use(stream):
-            yield
-        self.learned[d].append(self._end(task, "learn", d, stream, start))
+        try:  # the end event even when the work fails: a failed capture joins every stream
+            with self.ops.use(stream):
+                yield
+        finally:
+            self.learned[d].append(self._end(task, "learn", d, stream, start))
 
     @contextmanager
     def local(self, task: Any, d: int) -> Iterator[None]:
@@ -259,13 +267,15 @@ class CudaStreams:
         stream = self.sync_stream[d]
         self._wait_rules("local", stream, d)
         start = self._begin("local", stream)
-        with self.ops.use(stream):
-            yield
-        self.local_done[d] = self._end(task, "local", d, stream, start)
+        try:
+            with self.ops.use(stream):
+                yield
+        finally:
+            self.local_done[d] = self._end(task, "local", d, stream, start)
 
     def keep_for_global(self, tensors) -> None:
         """Tensors a local sync allocated (acc_d, the buffer snapshot) stay alive for ``G``."""
-        for t in tensors:
+        for t in tensors if not self.captured else ():
             if t is not None:
                 self.ops.keep_alive(t, self.global_stream)
 
@@ -278,13 +288,15 @@ class CudaStreams:
         for d, stream in others:  # ordered after its own local sync: the same stream
             self._wait_rules("global", stream, d)
         start = self._begin("global", G)
-        with ExitStack() as stack:
-            for _, stream in others:
-                stack.enter_context(self.ops.use(stream))
-            stack.enter_context(self.ops.use(G))  # last: the first device is current
-            yield
-        self.global_done = [self._end(task, "global", 0, G, start)]
-        self.global_done += [self._event(stream) for _, stream in others]
+        try:
+            with ExitStack() as stack:
+                for _, stream in others:
+                    stack.enter_context(self.ops.use(stream))
+                stack.enter_context(self.ops.use(G))  # last: the first device is current
+                yield
+        finally:
+            self.global_done = [self._end(task, "global", 0, G, start)]
+            self.global_done += [self._event(stream) for _, stream in others]
 
     def end_round(self) -> None:
         """Step 5: every device's ``D`` waits for its learners of the round (the losses, which the
@@ -297,6 +309,15 @@ class CudaStreams:
         last = [*self.local_done, *self.global_done, *(e for ev in self.learned for e in ev)]
         for s in self.states:
             self._wait_all(self.ops.current(s.torch_device), last)
+
+    def seal(self) -> None:
+        """``join``, then forget every event: what runs next on ``D`` (a round captured in a CUDA
+        graph, or after it) is ordered after the work so far and waits for no event of it (a
+        capture must not wait for an event recorded outside it, nor eager work for one inside)."""
+        self.join()
+        self.local_done = [None] * len(self.states)
+        self.global_done = []
+        self.learned = [[] for _ in self.states]
 
     def take_spans(self, *, block: bool) -> list[tuple[str, str, int, float, float]]:
         """(task id, kind, device, start, end) of the timed tasks, start and end in GPU

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CompilerError
-from .torch_ref import sma_central_update, sma_local_update
+from .torch_ref import sma_central_update, sma_local_update, is_on
 
 __all__ = ["CSMAKernels", "c_kernels_available", "load_library", "SOURCE_PATH", "CompilerError"]
 
@@ -260,10 +260,11 @@ class CSMAKernels:
                      out: torch.Tensor | None = None) -> torch.Tensor | None:
         """See ``crossbow_graph.kernels.torch_ref.sma_local_update``: ``w, v, g [m, P]``, ``z [P]`` or
         None; returns ``acc [P]`` (written into ``out [P]`` when given), or None without a
-        correction."""
+        correction. Hyper-parameters given as tensors take the torch path (read on the device)."""
         m, P = w.shape
-        correct = z is not None and alpha != 0
-        if not (_rows_ok(w, (m, P)) and _rows_ok(g, (m, P))
+        correct = z is not None and is_on(alpha)
+        if any(isinstance(x, torch.Tensor) for x in (lr, momentum, weight_decay, alpha)) or not (
+                _rows_ok(w, (m, P)) and _rows_ok(g, (m, P))
                 and (momentum == 0 or _rows_ok(v, (m, P))) and (not correct or _vec_ok(z, P))
                 and (out is None or _vec_ok(out, P))):
             return sma_local_update(w, v, g, z, lr=lr, momentum=momentum, nesterov=nesterov,
@@ -299,7 +300,7 @@ class CSMAKernels:
         ``zs[0], z_prevs[0]``. All ``[P]`` float32 contiguous CPU tensors; else nothing is done
         and False returned (the scheduler then takes the same steps in torch)."""
         P = zs[0].shape[0]
-        if not all(_vec_ok(t, P) for t in (*zs, *z_prevs, *parts)) or len(zs) != len(z_prevs):
+        if isinstance(central_momentum, torch.Tensor) or not all(_vec_ok(t, P) for t in (*zs, *z_prevs, *parts)) or len(zs) != len(z_prevs):
             return False
         arrays = [(ctypes.c_void_p * len(ts))(*(t.data_ptr() for t in ts))
                   for ts in (parts, zs, z_prevs)]

@@ -36,13 +36,16 @@ class SMAKernels(Protocol):
                      out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The local step and correction of a device's replicas, in place: the semantics of
         ``torch_ref.sma_local_update`` (the oracle). Returns ``acc [P]`` (in ``out`` when given),
-        or None without a correction (``z`` None or ``alpha == 0``)."""
+        or None without a correction (``z`` None or ``alpha == 0``). ``lr``, ``momentum``,
+        ``weight_decay``, ``alpha`` are numbers or 0-dim float32 tensors on w's device, read at
+        run time (what a captured CUDA graph needs; the C backend takes the torch path then)."""
         ...
 
     def central_update(self, z: torch.Tensor, z_prev: torch.Tensor, c: torch.Tensor, *,
                        central_momentum: float) -> None:
         """z ← z + c + μ_z·(z − z_prev), then z_prev ← the old z, in place
-        (``torch_ref.sma_central_update``)."""
+        (``torch_ref.sma_central_update``); ``central_momentum`` a number or a 0-dim float32
+        tensor on z's device."""
         ...
 
     def central_update_shared(self, zs: list[torch.Tensor], z_prevs: list[torch.Tensor],

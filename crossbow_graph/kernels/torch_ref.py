@@ -7,6 +7,11 @@ bfloat16/float16 model they are the fp32 masters, engine/state.py), or float64 f
 model; ``g`` is in the model's dtype and is upcast element by element, so a small correction is
 never rounded away.
 
+The run-time hyper-parameters (η, μ_l, λ, α, μ_z) are Python numbers or 0-dim float32 tensors on
+the buffers' device: a tensor is read by the operations at run time (a CUDA graph that captured
+them reads its current value at every replay), and the branch it controls (momentum, weight
+decay, the correction) is taken whatever its value; give the number 0 to leave a branch out.
+
 On the CPU both go over P in column blocks of about BLOCK_BYTES of each ``[m, ·]`` buffer — the
 blocking of the Triton kernels — so that a block's temporaries stay in cache instead of streaming
 ``[m, P]`` through memory once per operation (bench/sma_kernel.py measures it).
@@ -16,9 +21,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sma_local_update", "sma_central_update", "TorchSMAKernels", "BLOCK_BYTES"]
+__all__ = ["sma_local_update", "sma_central_update", "TorchSMAKernels", "BLOCK_BYTES", "Hyper",
+           "is_on"]
 
 BLOCK_BYTES = 1 << 20  # CPU: bytes of each [m, ·] buffer per column block (1 MiB)
+
+Hyper = float | torch.Tensor  # a run-time hyper-parameter: a number or a 0-dim float32 tensor
+
+
+def is_on(value: Hyper) -> bool:
+    """Whether the branch a hyper-parameter controls runs: a tensor always (its value is read on
+    the device, never on the host), a number when it is not 0."""
+    return isinstance(value, torch.Tensor) or value != 0
 
 
 @torch.no_grad()
@@ -28,11 +42,11 @@ def sma_local_update(
     g: torch.Tensor,
     z: torch.Tensor | None,
     *,
-    lr: float,
-    momentum: float,
+    lr: Hyper,
+    momentum: Hyper,
     nesterov: bool,
-    weight_decay: float,
-    alpha: float,
+    weight_decay: Hyper,
+    alpha: Hyper,
     first_step: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
@@ -63,11 +77,14 @@ def sma_local_update(
         first_step: the momentum buffers hold nothing yet (torch.optim.SGD copies d into them).
         out: ``[P]`` in ``w``'s dtype to write acc into (default: a new tensor).
 
+    ``lr``, ``momentum``, ``weight_decay`` and ``alpha`` may be 0-dim float32 tensors on ``w``'s
+    device (this module's docstring): the same equations, read at run time.
+
     Returns:
         ``acc [P]``, the device's sum of corrections, or ``None`` without a correction.
     """
     m, P = w.shape
-    correct = z is not None and alpha != 0
+    correct = z is not None and is_on(alpha)
     acc = (out if out is not None else torch.empty(P, dtype=w.dtype, device=w.device)) if correct else None
     step = _block_columns(w, m)
     for a in range(0, P, step):
@@ -89,6 +106,10 @@ def _block_columns(w: torch.Tensor, m: int) -> int:
 def _local_block(w, v, g, z, acc, *, lr, momentum, nesterov, weight_decay, alpha, first_step):
     # as few passes over the [m, n] block as the equations allow (each costs about as much as the
     # arithmetic on this CPU): v in one fused add, c_j = α·e_j folded into w's update and acc
+    if any(isinstance(x, torch.Tensor) for x in (lr, momentum, weight_decay, alpha)):
+        _local_block_read(w, v, g, z, acc, lr=lr, momentum=momentum, nesterov=nesterov,
+                          weight_decay=weight_decay, alpha=alpha, first_step=first_step)
+        return
     d = g if weight_decay == 0 else g.add(w, alpha=weight_decay)
     if momentum != 0:
         if first_step:
@@ -115,9 +136,31 @@ def _local_block(w, v, g, z, acc, *, lr, momentum, nesterov, weight_decay, alpha
     acc.mul_(alpha)
 
 
+def _local_block_read(w, v, g, z, acc, *, lr, momentum, nesterov, weight_decay, alpha,
+                      first_step):
+    """``_local_block`` with hyper-parameters that may be 0-dim tensors (read at run time): the
+    same equations, each product its own operation (no Python number is baked in)."""
+    d = g if not is_on(weight_decay) else g + weight_decay * w
+    if is_on(momentum):
+        if first_step:
+            v.copy_(d)
+        else:
+            v.mul_(momentum).add_(d)  # v ← μ_l·v + d
+        u = d + momentum * v if nesterov else v
+    else:
+        u = d
+    if z is None:
+        w.sub_(lr * u)
+        return
+    e = torch.sub(w, z)  # ŵ_j − z, [m, n]
+    w.sub_(lr * u).sub_(alpha * e)
+    torch.sum(e, dim=0, out=acc)
+    acc.mul_(alpha)
+
+
 @torch.no_grad()
 def sma_central_update(
-    z: torch.Tensor, z_prev: torch.Tensor, c: torch.Tensor, *, central_momentum: float
+    z: torch.Tensor, z_prev: torch.Tensor, c: torch.Tensor, *, central_momentum: Hyper
 ) -> None:
     """The central average model's update (docs/design-overview.md §2, step 3), in place.
 
@@ -127,13 +170,13 @@ def sma_central_update(
         z: central average model, ``[P]``.
         z_prev: its value before the previous update, ``[P]``.
         c: sum of all learners' corrections over every device and process, ``[P]``.
-        central_momentum: μ_z.
+        central_momentum: μ_z, a number or a 0-dim float32 tensor on z's device.
     """
     P = z.shape[0]
     n = _block_columns(z.view(1, P), 1)
     for a in range(0, P, n):
         zb, zpb, cb = z[a:a + n], z_prev[a:a + n], c[a:a + n]
-        if central_momentum == 0:
+        if not is_on(central_momentum):
             zpb.copy_(zb)
             zb.add_(cb)
             continue

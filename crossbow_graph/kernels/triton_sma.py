@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .torch_ref import sma_central_update, sma_local_update
+from .torch_ref import Hyper, is_on, sma_central_update, sma_local_update
 
 __all__ = ["KernelSpec", "EmittedKernel", "TritonSMAKernels", "emit", "local_spec", "central_spec",
            "default_block", "cubin_resources", "import_triton", "device_type", "UNROLL_MAX",
@@ -78,10 +78,10 @@ def sma_local_kernel(
     g_ptr,  # [M, P] float32/bfloat16/float16, rows ROW_STRIDE apart: gradients at ŵ (upcast)
     z_ptr,  # [P] float32: the device's central model z (read only if CORRECT)
     acc_ptr,  # [P] float32: out, acc_d = Σ_j c_j (written only if CORRECT)
-    lr,  # float32 scalar: learning rate η (run-time: policies change it)
-    momentum,  # float32 scalar: μ_l
-    weight_decay,  # float32 scalar: λ
-    alpha,  # float32 scalar: α, the pull toward z (run-time: re-derived when k changes)
+    lr,  # float32 scalar, or with HYPER_PTR a pointer to it: learning rate η (run-time)
+    momentum,  # float32 scalar (or pointer, HYPER_PTR): μ_l
+    weight_decay,  # float32 scalar (or pointer, HYPER_PTR): λ
+    alpha,  # float32 scalar (or pointer, HYPER_PTR): α, the pull toward z (run-time)
     P: tl.constexpr,  # parameters per replica (row length)
     ROW_STRIDE: tl.constexpr,  # elements from row j to row j+1 of W, V, G (≥ P; the pad unread)
     M: tl.constexpr,  # replicas on the device (rows)
@@ -93,7 +93,13 @@ def sma_local_kernel(
     FIRST_STEP: tl.constexpr,  # V holds nothing yet: v ← d (torch.optim.SGD's first step)
     CORRECT: tl.constexpr,  # apply c_j = α(ŵ_j − z) and write acc_d (a synchronising round)
     INT64: tl.constexpr,  # M·ROW_STRIDE ≥ 2^31: index in 64 bits
+    HYPER_PTR: tl.constexpr,  # lr … alpha point to 0-dim float32 tensors, read at every launch
 ):
+    if HYPER_PTR:  # device memory, so that a captured launch (a CUDA graph) reads the current value
+        lr = tl.load(lr)
+        momentum = tl.load(momentum)
+        weight_decay = tl.load(weight_decay)
+        alpha = tl.load(alpha)
     pid = tl.program_id(0)
     cols = pid * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] this program's columns
     if INT64:
@@ -149,11 +155,14 @@ def sma_central_kernel(
     z_ptr,  # [P] float32: central model z, read, written z_new
     z_prev_ptr,  # [P] float32: z before the previous update, read (if MOMENTUM), written z
     c_ptr,  # [P] float32: C = Σ over all devices of acc_d (read)
-    central_momentum,  # float32 scalar: μ_z
+    central_momentum,  # float32 scalar, or with HYPER_PTR a pointer to it: μ_z
     P: tl.constexpr,  # parameters
     BLOCK: tl.constexpr,  # elements per program (a power of two)
     MOMENTUM: tl.constexpr,  # μ_z ≠ 0
+    HYPER_PTR: tl.constexpr,  # central_momentum points to a 0-dim float32 tensor
 ):
+    if HYPER_PTR:
+        central_momentum = tl.load(central_momentum)
     pid = tl.program_id(0)
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     tail = pid >= P // BLOCK
@@ -224,6 +233,9 @@ class KernelSpec:
         block: columns per program (power of two); the grid is ceil(P / block) programs.
         flags: ``(name, value)`` of each boolean constexpr (MOMENTUM, NESTEROV, …).
         device_type: ``"cuda"`` (compiled) or ``"cpu"`` (Triton's interpreter).
+        hyper_ptr: the run-time hyper-parameters (η, μ_l, λ, α; μ_z) are pointers to 0-dim
+            float32 tensors, loaded at every launch (constexpr ``HYPER_PTR``; what a CUDA graph
+            needs, since a number is frozen into a captured launch), instead of numbers.
     """
 
     kind: str
@@ -234,6 +246,7 @@ class KernelSpec:
     block: int
     flags: tuple[tuple[str, bool], ...]
     device_type: str
+    hyper_ptr: bool = False
 
     @property
     def unroll(self) -> int:
@@ -255,6 +268,7 @@ class KernelSpec:
             out.update(ROW_STRIDE=self.row_stride, M=self.m, UNROLL=self.unroll)
         out["BLOCK"] = self.block
         out.update(self.flags)
+        out["HYPER_PTR"] = self.hyper_ptr
         return out
 
     @property
@@ -265,6 +279,7 @@ class KernelSpec:
         """One line: kind, m, P (and the row stride when it is not P), dtype, flags; with
         ``launch``, the block and the grid too."""
         flags = ", ".join(f"{k}={int(v)}" for k, v in self.flags if launch or k != "INT64")
+        flags += ", HYPER_PTR=1" if self.hyper_ptr else ""
         dtype = str(self.dtype).removeprefix("torch.")
         rows = f"P={self.P:,}" + (f", row_stride={self.row_stride:,}"
                                   if self.row_stride != self.P else "")
@@ -274,11 +289,13 @@ class KernelSpec:
                 f"{flags}] grid={self.grid[0]}")
 
 
-def local_spec(m: int, P: int, dtype: torch.dtype, device_type: str, *, momentum: float,
-               nesterov: bool, weight_decay: float, first_step: bool, correct: bool,
-               block: int | None = None, row_stride: int | None = None) -> KernelSpec:
+def local_spec(m: int, P: int, dtype: torch.dtype, device_type: str, *, momentum: Hyper,
+               nesterov: bool, weight_decay: Hyper, first_step: bool, correct: bool,
+               block: int | None = None, row_stride: int | None = None,
+               hyper_ptr: bool = False) -> KernelSpec:
     """The spec of the local kernel for these options (flags normalised: no momentum ⇒ no
-    Nesterov, no first step; ``row_stride`` None or m = 1 ⇒ P).
+    Nesterov, no first step; ``row_stride`` None or m = 1 ⇒ P). A tensor ``momentum`` or
+    ``weight_decay`` turns its branch on (``torch_ref.is_on``); ``hyper_ptr``: see KernelSpec.
 
     Raises:
         ValueError: ``row_stride < P`` (rows would overlap).
@@ -287,19 +304,21 @@ def local_spec(m: int, P: int, dtype: torch.dtype, device_type: str, *, momentum
     if stride < P:
         raise ValueError(f"row_stride={stride} < P={P}: the rows of W, V, G would overlap; "
                          f"pass the tensors' stride(0) (≥ P)")
-    has_mom = momentum != 0
+    has_mom = is_on(momentum)
     flags = (("MOMENTUM", has_mom), ("NESTEROV", has_mom and bool(nesterov)),
-             ("WEIGHT_DECAY", weight_decay != 0), ("FIRST_STEP", has_mom and bool(first_step)),
+             ("WEIGHT_DECAY", is_on(weight_decay)), ("FIRST_STEP", has_mom and bool(first_step)),
              ("CORRECT", bool(correct)), ("INT64", m * stride >= 2**31))
     return KernelSpec("sma_local", m, P, stride, dtype, block or default_block(P, device_type),
-                      flags, device_type)
+                      flags, device_type, bool(hyper_ptr))
 
 
-def central_spec(P: int, device_type: str, *, central_momentum: float,
-                 block: int | None = None, dtype: torch.dtype = torch.float32) -> KernelSpec:
-    """The spec of the central kernel (``dtype``: the masters', z's)."""
+def central_spec(P: int, device_type: str, *, central_momentum: Hyper,
+                 block: int | None = None, dtype: torch.dtype = torch.float32,
+                 hyper_ptr: bool = False) -> KernelSpec:
+    """The spec of the central kernel (``dtype``: the masters', z's; ``hyper_ptr``: see
+    KernelSpec)."""
     return KernelSpec("sma_central", 1, P, P, dtype, block or default_block(P, device_type),
-                      (("MOMENTUM", central_momentum != 0),), device_type)
+                      (("MOMENTUM", is_on(central_momentum)),), device_type, bool(hyper_ptr))
 
 
 @dataclass(eq=False)
@@ -366,6 +385,8 @@ class EmittedKernel:
                      for name in fn.arg_names}
         if self.spec.kind == "sma_local":
             signature["g_ptr"] = "*" + _TRITON_DTYPE[self.spec.dtype]
+        if self.spec.hyper_ptr:  # the hyper-parameters are pointers to float32 scalars
+            signature.update({name: "*fp32" for name in _HYPER_NAMES if name in signature})
         # the JIT's specialisation: every tensor torch allocates is 16-byte aligned
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                    if name.endswith("_ptr")}
@@ -412,6 +433,8 @@ _ARG_TYPES = {"w_ptr": "*fp32", "v_ptr": "*fp32", "g_ptr": "*fp32", "z_ptr": "*f
               "central_momentum": "fp32"}
 
 
+_HYPER_NAMES = ("lr", "momentum", "weight_decay", "alpha", "central_momentum")
+
 _CACHE: dict[KernelSpec, EmittedKernel] = {}
 _FUNCTIONS: dict[tuple[str, str], Any] = {}
 
@@ -449,6 +472,37 @@ def _check_master(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise TypeError(f"{name} must be a contiguous float32 tensor of shape {list(shape)} "
                         f"(the fp32 master copy), got {t.dtype} {list(t.shape)}"
                         f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+
+def _hyper_args(device: torch.device, values: dict[str, Hyper],
+                optional: tuple[str, ...]) -> tuple[bool, list[Any]]:
+    """The kernel's hyper-parameter arguments: (whether they are pointers, the arguments).
+
+    All numbers: the numbers (as float32 scalars). Any tensor: every argument a 0-dim float32
+    tensor on ``device`` (``HYPER_PTR``); an ``optional`` one given as the number 0 is compiled
+    out and receives another argument's pointer, unread.
+
+    Raises:
+        TypeError: a tensor that is not 0-dim float32 on ``device``; a number other than 0
+            among tensors (or 0 where the kernel reads it).
+    """
+    tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return False, [float(v) for v in values.values()]
+    args = []
+    for name, v in values.items():
+        if isinstance(v, torch.Tensor):
+            if v.dim() != 0 or v.dtype != torch.float32 or v.device != device:
+                raise TypeError(f"{name} must be a number or a 0-dim float32 tensor on {device}, "
+                                f"got {v.dtype} {list(v.shape)} on {v.device}")
+            args.append(v)
+        elif name in optional and v == 0:
+            args.append(tensors[0])  # its branch is compiled out: the pointer is never read
+        else:
+            raise TypeError(f"{name}={v!r} is a number while other hyper-parameters are tensors: "
+                            f"give every hyper-parameter the kernel reads as a 0-dim float32 "
+                            f"tensor, or all as numbers")
+    return True, args
 
 
 def _row_stride(rows: dict[str, torch.Tensor]) -> int:
@@ -502,16 +556,19 @@ class TritonSMAKernels:
 
     @torch.no_grad()
     def local_update(self, w: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     z: torch.Tensor | None, *, lr: float, momentum: float, nesterov: bool,
-                     weight_decay: float, alpha: float, first_step: bool = False,
+                     z: torch.Tensor | None, *, lr: Hyper, momentum: Hyper, nesterov: bool,
+                     weight_decay: Hyper, alpha: Hyper, first_step: bool = False,
                      out: torch.Tensor | None = None) -> torch.Tensor | None:
         """See ``crossbow_graph.kernels.torch_ref.sma_local_update`` (the oracle): ``w, v, g [m, P]``,
         ``z [P]`` or None; returns ``acc [P]`` float32 (in ``out`` when given), or None without a
         correction. The rows of w, v, g may be further apart than P (one shared ``stride(0)``,
         e.g. ``[:, :P]`` of the padded ``[m, P_pad]`` buffers of engine/state.py); each row must be
-        unit-stride."""
+        unit-stride. ``lr``, ``momentum``, ``weight_decay``, ``alpha`` may be 0-dim float32
+        tensors on w's device, loaded by the kernel at every launch (``_hyper_args``: then every
+        one it reads must be; the number 0 compiles a branch out)."""
         m, P = w.shape
-        rows = {"w": w, "v": v, "g": g} if momentum != 0 else {"w": w, "g": g}
+        has_mom = is_on(momentum)
+        rows = {"w": w, "v": v, "g": g} if has_mom else {"w": w, "g": g}
         for name in rows.keys() - {"g"}:
             if rows[name].dtype != torch.float32 or tuple(rows[name].shape) != (m, P):
                 raise TypeError(f"{name} must be a float32 tensor of shape {[m, P]} (the fp32 "
@@ -520,32 +577,37 @@ class TritonSMAKernels:
             raise TypeError(f"g must be a float32, bfloat16 or float16 tensor of shape "
                             f"{[m, P]}, got {g.dtype} {list(g.shape)}")
         row_stride = _row_stride(rows)
-        correct = z is not None and alpha != 0
+        correct = z is not None and is_on(alpha)
         if correct:
             _check_master("z", z, (P,))
+        hyper_ptr, hyper = _hyper_args(
+            w.device, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
+                       "alpha": alpha if correct else 0.0}, ("momentum", "weight_decay", "alpha"))
         spec = local_spec(m, P, g.dtype, device_type(w), momentum=momentum, nesterov=nesterov,
                           weight_decay=weight_decay, first_step=first_step, correct=correct,
-                          block=self.block, row_stride=row_stride)
+                          block=self.block, row_stride=row_stride, hyper_ptr=hyper_ptr)
         acc = None
         if correct:
             acc = out if out is not None else torch.empty(P, dtype=torch.float32, device=w.device)
             _check_master("out", acc, (P,))
-        emit(spec).launch(w, v if momentum != 0 else w, g, z if correct else w,
-                          acc if correct else w, float(lr), float(momentum), float(weight_decay),
-                          float(alpha))
+        emit(spec).launch(w, v if has_mom else w, g, z if correct else w, acc if correct else w,
+                          *hyper)
         torch.autograd.graph.increment_version([w, v])  # written outside torch's view
         return acc
 
     @torch.no_grad()
     def central_update(self, z: torch.Tensor, z_prev: torch.Tensor, c: torch.Tensor, *,
-                       central_momentum: float) -> None:
-        """See ``crossbow_graph.kernels.torch_ref.sma_central_update``: ``z, z_prev, c [P]`` float32."""
+                       central_momentum: Hyper) -> None:
+        """See ``crossbow_graph.kernels.torch_ref.sma_central_update``: ``z, z_prev, c [P]``
+        float32; ``central_momentum`` a number or a 0-dim float32 tensor on z's device (loaded
+        at every launch)."""
         P = z.shape[0]
         for name, t in (("z", z), ("z_prev", z_prev), ("c", c)):
             _check_master(name, t, (P,))
+        hyper_ptr, hyper = _hyper_args(z.device, {"central_momentum": central_momentum}, ())
         spec = central_spec(P, device_type(z), central_momentum=central_momentum,
-                            block=self.block)
-        emit(spec).launch(z, z_prev, c, float(central_momentum))
+                            block=self.block, hyper_ptr=hyper_ptr)
+        emit(spec).launch(z, z_prev, c, *hyper)
         torch.autograd.graph.increment_version([z, z_prev])
 
     @staticmethod

@@ -1,0 +1,219 @@
+"""What a CUDA-graph capture of a round needs, checked on CPU devices (engine/graphs.py).
+
+A CUDA graph replays the kernels one capture launched, with the arguments they had: a host read
+inside the round (``.item()``, ``bool(t)``, an op whose output shape depends on the data, such as
+``nonzero``) cannot be captured, and a Python number an op took (a learning rate) is frozen into
+the graph. Both tools here are ``TorchDispatchMode``s that see every aten op of a round:
+
+* ``CaptureChecker`` records the ops of each round it watches: host reads and data-dependent
+  shapes are findings, and so is a round whose op sequence, or a Python number among the ops'
+  arguments, differs from the round before (a steady-state round must be the same launches with
+  the same arguments, the values that change read from device tensors).
+* ``SimulatedGraphs`` stands in for ``torch.cuda.CUDAGraph`` (``graphs.CudaGraphOps``) on CPU
+  devices: a capture runs the round and records its ops, raising where CUDA's capture fails (a
+  host read or a data-dependent shape), and a replay runs the recorded ops again on the same
+  tensors with the same non-tensor arguments, writing each op's fresh outputs into the tensors
+  the capture made: CUDA-graph semantics without a GPU. A failed capture puts back every tensor it wrote.
+
+Host bookkeeping tensors (``streams.host_resident``: a row optimizer's ages) are not device
+data: reading them is no host synchronisation. Only what runs through the dispatcher is seen:
+use ``kernel_backend="torch"`` (the C kernels write through raw pointers).
+"""
+
+from __future__ import annotations
+
+import traceback
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
+
+from .streams import is_host_resident
+
+__all__ = ["CaptureChecker", "SimulatedGraphs", "SimulatedGraph", "CaptureError", "capture_problem"]
+
+aten = torch.ops.aten
+_HOST_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
+_DATA_DEPENDENT = {aten.nonzero.default, aten.masked_select.default, aten.unique_dim.default,
+                   aten._unique2.default, aten.unique_consecutive.default,
+                   aten.repeat_interleave.Tensor, aten.nonzero_static.default}
+_BOOL_INDEXED = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default}
+_UNDECLARED = {aten.native_batch_norm.default: ("running_mean", "running_var")}  # written, undeclared
+
+
+class CaptureError(RuntimeError):
+    """An op a CUDA graph cannot capture (what ``SimulatedGraph.capture`` raises)."""
+
+
+def capture_problem(func, args: tuple, kwargs: dict) -> str | None:
+    """Why ``func(*args, **kwargs)`` cannot be captured in a CUDA graph, or None: a host read of
+    device data, or an output shape that depends on the data."""
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if func in _HOST_READS and not all(is_host_resident(t) for t in tensors):
+        return f"{func._schema.name} reads device data on the host (.item(), bool(tensor))"
+    if func in _DATA_DEPENDENT:
+        return f"{func._schema.name}'s output shape depends on the data"
+    if func in _BOOL_INDEXED and any(t.dtype == torch.bool for t in tree_leaves(args[1:2])
+                                     if isinstance(t, torch.Tensor)):
+        return f"{func._schema.name} with a boolean mask (a data-dependent shape)"
+    return None
+
+
+def _scalars(args: tuple, kwargs: dict) -> tuple:
+    """The Python numbers among an op's arguments, in order (what a capture freezes)."""
+    return tuple(v for v in tree_leaves((args, kwargs))
+                 if isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+class CaptureChecker(TorchDispatchMode):
+    """Records the rounds it watches (``with checker.round(t): ...``) and reports, per round,
+    what would keep it from being captured in a CUDA graph or replayed as it was.
+
+    Attributes:
+        findings: round t → its problems, as text: ``capture_problem``'s (with the crossbow_graph
+            line that issued the op), and against round t − 1 a changed op sequence or a Python
+            number that changed (``"aten.add_.Tensor: 0.05 → 0.1"``).
+        ops: round t → how many ops it ran.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.findings: dict[int, list[str]] = {}
+        self.ops: dict[int, int] = {}
+        self._round: int | None = None
+        self._log: list[tuple[str, tuple]] = []
+        self._last: list[tuple[str, tuple]] | None = None
+
+    @contextmanager
+    def round(self, t: int) -> Iterator[None]:
+        self._round, self._log = t, []
+        self.findings[t] = []
+        try:
+            with self:
+                yield
+        finally:
+            self._round = None
+        self.ops[t] = len(self._log)
+        if self._last is not None:
+            self.findings[t] += _differences(self._last, self._log)
+        self._last = self._log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._round is not None:
+            problem = capture_problem(func, args, kwargs)
+            if problem is not None:
+                self.findings[self._round].append(f"{problem} at {_where()}")
+            self._log.append((str(func), _scalars(args, kwargs)))
+        return func(*args, **kwargs)
+
+
+def _differences(before: list[tuple[str, tuple]], now: list[tuple[str, tuple]]) -> list[str]:
+    ops_before, ops_now = [op for op, _ in before], [op for op, _ in now]
+    if ops_before != ops_now:
+        i = next((i for i, (a, b) in enumerate(zip(ops_before, ops_now)) if a != b),
+                 min(len(ops_before), len(ops_now)))
+        return [f"the op sequence changed at op {i} ({len(ops_before)} → {len(ops_now)} ops: "
+                f"{ops_before[i] if i < len(ops_before) else '—'} → "
+                f"{ops_now[i] if i < len(ops_now) else '—'})"]
+    return [f"{op}: {' '.join(map(str, a))} → {' '.join(map(str, b))}"
+            for (op, a), (_, b) in zip(before, now) if a != b]
+
+
+class SimulatedGraph(TorchDispatchMode):
+    """One simulated CUDA graph: its recorded ops (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recorded: list[tuple[Any, tuple, dict, Any]] = []
+        self._journal: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        problem = capture_problem(func, args, kwargs)
+        if problem is not None:
+            raise CaptureError(f"operation not permitted when stream is capturing: {problem}")
+        for t in _written(func, args, kwargs):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self._journal and storage.nbytes():
+                with _disable_current_modes():  # the simulator's own copy: no op of the round
+                    self._journal[storage.data_ptr()] = (storage, storage.clone())
+        out = func(*args, **kwargs)
+        if not _is_view(func):
+            self.recorded.append((func, args, kwargs, out))
+        return out
+
+    def undo(self) -> None:
+        """Put back every tensor the capture wrote (after a failed capture: a CUDA capture runs
+        nothing)."""
+        with _disable_current_modes():
+            for storage, saved in self._journal.values():
+                storage.copy_(saved)
+        self._journal.clear()
+
+    @torch.no_grad()
+    def replay(self) -> None:
+        for func, args, kwargs, out in self.recorded:
+            new = func(*args, **kwargs)
+            for ret, old, fresh in zip(func._schema.returns, _as_tuple(out), _as_tuple(new)):
+                if ret.alias_info is None:  # new memory at capture: the graph's static output
+                    for a, b in zip(tree_leaves(old), tree_leaves(fresh)):
+                        if isinstance(a, torch.Tensor):
+                            a.copy_(b)
+
+
+class SimulatedGraphs:
+    """``graphs.CudaGraphOps`` on CPU devices: graphs are ``SimulatedGraph``s. A capture runs
+    the round as it records it (``executes_in_capture``), where CUDA's only records."""
+
+    executes_in_capture = True
+
+    def new_graph(self) -> SimulatedGraph:
+        return SimulatedGraph()
+
+    @contextmanager
+    def capture(self, graph: SimulatedGraph, device: torch.device) -> Iterator[None]:
+        graph._journal.clear()
+        try:
+            with graph:
+                yield
+        except BaseException:
+            graph.undo()
+            raise
+        graph._journal.clear()
+
+    def replay(self, graph: SimulatedGraph) -> None:
+        graph.replay()
+
+
+def _is_view(func) -> bool:
+    """Every output aliases an input without writing it (a view: nothing to replay)."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write
+                                 for r in returns)
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    hidden = _UNDECLARED.get(func, ())
+    out = []
+    for i, argument in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        writes = (argument.alias_info is not None and argument.alias_info.is_write) or \
+            argument.name in hidden
+        if writes:
+            out += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _as_tuple(x: Any) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _where() -> str:
+    """The innermost frame of crossbow_graph's code (not this module) issuing the op."""
+    for frame in reversed(traceback.extract_stack(limit=60)):
+        if "crossbow_graph" in frame.filename and not frame.filename.endswith("capture_check.py"):
+            return f"{frame.filename.rsplit('crossbow_graph/', 1)[-1]}:{frame.lineno} ({frame.name})"
+    return "outside crossbow_graph"

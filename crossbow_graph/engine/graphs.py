@@ -1,0 +1,282 @@
+"""CUDA-graph rounds: a whole round captured once and replayed (docs/runtime.md "CUDA-graph
+rounds"; docs/design-overview.md §5).
+
+On a GPU a small batch's round is hundreds of short kernels, and issuing them from Python costs
+more than running them. ``RoundGraph`` captures the round the inline executor runs — the
+learners on their streams (or fused), the local syncs and the global sync, forked from and
+joined back into the caller's stream (engine/streams.py) — in a ``torch.cuda.CUDAGraph`` and
+replays it every round after:
+
+* **one graph per shape of round**: the key holds m, b, the learner mode, whether the round
+  synchronises, the flags the update kernels are compiled with (momentum, Nesterov, weight
+  decay, α ≠ 0, μ_z ≠ 0, a first step), the input's shapes and the flat buffers' addresses; a
+  re-plan (``Scheduler.set_task_graph``) drops every graph.
+* **static inputs**: the round's batch is copied into a buffer the graph reads (made by the
+  key's first round); the flat buffers, the fault masks and the buffer snapshot are the state's
+  own, at fixed addresses.
+* **hyper-parameters as device tensors**: η, μ_l, λ, α and μ_z live in 0-dim float32 tensors
+  per device (``DeviceHyper``), written before each round (``fill_``: no host synchronisation)
+  and read by the update kernels at run time (kernels/: ``HYPER_PTR``); a Python number would
+  be frozen into the graph.
+* **warm-up**: each key's first ``warmup_rounds`` rounds run the same body eagerly (it makes the
+  lazily allocated buffers and the libraries' handles before the capture); then the capture,
+  then replays.
+* **no host read inside the round**: faults are found and reset with masks on the device
+  (``FaultMonitor.find_and_reset_masked``); after a replay the device's mask is copied to the
+  host behind an event and recorded a round late, as on the streams; the learners' losses are
+  copied out of the graph's buffers.
+* **dropout**: the round's random draws come from the device's generator, seeded before each
+  round from (fit seed, round) alone; CUDA's generator advances its offsets through a replay,
+  so masks differ between replicas and rounds (not the eager rounds' per-replica seeds).
+
+A round the graph cannot take (several devices, torchrun, S-SGD or DiLoCo, a row optimizer,
+float16 loss scales, a batch with non-tensor leaves) runs eagerly, with one warning naming the
+reason; a capture that fails (an op that cannot be captured: a host read, a data-dependent
+shape) warns once naming the exception, puts back what it changed, and every later round runs
+eagerly. ``SimulatedGraphs`` (engine/capture_check.py) stands in for ``CudaGraphOps`` on CPU
+devices, where the tests run the same path.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..config import SMA
+from .batches import LearnerBatches
+from .learners import learner_seed, seed_rng
+
+__all__ = ["RoundGraph", "CudaGraphOps", "DeviceHyper", "GraphWarning", "cuda_graphs_refusal"]
+
+
+class GraphWarning(RuntimeWarning):
+    """CUDA-graph rounds fall back to eager rounds (the message says why)."""
+
+
+def cuda_graphs_refusal(device_names: list[str]) -> str | None:
+    """Why ``compile(..., cuda_graphs=True)`` is refused for these devices, or None."""
+    if not all(name.startswith("cuda") for name in device_names):
+        return (f"cuda_graphs=True captures rounds in CUDA graphs, but the plan's devices are "
+                f"{device_names}: use CUDA devices (devices='auto' on a machine with a GPU), or "
+                f"leave cuda_graphs=False")
+    return None
+
+
+class CudaGraphOps:
+    """torch.cuda's graphs, as ``RoundGraph`` uses them (``SimulatedGraphs`` implements the same
+    on CPU devices)."""
+
+    executes_in_capture = False  # a CUDA capture records the kernels without running them
+
+    def new_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    @contextmanager
+    def capture(self, graph: Any, device: torch.device) -> Iterator[None]:
+        """Context: the work issued on the current stream (a side stream ``torch.cuda.graph``
+        makes current) and on every stream forked from it goes into ``graph``."""
+        with torch.cuda.device(device), torch.cuda.graph(graph):
+            yield
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+
+class DeviceHyper:
+    """A device's run-time hyper-parameters as 0-dim float32 tensors (what the update kernels
+    read in a graph): ``lr`` (η), ``momentum`` (μ_l), ``weight_decay`` (λ), ``alpha`` (α),
+    ``central_momentum`` (μ_z)."""
+
+    NAMES = ("lr", "momentum", "weight_decay", "alpha", "central_momentum")
+
+    def __init__(self, device: torch.device) -> None:
+        self.values = {n: torch.zeros((), dtype=torch.float32, device=device) for n in self.NAMES}
+
+    def set(self, **numbers: float) -> None:
+        """Write the numbers in force (on the current stream, before the round that reads them)."""
+        for name, value in numbers.items():
+            self.values[name].fill_(float(value))
+
+    def local_args(self, sgd: Any, alpha: float) -> dict[str, Any]:
+        """The local kernels' ``lr``, ``momentum``, ``weight_decay``, ``alpha``: the tensors, but
+        the number 0 where the value is 0 (its branch compiled out; the graph's key has it)."""
+        return {"lr": self.values["lr"],
+                **{n: self.values[n] if v != 0 else 0.0 for n, v in
+                   (("momentum", sgd.momentum), ("weight_decay", sgd.weight_decay),
+                    ("alpha", alpha))}}
+
+    def central(self, central_momentum: float) -> Any:
+        return self.values["central_momentum"] if central_momentum != 0 else 0.0
+
+
+@dataclass(eq=False)
+class _Entry:
+    batch: Any  # the static input: the round's batch is copied here
+    graph: Any = None
+    warm: int = 0  # eager rounds run so far
+    losses: list[torch.Tensor] | None = None  # the graph's losses, in learning order
+
+
+class RoundGraph:
+    """Captures and replays a Scheduler's rounds (this module's docstring).
+
+    Args:
+        ops: ``CudaGraphOps()`` (default) or ``capture_check.SimulatedGraphs()`` on CPU devices.
+        warmup_rounds: eager rounds of each key before its capture (≥ 1).
+
+    Attributes:
+        observer: None, or a function of the round index giving a context entered around every
+            eager run of the body (``capture_check.CaptureChecker.round``).
+        failure: why graph rounds stopped (``"ExcType: message"`` of a failed capture), or None.
+        captures, replays: graphs captured and replayed so far.
+    """
+
+    def __init__(self, ops: Any = None, *, warmup_rounds: int = 2) -> None:
+        if warmup_rounds < 1:
+            raise ValueError(f"warmup_rounds={warmup_rounds}: at least 1 eager round before a "
+                             "capture (it allocates the buffers the graph reuses)")
+        self.ops = ops if ops is not None else CudaGraphOps()
+        self.warmup_rounds = warmup_rounds
+        self.observer: Callable[[int], Any] | None = None
+        self.failure: str | None = None
+        self.captures = self.replays = 0
+        self._entries: dict[tuple, _Entry] = {}
+        self._hyper: dict[int, DeviceHyper] = {}  # id(DeviceState) → its tensors
+        self._warned: set[str] = set()
+
+    def clear(self) -> None:
+        """Drop every graph and static buffer (a re-plan: other buffers, other tasks)."""
+        self._entries.clear()
+        self._hyper.clear()
+
+    def hyper_of(self, state: Any) -> DeviceHyper:
+        return self._hyper[id(state)]
+
+    # -- one round ------------------------------------------------------------------------------
+
+    def run_round(self, sched: Any, round_index: int, batch: Any, synchronise: bool) -> bool:
+        """Run round ``round_index`` of ``sched`` (a Scheduler) on its batch: eagerly during the
+        warm-up, then captured, then replayed. Returns False, having run nothing, when the
+        round runs eagerly instead (``why_not``; a failed capture)."""
+        reason = self.why_not(sched, batch)
+        if reason is not None:
+            self._warn(reason)
+            if sched.cuda_streams is not None:
+                sched.cuda_streams.captured = False
+            return False
+        key = self._key(sched, batch, synchronise)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(tree_map(_clone, batch))
+        else:
+            for static, new in zip(tree_leaves(entry.batch), tree_leaves(batch)):
+                static.copy_(new, non_blocking=True)
+        self._prologue(sched, round_index)
+        streams = sched.cuda_streams
+        streams.captured = True
+        streams.seal()  # the round is ordered after the work so far, and waits for none of it
+        if entry.graph is not None:
+            self.ops.replay(entry.graph)
+            self.replays += 1
+            losses = [t.clone() for t in entry.losses]
+        elif entry.warm < self.warmup_rounds:
+            with self.observer(round_index) if self.observer is not None else nullcontext():
+                losses = sched.graph_body(entry.batch, synchronise)
+            entry.warm += 1
+        else:
+            if not self._capture(sched, entry, synchronise):
+                streams.captured = False
+                return False
+            if not self.ops.executes_in_capture:
+                self.ops.replay(entry.graph)
+            losses = [t.clone() for t in entry.losses]
+        sched.graph_epilogue(round_index, losses)
+        return True
+
+    def why_not(self, sched: Any, batch: Any) -> str | None:
+        """Why this round of ``sched`` runs eagerly, or None when a graph can run it."""
+        if self.failure is not None:
+            return f"a capture failed ({self.failure})"
+        if sched.cuda_streams is None:
+            return "the round has no CUDA streams (the inline executor on CUDA devices runs them)"
+        if len(sched.states) > 1:
+            return "the plan has several devices (a graph captures one device's streams)"
+        if sched.comm is not None:
+            return "under torchrun the global sync's all-reduce and fault sharing run on the host"
+        if not isinstance(sched.sync, SMA) or sched.outer is not None:
+            return f"sync={type(sched.sync).__name__}() runs eagerly (its global sync writes every replica)"
+        if not sched.optimizer.kernel:
+            return (f"the local optimizer {type(sched.optimizer.optimizer).__name__} is a row "
+                    "optimizer (torch.optim's step reads its hyper-parameters and step counts on "
+                    "the host); the SGD kernels run in graphs")
+        if any(s.loss_scales is not None for s in sched.states):
+            return "precision='fp16' settles its loss scales on the host"
+        if isinstance(batch, LearnerBatches) or not all(
+                isinstance(t, torch.Tensor) for t in tree_leaves(batch)):
+            return "the batch is not a structure of tensors (a collate_fn's own batches)"
+        return None
+
+    def _key(self, sched: Any, batch: Any, synchronise: bool) -> tuple:
+        sgd = sched.optimizer.sgd()
+        states = tuple((s.m, s.w.data_ptr(), s.v.data_ptr(), s.g.data_ptr(), s.z.data_ptr(),
+                        s.buf.data_ptr(), tuple(s.first_step)) for s in sched.states)
+        inputs = tuple((tuple(t.shape), t.dtype, str(t.device)) for t in tree_leaves(batch))
+        return (id(sched.program), states, inputs, sched.batch_size, sched.learner_mode,
+                bool(synchronise), sgd.momentum != 0, sgd.nesterov, sgd.weight_decay != 0,
+                sched.alpha != 0, sched.settings.sync.central_momentum != 0, sched.max_divergence)
+
+    def _prologue(self, sched: Any, round_index: int) -> None:
+        """Before the round, on the caller's stream: the hyper-parameters in force into the
+        device tensors, and each device's generator seeded from (fit seed, round)."""
+        sgd = sched.optimizer.sgd()
+        for s in sched.states:
+            hyper = self._hyper.get(id(s))
+            if hyper is None:
+                hyper = self._hyper[id(s)] = DeviceHyper(s.torch_device)
+            hyper.set(lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay,
+                      alpha=sched.alpha, central_momentum=sched.settings.sync.central_momentum)
+            seed_rng(s.torch_device, learner_seed(sched.seed, round_index, sched.learner_offset))
+
+    def _capture(self, sched: Any, entry: _Entry, synchronise: bool) -> bool:
+        """Capture the body into a new graph; on failure warn, put back what the capture
+        changed on the host (the first-step flags; a simulated capture also its tensors) and
+        return False."""
+        graph = self.ops.new_graph()
+        first_steps = [list(s.first_step) for s in sched.states]
+        try:
+            with self.ops.capture(graph, sched.states[0].torch_device):
+                losses = sched.graph_body(entry.batch, synchronise)
+        except Exception as exc:  # noqa: BLE001 - any op that cannot be captured: fall back
+            self.failure = _first_failure(exc)
+            for s, flags in zip(sched.states, first_steps):
+                s.first_step[:] = flags
+            sched.drop_streams()  # new streams: none of a failed capture's state lingers
+            self._warn(f"a capture failed ({self.failure})")
+            return False
+        entry.graph, entry.losses = graph, losses
+        self.captures += 1
+        return True
+
+    def _warn(self, reason: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"cuda_graphs=True: rounds run eagerly, without CUDA graphs: {reason}",
+                          GraphWarning, stacklevel=4)
+
+
+def _first_failure(exc: BaseException) -> str:
+    """``"ExcType: message"`` of the first exception of a chain (the op that failed, not the
+    TaskError around it or the capture's end that failed after it)."""
+    first = exc
+    while (first.__cause__ or first.__context__) is not None:
+        first = first.__cause__ or first.__context__
+    return f"{type(first).__name__}: {first}".strip()
+
+
+def _clone(x: Any) -> Any:
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x

@@ -1,0 +1,255 @@
+"""CUDA-graph rounds (engine/graphs.py) and their preconditions (engine/capture_check.py).
+
+On the CPU the graph path runs on simulated streams (a RaceRecorder, tests/test_streams.py) and
+simulated graphs (``SimulatedGraphs``: a capture records the round's aten ops, raising where
+CUDA's capture fails; a replay runs them again on the same tensors with the same Python numbers,
+so a number frozen into the graph, a host read or a data-dependent branch shows). Oracles: the
+eager rounds on the same streams (z within float32 rounding: the torch kernels compute with
+tensor hyper-parameters in other operations), the same fault events; the checker finds nothing
+in steady-state rounds. The ``gpu`` tests compare real CUDA graphs with eager rounds bitwise.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import crossbow_graph as cg
+from crossbow_graph.engine import graphs as G
+from crossbow_graph.engine.capture_check import CaptureChecker, SimulatedGraphs
+from crossbow_graph.engine.race_check import RaceRecorder
+
+from _runtime_helpers import TinyBN, compile_tiny, tiny_data
+from test_streams import _ignored
+
+pytestmark = pytest.mark.filterwarnings("ignore::crossbow_graph.errors.TraceWarning")
+
+ATOL, RTOL = 1e-6, 1e-5  # float32: η·u as one product against the number's fused add
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _fit(graph: bool, *, mode="per_replica", data=None, optimizer=None, model=TinyBN,
+         round_graph=None, fits=1, **kw):
+    """A plan (1 device × 3 replicas, b = 4, SGD with momentum and weight decay unless
+    ``optimizer``) fitted on simulated streams; with ``graph`` its rounds go through a
+    RoundGraph on simulated graphs. η halves every 3 rounds. Returns (plan, history, z, zbuf)."""
+    opt = optimizer or cg.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3)
+    plan = compile_tiny(model, devices=1, replicas=3, executor="inline", kernel_backend="torch",
+                        learner_mode=mode, optimizer=opt, **kw)
+    rec = RaceRecorder()
+    plan.scheduler.stream_ops = rec
+    if graph:
+        plan.scheduler.round_graph = round_graph or G.RoundGraph(SimulatedGraphs())
+    steps = torch.optim.lr_scheduler.StepLR(plan.optimizer, step_size=3, gamma=0.5)
+    data = data if data is not None else tiny_data(96)  # 8 rounds of k·b = 12
+    with rec:
+        for _ in range(fits):
+            history = plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None,
+                               lr_scheduler=steps, lr_scheduler_interval="round")
+        plan.scheduler.flush()
+    assert [str(r) for r in rec.races] == []
+    return plan, history, plan.central_weights(), plan.states[0].zbuf.clone()
+
+
+def _same(a, b) -> None:
+    torch.testing.assert_close(a[2], b[2], atol=ATOL, rtol=RTOL)  # z
+    torch.testing.assert_close(a[3], b[3], atol=ATOL, rtol=RTOL)  # BatchNorm's mean buffers
+    assert [(f.round, f.replica) for f in a[1].faults] == [(f.round, f.replica) for f in b[1].faults]
+
+
+@pytest.mark.parametrize("mode", ["per_replica", "fused"])
+def test_graph_rounds_equal_eager_rounds(mode):
+    """8 rounds, η changed every 3 (read from the device tensors at each replay), a NaN loss in
+    a replayed round (round 5, learner 1: reset on the device, recorded a round late): z, the
+    buffers and the fault events equal the eager rounds'. Warm-up: round 0 (its first-step
+    key), rounds 1–2; round 3 is captured, rounds 4–7 replay it."""
+    data = _ignored(tiny_data(96), [16])  # batch 16 of 4 = round 5's learner 1
+    eager = _fit(False, mode=mode, data=data)
+    graph = _fit(True, mode=mode, data=data)
+    _same(graph, eager)
+    assert [(f.round, f.replica) for f in graph[1].faults] == [(5, 1)]
+    rg = graph[0].scheduler.round_graph
+    assert (rg.captures, rg.replays, rg.failure) == (1, 4, None)
+    assert graph[1].lr == eager[1].lr and len(set(graph[1].lr[3:])) == 2  # η changed after capture
+
+
+def test_numbers_in_the_graph_would_be_frozen(monkeypatch):
+    """The oracle can fail: with η handed to the kernels as a number, the replays keep the
+    captured round's η and z moves away from the eager rounds'."""
+    monkeypatch.setattr(G.DeviceHyper, "local_args", lambda self, sgd, alpha: dict(
+        lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay, alpha=alpha))
+    eager, graph = _fit(False), _fit(True)
+    assert not torch.allclose(graph[2], eager[2], atol=100 * ATOL, rtol=100 * RTOL)
+
+
+def test_a_re_plan_captures_again():
+    """A change of m between fits re-plans: new graphs for the new buffers, the same numbers as
+    eager rounds."""
+    def run(graph):
+        plan, *_ = _fit(graph, fits=1)
+        plan.set_replicas(2)
+        with plan.scheduler.stream_ops:
+            plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None)
+            plan.scheduler.flush()
+        return plan, plan.central_weights()
+    (plan, z), (_, z_eager) = run(True), run(False)
+    torch.testing.assert_close(z, z_eager, atol=ATOL, rtol=RTOL)
+    rg = plan.scheduler.round_graph
+    assert rg.captures == 2 and rg.replays == 4 + 9  # 8 + 12 rounds: 4 and 3 eager of each
+
+
+class ItemNet(TinyBN):
+    """TinyBN whose forward reads a value on the host: a graph cannot capture it."""
+
+    def forward(self, x):
+        return super().forward(x) * (1.0 + 0.0 * float(x.abs().max()))
+
+
+def test_an_uncapturable_model_warns_once_and_trains_eagerly():
+    """The capture fails at the host read; one GraphWarning names it, what the capture ran is
+    put back, and every round trains eagerly: the eager rounds' z."""
+    with pytest.warns(G.GraphWarning, match="_local_scalar_dense") as caught:
+        graph = _fit(True, model=ItemNet)
+    assert len([w for w in caught if issubclass(w.category, G.GraphWarning)]) == 1
+    _same(graph, _fit(False, model=ItemNet))
+    rg = graph[0].scheduler.round_graph
+    assert rg.captures == 0 and "CaptureError" in rg.failure
+
+
+def test_rounds_a_graph_cannot_take_run_eagerly_with_a_warning():
+    """A row optimizer (AdamW: torch.optim's step reads its step count on the host) runs eager
+    rounds, with one GraphWarning saying why; the numbers are the eager rounds'."""
+    with pytest.warns(G.GraphWarning, match="row optimizer"):
+        graph = _fit(True, optimizer=_adamw)
+    _same(graph, _fit(False, optimizer=_adamw))
+    assert graph[0].scheduler.round_graph.captures == 0
+
+
+def test_compile_refuses_cuda_graphs_without_cuda():
+    with pytest.raises(ValueError, match="cuda_graphs=True captures rounds in CUDA graphs.*cpu:0"):
+        compile_tiny(devices=1, replicas=2, cuda_graphs=True)
+    with pytest.raises(ValueError, match="warmup_rounds=0"):
+        G.RoundGraph(warmup_rounds=0)
+
+
+# -- the preconditions: no host read, no data-dependent shape, nothing that changes -------------
+
+# torch.optim's Adam/AdamW without capturable=True (which CPU tensors refuse) read the step count
+# on the host and pass the bias corrections as Python numbers; a fault's reset gives the replica
+# fresh state, which its next round steps apart from the others
+ROW_OPTIMIZER_EXCEPTIONS = (r"_local_scalar_dense reads device data on the host .* engine/optim\.py",
+                            r"^aten\.\w+\.\w+: [-\d.e ]+ → [-\d.e ]+$",
+                            r"^the op sequence changed")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("mode", ["per_replica", "fused"])
+def test_steady_state_rounds_have_no_host_sync_and_change_nothing(mode, optimizer, monkeypatch):
+    """5 rounds of the graph path's body, run eagerly under a CaptureChecker, a NaN loss in
+    round 2: rounds 3–5 (t = 2, 3, 4) read nothing on the host, take no data-dependent shape,
+    and run the same ops with the same Python numbers as the round before, with the SGD
+    kernels. A row optimizer has the known exceptions ``ROW_OPTIMIZER_EXCEPTIONS`` (so graph
+    rounds decline it; ``test_rounds_a_graph_cannot_take_run_eagerly_with_a_warning``)."""
+    rg = G.RoundGraph(SimulatedGraphs(), warmup_rounds=10**6)  # never captured: eager bodies
+    checker = CaptureChecker()
+    rg.observer = checker.round
+    if optimizer == "adamw":  # let the body run, to show why graphs decline it
+        monkeypatch.setattr(rg, "why_not", lambda sched, batch: None)
+    data = _ignored(tiny_data(60), [7])  # round 2's learner 1
+    _, history, *_ = _fit(True, mode=mode, data=data, round_graph=rg,
+                          optimizer=_adamw if optimizer == "adamw" else None)
+    assert [(f.round, f.replica) for f in history.faults] == [(2, 1)]
+    assert sorted(checker.findings) == [0, 1, 2, 3, 4] and min(checker.ops.values()) > 100
+    steady = [f for t in (2, 3, 4) for f in checker.findings[t]]
+    if optimizer == "sgd":
+        assert steady == []
+        assert checker.findings[1]  # the first step's kernel differs: another key
+    else:
+        assert any("_local_scalar_dense" in f for f in steady)
+        assert all(any(re.search(p, f) for p in ROW_OPTIMIZER_EXCEPTIONS) for f in steady), steady
+
+
+def test_the_checker_finds_host_reads_and_data_dependent_shapes():
+    """The checker can fail: a host read and a boolean mask in the model are findings of every
+    round, with the line."""
+    class Masked(ItemNet):
+        def forward(self, x):
+            out = super().forward(x)
+            return out + 0.0 * out[out > 0].sum()
+
+    rg = G.RoundGraph(SimulatedGraphs(), warmup_rounds=10**6)
+    checker = CaptureChecker()
+    rg.observer = checker.round
+    _fit(True, model=Masked, round_graph=rg, data=tiny_data(36))
+    found = checker.findings[2]
+    assert any("_local_scalar_dense" in f for f in found)
+    assert any("boolean mask" in f or "nonzero" in f for f in found), found
+
+
+# -- on a GPU -------------------------------------------------------------------------------------
+
+def _gpu_fit(model_fn, mode: str, graphs: bool, rounds: int = 6, m: int = 4, b: int = 16):
+    """A seeded LeNet-5-sized fit on cuda:0 (m × b, SGD with momentum), η halved after round 3."""
+    torch.manual_seed(0)
+    model = model_fn()
+    x = torch.randn(m * b * rounds, 1, 28, 28)
+    y = torch.randint(0, 10, (m * b * rounds,))
+    plan = cg.compile(model, (x[:2],), nn.functional.cross_entropy, batch_size=b, devices=1,
+                      replicas=m, learner_mode=mode, optimizer=cg.SGD(lr=0.05, momentum=0.9),
+                      cuda_graphs=graphs)
+    steps = torch.optim.lr_scheduler.StepLR(plan.optimizer, step_size=3, gamma=0.5)
+    plan.fit(torch.utils.data.TensorDataset(x, y), 1, shuffle=False, progress=False,
+             metrics_every=None, lr_scheduler=steps, lr_scheduler_interval="round")
+    plan.scheduler.flush()
+    return plan, plan.central_weights(), plan.states[0].zbuf.clone()
+
+
+class LeNetBN(cg.models.LeNet5):
+    def __init__(self):
+        super().__init__()
+        self.features.insert(1, nn.BatchNorm2d(6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["per_replica", "fused"])
+def test_gpu_graph_rounds_equal_eager_rounds_bitwise(mode):
+    """LeNet-5, m = 4, b = 16, 6 rounds with η changed mid-fit: z bitwise equal to eager
+    rounds (Triton kernels: the same arithmetic on the loaded η); the graph replayed."""
+    torch.backends.cudnn.deterministic = True
+    plan, z, _ = _gpu_fit(cg.models.lenet5, mode, True)
+    _, z_eager, _ = _gpu_fit(cg.models.lenet5, mode, False)
+    rg = plan.scheduler.round_graph
+    assert rg.failure is None and rg.captures == 1 and rg.replays == 2, (rg.failure, rg.replays)
+    assert torch.equal(z, z_eager), (z - z_eager).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["per_replica", "fused"])
+def test_gpu_graph_rounds_with_batchnorm_within_tolerance(mode):
+    """LeNet-5 with BatchNorm: within 1e-5 (cuDNN may pick other algorithms under capture)."""
+    plan, z, zbuf = _gpu_fit(LeNetBN, mode, True)
+    _, z_eager, zbuf_eager = _gpu_fit(LeNetBN, mode, False)
+    assert plan.scheduler.round_graph.failure is None
+    torch.testing.assert_close(z, z_eager, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(zbuf, zbuf_eager, atol=1e-5, rtol=1e-4)
+
+
+class ItemLeNet(cg.models.LeNet5):
+    def forward(self, x):
+        return super().forward(x) * (1.0 + 0.0 * float(x.abs().max()))
+
+
+@pytest.mark.gpu
+def test_gpu_uncapturable_model_falls_back_and_trains():
+    with pytest.warns(G.GraphWarning, match="capture failed"):
+        plan, z, _ = _gpu_fit(ItemLeNet, "per_replica", True)
+    _, z_eager, _ = _gpu_fit(ItemLeNet, "per_replica", False)
+    assert plan.scheduler.round_graph.captures == 0
+    torch.testing.assert_close(z, z_eager, atol=1e-6, rtol=1e-5)
