@@ -176,8 +176,7 @@ def compile(  # noqa: A001 - the public name the design asks for
             restarted from z (config.DiLoCo; the inline executor).
         concrete_args, leaf_modules: passed to the torch.fx tracer (see TraceError's advice);
             leaf modules, and the model itself as one, are measured eagerly for the analysis.
-        memory_budget: bytes available per device for learners; None: no bound on the CPU, the
-            GPU's total memory on CUDA.
+        memory_budget: bytes per device for learners; None: no bound on CPUs, free memory on CUDA.
         verify: run the verifier between compiler passes.
         kernel_backend: the SMA update kernels (docs/kernels.md): ``"auto"`` (Triton on CUDA,
             C on the CPU with a C compiler, else torch; torch for a float64 model), ``"c"``,
@@ -189,15 +188,11 @@ def compile(  # noqa: A001 - the public name the design asks for
             replica (a float32 model only; engine/precision.py, docs/runtime.md).
         strict_trace: raise TraceError when no fx graph can be made; False: train as given,
             analysed by one measured forward, with a ``TraceWarning`` (docs/compiler.md §1).
-        memory_format: how the replicas' ``nn.Conv2d`` weights lie in the flat rows:
-            ``"auto"`` (channels-last on CPU devices, where convolutions and pooling run faster
-            so; contiguous on CUDA), ``"channels_last"`` or ``"contiguous"``
-            (engine/state.py ``channels_last_weights``). Flat weights read from the plan
-            (``central_weights``, checkpoints) are in the standard order either way.
-        cuda_graphs: capture each round on CUDA devices in a CUDA graph after eager warm-up
-            rounds and replay it (engine/graphs.py, docs/runtime.md "CUDA-graph rounds"): one
-            device, SMA with the SGD kernels; other rounds, or a capture that fails, run
-            eagerly with a ``GraphWarning``. Off by default.
+        memory_format: ``"auto"`` (``nn.Conv2d`` weights channels-last in the rows on CPU
+            devices, contiguous on CUDA), ``"channels_last"`` or ``"contiguous"`` (docs/runtime.md).
+        cuda_graphs: capture each round on one CUDA device in a CUDA graph and replay it (SMA
+            with the SGD kernels; other rounds, or a failed capture, run eagerly with a
+            ``GraphWarning``; engine/graphs.py, docs/runtime.md). Off by default.
 
     Returns:
         The Plan.
@@ -205,22 +200,16 @@ def compile(  # noqa: A001 - the public name the design asks for
     Raises:
         TraceError: the example inputs do not run through the model, or (``strict_trace``)
             torch.fx cannot trace it.
-        ValueError: a bad argument (batch size, replicas, devices, backend, precision,
-            ``cuda_graphs=True`` without CUDA devices; a model
-            without trainable float parameters; ``loss_fn=None`` without a loss in the output;
-            ``"fused"`` for a model vmap cannot run; docs/reliability.md lists them).
+        ValueError: a bad argument (batch size, replicas, devices, backend, precision, memory
+            format, ``cuda_graphs=True`` without CUDA devices; a model without trainable float
+            parameters; ``loss_fn=None`` without a loss in the output; ``"fused"`` for a model
+            vmap cannot run; docs/reliability.md lists them).
         TypeError: ``loss_fn`` not callable, or a loss class instead of an instance.
         ImportError, CompilerError: the Triton or C kernels asked for cannot be built.
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
         DistributedError: under torchrun, the ranks' plans differ (names the difference).
     """
-    args = _CompileArgs(
-        model=model, example_inputs=example_inputs, loss_fn=loss_fn, batch_size=batch_size,
-        devices=devices, replicas=replicas, learner_mode=learner_mode, executor=executor,
-        autotune=autotune, optimizer=optimizer, sync=sync, concrete_args=concrete_args,
-        leaf_modules=leaf_modules, memory_budget=memory_budget, verify=verify,
-        kernel_backend=kernel_backend, distributed=distributed, precision=precision,
-        strict_trace=strict_trace, memory_format=memory_format, cuda_graphs=cuda_graphs)
+    args = _CompileArgs(**locals())  # every argument, by name (nothing else is defined yet)
     return _build_plan(args)
 
 
@@ -767,30 +756,15 @@ class Plan:
     # -- training -----------------------------------------------------------------------------
 
     def fit(
-        self,
-        train_dataset: Any,
-        epochs: int = 1,
-        *,
-        eval_dataset: Any = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        target_accuracy: float | None = None,
-        evals_per_epoch: int = 1,
-        eval_batch_size: int = 1000,
-        progress: bool = True,
-        hooks: Sequence[Hook] = (),
-        checkpoint_dir: str | None = None,
-        checkpoint_every: int | None = None,
-        resume: bool = False,
-        log_dir: str | None = None,
-        trace: str | None = None,
-        policies: Sequence[Hook] = (),
-        metrics_every: "int | MetricsMonitor | None" = 50,
-        lr_scheduler: Any = None,
-        lr_scheduler_interval: str = "epoch",
-        metric_fn: Callable[[Any, Any], Any] | None = None,
-        bn_recalibration_batches: int = 20,
-        data_on_device: bool | str = "auto",
+        self, train_dataset: Any, epochs: int = 1, *, eval_dataset: Any = None,
+        shuffle: bool = True, seed: int = 0, target_accuracy: float | None = None,
+        evals_per_epoch: int = 1, eval_batch_size: int = 1000, progress: bool = True,
+        hooks: Sequence[Hook] = (), checkpoint_dir: str | None = None,
+        checkpoint_every: int | None = None, resume: bool = False, log_dir: str | None = None,
+        trace: str | None = None, policies: Sequence[Hook] = (),
+        metrics_every: "int | MetricsMonitor | None" = 50, lr_scheduler: Any = None,
+        lr_scheduler_interval: str = "epoch", metric_fn: Callable[[Any, Any], Any] | None = None,
+        bn_recalibration_batches: int = 20, data_on_device: bool | str = "auto",
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
