@@ -33,7 +33,7 @@ import matplotlib.ticker  # noqa: E402
 __all__ = ["plot_tta", "plot_tta_tuned", "plot_throughput", "plot_epochs", "plot_robustness",
            "main"]
 
-PLAIN_RECIPES = ("sgd-multistep", "sgd-onecycle", "adamw-onecycle")  # bench/tta_baselines.py's
+PLAIN_RECIPES = ("sgd-multistep", "sgd-onecycle", "adamw-onecycle", "adamw-onecycle-cl")  # bench/tta_baselines.py's
 IMAGES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "images")
 
 
