@@ -18,7 +18,7 @@ from crossbow_graph.engine.race_check import RaceRecorder
 from crossbow_graph.engine.scheduler import Scheduler
 from crossbow_graph.engine.streams import CudaStreams
 
-from _runtime_helpers import TinyBN, TinyNet, compile_tiny, tiny_data
+from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, tiny_data
 
 FIT = dict(progress=False, metrics_every=None)
 
@@ -141,6 +141,8 @@ SCENARIOS = {
     "a TensorDataset on the host, S-SGD": dict(model=TinyBN, devices=1, data="tensors",
                                                sync=cg.SSGD()),
     "m and b change mid-fit": dict(model=TinyNet, devices=1, data="samples", hooks=True),
+    # device 1's learners seed their dropout masks from their global rows, copied ahead or not
+    "dropout, 2 devices": dict(model=TinyDrop, devices=2, data="samples"),
 }
 
 
