@@ -204,7 +204,7 @@ def compile(  # noqa: A001 - the public name the design asks for
             format, ``cuda_graphs=True`` without CUDA devices; a model without trainable float
             parameters; ``loss_fn=None`` without a loss in the output; ``"fused"`` for a model
             vmap cannot run; docs/reliability.md lists them).
-        TypeError: ``loss_fn`` not callable, or a loss class instead of an instance.
+        TypeError: ``loss_fn`` not callable or a loss class, ``cuda_graphs`` not a bool.
         ImportError, CompilerError: the Triton or C kernels asked for cannot be built.
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
         DistributedError: under torchrun, the ranks' plans differ (names the difference).
@@ -277,6 +277,8 @@ class _CompileArgs:
                              "workers do not wait for; use executor='inline' (or 'auto', which "
                              "picks it)")
         _check_model(self.model)
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs={self.cuda_graphs!r}: must be True or False")
         if self.memory_format not in MEMORY_FORMATS:
             raise ValueError(f"memory_format={self.memory_format!r}: must be one of "
                              f"{', '.join(map(repr, MEMORY_FORMATS))}")
@@ -417,7 +419,8 @@ class Plan:
         self.loss_fn = loss_fn
         self._template = copy.deepcopy(model).train()
         self._params = FlatLayout.of(trainable_named(self._template), channels_last_weights(
-            self._template, memory_format, {_torch_device(d).type for d in task_graph.graph["devices"]}))
+            self._template, memory_format, {_torch_device(d).type for d in task_graph.graph["devices"]},
+            example_inputs))
         self._buffers = FlatLayout.of(float_buffers_named(self._template))
         local = as_local_optimizer(optimizer, model, self._template,
                                    [name for name, *_ in self._params.entries])

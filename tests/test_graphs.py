@@ -253,3 +253,9 @@ def test_gpu_uncapturable_model_falls_back_and_trains():
     _, z_eager, _ = _gpu_fit(ItemLeNet, "per_replica", False)
     assert plan.scheduler.round_graph.captures == 0
     torch.testing.assert_close(z, z_eager, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", ["yes", "False", 1, None])
+def test_cuda_graphs_must_be_a_bool(value):
+    with pytest.raises(TypeError, match=r"cuda_graphs=.*must be True or False"):
+        compile_tiny(devices=1, replicas=2, cuda_graphs=value)

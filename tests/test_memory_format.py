@@ -158,3 +158,69 @@ def test_one_replica_row_takes_torch_fused_adamw_with_channels_last_rows(data):
             p = inst.param_groups[0]["params"][0]
             assert inst.state[p]["exp_avg"].stride() == p.stride() == p.grad.stride()
         del model
+
+
+class _StandardisedConv(nn.Conv2d):
+    """Weight standardisation: its own forward reads the weight with ``.view``."""
+
+    def forward(self, x):
+        v = self.weight.view(self.weight.shape[0], -1)
+        v = (v - v.mean(1, keepdim=True)) / (v.std(1, keepdim=True) + 1e-5)
+        return nn.functional.conv2d(x, v.view_as(self.weight), self.bias, self.stride, self.padding)
+
+
+class _ViewsItsWeight(nn.Module):
+    """nn.Conv2d's own forward, but the model reads the weight with ``.view`` besides."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1)) + 0 * self.conv.weight.view(-1).sum()
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 3, 3, padding=1)
+        self.b.weight = self.a.weight
+        self.fc = nn.Linear(3 * 8 * 8, 5)
+
+    def forward(self, x):
+        return self.fc(self.b(torch.relu(self.a(x))).flatten(1))
+
+
+def test_weights_user_code_may_read_as_contiguous_stay_contiguous(data):
+    """A Conv2d subclass with its own forward, a weight tied to two modules and a parametrized
+    (spectral-norm) weight keep their layout; the spectral norm's power iteration is not run by
+    the layout's choice (the two plans train alike bit for bit)."""
+    torch.manual_seed(0)
+    sub = nn.Sequential(_StandardisedConv(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    assert channels_last_weights(sub, "channels_last", {"cpu"}) == frozenset()
+    assert channels_last_weights(_Tied(), "channels_last", {"cpu"}) == frozenset()
+    plans = []
+    for fmt in ("auto", "contiguous"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Conv2d(3, 4, 3)),
+                              nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+        plan = cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
+                          devices=1, replicas=2, executor="inline", memory_format=fmt)
+        assert not plan.states[0].params.channels_last
+        plan.fit(data, epochs=1, progress=False, shuffle=False, metrics_every=None)
+        plans.append(plan)
+    assert torch.equal(plans[0].central_weights(), plans[1].central_weights())
+
+
+def test_a_forward_that_views_a_weight_keeps_it_contiguous_or_is_refused(data):
+    """The layout's dry run: ``"auto"`` warns and keeps the weights contiguous (and trains);
+    ``"channels_last"`` is a ValueError naming ``memory_format='contiguous'``, before training."""
+    x = data.tensors[0][:B]
+    with pytest.warns(UserWarning, match=r"fails with its Conv2d weights channels-last.*\.view"):
+        plan = cg.compile(_ViewsItsWeight(), (x,), nn.functional.cross_entropy, batch_size=B,
+                          devices=1, replicas=1)
+    assert not plan.states[0].params.channels_last
+    plan.fit(data, epochs=1, progress=False, metrics_every=None)
+    with pytest.raises(ValueError, match="memory_format='contiguous'"):
+        cg.compile(_ViewsItsWeight(), (x,), nn.functional.cross_entropy, batch_size=B, devices=1,
+                   replicas=1, memory_format="channels_last")

@@ -29,7 +29,9 @@ its loss scale in ``loss_scales``.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -130,25 +132,74 @@ class FlatLayout:
         return [e for e in self.entries if e[0] in self.channels_last]
 
 
-def channels_last_weights(module: nn.Module, memory_format: str, device_types: set[str]
-                          ) -> frozenset[str]:
+def channels_last_weights(module: nn.Module, memory_format: str, device_types: set[str],
+                          example_inputs: Any = None) -> frozenset[str]:
     """The trainable parameters a plan stores channels-last (``FlatLayout.channels_last``).
+
+    A weight qualifies when it is the trainable 4-D weight of an ``nn.Conv2d`` that runs
+    ``nn.Conv2d``'s own forward and is its only owner: a subclass with its own forward (say,
+    weight standardisation through ``weight.view``), a parametrized weight (spectral norm) or one
+    tied to another module keeps its contiguous layout.
 
     Args:
         module: the model.
-        memory_format: one of ``MEMORY_FORMATS``: ``"channels_last"``: every ``nn.Conv2d``
-            weight; ``"contiguous"``: none; ``"auto"``: every ``nn.Conv2d`` weight when all the
-            plan's devices are CPUs (there the median step of LeNet-5 and ResNet-32 is up to
-            7 % shorter at small b so, docs/runtime.md), none on CUDA devices.
+        memory_format: one of ``MEMORY_FORMATS``: ``"channels_last"``: every qualifying weight;
+            ``"contiguous"``: none; ``"auto"``: every qualifying weight when all the plan's
+            devices are CPUs (there the median step of LeNet-5 and ResNet-32 is up to 7 %
+            shorter at small b so, docs/runtime.md), none on CUDA devices.
         device_types: the plan's device types (``{"cpu"}``, ``{"cuda"}``).
+        example_inputs: compile's example inputs: if given, a copy of ``module`` with those
+            weights channels-last runs one forward on them first.
 
+    Raises:
+        ValueError: with ``"channels_last"``, that forward fails (it names the error and
+            ``memory_format="contiguous"``); with ``"auto"`` a ``UserWarning`` says so instead
+            and every weight stays contiguous.
     """
     if memory_format == "contiguous" or (memory_format == "auto" and device_types != {"cpu"}):
         return frozenset()
     trainable = {id(p): n for n, p in trainable_named(module)}
-    return frozenset(trainable[id(m.weight)] for m in module.modules()
-                     if isinstance(m, nn.Conv2d) and id(m.weight) in trainable
-                     and m.weight.dim() == 4)
+    owners: dict[int, int] = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owners[id(p)] = owners.get(id(p), 0) + 1
+    names = frozenset(
+        trainable[id(w)] for m in module.modules()
+        if isinstance(m, nn.Conv2d) and type(m).forward is nn.Conv2d.forward
+        and (w := m._parameters.get("weight")) is not None and id(w) in trainable
+        and w.dim() == 4 and owners[id(w)] == 1)
+    failure = _channels_last_failure(module, names, example_inputs) if names else None
+    if failure is None:
+        return names
+    text = (f"the model's forward fails with its Conv2d weights channels-last ({failure}): "
+            "it reads a weight with .view() or as contiguous memory")
+    if memory_format == "channels_last":
+        raise ValueError(f"memory_format='channels_last': {text}; use memory_format='contiguous'")
+    warnings.warn(f"{text}; its weights stay contiguous (memory_format='contiguous' says so)",
+                  stacklevel=5)  # compile's caller
+    return frozenset()
+
+
+def _channels_last_failure(module: nn.Module, names: frozenset[str], example_inputs: Any
+                           ) -> str | None:
+    """Why a copy of ``module`` with the weights ``names`` channels-last cannot run one forward on
+    ``example_inputs`` (a tuple of positional inputs or a dict of keyword inputs), or None."""
+    if example_inputs is None:
+        return None
+    probe = copy.deepcopy(module)
+    layout = FlatLayout.of(trainable_named(probe), names)
+    bind_flat(probe, torch.zeros(layout.size, dtype=model_dtype(trainable_named(probe)),
+                                 device=next(iter(probe.parameters())).device),
+              None, None, layout, FlatLayout((), 0))
+    args, kwargs = (((), dict(example_inputs)) if isinstance(example_inputs, dict)
+                    else (tuple(example_inputs), {}))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the caller's RNG untouched
+            probe(*args, **kwargs)
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return None
 
 
 def trainable_named(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

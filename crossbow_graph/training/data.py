@@ -163,8 +163,8 @@ def device_fetch(data: Any, dataset: Dataset, data_on_device: bool | str,
         raise ValueError(
             f"data_on_device=True keeps a TensorDataset's tensors on the device and gathers each "
             f"round there, but train_dataset is a {type(data).__name__}"
-            + (" over a TensorDataset" if isinstance(data, DataLoader) else "")
-            + ", read sample by sample on the host; pass TensorDataset(x, y) itself, or "
+            + (f" over a {type(dataset).__name__}" if isinstance(data, DataLoader) else "")
+            + ", read sample by sample on the host; pass a TensorDataset(x, y) itself, or "
             "data_on_device='auto' (its batches are then copied to the device one round ahead)")
     if data_on_device is False or not eligible:
         return None
