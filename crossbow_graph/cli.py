@@ -117,17 +117,19 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--no-augment", action="store_true",
                        help="cifar10: no random crop (padding 4) and horizontal flip")
     train.add_argument("--train-samples", type=int, default=None,
-                       help="train on the first N samples only (a quick run)")
+                       help="train on the first N samples only (a quick run; default: all)")
     train.add_argument("--test-samples", type=int, default=None,
-                       help="evaluate on the first N test samples only")
+                       help="evaluate on the first N test samples only (default: all)")
     train.add_argument("--checkpoint-dir", default=None,
-                       help="write checkpoints of the whole training state there (newest two kept)")
+                       help="write checkpoints of the whole training state there (newest two kept; "
+                            "default: none)")
     train.add_argument("--checkpoint-every", type=int, default=None,
                        help="rounds between checkpoints (default: at the end of every epoch)")
     train.add_argument("--resume", action="store_true",
                        help="continue from the newest good checkpoint in --checkpoint-dir")
     train.add_argument("--log-dir", default=None,
-                       help="write per-round/epoch CSV, TensorBoard events and history.json there")
+                       help="write per-round/epoch CSV, TensorBoard events and history.json there "
+                            "(default: no logs)")
     train.add_argument("--batch-size", type=int, default=256, help="b, samples per learner per round")
     train.add_argument("--devices", default="auto",
                        help="devices: 'auto' (every GPU, else one CPU device, whose learners use "
