@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["DeviceParts", "LearnerBatches", "batch_tensors", "single", "to_device"]
+__all__ = ["DeviceParts", "LearnerBatches", "batch_tensors", "map_tensors", "single", "to_device"]
 
 
 @dataclass
@@ -103,7 +103,13 @@ def single(batch: Any) -> Any:
     return batch
 
 
+def map_tensors(batch: Any, fn) -> Any:
+    """``fn`` applied to every tensor of a collated batch or of a ``LearnerBatches``."""
+    if isinstance(batch, LearnerBatches):
+        return LearnerBatches([map_tensors(b, fn) for b in batch.batches], batch.batch_size)
+    return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, batch)
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """Every tensor of a collated batch on ``device`` (non-blocking copies from pinned memory)."""
-    return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor)
-                    else t, batch)
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))

@@ -28,7 +28,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .inputs import split_inputs
+from .inputs import example_call, split_inputs
 from .precision import autocast
 from .settings import RunSettings, settings_view
 from .state import DeviceState
@@ -184,8 +184,7 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
     Returns:
         ``"ExcType: message"`` of vmap's failure, or None.
     """
-    args, kwargs = (((), dict(example_inputs)) if isinstance(example_inputs, dict)
-                    else (tuple(example_inputs), {}))
+    args, kwargs = example_call(example_inputs)
     first = lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t  # noqa: E731
     args, kwargs = tree_map(first, args), tree_map(first, kwargs)
     stacked = lambda t: t.detach().unsqueeze(0).repeat(replicas, *[1] * t.dim())  # noqa: E731

@@ -5,7 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["split_inputs"]
+__all__ = ["example_call", "split_inputs"]
+
+
+def example_call(example_inputs: tuple[Any, ...] | dict[str, Any]
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """compile's example inputs → (positional args, keyword args) of the model call: a dict is
+    keyword inputs, a tuple (or list) positional ones."""
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    return tuple(example_inputs), {}
 
 
 def split_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:

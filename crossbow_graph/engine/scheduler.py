@@ -165,7 +165,7 @@ class Scheduler(RoundInterpreter):
             self.flush()  # the new graph's streams start after the old ones' work
         self._cuda = None
         self.batch_ahead.drop()  # split for the old graph's devices and rows
-        if getattr(self, "round_graph", None) is not None:
+        if self.round_graph is not None:
             self.round_graph.clear()  # other tasks, other buffers: new graphs
 
     @property
@@ -308,9 +308,7 @@ class Scheduler(RoundInterpreter):
         if self.round_graph is not None and self._streams() is not None and \
                 self.round_graph.run_round(self, round_index, batch, synchronise):
             return
-        self._batch = batch
-        self._round_losses = {d: [None] * s.m for d, s in enumerate(self.states)}  # for the fault test
-        self._synchronise = synchronise
+        self._start_round(batch, synchronise)
         streams = self._streams()
         if streams is not None:
             streams.begin_round(batch, copied)
@@ -319,6 +317,13 @@ class Scheduler(RoundInterpreter):
             streams.end_round()
             self._take_late_faults(block=False, before=round_index)
             self._take_spans(block=False)
+
+    def _start_round(self, batch: Any, synchronise: bool) -> None:
+        """What a round's tasks read besides the state: its batch, whether it synchronises, and
+        per device its learners' losses (filled by ``learn``, read by the fault test)."""
+        self._batch = batch
+        self._round_losses = {d: [None] * s.m for d, s in enumerate(self.states)}
+        self._synchronise = synchronise
 
     def prefetch(self, round_index: int, indices: torch.Tensor) -> None:
         """Fetch (or load) round ``round_index``'s batch of samples ``indices [k·b]`` now and copy
@@ -352,9 +357,7 @@ class Scheduler(RoundInterpreter):
         graph's device tensors, no dropout seeding (the round graph seeds before), no host copy of
         the fault masks and no timing (``graph_epilogue`` does what follows a replay). Returns
         the learners' losses (0-dim tensors, in learning order)."""
-        self._batch = batch
-        self._round_losses = {d: [None] * s.m for d, s in enumerate(self.states)}
-        self._synchronise = synchronise
+        self._start_round(batch, synchronise)
         self._graph_losses = []
         self._in_graph = True
         try:

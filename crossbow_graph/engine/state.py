@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .inputs import example_call
 from .precision import LossScales
 
 __all__ = ["FlatLayout", "DeviceState", "bind_flat", "channels_last_weights", "model_dtype",
@@ -192,8 +193,7 @@ def _channels_last_failure(module: nn.Module, names: frozenset[str], example_inp
     bind_flat(probe, torch.zeros(layout.size, dtype=model_dtype(trainable_named(probe)),
                                  device=next(iter(probe.parameters())).device),
               None, None, layout, FlatLayout((), 0))
-    args, kwargs = (((), dict(example_inputs)) if isinstance(example_inputs, dict)
-                    else (tuple(example_inputs), {}))
+    args, kwargs = example_call(example_inputs)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the caller's RNG untouched
             probe(*args, **kwargs)
@@ -227,14 +227,14 @@ def bind_flat(module: nn.Module, params_row: torch.Tensor, grads_row: torch.Tens
     with ``copy_values=False`` the rows already hold the values and the module adopts them.
     """
     named = dict(module.named_parameters())
-    for name, shape, off, n in params.entries:
-        p = named[name]
-        view = params.view(params_row, (name, shape, off, n))
+    for entry in params.entries:
+        p = named[entry[0]]
+        view = params.view(params_row, entry)
         if copy_values:
             view.copy_(p.detach())
         p.data = view
         if grads_row is not None:
-            p.grad = params.view(grads_row, (name, shape, off, n))
+            p.grad = params.view(grads_row, entry)
     if bufs_row is not None:
         named_b = dict(module.named_buffers())
         for name, shape, off, n in buffers.entries:

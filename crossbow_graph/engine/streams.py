@@ -43,9 +43,8 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
 import torch
-from torch.utils._pytree import tree_map
 
-from .batches import DeviceParts, LearnerBatches, batch_tensors
+from .batches import DeviceParts, batch_tensors, map_tensors
 
 __all__ = ["StreamOps", "CudaStreams", "STREAM_KINDS", "host_resident", "is_host_resident"]
 
@@ -117,13 +116,6 @@ class StreamOps:
 
 
 CUDA_OPS = StreamOps()
-
-
-def _map_tensors(batch: Any, fn) -> Any:
-    """``fn`` applied to every tensor of a collated batch or of a ``LearnerBatches``."""
-    if isinstance(batch, LearnerBatches):
-        return LearnerBatches([_map_tensors(b, fn) for b in batch.batches], batch.batch_size)
-    return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, batch)
 
 
 class CudaStreams:
@@ -221,7 +213,7 @@ class CudaStreams:
             with self.ops.use(stream):
                 if "copy" in self.delay:
                     self.ops.sleep(self.delay["copy"])
-                moved.append(_map_tensors(part, lambda t: self._copy(t, device)))
+                moved.append(map_tensors(part, lambda t: self._copy(t, device)))
             events.append(self._event(stream))
         return DeviceParts(moved), events
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CompilerError
-from .torch_ref import sma_central_update, sma_local_update, is_on
+from .torch_ref import any_tensor, is_on, sma_central_update, sma_local_update
 
 __all__ = ["CSMAKernels", "c_kernels_available", "load_library", "SOURCE_PATH", "CompilerError"]
 
@@ -263,7 +263,7 @@ class CSMAKernels:
         correction. Hyper-parameters given as tensors take the torch path (read on the device)."""
         m, P = w.shape
         correct = z is not None and is_on(alpha)
-        if any(isinstance(x, torch.Tensor) for x in (lr, momentum, weight_decay, alpha)) or not (
+        if any_tensor(lr, momentum, weight_decay, alpha) or not (
                 _rows_ok(w, (m, P)) and _rows_ok(g, (m, P))
                 and (momentum == 0 or _rows_ok(v, (m, P))) and (not correct or _vec_ok(z, P))
                 and (out is None or _vec_ok(out, P))):
@@ -300,7 +300,8 @@ class CSMAKernels:
         ``zs[0], z_prevs[0]``. All ``[P]`` float32 contiguous CPU tensors; else nothing is done
         and False returned (the scheduler then takes the same steps in torch)."""
         P = zs[0].shape[0]
-        if isinstance(central_momentum, torch.Tensor) or not all(_vec_ok(t, P) for t in (*zs, *z_prevs, *parts)) or len(zs) != len(z_prevs):
+        if any_tensor(central_momentum) or len(zs) != len(z_prevs) or \
+                not all(_vec_ok(t, P) for t in (*zs, *z_prevs, *parts)):
             return False
         arrays = [(ctypes.c_void_p * len(ts))(*(t.data_ptr() for t in ts))
                   for ts in (parts, zs, z_prevs)]

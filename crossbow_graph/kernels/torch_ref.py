@@ -22,11 +22,16 @@ from __future__ import annotations
 import torch
 
 __all__ = ["sma_local_update", "sma_central_update", "TorchSMAKernels", "BLOCK_BYTES", "Hyper",
-           "is_on"]
+           "is_on", "any_tensor"]
 
 BLOCK_BYTES = 1 << 20  # CPU: bytes of each [m, ·] buffer per column block (1 MiB)
 
 Hyper = float | torch.Tensor  # a run-time hyper-parameter: a number or a 0-dim float32 tensor
+
+
+def any_tensor(*values: Hyper) -> bool:
+    """Whether any of these hyper-parameters is a tensor (read on the device at run time)."""
+    return any(isinstance(v, torch.Tensor) for v in values)
 
 
 def is_on(value: Hyper) -> bool:
@@ -106,7 +111,7 @@ def _block_columns(w: torch.Tensor, m: int) -> int:
 def _local_block(w, v, g, z, acc, *, lr, momentum, nesterov, weight_decay, alpha, first_step):
     # as few passes over the [m, n] block as the equations allow (each costs about as much as the
     # arithmetic on this CPU): v in one fused add, c_j = α·e_j folded into w's update and acc
-    if any(isinstance(x, torch.Tensor) for x in (lr, momentum, weight_decay, alpha)):
+    if any_tensor(lr, momentum, weight_decay, alpha):
         _local_block_read(w, v, g, z, acc, lr=lr, momentum=momentum, nesterov=nesterov,
                           weight_decay=weight_decay, alpha=alpha, first_step=first_step)
         return

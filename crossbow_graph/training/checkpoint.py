@@ -44,7 +44,7 @@ import random
 import struct
 import tempfile
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -113,7 +113,8 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         "train_seconds": plan.train_seconds,
         "outer_optimizer": None if sched.outer is None else  # sync=DiLoCo(...): engine/outer.py
         {"class": sched.outer.describe()["class"],
-         "state": _outer_layout(plan, sched.outer.state_dict(), "to_standard")},
+         "state": _outer_layout(plan, sched.outer.state_dict(),
+                                plan.states[0].params.to_standard)},
     }
 
 
@@ -250,12 +251,13 @@ def _check_same_optimizer(plan: "Plan", sd: dict[str, Any]) -> None:
             f"optimizer to resume, or use another checkpoint_dir to start afresh")
 
 
-def _outer_layout(plan: "Plan", sd: dict[str, Any], way: str) -> dict[str, Any]:
+def _outer_layout(plan: "Plan", sd: dict[str, Any],
+                  convert: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
     """The outer optimizer's ``state_dict`` with its ``[P]`` tensors (momentum of z) converted by
-    the plan's flat layout's ``to_standard`` or ``from_standard`` (engine/state.py FlatLayout)."""
-    layout = plan.states[0].params
-    convert = getattr(layout, way)
-    state = {i: {k: convert(t) if isinstance(t, torch.Tensor) and t.shape == (layout.size,) else t
+    ``convert``: the plan's flat layout's ``to_standard`` or ``from_standard`` (engine/state.py
+    FlatLayout)."""
+    P = plan.num_parameters
+    state = {i: {k: convert(t) if isinstance(t, torch.Tensor) and t.shape == (P,) else t
                  for k, t in per_param.items()} for i, per_param in sd["state"].items()}
     return {**sd, "state": state}
 
@@ -274,7 +276,8 @@ def _load_outer(plan: "Plan", saved: dict[str, Any] | None) -> None:
                               "checkpoint_dir to start afresh")
     if outer is not None:
         try:
-            outer.load_state_dict(_outer_layout(plan, saved["state"], "from_standard"))
+            outer.load_state_dict(_outer_layout(plan, saved["state"],
+                                                plan.states[0].params.from_standard))
         except ValueError as exc:
             raise CheckpointError(f"the checkpoint's outer optimizer state does not fit this "
                                   f"plan's: {exc}") from None

@@ -139,9 +139,6 @@ class DeviceFetch:
         return [t.index_select(0, idx) for t in self.tensors]
 
 
-DATA_ON_DEVICE = ("auto", True, False)
-
-
 def device_fetch(data: Any, dataset: Dataset, data_on_device: bool | str,
                  device: torch.device) -> DeviceFetch | None:
     """The fit's ``DeviceFetch`` when its training data lives on the plan's first device
