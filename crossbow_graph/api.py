@@ -768,6 +768,7 @@ class Plan:
         metrics_every: "int | MetricsMonitor | None" = 50, lr_scheduler: Any = None,
         lr_scheduler_interval: str = "epoch", metric_fn: Callable[[Any, Any], Any] | None = None,
         bn_recalibration_batches: int = 20, data_on_device: bool | str = "auto",
+        max_grad_norm: float | None = None,
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -783,6 +784,9 @@ class Plan:
                 the plan's first device for the fit, each round's ``[k·b]`` samples gathered
                 there (``"auto"``: on CUDA, if they take ≤ ¼ of its free memory); other data is
                 copied to CUDA devices a round ahead (docs/runtime.md, Data on the device).
+            max_grad_norm: every learner clips its own gradient to this 2-norm before its local
+                step, as ``torch.nn.utils.clip_grad_norm_`` does (docs/optimizers.md); None:
+                no clipping.
             eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch (a DataLoader:
                 its ``collate_fn`` collates each evaluation batch).
             metrics_every: N, rounds per metrics window (``History.metrics``; tuning/metrics.py),
@@ -806,9 +810,10 @@ class Plan:
                 samples that are not ``(inputs, target)`` pairs or unlike the example inputs,
                 labels outside the classes (the first batches are checked), a DataLoader with
                 its own sampler, bad options (training/validate.py, docs/reliability.md),
-                ``data_on_device`` not "auto"/True/False, or True for data not a TensorDataset.
-            TypeError: ``seed`` not an integer, ``target_accuracy`` not a number,
-                ``metric_fn`` not callable.
+                ``data_on_device`` not "auto"/True/False, or True for data not a TensorDataset,
+                ``max_grad_norm`` ≤ 0 or not finite.
+            TypeError: ``seed`` not an integer, ``target_accuracy`` or ``max_grad_norm`` not a
+                number, ``metric_fn`` not callable.
             TaskError: a task failed (names the task, its device and the round).
             DivergenceError: every replica (of every rank) produced NaN/Inf in the same round.
             CheckpointError: ``resume`` found no readable checkpoint of this model and plan.
@@ -825,7 +830,7 @@ class Plan:
             resume=resume, log_dir=log_dir, trace=trace, policies=policies, metrics=metrics,
             lr_scheduler=lr_scheduler, lr_scheduler_interval=lr_scheduler_interval,
             metric_fn=metric_fn, bn_recalibration_batches=bn_recalibration_batches,
-            data_on_device=data_on_device)
+            data_on_device=data_on_device, max_grad_norm=max_grad_norm)
         history = Trainer(self, train_dataset, eval_dataset, options).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self._int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)

@@ -523,3 +523,20 @@ def test_cli_unreadable_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("crossbow-graph train: error: no checkpoint in") and "is truncated: 7 bytes" in err
+
+
+# -- gradient clipping (fit's max_grad_norm) ------------------------------------------------
+
+@pytest.mark.parametrize("norm, error, pattern", [
+    (0, ValueError, r"max_grad_norm=0: must be a positive finite number, e.g. max_grad_norm=1.0; "
+                    r"pass None \(the default\) for no clipping"),
+    (-1.0, ValueError, r"max_grad_norm=-1.0: must be a positive finite number"),
+    (float("inf"), ValueError, r"max_grad_norm=inf: must be a positive finite number"),
+    (float("nan"), ValueError, r"max_grad_norm=nan: must be a positive finite number"),
+    ("1.0", TypeError, r"max_grad_norm='1.0': must be a positive number, the largest 2-norm of a "
+                       r"learner's gradient, e.g. max_grad_norm=1.0, or None \(no clipping\)"),
+    (True, TypeError, r"max_grad_norm=True: must be a positive number"),
+    (torch.tensor(1.0), TypeError, r"max_grad_norm=tensor\(1.\): must be a positive number"),
+], ids=["zero", "negative", "inf", "nan", "string", "bool", "tensor"])
+def test_max_grad_norm_not_a_positive_finite_number(norm, error, pattern):
+    fails_before_training(error, pattern, max_grad_norm=norm)
