@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .compiler import inspect as _inspect
+from .compiler.arguments import check_trace_arguments
 from .compiler.outputs import model_loss
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
@@ -29,7 +30,7 @@ from .engine.scheduler import Scheduler
 from .engine.settings import RunSettings, settings_view
 from .engine.state import (MEMORY_FORMATS, DeviceState, FlatLayout, channels_last_weights,
                            float_buffers_named, model_dtype, trainable_named)
-from .errors import is_count
+from .errors import check_flag, is_count
 from .kernels.select import plan_kernels, select_backend
 from .training.batchnorm import BNRecalibration
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
@@ -202,9 +203,12 @@ def compile(  # noqa: A001 - the public name the design asks for
             torch.fx cannot trace it.
         ValueError: a bad argument (batch size, replicas, devices, backend, precision, memory
             format, ``cuda_graphs=True`` without CUDA devices; a model without trainable float
-            parameters; ``loss_fn=None`` without a loss in the output; ``"fused"`` for a model
-            vmap cannot run; docs/reliability.md lists them).
-        TypeError: ``loss_fn`` not callable or a loss class, ``cuda_graphs`` not a bool.
+            parameters; an example input on the meta device, a ``concrete_args`` key that is not
+            a forward argument; ``loss_fn=None`` without a loss in the output; ``"fused"`` for a
+            model vmap cannot run; docs/reliability.md lists them).
+        TypeError: ``loss_fn`` not callable or a loss class; ``verify``, ``strict_trace`` or
+            ``cuda_graphs`` not a bool; ``concrete_args`` not a dict, ``leaf_modules`` not a list
+            of module classes (compiler/arguments.py).
         ImportError, CompilerError: the Triton or C kernels asked for cannot be built.
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
         DistributedError: under torchrun, the ranks' plans differ (names the difference).
@@ -277,8 +281,9 @@ class _CompileArgs:
                              "workers do not wait for; use executor='inline' (or 'auto', which "
                              "picks it)")
         _check_model(self.model)
-        if not isinstance(self.cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs={self.cuda_graphs!r}: must be True or False")
+        for name in ("verify", "strict_trace", "cuda_graphs"):
+            check_flag(name, getattr(self, name))
+        check_trace_arguments(self.model, self.example_inputs, self.concrete_args, self.leaf_modules)
         if self.memory_format not in MEMORY_FORMATS:
             raise ValueError(f"memory_format={self.memory_format!r}: must be one of "
                              f"{', '.join(map(repr, MEMORY_FORMATS))}")

@@ -9,7 +9,7 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import is_count
+from ..errors import check_flag, is_count
 from .lr_schedule import LR_INTERVALS
 
 if TYPE_CHECKING:
@@ -127,8 +127,7 @@ class FitOptions:
         object.__setattr__(self, "hooks", as_hooks("hooks", self.hooks))
         object.__setattr__(self, "policies", as_hooks("policies", self.policies))
         for name in ("shuffle", "progress", "resume"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}={getattr(self, name)!r}: must be True or False")
+            check_flag(name, getattr(self, name))
         if self.metric_fn is not None and not callable(self.metric_fn):
             raise TypeError(f"metric_fn={self.metric_fn!r}: must be callable as "
                             "metric_fn(output, target) -> the batch's accuracy, or None")
