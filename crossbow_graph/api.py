@@ -175,8 +175,8 @@ def compile(  # noqa: A001 - the public name the design asks for
             k learners and one SGD step for all replicas (a batch of k·b; the inline executor),
             or ``DiLoCo(sync_every=H)``: an outer optimizer over z every H rounds, replicas
             restarted from z (config.DiLoCo; the inline executor).
-        concrete_args, leaf_modules: passed to the torch.fx tracer (see TraceError's advice);
-            leaf modules, and the model itself as one, are measured eagerly for the analysis.
+        concrete_args, leaf_modules: {forward argument: value} and a list of module classes for
+            torch.fx (TraceError's advice); leaves, the model as one too, are measured eagerly.
         memory_budget: bytes per device for learners; None: no bound on CPUs, free memory on CUDA.
         verify: run the verifier between compiler passes.
         kernel_backend: the SMA update kernels (docs/kernels.md): ``"auto"`` (Triton on CUDA,
@@ -203,12 +203,9 @@ def compile(  # noqa: A001 - the public name the design asks for
             torch.fx cannot trace it.
         ValueError: a bad argument (batch size, replicas, devices, backend, precision, memory
             format, ``cuda_graphs=True`` without CUDA devices; a model without trainable float
-            parameters; an example input on the meta device, a ``concrete_args`` key that is not
-            a forward argument; ``loss_fn=None`` without a loss in the output; ``"fused"`` for a
-            model vmap cannot run; docs/reliability.md lists them).
-        TypeError: ``loss_fn`` not callable or a loss class; ``verify``, ``strict_trace`` or
-            ``cuda_graphs`` not a bool; ``concrete_args`` not a dict, ``leaf_modules`` not a list
-            of module classes (compiler/arguments.py).
+            parameters; ``loss_fn=None`` without a loss in the output; ``"fused"`` for a model
+            vmap cannot run; a meta example input; docs/reliability.md lists them all).
+        TypeError: ``loss_fn`` not callable or a loss class, a flag not a bool, a tracing argument.
         ImportError, CompilerError: the Triton or C kernels asked for cannot be built.
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
         DistributedError: under torchrun, the ranks' plans differ (names the difference).
