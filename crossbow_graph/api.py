@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .compiler import inspect as _inspect
+from .compiler.arguments import check_trace_arguments
 from .compiler.outputs import model_loss
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
@@ -29,7 +30,7 @@ from .engine.scheduler import Scheduler
 from .engine.settings import RunSettings, settings_view
 from .engine.state import (MEMORY_FORMATS, DeviceState, FlatLayout, channels_last_weights,
                            float_buffers_named, model_dtype, trainable_named)
-from .errors import is_count
+from .errors import check_flag, is_count
 from .kernels.select import plan_kernels, select_backend
 from .training.batchnorm import BNRecalibration
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
@@ -174,8 +175,8 @@ def compile(  # noqa: A001 - the public name the design asks for
             k learners and one SGD step for all replicas (a batch of k·b; the inline executor),
             or ``DiLoCo(sync_every=H)``: an outer optimizer over z every H rounds, replicas
             restarted from z (config.DiLoCo; the inline executor).
-        concrete_args, leaf_modules: passed to the torch.fx tracer (see TraceError's advice);
-            leaf modules, and the model itself as one, are measured eagerly for the analysis.
+        concrete_args, leaf_modules: {forward argument: value} and a list of module classes for
+            torch.fx (TraceError's advice); leaves, the model as one too, are measured eagerly.
         memory_budget: bytes per device for learners; None: no bound on CPUs, free memory on CUDA.
         verify: run the verifier between compiler passes.
         kernel_backend: the SMA update kernels (docs/kernels.md): ``"auto"`` (Triton on CUDA,
@@ -203,8 +204,8 @@ def compile(  # noqa: A001 - the public name the design asks for
         ValueError: a bad argument (batch size, replicas, devices, backend, precision, memory
             format, ``cuda_graphs=True`` without CUDA devices; a model without trainable float
             parameters; ``loss_fn=None`` without a loss in the output; ``"fused"`` for a model
-            vmap cannot run; docs/reliability.md lists them).
-        TypeError: ``loss_fn`` not callable or a loss class, ``cuda_graphs`` not a bool.
+            vmap cannot run; a meta example input; docs/reliability.md lists them all).
+        TypeError: ``loss_fn`` not callable or a loss class, a flag not a bool, a tracing argument.
         ImportError, CompilerError: the Triton or C kernels asked for cannot be built.
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
         DistributedError: under torchrun, the ranks' plans differ (names the difference).
@@ -277,8 +278,9 @@ class _CompileArgs:
                              "workers do not wait for; use executor='inline' (or 'auto', which "
                              "picks it)")
         _check_model(self.model)
-        if not isinstance(self.cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs={self.cuda_graphs!r}: must be True or False")
+        for name in ("verify", "strict_trace", "cuda_graphs"):
+            check_flag(name, getattr(self, name))
+        check_trace_arguments(self.model, self.example_inputs, self.concrete_args, self.leaf_modules)
         if self.memory_format not in MEMORY_FORMATS:
             raise ValueError(f"memory_format={self.memory_format!r}: must be one of "
                              f"{', '.join(map(repr, MEMORY_FORMATS))}")
@@ -768,6 +770,7 @@ class Plan:
         metrics_every: "int | MetricsMonitor | None" = 50, lr_scheduler: Any = None,
         lr_scheduler_interval: str = "epoch", metric_fn: Callable[[Any, Any], Any] | None = None,
         bn_recalibration_batches: int = 20, data_on_device: bool | str = "auto",
+        max_grad_norm: float | None = None,
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -783,6 +786,9 @@ class Plan:
                 the plan's first device for the fit, each round's ``[k·b]`` samples gathered
                 there (``"auto"``: on CUDA, if they take ≤ ¼ of its free memory); other data is
                 copied to CUDA devices a round ahead (docs/runtime.md, Data on the device).
+            max_grad_norm: every learner clips its own gradient to this 2-norm before its local
+                step, as ``torch.nn.utils.clip_grad_norm_`` does (docs/optimizers.md); None:
+                no clipping.
             eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch (a DataLoader:
                 its ``collate_fn`` collates each evaluation batch).
             metrics_every: N, rounds per metrics window (``History.metrics``; tuning/metrics.py),
@@ -806,9 +812,10 @@ class Plan:
                 samples that are not ``(inputs, target)`` pairs or unlike the example inputs,
                 labels outside the classes (the first batches are checked), a DataLoader with
                 its own sampler, bad options (training/validate.py, docs/reliability.md),
-                ``data_on_device`` not "auto"/True/False, or True for data not a TensorDataset.
-            TypeError: ``seed`` not an integer, ``target_accuracy`` not a number,
-                ``metric_fn`` not callable.
+                ``data_on_device`` not "auto"/True/False, or True for data not a TensorDataset,
+                ``max_grad_norm`` ≤ 0 or not finite.
+            TypeError: ``seed`` not an integer, ``target_accuracy`` or ``max_grad_norm`` not a
+                number, ``metric_fn`` not callable.
             TaskError: a task failed (names the task, its device and the round).
             DivergenceError: every replica (of every rank) produced NaN/Inf in the same round.
             CheckpointError: ``resume`` found no readable checkpoint of this model and plan.
@@ -825,7 +832,7 @@ class Plan:
             resume=resume, log_dir=log_dir, trace=trace, policies=policies, metrics=metrics,
             lr_scheduler=lr_scheduler, lr_scheduler_interval=lr_scheduler_interval,
             metric_fn=metric_fn, bn_recalibration_batches=bn_recalibration_batches,
-            data_on_device=data_on_device)
+            data_on_device=data_on_device, max_grad_norm=max_grad_norm)
         history = Trainer(self, train_dataset, eval_dataset, options).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self._int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)

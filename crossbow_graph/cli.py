@@ -79,6 +79,18 @@ def _metrics_monitor(every: int, measure_rounds: int):
         raise ValueError(f"--metrics-every {every} --measure-rounds {measure_rounds}: {exc}") from None
 
 
+def _max_grad_norm_arg(text: str) -> float:
+    """``--max-grad-norm``: a positive finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"'{text}': give a positive number, e.g. 1.0 (leave the "
+                                         "flag out for no clipping)")
+    return value
+
+
 def _replicas_arg(text: str) -> int | str:
     """``--replicas``: 'auto' or a whole number ≥ 1."""
     if text == "auto":
@@ -227,6 +239,9 @@ def _add_optimizer_flags(train: argparse.ArgumentParser) -> None:
                        help="local momentum μ_l (--optimizer sgd, rmsprop)")
     train.add_argument("--weight-decay", type=float, default=0.0,
                        help="weight decay λ (decoupled for adamw; the same default for every optimizer)")
+    train.add_argument("--max-grad-norm", type=_max_grad_norm_arg, default=None,
+                       help="clip every learner's gradient to this 2-norm before its local step, "
+                            "as torch.nn.utils.clip_grad_norm_ does (default: no clipping)")
 
 
 def _add_inspect_parser(sub) -> None:
@@ -469,7 +484,8 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
                resume=args.resume, log_dir=args.log_dir, policies=policies, metrics_every=metrics,
                lr_scheduler=_lr_schedule(args, plan, len(train_set)),
                lr_scheduler_interval="round",
-               bn_recalibration_batches=args.bn_recalibration_batches)
+               bn_recalibration_batches=args.bn_recalibration_batches,
+               max_grad_norm=args.max_grad_norm)
     return plan, fit
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .errors import is_count
+from .errors import check_flag, is_count
 
 __all__ = ["SGD", "SMA", "SSGD", "DiLoCo", "Adjustment", "LEARNER_MODES"]
 
@@ -57,8 +57,7 @@ class SGD:
         for name, example in (("lr", "lr=0.01"), ("momentum", "momentum=0.9"),
                               ("weight_decay", "weight_decay=5e-4")):
             _check_number("SGD", name, getattr(self, name), example)
-        if not isinstance(self.nesterov, bool):
-            raise TypeError(f"SGD(nesterov={self.nesterov!r}): must be True or False")
+        check_flag("nesterov", self.nesterov, "SGD")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"SGD(lr={self.lr}): the learning rate must be > 0, e.g. lr=0.01")
         if not 0 <= self.momentum < 1:

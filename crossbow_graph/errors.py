@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 __all__ = ["TraceError", "TraceWarning", "PlanError", "TaskError", "DivergenceError", "CheckpointError",
-           "DistributedError", "CompilerError", "is_count"]
+           "DistributedError", "CompilerError", "is_count", "check_flag"]
 
 
 def is_count(value: object, minimum: int = 1) -> bool:
     """True for an ``int`` ≥ ``minimum`` that is not a ``bool``: a valid count of rounds, epochs,
     samples, windows or replicas (the argument checks raise ValueError on anything else)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def check_flag(name: str, value: object, owner: str = "") -> None:
+    """TypeError unless ``value``, the argument ``name`` (of ``owner``, e.g. ``"SGD"``), is True
+    or False: a truthy stand-in (``'no'``, 1, a NumPy bool) would switch it on unnoticed."""
+    if isinstance(value, bool):
+        return
+    what = f"{owner}({name}={value!r})" if owner else f"{name}={value!r}"
+    why = (" (a string is not a bool: any non-empty string, 'no' and 'False' too, counts as True)"
+           if isinstance(value, str) else "")
+    raise TypeError(f"{what}: must be True or False{why}")
 
 
 class TraceError(ValueError):

@@ -79,12 +79,14 @@ def _load(model: nn.Module, flat: torch.Tensor) -> None:
 
 
 def reference_sma(model: nn.Module, dataset: TensorDataset, *, batch_size: int, ks: list[int],
-                  lr: float, momentum: float, central_momentum: float = 0.9) -> torch.Tensor:
+                  lr: float, momentum: float, central_momentum: float = 0.9,
+                  max_grad_norm: float | None = None) -> torch.Tensor:
     """z after len(ks) rounds of SMA (docs/design-overview.md §2) written out by hand in eager PyTorch.
 
     Round t has ks[t] learners that take the next ks[t]·b samples of the dataset's order
     (shuffle=False); α = 1/k (0 for k = 1, where z follows the single replica). When k grows, new
     replicas are z with zero momentum; when it shrinks, the last replicas go. No weight decay.
+    ``max_grad_norm``: each learner's gradient clipped by ``torch.nn.utils.clip_grad_norm_``.
     """
     x_all, y_all = dataset.tensors
     w0 = _flat(model)
@@ -104,6 +106,8 @@ def reference_sma(model: nn.Module, dataset: TensorDataset, *, batch_size: int, 
             work.zero_grad()
             x, y = x_all[pos + j * b: pos + (j + 1) * b], y_all[pos + j * b: pos + (j + 1) * b]
             nn.functional.cross_entropy(work(x), y).backward()
+            if max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(work.parameters(), max_grad_norm)
             g = torch.cat([p.grad.reshape(-1) for p in work.parameters()])
             vs[j] = momentum * vs[j] + g
             c = alpha * (ws[j] - z)

@@ -523,3 +523,83 @@ def test_cli_unreadable_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("crossbow-graph train: error: no checkpoint in") and "is truncated: 7 bytes" in err
+
+
+# -- gradient clipping (fit's max_grad_norm) ------------------------------------------------
+
+@pytest.mark.parametrize("norm, error, pattern", [
+    (0, ValueError, r"max_grad_norm=0: must be a positive finite number, e.g. max_grad_norm=1.0; "
+                    r"pass None \(the default\) for no clipping"),
+    (-1.0, ValueError, r"max_grad_norm=-1.0: must be a positive finite number"),
+    (float("inf"), ValueError, r"max_grad_norm=inf: must be a positive finite number"),
+    (float("nan"), ValueError, r"max_grad_norm=nan: must be a positive finite number"),
+    ("1.0", TypeError, r"max_grad_norm='1.0': must be a positive number, the largest 2-norm of a "
+                       r"learner's gradient, e.g. max_grad_norm=1.0, or None \(no clipping\)"),
+    (True, TypeError, r"max_grad_norm=True: must be a positive number"),
+    (torch.tensor(1.0), TypeError, r"max_grad_norm=tensor\(1.\): must be a positive number"),
+], ids=["zero", "negative", "inf", "nan", "string", "bool", "tensor"])
+def test_max_grad_norm_not_a_positive_finite_number(norm, error, pattern):
+    fails_before_training(error, pattern, max_grad_norm=norm)
+
+
+# -- compile's tracing arguments and flags (checked before any tracing) ----------------------
+
+def _never_traced(monkeypatch):
+    """compile must refuse before it traces: tracing fails the test."""
+    def trace(*args, **kwargs):
+        raise AssertionError("compile traced the model before refusing its arguments")
+    monkeypatch.setattr("crossbow_graph.api.trace_model", trace)
+
+
+NOT_A_BOOL = r"must be True or False \(a string is not a bool: any non-empty string, 'no' and 'False' too, counts as True\)"
+
+
+@pytest.mark.parametrize("kw, error, pattern", [
+    (dict(concrete_args=[1]), TypeError,
+     r"concrete_args=\[1\]: must be a dict of forward argument names to fixed values, as torch.fx "
+     r"takes it, e.g. concrete_args=\{'mask': None\}, or None"),
+    (dict(concrete_args={"maks": None}), ValueError,
+     r"concrete_args=\{'maks': ...\}: 'maks' is not an argument of Sequential.forward\(input\); "
+     r"name one of its arguments \['input'\], or drop it"),
+    (dict(leaf_modules=nn.Linear), TypeError,
+     r"leaf_modules=nn.Linear: must be a list of module classes, e.g. leaf_modules=\[nn.Linear\]"),
+    (dict(leaf_modules=["Linear"]), TypeError,
+     r"leaf_modules=\['Linear'\]: 'Linear' is a class name: torch.fx picks leaf modules by class, "
+     r"not by name; e.g. leaf_modules=\[nn.Linear\]"),
+    (dict(leaf_modules=[nn.Flatten()]), TypeError,
+     r"leaf_modules=\[Flatten\(.*\)\]: Flatten\(.*\) is a module instance: pass its class; e.g. "
+     r"leaf_modules=\[nn.Flatten\]"),
+    (dict(leaf_modules=[int]), TypeError, r"builtins.int is not an nn.Module class"),
+    (dict(strict_trace="no"), TypeError, rf"strict_trace='no': {NOT_A_BOOL}"),
+    (dict(verify="yes"), TypeError, rf"verify='yes': {NOT_A_BOOL}"),
+    (dict(cuda_graphs=1), TypeError, r"cuda_graphs=1: must be True or False$"),
+    (dict(example=torch.zeros(1, 4, device="meta")), ValueError,
+     r"example_inputs\[0\] is a tensor of shape \[1, 4\] on the meta device \(no data\), which no "
+     r"forward can run; pass real tensors, one batch shaped like the training data, e.g. "
+     r"example_inputs=\(train_dataset\[0\]\[0\].unsqueeze\(0\),\)"),
+], ids=["concrete-list", "concrete-key", "leaf-class-alone", "leaf-name", "leaf-instance",
+        "leaf-not-module", "strict-str", "verify-str", "cuda-graphs-int", "meta-input"])
+def test_compile_refuses_bad_tracing_arguments_before_tracing(monkeypatch, kw, error, pattern):
+    _never_traced(monkeypatch)
+    with pytest.raises(error, match=pattern):
+        plan(**kw)
+
+
+def test_keyword_example_input_on_meta_and_autotune_flags_are_refused(monkeypatch):
+    _never_traced(monkeypatch)
+    with pytest.raises(ValueError, match=r"example_inputs\['input'\] is a tensor of shape \[1, 4\] "
+                                         r"on the meta device"):
+        cg.compile(tiny(), {"input": torch.zeros(1, 4, device="meta")}, F.cross_entropy,
+                   batch_size=4)
+    with pytest.raises(TypeError, match=rf"AutoTune\(reprobe='no'\): {NOT_A_BOOL}"):
+        cg.AutoTune(reprobe="no")
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_example_inputs_that_do_not_run_raise_the_public_trace_error(strict):
+    """What leaves compile is crossbow_graph.TraceError itself (a ValueError), not a private
+    subclass, with the message and its cause."""
+    with pytest.raises(TraceError, match=r"do not run through Sequential") as err:
+        plan(example=torch.zeros(1, 7), strict_trace=strict)
+    assert type(err.value) is TraceError and isinstance(err.value, ValueError)
+    assert isinstance(err.value.__cause__, RuntimeError)

@@ -186,3 +186,22 @@ def test_sync_dtype_without_torchrun_says_it_has_no_effect(capsys):
              "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "64"]
     assert main(small + ["--sync-dtype", "bf16"]) == 0
     assert "--sync-dtype bf16 applies under torchrun only" in capsys.readouterr().err
+
+
+def test_max_grad_norm_flag_reaches_fit(tmp_path, capsys):
+    """--max-grad-norm (off by default, as --help says) reaches fit: the History records the
+    norm the learners were clipped to; a value that is not a positive number is an argparse
+    usage error naming the flag."""
+    assert build_parser().parse_args(["train"]).max_grad_norm is None
+    helptext = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    assert "--max-grad-norm" in helptext and "(default: no clipping)" in helptext
+    for bad in ("0", "-1", "inf", "nan", "one"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["train", "--max-grad-norm", bad])
+        err = capsys.readouterr().err
+        assert "--max-grad-norm" in err and f"'{bad}': give a positive number" in err
+    log = tmp_path / "log"
+    assert main(["train", "--train-samples", "256", "--test-samples", "128", "--epochs", "1",
+                 "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "64",
+                 "--max-grad-norm", "0.5", "--log-dir", str(log)]) == 0
+    assert json.loads((log / "history.json").read_text())["max_grad_norm"] == 0.5

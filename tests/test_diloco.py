@@ -131,11 +131,13 @@ def _flat(module: nn.Module) -> torch.Tensor:
 
 
 def reference_diloco(model: nn.Module, data: TensorDataset, *, k: int, b: int, rounds: int, H: int,
-                     inner, outer) -> tuple[torch.Tensor, torch.Tensor]:
+                     inner, outer, max_grad_norm: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """DiLoCo (Douillard et al. 2023, Algorithm 1) by hand: k model copies, each with its own
     ``inner(params)`` optimizer, learner j taking batch t·k + j in round t (shuffle=False); after
     every H-th round Δ = z − mean_j w_j is the gradient of ``outer([z])``, and every copy restarts
-    from z with its optimizer state kept. Returns (z ``[P]``, the replicas ``[k, P]``)."""
+    from z with its optimizer state kept; ``max_grad_norm``: each copy's gradient clipped by
+    ``torch.nn.utils.clip_grad_norm_`` before its step. Returns (z ``[P]``, the replicas ``[k, P]``)."""
     x, y = data.tensors
     copies = [copy.deepcopy(model) for _ in range(k)]
     inners = [inner(c.parameters()) for c in copies]
@@ -146,6 +148,8 @@ def reference_diloco(model: nn.Module, data: TensorDataset, *, k: int, b: int, r
             sl = slice((t * k + j) * b, (t * k + j + 1) * b)
             opt.zero_grad()
             F.cross_entropy(c(x[sl]), y[sl]).backward()
+            if max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(c.parameters(), max_grad_norm)
             opt.step()
         if (t + 1) % H == 0:
             with torch.no_grad():

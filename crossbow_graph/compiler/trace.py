@@ -255,7 +255,17 @@ def _cuda_indices(model: torch.nn.Module, inputs: list[Any]) -> list[int]:
 
 
 class _InputsError(TraceError):
-    """The example inputs do not run through the traced graph (or do not bind to its forward)."""
+    """The example inputs do not run through the traced graph (or do not bind to its forward):
+    this module's mark among the tracers' failures; what leaves ``trace_model`` is ``_public``."""
+
+
+def _public(exc: TraceError) -> TraceError:
+    """``exc`` as the public TraceError, with its message and cause."""
+    if type(exc) is TraceError:
+        return exc
+    public = TraceError(str(exc))
+    public.__cause__ = exc.__cause__
+    return public
 
 
 def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -364,7 +374,7 @@ def trace_model(
             except TraceError as exc:
                 failures.append((name, exc))
         if strict:
-            raise failures[0][1]
+            raise _public(failures[0][1])
         return _eager_graph(model, work, args, kwargs, devices, failures=failures)
 
 
@@ -578,7 +588,7 @@ def _plain_forward(model: nn.Module, work: nn.Module, args: tuple[Any, ...], kwa
             return work(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001
         found = next((e for _, e in failures if isinstance(e, _InputsError)), None)
-        raise (found or _inputs_error(model, args, kwargs, exc)) from exc
+        raise _public(found or _inputs_error(model, args, kwargs, exc)) from exc
     finally:
         work.train(was_training)
 

@@ -228,7 +228,8 @@ class RoundGraph:
         inputs = tuple((tuple(t.shape), t.dtype, str(t.device)) for t in tree_leaves(batch))
         return (id(sched.program), states, inputs, sched.batch_size, sched.learner_mode,
                 bool(synchronise), sgd.momentum != 0, sgd.nesterov, sgd.weight_decay != 0,
-                sched.alpha != 0, sched.settings.sync.central_momentum != 0, sched.max_divergence)
+                sched.alpha != 0, sched.settings.sync.central_momentum != 0, sched.max_divergence,
+                sched.max_grad_norm)  # numbers the graph's operations hold
 
     def _prologue(self, sched: Any, round_index: int) -> None:
         """Before the round, on the caller's stream: the hyper-parameters in force into the

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 
 from ..config import LEARNER_MODES
 from .batches import LearnerBatches, to_device
+from .clipping import clip_rows
 from .inputs import split_inputs
 from .fused import FusedProgram
 from .precision import autocast
@@ -115,13 +116,16 @@ _UNSTACKABLE = ("fused learners stack the learners' batches, but the collate_fn 
 
 def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Callable,
                 batch_size: int, mode: str, fused: FusedProgram | None,
-                rng_seed: int | None = None) -> list[torch.Tensor]:
+                rng_seed: int | None = None, max_grad_norm: float | None = None
+                ) -> list[torch.Tensor]:
     """Forward and backward of replicas ``r0 … r1−1`` of ``state`` on their own batches.
 
     The forward and loss run under the state's precision (``state.precision``: autocast for
     ``"bf16"``/``"fp16"``, engine/precision.py); with ``"fp16"`` each replica backpropagates its
     loss times its loss scale, its gradient is unscaled, and an overflow is computed again at a
-    lower scale (``LossScales.settle``), so ``g`` holds the unscaled gradients.
+    lower scale (``LossScales.settle``), so ``g`` holds the unscaled gradients. With
+    ``max_grad_norm`` each replica's unscaled gradient row is then clipped to that 2-norm
+    (engine/clipping.py), so every update that reads ``g`` steps with the clipped gradient.
 
     Args:
         state: the device's replicas and flat buffers.
@@ -138,6 +142,8 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
         rng_seed: if given, torch's RNG is seeded with it before replica r0's forward and with
             ``rng_seed + (r − r0)`` before replica r's (see ``learner_seed``); fused mode seeds
             once for the group. A float16 recomputation seeds again (the same dropout masks).
+        max_grad_norm: the largest 2-norm of a replica's gradient (``fit(max_grad_norm=...)``),
+            or None: not clipped.
 
     Returns:
         The r1 − r0 losses (0-dim tensors, detached).
@@ -152,13 +158,16 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
     if mode == "fused":
         assert fused is not None
         reseed = None if rng_seed is None else (lambda: seed_rng(state.torch_device, rng_seed))
-        return list(fused.step(state, r0, r1, batch, reseed=reseed).unbind())
+        losses = list(fused.step(state, r0, r1, batch, reseed=reseed).unbind())
+        clip_rows(state.g[r0:r1], max_grad_norm)
+        return losses
     b = batch_size
     losses = []
     for r in range(r0, r1):
         mine = slice_batch(batch, (r - r0) * b, (r - r0 + 1) * b, state.torch_device)
         seed = None if rng_seed is None else rng_seed + (r - r0)
         losses.append(_learn_replica(state, r, mine, loss_fn, seed))
+    clip_rows(state.g[r0:r1], max_grad_norm)
     return losses
 
 

@@ -81,6 +81,9 @@ class Scheduler(RoundInterpreter):
         max_divergence: if set (policies' DivergenceGuard), a replica with ‖ŵ_j − z‖/‖z‖ above
             it is reset from z before its local update, like a NaN/Inf one (engine/faults.py);
             worker processes read it when they start.
+        max_grad_norm: the fit's ``max_grad_norm`` (``begin_fit``): every learner's gradient
+            row clipped to that 2-norm before its local step (engine/clipping.py), or None;
+            worker processes read it when they start.
         stream_ops: what issues the streams and events of the inline executor
             (engine/streams.py): None runs them on CUDA devices through ``torch.cuda``; a
             ``RaceRecorder`` (engine/race_check.py) runs the same discipline on CPU devices.
@@ -113,6 +116,7 @@ class Scheduler(RoundInterpreter):
         self.states = states
         self.loss_fn = loss_fn
         self.max_divergence: float | None = None
+        self.max_grad_norm: float | None = None
         self.executor = executor
         self.losses: list[torch.Tensor] = []
         self.sync_seconds = 0.0
@@ -215,14 +219,17 @@ class Scheduler(RoundInterpreter):
     # -- fit boundaries -----------------------------------------------------------------------
 
     def begin_fit(self, fetch: Callable[[torch.Tensor], Any], *, seed: int = 0, timeline=None,
-                  load: Callable[[int, torch.Tensor], Any] | None = None) -> None:
+                  load: Callable[[int, torch.Tensor], Any] | None = None,
+                  max_grad_norm: float | None = None) -> None:
         """Prepare a fit: ``fetch`` maps sample indices ``[n]`` to a collated batch (in any
         process: forked workers fetch their own samples); ``load``, if given, maps (round t, its
         indices ``[k·b]``) to the round's batch in this process, called once per round in round
         order (a DataLoader's workers load it ahead): worker processes then receive their
-        learners' batches from this process instead of fetching."""
+        learners' batches from this process instead of fetching. ``max_grad_norm``: the fit's
+        per-learner gradient clipping (``max_grad_norm``), or None."""
         self._fetch, self._load = fetch, load
         self.seed = seed
+        self.max_grad_norm = max_grad_norm
         self.timeline = timeline
 
     def end_fit(self) -> None:
@@ -420,7 +427,7 @@ class Scheduler(RoundInterpreter):
             learner_seed(self.seed, self.round_index, self.learner_offset + first + r0)
         with self._on_stream("learn", task, d, r0):
             losses = learn_group(state, r0, r1, mine, self.loss_fn, b, self.learner_mode,
-                                 self._fused[d], rng_seed=seed)
+                                 self._fused[d], rng_seed=seed, max_grad_norm=self.max_grad_norm)
         (self._graph_losses if self._in_graph else self.losses).extend(losses)
         self._round_losses[d][r0:r1] = losses
 

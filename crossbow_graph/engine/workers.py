@@ -317,7 +317,8 @@ class _Group(RoundInterpreter):
         mine = rows(self.batch, (a - self.r0) * bs, (b - self.r0) * bs)
         self.row_losses[a - self.r0:b - self.r0] = learn_group(
             self.state, a, b, mine, sched.loss_fn, bs, self.mode, self.fused,
-            rng_seed=learner_seed(sched.seed, self.round_index, self.first + a))
+            rng_seed=learner_seed(sched.seed, self.round_index, self.first + a),
+            max_grad_norm=sched.max_grad_norm)
 
     def local_round(self, round_index: int, *, alpha: float, synchronise: bool) -> None:
         """Run the group's part of its LOCAL_SYNC (z_t is final), unless its learning failed;

@@ -144,6 +144,8 @@ class History:
         epochs: one EpochRecord per completed epoch.
         evals: every evaluation of z.
         target_accuracy: the requested target, if any.
+        max_grad_norm: the 2-norm every learner's gradient was clipped to
+            (``fit(max_grad_norm=...)``), None: not clipped.
         time_to_accuracy_s: training seconds when z first reached the target (None if never).
         epochs_to_accuracy: epochs (fractional) at that point.
         faults: every replica reset for NaN/Inf (engine/faults.py FaultEvent: round, device,
@@ -160,6 +162,7 @@ class History:
     epochs: list[EpochRecord] = field(default_factory=list)
     evals: list[EvalRecord] = field(default_factory=list)
     target_accuracy: float | None = None
+    max_grad_norm: float | None = None
     time_to_accuracy_s: float | None = None
     epochs_to_accuracy: float | None = None
     faults: list = field(default_factory=list)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import os
 import tempfile
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import is_count
+from ..errors import check_flag, is_count
 from .lr_schedule import LR_INTERVALS
 
 if TYPE_CHECKING:
@@ -78,6 +79,12 @@ class FitOptions:
             so on a CUDA device when they take at most a quarter of its free memory; ``False``
             gathers on the host. On CUDA devices the batches gathered or collated on the host are
             copied to the devices one round ahead (engine/prefetch.py).
+        max_grad_norm: every learner clips its own gradient g_j (over all its trainable
+            parameters) to this 2-norm before its local optimiser's step, as
+            ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)`` does before
+            ``optimizer.step()``: g_j ← g_j · min(1, max_grad_norm / (‖g_j‖₂ + 1e-6))
+            (engine/clipping.py; after float16's unscaling; under ``SSGD`` before the
+            average; docs/optimizers.md). None: no clipping.
 
     ``hooks`` and ``policies`` are kept as tuples.
 
@@ -85,10 +92,11 @@ class FitOptions:
         ValueError: ``epochs``, ``evals_per_epoch`` or ``eval_batch_size`` not an integer ≥ 1,
             ``bn_recalibration_batches`` not an integer ≥ 0,
             ``target_accuracy`` outside (0, 1], ``data_on_device`` not ``"auto"``, True or
-            False, ``resume=True`` or ``checkpoint_every`` without
+            False, ``max_grad_norm`` not a positive finite number, ``resume=True`` or ``checkpoint_every`` without
             ``checkpoint_dir``, a ``trace`` path whose folder is missing or not writable, a
             ``log_dir`` that is a file or cannot be created or written.
-        TypeError: ``metric_fn`` not callable, ``seed`` not an integer, ``target_accuracy`` not a number, ``shuffle``,
+        TypeError: ``metric_fn`` not callable, ``seed`` not an integer, ``target_accuracy`` or
+            ``max_grad_norm`` not a number, ``shuffle``,
             ``progress`` or ``resume`` not a bool, ``hooks``/``policies`` not a list of hook
             objects (one hook alone, or a class instead of an instance).
     """
@@ -113,13 +121,13 @@ class FitOptions:
     metric_fn: "Callable[[Any, Any], Any] | None" = None
     bn_recalibration_batches: int = 20
     data_on_device: bool | str = "auto"
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hooks", as_hooks("hooks", self.hooks))
         object.__setattr__(self, "policies", as_hooks("policies", self.policies))
         for name in ("shuffle", "progress", "resume"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}={getattr(self, name)!r}: must be True or False")
+            check_flag(name, getattr(self, name))
         if self.metric_fn is not None and not callable(self.metric_fn):
             raise TypeError(f"metric_fn={self.metric_fn!r}: must be callable as "
                             "metric_fn(output, target) -> the batch's accuracy, or None")
@@ -129,6 +137,9 @@ class FitOptions:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed={seed!r}: must be an integer, e.g. seed=0")
         _check_target_accuracy(self.target_accuracy)
+        _check_max_grad_norm(self.max_grad_norm)
+        if self.max_grad_norm is not None:  # a NumPy number too: a Python float for the kernels
+            object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm))
         if not is_count(self.evals_per_epoch):
             raise ValueError(f"evals_per_epoch={self.evals_per_epoch!r}: must be an integer ≥ 1 "
                              "(evaluations of z per epoch), e.g. 1")
@@ -230,3 +241,16 @@ def _check_target_accuracy(target_accuracy: object) -> None:
                  if 10 <= target_accuracy <= 100 else "")
         raise ValueError(f"target_accuracy={target_accuracy!r}: must be a fraction in (0, 1] "
                          f"of the eval_dataset's samples, e.g. 0.99{guess}")
+
+
+def _check_max_grad_norm(max_grad_norm: object) -> None:
+    """TypeError/ValueError for a ``max_grad_norm`` that is not None or a positive finite number."""
+    if max_grad_norm is None:
+        return
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):
+        raise TypeError(f"max_grad_norm={max_grad_norm!r}: must be a positive number, the largest "
+                        "2-norm of a learner's gradient, e.g. max_grad_norm=1.0, or None (no "
+                        "clipping)")
+    if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+        raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be a positive finite number, "
+                         "e.g. max_grad_norm=1.0; pass None (the default) for no clipping")

@@ -103,7 +103,8 @@ class Trainer:
         self.timeline = Timeline() if trace is not None else None
         self.fit_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
         sched.begin_fit(self.fetch, seed=self.options.seed, timeline=self.timeline,
-                        load=self.loader.load if self.loader is not None else None)
+                        load=self.loader.load if self.loader is not None else None,
+                        max_grad_norm=self.options.max_grad_norm)
         try:
             self._run_epochs()
             if comm is not None:
@@ -139,7 +140,8 @@ class Trainer:
         torch.manual_seed(opts.seed)
         # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
         seed_host_rngs(opts.seed, plan.rounds_done, self.comm.rank if self.comm is not None else 0, 0)
-        self.history = History(target_accuracy=opts.target_accuracy)
+        self.history = History(target_accuracy=opts.target_accuracy,
+                               max_grad_norm=opts.max_grad_norm)
         self.hooks = self._fit_hooks()
 
     def _data_path(self) -> tuple[Any, RoundLoader | None]:
@@ -185,6 +187,7 @@ class Trainer:
                     "shuffle": opts.shuffle, "seed": opts.seed,
                     "evals_per_epoch": opts.evals_per_epoch,
                     "target_accuracy": opts.target_accuracy,
+                    "max_grad_norm": opts.max_grad_norm,
                     "checkpoint_every": opts.checkpoint_every, "resume": opts.resume,
                     "rounds done": self.plan.rounds_done,
                     "eval samples": None if eval_dataset is None else len(eval_dataset)}, "the fit")

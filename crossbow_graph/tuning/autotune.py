@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+from ..errors import check_flag
 from ..training.history import AutotuneRecord
 from ..training.hooks import FitContext, Hook
 
@@ -52,6 +53,7 @@ class AutoTune:
 
     Raises:
         ValueError: a value outside its range.
+        TypeError: ``try_other_mode``, ``reprobe`` or ``confirm`` not True or False.
     """
 
     threshold: float = 0.10
@@ -75,6 +77,8 @@ class AutoTune:
             raise ValueError(f"AutoTune(window_s={self.window_s}): must be > 0 seconds")
         if self.max_replicas < 1:
             raise ValueError(f"AutoTune(max_replicas={self.max_replicas}): must be ≥ 1")
+        for name in ("try_other_mode", "reprobe", "confirm"):
+            check_flag(name, getattr(self, name), "AutoTune")
 
 
 class AutoTuner(Hook):
