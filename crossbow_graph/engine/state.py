@@ -99,13 +99,14 @@ class FlatLayout:
 
     def view(self, flat: torch.Tensor, entry: tuple[str, tuple[int, ...], int, int]) -> torch.Tensor:
         """The tensor of ``entry`` as a view of ``flat [..., ≥ P]``: ``[..., *shape]``, with
-        channels-last strides for an entry of ``channels_last``."""
+        channels-last strides for an entry of ``channels_last``; a 0-dim tensor (a learned
+        temperature) is ``[...]``."""
         name, shape, off, n = entry
         segment = flat[..., off:off + n]
         if name in self.channels_last:
             o, i, h, w = shape
             return segment.unflatten(-1, (o, h, w, i)).movedim(-1, -3)
-        return segment.unflatten(-1, shape)
+        return segment.unflatten(-1, shape) if shape else segment.squeeze(-1)
 
     def to_standard(self, flat: torch.Tensor) -> torch.Tensor:
         """A copy of ``flat [..., P]`` in the standard order (every tensor ``flatten()``-ed)."""

@@ -1,0 +1,137 @@
+"""Models as users write them: a learned 0-dim temperature. Oracles: eager PyTorch with the
+same model, and tests/_reference.py's SMA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+import crossbow_graph as cg
+from _reference import flat, reference_sma
+
+N, B = 32, 4
+
+
+def _data(n: int = N, classes: int = 4) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 1, 4, 4, generator=g) * 2,
+                         torch.randint(0, classes, (n,), generator=g))
+
+
+def _flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
+
+
+def _eager(model: nn.Module, data: TensorDataset, rounds: int, *, loss=F.cross_entropy,
+           lr: float = 0.1, momentum: float = 0.9) -> list[torch.Tensor]:
+    """Plain PyTorch: torch.optim.SGD on batch t in step t; the weights after every step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    x, y = data.tensors
+    after = []
+    for t in range(rounds):
+        opt.zero_grad()
+        loss(model(x[t * B:(t + 1) * B]), y[t * B:(t + 1) * B]).backward()
+        opt.step()
+        after.append(_flat_params(model))
+    return after
+
+
+# -- a 0-dim parameter (a learned temperature) ----------------------------------------------
+
+class Temperature(nn.Module):
+    """A convolution (whose weight the channels-last probe stores channels-last), a linear head
+    and CLIP's learned ``logit_scale`` (0-dim), with a 0-dim float buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3)
+        self.head = nn.Linear(8, 4)
+        self.logit_scale = nn.Parameter(torch.tensor(0.3))
+        self.register_buffer("shift", torch.tensor(0.25))
+
+    def forward(self, x):
+        return self.head(self.conv(x).flatten(1)) * self.logit_scale.exp() + self.shift
+
+
+class _Steps(cg.Hook):
+    """z after every round."""
+
+    def __init__(self) -> None:
+        self.z: list[torch.Tensor] = []
+
+    def after_round(self, ctx) -> None:
+        self.z.append(ctx.plan.central_weights())
+
+
+def test_a_learned_temperature_trains_at_k1_as_eager_sgd_step_for_step():
+    torch.manual_seed(0)
+    model, data = Temperature(), _data()
+    expected = _eager(copy.deepcopy(model), data, N // B)
+    plan = cg.compile(model, (data.tensors[0][:2],), F.cross_entropy, batch_size=B, devices=1,
+                      replicas=1, executor="inline", memory_format="channels_last",
+                      optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    assert plan.states[0].replicas[0].logit_scale.shape == ()
+    steps = _Steps()
+    plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None, hooks=[steps])
+    assert len(steps.z) == N // B
+    for t, z in enumerate(steps.z):
+        torch.testing.assert_close(z, expected[t], rtol=1e-5, atol=1e-6)
+    z = plan.central_model()
+    assert z.logit_scale.shape == () and z.shift.shape == ()
+    torch.testing.assert_close(z.logit_scale.detach(), expected[-1][0], rtol=1e-5, atol=1e-6)  # first
+    assert float(z.shift) == 0.25
+
+
+@pytest.mark.parametrize("mode,executor", [("per_replica", "inline"), ("fused", "process")])
+def test_a_learned_temperature_trains_at_k2_as_reference_sma(mode, executor):
+    torch.manual_seed(0)
+    model, data = Temperature(), _data()
+    x, y = data.tensors
+    rounds = N // (2 * B)
+    z_ref, _ = reference_sma(model, [(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B]) for i in range(N // B)],
+                             k=2, rounds=rounds, lr=0.1, momentum=0.9)
+    plan = cg.compile(model, (x[:2],), F.cross_entropy, batch_size=B, devices=1, replicas=2,
+                      learner_mode=mode, executor=executor, optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
+    torch.testing.assert_close(plan.central_weights(), flat(z_ref), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plan.central_model().logit_scale.detach(), z_ref[0], rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_keeps_a_temperatures_state_per_replica(monkeypatch):
+    """AdamW's one stacked instance over a device's rows keeps the 0-dim parameter's moments per
+    replica (``[m]``), apart from its one step count: the same numbers as an AdamW per replica."""
+    results = []
+    for stacked in (True, False):
+        torch.manual_seed(0)
+        model = Temperature()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+        plan = cg.compile(model, (_data().tensors[0][:2],), F.cross_entropy, batch_size=B,
+                          devices=1, replicas=3, executor="inline", optimizer=opt)
+        if not stacked:
+            monkeypatch.setattr(plan.settings.optimizer, "stacked", False)
+            for s in plan.states:
+                s.optim_rows = type(s.optim_rows)(plan.settings.optimizer, s)
+        plan.fit(_data(48), 2, shuffle=False, progress=False, metrics_every=None)
+        results.append(plan.replica_weights())
+    torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(results[0][0, -1], results[0][1, -1])  # the replicas' temperatures
+
+
+def test_a_checkpoint_of_a_temperature_resumes_as_the_fit_goes_on():
+    def new_plan() -> cg.Plan:
+        torch.manual_seed(0)
+        return cg.compile(Temperature(), (_data().tensors[0][:2],), F.cross_entropy, batch_size=B,
+                          devices=1, replicas=2, executor="inline")
+    whole = new_plan()
+    whole.fit(_data(), 2, progress=False, metrics_every=None)
+    half = new_plan()
+    half.fit(_data(), 1, progress=False, metrics_every=None)
+    resumed = new_plan()
+    resumed.load_state_dict(half.state_dict())
+    resumed.fit(_data(), 1, progress=False, metrics_every=None)
+    torch.testing.assert_close(resumed.central_weights(), whole.central_weights(), rtol=0, atol=0)
