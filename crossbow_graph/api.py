@@ -154,9 +154,10 @@ def compile(  # noqa: A001 - the public name the design asks for
         example_inputs: one batch: a tuple of positional inputs, e.g. ``(x,)`` with
             ``x [N, 1, 28, 28]``, or a dict of keyword inputs, e.g. a HuggingFace model's
             ``{"input_ids": ids [N, T], "attention_mask": mask [N, T]}``.
-        loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the batch) on the output as
-            the model returns it (a tensor, tuple, dict or HuggingFace ModelOutput); None: the
-            loss the model computes from labels in its inputs (compiler/outputs.py).
+        loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the batch; or a dict whose
+            ``"loss"`` entry is it) on the output as the model returns it (a tensor, tuple, dict
+            or HuggingFace ModelOutput); None: the loss the model computes from labels in its
+            inputs (compiler/outputs.py).
         batch_size: b, samples per learner per round (> 0).
         devices: ``"auto"`` (every GPU, else one CPU device), a count, or device names.
         replicas: m, replicas per device (≥ 1), or ``"auto"``: the auto-tuner (tuning/autotune.py,

@@ -1,5 +1,5 @@
-"""Models as users write them: a learned 0-dim temperature. Oracles: eager PyTorch with the
-same model, and tests/_reference.py's SMA."""
+"""Models as users write them: a learned 0-dim temperature, a loss_fn that returns a dict.
+Oracles: eager PyTorch with the same model, and tests/_reference.py's SMA."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
+from crossbow_graph.errors import TaskError
 from _reference import flat, reference_sma
 
 N, B = 32, 4
@@ -135,3 +136,49 @@ def test_a_checkpoint_of_a_temperature_resumes_as_the_fit_goes_on():
     resumed.load_state_dict(half.state_dict())
     resumed.fit(_data(), 1, progress=False, metrics_every=None)
     torch.testing.assert_close(resumed.central_weights(), whole.central_weights(), rtol=0, atol=0)
+
+
+# -- a loss_fn that returns a dict ----------------------------------------------------------
+
+def _dict_loss(out, y):
+    return {"loss": F.cross_entropy(out, y), "confidence": out.softmax(1).amax(1).mean()}
+
+
+@pytest.mark.parametrize("mode", ["per_replica", "fused"])
+def test_a_dict_loss_trains_on_its_loss_entry_as_eager(mode):
+    torch.manual_seed(0)
+    model, data = nn.Sequential(nn.Flatten(), nn.Linear(16, 4)), _data()
+    ref = copy.deepcopy(model)
+    expected = _eager(ref, data, N // B, loss=lambda o, y: _dict_loss(o, y)["loss"])
+    plan = cg.compile(model, (data.tensors[0][:2],), _dict_loss, batch_size=B, devices=1,
+                      replicas=1, learner_mode=mode, executor="inline",
+                      optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
+    torch.testing.assert_close(plan.central_weights(), expected[-1], rtol=1e-5, atol=1e-6)
+    accuracy, loss = plan.evaluate(data, batch_size=8)
+    with torch.no_grad():
+        out = ref(data.tensors[0])
+    assert loss == pytest.approx(float(F.cross_entropy(out, data.tensors[1])), rel=1e-5)
+    assert accuracy == pytest.approx(float((out.argmax(1) == data.tensors[1]).float().mean()))
+
+
+@pytest.mark.parametrize("loss_fn,match", [
+    (lambda o, y: {"ce": F.cross_entropy(o, y), "aux": o.mean()},
+     r"loss_fn returned a dict with keys \['aux', 'ce'\] but no 'loss' entry; training reads "
+     r"out\['loss'\]: put the scalar loss under the key 'loss'"),
+    (lambda o, y: (F.cross_entropy(o, y), o.mean()),
+     r"loss_fn returned a tuple of 2 items \(tensor \[\], tensor \[\]\); return the loss as a 0-dim "
+     r"tensor, or a dict whose 'loss' entry is one"),
+    (lambda o, y: {"loss": F.cross_entropy(o, y, reduction="none")},
+     r"loss_fn's 'loss' entry must be a scalar tensor, got a tensor of shape \[4\]; reduce it"),
+    (lambda o, y: None, r"loss_fn must return a scalar tensor that autograd can differentiate, "
+                        r"got NoneType"),
+], ids=["dict-without-loss", "tuple", "dict-of-a-vector", "none"])
+@pytest.mark.parametrize("mode", ["per_replica", "fused"])
+def test_a_loss_of_another_form_fails_round_0_with_the_fix(loss_fn, match, mode):
+    """Checked where training computes the loss (fit calls loss_fn in training rounds only)."""
+    plan = cg.compile(nn.Sequential(nn.Flatten(), nn.Linear(16, 4)), (_data().tensors[0][:2],),
+                      loss_fn, batch_size=B, devices=1, replicas=2, learner_mode=mode)
+    with pytest.raises(TaskError, match=r"task 'learn:d0:r0' \(LEARN on cpu:0\) failed in round 0: "
+                                        r"ValueError: " + match):
+        plan.fit(_data(), 1, progress=False)

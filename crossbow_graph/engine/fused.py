@@ -28,6 +28,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..compiler.outputs import loss_value
 from .inputs import example_call, split_inputs
 from .precision import autocast
 from .settings import RunSettings, settings_view
@@ -57,7 +58,8 @@ class FusedProgram:
 
     Args:
         template: a module of the model's structure (its parameter values are never used).
-        loss_fn: ``loss_fn(output, target) -> scalar`` per replica.
+        loss_fn: ``loss_fn(output, target) -> scalar`` per replica (or a dict of it under
+            ``"loss"``, compiler/outputs.py ``loss_value``).
         settings: the plan's RunSettings; b is read from it at every step.
     """
 
@@ -69,12 +71,8 @@ class FusedProgram:
         self.settings = settings
 
         def one(params: dict, buffers: dict, args: tuple, kwargs: dict, target: Any) -> torch.Tensor:
-            loss = loss_fn(functional_call(self.module, (params, buffers), args, kwargs), target)
-            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                raise ValueError(
-                    f"loss_fn must return a scalar tensor, got {tuple(getattr(loss, 'shape', ()))}; "
-                    "reduce it, e.g. with reduction='mean'")
-            return loss
+            return loss_value(loss_fn(functional_call(self.module, (params, buffers), args, kwargs),
+                                      target))
 
         self._batched = vmap(one, randomness="different")
 
