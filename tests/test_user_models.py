@@ -1,5 +1,6 @@
-"""Models as users write them: a learned 0-dim temperature, a loss_fn that returns a dict.
-Oracles: eager PyTorch with the same model, and tests/_reference.py's SMA."""
+"""Models as users write them: a learned 0-dim temperature, a loss_fn that returns a dict,
+non-tensor keyword inputs in fused mode. Oracles: eager PyTorch with the same model, and
+tests/_reference.py's SMA."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import crossbow_graph as cg
 from crossbow_graph.errors import TaskError
@@ -182,3 +183,75 @@ def test_a_loss_of_another_form_fails_round_0_with_the_fix(loss_fn, match, mode)
     with pytest.raises(TaskError, match=r"task 'learn:d0:r0' \(LEARN on cpu:0\) failed in round 0: "
                                         r"ValueError: " + match):
         plan.fit(_data(), 1, progress=False)
+
+
+# -- non-tensor inputs in fused mode ------------------------------------------------------
+
+class Flagged(nn.Module):
+    """A keyword flag (CLIP's ``return_loss=True``) and an optional mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x, scale: bool = False, mask=None):
+        out = self.lin(x if mask is None else x * mask)
+        return out * 2.0 if scale else out
+
+
+def _flag_batch(samples):
+    x, y = zip(*samples)
+    return {"x": torch.stack(x), "scale": True, "mask": None}, torch.stack(y)
+
+
+def _trained(make, example, loss_fn, data, mode, **kw) -> torch.Tensor:
+    torch.manual_seed(0)
+    plan = cg.compile(make(), example, loss_fn, batch_size=B, devices=1, replicas=2,
+                      learner_mode=mode, executor="inline", **kw)
+    plan.fit(data, 2, shuffle=False, progress=False, metrics_every=None)
+    return plan.replica_weights()
+
+
+@pytest.mark.filterwarnings("ignore::crossbow_graph.TraceWarning")  # `if scale:` has no fx graph
+def test_bool_and_none_keyword_inputs_train_fused_as_per_replica():
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(N, 6, generator=g), torch.randint(0, 4, (N,), generator=g)
+    loader = DataLoader(TensorDataset(x, y), batch_size=B, collate_fn=_flag_batch)
+    example = {"x": x[:2], "scale": True, "mask": None}
+    per_replica, fused = (_trained(Flagged, example, F.cross_entropy, loader, mode)
+                          for mode in ("per_replica", "fused"))
+    torch.testing.assert_close(fused, per_replica, rtol=1e-5, atol=1e-6)
+    unscaled = _trained(Flagged, {"x": x[:2]}, F.cross_entropy, TensorDataset(x, y), "per_replica")
+    assert not torch.allclose(unscaled, per_replica, atol=1e-3)  # the flag reached the model
+
+
+class OwnLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 1)
+
+    def forward(self, x, t):
+        return {"loss": (self.lin(x).squeeze(-1) - t).pow(2).mean()}
+
+
+class Unlabelled(Dataset):
+    """Dict samples without "labels": their target is None."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(N, 6, generator=g)
+        self.t = self.x.sum(1)
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "t": self.t[i]}
+
+
+def test_a_none_target_trains_fused_as_per_replica():
+    data = Unlabelled()
+    example = {"x": data.x[:2], "t": data.t[:2]}
+    per_replica, fused = (_trained(OwnLoss, example, None, data, mode, optimizer=cg.SGD(lr=0.05))
+                          for mode in ("per_replica", "fused"))
+    torch.testing.assert_close(fused, per_replica, rtol=1e-5, atol=1e-6)

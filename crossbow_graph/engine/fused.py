@@ -11,7 +11,8 @@ write through strided views, hence the copies); integer
 buffers (``num_batches_tracked``) are stacked from the replicas' modules and written back.
 ``torch.func.functional_call`` runs the model on them under ``torch.func.vmap`` with
 ``randomness="different"`` (every replica draws its own dropout mask); the sum of the n mean losses
-is differentiated once, which gives each replica the gradient of its own loss.
+is differentiated once, which gives each replica the gradient of its own loss. Tensor inputs are
+stacked per replica; any other input (None, a bool flag, a number) goes to every replica as it is.
 
 Not every model runs under vmap (``torch.nn.LSTM``/``GRU`` have no batching rule,
 ``torch.utils.checkpoint`` cannot be vmapped): ``vmap_failure`` finds out on the example inputs,
@@ -34,7 +35,7 @@ from .precision import autocast
 from .settings import RunSettings, settings_view
 from .state import DeviceState
 
-__all__ = ["FusedProgram", "fused_mode_message", "vmap_failure"]
+__all__ = ["FusedProgram", "fused_mode_message", "in_dims", "vmap_failure"]
 
 
 def fused_mode_message(model_name: str, failure: str) -> str:
@@ -74,7 +75,7 @@ class FusedProgram:
             return loss_value(loss_fn(functional_call(self.module, (params, buffers), args, kwargs),
                                       target))
 
-        self._batched = vmap(one, randomness="different")
+        self._one = one
 
     def step(self, state: DeviceState, r0: int, r1: int, batch: Any, *,
              reseed: Callable[[], None] | None = None) -> torch.Tensor:
@@ -143,11 +144,13 @@ class FusedProgram:
         scales = state.loss_scales
         try:
             with autocast(state.precision, state.torch_device, vmapped=True):
-                losses = self._batched(params, buffers, args, kwargs, target)  # [n]
+                batched = vmap(self._one, in_dims=(0, 0, *in_dims((args, kwargs, target))),
+                               randomness="different")
+                losses = batched(params, buffers, args, kwargs, target)  # [n]
             total = (losses * scales.weights(r0, r1, losses)).sum() if scales is not None \
                 else losses.sum()
             grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
-        except (RuntimeError, NotImplementedError) as exc:
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
             if not _vmap_error(exc):
                 raise
             raise RuntimeError(fused_mode_message(type(self.module).__name__,
@@ -159,6 +162,13 @@ class FusedProgram:
             else:
                 rows.copy_(grad)
         return buffers, losses
+
+
+def in_dims(inputs: Any) -> Any:
+    """vmap's ``in_dims`` for a pytree of model inputs: 0 for a tensor (stacked per replica),
+    None for any other leaf (None, a bool flag, an int, a string), which every replica gets as
+    it is."""
+    return tree_map(lambda t: 0 if isinstance(t, torch.Tensor) else None, inputs)
 
 
 def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any], *,
@@ -200,7 +210,8 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
     devices = [p.device for p in params.values() if p.device.type == "cuda"][:1]
     with torch.random.fork_rng(devices=devices), torch.enable_grad():  # callers may be in no_grad
         try:
-            vmap(one, randomness="different")(params, buffers, *bargs).sum().backward()
+            vmap(one, in_dims=(0, 0, *in_dims(bargs)), randomness="different")(
+                params, buffers, *bargs).sum().backward()
             return None
         except Exception as exc:  # noqa: BLE001 - any failure: is it vmap's?
             failure = f"{type(exc).__name__}: {exc}".strip()
