@@ -1,6 +1,6 @@
 """Models as users write them: a learned 0-dim temperature, a loss_fn that returns a dict,
-non-tensor keyword inputs in fused mode. Oracles: eager PyTorch with the same model, and
-tests/_reference.py's SMA."""
+non-tensor keyword inputs in fused mode, gradient and module hooks. Oracles: eager PyTorch with
+the same model, and tests/_reference.py's SMA."""
 
 from __future__ import annotations
 
@@ -255,3 +255,86 @@ def test_a_none_target_trains_fused_as_per_replica():
     per_replica, fused = (_trained(OwnLoss, example, None, data, mode, optimizer=cg.SGD(lr=0.05))
                           for mode in ("per_replica", "fused"))
     torch.testing.assert_close(fused, per_replica, rtol=1e-5, atol=1e-6)
+
+
+# -- gradient and module hooks --------------------------------------------------------------
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+def _clamp(g):
+    return g.clamp(-0.01, 0.01)
+
+
+def _hooked_run(model: nn.Module, mode: str, **kw) -> cg.Plan:
+    args = dict(batch_size=B, devices=1, replicas=1, learner_mode=mode, executor="inline",
+                optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    plan = cg.compile(model, (_data().tensors[0][:2],), F.cross_entropy, **{**args, **kw})
+    plan.fit(_data(), 1, shuffle=False, progress=False, metrics_every=None)
+    return plan
+
+
+@pytest.mark.parametrize("mode", ["per_replica", "fused"])
+def test_a_clamping_gradient_hook_trains_at_k1_as_eager_with_the_hook(mode):
+    eager = _net()
+    eager[1].weight.register_hook(_clamp)
+    expected = _eager(eager, _data(), N // B)[-1]
+    unhooked = _eager(_net(), _data(), N // B)[-1]
+    assert not torch.allclose(expected, unhooked, atol=1e-3)  # the hook matters
+    model = _net()
+    model[1].weight.register_hook(_clamp)
+    plan = _hooked_run(model, mode)
+    torch.testing.assert_close(plan.central_weights(), expected, rtol=1e-5, atol=1e-6)
+    assert list(plan.central_model()[1].weight._backward_hooks.values()) == [_clamp]
+
+
+@pytest.mark.parametrize("mode,executor", [("per_replica", "process"), ("fused", "inline")])
+def test_every_replica_runs_the_gradient_hooks_also_new_ones(mode, executor):
+    """A hook that zeroes the bias's gradient keeps it at its start in every replica and in z
+    (SGD without weight decay), also in the replica that set_replicas adds."""
+    model = _net()
+    start = model[3].bias.detach().clone()
+    model[3].bias.register_hook(torch.zeros_like)
+    plan = _hooked_run(model, mode, replicas=2, executor=executor)
+    plan.set_replicas(3)
+    plan.fit(_data(48), 1, progress=False, metrics_every=None)
+    for replica in plan.states[0].replicas:
+        torch.testing.assert_close(replica[3].bias.detach(), start, rtol=0, atol=0)
+    z = plan.central_model()
+    torch.testing.assert_close(z[3].bias.detach(), start, rtol=0, atol=0)
+    assert not torch.equal(z[3].weight, model[3].weight)
+
+
+def test_a_post_accumulate_grad_hook_is_refused_at_compile():
+    model = _net()
+    model[3].weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(ValueError, match=r"parameter '3.weight' of Sequential has a post-accumulate-grad "
+                                         r"hook \(register_post_accumulate_grad_hook: .*<lambda>\).*remove "
+                                         r"the hook .*fit\(max_grad_norm=...\)"):
+        cg.compile(model, (_data().tensors[0][:2],), F.cross_entropy, batch_size=B, devices=1)
+
+
+@pytest.mark.parametrize("mode", ["per_replica", "fused"])
+def test_module_forward_hooks_run_as_in_eager(mode):
+    def hook(model):
+        model[1].register_forward_hook(lambda mod, args, out: out * 0.5)
+        model[3].register_forward_pre_hook(lambda mod, args: (args[0] * 2.0,))
+        return model
+    expected = _eager(hook(_net()), _data(), N // B)[-1]
+    assert not torch.allclose(expected, _eager(_net(), _data(), N // B)[-1], atol=1e-3)
+    plan = _hooked_run(hook(_net()), mode)
+    torch.testing.assert_close(plan.central_weights(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_backward_hook_trains_per_replica_and_fused_says_so():
+    def hook(model):
+        model[3].register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 0.1,))
+        return model
+    expected = _eager(hook(_net()), _data(), N // B)[-1]
+    plan = _hooked_run(hook(_net()), "per_replica")
+    torch.testing.assert_close(plan.central_weights(), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"learner_mode='fused' cannot run Sequential: .*module '3' has "
+                                         r"a backward hook .*use learner_mode='per_replica'"):
+        _hooked_run(hook(_net()), "fused")

@@ -13,6 +13,7 @@ buffers (``num_batches_tracked``) are stacked from the replicas' modules and wri
 ``randomness="different"`` (every replica draws its own dropout mask); the sum of the n mean losses
 is differentiated once, which gives each replica the gradient of its own loss. Tensor inputs are
 stacked per replica; any other input (None, a bool flag, a number) goes to every replica as it is.
+The user's gradient hooks on parameters run on each replica's gradient (``add_replica_hooks``).
 
 Not every model runs under vmap (``torch.nn.LSTM``/``GRU`` have no batching rule,
 ``torch.utils.checkpoint`` cannot be vmapped): ``vmap_failure`` finds out on the example inputs,
@@ -21,7 +22,7 @@ and ``FusedProgram.step`` names ``learner_mode="per_replica"`` when vmap fails i
 
 from __future__ import annotations
 
-import copy
+import functools
 from typing import Any, Callable
 
 import torch
@@ -33,9 +34,9 @@ from ..compiler.outputs import loss_value
 from .inputs import example_call, split_inputs
 from .precision import autocast
 from .settings import RunSettings, settings_view
-from .state import DeviceState
+from .state import DeviceState, copy_module
 
-__all__ = ["FusedProgram", "fused_mode_message", "in_dims", "vmap_failure"]
+__all__ = ["FusedProgram", "add_replica_hooks", "fused_mode_message", "in_dims", "vmap_failure"]
 
 
 def fused_mode_message(model_name: str, failure: str) -> str:
@@ -136,6 +137,7 @@ class FusedProgram:
         flat = (state.w_model if state.w_model is not state.w else state.w)[r0:r1].detach()
         params = {entry[0]: state.params.view(flat, entry).requires_grad_(True)
                   for entry in state.params.entries}
+        add_replica_hooks(params, state.grad_hooks)
         # contiguous copies: vmap's batch-norm rule does not write through strided views
         buffers = {name: state.buf[r0:r1, off:off + k].reshape(n, *shape).clone()
                    for name, shape, off, k in state.buffers.entries}
@@ -171,6 +173,20 @@ def in_dims(inputs: Any) -> Any:
     return tree_map(lambda t: 0 if isinstance(t, torch.Tensor) else None, inputs)
 
 
+def add_replica_hooks(params: dict[str, torch.Tensor], hooks: dict[str, list[Callable]]) -> None:
+    """Register the user's gradient hooks (``DeviceState.grad_hooks``) on stacked parameters
+    ``[n, *shape]``: each hook is called on every replica's gradient ``[*shape]`` in turn, as
+    on a per-replica learner's parameter (a hook that returns None leaves it as it is)."""
+    for name, fns in hooks.items():
+        for fn in fns:
+            params[name].register_hook(functools.partial(_per_replica, fn))
+
+
+def _per_replica(fn: Callable, grads: torch.Tensor) -> torch.Tensor:
+    """``fn`` on each row of ``grads [n, *shape]``, stacked back ``[n, *shape]``."""
+    return torch.stack([g if (out := fn(g)) is None else out for g in grads.unbind(0)])
+
+
 def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any], *,
                  replicas: int = 2, rows: int = 2) -> str | None:
     """Why fused learners cannot run ``template``, or None when they can (or when it cannot tell).
@@ -179,7 +195,8 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
     trainable parameters and buffers, the first ``rows`` samples of ``example_inputs`` (every
     tensor sliced along dimension 0), a vmapped forward (``randomness="different"``) and the
     backward of the sum of every floating output (the loss needs a target, which example inputs
-    lack). When it fails, one eager forward and backward of a copy on the same inputs decides:
+    lack); a module backward hook, which vmap would skip without an error, is a failure too.
+    When the run fails, one eager forward and backward of a copy on the same inputs decides:
     if that fails too the model, not vmap, is at fault and None is returned (training reports
     it). Neither ``template`` nor any RNG is changed; gradients are enabled inside, whatever the
     caller's mode.
@@ -192,6 +209,11 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
     Returns:
         ``"ExcType: message"`` of vmap's failure, or None.
     """
+    hooked = [name or "<root>" for name, m in template.named_modules()
+              if m._backward_hooks or m._backward_pre_hooks]
+    if hooked:  # functional_call under vmap skips them silently
+        return (f"module '{hooked[0]}' has a backward hook (register_full_backward_hook or "
+                "register_full_backward_pre_hook), which torch.func's transforms do not call")
     args, kwargs = example_call(example_inputs)
     first = lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t  # noqa: E731
     args, kwargs = tree_map(first, args), tree_map(first, kwargs)
@@ -216,7 +238,7 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
         except Exception as exc:  # noqa: BLE001 - any failure: is it vmap's?
             failure = f"{type(exc).__name__}: {exc}".strip()
         try:
-            eager = copy.deepcopy(template)
+            eager = copy_module(template)
             out = total(eager(*args, **kwargs))
             if out.requires_grad:
                 out.backward()
