@@ -1,6 +1,6 @@
 """Models as users write them: a learned 0-dim temperature, a loss_fn that returns a dict,
-non-tensor keyword inputs in fused mode, gradient and module hooks. Oracles: eager PyTorch with
-the same model, and tests/_reference.py's SMA."""
+non-tensor keyword inputs in fused mode, gradient and module hooks, and a frozen BatchNorm
+backbone. Oracles: eager PyTorch with the same model, and tests/_reference.py's SMA."""
 
 from __future__ import annotations
 
@@ -338,3 +338,47 @@ def test_a_module_backward_hook_trains_per_replica_and_fused_says_so():
     with pytest.raises(ValueError, match=r"learner_mode='fused' cannot run Sequential: .*module '3' has "
                                          r"a backward hook .*use learner_mode='per_replica'"):
         _hooked_run(hook(_net()), "fused")
+
+
+# -- BatchNorm of a frozen backbone ---------------------------------------------------------
+
+class FineTuned(nn.Module):
+    """A frozen backbone kept in evaluation mode by ``train()`` (the fine-tuning idiom) and a
+    trained head with its own BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.BatchNorm1d(8))
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+        self.backbone.requires_grad_(False)
+        with torch.no_grad():
+            self.backbone[2].running_mean.fill_(0.5)
+            self.backbone[2].running_var.fill_(3.16)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.backbone.eval()
+        return self
+
+
+def test_a_frozen_backbones_statistics_survive_and_the_heads_are_re_estimated():
+    torch.manual_seed(0)
+    data = _data(64)
+    plan = cg.compile(FineTuned(), (data.tensors[0][:2],), F.cross_entropy, batch_size=B,
+                      devices=1, replicas=2, executor="inline")
+    plan.fit(data, 1, progress=False, metrics_every=None)
+    accuracy, loss = plan.evaluate(data)
+    z = plan.central_model()
+    assert torch.equal(z.backbone[2].running_mean, torch.full((8,), 0.5))
+    assert torch.equal(z.backbone[2].running_var, torch.full((8,), 3.16))
+    head = dict(z.head[1].named_buffers())
+    offsets = {name: (off, n) for name, _, off, n in plan.states[0].buffers.entries}
+    off, n = offsets["head.1.running_var"]
+    replicas_mean = plan.states[0].zbuf[off:off + n]
+    assert not torch.allclose(head["running_var"], replicas_mean, rtol=1e-3)  # re-estimated
+    with torch.no_grad():  # evaluate saw these statistics
+        out = z(data.tensors[0])
+    assert loss == pytest.approx(float(F.cross_entropy(out, data.tensors[1])), rel=1e-5)
