@@ -156,10 +156,9 @@ def compile(  # noqa: A001 - the public name the design asks for
         example_inputs: one batch: a tuple of positional inputs, e.g. ``(x,)`` with
             ``x [N, 1, 28, 28]``, or a dict of keyword inputs, e.g. a HuggingFace model's
             ``{"input_ids": ids [N, T], "attention_mask": mask [N, T]}``.
-        loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the batch; or a dict whose
-            ``"loss"`` entry is it) on the output as the model returns it (a tensor, tuple, dict
-            or HuggingFace ModelOutput); None: the loss the model computes from labels in its
-            inputs (compiler/outputs.py).
+        loss_fn: ``loss_fn(output, target) -> scalar`` (batch mean; or a dict with it under
+            ``"loss"``) on the output as the model returns it (tensor, tuple, dict, ModelOutput);
+            None: the loss the model computes from labels in its inputs (compiler/outputs.py).
         batch_size: b, samples per learner per round (> 0).
         devices: ``"auto"`` (every GPU, else one CPU device), a count, or device names.
         replicas: m, replicas per device (≥ 1), or ``"auto"``: the auto-tuner (tuning/autotune.py,
@@ -206,9 +205,8 @@ def compile(  # noqa: A001 - the public name the design asks for
             torch.fx cannot trace it.
         ValueError: a bad argument (batch size, replicas, devices, backend, precision, memory
             format, ``cuda_graphs=True`` without CUDA devices; a model without trainable float
-            parameters, or with a post-accumulate-grad hook; ``loss_fn=None`` without a loss in
-            the output; ``"fused"`` for a model vmap cannot run; a meta example input;
-            docs/reliability.md lists them all).
+            parameters or with a post-accumulate-grad hook; ``loss_fn=None`` without a loss;
+            ``"fused"`` for a model vmap cannot run; a meta example input; docs/reliability.md).
         TypeError: ``loss_fn`` not callable or a loss class, a flag not a bool, a tracing argument.
         ImportError, CompilerError: the Triton or C kernels asked for cannot be built.
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
