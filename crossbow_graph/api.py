@@ -29,7 +29,8 @@ from .engine.graphs import RoundGraph, cuda_graphs_refusal
 from .engine.scheduler import Scheduler
 from .engine.settings import RunSettings, settings_view
 from .engine.state import (MEMORY_FORMATS, DeviceState, FlatLayout, channels_last_weights,
-                           float_buffers_named, model_dtype, trainable_named)
+                           check_grad_hooks, copy_module, float_buffers_named, model_dtype,
+                           trainable_named)
 from .errors import check_flag, is_count
 from .kernels.select import plan_kernels, select_backend
 from .training.batchnorm import BNRecalibration
@@ -115,6 +116,7 @@ def _check_model(model: nn.Module) -> None:
     if not any(p.requires_grad for p in params):
         raise ValueError(f"every parameter of {type(model).__name__} is frozen "
                          "(requires_grad=False): there is nothing to train")
+    check_grad_hooks(model)
 
 
 def _check_batch_norm(model_graph: ModelGraph, batch_size: int) -> None:
@@ -154,9 +156,9 @@ def compile(  # noqa: A001 - the public name the design asks for
         example_inputs: one batch: a tuple of positional inputs, e.g. ``(x,)`` with
             ``x [N, 1, 28, 28]``, or a dict of keyword inputs, e.g. a HuggingFace model's
             ``{"input_ids": ids [N, T], "attention_mask": mask [N, T]}``.
-        loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the batch) on the output as
-            the model returns it (a tensor, tuple, dict or HuggingFace ModelOutput); None: the
-            loss the model computes from labels in its inputs (compiler/outputs.py).
+        loss_fn: ``loss_fn(output, target) -> scalar`` (batch mean; or a dict with it under
+            ``"loss"``) on the output as the model returns it (tensor, tuple, dict, ModelOutput);
+            None: the loss the model computes from labels in its inputs (compiler/outputs.py).
         batch_size: b, samples per learner per round (> 0).
         devices: ``"auto"`` (every GPU, else one CPU device), a count, or device names.
         replicas: m, replicas per device (≥ 1), or ``"auto"``: the auto-tuner (tuning/autotune.py,
@@ -203,8 +205,8 @@ def compile(  # noqa: A001 - the public name the design asks for
             torch.fx cannot trace it.
         ValueError: a bad argument (batch size, replicas, devices, backend, precision, memory
             format, ``cuda_graphs=True`` without CUDA devices; a model without trainable float
-            parameters; ``loss_fn=None`` without a loss in the output; ``"fused"`` for a model
-            vmap cannot run; a meta example input; docs/reliability.md lists them all).
+            parameters or with a post-accumulate-grad hook; ``loss_fn=None`` without a loss;
+            ``"fused"`` for a model vmap cannot run; a meta example input; docs/reliability.md).
         TypeError: ``loss_fn`` not callable or a loss class, a flag not a bool, a tracing argument.
         ImportError, CompilerError: the Triton or C kernels asked for cannot be built.
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
@@ -419,7 +421,7 @@ class Plan:
         self.model_graph = model_graph
         self.task_graph = task_graph
         self.loss_fn = loss_fn
-        self._template = copy.deepcopy(model).train()
+        self._template = copy_module(model).train()  # with its parameters' gradient hooks
         self._params = FlatLayout.of(trainable_named(self._template), channels_last_weights(
             self._template, memory_format, {_torch_device(d).type for d in task_graph.graph["devices"]},
             example_inputs))
@@ -721,13 +723,14 @@ class Plan:
         replica's own, as plain PyTorch has them; without a fit, or with 0 batches, the
         replicas' mean at the last sync); other float buffers from the replicas' mean at the
         last sync; integer buffers (``num_batches_tracked``, counters) from the first
-        replica; frozen parameters unchanged. Under torchrun the integer buffers
+        replica; frozen parameters unchanged; the input model's gradient hooks on its
+        parameters (``Tensor.register_hook``) and module hooks. Under torchrun the integer buffers
         are rank 0's first replica's on every rank (rank 0 reads its own; the others hold the
         ones rank 0 broadcast at start-up and at the end of every fit, one broadcast per fit and
         none per round), so the state_dict is bit-identical on every rank outside a fit.
         """
         self._refresh_central()
-        out = copy.deepcopy(self._template)
+        out = copy_module(self._template)
         out.load_state_dict({k: v.detach().clone() for k, v in self._central.state_dict().items()})
         return out.eval()
 

@@ -141,8 +141,8 @@ def test_labels_outside_classes_in_a_generic_dataset_first_batch():
 def test_loss_that_is_not_a_scalar():
     bad = lambda out, y: F.cross_entropy(out, y, reduction="none")  # noqa: E731
     with pytest.raises(TaskError, match=r"task 'learn.*' \(LEARN on cpu:0\) failed in round 0: ValueError: "
-                                        r"loss_fn must return a scalar tensor, got \(4,\); reduce it, e.g. "
-                                        r"with reduction='mean'"):
+                                        r"loss_fn must return a scalar tensor, got a tensor of shape \[4\]; "
+                                        r"reduce it over the batch, e.g. with reduction='mean'"):
         plan(loss=bad).fit(ds(), 1, progress=False)
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         plan(loss="cross_entropy")

@@ -2,8 +2,9 @@
 
 A model's output may be a tensor, a tuple or list, a dict, or a HuggingFace ``ModelOutput`` (an
 ordered dict whose fields are also attributes: ``output.loss``, ``output.logits``). ``loss_fn``
-receives the output as the model returns it; ``compile(..., loss_fn=None)`` trains on the loss
-the model computes itself (``model_loss``); evaluation reads class scores with ``logits_of``
+receives the output as the model returns it and returns a scalar tensor, or a dict whose
+``"loss"`` entry is one (``loss_value``); ``compile(..., loss_fn=None)`` trains on the loss the
+model computes itself (``model_loss``); evaluation reads class scores with ``logits_of``
 (docs/design-overview.md §6).
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["describe_output", "logits_of", "loss_of", "model_loss"]
+__all__ = ["describe_output", "logits_of", "loss_of", "loss_value", "model_loss"]
 
 
 def loss_of(output: Any) -> torch.Tensor | None:
@@ -41,6 +42,42 @@ def model_loss(output: Any, target: Any = None) -> torch.Tensor:
             "labels among the inputs, e.g. {'input_ids': ids, 'labels': labels}, or pass a "
             "loss_fn(output, target)")
     return loss
+
+
+def loss_value(loss: Any) -> torch.Tensor:
+    """The scalar that training differentiates and evaluation averages, from what ``loss_fn``
+    returned: a 0-dim tensor itself, or the ``"loss"`` entry of a dict (any Mapping, as
+    Lightning's ``training_step`` returns ``{"loss": loss, "acc": acc}``; the other entries are
+    not used).
+
+    Raises:
+        ValueError: anything else, naming what it is and the fix: a dict without ``"loss"`` (its
+            keys), a tuple or list, a tensor of another shape (reduce it), a number or None.
+    """
+    fix = "return the loss as a 0-dim tensor, or a dict whose 'loss' entry is one"
+    if isinstance(loss, Mapping):
+        if "loss" not in loss:
+            raise ValueError(f"loss_fn returned a {type(loss).__name__} with keys "
+                             f"{sorted(map(str, loss))} but no 'loss' entry; training reads "
+                             "out['loss']: put the scalar loss under the key 'loss'")
+        return _scalar(loss["loss"], "loss_fn's 'loss' entry must be", fix)
+    if isinstance(loss, (tuple, list)):
+        items = ", ".join(f"tensor {list(t.shape)}" if isinstance(t, torch.Tensor) else
+                          type(t).__name__ for t in loss)
+        raise ValueError(f"loss_fn returned a {type(loss).__name__} of {len(loss)} items "
+                         f"({items}); {fix}, e.g. {{'loss': loss, 'aux': aux}}")
+    return _scalar(loss, "loss_fn must return", fix)
+
+
+def _scalar(loss: Any, what: str, fix: str) -> torch.Tensor:
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    if isinstance(loss, torch.Tensor):
+        raise ValueError(f"{what} a scalar tensor, got a tensor of shape "
+                         f"{list(loss.shape)}; reduce it over the batch, e.g. with "
+                         "reduction='mean' or .mean()")
+    raise ValueError(f"{what} a scalar tensor that autograd can differentiate, got "
+                     f"{type(loss).__name__}; {fix}")
 
 
 def logits_of(output: Any) -> torch.Tensor | None:

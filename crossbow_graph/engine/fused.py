@@ -11,7 +11,9 @@ write through strided views, hence the copies); integer
 buffers (``num_batches_tracked``) are stacked from the replicas' modules and written back.
 ``torch.func.functional_call`` runs the model on them under ``torch.func.vmap`` with
 ``randomness="different"`` (every replica draws its own dropout mask); the sum of the n mean losses
-is differentiated once, which gives each replica the gradient of its own loss.
+is differentiated once, which gives each replica the gradient of its own loss. Tensor inputs are
+stacked per replica; any other input (None, a bool flag, a number) goes to every replica as it is.
+The user's gradient hooks on parameters run on each replica's gradient (``add_replica_hooks``).
 
 Not every model runs under vmap (``torch.nn.LSTM``/``GRU`` have no batching rule,
 ``torch.utils.checkpoint`` cannot be vmapped): ``vmap_failure`` finds out on the example inputs,
@@ -20,7 +22,7 @@ and ``FusedProgram.step`` names ``learner_mode="per_replica"`` when vmap fails i
 
 from __future__ import annotations
 
-import copy
+import functools
 from typing import Any, Callable
 
 import torch
@@ -28,12 +30,13 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..compiler.outputs import loss_value
 from .inputs import example_call, split_inputs
 from .precision import autocast
 from .settings import RunSettings, settings_view
-from .state import DeviceState
+from .state import DeviceState, copy_module
 
-__all__ = ["FusedProgram", "fused_mode_message", "vmap_failure"]
+__all__ = ["FusedProgram", "add_replica_hooks", "fused_mode_message", "in_dims", "vmap_failure"]
 
 
 def fused_mode_message(model_name: str, failure: str) -> str:
@@ -57,7 +60,8 @@ class FusedProgram:
 
     Args:
         template: a module of the model's structure (its parameter values are never used).
-        loss_fn: ``loss_fn(output, target) -> scalar`` per replica.
+        loss_fn: ``loss_fn(output, target) -> scalar`` per replica (or a dict of it under
+            ``"loss"``, compiler/outputs.py ``loss_value``).
         settings: the plan's RunSettings; b is read from it at every step.
     """
 
@@ -69,14 +73,10 @@ class FusedProgram:
         self.settings = settings
 
         def one(params: dict, buffers: dict, args: tuple, kwargs: dict, target: Any) -> torch.Tensor:
-            loss = loss_fn(functional_call(self.module, (params, buffers), args, kwargs), target)
-            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                raise ValueError(
-                    f"loss_fn must return a scalar tensor, got {tuple(getattr(loss, 'shape', ()))}; "
-                    "reduce it, e.g. with reduction='mean'")
-            return loss
+            return loss_value(loss_fn(functional_call(self.module, (params, buffers), args, kwargs),
+                                      target))
 
-        self._batched = vmap(one, randomness="different")
+        self._one = one
 
     def step(self, state: DeviceState, r0: int, r1: int, batch: Any, *,
              reseed: Callable[[], None] | None = None) -> torch.Tensor:
@@ -137,6 +137,7 @@ class FusedProgram:
         flat = (state.w_model if state.w_model is not state.w else state.w)[r0:r1].detach()
         params = {entry[0]: state.params.view(flat, entry).requires_grad_(True)
                   for entry in state.params.entries}
+        add_replica_hooks(params, state.grad_hooks)
         # contiguous copies: vmap's batch-norm rule does not write through strided views
         buffers = {name: state.buf[r0:r1, off:off + k].reshape(n, *shape).clone()
                    for name, shape, off, k in state.buffers.entries}
@@ -145,11 +146,13 @@ class FusedProgram:
         scales = state.loss_scales
         try:
             with autocast(state.precision, state.torch_device, vmapped=True):
-                losses = self._batched(params, buffers, args, kwargs, target)  # [n]
+                batched = vmap(self._one, in_dims=(0, 0, *in_dims((args, kwargs, target))),
+                               randomness="different")
+                losses = batched(params, buffers, args, kwargs, target)  # [n]
             total = (losses * scales.weights(r0, r1, losses)).sum() if scales is not None \
                 else losses.sum()
             grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
-        except (RuntimeError, NotImplementedError) as exc:
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
             if not _vmap_error(exc):
                 raise
             raise RuntimeError(fused_mode_message(type(self.module).__name__,
@@ -163,6 +166,27 @@ class FusedProgram:
         return buffers, losses
 
 
+def in_dims(inputs: Any) -> Any:
+    """vmap's ``in_dims`` for a pytree of model inputs: 0 for a tensor (stacked per replica),
+    None for any other leaf (None, a bool flag, an int, a string), which every replica gets as
+    it is."""
+    return tree_map(lambda t: 0 if isinstance(t, torch.Tensor) else None, inputs)
+
+
+def add_replica_hooks(params: dict[str, torch.Tensor], hooks: dict[str, list[Callable]]) -> None:
+    """Register the user's gradient hooks (``DeviceState.grad_hooks``) on stacked parameters
+    ``[n, *shape]``: each hook is called on every replica's gradient ``[*shape]`` in turn, as
+    on a per-replica learner's parameter (a hook that returns None leaves it as it is)."""
+    for name, fns in hooks.items():
+        for fn in fns:
+            params[name].register_hook(functools.partial(_per_replica, fn))
+
+
+def _per_replica(fn: Callable, grads: torch.Tensor) -> torch.Tensor:
+    """``fn`` on each row of ``grads [n, *shape]``, stacked back ``[n, *shape]``."""
+    return torch.stack([g if (out := fn(g)) is None else out for g in grads.unbind(0)])
+
+
 def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any], *,
                  replicas: int = 2, rows: int = 2) -> str | None:
     """Why fused learners cannot run ``template``, or None when they can (or when it cannot tell).
@@ -171,7 +195,8 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
     trainable parameters and buffers, the first ``rows`` samples of ``example_inputs`` (every
     tensor sliced along dimension 0), a vmapped forward (``randomness="different"``) and the
     backward of the sum of every floating output (the loss needs a target, which example inputs
-    lack). When it fails, one eager forward and backward of a copy on the same inputs decides:
+    lack); a module backward hook, which vmap would skip without an error, is a failure too.
+    When the run fails, one eager forward and backward of a copy on the same inputs decides:
     if that fails too the model, not vmap, is at fault and None is returned (training reports
     it). Neither ``template`` nor any RNG is changed; gradients are enabled inside, whatever the
     caller's mode.
@@ -184,6 +209,11 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
     Returns:
         ``"ExcType: message"`` of vmap's failure, or None.
     """
+    hooked = [name or "<root>" for name, m in template.named_modules()
+              if m._backward_hooks or m._backward_pre_hooks]
+    if hooked:  # functional_call under vmap skips them silently
+        return (f"module '{hooked[0]}' has a backward hook (register_full_backward_hook or "
+                "register_full_backward_pre_hook), which torch.func's transforms do not call")
     args, kwargs = example_call(example_inputs)
     first = lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t  # noqa: E731
     args, kwargs = tree_map(first, args), tree_map(first, kwargs)
@@ -202,12 +232,13 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
     devices = [p.device for p in params.values() if p.device.type == "cuda"][:1]
     with torch.random.fork_rng(devices=devices), torch.enable_grad():  # callers may be in no_grad
         try:
-            vmap(one, randomness="different")(params, buffers, *bargs).sum().backward()
+            vmap(one, in_dims=(0, 0, *in_dims(bargs)), randomness="different")(
+                params, buffers, *bargs).sum().backward()
             return None
         except Exception as exc:  # noqa: BLE001 - any failure: is it vmap's?
             failure = f"{type(exc).__name__}: {exc}".strip()
         try:
-            eager = copy.deepcopy(template)
+            eager = copy_module(template)
             out = total(eager(*args, **kwargs))
             if out.requires_grad:
                 out.backward()

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
+from ..compiler.outputs import loss_value
 from ..config import LEARNER_MODES
 from .batches import LearnerBatches, to_device
 from .clipping import clip_rows
@@ -23,18 +24,8 @@ from .fused import FusedProgram
 from .precision import autocast
 from .state import DeviceState
 
-__all__ = ["LEARNER_MODES", "check_loss", "learn_group", "learner_seed", "rows", "seed_host_rngs",
+__all__ = ["LEARNER_MODES", "learn_group", "learner_seed", "rows", "seed_host_rngs",
            "seed_rng", "slice_batch"]
-
-
-def check_loss(loss: Any) -> None:
-    """Raise ValueError unless ``loss`` is a 0-dim tensor (the user's loss_fn must reduce)."""
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-        raise ValueError(
-            f"loss_fn must return a scalar tensor, got "
-            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}; "
-            "reduce it, e.g. with reduction='mean'"
-        )
 
 
 def _flat_pair(batch: Any) -> bool:
@@ -182,8 +173,7 @@ def _learn_replica(state: DeviceState, r: int, batch: Any, loss_fn: Callable,
         if seed is not None:
             seed_rng(state.torch_device, seed)
         with autocast(state.precision, state.torch_device):
-            loss = loss_fn(module(*args, **kwargs), target)
-        check_loss(loss)
+            loss = loss_value(loss_fn(module(*args, **kwargs), target))
         if scales is None:
             loss.backward()
             return loss.detach()

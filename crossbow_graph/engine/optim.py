@@ -260,6 +260,8 @@ class OptimizerRows:
     Attributes:
         store: per parameter (flat layout entry), state key → ``[m, *shape]`` (``[m]`` for
             scalar state), in the dtype torch.optim gives it (``step``: float32).
+        shared: ``(entry index, key)`` of the state a stacked instance keeps as one scalar for
+            all its rows (``step``), as against a 0-dim parameter's per-row state.
         age: ``[m]`` int64, steps since each replica's state was fresh (0: fresh).
 
     Raises:
@@ -276,6 +278,7 @@ class OptimizerRows:
         self._order = [i for ix in local.groups for i in ix]  # an instance's params → entries
         self._g32: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
+        self.shared: set[tuple[int, str]] = set()
         self.store = self._allocate(state)
         self.age = host_resident(torch.zeros(state.m, dtype=torch.int64))
 
@@ -325,6 +328,8 @@ class OptimizerRows:
                                     f"'{key}' as {type(t).__name__}; replicas' optimizer state "
                                     f"must be tensors")
                 shape = t.shape[1:] if self.local.stacked and t.dim() else t.shape
+                if self.local.stacked and not t.dim():
+                    self.shared.add((i, key))
                 store[i][key] = self._zeros(state.m, i, shape, t)
         return store
 
@@ -387,16 +392,15 @@ class OptimizerRows:
                 self._adopt(inst, params, a, b)
                 self._bound.add(key)
             elif self.local.stacked and b - a > 1:  # one scalar (step) stands for every row
-                for per_param in self.store:
-                    for t in per_param.values():
-                        if t.dim() == 1:
-                            t[a + 1:b] = t[a]
+                for i, key in self.shared:
+                    t = self.store[i][key]
+                    t[a + 1:b] = t[a]
             self.age[a:b] += 1
 
     def _bind(self, inst, params, a, b) -> None:
         stacked = self.local.stacked
         for p, i in zip(params, self._order):
-            inst.state[p] = {key: (t[a] if (t.dim() == 1 or not stacked) else t[a:b])
+            inst.state[p] = {key: (t[a] if ((i, key) in self.shared or not stacked) else t[a:b])
                              for key, t in self.store[i].items()}
 
     def _adopt(self, inst, params, a, b) -> None:

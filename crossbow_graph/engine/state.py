@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -39,8 +39,9 @@ from torch import nn
 from .inputs import example_call
 from .precision import LossScales
 
-__all__ = ["FlatLayout", "DeviceState", "bind_flat", "channels_last_weights", "model_dtype",
-           "master_dtype", "row_length", "LOW_PRECISION", "MEMORY_FORMATS", "ROW_ALIGN"]
+__all__ = ["FlatLayout", "DeviceState", "bind_flat", "channels_last_weights", "check_grad_hooks",
+           "copy_module", "grad_hooks", "model_dtype", "master_dtype", "row_length",
+           "LOW_PRECISION", "MEMORY_FORMATS", "ROW_ALIGN"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 ROW_ALIGN = 32  # elements: CUDA devices pad the rows of w, v, g, w_model to a multiple of it
@@ -99,13 +100,14 @@ class FlatLayout:
 
     def view(self, flat: torch.Tensor, entry: tuple[str, tuple[int, ...], int, int]) -> torch.Tensor:
         """The tensor of ``entry`` as a view of ``flat [..., ≥ P]``: ``[..., *shape]``, with
-        channels-last strides for an entry of ``channels_last``."""
+        channels-last strides for an entry of ``channels_last``; a 0-dim tensor (a learned
+        temperature) is ``[...]``."""
         name, shape, off, n = entry
         segment = flat[..., off:off + n]
         if name in self.channels_last:
             o, i, h, w = shape
             return segment.unflatten(-1, (o, h, w, i)).movedim(-1, -3)
-        return segment.unflatten(-1, shape)
+        return segment.unflatten(-1, shape) if shape else segment.squeeze(-1)
 
     def to_standard(self, flat: torch.Tensor) -> torch.Tensor:
         """A copy of ``flat [..., P]`` in the standard order (every tensor ``flatten()``-ed)."""
@@ -205,6 +207,47 @@ def _channels_last_failure(module: nn.Module, names: frozenset[str], example_inp
 def trainable_named(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Trainable parameters, tied ones once, in ``named_parameters()`` order."""
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def grad_hooks(module: nn.Module) -> dict[str, list[Callable]]:
+    """The gradient hooks (``Tensor.register_hook``) on ``module``'s trainable parameters, by
+    parameter name, in the order they run."""
+    return {n: list(p._backward_hooks.values()) for n, p in trainable_named(module)
+            if p._backward_hooks}
+
+
+def check_grad_hooks(module: nn.Module) -> None:
+    """Refuse a parameter hook that the replicas cannot run as the model would.
+
+    Raises:
+        ValueError: a parameter has a post-accumulate-grad hook
+            (``register_post_accumulate_grad_hook``, e.g. an optimizer step in backward): every
+            replica's optimizer steps in the plan's local sync; names the parameter and the hook.
+    """
+    for name, p in module.named_parameters():
+        if p._post_accumulate_grad_hooks:
+            hooks = ", ".join(getattr(fn, "__qualname__", type(fn).__name__)
+                              for fn in p._post_accumulate_grad_hooks.values())
+            raise ValueError(
+                f"parameter '{name}' of {type(module).__name__} has a post-accumulate-grad hook "
+                f"(register_post_accumulate_grad_hook: {hooks}), which runs on the accumulated "
+                "gradient, e.g. to step an optimizer in backward; every replica's optimizer "
+                "steps in the plan's local sync instead: remove the hook (a gradient hook, "
+                "p.register_hook(fn), runs on every replica's gradient; clip with "
+                "fit(max_grad_norm=...))")
+
+
+def copy_module(module: nn.Module, hooks: dict[str, list[Callable]] | None = None) -> nn.Module:
+    """``copy.deepcopy(module)`` with the gradient hooks of its parameters, which deepcopy drops:
+    ``hooks`` (``grad_hooks``' form; default ``module``'s own) registered on the copy's
+    parameters of the same names. Module hooks (forward, forward-pre, backward) are kept by
+    deepcopy itself."""
+    out = copy.deepcopy(module)
+    named = dict(out.named_parameters())
+    for name, fns in (grad_hooks(module) if hooks is None else hooks).items():
+        for fn in fns:
+            named[name].register_hook(fn)
+    return out
 
 
 def float_buffers_named(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -321,6 +364,8 @@ class DeviceState:
             modules' parameters are views of (``w`` and ``z`` themselves when float32 or float64).
         zbuf: ``[Q]`` the central model's float buffers (mean over all replicas at each sync).
         first_step: per replica, momentum not yet initialised (bool list of length m).
+        grad_hooks: the template's gradient hooks by parameter name (``grad_hooks``), registered
+            on every replica's parameters; fused learners run them per replica (engine/fused.py).
         optim_rows: the replicas' optimizer state when a row optimizer (not the SGD kernels)
             runs the local step (engine/optim.py ``OptimizerRows``; ``v`` is then unused), else
             None.
@@ -350,6 +395,7 @@ class DeviceState:
         self.z_model = torch.zeros_like(self.z, dtype=dtype) if low else self.z
         self._low = low
         self._template = template
+        self.grad_hooks = grad_hooks(template)  # every replica's parameters run them
         self.replicas: list[nn.Module] = []
         for j in range(m):
             self.replicas.append(self._new_replica(template, j))
@@ -379,7 +425,7 @@ class DeviceState:
         return self._template
 
     def _new_replica(self, template: nn.Module, j: int) -> nn.Module:
-        r = copy.deepcopy(template).to(self.torch_device)
+        r = copy_module(template, self.grad_hooks).to(self.torch_device)
         r.train()
         bind_flat(r, self.w_model[j], self.g[j], self.buf[j], self.params, self.buffers)
         if self._low:
@@ -433,7 +479,8 @@ class DeviceState:
             self.w_model.copy_(w)
         replicas = []
         for j in range(m):
-            r = self.replicas[j] if j < keep else copy.deepcopy(self._template).to(self.torch_device)
+            r = self.replicas[j] if j < keep else \
+                copy_module(self._template, self.grad_hooks).to(self.torch_device)
             r.train()
             bind_flat(r, self.w_model[j], g[j], buf[j], self.params, self.buffers, copy_values=False)
             if low and j >= keep:

@@ -6,8 +6,10 @@ average of the replicas (with momentum), and its activations have other means an
 any replica's (Izmailov et al., "Averaging Weights Leads to Wider Optima and Better
 Generalization", UAI 2018, §3.2). Before z is evaluated (``Plan.evaluate``, the fit's
 evaluations, ``Plan.central_forward``) and in ``Plan.central_model()``, every BatchNorm layer of
-the central model gets the cumulative average (``momentum=None``) of the batch statistics of
-``batches`` training batches of b samples run through z in training mode, without gradients:
+the central model that trains (in training mode after the model's own ``train()``: a frozen
+backbone kept in evaluation mode keeps its statistics) gets the cumulative average
+(``momentum=None``) of the batch statistics of ``batches`` training batches of b samples run
+through z in training mode, without gradients:
 ``torch.optim.swa_utils.update_bn``'s algorithm. It writes the evaluated copy's buffers only:
 ``zbuf``, which the synchronisation updates, checkpoints hold and new or reset replicas clone,
 stays the replicas' mean, so training is the same with or without it.
@@ -28,18 +30,27 @@ from ..engine.learners import seed_rng
 __all__ = ["BNRecalibration", "recalibrate_batch_norm"]
 
 
-def _batch_norms(module: nn.Module) -> list[_BatchNorm]:
-    return [m for m in module.modules() if isinstance(m, _BatchNorm) and m.running_mean is not None]
+def _trained_batch_norms(module: nn.Module) -> list[_BatchNorm]:
+    """The BatchNorm layers whose running statistics training updates: those in training mode,
+    tracking running statistics, once ``module.train()`` has run (the model's own ``train``: a
+    backbone an override keeps in evaluation mode, the fine-tuning idiom, is left out). The
+    module is left in training mode."""
+    module.train()
+    return [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training
+            and m.track_running_stats and m.running_mean is not None]
 
 
 @torch.no_grad()
 def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.device) -> int:
-    """Re-estimate ``module``'s BatchNorm running statistics on ``batches``, in place.
+    """Re-estimate the running statistics of ``module``'s BatchNorm layers that train, in place.
 
-    ``torch.optim.swa_utils.update_bn``'s algorithm: every BatchNorm layer's running statistics are
-    reset, its momentum set to None (a cumulative average: after n batches, running_mean is the
-    mean of the n batch means and running_var that of the n unbiased batch variances), the module
-    runs forward in training mode on each batch, without gradients; then momenta and the module's
+    ``torch.optim.swa_utils.update_bn``'s algorithm, over the layers in training mode once
+    ``module.train()`` has run (``_trained_batch_norms``; a frozen backbone that the model's
+    ``train`` override keeps in evaluation mode keeps its statistics): each such layer's running
+    statistics are reset, its momentum set to None (a cumulative average: after n batches,
+    running_mean is the mean of the n batch means and running_var that of the n unbiased batch
+    variances), the module runs forward in training mode on each batch, without gradients;
+    then momenta and the module's
     mode are restored, and every other buffer (``num_batches_tracked``, a model's own counters or
     averages) is put back as it was: only the BatchNorm layers' running means and variances
     change. The parameters are not changed.
@@ -50,21 +61,21 @@ def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.
         device: where the module is; tensors of the batches are moved there.
 
     Returns:
-        The number of batches run (0: the module has no BatchNorm with running statistics).
+        The number of batches run (0: no BatchNorm layer with running statistics trains).
     """
-    norms = _batch_norms(module)
+    was_training = module.training
+    norms = _trained_batch_norms(module)
     if not norms or not batches:
+        module.train(was_training)
         return 0
     stats = {id(t) for bn in norms for t in (bn.running_mean, bn.running_var)}
     others = {name: b.clone() for name, b in module.named_buffers() if id(b) not in stats}
     momenta = [bn.momentum for bn in norms]
-    was_training = module.training
     move = lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t  # noqa: E731
     try:
         for bn in norms:
             bn.reset_running_stats()
             bn.momentum = None
-        module.train()
         for batch in batches:
             args, kwargs, _ = split_inputs(batch)
             module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
@@ -101,7 +112,9 @@ class BNRecalibration:
     """
 
     def __init__(self, module: nn.Module) -> None:
-        self.has_batch_norm = bool(_batch_norms(module))
+        was_training = module.training
+        self.has_batch_norm = bool(_trained_batch_norms(module))  # that trains
+        module.train(was_training)
         self.batches = 0
         self._fetch: Callable[[torch.Tensor], Any] | None = None
         self._num_samples, self._seed = 0, 0

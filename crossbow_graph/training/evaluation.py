@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from ..compiler.outputs import describe_output, logits_of
+from ..compiler.outputs import describe_output, logits_of, loss_value
 from ..engine.inputs import split_inputs
 from .data import make_fetch
 
@@ -66,7 +66,8 @@ def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], to
 
     Args:
         forward: the model call, ``forward(*args, **kwargs) -> output``.
-        loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the batch).
+        loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the batch), or a dict whose
+            ``"loss"`` entry is it (compiler/outputs.py ``loss_value``).
         dataset: a Dataset of ``(inputs, target)`` pairs or dicts of keyword inputs
             (engine/inputs.py ``split_inputs``).
         batch_size: samples per batch (the last one may be smaller).
@@ -87,7 +88,7 @@ def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], to
         batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, fetch(idx))
         args, kwargs, y = split_inputs(batch)
         out = forward(*args, **kwargs)
-        loss_sum += float(loss_fn(out, y)) * len(idx)
+        loss_sum += float(loss_value(loss_fn(out, y))) * len(idx)
         n += len(idx)
         if unscored:
             continue
