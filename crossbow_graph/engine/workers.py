@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
@@ -692,10 +693,7 @@ class ProcessExecutor:
                 if proc is None:
                     continue
                 proc.join(timeout=5)
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join(timeout=2)
-                if proc.is_alive():
+                if proc.is_alive():  # workers ignore SIGTERM (signal.SIGTERM is the fit's)
                     proc.kill()
                     proc.join(timeout=2)
             for conn in self.conns:
@@ -763,6 +761,7 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
     # by the thread count. Whether oneDNN or ATen's own convolutions run is measured
     # (choose_onednn). Parallelism comes from the workers.
     torch.set_num_threads(threads)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the coordinator's to handle: it stops us
     torch.backends.mkldnn.enabled = ex.onednn  # choose_onednn
     torch.manual_seed(seed)
     group = _Group(ex, wid, mail)
