@@ -212,3 +212,86 @@ def test_lowering_the_lr_and_resuming_after_divergence_trains_on(tmp_path):
     assert torch.equal(oracle.central_weights(), resumed.central_weights())
     assert torch.equal(oracle.replica_weights(), resumed.replica_weights())
 
+
+# -- Ctrl-C to the coordinator alone -------------------------------------------------------------
+
+_INTERRUPTED = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    sys.path.insert(0, {tests!r})
+    from crossbow_graph.training.hooks import Hook
+    from test_faults import make_plan, data
+    class Mark(Hook):  # after round 2 the workers run; then the rounds go on until SIGINT
+        def after_round(self, ctx):
+            if ctx.plan.rounds_done == 2:
+                print(" ".join(str(p.pid) for p in ctx.plan.scheduler._workers.procs if p),
+                      flush=True)
+    make_plan(devices=1, replicas=2, executor="process").fit(data(64 * 4000), 1, progress=False,
+                                                             hooks=[Mark()], metrics_every=None)
+""")
+
+
+def test_sigint_to_the_coordinator_alone_stops_its_workers():
+    """A real SIGINT to the coordinator only (its workers get no signal): the process ends and so
+    do its worker processes."""
+    script = _INTERRUPTED.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert workers, proc.communicate()[1][-3000:]
+        os.kill(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGINT
+    for pid in workers:  # gone (reaped by the coordinator, not orphaned)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+_COORDINATOR = os.getpid()
+
+
+class _CtrlC(nn.Module):
+    """``make_plan``'s model whose forward, in this process only (the coordinator, learning group
+    0) and once ``armed``, raises KeyboardInterrupt: Ctrl-C in the middle of a round, while the
+    workers learn theirs and then wait for the coordinator's release."""
+
+    armed = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        if _CtrlC.armed and os.getpid() == _COORDINATOR:
+            raise KeyboardInterrupt
+        return self.net(x)
+
+
+class _ArmAfter(Hook):
+    """Keeps the worker processes of round 2 and arms _CtrlC for the next forward."""
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == 2:
+            self.procs = [p for p in ctx.plan.scheduler._workers.procs if p is not None]
+            _CtrlC.armed = True
+
+
+def test_ctrl_c_in_the_coordinators_round_stops_the_workers_by_their_own_exit():
+    """A KeyboardInterrupt in the coordinator's learning: its workers, which wait for its release
+    of the round, are told to stop and exit by themselves (exit code 0) instead of being killed
+    after a timeout."""
+    torch.manual_seed(0)
+    plan = cg.compile(_CtrlC(), (torch.zeros(1, 5),), nn.functional.cross_entropy, batch_size=4,
+                      devices=1, replicas=2, executor="process")
+    arm = _ArmAfter()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            plan.fit(data(), 1, progress=False, hooks=[arm], metrics_every=None)
+    finally:
+        _CtrlC.armed = False
+    assert arm.procs and [p.exitcode for p in arm.procs] == [0] * len(arm.procs)
+    plan.fit(data(), 1, progress=False, metrics_every=None)  # the plan trains on

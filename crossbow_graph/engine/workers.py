@@ -677,7 +677,8 @@ class ProcessExecutor:
         """Nothing is in flight between rounds (z is final when run_round returns)."""
 
     def close(self) -> None:
-        """Cancel the speculative round, stop every worker (join, then terminate, then kill)."""
+        """Cancel the speculative round, stop every worker (join, then kill): prompt also when
+        this process left a round half-way (a KeyboardInterrupt), with workers waiting for it."""
         self.closed = True
         try:
             if self.ahead is not None and all(p.is_alive() for p in self.procs if p is not None):
@@ -686,9 +687,7 @@ class ProcessExecutor:
             pass
         finally:
             self.ahead = None
-            for mail in self.mail:
-                if mail is not None:
-                    mail.stop()
+            self._wake_to_stop()
             for proc in self.procs:
                 if proc is None:
                     continue
@@ -703,6 +702,21 @@ class ProcessExecutor:
                 pipe.close()
             self.conns, self.procs, self.mail = [], [], []
             torch.set_num_threads(self.main_threads)
+
+    def _wake_to_stop(self) -> None:
+        """Tell every worker to stop, wherever it waits: for its next round (``go``), for this
+        round's release (``sem``: it cancels the round) or, the sync worker, for the other
+        groups' parts (marked failed: it skips the global sync)."""
+        for mail in self.mail:
+            if mail is not None:
+                mail.stop()
+        self._ctrl_np[2] = 1.0  # cancel
+        self.part_info[:, 1] = 1
+        for sem in self.sems:
+            if sem is not None:
+                sem.release()
+        for _ in self.groups:
+            self.parts.release()
 
     def _recv(self, wid: int, round_index: int):
         """Worker ``wid``'s answer: ("ok", losses [n], Spans, faulty rows), ("cancelled",) or
