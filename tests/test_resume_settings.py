@@ -99,3 +99,29 @@ def test_resume_with_a_scheduler_over_another_lr_follows_the_new_schedule(tmp_pa
     assert h.lr[:4] == full.lr[:4]  # the checkpoint's History
     torch.testing.assert_close(torch.tensor(h.lr[4:], dtype=torch.float64),
                                torch.tensor(full.lr[4:], dtype=torch.float64) * 0.4, rtol=1e-12, atol=0)
+
+
+def test_resume_with_another_diloco_outer_lr_uses_it(tmp_path):
+    """DiLoCo's outer optimizer is part of the set-up: compiled again with another outer lr, the
+    resumed fit steps z with it (its momentum buffer from the checkpoint), warning with both."""
+    import functools
+
+    def diloco(outer_lr: float) -> cg.Plan:
+        outer = functools.partial(torch.optim.SGD, lr=outer_lr, momentum=0.9, nesterov=True)
+        return make_plan(devices=1, executor="inline",
+                         sync=cg.DiLoCo(sync_every=2, outer_optimizer=outer))
+
+    ckpt = str(tmp_path)
+    diloco(0.7).fit(data(), 1, progress=False, hooks=[StopAfter(6)], checkpoint_dir=ckpt,
+                    checkpoint_every=2)
+    saved = load_latest(ckpt)[1]["plan"]
+    resumed = diloco(0.3)
+    with pytest.warns(UserWarning, match=r"this fit's win: outer optimizer lr \(param group 0\) "
+                                         r"0\.3 \(the checkpoint's run was set up with 0\.7"):
+        resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt, resume=True)
+    oracle = diloco(0.3)
+    oracle.load_state_dict(saved)  # the outer optimizer's state, its lr 0.7 included …
+    oracle.scheduler.outer.optimizer.param_groups[0]["lr"] = 0.3  # … then the new lr
+    oracle.fit(data(), 1, progress=False)
+    assert resumed.scheduler.outer.optimizer.param_groups[0]["lr"] == 0.3
+    assert torch.equal(oracle.central_weights(), resumed.central_weights())

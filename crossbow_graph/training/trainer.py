@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..config import DiLoCo
+from ..errors import CheckpointError
 from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook
@@ -258,7 +259,12 @@ class Trainer:
         opts, plan = self.options, self.plan
         saver = CheckpointHook(opts.checkpoint_dir, self.schedule, hooks,
                                every_rounds=opts.checkpoint_every, writer=self.main)
-        self.lock = saver.claim(plan, opts.resume)  # released by run
+        try:
+            self.lock = saver.claim(plan, opts.resume)  # released by run
+        except CheckpointError:
+            if self.comm is not None:
+                self.comm.close()  # the other ranks see rank 0 gone at once, not at their timeout
+            raise
         if opts.resume and saver.resume(plan, self.history) is not None:
             self.end_epoch = opts.epochs  # a resumed run finishes the epochs of the run it continues
         hooks.append(saver)
