@@ -45,6 +45,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -310,7 +311,8 @@ def probe_fit(scenario: str, device: torch.device, tmp: Path, *, smoke: bool,
     if rec is not None:
         plan.scheduler.stream_ops = rec
     hooks = [DelayStream(kind, cycles)] if kind else []
-    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # each probe a fresh run: a fit refuses another's
+    tmp.mkdir(parents=True)                 # checkpoints (docs/reliability.md)
     _sync(device)
     t0 = time.perf_counter()
     with rec if rec is not None else contextlib.nullcontext():
@@ -433,6 +435,7 @@ def run_sanitize(args) -> int:
         data, evals = synthetic("bnnet", 64, device), synthetic("bnnet", 16, device, seed=1)
         try:
             plan = _compile("bnnet", device, kernel_backend="torch", learner_mode=mode)
+            shutil.rmtree(args.work / mode, ignore_errors=True)  # a fresh run's directory
             plan.fit(data, 1, seed=0, progress=False, eval_dataset=evals, evals_per_epoch=1,
                      checkpoint_dir=str(args.work / mode), checkpoint_every=2, metrics_every=2)
             _state(plan)

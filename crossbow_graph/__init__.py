@@ -13,7 +13,7 @@ from .config import SGD, SMA, SSGD, Adjustment, DiLoCo
 from .engine.comm import Distributed
 from .engine.settings import RunSettings
 from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, PlanError,
-                     TaskError, TraceError, TraceWarning)
+                     TaskError, TraceError, TraceWarning, TrainingInterrupted)
 from .training.history import History
 from .training.hooks import FitContext, Hook
 from .training.options import FitOptions
@@ -25,7 +25,7 @@ from .tuning.policies import (AdaptiveBatchSize, AutoReplicas, CosineLR, Diverge
 __all__ = [
     "compile", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "AutoTune", "Task", "TaskKind", "Cost", "History",
     "TraceError", "TraceWarning", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
-    "DivergenceError", "CheckpointError",
+    "DivergenceError", "CheckpointError", "TrainingInterrupted",
     "datasets", "models",
     "Policy", "Adjustment", "AutoReplicas", "AdaptiveBatchSize", "StepLR", "MultiStepLR",
     "CosineLR", "DivergenceGuard", "MetricsMonitor", "Hook", "FitContext", "FitOptions", "RunSettings",

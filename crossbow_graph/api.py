@@ -40,6 +40,7 @@ from .training.evaluation import evaluate_model
 from .training.history import History
 from .training.hooks import Hook
 from .training.options import FitOptions, as_hooks
+from .training.run_setup import RunRecord
 from .training.trainer import Trainer
 from .tuning.autotune import AutoTune, AutoTuner
 from .tuning.metrics import MetricsMonitor
@@ -468,6 +469,7 @@ class Plan:
         self.position_in_epoch = 0  # samples of the epoch's order used so far
         self.train_seconds = 0.0
         self._unscored_warned = False  # evaluate's warning that no accuracy can be computed
+        self.run_record = RunRecord()  # its set-up and checkpoints (training/run_setup.py)
 
     # -- shape of the plan ------------------------------------------------------------------
 
@@ -821,7 +823,11 @@ class Plan:
                 number, ``metric_fn`` not callable.
             TaskError: a task failed (names the task, its device and the round).
             DivergenceError: every replica (of every rank) produced NaN/Inf in the same round.
-            CheckpointError: ``resume`` found no readable checkpoint of this model and plan.
+            CheckpointError: ``resume`` found no readable checkpoint of this model and plan;
+                ``checkpoint_dir`` is another fit's (in use, or with ``resume=False`` holding
+                another run's checkpoints); a checkpoint cannot be written (a full disk).
+            TrainingInterrupted: SIGTERM stopped the fit after a round, with a checkpoint
+                (training/signals.py; a SystemExit of code 143).
         """
         tuner = [self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main) \
             else []

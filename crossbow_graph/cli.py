@@ -22,7 +22,7 @@ from .datasets import ImageDataset
 from .engine.comm import z_digest
 from .engine.precision import PRECISIONS
 from .engine.state import MEMORY_FORMATS
-from .errors import CheckpointError, DistributedError, DivergenceError
+from .errors import CheckpointError, DistributedError, DivergenceError, TrainingInterrupted
 from .tuning.metrics import MetricsMonitor
 from .tuning.policies import AdaptiveBatchSize, MultiStepLR, parse_policy
 
@@ -542,6 +542,8 @@ def _train(args: argparse.Namespace) -> int:
     except (CheckpointError, DivergenceError, DistributedError) as exc:  # one line, exit 2
         print(f"crossbow-graph train: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as exc:  # SIGTERM: the fit logged why and its checkpoint
+        return exc.code  # 128 + the signal
     if comm is not None:
         # one write of the whole line: every rank shares the terminal or pipe, and print() writes
         # the text and its newline separately when stdout is unbuffered (PYTHONUNBUFFERED)

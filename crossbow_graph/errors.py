@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["TraceError", "TraceWarning", "PlanError", "TaskError", "DivergenceError", "CheckpointError",
-           "DistributedError", "CompilerError", "is_count", "check_flag"]
+           "DistributedError", "CompilerError", "TrainingInterrupted", "is_count", "check_flag"]
 
 
 def is_count(value: object, minimum: int = 1) -> bool:
@@ -69,10 +69,39 @@ class DistributedError(TaskError):
 
 
 class CheckpointError(RuntimeError):
-    """No checkpoint in a directory can be loaded, or one does not match the plan or the data.
+    """No checkpoint in a directory can be loaded, one does not match the plan or the data, one
+    cannot be written (a full disk, a file-size limit), or the directory is another fit's: held
+    by a running fit, or holding another run's checkpoints where ``resume=False``.
 
     The message names the directory or file, what is wrong, and how to fix it.
     """
+
+
+class TrainingInterrupted(SystemExit):
+    """A fit stopped by a signal (SIGTERM: ``docker stop``, SLURM, ``kill``) at a round boundary.
+
+    The fit finishes the round in progress, writes a checkpoint when it has a ``checkpoint_dir``
+    (training/signals.py), runs its hooks' ``after_fit`` and raises this. A ``SystemExit`` with
+    code 128 + the signal number (143 for SIGTERM): a script that does not catch it ends with
+    that status, as a process the signal killed would, and ``except Exception`` does not swallow
+    it. The message (``str``) says which signal, after which round, and the checkpoint to resume.
+
+    Attributes:
+        signal_number: the signal received (``signal.SIGTERM``).
+        rounds_done: the plan's rounds done when the fit stopped.
+        checkpoint: the checkpoint file holding that state, or None without a ``checkpoint_dir``.
+    """
+
+    def __init__(self, message: str, *, signal_number: int, rounds_done: int,
+                 checkpoint: str | None) -> None:
+        super().__init__(128 + signal_number)
+        self.message = message
+        self.signal_number = signal_number
+        self.rounds_done = rounds_done
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class CompilerError(RuntimeError):

@@ -603,3 +603,27 @@ def test_example_inputs_that_do_not_run_raise_the_public_trace_error(strict):
         plan(example=torch.zeros(1, 7), strict_trace=strict)
     assert type(err.value) is TraceError and isinstance(err.value, ValueError)
     assert isinstance(err.value.__cause__, RuntimeError)
+
+
+# -- a checkpoint_dir another fit uses, or another run's checkpoints ------------------------------
+
+def test_checkpoint_dir_in_use_by_another_fit(tmp_path):
+    """The directory's lock held (as by a fit in another process): refused before any round,
+    naming the directory, the holder and the fix."""
+    from crossbow_graph.training.run_lock import DirectoryLock
+
+    with DirectoryLock(str(tmp_path)):
+        fails_before_training(cg.CheckpointError, rf"checkpoint_dir='{re.escape(str(tmp_path))}' is "
+                                                  rf"in use by another fit \(pid {os.getpid()} on .* "
+                                                  r"since .*\); .*Pass another checkpoint_dir, or wait "
+                                                  r"until that fit ends", checkpoint_dir=str(tmp_path))
+    plan().fit(ds(), 1, progress=False, checkpoint_dir=str(tmp_path))  # released
+
+
+def test_checkpoint_dir_with_another_runs_checkpoints_and_resume_false(tmp_path):
+    plan().fit(ds(), 1, progress=False, checkpoint_dir=str(tmp_path))
+    fails_before_training(cg.CheckpointError, r"holds 1 checkpoint\(s\) of another run \(the newest "
+                                              r"ckpt-0000000004\.pt\) and resume=False: .*Pass "
+                                              r"resume=True to continue that run, another "
+                                              r"checkpoint_dir for a new one, or delete its "
+                                              r"ckpt-\*\.pt files", checkpoint_dir=str(tmp_path))

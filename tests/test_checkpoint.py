@@ -376,7 +376,7 @@ _KILLED_WRITER = textwrap.dedent("""
     import os, sys, time, torch
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {tests!r})
-    import crossbow_graph.training.checkpoint as ck
+    import crossbow_graph.training.checkpoint_files as ck
     from test_checkpoint import make_plan, data
     marker, ckpt = sys.argv[1], sys.argv[2]
     real = ck._write_all

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -14,6 +19,8 @@ import crossbow_graph as cg
 from crossbow_graph.errors import DivergenceError, TaskError
 from crossbow_graph.training.checkpoint import load_latest
 from crossbow_graph.training.hooks import Hook
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def data(n: int = 64, nan_at: int | None = None, ignored=()) -> TensorDataset:
@@ -159,3 +166,132 @@ def test_healthy_rounds_match_a_plan_without_faults():
     b.scheduler.faults.check = lambda state, **kw: None  # no detection at all
     b.fit(data(), 1, progress=False)
     assert torch.equal(a.central_weights(), b.central_weights())
+
+
+# -- the DivergenceError's advice: a lower learning rate, then resume ----------------------------
+
+
+def _regression_plan(lr: float, momentum: float) -> cg.Plan:
+    """A ReLU MLP on a squared loss against one-hot targets: at lr = 1 with momentum 0.9 it grows
+    without bound until every replica overflows in the same round (in epoch 5, of 8 rounds)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def squared(out, y):
+        return ((out - nn.functional.one_hot(y, 3).float()) ** 2).mean()
+
+    return cg.compile(model, (torch.zeros(1, 5),), squared, batch_size=4, devices=1, replicas=2,
+                      optimizer=cg.SGD(lr=lr, momentum=momentum),
+                      sync=cg.SMA(central_momentum=0.0), executor="inline")
+
+
+def test_lowering_the_lr_and_resuming_after_divergence_trains_on(tmp_path):
+    """The reporter's run: DivergenceError, the plan compiled again with a 1000× lower η and no
+    momentum, resume=True: the resumed fit runs with the new η and momentum (a warning names both
+    values), does not diverge again, and equals the last checkpoint's state trained on with them."""
+    ckpt = str(tmp_path)
+    with pytest.raises(DivergenceError, match=r"Lower the learning rate \(compile the plan again "
+                                              r"with a lower lr") as err:
+        _regression_plan(1.0, 0.9).fit(data(), 6, progress=False, checkpoint_dir=ckpt)
+    saved = load_latest(ckpt)[1]["plan"]
+    done = saved["rounds_done"]
+    assert done == err.value.round_index // 8 * 8 >= 8  # the last epoch's end
+    resumed = _regression_plan(1e-3, 0.0)
+    with pytest.warns(UserWarning, match=r"this fit's win: lr \(param group 0\) 0\.001 \(the "
+                                         r"checkpoint's run was set up with 1\.0; 1\.0 in force at "
+                                         r"the checkpoint\); momentum \(param group 0\) 0\.0"):
+        history = resumed.fit(data(), 6, progress=False, checkpoint_dir=ckpt, resume=True)
+    assert resumed.rounds_done == 48 and history.lr[done:] == [1e-3] * (48 - done)
+    assert not [f for f in history.faults if f.round >= done]
+    assert torch.isfinite(resumed.central_weights()).all()
+    oracle = _regression_plan(1e-3, 0.0)  # the checkpoint's state, then the new settings
+    oracle.load_state_dict(saved)
+    oracle.adjust(cg.Adjustment(lr=1e-3))
+    oracle.optimizer.param_groups[0]["momentum"] = 0.0
+    oracle.fit(data(), 6 - done // 8, progress=False)
+    assert torch.equal(oracle.central_weights(), resumed.central_weights())
+    assert torch.equal(oracle.replica_weights(), resumed.replica_weights())
+
+
+# -- Ctrl-C to the coordinator alone -------------------------------------------------------------
+
+_INTERRUPTED = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    sys.path.insert(0, {tests!r})
+    from crossbow_graph.training.hooks import Hook
+    from test_faults import make_plan, data
+    class Mark(Hook):  # after round 2 the workers run; then the rounds go on until SIGINT
+        def after_round(self, ctx):
+            if ctx.plan.rounds_done == 2:
+                print(" ".join(str(p.pid) for p in ctx.plan.scheduler._workers.procs if p),
+                      flush=True)
+    make_plan(devices=1, replicas=2, executor="process").fit(data(64 * 4000), 1, progress=False,
+                                                             hooks=[Mark()], metrics_every=None)
+""")
+
+
+def test_sigint_to_the_coordinator_alone_stops_its_workers():
+    """A real SIGINT to the coordinator only (its workers get no signal): the process ends and so
+    do its worker processes."""
+    script = _INTERRUPTED.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert workers, proc.communicate()[1][-3000:]
+        os.kill(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGINT
+    for pid in workers:  # gone (reaped by the coordinator, not orphaned)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+_COORDINATOR = os.getpid()
+
+
+class _CtrlC(nn.Module):
+    """``make_plan``'s model whose forward, in this process only (the coordinator, learning group
+    0) and once ``armed``, raises KeyboardInterrupt: Ctrl-C in the middle of a round, while the
+    workers learn theirs and then wait for the coordinator's release."""
+
+    armed = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        if _CtrlC.armed and os.getpid() == _COORDINATOR:
+            raise KeyboardInterrupt
+        return self.net(x)
+
+
+class _ArmAfter(Hook):
+    """Keeps the worker processes of round 2 and arms _CtrlC for the next forward."""
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == 2:
+            self.procs = [p for p in ctx.plan.scheduler._workers.procs if p is not None]
+            _CtrlC.armed = True
+
+
+def test_ctrl_c_in_the_coordinators_round_stops_the_workers_by_their_own_exit():
+    """A KeyboardInterrupt in the coordinator's learning: its workers, which wait for its release
+    of the round, are told to stop and exit by themselves (exit code 0) instead of being killed
+    after a timeout."""
+    torch.manual_seed(0)
+    plan = cg.compile(_CtrlC(), (torch.zeros(1, 5),), nn.functional.cross_entropy, batch_size=4,
+                      devices=1, replicas=2, executor="process")
+    arm = _ArmAfter()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            plan.fit(data(), 1, progress=False, hooks=[arm], metrics_every=None)
+    finally:
+        _CtrlC.armed = False
+    assert arm.procs and [p.exitcode for p in arm.procs] == [0] * len(arm.procs)
+    plan.fit(data(), 1, progress=False, metrics_every=None)  # the plan trains on

@@ -258,8 +258,9 @@ def _diverged(num_learners: int, round_index: int, where: str, *, task_id: str,
     return DivergenceError(
         f"training diverged: all {num_learners} replicas have NaN/Inf gradients in round "
         f"{round_index} (or a NaN/Inf loss, or diverged; {where}); the central model z and the "
-        "last checkpoint are intact. Lower the learning rate, check the loss for log(0) or "
-        "division by zero and the data for NaN, then resume from the last checkpoint "
-        "(fit(..., resume=True))",
+        "last checkpoint are intact. Lower the learning rate (compile the plan again with a "
+        "lower lr: a resumed fit keeps the values it was set up with where they differ from the "
+        "checkpoint's run), check the loss for log(0) or division by zero and the data for NaN, "
+        "then resume from the last checkpoint (fit(..., resume=True))",
         task_id=task_id, device=device, round_index=round_index,
     )

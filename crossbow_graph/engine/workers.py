@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
@@ -677,7 +678,8 @@ class ProcessExecutor:
         """Nothing is in flight between rounds (z is final when run_round returns)."""
 
     def close(self) -> None:
-        """Cancel the speculative round, stop every worker (join, then terminate, then kill)."""
+        """Cancel the speculative round, stop every worker (join, then kill): prompt also when
+        this process left a round half-way (a KeyboardInterrupt), with workers waiting for it."""
         self.closed = True
         try:
             if self.ahead is not None and all(p.is_alive() for p in self.procs if p is not None):
@@ -686,17 +688,12 @@ class ProcessExecutor:
             pass
         finally:
             self.ahead = None
-            for mail in self.mail:
-                if mail is not None:
-                    mail.stop()
+            self._wake_to_stop()
             for proc in self.procs:
                 if proc is None:
                     continue
                 proc.join(timeout=5)
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join(timeout=2)
-                if proc.is_alive():
+                if proc.is_alive():  # workers ignore SIGTERM (signal.SIGTERM is the fit's)
                     proc.kill()
                     proc.join(timeout=2)
             for conn in self.conns:
@@ -706,6 +703,21 @@ class ProcessExecutor:
                 pipe.close()
             self.conns, self.procs, self.mail = [], [], []
             torch.set_num_threads(self.main_threads)
+
+    def _wake_to_stop(self) -> None:
+        """Tell every worker to stop, wherever it waits: for its next round (``go``), for this
+        round's release (``sem``: it cancels the round) or, the sync worker, for the other
+        groups' parts (marked failed: it skips the global sync)."""
+        for mail in self.mail:
+            if mail is not None:
+                mail.stop()
+        self._ctrl_np[2] = 1.0  # cancel
+        self.part_info[:, 1] = 1
+        for sem in self.sems:
+            if sem is not None:
+                sem.release()
+        for _ in self.groups:
+            self.parts.release()
 
     def _recv(self, wid: int, round_index: int):
         """Worker ``wid``'s answer: ("ok", losses [n], Spans, faulty rows), ("cancelled",) or
@@ -764,6 +776,7 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
     # by the thread count. Whether oneDNN or ATen's own convolutions run is measured
     # (choose_onednn). Parallelism comes from the workers.
     torch.set_num_threads(threads)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the coordinator's to handle: it stops us
     torch.backends.mkldnn.enabled = ex.onednn  # choose_onednn
     torch.manual_seed(seed)
     group = _Group(ex, wid, mail)

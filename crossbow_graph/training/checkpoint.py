@@ -23,40 +23,35 @@ A checkpoint holds everything the next round depends on:
   its RNG states (``peers``), gathered to rank 0 at every checkpoint, so that every learner
   resumes exactly, on R ranks or on another number (training/reshard.py).
 
-File format: ``MAGIC`` (8 bytes), payload length (8 bytes, little endian), SHA-256 of the payload
-(32 bytes), then the payload (``torch.save`` of the dict above, loaded with ``weights_only=True``).
-A file is written to a temporary file in the same directory, flushed and fsync'ed, renamed over its
-final name with ``os.replace`` and the directory fsync'ed, so a crash (even SIGKILL) at any point
-leaves every earlier checkpoint intact. Names are ``ckpt-<rounds done, 10 digits>.pt``; the newest
-``keep`` (default 2) are kept. ``load_latest`` verifies length and checksum and falls back to the
-previous checkpoint, with a warning naming the bad file and why, when the newest is truncated or
-corrupt.
+The files (format, atomic writes, verification, the fallback to the previous good one) are
+training/checkpoint_files.py's; the set-up a checkpoint records and the rule by which a resumed fit
+picks between its settings and the checkpoint's are training/run_setup.py's. ``CheckpointHook``
+holds the directory's lock (training/run_lock.py) while its fit runs and refuses, with
+``resume=False``, a directory holding another run's checkpoints.
 """
 
 from __future__ import annotations
 
-import glob
-import hashlib
-import io
 import logging
 import os
 import random
-import struct
-import tempfile
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..config import Adjustment
 from ..errors import CheckpointError
 from ..engine.faults import FaultEvent
 from ..engine.learners import seed_host_rngs
 from .history import EpochRecord, EvalRecord, History, MetricRecord, PolicyRecord
 from .hooks import FitContext, Hook
+from .checkpoint_files import (MAGIC, checkpoint_path, list_checkpoints, load_checkpoint, load_latest,
+                               prune_checkpoints, remove_temporaries, save_checkpoint)
 from .options import check_writable_dir
 from .reshard import saved_learners, saved_world_size, split_for_ranks
+from .run_lock import DirectoryLock
+from .run_setup import SettingsChoice, restore_outer_settings, restore_settings
 from ..engine.state import float_buffers_named, trainable_named
 
 if TYPE_CHECKING:
@@ -65,14 +60,11 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointHook", "plan_state_dict", "load_plan_state_dict", "check_same_model",
            "model_layout", "save_checkpoint", "load_checkpoint", "load_latest", "list_checkpoints",
-           "MAGIC"]
+           "MAGIC"]  # the file functions are training/checkpoint_files.py's, named here too
 
 log = logging.getLogger("crossbow_graph.checkpoint")
 
-MAGIC = b"CBGCKPT1"
-_HEADER = struct.Struct("<8sQ32s")  # magic, payload bytes, sha256
 _FORMAT = 1
-_CHUNK = 1 << 20
 
 
 # -- the plan's state ------------------------------------------------------------------------
@@ -106,6 +98,7 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         "lr": settings.lr, "learner_mode": settings.learner_mode,
         "optimizer": {"class": settings.optimizer.describe()["class"],
                       "groups": settings.optimizer.group_settings()},
+        "setup": plan.run_record.setup,  # what the run was set up with (training/run_setup.py)
         "losses": torch.stack(sched.losses).cpu() if sched.losses else torch.zeros(0),
         "faults": [asdict(e) for e in sched.faults.events],
         "epochs_done": plan.epochs_done, "rounds_done": plan.rounds_done,
@@ -176,13 +169,17 @@ def check_same_model(plan: "Plan", sd: dict[str, Any], source: str = "the checkp
 
 
 @torch.no_grad()
-def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
+def load_plan_state_dict(plan: "Plan", sd: dict[str, Any], setup: dict[str, Any] | None = None,
+                         source: str = "the checkpoint") -> None:
     """Copy a ``plan_state_dict`` into ``plan`` in place (module parameters stay views of ``w``).
 
     The run settings a policy changes through ``Plan.adjust`` are restored the same way first: a
     saved b other than the plan's re-plans the learners (and re-checks the memory bound), and α,
-    τ, η and the learner mode are set, so the plan continues with the settings in force when it
-    was saved (m too for an auto-tuned plan; otherwise m must match).
+    τ, every param group's settings (η, momentum, ...) and the learner mode are set, so the plan
+    continues with the settings in force when it was saved (m too for an auto-tuned plan;
+    otherwise m must match). With ``setup`` (a resume: this fit's ``RunRecord.setup``), a setting
+    this fit was set up with differently from the checkpoint's run keeps this fit's value, with a
+    UserWarning naming both values and ``source`` (training/run_setup.py).
 
     Raises:
         CheckpointError: the state was saved for another model (``check_same_model``: names the
@@ -205,8 +202,10 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
             f"{have[0]} × {have[1]}, {have[2]:,} and {have[3]:,}; compile the same model with the "
             "same devices and replicas to resume, or use another checkpoint_dir to start afresh"
         )
-    _restore_settings(plan, sd)
+    choice = SettingsChoice(setup, sd.get("setup"))
+    restore_settings(plan, sd, choice)
     _load_outer(plan, sd.get("outer_optimizer"))
+    restore_outer_settings(plan, choice)
     for s, saved in zip(plan.states, sd["states"]):
         for key in ("w", "v", "z", "z_prev"):  # saved in the standard order
             getattr(s, key).copy_(s.params.from_standard(saved[key]))
@@ -233,6 +232,7 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any]) -> None:
     plan.epochs_done, plan.rounds_done = sd["epochs_done"], sd["rounds_done"]
     plan.round_in_epoch, plan.train_seconds = sd["round_in_epoch"], sd["train_seconds"]
     plan.position_in_epoch = sd["position_in_epoch"]
+    choice.warn(source)
 
 
 def _check_same_optimizer(plan: "Plan", sd: dict[str, Any]) -> None:
@@ -283,27 +283,6 @@ def _load_outer(plan: "Plan", saved: dict[str, Any] | None) -> None:
                                   f"plan's: {exc}") from None
 
 
-def _restore_settings(plan: "Plan", sd: dict[str, Any]) -> None:
-    """b, α, τ, η and the learner mode of a ``plan_state_dict`` through ``Plan.adjust`` (before
-    the tensors are copied: a change of b re-plans, which resets the fault monitor). A state
-    without one of them (an older checkpoint) keeps the plan's."""
-    settings, changes = plan.settings, {}
-    if sd.get("batch_size", settings.batch_size) != settings.batch_size:
-        changes["batch_size"] = sd["batch_size"]
-    if hasattr(plan.sync, "alpha") and "alpha" in sd and sd["alpha"] != settings.alpha:
-        changes["alpha"] = "auto" if sd["alpha"] is None else sd["alpha"]
-    if sd.get("sync_every", settings.sync_every) != settings.sync_every:
-        changes["sync_every"] = sd["sync_every"]
-    if "optimizer" in sd:  # every group's settings (η, momentum, betas, ...) as saved
-        settings.optimizer.load_group_settings(sd["optimizer"]["groups"])
-    elif sd.get("lr", settings.lr) != settings.lr:
-        changes["lr"] = sd["lr"]
-    if sd.get("learner_mode", settings.learner_mode) != settings.learner_mode:
-        changes["learner_mode"] = sd["learner_mode"]
-    if changes:
-        plan.adjust(Adjustment(**changes))
-
-
 # -- random number generators ------------------------------------------------------------------
 
 def _rng_state() -> dict[str, Any]:
@@ -326,101 +305,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(mt), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-
-
-# -- files -----------------------------------------------------------------------------------
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(f, data: memoryview) -> None:
-    for start in range(0, len(data), _CHUNK):
-        f.write(data[start:start + _CHUNK])
-
-
-def save_checkpoint(path: str, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically (temporary file in the same directory, fsync,
-    ``os.replace``, fsync of the directory), with a length and SHA-256 header."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    payload = buf.getbuffer()
-    header = _HEADER.pack(MAGIC, len(payload), hashlib.sha256(payload).digest())
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            _write_all(f, payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def load_checkpoint(path: str) -> dict[str, Any]:
-    """Read and verify one checkpoint file.
-
-    Raises:
-        CheckpointError: the file is not a checkpoint, is truncated, or fails its checksum (the
-            message says which, with the byte counts).
-    """
-    with open(path, "rb") as f:
-        data = f.read()
-    if len(data) < _HEADER.size:
-        raise CheckpointError(f"checkpoint {path} is truncated: {len(data)} bytes, shorter than "
-                              f"its {_HEADER.size}-byte header")
-    magic, length, digest = _HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise CheckpointError(f"{path} is not a crossbow_graph checkpoint (bad magic {magic!r})")
-    payload = memoryview(data)[_HEADER.size:]
-    if len(payload) != length:
-        raise CheckpointError(f"checkpoint {path} is truncated: {len(payload):,} of {length:,} "
-                              "payload bytes (the write was interrupted)")
-    if hashlib.sha256(payload).digest() != digest:
-        raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 checksum does not match")
-    try:
-        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable payload is a corrupt checkpoint
-        raise CheckpointError(f"checkpoint {path} cannot be unpickled: {type(exc).__name__}: "
-                              f"{exc}") from exc
-
-
-def list_checkpoints(directory: str) -> list[str]:
-    """Checkpoint files of ``directory``, oldest first (temporary files are ignored)."""
-    return sorted(glob.glob(os.path.join(glob.escape(directory), "ckpt-" + "[0-9]" * 10 + ".pt")))
-
-
-def load_latest(directory: str) -> tuple[str, dict[str, Any]] | None:
-    """The newest checkpoint of ``directory`` that verifies, as ``(path, state)``; None if the
-    directory holds none. A bad newer file is skipped with a warning naming it and why.
-
-    Raises:
-        CheckpointError: checkpoints exist but none of them can be read (lists each reason).
-    """
-    problems = []
-    for path in reversed(list_checkpoints(directory)):
-        try:
-            state = load_checkpoint(path)
-        except CheckpointError as exc:
-            problems.append(str(exc))
-            log.warning("%s; trying the previous checkpoint", exc)
-            continue
-        if problems:
-            log.warning("resuming from the previous good checkpoint %s", path)
-        return path, state
-    if problems:
-        raise CheckpointError(f"no checkpoint in {directory} can be loaded: " + "; ".join(problems)
-                              + ". Delete the directory (or pass resume=False) to start afresh")
-    return None
 
 
 # -- the hook --------------------------------------------------------------------------------
@@ -465,6 +349,10 @@ class CheckpointHook(Hook):
         writer: this process writes and reads the files (rank 0, or a single process); the
             other ranks only take part in the gather and the resume.
 
+    The fit's writer takes the directory first (``claim``): its lock, and with ``resume=False``
+    the refusal of another run's checkpoints. Every file written or resumed from is recorded in
+    the plan's ``run_record``, which tells this run's checkpoints from another's.
+
     Raises:
         ValueError: ``every_rounds`` < 1 or ``keep`` < 2, or ``directory`` cannot be created or
             written (a file, a path inside a file, read-only): checked at once by creating the
@@ -485,6 +373,32 @@ class CheckpointHook(Hook):
         self._last_saved = -1
         if writer:
             check_writable_dir("checkpoint_dir", directory)
+
+    def claim(self, plan: "Plan", resume: bool) -> DirectoryLock | None:
+        """Take the directory for this fit: the writer holds its lock (training/run_lock.py;
+        the caller releases it when the fit ends) and, with ``resume=False``, refuses a directory
+        whose newest checkpoint this plan's run neither wrote nor resumed from. Returns the lock
+        (None on the other ranks).
+
+        Raises:
+            CheckpointError: another fit holds the directory (names it, the holder's pid and the
+                fix), or ``resume=False`` where it holds another run's checkpoints (names the
+                newest and the fixes: resume=True, another checkpoint_dir, or delete them).
+        """
+        if not self.writer:
+            return None
+        lock = DirectoryLock(self.directory).acquire()
+        files = list_checkpoints(self.directory)
+        if not resume and files and not plan.run_record.owns(files[-1]):
+            lock.release()
+            raise CheckpointError(
+                f"checkpoint_dir={self.directory!r} holds {len(files)} checkpoint(s) of another "
+                f"run (the newest {os.path.basename(files[-1])}) and resume=False: this fit's "
+                "checkpoints would mix with them, and keeping the newest two by round would "
+                "delete this fit's or resume the other run's. Pass resume=True to continue that "
+                "run, another checkpoint_dir for a new one, or delete its ckpt-*.pt files to start "
+                "afresh there")
+        return lock
 
     def resume(self, plan: "Plan", history: History) -> str | None:
         """Load the newest good checkpoint into the plan, the hooks, the RNGs and ``history``.
@@ -527,13 +441,14 @@ class CheckpointHook(Hook):
         if mine[0] == "error":
             raise CheckpointError(f"rank 0 could not resume: {mine[1]}")
         path, sd, rng = mine
-        load_plan_state_dict(plan, sd)
+        load_plan_state_dict(plan, sd, plan.run_record.setup, f"checkpoint {path}")
         if rng is not None:
             _set_rng_state(rng)
         else:  # a rank the checkpoint did not have: its own stream from this round on
             seed_host_rngs(self.schedule.seed, plan.rounds_done, comm.rank, 0)
         self._last_saved = plan.rounds_done
         if self.writer:
+            plan.run_record.saw(path)
             self._restore_hooks_and_history(state, history)
             _log_resume(path, plan, state, world)
         return path
@@ -593,17 +508,23 @@ class CheckpointHook(Hook):
             "world_size": 1 if comm is None else comm.world_size,
             "peers": peers,  # ranks 1 … R−1: {"states": [...], "losses": [n], "rng": {...}}
         }
-        path = os.path.join(self.directory, f"ckpt-{plan.rounds_done:010d}.pt")
+        path = checkpoint_path(self.directory, plan.rounds_done)
         save_checkpoint(path, state)
-        for old in list_checkpoints(self.directory)[:-self.keep]:
-            os.unlink(old)
+        plan.run_record.saw(path)
+        prune_checkpoints(self.directory, self.keep)
         return path
 
+    def save_if_new(self, ctx: FitContext) -> str | None:
+        """A checkpoint of the current state unless the last one saved (or resumed) is of it (a
+        collective under torchrun, as ``save``); returns the file holding it (None on a rank
+        other than rank 0)."""
+        if self._last_saved != ctx.plan.rounds_done:
+            return self.save(ctx)
+        return checkpoint_path(self.directory, ctx.plan.rounds_done) if self.writer else None
+
     def before_fit(self, ctx: FitContext) -> None:
-        if not self.writer:
-            return
-        for stale in glob.glob(os.path.join(glob.escape(self.directory), ".ckpt-*.tmp")):
-            os.unlink(stale)  # the remains of a write that was killed
+        if self.writer:
+            remove_temporaries(self.directory)  # the remains of a write that was killed
 
     def after_round(self, ctx: FitContext) -> None:
         if self.every_rounds is not None and ctx.plan.rounds_done % self.every_rounds == 0:

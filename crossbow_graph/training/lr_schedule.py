@@ -19,6 +19,13 @@ writes ``F ×`` the new value: the η in force is F · schedule(t) for every sch
 (LambdaLR, OneCycleLR, CosineAnnealingLR) or chainable (MultiStepLR, ReduceLROnPlateau), where a
 closed-form scheduler alone would overwrite the policy's change at its next step. The factors are
 checkpointed with the scheduler.
+
+A resumed fit restores the scheduler's state (its position, ``last_epoch``) from the checkpoint,
+but where this fit's scheduler was built over other learning rates than the checkpoint's (its
+``base_lrs``, also those of the schedulers inside a SequentialLR or ChainedScheduler, differ) it
+keeps its own, and a group's η in force becomes the checkpoint's scaled by new base / old base,
+with a warning naming both: the user set the run up anew, as for the param groups' settings
+(training/run_setup.py; docs/reliability.md, Resuming with other settings).
 """
 
 from __future__ import annotations
@@ -146,7 +153,55 @@ class LRSchedulerHook(Hook):
                 "factors": self.factors, "written": list(self._written)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
+        """Restore ``state_dict()``; this scheduler's ``base_lrs`` where they differ from the
+        saved ones (module docstring), with a UserWarning."""
+        changed: dict[int, tuple[float, float]] = {}
+        saved = _keep_new_bases(state["scheduler"], self.scheduler.state_dict(), changed)
+        self.scheduler.load_state_dict(saved)
         self._evaluated = state["evaluated"]
         self._factors = list(state.get("factors", self._factors))
         self._written = list(state.get("written", self._lrs()))
+        groups = self.scheduler.optimizer.param_groups
+        for i, (old, new) in changed.items():  # the checkpoint's η on this fit's base
+            if old:
+                groups[i]["lr"] = self._written[i] * new / old
+            self._written[i] = float(groups[i]["lr"])  # not a policy's change to fold into F
+        if changed:
+            warnings.warn(
+                f"resuming LR scheduler {type(self.scheduler).__name__} at its position "
+                f"(last_epoch={self.scheduler.last_epoch}) with this fit's base learning rates: "
+                f"it was built over other ones than the checkpoint's "
+                f"({_bases(self.scheduler.state_dict())} now, {_bases(state['scheduler'])} in the "
+                "checkpoint); η follows the schedule of this fit's from its next step",
+                UserWarning, stacklevel=2)
+
+
+def _keep_new_bases(saved: Any, fresh: Any, changed: dict[int, tuple[float, float]]) -> Any:
+    """``saved`` (a scheduler's ``state_dict``) with every ``base_lrs`` entry, nested ones too,
+    taken from ``fresh``; ``changed`` gets ``group index: (old base, new base)`` where the two
+    differ (the first list that differs)."""
+    if isinstance(saved, dict) and isinstance(fresh, dict):
+        out = {}
+        for key, value in saved.items():
+            new = fresh.get(key)
+            if key == "base_lrs" and isinstance(value, list) and isinstance(new, list) \
+                    and len(new) == len(value):
+                for i, (a, b) in enumerate(zip(value, new)):
+                    if a != b:
+                        changed.setdefault(i, (float(a), float(b)))
+                out[key] = list(new)
+            else:
+                out[key] = _keep_new_bases(value, new, changed) if key in fresh else value
+        return out
+    if isinstance(saved, list) and isinstance(fresh, list) and len(saved) == len(fresh):
+        return [_keep_new_bases(a, b, changed) for a, b in zip(saved, fresh)]
+    return saved
+
+
+def _bases(state: dict[str, Any]) -> list[Any]:
+    """Every ``base_lrs`` list in a scheduler's ``state_dict``, nested ones too."""
+    found = [state["base_lrs"]] if isinstance(state.get("base_lrs"), list) else []
+    for child in state.get("_schedulers", []) or []:
+        if isinstance(child, dict):
+            found += _bases(child)
+    return found[0] if len(found) == 1 else found

@@ -40,13 +40,16 @@ class FitOptions:
             (``Plan.fit`` puts the plan's auto-tuner, with ``replicas="auto"``, first); those
             with ``state_dict()``/``load_state_dict()`` are checkpointed.
         checkpoint_dir: write checkpoints of the whole state there (docs/reliability.md): every
-            ``checkpoint_every`` rounds and at the end of every complete epoch; the newest two
-            are kept.
+            ``checkpoint_every`` rounds, at the end of every complete epoch and when SIGTERM
+            stops the fit; the newest two are kept. One fit at a time holds it (a lock), and
+            with ``resume=False`` it must not hold another run's checkpoints.
         checkpoint_every: rounds between checkpoints (≥ 1); None: at epoch ends only.
         resume: continue from the newest good checkpoint in ``checkpoint_dir`` (bit-identical to
             an uninterrupted run; under torchrun also on another number of processes than
             wrote it, docs/distributed.md); ``epochs`` then counts the epochs of the whole run,
-            as when the same command is run again. Without a checkpoint there, start afresh.
+            as when the same command is run again. Without a checkpoint there, start afresh. A
+            setting this fit is set up with differently from the checkpoint's run (a lower lr)
+            keeps this fit's value, with a warning (training/run_setup.py).
         log_dir: write per-round and per-epoch CSV, TensorBoard events and ``history.json``.
         trace: write a Chrome-trace JSON timeline of every task to this path
             (``chrome://tracing``, Perfetto): the global sync of round t under round t+1's

@@ -9,6 +9,7 @@ next evaluation point) lives in the Trainer's fields between the phases.
 
 from __future__ import annotations
 
+import signal
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..config import DiLoCo
+from ..errors import CheckpointError
 from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook
@@ -28,6 +30,8 @@ from .lr_schedule import LRSchedulerHook, check_lr_scheduler
 from .loader import RoundLoader, check_loader
 from .metrics_log import MetricsLogger
 from .options import FitOptions
+from .run_lock import DirectoryLock
+from .signals import StopSignal, interruption
 from .validate import check_first_batch
 
 if TYPE_CHECKING:
@@ -69,6 +73,12 @@ class Trainer:
     The epoch's ``train_loss`` and the hooks' ``round_loss`` are the means of the learners'
     finite losses: a faulty replica's NaN/Inf loss is left out, as the replica is.
 
+    With a ``checkpoint_dir`` the writing rank holds the directory's lock for the whole fit
+    (``CheckpointHook.claim``, training/run_lock.py). While the rounds run, SIGTERM (in the main
+    thread) stops the fit at the end of the round in progress, after its hooks, with a checkpoint
+    of that state, then ``run`` raises TrainingInterrupted (training/signals.py); under torchrun
+    the stop is rank 0's, and every rank takes part in that checkpoint.
+
     Args:
         plan: the Plan to train.
         train_dataset: a torch Dataset of ``(inputs, target)`` samples, or a DataLoader (its
@@ -96,9 +106,26 @@ class Trainer:
     # -- the fit ------------------------------------------------------------------------------
 
     def run(self) -> History:
-        """Prepare the fit, then run its epochs inside the scheduler's fit (worker processes);
-        under torchrun compare z at the end. Returns the History."""
-        self._prepare()
+        """Prepare the fit, then run its epochs (``_train``) with SIGTERM handled
+        (training/signals.py); release the checkpoint directory's lock at the end. Returns the
+        History; raises TrainingInterrupted when a signal stopped the fit."""
+        self.lock: DirectoryLock | None = None
+        self.saver: CheckpointHook | None = None
+        self.stop_signal, self.interrupted = StopSignal(), None
+        try:
+            self._prepare()
+            with self.stop_signal:
+                self._train()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+        if self.interrupted is not None:
+            raise self.interrupted
+        return self.history
+
+    def _train(self) -> None:
+        """The epochs inside the scheduler's fit (worker processes); under torchrun compare z at
+        the end."""
         trace, comm, sched = self.options.trace, self.comm, self.plan.scheduler
         self.timeline = Timeline() if trace is not None else None
         self.fit_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
@@ -120,12 +147,12 @@ class Trainer:
             self._sync_totals()
             if self.timeline is not None:
                 self.timeline.save(trace)
-        return self.history
 
     def _prepare(self) -> None:
         """Everything before the first round: the data's checks, the ranks' agreement on the fit,
         the first batches' checks, the seeds, the hooks and a resume."""
         opts, plan = self.options, self.plan
+        plan.run_record.begin_fit(plan)  # the set-up, at the plan's first fit (before a resume)
         self.train = self._check_datasets()
         self._agree_on_the_fit()
         self.schedule = BatchSchedule(len(self.train), shuffle=opts.shuffle, seed=opts.seed)
@@ -235,9 +262,16 @@ class Trainer:
         opts, plan = self.options, self.plan
         saver = CheckpointHook(opts.checkpoint_dir, self.schedule, hooks,
                                every_rounds=opts.checkpoint_every, writer=self.main)
+        try:
+            self.lock = saver.claim(plan, opts.resume)  # released by run
+        except CheckpointError:
+            if self.comm is not None:
+                self.comm.close()  # the other ranks see rank 0 gone at once, not at their timeout
+            raise
         if opts.resume and saver.resume(plan, self.history) is not None:
             self.end_epoch = opts.epochs  # a resumed run finishes the epochs of the run it continues
         hooks.append(saver)
+        self.saver = saver
 
     def _sync_totals(self) -> None:
         """The fit's synchronisation seconds into the History (before after_fit, so that hooks,
@@ -393,13 +427,31 @@ class Trainer:
         self._collect_faults()
         if self.hooks:
             self._after_round(indices, n_losses)
+        ctx.stop = ctx.stop or self.stop_signal.received is not None
         if comm is not None:  # every rank, hooks or not: rank 0's decisions and stop
             ctx.stop = comm.agree_settings(plan, ctx.stop, plan.rounds_done - 1)
-        if ctx.stop or self._evaluate_if_due(last=upcoming is None):
+        if ctx.stop:
+            self._stop_for_signal()
+            return False
+        if self._evaluate_if_due(last=upcoming is None):
             return False
         if self.prefetch and upcoming is not None and (plan.num_learners, plan.batch_size) == (k, b):
             sched.prefetch(plan.rounds_done, _mine(plan, upcoming))  # the next round's batch
         return True
+
+    def _stop_for_signal(self) -> None:
+        """At a stop (agreed across ranks): if a signal (any rank's) caused it, a checkpoint of
+        the state after this round (when the fit has a checkpoint_dir) and the
+        TrainingInterrupted that ``run`` raises once the fit has ended."""
+        signum = self.stop_signal.received
+        if self.comm is not None:  # every rank is here in the same round
+            signum = signal.SIGTERM if self.comm.any_rank(signum is not None,
+                                                          self.plan.rounds_done - 1) else None
+        if signum is None:
+            return
+        self.stop_signal.consumed = True
+        path = self.saver.save_if_new(self.ctx) if self.saver is not None else None
+        self.interrupted = interruption(self.plan, signum, path, announce=self.main)
 
     def _collect_faults(self) -> None:
         """The scheduler's new fault events into the History."""

@@ -1,0 +1,89 @@
+"""SIGTERM during a fit: finish the round, write a checkpoint, stop (docs/reliability.md, Stopping
+a fit: SIGTERM).
+
+``docker stop``, SLURM's time limit and ``kill`` send SIGTERM, whose default action ends the
+process at once, losing every round since the last checkpoint. While its rounds run, a fit in the
+main thread handles it instead (``StopSignal``): the handler only notes the signal; the Trainer
+ends the round in progress (its hooks included), writes a checkpoint of that state where the fit
+has a ``checkpoint_dir``, runs the hooks' ``after_fit`` and raises ``TrainingInterrupted`` (exit
+status 143 if uncaught). A second SIGTERM acts as it would without the fit (by default: the
+process ends at once). Once the fit is over the previous handlers are back, and a signal that
+arrived after the fit's last round is raised again, so that it acts as it would have. Worker
+processes ignore SIGTERM (engine/workers.py): the coordinator stops them.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ..errors import TrainingInterrupted
+
+if TYPE_CHECKING:
+    from ..api import Plan
+
+__all__ = ["StopSignal", "STOP_SIGNALS", "interruption"]
+
+log = logging.getLogger("crossbow_graph.trainer")
+
+STOP_SIGNALS = (signal.SIGTERM,)
+
+
+class StopSignal:
+    """Notes SIGTERM while a fit runs (a context manager; module docstring).
+
+    Outside the main thread (where Python cannot install handlers) it does nothing.
+
+    Attributes:
+        received: the signal number received, or None.
+        consumed: the fit stopped for it (set by the Trainer); otherwise ``__exit__`` raises the
+            signal again after restoring the previous handlers.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.consumed = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signum
+        signal.signal(signum, self._restore(signum))  # a second one acts as before the fit
+        log.warning("%s received: the fit stops after the round in progress (writing a checkpoint "
+                    "where it has a checkpoint_dir); send it again to end the process at once",
+                    signal.Signals(signum).name)
+
+    def _restore(self, signum: int) -> Any:
+        previous = self._previous.get(signum)
+        return signal.SIG_DFL if previous is None else previous
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig in self._previous:
+            signal.signal(sig, self._restore(sig))
+        if self.received is not None and not self.consumed:
+            signal.raise_signal(self.received)  # it came after the last round: act on it now
+
+
+def interruption(plan: "Plan", signum: int, checkpoint: str | None, *,
+                 announce: bool = True) -> TrainingInterrupted:
+    """The TrainingInterrupted of a fit that stopped on ``signum`` after the plan's rounds done,
+    its state in ``checkpoint`` (None: no checkpoint_dir); its message is logged (logger
+    ``crossbow_graph.trainer``, WARNING: on stderr where logging is not configured) with
+    ``announce``."""
+    name = signal.Signals(signum).name
+    saved = (f"checkpoint {checkpoint} holds its state; run the same fit with resume=True "
+             "(crossbow-graph train --resume) to continue it" if checkpoint is not None else
+             "it has no checkpoint_dir, so its state is in this process only")
+    message = (f"the fit stopped on {name} after {plan.rounds_done} rounds (round "
+               f"{plan.round_in_epoch} of epoch {plan.epochs_done + 1}): {saved}")
+    if announce:
+        log.warning("%s", message)
+    return TrainingInterrupted(message, signal_number=signum, rounds_done=plan.rounds_done,
+                               checkpoint=checkpoint)
