@@ -9,9 +9,13 @@ all-reduced in bfloat16), ``decide`` (a hook on rank 0 only changes m, the learn
 and τ after round 3), ``resume`` (2 epochs with a checkpoint every 3 rounds,
 stopped after round 10; a new plan resumes from round 9; then the same 2 epochs not stopped),
 ``mismatch_batch`` / ``mismatch_model`` / ``mismatch_layout`` (rank 1 compiles another plan:
-another batch size, model, or its convolution weights contiguous instead of channels-last), ``diverge`` (rank 1
-changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3 and its checkpoint;
-rank 0 writes a checkpoint every round), ``hang`` (rank 1 sleeps after round 3), ``fault_one``
+another batch size, model, or its convolution weights contiguous instead of channels-last),
+``mismatch_act`` / ``mismatch_dropout`` / ``mismatch_loss`` (``run_computation``: rank 1 compiles
+GELU instead of ReLU, dropout p = 0.3 instead of 0.5, or a label-smoothed loss), ``own_data``
+(``run_computation``: each rank trains on data of its own seed), ``diverge`` (rank 1
+changes its z after round 3), ``kill``
+(rank 1 SIGKILLs itself after round 3 and its checkpoint; rank 0 writes a checkpoint every
+round), ``hang`` (rank 1 sleeps after round 3), ``fault_one``
 (NaN in rank 1's replica 1 before round 2 and in rank 0's replica 0 before round 4; checkpoints
 every round and a log_dir), ``fault_streams`` (the same faults on the CUDA streams' path,
 simulated on the CPU by a RaceRecorder: found on the device, read a round late),
@@ -20,20 +24,22 @@ simulated on the CPU by a RaceRecorder: found on the device, read a round late),
 round from round 3 on, process executor, checkpoints every round), ``resume_1to2`` /
 ``write_2to1`` / ``refused`` (``run_reshape``: a checkpoint resumed on another number of
 processes; one of another seed refused). Groups run in one launch, one after the other in the
-same process group: ``ok`` = train, process, decide, resume, adamw, bf16_sync; ``mismatch`` = the
-three mismatches; ``faults`` = fault_one, fault_streams, int_buffers, nan_all (last: its error closes
+same process group: ``ok`` = train, process, decide, resume, adamw, bf16_sync, own_data;
+``mismatch`` = the six mismatches; ``faults`` = fault_one, fault_streams, int_buffers, nan_all (last: its error closes
 the process group); ``reshape`` = resume_1to2, write_2to1, refused. Writes ``rank<r>.pt`` into
 OUT_DIR: per scenario a dict, ``error`` with the TaskError's message (and ``kind``,
 ``round_index``), or the results.
 """
 
 import dataclasses
+import functools
 import os
 import signal
 import sys
 import time
 
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -42,7 +48,7 @@ from crossbow_graph.errors import CheckpointError, TaskError  # noqa: E402
 from crossbow_graph.engine.comm import z_digest  # noqa: E402
 from crossbow_graph.engine.race_check import RaceRecorder  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
-from _runtime_helpers import TinyBN, TinyNet, compile_tiny, tiny_data  # noqa: E402
+from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, tiny_data  # noqa: E402
 
 ROUNDS = 8
 B, M = 4, 2
@@ -94,6 +100,23 @@ class Counting(TinyBN):
     def forward(self, x):
         self.seen.add_((x[:, 0, 0, 0] > 0).sum())
         return super().forward(x)
+
+
+class TinyAct(TinyNet):
+    """TinyNet with its activation as a module, ``act``: ReLU, or GELU with ``gelu``."""
+
+    def __init__(self, gelu: bool = False) -> None:
+        super().__init__()
+        self.act = nn.GELU() if gelu else nn.ReLU()
+
+    def forward(self, x):
+        return self.fc(self.act(self.conv(x)).flatten(1))
+
+
+def _tiny_drop(p: float) -> TinyDrop:
+    model = TinyDrop()
+    model.drop.p = p
+    return model
 
 
 class Recording(torch.utils.data.TensorDataset):
@@ -243,6 +266,30 @@ def run(scenario: str, rank: int, out: str) -> dict:
     return result
 
 
+def _settings() -> cg.Distributed:
+    return cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1)
+
+
+def run_computation(scenario: str, rank: int, out: str) -> dict:
+    """``mismatch_act`` / ``mismatch_dropout`` / ``mismatch_loss``: rank 1 compiles another
+    activation, dropout p or loss function (the error); ``own_data``: rank r trains on
+    ``tiny_data(seed=r)`` (z and the rounds)."""
+    other = rank == 1
+    model_cls = {"mismatch_act": lambda: TinyAct(gelu=other),
+                 "mismatch_dropout": lambda: _tiny_drop(0.3 if other else 0.5)}.get(scenario, TinyBN)
+    loss = nn.functional.cross_entropy
+    if scenario == "mismatch_loss" and other:
+        loss = functools.partial(nn.functional.cross_entropy, label_smoothing=0.1)
+    try:
+        plan = compile_tiny(model_cls, seed=rank, devices=1, replicas=M, executor="inline",
+                            distributed=_settings(), loss_fn=loss)
+        data = tiny_data(ROUNDS * B * M * 2, seed=rank if scenario == "own_data" else 0)
+        plan.fit(data, 1, shuffle=False, progress=False)
+    except TaskError as exc:
+        return dict(error=str(exc))
+    return dict(z=plan.central_weights(), rounds=plan.rounds_done)
+
+
 def run_reshape(scenario: str, rank: int, out: str) -> dict:
     """``resume_1to2``: every rank resumes from the 1-process checkpoint the test wrote in
     ``OUT_DIR/ckpt-1to2`` (k = 2 → 4) and finishes its epoch; ``write_2to1``: 3 rounds of k = 4
@@ -269,7 +316,10 @@ def run_reshape(scenario: str, rank: int, out: str) -> dict:
     return dict(snapshot=snap.got, seen=data.seen, z=plan.central_weights(), rounds=plan.rounds_done)
 
 
-GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync"], "mismatch": ["mismatch_batch", "mismatch_model", "mismatch_layout"],
+COMPUTATION = ["mismatch_act", "mismatch_dropout", "mismatch_loss", "own_data"]
+GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync", "own_data"],
+          "mismatch": ["mismatch_batch", "mismatch_model", "mismatch_layout", "mismatch_act",
+                       "mismatch_dropout", "mismatch_loss"],
           "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"],
           "reshape": ["resume_1to2", "write_2to1", "refused"]}
 
@@ -280,7 +330,9 @@ def main(scenario: str, out: str) -> None:
     rank = int(os.environ["RANK"])
     results = {}
     for name in GROUPS.get(scenario, [scenario]):
-        results[name] = (run_reshape if name in GROUPS["reshape"] else run)(name, rank, out)
+        run_one = (run_reshape if name in GROUPS["reshape"] else run_computation
+                   if name in COMPUTATION else run)
+        results[name] = run_one(name, rank, out)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     if scenario in ("ok", "mismatch", "reshape") and torch.distributed.is_initialized():
         # every rank is alive here: leave together, so that no rank tears gloo down while its

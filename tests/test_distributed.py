@@ -65,12 +65,13 @@ def ok_runs(tmp_path_factory):
     results, codes, logs = _launch("ok", tmp_path_factory.mktemp("ok"))
     assert codes == [0, 0], logs
     return {name: (results[0][name], results[1][name])
-            for name in ("train", "process", "decide", "resume", "adamw", "bf16_sync")}
+            for name in ("train", "process", "decide", "resume", "adamw", "bf16_sync", "own_data")}
 
 
 @pytest.fixture(scope="module")
 def mismatch_runs(tmp_path_factory):
-    """One launch: rank 1 compiles another batch size, then another model, then contiguous rows."""
+    """One launch: rank 1 compiles another batch size, then another model, then contiguous rows,
+    then another activation, dropout p, loss function."""
     results, codes, logs = _launch("mismatch", tmp_path_factory.mktemp("mismatch"))
     assert codes == [0, 0], logs
     return results
@@ -196,6 +197,13 @@ def test_checksum_stops_when_z_differs_between_ranks(tmp_path):
     ("mismatch_batch", ["'batch_size' differs", "rank 0: 4", "rank 1: 8"]),
     ("mismatch_model", ["'model' differs", "TinyBN", "TinyNet", "bn.weight"]),
     ("mismatch_layout", ["'channels-last weights' differs", "conv.weight"]),
+    ("mismatch_act", ["'computation' differs", "rank 1 runs `module act: GELU(approximate='none')` "
+                      "where rank 0 runs `module act: ReLU()`"]),
+    ("mismatch_dropout", ["'computation' differs", "rank 1 runs `module drop: Dropout(p=0.3, "
+                          "inplace=False)` where rank 0 runs `module drop: Dropout(p=0.5, inplace=False)`"]),
+    ("mismatch_loss", ["'computation' differs", "rank 1 runs `loss_fn: partial(torch.nn.functional."
+                       "cross_entropy, args=(), keywords=(('label_smoothing', 0.1)))` where rank 0 "
+                       "runs `loss_fn: torch.nn.functional.cross_entropy`"]),
 ])
 def test_ranks_with_different_plans_fail_at_start_up_naming_the_difference(mismatch_runs, scenario,
                                                                            names):
@@ -204,6 +212,23 @@ def test_ranks_with_different_plans_fail_at_start_up_naming_the_difference(misma
         assert "the ranks disagree about the plan" in err, r
         for name in names:
             assert name in err, err
+
+
+def test_ranks_with_their_own_data_train_together(ok_runs):
+    """Each rank's own data (seed = rank) is allowed: z is the 1-process z of k = 4 learners whose
+    batches come from rank(j)'s data at the same rows (learner j reads batch t·k + j)."""
+    (r0, r1), (same, _) = ok_runs["own_data"], ok_runs["train"]
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    assert r0["rounds"] == r1["rounds"] == ROUNDS and torch.equal(r0["z"], r1["z"])
+    n, k = ROUNDS * B * M * 2, 2 * M
+    (x0, y0), (x1, y1) = tiny_data(n, seed=0).tensors, tiny_data(n, seed=1).tensors
+    of_rank_1 = (torch.arange(n) // B) % k >= M  # [n] the rows rank 1's learners read
+    mixed = torch.utils.data.TensorDataset(torch.where(of_rank_1[:, None, None, None], x1, x0),
+                                           torch.where(of_rank_1, y1, y0))
+    one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=1, replicas=k, executor="inline")
+    one.fit(mixed, 1, shuffle=False, progress=False)
+    torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(r0["z"], same["z"], rtol=1e-3, atol=1e-4)  # the data did differ
 
 
 def test_a_killed_rank_stops_the_survivor_and_leaves_the_checkpoint_intact(tmp_path):

@@ -13,9 +13,10 @@ to the all-reduce, as for S-SGD's gradient all-reduce (docs/distributed.md); wit
 
 Everything that must be the same on every rank is checked or decided once:
 
-* start-up: ``Comm.agree`` all-gathers each rank's plan facts (model fingerprint, devices, replicas,
-  batch size, optimiser, SMA settings) and the fit's data facts, and raises DistributedError naming
-  the first difference, instead of hanging in a collective later;
+* start-up: ``Comm.agree`` all-gathers each rank's plan facts (model fingerprint, the computation's
+  fingerprint of compiler/fingerprint.py, devices, replicas, batch size, optimiser, SMA settings)
+  and the fit's data facts, and raises DistributedError naming the first difference, instead of
+  hanging in a collective later;
 * every round: the run settings that hooks may change (m, learner mode, lr, α, b, τ, stop) are
   broadcast from rank 0 after the round's hooks and applied with ``Plan.adjust``
   (``Comm.agree_settings``; also before a round when epoch or evaluation hooks ran since, or when
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..compiler.fingerprint import Fingerprint, computation_fingerprint, first_difference
 from ..config import Adjustment
 from ..errors import DistributedError, is_count
 from .outer import sync_facts
@@ -265,23 +267,30 @@ class Comm:
     # -- agreement -------------------------------------------------------------------------------
 
     def agree(self, facts: dict[str, Any], what: str) -> None:
-        """Check that every rank has the same ``facts`` (plain, picklable values).
+        """Check that every rank has the same ``facts`` (plain, picklable values, or a
+        Fingerprint: its digest travels, and its lines only when the digests differ).
 
         Raises:
-            DistributedError: a fact differs, naming it and its value on each rank; or a rank did
+            DistributedError: a fact differs, naming it and its value on each rank (a
+                Fingerprint: each rank's first line that differs from rank 0's); or a rank did
                 not arrive within the timeout.
         """
-        gathered: list[Any] = [None] * self.world_size
-        self._call(f"the start-up check of {what}", -1,
-                   lambda: dist.all_gather_object(gathered, facts, group=self._ctrl))
-        for key in facts:
+        sent = {k: v.digest if isinstance(v, Fingerprint) else v for k, v in facts.items()}
+        step = f"the start-up check of {what}"
+        gathered = self.all_gather_object(sent, step, -1)
+        for key, fact in facts.items():
             values = [g.get(key) for g in gathered]
-            if any(v != values[0] for v in values[1:]):
-                ranks = "; ".join(f"rank {r}: {_short(v, values[0])}" for r, v in enumerate(values))
-                raise DistributedError(
-                    f"the ranks disagree about {what}: '{key}' differs ({ranks}). Launch every "
-                    "rank with the same model, devices, replicas, batch size, settings and data",
-                    task_id="start-up", device=f"rank {self.rank}", round_index=-1)
+            if all(v == values[0] for v in values[1:]):
+                continue
+            if isinstance(fact, Fingerprint):  # every rank sees the difference: all gather again
+                said = first_difference(self.all_gather_object(fact.lines, step, -1))
+            else:
+                said = "; ".join(f"rank {r}: {_short(v, values[0])}" for r, v in enumerate(values))
+            raise DistributedError(
+                f"the ranks disagree about {what}: '{key}' differs ({said}). Launch every rank "
+                "with the same model, code, loss function, devices, replicas, batch size, "
+                "settings and dataset sizes (each rank's own data may differ)",
+                task_id="start-up", device=f"rank {self.rank}", round_index=-1)
 
     def all_gather_object(self, obj: Any, what: str, round_index: int) -> list[Any]:
         """Every rank's ``obj`` (pickled), in rank order, on every rank; ``what`` names the
@@ -370,13 +379,15 @@ class Comm:
 
 def plan_facts(plan: "Plan") -> dict[str, Any]:
     """What every rank's plan must share: the model's fingerprint (parameter and buffer names,
-    shapes, dtypes), devices per process, replicas, batch size, optimiser and SMA settings, the
+    shapes, dtypes), the computation's (compiler/fingerprint.py: the modules, the traced forward,
+    the loss function), devices per process, replicas, batch size, optimiser and SMA settings, the
     learners' precision, the flat rows' layout (which weights lie channels-last)."""
     template = plan.template
     model = [(n, tuple(p.shape), str(p.dtype)) for n, p in template.named_parameters()]
     model += [(n, tuple(b.shape), str(b.dtype)) for n, b in template.named_buffers()]
     return {
         "model": (type(template).__name__, model),
+        "computation": computation_fingerprint(template, plan.model_graph.module, plan.loss_fn),
         "devices per process": len(plan.devices),
         "replicas per device": "auto" if plan.autotuner is not None else plan.replicas_per_device,
         "batch_size": plan.batch_size,
