@@ -42,9 +42,11 @@ class DivergenceError(TaskError):
     """Every replica produced NaN or Inf in the same round: training cannot continue.
 
     Raised at the local synchronisation of the round (engine/faults.py; under torchrun at the
-    global sync, on every rank alike, counting every rank's faults); the central model z and
-    the last checkpoint on disk are intact. The message names the round and the usual fixes
-    (a lower learning rate, gradient-safe loss, resuming from the last checkpoint).
+    global sync, on every rank alike, counting every rank's faults). The message names the round
+    and says whether the central model z is finite: if it is, z and the last checkpoint on disk
+    are intact and the usual fixes apply (a lower learning rate, gradient-safe loss, resuming
+    from the last checkpoint). Under torchrun also raised by the z check (``checksum_every``)
+    when z holds NaN/Inf on some rank, naming those ranks and the round.
     """
 
 

@@ -13,7 +13,7 @@ another batch size, model, or its convolution weights contiguous instead of chan
 ``mismatch_act`` / ``mismatch_dropout`` / ``mismatch_loss`` (``run_computation``: rank 1 compiles
 GELU instead of ReLU, dropout p = 0.3 instead of 0.5, or a label-smoothed loss), ``own_data``
 (``run_computation``: each rank trains on data of its own seed), ``diverge`` (rank 1
-changes its z after round 3), ``kill``
+changes its z after round 3), ``nan_z`` (rank 1 writes NaN into its z after round 3), ``kill``
 (rank 1 SIGKILLs itself after round 3 and its checkpoint; rank 0 writes a checkpoint every
 round), ``hang`` (rank 1 sleeps after round 3), ``fault_one``
 (NaN in rank 1's replica 1 before round 2 and in rank 0's replica 0 before round 4; checkpoints
@@ -204,6 +204,8 @@ def run(scenario: str, rank: int, out: str) -> dict:
             hooks.append(_AtRound(3, lambda plan: plan.states[0].z.add_(1e-3)))
         if scenario == "decide" and rank == 0:  # a policy on rank 0 only: m 2 → 3, fused, new lr, α, τ
             hooks.append(_AtRound(3, _decide))
+        if scenario == "nan_z" and rank == 1:  # after round 3's z check: spreads in round 4's sync
+            hooks.append(_AtRound(3, lambda plan: plan.states[0].z[3:4].fill_(float("nan"))))
         if scenario == "hang" and rank == 1:  # alive but silent: only the timeout can tell
             hooks.append(_AtRound(3, lambda plan: time.sleep(600)))
         if scenario == "kill":

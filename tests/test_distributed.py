@@ -231,6 +231,20 @@ def test_ranks_with_their_own_data_train_together(ok_runs):
     assert not torch.allclose(r0["z"], same["z"], rtol=1e-3, atol=1e-4)  # the data did differ
 
 
+def test_nan_in_one_ranks_z_stops_every_rank_at_the_next_z_check(tmp_path):
+    """NaN written into rank 1's z after round 3 reaches rank 0's z through round 4's all-reduce,
+    with the same bits; the z check (every round) stops both ranks there, naming both and the
+    last round both were finite."""
+    results, codes, logs = _launch("nan_z", tmp_path)
+    for r in results:
+        assert r is not None, logs
+        r = r["nan_z"]
+        assert r.get("kind") == "DivergenceError" and r["round_index"] == 3, (r, logs)
+        assert "the central model z holds NaN/Inf on ranks 0, 1 after round 3" in r["error"], r
+        assert "finite on every rank at the check after round 2" in r["error"], r
+        assert "intact" not in r["error"], r
+
+
 def test_a_killed_rank_stops_the_survivor_and_leaves_the_checkpoint_intact(tmp_path):
     (r0, r1), codes, logs = _launch("kill", tmp_path, timeout_s=10)
     assert r1 is None and codes[1] == -9, logs  # rank 1 SIGKILLed itself after round 3

@@ -23,7 +23,8 @@ Everything that must be the same on every rank is checked or decided once:
   some rank has a ``before_round`` hook): the auto-tuner runs on rank 0 only, and rank 0's
   settings win over any other rank's hooks;
 * every ``checksum_every`` rounds: ``Comm.check_z`` all-reduces an exact bit checksum of z (max and
-  min over ranks in one all-reduce) and raises DistributedError if the copies differ.
+  min over ranks) and a flag per rank for NaN/Inf in z, in one all-reduce, and raises
+  DivergenceError if some rank's z is not finite, DistributedError if the copies differ.
 
 Every collective runs under the process group's timeout (``Distributed.timeout_s``, default 60 s):
 a rank that died or hangs makes the others raise DistributedError (gloo reports a closed peer at
@@ -45,7 +46,7 @@ import torch.distributed as dist
 
 from ..compiler.fingerprint import Fingerprint, computation_fingerprint, first_difference
 from ..config import Adjustment
-from ..errors import DistributedError, is_count
+from ..errors import DistributedError, DivergenceError, is_count
 from .outer import sync_facts
 
 if TYPE_CHECKING:
@@ -148,6 +149,7 @@ class Comm:
         self.settings = settings
         self.bytes_reduced = 0  # handed to the global sync's all-reduces so far
         self._residual: torch.Tensor | None = None  # error feedback of a low sync_dtype, [P]
+        self._finite_after: int | None = None  # the round of the last check that found z finite
         self.rank, self.world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         backend = settings.backend if settings.backend != "auto" else ("nccl" if on_cuda else "gloo")
@@ -246,23 +248,53 @@ class Comm:
         self.bytes_reduced += sent.numel() * sent.element_size() + tail.numel() * 4
 
     def check_z(self, z: torch.Tensor, round_index: int) -> None:
-        """Raise DistributedError unless ``z [P]`` is bit-identical on every rank.
+        """Raise unless ``z [P]`` is finite and bit-identical on every rank.
 
-        One all-reduce (max) of ``[c, −c]`` for the exact checksums c of ``_bit_checksum``: the
-        copies agree iff max = min on every checksum.
+        One all-reduce (max) of ``[c, −c, f]``: the exact checksums c of ``_bit_checksum`` (the
+        copies agree iff max = min on every checksum) and one flag per rank, set by the rank whose
+        z holds NaN/Inf (a NaN spreads through the next sync's all-reduce to every rank's z, with
+        the same bits: the checksums alone cannot see it). The flag is read with the checksums, in
+        one copy to the host.
+
+        Raises:
+            DivergenceError: z holds NaN/Inf on some rank (names the ranks and the round).
+            DistributedError: the copies of z differ, or a peer died or timed out.
         """
-        c = _bit_checksum(z).cpu()
-        both = torch.cat([c, -c])
+        c = _bit_checksum(z)  # [2]
+        flags = torch.zeros(self.world_size, dtype=torch.int64, device=z.device)  # [W]
+        flags[self.rank] = (~torch.isfinite(z)).any()
+        both = torch.cat([c, -c, flags]).cpu()  # [4 + W], one copy to the host
+        mine = int(both[0])
         self._call("the z checksum all-reduce", round_index,
                    lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._ctrl))
-        hi, lo = both[:2], -both[2:]
+        hi, lo, flags = both[:2], -both[2:4], both[4:]
+        if flags.any():
+            raise self._not_finite(flags.nonzero().flatten().tolist(), round_index)
+        self._finite_after = round_index
         if not torch.equal(hi, lo):
             raise DistributedError(
                 f"rank {self.rank} of {self.world_size}: the copies of the central model z differ "
-                f"between ranks after round {round_index} (checksum {c[0].item()} here, between "
+                f"between ranks after round {round_index} (checksum {mine} here, between "
                 f"{lo[0].item()} and {hi[0].item()} over the ranks); a hook or policy changed the "
                 "model on one rank only, or the ranks run different code. Stopping",
                 task_id="global_sync", device=f"rank {self.rank}", round_index=round_index)
+
+    def _not_finite(self, ranks: list[int], round_index: int) -> DivergenceError:
+        """The error of ``check_z`` when the ranks ``ranks`` hold NaN/Inf in z."""
+        names = ", ".join(str(r) for r in ranks)
+        good = self._finite_after
+        since, which = ("", "the last checkpoints") if good is None else (
+            f"; it was finite on every rank at the check after round {good}",
+            f"checkpoints written after round {good}")
+        return DivergenceError(
+            f"rank {self.rank} of {self.world_size}: the central model z holds NaN/Inf on "
+            f"rank{'s' if len(ranks) > 1 else ''} {names} after round {round_index} (z is "
+            f"checked every {self.settings.checksum_every} round(s){since}). A NaN/Inf written "
+            "into one rank's z (by a hook, a policy, or memory corrupted outside training) "
+            "reaches every rank's z at the next global sync. Stopping; "
+            f"{which} may hold it too: restart every rank with --resume from one whose z is "
+            "finite",
+            task_id="global_sync", device=f"rank {self.rank}", round_index=round_index)
 
     # -- agreement -------------------------------------------------------------------------------
 
