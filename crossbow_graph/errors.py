@@ -53,9 +53,11 @@ class DivergenceError(TaskError):
 class DistributedError(TaskError):
     """Processes of a torchrun launch disagree or lost each other (engine/comm.py).
 
-    Raised at start-up when the ranks' plans or data differ (the message names the difference and
-    each rank's value), when a peer rank died or did not answer a collective within the timeout,
-    or when the copies of z differ between ranks. ``round_index`` is −1 at start-up.
+    Raised at start-up when the ranks' plans, computations or data sizes differ (the message names
+    the difference and each rank's value), when ranks never arrived or left during start-up, when
+    a peer rank left the process group (died, or stopped on an error) or did not answer a
+    collective within the timeout (the message says which), or when the copies of z differ
+    between ranks. ``round_index`` is −1 at start-up.
     """
 
 

@@ -14,8 +14,10 @@ another batch size, model, or its convolution weights contiguous instead of chan
 GELU instead of ReLU, dropout p = 0.3 instead of 0.5, or a label-smoothed loss), ``own_data``
 (``run_computation``: each rank trains on data of its own seed), ``diverge`` (rank 1
 changes its z after round 3), ``nan_z`` (rank 1 writes NaN into its z after round 3), ``kill``
-(rank 1 SIGKILLs itself after round 3 and its checkpoint; rank 0 writes a checkpoint every
-round), ``hang`` (rank 1 sleeps after round 3), ``fault_one``
+(rank 1 exits with os._exit after round 3 and its checkpoint; rank 0 writes a checkpoint every
+round), ``hang`` (rank 1 sleeps after round 3), ``startup_never`` / ``startup_left`` / ``stopped``
+(``run_leaving``: rank 1 exits before it joins the process group, exits once it joined, or stops
+on an error of its own after round 3 and stays alive), ``fault_one``
 (NaN in rank 1's replica 1 before round 2 and in rank 0's replica 0 before round 4; checkpoints
 every round and a log_dir), ``fault_streams`` (the same faults on the CUDA streams' path,
 simulated on the CPU by a RaceRecorder: found on the device, read a round late),
@@ -34,7 +36,6 @@ OUT_DIR: per scenario a dict, ``error`` with the TaskError's message (and ``kind
 import dataclasses
 import functools
 import os
-import signal
 import sys
 import time
 
@@ -45,12 +46,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.errors import CheckpointError, TaskError  # noqa: E402
-from crossbow_graph.engine.comm import z_digest  # noqa: E402
+from crossbow_graph.engine.comm import Comm, z_digest  # noqa: E402
 from crossbow_graph.engine.race_check import RaceRecorder  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
 from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, tiny_data  # noqa: E402
 
 ROUNDS = 8
+HARD_S = 120  # longer than any test waits for a rank
 B, M = 4, 2
 
 
@@ -211,7 +213,7 @@ def run(scenario: str, rank: int, out: str) -> dict:
         if scenario == "kill":
             if rank == 1:
                 # after round 3's checkpoint (a collective of every rank: rank 1 sends its learners)
-                hooks.append(_BeforeRoundAfter(3, lambda plan: os.kill(os.getpid(), signal.SIGKILL)))
+                hooks.append(_BeforeRoundAfter(3, lambda plan: os._exit(3)))
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt"), checkpoint_every=1)
         if scenario == "fault_one":
             hooks.append(_Poison([2], [1]) if rank == 1 else _Poison([4], [0]))
@@ -292,6 +294,30 @@ def run_computation(scenario: str, rank: int, out: str) -> dict:
     return dict(z=plan.central_weights(), rounds=plan.rounds_done)
 
 
+def _fail(plan) -> None:
+    raise RuntimeError("rank 1 stops on an error of its own")
+
+
+def run_leaving(scenario: str, rank: int, out: str) -> dict:
+    """Rank 1 leaves: ``startup_never`` exits before it joins the process group, ``startup_left``
+    once it joined, ``stopped`` stops on an error of its own after round 3 and stays alive (as in
+    a notebook) until the test ends it. Returns rank 0's error."""
+    if rank == 1 and scenario.startswith("startup"):
+        if scenario == "startup_left":
+            Comm.from_env(_settings())
+        os._exit(3)
+    hooks = [_AtRound(3, _fail)] if scenario == "stopped" and rank == 1 else []
+    try:
+        plan = compile_tiny(TinyBN, seed=rank, devices=1, replicas=M, executor="inline",
+                            distributed=_settings())
+        plan.fit(tiny_data(ROUNDS * B * M * 2), 1, shuffle=False, progress=False, hooks=hooks)
+    except TaskError as exc:
+        return dict(error=str(exc), kind=type(exc).__name__, round_index=exc.round_index)
+    except RuntimeError:  # rank 1's own: alive, out of the process group
+        time.sleep(HARD_S)
+    return {}
+
+
 def run_reshape(scenario: str, rank: int, out: str) -> dict:
     """``resume_1to2``: every rank resumes from the 1-process checkpoint the test wrote in
     ``OUT_DIR/ckpt-1to2`` (k = 2 → 4) and finishes its epoch; ``write_2to1``: 3 rounds of k = 4
@@ -319,6 +345,7 @@ def run_reshape(scenario: str, rank: int, out: str) -> dict:
 
 
 COMPUTATION = ["mismatch_act", "mismatch_dropout", "mismatch_loss", "own_data"]
+LEAVING = ["startup_never", "startup_left", "stopped"]
 GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync", "own_data"],
           "mismatch": ["mismatch_batch", "mismatch_model", "mismatch_layout", "mismatch_act",
                        "mismatch_dropout", "mismatch_loss"],
@@ -333,7 +360,7 @@ def main(scenario: str, out: str) -> None:
     results = {}
     for name in GROUPS.get(scenario, [scenario]):
         run_one = (run_reshape if name in GROUPS["reshape"] else run_computation
-                   if name in COMPUTATION else run)
+                   if name in COMPUTATION else run_leaving if name in LEAVING else run)
         results[name] = run_one(name, rank, out)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     if scenario in ("ok", "mismatch", "reshape") and torch.distributed.is_initialized():

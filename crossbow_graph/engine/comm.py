@@ -27,8 +27,9 @@ Everything that must be the same on every rank is checked or decided once:
   DivergenceError if some rank's z is not finite, DistributedError if the copies differ.
 
 Every collective runs under the process group's timeout (``Distributed.timeout_s``, default 60 s):
-a rank that died or hangs makes the others raise DistributedError (gloo reports a closed peer at
-once; a hung one at the timeout), never hang.
+a rank that died, or left the process group after an error of its own (``Comm.close``), or hangs
+makes the others raise DistributedError (gloo reports a closed peer at once, a hung one at the
+timeout; engine/peers.py words which), never hang.
 """
 
 from __future__ import annotations
@@ -44,10 +45,19 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+if dist.is_available():
+    # torch.distributed.nn.functional's collectives take ``group=group.WORLD`` as a default, read
+    # when the module is first imported (torch.optim imports it, through torch._dynamo): imported
+    # after init_process_group it holds the default group for ever, so that destroy_process_group
+    # cannot close the group's sockets, and a rank that stops on an error is seen by the others
+    # only at their timeout. Imported before any process group exists, the default is None.
+    import torch.distributed.nn.functional  # noqa: F401
+
 from ..compiler.fingerprint import Fingerprint, computation_fingerprint, first_difference
 from ..config import Adjustment
 from ..errors import DistributedError, DivergenceError, is_count
 from .outer import sync_facts
+from .peers import join_failed, lost_peer
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -162,12 +172,9 @@ class Comm:
                                         world_size=self.world_size,
                                         timeout=datetime.timedelta(seconds=settings.timeout_s))
             except Exception as exc:  # DistStoreError: a rank never came, or the address is wrong
-                raise DistributedError(
-                    f"rank {self.rank} of {self.world_size} could not join the process group at "
-                    f"{env['MASTER_ADDR']}:{env['MASTER_PORT']} within {settings.timeout_s:g} s "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); start "
-                    "every rank with the same --master-addr/--master-port (torchrun does)",
-                    task_id="start-up", device=f"rank {self.rank}", round_index=-1) from exc
+                raise join_failed(self.rank, self.world_size,
+                                  f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", settings.timeout_s,
+                                  exc) from exc
             self._owned = True
             atexit.register(self.close)
         self.backend = dist.get_backend()
@@ -198,21 +205,14 @@ class Comm:
 
     # -- errors -------------------------------------------------------------------------------
 
-    def _failed(self, what: str, round_index: int, exc: BaseException) -> DistributedError:
-        return DistributedError(
-            f"rank {self.rank} of {self.world_size}: {what} in round {round_index} failed: another "
-            f"rank died or did not answer within {self.settings.timeout_s:g} s "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); stopping. "
-            "Rank 0's last checkpoint is intact: restart every rank with --resume",
-            task_id="global_sync", device=f"rank {self.rank}", round_index=round_index)
-
     def _call(self, what: str, round_index: int, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except DistributedError:
             raise
         except Exception as exc:  # DistBackendError, DistNetworkError, RuntimeError from gloo
-            raise self._failed(what, round_index, exc) from exc
+            raise lost_peer(self.rank, self.world_size, what, round_index,
+                            self.settings.timeout_s, exc) from exc
 
     # -- the global sync ------------------------------------------------------------------------
 
