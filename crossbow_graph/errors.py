@@ -53,18 +53,22 @@ class DivergenceError(TaskError):
     """Every replica produced NaN or Inf in the same round: training cannot continue.
 
     Raised at the local synchronisation of the round (engine/faults.py; under torchrun at the
-    global sync, on every rank alike, counting every rank's faults); the central model z and
-    the last checkpoint on disk are intact. The message names the round and the usual fixes
-    (a lower learning rate, gradient-safe loss, resuming from the last checkpoint).
+    global sync, on every rank alike, counting every rank's faults). The message names the round
+    and says whether the central model z is finite: if it is, z and the last checkpoint on disk
+    are intact and the usual fixes apply (a lower learning rate, gradient-safe loss, resuming
+    from the last checkpoint). Under torchrun also raised by the z check (``checksum_every``)
+    when z holds NaN/Inf on some rank, naming those ranks and the round.
     """
 
 
 class DistributedError(TaskError):
     """Processes of a torchrun launch disagree or lost each other (engine/comm.py).
 
-    Raised at start-up when the ranks' plans or data differ (the message names the difference and
-    each rank's value), when a peer rank died or did not answer a collective within the timeout,
-    or when the copies of z differ between ranks. ``round_index`` is −1 at start-up.
+    Raised at start-up when the ranks' plans, computations or data sizes differ (the message names
+    the difference and each rank's value), when ranks never arrived or left during start-up, when
+    a peer rank left the process group (died, or stopped on an error) or did not answer a
+    collective within the timeout (the message says which), or when the copies of z differ
+    between ranks. ``round_index`` is −1 at start-up.
     """
 
 

@@ -9,9 +9,15 @@ all-reduced in bfloat16), ``decide`` (a hook on rank 0 only changes m, the learn
 and τ after round 3), ``resume`` (2 epochs with a checkpoint every 3 rounds,
 stopped after round 10; a new plan resumes from round 9; then the same 2 epochs not stopped),
 ``mismatch_batch`` / ``mismatch_model`` / ``mismatch_layout`` (rank 1 compiles another plan:
-another batch size, model, or its convolution weights contiguous instead of channels-last), ``diverge`` (rank 1
-changes its z after round 3), ``kill`` (rank 1 SIGKILLs itself after round 3 and its checkpoint;
-rank 0 writes a checkpoint every round), ``hang`` (rank 1 sleeps after round 3), ``fault_one``
+another batch size, model, or its convolution weights contiguous instead of channels-last),
+``mismatch_act`` / ``mismatch_dropout`` / ``mismatch_loss`` (``run_computation``: rank 1 compiles
+GELU instead of ReLU, dropout p = 0.3 instead of 0.5, or a label-smoothed loss), ``own_data``
+(``run_computation``: each rank trains on data of its own seed), ``diverge`` (rank 1
+changes its z after round 3), ``nan_z`` (rank 1 writes NaN into its z after round 3), ``kill``
+(rank 1 exits with os._exit after round 3 and its checkpoint; rank 0 writes a checkpoint every
+round), ``hang`` (rank 1 sleeps after round 3), ``startup_never`` / ``startup_left`` / ``stopped``
+(``run_leaving``: rank 1 exits before it joins the process group, exits once it joined, or stops
+on an error of its own after round 3 and stays alive), ``fault_one``
 (NaN in rank 1's replica 1 before round 2 and in rank 0's replica 0 before round 4; checkpoints
 every round and a log_dir), ``fault_streams`` (the same faults on the CUDA streams' path,
 simulated on the CPU by a RaceRecorder: found on the device, read a round late),
@@ -20,31 +26,33 @@ simulated on the CPU by a RaceRecorder: found on the device, read a round late),
 round from round 3 on, process executor, checkpoints every round), ``resume_1to2`` /
 ``write_2to1`` / ``refused`` (``run_reshape``: a checkpoint resumed on another number of
 processes; one of another seed refused). Groups run in one launch, one after the other in the
-same process group: ``ok`` = train, process, decide, resume, adamw, bf16_sync; ``mismatch`` = the
-three mismatches; ``faults`` = fault_one, fault_streams, int_buffers, nan_all (last: its error closes
+same process group: ``ok`` = train, process, decide, resume, adamw, bf16_sync, own_data;
+``mismatch`` = the six mismatches; ``faults`` = fault_one, fault_streams, int_buffers, nan_all (last: its error closes
 the process group); ``reshape`` = resume_1to2, write_2to1, refused. Writes ``rank<r>.pt`` into
 OUT_DIR: per scenario a dict, ``error`` with the TaskError's message (and ``kind``,
 ``round_index``), or the results.
 """
 
 import dataclasses
+import functools
 import os
-import signal
 import sys
 import time
 
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.errors import CheckpointError, TaskError  # noqa: E402
-from crossbow_graph.engine.comm import z_digest  # noqa: E402
+from crossbow_graph.engine.comm import Comm, z_digest  # noqa: E402
 from crossbow_graph.engine.race_check import RaceRecorder  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
-from _runtime_helpers import TinyBN, TinyNet, compile_tiny, tiny_data  # noqa: E402
+from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, tiny_data  # noqa: E402
 
 ROUNDS = 8
+HARD_S = 120  # longer than any test waits for a rank
 B, M = 4, 2
 
 
@@ -94,6 +102,23 @@ class Counting(TinyBN):
     def forward(self, x):
         self.seen.add_((x[:, 0, 0, 0] > 0).sum())
         return super().forward(x)
+
+
+class TinyAct(TinyNet):
+    """TinyNet with its activation as a module, ``act``: ReLU, or GELU with ``gelu``."""
+
+    def __init__(self, gelu: bool = False) -> None:
+        super().__init__()
+        self.act = nn.GELU() if gelu else nn.ReLU()
+
+    def forward(self, x):
+        return self.fc(self.act(self.conv(x)).flatten(1))
+
+
+def _tiny_drop(p: float) -> TinyDrop:
+    model = TinyDrop()
+    model.drop.p = p
+    return model
 
 
 class Recording(torch.utils.data.TensorDataset):
@@ -181,12 +206,14 @@ def run(scenario: str, rank: int, out: str) -> dict:
             hooks.append(_AtRound(3, lambda plan: plan.states[0].z.add_(1e-3)))
         if scenario == "decide" and rank == 0:  # a policy on rank 0 only: m 2 → 3, fused, new lr, α, τ
             hooks.append(_AtRound(3, _decide))
+        if scenario == "nan_z" and rank == 1:  # after round 3's z check: spreads in round 4's sync
+            hooks.append(_AtRound(3, lambda plan: plan.states[0].z[3:4].fill_(float("nan"))))
         if scenario == "hang" and rank == 1:  # alive but silent: only the timeout can tell
             hooks.append(_AtRound(3, lambda plan: time.sleep(600)))
         if scenario == "kill":
             if rank == 1:
                 # after round 3's checkpoint (a collective of every rank: rank 1 sends its learners)
-                hooks.append(_BeforeRoundAfter(3, lambda plan: os.kill(os.getpid(), signal.SIGKILL)))
+                hooks.append(_BeforeRoundAfter(3, lambda plan: os._exit(3)))
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt"), checkpoint_every=1)
         if scenario == "fault_one":
             hooks.append(_Poison([2], [1]) if rank == 1 else _Poison([4], [0]))
@@ -243,6 +270,54 @@ def run(scenario: str, rank: int, out: str) -> dict:
     return result
 
 
+def _settings() -> cg.Distributed:
+    return cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1)
+
+
+def run_computation(scenario: str, rank: int, out: str) -> dict:
+    """``mismatch_act`` / ``mismatch_dropout`` / ``mismatch_loss``: rank 1 compiles another
+    activation, dropout p or loss function (the error); ``own_data``: rank r trains on
+    ``tiny_data(seed=r)`` (z and the rounds)."""
+    other = rank == 1
+    model_cls = {"mismatch_act": lambda: TinyAct(gelu=other),
+                 "mismatch_dropout": lambda: _tiny_drop(0.3 if other else 0.5)}.get(scenario, TinyBN)
+    loss = nn.functional.cross_entropy
+    if scenario == "mismatch_loss" and other:
+        loss = functools.partial(nn.functional.cross_entropy, label_smoothing=0.1)
+    try:
+        plan = compile_tiny(model_cls, seed=rank, devices=1, replicas=M, executor="inline",
+                            distributed=_settings(), loss_fn=loss)
+        data = tiny_data(ROUNDS * B * M * 2, seed=rank if scenario == "own_data" else 0)
+        plan.fit(data, 1, shuffle=False, progress=False)
+    except TaskError as exc:
+        return dict(error=str(exc))
+    return dict(z=plan.central_weights(), rounds=plan.rounds_done)
+
+
+def _fail(plan) -> None:
+    raise RuntimeError("rank 1 stops on an error of its own")
+
+
+def run_leaving(scenario: str, rank: int, out: str) -> dict:
+    """Rank 1 leaves: ``startup_never`` exits before it joins the process group, ``startup_left``
+    once it joined, ``stopped`` stops on an error of its own after round 3 and stays alive (as in
+    a notebook) until the test ends it. Returns rank 0's error."""
+    if rank == 1 and scenario.startswith("startup"):
+        if scenario == "startup_left":
+            Comm.from_env(_settings())
+        os._exit(3)
+    hooks = [_AtRound(3, _fail)] if scenario == "stopped" and rank == 1 else []
+    try:
+        plan = compile_tiny(TinyBN, seed=rank, devices=1, replicas=M, executor="inline",
+                            distributed=_settings())
+        plan.fit(tiny_data(ROUNDS * B * M * 2), 1, shuffle=False, progress=False, hooks=hooks)
+    except TaskError as exc:
+        return dict(error=str(exc), kind=type(exc).__name__, round_index=exc.round_index)
+    except RuntimeError:  # rank 1's own: alive, out of the process group
+        time.sleep(HARD_S)
+    return {}
+
+
 def run_reshape(scenario: str, rank: int, out: str) -> dict:
     """``resume_1to2``: every rank resumes from the 1-process checkpoint the test wrote in
     ``OUT_DIR/ckpt-1to2`` (k = 2 → 4) and finishes its epoch; ``write_2to1``: 3 rounds of k = 4
@@ -269,7 +344,11 @@ def run_reshape(scenario: str, rank: int, out: str) -> dict:
     return dict(snapshot=snap.got, seen=data.seen, z=plan.central_weights(), rounds=plan.rounds_done)
 
 
-GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync"], "mismatch": ["mismatch_batch", "mismatch_model", "mismatch_layout"],
+COMPUTATION = ["mismatch_act", "mismatch_dropout", "mismatch_loss", "own_data"]
+LEAVING = ["startup_never", "startup_left", "stopped"]
+GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync", "own_data"],
+          "mismatch": ["mismatch_batch", "mismatch_model", "mismatch_layout", "mismatch_act",
+                       "mismatch_dropout", "mismatch_loss"],
           "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"],
           "reshape": ["resume_1to2", "write_2to1", "refused"]}
 
@@ -280,7 +359,9 @@ def main(scenario: str, out: str) -> None:
     rank = int(os.environ["RANK"])
     results = {}
     for name in GROUPS.get(scenario, [scenario]):
-        results[name] = (run_reshape if name in GROUPS["reshape"] else run)(name, rank, out)
+        run_one = (run_reshape if name in GROUPS["reshape"] else run_computation
+                   if name in COMPUTATION else run_leaving if name in LEAVING else run)
+        results[name] = run_one(name, rank, out)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     if scenario in ("ok", "mismatch", "reshape") and torch.distributed.is_initialized():
         # every rank is alive here: leave together, so that no rank tears gloo down while its

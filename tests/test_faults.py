@@ -103,6 +103,7 @@ def test_all_replicas_failing_stops_with_divergence_error_and_checkpoint_intact(
     assert torch.equal(plan.central_weights(), poison.pre_z)  # z untouched by the failed round
     assert isinstance(err.value, TaskError) and err.value.round_index == 3
     assert "resume from the last checkpoint" in str(err.value)
+    assert "the central model z is finite" in str(err.value)
     path, state = load_latest(str(tmp_path))
     assert state["plan"]["rounds_done"] == 3
     assert all(torch.isfinite(s["w"]).all() and torch.isfinite(s["z"]).all()
@@ -295,3 +296,27 @@ def test_ctrl_c_in_the_coordinators_round_stops_the_workers_by_their_own_exit():
         _CtrlC.armed = False
     assert arm.procs and [p.exitcode for p in arm.procs] == [0] * len(arm.procs)
     plan.fit(data(), 1, progress=False, metrics_every=None)  # the plan trains on
+
+class PoisonZ(Hook):
+    """Before round ``at`` (0-based), writes NaN into z (element 3) of every device."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def before_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == self.at:
+            for s in ctx.plan.states:
+                s.z[3] = math.nan
+
+
+def test_divergence_error_says_whether_z_itself_holds_nan():
+    """NaN in z reaches every replica through its correction α(w − z); the replicas reset to
+    that z fail again, and the DivergenceError says z holds NaN (it is not intact)."""
+    plan = make_plan(devices=1, replicas=2, executor="inline")
+    with pytest.raises(DivergenceError, match=r"all 2 replicas have NaN/Inf gradients") as err:
+        plan.fit(data(), 1, progress=False, hooks=[PoisonZ(at=2)])
+    z = plan.central_weights()
+    bad = int((~torch.isfinite(z)).sum())
+    assert bad > 0  # the oracle: z's state when the error was raised
+    assert f"the central model z itself holds NaN/Inf ({bad} of {z.numel()} values)" in str(err.value)
+    assert "intact" not in str(err.value)

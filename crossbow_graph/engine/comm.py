@@ -13,20 +13,23 @@ to the all-reduce, as for S-SGD's gradient all-reduce (docs/distributed.md); wit
 
 Everything that must be the same on every rank is checked or decided once:
 
-* start-up: ``Comm.agree`` all-gathers each rank's plan facts (model fingerprint, devices, replicas,
-  batch size, optimiser, SMA settings) and the fit's data facts, and raises DistributedError naming
-  the first difference, instead of hanging in a collective later;
+* start-up: ``Comm.agree`` all-gathers each rank's plan facts (model fingerprint, the computation's
+  fingerprint of compiler/fingerprint.py, devices, replicas, batch size, optimiser, SMA settings)
+  and the fit's data facts, and raises DistributedError naming the first difference, instead of
+  hanging in a collective later;
 * every round: the run settings that hooks may change (m, learner mode, lr, α, b, τ, stop) are
   broadcast from rank 0 after the round's hooks and applied with ``Plan.adjust``
   (``Comm.agree_settings``; also before a round when epoch or evaluation hooks ran since, or when
   some rank has a ``before_round`` hook): the auto-tuner runs on rank 0 only, and rank 0's
   settings win over any other rank's hooks;
 * every ``checksum_every`` rounds: ``Comm.check_z`` all-reduces an exact bit checksum of z (max and
-  min over ranks in one all-reduce) and raises DistributedError if the copies differ.
+  min over ranks) and a flag per rank for NaN/Inf in z, in one all-reduce, and raises
+  DivergenceError if some rank's z is not finite, DistributedError if the copies differ.
 
 Every collective runs under the process group's timeout (``Distributed.timeout_s``, default 60 s):
-a rank that died or hangs makes the others raise DistributedError (gloo reports a closed peer at
-once; a hung one at the timeout), never hang.
+a rank that died, or left the process group after an error of its own (``Comm.close``), or hangs
+makes the others raise DistributedError (gloo reports a closed peer at once, a hung one at the
+timeout; engine/peers.py words which), never hang.
 """
 
 from __future__ import annotations
@@ -42,9 +45,19 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+if dist.is_available():
+    # torch.distributed.nn.functional's collectives take ``group=group.WORLD`` as a default, read
+    # when the module is first imported (torch.optim imports it, through torch._dynamo): imported
+    # after init_process_group it holds the default group for ever, so that destroy_process_group
+    # cannot close the group's sockets, and a rank that stops on an error is seen by the others
+    # only at their timeout. Imported before any process group exists, the default is None.
+    import torch.distributed.nn.functional  # noqa: F401
+
+from ..compiler.fingerprint import Fingerprint, computation_fingerprint, first_difference
 from ..config import Adjustment
-from ..errors import DistributedError, is_count
+from ..errors import DistributedError, DivergenceError, is_count
 from .outer import sync_facts
+from .peers import join_failed, lost_peer
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -146,6 +159,7 @@ class Comm:
         self.settings = settings
         self.bytes_reduced = 0  # handed to the global sync's all-reduces so far
         self._residual: torch.Tensor | None = None  # error feedback of a low sync_dtype, [P]
+        self._finite_after: int | None = None  # the round of the last check that found z finite
         self.rank, self.world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         backend = settings.backend if settings.backend != "auto" else ("nccl" if on_cuda else "gloo")
@@ -158,12 +172,9 @@ class Comm:
                                         world_size=self.world_size,
                                         timeout=datetime.timedelta(seconds=settings.timeout_s))
             except Exception as exc:  # DistStoreError: a rank never came, or the address is wrong
-                raise DistributedError(
-                    f"rank {self.rank} of {self.world_size} could not join the process group at "
-                    f"{env['MASTER_ADDR']}:{env['MASTER_PORT']} within {settings.timeout_s:g} s "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); start "
-                    "every rank with the same --master-addr/--master-port (torchrun does)",
-                    task_id="start-up", device=f"rank {self.rank}", round_index=-1) from exc
+                raise join_failed(self.rank, self.world_size,
+                                  f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", settings.timeout_s,
+                                  exc) from exc
             self._owned = True
             atexit.register(self.close)
         self.backend = dist.get_backend()
@@ -194,21 +205,14 @@ class Comm:
 
     # -- errors -------------------------------------------------------------------------------
 
-    def _failed(self, what: str, round_index: int, exc: BaseException) -> DistributedError:
-        return DistributedError(
-            f"rank {self.rank} of {self.world_size}: {what} in round {round_index} failed: another "
-            f"rank died or did not answer within {self.settings.timeout_s:g} s "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); stopping. "
-            "Rank 0's last checkpoint is intact: restart every rank with --resume",
-            task_id="global_sync", device=f"rank {self.rank}", round_index=round_index)
-
     def _call(self, what: str, round_index: int, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except DistributedError:
             raise
         except Exception as exc:  # DistBackendError, DistNetworkError, RuntimeError from gloo
-            raise self._failed(what, round_index, exc) from exc
+            raise lost_peer(self.rank, self.world_size, what, round_index,
+                            self.settings.timeout_s, exc) from exc
 
     # -- the global sync ------------------------------------------------------------------------
 
@@ -244,44 +248,81 @@ class Comm:
         self.bytes_reduced += sent.numel() * sent.element_size() + tail.numel() * 4
 
     def check_z(self, z: torch.Tensor, round_index: int) -> None:
-        """Raise DistributedError unless ``z [P]`` is bit-identical on every rank.
+        """Raise unless ``z [P]`` is finite and bit-identical on every rank.
 
-        One all-reduce (max) of ``[c, −c]`` for the exact checksums c of ``_bit_checksum``: the
-        copies agree iff max = min on every checksum.
+        One all-reduce (max) of ``[c, −c, f]``: the exact checksums c of ``_bit_checksum`` (the
+        copies agree iff max = min on every checksum) and one flag per rank, set by the rank whose
+        z holds NaN/Inf (a NaN spreads through the next sync's all-reduce to every rank's z, with
+        the same bits: the checksums alone cannot see it). The flag is read with the checksums, in
+        one copy to the host.
+
+        Raises:
+            DivergenceError: z holds NaN/Inf on some rank (names the ranks and the round).
+            DistributedError: the copies of z differ, or a peer died or timed out.
         """
-        c = _bit_checksum(z).cpu()
-        both = torch.cat([c, -c])
+        c = _bit_checksum(z)  # [2]
+        flags = torch.zeros(self.world_size, dtype=torch.int64, device=z.device)  # [W]
+        flags[self.rank] = (~torch.isfinite(z)).any()
+        both = torch.cat([c, -c, flags]).cpu()  # [4 + W], one copy to the host
+        mine = int(both[0])
         self._call("the z checksum all-reduce", round_index,
                    lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._ctrl))
-        hi, lo = both[:2], -both[2:]
+        hi, lo, flags = both[:2], -both[2:4], both[4:]
+        if flags.any():
+            raise self._not_finite(flags.nonzero().flatten().tolist(), round_index)
+        self._finite_after = round_index
         if not torch.equal(hi, lo):
             raise DistributedError(
                 f"rank {self.rank} of {self.world_size}: the copies of the central model z differ "
-                f"between ranks after round {round_index} (checksum {c[0].item()} here, between "
+                f"between ranks after round {round_index} (checksum {mine} here, between "
                 f"{lo[0].item()} and {hi[0].item()} over the ranks); a hook or policy changed the "
                 "model on one rank only, or the ranks run different code. Stopping",
                 task_id="global_sync", device=f"rank {self.rank}", round_index=round_index)
 
+    def _not_finite(self, ranks: list[int], round_index: int) -> DivergenceError:
+        """The error of ``check_z`` when the ranks ``ranks`` hold NaN/Inf in z."""
+        names = ", ".join(str(r) for r in ranks)
+        good = self._finite_after
+        since, which = ("", "the last checkpoints") if good is None else (
+            f"; it was finite on every rank at the check after round {good}",
+            f"checkpoints written after round {good}")
+        return DivergenceError(
+            f"rank {self.rank} of {self.world_size}: the central model z holds NaN/Inf on "
+            f"rank{'s' if len(ranks) > 1 else ''} {names} after round {round_index} (z is "
+            f"checked every {self.settings.checksum_every} round(s){since}). A NaN/Inf written "
+            "into one rank's z (by a hook, a policy, or memory corrupted outside training) "
+            "reaches every rank's z at the next global sync. Stopping; "
+            f"{which} may hold it too: restart every rank with --resume from one whose z is "
+            "finite",
+            task_id="global_sync", device=f"rank {self.rank}", round_index=round_index)
+
     # -- agreement -------------------------------------------------------------------------------
 
     def agree(self, facts: dict[str, Any], what: str) -> None:
-        """Check that every rank has the same ``facts`` (plain, picklable values).
+        """Check that every rank has the same ``facts`` (plain, picklable values, or a
+        Fingerprint: its digest travels, and its lines only when the digests differ).
 
         Raises:
-            DistributedError: a fact differs, naming it and its value on each rank; or a rank did
+            DistributedError: a fact differs, naming it and its value on each rank (a
+                Fingerprint: each rank's first line that differs from rank 0's); or a rank did
                 not arrive within the timeout.
         """
-        gathered: list[Any] = [None] * self.world_size
-        self._call(f"the start-up check of {what}", -1,
-                   lambda: dist.all_gather_object(gathered, facts, group=self._ctrl))
-        for key in facts:
+        sent = {k: v.digest if isinstance(v, Fingerprint) else v for k, v in facts.items()}
+        step = f"the start-up check of {what}"
+        gathered = self.all_gather_object(sent, step, -1)
+        for key, fact in facts.items():
             values = [g.get(key) for g in gathered]
-            if any(v != values[0] for v in values[1:]):
-                ranks = "; ".join(f"rank {r}: {_short(v, values[0])}" for r, v in enumerate(values))
-                raise DistributedError(
-                    f"the ranks disagree about {what}: '{key}' differs ({ranks}). Launch every "
-                    "rank with the same model, devices, replicas, batch size, settings and data",
-                    task_id="start-up", device=f"rank {self.rank}", round_index=-1)
+            if all(v == values[0] for v in values[1:]):
+                continue
+            if isinstance(fact, Fingerprint):  # every rank sees the difference: all gather again
+                said = first_difference(self.all_gather_object(fact.lines, step, -1))
+            else:
+                said = "; ".join(f"rank {r}: {_short(v, values[0])}" for r, v in enumerate(values))
+            raise DistributedError(
+                f"the ranks disagree about {what}: '{key}' differs ({said}). Launch every rank "
+                "with the same model, code, loss function, devices, replicas, batch size, "
+                "settings and dataset sizes (each rank's own data may differ)",
+                task_id="start-up", device=f"rank {self.rank}", round_index=-1)
 
     def all_gather_object(self, obj: Any, what: str, round_index: int) -> list[Any]:
         """Every rank's ``obj`` (pickled), in rank order, on every rank; ``what`` names the
@@ -370,13 +411,15 @@ class Comm:
 
 def plan_facts(plan: "Plan") -> dict[str, Any]:
     """What every rank's plan must share: the model's fingerprint (parameter and buffer names,
-    shapes, dtypes), devices per process, replicas, batch size, optimiser and SMA settings, the
+    shapes, dtypes), the computation's (compiler/fingerprint.py: the modules, the traced forward,
+    the loss function), devices per process, replicas, batch size, optimiser and SMA settings, the
     learners' precision, the flat rows' layout (which weights lie channels-last)."""
     template = plan.template
     model = [(n, tuple(p.shape), str(p.dtype)) for n, p in template.named_parameters()]
     model += [(n, tuple(b.shape), str(b.dtype)) for n, b in template.named_buffers()]
     return {
         "model": (type(template).__name__, model),
+        "computation": computation_fingerprint(template, plan.model_graph.module, plan.loss_fn),
         "devices per process": len(plan.devices),
         "replicas per device": "auto" if plan.autotuner is not None else plan.replicas_per_device,
         "batch_size": plan.batch_size,

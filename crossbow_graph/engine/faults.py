@@ -205,15 +205,16 @@ class FaultMonitor:
                 self.pending.append(event)
             log.warning(_FAULT, round_index, r, where)
         if self._faulty_in_round >= num_learners:
-            raise _diverged(num_learners, round_index, f"last on {where}",
+            raise _diverged(num_learners, round_index, f"last on {where}", state.z,
                             task_id=f"local_sync:{state.name}", device=state.name)
 
-    def share(self, comm: Any, round_index: int, num_learners: int) -> None:
+    def share(self, comm: Any, round_index: int, num_learners: int, z: torch.Tensor) -> None:
         """Under torchrun, when some rank has events not yet shared: every rank's ``pending``
         reaches every rank (one all-gather of pickled events over ``comm``, a engine.comm.Comm).
         The other ranks' events join ``events`` (rank 0 logs them); ``pending`` empties.
 
         Every rank calls it in the same round (the global sync's all-reduce tells them when).
+        ``z [P]``: this rank's central model, whose finiteness the DivergenceError states.
 
         Raises:
             DivergenceError: on every rank alike, when the events of one round, over every rank,
@@ -234,7 +235,7 @@ class FaultMonitor:
         if failed:
             t = min(failed)
             ranks = ", ".join(str(r) for r in sorted({e.rank for e in everyone if e.round == t}))
-            raise _diverged(num_learners, t, f"on ranks {ranks}", task_id="global_sync",
+            raise _diverged(num_learners, t, f"on ranks {ranks}", z, task_id="global_sync",
                             device=f"rank {comm.rank}")
 
 
@@ -253,14 +254,25 @@ def _where(device: str, rank: int | None) -> str:
     return device if rank is None else f"{device} of rank {rank}"
 
 
-def _diverged(num_learners: int, round_index: int, where: str, *, task_id: str,
+def _diverged(num_learners: int, round_index: int, where: str, z: torch.Tensor, *, task_id: str,
               device: str) -> DivergenceError:
+    """The DivergenceError of round ``round_index``; it says whether ``z [P]`` is finite (every
+    replica is reset to z, so a non-finite z makes every learner fail)."""
+    bad = int((~torch.isfinite(z)).sum())  # one read, on the way out
+    if bad:
+        state = (f"the central model z itself holds NaN/Inf ({bad} of {z.numel()} values), so "
+                 "every replica reset to it fails too: something wrote NaN/Inf into z (a hook, a "
+                 "policy or, under torchrun, another rank's z through the global sync; "
+                 "Distributed(checksum_every=1) finds the round). Resume from a checkpoint whose "
+                 "z is finite (fit(..., resume=True) takes the newest: move newer ones away)")
+    else:
+        state = ("the central model z is finite and the last checkpoint intact. Lower the "
+                 "learning rate (compile the plan again with a lower lr: a resumed fit keeps the "
+                 "values it was set up with where they differ from the checkpoint's run), check "
+                 "the loss for log(0) or division by zero and the data for NaN, then resume from "
+                 "the last checkpoint (fit(..., resume=True))")
     return DivergenceError(
         f"training diverged: all {num_learners} replicas have NaN/Inf gradients in round "
-        f"{round_index} (or a NaN/Inf loss, or diverged; {where}); the central model z and the "
-        "last checkpoint are intact. Lower the learning rate (compile the plan again with a "
-        "lower lr: a resumed fit keeps the values it was set up with where they differ from the "
-        "checkpoint's run), check the loss for log(0) or division by zero and the data for NaN, "
-        "then resume from the last checkpoint (fit(..., resume=True))",
+        f"{round_index} (or a NaN/Inf loss, or diverged; {where}); {state}",
         task_id=task_id, device=device, round_index=round_index,
     )

@@ -590,7 +590,8 @@ class Scheduler(RoundInterpreter):
         self.comm.all_reduce_sum_(flat, self.round_index, num_parameters=P)
         if self._cuda is None:
             if flat[P + Q].item() > 0:  # some rank found faults since the last sync
-                self.faults.share(self.comm, self.round_index, self.num_learners)
+                self.faults.share(self.comm, self.round_index, self.num_learners,
+                                  self.states[0].z)
         else:  # read a round late, at the same round on every rank (_take_late_faults)
             self._read_late(-1, 0, flat[P + Q:], self._cuda.global_stream)
         mean_buf = flat[P:P + Q].div_(self.num_learners).to(self.states[0].buf.dtype) if Q else None
@@ -725,7 +726,7 @@ class Scheduler(RoundInterpreter):
             self._cuda.ops.wait_host(event)
             if d < 0:  # the ranks' count of new faults of round t's all-reduce
                 if host.item() > 0:
-                    self.faults.share(self.comm, t, self.num_learners)
+                    self.faults.share(self.comm, t, self.num_learners, self.states[0].z)
                 continue
             rows = [a + r for r in host.nonzero().flatten().tolist()]
             if rows and self.states[d].optim_rows is not None:

@@ -519,7 +519,7 @@ def _share_faults(plan: "Plan", comm) -> None:
     (``FaultMonitor.share``, after one all-reduce of a flag; DivergenceError as at a sync)."""
     faults, t = plan.scheduler.faults, plan.rounds_done - 1
     if comm.any_rank(bool(faults.pending), t):
-        faults.share(comm, t, plan.num_learners)
+        faults.share(comm, t, plan.num_learners, plan.states[0].z)
 
 
 def _mine(plan: "Plan", indices: torch.Tensor | None) -> torch.Tensor | None:
