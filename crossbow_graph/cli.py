@@ -17,6 +17,7 @@ import torch
 import crossbow_graph as cg
 
 from . import datasets, models
+from .api import resolve_devices
 from .compiler.inspect import inspect_model
 from .datasets import ImageDataset
 from .engine.comm import z_digest
@@ -143,13 +144,15 @@ def _add_train_parser(sub) -> None:
                        help="write per-round/epoch CSV, TensorBoard events and history.json there "
                             "(default: no logs)")
     train.add_argument("--batch-size", type=int, default=256, help="b, samples per learner per round")
-    train.add_argument("--devices", default="auto",
+    train.add_argument("--devices", default=None,
                        help="devices: 'auto' (every GPU, else one CPU device, whose learners use "
                             "every core) or a count G (on a CPU: G logical devices splitting the "
-                            "cores; --policy adaptive_batch needs k ≥ 2 learners, e.g. --devices 2)")
-    train.add_argument("--replicas", default=1, type=_replicas_arg,
+                            "cores) (default: auto)")
+    train.add_argument("--replicas", default=None, type=_replicas_arg,
                        help="m, replicas (learners) per device, or 'auto' (the auto-tuner picks m "
-                            "by measured samples/s)")
+                            "by measured samples/s) (default: 1; 2 on one device when a --policy "
+                            "needs k ≥ 2 learners, as adaptive_batch does, and neither --devices "
+                            "nor --replicas is given)")
     train.add_argument("--learner-mode", default="per_replica", choices=("per_replica", "fused"),
                        help="learners' mode (with --replicas auto the tuner also tries the other one)")
     train.add_argument("--precision", default="fp32", choices=PRECISIONS,
@@ -462,14 +465,11 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
     torch.manual_seed(args.seed)
     model = cg.models.get_model(args.model)
     train_set, test_set = _load_dataset(args)
-    if args.devices != "auto" and not args.devices.isdigit():
-        raise ValueError(f"--devices {args.devices}: use 'auto' (every GPU, else one CPU device) or a "
-                         "count such as 2")
-    devices = args.devices if args.devices == "auto" else int(args.devices)
+    devices, replicas = _learners(args, policies)
     plan = cg.compile(
         model, (train_set[0][0].unsqueeze(0),), torch.nn.functional.cross_entropy,
         batch_size=args.batch_size, devices=devices,
-        replicas=args.replicas,
+        replicas=replicas,
         learner_mode=args.learner_mode,
         optimizer=_optimizer(args, model, lr),
         precision=args.precision, memory_format=args.memory_format,
@@ -487,6 +487,33 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
                bn_recalibration_batches=args.bn_recalibration_batches,
                max_grad_norm=args.max_grad_norm)
     return plan, fit
+
+
+def _learners(args: argparse.Namespace, policies: list) -> tuple[int | str, int | str]:
+    """``--devices`` and ``--replicas`` as compile takes them: 'auto' × 1 where neither is given,
+    or, when a policy needs k ≥ 2 learners (``Policy.min_learners``) and 'auto' finds fewer
+    devices, enough replicas per device for it (a note on stderr says so).
+
+    Raises:
+        ValueError: ``--devices`` neither 'auto' nor a count.
+    """
+    devices = "auto" if args.devices is None else args.devices
+    if devices != "auto" and not devices.isdigit():
+        raise ValueError(f"--devices {devices}: use 'auto' (every GPU, else one CPU device) or a "
+                         "count such as 2")
+    devices = devices if devices == "auto" else int(devices)
+    if args.replicas is not None:
+        return devices, args.replicas
+    need = max((p.min_learners for p in policies), default=1)
+    found = len(resolve_devices(devices))
+    if args.devices is not None or need <= found:
+        return devices, 1
+    replicas = math.ceil(need / found)
+    names = ", ".join(type(p).__name__ for p in policies if p.min_learners > found)
+    print(f"note: {names} needs k ≥ {need} learners: training {replicas} replicas on each of "
+          f"{found} device(s) (--devices or --replicas choose otherwise)", file=sys.stderr,
+          flush=True)
+    return devices, replicas
 
 
 def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo:
