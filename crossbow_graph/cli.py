@@ -586,8 +586,9 @@ def _print_results(plan: cg.Plan, history: cg.History, target: float | None) -> 
     """The auto-tuner's and policies' decisions, a line per epoch, the time to the target."""
     for d in history.autotune:
         print(f"autotune round {d.round}: m={d.replicas_per_device} {d.learner_mode} "
-              f"{d.samples_per_s:,.0f} samples/s → {d.action} (m={d.next_replicas_per_device}, "
-              f"{d.next_learner_mode})")
+              f"{d.samples_per_s:,.0f} samples/s ({d.samples_per_s_low:,.0f}–"
+              f"{d.samples_per_s_high:,.0f}, {d.windows} window(s)) → {d.action} "
+              f"(m={d.next_replicas_per_device}, {d.next_learner_mode})")
     for p in history.policy:
         print(f"policy round {p.round}: {p.policy} {p.changes} ({p.reason})")
     for e in history.epochs:

@@ -64,13 +64,10 @@ class AutoReplicas(Policy):
         self.tuner = AutoTuner(config or AutoTune(**kwargs))
 
     def state_dict(self) -> dict:
-        t = self.tuner
-        return {"phase": t.phase, "best": t.best, "held": t.held, "mode_tried": t.mode_tried}
+        return self.tuner.rule.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        t = self.tuner
-        t.phase, t.best, t.held, t.mode_tried = (state["phase"], state["best"], state["held"],
-                                                 state["mode_tried"])
+        self.tuner.rule.load_state_dict(state)
 
     def before_fit(self, ctx: FitContext) -> None:
         self.tuner.before_fit(ctx)
