@@ -51,8 +51,8 @@ class AutoReplicas(Policy):
     """The replica auto-tuner (tuning/autotune.py, CROSSBOW §4.4) as a policy.
 
     Wraps an ``AutoTuner``: after a warm-up, every measurement window of whole rounds, add a
-    replica per device while samples/s rise by more than ``threshold``, else undo the last one and
-    hold; never beyond the memory bound. Its decisions go to ``History.autotune`` and, when m or
+    replica per device while samples/s rise by more than ``threshold`` and beyond the windows'
+    spread, else undo the last one and hold; never beyond the memory bound. Its decisions go to ``History.autotune`` and, when m or
     the learner mode changes, to ``History.policy``. (``compile(replicas="auto")`` attaches the
     same tuner by itself; use one or the other.)
 
