@@ -287,20 +287,28 @@ class _StopAfter(Hook):
         ctx.stop = len(self.ms) >= self.rounds
 
 
+def _noisy_fit(rate, noise: float, rounds: int):
+    """A tuned plan (windows of 8 rounds, at most 8 replicas, one learner mode) fitted for
+    ``rounds`` rounds on a ``_NoisyClock(rate, noise)``: (plan, history, m of every round,
+    the decisions as (action, m, samples/s) for messages)."""
+    plan = compile_tiny(replicas="auto", executor="inline", autotune=cg.AutoTune(
+        warmup_rounds=2, warmup_s=0.0, window_s=1e-9, min_window_rounds=8, max_replicas=8,
+        try_other_mode=False))
+    plan.autotuner.clock = _NoisyClock(rate, noise)
+    stop = _StopAfter(rounds)
+    hist = plan.fit(tiny_data(4000), 20, progress=False, hooks=[stop], metrics_every=None)
+    return plan, hist, stop.ms, [(d.action, d.replicas_per_device, round(d.samples_per_s))
+                                 for d in hist.autotune]
+
+
 def test_tuner_does_not_follow_noise_on_a_plateau():
     """The tuner in a fit, throughput flat from m = 2, round times scattered ±50 %: over 240
     rounds (windows of 8 rounds) it never goes past m = 3 and ends within one of 2; every
     decision records the interval it rested on. (A rule that compares single windows'
     samples/s, taking the better of two windows for a step that did not gain, climbs to m = 6
     on this clock.)"""
-    plan = compile_tiny(replicas="auto", executor="inline", autotune=cg.AutoTune(
-        warmup_rounds=2, warmup_s=0.0, window_s=1e-9, min_window_rounds=8, max_replicas=8,
-        try_other_mode=False))
-    plan.autotuner.clock = _NoisyClock(lambda m: 1000.0 * min(m, 2), 0.5)
-    stop = _StopAfter(240)
-    hist = plan.fit(tiny_data(4000), 20, progress=False, hooks=[stop], metrics_every=None)
-    assert max(stop.ms) <= 3 and abs(plan.replicas_per_device - 2) <= 1, [
-        (d.action, d.replicas_per_device, round(d.samples_per_s)) for d in hist.autotune]
+    plan, hist, ms, decisions = _noisy_fit(lambda m: 1000.0 * min(m, 2), 0.5, 240)
+    assert max(ms) <= 3 and abs(plan.replicas_per_device - 2) <= 1, decisions
     for d in hist.autotune:
         assert d.samples_per_s_low <= d.samples_per_s <= d.samples_per_s_high
         assert d.samples_per_s_high > d.samples_per_s_low  # scattered windows have a spread
@@ -310,12 +318,6 @@ def test_tuner_does_not_follow_noise_on_a_plateau():
 def test_tuner_follows_a_real_gain_through_noise():
     """Throughput ∝ m up to m = 4 (then flat), round times scattered ±10 %: in 200 rounds the
     tuner reaches m = 4 and holds at 4 or 5."""
-    plan = compile_tiny(replicas="auto", executor="inline", autotune=cg.AutoTune(
-        warmup_rounds=2, warmup_s=0.0, window_s=1e-9, min_window_rounds=8, max_replicas=8,
-        try_other_mode=False))
-    plan.autotuner.clock = _NoisyClock(lambda m: 1000.0 * min(m, 4), 0.1)
-    stop = _StopAfter(200)
-    hist = plan.fit(tiny_data(4000), 20, progress=False, hooks=[stop], metrics_every=None)
-    assert plan.replicas_per_device in (4, 5) and max(stop.ms) <= 5, [
-        (d.action, d.replicas_per_device, round(d.samples_per_s)) for d in hist.autotune]
+    plan, _, ms, decisions = _noisy_fit(lambda m: 1000.0 * min(m, 4), 0.1, 200)
+    assert plan.replicas_per_device in (4, 5) and max(ms) <= 5, decisions
     assert plan.autotuner.phase == "hold"
