@@ -17,7 +17,7 @@ import torch
 import crossbow_graph as cg
 
 from . import datasets, models
-from .api import resolve_devices
+from .cli_layout import learner_layout
 from .compiler.inspect import inspect_model
 from .datasets import ImageDataset
 from .engine.comm import z_digest
@@ -149,10 +149,8 @@ def _add_train_parser(sub) -> None:
                             "every core) or a count G (on a CPU: G logical devices splitting the "
                             "cores) (default: auto)")
     train.add_argument("--replicas", default=None, type=_replicas_arg,
-                       help="m, replicas (learners) per device, or 'auto' (the auto-tuner picks m "
-                            "by measured samples/s) (default: 1; 2 on one device when a --policy "
-                            "needs k ≥ 2 learners, as adaptive_batch does, and neither --devices "
-                            "nor --replicas is given)")
+                       help="m, replicas per device, or 'auto' (the tuner picks m by samples/s) (default: "
+                            "1; without --devices, 2 on one device if a --policy needs k ≥ 2)")
     train.add_argument("--learner-mode", default="per_replica", choices=("per_replica", "fused"),
                        help="learners' mode (with --replicas auto the tuner also tries the other one)")
     train.add_argument("--precision", default="fp32", choices=PRECISIONS,
@@ -465,7 +463,7 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
     torch.manual_seed(args.seed)
     model = cg.models.get_model(args.model)
     train_set, test_set = _load_dataset(args)
-    devices, replicas = _learners(args, policies)
+    devices, replicas = learner_layout(args.devices, args.replicas, policies)
     plan = cg.compile(
         model, (train_set[0][0].unsqueeze(0),), torch.nn.functional.cross_entropy,
         batch_size=args.batch_size, devices=devices,
@@ -487,33 +485,6 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
                bn_recalibration_batches=args.bn_recalibration_batches,
                max_grad_norm=args.max_grad_norm)
     return plan, fit
-
-
-def _learners(args: argparse.Namespace, policies: list) -> tuple[int | str, int | str]:
-    """``--devices`` and ``--replicas`` as compile takes them: 'auto' × 1 where neither is given,
-    or, when a policy needs k ≥ 2 learners (``Policy.min_learners``) and 'auto' finds fewer
-    devices, enough replicas per device for it (a note on stderr says so).
-
-    Raises:
-        ValueError: ``--devices`` neither 'auto' nor a count.
-    """
-    devices = "auto" if args.devices is None else args.devices
-    if devices != "auto" and not devices.isdigit():
-        raise ValueError(f"--devices {devices}: use 'auto' (every GPU, else one CPU device) or a "
-                         "count such as 2")
-    devices = devices if devices == "auto" else int(devices)
-    if args.replicas is not None:
-        return devices, args.replicas
-    need = max((p.min_learners for p in policies), default=1)
-    found = len(resolve_devices(devices))
-    if args.devices is not None or need <= found:
-        return devices, 1
-    replicas = math.ceil(need / found)
-    names = ", ".join(type(p).__name__ for p in policies if p.min_learners > found)
-    print(f"note: {names} needs k ≥ {need} learners: training {replicas} replicas on each of "
-          f"{found} device(s) (--devices or --replicas choose otherwise)", file=sys.stderr,
-          flush=True)
-    return devices, replicas
 
 
 def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo:
