@@ -1,10 +1,14 @@
-"""Row optimizers: one instance over a device's stacked rows against one per replica.
+"""Row optimizers: one instance over a device's stacked rows against one per replica, and the
+torch.optim implementations of one replica's row.
 
     python bench/optim_rows.py [--replicas 8] [--repeats 200]
 
 Times ``OptimizerRows.step`` (engine/optim.py) for all m rows of one device of a LeNet-5 plan, one
 thread, for AdamW and SGD with momentum 0.9 in two params groups (so SGD takes the row path too),
 interleaving the two layouts; prints milliseconds per step (median of 5 blocks) and the ratio.
+Then AdamW on one replica's row (k = 1) as each implementation: fused and foreach unset (torch's
+fused kernel), ``foreach=True`` and ``foreach=False`` (the single-tensor loop, torch's CPU
+default), interleaved the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +42,21 @@ def _time(plan, stacked: bool, repeats: int) -> float:
     return (time.perf_counter() - t) / repeats * 1e3
 
 
+def one_row(repeats: int) -> None:
+    """AdamW on a k = 1 plan's row, per implementation: milliseconds per step."""
+    flags = {"unset (fused)": {}, "foreach=True": {"foreach": True},
+             "foreach=False (CPU default)": {"foreach": False}}
+    plans = {name: _plan(lambda m, kw=kw: torch.optim.AdamW(m.parameters(), lr=1e-3, **kw), 1)
+             for name, kw in flags.items()}
+    runs: dict[str, list[float]] = {name: [] for name in flags}
+    for _ in range(5):
+        for name, plan in plans.items():
+            runs[name].append(_time(plan, True, repeats))
+    for name, ms in runs.items():
+        print(f"AdamW, one row, {name}: {statistics.median(ms):.3f} ms per step "
+              f"(min {min(ms):.3f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replicas", type=int, default=8)
@@ -59,6 +78,7 @@ def main() -> None:
         a, b = statistics.median(runs[True]), statistics.median(runs[False])
         print(f"{name}: m={args.replicas}, P={plan.num_parameters:,}: stacked {a:.2f} ms, "
               f"per replica {b:.2f} ms per step ({b / a:.2f}×)")
+    one_row(args.repeats)
 
 
 if __name__ == "__main__":

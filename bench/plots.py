@@ -30,6 +30,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
+from report import run_length  # noqa: E402  (bench/ is on the path when this script runs)
+
 __all__ = ["plot_tta", "plot_tta_tuned", "plot_throughput", "plot_epochs", "plot_robustness",
            "main"]
 
@@ -40,17 +42,6 @@ IMAGES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 def _load(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
-
-
-def run_length(d: dict) -> str:
-    """'1 epoch(s)' or '1 epoch(s) of the first 12,000 training samples' (from the meta or command)."""
-    import re
-
-    n = d.get("train_samples")
-    if n is None:
-        m = re.search(r"--train-samples (\d+)", d.get("command", ""))
-        n = int(m.group(1)) if m else None
-    return f"{d['max_epochs']} epoch(s)" + (f" of the first {n:,} training samples" if n else "")
 
 
 def _save(fig, out: str) -> str:

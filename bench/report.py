@@ -1,4 +1,5 @@
 """Markdown tables of the result JSONs for docs/benchmarking.md (numbers copied by program, not by hand).
+Text only: matplotlib is not needed (bench/plots.py draws the figures).
 
     python bench/report.py --tta bench/results/tta-w1.json --epochs bench/results/stat_eff-epochs.json \\
         --robustness bench/results/stat_eff-robustness.json
@@ -8,16 +9,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
-from plots import run_length  # bench/ is on the path when this script runs
-
-__all__ = ["tta_table", "epochs_table", "robustness_table", "main"]
+__all__ = ["run_length", "tta_table", "epochs_table", "robustness_table", "main"]
 
 
 def _f(x, spec="{:.1f}"):
     return "—" if x is None else spec.format(x)
 
 
+def run_length(d: dict) -> str:
+    """'1 epoch(s)' or '1 epoch(s) of the first 12,000 training samples' (from the meta or command)."""
+    n = d.get("train_samples")
+    if n is None:
+        m = re.search(r"--train-samples (\d+)", d.get("command", ""))
+        n = int(m.group(1)) if m else None
+    return f"{d['max_epochs']} epoch(s)" + (f" of the first {n:,} training samples" if n else "")
 
 
 def tta_table(path: str) -> str:

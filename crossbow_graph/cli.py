@@ -17,6 +17,7 @@ import torch
 import crossbow_graph as cg
 
 from . import datasets, models
+from .cli_layout import learner_layout
 from .compiler.inspect import inspect_model
 from .datasets import ImageDataset
 from .engine.comm import z_digest
@@ -143,13 +144,13 @@ def _add_train_parser(sub) -> None:
                        help="write per-round/epoch CSV, TensorBoard events and history.json there "
                             "(default: no logs)")
     train.add_argument("--batch-size", type=int, default=256, help="b, samples per learner per round")
-    train.add_argument("--devices", default="auto",
+    train.add_argument("--devices", default=None,
                        help="devices: 'auto' (every GPU, else one CPU device, whose learners use "
                             "every core) or a count G (on a CPU: G logical devices splitting the "
-                            "cores; --policy adaptive_batch needs k ≥ 2 learners, e.g. --devices 2)")
-    train.add_argument("--replicas", default=1, type=_replicas_arg,
-                       help="m, replicas (learners) per device, or 'auto' (the auto-tuner picks m "
-                            "by measured samples/s)")
+                            "cores) (default: auto)")
+    train.add_argument("--replicas", default=None, type=_replicas_arg,
+                       help="m, replicas per device, or 'auto' (the tuner picks m by samples/s) (default: "
+                            "1; without --devices, 2 on one device if a --policy needs k ≥ 2)")
     train.add_argument("--learner-mode", default="per_replica", choices=("per_replica", "fused"),
                        help="learners' mode (with --replicas auto the tuner also tries the other one)")
     train.add_argument("--precision", default="fp32", choices=PRECISIONS,
@@ -462,14 +463,11 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
     torch.manual_seed(args.seed)
     model = cg.models.get_model(args.model)
     train_set, test_set = _load_dataset(args)
-    if args.devices != "auto" and not args.devices.isdigit():
-        raise ValueError(f"--devices {args.devices}: use 'auto' (every GPU, else one CPU device) or a "
-                         "count such as 2")
-    devices = args.devices if args.devices == "auto" else int(args.devices)
+    devices, replicas = learner_layout(args.devices, args.replicas, policies)
     plan = cg.compile(
         model, (train_set[0][0].unsqueeze(0),), torch.nn.functional.cross_entropy,
         batch_size=args.batch_size, devices=devices,
-        replicas=args.replicas,
+        replicas=replicas,
         learner_mode=args.learner_mode,
         optimizer=_optimizer(args, model, lr),
         precision=args.precision, memory_format=args.memory_format,
@@ -559,8 +557,9 @@ def _print_results(plan: cg.Plan, history: cg.History, target: float | None) -> 
     """The auto-tuner's and policies' decisions, a line per epoch, the time to the target."""
     for d in history.autotune:
         print(f"autotune round {d.round}: m={d.replicas_per_device} {d.learner_mode} "
-              f"{d.samples_per_s:,.0f} samples/s → {d.action} (m={d.next_replicas_per_device}, "
-              f"{d.next_learner_mode})")
+              f"{d.samples_per_s:,.0f} samples/s ({d.samples_per_s_low:,.0f}–"
+              f"{d.samples_per_s_high:,.0f}, {d.windows} window(s)) → {d.action} "
+              f"(m={d.next_replicas_per_device}, {d.next_learner_mode})")
     for p in history.policy:
         print(f"policy round {p.round}: {p.policy} {p.changes} ({p.reason})")
     for e in history.epochs:

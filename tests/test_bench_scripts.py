@@ -107,3 +107,29 @@ def test_diloco_w1_variants_and_summary():
     summary = diloco_w1.summarise(rows)["variants"]["diloco-4"]
     assert summary["reached"] == "1/3" and summary["median_epochs_to_99"] is None
     assert "| diloco-4 |" in diloco_w1.table(diloco_w1.summarise(rows))
+
+
+
+def _without_matplotlib(statement: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``statement`` in a fresh interpreter where ``import matplotlib`` fails, with bench/
+    on the path and ``args`` as ``sys.argv[1:]``."""
+    code = "import sys; sys.modules['matplotlib'] = None; sys.path.insert(0, %r); " % os.path.join(
+        ROOT, "bench") + statement
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_report_prints_its_tables_without_matplotlib():
+    """bench/report.py is text only: with matplotlib unimportable it prints the robustness table
+    (whose title reads the run length) and the epochs table; bench/plots.py, asked for a figure,
+    says what to install."""
+    results = os.path.join(ROOT, "bench", "results")
+    proc = _without_matplotlib("import report; sys.exit(report.main(sys.argv[1:]))",
+                               "--robustness", os.path.join(results, "stat_eff-robustness.json"),
+                               "--epochs", os.path.join(results, "stat_eff-epochs.json"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| system | b=4 |" in proc.stdout and "| crossbow |" in proc.stdout
+    assert "after 1 epoch(s) of the first 12,000 training samples" in proc.stdout
+    assert "| system | k | epochs to 99.0% |" in proc.stdout
+    plots = _without_matplotlib("import plots")
+    assert plots.returncode != 0 and "plots need matplotlib: pip install" in plots.stderr

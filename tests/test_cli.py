@@ -17,7 +17,8 @@ SGD16 = ["--batch-size", "16", "--devices", "2", "--replicas", "2", "--optimizer
 
 def test_train_defaults_are_the_main_job():
     args = build_parser().parse_args(["train"])
-    assert (args.model, args.dataset, args.batch_size, args.devices, args.replicas) == ("lenet5", "mnist", 256, "auto", 1)
+    assert (args.model, args.dataset, args.batch_size) == ("lenet5", "mnist", 256)
+    assert (args.devices, args.replicas) == (None, None)  # 'auto' × 1, or 2 learners for a policy
     assert (args.optimizer, args.lr_schedule, args.epochs, args.target, args.lr) == ("adamw", "onecycle", 3, 0.99, None)
     assert (DEFAULT_LR, DEFAULT_LR_BATCH) == (8e-3, 256)  # --lr's default η and its k·b (AdamW)
     assert OPTIMIZERS["sgd"][1:] == (0.02, 64) and args.lr_milestones == (2, 4)
@@ -62,13 +63,21 @@ def test_adaptive_batch_gain_refers_to_the_default_lrs_batch(tmp_path):
     assert lrs["given"] == []
 
 
-def test_adaptive_batch_with_one_learner_is_a_one_line_error(capsys):
-    """The default run has k = 1 on a CPU; the noise scale needs k ≥ 2: the error names the fix."""
+def test_adaptive_batch_with_the_default_layout_trains_two_learners(capsys):
+    """The default layout is one CPU device × 1 replica here; a policy that needs k ≥ 2 learners
+    gets 2 replicas on it and a note that says so. An explicit --devices 1 (or --replicas 1) is
+    the user's k = 1: the policy's one-line error names the fix."""
     argv = ["train", "--train-samples", "512", "--test-samples", "256", "--epochs", "1", "--quiet",
-            "--policy", "adaptive_batch"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "k = 1" in err and "--devices 2" in err
+            "--target", "0", "--evals-per-epoch", "1", "--policy", "adaptive_batch"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "note: AdaptiveBatchSize needs k ≥ 2 learners: training 2 replicas on each of 1 " \
+           "device(s)" in captured.err
+    assert "epoch 1:" in captured.out and "(m=2, per_replica)" in captured.out
+    for layout in (["--devices", "1"], ["--replicas", "1"]):
+        assert main(argv + layout) == 2
+        err = capsys.readouterr().err
+        assert "k = 1" in err and "--devices 2" in err and "note:" not in err
 
 
 def test_bad_lr_milestones_are_a_usage_error(capsys):

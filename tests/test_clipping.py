@@ -56,11 +56,17 @@ def _sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
 
 
-def _adamw_groups(model):
+def _adamw_groups(model, **implementation):
     return torch.optim.AdamW([
         {"params": model[0].parameters(), "lr": 3e-2},
         {"params": list(model[2].parameters()) + list(model[4].parameters()), "lr": 1e-2,
-         "weight_decay": 0.1}], lr=1e-2, betas=(0.8, 0.99))
+         "weight_decay": 0.1}], lr=1e-2, betas=(0.8, 0.99), **implementation)
+
+
+def _fused_adamw_groups(model):
+    """The eager twin of ``_adamw_groups`` at k = 1: one replica's row runs torch's fused AdamW
+    where fused and foreach are unset (docs/optimizers.md, "Which implementation")."""
+    return _adamw_groups(model, fused=True)
 
 
 def _eager_clipped(model, make_opt, data, rounds, max_norm):
@@ -80,14 +86,15 @@ def _eager_clipped(model, make_opt, data, rounds, max_norm):
 
 
 @pytest.mark.parametrize("mode", ["per_replica", "fused"])
-@pytest.mark.parametrize("make_opt", [_sgd, _adamw_groups], ids=["sgd", "adamw-groups"])
-def test_one_learner_equals_eager_clip_grad_norm_step_for_step(make_opt, mode):
+@pytest.mark.parametrize("make_opt,eager_opt", [(_sgd, _sgd), (_adamw_groups, _fused_adamw_groups)],
+                         ids=["sgd", "adamw-groups"])
+def test_one_learner_equals_eager_clip_grad_norm_step_for_step(make_opt, eager_opt, mode):
     """k = 1 with SGD (the SGD kernels) and AdamW with two param groups (row optimizers): z after
     every round equals eager PyTorch's weights after backward, clip_grad_norm_(…, 0.1), step."""
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(N, 12, generator=g), torch.randint(0, 3, (N,), generator=g))
     model, max_norm, rounds = _net(), 0.1, N // B
-    expected, norms = _eager_clipped(copy.deepcopy(model), make_opt, data, rounds, max_norm)
+    expected, norms = _eager_clipped(copy.deepcopy(model), eager_opt, data, rounds, max_norm)
     assert min(norms) > max_norm  # the clip binds at every step
     plan = cg.compile(model, (data.tensors[0][:B],), F.cross_entropy, batch_size=B, devices=1,
                       replicas=1, learner_mode=mode, optimizer=make_opt(model), executor="inline")

@@ -22,10 +22,15 @@ Two update rules run it:
   so every process steps its own rows and the coordinator reads all of them (checkpoints,
   resizes). A replica with fresh state (new, reset to z, or faulty) gets torch.optim's own
   initialisation at its next step, and ``age`` (steps since fresh state) keeps replicas of
-  different ages in different instances, so Adam's bias correction is per replica. On one
-  replica's row, where the user left ``fused`` and ``foreach`` unset, Adam, AdamW, SGD and
-  Adagrad run torch.optim's fused kernels (``FUSED``: contiguous tensors only; stacked rows are
-  strided views; bench/optim_rows.py measures both).
+  different ages in different instances, so Adam's bias correction is per replica.
+
+Which torch.optim implementation a row optimizer runs (docs/optimizers.md, "Which
+implementation"): the user's own choice where a group sets ``fused`` or ``foreach``; torch's
+fused kernels take dense tensors only, and a stack of rows is strided, so ``fused=True`` runs one
+instance per replica (never stacked). Where the user left both unset, Adam, AdamW, SGD and
+Adagrad (``FUSED``) run torch's fused kernel on an instance over one replica's row (k = 1, one
+replica per device, or a replica whose age differs from its neighbours'), and torch's default
+(the single-tensor loop on the CPU, foreach on CUDA) on a stack of rows.
 
 The SMA correction is applied to the weights after the local step, whatever the optimizer:
 c_j = α·(ŵ_j − z) from the pre-step weights, w_j ← step(ŵ_j) − c_j, acc_d = Σ_j c_j.
@@ -51,8 +56,9 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
                torch.optim.Adagrad, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
                torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD)
 # exact classes with torch.optim's fused CPU and CUDA kernels (``fused=True``), which the row
-# optimizers use for one replica's (contiguous) row where the user left ``fused`` and ``foreach``
-# unset: one kernel per tensor
+# optimizers use for one replica's (dense) row where the user left ``fused`` and ``foreach``
+# unset: one kernel per tensor, about 3× faster than the single-tensor loop for LeNet-5's AdamW
+# (bench/optim_rows.py)
 FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 _REFUSED = {
     torch.optim.LBFGS: "LBFGS re-evaluates the model through a closure at every step, which a "
@@ -95,7 +101,8 @@ class LocalOptimizer:
         hyper_keys: the numeric keys of a group (``lr``, ``momentum``, ``betas``, ...), those a
             scheduler may change and every process copies each round.
         kernel: the fused SGD kernels run it (one-group ``torch.optim.SGD`` without dampening).
-        stacked: an elementwise optimizer: one instance over a device's rows of the same age.
+        stacked: an elementwise optimizer: one instance over a device's rows of the same age
+            (not where a group sets ``fused=True``: torch's fused kernels take dense tensors only).
     """
 
     optimizer: torch.optim.Optimizer
@@ -233,9 +240,12 @@ def as_local_optimizer(optimizer: Any, model: nn.Module, template: nn.Module,
     kernel = (type(optimizer) is torch.optim.SGD and len(optimizer.param_groups) == 1
               and len(groups[0]) == len(names) and g0.get("dampening", 0) == 0
               and not g0.get("maximize", False) and not g0.get("differentiable", False))
+    # torch's fused kernels write a strided view as if it were contiguous (outside the view):
+    # the user's fused=True runs one instance per replica's dense row
+    asks_fused = any(g.get("fused") for g in optimizer.param_groups)
     return LocalOptimizer(optimizer=optimizer, groups=tuple(groups),
                           hyper_keys=_hyper_keys(optimizer.defaults), kernel=kernel,
-                          stacked=type(optimizer) in ELEMENTWISE)
+                          stacked=type(optimizer) in ELEMENTWISE and not asks_fused)
 
 
 def _dense(t: torch.Tensor) -> bool:

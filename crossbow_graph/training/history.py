@@ -58,12 +58,19 @@ class AutotuneRecord:
         round: the plan's round count when the decision was taken.
         replicas_per_device: m that the measurement was taken with.
         learner_mode: the learner mode the measurement was taken with.
-        samples_per_s: measured throughput over the window (training samples per second).
+        samples_per_s: measured throughput over the window (training samples per second): the
+            median of its sub-windows' (tuning/autotune_rule.py ``Measurement``).
+        samples_per_s_low, samples_per_s_high: the spread: the interval of that median,
+            median ∓ 1.58·IQR/√n over the n sub-windows' samples/s (a box plot's notch).
+        windows: measurement windows of this configuration pooled for the decision (more than
+            one after ``"repeat"``).
         action: what the tuner did: ``"add"`` (m+1), ``"remove"`` (undo the last add and hold),
             ``"bound"`` (m is at the memory or replica bound), ``"try_mode"`` (switch learner mode),
             ``"keep_mode"``, ``"revert_mode"``, ``"skip_mode"`` (fused learners cannot run the
             model, ``Plan.fused_failure``: per-replica, hold), ``"hold"`` (keep measuring), ``"drift"``
-            (throughput moved by more than the threshold: re-probe).
+            (throughput moved by more than the threshold and beyond the spreads in 3 windows in a
+            row: re-probe from a fresh window), ``"repeat"`` (the outcome is open: measure the
+            same configuration once more).
         next_replicas_per_device, next_learner_mode: the configuration after the decision.
     """
 
@@ -71,6 +78,9 @@ class AutotuneRecord:
     replicas_per_device: int
     learner_mode: str
     samples_per_s: float
+    samples_per_s_low: float
+    samples_per_s_high: float
+    windows: int
     action: str
     next_replicas_per_device: int
     next_learner_mode: str

@@ -132,6 +132,8 @@ class AdaptiveBatchSize(Policy):
             and no replica auto-tuner (the noise-scale estimate needs k ≥ 2).
     """
 
+    min_learners = 2  # the two-batch noise-scale estimate (or the replica auto-tuner)
+
     def __init__(self, *, min_batch_size: int | None = None, max_batch_size: int = 128,
                  factor: float = 2.0, epoch_overhead: float = 0.125, cooldown_epochs: float = 0.25,
                  settle_windows: int | None = 3, scale_lr: bool | str = "gain",

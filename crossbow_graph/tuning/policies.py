@@ -51,8 +51,8 @@ class AutoReplicas(Policy):
     """The replica auto-tuner (tuning/autotune.py, CROSSBOW §4.4) as a policy.
 
     Wraps an ``AutoTuner``: after a warm-up, every measurement window of whole rounds, add a
-    replica per device while samples/s rise by more than ``threshold``, else undo the last one and
-    hold; never beyond the memory bound. Its decisions go to ``History.autotune`` and, when m or
+    replica per device while samples/s rise by more than ``threshold`` and beyond the windows'
+    spread, else undo the last one and hold; never beyond the memory bound. Its decisions go to ``History.autotune`` and, when m or
     the learner mode changes, to ``History.policy``. (``compile(replicas="auto")`` attaches the
     same tuner by itself; use one or the other.)
 
@@ -64,13 +64,10 @@ class AutoReplicas(Policy):
         self.tuner = AutoTuner(config or AutoTune(**kwargs))
 
     def state_dict(self) -> dict:
-        t = self.tuner
-        return {"phase": t.phase, "best": t.best, "held": t.held, "mode_tried": t.mode_tried}
+        return self.tuner.rule.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        t = self.tuner
-        t.phase, t.best, t.held, t.mode_tried = (state["phase"], state["best"], state["held"],
-                                                 state["mode_tried"])
+        self.tuner.rule.load_state_dict(state)
 
     def before_fit(self, ctx: FitContext) -> None:
         self.tuner.before_fit(ctx)

@@ -106,10 +106,13 @@ class Policy(Hook):
     ``after_epoch`` or ``after_fit`` (all get the FitContext); read ``self.metrics(ctx)`` (the
     fit's MetricsMonitor: ``.last`` is the newest MetricRecord, ``.noise_scale`` B_noise) and
     ``ctx.history``. A policy that writes replica state directly must set
-    ``mutates_replicas = True`` (it turns off the overlap of the process executor).
+    ``mutates_replicas = True`` (it turns off the overlap of the process executor). A policy
+    that needs several learners sets ``min_learners`` (the CLI then trains 2 learners where
+    neither ``--devices`` nor ``--replicas`` is given).
     """
 
     mutates_replicas = False
+    min_learners = 1  # the fewest learners k the policy works with
 
     @staticmethod
     def metrics(ctx: FitContext):

@@ -1,0 +1,269 @@
+"""The replica auto-tuner's decisions from measured throughput (docs/runtime.md, "The
+auto-tuner"): numbers in, steps out, no clock and no plan, so that tests drive it with numbers.
+
+A window's throughput is a ``Measurement``: the samples/s of its sub-windows (consecutive runs of
+rounds), summarised by their median and the interval of that median, median ± 1.58·IQR/√n over
+n sub-windows (the notch of a box plot: McGill, Tukey and Larsen, "Variations of box plots",
+The American Statistician 32(1), 1978; two medians whose notches do not overlap differ at about
+the 95 % level). A step counts only when it clears the threshold and the intervals of both
+windows (``exceeds``): on a busy host one window can read well above or below the
+configuration's speed, and a rule that compares single numbers follows that noise. When the
+outcome is open (the new interval still reaches the threshold), the same configuration is
+measured again, up to ``repeats`` more windows pooled into one Measurement (n grows, the
+interval narrows), and then the step is taken as no gain.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+__all__ = ["Measurement", "exceeds", "verdict", "sub_window_rates", "Setting", "Decision",
+           "TuningRule", "NOTCH"]
+
+NOTCH = 1.58  # the box plot's notch: median ± 1.58·IQR/√n (McGill, Tukey and Larsen 1978)
+HELD_FIRST = 2  # windows that form the reference before holding compares with it
+DRIFT_WINDOWS = 3  # windows in a row off the reference, on one side, that re-probe
+HELD_WINDOWS = 8  # while holding, the reference pools the last this many windows that were not off
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Throughput of one configuration over one or more windows.
+
+    Attributes:
+        rates: samples/s of each sub-window, in order (pooled windows one after the other).
+        windows: how many measurement windows the rates come from.
+    """
+
+    rates: tuple[float, ...]
+    windows: int = 1
+
+    def __post_init__(self) -> None:
+        assert self.rates and self.windows >= 1, "a measurement needs a sub-window"
+
+    @property
+    def samples_per_s(self) -> float:
+        """The median of the sub-windows' samples/s."""
+        return statistics.median(self.rates)
+
+    @property
+    def spread(self) -> float:
+        """Half the width of the median's interval: 1.58·IQR/√n samples/s (IQR: the sub-windows'
+        interquartile range; 0 for one sub-window)."""
+        n = len(self.rates)
+        if n == 1:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(self.rates, n=4, method="inclusive")
+        return NOTCH * (q3 - q1) / math.sqrt(n)
+
+    @property
+    def low(self) -> float:
+        """The lower end of the median's interval, samples/s."""
+        return self.samples_per_s - self.spread
+
+    @property
+    def high(self) -> float:
+        """The upper end of the median's interval, samples/s."""
+        return self.samples_per_s + self.spread
+
+    def pooled(self, other: "Measurement") -> "Measurement":
+        """This measurement and ``other`` (of the same configuration) as one."""
+        return Measurement(self.rates + other.rates, self.windows + other.windows)
+
+    def as_list(self) -> list:
+        """``[rates, windows]`` as plain data (checkpoints)."""
+        return [list(self.rates), self.windows]
+
+    @classmethod
+    def from_list(cls, saved: Sequence) -> "Measurement":
+        """The inverse of ``as_list``."""
+        return cls(tuple(float(r) for r in saved[0]), int(saved[1]))
+
+
+def sub_window_rates(samples: Sequence[int], seconds: Sequence[float], parts: int) -> tuple[float, ...]:
+    """samples/s of ``parts`` consecutive runs of rounds, as equal in rounds as can be.
+
+    Args:
+        samples: training samples of each round of a window.
+        seconds: training seconds of each round (> 0 in sum over any run).
+        parts: sub-windows wanted (fewer when the window has fewer rounds).
+    """
+    runs = np.array_split(np.arange(len(samples)), min(parts, len(samples)))  # the first runs longer
+    return tuple(sum(samples[i] for i in run) / sum(seconds[i] for i in run) for run in runs)
+
+
+def exceeds(a: Measurement, b: Measurement, threshold: float) -> bool:
+    """Whether ``a`` is faster than ``b`` by more than ``threshold`` (a fraction) and beyond the
+    spread of both: median(a) > (1 + threshold)·median(b), and the intervals of the medians do
+    not overlap (``a.low > b.high``)."""
+    return a.samples_per_s > (1 + threshold) * b.samples_per_s and a.low > b.high
+
+
+def verdict(new: Measurement, ref: Measurement, threshold: float) -> str:
+    """``"gain"`` (``exceeds(new, ref, threshold)``), ``"open"`` (no gain shown, but the upper
+    end of ``new``'s interval reaches the threshold: noise may hide one) or ``"none"``."""
+    if exceeds(new, ref, threshold):
+        return "gain"
+    return "open" if new.high > (1 + threshold) * ref.samples_per_s else "none"
+
+
+class Setting(NamedTuple):
+    """The configuration a window measured: replicas per device, learner mode, batch size."""
+
+    m: int
+    mode: str
+    batch_size: int
+
+
+class Decision(NamedTuple):
+    """What the rule decided on a window: ``steps`` (action, next m, next mode), in order, the
+    last one the configuration to run (empty: nothing to record); ``measured``: the (pooled)
+    measurement they rest on."""
+
+    steps: list[tuple[str, int, str]]
+    measured: Measurement
+
+
+class TuningRule:
+    """The auto-tuner's state machine: grow m while each step gains, try the other learner mode,
+    hold, re-probe on a drift (tuning/autotune.py's docstring gives the rule).
+
+    Args:
+        threshold: relative gain that counts (0.10 = 10 %).
+        repeats: windows of the same configuration measured again, pooled, while the outcome is
+            open (then it counts as no gain).
+        reprobe: re-probe when ``DRIFT_WINDOWS`` windows in a row while holding are off the
+            reference in the same direction.
+        try_other_mode: measure the other learner mode once, after growing.
+
+    Attributes:
+        phase: ``"grow"``, ``"mode"`` (measuring the other learner mode) or ``"hold"``.
+        best: (Measurement, m, mode) of the best configuration so far, or None.
+        held: the Measurement that holding compares with: the windows held that were not off
+            (the last ``HELD_WINDOWS``), pooled, from the first one held on (not the window that
+            won its step, which was picked for being high); None until then.
+    """
+
+    def __init__(self, *, threshold: float, repeats: int, reprobe: bool,
+                 try_other_mode: bool) -> None:
+        self.threshold, self.repeats = threshold, repeats
+        self.reprobe, self.try_other_mode = reprobe, try_other_mode
+        self.phase = "grow"
+        self.best: tuple[Measurement, int, str] | None = None
+        self.held: Measurement | None = None
+        self.mode_tried = False
+        self._last_side = 0  # the previous hold window: +1 above, −1 below the held one, 0 neither
+        self._off = 0  # hold windows in a row off the reference on that side
+        self._open: tuple[Measurement, Setting] | None = None  # a window whose outcome was open
+        self._held_windows: list[Measurement] = []  # the windows pooled into ``held``
+
+    def forget_open(self) -> None:
+        """Drop a window left open (a new fit: its workers start again)."""
+        self._open = None
+
+    def decide(self, window: Measurement, at: Setting, *, bound: int, fused_ok: bool) -> Decision:
+        """The steps after ``window``, measured at ``at``.
+
+        Args:
+            window: the window's measurement.
+            at: the configuration it measured.
+            bound: the most replicas per device (memory and ``max_replicas``).
+            fused_ok: whether fused learners can run the model.
+        """
+        if self.phase == "hold":
+            return self._hold(window, at)
+        measured = window
+        if self._open is not None and self._open[1] == at:  # the same configuration once more
+            measured = self._open[0].pooled(window)
+        self._open = None
+        if self.phase == "mode":
+            return Decision(self._mode(measured, at, bound, fused_ok), measured)
+        return Decision(self._grow_or_settle(measured, at, bound, fused_ok), measured)
+
+    def _again(self, measured: Measurement, at: Setting) -> list[tuple[str, int, str]] | None:
+        """Measure ``at`` once more, if repeats are left: the step ``repeat``."""
+        if measured.windows > self.repeats:
+            return None
+        self._open = (measured, at)
+        return [("repeat", at.m, at.mode)]
+
+    def _grow_or_settle(self, measured: Measurement, at: Setting, bound: int,
+                        fused_ok: bool) -> list[tuple[str, int, str]]:
+        v = "gain" if self.best is None else verdict(measured, self.best[0], self.threshold)
+        if v == "gain":
+            self.best = (measured, at.m, at.mode)
+            return self._grow(at.m, at.mode, bound, fused_ok)
+        if v == "open" and (again := self._again(measured, at)) is not None:
+            return again
+        return [("remove", self.best[1], at.mode)] + self._settle(self.best[1], at.mode, fused_ok)
+
+    def _mode(self, measured: Measurement, at: Setting, bound: int,
+              fused_ok: bool) -> list[tuple[str, int, str]]:
+        self.mode_tried = True
+        v = verdict(measured, self.best[0], 0.0)  # faster beyond both spreads
+        if v == "gain":
+            self.best, self.phase = (measured, at.m, at.mode), "grow"
+            return [("keep_mode", at.m, at.mode)] + self._grow(at.m, at.mode, bound, fused_ok)
+        if v == "open" and (again := self._again(measured, at)) is not None:
+            return again
+        self.phase, self.held = "hold", None
+        return [("revert_mode", at.m, self.best[2])]
+
+    def _hold(self, window: Measurement, at: Setting) -> Decision:
+        if self.held is None or len(self._held_windows) < HELD_FIRST:
+            # the first windows held: the reference, measured afresh
+            self._held_windows = [window] if self.held is None else self._held_windows + [window]
+            self.held = functools.reduce(Measurement.pooled, self._held_windows)
+            self._last_side, self._off = 0, 0
+            return Decision([], window)
+        side = (exceeds(window, self.held, self.threshold)
+                - exceeds(self.held, window, self.threshold))
+        self._off = self._off + 1 if side != 0 and side == self._last_side else int(side != 0)
+        self._last_side = side
+        drifted = self.reprobe and self._off >= DRIFT_WINDOWS
+        if side == 0:  # a window like the held ones joins the reference (the last HELD_WINDOWS)
+            self._held_windows = (self._held_windows + [window])[-HELD_WINDOWS:]
+            self.held = functools.reduce(Measurement.pooled, self._held_windows)
+        if not drifted:
+            return Decision([], window)
+        # re-probe from a fresh window of this configuration (the two that drifted were picked
+        # for being off), then grow from it
+        self.phase, self.best, self.held = "grow", None, None
+        return Decision([("drift", at.m, at.mode)], window)
+
+    def _grow(self, m: int, mode: str, bound: int, fused_ok: bool) -> list[tuple[str, int, str]]:
+        if m + 1 <= bound:
+            return [("add", m + 1, mode)]
+        return [("bound", m, mode)] + self._settle(m, mode, fused_ok)
+
+    def _settle(self, m: int, mode: str, fused_ok: bool) -> list[tuple[str, int, str]]:
+        other = "fused" if mode == "per_replica" else "per_replica"
+        if self.try_other_mode and not self.mode_tried:
+            if other == "fused" and not fused_ok:
+                self.mode_tried = True  # vmap cannot run the model: per_replica it stays
+                self.phase, self.held = "hold", None
+                return [("skip_mode", m, mode)]
+            self.phase = "mode"
+            return [("try_mode", m, other)]
+        self.phase, self.held = "hold", None
+        return [("hold", m, mode)]
+
+    def state_dict(self) -> dict:
+        """The phase, best and held measurements and whether the other mode was tried (plain
+        data)."""
+        best = None if self.best is None else [self.best[0].as_list(), self.best[1], self.best[2]]
+        return {"phase": self.phase, "best": best, "mode_tried": self.mode_tried,
+                "held": None if self.held is None else self.held.as_list()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``."""
+        best, held = state["best"], state["held"]
+        self.phase, self.mode_tried = state["phase"], state["mode_tried"]
+        self.best = None if best is None else (Measurement.from_list(best[0]), best[1], best[2])
+        self.held = None if held is None else Measurement.from_list(held)
