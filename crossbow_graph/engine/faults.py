@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from collections import Counter
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -182,11 +182,14 @@ class FaultMonitor:
             state.buf[rows] = state.zbuf
 
     def record(self, state: DeviceState, rows: list[int], *, round_index: int, num_learners: int,
-               rank: int | None = None) -> None:
+               rank: int | None = None,
+               settled_z: Callable[[], torch.Tensor] | None = None) -> None:
         """Log and keep one FaultEvent per faulty replica of ``state`` in round ``round_index``.
 
         ``rank``: this process's torchrun rank, None in a single process. Under torchrun the
         events are also kept in ``pending`` until ``share`` and the messages name the rank.
+        ``settled_z``: returns ``state.z`` once no stream writes it any more (CUDA streams), for
+        the DivergenceError's finiteness check; default ``state.z`` as it is.
 
         Raises:
             DivergenceError: every one of the round's k learners has been faulty (this process's
@@ -205,16 +208,18 @@ class FaultMonitor:
                 self.pending.append(event)
             log.warning(_FAULT, round_index, r, where)
         if self._faulty_in_round >= num_learners:
-            raise _diverged(num_learners, round_index, f"last on {where}", state.z,
+            raise _diverged(num_learners, round_index, f"last on {where}", settled_z or state.z,
                             task_id=f"local_sync:{state.name}", device=state.name)
 
-    def share(self, comm: Any, round_index: int, num_learners: int, z: torch.Tensor) -> None:
+    def share(self, comm: Any, round_index: int, num_learners: int,
+              z: torch.Tensor | Callable[[], torch.Tensor]) -> None:
         """Under torchrun, when some rank has events not yet shared: every rank's ``pending``
         reaches every rank (one all-gather of pickled events over ``comm``, a engine.comm.Comm).
         The other ranks' events join ``events`` (rank 0 logs them); ``pending`` empties.
 
         Every rank calls it in the same round (the global sync's all-reduce tells them when).
-        ``z [P]``: this rank's central model, whose finiteness the DivergenceError states.
+        ``z [P]``: this rank's central model, whose finiteness the DivergenceError states (or a
+        function that returns it once no stream writes it).
 
         Raises:
             DivergenceError: on every rank alike, when the events of one round, over every rank,
@@ -254,10 +259,14 @@ def _where(device: str, rank: int | None) -> str:
     return device if rank is None else f"{device} of rank {rank}"
 
 
-def _diverged(num_learners: int, round_index: int, where: str, z: torch.Tensor, *, task_id: str,
+def _diverged(num_learners: int, round_index: int, where: str,
+              z: torch.Tensor | Callable[[], torch.Tensor], *, task_id: str,
               device: str) -> DivergenceError:
-    """The DivergenceError of round ``round_index``; it says whether ``z [P]`` is finite (every
-    replica is reset to z, so a non-finite z makes every learner fail)."""
+    """The DivergenceError of round ``round_index``; it says whether ``z [P]`` (or what the
+    function ``z`` returns) is finite (every replica is reset to z, so a non-finite z makes every
+    learner fail)."""
+    if callable(z):
+        z = z()
     bad = int((~torch.isfinite(z)).sum())  # one read, on the way out
     if bad:
         state = (f"the central model z itself holds NaN/Inf ({bad} of {z.numel()} values), so "

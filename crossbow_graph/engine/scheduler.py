@@ -726,13 +726,22 @@ class Scheduler(RoundInterpreter):
             self._cuda.ops.wait_host(event)
             if d < 0:  # the ranks' count of new faults of round t's all-reduce
                 if host.item() > 0:
-                    self.faults.share(self.comm, t, self.num_learners, self.states[0].z)
+                    self.faults.share(self.comm, t, self.num_learners, self._settled_z(0))
                 continue
             rows = [a + r for r in host.nonzero().flatten().tolist()]
             if rows and self.states[d].optim_rows is not None:
                 self.states[d].optim_rows.reset(rows)  # their next step starts fresh
             self.faults.record(self.states[d], rows, round_index=t, num_learners=self.num_learners,
-                               rank=self.rank)
+                               rank=self.rank, settled_z=self._settled_z(d))
+
+    def _settled_z(self, d: int) -> Callable[[], torch.Tensor]:
+        """A function returning device d's z once every stream's work so far is done (for a
+        DivergenceError's message, read on the host only when one is raised)."""
+        def settled() -> torch.Tensor:
+            self.join()
+            self._cuda.ops.synchronize([s.torch_device for s in self.states])
+            return self.states[d].z
+        return settled
 
     def _take_spans(self, *, block: bool) -> None:
         """The GPU times of the finished tasks into ``sync_seconds``, ``sync_exposed_seconds``
