@@ -3,8 +3,10 @@ generator, determinism and resume through it, and the settings the plan refuses.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import random
+import signal
 import warnings
 from collections import namedtuple
 
@@ -379,3 +381,91 @@ def test_samples_of_different_sizes_without_a_collate_fn_are_a_clear_error():
     with pytest.raises(ValueError, match="collate_fn that pads"):
         plan.fit(Ragged(), progress=False)
     assert plan.rounds_done == 0
+
+
+class Points(Dataset):
+    """``n`` points of 6 features and a binary label, read one by one (not a TensorDataset, so
+    that a DataLoader with workers loads them)."""
+
+    def __init__(self, n: int) -> None:
+        self.x = torch.randn(n, 6, generator=torch.Generator().manual_seed(n))
+        self.y = (self.x[:, 0] > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class SetReplicas(Hook):
+    """``plan.set_replicas(m)`` after the rounds of ``changes`` (round → m), as the auto-tuner
+    changes m between rounds."""
+
+    mutates_replicas = False
+
+    def __init__(self, changes: dict[int, int]) -> None:
+        self.changes = changes
+
+    def after_round(self, ctx) -> None:
+        m = self.changes.get(ctx.plan.rounds_done)
+        if m is not None:
+            ctx.plan.set_replicas(m)
+
+
+@contextlib.contextmanager
+def deadline(seconds: int, what: str):
+    """Fails the test with TimeoutError when the block runs past ``seconds`` (a hang), instead
+    of hanging the test run (SIGALRM: its handler runs in the main thread, between waits)."""
+    def expired(signum, frame):
+        raise TimeoutError(f"{what} did not finish within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# (devices, samples, {round: m}) whose m changes put a round of the new k across the last batch
+# that a loader sized for the rounds of the epoch's first k would load (b = 4, 3 epochs)
+SPANNING = [(1, 100, {10: 3, 20: 2}), (2, 81, {1: 1, 5: 3, 8: 2}), (1, 77, {1: 2, 6: 3, 9: 2}),
+            (2, 108, {5: 3, 8: 2}), (1, 101, {3: 2, 19: 3, 20: 3}), (1, 67, {5: 3, 12: 1, 14: 2}),
+            (2, 73, {1: 2, 7: 2, 8: 3}), (1, 88, {8: 1, 11: 3, 16: 2}), (2, 94, {1: 2, 7: 1, 8: 2}),
+            (1, 100, {15: 2, 22: 3}), (2, 110, {4: 1, 5: 3, 10: 2}), (1, 69, {3: 1, 8: 2, 13: 3})]
+
+
+def _m_changes(case: int) -> tuple[int, int, dict[int, int]]:
+    """Case ``case``'s devices, samples and m changes: ``SPANNING``, then seeded ones."""
+    if case < len(SPANNING):
+        return SPANNING[case]
+    g = random.Random(case)
+    devices, n = g.choice((1, 2)), g.randrange(60, 111)
+    fewest = 3 * (n // (devices * 3 * 4))  # 3 epochs at k = 3 per device, b = 4
+    rounds = sorted(g.sample(range(1, fewest), 3))
+    return devices, n, {r: g.randint(1, 3) for r in rounds}
+
+
+@pytest.mark.parametrize("case", range(20))
+def test_m_changes_under_persistent_loader_workers_finish_with_the_plans_batches(case):
+    """The tuner's m changes between rounds (``set_replicas`` from a hook; several near an
+    epoch's end) under a DataLoader with 2 persistent workers: the fit finishes (a hang fails
+    at the deadline), and its weights are those of the same fit loaded in this process (the
+    plan's batches, every learner's) bit for bit."""
+    devices, n, changes = _m_changes(case)
+    weights = []
+    for workers in (2, 0):
+        torch.manual_seed(0)
+        plan = cg.compile(nn.Linear(6, 2), (torch.ones(1, 6),), F.cross_entropy, batch_size=4,
+                          devices=devices, replicas=1, executor="inline")
+        data = DataLoader(Points(n), batch_size=4, num_workers=workers,
+                          persistent_workers=workers > 0)
+        with deadline(60, f"the fit of case {case} ({n} samples, m changes {changes})"):
+            plan.fit(data, 3, seed=case, progress=False, hooks=[SetReplicas(changes)])
+        weights.append(plan.central_weights())
+    assert plan.rounds_done > max(changes)  # every change happened
+    assert torch.equal(weights[0], weights[1])
+    assert mp.active_children() == []
+

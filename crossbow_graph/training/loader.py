@@ -119,11 +119,14 @@ class _LearnerBatchView(Dataset):
 
 class _BatchKeys(Sampler):
     """The DataLoader's sampler: the keys ``(epoch, q, order[q:q+b])`` of this process's learner
-    batches, from ``position`` of the epoch's ``order`` on, in the order the rounds take them,
-    up to the last full round of k = ``num_learners`` (this rank's) learners of b = ``batch_size``
-    samples. In one process the rounds take every batch in turn, q = position, position + b, …,
-    whatever k is; under torchrun rank r takes, of each round at p, the batches
-    q = p + (r·k + j)·b. Set by ``RoundLoader`` before each ``iter``."""
+    batches, from ``position`` of the epoch's ``order`` on, in the order the rounds take them.
+    In one process the rounds take every batch in turn, q = position, position + b, …, whatever
+    k is, so the keys run to the epoch's last full batch of b = ``batch_size`` samples and a
+    change of k between rounds needs no new iterator (at most k − 1 batches of the epoch's last,
+    partial round are loaded and not used). Under torchrun rank r takes, of each round at p, the
+    batches q = p + (r·k + j)·b of k = ``num_learners`` (this rank's) learners, up to the last
+    full round of every rank's learners, and a change of k restarts at a round's first batch.
+    Set by ``RoundLoader`` before each ``iter``."""
 
     def __init__(self) -> None:
         self.order = torch.zeros(0, dtype=torch.int64)
@@ -131,7 +134,8 @@ class _BatchKeys(Sampler):
         self.rank, self.world_size = 0, 1
 
     def __iter__(self) -> Iterator[tuple[int, int, list[int]]]:
-        k, b, e = self.num_learners, self.batch_size, self.epoch
+        b, e = self.batch_size, self.epoch
+        k = self.num_learners if self.world_size > 1 else 1  # one process: batch after batch
         n = k * b * self.world_size  # one round of every rank's learners
         end = self.position + (len(self.order) - self.position) // n * n
         for p in range(self.position, end, n):
@@ -150,9 +154,8 @@ class RoundLoader:
     learner batch: b samples of the epoch's order, collated alone in a worker. An epoch's items
     come from one iterator, started at ``start_epoch``. A change of k between rounds (the
     auto-tuner) keeps it in one process, where the rounds take the same batches in the same order
-    whatever k is; a change of b (policies), or of k under torchrun, restarts it at that round's
-    position (the items loaded ahead are dropped), as does a round past the iterator's last
-    (k grew near the epoch's end).
+    whatever k is (its keys run to the epoch's last full batch); a change of b (policies), or of
+    k under torchrun, restarts it at that round's position (the items loaded ahead are dropped).
 
     Args:
         loader: the user's DataLoader (``check_loader`` passed).
@@ -201,7 +204,7 @@ class RoundLoader:
         assert torch.equal(keys.order[first:first + k * b], indices), "not the epoch order's"
         if self.expect is None or not self._continues(first, k, b):
             self._restart(position, k, b)
-        batches = [self._item(q, k, b) for q in range(first, first + k * b, b)]
+        batches = [self._item(q) for q in range(first, first + k * b, b)]
         after = position + len(indices) * keys.world_size
         self.expect = (after + keys.rank * k * b, k, b)
         self.starts = {t: p for t, p in self.starts.items() if t >= round_index}
@@ -213,16 +216,14 @@ class RoundLoader:
         q, k0, b0 = self.expect
         return q == first and b0 == b and (k0 == k or self.keys.world_size == 1)
 
-    def _item(self, q: int, k: int, b: int) -> Any:
-        """The learner batch at position ``q``, waiting for it if needed (restarting there if the
-        iterator ended first: in one process, where batches follow each other, after k grew)."""
+    def _item(self, q: int) -> Any:
+        """The learner batch at position ``q``, waiting for it if needed. The iterator holds every
+        batch of the rounds ``load`` asks for: its keys run to the epoch's last full batch in one
+        process, and to the last full round of its k under torchrun, where a new k restarts it."""
         while q not in self.waiting:
-            try:
-                got, batch = next(self.iterator)
-            except StopIteration:
-                assert self.keys.world_size == 1  # under torchrun a new k restarts in load
-                self._restart(q, k, b)
-                continue
+            item = next(self.iterator, None)
+            assert item is not None, f"the DataLoader's keys ended before learner batch {q}"
+            got, batch = item
             self.waiting[got] = batch
         return self.waiting.pop(q)
 
@@ -240,8 +241,12 @@ class RoundLoader:
         self.iterator, self.expect, self.waiting = None, None, {}
 
     def close(self) -> None:
-        """Stop the DataLoader's workers (persistent ones too): the fit is over."""
+        """Stop the DataLoader's workers (persistent ones too, also when an exception came while
+        ``iter`` restarted them): the fit is over."""
+        kept = getattr(self.loader, "_iterator", None)  # torch's iterator of persistent workers
         self._drop_iterator(stop=True)
+        if kept is not None:
+            _stop_workers(kept)
         self.loader = None
 
 
