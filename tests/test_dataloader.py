@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import random
+import re
 import signal
 import warnings
 from collections import namedtuple
@@ -469,3 +470,67 @@ def test_m_changes_under_persistent_loader_workers_finish_with_the_plans_batches
     assert torch.equal(weights[0], weights[1])
     assert mp.active_children() == []
 
+
+def _scores(model: nn.Module, ds: Points, idx: list[int]) -> tuple[float, float]:
+    """The hand computation: accuracy and mean cross-entropy of ``model`` on samples ``idx``."""
+    with torch.no_grad():
+        out = model(ds.x[idx])
+    hits = int((out.argmax(1) == ds.y[idx]).sum())
+    return hits / len(idx), float(F.cross_entropy(out, ds.y[idx]))
+
+
+def test_an_evaluation_dataloader_scores_exactly_the_samples_it_yields():
+    """Plan.evaluate and fit's eval_dataset score the samples a DataLoader's sampler or
+    batch_sampler yields, not its whole dataset: against the accuracy and loss computed by hand
+    on the subset (the samples z classifies right, and those it gets wrong), torch's RNG left
+    as it was."""
+    ds = Points(120)
+    torch.manual_seed(0)
+    plan = cg.compile(nn.Linear(6, 2), (torch.ones(1, 6),), F.cross_entropy, batch_size=4,
+                      devices=1, replicas=2, executor="inline")
+    with torch.no_grad():
+        right = (plan.central_model()(ds.x).argmax(1) == ds.y).nonzero().flatten().tolist()
+    wrong = sorted(set(range(len(ds))) - set(right))
+    assert 10 < len(right) < 110  # the whole set scores neither 0 nor 1
+    for idx, want_acc in ((right, 1.0), (wrong, 0.0)):
+        want = _scores(plan.central_model(), ds, idx)
+        assert want[0] == want_acc
+        for data in (DataLoader(ds, batch_size=8, sampler=torch.utils.data.SubsetRandomSampler(idx)),
+                     DataLoader(ds, batch_sampler=BatchSampler(idx, 7, drop_last=False))):
+            rng = torch.get_rng_state()
+            acc, loss = plan.evaluate(data, batch_size=16)
+            assert torch.equal(torch.get_rng_state(), rng)
+            assert acc == want[0]
+            assert loss == pytest.approx(want[1], rel=1e-5)
+    drawn = DataLoader(ds, sampler=WeightedRandomSampler(  # with replacement, from `right` only
+        torch.tensor([float(i in right) for i in range(len(ds))]), 50))
+    assert plan.evaluate(drawn)[0] == 1.0
+
+    h = plan.fit(ds, 1, progress=False, eval_dataset=DataLoader(
+        ds, sampler=torch.utils.data.SubsetRandomSampler(wrong[:20])))
+    acc, loss = _scores(plan.central_model(), ds, wrong[:20])
+    assert h.evals[-1].test_accuracy == acc
+    assert h.evals[-1].test_loss == pytest.approx(loss, rel=1e-5)
+    empty = DataLoader(ds, sampler=torch.utils.data.SubsetRandomSampler([]))
+    with pytest.raises(ValueError, match=r"eval_dataset is a DataLoader whose sampler "
+                                         r"\(SubsetRandomSampler\) yields no sample of its 120"):
+        plan.evaluate(empty)
+
+
+def test_a_dataloaders_own_batch_size_is_a_warning_once_per_fit_naming_the_plans_b():
+    """b = 4 is the plan's: a DataLoader's batch_size=16 yields to it with one warning per fit,
+    at the line that called fit; the same b is silent."""
+    plan = make_plan(devices=1, replicas=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan.fit(loader(batch_size=16, num_workers=2), 2, progress=False)
+    said = [w for w in caught if "batch_size=16" in str(w.message)]
+    assert len(said) == 1 and said[0].category is UserWarning and said[0].filename == __file__
+    assert re.search(r"train_dataset is a DataLoader with batch_size=16, but every learner takes "
+                     r"batches of the plan's b = 4 .* pass DataLoader\(\.\.\., batch_size=4\) to "
+                     r"silence", str(said[0].message))
+    assert plan.rounds_done == 2 * 96 // 4  # b = 4 samples a round
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan.fit(loader(batch_size=4), 1, progress=False)
+    assert not [w for w in caught if "batch_size" in str(w.message)]

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
+from torch.utils.data import (DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler,
+                              TensorDataset, default_collate, default_convert)
 
 from ..engine.batches import LearnerBatches
 from ..engine.settings import RunSettings
 
 __all__ = ["BatchSchedule", "CollateFetch", "DeviceFetch", "LearnerFetch", "as_dataset", "collate_of",
-           "device_fetch", "make_fetch", "read_samples"]
+           "device_fetch", "make_fetch", "read_samples", "yields_every_sample"]
 
 
 def as_dataset(data: Any, what: str = "train_dataset") -> Dataset:
@@ -92,10 +93,20 @@ class BatchSchedule:
 
 def collate_of(data: Any) -> Callable[[list], Any] | None:
     """A DataLoader's collate_fn unless it is ``default_collate`` (what the plan uses without
-    one); None for a Dataset."""
-    if isinstance(data, DataLoader) and data.collate_fn is not default_collate:
+    one) or ``default_convert`` (what ``batch_size=None`` sets: samples left uncollated); None
+    for a Dataset."""
+    if isinstance(data, DataLoader) and data.collate_fn not in (default_collate, default_convert):
         return data.collate_fn
     return None
+
+
+def yields_every_sample(loader: DataLoader) -> bool:
+    """Whether the DataLoader's sampler yields every sample of its dataset once: a
+    ``SequentialSampler`` or a plain ``RandomSampler`` (what ``shuffle=False``/``True`` make)."""
+    sampler = loader.sampler
+    return type(sampler) is SequentialSampler or (
+        type(sampler) is RandomSampler and not sampler.replacement
+        and sampler.num_samples == len(loader.dataset))
 
 
 def make_fetch(dataset: Dataset, collate_fn: Callable[[list], Any] | None = None

@@ -12,15 +12,15 @@ plan's rounds, one item per learner: learner j's b indices of round t, read and 
 from __future__ import annotations
 
 import random
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, Dataset, RandomSampler, Sampler,
-                              SequentialSampler)
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from ..engine.batches import LearnerBatches
-from .data import collate_of, read_samples
+from .data import collate_of, read_samples, yields_every_sample
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -30,12 +30,15 @@ __all__ = ["RoundLoader", "check_loader", "seed_learner_batch"]
 _LOADER_TAG = 0x4C4F4144  # "LOAD": keeps these seeds apart from seed_host_rngs' (engine/learners.py)
 
 
-def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset") -> None:
+def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset",
+                 stacklevel: int = 2) -> None:
     """Refuse a DataLoader whose settings choose the samples, which the plan does.
 
     A ``SequentialSampler`` or a plain ``RandomSampler`` (what ``shuffle=False``/``True`` make)
     is accepted: the order is ``fit(shuffle=, seed=)``'s. ``batch_size`` and ``drop_last`` are
-    not used (b is the plan's; a last partial round is always dropped).
+    not used (b is the plan's; a last partial round is always dropped): a ``batch_size`` other
+    than b = ``batch_size`` is a ``UserWarning`` (once per call: ``Plan.fit`` checks once) that
+    says b is used and that ``DataLoader(..., batch_size=b)`` silences it.
 
     Raises:
         ValueError: a ``batch_sampler``, ``batch_size=None`` (single samples), or a sampler
@@ -56,15 +59,17 @@ def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset
                          f"samples without collating them, but the learners take batches: "
                          f"{plan_draws}; give it a batch_size (b is the plan's) and, if "
                          "needed, a collate_fn")
-    sampler = loader.sampler
-    plain = type(sampler) is SequentialSampler or (
-        type(sampler) is RandomSampler and not sampler.replacement
-        and sampler.num_samples == len(loader.dataset))
-    if not plain or type(batches) is not BatchSampler:
-        raise ValueError(f"{what} is a DataLoader with a sampler ({type(sampler).__name__}), "
+    if not yields_every_sample(loader) or type(batches) is not BatchSampler:
+        raise ValueError(f"{what} is a DataLoader with a sampler ({type(loader.sampler).__name__}), "
                          f"but {plan_draws}, so it cannot follow the sampler; pass the DataLoader "
                          "without it (shuffle= is fit's), and to weight or select samples give "
                          "a dataset that does (e.g. a torch.utils.data.Subset)")
+    if loader.batch_size != batch_size:
+        warnings.warn(f"{what} is a DataLoader with batch_size={loader.batch_size}, but every "
+                      f"learner takes batches of the plan's b = {batch_size} (compile(batch_size=)"
+                      ", or what a policy set), and its batch_size is not used; pass "
+                      f"DataLoader(..., batch_size={batch_size}) to silence this warning",
+                      UserWarning, stacklevel=stacklevel)
 
 
 def seed_learner_batch(fit_seed: int, epoch: int, position: int) -> None:

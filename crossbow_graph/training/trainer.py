@@ -195,7 +195,7 @@ class Trainer:
         train = as_dataset(self.train_dataset)
         k, b = plan.num_learners, plan.batch_size
         if isinstance(self.train_dataset, DataLoader):
-            check_loader(self.train_dataset, b)
+            check_loader(self.train_dataset, b, stacklevel=6)  # the caller of Plan.fit
         if len(train) < k * b:
             raise ValueError(
                 f"train_dataset has {len(train)} samples, fewer than one round of {k} learners × "
