@@ -295,7 +295,8 @@ class Trainer:
         self.speculate = all(not getattr(h, "mutates_replicas", True) for h in hooks)
         self.ctx = ctx = FitContext(plan=plan, history=self.history,
                                     train_seconds=plan.train_seconds,
-                                    rounds_per_epoch=n // (plan.num_learners * plan.batch_size))
+                                    rounds_per_epoch=n // (plan.num_learners * plan.batch_size),
+                                    end_epoch=self.end_epoch)
         ctx.extra["num_samples"] = n  # N, samples per epoch
         for hook in hooks:
             hook.before_fit(ctx)
