@@ -24,6 +24,7 @@ from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook
 from .data import BatchSchedule, LearnerFetch, as_dataset, collate_of, device_fetch, make_fetch
+from .evaluation import eval_samples
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
 from .lr_schedule import LRSchedulerHook, check_lr_scheduler
@@ -227,7 +228,7 @@ class Trainer:
         first = self.schedule.next_round(self.schedule.order(0), 0, 1, b)
         check_first_batch(plan, self.train, self.fetch, first)
         if self.eval_dataset is not None:
-            evals = as_dataset(self.eval_dataset, "eval_dataset")
+            evals = eval_samples(self.eval_dataset)  # the samples evaluation scores
             check_first_batch(plan, evals, make_fetch(evals, collate_of(self.eval_dataset)),
                               torch.arange(min(b, len(evals))), what="eval_dataset")
 
