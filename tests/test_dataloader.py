@@ -401,12 +401,12 @@ class Points(Dataset):
 
 class SetReplicas(Hook):
     """``plan.set_replicas(m)`` after the rounds of ``changes`` (round → m), as the auto-tuner
-    changes m between rounds."""
+    changes m between rounds; with ``ahead``, worker processes learn the next round while it
+    runs (``mutates_replicas = False``; the auto-tuner's is True)."""
 
-    mutates_replicas = False
-
-    def __init__(self, changes: dict[int, int]) -> None:
+    def __init__(self, changes: dict[int, int], ahead: bool = False) -> None:
         self.changes = changes
+        self.mutates_replicas = not ahead
 
     def after_round(self, ctx) -> None:
         m = self.changes.get(ctx.plan.rounds_done)
@@ -452,19 +452,21 @@ def _m_changes(case: int) -> tuple[int, int, dict[int, int]]:
 @pytest.mark.parametrize("case", range(20))
 def test_m_changes_under_persistent_loader_workers_finish_with_the_plans_batches(case):
     """The tuner's m changes between rounds (``set_replicas`` from a hook; several near an
-    epoch's end) under a DataLoader with 2 persistent workers: the fit finishes (a hang fails
-    at the deadline), and its weights are those of the same fit loaded in this process (the
-    plan's batches, every learner's) bit for bit."""
+    epoch's end) under a DataLoader with 2 persistent workers, inline and with worker processes
+    (rounds one after the other, as with the auto-tuner, or the next learnt ahead): the fit
+    finishes (a hang fails at the deadline), and its weights are those of the same fit without
+    DataLoader workers (the plan's batches, every learner's) bit for bit."""
     devices, n, changes = _m_changes(case)
+    executor, ahead = (("inline", False), ("process", False), ("process", True))[case % 3]
     weights = []
     for workers in (2, 0):
         torch.manual_seed(0)
         plan = cg.compile(nn.Linear(6, 2), (torch.ones(1, 6),), F.cross_entropy, batch_size=4,
-                          devices=devices, replicas=1, executor="inline")
+                          devices=devices, replicas=1, executor=executor)
         data = DataLoader(Points(n), batch_size=4, num_workers=workers,
                           persistent_workers=workers > 0)
         with deadline(60, f"the fit of case {case} ({n} samples, m changes {changes})"):
-            plan.fit(data, 3, seed=case, progress=False, hooks=[SetReplicas(changes)])
+            plan.fit(data, 3, seed=case, progress=False, hooks=[SetReplicas(changes, ahead)])
         weights.append(plan.central_weights())
     assert plan.rounds_done > max(changes)  # every change happened
     assert torch.equal(weights[0], weights[1])
@@ -495,7 +497,9 @@ def test_an_evaluation_dataloader_scores_exactly_the_samples_it_yields():
     for idx, want_acc in ((right, 1.0), (wrong, 0.0)):
         want = _scores(plan.central_model(), ds, idx)
         assert want[0] == want_acc
-        for data in (DataLoader(ds, batch_size=8, sampler=torch.utils.data.SubsetRandomSampler(idx)),
+        subset = torch.utils.data.SubsetRandomSampler(idx)
+        for data in (DataLoader(ds, batch_size=8, sampler=subset),
+                     DataLoader(ds, batch_size=None, sampler=subset),  # single samples
                      DataLoader(ds, batch_sampler=BatchSampler(idx, 7, drop_last=False))):
             rng = torch.get_rng_state()
             acc, loss = plan.evaluate(data, batch_size=16)
