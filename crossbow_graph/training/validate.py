@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
+from ..compiler.outputs import model_loss
 from ..engine.batches import single
 from ..engine.inputs import split_inputs
 from .data import CollateFetch, LearnerFetch
@@ -107,7 +108,7 @@ def _check_keywords(plan: "Plan", batch: Any, kwargs: dict[str, Any], what: str)
     keys = ", ".join(repr(k) for k in kwargs)
     pairs = ("return (inputs, target) pairs such as (x, y), or a dict such as {'x': x, "
              "'labels': y} whose keys are forward's parameters")
-    if whole and "labels" not in kwargs and plan.loss_fn is not None:
+    if whole and "labels" not in kwargs and plan.loss_fn is not model_loss:
         raise ValueError(f"{what}'s samples are dicts ({keys}) without a 'labels' entry: a dict "
                          "sample is the model's keyword inputs, and its target, what loss_fn "
                          f"gets, is its 'labels' entry; {pairs}")
@@ -147,7 +148,7 @@ def _check_text(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], tar
                              "first: token ids from a tokenizer in the Dataset's __getitem__, or "
                              "a DataLoader collate_fn that tokenizes and pads each batch")
     texts = _texts(target)
-    if texts and plan.loss_fn is not None:
+    if texts and plan.loss_fn is not model_loss:
         raise ValueError(f"{what}: the target of a sample is a str ({texts[0][:40]!r}), but "
                          "loss_fn takes tensors; map the class names to integer class indices "
                          "(e.g. torch.tensor(classes.index(name))) in the Dataset's __getitem__")
