@@ -35,8 +35,8 @@ from .errors import check_flag, is_count
 from .kernels.select import plan_kernels, select_backend
 from .training.batchnorm import BNRecalibration
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
-from .training.data import as_dataset, collate_of
-from .training.evaluation import evaluate_model
+from .training.data import collate_of
+from .training.evaluation import eval_samples, evaluate_model
 from .training.history import History
 from .training.hooks import Hook
 from .training.options import FitOptions, as_hooks
@@ -748,10 +748,11 @@ class Plan:
         ``output.logits`` of a HuggingFace ModelOutput, or the first tensor of a tuple or dict)
         against integer targets ``[N]``; None otherwise, with a ``UserWarning`` (once per plan)
         that says why and names ``metric_fn``.
-        ``dataset``: a Dataset, or a DataLoader whose collate_fn collates each batch of
-        ``batch_size`` samples (its other settings are not used).
+        ``dataset``: a Dataset, or a DataLoader: the samples its sampler (or batch_sampler)
+        yields are scored (training/evaluation.py ``eval_samples``), its collate_fn collates
+        each batch of ``batch_size`` samples (its other settings are not used).
         """
-        data, dataset = dataset, as_dataset(dataset, "eval_dataset")
+        data, dataset = dataset, eval_samples(dataset)
         self._refresh_central()
         result = evaluate_model(self._central, self.loss_fn, dataset, batch_size=batch_size,
                                 device=self.states[0].torch_device, metric_fn=metric_fn,
@@ -795,7 +796,7 @@ class Plan:
                 step, as ``torch.nn.utils.clip_grad_norm_`` does (docs/optimizers.md); None:
                 no clipping.
             eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch (a DataLoader:
-                its ``collate_fn`` collates each evaluation batch).
+                the samples its sampler yields, each batch collated by its ``collate_fn``).
             metrics_every: N, rounds per metrics window (``History.metrics``; tuning/metrics.py),
                 or a ``crossbow_graph.MetricsMonitor``; None: no metrics.
             lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler over ``plan.optimizer``,

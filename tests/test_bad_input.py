@@ -627,3 +627,103 @@ def test_checkpoint_dir_with_another_runs_checkpoints_and_resume_false(tmp_path)
                                               r"resume=True to continue that run, another "
                                               r"checkpoint_dir for a new one, or delete its "
                                               r"ckpt-\*\.pt files", checkpoint_dir=str(tmp_path))
+
+
+# -- the shape of the data: samples, datasets, hooks (before round 0) ------------------------
+
+class _Samples(Dataset):
+    """32 samples made by ``make(i)``."""
+
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        return self.make(i)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda i: {"x": torch.zeros(4), "y": torch.tensor(i % 3)},
+     r"train_dataset's samples are dicts \('x', 'y'\) without a 'labels' entry: a dict sample is "
+     r"the model's keyword inputs, and its target, what loss_fn gets, is its 'labels' entry; "
+     r"return \(inputs, target\) pairs such as \(x, y\)"),
+    (lambda i: {"x": torch.zeros(4), "labels": torch.tensor(i % 3)},
+     r"train_dataset's samples are dicts \('x', 'labels'\) of keyword inputs, all passed, the "
+     r"'labels' entry too, to Sequential.forward\(input\) by name, which takes no 'x', 'labels'; "
+     r"return \(inputs, target\) pairs"),
+    (lambda i: ({"x": torch.zeros(4)}, i % 3),
+     r"pairs whose inputs are dicts \('x'\) of keyword inputs, all passed to "
+     r"Sequential.forward\(input\) by name, which takes no 'x'"),
+    (lambda i: ("a cat on a mat", i % 3),
+     r"train_dataset: input 0 \('input'\) of a sample is a str \('a cat on a mat'\), but the model "
+     r"takes a tensor there \(compiled for example inputs of shape \[4\] per sample\); turn the "
+     r"text into tensors first: token ids from a tokenizer"),
+    (lambda i: (torch.zeros(4), "cat"),
+     r"train_dataset: the target of a sample is a str \('cat'\), but loss_fn takes tensors; map "
+     r"the class names to integer class indices"),
+])
+def test_samples_the_model_cannot_take_are_clear_errors_before_round_0(make, message):
+    p = plan()
+    with pytest.raises(ValueError, match=message):
+        p.fit(_Samples(make), 1, progress=False)
+    assert p.rounds_done == 0
+
+
+def test_a_dict_sample_with_labels_for_a_model_that_takes_them_trains():
+    class Named(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny()
+
+        def forward(self, x, labels=None):
+            return self.net(x)
+
+    p = cg.compile(Named(), {"x": torch.zeros(1, 4)}, F.cross_entropy, batch_size=4, devices=1,
+                   replicas=1)
+    p.fit(_Samples(lambda i: {"x": torch.zeros(4), "labels": torch.tensor(i % 3)}), 1,
+          progress=False)
+    assert p.rounds_done == 8
+
+
+@pytest.mark.parametrize("data, message", [
+    (lambda x, y: (x, y), r"train_dataset is a tuple of 2 tensors \(\[32, 4\], \[32\]\), not a "
+                          r"Dataset; wrap it: TensorDataset\(X, Y\)"),
+    (lambda x, y: [x, y], r"train_dataset is a list of 2 tensors"),
+    (lambda x, y: x, r"train_dataset is a Tensor of shape \[32, 4\], not a Dataset of \(inputs, "
+                     r"target\) samples; wrap it with its targets: TensorDataset\(X, Y\)"),
+])
+def test_tensors_given_as_a_dataset_are_a_clear_error(data, message):
+    x, y = ds().tensors
+    p = plan()
+    with pytest.raises(TypeError, match=message):
+        p.fit(data(x, y), 1, progress=False)
+    with pytest.raises(TypeError, match=message.replace("train_dataset", "eval_dataset")):
+        p.evaluate(data(x, y))
+    assert p.rounds_done == 0
+
+
+def test_a_plain_function_as_a_hook_is_a_clear_error():
+    def log_round(ctx):
+        pass
+
+    p = plan()
+    with pytest.raises(TypeError, match=r"hooks: the function log_round is not a hook \(no "
+                                        r"before_fit, .*after_fit\): .*subclass crossbow_graph.Hook "
+                                        r"and override the one you need, e.g. class Every\(cg.Hook\)"
+                                        r": def after_round\(self, ctx\): log_round\(ctx\)"):
+        p.fit(ds(), 1, progress=False, hooks=[log_round])
+    with pytest.raises(TypeError, match=r"policies: 3 \(of type int\) is not a hook"):
+        p.fit(ds(), 1, progress=False, policies=[3])
+    assert p.rounds_done == 0
+
+
+def test_an_evaluation_sampler_that_yields_nothing_is_a_clear_error():
+    data = torch.utils.data.DataLoader(ds(), sampler=torch.utils.data.SubsetRandomSampler([]))
+    with pytest.raises(ValueError, match=r"eval_dataset is a DataLoader whose sampler "
+                                         r"\(SubsetRandomSampler\) yields no sample of its 32; "
+                                         r"give it a sampler that yields the samples to score"):
+        p = plan()
+        p.fit(ds(), 1, progress=False, eval_dataset=data)
+    assert p.rounds_done == 0

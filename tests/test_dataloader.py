@@ -3,8 +3,11 @@ generator, determinism and resume through it, and the settings the plan refuses.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import random
+import re
+import signal
 import warnings
 from collections import namedtuple
 
@@ -379,3 +382,159 @@ def test_samples_of_different_sizes_without_a_collate_fn_are_a_clear_error():
     with pytest.raises(ValueError, match="collate_fn that pads"):
         plan.fit(Ragged(), progress=False)
     assert plan.rounds_done == 0
+
+
+class Points(Dataset):
+    """``n`` points of 6 features and a binary label, read one by one (not a TensorDataset, so
+    that a DataLoader with workers loads them)."""
+
+    def __init__(self, n: int) -> None:
+        self.x = torch.randn(n, 6, generator=torch.Generator().manual_seed(n))
+        self.y = (self.x[:, 0] > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class SetReplicas(Hook):
+    """``plan.set_replicas(m)`` after the rounds of ``changes`` (round → m), as the auto-tuner
+    changes m between rounds; with ``ahead``, worker processes learn the next round while it
+    runs (``mutates_replicas = False``; the auto-tuner's is True)."""
+
+    def __init__(self, changes: dict[int, int], ahead: bool = False) -> None:
+        self.changes = changes
+        self.mutates_replicas = not ahead
+
+    def after_round(self, ctx) -> None:
+        m = self.changes.get(ctx.plan.rounds_done)
+        if m is not None:
+            ctx.plan.set_replicas(m)
+
+
+@contextlib.contextmanager
+def deadline(seconds: int, what: str):
+    """Fails the test with TimeoutError when the block runs past ``seconds`` (a hang), instead
+    of hanging the test run (SIGALRM: its handler runs in the main thread, between waits)."""
+    def expired(signum, frame):
+        raise TimeoutError(f"{what} did not finish within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# (devices, samples, {round: m}) whose m changes put a round of the new k across the last batch
+# that a loader sized for the rounds of the epoch's first k would load (b = 4, 3 epochs)
+SPANNING = [(1, 100, {10: 3, 20: 2}), (2, 81, {1: 1, 5: 3, 8: 2}), (1, 77, {1: 2, 6: 3, 9: 2}),
+            (2, 108, {5: 3, 8: 2}), (1, 101, {3: 2, 19: 3, 20: 3}), (1, 67, {5: 3, 12: 1, 14: 2}),
+            (2, 73, {1: 2, 7: 2, 8: 3}), (1, 88, {8: 1, 11: 3, 16: 2}), (2, 94, {1: 2, 7: 1, 8: 2}),
+            (1, 100, {15: 2, 22: 3}), (2, 110, {4: 1, 5: 3, 10: 2}), (1, 69, {3: 1, 8: 2, 13: 3})]
+
+
+def _m_changes(case: int) -> tuple[int, int, dict[int, int]]:
+    """Case ``case``'s devices, samples and m changes: ``SPANNING``, then seeded ones."""
+    if case < len(SPANNING):
+        return SPANNING[case]
+    g = random.Random(case)
+    devices, n = g.choice((1, 2)), g.randrange(60, 111)
+    fewest = 3 * (n // (devices * 3 * 4))  # 3 epochs at k = 3 per device, b = 4
+    rounds = sorted(g.sample(range(1, fewest), 3))
+    return devices, n, {r: g.randint(1, 3) for r in rounds}
+
+
+@pytest.mark.parametrize("case", range(20))
+def test_m_changes_under_persistent_loader_workers_finish_with_the_plans_batches(case):
+    """The tuner's m changes between rounds (``set_replicas`` from a hook; several near an
+    epoch's end) under a DataLoader with 2 persistent workers, inline and with worker processes
+    (rounds one after the other, as with the auto-tuner, or the next learnt ahead): the fit
+    finishes (a hang fails at the deadline), and its weights are those of the same fit without
+    DataLoader workers (the plan's batches, every learner's) bit for bit."""
+    devices, n, changes = _m_changes(case)
+    executor, ahead = (("inline", False), ("process", False), ("process", True))[case % 3]
+    weights = []
+    for workers in (2, 0):
+        torch.manual_seed(0)
+        plan = cg.compile(nn.Linear(6, 2), (torch.ones(1, 6),), F.cross_entropy, batch_size=4,
+                          devices=devices, replicas=1, executor=executor)
+        data = DataLoader(Points(n), batch_size=4, num_workers=workers,
+                          persistent_workers=workers > 0)
+        with deadline(60, f"the fit of case {case} ({n} samples, m changes {changes})"):
+            plan.fit(data, 3, seed=case, progress=False, hooks=[SetReplicas(changes, ahead)])
+        weights.append(plan.central_weights())
+    assert plan.rounds_done > max(changes)  # every change happened
+    assert torch.equal(weights[0], weights[1])
+    assert mp.active_children() == []
+
+
+def _scores(model: nn.Module, ds: Points, idx: list[int]) -> tuple[float, float]:
+    """The hand computation: accuracy and mean cross-entropy of ``model`` on samples ``idx``."""
+    with torch.no_grad():
+        out = model(ds.x[idx])
+    hits = int((out.argmax(1) == ds.y[idx]).sum())
+    return hits / len(idx), float(F.cross_entropy(out, ds.y[idx]))
+
+
+def test_an_evaluation_dataloader_scores_exactly_the_samples_it_yields():
+    """Plan.evaluate and fit's eval_dataset score the samples a DataLoader's sampler or
+    batch_sampler yields, not its whole dataset: against the accuracy and loss computed by hand
+    on the subset (the samples z classifies right, and those it gets wrong), torch's RNG left
+    as it was."""
+    ds = Points(120)
+    torch.manual_seed(0)
+    plan = cg.compile(nn.Linear(6, 2), (torch.ones(1, 6),), F.cross_entropy, batch_size=4,
+                      devices=1, replicas=2, executor="inline")
+    with torch.no_grad():
+        right = (plan.central_model()(ds.x).argmax(1) == ds.y).nonzero().flatten().tolist()
+    wrong = sorted(set(range(len(ds))) - set(right))
+    assert 10 < len(right) < 110  # the whole set scores neither 0 nor 1
+    for idx, want_acc in ((right, 1.0), (wrong, 0.0)):
+        want = _scores(plan.central_model(), ds, idx)
+        assert want[0] == want_acc
+        subset = torch.utils.data.SubsetRandomSampler(idx)
+        for data in (DataLoader(ds, batch_size=8, sampler=subset),
+                     DataLoader(ds, batch_size=None, sampler=subset),  # single samples
+                     DataLoader(ds, batch_sampler=BatchSampler(idx, 7, drop_last=False))):
+            rng = torch.get_rng_state()
+            acc, loss = plan.evaluate(data, batch_size=16)
+            assert torch.equal(torch.get_rng_state(), rng)
+            assert acc == want[0]
+            assert loss == pytest.approx(want[1], rel=1e-5)
+    drawn = DataLoader(ds, sampler=WeightedRandomSampler(  # with replacement, from `right` only
+        torch.tensor([float(i in right) for i in range(len(ds))]), 50))
+    assert plan.evaluate(drawn)[0] == 1.0
+
+    h = plan.fit(ds, 1, progress=False, eval_dataset=DataLoader(
+        ds, sampler=torch.utils.data.SubsetRandomSampler(wrong[:20])))
+    acc, loss = _scores(plan.central_model(), ds, wrong[:20])
+    assert h.evals[-1].test_accuracy == acc
+    assert h.evals[-1].test_loss == pytest.approx(loss, rel=1e-5)
+    empty = DataLoader(ds, sampler=torch.utils.data.SubsetRandomSampler([]))
+    with pytest.raises(ValueError, match=r"eval_dataset is a DataLoader whose sampler "
+                                         r"\(SubsetRandomSampler\) yields no sample of its 120"):
+        plan.evaluate(empty)
+
+
+def test_a_dataloaders_own_batch_size_is_a_warning_once_per_fit_naming_the_plans_b():
+    """b = 4 is the plan's: a DataLoader's batch_size=16 yields to it with one warning per fit,
+    at the line that called fit; the same b is silent."""
+    plan = make_plan(devices=1, replicas=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan.fit(loader(batch_size=16, num_workers=2), 2, progress=False)
+    said = [w for w in caught if "batch_size=16" in str(w.message)]
+    assert len(said) == 1 and said[0].category is UserWarning and said[0].filename == __file__
+    assert re.search(r"train_dataset is a DataLoader with batch_size=16, but every learner takes "
+                     r"batches of the plan's b = 4 .* pass DataLoader\(\.\.\., batch_size=4\) to "
+                     r"silence", str(said[0].message))
+    assert plan.rounds_done == 2 * 96 // 4  # b = 4 samples a round
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan.fit(loader(batch_size=4), 1, progress=False)
+    assert not [w for w in caught if "batch_size" in str(w.message)]

@@ -5,24 +5,27 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
+from torch.utils.data import (DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler,
+                              TensorDataset, default_collate, default_convert)
 
 from ..engine.batches import LearnerBatches
 from ..engine.settings import RunSettings
 
 __all__ = ["BatchSchedule", "CollateFetch", "DeviceFetch", "LearnerFetch", "as_dataset", "collate_of",
-           "device_fetch", "make_fetch", "read_samples"]
+           "device_fetch", "make_fetch", "read_samples", "yields_every_sample"]
 
 
 def as_dataset(data: Any, what: str = "train_dataset") -> Dataset:
     """Accept a torch Dataset or a DataLoader (its dataset; the plan draws the batches).
 
     Raises:
-        TypeError: neither a Dataset nor a DataLoader.
+        TypeError: neither a Dataset nor a DataLoader (a tensor, or a tuple of tensors: the
+            message says to wrap them in a TensorDataset).
         ValueError: the dataset is empty, or an IterableDataset (no indices to draw from).
     """
     if isinstance(data, DataLoader):
         data = data.dataset
+    _refuse_tensors(data, what)
     if isinstance(data, IterableDataset):
         raise ValueError(f"{what} is an IterableDataset ({type(data).__name__}): the plan draws "
                          "each learner's samples by index from one seeded order per epoch, and an "
@@ -35,6 +38,19 @@ def as_dataset(data: Any, what: str = "train_dataset") -> Dataset:
         raise ValueError(f"{what} is empty (0 samples); pass a dataset with at least one batch "
                          "per learner")
     return data
+
+
+def _refuse_tensors(data: Any, what: str) -> None:
+    """TypeError for a tensor, or a tuple or list of tensors, given where a Dataset goes (they
+    index, but their items are rows, not ``(inputs, target)`` samples)."""
+    if isinstance(data, torch.Tensor):
+        raise TypeError(f"{what} is a Tensor of shape {list(data.shape)}, not a Dataset of "
+                        "(inputs, target) samples; wrap it with its targets: TensorDataset(X, Y)")
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        shapes = ", ".join(str(list(t.shape)) for t in data[:3]) + (", …" if len(data) > 3 else "")
+        raise TypeError(f"{what} is a {type(data).__name__} of {len(data)} tensors ({shapes}), "
+                        "not a Dataset; wrap it: TensorDataset(X, Y), whose samples are the "
+                        "pairs (X[i], Y[i])")
 
 
 class BatchSchedule:
@@ -92,10 +108,20 @@ class BatchSchedule:
 
 def collate_of(data: Any) -> Callable[[list], Any] | None:
     """A DataLoader's collate_fn unless it is ``default_collate`` (what the plan uses without
-    one); None for a Dataset."""
-    if isinstance(data, DataLoader) and data.collate_fn is not default_collate:
+    one) or ``default_convert`` (what ``batch_size=None`` sets: samples left uncollated); None
+    for a Dataset."""
+    if isinstance(data, DataLoader) and data.collate_fn not in (default_collate, default_convert):
         return data.collate_fn
     return None
+
+
+def yields_every_sample(loader: DataLoader) -> bool:
+    """Whether the DataLoader's sampler yields every sample of its dataset once: a
+    ``SequentialSampler`` or a plain ``RandomSampler`` (what ``shuffle=False``/``True`` make)."""
+    sampler = loader.sampler
+    return type(sampler) is SequentialSampler or (
+        type(sampler) is RandomSampler and not sampler.replacement
+        and sampler.num_samples == len(loader.dataset))
 
 
 def make_fetch(dataset: Dataset, collate_fn: Callable[[list], Any] | None = None

@@ -9,17 +9,19 @@ first tensor of a tuple or dict) when they are ``[N, C]`` and the target is inte
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_map
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..compiler.outputs import describe_output, logits_of, loss_value
 from ..engine.inputs import split_inputs
-from .data import make_fetch
+from .data import as_dataset, make_fetch, yields_every_sample
 
-__all__ = ["Evaluation", "batch_correct", "evaluate_model"]
+__all__ = ["Evaluation", "batch_correct", "eval_samples", "evaluate_model"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +38,36 @@ class Evaluation:
     accuracy: float | None
     loss: float
     unscored: str = ""
+
+
+def eval_samples(data: Any, what: str = "eval_dataset") -> Dataset:
+    """The samples an evaluation scores: a Dataset's, or those a DataLoader yields.
+
+    A DataLoader's ``batch_sampler`` (with ``batch_size=None``) or else its ``sampler`` chooses
+    the samples, each scored as often as it is yielded (their order does not matter): a
+    ``torch.utils.data.Subset`` of its dataset. A ``SequentialSampler`` or a plain
+    ``RandomSampler`` (``shuffle=False``/``True``) yields every sample once: the dataset itself.
+    ``batch_size`` and ``drop_last`` are not used (evaluation batches have its own batch size).
+    A random sampler draws from its own generator, or from torch's, which is left as it was.
+
+    Raises:
+        TypeError, ValueError: as ``as_dataset`` (neither a Dataset nor a DataLoader, empty, an
+            IterableDataset); ValueError: the sampler yields no sample.
+    """
+    dataset = as_dataset(data, what)
+    if not isinstance(data, DataLoader):
+        return dataset
+    batches = data.batch_size is None and data.batch_sampler is not None
+    if not batches and yields_every_sample(data):
+        return dataset
+    source = data.batch_sampler if batches else data.sampler
+    with torch.random.fork_rng(devices=[]):  # torch's global generator stays where it was
+        drawn = list(itertools.chain.from_iterable(source) if batches else source)
+    if not drawn:
+        raise ValueError(f"{what} is a DataLoader whose {'batch_sampler' if batches else 'sampler'}"
+                         f" ({type(source).__name__}) yields no sample of its {len(dataset)}; "
+                         "give it a sampler that yields the samples to score")
+    return Subset(dataset, [int(i) for i in drawn])
 
 
 def batch_correct(output: Any, target: Any) -> int | None:

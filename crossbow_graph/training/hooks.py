@@ -26,6 +26,7 @@ class FitContext:
         epoch: 0-based index of the current epoch (over the plan's life).
         round_in_epoch: rounds completed in the current epoch.
         rounds_per_epoch: rounds in a full epoch.
+        end_epoch: the epoch the fit ends before: it runs epochs ``epoch`` … ``end_epoch − 1``.
         round_loss: mean training loss of the last round's learners, NaN/Inf (faulty) ones
             left out (a 0-dim tensor, lazily synchronised), None before the first round.
         train_seconds: training wall seconds so far (evaluation excluded).
@@ -49,6 +50,7 @@ class FitContext:
     epoch: int = 0
     round_in_epoch: int = 0
     rounds_per_epoch: int = 0
+    end_epoch: int = 0
     round_loss: Any = None
     train_seconds: float = 0.0
     stop: bool = False

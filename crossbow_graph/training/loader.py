@@ -12,15 +12,15 @@ plan's rounds, one item per learner: learner j's b indices of round t, read and 
 from __future__ import annotations
 
 import random
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, Dataset, RandomSampler, Sampler,
-                              SequentialSampler)
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from ..engine.batches import LearnerBatches
-from .data import collate_of, read_samples
+from .data import collate_of, read_samples, yields_every_sample
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -30,12 +30,15 @@ __all__ = ["RoundLoader", "check_loader", "seed_learner_batch"]
 _LOADER_TAG = 0x4C4F4144  # "LOAD": keeps these seeds apart from seed_host_rngs' (engine/learners.py)
 
 
-def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset") -> None:
+def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset",
+                 stacklevel: int = 2) -> None:
     """Refuse a DataLoader whose settings choose the samples, which the plan does.
 
     A ``SequentialSampler`` or a plain ``RandomSampler`` (what ``shuffle=False``/``True`` make)
     is accepted: the order is ``fit(shuffle=, seed=)``'s. ``batch_size`` and ``drop_last`` are
-    not used (b is the plan's; a last partial round is always dropped).
+    not used (b is the plan's; a last partial round is always dropped): a ``batch_size`` other
+    than b = ``batch_size`` is a ``UserWarning`` (once per call: ``Plan.fit`` checks once) that
+    says b is used and that ``DataLoader(..., batch_size=b)`` silences it.
 
     Raises:
         ValueError: a ``batch_sampler``, ``batch_size=None`` (single samples), or a sampler
@@ -56,15 +59,17 @@ def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset
                          f"samples without collating them, but the learners take batches: "
                          f"{plan_draws}; give it a batch_size (b is the plan's) and, if "
                          "needed, a collate_fn")
-    sampler = loader.sampler
-    plain = type(sampler) is SequentialSampler or (
-        type(sampler) is RandomSampler and not sampler.replacement
-        and sampler.num_samples == len(loader.dataset))
-    if not plain or type(batches) is not BatchSampler:
-        raise ValueError(f"{what} is a DataLoader with a sampler ({type(sampler).__name__}), "
+    if not yields_every_sample(loader) or type(batches) is not BatchSampler:
+        raise ValueError(f"{what} is a DataLoader with a sampler ({type(loader.sampler).__name__}), "
                          f"but {plan_draws}, so it cannot follow the sampler; pass the DataLoader "
                          "without it (shuffle= is fit's), and to weight or select samples give "
                          "a dataset that does (e.g. a torch.utils.data.Subset)")
+    if loader.batch_size != batch_size:
+        warnings.warn(f"{what} is a DataLoader with batch_size={loader.batch_size}, but every "
+                      f"learner takes batches of the plan's b = {batch_size} (compile(batch_size=)"
+                      ", or what a policy set), and its batch_size is not used; pass "
+                      f"DataLoader(..., batch_size={batch_size}) to silence this warning",
+                      UserWarning, stacklevel=stacklevel)
 
 
 def seed_learner_batch(fit_seed: int, epoch: int, position: int) -> None:
@@ -119,11 +124,14 @@ class _LearnerBatchView(Dataset):
 
 class _BatchKeys(Sampler):
     """The DataLoader's sampler: the keys ``(epoch, q, order[q:q+b])`` of this process's learner
-    batches, from ``position`` of the epoch's ``order`` on, in the order the rounds take them,
-    up to the last full round of k = ``num_learners`` (this rank's) learners of b = ``batch_size``
-    samples. In one process the rounds take every batch in turn, q = position, position + b, …,
-    whatever k is; under torchrun rank r takes, of each round at p, the batches
-    q = p + (r·k + j)·b. Set by ``RoundLoader`` before each ``iter``."""
+    batches, from ``position`` of the epoch's ``order`` on, in the order the rounds take them.
+    In one process the rounds take every batch in turn, q = position, position + b, …, whatever
+    k is, so the keys run to the epoch's last full batch of b = ``batch_size`` samples and a
+    change of k between rounds needs no new iterator (at most k − 1 batches of the epoch's last,
+    partial round are loaded and not used). Under torchrun rank r takes, of each round at p, the
+    batches q = p + (r·k + j)·b of k = ``num_learners`` (this rank's) learners, up to the last
+    full round of every rank's learners, and a change of k restarts at a round's first batch.
+    Set by ``RoundLoader`` before each ``iter``."""
 
     def __init__(self) -> None:
         self.order = torch.zeros(0, dtype=torch.int64)
@@ -131,7 +139,8 @@ class _BatchKeys(Sampler):
         self.rank, self.world_size = 0, 1
 
     def __iter__(self) -> Iterator[tuple[int, int, list[int]]]:
-        k, b, e = self.num_learners, self.batch_size, self.epoch
+        b, e = self.batch_size, self.epoch
+        k = self.num_learners if self.world_size > 1 else 1  # one process: batch after batch
         n = k * b * self.world_size  # one round of every rank's learners
         end = self.position + (len(self.order) - self.position) // n * n
         for p in range(self.position, end, n):
@@ -150,9 +159,8 @@ class RoundLoader:
     learner batch: b samples of the epoch's order, collated alone in a worker. An epoch's items
     come from one iterator, started at ``start_epoch``. A change of k between rounds (the
     auto-tuner) keeps it in one process, where the rounds take the same batches in the same order
-    whatever k is; a change of b (policies), or of k under torchrun, restarts it at that round's
-    position (the items loaded ahead are dropped), as does a round past the iterator's last
-    (k grew near the epoch's end).
+    whatever k is (its keys run to the epoch's last full batch); a change of b (policies), or of
+    k under torchrun, restarts it at that round's position (the items loaded ahead are dropped).
 
     Args:
         loader: the user's DataLoader (``check_loader`` passed).
@@ -201,7 +209,7 @@ class RoundLoader:
         assert torch.equal(keys.order[first:first + k * b], indices), "not the epoch order's"
         if self.expect is None or not self._continues(first, k, b):
             self._restart(position, k, b)
-        batches = [self._item(q, k, b) for q in range(first, first + k * b, b)]
+        batches = [self._item(q) for q in range(first, first + k * b, b)]
         after = position + len(indices) * keys.world_size
         self.expect = (after + keys.rank * k * b, k, b)
         self.starts = {t: p for t, p in self.starts.items() if t >= round_index}
@@ -213,16 +221,14 @@ class RoundLoader:
         q, k0, b0 = self.expect
         return q == first and b0 == b and (k0 == k or self.keys.world_size == 1)
 
-    def _item(self, q: int, k: int, b: int) -> Any:
-        """The learner batch at position ``q``, waiting for it if needed (restarting there if the
-        iterator ended first: in one process, where batches follow each other, after k grew)."""
+    def _item(self, q: int) -> Any:
+        """The learner batch at position ``q``, waiting for it if needed. The iterator holds every
+        batch of the rounds ``load`` asks for: its keys run to the epoch's last full batch in one
+        process, and to the last full round of its k under torchrun, where a new k restarts it."""
         while q not in self.waiting:
-            try:
-                got, batch = next(self.iterator)
-            except StopIteration:
-                assert self.keys.world_size == 1  # under torchrun a new k restarts in load
-                self._restart(q, k, b)
-                continue
+            item = next(self.iterator, None)
+            assert item is not None, f"the DataLoader's keys ended before learner batch {q}"
+            got, batch = item
             self.waiting[got] = batch
         return self.waiting.pop(q)
 
@@ -240,8 +246,12 @@ class RoundLoader:
         self.iterator, self.expect, self.waiting = None, None, {}
 
     def close(self) -> None:
-        """Stop the DataLoader's workers (persistent ones too): the fit is over."""
+        """Stop the DataLoader's workers (persistent ones too, also when an exception came while
+        ``iter`` restarted them): the fit is over."""
+        kept = getattr(self.loader, "_iterator", None)  # torch's iterator of persistent workers
         self._drop_iterator(stop=True)
+        if kept is not None:
+            _stop_workers(kept)
         self.loader = None
 
 

@@ -26,6 +26,13 @@ but where this fit's scheduler was built over other learning rates than the chec
 keeps its own, and a group's η in force becomes the checkpoint's scaled by new base / old base,
 with a warning naming both: the user set the run up anew, as for the param groups' settings
 (training/run_setup.py; docs/reliability.md, Resuming with other settings).
+
+How long a schedule runs (docs/optimizers.md, Schedules): stepped per round, it takes one step
+per round of k·b samples, so a fit of E epochs of N samples steps it E·⌊N/(k·b)⌋ times at a fixed
+k·b (``len(DataLoader)``, N/b batches, only at k = 1), and a change of k or b changes the rounds
+left; stepped per epoch, once per epoch whatever k and b. ``LRSchedulerHook`` warns at the fit's
+start when a schedule's steps up to its end (``schedule_end``) outnumber the fit's steps at the
+current k·b, and once when a change of k or b mid-fit leaves fewer rounds than that.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ if TYPE_CHECKING:
     from ..api import Plan
     from .history import EpochRecord, EvalRecord
 
-__all__ = ["LRSchedulerHook", "LR_INTERVALS", "check_lr_scheduler"]
+__all__ = ["LRSchedulerHook", "LR_INTERVALS", "check_lr_scheduler", "rounds_left", "schedule_end"]
 
 LR_INTERVALS = ("epoch", "round")
 
@@ -79,6 +86,45 @@ def check_lr_scheduler(plan: "Plan", scheduler: Any, interval: str,
                              f"with total_steps={rounds + scheduler.last_epoch} or fewer epochs")
 
 
+def schedule_end(scheduler: Any) -> tuple[int, str, str | None] | None:
+    """Where a scheduler's schedule ends: the step count (its ``last_epoch``) at which it reaches
+    its last value, the setting that says so, and that setting's name when one number sizes it
+    (else None): CosineAnnealingLR's ``T_max``, OneCycleLR's ``total_steps`` − 1, LinearLR's,
+    ConstantLR's and PolynomialLR's ``total_iters``, MultiStepLR's last milestone, SequentialLR's
+    last milestone plus its last scheduler's end. None for a schedule without an end (StepLR,
+    ExponentialLR, LambdaLR, CosineAnnealingWarmRestarts, ReduceLROnPlateau, ...)."""
+    lr = torch.optim.lr_scheduler
+    if isinstance(scheduler, lr.OneCycleLR):
+        return scheduler.total_steps - 1, f"total_steps={scheduler.total_steps}", "total_steps"
+    if isinstance(scheduler, lr.CosineAnnealingLR):
+        return scheduler.T_max, f"T_max={scheduler.T_max}", "T_max"
+    if isinstance(scheduler, (lr.LinearLR, lr.ConstantLR, lr.PolynomialLR)):
+        return scheduler.total_iters, f"total_iters={scheduler.total_iters}", "total_iters"
+    if isinstance(scheduler, lr.MultiStepLR) and scheduler.milestones:
+        last = max(scheduler.milestones)
+        return last, f"its last milestone at step {last}", None
+    if isinstance(scheduler, lr.SequentialLR):
+        milestones, schedulers = scheduler._milestones, scheduler._schedulers  # torch's own
+        inner = schedule_end(schedulers[-1])
+        if inner is not None:
+            last = milestones[-1] if milestones else 0
+            return (last + inner[0], f"its {type(schedulers[-1]).__name__} from step {last} "
+                    f"with {inner[1]}", None)
+    return None
+
+
+def rounds_left(plan: "Plan", num_samples: int, end_epoch: int) -> int:
+    """The rounds a fit still runs if k and b stay: ⌊(N − position)/(k·b)⌋ in the current epoch
+    (a last partial round is dropped) and ⌊N/(k·b)⌋ in each later one before ``end_epoch``;
+    N = ``num_samples`` per epoch, position = ``plan.position_in_epoch`` (samples of the epoch's
+    order used)."""
+    if plan.epochs_done >= end_epoch:
+        return 0
+    per_round = plan.num_learners * plan.batch_size
+    later = end_epoch - plan.epochs_done - 1
+    return (num_samples - plan.position_in_epoch) // per_round + later * (num_samples // per_round)
+
+
 class LRSchedulerHook(Hook):
     """Steps a torch.optim LR scheduler once per round or epoch of a fit (module docstring).
 
@@ -92,7 +138,8 @@ class LRSchedulerHook(Hook):
         self.scheduler = scheduler
         self.interval = interval
         self.plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-        self._evaluated = False
+        self._evaluated = self._warned = False
+        self._shape = (0, 0)  # (k, b) of the rounds when last checked
         self._factors = [1.0] * len(scheduler.optimizer.param_groups)  # F per group: the
         # policies' changes, composed
         self._written = self._lrs()  # each group's lr when the hook last looked
@@ -131,10 +178,53 @@ class LRSchedulerHook(Hook):
     def before_fit(self, ctx: FitContext) -> None:
         self._evaluated = False
         self._take_policy_changes()  # e.g. a change made between fits
+        self._shape = self._round_shape(ctx)
+        self._warned = False
+        self._warn_if_unfinished(ctx, start=True)
 
     def after_round(self, ctx: FitContext) -> None:
         if self.interval == "round" and not self.plateau:
             self._step()
+            shape = self._round_shape(ctx)
+            if shape != self._shape:  # k or b changed (the auto-tuner, a policy)
+                self._shape = shape
+                self._warn_if_unfinished(ctx, start=False)
+
+    @staticmethod
+    def _round_shape(ctx: FitContext) -> tuple[int, int]:
+        return ctx.plan.num_learners, ctx.plan.batch_size
+
+    def _warn_if_unfinished(self, ctx: FitContext, start: bool) -> None:
+        """A UserWarning (once per fit) when the schedule cannot reach its end in the steps the
+        fit has left: its rounds at the current k·b, or its epochs (module docstring)."""
+        end, plan, n = schedule_end(self.scheduler), ctx.plan, ctx.extra.get("num_samples")
+        if end is None or self.plateau or self._warned or not n:  # n: set by the fit
+            return
+        per_round = self.interval == "round"
+        steps = rounds_left(plan, n, ctx.end_epoch) if per_round \
+            else max(0, ctx.end_epoch - plan.epochs_done)
+        last, (stop, setting, name) = self.scheduler.last_epoch, end
+        if stop - last <= steps:
+            return
+        self._warned = True
+        k, b = plan.num_learners, plan.batch_size
+        what = (f"lr_scheduler {type(self.scheduler).__name__} reaches its end ({setting}) "
+                f"{stop - last} steps from now, but ")
+        if not per_round:
+            fix = f"build it with {name}={last + steps}" if name else "shorten it"
+            warnings.warn(what + f"this fit steps it {steps} more times (once per epoch); it "
+                          f"stops at step {last + steps}; {fix} or train more epochs",
+                          UserWarning, stacklevel=2)
+            return
+        rounds = (f"rounds of k·b = {k} × {b} = {k * b} samples ({n // (k * b)} an epoch of {n} "
+                  "samples)")
+        when = (f"this fit runs {steps} {rounds}" if start else
+                f"k·b changed at round {plan.rounds_done}, and {steps} {rounds} are left")
+        fix = f"size it in rounds ({name}={last + steps}), " if start and name else ""
+        warnings.warn(what + f"{when}, one step each; it stops at step {last + steps}; {fix}"
+                      "step it per epoch (lr_scheduler_interval='epoch') or make it a LambdaLR "
+                      "of the samples trained, which spans the fit whatever k and b do "
+                      "(docs/optimizers.md, Schedules)", UserWarning, stacklevel=2)
 
     def after_eval(self, ctx: FitContext, record: "EvalRecord") -> None:
         if self.plateau:

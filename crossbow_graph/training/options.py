@@ -176,8 +176,8 @@ def as_hooks(name: str, hooks: object) -> tuple:
     """``hooks`` (the argument ``name``) as a tuple.
 
     Raises:
-        TypeError: one hook not in a list, something not iterable, or a class instead of an
-            instance.
+        TypeError: one hook not in a list, something not iterable, a class instead of an
+            instance, or an item without a Hook's methods (a plain function, say).
     """
     if hasattr(hooks, "before_fit") and not isinstance(hooks, type):
         raise TypeError(f"{name}={hooks!r}: pass a list of hooks, e.g. {name}=[{type(hooks).__name__}(...)]")
@@ -189,7 +189,20 @@ def as_hooks(name: str, hooks: object) -> tuple:
         if isinstance(h, type):
             raise TypeError(f"{name}: {h.__name__} is a class, not a hook: pass an instance, "
                             f"e.g. {name}=[{h.__name__}()]")
+        missing = [m for m in _HOOK_METHODS if not callable(getattr(h, m, None))]
+        if missing:
+            fn = getattr(h, "__name__", None) if callable(h) else None
+            what = f"the function {fn}" if fn else f"{h!r} (of type {type(h).__name__})"
+            raise TypeError(
+                f"{name}: {what} is not a hook (no {', '.join(missing)}): the fit calls a hook's "
+                "methods at its boundaries; subclass crossbow_graph.Hook and override the one you "
+                f"need, e.g. class Every(cg.Hook): def after_round(self, ctx): {fn or 'f'}(ctx); "
+                f"then {name}=[Every()]")
     return items
+
+
+_HOOK_METHODS = ("before_fit", "before_epoch", "before_round", "after_round", "after_eval",
+                 "after_epoch", "after_fit")  # what the fit calls on every hook (training/hooks.py)
 
 
 def _check_trace_path(trace: object) -> None:

@@ -24,6 +24,7 @@ from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook
 from .data import BatchSchedule, LearnerFetch, as_dataset, collate_of, device_fetch, make_fetch
+from .evaluation import eval_samples
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, Hook
 from .lr_schedule import LRSchedulerHook, check_lr_scheduler
@@ -195,7 +196,7 @@ class Trainer:
         train = as_dataset(self.train_dataset)
         k, b = plan.num_learners, plan.batch_size
         if isinstance(self.train_dataset, DataLoader):
-            check_loader(self.train_dataset, b)
+            check_loader(self.train_dataset, b, stacklevel=6)  # the caller of Plan.fit
         if len(train) < k * b:
             raise ValueError(
                 f"train_dataset has {len(train)} samples, fewer than one round of {k} learners × "
@@ -227,7 +228,7 @@ class Trainer:
         first = self.schedule.next_round(self.schedule.order(0), 0, 1, b)
         check_first_batch(plan, self.train, self.fetch, first)
         if self.eval_dataset is not None:
-            evals = as_dataset(self.eval_dataset, "eval_dataset")
+            evals = eval_samples(self.eval_dataset)  # the samples evaluation scores
             check_first_batch(plan, evals, make_fetch(evals, collate_of(self.eval_dataset)),
                               torch.arange(min(b, len(evals))), what="eval_dataset")
 
@@ -295,7 +296,8 @@ class Trainer:
         self.speculate = all(not getattr(h, "mutates_replicas", True) for h in hooks)
         self.ctx = ctx = FitContext(plan=plan, history=self.history,
                                     train_seconds=plan.train_seconds,
-                                    rounds_per_epoch=n // (plan.num_learners * plan.batch_size))
+                                    rounds_per_epoch=n // (plan.num_learners * plan.batch_size),
+                                    end_epoch=self.end_epoch)
         ctx.extra["num_samples"] = n  # N, samples per epoch
         for hook in hooks:
             hook.before_fit(ctx)

@@ -9,6 +9,7 @@ rounds.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -17,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
+from ..compiler.outputs import model_loss
 from ..engine.batches import single
 from ..engine.inputs import split_inputs
 from .data import CollateFetch, LearnerFetch
@@ -97,6 +99,59 @@ def _check_inputs(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], w
                 tuple(out.shape[1:]) != tuple(want_out[1:]):
             raise ValueError(f"{problem}, and the model's output per sample would be "
                              f"{list(out.shape[1:])} instead of {list(want_out[1:])}; {fix}")
+
+
+def _check_keywords(plan: "Plan", batch: Any, kwargs: dict[str, Any], what: str) -> None:
+    """A dict sample has the target ``loss_fn`` needs (its ``"labels"``), and the model's forward
+    takes every keyword input by name (docs/design-overview.md §6)."""
+    whole = isinstance(batch, Mapping)  # a dict sample; else a pair whose inputs are a dict
+    keys = ", ".join(repr(k) for k in kwargs)
+    pairs = ("return (inputs, target) pairs such as (x, y), or a dict such as {'x': x, "
+             "'labels': y} whose keys are forward's parameters")
+    if whole and "labels" not in kwargs and plan.loss_fn is not model_loss:
+        raise ValueError(f"{what}'s samples are dicts ({keys}) without a 'labels' entry: a dict "
+                         "sample is the model's keyword inputs, and its target, what loss_fn "
+                         f"gets, is its 'labels' entry; {pairs}")
+    try:
+        params = inspect.signature(plan.template.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the first round tells
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in kwargs if k not in names]
+    if unknown:
+        given = f"dicts ({keys})" if whole else f"pairs whose inputs are dicts ({keys})"
+        labels = ", the 'labels' entry too," if whole else ""
+        raise ValueError(f"{what}'s samples are {given} of keyword inputs, all passed{labels} "
+                         f"to {type(plan.template).__name__}.forward({', '.join(names)}) by name, "
+                         f"which takes no {', '.join(repr(k) for k in unknown)}; {pairs}")
+
+
+def _texts(value: Any) -> list[str]:
+    """The strings of a collated value: a str, or a list or tuple of them (``default_collate``
+    of str samples); else none."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return list(items) if items and all(isinstance(v, str) for v in items) else []
+
+
+def _check_text(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+                what: str) -> None:
+    """Text where the model takes a tensor (the compiled example input is one), or as the
+    target, is an error naming the input and the fix: the model and the loss take tensors."""
+    for label, arg, spec in _given_inputs(plan, args, kwargs):
+        texts = _texts(arg)
+        if texts and spec.shape is not None:
+            raise ValueError(f"{what}: {label} of a sample is a str ({texts[0][:40]!r}), but the "
+                             f"model takes a tensor there (compiled for example inputs of shape "
+                             f"{list(spec.shape[1:])} per sample); turn the text into tensors "
+                             "first: token ids from a tokenizer in the Dataset's __getitem__, or "
+                             "a DataLoader collate_fn that tokenizes and pads each batch")
+    texts = _texts(target)
+    if texts and plan.loss_fn is not model_loss:
+        raise ValueError(f"{what}: the target of a sample is a str ({texts[0][:40]!r}), but "
+                         "loss_fn takes tensors; map the class names to integer class indices "
+                         "(e.g. torch.tensor(classes.index(name))) in the Dataset's __getitem__")
 
 
 def _all_labels(dataset: Any, first_targets: torch.Tensor) -> torch.Tensor:
@@ -223,6 +278,9 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
                              "collate_fn that pads them, e.g. DataLoader(dataset, batch_size=b, "
                              "collate_fn=pad)") from exc
     args, kwargs, target = split_inputs(batch)
+    if kwargs:
+        _check_keywords(plan, batch, kwargs, what)
+    _check_text(plan, args, kwargs, target, what)
     _check_dtypes(plan, args, kwargs, what)
     _check_inputs(plan, args, kwargs, what)
     ignore = _class_index_loss(plan.loss_fn)

@@ -1,0 +1,131 @@
+"""How long an LR schedule runs in a fit: one step per round of k·b samples (or per epoch); the
+warnings when a schedule cannot reach its end, at the fit's start and when k or b changes."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.optim import lr_scheduler as lrs
+from torch.utils.data import DataLoader, TensorDataset
+
+import crossbow_graph as cg
+from crossbow_graph.training.hooks import Hook
+from crossbow_graph.training.lr_schedule import schedule_end
+
+N, B, LR = 96, 4, 0.1  # samples, b, η
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 6, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def make_plan(replicas: int = 2) -> cg.Plan:
+    torch.manual_seed(0)
+    return cg.compile(nn.Linear(6, 2), (torch.ones(1, 6),), F.cross_entropy, batch_size=B,
+                      devices=1, replicas=replicas, executor="inline",
+                      optimizer=cg.SGD(lr=LR, momentum=0.0))
+
+
+class SetReplicas(Hook):
+    mutates_replicas = False
+
+    def __init__(self, at: int, m: int) -> None:
+        self.at, self.m = at, m
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == self.at:
+            ctx.plan.set_replicas(self.m)
+
+
+def fit(plan: cg.Plan, sched, epochs: int, interval: str = "round", hooks=()) -> list[str]:
+    """The fit's schedule warnings (messages)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan.fit(data(), epochs, progress=False, metrics_every=None, lr_scheduler=sched,
+                 lr_scheduler_interval=interval, hooks=list(hooks))
+    return [str(w.message) for w in caught if str(w.message).startswith("lr_scheduler")]
+
+
+def cosine(t: int, t_max: int) -> float:
+    """CosineAnnealingLR's η at step t (eta_min = 0): the oracle."""
+    return LR * (1 + math.cos(math.pi * t / t_max)) / 2
+
+
+def test_a_cosine_schedule_sized_from_the_dataloaders_length_warns_at_the_start():
+    """T_max = len(DataLoader) · epochs = 48 batches of b, but k = 2 learners make a round of
+    k·b = 8 samples: 2 epochs are 24 rounds, so the schedule stops halfway (η = LR/2, not 0),
+    which the warning says with both numbers and the fix."""
+    plan = make_plan()
+    t_max = len(DataLoader(data(), batch_size=B)) * 2
+    said = fit(plan, lrs.CosineAnnealingLR(plan.optimizer, T_max=t_max), 2)
+    assert len(said) == 1
+    assert re.search(r"CosineAnnealingLR reaches its end \(T_max=48\) 48 steps from now, but this "
+                     r"fit runs 24 rounds of k·b = 2 × 4 = 8 samples \(12 an epoch of 96 samples\)"
+                     r", one step each; it stops at step 24; size it in rounds \(T_max=24\), step it "
+                     r"per epoch \(lr_scheduler_interval='epoch'\) or make it a LambdaLR of the "
+                     r"samples trained",
+                     said[0])
+    assert plan.optimizer.param_groups[0]["lr"] == pytest.approx(cosine(24, 48), rel=1e-6)
+    assert plan.optimizer.param_groups[0]["lr"] == pytest.approx(LR / 2, rel=1e-6)
+
+
+def test_a_schedule_sized_in_rounds_of_k_b_finishes_without_a_warning():
+    plan = make_plan()
+    sched = lrs.CosineAnnealingLR(plan.optimizer, T_max=2 * N // (2 * B))
+    assert fit(plan, sched, 2) == []
+    assert plan.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-9)
+    plan = make_plan()  # OneCycleLR with total_steps = the rounds (docs/optimizers.md)
+    assert fit(plan, lrs.OneCycleLR(plan.optimizer, max_lr=LR, total_steps=24), 2) == []
+
+
+def test_k_growing_mid_fit_warns_once_with_the_rounds_and_steps_left():
+    """T_max = 24 fits k = 2; m 2 → 3 after round 5 leaves (96 − 40) // 12 + 8 = 12 rounds of 12
+    samples: the warning predicts step 17 of 24, and the fit ends there (a second change to
+    m = 4 does not warn again)."""
+    plan = make_plan()
+    sched = lrs.CosineAnnealingLR(plan.optimizer, T_max=24)
+    said = fit(plan, sched, 2, hooks=[SetReplicas(5, 3), SetReplicas(9, 4)])
+    assert len(said) == 1
+    assert re.search(r"reaches its end \(T_max=24\) 19 steps from now, but k·b changed at round 5"
+                     r", and 12 rounds of k·b = 3 × 4 = 12 samples \(8 an epoch of 96 samples\) are "
+                     r"left, one step each; it stops at step 17; step it per epoch", said[0])
+    assert "it stops at step 17" in said[0]
+    assert sched.last_epoch == plan.rounds_done < 24
+    assert plan.optimizer.param_groups[0]["lr"] == pytest.approx(cosine(sched.last_epoch, 24),
+                                                                 rel=1e-6)
+
+
+def test_k_shrinking_mid_fit_does_not_warn():
+    plan = make_plan()
+    assert fit(plan, lrs.CosineAnnealingLR(plan.optimizer, T_max=24), 2,
+               hooks=[SetReplicas(5, 1)]) == []
+
+
+def test_a_schedule_stepped_per_epoch_warns_when_the_fit_has_fewer_epochs():
+    plan = make_plan()
+    said = fit(plan, lrs.CosineAnnealingLR(plan.optimizer, T_max=5), 3, interval="epoch")
+    assert len(said) == 1
+    assert re.search(r"reaches its end \(T_max=5\) 5 steps from now, but this fit steps it 3 more "
+                     r"times \(once per epoch\); it stops at step 3; build it with T_max=3 or "
+                     r"train more epochs", said[0])
+    assert fit(plan, lrs.CosineAnnealingLR(plan.optimizer, T_max=2), 2, interval="epoch") == []
+
+
+def test_where_a_schedule_ends():
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    seq = lrs.SequentialLR(opt, [lrs.LinearLR(opt, 0.1, total_iters=5),
+                                 lrs.CosineAnnealingLR(opt, T_max=20)], milestones=[5])
+    assert schedule_end(seq)[0] == 25
+    assert schedule_end(lrs.OneCycleLR(opt, max_lr=1.0, total_steps=10))[0] == 9
+    assert schedule_end(lrs.MultiStepLR(opt, [3, 7]))[0] == 7
+    assert schedule_end(lrs.LinearLR(opt, 0.5, total_iters=4))[0] == 4
+    assert schedule_end(lrs.StepLR(opt, 2)) is None
+    assert schedule_end(lrs.LambdaLR(opt, lambda t: 1.0)) is None
