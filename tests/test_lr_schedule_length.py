@@ -129,3 +129,21 @@ def test_where_a_schedule_ends():
     assert schedule_end(lrs.LinearLR(opt, 0.5, total_iters=4))[0] == 4
     assert schedule_end(lrs.StepLR(opt, 2)) is None
     assert schedule_end(lrs.LambdaLR(opt, lambda t: 1.0)) is None
+
+
+def test_a_one_cycle_schedule_past_its_end_holds_its_last_lr_with_a_warning():
+    """k falls mid-fit, so the epoch holds more rounds than OneCycleLR was built for: torch would
+    raise at its (total_steps + 1)-th step; the fit holds the last η instead and says so."""
+    plan = make_plan(replicas=2)
+    rounds = 2 * (N // (2 * B))  # 2 epochs at k = 2
+    sched = lrs.OneCycleLR(plan.optimizer, max_lr=LR, total_steps=rounds)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = plan.fit(data(), 2, progress=False, metrics_every=None, lr_scheduler=sched,
+                           lr_scheduler_interval="round", hooks=[SetReplicas(at=2, m=1)])
+    held = [str(w.message) for w in caught if "has taken all its total_steps" in str(w.message)]
+    assert len(held) == 1 and f"total_steps={rounds}" in held[0]
+    assert sched.last_epoch == rounds
+    assert plan.rounds_done > rounds  # the fit ran on past the schedule's end
+    last = history.lr[rounds]
+    assert history.lr[rounds:] == [last] * (plan.rounds_done - rounds)

@@ -138,7 +138,7 @@ class LRSchedulerHook(Hook):
         self.scheduler = scheduler
         self.interval = interval
         self.plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-        self._evaluated = self._warned = False
+        self._evaluated = self._warned = self._held = False
         self._shape = (0, 0)  # (k, b) of the rounds when last checked
         self._factors = [1.0] * len(scheduler.optimizer.param_groups)  # F per group: the
         # policies' changes, composed
@@ -156,6 +156,8 @@ class LRSchedulerHook(Hook):
         self._written = lrs
 
     def _step(self, *args: float) -> None:
+        if self._past_its_end():
+            return
         self._take_policy_changes()
         groups = self.scheduler.optimizer.param_groups
         for g, f in zip(groups, self._factors):  # the scheduler steps from its own value
@@ -169,6 +171,23 @@ class LRSchedulerHook(Hook):
                 g["lr"] = float(g["lr"]) * f
         self._written = self._lrs()
 
+    def _past_its_end(self) -> bool:
+        """Whether a OneCycleLR has taken all its ``total_steps`` (torch raises at one more step:
+        k·b fell mid-fit and the epochs hold more rounds than it was sized for); it then holds its
+        last η for the rest of the fit, with a UserWarning once per fit."""
+        sched = self.scheduler
+        if not isinstance(sched, torch.optim.lr_scheduler.OneCycleLR) or \
+                sched.last_epoch < sched.total_steps:
+            return False
+        if not self._held:
+            self._held = True
+            warnings.warn(f"lr_scheduler OneCycleLR has taken all its total_steps="
+                          f"{sched.total_steps} steps; η stays at its last value "
+                          f"{self._lrs()[0]:.3g} for the rest of the fit (the rounds outnumber "
+                          "the steps it was built for: k·b fell mid-fit, or the epochs are more; "
+                          "docs/optimizers.md, Schedules)", UserWarning, stacklevel=3)
+        return True
+
     @property
     def factors(self) -> list[float]:
         """Per param group, the product F of the policies' η factors composed with the schedule."""
@@ -179,7 +198,7 @@ class LRSchedulerHook(Hook):
         self._evaluated = False
         self._take_policy_changes()  # e.g. a change made between fits
         self._shape = self._round_shape(ctx)
-        self._warned = False
+        self._warned = self._held = False
         self._warn_if_unfinished(ctx, start=True)
 
     def after_round(self, ctx: FitContext) -> None:
