@@ -60,10 +60,12 @@ def test_tuner_grows_while_throughput_rises_and_stops_at_the_memory_bound():
     mem = compile_tiny(replicas=1).task_graph.graph["memory_per_learner_bytes"]
     plan = _tuned_plan(_Clock(lambda k: 1.0), memory_budget=3 * mem + 1)  # rate ∝ k
     assert plan.replicas_per_device == 1 and plan.max_replicas_per_device == 3
-    watch = _Watch(plan.autotuner, 5)
+    watch = _Watch(plan.autotuner, 9)
     hist = plan.fit(tiny_data(4000), 1, progress=False, hooks=[watch])
     actions = [(d.action, d.next_replicas_per_device, d.next_learner_mode) for d in hist.autotune]
-    assert actions == [("add", 2, "per_replica"), ("add", 3, "per_replica"),
+    assert actions == [("add", 2, "per_replica"), ("confirm", 1, "per_replica"),
+                       ("confirmed_add", 2, "per_replica"), ("add", 3, "per_replica"),
+                       ("confirm", 2, "per_replica"), ("confirmed_add", 3, "per_replica"),
                        ("bound", 3, "per_replica"), ("try_mode", 3, "fused"),
                        ("revert_mode", 3, "per_replica")]
     assert max(watch.ms) == 3 and plan.replicas_per_device == 3
@@ -93,7 +95,7 @@ def test_tuner_removes_the_last_replica_when_throughput_does_not_rise_and_reprob
     assert actions[4:7] == [("drift", 1, 1), ("add", 1, 2), ("remove", 2, 1)]  # mode tried once
     drift, add = hist.autotune[4:6]
     assert drift.samples_per_s == add.samples_per_s == pytest.approx(2 * hist.autotune[0].samples_per_s)
-    assert add.round - drift.round == 6  # a fresh window of m = 1 (3 s at 0.5 s a round) first
+    assert add.round - drift.round == 12  # two fresh windows of m = 1 (3 s at 0.5 s a round) first
     assert plan.autotuner.phase == "hold"
 
 
@@ -130,10 +132,11 @@ def test_tuner_keeps_the_other_mode_when_it_is_faster():
         clock.per_round = (lambda k: 0.5) if mode == "fused" else (lambda k: 1.0)
 
     plan.set_learner_mode = faster_fused
-    watch = _Watch(plan.autotuner, 5)
+    watch = _Watch(plan.autotuner, 9)
     hist = plan.fit(tiny_data(4000), 1, progress=False, hooks=[watch])
     actions = [d.action for d in hist.autotune]
-    assert actions[:5] == ["add", "bound", "try_mode", "keep_mode", "bound"]
+    assert actions[:9] == ["add", "confirm", "confirmed_add", "bound", "try_mode", "confirm",
+                           "confirmed_keep_mode", "bound", "hold"]
     assert plan.learner_mode == "fused" and plan.replicas_per_device == 2
 
 
@@ -162,6 +165,8 @@ def test_autotune_settings_are_checked():
         cg.AutoTune(repeats=-1)
     with pytest.raises(ValueError, match=r"repeats=1\.5\): must be a whole number ≥ 0"):
         cg.AutoTune(repeats=1.5)
+    with pytest.raises(ValueError, match=r"windows=0"):
+        cg.AutoTune(windows=0)
     with pytest.raises(ValueError, match="replicas"):
         compile_tiny(replicas="many")
 
@@ -174,8 +179,9 @@ def test_tuner_warms_up_for_warmup_s_as_well_as_warmup_rounds():
         plan.autotuner.clock = _Clock(lambda k: 0.25)  # seconds per round
         hist = plan.fit(tiny_data(4000), 1, progress=False, hooks=[_Watch(plan.autotuner, 1)])
         first[warmup_s] = hist.autotune[0].round
-    # warm-up ends at round 2 (2 rounds) or at round 5 (1.0 s after round 1); then 12 rounds of 3 s
-    assert first == {0.0: 14, 1.0: 17}
+    # warm-up ends at round 2 (2 rounds) or at round 5 (1.0 s after round 1); then two windows of
+    # 12 rounds (3 s each)
+    assert first == {0.0: 26, 1.0: 29}
 
 
 def test_measurement_is_the_median_and_its_notch():
@@ -222,7 +228,7 @@ def test_an_open_step_is_measured_again_pooled_then_decided():
             d = rule.decide(second, two, bound=4, fused_ok=True)
             outcomes[repeats].append(d.steps)
             assert d.measured.windows == 2 and d.measured.rates == first.rates + second.rates
-    assert outcomes[2] == [[("repeat", 2, "per_replica")], [("add", 3, "per_replica")]]
+    assert outcomes[2] == [[("repeat", 2, "per_replica")], [("confirm", 1, "per_replica")]]
     assert outcomes[0] == [[("remove", 1, "per_replica"), ("hold", 1, "per_replica")]]
 
 
@@ -321,3 +327,41 @@ def test_tuner_follows_a_real_gain_through_noise():
     plan, _, ms, decisions = _noisy_fit(lambda m: 1000.0 * min(m, 4), 0.1, 200)
     assert plan.replicas_per_device in (4, 5) and max(ms) <= 5, decisions
     assert plan.autotuner.phase == "hold"
+
+
+def test_a_step_needs_two_windows_and_their_medians_apart_widen_the_spread():
+    """A load that changes between windows moves whole windows: the second window of m = 2 reads
+    25 % below the first, so the pooled spread covers both, and m = 2's 14 % gain over m = 1 is not
+    a gain; with a steady second window it is."""
+    def rule():
+        return TuningRule(threshold=0.10, repeats=0, reprobe=True, try_other_mode=False, windows=2)
+
+    one, two = Setting(1, "per_replica", 8), Setting(2, "per_replica", 8)
+    steady = lambda v: Measurement((v - 1.0, v + 1.0) * 8)  # noqa: E731 (a tight window)
+    for second, gains in ((steady(95.0), False), (steady(127.0), True)):
+        r = rule()
+        assert r.decide(steady(100.0), one, bound=4, fused_ok=True).steps == []  # one window: wait
+        assert r.decide(steady(100.0), one, bound=4, fused_ok=True).steps == [("add", 2, "per_replica")]
+        assert r.decide(steady(125.0), two, bound=4, fused_ok=True).steps == []
+        decision = r.decide(second, two, bound=4, fused_ok=True)
+        assert (decision.steps[0][0] == "confirm") is gains, decision
+        assert decision.measured.windows == 2
+        assert decision.measured.spread >= abs(125.0 - second.samples_per_s) / 2
+
+
+def test_a_gain_counts_only_if_the_configuration_before_it_is_slower_again():
+    """A B A: m = 2 is measured during a dip (the host busy), m = 3 after it; going back to m = 2
+    shows the dip has passed, so m = 3's gain is not confirmed and m = 2 stays. Where m = 2 is
+    slow again, m = 3 counts and growing goes on."""
+    steady = lambda v: Measurement((v - 1.0, v + 1.0) * 8)  # noqa: E731 (a tight window)
+    two, three = Setting(2, "per_replica", 8), Setting(3, "per_replica", 8)
+    for again, steps in ((2000.0, [("unconfirmed", 2, "per_replica"), ("hold", 2, "per_replica")]),
+                         (1500.0, [("confirmed_add", 3, "per_replica"), ("add", 4, "per_replica")])):
+        rule = TuningRule(threshold=0.10, repeats=0, reprobe=True, try_other_mode=False)
+        assert rule.decide(steady(1500.0), two, bound=8, fused_ok=True).steps == \
+            [("add", 3, "per_replica")]  # the dip: 1,500 where the host gives 2,000
+        assert rule.decide(steady(2100.0), three, bound=8, fused_ok=True).steps == \
+            [("confirm", 2, "per_replica")]
+        assert rule.decide(steady(again), two, bound=8, fused_ok=True).steps == steps
+        state = rule.state_dict()
+        assert state["candidate"] is None and state["best"][1] == steps[0][1]

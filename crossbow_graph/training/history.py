@@ -60,13 +60,15 @@ class AutotuneRecord:
         learner_mode: the learner mode the measurement was taken with.
         samples_per_s: measured throughput over the window (training samples per second): the
             median of its sub-windows' (tuning/autotune_rule.py ``Measurement``).
-        samples_per_s_low, samples_per_s_high: the spread: the interval of that median,
-            median ∓ 1.58·IQR/√n over the n sub-windows' samples/s (a box plot's notch).
-        windows: measurement windows of this configuration pooled for the decision (more than
-            one after ``"repeat"``).
-        action: what the tuner did: ``"add"`` (m+1), ``"remove"`` (undo the last add and hold),
-            ``"bound"`` (m is at the memory or replica bound), ``"try_mode"`` (switch learner mode),
-            ``"keep_mode"``, ``"revert_mode"``, ``"skip_mode"`` (fused learners cannot run the
+        samples_per_s_low, samples_per_s_high: the spread: the interval of that median (the
+            wider of its sub-windows' notch and half the distance of its windows' medians).
+        windows: measurement windows of this configuration pooled for the decision.
+        action: what the tuner did: ``"add"`` (m+1), ``"confirm"`` (a candidate read faster:
+            measure the configuration before it again), ``"confirmed_add"``,
+            ``"confirmed_keep_mode"``, ``"unconfirmed"`` (the candidate did not beat it again),
+            ``"remove"`` (undo the last add and hold), ``"bound"`` (m is at the memory or
+            replica bound), ``"try_mode"`` (switch learner mode), ``"revert_mode"``,
+            ``"skip_mode"`` (fused learners cannot run the
             model, ``Plan.fused_failure``: per-replica, hold), ``"hold"`` (keep measuring), ``"drift"``
             (throughput moved by more than the threshold and beyond the spreads in 3 windows in a
             row: re-probe from a fresh window), ``"repeat"`` (the outcome is open: measure the

@@ -2,18 +2,16 @@
 (docs/design-overview.md §5).
 
 Reference rule (CROSSBOW §4.4): start at m = 1 per device; after a warm-up (in rounds and in
-seconds: restarted worker processes need both), measure samples/s over a window of whole rounds,
-as the samples/s of its sub-windows: their median, and the interval of that median, the spread
-(tuning/autotune_rule.py ``Measurement``: median ± 1.58·IQR/√n, a box plot's notch). If the
-median rose by more than a threshold (default 10 %) over the best so far and beyond the spread of
-both windows (the intervals do not overlap), add a replica per device. If the outcome is open (no
-gain shown, but the new interval reaches the threshold), measure the same
-configuration again, pooled, up to ``AutoTune.repeats`` more windows; otherwise remove the last
-replica added and hold. Then try the other learner mode at that m and keep it if it is faster
-beyond both spreads (growing further in it; fused only where torch.func.vmap runs the model,
-``Plan.fused_failure``, else a warning and per-replica). While holding, re-probe when three
-windows in a row differ from the held ones by more than the threshold and beyond both spreads, in
-the same direction. Never beyond the memory bound (the task graph's ``memory_per_learner_bytes`` against
+seconds: restarted worker processes need both), measure samples/s over windows of whole rounds,
+each configuration over ``AutoTune.windows`` windows pooled: the median of their sub-windows'
+samples/s and the spread of that median (tuning/autotune_rule.py ``Measurement``). If the median
+rose by more than a threshold (default 10 %) over the best so far and beyond the spread of both,
+measure the previous m again and add the replica only if it beats that too (A B A); an open
+outcome is measured again, up to ``AutoTune.repeats`` windows; otherwise remove the replica added
+and hold. Then try the other learner mode at that m the same way (fused only where
+torch.func.vmap runs the model, ``Plan.fused_failure``, else a warning and per-replica). While
+holding, re-probe when three windows in a row differ from the held ones by more than the threshold
+and beyond both spreads, in the same direction. Never beyond the memory bound (the task graph's ``memory_per_learner_bytes`` against
 ``compile(memory_budget=...)``) or ``AutoTune.max_replicas``. Replicas change between rounds
 without losing state (``Plan.set_replicas``: new replicas cloned from z with zeroed momentum, α
 re-derived for the new k, the compiler passes re-run). Every decision goes to
@@ -56,6 +54,9 @@ class AutoTune:
         try_other_mode: also measure the other learner mode (per-replica / fused).
         reprobe: re-probe m when throughput drifts by more than ``threshold`` and beyond the
             spreads, in the same direction, in three consecutive windows while holding.
+        windows: windows of each configuration measured, pooled, before a step is decided, ≥ 1:
+            the spread then includes how far the windows' medians lie apart (a load that changes
+            between windows moves whole windows, which one window's sub-windows do not show).
         repeats: windows of the same configuration measured again, pooled, while a step's
             outcome is open (the gain is not shown, but the upper end of the window's interval
             reaches the threshold: noise may hide one), ≥ 0; then it counts as no gain.
@@ -75,6 +76,7 @@ class AutoTune:
     try_other_mode: bool = True
     reprobe: bool = True
     repeats: int = 2
+    windows: int = 2
 
     def __post_init__(self) -> None:
         if not self.threshold > 0:
@@ -92,6 +94,9 @@ class AutoTune:
         if not is_count(self.sub_windows):
             raise ValueError(f"AutoTune(sub_windows={self.sub_windows!r}): must be a whole number "
                              "≥ 1, e.g. 16")
+        if not is_count(self.windows):
+            raise ValueError(f"AutoTune(windows={self.windows!r}): must be a whole number ≥ 1, "
+                             "e.g. 2")
         if not is_count(self.repeats, minimum=0):
             raise ValueError(f"AutoTune(repeats={self.repeats!r}): must be a whole number ≥ 0, "
                              "e.g. 2")
@@ -118,7 +123,8 @@ class AutoTuner(Hook):
         self.config = config
         self.clock = clock or (lambda ctx: ctx.train_seconds)
         self.rule = TuningRule(threshold=config.threshold, repeats=config.repeats,
-                               reprobe=config.reprobe, try_other_mode=config.try_other_mode)
+                               reprobe=config.reprobe, try_other_mode=config.try_other_mode,
+                               windows=config.windows)
         self.decisions: list[AutotuneRecord] = []
         self._restart_window(warm=False)
 

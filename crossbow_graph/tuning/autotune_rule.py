@@ -10,7 +10,10 @@ windows (``exceeds``): on a busy host one window can read well above or below th
 configuration's speed, and a rule that compares single numbers follows that noise. When the
 outcome is open (the new interval still reaches the threshold), the same configuration is
 measured again, up to ``repeats`` more windows pooled into one Measurement (n grows, the
-interval narrows), and then the step is taken as no gain.
+interval narrows), and then the step is taken as no gain. Each configuration is measured over
+``windows`` windows, whose medians' distance widens the spread (a load that changes between
+windows moves whole windows). A step that gains is a candidate until the configuration before it
+is measured again and is slower than it too (A B A, as benchmarks interleave).
 """
 
 from __future__ import annotations
@@ -39,13 +42,18 @@ class Measurement:
     Attributes:
         rates: samples/s of each sub-window, in order (pooled windows one after the other).
         windows: how many measurement windows the rates come from.
+        window_medians: each window's median samples/s (default: the median of ``rates``, for
+            one window).
     """
 
     rates: tuple[float, ...]
     windows: int = 1
+    window_medians: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.rates and self.windows >= 1, "a measurement needs a sub-window"
+        if not self.window_medians:
+            object.__setattr__(self, "window_medians", (statistics.median(self.rates),))
 
     @property
     def samples_per_s(self) -> float:
@@ -54,13 +62,17 @@ class Measurement:
 
     @property
     def spread(self) -> float:
-        """Half the width of the median's interval: 1.58·IQR/√n samples/s (IQR: the sub-windows'
-        interquartile range; 0 for one sub-window)."""
+        """Half the width of the median's interval, samples/s: the wider of the sub-windows'
+        notch, 1.58·IQR/√n (IQR: their interquartile range; 0 for one sub-window), and half the
+        range of the windows' medians (a load that changes between windows moves whole windows,
+        which the sub-windows of one window do not show)."""
         n = len(self.rates)
-        if n == 1:
-            return 0.0
-        q1, _, q3 = statistics.quantiles(self.rates, n=4, method="inclusive")
-        return NOTCH * (q3 - q1) / math.sqrt(n)
+        notch = 0.0
+        if n > 1:
+            q1, _, q3 = statistics.quantiles(self.rates, n=4, method="inclusive")
+            notch = NOTCH * (q3 - q1) / math.sqrt(n)
+        between = (max(self.window_medians) - min(self.window_medians)) / 2
+        return max(notch, between)
 
     @property
     def low(self) -> float:
@@ -74,16 +86,18 @@ class Measurement:
 
     def pooled(self, other: "Measurement") -> "Measurement":
         """This measurement and ``other`` (of the same configuration) as one."""
-        return Measurement(self.rates + other.rates, self.windows + other.windows)
+        return Measurement(self.rates + other.rates, self.windows + other.windows,
+                           self.window_medians + other.window_medians)
 
     def as_list(self) -> list:
-        """``[rates, windows]`` as plain data (checkpoints)."""
-        return [list(self.rates), self.windows]
+        """``[rates, windows, window medians]`` as plain data (checkpoints)."""
+        return [list(self.rates), self.windows, list(self.window_medians)]
 
     @classmethod
     def from_list(cls, saved: Sequence) -> "Measurement":
         """The inverse of ``as_list``."""
-        return cls(tuple(float(r) for r in saved[0]), int(saved[1]))
+        medians = tuple(float(r) for r in saved[2]) if len(saved) > 2 else ()
+        return cls(tuple(float(r) for r in saved[0]), int(saved[1]), medians)
 
 
 def sub_window_rates(samples: Sequence[int], seconds: Sequence[float], parts: int) -> tuple[float, ...]:
@@ -138,6 +152,8 @@ class TuningRule:
         threshold: relative gain that counts (0.10 = 10 %).
         repeats: windows of the same configuration measured again, pooled, while the outcome is
             open (then it counts as no gain).
+        windows: windows of each configuration, pooled, before a step is decided (≥ 1): with two
+            or more, the spread includes how far the windows' medians lie apart.
         reprobe: re-probe when ``DRIFT_WINDOWS`` windows in a row while holding are off the
             reference in the same direction.
         try_other_mode: measure the other learner mode once, after growing.
@@ -151,8 +167,8 @@ class TuningRule:
     """
 
     def __init__(self, *, threshold: float, repeats: int, reprobe: bool,
-                 try_other_mode: bool) -> None:
-        self.threshold, self.repeats = threshold, repeats
+                 try_other_mode: bool, windows: int = 1) -> None:
+        self.threshold, self.repeats, self.windows = threshold, repeats, windows
         self.reprobe, self.try_other_mode = reprobe, try_other_mode
         self.phase = "grow"
         self.best: tuple[Measurement, int, str] | None = None
@@ -162,6 +178,9 @@ class TuningRule:
         self._off = 0  # hold windows in a row off the reference on that side
         self._open: tuple[Measurement, Setting] | None = None  # a window whose outcome was open
         self._held_windows: list[Measurement] = []  # the windows pooled into ``held``
+        # a configuration that read faster than ``best``, and the phase it came from: ``best`` is
+        # measured again before it counts (phase "confirm")
+        self._candidate: tuple[Measurement, Setting, str] | None = None
 
     def forget_open(self) -> None:
         """Drop a window left open (a new fit: its workers start again)."""
@@ -182,23 +201,30 @@ class TuningRule:
         if self._open is not None and self._open[1] == at:  # the same configuration once more
             measured = self._open[0].pooled(window)
         self._open = None
+        if measured.windows < self.windows:  # too few windows of this configuration yet
+            self._open = (measured, at)
+            return Decision([], measured)
+        if self.phase == "confirm":
+            return Decision(self._confirm(measured, bound, fused_ok), measured)
         if self.phase == "mode":
             return Decision(self._mode(measured, at, bound, fused_ok), measured)
         return Decision(self._grow_or_settle(measured, at, bound, fused_ok), measured)
 
     def _again(self, measured: Measurement, at: Setting) -> list[tuple[str, int, str]] | None:
         """Measure ``at`` once more, if repeats are left: the step ``repeat``."""
-        if measured.windows > self.repeats:
+        if measured.windows >= self.windows + self.repeats:
             return None
         self._open = (measured, at)
         return [("repeat", at.m, at.mode)]
 
     def _grow_or_settle(self, measured: Measurement, at: Setting, bound: int,
                         fused_ok: bool) -> list[tuple[str, int, str]]:
-        v = "gain" if self.best is None else verdict(measured, self.best[0], self.threshold)
-        if v == "gain":
+        if self.best is None:  # the first configuration measured: the reference
             self.best = (measured, at.m, at.mode)
             return self._grow(at.m, at.mode, bound, fused_ok)
+        v = verdict(measured, self.best[0], self.threshold)
+        if v == "gain":
+            return self._to_confirm(measured, at, "grow")
         if v == "open" and (again := self._again(measured, at)) is not None:
             return again
         return [("remove", self.best[1], at.mode)] + self._settle(self.best[1], at.mode, fused_ok)
@@ -208,12 +234,37 @@ class TuningRule:
         self.mode_tried = True
         v = verdict(measured, self.best[0], 0.0)  # faster beyond both spreads
         if v == "gain":
-            self.best, self.phase = (measured, at.m, at.mode), "grow"
-            return [("keep_mode", at.m, at.mode)] + self._grow(at.m, at.mode, bound, fused_ok)
+            return self._to_confirm(measured, at, "mode")
         if v == "open" and (again := self._again(measured, at)) is not None:
             return again
         self.phase, self.held = "hold", None
         return [("revert_mode", at.m, self.best[2])]
+
+    def _to_confirm(self, measured: Measurement, at: Setting,
+                    came_from: str) -> list[tuple[str, int, str]]:
+        """``at`` read faster than ``best``: measure ``best`` again before it counts (A B A: a
+        load that eased while ``at`` ran, or weighed on ``best``'s windows, is seen)."""
+        self._candidate, self.phase = (measured, at, came_from), "confirm"
+        return [("confirm", self.best[1], self.best[2])]
+
+    def _confirm(self, again: Measurement, bound: int,
+                 fused_ok: bool) -> list[tuple[str, int, str]]:
+        """``best`` measured again (``again``): the candidate counts if it is faster than this
+        too (by the threshold for a new m, beyond the spreads for another learner mode); then
+        growing goes on from it, else ``best`` is settled on."""
+        (cand, at, came_from), self._candidate = self._candidate, None
+        theta = self.threshold if came_from == "grow" else 0.0
+        m, mode = self.best[1], self.best[2]
+        if exceeds(cand, again, theta):
+            self.best, self.phase = (cand, at.m, at.mode), "grow"
+            step = "add" if came_from == "grow" else "keep_mode"
+            return [(f"confirmed_{step}", at.m, at.mode)] + self._grow(at.m, at.mode, bound,
+                                                                       fused_ok)
+        self.best = (again, m, mode)
+        if came_from == "mode":
+            self.phase, self.held = "hold", None
+            return [("revert_mode", m, mode)]
+        return [("unconfirmed", m, mode)] + self._settle(m, mode, fused_ok)
 
     def _hold(self, window: Measurement, at: Setting) -> Decision:
         if self.held is None or len(self._held_windows) < HELD_FIRST:
@@ -258,8 +309,10 @@ class TuningRule:
         """The phase, best and held measurements and whether the other mode was tried (plain
         data)."""
         best = None if self.best is None else [self.best[0].as_list(), self.best[1], self.best[2]]
+        cand = None if self._candidate is None else [
+            self._candidate[0].as_list(), list(self._candidate[1]), self._candidate[2]]
         return {"phase": self.phase, "best": best, "mode_tried": self.mode_tried,
-                "held": None if self.held is None else self.held.as_list()}
+                "held": None if self.held is None else self.held.as_list(), "candidate": cand}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``."""
@@ -267,3 +320,6 @@ class TuningRule:
         self.phase, self.mode_tried = state["phase"], state["mode_tried"]
         self.best = None if best is None else (Measurement.from_list(best[0]), best[1], best[2])
         self.held = None if held is None else Measurement.from_list(held)
+        cand = state.get("candidate")
+        self._candidate = None if cand is None else (
+            Measurement.from_list(cand[0]), Setting(*cand[1]), cand[2])
