@@ -469,6 +469,7 @@ class Plan:
         self.position_in_epoch = 0  # samples of the epoch's order used so far
         self.train_seconds = 0.0
         self._unscored_warned = False  # evaluate's warning that no accuracy can be computed
+        self.last_eval_extras: dict[str, float] = {}  # the last evaluate's Evaluation.extras
         self.run_record = RunRecord()  # its set-up and checkpoints (training/run_setup.py)
 
     # -- shape of the plan ------------------------------------------------------------------
@@ -757,6 +758,7 @@ class Plan:
         result = evaluate_model(self._central, self.loss_fn, dataset, batch_size=batch_size,
                                 device=self.states[0].torch_device, metric_fn=metric_fn,
                                 collate_fn=collate_of(data))
+        self.last_eval_extras = result.extras  # a dict loss_fn's other entries (EvalRecord)
         if result.unscored and not self._unscored_warned:
             self._unscored_warned = True
             warnings.warn(f"{self.model_graph.name}: no test accuracy: {result.unscored}; "

@@ -5,6 +5,8 @@ backbone. Oracles: eager PyTorch with the same model, and tests/_reference.py's 
 from __future__ import annotations
 
 import copy
+import csv
+import json
 
 import pytest
 import torch
@@ -161,6 +163,26 @@ def test_a_dict_loss_trains_on_its_loss_entry_as_eager(mode):
         out = ref(data.tensors[0])
     assert loss == pytest.approx(float(F.cross_entropy(out, data.tensors[1])), rel=1e-5)
     assert accuracy == pytest.approx(float((out.argmax(1) == data.tensors[1]).float().mean()))
+
+
+def test_a_dict_losss_other_entries_are_logged_at_each_evaluation(tmp_path):
+    """The other scalar entries of the dict ("confidence") are averaged over the evaluation's
+    samples, as the loss is: in History.evals, evals.csv and history.json."""
+    torch.manual_seed(0)
+    model, data = nn.Sequential(nn.Flatten(), nn.Linear(16, 4)), _data()
+    plan = cg.compile(model, (data.tensors[0][:2],), _dict_loss, batch_size=B, devices=1,
+                      replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1))
+    history = plan.fit(data, 1, eval_dataset=data, eval_batch_size=8, progress=False,
+                       log_dir=str(tmp_path))
+    with torch.no_grad():  # the oracle: batches of 8, weighted by their sizes (all equal here)
+        out = plan.central_model()(data.tensors[0])
+    expected = float(torch.stack([o.softmax(1).amax(1).mean() for o in out.split(8)]).mean())
+    assert history.evals[-1].test_extras == {"confidence": pytest.approx(expected, rel=1e-5)}
+    with open(tmp_path / "evals.csv") as f:
+        row = list(csv.DictReader(f))[-1]
+    assert json.loads(row["test_extras"])["confidence"] == pytest.approx(expected, rel=1e-5)
+    assert json.load(open(tmp_path / "history.json"))["evals"][-1]["test_extras"] == \
+        history.evals[-1].test_extras
 
 
 @pytest.mark.parametrize("loss_fn,match", [

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["describe_output", "logits_of", "loss_of", "loss_value", "model_loss"]
+__all__ = ["describe_output", "logits_of", "loss_of", "loss_extras", "loss_value", "model_loss"]
 
 
 def loss_of(output: Any) -> torch.Tensor | None:
@@ -67,6 +67,18 @@ def loss_value(loss: Any) -> torch.Tensor:
         raise ValueError(f"loss_fn returned a {type(loss).__name__} of {len(loss)} items "
                          f"({items}); {fix}, e.g. {{'loss': loss, 'aux': aux}}")
     return _scalar(loss, "loss_fn must return", fix)
+
+
+def loss_extras(loss: Any) -> dict[str, float]:
+    """The other scalar entries of a dict that ``loss_fn`` returned (``{"loss": l, "acc": a}``
+    → ``{"acc": float(a)}``): numbers and one-element tensors, read on the host; {} for a tensor
+    or a dict without others. Evaluation averages them over the samples (``EvalRecord.
+    test_extras``)."""
+    if not isinstance(loss, Mapping):
+        return {}
+    return {str(k): float(v) for k, v in loss.items() if k != "loss" and (
+        (isinstance(v, (int, float)) and not isinstance(v, bool))
+        or (isinstance(v, torch.Tensor) and v.numel() == 1))}
 
 
 def _scalar(loss: Any, what: str, fix: str) -> torch.Tensor:

@@ -10,14 +10,14 @@ first tensor of a tuple or dict) when they are ``[N, C]`` and the target is inte
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ..compiler.outputs import describe_output, logits_of, loss_value
+from ..compiler.outputs import describe_output, logits_of, loss_extras, loss_value
 from ..engine.inputs import split_inputs
 from .data import as_dataset, make_fetch, yields_every_sample
 
@@ -33,11 +33,14 @@ class Evaluation:
             accuracy; None when it cannot be computed.
         loss: the mean loss over the samples.
         unscored: why there is no accuracy (empty when there is one).
+        extras: the other scalar entries of a dict ``loss_fn`` returns, averaged over the
+            samples (compiler/outputs.py ``loss_extras``); {} otherwise.
     """
 
     accuracy: float | None
     loss: float
     unscored: str = ""
+    extras: dict[str, float] = field(default_factory=dict)
 
 
 def eval_samples(data: Any, what: str = "eval_dataset") -> Dataset:
@@ -115,12 +118,16 @@ def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], to
     """
     fetch = make_fetch(dataset, collate_fn)
     correct, loss_sum, n, unscored = 0.0, 0.0, 0, ""
+    extras: dict[str, float] = {}
     for start in range(0, len(dataset), batch_size):
         idx = torch.arange(start, min(start + batch_size, len(dataset)))
         batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, fetch(idx))
         args, kwargs, y = split_inputs(batch)
         out = forward(*args, **kwargs)
-        loss_sum += float(loss_value(loss_fn(out, y))) * len(idx)
+        loss = loss_fn(out, y)
+        loss_sum += float(loss_value(loss)) * len(idx)
+        for key, v in loss_extras(loss).items():
+            extras[key] = extras.get(key, 0.0) + v * len(idx)
         n += len(idx)
         if unscored:
             continue
@@ -132,4 +139,5 @@ def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], to
             unscored = _why_unscored(out, y)
         else:
             correct += hits
-    return Evaluation(accuracy=None if unscored else correct / n, loss=loss_sum / n, unscored=unscored)
+    return Evaluation(accuracy=None if unscored else correct / n, loss=loss_sum / n,
+                      unscored=unscored, extras={k: v / n for k, v in extras.items()})

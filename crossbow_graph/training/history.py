@@ -41,13 +41,16 @@ class EpochRecord:
 
 @dataclass(kw_only=True)
 class EvalRecord:
-    """One evaluation of z: ``epoch`` as a fraction (2.5 = half-way through the third epoch)."""
+    """One evaluation of z: ``epoch`` as a fraction (2.5 = half-way through the third epoch);
+    ``test_extras``: the other scalar entries of a dict that ``loss_fn`` returns, averaged over
+    the samples (rank 0's under torchrun)."""
 
     epoch: float
     round: int
     train_seconds: float
     test_accuracy: float
     test_loss: float
+    test_extras: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)

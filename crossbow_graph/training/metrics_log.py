@@ -19,6 +19,7 @@ rows between the last checkpoint and a crash can appear twice; the later ones ar
 from __future__ import annotations
 
 import csv
+import json
 import os
 from dataclasses import asdict
 from typing import Any
@@ -116,9 +117,13 @@ class MetricsLogger(Hook):
         self._last = (step, ctx.train_seconds)
 
     def after_eval(self, ctx: FitContext, record: EvalRecord) -> None:
-        self._files["evals"].write(asdict(record))
+        row = asdict(record)
+        row["test_extras"] = json.dumps(record.test_extras)  # one column: keys vary by loss_fn
+        self._files["evals"].write(row)
         self._scalar("eval/accuracy", record.test_accuracy, record.round)
         self._scalar("eval/loss", record.test_loss, record.round)
+        for key, value in record.test_extras.items():
+            self._scalar(f"eval/{key}", value, record.round)
 
     def after_epoch(self, ctx: FitContext, record: EpochRecord) -> None:
         self._files["epochs"].write(asdict(record))

@@ -500,7 +500,8 @@ class Trainer:
         trained = plan.train_seconds + self.epoch_seconds
         history.evals.append(EvalRecord(epoch=self.epoch + self.position / n,
                                         round=plan.rounds_done, train_seconds=trained,
-                                        test_accuracy=acc, test_loss=test_loss))
+                                        test_accuracy=acc, test_loss=test_loss,
+                                        test_extras=dict(plan.last_eval_extras)))
         self.bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
                              samples_per_s=f"{self.samples_run / self.epoch_seconds:,.0f}")
         self.ctx.train_seconds = trained
