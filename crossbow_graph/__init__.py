@@ -9,9 +9,10 @@ from __future__ import annotations
 from . import datasets, models
 from .api import Plan, compile
 from .compiler.tasks import Cost, Task, TaskKind
-from .config import SGD, SMA, SSGD, Adjustment, DiLoCo
+from .config import SGD, Adjustment
 from .engine.comm import Distributed
 from .engine.settings import RunSettings
+from .engine.sync import SMA, SSGD, DiLoCo
 from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, PlanError,
                      TaskError, TraceError, TraceWarning, TrainingInterrupted)
 from .training.history import History
@@ -23,7 +24,8 @@ from .tuning.policies import (AdaptiveBatchSize, AutoReplicas, CosineLR, Diverge
                               Policy, StepLR)
 
 __all__ = [
-    "compile", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "AutoTune", "Task", "TaskKind", "Cost", "History",
+    "compile", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "AutoTune", "Task", "TaskKind", "Cost",
+    "History",
     "TraceError", "TraceWarning", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
     "DivergenceError", "CheckpointError", "TrainingInterrupted",
     "datasets", "models",

@@ -19,15 +19,15 @@ from .compiler.arguments import check_trace_arguments
 from .compiler.outputs import model_loss
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
-from .config import LEARNER_MODES, SGD, SMA, SSGD, Adjustment, DiLoCo
+from .config import LEARNER_MODES, SGD, Adjustment
 from .engine.comm import Comm, Distributed, plan_facts
-from .engine.outer import sync_facts
 from .engine.optim import OptimizerRows, as_local_optimizer
 from .engine.precision import check_precision
 from .engine.fused import fused_mode_message, vmap_failure
 from .engine.graphs import RoundGraph, cuda_graphs_refusal
 from .engine.scheduler import Scheduler
 from .engine.settings import RunSettings, settings_view
+from .engine.sync import ALGORITHMS, SMA, SyncAlgorithm
 from .engine.state import (MEMORY_FORMATS, DeviceState, FlatLayout, channels_last_weights,
                            check_grad_hooks, copy_module, float_buffers_named, model_dtype,
                            trainable_named)
@@ -140,7 +140,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     *, batch_size: int, devices: int | str | Sequence[str] = 1, replicas: int | str = "auto",
     learner_mode: str = "per_replica", executor: str = "auto", autotune: AutoTune | None = None,
-    optimizer: "SGD | torch.optim.Optimizer" = SGD(), sync: SMA | SSGD | DiLoCo = SMA(),
+    optimizer: "SGD | torch.optim.Optimizer" = SGD(), sync: SyncAlgorithm = SMA(),
     concrete_args: dict[str, Any] | None = None, leaf_modules: Sequence[type[nn.Module]] = (),
     memory_budget: int | None = None, verify: bool = True, kernel_backend: str = "auto",
     distributed: Distributed | None = None, precision: str = "fp32", strict_trace: bool = False,
@@ -177,7 +177,8 @@ def compile(  # noqa: A001 - the public name the design asks for
         sync: the SMA settings (α = None means 1/k), or ``SSGD()``: gradients averaged over the
             k learners and one SGD step for all replicas (a batch of k·b; the inline executor),
             or ``DiLoCo(sync_every=H)``: an outer optimizer over z every H rounds, replicas
-            restarted from z (config.DiLoCo; the inline executor).
+            restarted from z (the inline executor); or another algorithm of engine/sync/
+            (docs/design-overview.md §2).
         concrete_args, leaf_modules: {forward argument: value} and a list of module classes for
             torch.fx (TraceError's advice); leaves, the model as one too, are measured eagerly.
         memory_budget: bytes per device for learners; None: no bound on CPUs, free memory on CUDA.
@@ -232,7 +233,7 @@ class _CompileArgs:
     executor: str
     autotune: AutoTune | None
     optimizer: Any
-    sync: SMA | SSGD | DiLoCo
+    sync: SyncAlgorithm
     concrete_args: dict[str, Any] | None
     leaf_modules: Sequence[type[nn.Module]]
     memory_budget: int | None
@@ -272,14 +273,10 @@ class _CompileArgs:
             raise TypeError(f"optimizer must be a torch.optim optimizer built over the model's "
                             f"parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3), "
                             f"or crossbow_graph.SGD(lr=0.01); got {got}")
-        if not isinstance(sync, (SMA, SSGD, DiLoCo)):
-            raise TypeError(f"sync must be crossbow_graph.SMA(...), crossbow_graph.SSGD() or "
-                            f"crossbow_graph.DiLoCo(sync_every=H), got {type(sync).__name__}")
-        if isinstance(sync, (SSGD, DiLoCo)) and self.executor == "process":
-            raise ValueError(f"sync={type(sync).__name__}(...) runs on the inline executor only: its "
-                             "global sync writes every replica, which the process executor's "
-                             "workers do not wait for; use executor='inline' (or 'auto', which "
-                             "picks it)")
+        if not isinstance(sync, SyncAlgorithm):
+            names = ", ".join(f"crossbow_graph.{a.__name__}(...)" for a in ALGORITHMS)
+            raise TypeError(f"sync must be one of {names}, got {type(sync).__name__}")
+        sync.check_executor(self.executor)  # ValueError: e.g. DiLoCo on the process executor
         _check_model(self.model)
         for name in ("verify", "strict_trace", "cuda_graphs"):
             check_flag(name, getattr(self, name))
@@ -392,7 +389,7 @@ class Plan:
         batch_size: b.
         learner_mode: ``"per_replica"`` or ``"fused"``.
         optimizer: the local optimiser (a torch.optim optimizer; its param groups hold the
-            settings in force); ``sync``: SMA with the α and τ in force (or DiLoCo, SSGD).
+            settings in force); ``sync``: the sync algorithm with the α and τ (H) in force.
         memory_budget: bytes per device for learners (None: unbounded).
         autotuner: the AutoTuner hook that ``fit`` runs (``replicas="auto"``), else None.
         precision: the learners' precision, ``"fp32"``, ``"bf16"`` or ``"fp16"`` (read-only).
@@ -401,7 +398,7 @@ class Plan:
     batch_size = settings_view("batch_size", "b, samples per learner per round (read-only).")
     replicas_per_device = settings_view("replicas_per_device", "m, replicas per device (read-only).")
     learner_mode = settings_view("learner_mode", "'per_replica' or 'fused' (read-only).")
-    sync = settings_view("sync", "SMA with the α and τ in force, DiLoCo with its H, or SSGD (read-only).")
+    sync = settings_view("sync", "The sync algorithm with its α and τ (H) in force (read-only).")
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -413,7 +410,7 @@ class Plan:
         return self.settings.optimizer.optimizer
 
     def __init__(self, *, model: nn.Module, model_graph: ModelGraph, task_graph: nx.DiGraph,
-                 loss_fn: Callable, batch_size: int, optimizer: Any, sync: SMA,
+                 loss_fn: Callable, batch_size: int, optimizer: Any, sync: SyncAlgorithm,
                  learner_mode: str = "per_replica", executor: str = "auto",
                  memory_budget: int | None = None, verify: bool = True,
                  autotune: AutoTune | None = None, kernels: Any = None,
@@ -429,10 +426,7 @@ class Plan:
         self._buffers = FlatLayout.of(float_buffers_named(self._template))
         local = as_local_optimizer(optimizer, model, self._template,
                                    [name for name, *_ in self._params.entries])
-        if isinstance(sync, SSGD) and not local.kernel:
-            raise ValueError(f"sync=SSGD() steps with SGD only; got optimizer="
-                             f"{type(local.optimizer).__name__}: use crossbow_graph.SGD(...) or "
-                             f"torch.optim.SGD with one param group, or sync=SMA()")
+        sync.check_optimizer(local)  # ValueError: e.g. SSGD with AdamW
         self.settings = RunSettings(optimizer=local, sync=sync, batch_size=batch_size,
                                     replicas_per_device=int(task_graph.graph["replicas_per_device"]),
                                     learner_mode=learner_mode)
@@ -587,8 +581,10 @@ class Plan:
         return self._params.size
 
     def _inspection_settings(self) -> dict[str, Any]:
-        return {"optimizer": self.settings.optimizer.describe(), "sync": sync_facts(self.sync, self.scheduler.outer),
-                "alpha": self.sync.alpha_for(self.num_learners)}
+        sync, state = self.sync, self.scheduler.sync_state
+        return {"optimizer": self.settings.optimizer.describe(), "sync": sync.describe(state),
+                "sync_rule": sync.summary_rule(self.num_learners, state),
+                "alpha": sync.alpha_for(self.num_learners)}
 
     @property
     def kernels(self) -> list:
@@ -599,14 +595,12 @@ class Plan:
         the torch function); Triton ones on CUDA also carry ``asm`` after their first launch, and
         ``lower(arch)`` compiles them to PTX without a GPU.
         """
-        local, sync = self.settings.optimizer, self.sync
+        local = self.settings.optimizer
         opt = local.sgd()
         return plan_kernels(self.scheduler.kernels, self.states, local=local.kernel,
                             momentum=opt.momentum, nesterov=opt.nesterov,
                             weight_decay=opt.weight_decay,
-                            num_learners=1 if isinstance(sync, DiLoCo) else self.num_learners,
-                            sync_every=sync.sync_every,  # DiLoCo: no correction, no SMA z update
-                            central_momentum=sync.central_momentum)
+                            **self.sync.kernel_facts(self.num_learners))  # k, τ, μ_z
 
     def summary(self) -> str:
         """A table per device: replicas, tasks, GFLOP per round, memory (MiB); then the totals.

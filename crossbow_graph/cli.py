@@ -342,8 +342,9 @@ def _inspect(args: argparse.Namespace) -> int:
     sgd, sma = cg.SGD(), cg.SMA()
     if args.replicas < 1 or args.batch_size < 1:
         raise ValueError(f"--replicas {args.replicas} --batch-size {args.batch_size}: both must be ≥ 1")
-    settings = {"optimizer": dataclasses.asdict(sgd), "sync": dataclasses.asdict(sma),
-                "alpha": sma.alpha_for(len(devices) * args.replicas)}
+    k = len(devices) * args.replicas
+    settings = {"optimizer": dataclasses.asdict(sgd), "sync": sma.describe(),
+                "sync_rule": sma.summary_rule(k), "alpha": sma.alpha_for(k)}
     view = inspect_model(model, (torch.randn(2, *shape),), devices=devices,
                          replicas_per_device=args.replicas, batch_size=args.batch_size,
                          memory_budget_bytes=budget, settings=settings)

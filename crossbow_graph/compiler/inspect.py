@@ -25,7 +25,7 @@ from .trace import trace_model
 from .verify import verify_task_graph
 
 __all__ = ["SCHEMA", "PlanView", "summary", "to_json", "from_json", "to_dot", "draw",
-           "inspect_model"]
+           "inspect_model", "optimizer_text"]
 
 #: The ``schema`` field of every JSON document ``to_json`` writes.
 SCHEMA = "crossbow_graph.plan/2"
@@ -45,7 +45,7 @@ def _tasks(graph: nx.DiGraph) -> list[Task]:
     return [graph.nodes[n]["task"] for n in graph.nodes]
 
 
-def _optimizer_text(opt: dict[str, Any]) -> str:
+def optimizer_text(opt: dict[str, Any]) -> str:
     """``AdamW(lr=0.001, betas=[0.9, 0.999], ...)`` from ``LocalOptimizer.describe()``: the class
     and its first group's numbers, with how many groups there are."""
     groups = opt.get("groups") or [{}]
@@ -61,7 +61,9 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
 
     Args:
         graph: an annotated task graph (after ``annotate_costs``).
-        settings: optional ``{"optimizer": {...}, "sync": {...}, "alpha": α}`` for the header.
+        settings: optional ``{"optimizer": {...}, "sync": {...}, "sync_rule": text, "alpha": α}``
+            for the header (``sync_rule``: the sync algorithm's ``summary_rule``; without it the
+            ``sync`` facts are shown as they are).
 
     Returns:
         Lines of text; memory in MiB (2^20 bytes), FLOPs in GFLOP (10^9).
@@ -91,15 +93,9 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
                      + " + ".join(f"{n} {parts[n] / _MIB:.2f}" for n in shown))
     if settings:
         opt, sync = settings.get("optimizer", {}), settings.get("sync", {})
-        alpha = settings.get("alpha", 0)
-        alpha = "— (one learner: nothing to average)" if not alpha and k == 1 else f"{alpha:.4g}"
-        if sync.get("name") == "DiLoCo":  # engine/outer.py sync_facts
-            rule = (f"DiLoCo(outer {_optimizer_text(sync.get('outer_optimizer') or {})} on "
-                    f"Δ = z − mean w, every {sync.get('sync_every')} round(s))")
-        else:
-            rule = (f"SMA(α={alpha}, μ_z={sync.get('central_momentum')}, every "
-                    f"{sync.get('sync_every')} round(s))")
-        lines.append(f"sync: {rule}; optimizer: {_optimizer_text(opt)}")
+        rule = settings.get("sync_rule") or "{}({})".format(  # the algorithm's summary_rule
+            sync.get("name", "SMA"), ", ".join(f"{key}={value}" for key, value in sync.items() if key != "name"))
+        lines.append(f"sync: {rule}; optimizer: {optimizer_text(opt)}")
     header = f"{'device':<10}{'replicas':>9}{'LEARN':>7}{'LOCAL_SYNC':>12}{'GFLOP/round':>13}{'memory MiB':>12}"
     lines += [header, "-" * len(header)]
     tasks = _tasks(graph)

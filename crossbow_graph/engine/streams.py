@@ -10,7 +10,8 @@ copied on each device's copy stream ``C_d`` while the round before runs. Every r
 1. ``begin_round``: an event ``start_t`` on each device's ``D`` after the round's batch is there.
 2. A learner group on ``L`` waits for ``start_t``, for its device's copy of the round's batch
    (if copied ahead), and for its device's last local sync (its own
-   correction; under S-SGD and DiLoCo also for the last global sync, which writes every w), then
+   correction; under a sync algorithm whose global sync writes every w, S-SGD's or DiLoCo's,
+   also for the last global sync: ``SyncAlgorithm.waits_for_global``), then
    reads w[j] and its batch (kept alive for ``L`` with ``record_stream``) and writes g[j] and
    buf[j].
 3. The local sync on ``S_d`` waits for every learner group of the device in this round (and so
@@ -237,8 +238,9 @@ class CudaStreams:
 
     @contextmanager
     def learn(self, task: Any, d: int, r0: int, *, after_global: bool) -> Iterator[None]:
-        """Step 2: a learner group's work on its stream (``after_global``: S-SGD's and DiLoCo's,
-        whose global sync writes every replica)."""
+        """Step 2: a learner group's work on its stream (``after_global``: the sync algorithm's
+        ``waits_for_global``: e.g. S-SGD's and DiLoCo's, whose global sync writes every
+        replica)."""
         stream = self.groups.get((d, r0))
         if stream is None:
             stream = self.groups[d, r0] = self.ops.new_stream(self.states[d].torch_device)
