@@ -12,7 +12,7 @@ from .compiler.tasks import Cost, Task, TaskKind
 from .config import SGD, Adjustment
 from .engine.comm import Distributed
 from .engine.settings import RunSettings
-from .engine.sync import SMA, SSGD, DiLoCo
+from .engine.sync import SMA, SSGD, DiLoCo, LocalSGD
 from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, PlanError,
                      TaskError, TraceError, TraceWarning, TrainingInterrupted)
 from .training.history import History
@@ -24,7 +24,7 @@ from .tuning.policies import (AdaptiveBatchSize, AutoReplicas, CosineLR, Diverge
                               Policy, StepLR)
 
 __all__ = [
-    "compile", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "AutoTune", "Task", "TaskKind", "Cost",
+    "compile", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "LocalSGD", "AutoTune", "Task", "TaskKind", "Cost",
     "History",
     "TraceError", "TraceWarning", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
     "DivergenceError", "CheckpointError", "TrainingInterrupted",

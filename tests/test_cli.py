@@ -190,6 +190,24 @@ def test_sync_diloco_flags_build_a_diloco_plan(capsys):
         assert says in capsys.readouterr().err, flags
 
 
+def test_sync_local_sgd_flag_builds_a_local_sgd_plan(capsys):
+    """--sync local_sgd --sync-every H trains with LocalSGD (DiLoCo's default H without the flag);
+    an SMA or outer-optimizer flag with it is a one-line error before any work."""
+    from crossbow_graph.cli import DILOCO_H, prepare_train
+
+    small = ["train", "--train-samples", "256", "--test-samples", "128", "--epochs", "1",
+             "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "16",
+             "--devices", "2"]
+    plan, _ = prepare_train(build_parser().parse_args(small + ["--sync", "local_sgd", "--sync-every", "4"]))
+    assert plan.sync == cg.LocalSGD(sync_every=4)
+    plan, _ = prepare_train(build_parser().parse_args(small + ["--sync", "local_sgd"]))
+    assert plan.sync == cg.LocalSGD(sync_every=DILOCO_H)
+    for flags, says in [(["--alpha", "0.5"], "--alpha with --sync local_sgd: it is an SMA setting"),
+                        (["--outer-lr", "1"], "--outer-lr with --sync local_sgd: local SGD has no outer optimizer")]:
+        assert main(small + ["--sync", "local_sgd"] + flags) == 2, flags
+        assert says in capsys.readouterr().err, flags
+
+
 def test_sync_dtype_without_torchrun_says_it_has_no_effect(capsys):
     small = ["train", "--train-samples", "256", "--test-samples", "128", "--epochs", "1",
              "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "64"]

@@ -224,3 +224,15 @@ class SyncAlgorithm(abc.ABC):
         """A warning for a fit of ``rounds`` rounds after ``rounds_done`` that would leave z
         where it is, or None."""
         return None
+
+    def _fewer_rounds_than_h(self, rounds: int, rounds_done: int, missed: str) -> str | None:
+        """``short_fit_warning`` of an algorithm whose z moves only at its syncs, every H =
+        ``sync_every`` rounds: z ``missed`` (e.g. "gets no outer step") in a fit that ends
+        before round H."""
+        H = self.sync_every
+        if rounds_done + rounds >= H:
+            return None
+        return (f"{type(self).__name__}(sync_every={H}): this fit runs {rounds} rounds, fewer "
+                f"than H, so the central model z (what evaluation and central_model() use) "
+                f"{missed} and stays where it started; use sync_every ≤ {max(rounds, 1)} or "
+                "train longer")

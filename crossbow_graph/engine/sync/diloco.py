@@ -44,7 +44,7 @@ class DiLoCo(SyncAlgorithm):
             parameters; it is called once, by ``compile`` (``bind``), with ``[z]`` (a leaf
             tensor ``[P]`` sharing the first device's central model). Default: Nesterov SGD,
             lr 0.7, momentum 0.9 (``DILOCO_OUTER``); ``functools.partial(torch.optim.SGD,
-            lr=1.0)`` is local SGD (periodic model averaging).
+            lr=1.0)`` is local SGD (periodic model averaging, ``LocalSGD`` up to rounding).
 
     Raises:
         ValueError: ``sync_every`` not an integer ≥ 1.
@@ -116,10 +116,4 @@ class DiLoCo(SyncAlgorithm):
                 f"{self.sync_every} round(s))")
 
     def short_fit_warning(self, rounds: int, rounds_done: int) -> str | None:
-        H = self.sync_every
-        if rounds_done + rounds >= H:
-            return None
-        return (f"DiLoCo(sync_every={H}): this fit runs {rounds} rounds, fewer than H, so the "
-                "central model z (what evaluation and central_model() use) gets no outer "
-                f"step and stays where it started; use sync_every ≤ {max(rounds, 1)} or "
-                "train longer")
+        return self._fewer_rounds_than_h(rounds, rounds_done, "gets no outer step")
