@@ -93,8 +93,8 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
                      + " + ".join(f"{n} {parts[n] / _MIB:.2f}" for n in shown))
     if settings:
         opt, sync = settings.get("optimizer", {}), settings.get("sync", {})
-        rule = settings.get("sync_rule") or "{}({})".format(  # the algorithm's summary_rule
-            sync.get("name", "SMA"), ", ".join(f"{key}={value}" for key, value in sync.items() if key != "name"))
+        fields = ", ".join(f"{key}={value}" for key, value in sync.items() if key != "name")
+        rule = settings.get("sync_rule") or f"{sync.get('name', 'SMA')}({fields})"  # summary_rule
         lines.append(f"sync: {rule}; optimizer: {optimizer_text(opt)}")
     header = f"{'device':<10}{'replicas':>9}{'LEARN':>7}{'LOCAL_SYNC':>12}{'GFLOP/round':>13}{'memory MiB':>12}"
     lines += [header, "-" * len(header)]

@@ -22,8 +22,9 @@ Executors (``executor=``):
   fit declares ``mutates_replicas = False``, else the rounds run one after the other).
 * ``"auto"``: ``"process"`` when every device is a CPU device, the machine has ≥ 2 cores, k ≥ 2
   and fork is available (and the sync algorithm runs there, ``SyncAlgorithm.executors``: SMA;
-  the others' global sync writes every replica); else ``"inline"`` (single-threaded learner processes run about twice as
-  fast as one process, learners in Python threads slower: threads are not offered).
+  the others' global sync writes every replica); else ``"inline"`` (single-threaded learner
+  processes run about twice as fast as one process, learners in Python threads slower: threads
+  are not offered).
 """
 
 from __future__ import annotations

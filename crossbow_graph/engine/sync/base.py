@@ -16,8 +16,9 @@ changes its α or τ/H by building a new value (``with_alpha``, ``with_sync_ever
   CUDA streams' rule for learners), ``local_update`` in every LOCAL_SYNC (and the process
   executor's workers, for their rows), ``global_update`` in every GLOBAL_SYNC of a round that
   synchronises, on the global stream; ``cuda_graphs`` (whether a CUDA graph may capture its rounds).
-* the run settings and the trainer: ``alpha``, ``alpha_for``, ``sync_every`` (which rounds
-  synchronise), ``central_momentum``, ``short_fit_warning``.
+* the run settings, checkpoint resumes and the trainer: ``alpha``, ``alpha_for``,
+  ``sync_every`` (which rounds synchronise), ``adjustable``, ``central_momentum``,
+  ``short_fit_warning``.
 
 The engine's side is a ``SyncContext`` (the Scheduler): the devices' states, the update kernels,
 the learners' local step with its fault handling (``local_update_rows``) and the all-reduce
