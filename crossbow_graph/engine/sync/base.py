@@ -156,8 +156,9 @@ class SyncAlgorithm(abc.ABC):
     # -- compile ----------------------------------------------------------------------------
 
     def check_executor(self, executor: str) -> None:
-        """ValueError when ``executor`` (``compile``'s) is one this algorithm does not run on."""
-        if executor != "auto" and executor not in self.executors:
+        """ValueError when ``executor`` (``compile``'s) is one this algorithm does not run on
+        (an unknown name is the scheduler's error, ``EXECUTORS``)."""
+        if executor in ("inline", "process") and executor not in self.executors:
             runs = " and ".join(self.executors)
             raise ValueError(f"sync={type(self).__name__}(...) runs on the {runs} executor only: "
                              "its global sync writes every replica, which the process executor's "
