@@ -7,7 +7,7 @@ import contextlib
 import copy
 import random
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal, get_args
 
 import numpy as np
 import torch
@@ -19,9 +19,10 @@ from .inputs import split_inputs
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
-__all__ = ["choose_onednn", "CPU_CONV_CHOICES", "host_rngs_kept"]
+__all__ = ["choose_onednn", "CpuConv", "CPU_CONV_CHOICES", "host_rngs_kept"]
 
-CPU_CONV_CHOICES = ("auto", "onednn", "aten")
+CpuConv = Literal["auto", "onednn", "aten"]
+CPU_CONV_CHOICES = get_args(CpuConv)
 BIG_STEP_S = 0.3  # choose_onednn: a learner step slower than this is not measured (oneDNN)
 
 _ONEDNN_CHOICES: dict[tuple, bool] = {}  # choose_onednn's measurements in this process

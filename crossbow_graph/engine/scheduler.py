@@ -29,7 +29,7 @@ Executors (``executor=``):
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Literal, get_args
 
 import networkx as nx
 import torch
@@ -51,9 +51,10 @@ from .settings import RunSettings, settings_view
 from .state import DeviceState
 from .workers import ProcessExecutor, available_cores, fork_available
 
-__all__ = ["Scheduler", "EXECUTORS"]
+__all__ = ["Scheduler", "Executor", "EXECUTORS"]
 
-EXECUTORS = ("auto", "inline", "process")
+Executor = Literal["auto", "inline", "process"]
+EXECUTORS = get_args(Executor)
 
 
 class Scheduler(RoundInterpreter):
