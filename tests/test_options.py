@@ -1,11 +1,13 @@
 """Each option of ``compile`` and ``Plan.fit`` is stated once: a field of ``CompileOptions`` or
-``FitOptions`` (default, doc, Literal choices). The functions' keywords and defaults and the
-checks of the choices are held to those fields here."""
+``FitOptions`` (default, doc, Literal choices). The functions' keywords and defaults, the checks
+of the choices and the docs' tables are held to those fields here."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import sys
 from typing import Literal, get_args, get_origin
 
 import pytest
@@ -16,6 +18,7 @@ import crossbow_graph as cg
 
 from _runtime_helpers import TinyNet, compile_tiny, tiny_data
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_OPTIONS = {"compile": {"model", "example_inputs", "loss_fn", "options"},
                "fit": {"self", "train_dataset", "eval_dataset", "options"}}
 CASES = [("compile", cg.compile, cg.CompileOptions), ("fit", cg.Plan.fit, cg.FitOptions)]
@@ -85,3 +88,19 @@ def test_options_and_keywords_together_are_refused():
         compile_tiny().fit(tiny_data(16), options={"epochs": 2})
     with pytest.raises(ValueError, match=r"batch_size=None: must be a positive integer"):
         cg.compile(TinyNet(), (torch.zeros(1, 1, 8, 8),), nn.functional.cross_entropy)  # no b
+
+
+def test_the_docs_tables_are_the_scripts():
+    """docs/options.md holds the tables scripts/option_tables.py prints from the dataclasses
+    (``python scripts/option_tables.py --write`` renews them)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import option_tables
+    finally:
+        sys.path.pop(0)
+    with open(os.path.join(ROOT, "docs", "options.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert text == option_tables.replace_tables(text, option_tables.tables())
+    for cls in (cg.CompileOptions, cg.FitOptions):
+        for field in dataclasses.fields(cls):
+            assert f"| `{field.name}` |" in text
