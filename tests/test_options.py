@@ -1,6 +1,6 @@
 """Each option of ``compile`` and ``Plan.fit`` is stated once: a field of ``CompileOptions`` or
 ``FitOptions`` (default, doc, Literal choices). The functions' keywords and defaults, the checks
-of the choices and the docs' tables are held to those fields here."""
+of the choices, the docs' tables and the CLI's flags are held to those fields here."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 import crossbow_graph as cg
+from crossbow_graph import cli_options
+from crossbow_graph.cli import build_parser
 
 from _runtime_helpers import TinyNet, compile_tiny, tiny_data
 
@@ -104,3 +106,30 @@ def test_the_docs_tables_are_the_scripts():
     for cls in (cg.CompileOptions, cg.FitOptions):
         for field in dataclasses.fields(cls):
             assert f"| `{field.name}` |" in text
+
+
+def test_cli_flags_take_the_options_defaults_and_choices_but_the_listed_exceptions():
+    """A train flag that sets an option has the option's default and choices, unless
+    CLI_DEFAULTS lists it, with a reason and a default that does differ; every train flag named
+    after an option of compile or fit is mapped to it, or builds the option's value
+    (BUILDING_FLAGS)."""
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    actions = {a.option_strings[0]: a for a in sub.choices["train"]._actions if a.option_strings}
+    for flag, (cls, name) in cli_options.OPTION_FLAGS.items():
+        field = {f.name: f for f in dataclasses.fields(cls)}[name]
+        option_default = None if field.default is dataclasses.MISSING else field.default
+        action = actions[flag]
+        if flag in cli_options.CLI_DEFAULTS:
+            cli_default, reason = cli_options.CLI_DEFAULTS[flag]
+            assert _same(action.default, cli_default) and reason, flag
+            assert not _same(cli_default, option_default), f"{flag}: no exception, drop it"
+        else:
+            assert _same(action.default, option_default), (flag, action.default, option_default)
+        kind = cli_options.option_field_type(cls, name)
+        choices = get_args(kind) if get_origin(kind) is Literal else None
+        assert (tuple(action.choices) if action.choices else None) == choices, flag
+    assert set(cli_options.CLI_DEFAULTS) <= set(cli_options.OPTION_FLAGS)
+    names = {f.name for cls in (cg.CompileOptions, cg.FitOptions) for f in dataclasses.fields(cls)}
+    unmapped = [flag for flag, a in actions.items() if a.dest in names
+                and flag not in {**cli_options.OPTION_FLAGS, **cli_options.BUILDING_FLAGS}]
+    assert not unmapped
