@@ -8,15 +8,16 @@ import numbers
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Literal, get_args
 
 import torch
 
 from .errors import check_flag, is_count
 
-__all__ = ["SGD", "SMA", "SSGD", "DiLoCo", "Adjustment", "LEARNER_MODES"]
+__all__ = ["SGD", "SMA", "SSGD", "DiLoCo", "Adjustment", "LearnerMode", "LEARNER_MODES"]
 
-LEARNER_MODES = ("per_replica", "fused")  # engine/fused.py: the same mathematics, two programs
+LearnerMode = Literal["per_replica", "fused"]  # engine/fused.py: the same mathematics, two programs
+LEARNER_MODES = get_args(LearnerMode)
 
 
 def _check_number(owner: str, name: str, value: object, example: str) -> None:
