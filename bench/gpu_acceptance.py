@@ -307,9 +307,7 @@ def probe_fit(scenario: str, device: torch.device, tmp: Path, *, smoke: bool,
     data, evals = synthetic("bnnet", 8 * 2 * b, device), synthetic("bnnet", 16, device, seed=1)
     plan = _compile("bnnet", device, b=b, kernel_backend="torch" if smoke else kernel_backend,
                     **compile_kw)
-    rec = RaceRecorder() if smoke else None
-    if rec is not None:
-        plan.scheduler.stream_ops = rec
+    rec = RaceRecorder().attach(plan.scheduler) if smoke else None
     hooks = [DelayStream(kind, cycles)] if kind else []
     shutil.rmtree(tmp, ignore_errors=True)  # each probe a fresh run: a fit refuses another's
     tmp.mkdir(parents=True)                 # checkpoints (docs/reliability.md)

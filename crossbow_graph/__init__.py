@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from . import datasets, models
 from .api import Plan, compile
+from .compile_options import CompileOptions
 from .compiler.tasks import Cost, Task, TaskKind
 from .config import SGD, Adjustment
 from .engine.comm import Distributed
@@ -24,8 +25,8 @@ from .tuning.policies import (AdaptiveBatchSize, AutoReplicas, CosineLR, Diverge
                               Policy, StepLR)
 
 __all__ = [
-    "compile", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "LocalSGD", "AutoTune", "Task", "TaskKind", "Cost",
-    "History",
+    "compile", "CompileOptions", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "LocalSGD", "AutoTune", "Task",
+    "TaskKind", "Cost", "History",
     "TraceError", "TraceWarning", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
     "DivergenceError", "CheckpointError", "TrainingInterrupted",
     "datasets", "models",

@@ -3,43 +3,40 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
-import math
 import pathlib
 import warnings
 from typing import Any, Callable, Sequence
 
-import networkx as nx
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from .build import (PlanParts, build_parts, check_inputs, resolve_devices, settle_learner_mode,
+                    torch_device)
+from .compile_options import CompileOptions
 from .compiler import inspect as _inspect
-from .compiler.arguments import check_trace_arguments
-from .compiler.outputs import model_loss
-from .compiler.passes import build_task_graph
-from .compiler.trace import ModelGraph, trace_model
-from .config import LEARNER_MODES, SGD, Adjustment
-from .engine.comm import Comm, Distributed, plan_facts
+from .config import LEARNER_MODES, SGD, Adjustment, LearnerMode
+from .engine.comm import Distributed, plan_facts
+from .engine.conv_choice import CpuConv
 from .engine.optim import OptimizerRows, as_local_optimizer
-from .engine.precision import check_precision
-from .engine.fused import fused_mode_message, vmap_failure
-from .engine.graphs import RoundGraph, cuda_graphs_refusal
-from .engine.scheduler import Scheduler
+from .engine.precision import Precision
+from .engine.fused import vmap_failure
+from .engine.graphs import RoundGraph
+from .engine.scheduler import Executor, Scheduler
 from .engine.settings import RunSettings, settings_view
-from .engine.sync import ALGORITHMS, SMA, SyncAlgorithm
-from .engine.state import (MEMORY_FORMATS, DeviceState, FlatLayout, channels_last_weights,
-                           check_grad_hooks, copy_module, float_buffers_named, model_dtype,
-                           trainable_named)
-from .errors import check_flag, is_count
-from .kernels.select import plan_kernels, select_backend
+from .engine.sync import SMA, SyncAlgorithm
+from .engine.state import (DeviceState, FlatLayout, MemoryFormat, channels_last_weights, copy_module,
+                           float_buffers_named, trainable_named)
+from .errors import is_count
+from .fields import options_of
+from .kernels.select import KernelBackend, plan_kernels
 from .training.batchnorm import BNRecalibration
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
 from .training.data import collate_of
 from .training.evaluation import eval_samples, evaluate_model
 from .training.history import History
 from .training.hooks import Hook
-from .training.options import FitOptions, as_hooks
+from .training.options import FitOptions
 from .training.run_setup import RunRecord
 from .training.trainer import Trainer
 from .tuning.autotune import AutoTune, AutoTuner
@@ -49,102 +46,19 @@ from .tuning.policy_base import apply_adjustment
 __all__ = ["compile", "Plan", "resolve_devices"]
 
 
-def resolve_devices(devices: int | str | Sequence[str]) -> list[str]:
-    """Device names for ``devices``.
-
-    ``"auto"``: every CUDA GPU (``cuda:0`` …), else one CPU device. An int G: G devices — GPUs
-    when that many exist, else G logical CPU devices ``cpu:0 … cpu:G−1``. A list: those names.
-
-    Raises:
-        ValueError: G < 1, an unknown name, or a CUDA device that does not exist.
-    """
-    n_cuda = torch.cuda.device_count()
-    if devices == "auto":
-        return [f"cuda:{i}" for i in range(n_cuda)] or ["cpu:0"]
-    if isinstance(devices, str) and devices.partition(":")[0] in ("cuda", "gpu"):
-        where = (f"this machine has {n_cuda} CUDA GPUs: use devices=[{devices!r}]" if n_cuda and devices != "gpu"
-                 else f"this machine has {n_cuda} CUDA GPUs: use devices='auto'" if n_cuda
-                 else "this machine has no CUDA GPU (torch.cuda.device_count() is 0): use devices=1 (the "
-                      "CPU), or a count of logical CPU devices such as devices=2")
-        raise ValueError(f"devices={devices!r}: {where}")
-    if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
-        raise ValueError(f"devices={devices!r}: use 'auto', a number of devices, or a list of "
-                         "names such as ['cuda:0', 'cuda:1'] or ['cpu:0', 'cpu:1']")
-    if isinstance(devices, int):
-        if devices < 1:
-            raise ValueError(f"devices={devices}: need at least one device")
-        if n_cuda:
-            if devices > n_cuda:
-                raise ValueError(f"devices={devices}, but this machine has {n_cuda} CUDA GPUs; "
-                                 f"use devices≤{n_cuda} or devices='auto'")
-            return [f"cuda:{i}" for i in range(devices)]
-        return [f"cpu:{i}" for i in range(devices)]
-    names = list(devices)
-    for name in names:
-        kind, _, idx = str(name).partition(":")
-        if kind not in ("cpu", "cuda") or (idx and not idx.isdigit()):
-            raise ValueError(f"device '{name}': use 'cpu:N' (a logical CPU device) or 'cuda:N'")
-        if kind == "cuda" and int(idx or 0) >= n_cuda:
-            raise ValueError(f"device '{name}' does not exist: this machine has {n_cuda} CUDA GPUs")
-    if len(set(names)) != len(names):
-        raise ValueError(f"devices {names} name a device twice")
-    return names
-
-
-def _torch_device(name: str) -> torch.device:
-    return torch.device("cpu") if name.startswith("cpu") else torch.device(name)
-
-
-def _check_model(model: nn.Module) -> None:
-    if not isinstance(model, nn.Module):
-        hint = (" (a factory: call it, e.g. cg.models.lenet5())" if callable(model) and not isinstance(model, str)
-                else " (a zoo name: build it with cg.models.get_model(name))" if isinstance(model, str) else "")
-        raise TypeError(f"compile() takes an nn.Module as model, got {type(model).__name__} {model!r:.60}{hint}")
-    params = list(model.parameters())
-    if not params:
-        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in named:
-            if t.is_meta:
-                raise ValueError(f"model's {kind} '{name}' is on the meta device (no data): "
-                                 "materialise it, e.g. model.to_empty(device='cpu') and load "
-                                 "weights (model.load_state_dict(...)), before compile")
-    for name, p in model.named_parameters():
-        if not p.is_floating_point():
-            raise ValueError(f"parameter '{name}' of {type(model).__name__} has dtype {p.dtype}; "
-                             "trainable parameters must be floating point (register integer "
-                             "tensors as buffers)")
-    if not any(p.requires_grad for p in params):
-        raise ValueError(f"every parameter of {type(model).__name__} is frozen "
-                         "(requires_grad=False): there is nothing to train")
-    check_grad_hooks(model)
-
-
-def _check_batch_norm(model_graph: ModelGraph, batch_size: int) -> None:
-    """BatchNorm in training mode needs more than one value per channel: b · (spatial size) > 1,
-    read from the traced (or measured) input shape of every BatchNorm module (BatchNorm1d on
-    ``[N, C]`` at b = 1 fails; BatchNorm2d on ``[N, C, H, W]`` with H·W > 1 works)."""
-    if batch_size != 1:
-        return
-    for path, cls, shape in model_graph.batch_norm_inputs:
-        if math.prod(shape[2:]) == 1:  # one value per channel and sample
-            raise ValueError(
-                f"batch_size=1 with {cls} '{path}', which normalises "
-                f"inputs of shape [1, {', '.join(map(str, shape[1:]))}] per learner: BatchNorm "
-                "needs more than one value per channel in training; use batch_size ≥ 2, or "
-                "GroupNorm/LayerNorm instead of BatchNorm")
-
-
 def compile(  # noqa: A001 - the public name the design asks for
     model: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any],
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    *, batch_size: int, devices: int | str | Sequence[str] = 1, replicas: int | str = "auto",
-    learner_mode: str = "per_replica", executor: str = "auto", autotune: AutoTune | None = None,
-    optimizer: "SGD | torch.optim.Optimizer" = SGD(), sync: SyncAlgorithm = SMA(),
-    concrete_args: dict[str, Any] | None = None, leaf_modules: Sequence[type[nn.Module]] = (),
-    memory_budget: int | None = None, verify: bool = True, kernel_backend: str = "auto",
-    distributed: Distributed | None = None, precision: str = "fp32", strict_trace: bool = False,
-    memory_format: str = "auto", cuda_graphs: bool = False,
+    *, batch_size: int | None = None, devices: int | str | Sequence[str] = 1,
+    replicas: int | str = "auto", learner_mode: LearnerMode = "per_replica",
+    executor: Executor = "auto",
+    autotune: AutoTune | None = None, optimizer: "SGD | torch.optim.Optimizer" = SGD(),
+    sync: SyncAlgorithm = SMA(), concrete_args: dict[str, Any] | None = None,
+    leaf_modules: Sequence[type[nn.Module]] = (), memory_budget: int | None = None,
+    verify: bool = True, kernel_backend: KernelBackend = "auto",
+    distributed: Distributed | None = None, precision: Precision = "fp32",
+    strict_trace: bool = False, memory_format: MemoryFormat = "auto", cuda_graphs: bool = False,
+    cpu_conv: CpuConv = "auto", options: CompileOptions | None = None,
 ) -> "Plan":
     """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training.
 
@@ -160,44 +74,12 @@ def compile(  # noqa: A001 - the public name the design asks for
         loss_fn: ``loss_fn(output, target) -> scalar`` (batch mean; or a dict with it under
             ``"loss"``) on the output as the model returns it (tensor, tuple, dict, ModelOutput);
             None: the loss the model computes from labels in its inputs (compiler/outputs.py).
-        batch_size: b, samples per learner per round (> 0).
-        devices: ``"auto"`` (every GPU, else one CPU device), a count, or device names.
-        replicas: m, replicas per device (≥ 1), or ``"auto"``: the auto-tuner (tuning/autotune.py,
-            docs/design-overview.md §5) picks m and the learner mode while ``fit`` runs.
-        learner_mode: ``"per_replica"`` or ``"fused"`` (a device's replicas as one vmapped
-            program, tried first on the example inputs: where vmap cannot run the model,
-            ValueError naming ``"per_replica"``, or with ``replicas="auto"`` a warning).
-        executor: ``"auto"``, ``"inline"`` (this process; CUDA streams on GPUs) or ``"process"``
-            (CPU worker processes over shared memory); see ``engine.scheduler``.
-        autotune: the auto-tuner's settings (with ``replicas="auto"``); default ``AutoTune()``.
-        optimizer: a ``torch.optim`` optimizer built over ``model``'s parameters, param groups
-            kept (e.g. ``torch.optim.AdamW(model.parameters(), lr=1e-3)``), or
-            ``crossbow_graph.SGD(...)``; each replica has its own state, the SMA correction
-            follows the local step (engine/optim.py, docs/optimizers.md). ``Plan.optimizer``.
-        sync: the SMA settings (α = None means 1/k), or ``SSGD()``: gradients averaged over the
-            k learners and one SGD step for all replicas (a batch of k·b; the inline executor),
-            or ``DiLoCo(sync_every=H)``: an outer optimizer over z every H rounds, replicas
-            restarted from z (the inline executor); or another algorithm of engine/sync/
-            (docs/design-overview.md §2).
-        concrete_args, leaf_modules: {forward argument: value} and a list of module classes for
-            torch.fx (TraceError's advice); leaves, the model as one too, are measured eagerly.
-        memory_budget: bytes per device for learners; None: no bound on CPUs, free memory on CUDA.
-        verify: run the verifier between compiler passes.
-        kernel_backend: the SMA update kernels (docs/kernels.md): ``"auto"`` (Triton on CUDA,
-            C on the CPU with a C compiler, else torch; torch for a float64 model), ``"c"``,
-            ``"triton"`` (on the CPU through its interpreter) or ``"torch"``.
-        distributed: under torchrun, ``crossbow_graph.Distributed`` (timeout, checksum period,
-            sync dtype); each rank runs ``devices`` × m learners, z starts as rank 0's model.
-        precision: ``"fp32"``, or ``"bf16"``/``"fp16"``: the learners' forward under
-            ``torch.autocast`` with float32 parameters and SMA update, fp16 with a loss scale per
-            replica (a float32 model only; engine/precision.py, docs/runtime.md).
-        strict_trace: raise TraceError when no fx graph can be made; False: train as given,
-            analysed by one measured forward, with a ``TraceWarning`` (docs/compiler.md §1).
-        memory_format: ``"auto"`` (``nn.Conv2d`` weights channels-last in the rows on CPU
-            devices, contiguous on CUDA), ``"channels_last"`` or ``"contiguous"`` (docs/runtime.md).
-        cuda_graphs: capture each round on one CUDA device in a CUDA graph and replay it (SMA
-            with the SGD kernels; other rounds, or a failed capture, run eagerly with a
-            ``GraphWarning``; engine/graphs.py, docs/runtime.md). Off by default.
+        batch_size, devices, replicas, learner_mode, executor, autotune, optimizer, sync,
+            concrete_args, leaf_modules, memory_budget, verify, kernel_backend, distributed,
+            precision, strict_trace, memory_format, cuda_graphs, cpu_conv: the options, as
+            ``CompileOptions`` documents them (defaults, choices: docs/options.md);
+            ``batch_size`` (b) is required.
+        options: all of them as one ``CompileOptions(...)``, instead of the keywords.
 
     Returns:
         The Plan.
@@ -205,174 +87,30 @@ def compile(  # noqa: A001 - the public name the design asks for
     Raises:
         TraceError: the example inputs do not run through the model, or (``strict_trace``)
             torch.fx cannot trace it.
-        ValueError: a bad argument (batch size, replicas, devices, backend, precision, memory
-            format, ``cuda_graphs=True`` without CUDA devices; a model without trainable float
-            parameters or with a post-accumulate-grad hook; ``loss_fn=None`` without a loss;
-            ``"fused"`` for a model vmap cannot run; a meta example input; docs/reliability.md).
-        TypeError: ``loss_fn`` not callable or a loss class, a flag not a bool, a tracing argument.
+        ValueError: a bad argument (batch size, replicas, devices, a value not among an
+            option's choices, ``cuda_graphs=True`` without CUDA devices; a model without
+            trainable float parameters or with a post-accumulate-grad hook; ``loss_fn=None``
+            without a loss; ``"fused"`` for a model vmap cannot run; a meta example input;
+            ``options`` and a keyword both given; docs/reliability.md).
+        TypeError: ``loss_fn`` not callable or a loss class, a flag not a bool, a tracing
+            argument, ``options`` not a CompileOptions.
         ImportError, CompilerError: the Triton or C kernels asked for cannot be built.
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
         DistributedError: under torchrun, the ranks' plans differ (names the difference).
     """
-    args = _CompileArgs(**locals())  # every argument, by name (nothing else is defined yet)
-    return _build_plan(args)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _CompileArgs:
-    """``compile``'s arguments, checked when built (ValueError/TypeError as ``compile``
-    documents them), before any tracing."""
-
-    model: nn.Module
-    example_inputs: tuple[Any, ...]
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None
-    batch_size: int
-    devices: int | str | Sequence[str]
-    replicas: int | str
-    learner_mode: str
-    executor: str
-    autotune: AutoTune | None
-    optimizer: Any
-    sync: SyncAlgorithm
-    concrete_args: dict[str, Any] | None
-    leaf_modules: Sequence[type[nn.Module]]
-    memory_budget: int | None
-    verify: bool
-    kernel_backend: str
-    distributed: Distributed | None
-    precision: str
-    strict_trace: bool = False
-    memory_format: str = "auto"
-    cuda_graphs: bool = False
-
-    @property
-    def tuned(self) -> bool:
-        """``replicas="auto"``: the auto-tuner picks m."""
-        return self.replicas == "auto"
-
-    def __post_init__(self) -> None:
-        batch_size, replicas, loss_fn = self.batch_size, self.replicas, self.loss_fn
-        autotune, optimizer, sync = self.autotune, self.optimizer, self.sync
-        if not is_count(batch_size):
-            raise ValueError(f"batch_size={batch_size!r}: must be a positive integer, e.g. 16")
-        if not self.tuned and not is_count(replicas):
-            raise ValueError(f"replicas={replicas!r}: replicas per device must be an integer ≥ 1 "
-                             "or 'auto'")
-        if autotune is not None and not isinstance(autotune, AutoTune):
-            raise TypeError(f"autotune must be crossbow_graph.AutoTune(...), got {type(autotune).__name__}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), or None (the "
-                            f"model's own output.loss), got {type(loss_fn).__name__}")
-        if isinstance(loss_fn, type):  # the class itself is callable too: loss_fn(output, target) builds one
-            prefix = "nn." if loss_fn.__module__.startswith("torch.nn") else ""
-            raise TypeError(f"loss_fn={prefix}{loss_fn.__name__} is a class, not a loss: pass an "
-                            f"instance: {prefix}{loss_fn.__name__}()")
-        if not isinstance(optimizer, (SGD, torch.optim.Optimizer)):
-            got = (f"the class {optimizer.__name__}: build an instance over the model's parameters"
-                   if isinstance(optimizer, type) else type(optimizer).__name__)
-            raise TypeError(f"optimizer must be a torch.optim optimizer built over the model's "
-                            f"parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3), "
-                            f"or crossbow_graph.SGD(lr=0.01); got {got}")
-        if not isinstance(sync, SyncAlgorithm):
-            names = ", ".join(f"crossbow_graph.{a.__name__}(...)" for a in ALGORITHMS)
-            raise TypeError(f"sync must be one of {names}, got {type(sync).__name__}")
-        sync.check_executor(self.executor)  # ValueError: e.g. DiLoCo on the process executor
-        _check_model(self.model)
-        for name in ("verify", "strict_trace", "cuda_graphs"):
-            check_flag(name, getattr(self, name))
-        check_trace_arguments(self.model, self.example_inputs, self.concrete_args, self.leaf_modules)
-        if self.memory_format not in MEMORY_FORMATS:
-            raise ValueError(f"memory_format={self.memory_format!r}: must be one of "
-                             f"{', '.join(map(repr, MEMORY_FORMATS))}")
-        check_precision(self.precision, model_dtype(trainable_named(self.model)))
-        budget = self.memory_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise TypeError(f"memory_budget={budget!r}: bytes per device as an integer, e.g. "
-                            f"memory_budget=2 * 2**30 for 2 GiB, or None")
-        distributed = self.distributed
-        if distributed is not None and not isinstance(distributed, Distributed):
-            raise TypeError(f"distributed must be crossbow_graph.Distributed(...), got {type(distributed).__name__}")
-
-
-def _build_plan(args: _CompileArgs) -> "Plan":
-    """``compile`` after its argument checks: devices and torchrun's process group, the update
-    kernels' backend, the traced model and the task graph, the Plan."""
-    names, comm = _devices_and_comm(args.devices, args.distributed)
-    if args.cuda_graphs and (refusal := cuda_graphs_refusal(names)):
-        raise ValueError(refusal)
-    kernels = select_backend(args.kernel_backend, "cuda" if names[0].startswith("cuda") else "cpu",
-                             model_dtype(trainable_named(args.model)))
-    model_graph = trace_model(args.model, args.example_inputs, concrete_args=args.concrete_args,
-                              leaf_modules=args.leaf_modules, strict=args.strict_trace)
-    _check_batch_norm(model_graph, args.batch_size)
-    if args.loss_fn is None and not model_graph.output_has_loss:
-        raise ValueError(f"loss_fn=None trains on the loss {model_graph.name} computes itself "
-                         "(output.loss or output['loss']), but its output on the example inputs "
-                         "has none: put the labels among the example inputs, e.g. "
-                         "{'input_ids': ids, 'labels': labels}, or pass a loss_fn(output, target)")
-    memory_budget = args.memory_budget
-    if memory_budget is None and names[0].startswith("cuda"):
-        memory_budget = cuda_memory_budget(names)
-    graph = build_task_graph(model_graph, devices=names,
-                             replicas_per_device=1 if args.tuned else args.replicas,
-                             batch_size=args.batch_size, memory_budget_bytes=memory_budget,
-                             verify=args.verify)
-    plan = Plan(model=args.model, model_graph=model_graph, task_graph=graph,
-                loss_fn=model_loss if args.loss_fn is None else args.loss_fn,
-                batch_size=args.batch_size, optimizer=args.optimizer, sync=args.sync,
-                learner_mode=args.learner_mode, executor=args.executor,
-                memory_budget=memory_budget, verify=args.verify,
-                autotune=(args.autotune or AutoTune()) if args.tuned else None, kernels=kernels,
-                comm=comm, precision=args.precision, example_inputs=args.example_inputs,
-                memory_format=args.memory_format)
+    keywords = dict(
+        batch_size=batch_size, devices=devices, replicas=replicas, learner_mode=learner_mode,
+        executor=executor, autotune=autotune, optimizer=optimizer, sync=sync,
+        concrete_args=concrete_args, leaf_modules=leaf_modules, memory_budget=memory_budget,
+        verify=verify, kernel_backend=kernel_backend, distributed=distributed,
+        precision=precision, strict_trace=strict_trace, memory_format=memory_format,
+        cuda_graphs=cuda_graphs, cpu_conv=cpu_conv)
+    options = options_of(CompileOptions, keywords, options, "compile")
+    check_inputs(model, example_inputs, loss_fn, options)
+    plan = Plan(model, example_inputs, options, build_parts(model, example_inputs, loss_fn, options))
     plan.kernels  # emits the plan's update kernels now (cached; the scheduler launches these)
-    plan.scheduler.round_graph = RoundGraph() if args.cuda_graphs else None
-    if args.learner_mode == "fused" and plan.fused_failure is not None:
-        message = fused_mode_message(type(args.model).__name__, plan.fused_failure)
-        if not args.tuned:
-            raise ValueError(message)
-        warnings.warn(f"{message}; replicas='auto' starts with per_replica", stacklevel=3)
-        plan.set_learner_mode("per_replica")
+    settle_learner_mode(plan, options)
     return plan
-
-
-def cuda_memory_budget(names: Sequence[str]) -> int:
-    """Bytes the plan may use per GPU: the smallest over ``names`` of what the device has free
-    (``torch.cuda.mem_get_info``) plus what this process's caching allocator already reserved
-    there (reusable), so that other processes' memory and the CUDA context are left out."""
-    budgets = []
-    for name in names:
-        device = _torch_device(name)
-        free, _total = torch.cuda.mem_get_info(device)
-        budgets.append(int(free) + int(torch.cuda.memory_reserved(device)))
-    return min(budgets)
-
-
-def _devices_and_comm(devices: int | str | Sequence[str],
-                      distributed: Distributed | None) -> tuple[list[str], Comm | None]:
-    """The device names (``resolve_devices``) and, under torchrun, this rank's Comm. On GPUs
-    under torchrun the ranks of a machine take disjoint GPUs (NCCL refuses two ranks on one):
-    with ``devices="auto"`` local rank r takes ``cuda:r``; with a count G, ``cuda:r·G`` …
-    ``cuda:r·G+G−1``; a list of names is taken as given.
-
-    Raises:
-        ValueError: a count G whose GPUs for this local rank do not exist on the machine.
-    """
-    names = resolve_devices(devices)
-    comm = Comm.from_env(distributed, on_cuda=names[0].startswith("cuda"))
-    if comm is None or not names[0].startswith("cuda"):
-        return names, comm
-    if devices == "auto":
-        names = [f"cuda:{comm.local_rank}"]  # one process per GPU, as torchrun launches them
-    elif isinstance(devices, int) and not isinstance(devices, bool):
-        first, n_cuda = comm.local_rank * devices, torch.cuda.device_count()
-        if first + devices > n_cuda:
-            raise ValueError(f"devices={devices} under torchrun: local rank {comm.local_rank} "
-                             f"would take cuda:{first}…cuda:{first + devices - 1}, but this machine "
-                             f"has {n_cuda} CUDA GPUs; use devices='auto' (one GPU per process) or "
-                             f"--nproc-per-node {max(1, n_cuda // devices)}")
-        names = [f"cuda:{first + i}" for i in range(devices)]
-    return names, comm
 
 
 class Plan:
@@ -382,6 +120,8 @@ class Plan:
         task_graph: ``networkx.DiGraph``; node attribute ``"task"`` holds a Task; it records the
             b and m it was planned for (re-planned when they change).
         model_graph: the traced model (fx GraphModule, shapes, parameter inventory).
+        options: the ``CompileOptions`` of ``compile`` (as given: the settings in force, which
+            ``adjust`` changes, are ``settings``).
         settings: the run settings in force (engine/settings.py ``RunSettings``: η, b, α, τ, m,
             learner mode), changed only through ``adjust``; the attributes below that name one
             of them are read-only views of it.
@@ -409,30 +149,28 @@ class Plan:
         to the replicas (engine/optim.py)."""
         return self.settings.optimizer.optimizer
 
-    def __init__(self, *, model: nn.Module, model_graph: ModelGraph, task_graph: nx.DiGraph,
-                 loss_fn: Callable, batch_size: int, optimizer: Any, sync: SyncAlgorithm,
-                 learner_mode: str = "per_replica", executor: str = "auto",
-                 memory_budget: int | None = None, verify: bool = True,
-                 autotune: AutoTune | None = None, kernels: Any = None,
-                 comm: Comm | None = None, precision: str = "fp32",
-                 example_inputs: Any = None, memory_format: str = "auto") -> None:
-        self.model_graph = model_graph
+    def __init__(self, model: nn.Module, example_inputs: Any, options: CompileOptions,
+                 parts: PlanParts) -> None:
+        task_graph, comm = parts.task_graph, parts.comm
+        self.options = options
+        self.model_graph = parts.model_graph
         self.task_graph = task_graph
-        self.loss_fn = loss_fn
+        self.loss_fn = parts.loss_fn
         self._template = copy_module(model).train()  # with its parameters' gradient hooks
         self._params = FlatLayout.of(trainable_named(self._template), channels_last_weights(
-            self._template, memory_format, {_torch_device(d).type for d in task_graph.graph["devices"]},
-            example_inputs))
+            self._template, options.memory_format,
+            {torch_device(d).type for d in task_graph.graph["devices"]}, example_inputs))
         self._buffers = FlatLayout.of(float_buffers_named(self._template))
-        local = as_local_optimizer(optimizer, model, self._template,
+        local = as_local_optimizer(options.optimizer, model, self._template,
                                    [name for name, *_ in self._params.entries])
+        sync = options.sync
         sync.check_optimizer(local)  # ValueError: e.g. SSGD with AdamW
-        self.settings = RunSettings(optimizer=local, sync=sync, batch_size=batch_size,
+        self.settings = RunSettings(optimizer=local, sync=sync, batch_size=options.batch_size,
                                     replicas_per_device=int(task_graph.graph["replicas_per_device"]),
-                                    learner_mode=learner_mode)
+                                    learner_mode=options.learner_mode)
         self.states = [
-            DeviceState(name, _torch_device(name), self._template, self.replicas_per_device,
-                        self._params, self._buffers, precision=precision)
+            DeviceState(name, torch_device(name), self._template, self.replicas_per_device,
+                        self._params, self._buffers, precision=options.precision)
             for name in self.devices
         ]
         if not local.kernel:
@@ -442,14 +180,13 @@ class Plan:
         self._central_buf = self.states[0].zbuf.clone()  # [Q] the evaluated central model's buffers
         self.states[0].bind_central(self._central, self._central_buf)
         self.bn_recalibration = BNRecalibration(self._central)  # set by every fit
-        self.scheduler = Scheduler(task_graph, self.states, loss_fn, self.settings, executor=executor)
-        if kernels is not None:
-            self.scheduler.kernels = kernels
-        self.memory_budget = memory_budget
-        self._verify = verify
-        self.autotuner = AutoTuner(autotune) if autotune is not None else None
+        self.scheduler = Scheduler(
+            task_graph, self.states, self.loss_fn, self.settings, executor=options.executor,
+            kernels=parts.kernels, comm=comm, cpu_conv=options.cpu_conv,
+            round_graph=RoundGraph() if options.cuda_graphs else None)
+        self.memory_budget = parts.memory_budget
+        self.autotuner = AutoTuner(options.autotune or AutoTune()) if options.tuned else None
         self.comm = comm  # under torchrun: this rank's place in the process group (engine/comm.py)
-        self.scheduler.comm = comm
         self._example_inputs = tree_map(  # fused_failure's dry run
             lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, example_inputs)
         self._fused_failure: tuple[str | None] | None = None  # (failure,) once probed
@@ -530,7 +267,7 @@ class Plan:
     @property
     def verify(self) -> bool:
         """Whether the verifier runs between the compiler passes, also when ``adjust`` re-plans."""
-        return self._verify
+        return self.options.verify
 
     @property
     def template(self) -> nn.Module:
@@ -772,7 +509,7 @@ class Plan:
         metrics_every: "int | MetricsMonitor | None" = 50, lr_scheduler: Any = None,
         lr_scheduler_interval: str = "epoch", metric_fn: Callable[[Any, Any], Any] | None = None,
         bn_recalibration_batches: int = 20, data_on_device: bool | str = "auto",
-        max_grad_norm: float | None = None,
+        max_grad_norm: float | None = None, options: FitOptions | None = None,
     ) -> History:
         """Train with SMA for ``epochs`` epochs (continuing from the plan's current state).
 
@@ -784,25 +521,15 @@ class Plan:
                 inputs whose ``"labels"`` are the target, engine/inputs.py), or a DataLoader: its
                 ``collate_fn`` gets each learner's b samples, its workers load the rounds ahead;
                 the plan still picks the samples (docs/runtime.md, Your DataLoader).
-            data_on_device: ``"auto"``, True or False: a TensorDataset's tensors ``[N, ...]`` on
-                the plan's first device for the fit, each round's ``[k·b]`` samples gathered
-                there (``"auto"``: on CUDA, if they take ≤ ¼ of its free memory); other data is
-                copied to CUDA devices a round ahead (docs/runtime.md, Data on the device).
-            max_grad_norm: every learner clips its own gradient to this 2-norm before its local
-                step, as ``torch.nn.utils.clip_grad_norm_`` does (docs/optimizers.md); None:
-                no clipping.
             eval_dataset: evaluated with z ``evals_per_epoch`` times per epoch (a DataLoader:
                 the samples its sampler yields, each batch collated by its ``collate_fn``).
-            metrics_every: N, rounds per metrics window (``History.metrics``; tuning/metrics.py),
-                or a ``crossbow_graph.MetricsMonitor``; None: no metrics.
-            lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler over ``plan.optimizer``,
-                stepped every ``lr_scheduler_interval`` (``"epoch"`` or ``"round"``;
-                training/lr_schedule.py); ``History.lr`` has η per round.
             epochs, shuffle, seed, target_accuracy, evals_per_epoch, eval_batch_size, progress,
                 hooks, checkpoint_dir, checkpoint_every, resume, log_dir, trace, policies,
-                metric_fn, bn_recalibration_batches: the fit's options, as
-                ``crossbow_graph.training.options.FitOptions`` documents them (the plan's
-                auto-tuner, with ``replicas="auto"``, runs before ``hooks``).
+                metrics_every, lr_scheduler, lr_scheduler_interval, metric_fn,
+                bn_recalibration_batches, data_on_device, max_grad_norm: the fit's options, as
+                ``FitOptions`` documents them (defaults, choices: docs/options.md); the plan's
+                auto-tuner, with ``replicas="auto"``, runs before ``hooks``.
+            options: all of them as one ``FitOptions(...)``, instead of the keywords.
 
         Returns:
             The History: per epoch training loss, test accuracy, samples/s, training seconds;
@@ -813,11 +540,10 @@ class Plan:
             ValueError: before the first round: an empty dataset or one smaller than a round,
                 samples that are not ``(inputs, target)`` pairs or unlike the example inputs,
                 labels outside the classes (the first batches are checked), a DataLoader with
-                its own sampler, bad options (training/validate.py, docs/reliability.md),
-                ``data_on_device`` not "auto"/True/False, or True for data not a TensorDataset,
-                ``max_grad_norm`` ≤ 0 or not finite.
-            TypeError: ``seed`` not an integer, ``target_accuracy`` or ``max_grad_norm`` not a
-                number, ``metric_fn`` not callable.
+                its own sampler, bad options (``FitOptions``, training/validate.py,
+                docs/reliability.md), ``data_on_device=True`` for data not a TensorDataset,
+                ``options`` and a keyword both given.
+            TypeError: an option of the wrong type (``FitOptions``), ``options`` not a FitOptions.
             TaskError: a task failed (names the task, its device and the round).
             DivergenceError: every replica (of every rank) produced NaN/Inf in the same round.
             CheckpointError: ``resume`` found no readable checkpoint of this model and plan;
@@ -826,20 +552,22 @@ class Plan:
             TrainingInterrupted: SIGTERM stopped the fit after a round, with a checkpoint
                 (training/signals.py; a SystemExit of code 143).
         """
-        tuner = [self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main) \
-            else []
-        hooks = tuner + list(as_hooks("hooks", hooks))
-        metrics = metrics_every if isinstance(metrics_every, MetricsMonitor) or metrics_every is None \
-            else MetricsMonitor(metrics_every)
-        options = FitOptions(
+        keywords = dict(
             epochs=epochs, shuffle=shuffle, seed=seed, target_accuracy=target_accuracy,
             evals_per_epoch=evals_per_epoch, eval_batch_size=eval_batch_size, progress=progress,
             hooks=hooks, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            resume=resume, log_dir=log_dir, trace=trace, policies=policies, metrics=metrics,
-            lr_scheduler=lr_scheduler, lr_scheduler_interval=lr_scheduler_interval,
-            metric_fn=metric_fn, bn_recalibration_batches=bn_recalibration_batches,
-            data_on_device=data_on_device, max_grad_norm=max_grad_norm)
-        history = Trainer(self, train_dataset, eval_dataset, options).run()
+            resume=resume, log_dir=log_dir, trace=trace, policies=policies,
+            metrics_every=metrics_every, lr_scheduler=lr_scheduler,
+            lr_scheduler_interval=lr_scheduler_interval, metric_fn=metric_fn,
+            bn_recalibration_batches=bn_recalibration_batches, data_on_device=data_on_device,
+            max_grad_norm=max_grad_norm)
+        options = options_of(FitOptions, keywords, options, "fit")
+        tuner = [self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main) \
+            else []
+        every = options.metrics_every
+        metrics = every if isinstance(every, MetricsMonitor) or every is None else MetricsMonitor(every)
+        history = Trainer(self, train_dataset, eval_dataset, options, hooks=tuner + list(options.hooks),
+                          metrics=metrics).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self._int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)
         return history

@@ -18,11 +18,10 @@ import crossbow_graph as cg
 
 from . import datasets, models
 from .cli_layout import learner_layout
+from .cli_options import DefaultsFormatter, flag_choices, flag_default, max_grad_norm_arg, replicas_arg
 from .compiler.inspect import inspect_model
 from .datasets import ImageDataset
 from .engine.comm import z_digest
-from .engine.precision import PRECISIONS
-from .engine.state import MEMORY_FORMATS
 from .errors import CheckpointError, DistributedError, DivergenceError, TrainingInterrupted
 from .tuning.metrics import MetricsMonitor
 from .tuning.policies import AdaptiveBatchSize, MultiStepLR, parse_policy
@@ -44,15 +43,6 @@ WINDOW_SAMPLES = 12_800
 LR_SCHEDULES = ("onecycle", "multistep", "cosine", "constant")
 DILOCO_H = 16  # --sync diloco's and local_sgd's default H (docs/benchmarking.md, DiLoCo on W1)
 DEFAULT_LR, DEFAULT_LR_BATCH = OPTIMIZERS["adamw"][1:]  # the default optimizer's
-
-
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default unless it is None or False (those say what happens in the help)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or "(default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def _milestones_arg(text: str) -> tuple[int, ...]:
@@ -80,27 +70,6 @@ def _metrics_monitor(every: int, measure_rounds: int):
         raise ValueError(f"--metrics-every {every} --measure-rounds {measure_rounds}: {exc}") from None
 
 
-def _max_grad_norm_arg(text: str) -> float:
-    """``--max-grad-norm``: a positive finite number."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"'{text}': give a positive number, e.g. 1.0 (leave the "
-                                         "flag out for no clipping)")
-    return value
-
-
-def _replicas_arg(text: str) -> int | str:
-    """``--replicas``: 'auto' or a whole number ≥ 1."""
-    if text == "auto":
-        return text
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"'{text}': give a whole number ≥ 1 or 'auto'")
-    return int(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="crossbow-graph",
@@ -119,8 +88,62 @@ def _add_train_parser(sub) -> None:
                     "With no arguments: LeNet-5 on MNIST, b=256, every GPU (else one CPU device) "
                     "× 1 replica, AdamW with a OneCycle schedule over 3 epochs, until 99.0% test "
                     "accuracy.",
-        formatter_class=_DefaultsFormatter,
+        formatter_class=DefaultsFormatter,
     )
+    _add_data_flags(train)
+    _add_checkpoint_flags(train)
+    train.add_argument("--batch-size", type=int, default=flag_default("--batch-size"),
+                       help="b, samples per learner per round")
+    train.add_argument("--devices", default=flag_default("--devices"),
+                       help="devices: 'auto' (every GPU, else one CPU device, whose learners use "
+                            "every core) or a count G (on a CPU: G logical devices splitting the "
+                            "cores) (default: auto)")
+    train.add_argument("--replicas", default=flag_default("--replicas"), type=replicas_arg,
+                       help="m, replicas per device, or 'auto' (the tuner picks m by samples/s) (default: "
+                            "1; without --devices, 2 on one device if a --policy needs k ≥ 2)")
+    train.add_argument("--learner-mode", default=flag_default("--learner-mode"),
+                       choices=flag_choices("--learner-mode"),
+                       help="learners' mode (with --replicas auto the tuner also tries the other one)")
+    train.add_argument("--precision", default=flag_default("--precision"),
+                       choices=flag_choices("--precision"),
+                       help="learners' forward: fp32 (default), or bf16/fp16 under torch.autocast "
+                            "with float32 parameters (fp16 with a loss scale per replica)")
+    train.add_argument("--memory-format", default=flag_default("--memory-format"),
+                       choices=flag_choices("--memory-format"),
+                       help="layout of the Conv2d weights in the replicas' rows: auto (default: "
+                            "channels_last on the CPU, contiguous on CUDA), channels_last, contiguous")
+    _add_optimizer_flags(train)
+    _add_sync_flags(train)
+    train.add_argument("--epochs", type=int, default=flag_default("--epochs"),
+                       help="most epochs to run (the length of --lr-schedule onecycle and cosine)")
+    train.add_argument("--target", type=float, default=flag_default("--target"),
+                       help="stop when the central model's test accuracy reaches it (0 disables)")
+    train.add_argument("--evals-per-epoch", type=int, default=flag_default("--evals-per-epoch"),
+                       help="test evaluations per epoch")
+    train.add_argument("--bn-recalibration-batches", type=int,
+                       default=flag_default("--bn-recalibration-batches"),
+                       help="training batches of b that re-estimate the central model's BatchNorm "
+                            "statistics before each evaluation; 0: the replicas' mean")
+    train.add_argument("--metrics-every", type=int, default=flag_default("--metrics-every"),
+                       help="N, the most rounds per metrics window (history.metrics: samples/s, "
+                            "loss, divergence, gradient noise scale); a window is 12,800 samples "
+                            "(⌈12,800 / (k·b)⌉ rounds, at least --measure-rounds) up to N; 0: no "
+                            "metrics (default: 50 with a --policy, else 0)")
+    train.add_argument("--measure-rounds", type=int, default=10,
+                       help="R, the last rounds of each metrics window whose noise-scale "
+                            "estimates are averaged (each costs the next round's overlap)")
+    train.add_argument("--seed", type=int, default=flag_default("--seed"),
+                       help="seed of initialisation and data order")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_distributed_flags(train)
+    train.add_argument("--policy", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
+                       help="a hyper-parameter policy, repeatable: auto_replicas, adaptive_batch, "
+                            "step_lr, multistep_lr, cosine_lr, divergence_guard (e.g. "
+                            "adaptive_batch:max_batch_size=128; tuples as 3/4)")
+
+
+def _add_data_flags(train: argparse.ArgumentParser) -> None:
+    """``train``'s flags of the model and its data."""
     train.add_argument("--model", default="lenet5", help="zoo model name (crossbow_graph.models.MODELS)")
     train.add_argument("--dataset", default="mnist", help=f"dataset: one of {', '.join(DATASETS)}")
     train.add_argument("--data-dir", default=None,
@@ -133,64 +156,33 @@ def _add_train_parser(sub) -> None:
                        help="train on the first N samples only (a quick run; default: all)")
     train.add_argument("--test-samples", type=int, default=None,
                        help="evaluate on the first N test samples only (default: all)")
-    train.add_argument("--checkpoint-dir", default=None,
+
+
+def _add_checkpoint_flags(train: argparse.ArgumentParser) -> None:
+    """``train``'s flags of the checkpoints and the logs."""
+    train.add_argument("--checkpoint-dir", default=flag_default("--checkpoint-dir"),
                        help="write checkpoints of the whole training state there (newest two kept; "
                             "default: none)")
-    train.add_argument("--checkpoint-every", type=int, default=None,
+    train.add_argument("--checkpoint-every", type=int, default=flag_default("--checkpoint-every"),
                        help="rounds between checkpoints (default: at the end of every epoch)")
-    train.add_argument("--resume", action="store_true",
+    train.add_argument("--resume", action="store_true", default=flag_default("--resume"),
                        help="continue from the newest good checkpoint in --checkpoint-dir")
-    train.add_argument("--log-dir", default=None,
+    train.add_argument("--log-dir", default=flag_default("--log-dir"),
                        help="write per-round/epoch CSV, TensorBoard events and history.json there "
                             "(default: no logs)")
-    train.add_argument("--batch-size", type=int, default=256, help="b, samples per learner per round")
-    train.add_argument("--devices", default=None,
-                       help="devices: 'auto' (every GPU, else one CPU device, whose learners use "
-                            "every core) or a count G (on a CPU: G logical devices splitting the "
-                            "cores) (default: auto)")
-    train.add_argument("--replicas", default=None, type=_replicas_arg,
-                       help="m, replicas per device, or 'auto' (the tuner picks m by samples/s) (default: "
-                            "1; without --devices, 2 on one device if a --policy needs k ≥ 2)")
-    train.add_argument("--learner-mode", default="per_replica", choices=("per_replica", "fused"),
-                       help="learners' mode (with --replicas auto the tuner also tries the other one)")
-    train.add_argument("--precision", default="fp32", choices=PRECISIONS,
-                       help="learners' forward: fp32 (default), or bf16/fp16 under torch.autocast "
-                            "with float32 parameters (fp16 with a loss scale per replica)")
-    train.add_argument("--memory-format", default="auto", choices=MEMORY_FORMATS,
-                       help="layout of the Conv2d weights in the replicas' rows: auto (default: "
-                            "channels_last on the CPU, contiguous on CUDA), channels_last, contiguous")
-    _add_optimizer_flags(train)
-    _add_sync_flags(train)
-    train.add_argument("--epochs", type=int, default=3,
-                       help="most epochs to run (the length of --lr-schedule onecycle and cosine)")
-    train.add_argument("--target", type=float, default=0.99,
-                       help="stop when the central model's test accuracy reaches it (0 disables)")
-    train.add_argument("--evals-per-epoch", type=int, default=4, help="test evaluations per epoch")
-    train.add_argument("--bn-recalibration-batches", type=int, default=20,
-                       help="training batches of b that re-estimate the central model's BatchNorm "
-                            "statistics before each evaluation; 0: the replicas' mean")
-    train.add_argument("--metrics-every", type=int, default=None,
-                       help="N, the most rounds per metrics window (history.metrics: samples/s, "
-                            "loss, divergence, gradient noise scale); a window is 12,800 samples "
-                            "(⌈12,800 / (k·b)⌉ rounds, at least --measure-rounds) up to N; 0: no "
-                            "metrics (default: 50 with a --policy, else 0)")
-    train.add_argument("--measure-rounds", type=int, default=10,
-                       help="R, the last rounds of each metrics window whose noise-scale "
-                            "estimates are averaged (each costs the next round's overlap)")
-    train.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order")
-    train.add_argument("--quiet", action="store_true", help="no progress bar")
-    train.add_argument("--dist-timeout", type=float, default=60.0,
+
+
+def _add_distributed_flags(train: argparse.ArgumentParser) -> None:
+    """``train``'s flags of training under torchrun (``cg.Distributed``)."""
+    train.add_argument("--dist-timeout", type=float, default=flag_default("--dist-timeout"),
                        help="under torchrun: seconds a rank waits for the others before stopping "
                             "with an error (a rank died or hangs)")
-    train.add_argument("--checksum-every", type=int, default=100,
+    train.add_argument("--checksum-every", type=int, default=flag_default("--checksum-every"),
                        help="under torchrun: rounds between checks that z is identical on every rank")
-    train.add_argument("--sync-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+    train.add_argument("--sync-dtype", choices=flag_choices("--sync-dtype"),
+                       default=flag_default("--sync-dtype"),
                        help="under torchrun: the corrections' dtype in the global sync's "
                             "all-reduce (bf16/fp16: half the bytes, with error feedback)")
-    train.add_argument("--policy", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
-                       help="a hyper-parameter policy, repeatable: auto_replicas, adaptive_batch, "
-                            "step_lr, multistep_lr, cosine_lr, divergence_guard (e.g. "
-                            "adaptive_batch:max_batch_size=128; tuples as 3/4)")
 
 
 def _add_sync_flags(train: argparse.ArgumentParser) -> None:
@@ -200,16 +192,18 @@ def _add_sync_flags(train: argparse.ArgumentParser) -> None:
                             "SGD on z every --sync-every rounds (--outer-lr, --outer-momentum), "
                             "replicas restarted from z (the inline executor); local_sgd: z the "
                             "replicas' mean every --sync-every rounds, replicas restarted from z")
-    train.add_argument("--sync-every", type=int, default=None,
-                       help="rounds between synchronisations: SMA's τ (default 1), DiLoCo's and "
-                            f"local SGD's H (default {DILOCO_H})")
+    train.add_argument("--sync-every", type=int, default=flag_default("--sync-every"),
+                       help="rounds between synchronisations: SMA's τ (default "
+                            f"{cg.SMA().sync_every}), DiLoCo's and local SGD's H (default "
+                            f"{DILOCO_H})")
     train.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's outer SGD lr "
                        "(default 0.7)")
     train.add_argument("--outer-momentum", type=float, default=None,
                        help="DiLoCo's outer SGD momentum in [0, 1), Nesterov when > 0 (default "
                             "0.9; --outer-lr 1 --outer-momentum 0 is local SGD: z the replicas' mean)")
-    train.add_argument("--alpha", type=float, default=None, help="SMA α; default 1/k")
-    train.add_argument("--central-momentum", type=float, default=None, help="SMA μ_z (default 0.9)")
+    train.add_argument("--alpha", type=float, default=flag_default("--alpha"), help="SMA α; default 1/k")
+    train.add_argument("--central-momentum", type=float, default=flag_default("--central-momentum"),
+                       help=f"SMA μ_z (default {cg.SMA().central_momentum})")
 
 
 def _add_optimizer_flags(train: argparse.ArgumentParser) -> None:
@@ -241,7 +235,8 @@ def _add_optimizer_flags(train: argparse.ArgumentParser) -> None:
                        help="local momentum μ_l (--optimizer sgd, rmsprop)")
     train.add_argument("--weight-decay", type=float, default=0.0,
                        help="weight decay λ (decoupled for adamw; the same default for every optimizer)")
-    train.add_argument("--max-grad-norm", type=_max_grad_norm_arg, default=None,
+    train.add_argument("--max-grad-norm", type=max_grad_norm_arg,
+                       default=flag_default("--max-grad-norm"),
                        help="clip every learner's gradient to this 2-norm before its local step, "
                             "as torch.nn.utils.clip_grad_norm_ does (default: no clipping)")
 
@@ -252,7 +247,7 @@ def _add_inspect_parser(sub) -> None:
         description="Trace a model, run the compiler passes with the verifier and print the plan's "
                     "summary: per device its replicas, tasks, FLOPs per round and memory. Nothing is "
                     "allocated for replicas, so plans larger than this machine can be inspected.",
-        formatter_class=_DefaultsFormatter,
+        formatter_class=DefaultsFormatter,
     )
     inspect.add_argument("--model", default="resnet32",
                          help="a zoo model name (lenet5, resnet32, vgg16, resnet50) or "
@@ -504,9 +499,9 @@ def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo | cg.LocalSGD:
             if value is not None:
                 raise ValueError(f"{flag} with --sync sma: it sets DiLoCo's outer optimizer; add "
                                  "--sync diloco, or drop it")
-        return cg.SMA(alpha=args.alpha, central_momentum=0.9 if args.central_momentum is None
-                      else args.central_momentum,
-                      sync_every=1 if args.sync_every is None else args.sync_every)
+        given = {key: value for key, value in (("central_momentum", args.central_momentum),
+                                               ("sync_every", args.sync_every)) if value is not None}
+        return cg.SMA(alpha=args.alpha, **given)  # SMA's own defaults for the others
     name, z_moves = (("DiLoCo", "its outer optimizer is --outer-lr, --outer-momentum")
                      if args.sync == "diloco" else ("local SGD", "z is the replicas' mean"))
     for flag, value in (("--alpha", args.alpha), ("--central-momentum", args.central_momentum)):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 
-from .api import resolve_devices
+from .build import resolve_devices
 
 __all__ = ["learner_layout"]
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from .errors import check_flag, check_number, is_count
 
-__all__ = ["SGD", "Adjustment", "LEARNER_MODES"]
+__all__ = ["SGD", "Adjustment", "LearnerMode", "LEARNER_MODES"]
 
-LEARNER_MODES = ("per_replica", "fused")  # engine/fused.py: the same mathematics, two programs
+LearnerMode = Literal["per_replica", "fused"]  # engine/fused.py: the same mathematics, two programs
+LEARNER_MODES = get_args(LearnerMode)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,14 +42,11 @@ def _plan(**kw) -> cg.Plan:
     torch.manual_seed(0)
     model = cg.models.lenet5()
     args = dict(batch_size=16, devices=1, replicas=2, executor="inline",
-                optimizer=cg.SGD(lr=0.02, momentum=0.9))
+                optimizer=cg.SGD(lr=0.02, momentum=0.9), cpu_conv="aten")
     args.update(kw)
     if callable(args["optimizer"]):
         args["optimizer"] = args["optimizer"](model)
-    plan = cg.compile(model, (torch.zeros(1, 1, 28, 28),), F.cross_entropy, **args)
-    if hasattr(plan, "scheduler") and hasattr(plan.scheduler, "cpu_conv"):
-        plan.scheduler.cpu_conv = "aten"
-    return plan
+    return cg.compile(model, (torch.zeros(1, 1, 28, 28),), F.cross_entropy, **args)
 
 
 def _tensors(state: dict) -> dict[str, torch.Tensor]:
@@ -126,10 +123,8 @@ def _resumed() -> dict:
 def _streams() -> dict:
     from crossbow_graph.engine.race_check import RaceRecorder
     plan = _plan(replicas=3)
-    with RaceRecorder() as rec:
-        plan.scheduler.stream_ops = rec
-        out = _fit(plan)
-    return out
+    with RaceRecorder().attach(plan.scheduler):
+        return _fit(plan)
 
 
 def _cli(extra: list[str], torchrun: bool = False) -> dict:

@@ -221,7 +221,7 @@ def run(scenario: str, rank: int, out: str) -> dict:
                       log_dir=os.path.join(out, "logs-fault"))
         if scenario == "fault_streams":  # fault_one on the CUDA streams' path, recorded on the CPU
             hooks.append(_Poison([2], [1], flush=True) if rank == 1 else _Poison([4], [0], flush=True))
-            plan.scheduler.stream_ops = recorder = RaceRecorder()
+            recorder = RaceRecorder().attach(plan.scheduler)
             recorder.__enter__()
         if scenario == "nan_all":
             hooks.append(_Poison(range(3, ROUNDS), range(M)))

@@ -548,7 +548,7 @@ def _never_traced(monkeypatch):
     """compile must refuse before it traces: tracing fails the test."""
     def trace(*args, **kwargs):
         raise AssertionError("compile traced the model before refusing its arguments")
-    monkeypatch.setattr("crossbow_graph.api.trace_model", trace)
+    monkeypatch.setattr("crossbow_graph.build.trace_model", trace)
 
 
 NOT_A_BOOL = r"must be True or False \(a string is not a bool: any non-empty string, 'no' and 'False' too, counts as True\)"

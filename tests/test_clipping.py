@@ -211,8 +211,7 @@ def _on_streams(graph: bool, norms: tuple[float, ...]) -> tuple[torch.Tensor, G.
     """1 device × 3 replicas on simulated CUDA streams (and, with ``graph``, simulated CUDA
     graphs), one fit per entry of ``norms`` with that max_grad_norm. Returns (z, round graph)."""
     plan = compile_tiny(devices=1, replicas=3, executor="inline", kernel_backend="torch")
-    rec = RaceRecorder()
-    plan.scheduler.stream_ops = rec
+    rec = RaceRecorder().attach(plan.scheduler)
     if graph:
         plan.scheduler.round_graph = G.RoundGraph(SimulatedGraphs())
     with rec:

@@ -117,7 +117,7 @@ def test_cuda_estimate_adds_cublas_workspace_per_learner_and_the_budget_is_free_
     """On CUDA each learner's stream gets cuBLAS's workspace (32 MiB on sm_90, 8.125 MiB
     before; CUBLAS_WORKSPACE_CONFIG overrides it), part `library` of the estimate; the budget is
     the free memory plus this process's reserved cache, the smallest over the devices."""
-    from crossbow_graph import api
+    from crossbow_graph import build
     from crossbow_graph.compiler.analysis import cublas_workspace_bytes
     from crossbow_graph.compiler.passes import library_workspace
 
@@ -139,4 +139,4 @@ def test_cuda_estimate_adds_cublas_workspace_per_learner_and_the_budget_is_free_
     free = {0: 70 * 2**30, 1: 60 * 2**30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[d.index], 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 2**30)
-    assert api.cuda_memory_budget(["cuda:0", "cuda:1"]) == 61 * 2**30
+    assert build.cuda_memory_budget(["cuda:0", "cuda:1"]) == 61 * 2**30

@@ -154,7 +154,8 @@ def _fit(name: str, rec: RaceRecorder | None, *, ahead: bool = True):
     kind = spec.pop("data")
     plan = compile_tiny(spec.pop("model"), replicas=2, executor="inline", kernel_backend="torch",
                         **spec)
-    plan.scheduler.stream_ops = rec
+    if rec is not None:
+        rec.attach(plan.scheduler)
     base = tiny_data(96)
     data = {"samples": _Samples(base), "tensors": base,
             "collate": DataLoader(_Samples(base), batch_size=4, collate_fn=_collate),

@@ -491,17 +491,17 @@ def test_torchrun_ranks_of_a_machine_take_disjoint_gpus(monkeypatch):
     without torchrun the names are resolve_devices' own."""
     import types
 
-    from crossbow_graph import api
+    from crossbow_graph import build
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(api.Comm, "from_env", staticmethod(lambda *a, **k: types.SimpleNamespace(local_rank=1)))
-    assert api._devices_and_comm("auto", None)[0] == ["cuda:1"]
-    assert api._devices_and_comm(2, None)[0] == ["cuda:2", "cuda:3"]
-    assert api._devices_and_comm(["cuda:0"], None)[0] == ["cuda:0"]
+    monkeypatch.setattr(build.Comm, "from_env", staticmethod(lambda *a, **k: types.SimpleNamespace(local_rank=1)))
+    assert build.devices_and_comm("auto", None)[0] == ["cuda:1"]
+    assert build.devices_and_comm(2, None)[0] == ["cuda:2", "cuda:3"]
+    assert build.devices_and_comm(["cuda:0"], None)[0] == ["cuda:0"]
     with pytest.raises(ValueError, match=r"local rank 1 would take cuda:3…cuda:5.*devices='auto'"):
-        api._devices_and_comm(3, None)
-    monkeypatch.setattr(api.Comm, "from_env", staticmethod(lambda *a, **k: None))
-    assert api._devices_and_comm(2, None)[0] == ["cuda:0", "cuda:1"]
+        build.devices_and_comm(3, None)
+    monkeypatch.setattr(build.Comm, "from_env", staticmethod(lambda *a, **k: None))
+    assert build.devices_and_comm(2, None)[0] == ["cuda:0", "cuda:1"]
 
 
 @pytest.mark.parametrize("world, text, says", [

@@ -118,7 +118,8 @@ def test_lstm_trains_with_auto_replicas_and_the_tuner_skips_fused():
     with pytest.warns(UserWarning, match="keeps learner_mode='per_replica'"):
         hist = plan.fit(train, 2, eval_dataset=test, progress=False)
     actions = [(d.action, d.next_replicas_per_device, d.next_learner_mode) for d in hist.autotune]
-    assert actions[:3] == [("add", 2, "per_replica"), ("bound", 2, "per_replica"),
+    assert actions[:5] == [("add", 2, "per_replica"), ("confirm", 1, "per_replica"),
+                           ("confirmed_add", 2, "per_replica"), ("bound", 2, "per_replica"),
                            ("skip_mode", 2, "per_replica")]
     assert plan.learner_mode == "per_replica" and plan.autotuner.phase == "hold"
     assert plan.num_learners == 4

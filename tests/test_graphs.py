@@ -43,8 +43,7 @@ def _fit(graph: bool, *, mode="per_replica", data=None, optimizer=None, model=Ti
     opt = optimizer or cg.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3)
     plan = compile_tiny(model, devices=1, replicas=3, executor="inline", kernel_backend="torch",
                         learner_mode=mode, optimizer=opt, **kw)
-    rec = RaceRecorder()
-    plan.scheduler.stream_ops = rec
+    rec = RaceRecorder().attach(plan.scheduler)
     if graph:
         plan.scheduler.round_graph = round_graph or G.RoundGraph(SimulatedGraphs())
     steps = torch.optim.lr_scheduler.StepLR(plan.optimizer, step_size=3, gamma=0.5)

@@ -15,12 +15,12 @@ import crossbow_graph
 PACKAGE = Path(crossbow_graph.__file__).parent
 STAGES = {  # module prefix → stage; a module imports only from its own stage or earlier ones
     "crossbow_graph.errors": 0, "crossbow_graph.config": 0, "crossbow_graph.models": 0,
-    "crossbow_graph.datasets": 0,
+    "crossbow_graph.datasets": 0, "crossbow_graph.fields": 0,
     "crossbow_graph.compiler": 1, "crossbow_graph.kernels": 1,
     "crossbow_graph.engine": 2,
     "crossbow_graph.training": 3,
     "crossbow_graph.tuning": 4,
-    "crossbow_graph.api": 5,
+    "crossbow_graph.api": 5, "crossbow_graph.compile_options": 5, "crossbow_graph.build": 5,
     "crossbow_graph.cli": 6, "crossbow_graph.__main__": 6, "crossbow_graph": 6,
 }
 SIDE_BY_SIDE = {"crossbow_graph.compiler", "crossbow_graph.kernels"}  # one stage, independent

@@ -618,8 +618,8 @@ def test_auto_replicas_policy_grows_m():
     plan = compile_tiny(devices=1, replicas=1, executor="inline")
     h = plan.fit(tiny_data(4 * 60), 1, progress=False, hooks=[Clock()], policies=[pol],
                  metrics_every=None)
-    assert plan.replicas_per_device == 3
-    assert [p.changes["replicas_per_device"] for p in h.policy] == [2, 3]
+    assert plan.replicas_per_device == 3  # each gain confirmed by a second look at m − 1 (A B A)
+    assert [p.changes["replicas_per_device"] for p in h.policy] == [2, 1, 3, 2, 3]
 
 
 def test_cli_policy_flag(capsys):

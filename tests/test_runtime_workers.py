@@ -57,18 +57,18 @@ def test_workers_convolution_library_is_measured_once_per_batch_size_or_fixed():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(conv_choice, "_step_seconds", lambda *a: pytest.fail("measured twice"))
         assert choose_onednn(again, fetch) is choice
-    # fixed by cpu_conv: both libraries give the same z to float tolerance
+    # fixed by compile's cpu_conv: both libraries give the same z to float tolerance
     z = {}
     for conv in ("onednn", "aten"):
-        p = compile_tiny(TinyBN, replicas=2, executor="process")
-        p.scheduler.cpu_conv = conv
-        assert choose_onednn(p.scheduler, fetch) is (conv == "onednn")
+        p = compile_tiny(TinyBN, replicas=2, executor="process", cpu_conv=conv)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(conv_choice, "_step_seconds", lambda *a: pytest.fail("measured, not fixed"))
+            assert choose_onednn(p.scheduler, fetch) is (conv == "onednn")
         _fit(p, data)
         z[conv] = p.central_weights()
     torch.testing.assert_close(z["onednn"], z["aten"], **TOL)
-    sched.cpu_conv = "mkl"
-    with pytest.raises(ValueError, match="cpu_conv='mkl'"):
-        choose_onednn(sched, fetch)
+    with pytest.raises(ValueError, match="cpu_conv='mkl': use one of 'auto', 'onednn', 'aten'"):
+        compile_tiny(TinyBN, replicas=2, executor="process", cpu_conv="mkl")
 
 
 @pytest.mark.parametrize("devices,replicas,mode", [(1, 2, "per_replica"), (1, 3, "fused"),
@@ -186,8 +186,7 @@ def test_dropout_masks_do_not_depend_on_the_executor(monkeypatch, mode, devices,
     z = {}
     for ex in ("inline", "process"):
         plan = compile_tiny(TinyDrop, devices=devices, replicas=replicas, learner_mode=mode,
-                            executor=ex)
-        plan.scheduler.cpu_conv = "onednn"  # the inline executor's library
+                            executor=ex, cpu_conv="onednn")  # the inline executor's library
         _fit(plan, data, seed=5)
         z[ex] = plan.central_weights()
     torch.testing.assert_close(z["process"], z["inline"], **TOL)

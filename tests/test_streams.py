@@ -56,7 +56,8 @@ def _fit(scenario: str, tmp_path, rec: RaceRecorder | None):
                             optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01), **kw)
     else:  # "m and the learner mode change between fits"
         plan = compile_tiny(devices=1, replicas=2, learner_mode="fused", **kw)
-    plan.scheduler.stream_ops = rec
+    if rec is not None:
+        rec.attach(plan.scheduler)
     data = tiny_data(64)
     if scenario == "τ = 2, NaN losses":
         data = _ignored(data, [3, 6])
@@ -171,8 +172,7 @@ def test_device_fault_path_resets_like_the_host_path_and_raises_a_round_late():
                                           torch.randint(0, 3, (64,), generator=g))
     data = _ignored(data, [4, 5])  # round 2's two learners
     plan = plan_of()
-    rec = RaceRecorder()
-    plan.scheduler.stream_ops = rec
+    rec = RaceRecorder().attach(plan.scheduler)
     with rec, pytest.raises(cg.DivergenceError, match="all 2 replicas .* round 2"):
         plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
     assert plan.rounds_done == 4  # round 3 ran before the host read round 2's flags
@@ -209,8 +209,7 @@ def test_stream_timings_come_from_events_into_the_trace(tmp_path):
     events measure 0 ms)."""
     import json
     plan = compile_tiny(devices=2, replicas=2, executor="inline", kernel_backend="torch")
-    rec = RaceRecorder()
-    plan.scheduler.stream_ops = rec
+    rec = RaceRecorder().attach(plan.scheduler)
     trace = tmp_path / "run.json"
     with rec:
         plan.fit(tiny_data(64), 1, shuffle=False, progress=False, metrics_every=None,

@@ -40,7 +40,7 @@ import datetime
 import hashlib
 import math
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -61,8 +61,10 @@ from .peers import join_failed, lost_peer
 if TYPE_CHECKING:
     from ..api import Plan
 
-__all__ = ["Distributed", "Comm", "torchrun_env", "z_digest"]
+__all__ = ["Distributed", "Comm", "torchrun_env", "z_digest", "SyncDtype", "DistBackend"]
 
+SyncDtype = Literal["fp32", "bf16", "fp16"]  # the corrections' dtype in the all-reduce
+DistBackend = Literal["auto", "gloo", "nccl"]
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -86,8 +88,8 @@ class Distributed:
 
     timeout_s: float = 60.0
     checksum_every: int = 100
-    backend: str = "auto"
-    sync_dtype: str = "fp32"
+    backend: DistBackend = "auto"
+    sync_dtype: SyncDtype = "fp32"
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -95,11 +97,11 @@ class Distributed:
         if not is_count(self.checksum_every):
             raise ValueError(f"Distributed(checksum_every={self.checksum_every!r}): must be an "
                              "integer number of rounds ≥ 1")
-        if self.backend not in ("auto", "gloo", "nccl"):
+        if self.backend not in get_args(DistBackend):
             raise ValueError(f"Distributed(backend={self.backend!r}): use 'auto', 'gloo' or 'nccl'")
-        if self.sync_dtype not in SYNC_DTYPES:
+        if self.sync_dtype not in get_args(SyncDtype):
             raise ValueError(f"Distributed(sync_dtype={self.sync_dtype!r}): use one of "
-                             f"{tuple(SYNC_DTYPES)} (the corrections' dtype in the all-reduce)")
+                             f"{get_args(SyncDtype)} (the corrections' dtype in the all-reduce)")
 
     def sync_bytes(self, num_parameters: int, num_float_buffers: int) -> int:
         """Bytes one process hands to the all-reduce per sync: the P corrections in
@@ -107,7 +109,8 @@ class Distributed:
         return SYNC_DTYPES[self.sync_dtype].itemsize * num_parameters + 4 * (num_float_buffers + 1)
 
 
-SYNC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SYNC_DTYPES: dict[SyncDtype, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                             "fp16": torch.float16}
 
 
 def torchrun_env() -> dict[str, str] | None:

@@ -7,7 +7,7 @@ import contextlib
 import copy
 import random
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal, get_args
 
 import numpy as np
 import torch
@@ -19,9 +19,10 @@ from .inputs import split_inputs
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
-__all__ = ["choose_onednn", "CPU_CONV_CHOICES", "host_rngs_kept"]
+__all__ = ["choose_onednn", "CpuConv", "CPU_CONV_CHOICES", "host_rngs_kept"]
 
-CPU_CONV_CHOICES = ("auto", "onednn", "aten")
+CpuConv = Literal["auto", "onednn", "aten"]
+CPU_CONV_CHOICES = get_args(CpuConv)
 BIG_STEP_S = 0.3  # choose_onednn: a learner step slower than this is not measured (oneDNN)
 
 _ONEDNN_CHOICES: dict[tuple, bool] = {}  # choose_onednn's measurements in this process
@@ -30,8 +31,9 @@ _ONEDNN_CHOICES: dict[tuple, bool] = {}  # choose_onednn's measurements in this 
 def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) -> bool:
     """Whether the worker processes run convolutions with oneDNN (else ATen's own kernels).
 
-    ``scheduler.cpu_conv``: ``"onednn"`` or ``"aten"`` decide; ``"auto"`` (default) measures
-    one learner's forward and backward at b in this process, single-threaded (as a worker runs),
+    ``scheduler.cpu_conv`` (``compile(cpu_conv=...)``): ``"onednn"`` or ``"aten"`` decide;
+    ``"auto"`` (default) measures one learner's forward and backward at b in this process,
+    single-threaded (as a worker runs),
     on a copy of the model and the dataset's first b samples: each library MEASURE_REPS times,
     interleaved, each time the fastest step of at least MEASURE_STEPS steps and MEASURE_S
     seconds (but at most 5·MEASURE_S seconds after one step, for a slow model); ATen is chosen
@@ -43,12 +45,7 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     touched. Which library wins depends on the model and b (docs/runtime.md has a table).
     The two libraries round differently, so two fits that chose differently agree to float
     tolerance, not bit for bit; set ``cpu_conv`` to fix the choice.
-
-    Raises:
-        ValueError: ``scheduler.cpu_conv`` is not one of CPU_CONV_CHOICES.
     """
-    if scheduler.cpu_conv not in CPU_CONV_CHOICES:
-        raise ValueError(f"scheduler.cpu_conv={scheduler.cpu_conv!r}: use one of {CPU_CONV_CHOICES}")
     if scheduler.cpu_conv != "auto":
         return scheduler.cpu_conv == "onednn"
     b = scheduler.batch_size

@@ -26,17 +26,18 @@ own (unscaled float16 overflows) and is a fault, as is a non-finite loss (never 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Literal, get_args
 
 import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["PRECISIONS", "AUTOCAST_DTYPES", "LossScales", "VmapAutocast", "autocast",
+__all__ = ["Precision", "PRECISIONS", "AUTOCAST_DTYPES", "LossScales", "VmapAutocast", "autocast",
            "check_precision"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS = get_args(Precision)
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -83,7 +83,7 @@ class _Event:
 class RaceRecorder(TorchDispatchMode):
     """Simulated streams and events (the ``StreamOps`` methods) and the race check.
 
-    Usage: ``plan.scheduler.stream_ops = rec`` then ``with rec: plan.fit(...)``; afterwards
+    Usage: ``with RaceRecorder().attach(plan.scheduler) as rec: plan.fit(...)``; afterwards
     ``rec.races`` lists every race found (the first 50) and ``rec.accesses`` counts the recorded
     reads and writes.
     """
@@ -102,6 +102,12 @@ class RaceRecorder(TorchDispatchMode):
         self._host: set[int] = set()  # storages of host memory (``stage``): on no stream
         self._paused = False
         self._default = _Stream(DEFAULT_STREAM_ID, torch.device("cpu"))
+
+    def attach(self, scheduler: Any) -> "RaceRecorder":
+        """Run ``scheduler``'s inline executor (engine/scheduler.py) on this recorder's simulated
+        streams from its first round on, on CPU devices (its ``stream_ops``); returns self."""
+        scheduler.stream_ops = self
+        return self
 
     # -- StreamOps ------------------------------------------------------------------------------
 

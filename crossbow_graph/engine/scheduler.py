@@ -30,7 +30,7 @@ Executors (``executor=``):
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Literal, get_args
 
 import networkx as nx
 import torch
@@ -39,6 +39,7 @@ from ..compiler.tasks import Task, TaskKind
 from ..kernels.protocol import SMAKernels
 from ..kernels.torch_ref import TorchSMAKernels
 from .batches import DeviceParts
+from .conv_choice import CpuConv
 from .learners import learn_group, learner_seed, rows
 from .faults import FaultMonitor
 from .fused import FusedProgram
@@ -51,9 +52,10 @@ from .state import DeviceState
 from .sync.base import SyncState
 from .workers import ProcessExecutor, available_cores, fork_available
 
-__all__ = ["Scheduler", "EXECUTORS"]
+__all__ = ["Scheduler", "Executor", "EXECUTORS"]
 
-EXECUTORS = ("auto", "inline", "process")
+Executor = Literal["auto", "inline", "process"]
+EXECUTORS = get_args(Executor)
 
 
 class Scheduler(RoundInterpreter):
@@ -67,6 +69,9 @@ class Scheduler(RoundInterpreter):
         settings: the plan's RunSettings (engine/settings.py): η, b, α, τ, m, the learner mode
             and the optimiser and sync strategy, read from there every round.
         executor: ``"auto"``, ``"inline"`` or ``"process"`` (this module's docstring).
+        kernels: the SMA update backend; None: the torch kernels.
+        comm: under torchrun, this rank's ``engine.comm.Comm`` (the global sync spans the ranks).
+        cpu_conv, round_graph: the attributes below.
 
     Attributes:
         settings: the RunSettings; ``lr``, ``batch_size``, ``learner_mode``, ``optimizer`` and
@@ -87,7 +92,8 @@ class Scheduler(RoundInterpreter):
             worker processes read it when they start.
         stream_ops: what issues the streams and events of the inline executor
             (engine/streams.py): None runs them on CUDA devices through ``torch.cuda``; a
-            ``RaceRecorder`` (engine/race_check.py) runs the same discipline on CPU devices.
+            ``RaceRecorder`` (engine/race_check.py; ``RaceRecorder.attach``) runs the same
+            discipline on CPU devices.
         fault_masks: per device, ``[m]`` bool: the replicas reset for NaN/Inf (or divergence) in
             the last round, on the device (None before the first local sync).
         sync_state: the sync algorithm's runtime state for this plan (``SyncAlgorithm.bind``,
@@ -108,14 +114,16 @@ class Scheduler(RoundInterpreter):
                          "engine/sync/).")
 
     def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Callable,
-                 settings: RunSettings, *, executor: str = "auto") -> None:
+                 settings: RunSettings, *, executor: Executor = "auto",
+                 kernels: SMAKernels | None = None, comm: Any = None, cpu_conv: CpuConv = "auto",
+                 round_graph: Any = None) -> None:
         if executor not in EXECUTORS:
             raise ValueError(f"executor={executor!r}: use one of {EXECUTORS}")
         if executor == "process" and any(s.torch_device.type != "cpu" for s in states):
             raise ValueError("executor='process' runs CPU devices only; use 'inline' (CUDA streams) "
                              "or 'auto' for CUDA devices")
         self.settings = settings
-        self.kernels: SMAKernels = TorchSMAKernels()  # the SMA update backend
+        self.kernels: SMAKernels = kernels if kernels is not None else TorchSMAKernels()  # the SMA update backend
         self.states = states
         self.loss_fn = loss_fn
         self.max_divergence: float | None = None
@@ -126,7 +134,7 @@ class Scheduler(RoundInterpreter):
         self.sync_exposed_seconds = 0.0
         self.timeline = None
         self.seed = 0
-        self.comm = None  # a engine.comm.Comm under torchrun: the global sync spans the ranks
+        self.comm = comm  # a engine.comm.Comm under torchrun: the global sync spans the ranks
         self._fetch: Callable | None = None
         self._load: Callable | None = None  # begin_fit's load, if any
         self._round_losses: dict[int, list] = {}  # device → its replicas' losses of the round
@@ -139,10 +147,10 @@ class Scheduler(RoundInterpreter):
         self._late_faults: list[tuple[int, int, int, torch.Tensor, object]] = []
         self._buf_snapshot: list[torch.Tensor | None] = [None] * len(states)
         self._resolved: tuple[int, str] | None = None  # (k, executor) cache
-        self.cpu_conv = "auto"  # worker processes' convolutions: "auto", "onednn", "aten"
+        self.cpu_conv = cpu_conv  # worker processes' convolutions: "auto", "onednn", "aten"
         self._onednn_choices: dict[int, bool] = {}  # b → measured choice (conv_choice.choose_onednn)
         self.sync_state: SyncState = settings.sync.bind(states)  # raises TypeError, ValueError
-        self.round_graph = None  # a graphs.RoundGraph: CUDA-graph rounds
+        self.round_graph = round_graph  # a graphs.RoundGraph: CUDA-graph rounds
         self._in_graph = False  # the round body runs as a graph captures it (graph_body)
         self._graph_losses: list[torch.Tensor] = []
         self.set_task_graph(task_graph)

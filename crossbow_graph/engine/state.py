@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal, get_args
 
 import torch
 from torch import nn
@@ -41,11 +41,12 @@ from .precision import LossScales
 
 __all__ = ["FlatLayout", "DeviceState", "bind_flat", "channels_last_weights", "check_grad_hooks",
            "copy_module", "grad_hooks", "model_dtype", "master_dtype", "row_length",
-           "LOW_PRECISION", "MEMORY_FORMATS", "ROW_ALIGN"]
+           "LOW_PRECISION", "MemoryFormat", "MEMORY_FORMATS", "ROW_ALIGN"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 ROW_ALIGN = 32  # elements: CUDA devices pad the rows of w, v, g, w_model to a multiple of it
-MEMORY_FORMATS = ("auto", "channels_last", "contiguous")  # of convolution weights in the rows
+MemoryFormat = Literal["auto", "channels_last", "contiguous"]  # of convolution weights in the rows
+MEMORY_FORMATS = get_args(MemoryFormat)
 _PAD_ROWS_ON_CPU = False  # tests set it: pad the rows on CPU devices too (no CUDA here)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -17,9 +17,11 @@ from .torch_ref import TorchSMAKernels, sma_central_update, sma_local_update
 from .triton_sma import (EmittedKernel, KernelSpec, TritonSMAKernels, central_spec, device_type, emit,
                          import_triton, local_spec)
 
-__all__ = ["TorchKernel", "CKernel", "plan_kernels", "select_backend", "KERNEL_BACKENDS"]
+__all__ = ["TorchKernel", "CKernel", "plan_kernels", "select_backend", "KernelBackend",
+           "KERNEL_BACKENDS"]
 
-KERNEL_BACKENDS = ("auto", "triton", "torch", "c")
+KernelBackend = Literal["auto", "triton", "torch", "c"]
+KERNEL_BACKENDS = get_args(KernelBackend)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ current k·b, and once when a change of k or b mid-fit leaves fewer rounds than 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
@@ -48,9 +48,10 @@ if TYPE_CHECKING:
     from ..api import Plan
     from .history import EpochRecord, EvalRecord
 
-__all__ = ["LRSchedulerHook", "LR_INTERVALS", "check_lr_scheduler", "rounds_left", "schedule_end"]
+__all__ = ["LRSchedulerHook", "LRInterval", "LR_INTERVALS", "check_lr_scheduler", "rounds_left", "schedule_end"]
 
-LR_INTERVALS = ("epoch", "round")
+LRInterval = Literal["epoch", "round"]
+LR_INTERVALS = get_args(LRInterval)
 
 
 def check_lr_scheduler(plan: "Plan", scheduler: Any, interval: str,

@@ -1,130 +1,114 @@
-"""The options of ``Plan.fit``, checked when they are built, before any training round."""
+"""The options of ``Plan.fit``: one typed field each (default, doc, choices), checked when they
+are built, before any training round (docs/options.md has their table)."""
 
-from __future__ import annotations
+# no ``from __future__ import annotations``: check_choices reads the Literal types of the fields
 
 import dataclasses
 import math
 import numbers
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from ..errors import check_flag, is_count
-from .lr_schedule import LR_INTERVALS
+from ..fields import check_choices, option
+from .hooks import Hook
+from .lr_schedule import LRInterval
 
 if TYPE_CHECKING:
-    from .hooks import Hook
+    from ..tuning.metrics import MetricsMonitor
 
 __all__ = ["FitOptions", "as_hooks", "check_writable_dir"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FitOptions:
-    """How ``Plan.fit`` trains (``Plan.fit`` takes these as keyword arguments and builds one).
-
-    Attributes:
-        epochs: epochs to run (≥ 1).
-        shuffle: shuffle every epoch (``False``: the dataset's order; learner j gets batch number
-            t·k + j in round t).
-        seed: seeds the data order and, at the start of the fit, this process's torch, Python
-            ``random`` and NumPy global RNGs (dropout, a Dataset's augmentation; the caller's
-            states are replaced); worker processes reseed every round from (seed, round,
-            worker), so their draws differ and reproduce.
-        target_accuracy: stop once z's test accuracy (a fraction in (0, 1]) reaches it (needs an
-            ``eval_dataset``); None: run every epoch.
-        evals_per_epoch: evaluations of z on the ``eval_dataset`` per epoch (time-to-accuracy
-            resolution, ≥ 1).
-        eval_batch_size: batch size of evaluation (≥ 1).
-        progress: show a progress bar.
-        hooks: Hook objects called at fit, epoch, round and evaluation boundaries, in this order
-            (``Plan.fit`` puts the plan's auto-tuner, with ``replicas="auto"``, first); those
-            with ``state_dict()``/``load_state_dict()`` are checkpointed.
-        checkpoint_dir: write checkpoints of the whole state there (docs/reliability.md): every
-            ``checkpoint_every`` rounds, at the end of every complete epoch and when SIGTERM
-            stops the fit; the newest two are kept. One fit at a time holds it (a lock), and
-            with ``resume=False`` it must not hold another run's checkpoints.
-        checkpoint_every: rounds between checkpoints (≥ 1); None: at epoch ends only.
-        resume: continue from the newest good checkpoint in ``checkpoint_dir`` (bit-identical to
-            an uninterrupted run; under torchrun also on another number of processes than
-            wrote it, docs/distributed.md); ``epochs`` then counts the epochs of the whole run,
-            as when the same command is run again. Without a checkpoint there, start afresh. A
-            setting this fit is set up with differently from the checkpoint's run (a lower lr)
-            keeps this fit's value, with a warning (training/run_setup.py).
-        log_dir: write per-round and per-epoch CSV, TensorBoard events and ``history.json``.
-        trace: write a Chrome-trace JSON timeline of every task to this path
-            (``chrome://tracing``, Perfetto): the global sync of round t under round t+1's
-            learning is the overlap.
-        policies: hyper-parameter policies (``crossbow_graph.Policy``: AdaptiveBatchSize, StepLR,
-            DivergenceGuard, ...; tuning/policies.py, docs/design-overview.md §5), run after the
-            hooks and the metrics; they change the plan through ``Plan.adjust``.
-        metrics: the metrics monitor (``crossbow_graph.MetricsMonitor``, built by ``Plan.fit``
-            from its ``metrics_every``), run after the hooks and before the policies; None: no
-            metrics.
-        lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler built over ``Plan.optimizer``,
-            stepped after the policies every ``lr_scheduler_interval`` (training/lr_schedule.py;
-            ReduceLROnPlateau after every evaluation, with z's test loss); None: none.
-        lr_scheduler_interval: ``"epoch"`` or ``"round"``.
-        metric_fn: ``metric_fn(output, target) -> float`` (or a 0-dim tensor), a batch's mean
-            accuracy in [0, 1] (higher is better): z's ``test_accuracy`` is its mean over the
-            ``eval_dataset`` and ``target_accuracy`` compares with it. None: the class accuracy
-            of the output's ``[N, C]`` scores (a tensor, ``output.logits``, or the first tensor
-            of a tuple or dict) against integer targets ``[N]``; for any other output
-            ``test_accuracy`` is None, with a warning (training/evaluation.py).
-        bn_recalibration_batches: before every evaluation of z and in ``Plan.central_model()``,
-            z's BatchNorm running statistics are re-estimated for z's weights on this many
-            training batches of b samples (training/batchnorm.py: ``update_bn``'s cumulative
-            average, on the evaluated copy only; training is unchanged); 0: z keeps the
-            replicas' mean statistics. Models without BatchNorm, and k = 1 (z is the replica,
-            with its own statistics), skip it.
-        data_on_device: where a TensorDataset's samples are gathered (training/data.py
-            ``device_fetch``; docs/runtime.md, Data on the device): ``True`` moves its tensors to
-            the plan's first device once per fit and gathers every round there; ``"auto"`` does
-            so on a CUDA device when they take at most a quarter of its free memory; ``False``
-            gathers on the host. On CUDA devices the batches gathered or collated on the host are
-            copied to the devices one round ahead (engine/prefetch.py).
-        max_grad_norm: every learner clips its own gradient g_j (over all its trainable
-            parameters) to this 2-norm before its local optimiser's step, as
-            ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)`` does before
-            ``optimizer.step()``: g_j ← g_j · min(1, max_grad_norm / (‖g_j‖₂ + 1e-6))
-            (engine/clipping.py; after float16's unscaling; under ``SSGD`` before the
-            average; docs/optimizers.md). None: no clipping.
-
+    """How ``Plan.fit`` trains: ``Plan.fit`` takes these as keyword arguments, or one
+    ``options=FitOptions(...)``. Each field's default, choices and doc are its own
+    (``dataclasses.fields(FitOptions)``, ``field.metadata["doc"]``; docs/options.md).
     ``hooks`` and ``policies`` are kept as tuples.
 
     Raises:
-        ValueError: ``epochs``, ``evals_per_epoch`` or ``eval_batch_size`` not an integer ≥ 1,
-            ``bn_recalibration_batches`` not an integer ≥ 0,
+        ValueError: ``epochs``, ``evals_per_epoch``, ``eval_batch_size`` or ``metrics_every`` not
+            an integer ≥ 1, ``bn_recalibration_batches`` not an integer ≥ 0,
             ``target_accuracy`` outside (0, 1], ``data_on_device`` not ``"auto"``, True or
-            False, ``max_grad_norm`` not a positive finite number, ``resume=True`` or ``checkpoint_every`` without
-            ``checkpoint_dir``, a ``trace`` path whose folder is missing or not writable, a
-            ``log_dir`` that is a file or cannot be created or written.
+            False, ``max_grad_norm`` not a positive finite number, a value not among a field's
+            choices, ``resume=True`` or ``checkpoint_every`` without ``checkpoint_dir``, a
+            ``trace`` path whose folder is missing or not writable, a ``log_dir`` that is a
+            file or cannot be created or written.
         TypeError: ``metric_fn`` not callable, ``seed`` not an integer, ``target_accuracy`` or
-            ``max_grad_norm`` not a number, ``shuffle``,
-            ``progress`` or ``resume`` not a bool, ``hooks``/``policies`` not a list of hook
-            objects (one hook alone, or a class instead of an instance).
+            ``max_grad_norm`` not a number, ``shuffle``, ``progress`` or ``resume`` not a bool,
+            ``hooks``/``policies`` not a list of hook objects (one hook alone, or a class
+            instead of an instance).
     """
 
-    epochs: int = 1
-    shuffle: bool = True
-    seed: int = 0
-    target_accuracy: float | None = None
-    evals_per_epoch: int = 1
-    eval_batch_size: int = 1000
-    progress: bool = True
-    hooks: tuple["Hook", ...] = ()
-    checkpoint_dir: str | None = None
-    checkpoint_every: int | None = None
-    resume: bool = False
-    log_dir: str | None = None
-    trace: str | None = None
-    policies: tuple["Hook", ...] = ()
-    metrics: "Hook | None" = None
-    lr_scheduler: Any = None
-    lr_scheduler_interval: str = "epoch"
-    metric_fn: "Callable[[Any, Any], Any] | None" = None
-    bn_recalibration_batches: int = 20
-    data_on_device: bool | str = "auto"
-    max_grad_norm: float | None = None
+    epochs: int = option(1, doc=(
+        "epochs to run (≥ 1); with resume=True, the epochs of the whole run"))
+    shuffle: bool = option(True, doc=(
+        "shuffle every epoch; False: the dataset's order (learner j gets batch number t·k + j "
+        "in round t)"))
+    seed: int = option(0, doc=(
+        "seeds the data order and, at the start of the fit, this process's torch, Python random "
+        "and NumPy global RNGs (dropout, a Dataset's augmentation); worker processes reseed "
+        "every round from (seed, round, worker)"))
+    target_accuracy: float | None = option(None, doc=(
+        "stop once z's test accuracy (a fraction in (0, 1]) reaches it (needs an eval_dataset); "
+        "None: run every epoch"))
+    evals_per_epoch: int = option(1, doc=(
+        "evaluations of z on the eval_dataset per epoch (the time-to-accuracy resolution)"))
+    eval_batch_size: int = option(1000, doc="batch size of evaluation (≥ 1)")
+    progress: bool = option(True, doc="show a progress bar")
+    hooks: tuple[Hook, ...] = option((), doc=(
+        "Hook objects called at fit, epoch, round and evaluation boundaries, in this order, "
+        "after the plan's auto-tuner; those with state_dict()/load_state_dict() are "
+        "checkpointed"))
+    checkpoint_dir: str | None = option(None, doc=(
+        "write checkpoints of the whole state there every checkpoint_every rounds, at the end of "
+        "every complete epoch and when SIGTERM stops the fit, the newest two kept; one fit at a "
+        "time holds it (a lock), and with resume=False it must not hold another run's "
+        "checkpoints (docs/reliability.md)"))
+    checkpoint_every: int | None = option(None, doc=(
+        "rounds between checkpoints (≥ 1); None: at epoch ends only"))
+    resume: bool = option(False, doc=(
+        "continue from the newest good checkpoint in checkpoint_dir, bit-identical to an "
+        "uninterrupted run (under torchrun also on another number of processes, "
+        "docs/distributed.md); without one there, start afresh; a setting this fit is set up "
+        "with differently from the checkpoint's run keeps this fit's value, with a warning"))
+    log_dir: str | None = option(None, doc=(
+        "write per-round and per-epoch CSV, TensorBoard events and history.json there"))
+    trace: str | None = option(None, doc=(
+        "write a Chrome-trace JSON timeline of every task to this path (chrome://tracing, "
+        "Perfetto): the global sync of round t under round t+1's learning is the overlap"))
+    policies: tuple[Hook, ...] = option((), doc=(
+        "hyper-parameter policies (crossbow_graph.Policy: AdaptiveBatchSize, StepLR, "
+        "DivergenceGuard, ...; docs/policies.md), run after the hooks and the metrics; they "
+        "change the plan through Plan.adjust"))
+    metrics_every: "int | MetricsMonitor | None" = option(50, doc=(
+        "N, rounds per metrics window (History.metrics: samples/s, loss, divergence, gradient "
+        "noise scale), or a crossbow_graph.MetricsMonitor; run after the hooks and before the "
+        "policies; None: no metrics"))
+    lr_scheduler: Any = option(None, doc=(
+        "a torch.optim.lr_scheduler scheduler built over Plan.optimizer, stepped after the "
+        "policies every lr_scheduler_interval (ReduceLROnPlateau after every evaluation, with "
+        "z's test loss); History.lr has η per round"))
+    lr_scheduler_interval: LRInterval = option("epoch", doc="when lr_scheduler steps")
+    metric_fn: Callable[[Any, Any], Any] | None = option(None, doc=(
+        "metric_fn(output, target) -> a batch's mean accuracy in [0, 1] (a float or 0-dim "
+        "tensor): z's test_accuracy is its mean over the eval_dataset; None: the class accuracy "
+        "of the output's [N, C] scores against integer targets [N], or for any other output "
+        "None, with a warning"))
+    bn_recalibration_batches: int = option(20, doc=(
+        "training batches of b on which z's BatchNorm statistics are re-estimated for z's "
+        "weights before every evaluation and in central_model() (the evaluated copy only; "
+        "k = 1 and models without BatchNorm skip it); 0: the replicas' mean statistics"))
+    data_on_device: bool | Literal["auto"] = option("auto", doc=(
+        "True: a TensorDataset's tensors on the plan's first device for the fit, each round "
+        "gathered there; 'auto': so on CUDA when they take ≤ ¼ of its free memory; False: "
+        "gathered on the host; on CUDA other batches are copied a round ahead (docs/runtime.md)"))
+    max_grad_norm: float | None = option(None, doc=(
+        "every learner clips its own gradient to this 2-norm before its local step, as "
+        "torch.nn.utils.clip_grad_norm_ does: g_j ← g_j·min(1, max_grad_norm/(‖g_j‖₂ + 1e-6)) "
+        "(docs/optimizers.md); None: no clipping"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hooks", as_hooks("hooks", self.hooks))
@@ -143,6 +127,10 @@ class FitOptions:
         _check_max_grad_norm(self.max_grad_norm)
         if self.max_grad_norm is not None:  # a NumPy number too: a Python float for the kernels
             object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm))
+        every = self.metrics_every
+        if not (every is None or isinstance(every, Hook) or is_count(every)):
+            raise ValueError(f"metrics_every={every!r}: must be an integer ≥ 1 (rounds per "
+                             "window), a crossbow_graph.MetricsMonitor, or None (no metrics)")
         if not is_count(self.evals_per_epoch):
             raise ValueError(f"evals_per_epoch={self.evals_per_epoch!r}: must be an integer ≥ 1 "
                              "(evaluations of z per epoch), e.g. 1")
@@ -167,9 +155,7 @@ class FitOptions:
             _check_trace_path(self.trace)
         if self.log_dir is not None:
             check_writable_dir("log_dir", self.log_dir)
-        if self.lr_scheduler_interval not in LR_INTERVALS:
-            raise ValueError(f"lr_scheduler_interval={self.lr_scheduler_interval!r}: use 'epoch' "
-                             f"or 'round'")
+        check_choices(self)
 
 
 def as_hooks(name: str, hooks: object) -> tuple:

@@ -41,12 +41,13 @@ __all__ = ["Trainer"]
 
 
 class Trainer:
-    """Runs ``Plan.fit``: ``Trainer(plan, train_dataset, eval_dataset, options).run()``.
+    """Runs ``Plan.fit``: ``Trainer(plan, train_dataset, eval_dataset, options, hooks=...,
+    metrics=...).run()``.
 
     Rounds take the next k·b samples of the epoch's order (``BatchSchedule.next_round``), with k
     and b read from the plan before every round, so hooks (the auto-tuner) may change the
     replicas between rounds and every batch of an epoch stays disjoint (policies may change b).
-    A MetricsMonitor (``options.metrics``, every ``metrics_every`` rounds) runs after the other
+    A MetricsMonitor (``metrics``, every ``metrics_every`` rounds) runs after the other
     hooks and before the ``policies``, which run last but for logging and checkpoints. A resumed
     fit starts at the saved sample position of its epoch, in samples of the epoch's order, so a
     resume on another number of ranks (another k) continues the same order from there, k′·b
@@ -85,6 +86,9 @@ class Trainer:
             collate_fn and loading settings are honoured, ``RoundLoader``; its sampler is not).
         eval_dataset: evaluated with z ``options.evals_per_epoch`` times per epoch, or None.
         options: the fit's FitOptions (already checked).
+        hooks: the hooks that run first: the plan's auto-tuner (if any), then ``options.hooks``.
+        metrics: the fit's MetricsMonitor (built by ``Plan.fit`` from ``options.metrics_every``),
+            or None.
 
     The state between the phases: ``epoch``, its ``order`` and ``position`` (samples of the
     order used), ``rounds_run`` and ``samples_run`` in it, ``epoch_seconds`` (its training
@@ -96,9 +100,10 @@ class Trainer:
     ``run`` raises what ``Plan.fit`` documents.
     """
 
-    def __init__(self, plan: "Plan", train_dataset: Any, eval_dataset: Any,
-                 options: FitOptions) -> None:
+    def __init__(self, plan: "Plan", train_dataset: Any, eval_dataset: Any, options: FitOptions,
+                 *, hooks: list[Hook], metrics: Hook | None) -> None:
         self.plan, self.options = plan, options
+        self.first_hooks, self.metrics = hooks, metrics
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.comm = plan.comm
         self.main = self.comm is None or self.comm.is_main  # rank 0 logs, checkpoints, evaluates
@@ -232,13 +237,13 @@ class Trainer:
                               torch.arange(min(b, len(evals))), what="eval_dataset")
 
     def _fit_hooks(self) -> list[Hook]:
-        """The fit's hooks in calling order: ``options.hooks``, the metrics, the policies, the
+        """The fit's hooks in calling order: ``first_hooks``, the metrics, the policies, the
         LR scheduler, the logger (rank 0), the checkpoints (last: they save what the others did in the round).
         Sets ``end_epoch``: the plan's epochs plus ``epochs``, or ``epochs`` when resumed."""
         opts = self.options
-        hooks = list(opts.hooks)
-        if opts.metrics is not None:
-            hooks.append(opts.metrics)
+        hooks = list(self.first_hooks)
+        if self.metrics is not None:
+            hooks.append(self.metrics)
         hooks += list(opts.policies)
         if opts.lr_scheduler is not None:
             plan = self.plan

@@ -1,0 +1,241 @@
+"""``compile``'s building around the Plan (docs/design-overview.md §1): the checks of the model,
+its example inputs and loss (``check_inputs``); the devices, torchrun's process group, the update
+kernels, the traced model and the task graph (``build_parts``); the learner mode of the built
+plan (``settle_learner_mode``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import networkx as nx
+import torch
+from torch import nn
+
+from .compile_options import CompileOptions
+from .compiler.arguments import check_trace_arguments
+from .compiler.outputs import model_loss
+from .compiler.passes import build_task_graph
+from .compiler.trace import ModelGraph, trace_model
+from .engine.comm import Comm, Distributed
+from .engine.fused import fused_mode_message
+from .engine.graphs import cuda_graphs_refusal
+from .engine.precision import check_precision
+from .engine.state import check_grad_hooks, model_dtype, trainable_named
+from .kernels.protocol import SMAKernels
+from .kernels.select import select_backend
+
+if TYPE_CHECKING:
+    from .api import Plan
+
+__all__ = ["PlanParts", "check_inputs", "build_parts", "settle_learner_mode", "resolve_devices",
+           "devices_and_comm", "cuda_memory_budget", "torch_device"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanParts:
+    """What ``build_parts`` makes for a Plan from the model and the options."""
+
+    model_graph: ModelGraph  # the traced (or measured) model
+    task_graph: nx.DiGraph  # one round's tasks for the devices, m and b of the options
+    loss_fn: Callable  # the user's loss, or the model's own (compiler/outputs.py model_loss)
+    kernels: SMAKernels  # the SMA update kernels' backend
+    comm: Comm | None  # under torchrun: this rank's place in the process group
+    memory_budget: int | None  # bytes per device: the option's, or a GPU's free memory
+
+
+def check_inputs(model: nn.Module, example_inputs: Any, loss_fn: Any,
+                 options: CompileOptions) -> None:
+    """``compile``'s checks, before any tracing, of what is not an option: ``loss_fn``, the model
+    (``check_model``), the tracing arguments and the precision against the model's dtype.
+
+    Raises:
+        TypeError, ValueError: as ``compile`` documents them.
+    """
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), or None (the "
+                        f"model's own output.loss), got {type(loss_fn).__name__}")
+    if isinstance(loss_fn, type):  # the class itself is callable too: loss_fn(output, target) builds one
+        prefix = "nn." if loss_fn.__module__.startswith("torch.nn") else ""
+        raise TypeError(f"loss_fn={prefix}{loss_fn.__name__} is a class, not a loss: pass an "
+                        f"instance: {prefix}{loss_fn.__name__}()")
+    check_model(model)
+    check_trace_arguments(model, example_inputs, options.concrete_args, options.leaf_modules)
+    check_precision(options.precision, model_dtype(trainable_named(model)))
+
+
+def build_parts(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
+                options: CompileOptions) -> PlanParts:
+    """``compile`` after its checks: the devices and torchrun's process group, the update
+    kernels' backend, the traced model and the task graph.
+
+    Raises:
+        TraceError, ValueError, ImportError, CompilerError, PlanError, DistributedError: as
+            ``compile`` documents them.
+    """
+    names, comm = devices_and_comm(options.devices, options.distributed)
+    if options.cuda_graphs and (refusal := cuda_graphs_refusal(names)):
+        raise ValueError(refusal)
+    kernels = select_backend(options.kernel_backend, "cuda" if names[0].startswith("cuda") else "cpu",
+                             model_dtype(trainable_named(model)))
+    model_graph = trace_model(model, example_inputs, concrete_args=options.concrete_args,
+                              leaf_modules=options.leaf_modules, strict=options.strict_trace)
+    check_batch_norm(model_graph, options.batch_size)
+    if loss_fn is None and not model_graph.output_has_loss:
+        raise ValueError(f"loss_fn=None trains on the loss {model_graph.name} computes itself "
+                         "(output.loss or output['loss']), but its output on the example inputs "
+                         "has none: put the labels among the example inputs, e.g. "
+                         "{'input_ids': ids, 'labels': labels}, or pass a loss_fn(output, target)")
+    memory_budget = options.memory_budget
+    if memory_budget is None and names[0].startswith("cuda"):
+        memory_budget = cuda_memory_budget(names)
+    graph = build_task_graph(model_graph, devices=names,
+                             replicas_per_device=1 if options.tuned else options.replicas,
+                             batch_size=options.batch_size, memory_budget_bytes=memory_budget,
+                             verify=options.verify)
+    return PlanParts(model_graph=model_graph, task_graph=graph,
+                     loss_fn=model_loss if loss_fn is None else loss_fn, kernels=kernels,
+                     comm=comm, memory_budget=memory_budget)
+
+
+def settle_learner_mode(plan: "Plan", options: CompileOptions) -> None:
+    """With ``learner_mode="fused"`` for a model vmap cannot run (``Plan.fused_failure``):
+    ValueError, or with ``replicas="auto"`` a warning (to ``compile``'s caller) and the plan
+    switched to ``"per_replica"``."""
+    if options.learner_mode == "fused" and plan.fused_failure is not None:
+        message = fused_mode_message(type(plan.template).__name__, plan.fused_failure)
+        if not options.tuned:
+            raise ValueError(message)
+        warnings.warn(f"{message}; replicas='auto' starts with per_replica", stacklevel=3)
+        plan.set_learner_mode("per_replica")
+
+
+def resolve_devices(devices: int | str | Sequence[str]) -> list[str]:
+    """Device names for ``devices``.
+
+    ``"auto"``: every CUDA GPU (``cuda:0`` …), else one CPU device. An int G: G devices — GPUs
+    when that many exist, else G logical CPU devices ``cpu:0 … cpu:G−1``. A list: those names.
+
+    Raises:
+        ValueError: G < 1, an unknown name, or a CUDA device that does not exist.
+    """
+    n_cuda = torch.cuda.device_count()
+    if devices == "auto":
+        return [f"cuda:{i}" for i in range(n_cuda)] or ["cpu:0"]
+    if isinstance(devices, str) and devices.partition(":")[0] in ("cuda", "gpu"):
+        where = (f"this machine has {n_cuda} CUDA GPUs: use devices=[{devices!r}]" if n_cuda and devices != "gpu"
+                 else f"this machine has {n_cuda} CUDA GPUs: use devices='auto'" if n_cuda
+                 else "this machine has no CUDA GPU (torch.cuda.device_count() is 0): use devices=1 (the "
+                      "CPU), or a count of logical CPU devices such as devices=2")
+        raise ValueError(f"devices={devices!r}: {where}")
+    if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
+        raise ValueError(f"devices={devices!r}: use 'auto', a number of devices, or a list of "
+                         "names such as ['cuda:0', 'cuda:1'] or ['cpu:0', 'cpu:1']")
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"devices={devices}: need at least one device")
+        if n_cuda:
+            if devices > n_cuda:
+                raise ValueError(f"devices={devices}, but this machine has {n_cuda} CUDA GPUs; "
+                                 f"use devices≤{n_cuda} or devices='auto'")
+            return [f"cuda:{i}" for i in range(devices)]
+        return [f"cpu:{i}" for i in range(devices)]
+    names = list(devices)
+    for name in names:
+        kind, _, idx = str(name).partition(":")
+        if kind not in ("cpu", "cuda") or (idx and not idx.isdigit()):
+            raise ValueError(f"device '{name}': use 'cpu:N' (a logical CPU device) or 'cuda:N'")
+        if kind == "cuda" and int(idx or 0) >= n_cuda:
+            raise ValueError(f"device '{name}' does not exist: this machine has {n_cuda} CUDA GPUs")
+    if len(set(names)) != len(names):
+        raise ValueError(f"devices {names} name a device twice")
+    return names
+
+
+def torch_device(name: str) -> torch.device:
+    """The torch device of a plan's device name: ``cpu:N`` (a logical CPU device) is the CPU."""
+    return torch.device("cpu") if name.startswith("cpu") else torch.device(name)
+
+
+def check_model(model: nn.Module) -> None:
+    """TypeError unless ``model`` is an nn.Module; ValueError unless it has trainable
+    floating-point parameters, none on the meta device (nor a buffer) and no
+    post-accumulate-grad hook (``check_grad_hooks``)."""
+    if not isinstance(model, nn.Module):
+        hint = (" (a factory: call it, e.g. cg.models.lenet5())" if callable(model) and not isinstance(model, str)
+                else " (a zoo name: build it with cg.models.get_model(name))" if isinstance(model, str) else "")
+        raise TypeError(f"compile() takes an nn.Module as model, got {type(model).__name__} {model!r:.60}{hint}")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to train")
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(f"model's {kind} '{name}' is on the meta device (no data): "
+                                 "materialise it, e.g. model.to_empty(device='cpu') and load "
+                                 "weights (model.load_state_dict(...)), before compile")
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            raise ValueError(f"parameter '{name}' of {type(model).__name__} has dtype {p.dtype}; "
+                             "trainable parameters must be floating point (register integer "
+                             "tensors as buffers)")
+    if not any(p.requires_grad for p in params):
+        raise ValueError(f"every parameter of {type(model).__name__} is frozen "
+                         "(requires_grad=False): there is nothing to train")
+    check_grad_hooks(model)
+
+
+def check_batch_norm(model_graph: ModelGraph, batch_size: int) -> None:
+    """BatchNorm in training mode needs more than one value per channel: b · (spatial size) > 1,
+    read from the traced (or measured) input shape of every BatchNorm module (BatchNorm1d on
+    ``[N, C]`` at b = 1 fails; BatchNorm2d on ``[N, C, H, W]`` with H·W > 1 works)."""
+    if batch_size != 1:
+        return
+    for path, cls, shape in model_graph.batch_norm_inputs:
+        if math.prod(shape[2:]) == 1:  # one value per channel and sample
+            raise ValueError(
+                f"batch_size=1 with {cls} '{path}', which normalises "
+                f"inputs of shape [1, {', '.join(map(str, shape[1:]))}] per learner: BatchNorm "
+                "needs more than one value per channel in training; use batch_size ≥ 2, or "
+                "GroupNorm/LayerNorm instead of BatchNorm")
+
+
+def cuda_memory_budget(names: Sequence[str]) -> int:
+    """Bytes the plan may use per GPU: the smallest over ``names`` of what the device has free
+    (``torch.cuda.mem_get_info``) plus what this process's caching allocator already reserved
+    there (reusable), so that other processes' memory and the CUDA context are left out."""
+    budgets = []
+    for name in names:
+        device = torch_device(name)
+        free, _total = torch.cuda.mem_get_info(device)
+        budgets.append(int(free) + int(torch.cuda.memory_reserved(device)))
+    return min(budgets)
+
+
+def devices_and_comm(devices: int | str | Sequence[str],
+                     distributed: Distributed | None) -> tuple[list[str], Comm | None]:
+    """The device names (``resolve_devices``) and, under torchrun, this rank's Comm. On GPUs
+    under torchrun the ranks of a machine take disjoint GPUs (NCCL refuses two ranks on one):
+    with ``devices="auto"`` local rank r takes ``cuda:r``; with a count G, ``cuda:r·G`` …
+    ``cuda:r·G+G−1``; a list of names is taken as given.
+
+    Raises:
+        ValueError: a count G whose GPUs for this local rank do not exist on the machine.
+    """
+    names = resolve_devices(devices)
+    comm = Comm.from_env(distributed, on_cuda=names[0].startswith("cuda"))
+    if comm is None or not names[0].startswith("cuda"):
+        return names, comm
+    if devices == "auto":
+        names = [f"cuda:{comm.local_rank}"]  # one process per GPU, as torchrun launches them
+    elif isinstance(devices, int) and not isinstance(devices, bool):
+        first, n_cuda = comm.local_rank * devices, torch.cuda.device_count()
+        if first + devices > n_cuda:
+            raise ValueError(f"devices={devices} under torchrun: local rank {comm.local_rank} "
+                             f"would take cuda:{first}…cuda:{first + devices - 1}, but this machine "
+                             f"has {n_cuda} CUDA GPUs; use devices='auto' (one GPU per process) or "
+                             f"--nproc-per-node {max(1, n_cuda // devices)}")
+        names = [f"cuda:{first + i}" for i in range(devices)]
+    return names, comm
