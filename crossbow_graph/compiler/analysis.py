@@ -1,20 +1,5 @@
-"""Model analysis on the shape-propagated fx graph: FLOPs, activation bytes, memory per learner.
-
-docs/design-overview.md §1 (compiler/analysis.py) and §3 (the memory per learner, which bounds
-the replicas per device). Every number here comes from the graph and the shapes of one example batch; nothing is
-timed.
-
-Conventions (documented in docs/compiler.md):
-
-* FLOPs count a multiply-add as 2 (as ``torch.utils.flop_counter`` does). Convolution
-  ``2·out·(C_in/groups)·k_h·k_w`` (+ ``out`` for a bias); linear ``2·out·in`` (+ bias); matmul
-  ``2·out·K``; batch/layer/group norm ``4·numel`` (normalise, scale, shift); pooling
-  ``out·kernel`` (adaptive pooling: ``in``); element-wise ops 1 per output element; views 0.
-* A training step costs 3× the forward FLOPs (backward ≈ 2× forward: the gradients of both the
-  inputs and the weights of every layer; Kaplan et al. 2020, §2.1) plus the optimiser's update.
-* Activations kept for backward follow what autograd saves for each op (e.g. a convolution keeps
-  its input, ReLU its output, max pooling its input and int64 indices); views share their base's
-  memory and are counted once.
+"""FLOPs, activation bytes and the memory per learner of a shape-propagated fx graph at one
+example batch (docs/design-overview.md §3; the conventions and formulas: docs/compiler.md §2, §3).
 """
 
 from __future__ import annotations
@@ -41,11 +26,8 @@ __all__ = ["NodeCost", "ModelAnalysis", "MemoryEstimate", "MEMORY_PARTS", "analy
 MEMORY_PARTS = ("params", "grads", "optimizer", "buffers", "activations", "workspace", "library",
                 "flat_share")
 
-#: Gradient temporaries alive at the peak of backward, in units of the largest activation: the
-#: gradient of an op's output and (part of) its input's; a model with residual joins keeps more
-#: (the pending gradient of the skip branch). Calibrated on torch.profiler measurements of
-#: LeNet-5 (1.3 measured) and ResNet-32 (2.8 measured); the estimate is then within −4%…+6% of
-#: the measured peak for LeNet-5, ResNet-32 and VGG-16 (docs/compiler.md).
+#: Gradient temporaries alive at the peak of backward, in largest activations, without and with
+#: residual joins (calibrated: docs/compiler.md, "Measured error of the estimate").
 _WORKSPACE_CHAIN = 1.5
 _WORKSPACE_RESIDUAL = 3.0
 
@@ -103,20 +85,14 @@ class NodeCost:
     """The analysis of one fx node at the example batch.
 
     Attributes:
-        name: the fx node's name.
-        op: its category: conv, linear, matmul, norm, maxpool, avgpool, adaptive, save_output,
-            save_input, add, mul, dropout, view, copy, shape, input, param, output, other;
-            ``measured``: a module the eager analysis measured (compiler/eager.py), ``module``:
-            a top-level module of a model analysed eagerly as a whole, ``rest``: that model's
-            ops outside its top-level modules.
-        target: what the node calls, readably (module path, function or method name).
-        shape: output shape (``None`` for non-tensor outputs such as tuples).
-        dtype: output dtype (``None`` for non-tensor outputs).
-        flops: forward FLOPs at the example batch (multiply-add = 2).
-        bytes: bytes of the output tensor at the example batch (0 for views and shapes).
-        saved_bytes: bytes of this node's output that autograd keeps for backward (the node's
-            own output, or kept by a consumer), plus extra tensors the op saves (max pooling's
-            int64 indices, dropout's mask), at the example batch.
+        name, target: the fx node's name; what it calls (module path, function or method).
+        op: its category (conv, linear, matmul, norm, …, other; ``measured``: measured eagerly,
+            compiler/eager.py; ``module``, ``rest``: a model analysed eagerly as a whole).
+        shape, dtype: of the output (None for non-tensor outputs).
+        flops: forward FLOPs (multiply-add = 2).
+        bytes: bytes of the output tensor (0 for views and shapes).
+        saved_bytes: bytes of the output that autograd keeps for backward, plus what the op
+            saves besides (max pooling's indices, dropout's mask).
     """
 
     name: str
@@ -131,26 +107,12 @@ class NodeCost:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelAnalysis:
-    """Costs of a traced model, per sample (divide the example batch's totals by its size).
-
-    Attributes:
-        nodes: one NodeCost per fx node, in graph order, at the example batch.
-        example_batch: the example batch size the nodes were measured at.
-        forward_flops_per_sample: forward FLOPs of one sample.
-        train_flops_per_sample: FLOPs of one sample in a training step (3 × forward).
-        activation_bytes_per_sample: bytes of every new (non-view) tensor the forward creates.
-        saved_bytes_per_sample: bytes that autograd keeps for backward, per sample.
-        max_activation_bytes_per_sample: the largest single activation, per sample.
-        max_param_bytes: the largest trainable parameter tensor (its gradient is computed into a
-            temporary before it is accumulated into the flat ``g``).
-        param_bytes: bytes of every parameter (tied once); trainable_bytes: the trainable ones;
-            frozen_bytes: the frozen ones; buffer_bytes: every buffer.
-        num_trainable: P, trainable scalars (tied once).
-        num_float_buffers: Q, scalars of floating-point buffers (averaged by SMA).
-        residual_joins: additions of two activations (skip connections).
-        workspace_activations: gradient temporaries at the peak of backward, in largest
-            activations (1.5, or 3 with residual joins).
-    """
+    """Costs of a traced model: ``nodes`` (one NodeCost per fx node, in graph order) at
+    ``example_batch``, and per-sample totals (FLOPs, of a training step 3 × forward; bytes of
+    new tensors, of those kept for backward, of the largest one); bytes of the largest trainable
+    tensor, of the parameters (trainable, frozen) and buffers; P = ``num_trainable``, Q =
+    ``num_float_buffers``; ``residual_joins``; ``workspace_activations`` (1.5, or 3 with
+    residual joins)."""
 
     nodes: tuple[NodeCost, ...]
     example_batch: int
@@ -174,13 +136,11 @@ class ModelAnalysis:
         return int(round(self.forward_flops_per_sample * batch_size))
 
     def train_step_flops(self, batch_size: int) -> int:
-        """FLOPs of one training step of one learner at batch b: 3 × forward, plus the SGD update
-        (weight decay, momentum, step: 4 FLOPs per trainable scalar)."""
+        """FLOPs of one learner's training step at batch b: 3 × forward + 4P (the SGD update)."""
         return int(round(self.train_flops_per_sample * batch_size)) + 4 * self.num_trainable
 
     def table(self, *, limit: int | None = None) -> str:
-        """A per-node text table at the example batch: name, op category, what it calls, output
-        shape, dtype, forward MFLOP, output KiB, KiB kept for backward; then totals per sample."""
+        """The per-node table at the example batch (``crossbow-graph inspect --nodes``)."""
         rows = [f"per node at the example batch of {self.example_batch}:",
                 f"{'node':<28}{'op':<12}{'calls':<28}{'shape':<22}{'dtype':<10}{'MFLOP':>10}{'KiB':>10}{'saved KiB':>11}"]
         for n in self.nodes[:limit]:
@@ -196,23 +156,9 @@ class ModelAnalysis:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
-    """Memory of one learner at batch b on a device with m learners, in bytes
-    (docs/design-overview.md §3, §4).
-
-    Attributes:
-        params: the replica's parameters (its row of ``w [m, P]`` and its frozen parameters).
-        grads: its row of ``g [m, P]``.
-        optimizer: its momentum, its row of ``v [m, P]``.
-        buffers: its buffers (its row of ``buf [m, Q]`` and integer buffers).
-        activations: the tensors autograd keeps for backward at batch b (including the input).
-        workspace: gradient temporaries at the peak of backward at batch b:
-            ``max(c·A, A + W)`` with A the largest activation, W the largest trainable parameter
-            tensor and c = 1.5 (3 for models with residual joins).
-        flat_share: 1/m of the device's shared flat buffers ``z, z_prev, acc [P]`` and ``zbuf [Q]``.
-        library: the CUDA libraries' workspace of the learner's stream (``cublas_workspace_bytes``;
-            0 on the CPU): cuBLAS keeps one per stream that runs a matmul.
-        batch_size: b; replicas_per_device: m.
-    """
+    """Memory of one learner at batch b = ``batch_size`` on a device with m =
+    ``replicas_per_device`` learners, in bytes, by part (``MEMORY_PARTS``; each part's formula:
+    docs/compiler.md §3)."""
 
     params: int
     grads: int
@@ -232,8 +178,7 @@ class MemoryEstimate:
 
     @property
     def training_step(self) -> int:
-        """Bytes of one eager training step (no flat share, no library workspace): what the
-        profiler test measures."""
+        """Bytes of one eager training step (no flat share, no library workspace)."""
         return self.total - self.flat_share - self.library
 
     def breakdown(self) -> str:
@@ -352,9 +297,7 @@ def _is_inplace(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
 
 
 def unknown_modules(module: fx.GraphModule) -> list[str]:
-    """The targets of ``call_module`` nodes the op vocabulary has no formula for (a user's leaf
-    module, ``nn.LSTM``, ``nn.MultiheadAttention``, ``nn.Embedding``, ...): the eager analysis
-    measures them (compiler/eager.py)."""
+    """The targets of ``call_module`` nodes that §2 of docs/compiler.md has no formula for."""
     modules = dict(module.named_modules())
     return list(dict.fromkeys(str(n.target) for n in module.graph.nodes
                               if n.op == "call_module" and _category(n, modules)[0] == "other"))
@@ -362,21 +305,10 @@ def unknown_modules(module: fx.GraphModule) -> list[str]:
 
 def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buffers: list,
             measured: "Mapping[str, EagerCost] | None" = None) -> ModelAnalysis:
-    """Analyse a shape-propagated GraphModule (every node has ``meta["tensor_meta"]``).
-
-    Args:
-        module: the traced ``fx.GraphModule`` after ``ShapeProp`` on one example batch.
-        example_batch: that batch's size N (dimension 0 of the first input).
-        parameters, buffers: the ParamInfo inventory (tied parameters once).
-        measured: per ``call_module`` target, its measured EagerCost (compiler/eager.py): such a
-            node's FLOPs, output bytes and saved bytes are the measured ones (divided among the
-            nodes that call the module), in place of the op vocabulary's.
-
-    Returns:
-        The ModelAnalysis, per node at the example batch and totals per sample.
-
-    Source: docs/design-overview.md §1, §3; FLOP conventions in this module's docstring.
-    """
+    """The ModelAnalysis of ``module``, shape-propagated on an example batch of
+    ``example_batch`` samples, with the ParamInfo inventory ``parameters, buffers``; a
+    ``call_module`` target in ``measured`` takes its measured EagerCost (compiler/eager.py).
+    Source: docs/compiler.md §2."""
     modules = dict(module.named_modules())
     measured = dict(measured or {})
     base: dict[str, str] = {}  # node name → the node owning its memory
@@ -438,11 +370,9 @@ def analysis_of_totals(nodes: list[NodeCost], example_batch: int, *, parameters:
                        buffers: list, forward_flops: float, activation_bytes: float,
                        saved_bytes: float, max_activation_bytes: float,
                        residual_joins: int | None) -> ModelAnalysis:
-    """A ModelAnalysis from totals at the example batch of N = ``example_batch`` samples (the
-    fx analysis's sums, or an eager measurement's, compiler/eager.py): per-sample figures are
-    the totals / N; parameter and buffer bytes come from the inventory. ``residual_joins=None``
-    (unknown: no graph to count them in) takes the residual workspace factor, the larger one.
-    """
+    """A ModelAnalysis from totals at an example batch of N samples (per sample: / N); bytes of
+    parameters and buffers from the inventory; ``residual_joins=None`` (unknown) takes the
+    residual workspace factor."""
     n = max(example_batch, 1)
     joins = residual_joins or 0
     workspace = _WORKSPACE_RESIDUAL if residual_joins is None or joins else _WORKSPACE_CHAIN
@@ -465,14 +395,9 @@ def analysis_of_totals(nodes: list[NodeCost], example_batch: int, *, parameters:
 
 
 def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = None) -> int:
-    """cuBLAS's workspace per stream on a GPU of compute ``capability``: PyTorch's default
-    ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8`` (32 MiB) on sm_90 and newer, ``:4096:2:16:8``
-    (8.125 MiB) before; ``config`` (default: the environment's ``CUBLAS_WORKSPACE_CONFIG``) as
-    ``:SIZE_KiB:COUNT`` pairs overrides it (torch.backends.cuda, CUDA semantics: cuBLAS workspaces).
-
-    Raises:
-        ValueError: a ``config`` that is not ``:SIZE:COUNT`` pairs of integers.
-    """
+    """cuBLAS's workspace bytes per stream on a GPU of compute ``capability``, from ``config``
+    (default: ``$CUBLAS_WORKSPACE_CONFIG``, else PyTorch's default; PyTorch's CUDA semantics,
+    cuBLAS workspaces). Raises ValueError when ``config`` is not ``:SIZE_KiB:COUNT`` pairs."""
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG") if config is None else config
     if not config:
         config = ":4096:8" if capability >= (9, 0) else ":4096:2:16:8"
@@ -484,27 +409,10 @@ def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = Non
 
 def estimate_memory(analysis: ModelAnalysis, batch_size: int, replicas_per_device: int = 1,
                     *, library_workspace: int = 0) -> MemoryEstimate:
-    """Memory of one learner at batch b with m learners per device (docs/design-overview.md §3, §4).
-
-    ``params + grads + optimizer + buffers + activations(b) + workspace(b) + flat_share(m)``, where
-    grads and the SGD momentum are fp32 rows of the flat ``g, v [m, P]`` (4P bytes each),
-    activations are what autograd keeps for backward (scaled linearly in b from the example batch),
-    workspace is ``max(c·A, A + W)`` (A the largest activation at b, W the largest trainable
-    parameter tensor, c = ``analysis.workspace_activations``: the gradients of an op's output and
-    input, or an activation gradient and a weight gradient's temporary), and the flat share is
-    ``(3·4P + 4Q) / m`` for the device's ``z, z_prev, acc`` and ``zbuf``; ``library_workspace``
-    is added as the learner's ``library`` part (on CUDA: ``cublas_workspace_bytes``, one per
-    learner stream; cuDNN's convolution workspace is not modelled).
-
-    Args:
-        analysis: the model's analysis.
-        batch_size: b (> 0), samples per learner.
-        replicas_per_device: m (≥ 1).
-        library_workspace: bytes of library workspace per learner (≥ 0).
-
-    Raises:
-        ValueError: b < 1 or m < 1.
-    """
+    """Memory of one learner at batch b = ``batch_size`` with m = ``replicas_per_device``
+    learners per device: ``params + grads + optimizer + buffers + activations(b) +
+    workspace(b) + library + flat_share(m)`` bytes (docs/compiler.md §3), ``library_workspace``
+    bytes per learner. Raises ValueError when b < 1 or m < 1."""
     if batch_size < 1 or replicas_per_device < 1:
         raise ValueError(f"estimate_memory(batch_size={batch_size}, replicas_per_device="
                          f"{replicas_per_device}): both must be ≥ 1")
@@ -525,11 +433,7 @@ def estimate_memory(analysis: ModelAnalysis, batch_size: int, replicas_per_devic
 def max_replicas_per_device(analysis: ModelAnalysis, batch_size: int, memory_budget_bytes: int,
                             *, limit: int = 1024) -> int:
     """The largest m ≤ ``limit`` with ``m × estimate_memory(analysis, b, m).total ≤ budget``
-    (0 when not even one learner fits): the bound the verifier enforces (docs/design-overview.md §3, §5).
-
-    Raises:
-        ValueError: b < 1.
-    """
+    (0 when none fits; docs/design-overview.md §3). Raises ValueError when b < 1."""
     best = 0
     for m in range(1, limit + 1):
         if m * estimate_memory(analysis, batch_size, m).total > memory_budget_bytes:

@@ -1,7 +1,5 @@
-"""compile's tracing arguments, checked before any tracing (docs/reliability.md, Bad input): the
-example inputs' tensors, ``concrete_args`` and ``leaf_modules`` as torch.fx takes them
-(``torch.fx.Tracer.trace(root, concrete_args)``: a dict of forward argument names; leaves are
-decided by module class, ``Tracer.is_leaf_module``)."""
+"""compile's tracing arguments, checked before any tracing (docs/reliability.md, "Bad input and
+the error you get"; docs/compiler.md §1)."""
 
 from __future__ import annotations
 
@@ -17,19 +15,10 @@ __all__ = ["check_trace_arguments"]
 
 def check_trace_arguments(model: nn.Module, example_inputs: Any, concrete_args: Any,
                           leaf_modules: Any) -> None:
-    """Raise a ValueError/TypeError naming the argument, the value and the fix for:
-
-    - a tensor of ``example_inputs`` on the meta device (no data: no forward can run it);
-    - ``concrete_args`` other than None or a dict ``{forward argument name: value}``, or a key
-      that is not an argument of ``model.forward`` (torch.fx would ignore it);
-    - ``leaf_modules`` other than a list or tuple of ``nn.Module`` subclasses: one class alone,
-      class names (``['Linear']``: torch.fx has no lookup by name), module instances.
-
-    Args:
-        model: the ``nn.Module`` given to compile (already checked to be one).
-        example_inputs: compile's example inputs (a tuple or a dict; any nesting).
-        concrete_args, leaf_modules: compile's arguments of the same names.
-    """
+    """Raise a ValueError/TypeError naming the argument, the value and the fix for an
+    ``example_inputs`` tensor on the meta device; ``concrete_args`` other than None or a dict of
+    ``model.forward``'s argument names; ``leaf_modules`` other than a list or tuple of
+    ``nn.Module`` subclasses."""
     for path, leaf in tree_flatten_with_path(example_inputs)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.is_meta:
             raise ValueError(
@@ -86,8 +75,8 @@ def _shown(item: Any) -> str:
 
 
 def _class_fix(model: nn.Module, item: Any) -> str:
-    """The class the user meant by ``item`` (a class, an instance, or a class name found among
-    ``model``'s modules), as it is written in code; an example class when it is unknown."""
+    """The class meant by ``item`` (a class, an instance, or a class name among ``model``'s
+    modules) as written in code; an example class when unknown."""
     if isinstance(item, nn.Module):
         item = type(item)
     if isinstance(item, str):

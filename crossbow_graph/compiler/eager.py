@@ -1,22 +1,5 @@
-"""Eager analysis: the costs of a forward measured while it runs, for what has no fx graph.
-
-A model that no tracer can trace, the root module given as a leaf, and the leaf modules of a
-traced graph (``compile(..., leaf_modules=...)``, and torch modules the analysis has no formula
-for, e.g. ``nn.LSTM``) are analysed by running one forward on the example inputs, in training
-mode with autograd on, and counting (docs/compiler.md §1, "Trace fallback"):
-
-* FLOPs with ``torch.utils.flop_counter.FlopCounterMode``: matrix products, convolutions and
-  attention (multiply-add = 2); element-wise ops and norms are not counted, unlike the fx
-  analysis's conventions (compiler/analysis.py);
-* the bytes autograd saves for backward, each storage once, parameters and buffers excluded
-  (``torch.autograd.graph.saved_tensors_hooks``), as the fx analysis estimates them;
-* the bytes of every tensor the forward's ops create (outputs that alias an input, views and
-  in-place ops, excluded) and the largest of them.
-
-Per scope (a submodule, by its path) the same numbers count the ops, saved tensors and outputs
-while that submodule's forward runs. The model's buffers (BatchNorm statistics) and torch's RNG
-are restored afterwards: the measurement leaves the module as it was.
-"""
+"""Eager analysis: FLOPs, saved and activation bytes of one forward measured while it runs, in
+total and per submodule, for what has no fx graph (docs/compiler.md, "Trace fallback")."""
 
 from __future__ import annotations
 
@@ -35,18 +18,10 @@ __all__ = ["EagerCost", "EagerMeasurement", "measure_forward"]
 
 @dataclass(kw_only=True)
 class EagerCost:
-    """What one scope's forward cost at the example batch.
-
-    Attributes:
-        flops: forward FLOPs (FlopCounterMode's count: matrix products, convolutions, attention).
-        saved_bytes: bytes of the storages autograd keeps for backward (each once; parameters and
-            buffers excluded; the inputs included when an op saves them).
-        activation_bytes: bytes of every new tensor the ops create.
-        max_activation_bytes: the largest of them.
-        calls: how many times the scope's forward ran.
-        input_shape: the shape of the first tensor argument of its first call (None: no tensor).
-        output_shape, output_dtype: of the first tensor its first call returned (None: none).
-    """
+    """What one scope's forward cost at the example batch: ``flops`` (FlopCounterMode's count),
+    ``saved_bytes`` (storages autograd keeps, each once, parameters and buffers excluded),
+    ``activation_bytes`` of every new tensor and the largest (``max_activation_bytes``), ``calls``,
+    and the shapes of the first call's first tensor input and output (None: no tensor)."""
 
     flops: int = 0
     saved_bytes: int = 0
@@ -60,13 +35,7 @@ class EagerCost:
 
 @dataclass(kw_only=True)
 class EagerMeasurement:
-    """One measured forward: the totals, each scope's share, and the forward's output.
-
-    Attributes:
-        total: the whole forward.
-        scopes: per scope path (``nn.Module.named_modules`` names), its EagerCost.
-        output: what the forward returned (tensors detached).
-    """
+    """One measured forward: ``total``, ``scopes`` (path → EagerCost) and ``output`` (detached)."""
 
     total: EagerCost
     scopes: dict[str, EagerCost] = field(default_factory=dict)
@@ -101,8 +70,8 @@ class _Recorder(TorchDispatchMode):
 
 def _scope_hooks(root: nn.Module, scopes: Sequence[str], costs: dict[str, EagerCost],
                  active: list[EagerCost]) -> list[Any]:
-    """Forward pre-hooks and hooks that keep ``active`` the stack of running scopes and record
-    each scope's calls and first input and output shapes."""
+    """Forward (pre-)hooks that keep ``active`` the stack of running scopes and record their calls
+    and shapes."""
     handles = []
     for path in scopes:
         module, cost = root.get_submodule(path), costs[path]
@@ -129,24 +98,10 @@ def _scope_hooks(root: nn.Module, scopes: Sequence[str], costs: dict[str, EagerC
 def measure_forward(module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None = None,
                     *, scopes: Sequence[str] = (), devices: Sequence[int] = (),
                     training: bool = True) -> EagerMeasurement:
-    """Run ``module(*args, **kwargs)`` once with autograd on and measure it.
-
-    Args:
-        module: the module to run (its mode, buffers and torch's RNG are restored afterwards; a
-            caller that must not see any change passes a copy).
-        args, kwargs: one example batch.
-        scopes: submodule paths to measure separately (e.g. the leaf modules of an fx graph).
-        devices: CUDA device indices whose RNG to restore (the example's devices).
-        training: run in training mode (dropout masks, BatchNorm batch statistics, as the
-            learners run it); False: evaluation mode (an example batch of one sample that
-            BatchNorm cannot normalise in training).
-
-    Returns:
-        The EagerMeasurement: totals, per-scope costs, the output.
-
-    Raises:
-        Exception: whatever the forward raises (the caller says what it means).
-    """
+    """The EagerMeasurement of one ``module(*args, **kwargs)`` with autograd on, in training mode
+    (or evaluation mode when not ``training``), with ``scopes`` (submodule paths) measured apart;
+    the module's mode and buffers and torch's RNG (CPU and CUDA ``devices``) are restored.
+    Whatever the forward raises propagates."""
     kwargs = kwargs or {}
     total = EagerCost(calls=1)
     costs = {path: EagerCost() for path in scopes}

@@ -1,21 +1,6 @@
-"""What a process computes, as text that identical processes write identically: the computation's
-fingerprint that the ranks of a torchrun launch compare at start-up (engine/comm.py, ``Comm.agree``;
-docs/distributed.md).
-
-The text has one line per fact, in a fixed order:
-
-* every module of the model, ``module features.act: GELU(approximate='none')`` — its class and its
-  ``extra_repr`` (an activation's kind, a dropout's p, a layer's sizes);
-* the forward: the traced fx graph's code, one line per statement, where the model traced; else,
-  for every module class defined outside torch, a digest of its ``forward``'s source;
-* the loss function: its module and qualified name; a ``functools.partial``'s arguments; an
-  ``nn.Module`` loss's class, ``extra_repr``, plain attributes (``label_smoothing``, ``reduction``)
-  and a digest of its tensors (class weights); a function defined outside torch, a digest of its
-  source and the values it closes over or defaults to.
-
-Weights are not part of it (every rank starts from rank 0's), nor is data. Object addresses
-(``<function f at 0x7f…>``) are cut from every line, so that identical ranks write the same text.
-"""
+"""The computation's fingerprint: what a process computes (modules, forward, loss function) as
+text that identical processes write identically, which the ranks of a torchrun launch compare
+at start-up (docs/distributed.md, Running)."""
 
 from __future__ import annotations
 
@@ -48,9 +33,8 @@ class Fingerprint:
 
 def computation_fingerprint(model: nn.Module, graph: torch.fx.GraphModule | None,
                             loss_fn: Callable | None) -> Fingerprint:
-    """The fingerprint of training ``model`` (its module tree), run as ``graph`` (the traced fx
-    GraphModule, or None when the model was analysed eagerly), on the loss ``loss_fn`` (None: the
-    model's output carries its loss). Deterministic: identical processes give identical lines."""
+    """The Fingerprint of training ``model`` run as ``graph`` (the traced GraphModule, or None) on
+    ``loss_fn`` (None: the model's own loss); identical processes give identical lines."""
     lines = [f"module {name or '(root)'}: {_module_text(m)}" for name, m in model.named_modules()]
     if graph is not None:
         lines += [f"forward: {line.strip()}" for line in graph.code.splitlines() if line.strip()]
@@ -62,9 +46,8 @@ def computation_fingerprint(model: nn.Module, graph: torch.fx.GraphModule | None
 
 
 def first_difference(lines_by_rank: Sequence[Sequence[str]]) -> str:
-    """Where each rank's fingerprint lines first differ from rank 0's, for an error message:
-    ``rank 1 runs `module act: GELU(approximate='none')` where rank 0 runs `module act: ReLU()`
-    (line 3 of the computation's fingerprint)``; ranks that agree with rank 0 are not named."""
+    """Each disagreeing rank's first fingerprint line that differs from rank 0's, for an error
+    message (line number included)."""
     ref, said = lines_by_rank[0], []
     for rank, lines in enumerate(lines_by_rank[1:], start=1):
         if tuple(lines) == tuple(ref):
@@ -83,8 +66,7 @@ def _module_text(m: nn.Module) -> str:
 
 
 def _callable_text(fn: Any, depth: int = 0) -> str:
-    """A loss function's identity (module docstring); ``depth`` > 0 for a function met among the
-    values of another (its name and source only: a recursive closure ends there)."""
+    """A loss function's identity; ``depth`` > 0: name and source only (ends a recursion)."""
     if fn is None:
         return "None (the loss the model's output carries)"
     if isinstance(fn, functools.partial):
@@ -115,8 +97,7 @@ def _callable_text(fn: Any, depth: int = 0) -> str:
 
 
 def _value_text(value: Any, depth: int = 0) -> str:
-    """``repr`` of plain values; a tensor as its shape, dtype and a digest of its values; a
-    function as its identity."""
+    """``repr`` of a plain value; a tensor's shape, dtype and digest; a function's identity."""
     if isinstance(value, torch.Tensor):
         data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # its bytes
         return f"tensor{list(value.shape)} {value.dtype} {_sha(data.numpy().tobytes())}"
@@ -144,8 +125,7 @@ def _filled(cell: Any) -> bool:
 
 
 def _source_digest(fn: Any) -> str:
-    """16 hex digits of SHA-256 of ``fn``'s source, each line stripped; of its code object
-    (bytecode, names, constants) where the source cannot be read."""
+    """16 hex digits of SHA-256 of ``fn``'s source (lines stripped), else of its code object."""
     fn = inspect.unwrap(fn)
     try:
         source = "\n".join(line.strip() for line in inspect.getsource(fn).splitlines())

@@ -1,10 +1,5 @@
-"""Inspection of a plan's task graph: summary table, JSON, DOT and PNG (docs/design-overview.md §1;
-schema in docs/compiler.md).
-
-The functions here read only the task graph (its Tasks and graph attributes, as the compiler
-passes leave them) and a small ``settings`` dict (optimiser and SMA settings), so that a plan
-loaded from JSON prints exactly what the compiled plan printed. ``Plan``'s inspection methods
-(api.py) are thin wrappers of them.
+"""Inspection of a plan's task graph and settings: summary, JSON, DOT, PNG and ``PlanView``
+(docs/compiler.md §5).
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ def _tasks(graph: nx.DiGraph) -> list[Task]:
 
 
 def optimizer_text(opt: dict[str, Any]) -> str:
-    """``AdamW(lr=0.001, betas=[0.9, 0.999], ...)`` from ``LocalOptimizer.describe()``: the class
-    and its first group's numbers, with how many groups there are."""
+    """``AdamW(lr=0.001, ...)``: the class, its first group's numbers, the number of groups."""
     groups = opt.get("groups") or [{}]
     name = str(opt.get("class", "SGD")).rsplit(".", 1)[-1]
     shown = ("lr", "momentum", "betas", "nesterov", "weight_decay", "eps", "alpha")
@@ -57,17 +51,9 @@ def optimizer_text(opt: dict[str, Any]) -> str:
 
 
 def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
-    """A text table per device: replicas, tasks, GFLOP per round, memory; then the global sync.
-
-    Args:
-        graph: an annotated task graph (after ``annotate_costs``).
-        settings: optional ``{"optimizer": {...}, "sync": {...}, "sync_rule": text, "alpha": α}``
-            for the header (``sync_rule``: the sync algorithm's ``summary_rule``; without it the
-            ``sync`` facts are shown as they are).
-
-    Returns:
-        Lines of text; memory in MiB (2^20 bytes), FLOPs in GFLOP (10^9).
-    """
+    """Lines of a text table per device of ``graph`` (annotated): replicas, tasks, GFLOP per
+    round, memory in MiB; then the global sync; ``settings`` (optimizer, sync, ``sync_rule``: the
+    sync algorithm's ``summary_rule``, α) in the header."""
     g = graph.graph
     devices, m, b = list(g["devices"]), int(g["replicas_per_device"]), int(g["batch_size"])
     k = len(devices) * m
@@ -126,15 +112,9 @@ def _task_to_dict(t: Task) -> dict[str, Any]:
 
 
 def to_json(graph: nx.DiGraph, settings: dict[str, Any] | None = None, *, indent: int | None = 2) -> str:
-    """The task graph as a JSON document (schema ``crossbow_graph.plan/2``, docs/compiler.md).
-
-    Keys: ``schema``; ``graph`` (the graph attributes: devices, replicas_per_device, batch_size,
-    memory_per_learner_bytes, memory, model); ``settings``; ``tasks`` (id, kind, device, replicas,
-    cost {flops, bytes}, meta); ``edges`` ([from_id, to_id] pairs).
-
-    Raises:
-        TypeError: a graph attribute or task meta value is not JSON-serialisable.
-    """
+    """The task graph and ``settings`` as a JSON document of schema ``crossbow_graph.plan/2``
+    (docs/compiler.md, "JSON schema crossbow_graph.plan/2"). Raises TypeError for a value that is
+    not JSON-serialisable."""
     doc = {
         "schema": SCHEMA,
         "graph": dict(graph.graph),
@@ -178,13 +158,11 @@ def _load(text: str) -> tuple[nx.DiGraph, dict[str, Any]]:
 
 
 def from_json(text: str, *, verify: bool = True) -> "PlanView":
-    """Load a plan written by ``to_json`` as an inspectable PlanView (no training state).
+    """The PlanView of a ``to_json`` document (schema ``/2`` or ``/1``), verified when ``verify``.
 
     Raises:
-        ValueError: the text is not a plan document of schema ``crossbow_graph.plan/2`` (or
-            ``/1``, whose per-task buffer names and ``cost.seconds`` are ignored), or a task
-            or edge is malformed (names the task).
-        PlanError: ``verify`` and the loaded task graph fails the verifier (names the task).
+        ValueError: not a plan document, or a malformed task or edge (names the task).
+        PlanError: the task graph fails the verifier (names the task).
     """
     graph, settings = _load(text)
     if verify:
@@ -207,7 +185,7 @@ def _node_label(t: Task) -> str:
 
 
 def _q(text: object) -> str:
-    """``text`` as a double-quoted DOT ID: backslashes and quotes escaped, line breaks as ``\\n``."""
+    """``text`` as a double-quoted DOT ID."""
     s = str(text).replace("\\", "\\\\").replace('"', '\\"')
     return '"' + s.replace("\n", "\\n") + '"'
 
@@ -245,20 +223,13 @@ def _dot_lines(graph: nx.DiGraph) -> list[str]:
 
 
 def to_dot(graph: nx.DiGraph) -> str:
-    """Graphviz DOT text of the task graph: one cluster per device, GLOBAL_SYNC outside them.
-
-    Written directly (no graphviz or pydot needed); render it with ``dot -Tpng`` or ``draw``.
-    """
+    """Graphviz DOT text of the task graph: a cluster per device, GLOBAL_SYNC outside them."""
     return "\n".join(_dot_lines(graph)) + "\n"
 
 
 def draw(graph: nx.DiGraph, path: str | Path) -> Path:
-    """Render the task graph with graphviz to ``path``; the format is the suffix (png, svg, pdf).
-
-    Raises:
-        ValueError: an unknown suffix.
-        RuntimeError: graphviz's ``dot`` program is not installed, or it fails.
-    """
+    """Render the task graph with graphviz's ``dot`` to ``path`` (png, svg or pdf by suffix).
+    Raises ValueError for another suffix, RuntimeError when ``dot`` is missing or fails."""
     path = Path(path)
     fmt = path.suffix.lstrip(".").lower() or "png"
     if fmt not in ("png", "svg", "pdf"):
@@ -277,18 +248,13 @@ def draw(graph: nx.DiGraph, path: str | Path) -> Path:
 
 
 class PlanView:
-    """An inspectable plan without training state: what ``Plan.from_json`` and
-    ``crossbow-graph inspect`` return.
-
-    It has the Plan's inspection surface (``summary``, ``to_json``, ``to_dot``, ``draw``, the
-    ``devices``/``replicas_per_device``/``num_learners``/``batch_size`` properties and
-    ``task_graph``) but no replicas: ``fit`` and ``evaluate`` raise PlanError. To train, compile
-    the model with ``crossbow_graph.compile``.
+    """A plan's inspection surface without replicas (``Plan.from_json``, ``crossbow-graph
+    inspect``): ``fit`` and ``evaluate`` raise PlanError.
 
     Attributes:
         task_graph: the annotated task graph (networkx.DiGraph, node attribute ``"task"``).
-        settings: optimiser and SMA settings as plain data (may be empty).
-        analysis: the model's ModelAnalysis when built from a model, None when loaded from JSON.
+        settings: optimizer and SMA settings as plain data (may be empty).
+        analysis: the model's ModelAnalysis when built from a model, None from JSON.
     """
 
     def __init__(self, task_graph: nx.DiGraph, settings: dict[str, Any] | None = None,
@@ -347,16 +313,8 @@ def inspect_model(model: Any, example_inputs: tuple[Any, ...] | dict[str, Any], 
                   devices: list[str], replicas_per_device: int, batch_size: int,
                   memory_budget_bytes: int | None = None, settings: dict[str, Any] | None = None,
                   concrete_args: dict[str, Any] | None = None, leaf_modules: tuple = ()) -> PlanView:
-    """Trace ``model``, run the compiler passes with the verifier, and return a PlanView.
-
-    No replica is allocated, so plans too large for this machine can still be inspected.
-
-    A model torch.fx cannot trace is analysed eagerly, with a TraceWarning (compiler/trace.py).
-
-    Raises:
-        TraceError: the example inputs do not run through the model. PlanError: the plan is
-            unsound (e.g. memory).
-    """
+    """The PlanView of ``model`` traced and planned with the verifier, no replica allocated.
+    Raises TraceError when the example inputs do not run through, PlanError for an unsound plan."""
     mg = trace_model(model, example_inputs, concrete_args=concrete_args, leaf_modules=leaf_modules)
     graph = build_task_graph(mg, devices=devices, replicas_per_device=replicas_per_device,
                              batch_size=batch_size, memory_budget_bytes=memory_budget_bytes)

@@ -1,12 +1,5 @@
-"""What a model call gives back: its loss and its class scores, whatever the output's form.
-
-A model's output may be a tensor, a tuple or list, a dict, or a HuggingFace ``ModelOutput`` (an
-ordered dict whose fields are also attributes: ``output.loss``, ``output.logits``). ``loss_fn``
-receives the output as the model returns it and returns a scalar tensor, or a dict whose
-``"loss"`` entry is one (``loss_value``); ``compile(..., loss_fn=None)`` trains on the loss the
-model computes itself (``model_loss``); evaluation reads class scores with ``logits_of``
-(docs/design-overview.md §6).
-"""
+"""A model output's loss and class scores, whatever its form (tensor, tuple, dict, HuggingFace
+``ModelOutput``; docs/compiler.md §1)."""
 
 from __future__ import annotations
 
@@ -19,8 +12,7 @@ __all__ = ["describe_output", "logits_of", "loss_of", "loss_extras", "loss_value
 
 
 def loss_of(output: Any) -> torch.Tensor | None:
-    """The loss the model computed: ``output.loss`` (a ModelOutput or any object with a ``loss``
-    tensor attribute) or ``output["loss"]`` (a dict); None when there is none."""
+    """The loss the model computed, ``output.loss`` or ``output["loss"]``, or None."""
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
@@ -28,12 +20,8 @@ def loss_of(output: Any) -> torch.Tensor | None:
 
 
 def model_loss(output: Any, target: Any = None) -> torch.Tensor:
-    """The loss function of ``compile(..., loss_fn=None)``: the loss the model computed from the
-    labels among its inputs (``output.loss`` or ``output["loss"]``); ``target`` is not used.
-
-    Raises:
-        ValueError: the output carries no loss (the inputs hold no labels); says what it holds.
-    """
+    """The loss function of ``compile(..., loss_fn=None)``: ``loss_of(output)`` (``target`` unused).
+    Raises ValueError, saying what the output holds, when it carries no loss."""
     loss = loss_of(output)
     if loss is None:
         raise ValueError(
@@ -45,15 +33,8 @@ def model_loss(output: Any, target: Any = None) -> torch.Tensor:
 
 
 def loss_value(loss: Any) -> torch.Tensor:
-    """The scalar that training differentiates and evaluation averages, from what ``loss_fn``
-    returned: a 0-dim tensor itself, or the ``"loss"`` entry of a dict (any Mapping, as
-    Lightning's ``training_step`` returns ``{"loss": loss, "acc": acc}``; the other entries are
-    not used).
-
-    Raises:
-        ValueError: anything else, naming what it is and the fix: a dict without ``"loss"`` (its
-            keys), a tuple or list, a tensor of another shape (reduce it), a number or None.
-    """
+    """The 0-dim tensor that ``loss_fn`` returned, or its dict's ``"loss"`` entry.
+    Raises ValueError naming what it got and the fix for anything else."""
     fix = "return the loss as a 0-dim tensor, or a dict whose 'loss' entry is one"
     if isinstance(loss, Mapping):
         if "loss" not in loss:
@@ -70,10 +51,7 @@ def loss_value(loss: Any) -> torch.Tensor:
 
 
 def loss_extras(loss: Any) -> dict[str, float]:
-    """The other scalar entries of a dict that ``loss_fn`` returned (``{"loss": l, "acc": a}``
-    → ``{"acc": float(a)}``): numbers and one-element tensors, read on the host; {} for a tensor
-    or a dict without others. Evaluation averages them over the samples (``EvalRecord.
-    test_extras``)."""
+    """The other scalar entries of a dict ``loss_fn`` returned, as floats; else {}."""
     if not isinstance(loss, Mapping):
         return {}
     return {str(k): float(v) for k, v in loss.items() if k != "loss" and (
@@ -93,9 +71,8 @@ def _scalar(loss: Any, what: str, fix: str) -> torch.Tensor:
 
 
 def logits_of(output: Any) -> torch.Tensor | None:
-    """The class scores of an output: the output itself when it is a tensor; ``output.logits``
-    or ``output["logits"]``; else the first tensor of at least one dimension of a tuple, list or
-    dict (a 0-dim loss first, as in HuggingFace's tuples, is skipped). None when there is none."""
+    """The class scores of an output: the tensor itself, ``output.logits`` / ``output["logits"]``,
+    else the first tensor of ≥ 1 dimension of a tuple, list or dict; None when there is none."""
     if isinstance(output, torch.Tensor):
         return output
     logits = getattr(output, "logits", None)
@@ -109,8 +86,7 @@ def logits_of(output: Any) -> torch.Tensor | None:
 
 
 def describe_output(output: Any) -> str:
-    """A short text of an output's form for messages, e.g. ``"SequenceClassifierOutput with
-    logits [4, 3]"`` or ``"Tensor [4, 10]"``."""
+    """A short text of an output's form, e.g. ``"Tensor [4, 10]"``."""
     def shape(t: Any) -> str:
         return f"[{', '.join(map(str, t.shape))}]" if isinstance(t, torch.Tensor) else type(t).__name__
     if isinstance(output, torch.Tensor):

@@ -1,9 +1,5 @@
-"""Compiler passes: each a function from task graph to task graph (docs/design-overview.md §3).
-
-A task graph is a ``networkx.DiGraph`` of one round; node ``id`` has attribute ``task`` (a Task);
-graph attributes: ``devices`` (list of device names), ``replicas_per_device`` (m),
-``batch_size`` (b). The plan is periodic: learner j's next round depends on its own LOCAL_SYNC.
-"""
+"""Compiler passes: functions task graph → task graph, run with the verifier between them
+(docs/compiler.md §4; the task graph: docs/design-overview.md §3)."""
 
 from __future__ import annotations
 
@@ -38,10 +34,7 @@ def empty_task_graph(*, devices: list[str], replicas_per_device: int, batch_size
 
 
 def place_replicas(graph: nx.DiGraph) -> nx.DiGraph:
-    """Placement: one LEARN task per replica, device-major (replica j on device j // m).
-
-    Task ids ``learn:d{d}:r{r}`` (docs/design-overview.md §3).
-    """
+    """Placement: a LEARN ``learn:d{d}:r{r}`` per replica, replica j on device j // m."""
     out = _copy_graph(graph)
     m = out.graph["replicas_per_device"]
     for d, device in enumerate(out.graph["devices"]):
@@ -53,11 +46,7 @@ def place_replicas(graph: nx.DiGraph) -> nx.DiGraph:
 
 
 def insert_sync(graph: nx.DiGraph) -> nx.DiGraph:
-    """Synchronisation insertion: a LOCAL_SYNC per device after its learners, one GLOBAL_SYNC.
-
-    Edges: every LEARN of device d → ``local_sync:d{d}`` → ``global_sync``
-    (docs/design-overview.md §2–3).
-    """
+    """A LOCAL_SYNC per device after its LEARNs and one GLOBAL_SYNC after them."""
     out = _copy_graph(graph)
     glob = Task(id="global_sync", kind=TaskKind.GLOBAL_SYNC, device=None,
                 replicas=tuple(range(len(out.graph["devices"]) * out.graph["replicas_per_device"])))
@@ -77,35 +66,22 @@ def insert_sync(graph: nx.DiGraph) -> nx.DiGraph:
 
 
 def learner_memory_bytes(model_graph: ModelGraph, batch_size: int, replicas_per_device: int = 1) -> int:
-    """Estimated bytes of one learner at batch b with m learners per device (analysis.py
-    ``estimate_memory``: parameters, gradients, momentum, buffers, activations kept for backward,
-    backward workspace and the learner's share of the device's flat buffers)."""
+    """Estimated bytes of one learner at batch b, m learners per device (``estimate_memory``)."""
     return estimate_memory(model_graph.analysis, batch_size, replicas_per_device).total
 
 
 def library_workspace(devices: list[str]) -> int:
-    """Bytes of CUDA library workspace per learner on ``devices`` (names): cuBLAS's workspace of
-    its stream on the first device's architecture (``cublas_workspace_bytes``); 0 on CPUs, or
-    where the GPU cannot be queried."""
+    """Bytes of cuBLAS workspace per learner on ``devices`` (names); 0 on CPUs or where the GPU
+    cannot be queried."""
     if not devices or not str(devices[0]).startswith("cuda") or not torch.cuda.is_available():
         return 0
     return cublas_workspace_bytes(torch.cuda.get_device_capability(devices[0]))
 
 
 def annotate_costs(graph: nx.DiGraph, model_graph: ModelGraph) -> nx.DiGraph:
-    """Cost annotation: FLOPs and bytes moved by each task per round, memory per learner.
-
-    LEARN: ``train_step_flops(b)`` (3 × forward + the SGD update) and bytes = the learner's memory
-    estimate (``task.meta["memory_bytes"]``). LOCAL_SYNC with m replicas: 8·m·P FLOPs (momentum
-    step and correction) reading w, v, g of every replica and z, writing w, v and acc_d
-    (``(5m + 2)·4P`` bytes). GLOBAL_SYNC over G devices: 4P FLOPs reading every acc_d, z, z_prev
-    and writing z, z_prev (``(G + 4)·4P`` bytes). Graph attributes added:
-    ``memory_per_learner_bytes`` (int) and ``memory`` (the MemoryEstimate as a dict), ``model``
-    (name, parameter counts, FLOPs per sample, the tracer that gave them). The input graph is
-    not modified.
-
-    Source: docs/design-overview.md §2 (the SMA round) and §3.
-    """
+    """Cost annotation: each task's FLOPs and bytes per round, each LEARN's memory
+    (``meta["memory_bytes"]``), and the graph attributes ``memory_per_learner_bytes``, ``memory``
+    and ``model`` (docs/compiler.md §4)."""
     out = _copy_graph(graph)
     b = out.graph["batch_size"]
     m = out.graph["replicas_per_device"]
@@ -158,13 +134,8 @@ PASSES: tuple[tuple[str, Callable[..., nx.DiGraph]], ...] = (
 def build_task_graph(model_graph: ModelGraph, *, devices: list[str], replicas_per_device: int,
                      batch_size: int, memory_budget_bytes: int | None = None,
                      verify: bool = True) -> nx.DiGraph:
-    """Run the compiler's passes (placement, sync insertion, cost annotation) with the verifier
-    between them (on by default; docs/contributing.md rule 2).
-
-    Raises:
-        PlanError: the verifier's first violation (names the pass and the offending task), e.g.
-            the replicas of a device do not fit ``memory_budget_bytes``.
-    """
+    """Run the compiler's passes with the verifier after each (unless ``verify=False``).
+    Raises PlanError with the verifier's first violation (names the pass and the task)."""
     graph = empty_task_graph(devices=devices, replicas_per_device=replicas_per_device,
                              batch_size=batch_size)
     for name, pass_fn in PASSES:

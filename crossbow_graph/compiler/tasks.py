@@ -26,12 +26,7 @@ class TaskKind(enum.Enum):
     and their sum acc_d (docs/design-overview.md §2, steps 1–2).
     GLOBAL_SYNC: C = Σ_d acc_d over the devices with a LOCAL_SYNC (all-reduced under torchrun)
     and the central update of z on every device (step 3); the float buffers of the replicas are
-    averaged into ``zbuf``.
-
-    The executors run what a graph says (engine/interpreter.py), in a topological order of its
-    edges: a replica without a LEARN task does not learn and (the verifier's rule) has no
-    LOCAL_SYNC either, so it keeps its weights. They run at most one LOCAL_SYNC per device and
-    exactly one GLOBAL_SYNC (``RoundProgram.of`` raises PlanError for other graphs).
+    averaged into ``zbuf``. How the executors run a graph: docs/runtime.md, "The interpreter".
     """
 
     LEARN = "learn"
@@ -41,12 +36,7 @@ class TaskKind(enum.Enum):
 
 @dataclass(kw_only=True)
 class Cost:
-    """A task's cost estimate, per round (compiler pass ``annotate_costs``).
-
-    Attributes:
-        flops: floating-point operations (multiply-add = 2).
-        bytes: bytes read plus written in memory.
-    """
+    """A task's cost per round: ``flops`` (multiply-add = 2), ``bytes`` read plus written."""
 
     flops: int = 0
     bytes: int = 0
@@ -57,12 +47,11 @@ class Task:
     """One node of the task graph of a round.
 
     Attributes:
-        id: unique, readable name, e.g. ``"learn:d0:r1"``, ``"local_sync:d1"``, ``"global_sync"``;
-            errors (TaskError) and timelines name tasks by it.
-        kind: the TaskKind (closed vocabulary; its docstring gives each field's meaning per kind).
+        id: unique, readable name (``"learn:d0:r1"``, ``"local_sync:d1"``, ``"global_sync"``).
+        kind: the TaskKind (its docstring gives each field's meaning per kind).
         device: the device name (``"cpu:0"``, ``"cuda:1"``), ``None`` for GLOBAL_SYNC.
         replicas: global replica indices j this task touches (device-major order).
-        cost: the cost estimate (``summary`` and the JSON show it; the executors do not read it).
+        cost: the cost estimate (shown by ``summary`` and the JSON; not read by the executors).
         meta: extra data that compiler passes attach (never new fields).
     """
 

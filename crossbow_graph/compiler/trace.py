@@ -1,22 +1,13 @@
-"""Trace a model and describe it: the ModelGraph (docs/design-overview.md §1, compiler/trace.py).
-
-The trace serves analysis and inspection only (the learners run copies of the module itself), so
-the best one available is used (docs/compiler.md §1, "Trace fallback"): torch.fx; for a
-HuggingFace model, transformers' own fx tracer where it is installed; else an eager analysis of
-one measured forward (compiler/eager.py). ``strict=True`` raises torch.fx's TraceError instead.
-"""
+"""Trace a model and describe it: the ModelGraph, from the best tracer available
+(docs/compiler.md §1, "Trace fallback")."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
-import importlib.util
 import inspect
 import io
 import math
-import os
-import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -31,26 +22,17 @@ from ..errors import TraceError, TraceWarning
 from .analysis import ModelAnalysis, NodeCost, analysis_of_totals, analyze, unknown_modules
 from .eager import EagerMeasurement, measure_forward
 from .outputs import loss_of
+from .tracers import fx_tracers
 
 __all__ = ["InputSpec", "ModelGraph", "ParamInfo", "trace_model"]
 
 #: BatchNorm modules, whose input shapes ``ModelGraph.batch_norm_inputs`` records.
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-
-
 @dataclass(frozen=True, kw_only=True)
 class ParamInfo:
-    """One parameter or buffer of the model.
-
-    Attributes:
-        name: state_dict key (the first name, for a tied parameter).
-        shape: its shape.
-        dtype: its dtype.
-        trainable: a parameter with ``requires_grad`` (False for frozen parameters and buffers).
-        aliases: the other names of a tied (shared) parameter.
-    """
+    """One parameter or buffer of the model: its state_dict key (a tied parameter's first
+    name; ``aliases`` the others), shape, dtype, and whether it requires grad (``trainable``)."""
 
     name: str
     shape: tuple[int, ...]
@@ -68,8 +50,8 @@ class ParamInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class InputSpec:
-    """One input of the example batch: its forward argument's name, and its shape and dtype
-    when it is a tensor (else None)."""
+    """One input of the example batch: its forward argument's name, shape and dtype (None
+    for a non-tensor)."""
 
     name: str
     shape: tuple[int, ...] | None
@@ -78,29 +60,22 @@ class InputSpec:
 
 @dataclass(kw_only=True)
 class ModelGraph:
-    """A traced (or measured) model: its graph with shapes, its inputs and output, its
-    parameter inventory and analysis.
+    """A traced (or measured) model.
 
     Attributes:
         name: the model's class name.
-        module: the ``torch.fx.GraphModule``, built on a deep copy of the model (its state_dict
-            keys are the model's); None when the model was analysed eagerly (``tracer``).
-        example_batch: the batch size of the example inputs (dimension 0 of the first tensor).
-        parameters: every distinct parameter (tied ones once), in ``named_parameters()`` order.
-        buffers: every buffer, in ``named_buffers()`` order.
-        inputs: the example's tensor inputs, in the forward's argument order.
+        module: the ``fx.GraphModule`` on a deep copy of the model; None without a graph.
+        example_batch: dimension 0 of the example's first tensor.
+        parameters, buffers: the inventory (tied parameters once), in ``named_*()`` order.
+        inputs: the example's inputs, in the forward's argument order.
         output_shape: the output's shape when it is one tensor, else None.
-        output_has_loss: the output on the example inputs carries a loss (``output.loss`` or
-            ``output["loss"]``, compiler/outputs.py): ``loss_fn=None`` can train on it.
+        output_has_loss: the example's output carries a loss (compiler/outputs.py).
         batch_norm_inputs: ``(module path, class name, input shape)`` of every BatchNorm call.
-        tracer: what gave the analysis: ``"torch.fx"``, ``"transformers.fx"`` (transformers'
-            own fx tracer), ``"eager"`` (one measured forward, compiler/eager.py) or ``"none"``
-            (the forward ran but could not be measured: FLOPs and activations are 0).
-        lost: what inspection lost with this tracer (empty for the fx tracers).
-        node_meta: per fx node name: ``shape`` (tuple or None) and ``bytes`` of its output at the
-            example batch (empty without a graph).
-        meta: extra analysis: ``"analysis"`` (the ModelAnalysis: per-node FLOPs and bytes,
-            totals per sample) and ``"train_flops_per_sample"``; compiler passes may add more.
+        tracer, lost: ``"torch.fx"``, ``"transformers.fx"``, ``"eager"`` or ``"none"``
+            (docs/compiler.md, "Trace fallback"), and what inspection lost with it.
+        node_meta: per fx node name: ``shape``, ``bytes`` and ``dtype`` of its output.
+        meta: ``"analysis"`` (the ModelAnalysis), ``"train_flops_per_sample"``, and what
+            compiler passes add.
     """
 
     name: str
@@ -131,64 +106,6 @@ class ModelGraph:
     def num_parameters(self) -> int:
         """All parameter scalars (trainable and frozen), tied parameters counted once."""
         return sum(p.numel for p in self.parameters)
-
-
-class _Tracer(fx.Tracer):
-    """An fx tracer that remembers which module was being traced when tracing failed."""
-
-    def __init__(self, leaf_modules: Sequence[type[torch.nn.Module]] = ()) -> None:
-        super().__init__()
-        self._leaf_types = tuple(leaf_modules)
-
-    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        if self._leaf_types and isinstance(m, self._leaf_types):
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
-
-    def call_module(self, m, forward, args, kwargs):
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception as exc:
-            if not hasattr(exc, "_cg_module"):
-                exc._cg_module = (self.path_of_module(m) or "<root>", type(m).__name__)
-            raise
-
-
-def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
-    """The innermost traceback frame outside torch: the user's line that failed."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
-    frames = [f for f in frames if os.sep + "crossbow_graph" + os.sep + "compiler" not in f.filename]
-    return frames[-1] if frames else None
-
-
-def _trace_error(model: torch.nn.Module, exc: BaseException) -> TraceError:
-    path, cls = getattr(exc, "_cg_module", ("<root>", type(model).__name__))
-    frame = _user_frame(exc)
-    where = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "(unknown line)"
-    text = str(exc)
-    leaf = f"compile(..., leaf_modules=[{cls}])"
-    if "control flow" in text or "iteration" in text or "bool" in text:
-        fix = (
-            "Python control flow (if/while/assert) on a tensor's value cannot be traced: replace a "
-            "tensor-dependent `if` by torch.where, pass fixed values for arguments that steer it "
-            f"with compile(..., concrete_args={{...}}), or call the module as a whole with {leaf}."
-        )
-    elif "Proxy" in text or "not supported in symbolic tracing" in text:
-        fix = (
-            "Python builtins (len, range, int, float) on traced tensors or shapes cannot be traced: "
-            "keep shapes symbolic with tensor methods (x.size(0), x.flatten(1), "
-            "x.view(x.size(0), -1)), wrap the helper with torch.fx.wrap, or call the module as a "
-            f"whole with {leaf}."
-        )
-    else:
-        fix = (
-            f"Call the module as a whole with {leaf}, or pass fixed values with "
-            "compile(..., concrete_args={...})."
-        )
-    return TraceError(
-        f"torch.fx cannot trace {type(model).__name__}: in module '{path}' ({cls}) at {where}: "
-        f"{type(exc).__name__}: {text}. {fix}"
-    )
 
 
 class _ShapeProp(ShapeProp):
@@ -255,8 +172,7 @@ def _cuda_indices(model: torch.nn.Module, inputs: list[Any]) -> list[int]:
 
 
 class _InputsError(TraceError):
-    """The example inputs do not run through the traced graph (or do not bind to its forward):
-    this module's mark among the tracers' failures; what leaves ``trace_model`` is ``_public``."""
+    """The example inputs do not run through the traced graph (made ``_public`` on leaving)."""
 
 
 def _public(exc: TraceError) -> TraceError:
@@ -284,12 +200,8 @@ def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any
 
 def _fixed_defaults(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                     concrete_args: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``concrete_args`` plus every forward argument the example inputs leave at its default.
-
-    The runtime calls the model with the same inputs as the example (training/data.py), so an
-    argument left out (``mask=None``) keeps its default in training too; fixing it lets Python
-    code such as ``if mask is not None`` trace the branch that will run.
-    """
+    """``concrete_args`` plus every forward argument the example inputs leave at its default
+    (docs/compiler.md §1)."""
     try:
         sig = inspect.signature(model.forward)
         bound = sig.bind_partial(*args, **kwargs)
@@ -312,41 +224,24 @@ def trace_model(
     leaf_modules: Sequence[type[torch.nn.Module]] = (),
     strict: bool = False,
 ) -> ModelGraph:
-    """Trace ``model``, propagate the example inputs' shapes, and analyse it.
-
-    The best trace available serves (docs/compiler.md §1): torch.fx; for a HuggingFace model,
-    ``transformers.utils.fx.symbolic_trace`` where transformers has it; else one measured eager
-    forward (compiler/eager.py: FLOPs of matrix products, convolutions and attention, the bytes
-    autograd saves, parameter bytes from the module), with a ``TraceWarning`` that names the
-    tracers' errors and what inspection lost; when even that measurement fails but the forward
-    runs, FLOPs and activation memory are 0, with the same warning. The root module given as a
-    leaf (``leaf_modules=[type(model)]``) is measured eagerly without a warning. Leaf modules and
-    modules without a cost formula inside an fx graph are measured eagerly too.
+    """The ModelGraph of ``model`` traced by the best tracer available, shape-propagated on
+    ``example_inputs`` and analysed (docs/compiler.md §1, §2); ``model`` and torch's RNG are
+    left as they were.
 
     Args:
-        model: any ``nn.Module``; it is not modified (its parameters, buffers, modes and
-            attributes, and torch's global RNG state, are as before): the tracer and shape
-            propagation work on a deep copy, which ``ModelGraph.module`` holds.
-        example_inputs: one batch (any batch size) as the runtime passes it to the model
-            (engine/inputs.py ``split_inputs``): a tuple of positional inputs, e.g. ``(x,)`` with
-            ``x [N, C, H, W]`` or ``(tokens, mask)``, or a dict of keyword inputs,
-            e.g. ``{"input_ids": ids, "attention_mask": mask}``.
-        concrete_args: fixed values for arguments that steer Python control flow
-            (``torch.fx.symbolic_trace``'s ``concrete_args``); forward arguments that the example
-            inputs leave out are fixed to their defaults as well.
+        model: any ``nn.Module``.
+        example_inputs: one batch: a tuple of positional inputs, e.g. ``(x,)`` with
+            ``x [N, C, H, W]``, or a dict of keyword inputs.
+        concrete_args: ``{forward argument: fixed value}``, as ``torch.fx.symbolic_trace``'s.
         leaf_modules: module classes called as a whole instead of traced through.
-        strict: a graph is required: raise torch.fx's TraceError when no fx tracer can trace
-            the model, instead of the eager analysis.
-
-    Returns:
-        The ModelGraph, with ``meta["analysis"]`` (compiler/analysis.py) and
-        ``meta["train_flops_per_sample"]``.
+        strict: raise TraceError when no fx tracer can trace the model, instead of the eager
+            analysis (with its ``TraceWarning``).
 
     Raises:
         TraceError: the example inputs do not run through the model; or, with ``strict``,
             torch.fx cannot trace it (names the module, the line and the fix).
-        TypeError: ``model`` is not an ``nn.Module``, cannot be deep-copied, or ``example_inputs``
-            is neither a tuple nor a dict.
+        TypeError: ``model`` is not an ``nn.Module`` or cannot be deep-copied, or
+            ``example_inputs`` is neither a tuple nor a dict.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"compile() takes an nn.Module, got {type(model).__name__}")
@@ -368,7 +263,7 @@ def trace_model(
         if leaf_modules and isinstance(work, tuple(leaf_modules)):  # the root as a leaf
             return _eager_graph(model, work, args, kwargs, devices, failures=[], asked=True)
         failures: list[tuple[str, TraceError]] = []
-        for name, make in _tracers(model, args, kwargs, concrete_args, leaf_modules):
+        for name, make in fx_tracers(model, args, kwargs, concrete_args, leaf_modules):
             try:
                 return _fx_graph(model, work, name, make, args, kwargs, devices)
             except TraceError as exc:
@@ -376,54 +271,6 @@ def trace_model(
         if strict:
             raise _public(failures[0][1])
         return _eager_graph(model, work, args, kwargs, devices, failures=failures)
-
-
-def _tracers(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             concrete_args: dict[str, Any] | None,
-             leaf_modules: Sequence[type[nn.Module]]) -> list[tuple[str, Callable]]:
-    """(name, ``make(model, work) -> GraphModule``) of every fx tracer that applies, best first:
-    torch.fx, then transformers' tracer for a HuggingFace model where transformers has one."""
-    def torch_fx(model: nn.Module, work: nn.Module) -> fx.GraphModule:
-        tracer = _Tracer(leaf_modules)
-        try:
-            graph = tracer.trace(work, concrete_args=concrete_args)
-        except Exception as exc:  # noqa: BLE001 - every tracing failure becomes a TraceError
-            raise _trace_error(model, exc) from exc
-        return fx.GraphModule(tracer.root, graph, type(model).__name__)
-
-    found = [("torch.fx", torch_fx)]
-    hf_fx = _transformers_fx() if type(model).__module__.startswith("transformers.") else None
-    if hf_fx is not None:
-        names = _argument_names(model, args, kwargs)
-
-        def transformers_fx(model: nn.Module, work: nn.Module) -> fx.GraphModule:
-            try:
-                return hf_fx.symbolic_trace(work, input_names=names)
-            except Exception as exc:  # noqa: BLE001 - unsupported models, ops, arguments
-                raise TraceError(f"transformers.utils.fx cannot trace {type(model).__name__}: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-        found.append(("transformers.fx", transformers_fx))
-    return found
-
-
-def _transformers_fx() -> Any:
-    """``transformers.utils.fx`` when the installed transformers has it (versions before 5),
-    else None. Imported only for a HuggingFace model (transformers is then imported already)."""
-    try:
-        if importlib.util.find_spec("transformers.utils.fx") is None:
-            return None
-        return importlib.import_module("transformers.utils.fx")
-    except Exception:  # noqa: BLE001 - a broken or partial install is as good as none
-        return None
-
-
-def _argument_names(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
-    """The forward's argument names that the example inputs give, in the forward's order."""
-    try:
-        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
-    except (TypeError, ValueError):
-        return list(kwargs)
-    return list(bound.arguments)
 
 
 def _fx_graph(model: nn.Module, work: nn.Module, tracer: str, make: Callable,
@@ -465,12 +312,8 @@ def _fx_graph(model: nn.Module, work: nn.Module, tracer: str, make: Callable,
 
 def _propagate(model: nn.Module, gm: fx.GraphModule, positional: list[Any],
                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """ShapeProp of the example inputs through ``gm`` in evaluation mode (BatchNorm statistics
-    untouched), without autograd; returns the output.
-
-    Raises:
-        TraceError: the inputs do not run through (names the module or node and the shapes).
-    """
+    """``gm``'s output on the example inputs, shapes propagated, in evaluation mode without
+    autograd. Raises TraceError naming the module or node when the inputs do not run through."""
     was_training = gm.training
     prop = _ShapeProp(gm)
     try:
@@ -502,8 +345,7 @@ def _inputs_error(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 
 def _measure_modules(model: nn.Module, gm: fx.GraphModule, positional: list[Any],
                      devices: list[int]) -> dict[str, Any]:
-    """Eager costs of the graph's modules without a cost formula (leaf modules, nn.LSTM, ...):
-    one measured forward of ``gm``; {} (with a TraceWarning) when it cannot be measured."""
+    """Eager costs of the graph's modules without a cost formula, or {} with a TraceWarning."""
     targets = unknown_modules(gm)
     if not targets:
         return {}
@@ -523,8 +365,7 @@ def _measure_modules(model: nn.Module, gm: fx.GraphModule, positional: list[Any]
 def _eager_graph(model: nn.Module, work: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  devices: list[int], *, failures: list[tuple[str, TraceError]],
                  asked: bool = False) -> ModelGraph:
-    """The ModelGraph of a model without a graph, from one measured forward of ``work``; a
-    TraceWarning (unless the user ``asked``: the root as a leaf) says why and what was lost."""
+    """The ModelGraph of one measured forward of ``work``, with a TraceWarning unless ``asked``."""
     children = [name for name, _ in work.named_children()]
     norms = [name for name, m in work.named_modules() if isinstance(m, BATCH_NORMS)]
     measurement, error = None, None
@@ -575,12 +416,8 @@ def _eager_graph(model: nn.Module, work: nn.Module, args: tuple[Any, ...], kwarg
 
 def _plain_forward(model: nn.Module, work: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                    failures: list[tuple[str, TraceError]], error: BaseException | None) -> Any:
-    """``work``'s output on the example inputs, in evaluation mode without autograd.
-
-    Raises:
-        TraceError: the inputs do not run through the model: the fx shape propagation's error
-            when there is one (it names the module), else this forward's.
-    """
+    """``work``'s output on the example inputs, in evaluation mode without autograd; TraceError
+    (shape propagation's, when there was one) when they do not run through."""
     was_training = work.training
     try:
         work.eval()
@@ -595,8 +432,7 @@ def _plain_forward(model: nn.Module, work: nn.Module, args: tuple[Any, ...], kwa
 
 def _eager_analysis(work: nn.Module, measurement: EagerMeasurement, children: list[str],
                     example_batch: int, params: list[ParamInfo], buffers: list[ParamInfo]) -> ModelAnalysis:
-    """A ModelAnalysis of one measured forward: a node per top-level module that ran, and one
-    for the ops outside them (``rest``)."""
+    """A ModelAnalysis of one measured forward: a node per top-level module, and ``rest``."""
     nodes = []
     for path in children:
         c = measurement.scopes[path]
@@ -617,8 +453,7 @@ def _eager_analysis(work: nn.Module, measurement: EagerMeasurement, children: li
 
 
 def _bound_inputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[InputSpec, ...]:
-    """The example's inputs by forward argument, in the forward's order (``*args`` and
-    ``**kwargs`` entries one by one); a non-tensor argument has no shape or dtype."""
+    """The example's inputs by forward argument, ``*args`` and ``**kwargs`` one by one."""
     try:
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
     except (TypeError, ValueError):

@@ -12,22 +12,10 @@ __all__ = ["verify_task_graph"]
 
 
 def verify_task_graph(graph: nx.DiGraph, *, stage: str = "", memory_budget_bytes: int | None = None) -> None:
-    """Check a task graph; raise PlanError naming the offending task.
-
-    Checks: every node holds a Task whose id is its node key; no cycles; devices exist; every
-    replica has at most (after sync insertion: exactly) one LEARN task and is covered by exactly
-    one LOCAL_SYNC on its own device; a GLOBAL_SYNC, if present, follows every LOCAL_SYNC; the
-    replicas of one device fit ``memory_budget_bytes`` when the graph carries a memory estimate.
-
-    Args:
-        graph: the task graph.
-        stage: the pass after which it runs (for the message).
-        memory_budget_bytes: bytes available per device, or None for no bound.
-
-    Raises:
-        PlanError: the first violation found; the message names the pass and the offending task
-            (for memory: the device, its LEARN tasks and the arithmetic of the estimate).
-    """
+    """Check ``graph`` after the pass ``stage`` against the rules of docs/compiler.md §4 (order,
+    ownership, one sync per replica, ``memory_budget_bytes`` per device, None: no bound).
+    Raises PlanError at the first violation, naming the pass and the task (for memory: the device,
+    its LEARN tasks and the estimate's arithmetic)."""
     where = f" after pass '{stage}'" if stage else ""
     devices = graph.graph["devices"]
     tasks: dict[str, Task] = {}

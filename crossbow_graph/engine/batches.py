@@ -1,12 +1,5 @@
-"""A round's samples collated per learner: one batch per learner, as the user's collate_fn made it
-(docs/design-overview.md §6; docs/runtime.md, Your DataLoader).
-
-The engine takes a round's samples in one of two forms: one collated batch of k·b rows (learner j's
-at rows ``[j·b, (j+1)·b)``: what ``default_collate`` gives), or a ``LearnerBatches``: k batches,
-learner j's collated from its own b samples alone. The second form keeps what a collate_fn that
-pads to the longest sequence of its batch, or lays a batch out time-major, returns: each learner
-receives its batch exactly as ``collate_fn`` returned it, never a slice of another's.
-"""
+"""A round's samples collated per learner (``LearnerBatches``) or split by device
+(``DeviceParts``) (docs/runtime.md, "Your DataLoader")."""
 
 from __future__ import annotations
 
@@ -21,32 +14,21 @@ __all__ = ["DeviceParts", "LearnerBatches", "batch_tensors", "map_tensors", "sin
 
 @dataclass
 class LearnerBatches:
-    """Per learner, its collated batch of b samples.
-
-    Attributes:
-        batches: learner j's batch at ``batches[j]``, in learner order (device-major), each what
-            the collate_fn returned for that learner's b samples.
-        batch_size: b, the samples behind each batch (row offsets of ``rows`` count in samples).
-    """
+    """Learner j's batch, as the collate_fn returned it for its b = ``batch_size`` samples, at
+    ``batches[j]`` (device-major)."""
 
     batches: list[Any]
     batch_size: int
 
     def rows(self, start: int, stop: int) -> "LearnerBatches":
-        """The learners of sample rows ``[start, stop)`` (multiples of b): learners
-        ``start/b … stop/b − 1``."""
+        """The learners of sample rows ``[start, stop)`` (multiples of b)."""
         b = self.batch_size
         assert start % b == 0 and stop % b == 0, (start, stop, b)
         return LearnerBatches(self.batches[start // b:stop // b], b)
 
     def stacked(self) -> Any:
-        """The batches concatenated along dimension 0, one batch of ``len(batches)·b`` rows (what
-        fused learners take: vmap runs every learner on one stacked batch).
-
-        Raises:
-            ValueError: the batches differ in structure, or in a tensor's shape past dimension 0
-                (a collate_fn that pads each batch to its own longest sequence).
-        """
+        """The batches concatenated along dimension 0 (what fused learners take). Raises
+        ValueError when they differ in structure or in a shape past dimension 0."""
         if len(self.batches) == 1:
             return self.batches[0]
         flat = [tree_flatten(batch) for batch in self.batches]
@@ -73,21 +55,14 @@ class LearnerBatches:
 
 @dataclass
 class DeviceParts:
-    """A round's batch split by device, each part on its own device (what a copy ahead makes,
-    engine/prefetch.py).
-
-    Attributes:
-        parts: device d's part at ``parts[d]``: the rows of its learners, its first learner's at
-            row 0 (a collated batch of ``m_d·b`` rows, or a ``LearnerBatches`` of its m_d
-            learners), every tensor on device d.
-    """
+    """A round's batch split by device: ``parts[d]`` holds device d's learners' rows (a collated
+    batch of ``m_d·b`` rows or a ``LearnerBatches``), every tensor on device d."""
 
     parts: list[Any]
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
-    """Every tensor of a round's batch: of a collated batch, a ``LearnerBatches`` or a
-    ``DeviceParts``."""
+    """Every tensor of a collated batch, a ``LearnerBatches`` or a ``DeviceParts``."""
     if isinstance(batch, DeviceParts):
         return [t for part in batch.parts for t in batch_tensors(part)]
     if isinstance(batch, LearnerBatches):

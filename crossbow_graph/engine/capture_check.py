@@ -1,24 +1,6 @@
-"""What a CUDA-graph capture of a round needs, checked on CPU devices (engine/graphs.py).
-
-A CUDA graph replays the kernels one capture launched, with the arguments they had: a host read
-inside the round (``.item()``, ``bool(t)``, an op whose output shape depends on the data, such as
-``nonzero``) cannot be captured, and a Python number an op took (a learning rate) is frozen into
-the graph. Both tools here are ``TorchDispatchMode``s that see every aten op of a round:
-
-* ``CaptureChecker`` records the ops of each round it watches: host reads and data-dependent
-  shapes are findings, and so is a round whose op sequence, or a Python number among the ops'
-  arguments, differs from the round before (a steady-state round must be the same launches with
-  the same arguments, the values that change read from device tensors).
-* ``SimulatedGraphs`` stands in for ``torch.cuda.CUDAGraph`` (``graphs.CudaGraphOps``) on CPU
-  devices: a capture runs the round and records its ops, raising where CUDA's capture fails (a
-  host read or a data-dependent shape), and a replay runs the recorded ops again on the same
-  tensors with the same non-tensor arguments, writing each op's fresh outputs into the tensors
-  the capture made: CUDA-graph semantics without a GPU. A failed capture puts back every tensor it wrote.
-
-Host bookkeeping tensors (``streams.host_resident``: a row optimizer's ages) are not device
-data: reading them is no host synchronisation. Only what runs through the dispatcher is seen:
-use ``kernel_backend="torch"`` (the C kernels write through raw pointers).
-"""
+"""What a CUDA-graph capture of a round needs, checked on CPU devices: ``CaptureChecker`` (host
+reads, data-dependent shapes, rounds that differ) and ``SimulatedGraphs`` (CUDA-graph semantics
+without a GPU), both ``TorchDispatchMode``s (docs/runtime.md, "CUDA-graph rounds")."""
 
 from __future__ import annotations
 
@@ -48,8 +30,8 @@ class CaptureError(RuntimeError):
 
 
 def capture_problem(func, args: tuple, kwargs: dict) -> str | None:
-    """Why ``func(*args, **kwargs)`` cannot be captured in a CUDA graph, or None: a host read of
-    device data, or an output shape that depends on the data."""
+    """Why ``func(*args, **kwargs)`` cannot be captured in a CUDA graph (a host read of device
+    data, a data-dependent output shape), or None."""
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if func in _HOST_READS and not all(is_host_resident(t) for t in tensors):
         return f"{func._schema.name} reads device data on the host (.item(), bool(tensor))"
@@ -68,13 +50,12 @@ def _scalars(args: tuple, kwargs: dict) -> tuple:
 
 
 class CaptureChecker(TorchDispatchMode):
-    """Records the rounds it watches (``with checker.round(t): ...``) and reports, per round,
-    what would keep it from being captured in a CUDA graph or replayed as it was.
+    """Records the rounds it watches (``with checker.round(t): ...``) and reports what would keep
+    each from being captured or replayed as it was.
 
     Attributes:
-        findings: round t → its problems, as text: ``capture_problem``'s (with the crossbow_graph
-            line that issued the op), and against round t − 1 a changed op sequence or a Python
-            number that changed (``"aten.add_.Tensor: 0.05 → 0.1"``).
+        findings: round t → its problems as text: ``capture_problem``'s, and against round t − 1 a
+            changed op sequence or Python number (``"aten.add_.Tensor: 0.05 → 0.1"``).
         ops: round t → how many ops it ran.
     """
 
@@ -123,7 +104,7 @@ def _differences(before: list[tuple[str, tuple]], now: list[tuple[str, tuple]]) 
 
 
 class SimulatedGraph(TorchDispatchMode):
-    """One simulated CUDA graph: its recorded ops (see the module docstring)."""
+    """One simulated CUDA graph: its recorded ops."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -146,8 +127,7 @@ class SimulatedGraph(TorchDispatchMode):
         return out
 
     def undo(self) -> None:
-        """Put back every tensor the capture wrote (after a failed capture: a CUDA capture runs
-        nothing)."""
+        """Put back every tensor the capture wrote."""
         with _disable_current_modes():
             for storage, saved in self._journal.values():
                 storage.copy_(saved)
@@ -165,8 +145,7 @@ class SimulatedGraph(TorchDispatchMode):
 
 
 class SimulatedGraphs:
-    """``graphs.CudaGraphOps`` on CPU devices: graphs are ``SimulatedGraph``s. A capture runs
-    the round as it records it (``executes_in_capture``), where CUDA's only records."""
+    """``graphs.CudaGraphOps`` on CPU devices, whose capture runs the round as it records it."""
 
     executes_in_capture = True
 

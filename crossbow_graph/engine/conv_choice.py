@@ -1,5 +1,5 @@
-"""Which library runs the worker processes' convolutions on the CPU: oneDNN or ATen's own kernels,
-measured once per model and batch size (docs/runtime.md)."""
+"""Which library runs the worker processes' convolutions on the CPU, oneDNN or ATen's own
+kernels, measured once per model and batch size (docs/runtime.md, "Executors")."""
 
 from __future__ import annotations
 
@@ -29,23 +29,12 @@ _ONEDNN_CHOICES: dict[tuple, bool] = {}  # choose_onednn's measurements in this 
 
 
 def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) -> bool:
-    """Whether the worker processes run convolutions with oneDNN (else ATen's own kernels).
-
-    ``scheduler.cpu_conv`` (``compile(cpu_conv=...)``): ``"onednn"`` or ``"aten"`` decide;
-    ``"auto"`` (default) measures one learner's forward and backward at b in this process,
-    single-threaded (as a worker runs),
-    on a copy of the model and the dataset's first b samples: each library MEASURE_REPS times,
-    interleaved, each time the fastest step of at least MEASURE_STEPS steps and MEASURE_S
-    seconds (but at most 5·MEASURE_S seconds after one step, for a slow model); ATen is chosen
-    only if its fastest step was at least 5% faster. The choice is kept
-    per scheduler and b, and in this process per (model class, parameters, b, input shapes), so
-    that plans of the same model (the auto-tuner's, a benchmark's) run the same kernels. A model
-    whose first step takes more than BIG_STEP_S gets oneDNN unmeasured (measuring would cost
-    seconds, and large models run faster with oneDNN). Neither torch's RNG nor any replica is
-    touched. Which library wins depends on the model and b (docs/runtime.md has a table).
-    The two libraries round differently, so two fits that chose differently agree to float
-    tolerance, not bit for bit; set ``cpu_conv`` to fix the choice.
-    """
+    """Whether the worker processes run convolutions with oneDNN, else ATen's kernels:
+    ``scheduler.cpu_conv`` ``"onednn"`` or ``"aten"``, or with ``"auto"`` measured on a copy of the
+    model and the dataset's first b samples, single-threaded (``MEASURE_REPS``, ``MEASURE_STEPS``,
+    ``MEASURE_S``, ``BIG_STEP_S``; ATen when ≥ 5 % faster), kept per scheduler and b and per
+    (model class, parameters, b, input shapes) in this process. Torch's RNG and the replicas are
+    untouched (docs/runtime.md, "Executors")."""
     if scheduler.cpu_conv != "auto":
         return scheduler.cpu_conv == "onednn"
     b = scheduler.batch_size
@@ -92,8 +81,8 @@ def host_rngs_kept():
 
 
 def _step_seconds(model, loss_fn, args, kwargs, target) -> dict[bool, float]:
-    """The fastest forward + backward step, keyed by oneDNN on/off (see choose_onednn); a
-    model slower than BIG_STEP_S gets ``{True: 0.0, False: inf}`` after one step."""
+    """The fastest forward + backward step by oneDNN on/off; ``{True: 0.0, False: inf}`` after
+    one step slower than ``BIG_STEP_S``."""
     best = {True: float("inf"), False: float("inf")}
     for _ in range(MEASURE_REPS):
         for onednn in (True, False):

@@ -1,14 +1,5 @@
-"""What a failed collective or a failed start-up says about the other ranks (engine/comm.py,
-docs/distributed.md "Faults").
-
-A peer process that exits — it crashed, was killed, or stopped on an error of its own and left the
-process group — closes its sockets: gloo reports "Connection closed by peer" or "Connection reset
-by peer" at once, NCCL "remote process exited". A peer that hangs or is stopped is seen only when
-the process group's timeout expires ("Timed out waiting"). At start-up, the store of rank 0 counts
-the ranks that arrived ("1/2 clients joined"), and a rank that cannot reach rank 0's address says
-so ("trying to connect"). The messages tell these apart, name the peer when there is only one
-(two ranks), the round, and what to do.
-"""
+"""What a failed collective or start-up says about the other ranks: a peer that left, one that
+did not answer, ranks that never arrived (docs/distributed.md, "Faults")."""
 
 from __future__ import annotations
 
@@ -25,9 +16,8 @@ _TIMED_OUT = ("timed out", "timeout")
 
 def lost_peer(rank: int, world_size: int, what: str, round_index: int, timeout_s: float,
               exc: BaseException) -> DistributedError:
-    """The DistributedError of rank ``rank`` whose collective ``what`` of round ``round_index``
-    (−1: at start-up) failed with ``exc``: a peer that left (died, or stopped on an error), one
-    that did not answer within ``timeout_s``, or, when ``exc`` tells neither, either."""
+    """The DistributedError of ``rank`` whose collective ``what`` of round ``round_index`` (−1:
+    start-up) failed with ``exc``: a peer left, did not answer within ``timeout_s``, or either."""
     peer = _peer(rank, world_size)
     when = "during start-up" if round_index < 0 else f"in round {round_index}"
     cause = _cause(exc)
@@ -55,9 +45,8 @@ def lost_peer(rank: int, world_size: int, what: str, round_index: int, timeout_s
 
 def join_failed(rank: int, world_size: int, address: str, timeout_s: float,
                 exc: BaseException) -> DistributedError:
-    """The DistributedError of rank ``rank`` whose ``init_process_group`` at ``address``
-    (``MASTER_ADDR:MASTER_PORT``) failed with ``exc``: ranks that never arrived (rank 0 counts
-    them), a peer that left during start-up, rank 0 not reachable, or another failure."""
+    """The DistributedError of ``rank`` whose ``init_process_group`` at ``address`` failed with
+    ``exc``: ranks that never arrived, a peer that left, rank 0 unreachable, or another failure."""
     text = _said(exc)
     joined = re.search(r"(\d+)/(\d+) clients joined", text)
     if joined:

@@ -1,27 +1,5 @@
-"""Mixed precision of the learners: autocast, and per-replica dynamic loss scales for float16
-(docs/runtime.md, Mixed precision).
-
-``compile(..., precision=)`` takes ``"fp32"`` (the default: no autocast), ``"bf16"`` or
-``"fp16"``. With ``"bf16"``/``"fp16"`` every learner's forward and loss run under
-``torch.autocast(device.type, dtype)`` (``"cpu"`` or ``"cuda"``), and the backward follows the
-dtypes autocast chose for the forward (PyTorch runs the backward outside autocast). The
-parameters stay float32: the modules' parameters are views of the float32 masters ``w`` and the
-gradients ``g`` are float32 (engine/state.py), so the SMA update is the float32 one. Evaluation
-of z (``Plan.evaluate``, ``central_forward``) runs in float32, the precision ``central_model()``
-hands back.
-
-float16 needs loss scaling (its smallest normal number is 6.1e-5: small gradients flush to
-zero). ``LossScales`` keeps one dynamic scale S_j per replica, with ``torch.amp.GradScaler``'s
-constants: S_j starts at 2¹⁶, doubles after 2000 finite steps in a row and halves on an
-overflow. A learner backpropagates S_j·ℓ_j and divides its gradient by S_j before the local
-update (S_j is a power of two, so scaling and unscaling are exact). Where GradScaler skips the
-optimiser step of an overflowed iteration, a learner here halves S_j and computes its forward
-and backward again, with the same dropout seed and its BatchNorm statistics restored, until
-the gradient is finite or S_j = 1. So every learner makes its step in every round (SMA's rounds
-stay synchronous, no replica's correction goes stale) and an overflow of the scale never
-reaches the fault monitor (engine/faults.py); a non-finite gradient at S_j = 1 is the model's
-own (unscaled float16 overflows) and is a fault, as is a non-finite loss (never retried).
-"""
+"""Mixed precision of the learners: autocast (``VmapAutocast`` under vmap) and per-replica
+dynamic float16 loss scales (docs/runtime.md, "Mixed precision")."""
 
 from __future__ import annotations
 
@@ -42,9 +20,8 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_precision(precision: object, model_dtype: torch.dtype) -> None:
-    """Raise ValueError for a precision other than ``PRECISIONS``, or a mixed precision
-    (``"bf16"``, ``"fp16"``) with a model whose parameters are not float32 (``model_dtype``:
-    ``engine.state.model_dtype`` of its trainable parameters)."""
+    """Raise ValueError for a precision not in ``PRECISIONS``, or ``"bf16"``/``"fp16"`` with a
+    model whose trainable parameters are not float32 (``model_dtype``)."""
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: use one of {', '.join(map(repr, PRECISIONS))} "
                          "('fp32', the default, runs without autocast)")
@@ -59,9 +36,8 @@ def check_precision(precision: object, model_dtype: torch.dtype) -> None:
 
 
 def autocast(precision: str, device: torch.device, *, vmapped: bool = False) -> ContextManager:
-    """The context a learner's forward and loss run in: ``torch.autocast`` of ``device``'s type
-    with the precision's dtype, or nothing for ``"fp32"``. ``vmapped``: the forward runs under
-    ``torch.func.vmap`` (fused learners), where ``VmapAutocast`` completes autocast's casts."""
+    """The context of a learner's forward and loss: ``torch.autocast`` of ``device``'s type in
+    the precision's dtype (with ``VmapAutocast`` when ``vmapped``), or none for ``"fp32"``."""
     if precision == "fp32":
         return contextlib.nullcontext()
     dtype = AUTOCAST_DTYPES[precision]
@@ -92,22 +68,11 @@ _IN_FLOAT32 = frozenset((F.batch_norm, F.instance_norm, F.layer_norm, F.group_no
 
 
 class VmapAutocast(TorchFunctionMode):
-    """autocast's casts, applied to the arguments of torch functions, for a forward under
-    ``torch.func.vmap`` (engine/fused.py), with ``torch.autocast`` active as well.
-
-    Under vmap, torch 2.13's autocast misses ops whose batching rules call other ops: a batched
-    convolution runs in float32, a linear layer's bias is added in float32 (pytorch#192617), a
-    loss of a low-precision input is not computed in float32, and batch norm of a bfloat16 input
-    with float32 parameters fails. This mode casts at the function level, before vmap lowers
-    the call: floating tensors (not float64) into ``dtype`` for convolutions, linear layers and
-    matrix products; into float32 for the losses (and, on CUDA, layer/group norm and the
-    softmaxes, as CUDA's autocast does); normalisations of a low-precision input run in float32
-    and return its dtype. Other functions are left to autocast.
-
-    Args:
-        dtype: the low-precision dtype (bfloat16 or float16).
-        device_type: ``"cpu"`` or ``"cuda"``.
-    """
+    """autocast's casts applied to the arguments of torch functions under ``torch.func.vmap``,
+    beside ``torch.autocast``, for ``dtype`` (bfloat16 or float16) on ``device_type``: into
+    ``dtype`` for convolutions, linear layers and matrix products, into float32 for losses (on CUDA
+    also layer/group norm and softmaxes); normalisations of a low-precision input in float32
+    (docs/runtime.md, "Mixed precision", fused learners)."""
 
     def __init__(self, dtype: torch.dtype, device_type: str) -> None:
         super().__init__()
@@ -135,14 +100,12 @@ def _cast(tree: Any, dtype: torch.dtype) -> Any:
 
 
 class LossScales:
-    """One dynamic loss scale per replica of a device, for float16 learners (this module's
-    docstring; torch.amp.GradScaler's rule, applied per replica, with a recomputation instead
-    of a skipped step).
+    """One dynamic float16 loss scale per replica of a device (torch.amp.GradScaler's rule per
+    replica, recomputing instead of skipping a step).
 
     Attributes:
         scale: ``[m]`` float32 on the CPU, S_j (a power of two, ≥ ``FLOOR``).
         good: ``[m]`` int64 on the CPU, finite steps of replica j since S_j last changed.
-    The replica's own learner (in whichever process runs it) is the only writer of its entries.
     """
 
     INIT = 2.0 ** 16
@@ -154,17 +117,15 @@ class LossScales:
         self.good = torch.zeros(m, dtype=torch.int64)
 
     def weights(self, r0: int, r1: int, like: torch.Tensor) -> torch.Tensor:
-        """S_j of rows ``r0 … r1−1`` as ``[r1 − r0]`` in ``like``'s dtype and device (the
-        factors of the losses before backward)."""
+        """S_j of rows ``r0 … r1−1``, ``[r1 − r0]`` in ``like``'s dtype and device."""
         return self.scale[r0:r1].to(device=like.device, dtype=like.dtype)
 
     @torch.no_grad()
     def settle(self, r0: int, r1: int, losses: torch.Tensor, grads: torch.Tensor) -> bool:
-        """After the backward of Σ_j S_j·ℓ_j over rows ``r0 … r1−1``: halve S_j of every row
-        whose gradient overflowed (not finite, its loss finite, S_j > 1) and return False (the
-        rows must be computed again); otherwise unscale ``grads [r1 − r0, P]`` in place
-        (g_j ← g_j / S_j), count the finite steps, double S_j after ``GROWTH_INTERVAL`` of them,
-        and return True. One host read of the rows' finiteness."""
+        """After the backward of Σ_j S_j·ℓ_j over rows ``r0 … r1−1``: False, S_j halved, when
+        a row's gradient overflowed (its loss finite, S_j > 1); else True, ``grads [r1 − r0, P]``
+        divided by S_j in place and S_j doubled after ``GROWTH_INTERVAL`` finite steps. One host
+        read."""
         finite = torch.isfinite(grads).all(dim=1).cpu()  # [n]
         loss_ok = torch.isfinite(losses.detach().float()).cpu()  # [n]
         scale, good = self.scale[r0:r1], self.good[r0:r1]  # views
@@ -182,8 +143,7 @@ class LossScales:
         return True
 
     def resized(self, m: int) -> "LossScales":
-        """The scales for ``m`` replicas: rows kept keep theirs; a new replica starts at the
-        smallest scale of the kept rows, with no finite steps counted."""
+        """The scales for ``m`` replicas; a new one starts at the smallest kept scale."""
         out = LossScales(m)
         keep = min(m, self.scale.shape[0])
         out.scale[:keep] = self.scale[:keep]
@@ -192,6 +152,6 @@ class LossScales:
         return out
 
     def share_memory(self) -> None:
-        """Move ``scale`` and ``good`` to shared memory (worker processes write their rows)."""
+        """Move ``scale`` and ``good`` to shared memory."""
         self.scale.share_memory_()
         self.good.share_memory_()

@@ -1,21 +1,6 @@
-"""A data-race checker for the stream discipline, on CPU devices (engine/streams.py).
-
-``RaceRecorder`` stands in for ``StreamOps``: streams and events are simulated, and while it is
-entered (a ``TorchDispatchMode``) every aten op is recorded as reads and writes of byte ranges of
-its tensors' storages, on the simulated stream current when the op runs. Two accesses of
-overlapping bytes, at least one a write, on streams that no event orders (CUDA's semantics: one
-stream is in order; ``wait(stream, event)`` orders the stream after the event's point; a host
-read such as ``.item()`` waits for its stream; ``synchronize`` waits for all) are a race, listed in
-``races``. The happens-before relation is PyTorch's CUDA sanitizer's (``torch.cuda._sanitizer``'s
-vector clocks: ``StreamSynchronizations``); the accesses are tracked by byte range instead of by a
-view's first address, so two learners' rows of one flat buffer are two tensors and one sync's
-rows ``w[a:b]`` overlap each learner's row. Every tensor an op touches is kept alive while
-recording, so no freed address is reused for another tensor.
-
-Only what runs through the dispatcher is seen: use ``kernel_backend="torch"`` (the C kernels
-write through raw pointers) and ``executor="inline"``. On a GPU, ``TORCH_CUDA_SANITIZER=1`` runs
-PyTorch's own checker on the real streams (bench/gpu_acceptance.sh).
-"""
+"""A data-race checker for the stream discipline on CPU devices: simulated streams and events,
+every aten op's byte ranges read and written, and PyTorch's CUDA sanitizer's happens-before
+relation (docs/runtime.md, "Streams on CUDA")."""
 
 from __future__ import annotations
 
@@ -54,11 +39,8 @@ class _Access:
 
 @dataclass(frozen=True)
 class Race:
-    """Two unordered accesses of the same bytes (one a write), ``first`` issued before ``second``.
-
-    Attributes:
-        first, second: ``"<op> (read|write) on stream <id> at <file:line of crossbow_graph>"``.
-    """
+    """Two unordered accesses of the same bytes (one a write), ``first`` issued before ``second``,
+    each ``"<op> (read|write) on stream <id> at <file:line of crossbow_graph>"``."""
 
     first: str
     second: str
@@ -81,12 +63,9 @@ class _Event:
 
 
 class RaceRecorder(TorchDispatchMode):
-    """Simulated streams and events (the ``StreamOps`` methods) and the race check.
-
-    Usage: ``with RaceRecorder().attach(plan.scheduler) as rec: plan.fit(...)``; afterwards
-    ``rec.races`` lists every race found (the first 50) and ``rec.accesses`` counts the recorded
-    reads and writes.
-    """
+    """Simulated streams and events (the ``StreamOps`` methods) and the race check:
+    ``with RaceRecorder().attach(plan.scheduler) as rec: plan.fit(...)``, then ``rec.races`` (the
+    first 50) and ``rec.accesses`` (recorded reads and writes)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,8 +83,8 @@ class RaceRecorder(TorchDispatchMode):
         self._default = _Stream(DEFAULT_STREAM_ID, torch.device("cpu"))
 
     def attach(self, scheduler: Any) -> "RaceRecorder":
-        """Run ``scheduler``'s inline executor (engine/scheduler.py) on this recorder's simulated
-        streams from its first round on, on CPU devices (its ``stream_ops``); returns self."""
+        """Run ``scheduler``'s inline executor on these simulated streams from its first round on;
+        returns self."""
         scheduler.stream_ops = self
         return self
 
@@ -143,9 +122,7 @@ class RaceRecorder(TorchDispatchMode):
         pass
 
     def stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``tensor`` (the pinned buffer on a GPU), made by the host, not on a
-        stream: the copy's read of the host batch the host just made is not recorded, nor is
-        any access to the copy (host memory, read by copies on any stream)."""
+        """A host copy of ``tensor``, made by the host: neither it nor its accesses are recorded."""
         self._paused = True
         try:
             host = tensor.clone()

@@ -1,18 +1,5 @@
-"""A round's batches from the coordinator to one worker process, through shared memory
-(docs/runtime.md, Your DataLoader).
-
-When a DataLoader's workers load the rounds (training/loader.py), the coordinator receives each
-round's batches and hands every worker process its learners' ones. A ``BatchPipe`` does it with
-one small message per round: the batch's tensors are copied into one of two shared-memory
-arenas, used in turn (the worker may still read round t's batch while round t+1's is written;
-round t+2's is written only after the worker answered round t), and the pipe carries their
-dtypes, shapes and offsets, and everything else of the batch (its structure, non-tensor leaves),
-pickled. The worker's tensors are views of its arena: nothing is copied on its side. An arena
-grows (doubled) when a batch does not fit; the new one travels once with torch's pickler (its
-file descriptor). A tensor of ``BY_DESCRIPTOR_BYTES`` or more that already lives in shared memory
-(a DataLoader worker's output) travels by file descriptor too, which costs a socket round trip
-(about 0.3–0.7 ms) but no copy; copying a batch of a few hundred KiB costs tens of µs.
-"""
+"""A round's batches from the coordinator to one worker process, through two shared-memory arenas
+and one small message per round (docs/runtime.md, "Your DataLoader")."""
 
 from __future__ import annotations
 
@@ -32,12 +19,8 @@ _MIN_ARENA = 1 << 16
 
 
 class BatchPipe:
-    """Coordinator → one worker: ``send`` (coordinator) a round's batch, ``receive`` (worker)
-    it, one call each per round, in order.
-
-    Args:
-        ctx: the multiprocessing context (fork); the pipe is created before the worker forks.
-    """
+    """Coordinator → one worker (``ctx``: the fork context; made before the worker forks):
+    ``send`` a round's batch, ``receive`` it, one call each per round, in order."""
 
     def __init__(self, ctx) -> None:
         self.reader, self.writer = ctx.Pipe(duplex=False)
@@ -46,8 +29,7 @@ class BatchPipe:
         self.sent = self.taken = 0
 
     def send(self, batch: Any) -> None:
-        """Coordinator: the worker's batch of the next round (a ``LearnerBatches`` or any
-        collated batch)."""
+        """Coordinator: the worker's batch of the next round (``LearnerBatches`` or collated)."""
         slot = self.sent % 2
         self.sent += 1
         learners = isinstance(batch, LearnerBatches)
@@ -75,12 +57,8 @@ class BatchPipe:
         self.writer.send((slot, new, packed, batch.batch_size if learners else None))
 
     def receive(self) -> Any:
-        """Worker: the next round's batch, its tensors views of the arena (valid until the
-        message after next is sent).
-
-        Raises:
-            EOFError: the coordinator died before sending it.
-        """
+        """Worker: the next round's batch, its tensors views of the arena valid until the
+        message after next. Raises EOFError when the coordinator died before sending it."""
         while not self.reader.poll(0.5):
             if os.getppid() != self.parent:
                 raise EOFError("the coordinator process exited before sending the round's batch")
@@ -97,7 +75,7 @@ class BatchPipe:
 
 
 class _InArena:
-    """Where a tensor of the batch lies in the arena (it stands for the tensor in the message)."""
+    """Where a tensor of the batch lies in the arena."""
 
     __slots__ = ("dtype", "shape", "offset")
 
@@ -116,8 +94,7 @@ class _InArena:
 
 
 def _pack(x: Any, place: Callable[[torch.Tensor], Any]) -> Any:
-    """``x`` with every tensor in its lists, tuples (named too) and dicts replaced by
-    ``place(tensor)``; anything else as it is (it travels pickled)."""
+    """``x`` with every tensor in its lists, tuples and dicts replaced by ``place(tensor)``."""
     if isinstance(x, torch.Tensor):
         return place(x)
     kind = type(x)

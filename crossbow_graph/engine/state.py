@@ -1,30 +1,7 @@
-"""Per-device training state in flat buffers (docs/design-overview.md §4).
-
-A device holds m replicas (deep copies of the user's model) whose trainable parameters are views
-into the rows of ``w [m, P]`` and whose gradients are views into ``g [m, P]``; floating-point
-buffers (BatchNorm statistics) are views into ``buf [m, Q]``. ``z [P]``/``z_prev [P]`` are the
-device's copies of the central average model and ``zbuf [Q]`` its buffers.
-
-Low precision: a model whose parameters are bfloat16 or float16 keeps ``w``, ``v``, ``z``,
-``z_prev`` in float32 (the masters the SMA update works on, so that a small correction
-α(ŵ − z) is not rounded away) and its modules' parameters are views into ``w_model [m, P]`` /
-``z_model [P]`` in the model's dtype; gradients ``g`` and buffers are in the model's dtype. The
-masters are copied back into the model copies lazily, before a module's forward, whenever they
-changed (their version counter moved).
-
-Rows on CUDA devices: ``w``, ``v``, ``g`` (and ``w_model``) are ``[:, :P]`` views of ``[m, P_pad]``
-buffers, P_pad = P rounded up to a multiple of ``ROW_ALIGN`` = 32 elements (``row_length``), so
-that every row starts at least 64-byte aligned and the Triton kernels move 16-byte vectors
-whatever P is (docs/kernels.md). The pad columns are never read or written. CPU devices keep contiguous ``[m, P]`` rows (shared memory, the C kernels and worker
-processes see plain rows there); ``buf`` is contiguous everywhere (no kernel reads it).
-
-A float64 model trains in float64: ``w``, ``v``, ``z``, ``z_prev``, ``g`` and the buffers are all
-float64 and its modules' parameters are views into ``w``/``z`` directly, as for a float32 model.
-
-Mixed precision (``precision="bf16"``/``"fp16"``, engine/precision.py) keeps a float32 model's
-state as it is: the learners' forward runs under autocast; with ``"fp16"`` each replica also has
-its loss scale in ``loss_scales``.
-"""
+"""Per-device training state in flat buffers: m replicas whose parameters, gradients and float
+buffers are views of the rows of ``w, g [m, P]`` and ``buf [m, Q]``, beside ``v [m, P]``,
+``z, z_prev [P]`` and ``zbuf [Q]`` (docs/design-overview.md §4; dtypes: docs/kernels.md,
+"Low precision"; padded CUDA rows: docs/kernels.md, "CUDA tunings")."""
 
 from __future__ import annotations
 
@@ -52,16 +29,14 @@ _PAD_ROWS_ON_CPU = False  # tests set it: pad the rows on CPU devices too (no CU
 
 def row_length(P: int, device: torch.device) -> int:
     """Elements from one row of ``w, v, g, w_model`` to the next on ``device``: P rounded up to a
-    multiple of ``ROW_ALIGN`` on a CUDA device (rows 128-byte aligned for 4-byte elements), P
-    on others."""
+    multiple of ``ROW_ALIGN`` on a CUDA device, P on others."""
     if device.type == "cuda" or _PAD_ROWS_ON_CPU:
         return -(-P // ROW_ALIGN) * ROW_ALIGN
     return P
 
 
 def _zero_rows(m: int, P: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros ``[m, P]`` whose rows are ``row_length(P, device)`` apart: a ``[:, :P]`` view of
-    ``[m, P_pad]`` (the tensor itself when P_pad = P)."""
+    """Zeros ``[m, P]`` whose rows are ``row_length(P, device)`` apart."""
     P_pad = row_length(P, device)
     rows = torch.zeros(m, P_pad, dtype=dtype, device=device)
     return rows[:, :P] if P_pad != P else rows
@@ -69,20 +44,14 @@ def _zero_rows(m: int, P: int, dtype: torch.dtype, device: torch.device) -> torc
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Where each tensor of a module lives in a flat row.
-
-    A tensor named in ``channels_last`` (a 4-D convolution weight ``[O, I, kH, kW]``) is stored in
-    ``[O, kH, kW, I]`` order within its segment, so that its view has the channels-last strides
-    under which the CPU's convolution and pooling kernels run fastest (``MEMORY_FORMATS``); any
-    other tensor is stored in its own (contiguous) order. ``to_standard``/``from_standard``
-    convert a row to and from the order of the tensors' ``flatten()`` concatenated, which
-    ``Plan.central_weights`` and checkpoints use whatever the layout.
+    """Where each tensor of a module lives in a flat row (docs/runtime.md, "Convolution weights
+    channels-last").
 
     Attributes:
         entries: ``(name, shape, offset, numel)`` per tensor, in ``named_parameters()`` (tied ones
             once) or ``named_buffers()`` order.
         size: total scalars (P for parameters, Q for float buffers).
-        channels_last: names of the entries stored channels-last.
+        channels_last: names of the 4-D weights ``[O, I, kH, kW]`` stored as ``[O, kH, kW, I]``.
     """
 
     entries: tuple[tuple[str, tuple[int, ...], int, int], ...]
@@ -100,9 +69,7 @@ class FlatLayout:
         return FlatLayout(tuple(entries), off, frozenset(channels_last))
 
     def view(self, flat: torch.Tensor, entry: tuple[str, tuple[int, ...], int, int]) -> torch.Tensor:
-        """The tensor of ``entry`` as a view of ``flat [..., ≥ P]``: ``[..., *shape]``, with
-        channels-last strides for an entry of ``channels_last``; a 0-dim tensor (a learned
-        temperature) is ``[...]``."""
+        """The tensor of ``entry`` as a view ``[..., *shape]`` of ``flat [..., ≥ P]``."""
         name, shape, off, n = entry
         segment = flat[..., off:off + n]
         if name in self.channels_last:
@@ -127,8 +94,7 @@ class FlatLayout:
 
     def zeros(self, lead: tuple[int, ...], entry: tuple[str, tuple[int, ...], int, int], *,
               dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        """Zeros ``[*lead, *shape]`` with the strides of ``entry``'s views (per-row optimizer
-        state that fused kernels walk in memory order alongside the parameter)."""
+        """Zeros ``[*lead, *shape]`` with the strides of ``entry``'s views."""
         name, shape, _, n = entry
         return self.view(torch.zeros(*lead, n, dtype=dtype, device=device), (name, shape, 0, n))
 
@@ -138,27 +104,14 @@ class FlatLayout:
 
 def channels_last_weights(module: nn.Module, memory_format: str, device_types: set[str],
                           example_inputs: Any = None) -> frozenset[str]:
-    """The trainable parameters a plan stores channels-last (``FlatLayout.channels_last``).
-
-    A weight qualifies when it is the trainable 4-D weight of an ``nn.Conv2d`` that runs
-    ``nn.Conv2d``'s own forward and is its only owner: a subclass with its own forward (say,
-    weight standardisation through ``weight.view``), a parametrized weight (spectral norm) or one
-    tied to another module keeps its contiguous layout.
-
-    Args:
-        module: the model.
-        memory_format: one of ``MEMORY_FORMATS``: ``"channels_last"``: every qualifying weight;
-            ``"contiguous"``: none; ``"auto"``: every qualifying weight when all the plan's
-            devices are CPUs (there the median step of LeNet-5 and ResNet-32 is up to 7 %
-            shorter at small b so, docs/runtime.md), none on CUDA devices.
-        device_types: the plan's device types (``{"cpu"}``, ``{"cuda"}``).
-        example_inputs: compile's example inputs: if given, a copy of ``module`` with those
-            weights channels-last runs one forward on them first.
+    """The trainable ``nn.Conv2d`` weights a plan stores channels-last under ``memory_format``
+    (one of ``MEMORY_FORMATS``; ``"auto"``: on CPU devices only) on ``device_types``; which
+    weights qualify: docs/runtime.md, "Convolution weights channels-last". With
+    ``example_inputs``, a copy so laid out runs one forward on them first.
 
     Raises:
-        ValueError: with ``"channels_last"``, that forward fails (it names the error and
-            ``memory_format="contiguous"``); with ``"auto"`` a ``UserWarning`` says so instead
-            and every weight stays contiguous.
+        ValueError: with ``"channels_last"``, that forward fails (``"auto"`` warns and keeps
+            every weight contiguous).
     """
     if memory_format == "contiguous" or (memory_format == "auto" and device_types != {"cpu"}):
         return frozenset()
@@ -187,8 +140,7 @@ def channels_last_weights(module: nn.Module, memory_format: str, device_types: s
 
 def _channels_last_failure(module: nn.Module, names: frozenset[str], example_inputs: Any
                            ) -> str | None:
-    """Why a copy of ``module`` with the weights ``names`` channels-last cannot run one forward on
-    ``example_inputs`` (a tuple of positional inputs or a dict of keyword inputs), or None."""
+    """Why a copy of ``module`` with ``names`` channels-last fails a forward, or None."""
     if example_inputs is None:
         return None
     probe = copy.deepcopy(module)
@@ -211,20 +163,14 @@ def trainable_named(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def grad_hooks(module: nn.Module) -> dict[str, list[Callable]]:
-    """The gradient hooks (``Tensor.register_hook``) on ``module``'s trainable parameters, by
-    parameter name, in the order they run."""
+    """The gradient hooks on ``module``'s trainable parameters, by name, in running order."""
     return {n: list(p._backward_hooks.values()) for n, p in trainable_named(module)
             if p._backward_hooks}
 
 
 def check_grad_hooks(module: nn.Module) -> None:
-    """Refuse a parameter hook that the replicas cannot run as the model would.
-
-    Raises:
-        ValueError: a parameter has a post-accumulate-grad hook
-            (``register_post_accumulate_grad_hook``, e.g. an optimizer step in backward): every
-            replica's optimizer steps in the plan's local sync; names the parameter and the hook.
-    """
+    """Raises ValueError naming the parameter when one has a post-accumulate-grad hook
+    (docs/runtime.md, "Learner modes")."""
     for name, p in module.named_parameters():
         if p._post_accumulate_grad_hooks:
             hooks = ", ".join(getattr(fn, "__qualname__", type(fn).__name__)
@@ -239,10 +185,8 @@ def check_grad_hooks(module: nn.Module) -> None:
 
 
 def copy_module(module: nn.Module, hooks: dict[str, list[Callable]] | None = None) -> nn.Module:
-    """``copy.deepcopy(module)`` with the gradient hooks of its parameters, which deepcopy drops:
-    ``hooks`` (``grad_hooks``' form; default ``module``'s own) registered on the copy's
-    parameters of the same names. Module hooks (forward, forward-pre, backward) are kept by
-    deepcopy itself."""
+    """``copy.deepcopy(module)`` with ``hooks`` (default ``grad_hooks(module)``) registered on
+    the copy's parameters, since deepcopy drops tensor hooks."""
     out = copy.deepcopy(module)
     named = dict(out.named_parameters())
     for name, fns in (grad_hooks(module) if hooks is None else hooks).items():
@@ -265,11 +209,8 @@ def _set_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
 def bind_flat(module: nn.Module, params_row: torch.Tensor, grads_row: torch.Tensor | None,
               bufs_row: torch.Tensor | None, params: FlatLayout, buffers: FlatLayout, *,
               copy_values: bool = True) -> None:
-    """Make ``module``'s trainable parameters (and gradients, float buffers) views into flat rows.
-
-    The current values are copied into the rows first (``copy_values``), so nothing is lost;
-    with ``copy_values=False`` the rows already hold the values and the module adopts them.
-    """
+    """Make ``module``'s trainable parameters (and gradients, float buffers) views into flat
+    rows, copying their values into the rows first when ``copy_values``."""
     named = dict(module.named_parameters())
     for entry in params.entries:
         p = named[entry[0]]
@@ -290,11 +231,7 @@ def bind_flat(module: nn.Module, params_row: torch.Tensor, grads_row: torch.Tens
 
 def model_dtype(params: list[tuple[str, torch.Tensor]]) -> torch.dtype:
     """The one dtype of a model's trainable parameters: float32, float64, bfloat16 or float16
-    (other float types are trained in float32).
-
-    Raises:
-        ValueError: the parameters mix dtypes, naming two of them.
-    """
+    (others train in float32). Raises ValueError naming two parameters when dtypes mix."""
     dtypes = {p.dtype for _, p in params}
     if len(dtypes) > 1:
         first = {}
@@ -308,17 +245,12 @@ def model_dtype(params: list[tuple[str, torch.Tensor]]) -> torch.dtype:
 
 
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the masters ``w, v, z, z_prev`` for a model of ``dtype`` (``model_dtype``):
-    float64 for a float64 model, else float32."""
+    """The dtype of ``w, v, z, z_prev`` for a model of ``dtype``: float64 or float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _CopyBack:
-    """Forward pre-hook: copy a float32 master into its low-precision model copy if it changed.
-
-    It reads ``owner.<master>`` and ``owner.<model>`` at each call, so it follows a DeviceState
-    whose flat buffers are replaced (``resize``).
-    """
+    """Forward pre-hook: copy ``owner.<master>`` into ``owner.<model>`` when it changed."""
 
     def __init__(self, owner: object, master: str, model: str) -> None:
         self.owner, self.master, self.model = owner, master, model
@@ -333,14 +265,8 @@ class _CopyBack:
 
 
 class _CopyRow:
-    """Forward pre-hook of replica ``j`` of a low-precision model: copy its float32 master row
-    ``w[j]`` into its model copy ``w_model[j]``, every time.
-
-    Row by row and unconditionally, because ``w`` is shared between processes: under the process
-    executor another process may write ``w_model``'s other rows (its own replicas) at any time,
-    and it may change ``w[j]`` between rounds (a reset to z) without this process's version
-    counter of ``w`` moving. One row costs one pass over P in the model's dtype.
-    """
+    """Forward pre-hook of replica ``j``: copy ``w[j]`` into ``w_model[j]``, every time
+    (docs/kernels.md, "Low precision")."""
 
     def __init__(self, owner: "DeviceState", j: int) -> None:
         self.owner, self.j = owner, j
@@ -353,26 +279,20 @@ class DeviceState:
     """The m replicas of one device and their flat buffers.
 
     Attributes:
-        name: device name (``"cpu:0"``, ``"cuda:1"``); ``torch_device`` the torch.device.
-        replicas: m modules, training mode, parameters are views of ``w_model`` (that is ``w``
-            for a float32 model).
-        w, v, g: ``[m, P]`` parameters, momentum (``master_dtype``: float64 for a float64 model,
-            else float32), gradients (model dtype); rows ``row_length(P, device)`` apart (padded
-            to a multiple of 32 elements on CUDA, contiguous on the CPU).
+        name, torch_device: ``"cpu:0"``, ``"cuda:1"``, … and its torch.device.
+        replicas: m modules in training mode, parameters views of ``w_model``.
+        w, v, g: ``[m, P]`` parameters and momentum (``master_dtype``), gradients (model
+            dtype); rows ``row_length(P, device)`` apart.
         buf: ``[m, Q]`` float buffers (model dtype).
-        z, z_prev: ``[P]`` the central average model and its previous value (``master_dtype``).
-        dtype: the model's dtype; w_model ``[m, P]`` and z_model ``[P]`` in it, the tensors the
-            modules' parameters are views of (``w`` and ``z`` themselves when float32 or float64).
-        zbuf: ``[Q]`` the central model's float buffers (mean over all replicas at each sync).
-        first_step: per replica, momentum not yet initialised (bool list of length m).
-        grad_hooks: the template's gradient hooks by parameter name (``grad_hooks``), registered
-            on every replica's parameters; fused learners run them per replica (engine/fused.py).
-        optim_rows: the replicas' optimizer state when a row optimizer (not the SGD kernels)
-            runs the local step (engine/optim.py ``OptimizerRows``; ``v`` is then unused), else
-            None.
-        precision: the learners' precision (``"fp32"``, ``"bf16"``, ``"fp16"``;
-            engine/precision.py); ``loss_scales``: the replicas' float16 loss scales
-            (``LossScales``) with ``"fp16"``, else None.
+        z, z_prev, zbuf: ``[P]``, ``[P]``, ``[Q]``: the central model, its previous value, its
+            float buffers.
+        dtype: the model's dtype, that of ``w_model [m, P]`` and ``z_model [P]`` (``w`` and
+            ``z`` themselves for float32 and float64).
+        first_step: per replica, momentum not yet initialised.
+        grad_hooks: the template's gradient hooks by parameter name, on every replica.
+        optim_rows: a row optimizer's state (engine/optim.py ``OptimizerRows``), else None.
+        precision, loss_scales: ``"fp32"``, ``"bf16"`` or ``"fp16"``; the replicas'
+            ``LossScales`` with ``"fp16"``, else None.
     """
 
     def __init__(self, name: str, torch_device: torch.device, template: nn.Module, m: int,
@@ -410,19 +330,13 @@ class DeviceState:
         self.optim_rows = None  # engine/optim.py OptimizerRows: the state of a row optimizer
 
     @property
-    def template(self) -> nn.Module:
-        """The model every replica is a copy of (never trained; engine/comm.py fingerprints it)."""
-        return self._template
-
-    @property
     def m(self) -> int:
         """Replicas on this device (rows of ``w``); the plan's ``settings.replicas_per_device``."""
         return len(self.replicas)
 
     @property
     def template(self) -> nn.Module:
-        """The module new replicas are cloned from: a copy of the input model (on its device) in
-        training mode, never trained (read it, do not modify it)."""
+        """The model every replica is a copy of, in training mode, never trained (read only)."""
         return self._template
 
     def _new_replica(self, template: nn.Module, j: int) -> nn.Module:
@@ -434,10 +348,8 @@ class DeviceState:
         return r
 
     def bind_central(self, module: nn.Module, buffers: torch.Tensor | None = None) -> None:
-        """Make ``module`` (a copy of the model) show this device's central model: its parameters
-        views of ``z_model`` (refreshed from z before each forward when low precision), its
-        float buffers views of ``buffers [Q]`` (default ``zbuf``; the Plan's evaluated central
-        model has its own, training/batchnorm.py)."""
+        """Make ``module`` (a copy of the model) show this device's central model: parameters
+        views of ``z_model``, float buffers views of ``buffers [Q]`` (default ``zbuf``)."""
         bind_flat(module, self.z_model, None, self.zbuf if buffers is None else buffers,
                   self.params, self.buffers)
         if self.z_model is not self.z:
@@ -445,20 +357,9 @@ class DeviceState:
 
     @torch.no_grad()
     def resize(self, m: int) -> None:
-        """Change the number of replicas to ``m`` between rounds, without losing state.
-
-        Replicas 0 … min(m, m_old)−1 keep their parameters, momentum, buffers and
-        ``first_step``; a new replica is cloned from z (buffers from zbuf, integer buffers from
-        replica 0) with zeroed momentum; removed replicas are the last ones. z, z_prev and zbuf
-        are untouched, so the central model is continuous (docs/design-overview.md §5, auto-tuner).
-
-        New flat buffers ``[m, P]``/``[m, Q]`` replace ``w, v, g, buf`` (rows padded on CUDA as in
-        ``__init__``; ordinary memory: call ``share_memory()`` again if worker processes need
-        them).
-
-        Raises:
-            ValueError: ``m < 1``.
-        """
+        """Change the number of replicas to ``m`` between rounds (docs/runtime.md, "Changing m
+        while training"): new ``w, v, g, buf`` tensors, in ordinary memory. Raises ValueError
+        when ``m < 1``."""
         if m < 1:
             raise ValueError(f"replicas per device must be ≥ 1, got {m}")
         keep = min(m, self.m)
@@ -499,8 +400,7 @@ class DeviceState:
             self.loss_scales = self.loss_scales.resized(m)
 
     def share_memory(self) -> None:
-        """Move every flat buffer, and the replicas' integer buffers (``num_batches_tracked``), to
-        shared memory, in place (module views follow), so that worker processes write them."""
+        """Move every flat buffer and the replicas' integer buffers to shared memory, in place."""
         for t in (self.w, self.v, self.g, self.buf, self.z, self.z_prev, self.zbuf, self.w_model,
                   self.z_model):
             t.share_memory_()

@@ -1,42 +1,6 @@
-"""Stream discipline of the inline executor on CUDA devices (docs/runtime.md "Streams").
-
-Every learner group of a device has its own stream ``L``; each device has a sync stream ``S_d`` for
-its LOCAL_SYNC; the GLOBAL_SYNC runs on a global stream ``G`` on the first device (and, for its
-copies to and from another device d, on ``S_d``). The default stream ``D`` is the caller's: the
-trainer's batch gather and transfer, evaluation, checkpoints, ``Plan.set_replicas`` and policies
-reset or read state on it. A round's batch copied ahead (``copy_in``, engine/prefetch.py) is
-copied on each device's copy stream ``C_d`` while the round before runs. Every round:
-
-1. ``begin_round``: an event ``start_t`` on each device's ``D`` after the round's batch is there.
-2. A learner group on ``L`` waits for ``start_t``, for its device's copy of the round's batch
-   (if copied ahead), and for its device's last local sync (its own
-   correction; under a sync algorithm whose global sync writes every w, S-SGD's or DiLoCo's,
-   also for the last global sync: ``SyncAlgorithm.waits_for_global``), then
-   reads w[j] and its batch (kept alive for ``L`` with ``record_stream``) and writes g[j] and
-   buf[j].
-3. The local sync on ``S_d`` waits for every learner group of the device in this round (and so
-   for ``start_t``) and for the last global sync (z, zbuf: the update's pull and a fault's reset read them);
-   it writes w, v, g of its rows, their sum acc_d and, in a round that synchronises, a snapshot
-   of the rows' float buffers (the global sync reads the snapshot, so round t+1's BatchNorm
-   forward may update buf meanwhile). Event ``local_done_t[d]``.
-4. The global sync on ``G`` waits for every ``local_done_t``; with several devices
-   each device d's part (its acc_d's copy out, z's copy in) runs on ``S_d``, which is current on d
-   while ``G`` is current on the first device (a copy between devices runs on the source device's
-   current stream). Events ``global_done_t`` on ``G`` and on each such ``S_d``.
-5. ``end_round``: ``D`` waits for the round's learners (their losses are read there), never
-   for a sync inside a round, so the global sync of round t overlaps the learning of round
-   t+1 (learners wait for their own local sync only). ``join`` (``Scheduler.flush``) makes ``D`` wait for every stream's last event:
-   whatever the caller reads or writes on ``D`` afterwards is ordered after the rounds so far, and
-   the next round's streams are ordered after it by ``start_t``.
-
-``StreamOps`` is the one place that touches ``torch.cuda``'s streams and events; a
-``RaceRecorder`` (engine/race_check.py) stands in for it on CPU devices, running the same
-discipline on simulated streams and reporting every pair of unordered accesses, so the ordering is
-tested without a GPU. A round captured in a CUDA graph (engine/graphs.py) runs the same
-discipline with ``captured`` set and between two ``seal``s, so that every event it waits for is
-its own. ``delay`` makes one kind of stream sleep at the start of its work
-(``torch.cuda._sleep``): the GPU acceptance script's race probes (bench/gpu_acceptance.sh).
-"""
+"""The inline executor's streams and events on CUDA devices — learner streams ``L``, sync
+streams ``S_d``, the global stream ``G``, copy streams ``C_d``, the caller's ``D`` — and what
+each waits for (``CudaStreams.WAITS``; docs/runtime.md, "Streams on CUDA")."""
 
 from __future__ import annotations
 
@@ -55,8 +19,8 @@ _HOST_RESIDENT: set[int] = set()  # storages that stay in host memory on a GPU r
 
 
 def host_resident(t: torch.Tensor) -> torch.Tensor:
-    """Mark a CPU tensor that is host bookkeeping on a GPU run too (a row optimizer's ages): the
-    host reads and writes it at once, with no stream order, so a RaceRecorder leaves it out."""
+    """Mark a CPU tensor that the host reads and writes outside the streams (a RaceRecorder
+    leaves it out)."""
     _HOST_RESIDENT.add(t.untyped_storage().data_ptr())
     return t
 
@@ -66,8 +30,7 @@ def is_host_resident(t: torch.Tensor) -> bool:
 
 
 class StreamOps:
-    """torch.cuda's streams and events, as ``CudaStreams`` uses them (a ``RaceRecorder``
-    implements the same methods on CPU devices)."""
+    """torch.cuda's streams and events, as ``CudaStreams`` uses them."""
 
     def new_stream(self, device: torch.device) -> Any:
         return torch.cuda.Stream(device=device)
@@ -94,8 +57,7 @@ class StreamOps:
         tensor.record_stream(stream)
 
     def stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor as a non-blocking copy to a device reads it: in pinned memory (a copy,
-        unless it is pinned already)."""
+        """``tensor`` in pinned memory (a copy unless pinned already)."""
         return tensor if tensor.is_pinned() else tensor.pin_memory()
 
     def synchronize(self, devices=()) -> None:
@@ -120,18 +82,13 @@ CUDA_OPS = StreamOps()
 
 
 class CudaStreams:
-    """Streams and events of the inline executor (this module's docstring: the discipline).
-
-    Args:
-        states: the plan's DeviceStates, in device order.
-        ops: ``StreamOps`` (CUDA) or a RaceRecorder (CPU devices, tests).
+    """Streams and events of the inline executor over the plan's DeviceStates ``states``, through
+    ``ops`` (``StreamOps``, or a RaceRecorder on CPU devices).
 
     Attributes:
-        delay: stream kind (``"learn"``, ``"local"``, ``"global"``, or ``"copy"``: the copy
-            streams) → GPU cycles that kind of stream sleeps before its work, every round (race
-            probes; empty in training).
-        captured: the rounds run into a CUDA graph (engine/graphs.py): no timing events or
-            spans, no ``keep_alive`` (a graph's tensors are static).
+        delay: stream kind (``"learn"``, ``"local"``, ``"global"``, ``"copy"``) → GPU cycles it
+            sleeps before its work, every round (race probes; empty in training).
+        captured: the rounds run into a CUDA graph: no timing events, no ``keep_alive``.
     """
 
     WAITS = {  # what each kind of stream waits for before its work of a round (the discipline)
@@ -200,11 +157,8 @@ class CudaStreams:
         return end
 
     def copy_in(self, parts: list[Any]) -> tuple[DeviceParts, list[Any]]:
-        """A round's batch copied ahead: each host tensor of ``parts[d]`` (device d's rows, as
-        ``DeviceParts`` holds them) staged in pinned memory and copied to device d with a
-        non-blocking copy on its copy stream ``C_d``; tensors already on a GPU stay as they are.
-        Returns the copies and, per device, the event after its copy (``begin_round``'s
-        ``copied``: the round's learners wait for it)."""
+        """Copy each host tensor of ``parts[d]`` (device d's rows) to device d on ``C_d``;
+        returns the copies and, per device, the event after its copy."""
         moved, events = [], []
         for d, part in enumerate(parts):
             device = self.states[d].torch_device
@@ -226,9 +180,7 @@ class CudaStreams:
         return out.copy_(host, non_blocking=True)
 
     def begin_round(self, batch: Any, copied: list[Any] | None = None) -> None:
-        """Step 1: ``start_t`` on every device's ``D``, after whatever the caller issued there (the
-        round's batch included); ``copied``: per device, the event after its copy of the batch
-        (``copy_in``), or None."""
+        """``start_t`` on every device's ``D``; ``copied``: ``copy_in``'s events, or None."""
         self._batch_leaves = batch_tensors(batch) if batch is not None else []
         self.copied = list(copied) if copied is not None else [None] * len(self.states)
         self.default = [self.ops.current(s.torch_device) for s in self.states]
@@ -238,9 +190,8 @@ class CudaStreams:
 
     @contextmanager
     def learn(self, task: Any, d: int, r0: int, *, after_global: bool) -> Iterator[None]:
-        """Step 2: a learner group's work on its stream (``after_global``: the sync algorithm's
-        ``waits_for_global``: e.g. S-SGD's and DiLoCo's, whose global sync writes every
-        replica)."""
+        """Context: a learner group's work on its stream ``L`` (``after_global``: it waits for the
+        last global sync too, ``SyncAlgorithm.waits_for_global``)."""
         stream = self.groups.get((d, r0))
         if stream is None:
             stream = self.groups[d, r0] = self.ops.new_stream(self.states[d].torch_device)
@@ -257,7 +208,7 @@ class CudaStreams:
 
     @contextmanager
     def local(self, task: Any, d: int) -> Iterator[None]:
-        """Step 3: a device's local sync on ``S_d``."""
+        """Context: a device's local sync on ``S_d``."""
         stream = self.sync_stream[d]
         self._wait_rules("local", stream, d)
         start = self._begin("local", stream)
@@ -275,7 +226,7 @@ class CudaStreams:
 
     @contextmanager
     def global_(self, task: Any) -> Iterator[None]:
-        """Step 4: the global sync on ``G`` (and each other device's part on its ``S_d``)."""
+        """Context: the global sync on ``G`` (each other device's part on its ``S_d``)."""
         G = self.global_stream
         self._wait_rules("global", G, 0)
         others = [(d, self.sync_stream[d]) for d in range(1, len(self.states))]
@@ -293,30 +244,26 @@ class CudaStreams:
             self.global_done += [self._event(stream) for _, stream in others]
 
     def end_round(self) -> None:
-        """Step 5: every device's ``D`` waits for its learners of the round (the losses, which the
-        caller reads there), not for the syncs."""
+        """Every device's ``D`` waits for its learners of the round, not for the syncs."""
         for d, stream in enumerate(self.default):
             self._wait_all(stream, self.learned[d])
 
     def join(self) -> None:
-        """Step 5: every device's ``D`` waits for every stream's last event (no host wait)."""
+        """Every device's ``D`` waits for every stream's last event (no host wait)."""
         last = [*self.local_done, *self.global_done, *(e for ev in self.learned for e in ev)]
         for s in self.states:
             self._wait_all(self.ops.current(s.torch_device), last)
 
     def seal(self) -> None:
-        """``join``, then forget every event: what runs next on ``D`` (a round captured in a CUDA
-        graph, or after it) is ordered after the work so far and waits for no event of it (a
-        capture must not wait for an event recorded outside it, nor eager work for one inside)."""
+        """``join``, then forget every event, so that a capture waits for no event outside it."""
         self.join()
         self.local_done = [None] * len(self.states)
         self.global_done = []
         self.learned = [[] for _ in self.states]
 
     def take_spans(self, *, block: bool) -> list[tuple[str, str, int, float, float]]:
-        """(task id, kind, device, start, end) of the timed tasks, start and end in GPU
-        milliseconds since the streams were made (on that device), in issue order, up to the first whose end event is not done yet (with
-        ``block``: every one, waiting for the GPU); they are forgotten."""
+        """Take (task id, kind, device, start ms, end ms since the streams were made) of the timed
+        tasks done so far (with ``block``: of every one, waiting for the GPU)."""
         n = 0
         for *_, end in self.spans:
             if block:

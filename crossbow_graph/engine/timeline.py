@@ -1,10 +1,5 @@
-"""Chrome-trace timelines of a fit (``Plan.fit(..., trace=path)``; docs/design-overview.md §2 overlap).
-
-Open the JSON in ``chrome://tracing`` or https://ui.perfetto.dev: one row (lane) per worker
-process (or ``inline`` for the in-process executor); the global sync is drawn in the lane of the
-process that ran it (the last worker, or the coordinator under torchrun), and the global sync of
-round t drawn under the learning of round t+1 is the overlap.
-"""
+"""Chrome-trace timelines of a fit, one lane per learner group (``Plan.fit(..., trace=path)``;
+docs/runtime.md, "Overlap")."""
 
 from __future__ import annotations
 
@@ -14,11 +9,8 @@ __all__ = ["Timeline"]
 
 
 class Timeline:
-    """Spans of tasks, collected while a fit runs, written as Chrome trace events.
-
-    Args:
-        max_spans: spans kept (later ones are dropped, counted in ``dropped``), bounding the file.
-    """
+    """Spans of tasks collected while a fit runs, at most ``max_spans`` (later ones counted in
+    ``dropped``), written as Chrome trace events."""
 
     def __init__(self, max_spans: int = 200_000) -> None:
         self.max_spans = max_spans
@@ -26,8 +18,7 @@ class Timeline:
         self.dropped = 0
 
     def span(self, name: str, t0_ns: int, t1_ns: int, *, lane: str, round_index: int) -> None:
-        """Record task ``name`` running from ``t0_ns`` to ``t1_ns`` (``time.perf_counter_ns``,
-        which is system-wide monotonic, so worker processes' clocks agree) in ``lane``."""
+        """Record task ``name`` from ``t0_ns`` to ``t1_ns`` (``perf_counter_ns``) in ``lane``."""
         if len(self.spans) >= self.max_spans:
             self.dropped += 1
             return

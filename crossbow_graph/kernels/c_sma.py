@@ -1,23 +1,5 @@
-"""SMA update kernels in C for the CPU: the ``"c"`` kernel backend (docs/design-overview.md §2
-steps 1–3, §4).
-
-``sma_cpu.c`` (next to this file) does the local update of a device's m replicas in one pass
-over memory, where the torch implementation (kernels/torch_ref.py, the oracle) makes about eight
-(docs/kernels.md has the measured times). It is
-compiled on first use with the system's C compiler (``$CC``, else Python's configured compiler,
-``cc``, ``gcc``, ``clang``) at ``-O3 -march=native`` and cached as a shared library under
-``$CROSSBOW_GRAPH_CACHE`` (default ``~/.cache/crossbow_graph``), keyed by the source, the
-compiler, the flags and the CPU. The library and then its checksum are written atomically (unique
-temporary files renamed into place), so concurrent processes (torchrun) never load half a file,
-and a damaged library is rebuilt rather than loaded. Without a compiler
-``compile(kernel_backend="auto")`` keeps the torch backend (logged at INFO), and
-``kernel_backend="c"`` raises CompilerError with the compiler's message and the fixes.
-
-The kernels are called through ctypes (which releases the GIL) on the tensors' memory; only
-float32 CPU tensors whose rows are contiguous and apart take the C path, anything else (a
-bfloat16 model's gradients, a strided or overlapping view) the torch implementation, with the
-same results to float rounding.
-"""
+"""The ``"c"`` kernel backend: ``sma_cpu.c``, built on first use and cached, called through
+ctypes (docs/kernels.md, "The C kernels")."""
 
 from __future__ import annotations
 
@@ -79,12 +61,8 @@ def _cpu_id() -> str:
 
 
 def _compiler() -> list[str] | None:
-    """The compiler command: ``$CC`` split like a shell (``"ccache gcc"`` works), else Python's
-    configured compiler, ``cc``, ``gcc``, ``clang``; its executable resolved to a real path.
-
-    Raises:
-        CompilerError: ``$CC`` is set but its executable is not found.
-    """
+    """The compiler command (its executable's real path), or None; CompilerError when ``$CC``
+    names no executable."""
     env = os.environ.get("CC")
     if env:
         words = shlex.split(env)
@@ -102,12 +80,8 @@ def _compiler() -> list[str] | None:
 
 
 def _build(source: bytes, cc: list[str], target: Path) -> None:
-    """Compile ``source`` into ``target`` atomically, with ``target``'s checksum file beside it.
-
-    Raises:
-        CompilerError: the compiler failed (its output), or a timeout.
-        OSError: ``target``'s directory is not writable.
-    """
+    """Compile ``source`` into ``target`` atomically, its checksum beside it; CompilerError when
+    the compiler fails, OSError when the directory is not writable."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "sma_cpu.c"
@@ -145,8 +119,7 @@ def _checksum_path(target: Path) -> Path:
 
 
 def _intact(target: Path) -> bool:
-    """The cached library exists and matches the checksum written when it was built (a
-    truncated library would crash the process when loaded, with SIGBUS)."""
+    """The cached library exists and matches its checksum."""
     try:
         want = _checksum_path(target).read_text().strip()
         return hashlib.sha256(target.read_bytes()).hexdigest() == want
@@ -155,15 +128,11 @@ def _intact(target: Path) -> bool:
 
 
 def load_library() -> ctypes.CDLL:
-    """The compiled kernels (built on first use, then cached; once per process).
-
-    A cached library whose checksum does not match (damaged, or half-written by a crashed build)
-    is rebuilt. If the cache directory is not writable, the library is built in a temporary
-    directory for this process (with a warning). A failure is remembered for the process.
+    """The compiled kernels, built once per process or taken from the cache.
 
     Raises:
-        CompilerError: no C compiler was found, or it failed (the message has its output and the
-            fixes: install a compiler, set ``$CC``, or use ``kernel_backend="torch"``).
+        CompilerError: no C compiler was found, or it failed, now or earlier in the process
+            (its output and the fixes).
     """
     global _lib, _load_error
     with _lock:
@@ -232,17 +201,8 @@ def _vec_ok(t: torch.Tensor | None, P: int) -> bool:
 
 
 class CSMAKernels:
-    """The SMA update backend in C (CPU; a ``kernels.protocol.SMAKernels``): ``local_update`` and
-    ``central_update`` with the signatures and semantics of ``sma_local_update``/
-    ``sma_central_update`` (kernels/torch_ref.py, the oracle; results agree to float rounding:
-    the C code may fuse a·b + c), ``nonfinite_rows`` for the fault check (engine/faults.py) and
-    ``central_update_shared`` for the global sync of CPU devices (engine/scheduler.py).
-
-    Tensors that are not float32 CPU tensors with contiguous rows go to the torch functions.
-
-    Raises:
-        CompilerError: at construction, when the kernels cannot be built (see ``load_library``).
-    """
+    """The ``SMAKernels`` backend in C, for float32 CPU tensors with contiguous rows (others go
+    to the torch functions). Raises CompilerError when the kernels cannot be built."""
 
     name = "c"
     block = None
@@ -258,9 +218,7 @@ class CSMAKernels:
                      z: torch.Tensor | None, *, lr: float, momentum: float, nesterov: bool,
                      weight_decay: float, alpha: float, first_step: bool = False,
                      out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """See ``crossbow_graph.kernels.torch_ref.sma_local_update``: ``w, v, g [m, P]``, ``z [P]`` or
-        None; returns ``acc [P]`` (written into ``out [P]`` when given), or None without a
-        correction. Hyper-parameters given as tensors take the torch path (read on the device)."""
+        """``torch_ref.sma_local_update`` in one pass."""
         m, P = w.shape
         correct = z is not None and is_on(alpha)
         if any_tensor(lr, momentum, weight_decay, alpha) or not (
@@ -286,19 +244,15 @@ class CSMAKernels:
     @torch.no_grad()
     def central_update(self, z: torch.Tensor, z_prev: torch.Tensor, c: torch.Tensor, *,
                        central_momentum: float) -> None:
-        """See ``crossbow_graph.kernels.torch_ref.sma_central_update``: ``z, z_prev, c [P]`` (the C
-        path is the shared update of one device with one part)."""
+        """``torch_ref.sma_central_update`` (``central_update_shared`` of one device)."""
         if not self.central_update_shared([z], [z_prev], [c], central_momentum=central_momentum):
             sma_central_update(z, z_prev, c, central_momentum=central_momentum)
 
     @torch.no_grad()
     def central_update_shared(self, zs: list[torch.Tensor], z_prevs: list[torch.Tensor],
                               parts: list[torch.Tensor], *, central_momentum: float) -> bool:
-        """The central update of CPU devices that share one memory, with the sum of their
-        corrections and the copies of z fused into one pass: ``C = Σ parts`` (in order), then
-        ``sma_central_update(zs[0], z_prevs[0], C)`` and every ``zs[d], z_prevs[d]`` set to
-        ``zs[0], z_prevs[0]``. All ``[P]`` float32 contiguous CPU tensors; else nothing is done
-        and False returned (the scheduler then takes the same steps in torch)."""
+        """``SMAKernels.central_update_shared`` in one pass, for ``[P]`` float32 contiguous
+        CPU tensors (else False)."""
         P = zs[0].shape[0]
         if any_tensor(central_momentum) or len(zs) != len(z_prevs) or \
                 not all(_vec_ok(t, P) for t in (*zs, *z_prevs, *parts)):
@@ -311,8 +265,7 @@ class CSMAKernels:
         return True
 
     def nonfinite_rows(self, g: torch.Tensor) -> list[int] | None:
-        """The rows of ``g [n, P]`` holding a NaN or Inf (``[]`` when all are finite), in one
-        read of g; None when g does not take the C path (the caller tests it in torch)."""
+        """The rows of ``g [n, P]`` holding a NaN or Inf, in one read; None off the C path."""
         n, P = g.shape
         if not _rows_ok(g, (n, P)):
             return None

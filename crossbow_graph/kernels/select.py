@@ -1,6 +1,5 @@
-"""The SMA update backend of a plan and the kernels it runs (docs/design-overview.md §4;
-docs/kernels.md): ``select_backend`` picks torch, C or Triton; ``plan_kernels`` lists the kernels
-a plan's flat buffers run, one per specialisation."""
+"""The SMA update backend of a plan (``select_backend``) and the kernels it runs
+(``plan_kernels``) (docs/kernels.md, "Emission, cache, what runs")."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ KERNEL_BACKENDS = get_args(KernelBackend)
 
 @dataclass(frozen=True)
 class TorchKernel:
-    """One step of the torch backend as ``Plan.kernels`` lists it: the spec it covers and the
-    source of the vectorised torch function that runs (kernels/torch_ref.py)."""
+    """A torch backend step in ``Plan.kernels``: its spec and the torch function's source."""
 
     spec: KernelSpec
     backend = "torch"
@@ -44,8 +42,7 @@ class TorchKernel:
 
 @dataclass(frozen=True)
 class CKernel:
-    """One step of the C backend as ``Plan.kernels`` lists it: the spec it covers and the C
-    source that runs (kernels/sma_cpu.c, compiled once per machine; kernels/c_sma.py)."""
+    """A C backend step in ``Plan.kernels``: its spec and the C source (kernels/sma_cpu.c)."""
 
     spec: KernelSpec
     backend = "c"
@@ -63,13 +60,9 @@ def plan_kernels(backend: SMAKernels, states: list[Any], *, local: bool = True, 
                  nesterov: bool,
                  weight_decay: float, num_learners: int, sync_every: int,
                  central_momentum: float) -> list[EmittedKernel | TorchKernel]:
-    """The kernels a plan runs on its devices' current flat buffers, one per distinct spec.
-
-    Local (``local``: the SGD kernels run the local step, not a row optimizer, engine/optim.py):
-    the first step and later steps (when there is momentum), with the correction (k > 1)
-    and without it (k = 1, or rounds between syncs when τ > 1). Central: when k > 1. With the
-    Triton backend they are emitted (and cached) here; the torch backend lists TorchKernel.
-    """
+    """The kernels a plan runs on its devices' flat buffers, one per distinct spec: the local
+    ones (with ``local``, i.e. no row optimizer) for the first and later steps, with and without
+    the correction as k and τ need them, and the central one when k > 1."""
     specs: list[KernelSpec] = []
     corrects = ([True] if num_learners > 1 else []) + ([False] if num_learners == 1 or sync_every > 1 else [])
     firsts = [True, False] if momentum != 0 else [False]
@@ -96,14 +89,8 @@ def plan_kernels(backend: SMAKernels, states: list[Any], *, local: bool = True, 
 
 def select_backend(kernel_backend: str, device_type: str, dtype: torch.dtype = torch.float32
                    ) -> TorchSMAKernels | TritonSMAKernels | CSMAKernels:
-    """The SMA update backend for ``compile(..., kernel_backend=...)``.
-
-    ``"auto"``: Triton on CUDA (if triton is installed); on the CPU the C kernels (kernels/
-    sma_cpu.c, built on first use) when a C compiler is there, else torch; torch for a float64
-    model (``dtype``, the model's: the C and Triton kernels update float32 masters only).
-    ``"c"``: the C kernels (CPU tensors; anything else runs the torch functions). ``"triton"``:
-    Triton (on the CPU through its interpreter: slow, for tests). ``"torch"``: the vectorised
-    torch implementation (kernels/torch_ref.py, the oracle).
+    """The SMA update backend for ``compile(..., kernel_backend=...)`` on ``device_type`` for a
+    model of ``dtype`` (docs/kernels.md, Backends).
 
     Raises:
         ValueError: an unknown name; ``"c"`` or ``"triton"`` with a float64 model.

@@ -1,21 +1,6 @@
-"""SMA update, torch implementation: the CPU path and the oracle for the Triton kernels.
-
-Both functions work in place on flat per-device buffers (docs/design-overview.md §4): the m
-replicas of a device are the rows of ``w [m, P]``; their momentum is ``v [m, P]``; their gradients
-``g [m, P]``; the device's copy of the central average model is ``z [P]``. ``w``, ``v``, ``z`` are float32 (for a
-bfloat16/float16 model they are the fp32 masters, engine/state.py), or float64 for a float64
-model; ``g`` is in the model's dtype and is upcast element by element, so a small correction is
-never rounded away.
-
-The run-time hyper-parameters (η, μ_l, λ, α, μ_z) are Python numbers or 0-dim float32 tensors on
-the buffers' device: a tensor is read by the operations at run time (a CUDA graph that captured
-them reads its current value at every replay), and the branch it controls (momentum, weight
-decay, the correction) is taken whatever its value; give the number 0 to leave a branch out.
-
-On the CPU both go over P in column blocks of about BLOCK_BYTES of each ``[m, ·]`` buffer — the
-blocking of the Triton kernels — so that a block's temporaries stay in cache instead of streaming
-``[m, P]`` through memory once per operation (bench/sma_kernel.py measures it).
-"""
+"""The SMA update in torch, in place on a device's flat buffers ``w, v, g [m, P]``, ``z [P]``: the
+oracle of the C and Triton kernels (docs/kernels.md, Backends). A hyper-parameter is a number or a
+0-dim float32 tensor read at run time, whose branch then always runs (``is_on``)."""
 
 from __future__ import annotations
 
@@ -30,13 +15,12 @@ Hyper = float | torch.Tensor  # a run-time hyper-parameter: a number or a 0-dim 
 
 
 def any_tensor(*values: Hyper) -> bool:
-    """Whether any of these hyper-parameters is a tensor (read on the device at run time)."""
+    """Whether any of these hyper-parameters is a tensor."""
     return any(isinstance(v, torch.Tensor) for v in values)
 
 
 def is_on(value: Hyper) -> bool:
-    """Whether the branch a hyper-parameter controls runs: a tensor always (its value is read on
-    the device, never on the host), a number when it is not 0."""
+    """Whether the branch a hyper-parameter controls runs: for a tensor, or a number ≠ 0."""
     return isinstance(value, torch.Tensor) or value != 0
 
 
@@ -55,10 +39,8 @@ def sma_local_update(
     first_step: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """One round's local step and correction for every replica of a device
-    (docs/design-overview.md §2, steps 1–2).
-
-    With ŵ_j = w[j] (the pre-step point)::
+    """One round's local step and correction for every replica of a device, in place
+    (docs/design-overview.md §2, steps 1–2). With ŵ_j = w[j] the pre-step point::
 
         d_j = g[j] + λ·ŵ_j
         v[j] ← μ_l·v[j] + d_j                    (torch.optim.SGD; on the first step v[j] ← d_j)
@@ -68,25 +50,13 @@ def sma_local_update(
         returns acc = Σ_j c_j                     [P]
 
     Args:
-        w: replicas' parameters, ``[m, P]``, updated in place.
-        v: replicas' momentum buffers, ``[m, P]``, updated in place (unused if ``momentum == 0``).
-        g: replicas' loss gradients at ŵ, ``[m, P]``, float32, bfloat16 or float16 (float64 with
-            float64 ``w``; not modified).
-        z: the device's copy of the central average model, ``[P]``; ``None`` (or ``alpha == 0``)
-            skips the correction (a round without synchronisation, or k = 1) and returns ``None``.
-        lr: learning rate η (per sample-mean loss, as torch.optim.SGD).
-        momentum: local momentum μ_l.
-        nesterov: Nesterov momentum, as torch.optim.SGD.
-        weight_decay: λ (L2 added to the gradient, as torch.optim.SGD).
+        w, v: ``[m, P]`` parameters and momentum (float32, or float64); v unused without momentum.
+        g: ``[m, P]`` gradients at ŵ, float32, bfloat16 or float16 (float64 with float64 ``w``).
+        z: ``[P]`` the device's central model; None (or α = 0): no correction, returns None.
+        lr, momentum, nesterov, weight_decay: η, μ_l, Nesterov, λ as torch.optim.SGD's.
         alpha: α, the pull toward z.
-        first_step: the momentum buffers hold nothing yet (torch.optim.SGD copies d into them).
+        first_step: the momentum buffers hold nothing yet.
         out: ``[P]`` in ``w``'s dtype to write acc into (default: a new tensor).
-
-    ``lr``, ``momentum``, ``weight_decay`` and ``alpha`` may be 0-dim float32 tensors on ``w``'s
-    device (this module's docstring): the same equations, read at run time.
-
-    Returns:
-        ``acc [P]``, the device's sum of corrections, or ``None`` without a correction.
     """
     m, P = w.shape
     correct = z is not None and is_on(alpha)
@@ -101,8 +71,7 @@ def sma_local_update(
 
 
 def _block_columns(w: torch.Tensor, m: int) -> int:
-    """Columns per block: all of them on an accelerator (one launch per op); on the CPU about
-    BLOCK_BYTES of each ``[m, ·]`` buffer, so a block's temporaries stay in cache."""
+    """Columns per block: all on an accelerator, about ``BLOCK_BYTES`` per buffer on the CPU."""
     if w.device.type != "cpu":
         return max(1, w.shape[1])
     return max(1024, BLOCK_BYTES // (w.element_size() * m))
@@ -143,8 +112,7 @@ def _local_block(w, v, g, z, acc, *, lr, momentum, nesterov, weight_decay, alpha
 
 def _local_block_read(w, v, g, z, acc, *, lr, momentum, nesterov, weight_decay, alpha,
                       first_step):
-    """``_local_block`` with hyper-parameters that may be 0-dim tensors (read at run time): the
-    same equations, each product its own operation (no Python number is baked in)."""
+    """``_local_block`` with hyper-parameters that may be 0-dim tensors."""
     d = g if not is_on(weight_decay) else g + weight_decay * w
     if is_on(momentum):
         if first_step:
@@ -167,16 +135,9 @@ def _local_block_read(w, v, g, z, acc, *, lr, momentum, nesterov, weight_decay, 
 def sma_central_update(
     z: torch.Tensor, z_prev: torch.Tensor, c: torch.Tensor, *, central_momentum: Hyper
 ) -> None:
-    """The central average model's update (docs/design-overview.md §2, step 3), in place.
-
-    ``z_new = z + c + μ_z·(z − z_prev)``; then ``z_prev ← z`` and ``z ← z_new``.
-
-    Args:
-        z: central average model, ``[P]``.
-        z_prev: its value before the previous update, ``[P]``.
-        c: sum of all learners' corrections over every device and process, ``[P]``.
-        central_momentum: μ_z, a number or a 0-dim float32 tensor on z's device.
-    """
+    """``z_new = z + c + μ_z·(z − z_prev)``, then ``z_prev ← z``, ``z ← z_new``, in place, with
+    ``z, z_prev, c [P]`` (c: the sum of every learner's correction) and μ_z =
+    ``central_momentum`` (docs/design-overview.md §2, step 3)."""
     P = z.shape[0]
     n = _block_columns(z.view(1, P), 1)
     for a in range(0, P, n):
@@ -191,13 +152,7 @@ def sma_central_update(
 
 
 class TorchSMAKernels:
-    """The SMA update backend in torch (a ``kernels.protocol.SMAKernels``): the oracle of the C
-    and Triton backends, and the CPU's backend when no C compiler is there.
-
-    ``local_update`` and ``central_update`` are ``sma_local_update`` and ``sma_central_update``;
-    the fused passes are the C backend's: ``central_update_shared`` declines (False) and
-    ``nonfinite_rows`` leaves the rows to the caller's torch test (None).
-    """
+    """The ``SMAKernels`` backend in torch: ``sma_local_update`` and ``sma_central_update``."""
 
     name = "torch"
     block = None
@@ -207,10 +162,10 @@ class TorchSMAKernels:
     @staticmethod
     def central_update_shared(zs: list[torch.Tensor], z_prevs: list[torch.Tensor],
                               parts: list[torch.Tensor], *, central_momentum: float) -> bool:
-        """No one-pass update here: False (the scheduler sums and updates in torch)."""
+        """Declined: False (the scheduler sums and updates in torch)."""
         return False
 
     @staticmethod
     def nonfinite_rows(g: torch.Tensor) -> list[int] | None:
-        """No row test here: None (engine/faults.py tests the rows in torch)."""
+        """Declined: None (engine/faults.py tests the rows in torch)."""
         return None

@@ -1,34 +1,7 @@
-"""SMA update kernels in Triton, emitted for a plan (docs/design-overview.md §2 steps 1–3, §4).
-
-Two kernels per plan:
-
-* ``sma_local`` — one launch per device per round: from ``W, V, G [m, P]`` and ``Z [P]`` it applies
-  each replica's local SGD step (torch.optim.SGD semantics: weight decay, momentum, Nesterov, the
-  first step copying d into the momentum buffer) and the correction ``c_j = α(ŵ_j − z)`` at the
-  pre-step point, writes ``W`` and ``V`` and the device sum ``acc_d = Σ_j c_j [P]``. Each program
-  owns one block of P columns and loops over the m replicas in registers: one pass over memory,
-  no atomics.
-* ``sma_central`` — ``z_new = z + C + μ_z(z − z_prev)``, ``z_prev ← z``.
-
-Tunings for CUDA (docs/kernels.md): the block fills the SMs (``default_block``); the loop over the
-m rows is unrolled up to ``UNROLL_MAX`` replicas and a run-time loop above, so the code stays
-small; the rows of W, V, G may be ``ROW_STRIDE`` apart (engine/state.py pads them to 32 elements
-on CUDA, so that they start 16-byte aligned whatever P is); full blocks run without a mask, so
-their accesses are 16-byte vectors, and only the last, partial block is masked.
-
-Emission: a kernel is specialised to a ``KernelSpec`` — m, P, the row stride, the gradients'
-dtype, the block and the options — which Triton receives as ``tl.constexpr`` compile-time
-constants, so each spec compiles to its own binary with the disabled branches removed. Emitted kernels are cached by spec
-(`emit`), and a plan lists the ones it runs (``Plan.kernels``); ``EmittedKernel.source`` prints
-what runs (the Triton source with its specialisation; on CUDA, after the first launch, the
-compiled TTIR/PTX in ``EmittedKernel.asm``).
-
-On CPU tensors the kernels run in Triton's interpreter (what ``TRITON_INTERPRET=1`` selects;
-slow, for tests). Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function,
-and ``triton.language`` decorates its own helpers (``tl.zeros``, ``tl.sum``…) when it is first
-imported; so the kernels below use only core builtins, and the emitter builds the interpreted
-function itself for CPU tensors: they run whether or not the variable was set, and whenever
-triton was imported. This module imports triton only when a kernel is first emitted.
+"""The SMA update kernels in Triton — ``sma_local`` (each replica's SGD step and correction,
+acc_d = Σ_j α(ŵ_j − z)) and ``sma_central`` (z ← z + C + μ_z(z − z_prev)) — specialised to a
+``KernelSpec``, emitted once and cached (docs/design-overview.md §2 steps 1–3, §4; the
+equations, tunings and the interpreter: docs/kernels.md). triton is imported at the first emit.
 """
 
 from __future__ import annotations
@@ -70,7 +43,7 @@ def import_triton() -> None:
     triton, tl = _triton, _tl
 
 
-# -- the Triton kernels (bodies use tl.* core builtins only; see the module docstring) ----------
+# -- the Triton kernels (bodies use tl.* core builtins only: docs/kernels.md, Backends) ----------
 
 def sma_local_kernel(
     w_ptr,  # [M, P] float32, rows ROW_STRIDE apart: replicas' parameters; read ŵ, written w
@@ -192,21 +165,9 @@ TARGET_PROGRAMS = 2 * 132  # CUDA: the grid default_block aims for (2 programs p
 
 
 def default_block(P: int, device_type: str) -> int:
-    """Columns per program for P parameters: a pure function of ``(P, device_type)``, so that
-    specs stay cacheable.
-
-    CUDA: the largest power of two in [128, 1024] whose grid ``ceil(P / BLOCK)`` has at least
-    ``TARGET_PROGRAMS`` = 264 programs (two per SM of a 132-SM H100/H200), else 128. The update is
-    memory-bound and a program runs on one SM, so a grid below the SM count leaves SMs, and the
-    bytes they would keep in flight, idle: at LeNet-5's P = 61,706, BLOCK 1024 gives 61
-    programs, BLOCK 128 gives 483; ResNet-32 (P = 464,154) keeps 1024 (454 programs). Each
-    thread holds 4 contiguous float32 (one 16-byte access) or, at 1024, 8
-    (``KernelSpec.num_warps``).
-
-    Interpreter (CPU): up to 8192, since its cost is per program, not per element.
-
-    Never more than P rounded up to a power of two (at least 16).
-    """
+    """Columns per program for P parameters, at most P rounded up to a power of two (≥ 16).
+    CUDA: the largest power of two in [128, 1024] whose grid has ≥ ``TARGET_PROGRAMS``
+    programs, else 128 (docs/kernels.md, CUDA tunings); the interpreter: up to 8192."""
     fit = 1 << max(0, P - 1).bit_length()  # P rounded up to a power of two
     if device_type == "cuda":
         block = 1024
@@ -223,19 +184,14 @@ class KernelSpec:
 
     Attributes:
         kind: ``"sma_local"`` or ``"sma_central"``.
-        m: replicas per device (rows of W; 1 for sma_central).
-        P: parameters per replica.
-        row_stride: elements from one row of W, V, G to the next (≥ P; P rounded up to a
-            multiple of 32 for the padded rows of CUDA devices, engine/state.py; P when m = 1 and
-            for sma_central). The pad columns are never read or written.
-        dtype: the gradients' dtype (the model's: float32, bfloat16 or float16); W, V, Z, acc are
-            float32 (the fp32 masters of a low-precision model).
+        m, P: rows of W (1 for sma_central) and parameters per replica.
+        row_stride: elements from one row of W, V, G to the next (≥ P).
+        dtype: the gradients' dtype (float32, bfloat16 or float16); W, V, Z, acc are float32.
         block: columns per program (power of two); the grid is ceil(P / block) programs.
         flags: ``(name, value)`` of each boolean constexpr (MOMENTUM, NESTEROV, …).
         device_type: ``"cuda"`` (compiled) or ``"cpu"`` (Triton's interpreter).
-        hyper_ptr: the run-time hyper-parameters (η, μ_l, λ, α; μ_z) are pointers to 0-dim
-            float32 tensors, loaded at every launch (constexpr ``HYPER_PTR``; what a CUDA graph
-            needs, since a number is frozen into a captured launch), instead of numbers.
+        hyper_ptr: η, μ_l, λ, α (μ_z) are pointers to 0-dim float32 tensors, loaded at every
+            launch (``HYPER_PTR``: docs/kernels.md, The two kernels), instead of numbers.
     """
 
     kind: str
@@ -250,9 +206,7 @@ class KernelSpec:
 
     @property
     def unroll(self) -> int:
-        """How many times the local kernel's loop over the m rows is unrolled: m up to
-        ``UNROLL_MAX`` (fully), else 1: fully unrolled, m = 64 compiles to 7.5× the cubin of m = 8
-        (508 against 68 KB with fp32 gradients, docs/kernels.md). The tail block never unrolls."""
+        """Unrolling of the loop over the m rows: m up to ``UNROLL_MAX``, else 1."""
         return self.m if self.m <= UNROLL_MAX else 1
 
     @property
@@ -276,8 +230,7 @@ class KernelSpec:
         return ((self.P + self.block - 1) // self.block,)
 
     def describe(self, launch: bool = True) -> str:
-        """One line: kind, m, P (and the row stride when it is not P), dtype, flags; with
-        ``launch``, the block and the grid too."""
+        """One line: kind, m, P, dtype, flags; with ``launch``, the block and the grid too."""
         flags = ", ".join(f"{k}={int(v)}" for k, v in self.flags if launch or k != "INT64")
         flags += ", HYPER_PTR=1" if self.hyper_ptr else ""
         dtype = str(self.dtype).removeprefix("torch.")
@@ -293,13 +246,8 @@ def local_spec(m: int, P: int, dtype: torch.dtype, device_type: str, *, momentum
                nesterov: bool, weight_decay: Hyper, first_step: bool, correct: bool,
                block: int | None = None, row_stride: int | None = None,
                hyper_ptr: bool = False) -> KernelSpec:
-    """The spec of the local kernel for these options (flags normalised: no momentum ⇒ no
-    Nesterov, no first step; ``row_stride`` None or m = 1 ⇒ P). A tensor ``momentum`` or
-    ``weight_decay`` turns its branch on (``torch_ref.is_on``); ``hyper_ptr``: see KernelSpec.
-
-    Raises:
-        ValueError: ``row_stride < P`` (rows would overlap).
-    """
+    """The spec of the local kernel for these options (no momentum ⇒ no Nesterov, no first
+    step; ``row_stride`` None or m = 1 ⇒ P). Raises ValueError when ``row_stride < P``."""
     stride = P if row_stride is None or m == 1 else row_stride
     if stride < P:
         raise ValueError(f"row_stride={stride} < P={P}: the rows of W, V, G would overlap; "
@@ -315,23 +263,16 @@ def local_spec(m: int, P: int, dtype: torch.dtype, device_type: str, *, momentum
 def central_spec(P: int, device_type: str, *, central_momentum: Hyper,
                  block: int | None = None, dtype: torch.dtype = torch.float32,
                  hyper_ptr: bool = False) -> KernelSpec:
-    """The spec of the central kernel (``dtype``: the masters', z's; ``hyper_ptr``: see
-    KernelSpec)."""
+    """The spec of the central kernel (``dtype``: z's)."""
     return KernelSpec("sma_central", 1, P, P, dtype, block or default_block(P, device_type),
                       (("MOMENTUM", is_on(central_momentum)),), device_type, bool(hyper_ptr))
 
 
 @dataclass(eq=False)
 class EmittedKernel:
-    """A Triton kernel emitted for one KernelSpec.
-
-    Attributes:
-        spec: its specialisation.
-        fn: the ``triton.jit`` function (CUDA) or Triton's ``InterpretedFunction`` (CPU).
-        launches: how many times it ran.
-        asm: on CUDA after the first launch, the compiled code by stage (``"ttir"``, ``"ttgir"``,
-            ``"llir"``, ``"ptx"``); empty in the interpreter.
-    """
+    """A Triton kernel emitted for one KernelSpec: ``fn`` the ``triton.jit`` function (CUDA) or
+    ``InterpretedFunction`` (CPU), ``launches`` its runs, ``asm`` the compiled code by stage
+    after the first CUDA launch (empty in the interpreter)."""
 
     spec: KernelSpec
     fn: Any
@@ -352,8 +293,7 @@ class EmittedKernel:
         return "\n".join(head) + "\n" + inspect.getsource(_BODIES[self.spec.kind])
 
     def launch(self, *args: Any, num_warps: int | None = None) -> None:
-        """Run the kernel on its grid with run-time ``args`` (pointers and scalars, in order;
-        the first a tensor on the device to run on); ``num_warps`` None: ``spec.num_warps``."""
+        """Run the kernel on its grid with run-time ``args`` (the first a tensor on its device)."""
         num_warps = num_warps or self.spec.num_warps
         if self.spec.device_type == "cuda":
             with torch.cuda.device(args[0].device):  # Triton launches on the current device
@@ -366,14 +306,9 @@ class EmittedKernel:
         self.launches += 1
 
     def lower(self, arch: int = 90, num_warps: int | None = None) -> dict[str, Any]:
-        """Compile this spec ahead of time for CUDA ``sm_<arch>`` — no GPU needed — and return
-        the code by stage (``"ttir"``, ``"ttgir"``, ``"llir"``, ``"ptx"``, ``"cubin"``);
-        ``num_warps`` None: ``spec.num_warps``, as ``launch``. ``cubin_resources`` reads the
-        cubin's registers and spills.
-
-        This is what the JIT builds on a GPU of that architecture: the pointers are declared
-        16-byte aligned, as the JIT specialises them for tensors torch allocates.
-        """
+        """Compile this spec for CUDA ``sm_<arch>`` without a GPU, pointers 16-byte aligned as
+        the JIT's: the code by stage (``"ttir"``, ``"ttgir"``, ``"llir"``, ``"ptx"``,
+        ``"cubin"``)."""
         num_warps = num_warps or self.spec.num_warps
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -402,14 +337,9 @@ class EmittedKernel:
 
 
 def cubin_resources(cubin: bytes) -> dict[str, int]:
-    """What a kernel's sm_<arch> cubin (``EmittedKernel.lower()["cubin"]``) uses per thread, read
-    by the ``cuobjdump -res-usage`` that ships with Triton (no GPU needed): ``"registers"``,
-    ``"stack_bytes"`` and ``"local_bytes"`` (both 0 when nothing spills), ``"shared_bytes"``
-    (per program).
-
-    Raises:
-        RuntimeError: cuobjdump fails or prints no resource line (its output in the message).
-    """
+    """A cubin's ``"registers"``, ``"stack_bytes"``, ``"local_bytes"`` per thread and
+    ``"shared_bytes"`` per program, from Triton's ``cuobjdump -res-usage`` (no GPU needed).
+    Raises RuntimeError when cuobjdump fails or prints no resource line."""
     import_triton()
     from triton import knobs
 
@@ -440,11 +370,7 @@ _FUNCTIONS: dict[tuple[str, str], Any] = {}
 
 
 def emit(spec: KernelSpec) -> EmittedKernel:
-    """The kernel for ``spec``, emitted once and cached (one compile per spec on CUDA).
-
-    Raises:
-        ImportError: triton is not installed (the message says how to install it).
-    """
+    """The kernel for ``spec``, emitted once and cached; ImportError without triton."""
     hit = _CACHE.get(spec)
     if hit is not None:
         return hit
@@ -476,16 +402,9 @@ def _check_master(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 def _hyper_args(device: torch.device, values: dict[str, Hyper],
                 optional: tuple[str, ...]) -> tuple[bool, list[Any]]:
-    """The kernel's hyper-parameter arguments: (whether they are pointers, the arguments).
-
-    All numbers: the numbers (as float32 scalars). Any tensor: every argument a 0-dim float32
-    tensor on ``device`` (``HYPER_PTR``); an ``optional`` one given as the number 0 is compiled
-    out and receives another argument's pointer, unread.
-
-    Raises:
-        TypeError: a tensor that is not 0-dim float32 on ``device``; a number other than 0
-            among tensors (or 0 where the kernel reads it).
-    """
+    """(whether the hyper-parameters are pointers, the kernel's arguments): numbers, or 0-dim
+    float32 tensors on ``device`` once any is one (an ``optional`` number 0 gets an unread
+    pointer). Raises TypeError for another tensor, or a number among tensors."""
     tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
     if not tensors:
         return False, [float(v) for v in values.values()]
@@ -506,12 +425,8 @@ def _hyper_args(device: torch.device, values: dict[str, Hyper],
 
 
 def _row_stride(rows: dict[str, torch.Tensor]) -> int:
-    """The one row stride (elements) of the ``[m, P]`` tensors ``rows`` (W, and V, G when read):
-    each row unit-stride, the rows equally far apart and not overlapping; P when m = 1.
-
-    Raises:
-        ValueError: a row is not unit-stride, the rows overlap, or the strides differ.
-    """
+    """The one row stride of the ``[m, P]`` tensors ``rows`` (P when m = 1). Raises ValueError
+    when a row is not unit-stride, the rows overlap, or the strides differ."""
     m, P = next(iter(rows.values())).shape
     for name, t in rows.items():
         if P > 1 and t.stride(1) != 1:
@@ -530,20 +445,14 @@ def _row_stride(rows: dict[str, torch.Tensor]) -> int:
 
 
 class TritonSMAKernels:
-    """The SMA update backend in Triton (a ``kernels.protocol.SMAKernels``): ``local_update`` and
-    ``central_update`` with the signatures and semantics of ``sma_local_update``/``sma_central_update``
-    (kernels/torch_ref.py), each one kernel launch (docs/design-overview.md §4); the fused passes
-    of the C backend decline (``central_update_shared`` False, ``nonfinite_rows`` None). CUDA
-    tensors run compiled kernels; CPU tensors run them in Triton's interpreter (slow; for tests).
-
-    Args:
-        block: columns per program; None picks ``default_block(P, device)``.
+    """The ``SMAKernels`` backend in Triton: each update one launch, compiled on CUDA, in
+    Triton's interpreter on CPU tensors (docs/kernels.md, Backends). ``block``: columns per
+    program (None: ``default_block``).
 
     Raises (from the methods):
         ImportError: triton is not installed.
-        TypeError: W, V, Z, acc are not float32 (G may be float32/bfloat16/float16), or a
-            shape is not ``[m, P]``/``[P]``; Z, acc (and the central update's tensors) are not
-            contiguous.
+        TypeError: W, V, Z, acc are not float32 (G float32/bfloat16/float16), a shape is not
+            ``[m, P]``/``[P]``, or Z, acc are not contiguous.
         ValueError: the rows of W, V, G are not unit-stride, or not one row stride ≥ P apart.
     """
 
@@ -559,13 +468,8 @@ class TritonSMAKernels:
                      z: torch.Tensor | None, *, lr: Hyper, momentum: Hyper, nesterov: bool,
                      weight_decay: Hyper, alpha: Hyper, first_step: bool = False,
                      out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """See ``crossbow_graph.kernels.torch_ref.sma_local_update`` (the oracle): ``w, v, g [m, P]``,
-        ``z [P]`` or None; returns ``acc [P]`` float32 (in ``out`` when given), or None without a
-        correction. The rows of w, v, g may be further apart than P (one shared ``stride(0)``,
-        e.g. ``[:, :P]`` of the padded ``[m, P_pad]`` buffers of engine/state.py); each row must be
-        unit-stride. ``lr``, ``momentum``, ``weight_decay``, ``alpha`` may be 0-dim float32
-        tensors on w's device, loaded by the kernel at every launch (``_hyper_args``: then every
-        one it reads must be; the number 0 compiles a branch out)."""
+        """``torch_ref.sma_local_update`` in one launch; the rows of ``w, v, g`` may be one
+        shared ``stride(0)`` ≥ P apart, and the hyper-parameters 0-dim float32 tensors."""
         m, P = w.shape
         has_mom = is_on(momentum)
         rows = {"w": w, "v": v, "g": g} if has_mom else {"w": w, "g": g}
@@ -598,9 +502,7 @@ class TritonSMAKernels:
     @torch.no_grad()
     def central_update(self, z: torch.Tensor, z_prev: torch.Tensor, c: torch.Tensor, *,
                        central_momentum: Hyper) -> None:
-        """See ``crossbow_graph.kernels.torch_ref.sma_central_update``: ``z, z_prev, c [P]``
-        float32; ``central_momentum`` a number or a 0-dim float32 tensor on z's device (loaded
-        at every launch)."""
+        """``torch_ref.sma_central_update`` in one launch (``z, z_prev, c [P]`` float32)."""
         P = z.shape[0]
         for name, t in (("z", z), ("z_prev", z_prev), ("c", c)):
             _check_master(name, t, (P,))
@@ -613,11 +515,10 @@ class TritonSMAKernels:
     @staticmethod
     def central_update_shared(zs: list[torch.Tensor], z_prevs: list[torch.Tensor],
                               parts: list[torch.Tensor], *, central_momentum: float) -> bool:
-        """No one-pass update of several devices' z: False (the scheduler sums in torch and
-        calls ``central_update``)."""
+        """Declined: False (the scheduler sums in torch and calls ``central_update``)."""
         return False
 
     @staticmethod
     def nonfinite_rows(g: torch.Tensor) -> list[int] | None:
-        """No row test in Triton: None (engine/faults.py tests the rows in torch)."""
+        """Declined: None (engine/faults.py tests the rows in torch)."""
         return None

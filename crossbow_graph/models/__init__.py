@@ -1,9 +1,5 @@
-"""Model zoo: the models of the CROSSBOW paper, each traceable by torch.fx.
-
-``MODELS`` maps a name to a factory; ``INPUT_SHAPES`` maps the same name to the shape of one
-input sample (without the batch dimension), which ``crossbow-graph inspect`` uses to build an
-example batch.
-"""
+"""Model zoo: ``MODELS`` (name → factory) and ``INPUT_SHAPES`` (name → one sample's shape) of the
+models of the CROSSBOW paper, each traceable by torch.fx (docs/compiler.md §7)."""
 
 from __future__ import annotations
 
@@ -35,22 +31,14 @@ INPUT_SHAPES: dict[str, tuple[int, ...]] = {
 
 
 def get_model(name: str, **kwargs) -> nn.Module:
-    """A new model of the zoo by name (see ``MODELS``).
-
-    Raises:
-        ValueError: an unknown name; the message lists the known ones.
-    """
+    """A new model of the zoo by name; ValueError listing the known names for another."""
     if name not in MODELS:
         raise ValueError(f"unknown model '{name}'; the zoo has: {', '.join(sorted(MODELS))}")
     return MODELS[name](**kwargs)
 
 
 def input_shape(name: str) -> tuple[int, ...]:
-    """The shape of one input sample of zoo model ``name``, without the batch dimension.
-
-    Raises:
-        ValueError: an unknown name; the message lists the known ones.
-    """
+    """One input sample's shape of zoo model ``name``; ValueError listing the known names."""
     if name not in INPUT_SHAPES:
         raise ValueError(f"unknown model '{name}'; the zoo has: {', '.join(sorted(INPUT_SHAPES))}")
     return INPUT_SHAPES[name]

@@ -8,11 +8,8 @@ __all__ = ["LeNet5", "lenet5"]
 
 
 class LeNet5(nn.Module):
-    """LeNet-5 for 1×28×28 inputs: conv(6, 5×5, pad 2) → pool → conv(16, 5×5) → pool → 120 → 84 → classes.
-
-    ReLU activations and max pooling. 61,706 parameters with 10 classes.
-    Input ``[N, 1, 28, 28]``; output ``[N, num_classes]`` logits.
-    """
+    """LeNet-5, conv(6, 5×5, pad 2) → pool → conv(16, 5×5) → pool → 120 → 84 → classes, ReLU and
+    max pooling: ``[N, 1, 28, 28]`` → ``[N, num_classes]`` logits (docs/compiler.md §7)."""
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1) -> None:
         super().__init__()

@@ -10,10 +10,8 @@ __all__ = ["CifarResNet", "ResNet50", "resnet32", "resnet50"]
 
 
 class _PadShortcut(nn.Module):
-    """Option A shortcut (He et al. 2016, §4.2): stride-2 subsampling and zero channel padding.
-
-    Input ``[N, C, H, W]``; output ``[N, C + 2·pad, H/2, W/2]``. It has no parameters.
-    """
+    """Option A shortcut (He et al. 2016, §4.2), stride-2 subsampling and zero channel padding:
+    ``[N, C, H, W]`` → ``[N, C + 2·pad, H/2, W/2]``, no parameters."""
 
     def __init__(self, pad: int) -> None:
         super().__init__()
@@ -43,11 +41,8 @@ class _BasicBlock(nn.Module):
 
 
 class CifarResNet(nn.Module):
-    """ResNet-(6n+2) for 3×32×32 inputs (He et al. 2016, §4.2): 16/32/64 filters, n blocks each.
-
-    n = 5 is ResNet-32: 464,154 parameters with 10 classes ("0.46M", He et al. 2016, Table 6).
-    Input ``[N, 3, 32, 32]``; output ``[N, num_classes]`` logits.
-    """
+    """ResNet-(6n+2) (He et al. 2016, §4.2): 16/32/64 filters, n blocks each; n = 5 is ResNet-32.
+    ``[N, 3, 32, 32]`` → ``[N, num_classes]`` logits (docs/compiler.md §7)."""
 
     def __init__(self, n: int = 5, num_classes: int = 10) -> None:
         super().__init__()
@@ -99,11 +94,8 @@ class _Bottleneck(nn.Module):
 
 
 class ResNet50(nn.Module):
-    """ResNet-50 for 3×224×224 ImageNet inputs (He et al. 2016, Table 1; stride on the 3×3 conv).
-
-    25,557,032 parameters with 1000 classes ("25.6M"). Input ``[N, 3, 224, 224]``; output
-    ``[N, num_classes]`` logits.
-    """
+    """ResNet-50 (He et al. 2016, Table 1; stride on the 3×3 conv): ``[N, 3, 224, 224]`` →
+    ``[N, num_classes]`` logits (docs/compiler.md §7)."""
 
     def __init__(self, num_classes: int = 1000) -> None:
         super().__init__()

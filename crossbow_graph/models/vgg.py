@@ -14,13 +14,9 @@ VGG16_CONFIG = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "
 
 
 class VGG16BN(nn.Module):
-    """VGG-16 (13 convolutions, each followed by BatchNorm2d and ReLU) for 3×32×32 inputs.
-
-    Classifier: dropout → Linear(512, 512) → BatchNorm1d → ReLU → dropout → Linear(512, classes).
-    The 13 convolutions hold 14,714,688 parameters, exactly those of the published ImageNet VGG-16
-    (138,357,544 parameters minus its three fully-connected layers); with 100 classes the model has
-    15,038,116 parameters. Input ``[N, 3, 32, 32]``; output ``[N, num_classes]`` logits.
-    """
+    """VGG-16, 13 convolutions each followed by BatchNorm2d and ReLU, classifier dropout →
+    Linear(512, 512) → BatchNorm1d → ReLU → dropout → Linear(512, classes): ``[N, 3, 32, 32]`` →
+    ``[N, num_classes]`` logits (parameter counts: docs/compiler.md §7)."""
 
     def __init__(self, num_classes: int = 100, dropout: float = 0.5) -> None:
         super().__init__()

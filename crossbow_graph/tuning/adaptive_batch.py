@@ -1,7 +1,5 @@
-"""``AdaptiveBatchSize``: b kept at a fraction of the measured gradient noise scale, η following the
-batch by the gain of McCandlish et al. (2018) / AdaScale (docs/design-overview.md §5, Policies;
-docs/policies.md). Exported by ``crossbow_graph.tuning.policies`` with the other built-in policies.
-"""
+"""``AdaptiveBatchSize``: b kept at a fraction of the measured gradient noise scale, η following
+the batch (docs/policies.md, "Policy API")."""
 
 from __future__ import annotations
 
@@ -27,109 +25,39 @@ ADAPTIVE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim
 
 
 def lr_power(optimizer: torch.optim.Optimizer) -> float:
-    """The power p of a batch-size factor f applied to η (η ← η·f^p): 1 for SGD-like optimizers
-    (the linear rule), 1/2 for adaptive ones (``ADAPTIVE``: the square-root rule)."""
+    """The power p of a batch-size factor f applied to η (η ← η·f^p): 1/2 for ``ADAPTIVE``
+    optimizers, else 1."""
     return 0.5 if isinstance(optimizer, ADAPTIVE) else 1.0
 
 
 class AdaptiveBatchSize(Policy):
-    """Keep b at a fraction of the measured gradient noise scale B_noise (McCandlish et al. 2018),
-    in bounds, with η following the batch (the gain below).
-
-    *Batch size.* McCandlish et al. (2018, eq. 2.11) give the epochs and steps to a given loss at
-    a batch of B samples (each at its best step size) as E = E_min·(1 + B/B_noise) and
-    S = S_min·(1 + B_noise/B): a larger batch takes fewer, larger steps and pays in epochs. With
-    c = ``epoch_overhead`` the policy keeps the round's B = k·b (the samples the central
-    model's update averages, the two-batch estimator's large batch) at most c·B_noise, i.e.
-    E ≤ (1 + c)·E_min, and above c·B_noise/``factor``: after each metrics window with a
-    noise-scale estimate, b is multiplied by ``factor`` when ``factor``·k·b ≤ c·B_noise, and
-    divided by it (``shrink``, default on) when k·b > c·B_noise; always within
-    [``min_batch_size``, ``max_batch_size``]. B_noise grows as training proceeds, so b grows
-    with it. ``epoch_overhead=1`` is the critical batch (E = 2·E_min, S = 2·S_min); the default
-    1/8 spends at most 12.5 % more epochs than E_min. A change is taken only when the estimate
-    has *settled*:
-
-    * at least ``settle_windows`` windows whose estimate entered the EMAs since the fit started
-      or since the last change (one time constant of the monitor's EMA decay a is
-      ⌈1/(1 − a)⌉). The count is in windows, i.e. rounds, so each b gets the same number of SGD
-      steps before the next change;
-    * at least ``cooldown_epochs`` of training samples since the last change.
-
-    *Hardware efficiency* (opt-in, ``min_speedup``). Fewer, larger steps pay only if a larger
-    batch runs more samples per second. With ``min_speedup`` a growth waits until
-    ``speed_windows`` windows at the current b (after its warm-up window) give a baseline, and is
-    then on trial: after one warm-up window at the new b (it includes the re-plan) the median
-    samples/s of the next ``speed_windows`` windows is compared with the baseline's median. A
-    gain ≤ ``min_speedup`` returns to the previous b, which becomes ``max_batch_size``; η
-    returns with it (by the gain's or the linear factor), keeping any drop made meanwhile.
-    Windows compare only at the same b, k, m and τ (as the windows' records give them): if
-    another policy changes one of them during a trial, it ends without a verdict (a switch of the
-    learner mode at the same m is not detected). A trial left open at the end of a fit is judged
-    in the next fit on the same plan. Under torchrun every rank runs the rule on its own clock and
-    rank 0's decision is broadcast; another rank's bound and log may then differ from rank 0's.
-    The decision reads a clock, so such a fit is not bit-identical from run to run.
-
-    *Learning rate* (``scale_lr``). The user's η is taken as right at a reference batch B₀
-    (``reference_batch`` samples per round; default: k·b at the fit's start). By default
-    (``"gain"``) η is multiplied by the gain r = (1 + B_noise/B₀)/(1 + B_noise/B) at the round's
-    B = k·b: the ratio of the best step sizes ε_opt(B) = ε_max/(1 + B_noise/B) at B and at B₀
-    (McCandlish et al. 2018, eq. 2.7), AdaScale's gain (Johnson et al. 2020, with B_noise for
-    its variance-to-gradient ratio). r lies between 1 and B/B₀: near 1 where the noise is small
-    against B₀, B/B₀ (the linear scaling rule) where it dominates. It is set after every window
-    with an estimate, from the ``gain_windows``-th of each fit on, and at every change of b: η
-    is multiplied by r_new/r_old, so a change another policy makes by a factor (a schedule's
-    drop) composes; a policy that sets η outright should include the gain (``policy.gain``).
-    A policy object reused on another plan starts again at r = 1 with its bounds re-derived.
-    Without a schedule nothing decays η: the gain raises it as B_noise grows, up to B/B₀.
-    ``"linear"`` (or True) scales η by the factor of each change of b (η/b constant, Goyal et
-    al. 2017); ``"none"`` (or False) keeps η, so a growing b lowers the SGD noise temperature η/b
-    as a learning-rate decay would (Smith et al. 2018, "Don't decay the learning rate, increase
-    the batch size").
-
-    *Per optimizer family* (``lr_power``): the factors above (the gain's ratio, the linear
-    factor) apply as they are to SGD-like optimizers (SGD, ASGD, Rprop; the step is η times the
-    gradient) and as their square root to adaptive ones (Adam, AdamW, Adamax, NAdam, RAdam,
-    RMSprop, Adagrad, Adadelta, Adafactor), whose step is normalised by the gradient's second
-    moment: the square-root rule of Malladi et al. (2022, "On the SDEs and scaling rules for
-    adaptive gradient algorithms") and AdaptDL's AdamScale (Qiao et al., OSDI 2021).
-
-    A fit that starts with b outside the bounds moves it to the nearer bound before the first
-    round. The change re-plans the learners and re-checks the memory bound (a batch that does not
-    fit is not taken, and ``max_batch_size`` drops to the last that fit). Data stay disjoint: rounds
-    take the next k·b positions of the epoch's order. The policy's state (bounds, windows and
-    samples since the last change, the gain in η) is checkpointed; b and η themselves are part
-    of the plan's checkpoint (``fit(checkpoint_dir=..., resume=True)`` continues at them).
-    docs/policies.md gives the measured effect on W1.
+    """Keep the round's B = k·b in (c·B_noise/``factor``, c·B_noise], c = ``epoch_overhead``,
+    within [``min_batch_size``, ``max_batch_size``], with η times the gain
+    r = (1 + B_noise/B₀)/(1 + B_noise/B) (docs/policies.md, "Policy API"; McCandlish et
+    al. 2018, eqs. 2.7 and 2.11; AdaScale, Johnson et al. 2020).
 
     Args:
         min_batch_size: smallest b (≥ 1); None: 4, or the b the fit starts with if smaller.
         max_batch_size: largest b (≥ min).
-        factor: multiplicative step (> 1), 2 by default.
+        factor: multiplicative step of b (> 1).
+        epoch_overhead: c > 0: E ≤ (1 + c)·E_min.
         cooldown_epochs: epochs of samples to wait after a change (> 0).
-        settle_windows: metrics windows (that updated the noise-scale EMAs) to wait at the start
-            and after a change (≥ 1, default 3); None: ⌈1/(1 − ema)⌉ of the fit's MetricsMonitor
-            (10 for its default ema = 0.9).
-        scale_lr: ``"gain"`` (default): η times the gain r(k·b) against ``reference_batch``;
-            ``"linear"`` (True): η scaled by each change's factor; ``"none"`` (False): η kept.
-        reference_batch: B₀, the samples per round (k·b) at which the fit's η is right (≥ 1);
-            None: k·b at the fit's start. The CLI passes 256 with its default AdamW η (0.008).
+        settle_windows: metrics windows that updated the noise-scale EMAs to wait at the start
+            and after a change (≥ 1); None: ⌈1/(1 − ema)⌉ of the fit's MetricsMonitor.
+        scale_lr: ``"gain"``: η·r; ``"linear"`` (True): η times each change's factor;
+            ``"none"`` (False): η kept. Adaptive optimizers take the square root (``lr_power``).
+        reference_batch: B₀, samples per round at which the fit's η is right (≥ 1); None: k·b
+            at the fit's start.
         gain_windows: windows with a noise-scale estimate before the gain first applies (≥ 1).
-        epoch_overhead: c > 0, the bound on k·b as a fraction of B_noise (the extra epochs over
-            McCandlish's E_min allowed; default 0.125: E ≤ 1.125·E_min).
-        shrink: also halve b (divide by ``factor``) when k·b > c·B_noise.
-        min_speedup: keep a growth of b only if it raised samples/s by more than this fraction
-            (e.g. 0.1, the replica auto-tuner's ``AutoTune.threshold``); else return to the
-            previous b, which becomes ``max_batch_size``. None (default): keep every growth;
-            decisions depend on the noise scale alone. See "Hardware efficiency" above.
-        speed_windows: metrics windows at the new b whose samples/s decide (after one warm-up
-            window, which includes the re-plan), compared with the median of the windows at
-            the previous b since its own warm-up (≥ 1).
+        shrink: also divide b by ``factor`` when k·b > c·B_noise.
+        min_speedup: keep a growth of b only if samples/s rose by more than this fraction, else
+            return to the previous b, the new ``max_batch_size``; None: keep every growth.
+        speed_windows: windows at the new b (after one warm-up window) whose median samples/s
+            decides (≥ 1).
 
     Raises:
-        ValueError: bounds, factor, epoch_overhead, cooldown, settle_windows, scale_lr, reference_batch,
-            gain_windows, shrink, min_speedup or speed_windows out of range; at the start of a
-            fit without a metrics monitor (``fit(metrics_every=None)``), or with k = 1 learner
-            and no replica auto-tuner (the noise-scale estimate needs k ≥ 2).
+        ValueError: an argument out of range; at the start of a fit without a metrics monitor
+            (``fit(metrics_every=None)``), or with k = 1 learner and no replica auto-tuner.
     """
 
     min_learners = 2  # the two-batch noise-scale estimate (or the replica auto-tuner)
@@ -266,8 +194,7 @@ class AdaptiveBatchSize(Policy):
         self._into_bounds(ctx)
 
     def _into_bounds(self, ctx: FitContext) -> None:
-        """A fit that starts with b outside [min_batch_size, max_batch_size] moves b to the nearer
-        bound before its first round (η unchanged: the gain applies once it is measured)."""
+        """Move a starting b outside the bounds to the nearer bound."""
         b = ctx.plan.batch_size
         inside = min(max(b, self.min_batch_size or 1), self.max_batch_size)
         if inside == b:
@@ -281,8 +208,8 @@ class AdaptiveBatchSize(Policy):
         self._changed(ctx)
 
     def _judge_growth(self, ctx: FitContext) -> bool:
-        """With a growth on trial and ``speed_windows`` windows measured at the new b: keep it, or
-        return to the previous b (which becomes ``max_batch_size``). True: b was returned."""
+        """Judge a growth on trial once ``speed_windows`` windows ran at the new b; True: b
+        was returned."""
         trial = self._trial
         if trial is None or len(self._speeds) < self.speed_windows:
             return False
@@ -310,11 +237,8 @@ class AdaptiveBatchSize(Policy):
         self._windows = 0  # the speeds restart at the next window, whose setting differs
 
     def gain_at(self, batch: int, noise_scale: float | None) -> float:
-        """The gain r of η at ``batch`` = k·b samples per round for a B_noise estimate (samples;
-        None: EMA(|G|²) ≤ 0, the noise dominates, read as B_noise → ∞):
-        r = (1 + B_noise/B₀)/(1 + B_noise/B), B₀ = ``reference_batch``. It is the ratio of
-        McCandlish et al.'s (2018, eq. 2.7) best step sizes ε_opt(B) = ε_max/(1 + B_noise/B) at B
-        and at B₀, AdaScale's gain (Johnson et al. 2020); it lies between 1 and B/B₀."""
+        """The gain r = (1 + B_noise/B₀)/(1 + B_noise/B) of η at B = ``batch`` samples per
+        round, B₀ = ``reference_batch`` (``noise_scale`` None: B_noise → ∞, r = B/B₀)."""
         ref = self.reference_batch
         if noise_scale is None:
             return batch / ref

@@ -1,20 +1,6 @@
-"""The replica auto-tuner's decisions from measured throughput (docs/runtime.md, "The
-auto-tuner"): numbers in, steps out, no clock and no plan, so that tests drive it with numbers.
-
-A window's throughput is a ``Measurement``: the samples/s of its sub-windows (consecutive runs of
-rounds), summarised by their median and the interval of that median, median ± 1.58·IQR/√n over
-n sub-windows (the notch of a box plot: McGill, Tukey and Larsen, "Variations of box plots",
-The American Statistician 32(1), 1978; two medians whose notches do not overlap differ at about
-the 95 % level). A step counts only when it clears the threshold and the intervals of both
-windows (``exceeds``): on a busy host one window can read well above or below the
-configuration's speed, and a rule that compares single numbers follows that noise. When the
-outcome is open (the new interval still reaches the threshold), the same configuration is
-measured again, up to ``repeats`` more windows pooled into one Measurement (n grows, the
-interval narrows), and then the step is taken as no gain. Each configuration is measured over
-``windows`` windows, whose medians' distance widens the spread (a load that changes between
-windows moves whole windows). A step that gains is a candidate until the configuration before it
-is measured again and is slower than it too (A B A, as benchmarks interleave).
-"""
+"""The replica auto-tuner's decisions from measured throughput: numbers in, steps out, no clock
+and no plan (docs/runtime.md, "The auto-tuner"; the notch: McGill, Tukey and Larsen,
+"Variations of box plots", The American Statistician 32(1), 1978)."""
 
 from __future__ import annotations
 
@@ -37,14 +23,9 @@ HELD_WINDOWS = 8  # while holding, the reference pools the last this many window
 
 @dataclass(frozen=True)
 class Measurement:
-    """Throughput of one configuration over one or more windows.
-
-    Attributes:
-        rates: samples/s of each sub-window, in order (pooled windows one after the other).
-        windows: how many measurement windows the rates come from.
-        window_medians: each window's median samples/s (default: the median of ``rates``, for
-            one window).
-    """
+    """Throughput of one configuration: ``rates`` (samples/s of each sub-window, pooled windows
+    one after the other) from ``windows`` windows whose medians are ``window_medians``
+    (default: the median of ``rates``)."""
 
     rates: tuple[float, ...]
     windows: int = 1
@@ -62,10 +43,8 @@ class Measurement:
 
     @property
     def spread(self) -> float:
-        """Half the width of the median's interval, samples/s: the wider of the sub-windows'
-        notch, 1.58·IQR/√n (IQR: their interquartile range; 0 for one sub-window), and half the
-        range of the windows' medians (a load that changes between windows moves whole windows,
-        which the sub-windows of one window do not show)."""
+        """Half the width of the median's interval, samples/s: max(1.58·IQR/√n over the n
+        sub-windows, half the range of the windows' medians)."""
         n = len(self.rates)
         notch = 0.0
         if n > 1:
@@ -101,27 +80,20 @@ class Measurement:
 
 
 def sub_window_rates(samples: Sequence[int], seconds: Sequence[float], parts: int) -> tuple[float, ...]:
-    """samples/s of ``parts`` consecutive runs of rounds, as equal in rounds as can be.
-
-    Args:
-        samples: training samples of each round of a window.
-        seconds: training seconds of each round (> 0 in sum over any run).
-        parts: sub-windows wanted (fewer when the window has fewer rounds).
-    """
+    """samples/s of ``parts`` (at most one per round) consecutive runs of a window's rounds, as
+    equal in rounds as can be, from each round's ``samples`` and training ``seconds``."""
     runs = np.array_split(np.arange(len(samples)), min(parts, len(samples)))  # the first runs longer
     return tuple(sum(samples[i] for i in run) / sum(seconds[i] for i in run) for run in runs)
 
 
 def exceeds(a: Measurement, b: Measurement, threshold: float) -> bool:
-    """Whether ``a`` is faster than ``b`` by more than ``threshold`` (a fraction) and beyond the
-    spread of both: median(a) > (1 + threshold)·median(b), and the intervals of the medians do
-    not overlap (``a.low > b.high``)."""
+    """median(a) > (1 + ``threshold``)·median(b) and ``a.low > b.high``."""
     return a.samples_per_s > (1 + threshold) * b.samples_per_s and a.low > b.high
 
 
 def verdict(new: Measurement, ref: Measurement, threshold: float) -> str:
-    """``"gain"`` (``exceeds(new, ref, threshold)``), ``"open"`` (no gain shown, but the upper
-    end of ``new``'s interval reaches the threshold: noise may hide one) or ``"none"``."""
+    """``"gain"`` (``exceeds``), ``"open"`` (``new.high`` still reaches the threshold) or
+    ``"none"``."""
     if exceeds(new, ref, threshold):
         return "gain"
     return "open" if new.high > (1 + threshold) * ref.samples_per_s else "none"
@@ -136,9 +108,8 @@ class Setting(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """What the rule decided on a window: ``steps`` (action, next m, next mode), in order, the
-    last one the configuration to run (empty: nothing to record); ``measured``: the (pooled)
-    measurement they rest on."""
+    """``steps`` (action, next m, next mode) decided on a window, the last one the configuration
+    to run, and the (pooled) measurement they rest on."""
 
     steps: list[tuple[str, int, str]]
     measured: Measurement
@@ -146,24 +117,19 @@ class Decision(NamedTuple):
 
 class TuningRule:
     """The auto-tuner's state machine: grow m while each step gains, try the other learner mode,
-    hold, re-probe on a drift (tuning/autotune.py's docstring gives the rule).
+    hold, re-probe on a drift (docs/runtime.md, "The auto-tuner").
 
     Args:
         threshold: relative gain that counts (0.10 = 10 %).
-        repeats: windows of the same configuration measured again, pooled, while the outcome is
-            open (then it counts as no gain).
-        windows: windows of each configuration, pooled, before a step is decided (≥ 1): with two
-            or more, the spread includes how far the windows' medians lie apart.
-        reprobe: re-probe when ``DRIFT_WINDOWS`` windows in a row while holding are off the
-            reference in the same direction.
+        repeats: more windows of a configuration whose outcome is open, pooled.
+        windows: windows of each configuration, pooled, before a step is decided (≥ 1).
+        reprobe: re-probe after ``DRIFT_WINDOWS`` held windows in a row off on one side.
         try_other_mode: measure the other learner mode once, after growing.
 
     Attributes:
-        phase: ``"grow"``, ``"mode"`` (measuring the other learner mode) or ``"hold"``.
+        phase: ``"grow"``, ``"confirm"``, ``"mode"`` or ``"hold"``.
         best: (Measurement, m, mode) of the best configuration so far, or None.
-        held: the Measurement that holding compares with: the windows held that were not off
-            (the last ``HELD_WINDOWS``), pooled, from the first one held on (not the window that
-            won its step, which was picked for being high); None until then.
+        held: the pooled held windows that holding compares with, or None.
     """
 
     def __init__(self, *, threshold: float, repeats: int, reprobe: bool,
@@ -187,14 +153,8 @@ class TuningRule:
         self._open = None
 
     def decide(self, window: Measurement, at: Setting, *, bound: int, fused_ok: bool) -> Decision:
-        """The steps after ``window``, measured at ``at``.
-
-        Args:
-            window: the window's measurement.
-            at: the configuration it measured.
-            bound: the most replicas per device (memory and ``max_replicas``).
-            fused_ok: whether fused learners can run the model.
-        """
+        """The steps after ``window``, measured at ``at``, with at most ``bound`` replicas per
+        device and ``fused_ok`` whether fused learners can run the model."""
         if self.phase == "hold":
             return self._hold(window, at)
         measured = window
@@ -242,16 +202,13 @@ class TuningRule:
 
     def _to_confirm(self, measured: Measurement, at: Setting,
                     came_from: str) -> list[tuple[str, int, str]]:
-        """``at`` read faster than ``best``: measure ``best`` again before it counts (A B A: a
-        load that eased while ``at`` ran, or weighed on ``best``'s windows, is seen)."""
+        """``at`` read faster than ``best``: measure ``best`` again before it counts (A B A)."""
         self._candidate, self.phase = (measured, at, came_from), "confirm"
         return [("confirm", self.best[1], self.best[2])]
 
     def _confirm(self, again: Measurement, bound: int,
                  fused_ok: bool) -> list[tuple[str, int, str]]:
-        """``best`` measured again (``again``): the candidate counts if it is faster than this
-        too (by the threshold for a new m, beyond the spreads for another learner mode); then
-        growing goes on from it, else ``best`` is settled on."""
+        """The candidate counts if it also beats ``best`` measured ``again``."""
         (cand, at, came_from), self._candidate = self._candidate, None
         theta = self.threshold if came_from == "grow" else 0.0
         m, mode = self.best[1], self.best[2]
@@ -306,8 +263,7 @@ class TuningRule:
         return [("hold", m, mode)]
 
     def state_dict(self) -> dict:
-        """The phase, best and held measurements and whether the other mode was tried (plain
-        data)."""
+        """The rule's state as plain data."""
         best = None if self.best is None else [self.best[0].as_list(), self.best[1], self.best[2]]
         cand = None if self._candidate is None else [
             self._candidate[0].as_list(), list(self._candidate[1]), self._candidate[2]]

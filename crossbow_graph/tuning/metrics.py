@@ -1,39 +1,5 @@
-"""Monitored metrics of a running fit (docs/design-overview.md §5, Policies; Mai et al. 2019 "Taming
-Hyper-parameters in Deep Learning Systems"; McCandlish et al. 2018 "An Empirical Model of
-Large-Batch Training", appendix A.1).
-
-Every ``every`` rounds (a *window*) ``MetricsMonitor`` appends one ``MetricRecord`` to
-``History.metrics``: samples/s and mean training loss over the window, learning rate, b, m, α, τ,
-replica divergence ‖w_j − z‖ / ‖z‖ (mean and max over the k replicas), and the gradient noise
-scale B_noise from McCandlish's two-batch estimator. Evaluations of z fill ``test_accuracy`` of
-the next record.
-
-The noise scale: after LEARN, learner j's loss gradient on its own batch of b samples is
-``g[j]`` (``g [m, P]`` per device); these are the small batches, their mean over the k learners
-the large one of B = k·b samples::
-
-    |G|²  ≈ (B·|G_B|² − b·|G_b|²) / (B − b)        |G_b|² = mean_j |g_j|²,  G_B = mean_j g_j
-    tr Σ  ≈ (|G_b|² − |G_B|²) / (1/b − 1/B)
-    B_noise = EMA(tr Σ) / EMA(|G|²)                  (samples)
-
-Each window's estimates of |G|² and tr Σ are the means over its last R rounds (``measure_rounds``,
-10 by default) of the single-round estimates: one round's estimate from k small batches is very
-noisy, and the mean of R divides its variance by R (late in training |G|² is so small that some
-windows still come out ≤ 0). Both terms are then averaged over windows with exponential moving
-averages (bias-corrected, as Adam does) before the ratio (McCandlish et al. 2018, A.1).
-``warmup_windows=W`` (opt-in, default 0) keeps the first W windows of training out of those
-averages (their records have no ``noise_scale``): the first is taken straight after the random
-initialisation and can be far off. The learners hold slightly different replicas ŵ_j (SMA keeps
-them close to z): the estimator treats them as one point, as KungFu does. docs/policies.md gives
-the estimator's measured noise and its effect on AdaptiveBatchSize.
-
-Cost, on the R measured rounds of a window only: one pass over ``g`` per device (two reductions
-``[m, P] → [P]`` and ``[m]``), and one over ``w`` at the window's end (divergence). ``g`` must hold
-that round's gradients when it is read: the process executor's workers start learning round t+1
-(overwriting ``g``) while round t's hooks run, so the trainer asks ``wants_gradients`` and runs a
-measured round without that overlap (``bench/metrics_cost.py`` measures the cost;
-docs/policies.md quotes it).
-"""
+"""Monitored metrics of a running fit: samples/s, loss, divergence and the gradient noise scale
+B_noise per window (docs/policies.md, "Metrics"; McCandlish et al. 2018, appendix A.1)."""
 
 from __future__ import annotations
 
@@ -52,13 +18,8 @@ __all__ = ["NoiseScaleEstimate", "two_batch_estimate", "gradient_moments", "dive
 
 @dataclass(frozen=True, kw_only=True)
 class NoiseScaleEstimate:
-    """One two-batch estimate (McCandlish et al. 2018, eq. A.1–A.3).
-
-    Attributes:
-        grad_sq: estimate of |G|², the squared norm of the true gradient (may be < 0).
-        trace_sigma: estimate of tr Σ, the per-sample gradient covariance's trace (per sample).
-        small_batch, large_batch: b and B = k·b, samples.
-    """
+    """One two-batch estimate (McCandlish et al. 2018, eqs. A.1–A.3): ``grad_sq`` |G|² (may be
+    < 0), ``trace_sigma`` tr Σ per sample, at ``small_batch`` b and ``large_batch`` B = k·b."""
 
     grad_sq: float
     trace_sigma: float
@@ -72,17 +33,9 @@ class NoiseScaleEstimate:
 
 
 def two_batch_estimate(small_sq_mean: float, large_sq: float, b: int, k: int) -> NoiseScaleEstimate:
-    """The two-batch estimator from |G_b|² (mean over the k small batches) and |G_B|².
-
-    Args:
-        small_sq_mean: mean over the k learners of |g_j|², g_j the mean gradient of b samples.
-        large_sq: |mean_j g_j|², the gradient of the B = k·b samples.
-        b: samples per small batch (≥ 1).
-        k: small batches (≥ 2).
-
-    Raises:
-        ValueError: k < 2 (with one learner B = b and the estimator is undefined).
-    """
+    """|G|² ≈ (B|G_B|² − b|G_b|²)/(B − b) and tr Σ ≈ (|G_b|² − |G_B|²)/(1/b − 1/B), B = k·b,
+    from ``small_sq_mean`` = mean_j |g_j|² and ``large_sq`` = |mean_j g_j|² over k small
+    batches of b samples. Raises ValueError when k < 2."""
     if k < 2:
         raise ValueError(f"the two-batch noise-scale estimator needs k ≥ 2 learners, got k={k}")
     big = k * b
@@ -93,12 +46,8 @@ def two_batch_estimate(small_sq_mean: float, large_sq: float, b: int, k: int) ->
 
 @torch.no_grad()
 def gradient_moments(states, exclude: set[tuple[int, int]] = frozenset()) -> tuple[float, float, int]:
-    """(mean_j |g_j|², |mean_j g_j|², k used) over every device's ``g [m, P]``, in float32.
-
-    ``exclude``: ``(device index, replica)`` pairs left out (replicas reset for NaN/Inf in the
-    round, whose ``g`` was zeroed). The per-device partial sums (``Σ_j g_j [P]`` and ``Σ_j |g_j|²``)
-    are what a multi-process run would all-reduce.
-    """
+    """(mean_j |g_j|², |mean_j g_j|², k used) over every device's ``g [m, P]``, in float32,
+    leaving out the ``(device index, replica)`` pairs in ``exclude``."""
     return _moments_of(moment_sums(states, _excluded(states, exclude)))
 
 
@@ -109,9 +58,8 @@ def _excluded(states, exclude: set[tuple[int, int]]) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def moment_sums(states, faulty: list[torch.Tensor | None]) -> torch.Tensor:
-    """``[Σ_j |g_j|², |Σ_j g_j|², n]`` (float64, on the first device; no host read) over every
-    device's ``g [m, P]`` in float32, leaving out the replicas ``faulty[d] [m]`` (bool, any device;
-    None: none) marks."""
+    """``[Σ_j |g_j|², |Σ_j g_j|², n]`` float64 on the first device (no host read) over every
+    device's ``g [m, P]``, leaving out the rows ``faulty[d] [m]`` (bool or None) marks."""
     home = states[0].torch_device
     total, sq, n = None, None, None
     for s, bad in zip(states, faulty):
@@ -136,10 +84,7 @@ def _moments_of(sums: torch.Tensor) -> tuple[float, float, int]:
 
 @torch.no_grad()
 def divergence(states) -> torch.Tensor:
-    """‖w_j − z‖ / ‖z‖ for every replica, ``[k]`` float32 on the CPU, device-major.
-
-    (‖z‖ = 0 gives ‖w_j − z‖ itself.)
-    """
+    """‖w_j − z‖ / ‖z‖ (‖w_j − z‖ when z = 0) per replica, ``[k]`` float32 on the CPU."""
     out = []
     for s in states:
         z = s.z
@@ -149,34 +94,18 @@ def divergence(states) -> torch.Tensor:
 
 
 class MetricsMonitor(Hook):
-    """Computes the metrics every ``every`` rounds and keeps them in ``History.metrics``.
-
-    ``fit`` installs one (``fit(metrics_every=N)``, default 50; None: off; or
-    ``fit(metrics_every=MetricsMonitor(N, measure_rounds=R))`` for other settings) before the
-    policies, so that a policy's ``after_round`` sees ``ctx.metrics`` (this monitor) already
-    updated. A monitor passed to several fits keeps its moving averages from one to the next (the
-    training continues); ``metrics_every=N`` starts a new one each fit.
+    """Appends one MetricRecord per window of ``every`` rounds to ``History.metrics``, with
+    B_noise = EMA(tr Σ)/EMA(|G|²) (docs/policies.md, "Metrics").
 
     Args:
         every: N, rounds per window (≥ 1).
-        ema: decay of the moving averages of |G|² and tr Σ, in [0, 1).
-        measure_rounds: R, the window's last R rounds (at most N) whose gradients are read (≥ 1).
-            The window's estimates of |G|² and tr Σ are the means of the R single-round
-            two-batch estimates (the estimator is linear in the moments, so this equals the
-            estimate from the moments averaged over the R rounds). Each single-round estimate
-            from k batches is very noisy (|G|² comes out negative in a third of LeNet-5's
-            rounds); R rounds divide its variance by R. Cost: R rounds per window run without
-            the process executor's overlap of the next round, and R reductions of ``g``.
-        warmup_windows: the windows of the start of training (those ending within the plan's
-            first ``warmup_windows·every`` rounds) whose estimates are recorded but kept out of
-            the EMAs, so their B_noise is None (≥ 0; default 0). Rounds are the plan's, so a
-            later fit (or a resumed one) past them is not held back.
-        window_samples: S, samples per window (≥ 1), or None (default): windows of ``every``
-            rounds whatever k·b is. With S a window is ⌈S / (k·b)⌉ rounds, at least
-            ``measure_rounds`` and at most ``every``, for the k·b in force: a policy that changes
-            b then waits the same number of samples, not rounds, whatever b is (at k·b = 1,024 a
-            50-round window is almost an epoch of MNIST). The CLI passes 12,800 (50 rounds at
-            its default k·b = 256).
+        ema: decay of the bias-corrected moving averages of |G|² and tr Σ, in [0, 1).
+        measure_rounds: R, the window's last R rounds (at most N) whose gradients are read and
+            whose two-batch estimates are averaged (≥ 1).
+        warmup_windows: windows ending within the plan's first ``warmup_windows·every`` rounds,
+            recorded but kept out of the EMAs (≥ 0).
+        window_samples: S, samples per window: ⌈S / (k·b)⌉ rounds within [R, N] (≥ 1); None:
+            N rounds.
 
     Attributes:
         last: the newest MetricRecord (None before the first window).
@@ -243,25 +172,22 @@ class MetricsMonitor(Hook):
         self._pending: list[tuple[torch.Tensor, int]] = []  # measured rounds not read yet
 
     def window_rounds(self, round_samples: int) -> int:
-        """Rounds per window at ``round_samples`` = k·b samples per round: ``every``, or with
-        ``window_samples`` S, ⌈S / (k·b)⌉ within [``measure_rounds``, ``every``]."""
+        """Rounds per window at ``round_samples`` = k·b samples per round."""
         if self.window_samples is None or round_samples < 1:
             return self.every
         return min(self.every, max(self.measure_rounds, -(-self.window_samples // round_samples)))
 
     def _length(self) -> int:
-        """Rounds of the current window, at the plan's k·b in force (``every`` outside a fit)."""
+        """Rounds of the current window at the plan's k·b."""
         plan = self._plan
         return self.every if plan is None else self.window_rounds(plan.num_learners * plan.batch_size)
 
     def _measured(self, round_in_window: int) -> bool:
-        """Whether the window's round ``round_in_window`` (1 … its length) is one of its last
-        ``measure_rounds``."""
+        """Whether round ``round_in_window`` (1 … length) is among the last ``measure_rounds``."""
         return round_in_window > self._length() - self.measure_rounds
 
     def wants_gradients(self, rounds_done: int) -> bool:
-        """Whether the round that makes the plan's round count ``rounds_done`` is measured (one of
-        the window's last ``measure_rounds``)."""
+        """Whether the round that makes the plan's round count ``rounds_done`` is measured."""
         return self._measured(self._rounds + 1)
 
     def _measure(self, ctx: FitContext) -> None:
@@ -284,8 +210,7 @@ class MetricsMonitor(Hook):
         self._pending.append((moment_sums(states, faulty), b))  # read at the window's end
 
     def _take_pending(self) -> None:
-        """The window's measured rounds' moments, read on the host (once per window), into its
-        two-batch estimates (those with n ≥ 2 and finite)."""
+        """Read the measured rounds' moments on the host into the window's finite estimates."""
         for sums, b in self._pending:
             small, large, n = _moments_of(sums)
             if n >= 2:
