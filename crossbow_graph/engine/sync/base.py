@@ -1,29 +1,6 @@
-"""The protocol every synchronisation algorithm implements (docs/design-overview.md §2; one class
-per algorithm over the user's local optimizer, as torchft's ``torchft/local_sgd.py`` has
-``LocalSGD`` and ``DiLoCo``).
-
-An algorithm is a frozen keyword-only dataclass, the user's configuration value
-(``crossbow_graph.SMA(...)``, ``DiLoCo(sync_every=16)``), reusable across plans; ``Plan.adjust``
-changes its α or τ/H by building a new value (``with_alpha``, ``with_sync_every``), which
-``RunSettings.sync`` holds. Its work is in its methods, which the engine calls:
-
-* ``compile``: ``check_executor``, ``check_optimizer``, then ``bind`` builds the plan's runtime
-  state (a ``SyncState``: DiLoCo's outer optimizer over z; the others have none), which the
-  scheduler keeps (``Scheduler.sync_state``) and checkpoints save (``SyncState.state_dict``);
-  ``kernel_facts`` for ``Plan.kernels``; ``describe`` and ``summary_rule`` for inspection and
-  the torchrun agreement.
-* the scheduler: ``executors`` (what ``executor="auto"`` may pick), ``waits_for_global`` (the
-  CUDA streams' rule for learners), ``local_update`` in every LOCAL_SYNC (and the process
-  executor's workers, for their rows), ``global_update`` in every GLOBAL_SYNC of a round that
-  synchronises, on the global stream; ``cuda_graphs`` (whether a CUDA graph may capture its rounds).
-* the run settings, checkpoint resumes and the trainer: ``alpha``, ``alpha_for``,
-  ``sync_every`` (which rounds synchronise), ``adjustable``, ``central_momentum``,
-  ``short_fit_warning``.
-
-The engine's side is a ``SyncContext`` (the Scheduler): the devices' states, the update kernels,
-the learners' local step with its fault handling (``local_update_rows``) and the all-reduce
-across torchrun ranks (``all_reduce_sums``).
-"""
+"""The protocol every synchronisation algorithm implements, ``SyncAlgorithm``; what the engine
+offers it, ``SyncContext`` (the Scheduler); the per-plan runtime state it binds, ``SyncState``
+(docs/design-overview.md §2, "Where the algorithms live")."""
 
 from __future__ import annotations
 
@@ -42,17 +19,10 @@ __all__ = ["SyncAlgorithm", "SyncContext", "SyncState"]
 
 
 class SyncContext(Protocol):
-    """What an algorithm's ``local_update`` and ``global_update`` may use of the engine (the
-    Scheduler implements it; engine/scheduler.py).
-
-    Attributes:
-        states: one DeviceState per device, in the plan's device order (w, v, g ``[m, P]``;
-            z, z_prev ``[P]``; buf ``[m, Q]``, zbuf ``[Q]``).
-        kernels: the SMA update kernels (kernels/protocol.py ``SMAKernels``).
-        comm: under torchrun this rank's ``engine.comm.Comm``, else None.
-        num_learners: k, learners of every process.
-        optimizer: the local optimizer (engine/optim.py ``LocalOptimizer``), its settings in force.
-    """
+    """What an algorithm's updates may use of the engine (the Scheduler): ``states`` (one
+    DeviceState per device: w, v, g ``[m, P]``, z, z_prev ``[P]``, buf ``[m, Q]``, zbuf ``[Q]``),
+    ``kernels`` (``SMAKernels``), ``comm`` (torchrun's ``Comm`` or None), ``num_learners`` (k,
+    every process's), ``optimizer`` (the ``LocalOptimizer``, its settings in force)."""
 
     states: list[DeviceState]
     kernels: SMAKernels
@@ -82,11 +52,7 @@ class SyncContext(Protocol):
 
 class SyncState:
     """An algorithm's runtime state for one plan (``SyncAlgorithm.bind``); this one holds none.
-
-    Attributes:
-        state_class: what a checkpoint names the state by (the ``"class"`` of
-            ``plan_state_dict``'s ``"outer_optimizer"`` entry), None without state to save.
-    """
+    ``state_class``: the ``"class"`` of a checkpoint's ``"outer_optimizer"`` entry, None: none."""
 
     state_class: str | None = None
 
