@@ -10,9 +10,10 @@ from . import datasets, models
 from .api import Plan, compile
 from .compile_options import CompileOptions
 from .compiler.tasks import Cost, Task, TaskKind
-from .config import SGD, SMA, SSGD, Adjustment, DiLoCo
+from .config import SGD, Adjustment
 from .engine.comm import Distributed
 from .engine.settings import RunSettings
+from .engine.sync import SMA, SSGD, DiLoCo, LocalSGD
 from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, PlanError,
                      TaskError, TraceError, TraceWarning, TrainingInterrupted)
 from .training.history import History
@@ -24,7 +25,8 @@ from .tuning.policies import (AdaptiveBatchSize, AutoReplicas, CosineLR, Diverge
                               Policy, StepLR)
 
 __all__ = [
-    "compile", "CompileOptions", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "AutoTune", "Task", "TaskKind", "Cost", "History",
+    "compile", "CompileOptions", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "LocalSGD", "AutoTune", "Task",
+    "TaskKind", "Cost", "History",
     "TraceError", "TraceWarning", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
     "DivergenceError", "CheckpointError", "TrainingInterrupted",
     "datasets", "models",

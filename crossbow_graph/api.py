@@ -15,16 +15,16 @@ from .build import (PlanParts, build_parts, check_inputs, resolve_devices, settl
                     torch_device)
 from .compile_options import CompileOptions
 from .compiler import inspect as _inspect
-from .config import LEARNER_MODES, SGD, SMA, SSGD, Adjustment, DiLoCo, LearnerMode
+from .config import LEARNER_MODES, SGD, Adjustment, LearnerMode
 from .engine.comm import Distributed, plan_facts
 from .engine.conv_choice import CpuConv
-from .engine.outer import sync_facts
 from .engine.optim import OptimizerRows, as_local_optimizer
 from .engine.precision import Precision
 from .engine.fused import vmap_failure
 from .engine.graphs import RoundGraph
 from .engine.scheduler import Executor, Scheduler
 from .engine.settings import RunSettings, settings_view
+from .engine.sync import SMA, SyncAlgorithm
 from .engine.state import (DeviceState, FlatLayout, MemoryFormat, channels_last_weights, copy_module,
                            float_buffers_named, trainable_named)
 from .errors import is_count
@@ -53,7 +53,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     replicas: int | str = "auto", learner_mode: LearnerMode = "per_replica",
     executor: Executor = "auto",
     autotune: AutoTune | None = None, optimizer: "SGD | torch.optim.Optimizer" = SGD(),
-    sync: SMA | SSGD | DiLoCo = SMA(), concrete_args: dict[str, Any] | None = None,
+    sync: SyncAlgorithm = SMA(), concrete_args: dict[str, Any] | None = None,
     leaf_modules: Sequence[type[nn.Module]] = (), memory_budget: int | None = None,
     verify: bool = True, kernel_backend: KernelBackend = "auto",
     distributed: Distributed | None = None, precision: Precision = "fp32",
@@ -129,7 +129,7 @@ class Plan:
         batch_size: b.
         learner_mode: ``"per_replica"`` or ``"fused"``.
         optimizer: the local optimiser (a torch.optim optimizer; its param groups hold the
-            settings in force); ``sync``: SMA with the α and τ in force (or DiLoCo, SSGD).
+            settings in force); ``sync``: the sync algorithm with the α and τ (H) in force.
         memory_budget: bytes per device for learners (None: unbounded).
         autotuner: the AutoTuner hook that ``fit`` runs (``replicas="auto"``), else None.
         precision: the learners' precision, ``"fp32"``, ``"bf16"`` or ``"fp16"`` (read-only).
@@ -138,7 +138,7 @@ class Plan:
     batch_size = settings_view("batch_size", "b, samples per learner per round (read-only).")
     replicas_per_device = settings_view("replicas_per_device", "m, replicas per device (read-only).")
     learner_mode = settings_view("learner_mode", "'per_replica' or 'fused' (read-only).")
-    sync = settings_view("sync", "SMA with the α and τ in force, DiLoCo with its H, or SSGD (read-only).")
+    sync = settings_view("sync", "The sync algorithm with its α and τ (H) in force (read-only).")
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -164,10 +164,7 @@ class Plan:
         local = as_local_optimizer(options.optimizer, model, self._template,
                                    [name for name, *_ in self._params.entries])
         sync = options.sync
-        if isinstance(sync, SSGD) and not local.kernel:
-            raise ValueError(f"sync=SSGD() steps with SGD only; got optimizer="
-                             f"{type(local.optimizer).__name__}: use crossbow_graph.SGD(...) or "
-                             f"torch.optim.SGD with one param group, or sync=SMA()")
+        sync.check_optimizer(local)  # ValueError: e.g. SSGD with AdamW
         self.settings = RunSettings(optimizer=local, sync=sync, batch_size=options.batch_size,
                                     replicas_per_device=int(task_graph.graph["replicas_per_device"]),
                                     learner_mode=options.learner_mode)
@@ -321,8 +318,10 @@ class Plan:
         return self._params.size
 
     def _inspection_settings(self) -> dict[str, Any]:
-        return {"optimizer": self.settings.optimizer.describe(), "sync": sync_facts(self.sync, self.scheduler.outer),
-                "alpha": self.sync.alpha_for(self.num_learners)}
+        sync, state = self.sync, self.scheduler.sync_state
+        return {"optimizer": self.settings.optimizer.describe(), "sync": sync.describe(state),
+                "sync_rule": sync.summary_rule(self.num_learners, state),
+                "alpha": sync.alpha_for(self.num_learners)}
 
     @property
     def kernels(self) -> list:
@@ -333,14 +332,12 @@ class Plan:
         the torch function); Triton ones on CUDA also carry ``asm`` after their first launch, and
         ``lower(arch)`` compiles them to PTX without a GPU.
         """
-        local, sync = self.settings.optimizer, self.sync
+        local = self.settings.optimizer
         opt = local.sgd()
         return plan_kernels(self.scheduler.kernels, self.states, local=local.kernel,
                             momentum=opt.momentum, nesterov=opt.nesterov,
                             weight_decay=opt.weight_decay,
-                            num_learners=1 if isinstance(sync, DiLoCo) else self.num_learners,
-                            sync_every=sync.sync_every,  # DiLoCo: no correction, no SMA z update
-                            central_momentum=sync.central_momentum)
+                            **self.sync.kernel_facts(self.num_learners))  # k, τ, μ_z
 
     def summary(self) -> str:
         """A table per device: replicas, tasks, GFLOP per round, memory (MiB); then the totals.

@@ -41,7 +41,7 @@ OPTIMIZERS = {
 # samples per metrics window (MetricsMonitor(window_samples=...)): 50 rounds at the default k·b
 WINDOW_SAMPLES = 12_800
 LR_SCHEDULES = ("onecycle", "multistep", "cosine", "constant")
-DILOCO_H = 16  # --sync diloco's default H (docs/benchmarking.md, DiLoCo on W1)
+DILOCO_H = 16  # --sync diloco's and local_sgd's default H (docs/benchmarking.md, DiLoCo on W1)
 DEFAULT_LR, DEFAULT_LR_BATCH = OPTIMIZERS["adamw"][1:]  # the default optimizer's
 
 
@@ -186,14 +186,16 @@ def _add_distributed_flags(train: argparse.ArgumentParser) -> None:
 
 
 def _add_sync_flags(train: argparse.ArgumentParser) -> None:
-    """``train``'s flags of the synchronisation: SMA's or DiLoCo's (``_sync``)."""
-    train.add_argument("--sync", default="sma", choices=("sma", "diloco"),
+    """``train``'s flags of the synchronisation: SMA's, DiLoCo's or local SGD's (``_sync``)."""
+    train.add_argument("--sync", default="sma", choices=("sma", "diloco", "local_sgd"),
                        help="sma: SMA (--alpha, --central-momentum); diloco: DiLoCo, an outer "
                             "SGD on z every --sync-every rounds (--outer-lr, --outer-momentum), "
-                            "replicas restarted from z (the inline executor)")
+                            "replicas restarted from z (the inline executor); local_sgd: z the "
+                            "replicas' mean every --sync-every rounds, replicas restarted from z")
     train.add_argument("--sync-every", type=int, default=flag_default("--sync-every"),
                        help="rounds between synchronisations: SMA's τ (default "
-                            f"{cg.SMA().sync_every}), DiLoCo's H (default {DILOCO_H})")
+                            f"{cg.SMA().sync_every}), DiLoCo's and local SGD's H (default "
+                            f"{DILOCO_H})")
     train.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's outer SGD lr "
                        "(default 0.7)")
     train.add_argument("--outer-momentum", type=float, default=None,
@@ -336,8 +338,9 @@ def _inspect(args: argparse.Namespace) -> int:
     sgd, sma = cg.SGD(), cg.SMA()
     if args.replicas < 1 or args.batch_size < 1:
         raise ValueError(f"--replicas {args.replicas} --batch-size {args.batch_size}: both must be ≥ 1")
-    settings = {"optimizer": dataclasses.asdict(sgd), "sync": dataclasses.asdict(sma),
-                "alpha": sma.alpha_for(len(devices) * args.replicas)}
+    k = len(devices) * args.replicas
+    settings = {"optimizer": dataclasses.asdict(sgd), "sync": sma.describe(),
+                "sync_rule": sma.summary_rule(k), "alpha": sma.alpha_for(k)}
     view = inspect_model(model, (torch.randn(2, *shape),), devices=devices,
                          replicas_per_device=args.replicas, batch_size=args.batch_size,
                          memory_budget_bytes=budget, settings=settings)
@@ -481,28 +484,37 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
     return plan, fit
 
 
-def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo:
-    """``--sync``'s strategy: SMA with ``--alpha``, ``--central-momentum``, τ; or DiLoCo with H and
-    an outer SGD of ``--outer-lr``, ``--outer-momentum`` (Nesterov when > 0).
+def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo | cg.LocalSGD:
+    """``--sync``'s algorithm: SMA with ``--alpha``, ``--central-momentum``, τ; DiLoCo with H and
+    an outer SGD of ``--outer-lr``, ``--outer-momentum`` (Nesterov when > 0); or local SGD with H.
 
     Raises:
-        ValueError: an SMA flag (``--alpha``, ``--central-momentum``) with ``--sync diloco``, a
-            DiLoCo flag (``--outer-lr``, ``--outer-momentum``) with ``--sync sma``, or an outer
-            lr ≤ 0 or momentum outside [0, 1).
+        ValueError: an SMA flag (``--alpha``, ``--central-momentum``) with ``--sync diloco`` or
+            ``local_sgd``, a DiLoCo flag (``--outer-lr``, ``--outer-momentum``) with ``--sync
+            sma`` or ``local_sgd``, or an outer lr ≤ 0 or momentum outside [0, 1).
     """
+    outer_flags = (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum))
     if args.sync == "sma":
-        for flag, value in (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum)):
+        for flag, value in outer_flags:
             if value is not None:
                 raise ValueError(f"{flag} with --sync sma: it sets DiLoCo's outer optimizer; add "
                                  "--sync diloco, or drop it")
-        given = {name: value for name, value in (("central_momentum", args.central_momentum),
-                                                 ("sync_every", args.sync_every)) if value is not None}
+        given = {key: value for key, value in (("central_momentum", args.central_momentum),
+                                               ("sync_every", args.sync_every)) if value is not None}
         return cg.SMA(alpha=args.alpha, **given)  # SMA's own defaults for the others
+    name, z_moves = (("DiLoCo", "its outer optimizer is --outer-lr, --outer-momentum")
+                     if args.sync == "diloco" else ("local SGD", "z is the replicas' mean"))
     for flag, value in (("--alpha", args.alpha), ("--central-momentum", args.central_momentum)):
         if value is not None:
-            raise ValueError(f"{flag} with --sync diloco: it is an SMA setting (DiLoCo pulls no "
-                             "replica toward z; its outer optimizer is --outer-lr, "
-                             f"--outer-momentum); drop {flag}, or use --sync sma")
+            raise ValueError(f"{flag} with --sync {args.sync}: it is an SMA setting ({name} pulls "
+                             f"no replica toward z; {z_moves}); drop {flag}, or use --sync sma")
+    H = DILOCO_H if args.sync_every is None else args.sync_every
+    if args.sync == "local_sgd":
+        for flag, value in outer_flags:
+            if value is not None:
+                raise ValueError(f"{flag} with --sync local_sgd: local SGD has no outer optimizer "
+                                 "(z is the replicas' mean); drop it, or use --sync diloco")
+        return cg.LocalSGD(sync_every=H)
     lr = 0.7 if args.outer_lr is None else args.outer_lr
     momentum = 0.9 if args.outer_momentum is None else args.outer_momentum
     if not lr > 0:
@@ -510,8 +522,7 @@ def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo:
     if not 0 <= momentum < 1:
         raise ValueError(f"--outer-momentum {momentum:g}: must be in [0, 1), e.g. 0.9 (0: none)")
     outer = functools.partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=momentum > 0)
-    return cg.DiLoCo(sync_every=DILOCO_H if args.sync_every is None else args.sync_every,
-                     outer_optimizer=outer)
+    return cg.DiLoCo(sync_every=H, outer_optimizer=outer)
 
 
 def _train(args: argparse.Namespace) -> int:

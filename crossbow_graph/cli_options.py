@@ -12,8 +12,8 @@ import sys
 from typing import Any, get_args
 
 from .compile_options import CompileOptions
-from .config import SMA
 from .engine.comm import Distributed
+from .engine.sync import SMA
 from .training.options import FitOptions
 
 __all__ = ["OPTION_FLAGS", "CLI_DEFAULTS", "BUILDING_FLAGS", "flag_default", "flag_choices",
@@ -58,7 +58,8 @@ CLI_DEFAULTS: dict[str, tuple[Any, str]] = {
     "--metrics-every": (None, "50 with a --policy, else 0 (no metrics): a window costs the next "
                               "round's overlap, and only policies read the metrics"),
     "--central-momentum": (None, "SMA's own; None tells --sync diloco that it was not given"),
-    "--sync-every": (None, "SMA's τ (1) or, with --sync diloco, DiLoCo's H (cli.DILOCO_H)"),
+    "--sync-every": (None, "SMA's τ (1) or, with --sync diloco or local_sgd, their H "
+                           "(cli.DILOCO_H)"),
 }
 
 # flags named after an option whose value they build from a name and other flags (no default of
@@ -66,7 +67,7 @@ CLI_DEFAULTS: dict[str, tuple[Any, str]] = {
 BUILDING_FLAGS: dict[str, str] = {
     "--optimizer": "the torch.optim class of cli.OPTIMIZERS, over the model, with --lr, "
                    "--momentum and --weight-decay",
-    "--sync": "SMA or DiLoCo with their own flags (cli._sync)",
+    "--sync": "SMA, DiLoCo or local SGD with their own flags (cli._sync)",
 }
 
 

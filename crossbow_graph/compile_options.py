@@ -9,12 +9,13 @@ from typing import Any, Literal, Sequence
 import torch
 from torch import nn
 
-from .config import SGD, SMA, SSGD, DiLoCo, LearnerMode
+from .config import SGD, LearnerMode
 from .engine.comm import Distributed
 from .engine.conv_choice import CpuConv
 from .engine.precision import Precision
 from .engine.scheduler import Executor
 from .engine.state import MemoryFormat
+from .engine.sync import ALGORITHMS, SMA, SyncAlgorithm
 from .errors import check_flag, is_count
 from .fields import check_choices, option
 from .kernels.select import KernelBackend
@@ -31,7 +32,8 @@ class CompileOptions:
 
     Raises:
         ValueError: ``batch_size`` or ``replicas`` not a positive integer (or ``"auto"``), a value
-            not among a field's choices, ``sync=SSGD()`` or ``DiLoCo`` with ``executor="process"``.
+            not among a field's choices, a ``sync`` algorithm with an executor it does not run on
+            (``SyncAlgorithm.check_executor``: e.g. ``DiLoCo`` with ``executor="process"``).
         TypeError: ``autotune``, ``optimizer``, ``sync``, ``distributed`` or ``memory_budget`` of
             the wrong type, ``verify``, ``strict_trace`` or ``cuda_graphs`` not a bool.
     """
@@ -56,10 +58,11 @@ class CompileOptions:
         "each replica's local optimiser: a torch.optim optimizer built over the model's "
         "parameters, param groups kept (e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)), or "
         "crossbow_graph.SGD(...) (docs/optimizers.md)"))
-    sync: SMA | SSGD | DiLoCo = option(SMA(), doc=(
-        "SMA(...) (alpha=None: 1/k), SSGD() (the k learners' gradients averaged, one SGD step for "
-        "every replica) or DiLoCo(sync_every=H) (an outer optimizer over z every H rounds); SSGD "
-        "and DiLoCo run on the inline executor"))
+    sync: SyncAlgorithm = option(SMA(), doc=(
+        "the sync algorithm (engine/sync/): SMA(...) (alpha=None: 1/k), SSGD() (the k learners' "
+        "gradients averaged, one SGD step for every replica), DiLoCo(sync_every=H) (an outer "
+        "optimizer over z every H rounds) or LocalSGD(sync_every=H) (z the replicas' mean every H "
+        "rounds); all but SMA run on the inline executor"))
     concrete_args: dict[str, Any] | None = option(None, doc=(
         "{forward argument: value} fixed for torch.fx's trace (TraceError's advice)"))
     leaf_modules: Sequence[type[nn.Module]] = option((), doc=(
@@ -115,14 +118,10 @@ class CompileOptions:
             raise TypeError(f"optimizer must be a torch.optim optimizer built over the model's "
                             f"parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3), "
                             f"or crossbow_graph.SGD(lr=0.01); got {got}")
-        if not isinstance(sync, (SMA, SSGD, DiLoCo)):
-            raise TypeError(f"sync must be crossbow_graph.SMA(...), crossbow_graph.SSGD() or "
-                            f"crossbow_graph.DiLoCo(sync_every=H), got {type(sync).__name__}")
-        if isinstance(sync, (SSGD, DiLoCo)) and self.executor == "process":
-            raise ValueError(f"sync={type(sync).__name__}(...) runs on the inline executor only: its "
-                             "global sync writes every replica, which the process executor's "
-                             "workers do not wait for; use executor='inline' (or 'auto', which "
-                             "picks it)")
+        if not isinstance(sync, SyncAlgorithm):
+            names = ", ".join(f"crossbow_graph.{a.__name__}(...)" for a in ALGORITHMS)
+            raise TypeError(f"sync must be one of {names}, got {type(sync).__name__}")
+        sync.check_executor(self.executor)  # ValueError: e.g. DiLoCo on the process executor
         for name in ("verify", "strict_trace", "cuda_graphs"):
             check_flag(name, getattr(self, name))
         check_choices(self)

@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import numbers
+
 __all__ = ["TraceError", "TraceWarning", "PlanError", "TaskError", "DivergenceError", "CheckpointError",
-           "DistributedError", "CompilerError", "TrainingInterrupted", "is_count", "check_flag"]
+           "DistributedError", "CompilerError", "TrainingInterrupted", "is_count", "check_flag", "check_number"]
 
 
 def is_count(value: object, minimum: int = 1) -> bool:
     """True for an ``int`` ≥ ``minimum`` that is not a ``bool``: a valid count of rounds, epochs,
     samples, windows or replicas (the argument checks raise ValueError on anything else)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def check_number(owner: str, name: str, value: object, example: str) -> None:
+    """TypeError unless ``value``, the argument ``name`` of ``owner`` (e.g. ``"SGD"``), is a real
+    number (not a bool, not a string); ``example`` shows a valid value (``"lr=0.01"``)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return
+    hint = example
+    if isinstance(value, str):
+        try:
+            hint = f"{name}={float(value)!r}"  # '0.1' → lr=0.1
+        except ValueError:
+            pass
+    raise TypeError(f"{owner}({name}={value!r}): must be a number, got {type(value).__name__}; "
+                    f"e.g. {hint}")
 
 
 def check_flag(name: str, value: object, owner: str = "") -> None:

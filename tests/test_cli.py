@@ -169,13 +169,13 @@ def test_sync_diloco_flags_build_a_diloco_plan(capsys):
     plan, fit = prepare_train(build_parser().parse_args(small + ["--sync", "diloco", "--sync-every", "4"]))
     assert isinstance(plan.sync, cg.DiLoCo) and plan.sync.sync_every == 4
     assert plan.scheduler.resolved_executor() == "inline"
-    group = plan.scheduler.outer.optimizer.param_groups[0]
+    group = plan.scheduler.sync_state.optimizer.param_groups[0]
     assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.9, True)  # DiLoCo's
     plan.fit(**fit)
-    assert plan.rounds_done == 8 and plan.scheduler.outer.optimizer.state  # 2 outer steps
+    assert plan.rounds_done == 8 and plan.scheduler.sync_state.optimizer.state  # 2 outer steps
     plan, _ = prepare_train(build_parser().parse_args(
         small + ["--sync", "diloco", "--outer-lr", "1", "--outer-momentum", "0"]))  # local SGD
-    group = plan.scheduler.outer.optimizer.param_groups[0]
+    group = plan.scheduler.sync_state.optimizer.param_groups[0]
     assert plan.sync.sync_every == DILOCO_H and (group["lr"], group["momentum"], group["nesterov"]) == (1, 0, False)
     plan, _ = prepare_train(build_parser().parse_args(small + ["--sync-every", "3"]))
     assert plan.sync == cg.SMA(sync_every=3)
@@ -187,6 +187,24 @@ def test_sync_diloco_flags_build_a_diloco_plan(capsys):
                         (["--sync", "diloco", "--outer-momentum", "1.5"], "--outer-momentum 1.5: must be in [0, 1)"),
                         (["--sync", "diloco", "--outer-lr", "0"], "--outer-lr 0: the outer SGD's lr must be > 0")]:
         assert main(small + flags) == 2, flags
+        assert says in capsys.readouterr().err, flags
+
+
+def test_sync_local_sgd_flag_builds_a_local_sgd_plan(capsys):
+    """--sync local_sgd --sync-every H trains with LocalSGD (DiLoCo's default H without the flag);
+    an SMA or outer-optimizer flag with it is a one-line error before any work."""
+    from crossbow_graph.cli import DILOCO_H, prepare_train
+
+    small = ["train", "--train-samples", "256", "--test-samples", "128", "--epochs", "1",
+             "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "16",
+             "--devices", "2"]
+    plan, _ = prepare_train(build_parser().parse_args(small + ["--sync", "local_sgd", "--sync-every", "4"]))
+    assert plan.sync == cg.LocalSGD(sync_every=4)
+    plan, _ = prepare_train(build_parser().parse_args(small + ["--sync", "local_sgd"]))
+    assert plan.sync == cg.LocalSGD(sync_every=DILOCO_H)
+    for flags, says in [(["--alpha", "0.5"], "--alpha with --sync local_sgd: it is an SMA setting"),
+                        (["--outer-lr", "1"], "--outer-lr with --sync local_sgd: local SGD has no outer optimizer")]:
+        assert main(small + ["--sync", "local_sgd"] + flags) == 2, flags
         assert says in capsys.readouterr().err, flags
 
 

@@ -314,7 +314,7 @@ def test_resume_mid_run_gives_the_uninterrupted_z_bit_for_bit(tmp_path, stop_at)
     for a, b in zip(full.states, second.states):
         for key in ("z", "z_prev", "w", "buf", "zbuf"):
             assert torch.equal(getattr(a, key), getattr(b, key)), key
-    mine, theirs = (p.scheduler.outer.state_dict()["state"][0]["momentum_buffer"] for p in (full, second))
+    mine, theirs = (p.scheduler.sync_state.state_dict()["state"][0]["momentum_buffer"] for p in (full, second))
     assert torch.equal(mine, theirs) and mine.abs().sum() > 0
 
 

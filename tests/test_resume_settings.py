@@ -121,7 +121,7 @@ def test_resume_with_another_diloco_outer_lr_uses_it(tmp_path):
         resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt, resume=True)
     oracle = diloco(0.3)
     oracle.load_state_dict(saved)  # the outer optimizer's state, its lr 0.7 included …
-    oracle.scheduler.outer.optimizer.param_groups[0]["lr"] = 0.3  # … then the new lr
+    oracle.scheduler.sync_state.optimizer.param_groups[0]["lr"] = 0.3  # … then the new lr
     oracle.fit(data(), 1, progress=False)
-    assert resumed.scheduler.outer.optimizer.param_groups[0]["lr"] == 0.3
+    assert resumed.scheduler.sync_state.optimizer.param_groups[0]["lr"] == 0.3
     assert torch.equal(oracle.central_weights(), resumed.central_weights())

@@ -20,7 +20,7 @@ from .trace import trace_model
 from .verify import verify_task_graph
 
 __all__ = ["SCHEMA", "PlanView", "summary", "to_json", "from_json", "to_dot", "draw",
-           "inspect_model"]
+           "inspect_model", "optimizer_text"]
 
 #: The ``schema`` field of every JSON document ``to_json`` writes.
 SCHEMA = "crossbow_graph.plan/2"
@@ -40,7 +40,7 @@ def _tasks(graph: nx.DiGraph) -> list[Task]:
     return [graph.nodes[n]["task"] for n in graph.nodes]
 
 
-def _optimizer_text(opt: dict[str, Any]) -> str:
+def optimizer_text(opt: dict[str, Any]) -> str:
     """``AdamW(lr=0.001, ...)``: the class, its first group's numbers, the number of groups."""
     groups = opt.get("groups") or [{}]
     name = str(opt.get("class", "SGD")).rsplit(".", 1)[-1]
@@ -52,7 +52,8 @@ def _optimizer_text(opt: dict[str, Any]) -> str:
 
 def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
     """Lines of a text table per device of ``graph`` (annotated): replicas, tasks, GFLOP per
-    round, memory in MiB; then the global sync; ``settings`` (optimizer, sync, α) in the header."""
+    round, memory in MiB; then the global sync; ``settings`` (optimizer, sync, ``sync_rule``: the
+    sync algorithm's ``summary_rule``, α) in the header."""
     g = graph.graph
     devices, m, b = list(g["devices"]), int(g["replicas_per_device"]), int(g["batch_size"])
     k = len(devices) * m
@@ -78,15 +79,9 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
                      + " + ".join(f"{n} {parts[n] / _MIB:.2f}" for n in shown))
     if settings:
         opt, sync = settings.get("optimizer", {}), settings.get("sync", {})
-        alpha = settings.get("alpha", 0)
-        alpha = "— (one learner: nothing to average)" if not alpha and k == 1 else f"{alpha:.4g}"
-        if sync.get("name") == "DiLoCo":  # engine/outer.py sync_facts
-            rule = (f"DiLoCo(outer {_optimizer_text(sync.get('outer_optimizer') or {})} on "
-                    f"Δ = z − mean w, every {sync.get('sync_every')} round(s))")
-        else:
-            rule = (f"SMA(α={alpha}, μ_z={sync.get('central_momentum')}, every "
-                    f"{sync.get('sync_every')} round(s))")
-        lines.append(f"sync: {rule}; optimizer: {_optimizer_text(opt)}")
+        fields = ", ".join(f"{key}={value}" for key, value in sync.items() if key != "name")
+        rule = settings.get("sync_rule") or f"{sync.get('name', 'SMA')}({fields})"  # summary_rule
+        lines.append(f"sync: {rule}; optimizer: {optimizer_text(opt)}")
     header = f"{'device':<10}{'replicas':>9}{'LEARN':>7}{'LOCAL_SYNC':>12}{'GFLOP/round':>13}{'memory MiB':>12}"
     lines += [header, "-" * len(header)]
     tasks = _tasks(graph)

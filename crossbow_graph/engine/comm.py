@@ -56,7 +56,6 @@ if dist.is_available():
 from ..compiler.fingerprint import Fingerprint, computation_fingerprint, first_difference
 from ..config import Adjustment
 from ..errors import DistributedError, DivergenceError, is_count
-from .outer import sync_facts
 from .peers import join_failed, lost_peer
 
 if TYPE_CHECKING:
@@ -427,7 +426,7 @@ def plan_facts(plan: "Plan") -> dict[str, Any]:
         "replicas per device": "auto" if plan.autotuner is not None else plan.replicas_per_device,
         "batch_size": plan.batch_size,
         "optimizer": plan.settings.optimizer.describe(),
-        "sync": sync_facts(plan.sync, plan.scheduler.outer),
+        "sync": plan.sync.describe(plan.scheduler.sync_state),
         "precision": plan.precision,
         "channels-last weights": sorted(plan.states[0].params.channels_last),  # the rows' layout
         "sync dtype": plan.comm.settings.sync_dtype if plan.comm is not None else "fp32",

@@ -29,11 +29,11 @@ replays it every round after:
   round from (fit seed, round) alone; CUDA's generator advances its offsets through a replay,
   so masks differ between replicas and rounds (not the eager rounds' per-replica seeds).
 
-A round the graph cannot take (several devices, torchrun, S-SGD or DiLoCo, a row optimizer,
-float16 loss scales, a batch with non-tensor leaves) runs eagerly, with one warning naming the
-reason; a capture that fails (an op that cannot be captured: a host read, a data-dependent
-shape) warns once naming the exception, puts back what it changed, and every later round runs
-eagerly. ``SimulatedGraphs`` (engine/capture_check.py) stands in for ``CudaGraphOps`` on CPU
+A round the graph cannot take (several devices, torchrun, a sync algorithm whose global sync
+writes every replica: ``SyncAlgorithm.cuda_graphs``, a row optimizer, float16 loss scales, a
+batch with non-tensor leaves) runs eagerly, with one warning naming the reason; a capture
+that fails (an op that cannot be captured: a host read, a data-dependent shape) warns once
+naming the exception, puts back what it changed, and every later round runs eagerly. ``SimulatedGraphs`` (engine/capture_check.py) stands in for ``CudaGraphOps`` on CPU
 devices, where the tests run the same path.
 """
 
@@ -47,7 +47,6 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..config import SMA
 from .batches import LearnerBatches
 from .learners import learner_seed, seed_rng
 
@@ -208,7 +207,7 @@ class RoundGraph:
             return "the plan has several devices (a graph captures one device's streams)"
         if sched.comm is not None:
             return "under torchrun the global sync's all-reduce and fault sharing run on the host"
-        if not isinstance(sched.sync, SMA) or sched.outer is not None:
+        if not sched.sync.cuda_graphs:
             return f"sync={type(sched.sync).__name__}() runs eagerly (its global sync writes every replica)"
         if not sched.optimizer.kernel:
             return (f"the local optimizer {type(sched.optimizer.optimizer).__name__} is a row "

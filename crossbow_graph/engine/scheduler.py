@@ -21,9 +21,10 @@ Executors (``executor=``):
   already learn the next round (the overlap of docs/design-overview.md §2; when every hook of the
   fit declares ``mutates_replicas = False``, else the rounds run one after the other).
 * ``"auto"``: ``"process"`` when every device is a CPU device, the machine has ≥ 2 cores, k ≥ 2
-  and fork is available (and the sync is SMA: SSGD's and DiLoCo's global sync writes every
-  replica); else ``"inline"`` (single-threaded learner processes run about twice as
-  fast as one process, learners in Python threads slower: threads are not offered).
+  and fork is available (and the sync algorithm runs there, ``SyncAlgorithm.executors``: SMA;
+  the others' global sync writes every replica); else ``"inline"`` (single-threaded learner
+  processes run about twice as fast as one process, learners in Python threads slower: threads
+  are not offered).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import networkx as nx
 import torch
 
 from ..compiler.tasks import Task, TaskKind
-from ..config import SSGD, DiLoCo
 from ..kernels.protocol import SMAKernels
 from ..kernels.torch_ref import TorchSMAKernels
 from .batches import DeviceParts
@@ -45,11 +45,11 @@ from .faults import FaultMonitor
 from .fused import FusedProgram
 from .interpreter import RoundInterpreter, RoundProgram
 from .optim import LocalOptimizer
-from .outer import OuterOptimizer
 from .prefetch import BatchPrefetch, device_parts
 from .streams import CUDA_OPS, CudaStreams
 from .settings import RunSettings, settings_view
 from .state import DeviceState
+from .sync.base import SyncState
 from .workers import ProcessExecutor, available_cores, fork_available
 
 __all__ = ["Scheduler", "Executor", "EXECUTORS"]
@@ -59,7 +59,8 @@ EXECUTORS = get_args(Executor)
 
 
 class Scheduler(RoundInterpreter):
-    """Runs rounds of SMA over the devices' replicas: the task graph's tasks, one method per kind.
+    """Runs rounds over the devices' replicas: the task graph's tasks, one method per kind; the
+    local and global syncs' work is the sync algorithm's (engine/sync/, ``settings.sync``).
 
     Args:
         task_graph: the plan's task graph (one round).
@@ -95,8 +96,9 @@ class Scheduler(RoundInterpreter):
             discipline on CPU devices.
         fault_masks: per device, ``[m]`` bool: the replicas reset for NaN/Inf (or divergence) in
             the last round, on the device (None before the first local sync).
-        outer: under ``sync=DiLoCo(...)`` its outer optimizer over the first device's z
-            (engine/outer.py ``OuterOptimizer``, built here), else None.
+        sync_state: the sync algorithm's runtime state for this plan (``SyncAlgorithm.bind``,
+            built here; engine/sync/): under ``DiLoCo(...)`` its outer optimizer over the first
+            device's z (``OuterOptimizer``), for the others an empty ``SyncState``.
         batch_ahead: the batch copied to the devices one round ahead (``prefetch``;
             engine/prefetch.py ``BatchPrefetch``).
         round_graph: a ``graphs.RoundGraph`` that captures the inline executor's rounds in CUDA
@@ -108,7 +110,8 @@ class Scheduler(RoundInterpreter):
     learner_mode = settings_view("learner_mode", "The learner mode in force (read-only).")
     optimizer = settings_view("optimizer", "The local optimiser, its groups' settings in force "
                               "(read-only; engine/optim.py LocalOptimizer).")
-    sync = settings_view("sync", "The SMA (α, τ in force), DiLoCo (H) or SSGD strategy (read-only).")
+    sync = settings_view("sync", "The sync algorithm, its α, τ (H) in force (read-only; "
+                         "engine/sync/).")
 
     def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Callable,
                  settings: RunSettings, *, executor: Executor = "auto",
@@ -146,8 +149,7 @@ class Scheduler(RoundInterpreter):
         self._resolved: tuple[int, str] | None = None  # (k, executor) cache
         self.cpu_conv = cpu_conv  # worker processes' convolutions: "auto", "onednn", "aten"
         self._onednn_choices: dict[int, bool] = {}  # b → measured choice (conv_choice.choose_onednn)
-        self.outer = OuterOptimizer(settings.sync.outer_optimizer, states[0].z) \
-            if isinstance(settings.sync, DiLoCo) else None  # raises TypeError, ValueError
+        self.sync_state: SyncState = settings.sync.bind(states)  # raises TypeError, ValueError
         self.round_graph = round_graph  # a graphs.RoundGraph: CUDA-graph rounds
         self._in_graph = False  # the round body runs as a graph captures it (graph_body)
         self._graph_losses: list[torch.Tensor] = []
@@ -215,7 +217,7 @@ class Scheduler(RoundInterpreter):
         """The executor that runs the next round: ``"inline"`` or ``"process"``."""
         if self.executor != "auto":
             return self.executor
-        if isinstance(self.settings.sync, (SSGD, DiLoCo)):  # their global sync writes every w
+        if "process" not in self.sync.executors:  # e.g. a global sync that writes every w
             return "inline"
         k = self.num_learners
         if self._resolved is None or self._resolved[0] != k:
@@ -392,8 +394,9 @@ class Scheduler(RoundInterpreter):
                 self._read_late(d, 0, mask, self._cuda.ops.current(self.states[d].torch_device))
         self._take_late_faults(block=False, before=round_index)
 
-    def _graph_hyper(self, state: DeviceState):
-        """In a graph round's body, the device's hyper-parameter tensors (graphs.DeviceHyper)."""
+    def graph_hyper(self, state: DeviceState):
+        """In a graph round's body, the device's hyper-parameter tensors (graphs.DeviceHyper),
+        else None."""
         return self.round_graph.hyper_of(state) if self._in_graph else None
 
     def run_task(self, task: Task) -> None:
@@ -440,23 +443,17 @@ class Scheduler(RoundInterpreter):
         self._round_losses[d][r0:r1] = losses
 
     def local_sync(self, task: Task) -> None:
-        """Local SGD step and correction of the task's replicas (rows a … b−1 of its device), and
-        their sum acc_d."""
+        """The sync algorithm's local update of the task's replicas (rows a … b−1 of its device):
+        their local step (and SMA's correction), and the device's accumulator acc_d
+        (``SyncAlgorithm.local_update``)."""
         d = self.program.device[task.id]
         a, b = self.program.rows[task.id]
         state = self.states[d]
         streams = self._cuda
         with self._on_stream("local", task, d):
-            if isinstance(self.settings.sync, SSGD):  # S-SGD: the device's gradient sum; the step is global
-                state.acc = state.g[a:b].sum(dim=0, dtype=state.w.dtype)  # [P], in the masters' dtype
-                faulty = []
-            else:
-                state.acc, faulty = self.local_update_rows(
-                    state, a, b, alpha=self.alpha, synchronise=self._synchronise,
-                    optimizer=self.optimizer, losses=self._round_losses[d][a:b],
-                    on_device=streams is not None)
-                if self._synchronise and self.outer is not None:  # DiLoCo: Σ_j (w_j − z), post-step
-                    state.acc = torch.sub(state.w[a:b], state.z).sum(dim=0)  # [P]
+            state.acc, faulty = self.sync.local_update(
+                self, state, a, b, alpha=self.alpha, synchronise=self._synchronise,
+                losses=self._round_losses[d][a:b], on_device=streams is not None)
             if streams is not None:
                 self._snapshot_buffers(d, a, b)
                 streams.keep_for_global([state.acc, self._buf_snapshot[d]])
@@ -472,9 +469,10 @@ class Scheduler(RoundInterpreter):
                           out: torch.Tensor | None = None,
                           losses: list[torch.Tensor] | None = None, on_device: bool = False
                           ) -> tuple[torch.Tensor | None, list[int] | torch.Tensor]:
-        """The SMA local update of rows ``r0 … r1−1`` (docs/design-overview.md §2, steps 1–2):
-        the optimizer's step (the SGD kernels, or a row optimizer: engine/optim.py) with the
-        hyper-parameters now in its param groups, and the correction with z.
+        """The learners' local update of rows ``r0 … r1−1`` (docs/design-overview.md §2, steps
+        1–2; ``SyncAlgorithm.local_update`` calls it): the optimizer's step (the SGD kernels, or a
+        row optimizer: engine/optim.py) with the hyper-parameters now in its param groups, and
+        the correction α·(ŵ − z) in a round that synchronises (none with α = 0).
 
         Replicas with NaN/Inf gradients, or a NaN/Inf loss in ``losses`` (the rows' losses of
         the round, r1 − r0 0-dim tensors), are first reset from z and so left out of the sum
@@ -496,7 +494,7 @@ class Scheduler(RoundInterpreter):
         z = state.z if synchronise and alpha else None
         if optimizer.kernel:
             sgd = optimizer.sgd()
-            hyper = self._graph_hyper(state)  # a graph round: device tensors, read at replay
+            hyper = self.graph_hyper(state)  # a graph round: device tensors, read at replay
             alpha_in = alpha if z is not None else 0.0
             args = hyper.local_args(sgd, alpha_in) if hyper is not None else dict(
                 lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay, alpha=alpha_in)
@@ -523,72 +521,27 @@ class Scheduler(RoundInterpreter):
                                                          for b, s in zip(snap, self.states)])
 
     def sync_central(self, accs: list[torch.Tensor], buffers: list[torch.Tensor] | None = None) -> None:
-        """The GLOBAL_SYNC's work: C = Σ_d acc_d, then z ← z + C + μ_z(z − z_prev) on every
-        device; buffers averaged. (``sync=SSGD()``: ``_ssgd_step``; ``sync=DiLoCo(...)``: the
-        outer step, ``_outer_step``.)
-
-        Under torchrun (``comm``) the process's sum, its replicas' buffer sums and its count of
-        fault events not yet shared, packed into one ``[P + Q + 1]`` tensor in the masters' dtype
-        (float32, or float64 for a float64 model), are all-reduced (sum) over the ranks before
-        the update; a count above zero makes the ranks share their events first (``FaultMonitor.share``: DivergenceError when a round's
-        events cover all k learners, z untouched).
-
-        With CPU devices and no torchrun, the kernel backend's ``central_update_shared`` (the C
-        kernels'; the others decline) does the sum, the update and the devices' copies of z in
-        one pass.
+        """The GLOBAL_SYNC's work, on the global stream: the sync algorithm's global update
+        (``SyncAlgorithm.global_update``; SMA: C = Σ_d acc_d, then z ← z + C + μ_z(z − z_prev)
+        on every device; buffers averaged).
 
         ``accs``: the sums acc_d ``[P]`` to add, in device order. ``buffers``: per device the
         replicas' float buffers ``[m, Q]`` to average (default: the live ``buf``; the process
         executor passes its groups' sums and the snapshots its workers took at the round's end).
         """
-        states = self.states
-        bufs = buffers if buffers is not None else [s.buf for s in states]
-        if isinstance(self.sync, SSGD):
-            self._ssgd_step(accs, bufs)
-            return
-        if self.outer is not None:
-            self._outer_step(accs, bufs)
-            return
-        if self.num_learners == 1:  # the single replica is the central model
-            s = states[0]
-            with self._on_stream("global", self._global_task):
-                s.z_prev.copy_(s.z)
-                s.z.copy_(s.w[0])
-                s.zbuf.copy_(bufs[0][0])
-            return
-        home = states[0].torch_device
-        mu_z = self.settings.sync.central_momentum
-        if self._in_graph:  # a graph round: μ_z from its device tensor (one device)
-            mu_z = self._graph_hyper(states[0]).central(mu_z)
-        on_cpu = all(s.torch_device.type == "cpu" for s in states)
-        shared = on_cpu and self.comm is None
+        bufs = buffers if buffers is not None else [s.buf for s in self.states]
         with self._on_stream("global", self._global_task):
-            mean_buf = None
-            # CPU devices share one memory: Σ acc_d, the update and z's copies in one pass
-            if not shared or not self.kernels.central_update_shared(
-                    [s.z for s in states], [s.z_prev for s in states], accs, central_momentum=mu_z):
-                total = _sum_on(accs, home)
-                if self.comm is not None:
-                    total, mean_buf = self._all_reduce(total, bufs, home)
-                # CPU logical devices share one memory: update z once and copy it (same numbers)
-                for s in states[:1] if on_cpu else states:
-                    self.kernels.central_update(s.z, s.z_prev, total.to(s.torch_device),
-                                                central_momentum=mu_z)
-                if on_cpu:
-                    for s in states[1:]:
-                        s.z.copy_(states[0].z)
-                        s.z_prev.copy_(states[0].z_prev)
-            if mean_buf is None:
-                mean_buf = _mean_buffers(bufs, home)
-            if mean_buf is not None:
-                for s in states:
-                    s.zbuf.copy_(mean_buf)
+            self.sync.global_update(self, self.sync_state, accs, bufs)
 
-    def _all_reduce(self, total: torch.Tensor, bufs: list[torch.Tensor], home: torch.device):
-        """The hierarchical reduce's second level: one all-reduce of ``[C_p, Σ buf, n_faults]``
-        ``[P + Q + 1]`` over the processes, then the ranks' new faults if any rank has some
-        (``FaultMonitor.share``, which may raise DivergenceError); returns (C ``[P]``, the mean
-        buffers over all k replicas ``[Q]`` or None)."""
+    def all_reduce_sums(self, total: torch.Tensor, bufs: list[torch.Tensor], home: torch.device
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hierarchical reduce's second level, under torchrun (``comm``): the process's sum
+        ``total`` ``[P]``, its replicas' buffer sums and its count of fault events not yet shared,
+        packed into one ``[P + Q + 1]`` tensor in the masters' dtype (float32, or float64 for a
+        float64 model), all-reduced (sum) over the ranks; then the ranks' new faults if any rank
+        has some (``FaultMonitor.share``: DivergenceError when a round's events cover all k
+        learners, z untouched). Returns (C ``[P]``, the mean buffers over all k replicas ``[Q]``
+        or None)."""
         P, Q = total.shape[0], self.states[0].buf.shape[1]
         flat = torch.empty(P + Q + 1, dtype=total.dtype, device=home)
         flat[:P].copy_(total)
@@ -604,56 +557,6 @@ class Scheduler(RoundInterpreter):
             self._read_late(-1, 0, flat[P + Q:], self._cuda.global_stream)
         mean_buf = flat[P:P + Q].div_(self.num_learners).to(self.states[0].buf.dtype) if Q else None
         return flat[:P], mean_buf
-
-    @torch.no_grad()
-    def _outer_step(self, accs: list[torch.Tensor], bufs: list[torch.Tensor]) -> None:
-        """DiLoCo (config.DiLoCo; docs/design-overview.md §2, "Outer optimizers"): Σ_d acc_d (each
-        the device's Σ_j (w_j − z) after the learners' steps; all-reduced under torchrun) gives
-        Δ = z − mean_j w_j = −Σ/k, the outer optimizer steps z with it, z_prev ← the old z, the
-        devices copy z, every replica restarts from z with its optimizer state kept; float
-        buffers averaged into zbuf. With one learner it is the same (Δ = z − w_0)."""
-        states, home = self.states, self.states[0].torch_device
-        s0 = states[0]
-        with self._on_stream("global", self._global_task):
-            total, mean_buf = _sum_on(accs, home), None
-            if self.comm is not None:  # the same Δ on every rank: the same outer state
-                total, mean_buf = self._all_reduce(total, bufs, home)
-            s0.z_prev.copy_(s0.z)
-            self.outer.step(s0.z, torch.div(total, -self.num_learners))  # Δ [P]
-            if mean_buf is None:
-                mean_buf = _mean_buffers(bufs, home)
-            for s in states:
-                if s is not s0:
-                    s.z.copy_(s0.z.to(s.torch_device))
-                    s.z_prev.copy_(s0.z_prev.to(s.torch_device))
-                s.w.copy_(s.z.expand_as(s.w))  # w_j ← z; v, the row optimizers' state kept
-                if mean_buf is not None:
-                    s.zbuf.copy_(mean_buf.to(s.torch_device))
-
-    def _ssgd_step(self, accs: list[torch.Tensor], bufs: list[torch.Tensor]) -> None:
-        """S-SGD (config.SSGD): ḡ = Σ_d acc_d / k, one SGD step of replica 0 of device 0 with ḡ,
-        then every replica (w, v) and z on every device set to it; float buffers averaged."""
-        if self.comm is not None:
-            raise ValueError("sync=SSGD() runs in one process for now (its gradient sum is not "
-                             "all-reduced across torchrun ranks); use SMA under torchrun")
-        states, home = self.states, self.states[0].torch_device
-        s0, opt = states[0], self.settings.optimizer.sgd()  # a kernel optimizer (api.py checks)
-        with self._on_stream("global", self._global_task):
-            total = _sum_on(accs, home)
-            self.kernels.local_update(
-                s0.w[:1], s0.v[:1], (total / self.num_learners).unsqueeze(0), None, lr=opt.lr,
-                momentum=opt.momentum, nesterov=opt.nesterov, weight_decay=opt.weight_decay,
-                alpha=0.0, first_step=s0.first_step[0])
-            w0, v0 = s0.w[0].clone(), s0.v[0].clone()  # [P]
-            mean_buf = _mean_buffers(bufs, home)
-            for s in states:
-                s.w.copy_(w0.to(s.torch_device).expand_as(s.w))
-                s.v.copy_(v0.to(s.torch_device).expand_as(s.v))
-                s.first_step[:] = [False] * s.m
-                s.z_prev.copy_(s.z)
-                s.z.copy_(w0.to(s.torch_device))
-                if mean_buf is not None:
-                    s.zbuf.copy_(mean_buf.to(s.torch_device))
 
     # -- CUDA streams (inline executor on GPUs; engine/streams.py) -----------------------------
 
@@ -677,7 +580,7 @@ class Scheduler(RoundInterpreter):
             return _NULL
         label = (task.id if isinstance(task, Task) else task[0], self.round_index)
         if kind == "learn":
-            return streams.learn(label, d, r0, after_global=isinstance(self.sync, (SSGD, DiLoCo)))
+            return streams.learn(label, d, r0, after_global=self.sync.waits_for_global)
         if kind == "local":
             return streams.local(label, d)
         return streams.global_(label)
@@ -767,23 +670,6 @@ class Scheduler(RoundInterpreter):
                 self.timeline.span(task_id, self._origin_ns + int(t0 * 1e6),
                                    self._origin_ns + int(t1 * 1e6), lane=f"{kind} stream",
                                    round_index=round_index)
-
-
-def _sum_on(accs: list[torch.Tensor], home: torch.device) -> torch.Tensor:
-    """Σ_d acc_d ``[P]`` on ``home`` (never writes an acc_d)."""
-    total = None
-    for acc in accs:
-        acc = acc.to(home)
-        total = acc if total is None else total + acc
-    return total
-
-
-def _mean_buffers(bufs: list[torch.Tensor], home: torch.device) -> torch.Tensor | None:
-    """The mean over every replica of the devices' float buffers ``[m_d, Q]``, ``[Q]`` on
-    ``home``; None without float buffers."""
-    if not bufs[0].shape[1]:
-        return None
-    return torch.cat([bb.to(home) for bb in bufs]).mean(dim=0)
 
 
 class _Null:

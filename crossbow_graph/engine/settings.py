@@ -12,11 +12,11 @@ that forward to the settings (``Plan.batch_size``, ``Scheduler.lr``, ...).
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 
-from ..config import LEARNER_MODES, SMA, SSGD, DiLoCo
+from ..config import LEARNER_MODES
 from .optim import LocalOptimizer
+from .sync.base import SyncAlgorithm
 
 __all__ = ["RunSettings", "settings_view"]
 
@@ -28,15 +28,15 @@ class RunSettings:
         optimizer: the local optimiser (engine/optim.py ``LocalOptimizer``): the user's
             torch.optim optimizer, whose param groups hold the hyper-parameters in force (an LR
             scheduler over it changes them between rounds).
-        sync: ``config.SMA`` with the α and τ in force (μ_z fixed), ``config.DiLoCo`` with
-            the H in force (``sync_every``), or ``config.SSGD()``.
+        sync: the synchronisation algorithm (engine/sync/: ``SMA`` with the α and τ in force,
+            μ_z fixed; ``DiLoCo`` with the H in force; ``SSGD()``; ...).
         batch_size: b, samples per learner per round (≥ 1).
         replicas_per_device: m, replicas on every device (≥ 1; k = G·m over every process).
         learner_mode: ``"per_replica"`` or ``"fused"`` (engine/fused.py).
         lr: η, the first param group's learning rate in force (≥ 0), applied to the mean loss
             of a learner's b samples; setting it scales every group's lr by the same factor.
         alpha: SMA α in (0, 1], the pull of each replica toward z, or None: 1/k (re-derived when
-            k changes); None under SSGD and DiLoCo. ``sync.alpha``.
+            k changes); None for the algorithms without α. ``sync.alpha``.
         sync_every: τ, rounds between synchronisations (≥ 1; 1 under SSGD). ``sync.sync_every``.
 
     Who changes them: ``tuning.policy_base.apply_adjustment`` only (``Plan.adjust``, which
@@ -44,13 +44,14 @@ class RunSettings:
     checkpoint resumes call); every other module reads them.
 
     Raises:
-        ValueError: an unknown learner mode; setting α or τ other than 1 under SSGD; α under
-            DiLoCo.
+        ValueError: an unknown learner mode; setting α under an algorithm without α (e.g.
+            SSGD, DiLoCo) or τ other than 1 under SSGD (``SyncAlgorithm.with_alpha``,
+            ``with_sync_every``).
     """
 
     __slots__ = ("optimizer", "sync", "batch_size", "replicas_per_device", "learner_mode")
 
-    def __init__(self, *, optimizer: LocalOptimizer, sync: SMA | SSGD | DiLoCo, batch_size: int,
+    def __init__(self, *, optimizer: LocalOptimizer, sync: SyncAlgorithm, batch_size: int,
                  replicas_per_device: int, learner_mode: str) -> None:
         if learner_mode not in LEARNER_MODES:
             raise ValueError(f"learner_mode={learner_mode!r}: use one of {LEARNER_MODES}")
@@ -71,17 +72,12 @@ class RunSettings:
 
     @property
     def alpha(self) -> float | None:
-        """SMA α in force, None for 1/k (and under SSGD and DiLoCo)."""
-        return getattr(self.sync, "alpha", None)
+        """SMA α in force, None for 1/k (and for the algorithms without α)."""
+        return self.sync.alpha
 
     @alpha.setter
     def alpha(self, value: float | None) -> None:
-        if isinstance(self.sync, SSGD):
-            raise ValueError(f"alpha={value!r} with sync=SSGD(): S-SGD has no α (its replicas are z)")
-        if isinstance(self.sync, DiLoCo):
-            raise ValueError(f"alpha={value!r} with sync=DiLoCo(...): DiLoCo pulls no replica "
-                             "toward z (α = 0); its outer optimizer moves z every H rounds")
-        self.sync = dataclasses.replace(self.sync, alpha=value)
+        self.sync = self.sync.with_alpha(value)
 
     @property
     def sync_every(self) -> int:
@@ -90,12 +86,11 @@ class RunSettings:
 
     @sync_every.setter
     def sync_every(self, value: int) -> None:
-        if isinstance(self.sync, SSGD):
-            raise ValueError(f"sync_every={value!r} with sync=SSGD(): S-SGD synchronises every round")
-        self.sync = dataclasses.replace(self.sync, sync_every=value)
+        self.sync = self.sync.with_sync_every(value)
 
     def alpha_for(self, num_learners: int) -> float:
-        """α used for k = ``num_learners`` learners (``SMA.alpha_for``: α, or 1/k; 0 when k = 1)."""
+        """α used for k = ``num_learners`` learners (``SMA.alpha_for``: α, or 1/k; 0 when k = 1;
+        0 for the algorithms without α)."""
         return self.sync.alpha_for(num_learners)
 
     def __repr__(self) -> str:

@@ -190,7 +190,8 @@ class CudaStreams:
 
     @contextmanager
     def learn(self, task: Any, d: int, r0: int, *, after_global: bool) -> Iterator[None]:
-        """Context: a learner group's work on its stream ``L``."""
+        """Context: a learner group's work on its stream ``L`` (``after_global``: it waits for the
+        last global sync too, ``SyncAlgorithm.waits_for_global``)."""
         stream = self.groups.get((d, r0))
         if stream is None:
             stream = self.groups[d, r0] = self.ops.new_stream(self.states[d].torch_device)

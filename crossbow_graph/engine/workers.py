@@ -332,14 +332,14 @@ class _Group(RoundInterpreter):
                 self.error = (err.task_id, cause_text(err))
 
     def local_sync(self, task: Task) -> None:
-        """Rows a … b−1 of the LOCAL_SYNC: their local update, their sum of corrections into
-        ``acc_parts[wid]``, and the group's buffers into the snapshot for the global sync."""
+        """Rows a … b−1 of the LOCAL_SYNC: the sync algorithm's local update
+        (``SyncAlgorithm.local_update``), their sum of corrections into ``acc_parts[wid]``, and
+        the group's buffers into the snapshot for the global sync."""
         alpha, synchronise = self.release
         (a, b), r0 = self.program.local_rows, self.r0
-        _, self.faulty = self.sched.local_update_rows(
-            self.state, a, b, alpha=alpha, synchronise=synchronise,
-            optimizer=self.sched.settings.optimizer,
-            out=self.acc_part, losses=self.row_losses[a - r0:b - r0])
+        _, self.faulty = self.sched.sync.local_update(
+            self.sched, self.state, a, b, alpha=alpha, synchronise=synchronise,
+            losses=self.row_losses[a - r0:b - r0], out=self.acc_part)
         if self.buf_snap is not None:
             self.buf_snap[r0:self.r1].copy_(self.state.buf[r0:self.r1])
 

@@ -7,8 +7,9 @@ A checkpoint holds everything the next round depends on:
   on load by ``check_same_model``); per device the replicas ``w [m, P]``, momenta ``v [m, P]``,
   the central model ``z [P]`` and ``z_prev [P]``, float buffers ``buf [m, Q]`` and ``zbuf [Q]``,
   every replica's integer buffers (``num_batches_tracked``), the ``first_step`` flags, the
-  float16 learners' loss scales (engine/precision.py); DiLoCo's outer optimizer state
-  (``outer_optimizer``: class and torch.optim ``state_dict``, engine/outer.py); the run
+  float16 learners' loss scales (engine/precision.py); the sync algorithm's state, DiLoCo's
+  outer optimizer (``outer_optimizer``: class and torch.optim ``state_dict``,
+  engine/sync/outer.py; None for the others); the run
   settings a policy may have changed (``Plan.settings``: batch size b, SMA α and τ, the
   learning rate η, the learner mode), which a resumed fit continues with; the current epoch's losses;
   the counters (epochs and rounds done, the round within the epoch, the sample position in it,
@@ -104,10 +105,7 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         "epochs_done": plan.epochs_done, "rounds_done": plan.rounds_done,
         "round_in_epoch": plan.round_in_epoch, "position_in_epoch": plan.position_in_epoch,
         "train_seconds": plan.train_seconds,
-        "outer_optimizer": None if sched.outer is None else  # sync=DiLoCo(...): engine/outer.py
-        {"class": sched.outer.describe()["class"],
-         "state": _outer_layout(plan, sched.outer.state_dict(),
-                                plan.states[0].params.to_standard)},
+        "outer_optimizer": _sync_state_entry(plan),
     }
 
 
@@ -262,21 +260,34 @@ def _outer_layout(plan: "Plan", sd: dict[str, Any],
     return {**sd, "state": state}
 
 
+def _sync_state_entry(plan: "Plan") -> dict[str, Any] | None:
+    """The sync algorithm's runtime state (``Scheduler.sync_state``; DiLoCo's outer optimizer,
+    engine/sync/outer.py) as a checkpoint's ``"outer_optimizer"`` entry: its class and state in
+    the standard layout; None for an algorithm without state."""
+    state = plan.scheduler.sync_state
+    if state.state_class is None:
+        return None
+    return {"class": state.state_class,
+            "state": _outer_layout(plan, state.state_dict(), plan.states[0].params.to_standard)}
+
+
 def _load_outer(plan: "Plan", saved: dict[str, Any] | None) -> None:
-    """DiLoCo's outer optimizer state into the plan's (engine/outer.py); CheckpointError when
-    one of the two has an outer optimizer and the other not, or another class."""
-    outer = plan.scheduler.outer
-    mine = None if outer is None else outer.describe()["class"]
+    """The sync algorithm's runtime state (DiLoCo's outer optimizer) from a checkpoint's
+    ``"outer_optimizer"`` entry; CheckpointError when one of the two has such state and the other
+    not, or of another class."""
+    state = plan.scheduler.sync_state
+    mine = state.state_class
     theirs = None if saved is None else saved["class"]
     if mine != theirs:
         def say(c):
-            return "no outer optimizer (SMA or SSGD)" if c is None else f"outer optimizer {c} (DiLoCo)"
-        raise CheckpointError(f"the checkpoint was written with {say(theirs)}, but this plan has "
-                              f"{say(mine)}; compile with the same sync to resume, or use another "
-                              "checkpoint_dir to start afresh")
-    if outer is not None:
+            return "no outer optimizer" if c is None else f"outer optimizer {c}"
+        raise CheckpointError(f"the checkpoint was written with {say(theirs)} (the state of its "
+                              f"sync algorithm), but this plan has {say(mine)} "
+                              f"(sync={type(plan.sync).__name__}); compile with the same sync to "
+                              "resume, or use another checkpoint_dir to start afresh")
+    if mine is not None:
         try:
-            outer.load_state_dict(_outer_layout(plan, saved["state"],
+            state.load_state_dict(_outer_layout(plan, saved["state"],
                                                 plan.states[0].params.from_standard))
         except ValueError as exc:
             raise CheckpointError(f"the checkpoint's outer optimizer state does not fit this "

@@ -53,12 +53,12 @@ def _plain_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_setup(plan: "Plan") -> dict[str, Any]:
     """The plan's run settings now, as plain values: ``optimizer`` (per param group, its
     settings but the parameters), ``batch_size``, ``alpha``, ``sync_every``, ``learner_mode``,
-    ``outer`` (DiLoCo's outer optimizer's groups, or None)."""
-    s, outer = plan.settings, plan.scheduler.outer
+    ``outer`` (the groups of the sync algorithm's state, DiLoCo's outer optimizer's, or None)."""
+    s, outer = plan.settings, plan.scheduler.sync_state.param_groups
     return {"optimizer": _plain_groups(s.optimizer.optimizer.param_groups),
             "batch_size": s.batch_size, "alpha": s.alpha, "sync_every": s.sync_every,
             "learner_mode": s.learner_mode,
-            "outer": None if outer is None else _plain_groups(outer.optimizer.param_groups)}
+            "outer": _plain_groups(outer) if outer else None}
 
 
 class RunRecord:
@@ -166,7 +166,7 @@ def restore_settings(plan: "Plan", sd: dict[str, Any], choice: SettingsChoice) -
     checkpoint) keeps the plan's."""
     settings, changes = plan.settings, {}
     for key in ("batch_size", "alpha", "sync_every", "learner_mode"):
-        if key not in sd or (key == "alpha" and not hasattr(plan.sync, "alpha")):
+        if key not in sd or (key == "alpha" and "alpha" not in plan.sync.adjustable):
             continue
         now = getattr(settings, key)
         value = choice.pick(key, now, sd[key], (key,))
@@ -186,10 +186,7 @@ def restore_settings(plan: "Plan", sd: dict[str, Any], choice: SettingsChoice) -
 def restore_outer_settings(plan: "Plan", choice: SettingsChoice) -> None:
     """After DiLoCo's outer optimizer loaded a checkpoint's state (its groups' settings
     included): each group setting ``choice`` picks from this fit's set-up."""
-    outer = plan.scheduler.outer
-    if outer is None:
-        return
-    for i, g in enumerate(outer.optimizer.param_groups):
+    for i, g in enumerate(plan.scheduler.sync_state.param_groups):
         for k, v in list(g.items()):
             path = ("outer", i, k)
             if k == "params" or _plain(v) is _MISSING:

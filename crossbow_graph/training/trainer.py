@@ -18,7 +18,6 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from ..config import DiLoCo
 from ..errors import CheckpointError
 from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
@@ -574,14 +573,9 @@ def _mean_loss(comm, losses: torch.Tensor, plan: "Plan") -> float:
 
 
 def _warn_if_no_outer_step(plan, schedule: BatchSchedule, epochs: int) -> None:
-    """A warning when a DiLoCo fit (config.DiLoCo) runs fewer rounds than H: its central model z
-    moves only at an outer step, so it would end where it started."""
-    if not isinstance(plan.sync, DiLoCo):
-        return
-    H = plan.sync.sync_every
+    """The sync algorithm's warning when the fit is too short for z to move (e.g. DiLoCo: fewer
+    rounds than H; ``SyncAlgorithm.short_fit_warning``)."""
     rounds = schedule.rounds_per_epoch(plan.num_learners, plan.batch_size) * epochs
-    if plan.rounds_done + rounds < H:
-        warnings.warn(f"DiLoCo(sync_every={H}): this fit runs {rounds} rounds, fewer than H, so the "
-                      "central model z (what evaluation and central_model() use) gets no outer "
-                      f"step and stays where it started; use sync_every ≤ {max(rounds, 1)} or "
-                      "train longer", stacklevel=4)
+    message = plan.sync.short_fit_warning(rounds, plan.rounds_done)
+    if message is not None:
+        warnings.warn(message, stacklevel=4)

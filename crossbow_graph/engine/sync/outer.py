@@ -1,38 +1,27 @@
 """DiLoCo's outer optimizer over the central model z (docs/design-overview.md §2, "Outer
 optimizers"; Douillard et al. 2023, Algorithm 1; torchft's ``DiLoCo``).
 
-``config.DiLoCo(outer_optimizer=factory)`` names a torch.optim optimizer; ``OuterOptimizer``
-builds it once, over one leaf tensor ``[P]`` that shares the storage (and version counter) of the
-first device's z, so its ``step`` writes z in place. At every outer synchronisation the scheduler
-sets the pseudo-gradient Δ = z − mean_j w_j as that tensor's ``grad`` and steps
-(``Scheduler.sync_central``); the other devices then copy z. Under torchrun every rank builds the
+``DiLoCo(outer_optimizer=factory)`` names a torch.optim optimizer; ``DiLoCo.bind`` builds it once
+as an ``OuterOptimizer``, over one leaf tensor ``[P]`` that shares the storage (and version
+counter) of the first device's z, so its ``step`` writes z in place. At every outer
+synchronisation ``DiLoCo.global_update`` sets the pseudo-gradient Δ = z − mean_j w_j as that
+tensor's ``grad`` and steps; the other devices then copy z. Under torchrun every rank builds the
 same optimizer and steps it on the same all-reduced Δ, so its state is the same on every rank;
 checkpoints hold it (``state_dict``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import torch
 
-from ..config import DiLoCo
+from .base import SyncState
 
-__all__ = ["OuterOptimizer", "sync_facts"]
-
-
-def sync_facts(sync: Any, outer: "OuterOptimizer | None") -> dict[str, Any]:
-    """The sync strategy as plain data (the summary, JSON, the torchrun agreement): an SMA's or
-    SSGD's fields; for DiLoCo ``{"name": "DiLoCo", "sync_every": H, "outer_optimizer":
-    outer.describe()}`` (its factory, a callable, is not data)."""
-    if isinstance(sync, DiLoCo):
-        return {"name": "DiLoCo", "sync_every": sync.sync_every,
-                "outer_optimizer": outer.describe() if outer is not None else None}
-    return dataclasses.asdict(sync)
+__all__ = ["OuterOptimizer"]
 
 
-class OuterOptimizer:
+class OuterOptimizer(SyncState):
     """The outer optimizer of ``sync=DiLoCo(...)``: a torch.optim optimizer over ``[z]``.
 
     Args:
@@ -42,6 +31,7 @@ class OuterOptimizer:
     Attributes:
         optimizer: what ``factory`` built (its ``param_groups`` hold lr, momentum, ...).
         z_param: the leaf tensor ``[P]`` it optimises, a view of ``z``'s storage.
+        state_class: the optimizer's class (``"torch.optim.sgd.SGD"``), what checkpoints name.
 
     Raises:
         TypeError: calling ``factory`` raised TypeError, it returned something other than a
@@ -74,6 +64,12 @@ class OuterOptimizer:
                             "closure, and the outer step has only a pseudo-gradient; use SGD "
                             "(Nesterov) or Adam")
         self.optimizer = opt
+        self.state_class = f"{type(opt).__module__}.{type(opt).__qualname__}"
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's param groups (lr, momentum, ...; a resumed fit may choose anew)."""
+        return self.optimizer.param_groups
 
     @torch.no_grad()
     def step(self, z: torch.Tensor, delta: torch.Tensor) -> None:
@@ -91,8 +87,7 @@ class OuterOptimizer:
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
                    if k != "params" and (v is None or isinstance(v, (bool, int, float, str, tuple)))}
                   for g in self.optimizer.param_groups]
-        return {"class": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
-                "groups": groups}
+        return {"class": self.state_class, "groups": groups}
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's ``state_dict()`` (momentum buffers, steps, group settings), tensors as

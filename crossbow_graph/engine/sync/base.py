@@ -1,0 +1,206 @@
+"""The protocol every synchronisation algorithm implements, ``SyncAlgorithm``; what the engine
+offers it, ``SyncContext`` (the Scheduler); the per-plan runtime state it binds, ``SyncState``
+(docs/design-overview.md §2, "Where the algorithms live")."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ...kernels.protocol import SMAKernels
+    from ..optim import LocalOptimizer
+    from ..state import DeviceState
+
+__all__ = ["SyncAlgorithm", "SyncContext", "SyncState"]
+
+
+class SyncContext(Protocol):
+    """What an algorithm's updates may use of the engine (the Scheduler): ``states`` (one
+    DeviceState per device: w, v, g ``[m, P]``, z, z_prev ``[P]``, buf ``[m, Q]``, zbuf ``[Q]``),
+    ``kernels`` (``SMAKernels``), ``comm`` (torchrun's ``Comm`` or None), ``num_learners`` (k,
+    every process's), ``optimizer`` (the ``LocalOptimizer``, its settings in force)."""
+
+    states: list[DeviceState]
+    kernels: SMAKernels
+    comm: Any
+    optimizer: LocalOptimizer
+
+    @property
+    def num_learners(self) -> int: ...
+
+    def local_update_rows(self, state: DeviceState, r0: int, r1: int, *, alpha: float,
+                          synchronise: bool, optimizer: LocalOptimizer,
+                          out: torch.Tensor | None = None,
+                          losses: list[torch.Tensor] | None = None, on_device: bool = False
+                          ) -> tuple[torch.Tensor | None, Any]:
+        """The local optimizer's step of rows r0 … r1−1 with the correction α·(ŵ − z) in a round
+        that synchronises; faulty replicas reset from z first. Returns (Σ correction ``[P]`` or
+        None, the faulty replicas)."""
+
+    def all_reduce_sums(self, total: torch.Tensor, bufs: list[torch.Tensor], home: torch.device
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Under torchrun: Σ over the ranks of ``total [P]`` and of the replicas' buffers; returns
+        (the sum ``[P]``, the mean buffers over all k replicas ``[Q]`` or None)."""
+
+    def graph_hyper(self, state: DeviceState) -> Any:
+        """In a CUDA-graph round's body, the device's hyper-parameter tensors, else None."""
+
+
+class SyncState:
+    """An algorithm's runtime state for one plan (``SyncAlgorithm.bind``); this one holds none.
+    ``state_class``: the ``"class"`` of a checkpoint's ``"outer_optimizer"`` entry, None: none."""
+
+    state_class: str | None = None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The settings groups a resumed fit may choose anew (training/run_setup.py): none."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state as CPU tensors and plain values (a checkpoint's entry)."""
+        return {}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore ``state_dict()``; ValueError when it does not fit."""
+
+    def describe(self) -> dict[str, Any] | None:
+        """The state's settings as plain data (inspection, the torchrun agreement), or None."""
+        return None
+
+
+class SyncAlgorithm(abc.ABC):
+    """One synchronisation algorithm: its settings (a frozen dataclass's fields) and its work.
+
+    Class attributes:
+        executors: the executors it runs on (``"inline"``, ``"process"``); ``executor="auto"``
+            picks the process executor only when it is among them.
+        waits_for_global: on CUDA streams, a learner group's next round waits for the previous
+            global sync (it writes every replica), not only for its own device's local sync.
+        cuda_graphs: a CUDA graph may capture its rounds (its global sync reads nothing on the
+            host and writes only z).
+        adjustable: the settings ``Plan.adjust`` may change (``"alpha"``, ``"sync_every"``):
+            ``with_alpha`` and ``with_sync_every`` raise ValueError for the others.
+        alpha: α as set (None: 1/k); None for an algorithm without α.
+        central_momentum: μ_z of the central update (0 where z moves otherwise).
+
+    Attributes:
+        sync_every: τ (or H), rounds between synchronisations (≥ 1).
+    """
+
+    executors: ClassVar[tuple[str, ...]] = ("inline",)
+    waits_for_global: ClassVar[bool] = True
+    cuda_graphs: ClassVar[bool] = False
+    adjustable: ClassVar[tuple[str, ...]] = ("sync_every",)
+    alpha: ClassVar[float | None] = None
+    central_momentum: ClassVar[float] = 0.0
+    sync_every: int
+
+    # -- settings ---------------------------------------------------------------------------
+
+    def alpha_for(self, num_learners: int) -> float:
+        """α for k = ``num_learners`` learners: the pull of each replica toward z (none here)."""
+        return 0.0
+
+    def with_alpha(self, alpha: float | None) -> "SyncAlgorithm":
+        """This algorithm with α = ``alpha`` (None: 1/k), for ``Plan.adjust``.
+
+        Raises:
+            ValueError: the algorithm has no α.
+        """
+        raise ValueError(f"alpha={alpha!r} with sync={type(self).__name__}(...): it pulls no "
+                         "replica toward z (α = 0)")
+
+    def with_sync_every(self, sync_every: int) -> "SyncAlgorithm":
+        """This algorithm synchronising every ``sync_every`` rounds, for ``Plan.adjust``."""
+        return dataclasses.replace(self, sync_every=sync_every)
+
+    # -- compile ----------------------------------------------------------------------------
+
+    def check_executor(self, executor: str) -> None:
+        """ValueError when ``executor`` (``compile``'s) is one this algorithm does not run on
+        (an unknown name is the scheduler's error, ``EXECUTORS``)."""
+        if executor in ("inline", "process") and executor not in self.executors:
+            runs = " and ".join(self.executors)
+            raise ValueError(f"sync={type(self).__name__}(...) runs on the {runs} executor only: "
+                             "its global sync writes every replica, which the process executor's "
+                             f"workers do not wait for; use executor={self.executors[0]!r} (or "
+                             "'auto', which picks it)")
+
+    def check_optimizer(self, optimizer: LocalOptimizer) -> None:
+        """ValueError when the local optimizer is one this algorithm cannot step (any here)."""
+
+    def bind(self, states: list[DeviceState]) -> SyncState:
+        """The plan's runtime state of this algorithm, over its devices' ``states`` (none here)."""
+        return SyncState()
+
+    def kernel_facts(self, num_learners: int) -> dict[str, Any]:
+        """What selects the update kernels a plan runs (kernels/select.py ``plan_kernels``):
+        here no correction and no central update (``num_learners=1``)."""
+        return {"num_learners": 1, "sync_every": self.sync_every, "central_momentum": 0.0}
+
+    # -- rounds -----------------------------------------------------------------------------
+
+    def local_update(self, ctx: SyncContext, state: DeviceState, r0: int, r1: int, *,
+                     alpha: float, synchronise: bool,
+                     losses: list[torch.Tensor] | None = None, on_device: bool = False,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
+        """The LOCAL_SYNC's work on rows ``r0 … r1−1`` of ``state``: here the learners' local
+        step (the local optimizer's, with the correction α·(ŵ − z) in a round that synchronises:
+        ``SyncContext.local_update_rows``, which resets faulty replicas from z first).
+
+        Args:
+            alpha: α in force for this round (the process executor's workers are handed it).
+            synchronise: whether the round ends with a global sync.
+            losses: the rows' losses of the round (r1 − r0 0-dim tensors), for the fault test.
+            on_device: find faulty rows without a host read (the CUDA streams' path).
+            out: ``[P]`` to write the rows' accumulator into, or None.
+
+        Returns:
+            (the rows' accumulator ``[P]`` for ``global_update`` (here Σ of the corrections),
+            None in a round without one; the faulty replicas: their indices, or with
+            ``on_device`` their mask ``[r1 − r0]`` on the device).
+        """
+        return ctx.local_update_rows(state, r0, r1, alpha=alpha, synchronise=synchronise,
+                                     optimizer=ctx.optimizer, out=out, losses=losses,
+                                     on_device=on_device)
+
+    @abc.abstractmethod
+    def global_update(self, ctx: SyncContext, sync_state: SyncState, accs: list[torch.Tensor],
+                      bufs: list[torch.Tensor]) -> None:
+        """The GLOBAL_SYNC's work (on the global stream): from the devices' accumulators
+        ``accs`` (``[P]`` each, in device order) and the replicas' float buffers ``bufs``
+        (``[m_d, Q]`` per device) to the new z, z_prev, zbuf on every device (and, where the
+        algorithm says so, every replica)."""
+
+    # -- description ------------------------------------------------------------------------
+
+    def describe(self, sync_state: SyncState | None = None) -> dict[str, Any]:
+        """The algorithm as plain data (JSON, the torchrun agreement): its name, τ and fields."""
+        return {"name": type(self).__name__, "sync_every": self.sync_every,
+                **dataclasses.asdict(self)}
+
+    def summary_rule(self, num_learners: int, sync_state: SyncState | None = None) -> str:
+        """The plan summary's ``sync:`` text (compiler/inspect.py)."""
+        return f"{type(self).__name__}(every {self.sync_every} round(s))"
+
+    def short_fit_warning(self, rounds: int, rounds_done: int) -> str | None:
+        """A warning for a fit of ``rounds`` rounds after ``rounds_done`` that would leave z
+        where it is, or None."""
+        return None
+
+    def _fewer_rounds_than_h(self, rounds: int, rounds_done: int, missed: str) -> str | None:
+        """``short_fit_warning`` of an algorithm whose z moves only at its syncs, every H =
+        ``sync_every`` rounds: z ``missed`` (e.g. "gets no outer step") in a fit that ends
+        before round H."""
+        H = self.sync_every
+        if rounds_done + rounds >= H:
+            return None
+        return (f"{type(self).__name__}(sync_every={H}): this fit runs {rounds} rounds, fewer "
+                f"than H, so the central model z (what evaluation and central_model() use) "
+                f"{missed} and stays where it started; use sync_every ≤ {max(rounds, 1)} or "
+                "train longer")
