@@ -252,7 +252,8 @@ class Trainer:
             rounds = self.schedule.rounds_per_epoch(plan.num_learners, plan.batch_size) * opts.epochs
             check_lr_scheduler(plan, opts.lr_scheduler, opts.lr_scheduler_interval,
                                rounds if known else None)
-            hooks.append(LRSchedulerHook(opts.lr_scheduler, opts.lr_scheduler_interval))
+            hooks.append(LRSchedulerHook(opts.lr_scheduler, opts.lr_scheduler_interval,
+                                         settings=plan.settings))
         self.end_epoch = self.plan.epochs_done + opts.epochs
         _warn_if_no_outer_step(self.plan, self.schedule, opts.epochs)
         if opts.log_dir is not None and self.main:
