@@ -13,8 +13,8 @@ from .compiler.tasks import Cost, Task, TaskKind
 from .config import SGD, SMA, SSGD, Adjustment, DiLoCo
 from .engine.comm import Distributed
 from .engine.settings import RunSettings
-from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, PlanError,
-                     TaskError, TraceError, TraceWarning, TrainingInterrupted)
+from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, HookError,
+                     PlanError, TaskError, TraceError, TraceWarning, TrainingInterrupted)
 from .training.history import History
 from .training.hooks import FitContext, Hook
 from .training.options import FitOptions
@@ -26,7 +26,7 @@ from .tuning.policies import (AdaptiveBatchSize, AutoReplicas, CosineLR, Diverge
 __all__ = [
     "compile", "CompileOptions", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "AutoTune", "Task", "TaskKind", "Cost", "History",
     "TraceError", "TraceWarning", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
-    "DivergenceError", "CheckpointError", "TrainingInterrupted",
+    "DivergenceError", "CheckpointError", "HookError", "TrainingInterrupted",
     "datasets", "models",
     "Policy", "Adjustment", "AutoReplicas", "AdaptiveBatchSize", "StepLR", "MultiStepLR",
     "CosineLR", "DivergenceGuard", "MetricsMonitor", "Hook", "FitContext", "FitOptions", "RunSettings",

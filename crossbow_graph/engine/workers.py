@@ -587,7 +587,9 @@ class ProcessExecutor:
                                        or not torch.equal(self.ahead[1], indices)):
             self.cancel_ahead()
         learned = self.ahead is not None  # group 0 learned this round in the previous call
-        if not learned:
+        if learned:
+            self.sched.rounds_learned_ahead += 1
+        else:
             self._send_go(round_index, indices)
             self._own_learn(round_index, indices)
         self.ahead = None

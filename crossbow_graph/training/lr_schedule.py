@@ -207,8 +207,8 @@ class LRSchedulerHook(Hook):
     def _warn_if_unfinished(self, ctx: FitContext, start: bool) -> None:
         """A UserWarning (once per fit) when the schedule cannot reach its end in the steps the
         fit has left: its rounds at the current k·b, or its epochs (module docstring)."""
-        end, plan, n = schedule_end(self.scheduler), ctx.plan, ctx.extra.get("num_samples")
-        if end is None or self.plateau or self._warned or not n:  # n: set by the fit
+        end, plan, n = schedule_end(self.scheduler), ctx.plan, ctx.num_samples
+        if end is None or self.plateau or self._warned or not n:
             return
         per_round = self.interval == "round"
         steps = rounds_left(plan, n, ctx.end_epoch) if per_round \
