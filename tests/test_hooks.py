@@ -1,6 +1,6 @@
-"""The hook contract (training/hooks.py) and the one owner of η (engine/settings.py RunSettings):
-what a hook declares is what the fit relies on, and every η change composes by one rule
-(docs/optimizers.md, Schedules)."""
+"""The hook contract (training/hooks.py), the fit's progress (training/progress.py) and the one
+owner of η (engine/settings.py RunSettings): what a hook declares is what the fit relies on, and
+every η change composes by one rule (docs/optimizers.md, Schedules)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import crossbow_graph as cg
 from crossbow_graph.training.hooks import FitContext, Hook
 from crossbow_graph.training.lr_schedule import LRSchedulerHook
+from crossbow_graph.training.progress import FitProgress
 
 from _runtime_helpers import compile_tiny, tiny_data
 
@@ -128,6 +129,25 @@ def test_auto_replicas_is_the_plans_tuner_class_and_checkpoints_its_rule():
     plan = compile_tiny(replicas="auto")
     assert isinstance(tuner, type(plan.autotuner)) and isinstance(plan.autotuner, cg.Policy)
     assert tuner.state_dict() == tuner.rule.state_dict() and tuner.state_dict()
+
+
+def test_fit_progress_is_one_object_the_plans_attributes_read():
+    plan = compile_tiny(replicas=2, executor="inline")
+    plan.fit(tiny_data(4 * 2 * 5 + 3), 2, progress=False, metrics_every=None)
+    assert plan.progress == FitProgress(epochs_done=2, rounds_done=10, round_in_epoch=0,
+                                        position_in_epoch=0,
+                                        train_seconds=plan.progress.train_seconds)
+    assert (plan.epochs_done, plan.rounds_done) == (2, 10) and plan.train_seconds > 0
+    with pytest.raises(AttributeError):
+        plan.rounds_done = 0
+    state = plan.state_dict()  # the checkpoint keeps its keys
+    assert {k: state[k] for k in ("epochs_done", "rounds_done", "round_in_epoch",
+                                  "position_in_epoch")} == {"epochs_done": 2, "rounds_done": 10,
+                                                            "round_in_epoch": 0,
+                                                            "position_in_epoch": 0}
+    other = compile_tiny(replicas=2, executor="inline")
+    other.load_state_dict(state)
+    assert other.progress == plan.progress
 
 
 def test_a_policys_eta_composes_with_a_schedule_and_a_schedule_policy_by_one_rule():

@@ -101,9 +101,7 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         "setup": plan.run_record.setup,  # what the run was set up with (training/run_setup.py)
         "losses": torch.stack(sched.losses).cpu() if sched.losses else torch.zeros(0),
         "faults": [asdict(e) for e in sched.faults.events],
-        "epochs_done": plan.epochs_done, "rounds_done": plan.rounds_done,
-        "round_in_epoch": plan.round_in_epoch, "position_in_epoch": plan.position_in_epoch,
-        "train_seconds": plan.train_seconds,
+        **plan.progress.state_dict(),  # epochs_done, rounds_done, round_in_epoch, ...
         "outer_optimizer": None if sched.outer is None else  # sync=DiLoCo(...): engine/outer.py
         {"class": sched.outer.describe()["class"],
          "state": _outer_layout(plan, sched.outer.state_dict(),
@@ -229,9 +227,7 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any], setup: dict[str, Any]
     device = plan.states[0].torch_device
     sched.losses = [x.to(device) for x in sd["losses"].unbind()]
     sched.faults.events = [FaultEvent(**e) for e in sd["faults"]]
-    plan.epochs_done, plan.rounds_done = sd["epochs_done"], sd["rounds_done"]
-    plan.round_in_epoch, plan.train_seconds = sd["round_in_epoch"], sd["train_seconds"]
-    plan.position_in_epoch = sd["position_in_epoch"]
+    plan.progress.load_state_dict(sd)
     choice.warn(source)
 
 

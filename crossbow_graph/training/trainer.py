@@ -365,9 +365,7 @@ class Trainer:
         plan.scheduler.flush()
         ctx.epoch_complete = self.schedule.next_round(self.order, self.position, plan.num_learners,
                                                       plan.batch_size) is None
-        plan.train_seconds += self.epoch_seconds
-        plan.epochs_done += 1
-        plan.round_in_epoch = plan.position_in_epoch = 0
+        plan.progress.end_epoch(self.epoch_seconds)
         self.record_epoch()
         ctx.train_seconds = plan.train_seconds
         self.hooks.after_epoch(ctx, self.history.epochs[-1])
@@ -408,7 +406,7 @@ class Trainer:
         # if k and b stay, the next round's samples
         upcoming = self.schedule.next_round(self.order, self.position, k, b)
         n_losses = len(sched.losses)
-        plan.rounds_done += 1
+        plan.progress.start_round()
         # a round whose gradients a hook reads (the noise scale) does not overlap the next
         ahead = self.speculate and not self.hooks.wants_gradients(plan.rounds_done)
         self.history.lr.append(plan.settings.lr)  # η of this round (first param group)
@@ -421,7 +419,7 @@ class Trainer:
             comm.check_z(plan.states[0].z, plan.rounds_done - 1)
         self.rounds_run += 1
         self.samples_run += len(indices)
-        plan.round_in_epoch, plan.position_in_epoch = self.rounds_run, self.position
+        plan.progress.end_round(self.rounds_run, self.position)
         self.bar.update(len(indices))
         self._collect_faults()
         if self.hooks.hooks:
