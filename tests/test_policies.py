@@ -175,6 +175,22 @@ def test_cosine_lr_holds_eta_min_after_its_epochs_and_continues_in_the_next_fit(
     assert seen == cosine + [cosine[3]]
 
 
+def test_a_schedule_policys_state_from_an_older_checkpoint_continues_at_its_steps():
+    """An older checkpoint holds a schedule policy's steps (no torch scheduler state): the
+    scheduler built over the plan continues from that step, so StepLR(2) drops at its 2nd step."""
+    seen = []
+
+    class Record(Policy):
+        def before_epoch(self, ctx):
+            seen.append(ctx.plan.settings.lr)
+
+    policy = StepLR(step_epochs=2, gamma=0.5)
+    policy.load_state_dict({"base_lr": 0.1, "applied": 1.0, "steps": 1})
+    plan = compile_tiny(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    plan.fit(tiny_data(16), 3, progress=False, policies=[policy, Record()], metrics_every=None)
+    assert seen == [0.1, 0.1, 0.05] and policy.steps == 2
+
+
 def test_lr_drop_resets_every_replica_to_z():
     seen = []
 
