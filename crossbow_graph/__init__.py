@@ -14,8 +14,8 @@ from .config import SGD, Adjustment
 from .engine.comm import Distributed
 from .engine.settings import RunSettings
 from .engine.sync import SMA, SSGD, DiLoCo, LocalSGD
-from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, PlanError,
-                     TaskError, TraceError, TraceWarning, TrainingInterrupted)
+from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, HookError,
+                     PlanError, TaskError, TraceError, TraceWarning, TrainingInterrupted)
 from .training.history import History
 from .training.hooks import FitContext, Hook
 from .training.options import FitOptions
@@ -28,7 +28,7 @@ __all__ = [
     "compile", "CompileOptions", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "LocalSGD", "AutoTune", "Task",
     "TaskKind", "Cost", "History",
     "TraceError", "TraceWarning", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
-    "DivergenceError", "CheckpointError", "TrainingInterrupted",
+    "DivergenceError", "CheckpointError", "HookError", "TrainingInterrupted",
     "datasets", "models",
     "Policy", "Adjustment", "AutoReplicas", "AdaptiveBatchSize", "StepLR", "MultiStepLR",
     "CosineLR", "DivergenceGuard", "MetricsMonitor", "Hook", "FitContext", "FitOptions", "RunSettings",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import pathlib
 import warnings
+from operator import attrgetter
 from typing import Any, Callable, Sequence
 
 import torch
@@ -37,6 +38,7 @@ from .training.evaluation import eval_samples, evaluate_model
 from .training.history import History
 from .training.hooks import Hook
 from .training.options import FitOptions
+from .training.progress import FitProgress
 from .training.run_setup import RunRecord
 from .training.trainer import Trainer
 from .tuning.autotune import AutoTune, AutoTuner
@@ -132,6 +134,9 @@ class Plan:
             settings in force); ``sync``: the sync algorithm with the α and τ (H) in force.
         memory_budget: bytes per device for learners (None: unbounded).
         autotuner: the AutoTuner hook that ``fit`` runs (``replicas="auto"``), else None.
+        progress: how far it has trained (training/progress.py ``FitProgress``: written by the
+            fit loop); ``epochs_done``, ``rounds_done``, ``round_in_epoch``,
+            ``position_in_epoch`` and ``train_seconds`` are read-only views of it.
         precision: the learners' precision, ``"fp32"``, ``"bf16"`` or ``"fp16"`` (read-only).
     """
 
@@ -139,6 +144,14 @@ class Plan:
     replicas_per_device = settings_view("replicas_per_device", "m, replicas per device (read-only).")
     learner_mode = settings_view("learner_mode", "'per_replica' or 'fused' (read-only).")
     sync = settings_view("sync", "The sync algorithm with its α and τ (H) in force (read-only).")
+    epochs_done = property(attrgetter("progress.epochs_done"), doc="Complete epochs (read-only).")
+    rounds_done = property(attrgetter("progress.rounds_done"), doc="Rounds run (read-only).")
+    round_in_epoch = property(attrgetter("progress.round_in_epoch"),
+                              doc="Rounds done in an unfinished epoch (read-only).")
+    position_in_epoch = property(attrgetter("progress.position_in_epoch"),
+                                 doc="Samples of the unfinished epoch's order used (read-only).")
+    train_seconds = property(attrgetter("progress.train_seconds"),
+                             doc="Training seconds of the complete epochs (read-only).")
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -194,11 +207,7 @@ class Plan:
             comm.agree(plan_facts(self), "the plan")
             self._start_from_rank0()
             self._int_buffers_from_rank0(replicas=True)
-        self.epochs_done = 0
-        self.rounds_done = 0
-        self.round_in_epoch = 0  # rounds done in an unfinished epoch (a resumed fit starts there)
-        self.position_in_epoch = 0  # samples of the epoch's order used so far
-        self.train_seconds = 0.0
+        self.progress = FitProgress()  # epochs, rounds, seconds: written by the fit loop
         self._unscored_warned = False  # evaluate's warning that no accuracy can be computed
         self.last_eval_extras: dict[str, float] = {}  # the last evaluate's Evaluation.extras
         self.run_record = RunRecord()  # its set-up and checkpoints (training/run_setup.py)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numbers
 
 __all__ = ["TraceError", "TraceWarning", "PlanError", "TaskError", "DivergenceError", "CheckpointError",
-           "DistributedError", "CompilerError", "TrainingInterrupted", "is_count", "check_flag", "check_number"]
+           "DistributedError", "CompilerError", "HookError", "TrainingInterrupted", "is_count",
+           "check_flag", "check_number"]
 
 
 def is_count(value: object, minimum: int = 1) -> bool:
@@ -87,6 +88,12 @@ class DistributedError(TaskError):
     collective within the timeout (the message says which), or when the copies of z differ
     between ranks. ``round_index`` is −1 at start-up.
     """
+
+
+class HookError(RuntimeError):
+    """A hook broke what it declares (training/hooks.py ``Hook``): it wrote the replicas (w, v or
+    z) while worker processes learned the next round from them, but declares
+    ``mutates_replicas = False``; the message names the hook and the fixes."""
 
 
 class CheckpointError(RuntimeError):

@@ -145,16 +145,50 @@ def _torch_lrs(make, epochs: int, lr: float = 0.1) -> list[float]:
      lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=7, eta_min=0.001)),
 ])
 def test_schedules_match_torch_lr_scheduler(ours, theirs):
-    """η per epoch inside a fit equals torch.optim.lr_scheduler's (stepped per epoch), 8 epochs."""
+    """η per epoch inside a fit equals torch.optim.lr_scheduler's (stepped per epoch), 8 epochs,
+    bit for bit: the policy's torch scheduler steps the plan's own param groups (no shadow)."""
     seen = []
 
     class Record(Policy):  # after the schedule: the η that the epoch's rounds use
         def before_epoch(self, ctx):
             seen.append(ctx.plan.scheduler.lr)
 
+    policy = ours()
     plan = compile_tiny(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1, momentum=0.9))
-    plan.fit(tiny_data(16), 8, progress=False, policies=[ours(), Record()], metrics_every=None)
-    assert seen == pytest.approx(_torch_lrs(theirs, 8), rel=1e-9, abs=1e-12)
+    plan.fit(tiny_data(16), 8, progress=False, policies=[policy, Record()], metrics_every=None)
+    assert seen == _torch_lrs(theirs, 8) and policy.scheduler.optimizer is plan.optimizer
+
+
+def test_cosine_lr_holds_eta_min_after_its_epochs_and_continues_in_the_next_fit():
+    seen = []
+
+    class Record(Policy):
+        def before_epoch(self, ctx):
+            seen.append(ctx.plan.settings.lr)
+
+    policy, record = CosineLR(epochs=3, eta_min=0.001), Record()
+    plan = compile_tiny(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    plan.fit(tiny_data(16), 2, progress=False, policies=[policy, record], metrics_every=None)
+    plan.fit(tiny_data(16), 3, progress=False, policies=[policy, record], metrics_every=None)
+    cosine = _torch_lrs(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=3,
+                                                                             eta_min=0.001), 4)
+    assert seen == cosine + [cosine[3]]
+
+
+def test_a_schedule_policys_state_from_an_older_checkpoint_continues_at_its_steps():
+    """An older checkpoint holds a schedule policy's steps (no torch scheduler state): the
+    scheduler built over the plan continues from that step, so StepLR(2) drops at its 2nd step."""
+    seen = []
+
+    class Record(Policy):
+        def before_epoch(self, ctx):
+            seen.append(ctx.plan.settings.lr)
+
+    policy = StepLR(step_epochs=2, gamma=0.5)
+    policy.load_state_dict({"base_lr": 0.1, "applied": 1.0, "steps": 1})
+    plan = compile_tiny(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    plan.fit(tiny_data(16), 3, progress=False, policies=[policy, Record()], metrics_every=None)
+    assert seen == [0.1, 0.1, 0.05] and policy.steps == 2
 
 
 def test_lr_drop_resets_every_replica_to_z():
@@ -614,7 +648,7 @@ def test_auto_replicas_policy_grows_m():
         def before_round(self, ctx):
             clock["t"] += 1.0 / ctx.plan.replicas_per_device  # rounds get cheaper per sample
 
-    pol.tuner.clock = tick
+    pol.clock = tick
     plan = compile_tiny(devices=1, replicas=1, executor="inline")
     h = plan.fit(tiny_data(4 * 60), 1, progress=False, hooks=[Clock()], policies=[pol],
                  metrics_every=None)

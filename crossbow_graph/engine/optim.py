@@ -116,21 +116,14 @@ class LocalOptimizer:
         """η: the first param group's learning rate in force."""
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def scale_lr(self, value: float) -> None:
-        """Set the first group's learning rate to ``value`` and scale every other group's by the
-        same factor (their ratios are kept, as a policy's η change means)."""
-        old = self.lr
-        for g in self.optimizer.param_groups:
-            g["lr"] = value if old == 0 else float(g["lr"]) * value / old
-        self.optimizer.param_groups[0]["lr"] = float(value)
-
     def sgd(self) -> KernelSGD:
         """The first group as the SGD kernels take it (``kernel`` optimizers)."""
         g = self.optimizer.param_groups[0]
         return KernelSGD(float(g["lr"]), float(g.get("momentum", 0.0)), bool(g.get("nesterov", False)),
                          float(g.get("weight_decay", 0.0)))
 
-    # the worker processes' copy of the groups' hyper-parameters (engine/workers.py ctrl block)
+    # the worker processes' copy of the groups' hyper-parameters (engine/workers.py ctrl block;
+    # RunSettings.load_hyper_vector writes it back)
     def hyper_vector(self) -> list[float]:
         """Every group's ``hyper_keys`` values, flattened in order (tuples element by element)."""
         out: list[float] = []
@@ -139,14 +132,6 @@ class LocalOptimizer:
                 v = g[k]
                 out.extend(float(x) for x in v) if isinstance(v, tuple) else out.append(float(v))
         return out
-
-    def set_hyper_vector(self, values: Sequence[float]) -> None:
-        """Write ``hyper_vector()``'s values back into this process's param groups."""
-        it = iter(values)
-        for g in self.optimizer.param_groups:
-            for k in self.hyper_keys:
-                v = g[k]
-                g[k] = tuple(next(it) for _ in v) if isinstance(v, tuple) else next(it)
 
     def hyper_size(self) -> int:
         """Length of ``hyper_vector()``."""
@@ -165,12 +150,6 @@ class LocalOptimizer:
     def group_settings(self) -> list[dict[str, Any]]:
         """Every group's settings but its parameters (``describe()['groups']`` without counts)."""
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-
-    def load_group_settings(self, saved: list[dict[str, Any]]) -> None:
-        """Restore ``group_settings()`` (a checkpoint's) into the param groups."""
-        for g, s in zip(self.optimizer.param_groups, saved):
-            for k, v in s.items():
-                g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
 
 
 def _model_param_index(model: nn.Module, names: list[str]) -> dict[int, int]:

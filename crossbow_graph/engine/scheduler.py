@@ -84,9 +84,11 @@ class Scheduler(RoundInterpreter):
         timeline: a ``Timeline`` receiving every task's span, or None.
         cpu_conv: the worker processes' convolution library: ``"auto"`` (measured once per b,
             ``engine.conv_choice.choose_onednn``), ``"onednn"`` or ``"aten"``.
-        max_divergence: if set (policies' DivergenceGuard), a replica with ‖ŵ_j − z‖/‖z‖ above
-            it is reset from z before its local update, like a NaN/Inf one (engine/faults.py);
-            worker processes read it when they start.
+        max_divergence: if set (policies' DivergenceGuard, ``set_max_divergence``), a replica
+            with ‖ŵ_j − z‖/‖z‖ above it is reset from z before its local update, like a NaN/Inf
+            one (engine/faults.py); worker processes read it when they start.
+        rounds_learned_ahead: rounds whose learning the process executor started during the
+            round before (the overlap) and kept, over the scheduler's life.
         max_grad_norm: the fit's ``max_grad_norm`` (``begin_fit``): every learner's gradient
             row clipped to that 2-norm before its local step (engine/clipping.py), or None;
             worker processes read it when they start.
@@ -132,6 +134,7 @@ class Scheduler(RoundInterpreter):
         self.losses: list[torch.Tensor] = []
         self.sync_seconds = 0.0
         self.sync_exposed_seconds = 0.0
+        self.rounds_learned_ahead = 0
         self.timeline = None
         self.seed = 0
         self.comm = comm  # a engine.comm.Comm under torchrun: the global sync spans the ranks
@@ -279,6 +282,27 @@ class Scheduler(RoundInterpreter):
         if self._workers is not None:
             workers, self._workers = self._workers, None
             workers.close()
+
+    @property
+    def learning_ahead(self) -> bool:
+        """Whether worker processes learn the next round now (a speculative round in flight)."""
+        return self._workers is not None and self._workers.ahead is not None
+
+    def reset_replicas(self, rows: list[list[int]], *, round_index: int | None = None) -> None:
+        """Put replicas at z between rounds (engine/faults.py ``FaultMonitor.reset``): per device,
+        the rows in ``rows``; a speculative round, learned from the old replicas, is cancelled
+        first. With ``round_index`` each is a FaultEvent of that round."""
+        self.flush()
+        self.close_workers()
+        for state, r in zip(self.states, rows):
+            FaultMonitor.reset(state, r)
+            if round_index is not None:
+                self.faults.record(state, r, round_index=round_index, num_learners=self.num_learners)
+
+    def set_max_divergence(self, value: float | None) -> None:
+        """Set ``max_divergence`` (None: off) from the next round on; worker processes restart."""
+        self.close_workers()  # forked workers read the threshold when they start
+        self.max_divergence = value
 
     # -- rounds ---------------------------------------------------------------------------------
 

@@ -3,16 +3,20 @@
 
 One ``RunSettings`` object per plan holds them (``Plan.settings``); the scheduler, its fused
 programs, the worker processes, the torchrun agreement, the metrics, the policies and the
-checkpoints read them from there, so there is one copy of each. Only
-``tuning.policy_base.apply_adjustment`` (reached through ``Plan.adjust(Adjustment(...))``) writes
-them, between rounds: it also re-plans the task graph, resizes the replicas and restarts worker
-processes where a change needs it. ``settings_view`` gives other objects read-only attributes
-that forward to the settings (``Plan.batch_size``, ``Scheduler.lr``, ...).
+checkpoints read them from there, so there is one copy of each. ``tuning.policy_base.apply_adjustment``
+(reached through ``Plan.adjust(Adjustment(...))``) changes them between rounds. η lives in the
+optimizer's param groups (what the kernels and row optimizers read), and this object is their
+only writer: a policy's η (``lr``), an LR scheduler's step (``step_lr_schedule``), a checkpoint's
+groups (``load_group_settings``) and the worker processes' copy (``load_hyper_vector``).
+``settings_view`` gives other objects read-only attributes that forward to the settings
+(``Plan.batch_size``, ``Scheduler.lr``, ...).
 """
 
 from __future__ import annotations
 
 import operator
+import warnings
+from typing import Any, Callable, Sequence
 
 from ..config import LEARNER_MODES
 from .optim import LocalOptimizer
@@ -26,22 +30,29 @@ class RunSettings:
 
     Attributes:
         optimizer: the local optimiser (engine/optim.py ``LocalOptimizer``): the user's
-            torch.optim optimizer, whose param groups hold the hyper-parameters in force (an LR
-            scheduler over it changes them between rounds).
+            torch.optim optimizer, whose param groups hold the hyper-parameters in force.
         sync: the synchronisation algorithm (engine/sync/: ``SMA`` with the α and τ in force,
             μ_z fixed; ``DiLoCo`` with the H in force; ``SSGD()``; ...).
         batch_size: b, samples per learner per round (≥ 1).
         replicas_per_device: m, replicas on every device (≥ 1; k = G·m over every process).
         learner_mode: ``"per_replica"`` or ``"fused"`` (engine/fused.py).
         lr: η, the first param group's learning rate in force (≥ 0), applied to the mean loss
-            of a learner's b samples; setting it scales every group's lr by the same factor.
+            of a learner's b samples; setting it is a policy's change of η.
         alpha: SMA α in (0, 1], the pull of each replica toward z, or None: 1/k (re-derived when
             k changes); None for the algorithms without α. ``sync.alpha``.
         sync_every: τ, rounds between synchronisations (≥ 1; 1 under SSGD). ``sync.sync_every``.
 
+    η of param group i composes the policies' changes with the LR schedules
+    (docs/optimizers.md, Schedules): each schedule added here (``add_lr_schedule``) keeps a
+    factor F_i, the product of the ratios new/old of every write of the group's lr since it was
+    added that is not its own step (a policy's ``lr``, another schedule's step); its step
+    (``step_lr_schedule``) hands the torch scheduler η_i / F_i, steps it and writes F_i times
+    the value it computes, so η_i = F_i · schedule_i(t).
+
     Who changes them: ``tuning.policy_base.apply_adjustment`` only (``Plan.adjust``, which
     ``Plan.set_replicas``, ``Plan.set_learner_mode``, the auto-tuner, ``Comm.agree_settings`` and
-    checkpoint resumes call); every other module reads them.
+    checkpoint resumes call), and for the param groups the methods below; every other module
+    reads them.
 
     Raises:
         ValueError: an unknown learner mode; setting α under an algorithm without α (e.g.
@@ -49,7 +60,8 @@ class RunSettings:
             ``with_sync_every``).
     """
 
-    __slots__ = ("optimizer", "sync", "batch_size", "replicas_per_device", "learner_mode")
+    __slots__ = ("optimizer", "sync", "batch_size", "replicas_per_device", "learner_mode",
+                 "_lr_factors")
 
     def __init__(self, *, optimizer: LocalOptimizer, sync: SyncAlgorithm, batch_size: int,
                  replicas_per_device: int, learner_mode: str) -> None:
@@ -60,6 +72,9 @@ class RunSettings:
         self.batch_size = batch_size
         self.replicas_per_device = replicas_per_device
         self.learner_mode = learner_mode
+        self._lr_factors: dict[Any, list[float]] = {}  # LR schedule → its F per param group
+
+    # -- η: the param groups' learning rates ------------------------------------------------------
 
     @property
     def lr(self) -> float:
@@ -68,7 +83,100 @@ class RunSettings:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self.optimizer.scale_lr(value)
+        """A policy's η: the first group's lr becomes ``value`` and every other group's is scaled
+        by the same factor (their ratios kept); every LR schedule's F composes the change."""
+        groups, old = self._groups, self._group_lrs()
+        for g in groups:
+            g["lr"] = value if old[0] == 0 else float(g["lr"]) * value / old[0]
+        groups[0]["lr"] = float(value)
+        self._compose(old, writer=None)
+
+    @property
+    def _groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.optimizer.param_groups
+
+    def _group_lrs(self) -> list[float]:
+        return [float(g["lr"]) for g in self._groups]
+
+    def _compose(self, old: list[float], writer: Any) -> None:
+        """Fold the write that moved the groups' lr from ``old`` into the F of every LR schedule
+        but ``writer`` (the schedule that wrote, or None for a policy)."""
+        new = self._group_lrs()
+        for schedule, factors in self._lr_factors.items():
+            if schedule is writer:
+                continue
+            for i, (was, now) in enumerate(zip(old, new)):
+                if now != was and was != 0:
+                    factors[i] *= now / was
+
+    def add_lr_schedule(self, scheduler: Any) -> None:
+        """Compose the steps of ``scheduler`` (a torch.optim LR scheduler over ``optimizer``)
+        with the other writes of η from now on, starting at F = 1 in every group."""
+        self._lr_factors[scheduler] = [1.0] * len(self._groups)
+
+    def new_lr_schedule(self, make: Callable[[Any], Any], *, keep_lr: bool = False) -> Any:
+        """``make(optimizer)``, a torch.optim LR scheduler built over the param groups (its
+        construction may write them: LinearLR's ``start_factor``), added as a schedule;
+        ``keep_lr``: the groups keep the lr they had (a schedule resumed from a checkpoint)."""
+        old = self._group_lrs()
+        scheduler = make(self.optimizer.optimizer)
+        if keep_lr:
+            self.load_group_settings([{"lr": lr} for lr in old])
+        else:
+            self._compose(old, writer=scheduler)
+        self.add_lr_schedule(scheduler)
+        return scheduler
+
+    def drop_lr_schedule(self, scheduler: Any) -> None:
+        """Stop composing ``scheduler``'s steps (the end of the fit that stepped it)."""
+        self._lr_factors.pop(scheduler, None)
+
+    def lr_factors(self, scheduler: Any) -> list[float]:
+        """Per param group, the factor F of the added schedule ``scheduler``."""
+        return list(self._lr_factors[scheduler])
+
+    def set_lr_factors(self, scheduler: Any, factors: Sequence[float]) -> None:
+        """Restore the factors of the added schedule ``scheduler`` (a checkpoint's)."""
+        self._lr_factors[scheduler] = [float(f) for f in factors]
+
+    def step_lr_schedule(self, scheduler: Any, *args: float) -> None:
+        """One step of the added schedule ``scheduler`` (``args``: ReduceLROnPlateau's metric):
+        η_i ← F_i · (its value stepped from η_i / F_i) in every group (class docstring)."""
+        groups, factors, old = self._groups, self._lr_factors[scheduler], self._group_lrs()
+        for g, f in zip(groups, factors):  # the scheduler steps from its own value
+            if f != 1.0:
+                g["lr"] = float(g["lr"]) / f
+        with warnings.catch_warnings():  # the plan, not the user, steps the optimizer
+            warnings.filterwarnings("ignore", message=r".*(lr_scheduler\.step\(\)|optimizer\.step\(\)).*")
+            scheduler.step(*args)
+        for g, f in zip(groups, factors):
+            if f != 1.0:
+                g["lr"] = float(g["lr"]) * f
+        self._compose(old, writer=scheduler)
+
+    def load_group_settings(self, saved: list[dict[str, Any]]) -> None:
+        """Write ``saved`` (per param group, settings by key: a checkpoint's
+        ``LocalOptimizer.group_settings()`` or part of it) into the param groups, as a restore:
+        no schedule's F changes."""
+        for g, s in zip(self._groups, saved):
+            for k, v in s.items():
+                g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
+
+    # the worker processes' copy of the groups' hyper-parameters (engine/workers.py ctrl block)
+    def hyper_vector(self) -> list[float]:
+        """Every group's hyper-parameters in force, flattened (``LocalOptimizer.hyper_vector``)."""
+        return self.optimizer.hyper_vector()
+
+    def load_hyper_vector(self, values: Sequence[float]) -> None:
+        """Write ``hyper_vector()``'s values (received from the coordinator) into this process's
+        param groups."""
+        it = iter(values)
+        for g in self._groups:
+            for k in self.optimizer.hyper_keys:
+                v = g[k]
+                g[k] = tuple(next(it) for _ in v) if isinstance(v, tuple) else next(it)
+
+    # -- α, τ ---------------------------------------------------------------------------------------
 
     @property
     def alpha(self) -> float | None:

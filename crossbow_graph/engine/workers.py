@@ -12,7 +12,7 @@ the worker's mailbox and releases its ``go`` semaphore; the worker fetches its s
 forked copy of the dataset (or receives its rows of the round a DataLoader loaded here:
 engine/shipping.py) and learns, as this process learns group 0. When z_t is ready this
 process writes α, whether to synchronise and the optimizer's param groups' settings (η, momentum,
-betas, ...: ``LocalOptimizer.hyper_vector``) to a shared control block
+betas, ...: ``RunSettings.hyper_vector``) to a shared control block
 and releases each worker's semaphore; every group runs its part of the LOCAL_SYNC (the correction
 with z_t) and writes its partial sum of corrections. The worker the graph places the GLOBAL_SYNC in
 (the one with the last LOCAL_SYNC part: for a compiled graph the last worker) then waits until every
@@ -502,7 +502,7 @@ class ProcessExecutor:
 
     def _release(self, *, alpha: float, synchronise: bool, cancel: bool) -> None:
         self._ctrl_np[:3] = (alpha, float(synchronise), float(cancel))  # no tensor per round
-        self._ctrl_np[3:] = self.sched.settings.optimizer.hyper_vector()
+        self._ctrl_np[3:] = self.sched.settings.hyper_vector()
         for wid in self.workers:
             self.sems[wid].release()
 
@@ -587,7 +587,9 @@ class ProcessExecutor:
                                        or not torch.equal(self.ahead[1], indices)):
             self.cancel_ahead()
         learned = self.ahead is not None  # group 0 learned this round in the previous call
-        if not learned:
+        if learned:
+            self.sched.rounds_learned_ahead += 1
+        else:
             self._send_go(round_index, indices)
             self._own_learn(round_index, indices)
         self.ahead = None
@@ -800,7 +802,7 @@ def _worker_main(sched: "Scheduler", wid: int, ex: ProcessExecutor, conn, mail: 
                 group.cancel()
                 mail.answer(_CANCELLED, round_index)
                 continue
-            sched.settings.optimizer.set_hyper_vector(ctrl[3:])  # this process's copy
+            sched.settings.load_hyper_vector(ctrl[3:])  # this process's copy
             group.local_round(round_index, alpha=alpha, synchronise=bool(synchronise))
             td = time.perf_counter_ns()
             g0 = g1 = 0

@@ -102,9 +102,7 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         "setup": plan.run_record.setup,  # what the run was set up with (training/run_setup.py)
         "losses": torch.stack(sched.losses).cpu() if sched.losses else torch.zeros(0),
         "faults": [asdict(e) for e in sched.faults.events],
-        "epochs_done": plan.epochs_done, "rounds_done": plan.rounds_done,
-        "round_in_epoch": plan.round_in_epoch, "position_in_epoch": plan.position_in_epoch,
-        "train_seconds": plan.train_seconds,
+        **plan.progress.state_dict(),  # epochs_done, rounds_done, round_in_epoch, ...
         "outer_optimizer": _sync_state_entry(plan),
     }
 
@@ -227,9 +225,7 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any], setup: dict[str, Any]
     device = plan.states[0].torch_device
     sched.losses = [x.to(device) for x in sd["losses"].unbind()]
     sched.faults.events = [FaultEvent(**e) for e in sd["faults"]]
-    plan.epochs_done, plan.rounds_done = sd["epochs_done"], sd["rounds_done"]
-    plan.round_in_epoch, plan.train_seconds = sd["round_in_epoch"], sd["train_seconds"]
-    plan.position_in_epoch = sd["position_in_epoch"]
+    plan.progress.load_state_dict(sd)
     choice.warn(source)
 
 
@@ -345,6 +341,8 @@ def _history_from(d: dict[str, Any], into: History) -> None:
 
 class CheckpointHook(Hook):
     """Saves a checkpoint every ``every_rounds`` rounds and at the end of every complete epoch.
+    It reads the replicas' buffers after a round, which a round learned ahead already moves, so
+    it keeps ``mutates_replicas = True``.
 
     Under torchrun every rank has one: rank 0's (``writer``) writes the file, with every other
     rank's device states and RNG states gathered to it (``peers``, one gather per checkpoint) and
@@ -354,7 +352,7 @@ class CheckpointHook(Hook):
     Args:
         directory: where ``ckpt-*.pt`` files go (created if missing).
         schedule: the fit's BatchSchedule (its N, shuffle and seed are saved and checked).
-        hooks: the fit's other hooks; those with ``state_dict``/``load_state_dict`` are saved.
+        hooks: the fit's other hooks; their ``state_dict()`` is saved (but an empty one).
         every_rounds: rounds between checkpoints (≥ 1); None: only at epoch ends.
         keep: checkpoints kept (≥ 2, so that a corrupt newest one has a fallback).
         writer: this process writes and reads the files (rank 0, or a single process); the
@@ -487,7 +485,7 @@ class CheckpointHook(Hook):
     def _restore_hooks_and_history(self, state: dict[str, Any], history: History) -> None:
         for i, hook in enumerate(self.hooks):
             key = _hook_key(i, hook)
-            if hasattr(hook, "load_state_dict") and key in state["hooks"]:
+            if key in state["hooks"]:
                 hook.load_state_dict(state["hooks"][key])
         _history_from(state["history"], history)
 
@@ -513,8 +511,8 @@ class CheckpointHook(Hook):
             "plan": plan_state,
             "data": _data_key(self.schedule),
             "rng": _rng_state(),
-            "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)
-                      if hasattr(h, "state_dict")},
+            "hooks": {_hook_key(i, h): kept for i, h in enumerate(self.hooks)
+                      if (kept := h.state_dict())},  # {}: a hook without state
             "history": ctx.history.to_dict(),
             "world_size": 1 if comm is None else comm.world_size,
             "peers": peers,  # ranks 1 … R−1: {"states": [...], "losses": [n], "rng": {...}}

@@ -5,20 +5,17 @@
 given to ``compile``): OneCycleLR, SequentialLR of LinearLR warm-up and CosineAnnealingLR,
 MultiStepLR, ReduceLROnPlateau, ... ``LRSchedulerHook`` steps it at the end of every round or
 epoch (ReduceLROnPlateau: after each evaluation of z, with z's test loss; without an evaluation
-set, at the end of each epoch with its training loss). The scheduler writes the param groups'
-``lr`` (and momentum or betas, e.g. OneCycleLR's ``cycle_momentum``); every learner reads them at
+set, at the end of each epoch with its training loss). Each step, through the plan's
+``RunSettings``, writes the param groups' ``lr`` (and momentum or betas, e.g. OneCycleLR's
+``cycle_momentum``); every learner reads them at
 the next round (worker processes through the control block, engine/workers.py), so all learners
 see the same η at the same round, and so do all torchrun ranks (each steps its own scheduler on
 the same rounds). Its state is checkpointed with the fit (a hook's ``state_dict``).
 
-A policy's η change composes with the schedule as a factor: when a policy (AdaptiveBatchSize's
-gain or batch-size rule, a user's ``Policy.adjust(lr=...)``) has moved a group's ``lr`` away from
-the value the scheduler last wrote, the hook keeps the ratio f as that group's factor. Before each
-step it hands the scheduler its own value (``lr / F``, F the product of the factors), steps it and
-writes ``F ×`` the new value: the η in force is F · schedule(t) for every scheduler, closed-form
-(LambdaLR, OneCycleLR, CosineAnnealingLR) or chainable (MultiStepLR, ReduceLROnPlateau), where a
-closed-form scheduler alone would overwrite the policy's change at its next step. The factors are
-checkpointed with the scheduler.
+A policy's η change composes with the schedule by one rule, η = F · schedule(t)
+(docs/optimizers.md, Schedules), which the plan's ``RunSettings`` applies at each step
+(engine/settings.py ``step_lr_schedule``: it keeps the factors F, the only writer of the param
+groups); the factors are checkpointed with the scheduler.
 
 A resumed fit restores the scheduler's state (its position, ``last_epoch``) from the checkpoint,
 but where this fit's scheduler was built over other learning rates than the checkpoint's (its
@@ -46,6 +43,7 @@ from .hooks import FitContext, Hook
 
 if TYPE_CHECKING:
     from ..api import Plan
+    from ..engine.settings import RunSettings
     from .history import EpochRecord, EvalRecord
 
 __all__ = ["LRSchedulerHook", "LRInterval", "LR_INTERVALS", "check_lr_scheduler", "rounds_left", "schedule_end"]
@@ -127,50 +125,41 @@ def rounds_left(plan: "Plan", num_samples: int, end_epoch: int) -> int:
 
 
 class LRSchedulerHook(Hook):
-    """Steps a torch.optim LR scheduler once per round or epoch of a fit (module docstring).
+    """Steps a torch.optim LR scheduler once per round or epoch of a fit (module docstring),
+    through the plan's ``RunSettings.step_lr_schedule``.
 
     Args:
         scheduler: a ``torch.optim.lr_scheduler`` scheduler over ``Plan.optimizer``.
         interval: ``"epoch"`` or ``"round"`` (ignored by ReduceLROnPlateau, which steps after
             each evaluation).
+        settings: the plan's RunSettings, where the scheduler is added as a schedule (F = 1)
+            until the fit ends; None for a subclass that builds and adds its own at
+            ``before_fit`` (tuning/policies.py's schedule policies).
     """
 
-    def __init__(self, scheduler: Any, interval: str = "epoch") -> None:
+    mutates_replicas = False  # η only: the param groups, read by every learner's next update
+
+    def __init__(self, scheduler: Any, interval: str = "epoch", *,
+                 settings: "RunSettings | None" = None) -> None:
         self.scheduler = scheduler
         self.interval = interval
-        self.plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        self.settings = settings
         self._evaluated = self._warned = self._held = False
         self._shape = (0, 0)  # (k, b) of the rounds when last checked
-        self._factors = [1.0] * len(scheduler.optimizer.param_groups)  # F per group: the
-        # policies' changes, composed
-        self._written = self._lrs()  # each group's lr when the hook last looked
+        if settings is not None:
+            settings.add_lr_schedule(scheduler)
+
+    @property
+    def plateau(self) -> bool:
+        """Whether the scheduler is a ReduceLROnPlateau (stepped with a loss after evaluations)."""
+        return isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     def _lrs(self) -> list[float]:
         return [float(g["lr"]) for g in self.scheduler.optimizer.param_groups]
 
-    def _take_policy_changes(self) -> None:
-        """Fold a policy's change of a group's lr since the hook last looked into its factor F."""
-        lrs = self._lrs()
-        for i, (lr, was) in enumerate(zip(lrs, self._written)):
-            if lr != was and was != 0:
-                self._factors[i] *= lr / was
-        self._written = lrs
-
     def _step(self, *args: float) -> None:
-        if self._past_its_end():
-            return
-        self._take_policy_changes()
-        groups = self.scheduler.optimizer.param_groups
-        for g, f in zip(groups, self._factors):  # the scheduler steps from its own value
-            if f != 1.0:
-                g["lr"] = float(g["lr"]) / f
-        with warnings.catch_warnings():  # the plan, not the user, steps the optimizer
-            warnings.filterwarnings("ignore", message=r".*(lr_scheduler\.step\(\)|optimizer\.step\(\)).*")
-            self.scheduler.step(*args)
-        for g, f in zip(groups, self._factors):
-            if f != 1.0:
-                g["lr"] = float(g["lr"]) * f
-        self._written = self._lrs()
+        if not self._past_its_end():
+            self.settings.step_lr_schedule(self.scheduler, *args)
 
     def _past_its_end(self) -> bool:
         """Whether a OneCycleLR has taken all its ``total_steps`` (torch raises at one more step:
@@ -192,15 +181,16 @@ class LRSchedulerHook(Hook):
     @property
     def factors(self) -> list[float]:
         """Per param group, the product F of the policies' η factors composed with the schedule."""
-        self._take_policy_changes()
-        return list(self._factors)
+        return self.settings.lr_factors(self.scheduler)
 
     def before_fit(self, ctx: FitContext) -> None:
         self._evaluated = False
-        self._take_policy_changes()  # e.g. a change made between fits
         self._shape = self._round_shape(ctx)
         self._warned = self._held = False
         self._warn_if_unfinished(ctx, start=True)
+
+    def after_fit(self, ctx: FitContext) -> None:
+        self.settings.drop_lr_schedule(self.scheduler)
 
     def after_round(self, ctx: FitContext) -> None:
         if self.interval == "round" and not self.plateau:
@@ -217,8 +207,8 @@ class LRSchedulerHook(Hook):
     def _warn_if_unfinished(self, ctx: FitContext, start: bool) -> None:
         """A UserWarning (once per fit) when the schedule cannot reach its end in the steps the
         fit has left: its rounds at the current k·b, or its epochs (module docstring)."""
-        end, plan, n = schedule_end(self.scheduler), ctx.plan, ctx.extra.get("num_samples")
-        if end is None or self.plateau or self._warned or not n:  # n: set by the fit
+        end, plan, n = schedule_end(self.scheduler), ctx.plan, ctx.num_samples
+        if end is None or self.plateau or self._warned or not n:
             return
         per_round = self.interval == "round"
         steps = rounds_left(plan, n, ctx.end_epoch) if per_round \
@@ -259,8 +249,9 @@ class LRSchedulerHook(Hook):
             self._step()
 
     def state_dict(self) -> dict[str, Any]:
+        """The scheduler's state, its factors F and the groups' η in force ("written")."""
         return {"scheduler": self.scheduler.state_dict(), "evaluated": self._evaluated,
-                "factors": self.factors, "written": list(self._written)}
+                "factors": self.factors, "written": self._lrs()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``; this scheduler's ``base_lrs`` where they differ from the
@@ -269,13 +260,12 @@ class LRSchedulerHook(Hook):
         saved = _keep_new_bases(state["scheduler"], self.scheduler.state_dict(), changed)
         self.scheduler.load_state_dict(saved)
         self._evaluated = state["evaluated"]
-        self._factors = list(state.get("factors", self._factors))
-        self._written = list(state.get("written", self._lrs()))
-        groups = self.scheduler.optimizer.param_groups
-        for i, (old, new) in changed.items():  # the checkpoint's η on this fit's base
-            if old:
-                groups[i]["lr"] = self._written[i] * new / old
-            self._written[i] = float(groups[i]["lr"])  # not a policy's change to fold into F
+        if "factors" in state:
+            self.settings.set_lr_factors(self.scheduler, state["factors"])
+        written = list(state.get("written", self._lrs()))  # the checkpoint's η in force
+        self.settings.load_group_settings([  # the checkpoint's η on this fit's base
+            {"lr": written[i] * changed[i][1] / changed[i][0]} if changed.get(i, (0,))[0] else {}
+            for i in range(len(written))])
         if changed:
             warnings.warn(
                 f"resuming LR scheduler {type(self.scheduler).__name__} at its position "

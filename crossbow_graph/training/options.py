@@ -60,8 +60,7 @@ class FitOptions:
     progress: bool = option(True, doc="show a progress bar")
     hooks: tuple[Hook, ...] = option((), doc=(
         "Hook objects called at fit, epoch, round and evaluation boundaries, in this order, "
-        "after the plan's auto-tuner; those with state_dict()/load_state_dict() are "
-        "checkpointed"))
+        "after the plan's auto-tuner; their state_dict() is checkpointed"))
     checkpoint_dir: str | None = option(None, doc=(
         "write checkpoints of the whole state there every checkpoint_every rounds, at the end of "
         "every complete epoch and when SIGTERM stops the fit, the newest two kept; one fit at a "
@@ -163,9 +162,9 @@ def as_hooks(name: str, hooks: object) -> tuple:
 
     Raises:
         TypeError: one hook not in a list, something not iterable, a class instead of an
-            instance, or an item without a Hook's methods (a plain function, say).
+            instance, or an item that is not a crossbow_graph.Hook (a plain function, say).
     """
-    if hasattr(hooks, "before_fit") and not isinstance(hooks, type):
+    if isinstance(hooks, Hook):
         raise TypeError(f"{name}={hooks!r}: pass a list of hooks, e.g. {name}=[{type(hooks).__name__}(...)]")
     try:
         items = tuple(hooks)
@@ -175,15 +174,16 @@ def as_hooks(name: str, hooks: object) -> tuple:
         if isinstance(h, type):
             raise TypeError(f"{name}: {h.__name__} is a class, not a hook: pass an instance, "
                             f"e.g. {name}=[{h.__name__}()]")
-        missing = [m for m in _HOOK_METHODS if not callable(getattr(h, m, None))]
-        if missing:
+        if not isinstance(h, Hook):
+            missing = [m for m in _HOOK_METHODS if not callable(getattr(h, m, None))]
+            why = f"no {', '.join(missing)}" if missing else "not a crossbow_graph.Hook"
             fn = getattr(h, "__name__", None) if callable(h) else None
             what = f"the function {fn}" if fn else f"{h!r} (of type {type(h).__name__})"
             raise TypeError(
-                f"{name}: {what} is not a hook (no {', '.join(missing)}): the fit calls a hook's "
-                "methods at its boundaries; subclass crossbow_graph.Hook and override the one you "
-                f"need, e.g. class Every(cg.Hook): def after_round(self, ctx): {fn or 'f'}(ctx); "
-                f"then {name}=[Every()]")
+                f"{name}: {what} is not a hook ({why}): the fit calls a hook's methods at its "
+                "boundaries and reads what it declares; subclass crossbow_graph.Hook and "
+                f"override the one you need, e.g. class Every(cg.Hook): def after_round(self, "
+                f"ctx): {fn or 'f'}(ctx); then {name}=[Every()]")
     return items
 
 

@@ -174,7 +174,7 @@ def restore_settings(plan: "Plan", sd: dict[str, Any], choice: SettingsChoice) -
             changes[key] = "auto" if key == "alpha" and value is None else value
     if "optimizer" in sd:  # every group's settings (η, momentum, betas, ...) as chosen
         groups = plan.optimizer.param_groups
-        settings.optimizer.load_group_settings([
+        settings.load_group_settings([
             {k: choice.pick(f"{k} (param group {i})", g.get(k), v, ("optimizer", i, k))
              for k, v in saved.items()} for i, (g, saved) in enumerate(zip(groups, sd["optimizer"]["groups"]))])
     elif "lr" in sd and sd["lr"] != settings.lr:

@@ -25,7 +25,7 @@ from .checkpoint import CheckpointHook
 from .data import BatchSchedule, LearnerFetch, as_dataset, collate_of, device_fetch, make_fetch
 from .evaluation import eval_samples
 from .history import EpochRecord, EvalRecord, History
-from .hooks import FitContext, Hook
+from .hooks import FitContext, FitHooks, Hook
 from .lr_schedule import LRSchedulerHook, check_lr_scheduler
 from .loader import RoundLoader, check_loader
 from .metrics_log import MetricsLogger
@@ -174,7 +174,7 @@ class Trainer:
         seed_host_rngs(opts.seed, plan.rounds_done, self.comm.rank if self.comm is not None else 0, 0)
         self.history = History(target_accuracy=opts.target_accuracy,
                                max_grad_norm=opts.max_grad_norm)
-        self.hooks = self._fit_hooks()
+        self.hooks = FitHooks(self._fit_hooks())
 
     def _data_path(self) -> tuple[Any, RoundLoader | None]:
         """How the rounds' samples are read: the fetch (indices → batch, in any process) and,
@@ -251,7 +251,8 @@ class Trainer:
             rounds = self.schedule.rounds_per_epoch(plan.num_learners, plan.batch_size) * opts.epochs
             check_lr_scheduler(plan, opts.lr_scheduler, opts.lr_scheduler_interval,
                                rounds if known else None)
-            hooks.append(LRSchedulerHook(opts.lr_scheduler, opts.lr_scheduler_interval))
+            hooks.append(LRSchedulerHook(opts.lr_scheduler, opts.lr_scheduler_interval,
+                                         settings=plan.settings))
         self.end_epoch = self.plan.epochs_done + opts.epochs
         _warn_if_no_outer_step(self.plan, self.schedule, opts.epochs)
         if opts.log_dir is not None and self.main:
@@ -297,20 +298,16 @@ class Trainer:
         """The FitContext, the hooks' before_fit, and what the rounds read of the hooks."""
         plan, hooks, comm, sched = self.plan, self.hooks, self.comm, self.plan.scheduler
         n = self.schedule.num_samples
-        self.speculate = all(not getattr(h, "mutates_replicas", True) for h in hooks)
+        self.speculate = hooks.overlap
         self.ctx = ctx = FitContext(plan=plan, history=self.history,
                                     train_seconds=plan.train_seconds,
                                     rounds_per_epoch=n // (plan.num_learners * plan.batch_size),
-                                    end_epoch=self.end_epoch)
-        ctx.extra["num_samples"] = n  # N, samples per epoch
-        for hook in hooks:
-            hook.before_fit(ctx)
+                                    end_epoch=self.end_epoch, num_samples=n, metrics=self.metrics)
+        hooks.before_fit(ctx)
         self.monitor, self.faults_seen = sched.faults, len(sched.faults.events)
-        self.measures = [h for h in hooks if hasattr(h, "wants_gradients")]
         # rank 0's decisions are broadcast after every round's hooks, and before a round when hooks
         # ran since (epoch boundaries, evaluations) or when a hook of any rank acts in before_round
-        self.pre_round = comm is not None and comm.any_rank(
-            any(type(h).before_round is not Hook.before_round for h in hooks), -1)
+        self.pre_round = comm is not None and comm.any_rank(hooks.acts_before_rounds(), -1)
 
     def _finish_fit(self) -> None:
         """Every rank's last faults into the History, the sync totals, the hooks' after_fit."""
@@ -320,8 +317,7 @@ class Trainer:
         if sched.faults is self.monitor and len(sched.faults.events) > self.faults_seen:
             history.faults.extend(sched.faults.events[self.faults_seen:])  # a hook's, last round
         self._sync_totals()
-        for hook in self.hooks:
-            hook.after_fit(self.ctx)
+        self.hooks.after_fit(self.ctx)
 
     # -- an epoch -----------------------------------------------------------------------------
 
@@ -343,8 +339,7 @@ class Trainer:
         self.rounds_run = plan.round_in_epoch
         ctx.epoch, ctx.round_in_epoch = epoch, self.rounds_run
         ctx.rounds_per_epoch = n // (plan.num_learners * plan.batch_size)
-        for hook in self.hooks:
-            hook.before_epoch(ctx)
+        self.hooks.before_epoch(ctx)
         self.agree = self.comm is not None  # after_epoch and before_epoch hooks ran
         self.order = self.schedule.order(epoch)
         if self.loader is not None:
@@ -369,13 +364,10 @@ class Trainer:
         plan.scheduler.flush()
         ctx.epoch_complete = self.schedule.next_round(self.order, self.position, plan.num_learners,
                                                       plan.batch_size) is None
-        plan.train_seconds += self.epoch_seconds
-        plan.epochs_done += 1
-        plan.round_in_epoch = plan.position_in_epoch = 0
+        plan.progress.end_epoch(self.epoch_seconds)
         self.record_epoch()
         ctx.train_seconds = plan.train_seconds
-        for hook in self.hooks:
-            hook.after_epoch(ctx, self.history.epochs[-1])
+        self.hooks.after_epoch(ctx, self.history.epochs[-1])
 
     def record_epoch(self) -> None:
         """The epoch's EpochRecord into the History (one all-reduce of the loss under torchrun)."""
@@ -400,8 +392,7 @@ class Trainer:
         (k and b read from the plan now), the scheduler's round, faults, the hooks' after_round,
         an evaluation when due. Returns whether the epoch goes on."""
         plan, ctx, comm, sched = self.plan, self.ctx, self.comm, self.plan.scheduler
-        for hook in self.hooks:
-            hook.before_round(ctx)
+        self.hooks.before_round(ctx)
         if self.agree or self.pre_round:  # rank 0's decisions (m, mode, lr, α) apply to this round
             comm.agree_settings(plan, False, plan.rounds_done)
             self.agree = False
@@ -414,10 +405,9 @@ class Trainer:
         # if k and b stay, the next round's samples
         upcoming = self.schedule.next_round(self.order, self.position, k, b)
         n_losses = len(sched.losses)
-        plan.rounds_done += 1
+        plan.progress.start_round()
         # a round whose gradients a hook reads (the noise scale) does not overlap the next
-        ahead = self.speculate and not any(h.wants_gradients(plan.rounds_done)
-                                           for h in self.measures)
+        ahead = self.speculate and not self.hooks.wants_gradients(plan.rounds_done)
         self.history.lr.append(plan.settings.lr)  # η of this round (first param group)
         sched.run_round(plan.rounds_done - 1,
                         synchronise=plan.rounds_done % plan.sync.sync_every == 0,
@@ -428,10 +418,10 @@ class Trainer:
             comm.check_z(plan.states[0].z, plan.rounds_done - 1)
         self.rounds_run += 1
         self.samples_run += len(indices)
-        plan.round_in_epoch, plan.position_in_epoch = self.rounds_run, self.position
+        plan.progress.end_round(self.rounds_run, self.position)
         self.bar.update(len(indices))
         self._collect_faults()
-        if self.hooks:
+        if self.hooks.hooks:
             self._after_round(indices, n_losses)
         ctx.stop = ctx.stop or self.stop_signal.received is not None
         if comm is not None:  # every rank, hooks or not: rank 0's decisions and stop
@@ -475,11 +465,10 @@ class Trainer:
         ctx.round_in_epoch = self.rounds_run
         ctx.batch_indices = indices
         ctx.round_samples = len(indices)
-        ctx.extra["round_losses"] = sched.losses[n_losses:]
+        ctx.round_losses = sched.losses[n_losses:]
         ctx.round_loss = _finite_mean(torch.stack(sched.losses[n_losses:]))
         ctx.train_seconds = plan.train_seconds + self.epoch_seconds + time.perf_counter() - self.start
-        for hook in self.hooks:
-            hook.after_round(ctx)
+        self.hooks.after_round(ctx)
 
     def _evaluate_if_due(self, last: bool) -> bool:
         """Evaluate when the epoch's position passed its next evaluation point (or at its
@@ -509,8 +498,7 @@ class Trainer:
         self.bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
                              samples_per_s=f"{self.samples_run / self.epoch_seconds:,.0f}")
         self.ctx.train_seconds = trained
-        for hook in self.hooks:
-            hook.after_eval(self.ctx, history.evals[-1])
+        self.hooks.after_eval(self.ctx, history.evals[-1])
         self.agree = self.comm is not None
         self.start = time.perf_counter()
         target = self.options.target_accuracy

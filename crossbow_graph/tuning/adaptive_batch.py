@@ -154,7 +154,7 @@ class AdaptiveBatchSize(Policy):
         self._resumed = True  # before_fit keeps this state
 
     def _cooldown_samples(self, ctx: FitContext) -> float:
-        return self.cooldown_epochs * ctx.extra.get("num_samples", 0)
+        return self.cooldown_epochs * ctx.num_samples
 
     def windows_to_settle(self, ema: float) -> int:
         """Windows to wait at the start and after a change, for an EMA decay ``ema`` in [0, 1)."""

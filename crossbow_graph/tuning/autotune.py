@@ -26,8 +26,9 @@ from typing import Callable
 
 from ..errors import check_flag, is_count
 from ..training.history import AutotuneRecord
-from ..training.hooks import FitContext, Hook
+from ..training.hooks import FitContext
 from .autotune_rule import Decision, Measurement, Setting, TuningRule, sub_window_rates
+from .policy_base import Policy
 
 __all__ = ["AutoTune", "AutoTuner"]
 
@@ -102,9 +103,12 @@ class AutoTune:
                              "e.g. 2")
 
 
-class AutoTuner(Hook):
-    """The auto-tuner as a Hook (``compile(replicas="auto")`` attaches one to the plan): it
-    measures windows and applies what its ``TuningRule`` decides.
+class AutoTuner(Policy):
+    """The auto-tuner, a policy: ``compile(replicas="auto")`` attaches one to the plan, which
+    every fit runs first (``Plan.autotuner``); ``policies=[AutoReplicas(...)]`` runs one as a
+    policy. It measures windows and applies what its ``TuningRule`` decides through
+    ``Plan.set_replicas`` and ``Plan.set_learner_mode`` (``Plan.adjust``); each change of m or
+    the learner mode is a PolicyRecord too. Its rule's state is checkpointed.
 
     Args:
         config: the AutoTune settings.
@@ -116,8 +120,6 @@ class AutoTuner(Hook):
         decisions: every AutotuneRecord over the plan's life.
     """
 
-    mutates_replicas = False  # changes the plan only through Plan.adjust (set_replicas, set_learner_mode)
-
     def __init__(self, config: AutoTune = AutoTune(), *,
                  clock: Callable[[FitContext], float] | None = None) -> None:
         self.config = config
@@ -127,6 +129,12 @@ class AutoTuner(Hook):
                                windows=config.windows)
         self.decisions: list[AutotuneRecord] = []
         self._restart_window(warm=False)
+
+    def state_dict(self) -> dict:
+        return self.rule.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rule.load_state_dict(state)
 
     @property
     def phase(self) -> str:
@@ -183,20 +191,25 @@ class AutoTuner(Hook):
                                     fused_ok=plan.fused_failure is None)
         if not decision.steps:
             return False
+        records = []
         for action, m2, mode2 in decision.steps:
             if action == "skip_mode":
                 warnings.warn(f"the auto-tuner keeps learner_mode='per_replica': fused learners "
                               f"cannot run this model ({plan.fused_failure})", stacklevel=2)
-            self._record(ctx, decision, at, action, m2, mode2)
+            records.append(self._record(ctx, decision, at, action, m2, mode2))
         m2, mode2 = decision.steps[-1][1], decision.steps[-1][2]
+        if (m2, mode2) == (at.m, at.mode):
+            return False
         if m2 != at.m:
             plan.set_replicas(m2)
         if mode2 != at.mode:
             plan.set_learner_mode(mode2)
-        return (m2, mode2) != (at.m, at.mode)
+        self.record(ctx, {"replicas_per_device": m2, "learner_mode": mode2},
+                    ", ".join(f"{r.action} at {r.samples_per_s:,.0f} samples/s" for r in records))
+        return True
 
     def _record(self, ctx: FitContext, decision: Decision, at: Setting, action: str, m2: int,
-                mode2: str) -> None:
+                mode2: str) -> AutotuneRecord:
         measured = decision.measured
         rec = AutotuneRecord(round=ctx.plan.rounds_done, replicas_per_device=at.m,
                              learner_mode=at.mode, samples_per_s=measured.samples_per_s,
@@ -205,3 +218,4 @@ class AutoTuner(Hook):
                              next_replicas_per_device=m2, next_learner_mode=mode2)
         self.decisions.append(rec)
         ctx.history.autotune.append(rec)
+        return rec

@@ -224,7 +224,6 @@ class MetricsMonitor(Hook):
         return self.last.noise_scale if self.last is not None else None
 
     def before_fit(self, ctx: FitContext) -> None:
-        ctx.extra["metrics"] = self
         self._plan = ctx.plan
         if not self._resumed:  # a resumed fit continues the checkpoint's window
             self._reset_window(ctx.train_seconds)

@@ -2,7 +2,7 @@
 (docs/design-overview.md §5, Policies; Mai et al., "Taming Hyper-parameters in Deep Learning
 Systems", ACM SIGOPS OSR 53(1) 2019; KungFu, OSDI 2020).
 
-A ``Policy`` is a Hook. It reads ``ctx.extra["metrics"]`` (the fit's ``MetricsMonitor``, updated
+A ``Policy`` is a Hook. It reads ``ctx.metrics`` (the fit's ``MetricsMonitor``, updated
 every N rounds before the policies run) and ``ctx.history``, and changes the plan only through
 one narrow interface, ``Policy.adjust(ctx, lr=..., batch_size=..., alpha=..., sync_every=...,
 replicas_per_device=..., learner_mode=..., reset_replicas=...)``: it builds one ``Adjustment`` (plain data: the
@@ -15,26 +15,25 @@ The interface: ``Policy`` and ``apply_adjustment`` are in tuning/policy_base.py,
 in config.py, ``PolicyRecord`` in training/history.py, ``AdaptiveBatchSize`` in
 tuning/adaptive_batch.py; this module exports them with the other built-in policies.
 
-Built-in policies: ``AutoReplicas`` (the replica auto-tuner of tuning/autotune.py as a policy),
-``AdaptiveBatchSize`` (b toward the gradient noise scale), ``StepLR`` / ``MultiStepLR`` (with
-warm-up) / ``CosineLR`` (torch.optim.lr_scheduler's StepLR, MultiStepLR chained with LinearLR,
-CosineAnnealingLR, stepped per epoch as policies; a drop resets every replica to z, as the
-CROSSBOW reference code does) and ``DivergenceGuard`` (a replica that diverges from z or whose
-loss explodes is reset from z; z is never poisoned).
+Built-in policies: ``AutoReplicas`` (the replica auto-tuner of tuning/autotune.py given as a
+policy), ``AdaptiveBatchSize`` (b toward the gradient noise scale), ``StepLR`` / ``MultiStepLR``
+(with warm-up) / ``CosineLR`` (torch.optim.lr_scheduler's StepLR, MultiStepLR chained with LinearLR,
+CosineAnnealingLR over ``plan.optimizer``, stepped per epoch by the fit's LR mechanism; a drop
+resets every replica to z, as the CROSSBOW reference code does) and ``DivergenceGuard`` (a
+replica that diverges from z or whose loss explodes is reset from z; z is never poisoned).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
 
 from ..config import Adjustment
-from ..engine.faults import FaultMonitor
 from ..training.history import PolicyRecord
 from ..training.hooks import FitContext
+from ..training.lr_schedule import LRSchedulerHook
 from .adaptive_batch import AdaptiveBatchSize
 from .autotune import AutoTune, AutoTuner
 from .policy_base import Policy, apply_adjustment
@@ -47,134 +46,111 @@ __all__ = ["Adjustment", "apply_adjustment", "PolicyRecord", "Policy", "AutoRepl
 # -- AutoReplicas --------------------------------------------------------------------------------
 
 
-class AutoReplicas(Policy):
-    """The replica auto-tuner (tuning/autotune.py, CROSSBOW §4.4) as a policy.
-
-    Wraps an ``AutoTuner``: after a warm-up, every measurement window of whole rounds, add a
-    replica per device while samples/s rise by more than ``threshold`` and beyond the windows'
-    spread, else undo the last one and hold; never beyond the memory bound. Its decisions go to ``History.autotune`` and, when m or
-    the learner mode changes, to ``History.policy``. (``compile(replicas="auto")`` attaches the
-    same tuner by itself; use one or the other.)
+class AutoReplicas(AutoTuner):
+    """The replica auto-tuner (tuning/autotune.py ``AutoTuner``, CROSSBOW §4.4) given as a policy:
+    ``fit(policies=[AutoReplicas(threshold=0.2)])``, ``--policy auto_replicas``. It is the tuner
+    that ``compile(replicas="auto")`` attaches to the plan; use one or the other.
 
     Args:
         config: the AutoTune settings; keyword arguments build one instead (``threshold=0.1``...).
     """
 
     def __init__(self, config: AutoTune | None = None, **kwargs: Any) -> None:
-        self.tuner = AutoTuner(config or AutoTune(**kwargs))
-
-    def state_dict(self) -> dict:
-        return self.tuner.rule.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.tuner.rule.load_state_dict(state)
-
-    def before_fit(self, ctx: FitContext) -> None:
-        self.tuner.before_fit(ctx)
-
-    def after_round(self, ctx: FitContext) -> None:
-        before = (ctx.plan.replicas_per_device, ctx.plan.learner_mode)
-        n = len(self.tuner.decisions)
-        self.tuner.after_round(ctx)
-        after = (ctx.plan.replicas_per_device, ctx.plan.learner_mode)
-        if after != before:
-            d = self.tuner.decisions[n:]
-            ctx.history.policy.append(PolicyRecord(
-                round=ctx.plan.rounds_done, epoch=ctx.epoch, policy="AutoReplicas",
-                changes={"replicas_per_device": after[0], "learner_mode": after[1]},
-                reason=", ".join(f"{r.action} at {r.samples_per_s:,.0f} samples/s" for r in d)))
+        super().__init__(config or AutoTune(**kwargs))
 
 
 # -- learning-rate schedules ---------------------------------------------------------------------
 
 
-class _ShadowSchedule:
-    """A torch.optim.lr_scheduler over a one-tensor optimizer at lr ``base``, stepped on demand:
-    ``factor_at(e)`` steps it to e steps (at most ``max_steps``; it never steps back) and gives
-    η(e)/η₀."""
-
-    def __init__(self, make, base: float, max_steps: int | None) -> None:
-        self.base, self.max_steps, self.steps = base, max_steps, 0
-        self.scheduler = make(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base))
-
-    def factor_at(self, epoch: int) -> float:
-        cap = epoch if self.max_steps is None else min(epoch, self.max_steps)
-        with warnings.catch_warnings():  # the shadow optimizer never steps
-            warnings.filterwarnings("ignore", message=r".*lr_scheduler\.step\(\).*")
-            while self.steps < cap:
-                self.scheduler.step()
-                self.steps += 1
-        return float(self.scheduler.optimizer.param_groups[0]["lr"]) / self.base
-
-
-class _LRSchedule(Policy):
-    """A torch.optim.lr_scheduler stepped once per epoch, as a policy: at every epoch start η is
-    multiplied by factor(e)/factor(e−1) (e = 0-based epoch index), factor(e) the ratio of the
-    torch scheduler's η after e steps to its η₀ (the plan's lr at the first fit). Alone,
-    η = η₀·factor(e); other policies' changes of η, such as AdaptiveBatchSize's, compose. The
-    torch scheduler (``torch_scheduler``) runs over a one-tensor shadow optimizer at lr η₀, so it
-    never writes the plan's param groups: the change goes through ``Policy.adjust`` (every group's
-    η is scaled by the same factor), and when η drops and ``reset_on_drop``, every replica is reset
-    to z (CROSSBOW reference behaviour). For any other torch scheduler, or one stepped per round,
-    pass it to ``fit(lr_scheduler=...)``."""
+class _EpochSchedule(LRSchedulerHook, Policy):
+    """A torch.optim LR scheduler (``torch_scheduler``) over ``plan.optimizer``, stepped through
+    the fit's one LR mechanism (training/lr_schedule.py ``LRSchedulerHook``, composed by the
+    plan's RunSettings) so that before epoch e (0-based, over the plan's life) it has taken e
+    steps: η = F·schedule(e), where F composes other policies' changes of η, such as
+    AdaptiveBatchSize's. It is built at the policy's first epoch (its construction may set η:
+    LinearLR's warm-up start) and kept over its later fits. Every change of η is a PolicyRecord;
+    when η drops and ``reset_on_drop``, every replica is reset to z (CROSSBOW reference
+    behaviour). For any other torch scheduler, or one stepped per round, pass it to
+    ``fit(lr_scheduler=...)``."""
 
     reset_default = True
     max_steps: int | None = None  # steps after which η holds (CosineLR: T)
 
     def __init__(self, *, reset_on_drop: bool | None = None) -> None:
+        LRSchedulerHook.__init__(self, None, "epoch")
         self.reset_on_drop = self.reset_default if reset_on_drop is None else reset_on_drop
-        self.base_lr: float | None = None
-        self._applied = 1.0  # factor(e) in force
-        self._shadow: _ShadowSchedule | None = None  # the torch scheduler, at the epoch in force
+        self.steps = 0  # the scheduler's steps (the plan's epoch it has reached)
+        self._pending: dict | None = None  # a checkpoint's state, for the scheduler not yet built
 
     def torch_scheduler(self, optimizer: torch.optim.Optimizer):
         """This schedule as a torch.optim.lr_scheduler over ``optimizer``, stepped per epoch."""
         raise NotImplementedError
 
-    def _new_shadow(self, base_lr: float) -> _ShadowSchedule:
-        return _ShadowSchedule(self.torch_scheduler, base_lr, self.max_steps)
-
-    def factor(self, epoch: int) -> float:
-        """factor(e) = η(e)/η₀ of the torch scheduler stepped e times (0-based epoch ``epoch``)."""
-        return self._new_shadow(self.base_lr or 1.0).factor_at(epoch)
-
-    def lr_at(self, epoch: int) -> float:
-        """η in epoch ``epoch`` (0-based), this schedule alone."""
-        return self.base_lr * self.factor(epoch)
-
     def state_dict(self) -> dict:
-        return {"base_lr": self.base_lr, "applied": self._applied,
-                "steps": None if self._shadow is None else self._shadow.steps}
+        if self.scheduler is None:
+            return self._pending or {}
+        return dict(LRSchedulerHook.state_dict(self), steps=self.steps)
 
     def load_state_dict(self, state: dict) -> None:
-        self.base_lr, self._applied = state["base_lr"], state["applied"]
-        self._shadow = None
-        if self.base_lr is not None and state.get("steps") is not None:
-            self._shadow = self._new_shadow(self.base_lr)
-            self._shadow.factor_at(state["steps"])  # the same torch state, replayed
+        self._forget()
+        self._pending = dict(state)  # the scheduler is built over the plan at its next epoch
+
+    def _forget(self) -> None:
+        if self.scheduler is not None:
+            self.settings.drop_lr_schedule(self.scheduler)
+        self.scheduler = None
 
     def before_fit(self, ctx: FitContext) -> None:
-        if self.base_lr is None:
-            self.base_lr = float(ctx.plan.settings.lr)
-            self._applied = 1.0
-        if self._shadow is None:
-            self._shadow = self._new_shadow(self.base_lr)
+        if self.scheduler is not None and self.scheduler.optimizer is not ctx.plan.optimizer:
+            self._forget()  # another plan
 
     def before_epoch(self, ctx: FitContext) -> None:
-        # multiplicative, like torch's chained schedulers: composes with AdaptiveBatchSize's
-        # scaling of η (η is multiplied by factor(e)/factor(e−1), not overwritten)
-        f = self._shadow.factor_at(ctx.epoch)
-        old = float(ctx.plan.settings.lr)
-        new = old * f / self._applied
-        self._applied = f
+        old = ctx.plan.settings.lr
+        if self.scheduler is None:
+            self._build(ctx.plan.settings)
+        target = ctx.epoch if self.max_steps is None else min(ctx.epoch, self.max_steps)
+        while self.steps < target:
+            self._step()
+            self.steps += 1
+        self._changed(ctx, old)
+
+    def _build(self, settings) -> None:
+        """The torch scheduler over the plan's optimizer, at the pending checkpoint's state."""
+        state, self._pending, self.settings = self._pending, None, settings
+        self.scheduler = settings.new_lr_schedule(self.torch_scheduler, keep_lr=state is not None)
+        self.steps = 0 if state is None else int(state.get("steps") or 0)
+        if state is not None and "scheduler" in state:
+            LRSchedulerHook.load_state_dict(self, state)
+        elif state is not None:  # an older checkpoint's: the steps taken, η in force restored
+            for sched in _chained(self.scheduler):
+                sched.last_epoch = self.steps
+
+    def after_epoch(self, ctx: FitContext, record) -> None:
+        """Nothing: the schedule steps at the epochs' starts."""
+
+    def after_fit(self, ctx: FitContext) -> None:
+        """Nothing: the schedule stays added to the plan's settings for the policy's next fit."""
+
+    def _changed(self, ctx: FitContext, old: float) -> None:
+        """Record η's change from ``old``; at a drop with ``reset_on_drop``, reset the replicas."""
+        new = ctx.plan.settings.lr
         if math.isclose(old, new, rel_tol=1e-12):
             return
-        drop = new < old and self.reset_on_drop and ctx.plan.num_learners > 1
-        self.adjust(ctx, lr=new, reset_replicas=drop,
-                    reason=f"epoch {ctx.epoch}: η {old:g} → {new:g}" + (", replicas reset to z" if drop else ""))
+        changes = {"lr": new}
+        if new < old and self.reset_on_drop and ctx.plan.num_learners > 1:
+            changes.update(ctx.plan.adjust(Adjustment(reset_replicas=True)))
+        self.record(ctx, changes, f"epoch {ctx.epoch}: η {old:g} → {new:g}" +
+                    (", replicas reset to z" if "reset_replicas" in changes else ""))
 
 
-class StepLR(_LRSchedule):
+def _chained(scheduler) -> list:
+    """The schedulers a ChainedScheduler steps, else ``[scheduler]``."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ChainedScheduler):
+        return list(scheduler._schedulers)  # torch's own
+    return [scheduler]
+
+
+class StepLR(_EpochSchedule):
     """η = η₀·γ^⌊e/step⌋: torch.optim.lr_scheduler.StepLR stepped per epoch.
 
     Args:
@@ -193,7 +169,7 @@ class StepLR(_LRSchedule):
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=self.step_epochs, gamma=self.gamma)
 
 
-class MultiStepLR(_LRSchedule):
+class MultiStepLR(_EpochSchedule):
     """η = η₀·w(e)·γ^(number of milestones ≤ e), with linear warm-up
     w(e) = s + (1 − s)·min(e, W)/W: torch's LinearLR(start_factor=s, total_iters=W) chained with
     MultiStepLR(milestones, γ), stepped per epoch (W = 0: MultiStepLR alone).
@@ -226,7 +202,7 @@ class MultiStepLR(_LRSchedule):
         return torch.optim.lr_scheduler.ChainedScheduler([warm, steps])
 
 
-class CosineLR(_LRSchedule):
+class CosineLR(_EpochSchedule):
     """η = η_min + (η₀ − η_min)(1 + cos(π·e/T))/2 for e ≤ T, then η_min:
     torch.optim.lr_scheduler.CosineAnnealingLR(T_max=T, eta_min) stepped per epoch up to T (torch's
     then rises again, periodically, where this one holds η_min).
@@ -287,15 +263,14 @@ class DivergenceGuard(Policy):
 
     def before_fit(self, ctx: FitContext) -> None:
         self._first_loss = None
-        ctx.plan.scheduler.close_workers()  # forked workers read the threshold when they start
-        ctx.plan.scheduler.max_divergence = self.max_divergence
+        ctx.plan.scheduler.set_max_divergence(self.max_divergence)
 
     def after_fit(self, ctx: FitContext) -> None:
-        ctx.plan.scheduler.max_divergence = None
+        ctx.plan.scheduler.set_max_divergence(None)
 
     @torch.no_grad()
     def after_round(self, ctx: FitContext) -> None:
-        losses = ctx.extra.get("round_losses")
+        losses = ctx.round_losses
         if self.loss_factor is None or not losses or len(losses) != ctx.plan.num_learners:
             return
         loss = torch.stack([x.detach().float().cpu() for x in losses])  # [k], device-major
@@ -315,13 +290,8 @@ class DivergenceGuard(Policy):
         for s in plan.states:
             rows_of.append([r for r in range(s.m) if bool(bad[j0 + r]) and (s.name, r) not in done])
             j0 += s.m
-        if not any(rows_of):
-            return
-        sched.flush()
-        sched.close_workers()  # a speculative round learned from the bad replica: cancel it
-        for s, rows in zip(plan.states, rows_of):
-            FaultMonitor.reset(s, rows)
-            sched.faults.record(s, rows, round_index=t, num_learners=plan.num_learners)
+        if any(rows_of):  # a round learned ahead from the bad replica is cancelled
+            sched.reset_replicas(rows_of, round_index=t)
 
 
 # -- by name (the CLI's --policy NAME[:ARGS]) ----------------------------------------------------

@@ -13,7 +13,6 @@ import torch
 
 from ..compiler.passes import build_task_graph
 from ..config import Adjustment
-from ..engine.faults import FaultMonitor
 from ..engine.fused import fused_mode_message
 from ..training.history import PolicyRecord
 from ..training.hooks import FitContext, Hook
@@ -72,10 +71,7 @@ def apply_adjustment(plan: "Plan", adj: Adjustment) -> dict[str, Any]:
         settings.lr = float(adj.lr)
         done["lr"] = float(adj.lr)
     if adj.reset_replicas:
-        sched.flush()
-        sched.close_workers()
-        for s in plan.states:
-            FaultMonitor.reset(s, list(range(s.m)))
+        sched.reset_replicas([list(range(s.m)) for s in plan.states])
         done["reset_replicas"] = True
     return done
 
@@ -105,10 +101,11 @@ class Policy(Hook):
     Override ``before_fit``, ``before_epoch``, ``before_round``, ``after_round``, ``after_eval``,
     ``after_epoch`` or ``after_fit`` (all get the FitContext); read ``self.metrics(ctx)`` (the
     fit's MetricsMonitor: ``.last`` is the newest MetricRecord, ``.noise_scale`` B_noise) and
-    ``ctx.history``. A policy that writes replica state directly must set
-    ``mutates_replicas = True`` (it turns off the overlap of the process executor). A policy
-    that needs several learners sets ``min_learners`` (the CLI then trains 2 learners where
-    neither ``--devices`` nor ``--replicas`` is given).
+    ``ctx.history``. A policy that writes replica state other than through ``adjust`` (or
+    ``Scheduler.reset_replicas``) must set ``mutates_replicas = True`` (it turns off the
+    overlap of the process executor). A policy that needs several learners sets
+    ``min_learners`` (the CLI then trains 2 learners where neither ``--devices`` nor
+    ``--replicas`` is given).
     """
 
     mutates_replicas = False
@@ -116,8 +113,8 @@ class Policy(Hook):
 
     @staticmethod
     def metrics(ctx: FitContext):
-        """The fit's MetricsMonitor, or None when ``fit(metrics_every=None)``."""
-        return ctx.extra.get("metrics")
+        """The fit's MetricsMonitor (``ctx.metrics``), or None when ``fit(metrics_every=None)``."""
+        return ctx.metrics
 
     def adjust(self, ctx: FitContext, *, reason: str = "", **changes: Any) -> dict[str, Any]:
         """Apply ``Adjustment(**changes)`` to ``ctx.plan`` from the next round on and record it in
@@ -128,8 +125,12 @@ class Policy(Hook):
             PlanError: the new batch size or replicas exceed the memory budget.
         """
         done = ctx.plan.adjust(Adjustment(**changes))
-        if done:
-            ctx.history.policy.append(PolicyRecord(round=ctx.plan.rounds_done, epoch=ctx.epoch,
-                                                   policy=type(self).__name__, changes=done,
-                                                   reason=reason))
+        self.record(ctx, done, reason)
         return done
+
+    def record(self, ctx: FitContext, changes: dict[str, Any], reason: str) -> None:
+        """``changes`` (when any) as this policy's PolicyRecord in ``ctx.history.policy``."""
+        if changes:
+            ctx.history.policy.append(PolicyRecord(round=ctx.plan.rounds_done, epoch=ctx.epoch,
+                                                   policy=type(self).__name__, changes=changes,
+                                                   reason=reason))
