@@ -36,6 +36,37 @@ else
 fi
 echo "GPU acceptance ($MODE): results under $OUT"
 
+# What this run needs, from the image's own Python (nothing is installed): the versions found, or a
+# clear message within seconds naming what is missing and how to bring it.
+"$PY" - "$MODE" <<'PY' 2>&1 | tee -a "$LOG"
+import importlib, sys
+need = {"torch": (2, 11), "networkx": None, "numpy": None, "tqdm": None, "pytest": None}
+if sys.argv[1] == "gpu":
+    need["triton"] = (3, 6)
+found, missing = [], []
+for name, least in need.items():
+    try:
+        version = importlib.import_module(name).__version__
+    except Exception as exc:  # noqa: BLE001 (any failure to import is "missing")
+        missing.append(f"{name} ({type(exc).__name__}: {exc})")
+        continue
+    found.append(f"{name} {version}")
+    have = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    if least and have < least:
+        missing.append(f"{name} {version} (needs >= {'.'.join(map(str, least))})")
+print(f"Python {sys.version.split()[0]} at {sys.executable}; " + ", ".join(found))
+try:
+    import crossbow_graph
+    print(f"crossbow_graph from {crossbow_graph.__file__}")
+except Exception as exc:  # noqa: BLE001
+    missing.append(f"crossbow_graph ({type(exc).__name__}: {exc}; run from the repository root)")
+if missing:
+    print("missing: " + "; ".join(missing) + ". Nothing is installed here: carry a wheel of each "
+          "(the device tool's README, .whl in carry) or set PYTHON to an interpreter that has them")
+    sys.exit(3)
+PY
+[[ ${PIPESTATUS[0]} == 0 ]] || exit 3
+
 report() { "$PY" bench/acceptance_report.py --work "$WORK" --out "$OUT" --mode "$MODE" "$@"; }
 
 # section NAME LIMIT_S COMMAND...: runs COMMAND under `timeout`, its output appended to the log,
