@@ -2,7 +2,7 @@
 
 Real process groups: two processes (tests/_dist_worker.py) with gloo on 127.0.0.1, started with
 torchrun's variables on a free port, with hard timeouts; every process is killed on the way out.
-The 1-process run and the hand-written SMA of tests/_runtime_helpers.py are the oracles.
+The 1-process run and the hand-written SMA of tests/_reference.py are the oracles.
 """
 
 import os
