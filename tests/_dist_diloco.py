@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.errors import TaskError  # noqa: E402
-from _runtime_helpers import TinyBN, compile_tiny, tiny_data  # noqa: E402
+from _plans import TinyBN, make_plan, tiny_data  # noqa: E402
 
 ROUNDS, B, M, H = 8, 4, 2, 3
 
@@ -32,11 +32,11 @@ class BNNoBias(TinyBN):
 
 def plan_of(rank: int) -> cg.Plan:
     """This rank's plan (seed=rank: every rank starts from rank 0's model)."""
-    return compile_tiny(BNNoBias, seed=rank, batch_size=B, devices=1, replicas=M, executor="inline",
-                        sync=cg.DiLoCo(sync_every=H),
-                        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
-                        distributed=cg.Distributed(timeout_s=20.0, checksum_every=1,
-                                                   sync_dtype=os.environ.get("CB_SYNC_DTYPE", "fp32")))
+    return make_plan(BNNoBias, seed=rank, batch_size=B, devices=1, replicas=M, executor="inline",
+                     sync=cg.DiLoCo(sync_every=H),
+                     optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
+                     distributed=cg.Distributed(timeout_s=20.0, checksum_every=1,
+                                                sync_dtype=os.environ.get("CB_SYNC_DTYPE", "fp32")))
 
 
 def main(out: str) -> None:

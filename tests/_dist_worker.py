@@ -49,7 +49,7 @@ from crossbow_graph.errors import CheckpointError, TaskError  # noqa: E402
 from crossbow_graph.engine.comm import Comm, z_digest  # noqa: E402
 from crossbow_graph.engine.race_check import RaceRecorder  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
-from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, tiny_data  # noqa: E402
+from _plans import TinyBN, TinyDrop, TinyNet, make_plan, tiny_data  # noqa: E402
 
 ROUNDS = 8
 HARD_S = 120  # longer than any test waits for a rank
@@ -197,9 +197,9 @@ def run(scenario: str, rank: int, out: str) -> dict:
         devices, replicas, executor = (2, 1, "process") if scenario == "process" else (1, M, "inline")
         executor = "process" if scenario == "nan_all" else executor
         layout = "contiguous" if scenario == "mismatch_layout" and rank == 1 else "auto"
-        plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=devices,
-                            replicas=replicas, executor=executor, memory_format=layout,
-                            distributed=settings)  # seed=rank: rank 0's init wins
+        plan = make_plan(model_cls, seed=rank, batch_size=batch, devices=devices,
+                         replicas=replicas, executor=executor, memory_format=layout,
+                         distributed=settings)  # seed=rank: rank 0's init wins
         data = tiny_data(ROUNDS * B * M * 2)
         hooks, kw = [], {}
         if scenario == "diverge" and rank == 1:
@@ -227,22 +227,22 @@ def run(scenario: str, rank: int, out: str) -> dict:
             hooks.append(_Poison(range(3, ROUNDS), range(M)))
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt-nan"), checkpoint_every=1)
         if scenario == "adamw":  # AdamW in two groups on worker processes, OneCycleLR per round
-            plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=2, replicas=1,
-                                executor="process", distributed=settings,
-                                optimizer=lambda m: torch.optim.AdamW(
-                                    [{"params": list(m.parameters())[:2], "lr": 1e-3},
-                                     {"params": list(m.parameters())[2:]}], lr=2e-3))
+            plan = make_plan(model_cls, seed=rank, batch_size=batch, devices=2, replicas=1,
+                             executor="process", distributed=settings,
+                             optimizer=lambda m: torch.optim.AdamW(
+                                 [{"params": list(m.parameters())[:2], "lr": 1e-3},
+                                  {"params": list(m.parameters())[2:]}], lr=2e-3))
             kw = dict(lr_scheduler=torch.optim.lr_scheduler.OneCycleLR(
                 plan.optimizer, max_lr=[4e-3, 8e-3], total_steps=ROUNDS * M),
                 lr_scheduler_interval="round")
         if scenario == "resume":  # stopped after round 10 of 16, resumed from round 9 by a new plan
             kw = dict(checkpoint_dir=os.path.join(out, "ckpt-resume"), checkpoint_every=3)
             plan.fit(data, 2, shuffle=True, progress=False, hooks=[StopAfter(ROUNDS + 2)], **kw)
-            plan = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
-                                executor="inline", distributed=settings)
+            plan = make_plan(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
+                             executor="inline", distributed=settings)
             history = plan.fit(data, 2, shuffle=True, progress=False, resume=True, **kw)
-            straight = compile_tiny(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
-                                    executor="inline", distributed=settings)
+            straight = make_plan(model_cls, seed=rank, batch_size=batch, devices=1, replicas=M,
+                                 executor="inline", distributed=settings)
             whole = straight.fit(data, 2, shuffle=True, progress=False)  # not stopped
             result.update(z_straight=straight.central_weights(),
                           loss_straight=whole.epochs[-1].train_loss)
@@ -285,8 +285,8 @@ def run_computation(scenario: str, rank: int, out: str) -> dict:
     if scenario == "mismatch_loss" and other:
         loss = functools.partial(nn.functional.cross_entropy, label_smoothing=0.1)
     try:
-        plan = compile_tiny(model_cls, seed=rank, devices=1, replicas=M, executor="inline",
-                            distributed=_settings(), loss_fn=loss)
+        plan = make_plan(model_cls, seed=rank, devices=1, replicas=M, executor="inline",
+                         distributed=_settings(), loss_fn=loss)
         data = tiny_data(ROUNDS * B * M * 2, seed=rank if scenario == "own_data" else 0)
         plan.fit(data, 1, shuffle=False, progress=False)
     except TaskError as exc:
@@ -308,8 +308,8 @@ def run_leaving(scenario: str, rank: int, out: str) -> dict:
         os._exit(3)
     hooks = [_AtRound(3, _fail)] if scenario == "stopped" and rank == 1 else []
     try:
-        plan = compile_tiny(TinyBN, seed=rank, devices=1, replicas=M, executor="inline",
-                            distributed=_settings())
+        plan = make_plan(TinyBN, seed=rank, devices=1, replicas=M, executor="inline",
+                         distributed=_settings())
         plan.fit(tiny_data(ROUNDS * B * M * 2), 1, shuffle=False, progress=False, hooks=hooks)
     except TaskError as exc:
         return dict(error=str(exc), kind=type(exc).__name__, round_index=exc.round_index)
@@ -325,8 +325,8 @@ def run_reshape(scenario: str, rank: int, out: str) -> dict:
     it in one process); ``refused``: a resume of ``ckpt-2to1`` with another seed (the error).
     Returns the Snapshot after the resume, the indices read, z."""
     settings = cg.Distributed(timeout_s=float(os.environ.get("CB_TIMEOUT_S", "20")), checksum_every=1)
-    plan = compile_tiny(TinyBN, seed=rank + 7, devices=1, replicas=M, executor="inline",
-                        distributed=settings)  # another init: the checkpoint's state must win
+    plan = make_plan(TinyBN, seed=rank + 7, devices=1, replicas=M, executor="inline",
+                     distributed=settings)  # another init: the checkpoint's state must win
     data, snap = recording_data(), Snapshot()
     if scenario == "refused":  # another seed than the checkpoint's: rank 0 refuses, every rank says why
         try:

@@ -1,30 +1,117 @@
-"""A hand-written SMA reference (docs/design-overview.md §2): eager modules, one parameter tensor at a time."""
+"""Eager PyTorch oracles of the test suite: one learner's optimizer steps, SMA by the book
+(docs/design-overview.md §2) one parameter tensor at a time, DiLoCo by hand, and the helpers that
+flatten models and split data sets as the plans do."""
 
 from __future__ import annotations
 
 import copy
+from typing import Callable, Iterable, NamedTuple
 
 import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+__all__ = ["flat", "batches_of", "EagerRun", "eager_steps", "reference_sma", "reference_diloco"]
 
 
-def reference_sma(model, batches, *, k, rounds, lr, momentum, weight_decay=0.0, nesterov=False,
-                  alpha=None, central_momentum=0.9, loss_fn=torch.nn.functional.cross_entropy):
-    """Run SMA by the book; ``batches[t * k + j]`` is learner j's ``(x, y)`` in round t.
+def flat(tensors: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor:
+    """A sequence of tensors as one 1-D tensor; for a module, its parameters that require grad in
+    ``parameters()`` order (the layout of a plan's ``central_weights()``)."""
+    if isinstance(tensors, nn.Module):
+        tensors = [p for p in tensors.parameters() if p.requires_grad]
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
 
-    Returns (z, replicas): z as a list of tensors in named_parameters() order, and the k modules.
+
+def batches_of(dataset: TensorDataset, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The data set's consecutive batches ``(x, y)`` of ``batch_size`` samples in its order (a plan's
+    order with ``shuffle=False``); a last partial batch is dropped."""
+    x, y = dataset.tensors
+    return [(x[i:i + batch_size], y[i:i + batch_size])
+            for i in range(0, len(x) - batch_size + 1, batch_size)]
+
+
+class EagerRun(NamedTuple):
+    """What ``eager_steps`` returns: ``weights[t]`` = ``flat(model)`` after step t; ``grad_norms[t]``
+    = step t's gradient norm before clipping (empty without ``max_grad_norm``)."""
+
+    weights: list[torch.Tensor]
+    grad_norms: list[float]
+
+
+def eager_steps(model: nn.Module, optimizer: torch.optim.Optimizer | Callable, batches, *,
+                loss_fn=torch.nn.functional.cross_entropy, max_grad_norm: float | None = None,
+                lr_scheduler: Callable | None = None) -> EagerRun:
+    """One learner in plain PyTorch, the model in the mode it is in: for each ``(x, y)`` of
+    ``batches`` in order, zero_grad, ``loss_fn(model(x), y).backward()``, ``clip_grad_norm_`` to
+    ``max_grad_norm`` (if given), ``optimizer.step()``, then ``lr_scheduler.step()`` (if given).
+
+    ``optimizer``: a torch.optim optimizer over ``model``'s parameters, or a function of the model
+    that builds one; ``lr_scheduler``: a function of the optimizer that builds an LR scheduler.
     """
-    replicas = [copy.deepcopy(model) for _ in range(k)]
-    params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
+    opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(model)
+    scheduler = lr_scheduler(opt) if lr_scheduler is not None else None
+    run = EagerRun([], [])
+    for x, y in batches:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        if max_grad_norm is not None:
+            run.grad_norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        run.weights.append(flat(model))
+    return run
+
+
+def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: int | None = None,
+                  rounds: int | None = None, ks: list[int] | None = None, weight_decay: float = 0.0,
+                  nesterov: bool = False, alpha: float | None = None, central_momentum: float = 0.9,
+                  loss_fn=torch.nn.functional.cross_entropy, max_grad_norm: float | None = None,
+                  frozen: tuple[int, ...] = ()):
+    """Run SMA by the book (docs/design-overview.md §2) on copies of ``model``.
+
+    Round t has ``ks[t]`` learners (or ``k`` learners in each of ``rounds`` rounds); its learners
+    take the next batches of ``batches`` (a list of ``(x, y)``): learner j of round t takes
+    ``batches[ks[0] + … + ks[t-1] + j]``. Each learner steps SGD (``weight_decay``, ``momentum``,
+    ``nesterov`` as torch.optim.SGD) plus the correction α(w − z), α = 1/k unless ``alpha`` is given
+    (0 for k = 1, where z follows the single replica); z moves by the sum of the corrections plus
+    ``central_momentum``·(z − z_prev). When k grows, new replicas are z with zero momentum; when it
+    shrinks, the last replicas go. ``max_grad_norm``: each learner's gradient clipped by
+    ``torch.nn.utils.clip_grad_norm_`` before its step. ``frozen``: replicas that neither learn nor
+    are corrected (they keep their weights, their batches go unused; α = 1/k still counts them).
+
+    Returns (z, replicas): z as a list of tensors in ``parameters()`` order (those that require
+    grad), and the last round's replicas as modules.
+    """
+    if ks is None:
+        ks = [k] * rounds
+    replicas = [copy.deepcopy(model)]
+    params = [[p for p in replicas[0].parameters() if p.requires_grad]]
     z = [p.detach().clone() for p in params[0]]
     z_prev = [t.clone() for t in z]
-    bufs = [[None] * len(z) for _ in range(k)]
-    a = 0.0 if k == 1 else (1.0 / k if alpha is None else alpha)
-    for t in range(rounds):
+    bufs = [[None] * len(z)]
+    pos = 0
+    for k in ks:
+        while len(replicas) < k:  # a new replica: z, zero momentum
+            r = copy.deepcopy(model)
+            ps = [p for p in r.parameters() if p.requires_grad]
+            with torch.no_grad():
+                for p, zi in zip(ps, z):
+                    p.copy_(zi)
+            replicas.append(r)
+            params.append(ps)
+            bufs.append([None] * len(z))
+        del replicas[k:], params[k:], bufs[k:]
+        a = 0.0 if k == 1 else (1.0 / k if alpha is None else alpha)
         corrections = [torch.zeros_like(q) for q in z]
         for j, r in enumerate(replicas):
-            x, y = batches[t * k + j]
+            if j in frozen:
+                continue
+            x, y = batches[pos + j]
             r.zero_grad(set_to_none=True)
             loss_fn(r(x), y).backward()
+            if max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(params[j], max_grad_norm)
             with torch.no_grad():
                 for i, p in enumerate(params[j]):
                     g = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -37,6 +124,7 @@ def reference_sma(model, batches, *, k, rounds, lr, momentum, weight_decay=0.0, 
                     c = a * (p - z[i])
                     corrections[i] += c
                     p.sub_(lr * u + c)
+        pos += k
         with torch.no_grad():
             if k == 1:
                 z_prev = z
@@ -47,5 +135,32 @@ def reference_sma(model, batches, *, k, rounds, lr, momentum, weight_decay=0.0, 
     return z, replicas
 
 
-def flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+def reference_diloco(model: nn.Module, batches, *, k: int, rounds: int, H: int, inner, outer,
+                     max_grad_norm: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DiLoCo (Douillard et al. 2023, Algorithm 1) by hand: k model copies, each with its own
+    ``inner(params)`` optimizer, learner j taking ``batches[t·k + j]`` (a list of ``(x, y)``) in
+    round t; after every H-th round Δ = z − mean_j w_j is the gradient of ``outer([z])``, and
+    every copy restarts from z with its optimizer state kept; ``max_grad_norm``: each copy's
+    gradient clipped by ``torch.nn.utils.clip_grad_norm_`` before its step. Cross-entropy loss.
+    Returns (z ``[P]``, the replicas ``[k, P]``)."""
+    copies = [copy.deepcopy(model) for _ in range(k)]
+    inners = [inner(c.parameters()) for c in copies]
+    z = [p.detach().clone() for p in model.parameters()]
+    outer_opt = outer(z)
+    for t in range(rounds):
+        for j, (c, opt) in enumerate(zip(copies, inners)):
+            x, y = batches[t * k + j]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(c(x), y).backward()
+            if max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(c.parameters(), max_grad_norm)
+            opt.step()
+        if (t + 1) % H == 0:
+            with torch.no_grad():
+                for i, zi in enumerate(z):
+                    zi.grad = zi - torch.stack([list(c.parameters())[i] for c in copies]).mean(0)
+                outer_opt.step()
+                for c in copies:
+                    for p, zi in zip(c.parameters(), z):
+                        p.copy_(zi)
+    return flat(z), torch.stack([flat(c) for c in copies])

@@ -15,7 +15,7 @@ from crossbow_graph.tuning.autotune_rule import (Measurement, Setting, TuningRul
                                                  sub_window_rates, verdict)
 from crossbow_graph.training.hooks import Hook
 
-from _runtime_helpers import compile_tiny, tiny_data
+from _plans import make_plan, tiny_data
 
 FAST = dict(warmup_rounds=2, window_s=3.0, min_window_rounds=3)
 
@@ -51,13 +51,13 @@ class _Watch(Hook):
 
 
 def _tuned_plan(clock, **kw):
-    plan = compile_tiny(replicas="auto", executor="inline", autotune=cg.AutoTune(**FAST), **kw)
+    plan = make_plan(replicas="auto", executor="inline", autotune=cg.AutoTune(**FAST), **kw)
     plan.autotuner.clock = clock
     return plan
 
 
 def test_tuner_grows_while_throughput_rises_and_stops_at_the_memory_bound():
-    mem = compile_tiny(replicas=1).task_graph.graph["memory_per_learner_bytes"]
+    mem = make_plan(replicas=1).task_graph.graph["memory_per_learner_bytes"]
     plan = _tuned_plan(_Clock(lambda k: 1.0), memory_budget=3 * mem + 1)  # rate ∝ k
     assert plan.replicas_per_device == 1 and plan.max_replicas_per_device == 3
     watch = _Watch(plan.autotuner, 9)
@@ -142,8 +142,8 @@ def test_tuner_keeps_the_other_mode_when_it_is_faster():
 
 def test_tuner_history_and_state_survive_a_real_fit():
     """No clock tricks: the default clock (training seconds) decides; only consistency is checked."""
-    plan = compile_tiny(replicas="auto", autotune=cg.AutoTune(warmup_rounds=2, warmup_s=0.0, window_s=0.01,
-                                                              min_window_rounds=2, max_replicas=3))
+    plan = make_plan(replicas="auto", autotune=cg.AutoTune(warmup_rounds=2, warmup_s=0.0, window_s=0.01,
+                                                           min_window_rounds=2, max_replicas=3))
     data = tiny_data(600)
     hist = plan.fit(data, 1, shuffle=False, progress=False)
     assert hist.autotune, "the tuner took no decision"
@@ -168,13 +168,13 @@ def test_autotune_settings_are_checked():
     with pytest.raises(ValueError, match=r"windows=0"):
         cg.AutoTune(windows=0)
     with pytest.raises(ValueError, match="replicas"):
-        compile_tiny(replicas="many")
+        make_plan(replicas="many")
 
 
 def test_tuner_warms_up_for_warmup_s_as_well_as_warmup_rounds():
     first = {}
     for warmup_s in (0.0, 1.0):
-        plan = compile_tiny(replicas="auto", executor="inline", autotune=cg.AutoTune(
+        plan = make_plan(replicas="auto", executor="inline", autotune=cg.AutoTune(
             warmup_rounds=2, warmup_s=warmup_s, window_s=3.0, min_window_rounds=3))
         plan.autotuner.clock = _Clock(lambda k: 0.25)  # seconds per round
         hist = plan.fit(tiny_data(4000), 1, progress=False, hooks=[_Watch(plan.autotuner, 1)])
@@ -297,7 +297,7 @@ def _noisy_fit(rate, noise: float, rounds: int):
     """A tuned plan (windows of 8 rounds, at most 8 replicas, one learner mode) fitted for
     ``rounds`` rounds on a ``_NoisyClock(rate, noise)``: (plan, history, m of every round,
     the decisions as (action, m, samples/s) for messages)."""
-    plan = compile_tiny(replicas="auto", executor="inline", autotune=cg.AutoTune(
+    plan = make_plan(replicas="auto", executor="inline", autotune=cg.AutoTune(
         warmup_rounds=2, warmup_s=0.0, window_s=1e-9, min_window_rounds=8, max_replicas=8,
         try_other_mode=False))
     plan.autotuner.clock = _NoisyClock(rate, noise)

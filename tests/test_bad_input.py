@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import re
@@ -19,6 +20,7 @@ from crossbow_graph.training.hooks import Hook
 from crossbow_graph.training.options import FitOptions
 
 from _fake_cifar import write_fake_cifar
+from _plans import make_plan
 
 F = nn.functional
 
@@ -28,10 +30,9 @@ def tiny(classes: int = 3) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(4, classes))
 
 
-def plan(model=None, *, example=None, loss=F.cross_entropy, **kw) -> cg.Plan:
-    args = dict(batch_size=4, devices=1, replicas=2)
-    args.update(kw)
-    return cg.compile(model or tiny(), (torch.zeros(1, 4) if example is None else example,), loss, **args)
+# the plans of these tests: the tiny linear model on x [N, 4], 2 replicas on one device, compile's optimizer
+plan = functools.partial(make_plan, model=tiny, seed=None, example=torch.zeros(1, 4), optimizer=None,
+                         devices=1, replicas=2)
 
 
 def ds(n: int = 32, features: tuple[int, ...] = (4,), classes: int = 3) -> TensorDataset:
@@ -49,13 +50,13 @@ def test_example_input_that_does_not_match_the_data():
     # runs, but each sample gives 2 × 3 scores instead of 3
     lin = nn.Linear(4, 3)
     with pytest.raises(ValueError, match=r"output per sample would be \[2, 3\] instead of \[3\]"):
-        plan(lin).fit(ds(features=(2, 4)), 1, progress=False)
+        plan(model=lin).fit(ds(features=(2, 4)), 1, progress=False)
 
 
 def test_other_input_shapes_that_the_model_takes_are_accepted():
     torch.manual_seed(0)
     pooled = nn.Sequential(nn.Conv2d(1, 3, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-    p = plan(pooled, example=torch.zeros(1, 1, 8, 8))
+    p = plan(model=pooled, example=torch.zeros(1, 1, 8, 8))
     p.fit(ds(features=(1, 12, 12)), 1, progress=False)  # 12×12 images: same [3] output
 
 
@@ -75,7 +76,7 @@ class _CastsToFloat32(nn.Module):
                                    r"or compile the model in float64 \(model.double\(\)"),
 ])
 def test_data_of_another_dtype_than_the_model(model_dtype, data_dtype, fix):
-    p = plan(tiny().to(model_dtype), example=torch.zeros(1, 4, dtype=model_dtype))
+    p = plan(model=tiny().to(model_dtype), example=torch.zeros(1, 4, dtype=model_dtype))
     before = p.central_weights()
     train = ds()
     train = TensorDataset(train.tensors[0].to(data_dtype), train.tensors[1])
@@ -88,8 +89,8 @@ def test_data_of_another_dtype_than_the_model(model_dtype, data_dtype, fix):
     p.fit(TensorDataset(train.tensors[0].to(model_dtype), train.tensors[1]), 1, progress=False)
     # a model that casts its inputs takes the other dtype
     torch.manual_seed(0)
-    plan(_CastsToFloat32()).fit(TensorDataset(train.tensors[0].double(), train.tensors[1]), 1,
-                                progress=False)
+    plan(model=_CastsToFloat32()).fit(TensorDataset(train.tensors[0].double(), train.tensors[1]), 1,
+                                      progress=False)
 
 
 def test_example_input_that_does_not_run_through_the_model():
@@ -143,24 +144,24 @@ def test_loss_that_is_not_a_scalar():
     with pytest.raises(TaskError, match=r"task 'learn.*' \(LEARN on cpu:0\) failed in round 0: ValueError: "
                                         r"loss_fn must return a scalar tensor, got a tensor of shape \[4\]; "
                                         r"reduce it over the batch, e.g. with reduction='mean'"):
-        plan(loss=bad).fit(ds(), 1, progress=False)
+        plan(loss_fn=bad).fit(ds(), 1, progress=False)
     with pytest.raises(TypeError, match="loss_fn must be callable"):
-        plan(loss="cross_entropy")
+        plan(loss_fn="cross_entropy")
     with pytest.raises(TypeError, match=r"loss_fn=nn.CrossEntropyLoss is a class, not a loss: pass an "
                                         r"instance: nn.CrossEntropyLoss\(\)"):
-        plan(loss=nn.CrossEntropyLoss)
+        plan(loss_fn=nn.CrossEntropyLoss)
 
 
 def test_labels_are_only_checked_for_class_index_losses():
     """Integer targets of other losses are not class indices (e.g. regression on counts)."""
     data = ds()
     data.tensors[1][3] = 7
-    plan(loss=lambda out, y: (out.sum(1) - y).pow(2).mean()).fit(data, 1, progress=False)
+    plan(loss_fn=lambda out, y: (out.sum(1) - y).pow(2).mean()).fit(data, 1, progress=False)
     data.tensors[1][3] = -100  # cross_entropy's ignore_index
     plan().fit(data, 1, progress=False)
     data.tensors[1][3] = 7
     with pytest.raises(ValueError, match="label 7"):
-        plan(loss=nn.CrossEntropyLoss()).fit(data, 1, progress=False)
+        plan(loss_fn=nn.CrossEntropyLoss()).fit(data, 1, progress=False)
 
 
 class RoundCounter(Hook):
@@ -358,7 +359,7 @@ def test_model_on_the_meta_device():
         model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
     with pytest.raises(ValueError, match=r"model's parameter '1.weight' is on the meta device.*"
                                          r"model.to_empty\(device='cpu'\) and load weights"):
-        plan(model)
+        plan(model=model)
 
 
 def test_batch_norm_with_one_value_per_channel():
@@ -366,18 +367,18 @@ def test_batch_norm_with_one_value_per_channel():
     bn1d = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
     with pytest.raises(ValueError, match=r"batch_size=1 with BatchNorm1d '1', which normalises inputs of "
                                          r"shape \[1, 3\].*use batch_size ≥ 2, or GroupNorm/LayerNorm"):
-        plan(bn1d, batch_size=1)
-    plan(bn1d, batch_size=2).fit(ds(), 1, progress=False)
+        plan(model=bn1d, batch_size=1)
+    plan(model=bn1d, batch_size=2).fit(ds(), 1, progress=False)
     # BatchNorm2d over 4×4 maps has 16 values per channel at b = 1: it trains
     bn2d = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(32, 3))
-    p = plan(bn2d, example=torch.zeros(1, 1, 4, 4), batch_size=1)
+    p = plan(model=bn2d, example=torch.zeros(1, 1, 4, 4), batch_size=1)
     p.fit(ds(features=(1, 4, 4)), 1, progress=False)
     assert p.rounds_done == 16
 
 
 def test_model_without_parameters():
     with pytest.raises(ValueError, match="ReLU has no parameters: there is nothing to train"):
-        plan(nn.ReLU())
+        plan(model=nn.ReLU())
 
 
 class IntParam(nn.Module):
@@ -393,14 +394,14 @@ class IntParam(nn.Module):
 def test_model_with_integer_parameters():
     with pytest.raises(ValueError, match=r"parameter 'steps' of IntParam has dtype torch.int64.*register "
                                          r"integer tensors as buffers"):
-        plan(IntParam())
+        plan(model=IntParam())
 
 
 def test_model_with_only_frozen_parameters():
     model = tiny()
     model.requires_grad_(False)
     with pytest.raises(ValueError, match="every parameter of Sequential is frozen"):
-        plan(model)
+        plan(model=model)
 
 
 # -- the plan's arguments -----------------------------------------------------------------

@@ -3,6 +3,7 @@ in central_model() (training/batchnorm.py); oracle: torch.optim.swa_utils.update
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import sys
@@ -18,6 +19,8 @@ import crossbow_graph as cg
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 from bn_central import SmallBN, quadrants  # noqa: E402
 
+from _plans import make_plan  # noqa: E402
+
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
@@ -25,11 +28,9 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 BNNet, blobs = SmallBN, quadrants
 
 
-def _plan(lr: float = 0.1, devices: int = 2, replicas: int = 2, executor: str = "inline") -> cg.Plan:
-    torch.manual_seed(0)
-    return cg.compile(BNNet(), (torch.randn(2, 1, 8, 8),), F.cross_entropy, batch_size=8,
-                      devices=devices, replicas=replicas, executor=executor,
-                      optimizer=cg.SGD(lr=lr, momentum=0.9))
+# the plans of these tests: BNNet at b = 8 on 2 devices × 2 replicas, inline, SGD(0.1, momentum 0.9)
+_plan = functools.partial(make_plan, model=BNNet, batch_size=8, devices=2, replicas=2, executor="inline",
+                          optimizer=cg.SGD(lr=0.1, momentum=0.9))
 
 
 def _bn_stats(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@ policy changed b and η), corrupt files, mismatches, and a real SIGKILL in the m
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -24,6 +25,8 @@ from crossbow_graph.training.checkpoint import list_checkpoints, load_checkpoint
 from crossbow_graph.training.hooks import Hook
 from crossbow_graph.tuning.metrics import MetricsMonitor
 from crossbow_graph.tuning.policies import AdaptiveBatchSize, Policy
+
+from _plans import make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,13 +50,10 @@ def data(n: int = 96) -> TensorDataset:
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
 
 
-def make_plan(**kw) -> cg.Plan:
-    torch.manual_seed(0)
-    args = dict(batch_size=4, devices=2, replicas=2,
-                optimizer=cg.SGD(lr=0.05, momentum=0.9, weight_decay=1e-4),
-                sync=cg.SMA(central_momentum=0.9))
-    args.update(kw)
-    return cg.compile(Net(), (torch.zeros(2, 6),), nn.functional.cross_entropy, **args)
+# the plans of these tests: Net on x [N, 6] on 2 devices × 2 replicas, SGD with momentum and weight decay
+net_plan = functools.partial(make_plan, model=Net, example=torch.zeros(2, 6), devices=2, replicas=2,
+                             optimizer=cg.SGD(lr=0.05, momentum=0.9, weight_decay=1e-4),
+                             sync=cg.SMA(central_momentum=0.9))
 
 
 class StopAfter(Hook):
@@ -87,18 +87,18 @@ def assert_same_state(a: cg.Plan, b: cg.Plan) -> None:
 @pytest.mark.parametrize("stop_at", [4, 9])  # 6 rounds per epoch: mid-epoch 1 and mid-epoch 2
 def test_resume_is_bit_identical(tmp_path, stop_at):
     full_draws = DrawRandom()
-    full = make_plan()
+    full = net_plan()
     random.seed(7), np.random.seed(7)
     h_full = full.fit(data(), 2, progress=False, hooks=[full_draws], seed=3)
 
     ckpt = str(tmp_path / "ckpt")
-    first = make_plan()
+    first = net_plan()
     random.seed(7), np.random.seed(7)
     first.fit(data(), 2, progress=False, hooks=[DrawRandom(), StopAfter(stop_at)], seed=3,
               checkpoint_dir=ckpt, checkpoint_every=1)
     assert load_latest(ckpt)[1]["plan"]["rounds_done"] == stop_at
     second_draws = DrawRandom()
-    second = make_plan()
+    second = net_plan()
     random.seed(8), np.random.seed(8)  # overwritten by the checkpoint's RNG states
     h = second.fit(data(), 2, progress=False, hooks=[second_draws], seed=3, checkpoint_dir=ckpt,
                    checkpoint_every=1, resume=True)
@@ -153,12 +153,12 @@ def test_resume_with_noise_drawn_in_worker_processes_is_bit_identical(tmp_path):
     def fit(plan, **kw):  # the convolution library is measured once (one choice) in this process
         return plan.fit(NoisyData(), 2, progress=False, seed=3, **kw)
 
-    full = make_plan(executor="process")
+    full = net_plan(executor="process")
     fit(full)
     ckpt = str(tmp_path / "ckpt")
-    fit(make_plan(executor="process"), hooks=[StopAfter(4)], checkpoint_dir=ckpt,
+    fit(net_plan(executor="process"), hooks=[StopAfter(4)], checkpoint_dir=ckpt,
         checkpoint_every=1)
-    second = make_plan(executor="process")
+    second = net_plan(executor="process")
     fit(second, checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
     assert second.rounds_done == full.rounds_done == 12
     assert_same_state(full, second)
@@ -166,21 +166,21 @@ def test_resume_with_noise_drawn_in_worker_processes_is_bit_identical(tmp_path):
 
 def test_resume_at_epoch_end_without_every(tmp_path):
     """checkpoint_every=None: a checkpoint at each complete epoch; resuming runs the rest."""
-    full = make_plan()
+    full = net_plan()
     full.fit(data(), 2, progress=False)
     ckpt = str(tmp_path)
-    make_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt)
+    net_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt)
     assert [os.path.basename(p) for p in list_checkpoints(ckpt)] == ["ckpt-0000000006.pt"]
-    resumed = make_plan()
+    resumed = net_plan()
     h = resumed.fit(data(), 2, progress=False, checkpoint_dir=ckpt, resume=True)
     assert [e.epoch for e in h.epochs] == [1, 2]
     assert_same_state(full, resumed)
 
 
 def test_plan_state_dict_round_trip():
-    a = make_plan()
+    a = net_plan()
     a.fit(data(), 1, progress=False)
-    b = make_plan()
+    b = net_plan()
     b.load_state_dict(a.state_dict())
     assert_same_state(a, b)
     assert (b.epochs_done, b.rounds_done) == (1, 6)
@@ -190,7 +190,7 @@ def test_plan_state_dict_round_trip():
 
 def test_keeps_last_two_and_falls_back_from_truncated(tmp_path, caplog):
     ckpt = str(tmp_path)
-    make_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=2)
+    net_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=2)
     files = list_checkpoints(ckpt)
     assert [os.path.basename(p) for p in files] == ["ckpt-0000000004.pt", "ckpt-0000000006.pt"]
     size = os.path.getsize(files[-1])
@@ -203,11 +203,11 @@ def test_keeps_last_two_and_falls_back_from_truncated(tmp_path, caplog):
 
 
 def test_corrupt_byte_is_detected_and_resume_uses_previous(tmp_path, caplog):
-    full = make_plan()
+    full = net_plan()
     full.fit(data(), 1, progress=False)
     ckpt = str(tmp_path)
-    make_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=2,
-                    hooks=[StopAfter(4)])
+    net_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=2,
+                   hooks=[StopAfter(4)])
     newest = list_checkpoints(ckpt)[-1]
     with open(newest, "r+b") as f:
         f.seek(os.path.getsize(newest) // 2)
@@ -216,7 +216,7 @@ def test_corrupt_byte_is_detected_and_resume_uses_previous(tmp_path, caplog):
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CheckpointError, match="checksum"):
         load_checkpoint(newest)
-    resumed = make_plan()
+    resumed = net_plan()
     with caplog.at_level(logging.WARNING, logger="crossbow_graph.checkpoint"):
         resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt, resume=True)
     assert "previous good checkpoint" in caplog.text
@@ -227,16 +227,16 @@ def test_no_readable_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "ckpt-0000000001.pt").write_bytes(b"not a checkpoint at all, just text" * 3)
     (tmp_path / "ckpt-0000000002.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"no checkpoint in .* can be loaded.*bad magic"):
-        make_plan().fit(data(), 1, progress=False, checkpoint_dir=str(tmp_path), resume=True)
+        net_plan().fit(data(), 1, progress=False, checkpoint_dir=str(tmp_path), resume=True)
 
 
 def test_resume_with_other_data_order_or_plan_is_refused(tmp_path):
     ckpt = str(tmp_path)
-    make_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt)
+    net_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt)
     with pytest.raises(CheckpointError, match=r"seed=0 \(now 5\)"):
-        make_plan().fit(data(), 1, progress=False, seed=5, checkpoint_dir=ckpt, resume=True)
+        net_plan().fit(data(), 1, progress=False, seed=5, checkpoint_dir=ckpt, resume=True)
     with pytest.raises(CheckpointError, match="2 device.*× 2 replica.*1 × 1"):
-        make_plan(devices=1, replicas=1).load_state_dict(make_plan().state_dict())
+        net_plan(devices=1, replicas=1).load_state_dict(net_plan().state_dict())
 
 
 # -- a checkpoint of another model ------------------------------------------------------------
@@ -267,9 +267,9 @@ class _Named(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def _mlp_plan(model: nn.Module, dtype: torch.dtype = torch.float32) -> cg.Plan:
-    return cg.compile(model.to(dtype), (torch.zeros(2, 12, dtype=dtype),),
-                      nn.functional.cross_entropy, batch_size=4, devices=1, replicas=2)
+# a plan of an MLP on x [N, 12]: 2 replicas on one device, compile's optimizer
+_mlp_plan = functools.partial(make_plan, seed=None, example=torch.zeros(2, 12), optimizer=None, devices=1,
+                              replicas=2)
 
 
 def _mlp_data() -> TensorDataset:
@@ -318,7 +318,7 @@ def test_load_state_dict_of_the_same_model_in_another_dtype_is_refused():
     torch.manual_seed(0)
     state = _mlp_plan(_Named()).state_dict()
     torch.manual_seed(0)
-    plan = _mlp_plan(_Named(), torch.bfloat16)
+    plan = _mlp_plan(_Named(), dtype=torch.bfloat16, example=torch.zeros(2, 12, dtype=torch.bfloat16))
     with pytest.raises(CheckpointError, match=r"checkpoint's parameter 'fc1\.weight' has dtype "
                                               r"float32, this plan's has dtype bfloat16"):
         plan.load_state_dict(state)
@@ -346,30 +346,26 @@ class _Frozen(nn.Module):
 def test_resume_with_other_frozen_parameters_or_buffer_dtypes_is_refused(tmp_path, other,
                                                                          first_difference):
     """Frozen parameters and the model's own buffer dtypes identify it too (same trainable layout)."""
-    def plan(model):  # not _mlp_plan: model.to(float32) would cast a float64 buffer
-        return cg.compile(model, (torch.zeros(2, 12),), nn.functional.cross_entropy, batch_size=4,
-                          devices=1, replicas=2)
-
     torch.manual_seed(0)
-    plan(_Frozen(4)).fit(_mlp_data(), 1, progress=False, checkpoint_dir=str(tmp_path))
+    _mlp_plan(_Frozen(4)).fit(_mlp_data(), 1, progress=False, checkpoint_dir=str(tmp_path))
     rounds = Counter()
     with pytest.raises(CheckpointError, match=first_difference):
-        plan(other()).fit(_mlp_data(), 2, progress=False, checkpoint_dir=str(tmp_path),
+        _mlp_plan(other()).fit(_mlp_data(), 2, progress=False, checkpoint_dir=str(tmp_path),
                                resume=True, hooks=[rounds])
     assert rounds.seen == 0
-    plan(_Frozen(4)).fit(_mlp_data(), 2, progress=False, checkpoint_dir=str(tmp_path),
-                         resume=True)  # the model that wrote it resumes
+    _mlp_plan(_Frozen(4)).fit(_mlp_data(), 2, progress=False, checkpoint_dir=str(tmp_path),
+                              resume=True)  # the model that wrote it resumes
 
 
 def test_resume_without_checkpoint_starts_afresh_and_needs_dir(tmp_path):
-    a, b = make_plan(), make_plan()
+    a, b = net_plan(), net_plan()
     a.fit(data(), 1, progress=False)
     b.fit(data(), 1, progress=False, checkpoint_dir=str(tmp_path / "new"), resume=True)
     assert_same_state(a, b)
     with pytest.raises(ValueError, match="resume=True needs checkpoint_dir"):
-        make_plan().fit(data(), 1, progress=False, resume=True)
+        net_plan().fit(data(), 1, progress=False, resume=True)
     with pytest.raises(ValueError, match="checkpoint_every=0"):
-        make_plan().fit(data(), 1, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=0)
+        net_plan().fit(data(), 1, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=0)
 
 
 _KILLED_WRITER = textwrap.dedent("""
@@ -377,7 +373,7 @@ _KILLED_WRITER = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {tests!r})
     import crossbow_graph.training.checkpoint_files as ck
-    from test_checkpoint import make_plan, data
+    from test_checkpoint import net_plan, data
     marker, ckpt = sys.argv[1], sys.argv[2]
     real = ck._write_all
     calls = [0]
@@ -391,7 +387,7 @@ _KILLED_WRITER = textwrap.dedent("""
         open(marker, "w").close()
         time.sleep(600)
     ck._write_all = half_then_hang
-    make_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=1)
+    net_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=1)
 """)
 
 
@@ -418,9 +414,9 @@ def test_sigkill_during_write_leaves_last_good_checkpoint(tmp_path):
     path, state = load_latest(ckpt)
     assert state["plan"]["rounds_done"] == 2
     # resuming works, cleans up the temporary file, and matches an uninterrupted run
-    full = make_plan()
+    full = net_plan()
     full.fit(data(), 1, progress=False)
-    resumed = make_plan()
+    resumed = net_plan()
     resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
     assert_same_state(full, resumed)
     assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")]
@@ -444,11 +440,11 @@ class Counter(Hook):
 
 def test_hook_state_is_checkpointed(tmp_path):
     ckpt = str(tmp_path)
-    make_plan().fit(data(), 1, progress=False, hooks=[Counter(), StopAfter(4)], checkpoint_dir=ckpt,
-                    checkpoint_every=2)
+    net_plan().fit(data(), 1, progress=False, hooks=[Counter(), StopAfter(4)], checkpoint_dir=ckpt,
+                   checkpoint_every=2)
     counter = Counter()
-    make_plan().fit(data(), 1, progress=False, hooks=[counter, StopAfter(100)], checkpoint_dir=ckpt,
-                    resume=True)
+    net_plan().fit(data(), 1, progress=False, hooks=[counter, StopAfter(100)], checkpoint_dir=ckpt,
+                   resume=True)
     assert counter.seen == 6  # 4 before the checkpoint, 2 after resuming
 
 
@@ -464,12 +460,12 @@ class _SetReplicas(Hook):
 
 def test_resume_of_an_auto_tuned_plan_continues_at_the_tuned_replica_count(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    first = make_plan(replicas="auto", devices=1, executor="inline")
+    first = net_plan(replicas="auto", devices=1, executor="inline")
     assert first.replicas_per_device == 1
     first.fit(data(), 1, shuffle=False, progress=False, checkpoint_dir=ckpt, checkpoint_every=1,
               hooks=[_SetReplicas(), StopAfter(5)])
     assert first.replicas_per_device == 2
-    again = make_plan(replicas="auto", devices=1, executor="inline")
+    again = net_plan(replicas="auto", devices=1, executor="inline")
     loaded = _Capture()
     again.fit(data(), 1, shuffle=False, progress=False, checkpoint_dir=ckpt, resume=True,
               hooks=[loaded, StopAfter(6)])
@@ -509,11 +505,11 @@ def _fit_interrupted_and_resumed(tmp_path, stop_at, fit) -> tuple[cg.Plan, cg.Hi
     """``fit(plan, **kw)`` stopped after ``stop_at`` rounds (checkpoint every round), then resumed
     on a freshly compiled plan (b = 4 again); returns that plan and the resumed fit's History."""
     ckpt = str(tmp_path / "ckpt")
-    first = make_plan()
+    first = net_plan()
     random.seed(7), np.random.seed(7)
     fit(first, hooks=[StopAfter(stop_at)], checkpoint_dir=ckpt, checkpoint_every=1)
     assert load_latest(ckpt)[1]["plan"]["rounds_done"] == stop_at
-    second = make_plan()
+    second = net_plan()
     assert second.batch_size == 4
     random.seed(8), np.random.seed(8)  # overwritten by the checkpoint's RNG states
     # the same hooks (their state is keyed by position), as when the same command is run again
@@ -530,7 +526,7 @@ def test_resume_continues_at_a_policy_changed_batch_size(tmp_path, stop_at):
         return plan.fit(data(144), 2, progress=False, seed=3, policies=[_DoubleBatch()],
                         hooks=[DrawRandom()] + kw.pop("hooks"), **kw)
 
-    full = make_plan()
+    full = net_plan()
     random.seed(7), np.random.seed(7)
     h_full = fit(full, hooks=[StopAfter(10**6)])
     assert (full.batch_size, full.scheduler.lr, full.rounds_done) == (8, 0.1, 10)
@@ -556,7 +552,7 @@ def test_resume_restores_adaptive_batch_size_state(tmp_path, window):
         return plan.fit(data(480), 1, progress=False, seed=3, metrics_every=monitor,
                         policies=[policy], **kw)
 
-    full = make_plan()
+    full = net_plan()
     random.seed(7), np.random.seed(7)
     h_full = fit(full, hooks=[StopAfter(10**6)])
     resized = [p for p in h_full.policy if "batch_size" in p.changes]  # the others: η's gain
@@ -584,7 +580,7 @@ def test_resume_keeps_the_metrics_warm_up(tmp_path, stop_at):
         return plan.fit(data(480), 1, progress=False, seed=3,
                         metrics_every=MetricsMonitor(3, measure_rounds=2, warmup_windows=1), **kw)
 
-    full = make_plan()
+    full = net_plan()
     random.seed(7), np.random.seed(7)
     h_full = fit(full, hooks=[StopAfter(10**6)])
     second, h = _fit_interrupted_and_resumed(tmp_path, stop_at, fit)

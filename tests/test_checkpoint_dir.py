@@ -23,7 +23,7 @@ from crossbow_graph.errors import CheckpointError, TrainingInterrupted
 from crossbow_graph.training.checkpoint import list_checkpoints, load_latest
 from crossbow_graph.training.hooks import Hook
 
-from test_checkpoint import ROOT, Counter, StopAfter, assert_same_state, data, make_plan
+from test_checkpoint import ROOT, Counter, StopAfter, assert_same_state, data, net_plan
 
 
 # -- one fit per directory ------------------------------------------------------------------------
@@ -46,13 +46,13 @@ def test_a_second_fit_in_a_directory_in_use_is_refused_naming_the_holder(tmp_pat
     before any round, naming the directory, the holder's pid and the fix; once the first ends, the
     directory is free (and its lock file gone)."""
     ckpt, hold = str(tmp_path), _Hold()
-    first = make_plan(executor="inline")
+    first = net_plan(executor="inline")
     runner = threading.Thread(target=lambda: first.fit(data(), 1, progress=False, hooks=[hold],
                                                        checkpoint_dir=ckpt, checkpoint_every=1))
     runner.start()
     try:
         assert hold.holding.wait(timeout=120)
-        second, rounds = make_plan(executor="inline"), Counter()
+        second, rounds = net_plan(executor="inline"), Counter()
         with pytest.raises(CheckpointError, match=rf"checkpoint_dir='{re.escape(ckpt)}' is in use by "
                                                   rf"another fit \(pid {os.getpid()} on .*\); .*Pass "
                                                   r"another checkpoint_dir, or wait until that fit ends"):
@@ -63,7 +63,7 @@ def test_a_second_fit_in_a_directory_in_use_is_refused_naming_the_holder(tmp_pat
         runner.join(timeout=120)
     assert first.rounds_done == 6
     assert sorted(os.listdir(ckpt)) == ["ckpt-0000000005.pt", "ckpt-0000000006.pt"]
-    make_plan().fit(data(), 2, progress=False, checkpoint_dir=ckpt, resume=True)  # free again
+    net_plan().fit(data(), 2, progress=False, checkpoint_dir=ckpt, resume=True)  # free again
 
 
 def test_a_fresh_fit_into_another_runs_checkpoints_is_refused(tmp_path):
@@ -71,9 +71,9 @@ def test_a_fresh_fit_into_another_runs_checkpoints_is_refused(tmp_path):
     files would mix with this fit's, and keeping the newest two by round would delete this
     fit's); the plan that wrote them goes on writing there, and resume=True continues them."""
     ckpt = str(tmp_path)
-    writer = make_plan()
+    writer = net_plan()
     writer.fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=2)
-    other, rounds = make_plan(), Counter()
+    other, rounds = net_plan(), Counter()
     with pytest.raises(CheckpointError, match=r"holds 2 checkpoint\(s\) of another run \(the newest "
                                               r"ckpt-0000000006\.pt\) and resume=False.*Pass "
                                               r"resume=True to continue that run, another "
@@ -83,7 +83,7 @@ def test_a_fresh_fit_into_another_runs_checkpoints_is_refused(tmp_path):
     writer.fit(data(), 1, progress=False, checkpoint_dir=ckpt)  # its own: continues
     assert [os.path.basename(p) for p in list_checkpoints(ckpt)] == ["ckpt-0000000006.pt",
                                                                      "ckpt-0000000012.pt"]
-    resumed = make_plan()
+    resumed = net_plan()
     resumed.fit(data(), 3, progress=False, checkpoint_dir=ckpt, resume=True)
     resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt)  # resumed from there: its own now
     assert resumed.rounds_done == 24
@@ -110,7 +110,7 @@ def test_a_full_disk_names_the_file_and_the_bytes_and_keeps_the_previous(tmp_pat
     monkeypatch.setattr(files, "_write_all", full_disk)
     ckpt = str(tmp_path)
     with pytest.raises(CheckpointError) as err:
-        make_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=1)
+        net_plan().fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=1)
     size = os.path.getsize(os.path.join(ckpt, "ckpt-0000000002.pt"))  # about a checkpoint's size
     needed = int(re.search(r"it needs ([\d,]+) bytes", str(err.value)).group(1).replace(",", ""))
     assert abs(needed - size) < size // 10
@@ -120,7 +120,7 @@ def test_a_full_disk_names_the_file_and_the_bytes_and_keeps_the_previous(tmp_pat
                      r"ckpt-0000000002\.pt is intact", str(err.value)), str(err.value)
     assert sorted(os.listdir(ckpt)) == ["ckpt-0000000001.pt", "ckpt-0000000002.pt"]
     monkeypatch.setattr(files, "_write_all", real)
-    full, resumed = make_plan(), make_plan()
+    full, resumed = net_plan(), net_plan()
     full.fit(data(), 1, progress=False)
     resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt, resume=True)
     assert_same_state(full, resumed)
@@ -132,7 +132,7 @@ _FILE_SIZE_LIMIT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from crossbow_graph.errors import CheckpointError
     from crossbow_graph.training.hooks import Hook
-    from test_checkpoint import make_plan, data
+    from test_checkpoint import net_plan, data
     ckpt = sys.argv[1]
     class Limit(Hook):  # runs before round 2's checkpoint: files may not grow past half of one
         def after_round(self, ctx):
@@ -141,7 +141,7 @@ _FILE_SIZE_LIMIT = textwrap.dedent("""
                 resource.setrlimit(resource.RLIMIT_FSIZE, (half, resource.RLIM_INFINITY))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
     try:
-        make_plan(executor="inline").fit(data(), 1, progress=False, checkpoint_dir=ckpt,
+        net_plan(executor="inline").fit(data(), 1, progress=False, checkpoint_dir=ckpt,
                                          checkpoint_every=1, hooks=[Limit()])
     except CheckpointError as exc:
         print(exc)
@@ -165,10 +165,10 @@ def test_a_file_size_limit_is_a_clear_error(tmp_path):
 
 def test_a_directory_named_like_a_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
     ckpt = str(tmp_path)
-    make_plan().fit(data(), 1, progress=False, hooks=[StopAfter(4)], checkpoint_dir=ckpt,
-                    checkpoint_every=2)
+    net_plan().fit(data(), 1, progress=False, hooks=[StopAfter(4)], checkpoint_dir=ckpt,
+                   checkpoint_every=2)
     os.mkdir(os.path.join(ckpt, "ckpt-0000000009.pt"))
-    full, resumed = make_plan(), make_plan()
+    full, resumed = net_plan(), net_plan()
     full.fit(data(), 1, progress=False)
     with caplog.at_level(logging.WARNING, logger="crossbow_graph.checkpoint"):
         resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
@@ -184,7 +184,7 @@ _TERMINATED = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {tests!r})
     from crossbow_graph.training.hooks import Hook
-    from test_checkpoint import make_plan, data
+    from test_checkpoint import net_plan, data
     marker, sent, ckpt = sys.argv[1], sys.argv[2], sys.argv[3]
     class AwaitSignal(Hook):  # in round 4 (after its learning): tell the test, wait for SIGTERM
         def after_round(self, ctx):
@@ -192,7 +192,7 @@ _TERMINATED = textwrap.dedent("""
                 open(marker, "w").close()
                 while not os.path.exists(sent):
                     time.sleep(0.01)
-    make_plan().fit(data(), 2, progress=False, seed=3, checkpoint_dir=ckpt, hooks=[AwaitSignal()])
+    net_plan().fit(data(), 2, progress=False, seed=3, checkpoint_dir=ckpt, hooks=[AwaitSignal()])
     print("the fit returned")
 """)
 
@@ -225,7 +225,7 @@ def test_sigterm_finishes_the_round_writes_a_checkpoint_and_exits_143(tmp_path):
                      r"with resume=True", err), err[-3000:]
     assert [os.path.basename(p) for p in list_checkpoints(ckpt)] == ["ckpt-0000000004.pt"]
     assert not os.path.exists(os.path.join(ckpt, ".crossbow_graph.lock"))
-    full, resumed = make_plan(), make_plan()
+    full, resumed = net_plan(), net_plan()
     full.fit(data(), 2, progress=False, seed=3)
     resumed.fit(data(), 2, progress=False, seed=3, checkpoint_dir=ckpt, resume=True,
                 hooks=[StopAfter(10**6)])  # as many hooks before the metrics monitor
@@ -247,10 +247,10 @@ def test_sigterm_handler_is_the_fits_only(tmp_path):
 
     previous = signal.signal(signal.SIGTERM, mine)
     try:
-        make_plan(executor="inline").fit(data(), 1, progress=False, hooks=[Look(), StopAfter(1)])
+        net_plan(executor="inline").fit(data(), 1, progress=False, hooks=[Look(), StopAfter(1)])
         assert signal.getsignal(signal.SIGTERM) is mine
         assert seen and seen[0] is not mine  # the fit's
-        thread = threading.Thread(target=lambda: make_plan(executor="inline").fit(
+        thread = threading.Thread(target=lambda: net_plan(executor="inline").fit(
             data(), 1, progress=False, hooks=[Look(), StopAfter(1)]))
         thread.start()
         thread.join(timeout=120)

@@ -21,17 +21,14 @@ from crossbow_graph.engine.clipping import clip_rows
 from crossbow_graph.engine.race_check import RaceRecorder
 from crossbow_graph.training.hooks import Hook
 
-from _runtime_helpers import TinyNet, compile_tiny, reference_sma, tiny_data
-from test_diloco import NESTEROV, Small, _data, reference_diloco
+from _plans import TinyNet, make_plan, tiny_data
+from _reference import batches_of, eager_steps, flat, reference_diloco, reference_sma
+from test_diloco import NESTEROV, Small, _data
 
 pytestmark = pytest.mark.filterwarnings("ignore::crossbow_graph.errors.TraceWarning")
 
 N, B = 256, 8
 RTOL, ATOL = 1e-5, 1e-6  # float32: the row's norm in one reduction, torch's per tensor
-
-
-def _flat(params) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params])
 
 
 class _EveryRound(Hook):
@@ -69,22 +66,6 @@ def _fused_adamw_groups(model):
     return _adamw_groups(model, fused=True)
 
 
-def _eager_clipped(model, make_opt, data, rounds, max_norm):
-    """Plain PyTorch, batch t in step t: backward, clip_grad_norm_, step. Returns the weights
-    after every step and the unclipped norms."""
-    opt = make_opt(model)
-    x, y = data.tensors
-    weights, norms = [], []
-    model.train()
-    for t in range(rounds):
-        opt.zero_grad()
-        F.cross_entropy(model(x[t * B:(t + 1) * B]), y[t * B:(t + 1) * B]).backward()
-        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        opt.step()
-        weights.append(_flat(model.parameters()))
-    return weights, norms
-
-
 @pytest.mark.parametrize("mode", ["per_replica", "fused"])
 @pytest.mark.parametrize("make_opt,eager_opt", [(_sgd, _sgd), (_adamw_groups, _fused_adamw_groups)],
                          ids=["sgd", "adamw-groups"])
@@ -94,7 +75,8 @@ def test_one_learner_equals_eager_clip_grad_norm_step_for_step(make_opt, eager_o
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(N, 12, generator=g), torch.randint(0, 3, (N,), generator=g))
     model, max_norm, rounds = _net(), 0.1, N // B
-    expected, norms = _eager_clipped(copy.deepcopy(model), eager_opt, data, rounds, max_norm)
+    expected, norms = eager_steps(copy.deepcopy(model), eager_opt, batches_of(data, B)[:rounds],
+                                  max_grad_norm=max_norm)
     assert min(norms) > max_norm  # the clip binds at every step
     plan = cg.compile(model, (data.tensors[0][:B],), F.cross_entropy, batch_size=B, devices=1,
                       replicas=1, learner_mode=mode, optimizer=make_opt(model), executor="inline")
@@ -113,7 +95,7 @@ def test_two_learners_clip_each_gradient_in_every_mode_and_executor(executor, mo
     before its step, per_replica and fused, inline and in worker processes, equals the
     hand-written SMA with clip_grad_norm_ per learner, and differs from it unclipped."""
     data, max_norm = tiny_data(96), 0.5
-    plan = compile_tiny(devices=1, replicas=2, executor=executor, learner_mode=mode)
+    plan = make_plan(devices=1, replicas=2, executor=executor, learner_mode=mode)
     assert plan.scheduler.resolved_executor() == executor
     torch.manual_seed(0)
     model = TinyNet()
@@ -122,11 +104,11 @@ def test_two_learners_clip_each_gradient_in_every_mode_and_executor(executor, mo
     assert float(nn.utils.clip_grad_norm_(model.parameters(), 1e9)) > max_norm  # it binds
     plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None, max_grad_norm=max_norm)
     torch.manual_seed(0)
-    ref = dict(batch_size=4, ks=[2] * 12, lr=0.05, momentum=0.9)
-    z = reference_sma(TinyNet(), data, max_grad_norm=max_norm, **ref)
+    ref = dict(ks=[2] * 12, lr=0.05, momentum=0.9)
+    z = flat(reference_sma(TinyNet(), batches_of(data, 4), max_grad_norm=max_norm, **ref)[0])
     torch.testing.assert_close(plan.central_weights(), z, rtol=RTOL, atol=ATOL)
     torch.manual_seed(0)
-    unclipped = reference_sma(TinyNet(), data, **ref)
+    unclipped = flat(reference_sma(TinyNet(), batches_of(data, 4), **ref)[0])
     assert not torch.allclose(z, unclipped, rtol=1e-3, atol=1e-4)
 
 
@@ -156,7 +138,7 @@ def test_ssgd_clips_each_learners_gradient_before_the_average():
             p.grad = s / k
         sgd.step()
     assert min(norms) > max_norm
-    torch.testing.assert_close(plan.central_weights(), _flat(params), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(plan.central_weights(), flat(params), rtol=RTOL, atol=ATOL)
 
 
 def test_diloco_learners_clip_before_their_inner_steps():
@@ -170,9 +152,9 @@ def test_diloco_learners_clip_before_their_inner_steps():
                       devices=2, replicas=2, optimizer=inner(model.parameters()),
                       sync=cg.DiLoCo(sync_every=H))
     plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None, max_grad_norm=max_norm)
-    z, _ = reference_diloco(model, data, k=k, b=b, rounds=rounds, H=H, outer=NESTEROV, inner=inner,
-                            max_grad_norm=max_norm)
-    unclipped, _ = reference_diloco(model, data, k=k, b=b, rounds=rounds, H=H, outer=NESTEROV,
+    z, _ = reference_diloco(model, batches_of(data, b), k=k, rounds=rounds, H=H, outer=NESTEROV,
+                            inner=inner, max_grad_norm=max_norm)
+    unclipped, _ = reference_diloco(model, batches_of(data, b), k=k, rounds=rounds, H=H, outer=NESTEROV,
                                     inner=inner)
     torch.testing.assert_close(plan.central_weights(), z, rtol=RTOL, atol=ATOL)
     assert not torch.allclose(z, unclipped, rtol=1e-3, atol=1e-4)  # the clip binds
@@ -203,14 +185,14 @@ def test_fp16_learner_clips_after_unscaling_as_gradscaler_recipe():
         scaler.step(sgd)
         scaler.update()
     assert min(norms) > max_norm and scaler.get_scale() == 2.0 ** 16  # every step was taken
-    torch.testing.assert_close(plan.central_weights(), _flat(eager.parameters()),
+    torch.testing.assert_close(plan.central_weights(), flat(eager.parameters()),
                                rtol=RTOL, atol=ATOL)
 
 
 def _on_streams(graph: bool, norms: tuple[float, ...]) -> tuple[torch.Tensor, G.RoundGraph | None]:
     """1 device × 3 replicas on simulated CUDA streams (and, with ``graph``, simulated CUDA
     graphs), one fit per entry of ``norms`` with that max_grad_norm. Returns (z, round graph)."""
-    plan = compile_tiny(devices=1, replicas=3, executor="inline", kernel_backend="torch")
+    plan = make_plan(devices=1, replicas=3, executor="inline", kernel_backend="torch")
     rec = RaceRecorder().attach(plan.scheduler)
     if graph:
         plan.scheduler.round_graph = G.RoundGraph(SimulatedGraphs())
@@ -231,8 +213,8 @@ def test_clipping_on_cuda_streams_and_in_graph_rounds_reads_nothing_on_the_host(
     eager, _ = _on_streams(False, norms)
     graph, rg = _on_streams(True, norms)
     torch.manual_seed(0)
-    z = reference_sma(TinyNet(), tiny_data(96), batch_size=4, ks=[3] * 8, lr=0.05, momentum=0.9,
-                      max_grad_norm=0.3)
+    z = flat(reference_sma(TinyNet(), batches_of(tiny_data(96), 4), ks=[3] * 8, lr=0.05, momentum=0.9,
+                           max_grad_norm=0.3)[0])
     assert rg.failure is None and rg.captures == 2 and rg.replays > 0
     torch.testing.assert_close(graph, eager, rtol=RTOL, atol=ATOL)
     first, _ = _on_streams(False, norms[:1])

@@ -8,20 +8,20 @@ import sys
 import textwrap
 
 import pytest
-import torch
-from torch.nn import functional as F
 
 import crossbow_graph as cg
 from crossbow_graph import cli, models
 from crossbow_graph.compiler.inspect import PlanView, from_json
+
+from _plans import make_plan
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz 'dot' not installed")
 
 
 @pytest.fixture(scope="module")
 def plan():
-    return cg.compile(models.lenet5(), (torch.randn(2, 1, 28, 28),), F.cross_entropy,
-                      batch_size=16, devices=["cpu:0", "cpu:1"], replicas=3)
+    return make_plan(models.lenet5, seed=None, input_shape=(1, 28, 28), batch_size=16, optimizer=None,
+                     devices=["cpu:0", "cpu:1"], replicas=3)
 
 
 def test_summary_has_a_row_per_device_with_replicas_tasks_flops_and_memory(plan):

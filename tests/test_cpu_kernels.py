@@ -7,6 +7,7 @@ and sums α·e per replica where the oracle scales the sum: a few ulps.
 """
 
 import copy
+import functools
 import logging
 import os
 from pathlib import Path
@@ -15,13 +16,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.nn import functional as F
 
 import crossbow_graph as cg
 from crossbow_graph.kernels import c_sma as CK
 from crossbow_graph.kernels import select as S
 from crossbow_graph.engine.faults import FaultMonitor
 from crossbow_graph.kernels.torch_ref import TorchSMAKernels, sma_central_update, sma_local_update
+
+from _plans import make_plan
 from test_kernels import MLP, tiny_data  # the model and data of the kernels' plan tests
 
 ATOL, RTOL = 1e-6, 1e-5
@@ -135,16 +137,15 @@ def test_nonfinite_rows():
     assert C.nonfinite_rows(g.bfloat16()) is None  # not float32: the caller tests in torch
 
 
-def make_plan(**kw):
-    torch.manual_seed(0)
-    return cg.compile(MLP(), (torch.randn(2, 8),), F.cross_entropy, batch_size=4,
-                      optimizer=cg.SGD(lr=0.1, momentum=0.9, weight_decay=1e-3), **kw)
+# the plans of these tests: the kernels' MLP on x [N, 8], SGD with momentum and weight decay
+mlp_plan = functools.partial(make_plan, model=MLP, input_shape=(8,),
+                             optimizer=cg.SGD(lr=0.1, momentum=0.9, weight_decay=1e-3))
 
 
 def test_fault_check_in_c_resets_the_same_rows_as_torch():
     out = {}
     for backend in (C, TorchSMAKernels()):
-        plan = make_plan(replicas=4)
+        plan = mlp_plan(replicas=4)
         state = plan.states[0]
         state.g.normal_()
         state.g[2, 5] = float("nan")
@@ -162,14 +163,14 @@ def test_fit_with_c_kernels_agrees_with_torch(executor):
     replicas to float tolerance; the plan lists the C kernels with their source."""
     out = {}
     for backend in ("c", "torch"):
-        plan = make_plan(replicas=2, devices=2, kernel_backend=backend, executor=executor)
+        plan = mlp_plan(replicas=2, devices=2, kernel_backend=backend, executor=executor)
         plan.fit(tiny_data(), 2, seed=3, progress=False)
         out[backend] = plan.replica_weights(), plan.central_weights()
         if backend == "c":
             assert isinstance(plan.scheduler.kernels, CK.CSMAKernels)
             assert plan.kernels and all(k.backend == "c" for k in plan.kernels)
             assert "void sma_local(" in plan.kernels[0].source
-    w0 = make_plan(replicas=2, devices=2).replica_weights()
+    w0 = mlp_plan(replicas=2, devices=2).replica_weights()
     assert (out["torch"][0] - w0).abs().max() > 1e-3
     for a, b in zip(out["c"], out["torch"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -203,7 +204,7 @@ def test_without_a_compiler_auto_keeps_torch_and_c_says_why(fresh_build, monkeyp
     assert isinstance(S.select_backend("auto", "cpu"), TorchSMAKernels)
     with pytest.raises(CK.CompilerError, match="no C compiler found.*kernel_backend='torch'"):
         S.select_backend("c", "cpu")
-    plan = make_plan(replicas=2)  # kernel_backend="auto": trains with the torch kernels
+    plan = mlp_plan(replicas=2)  # kernel_backend="auto": trains with the torch kernels
     assert isinstance(plan.scheduler.kernels, TorchSMAKernels)
     plan.fit(tiny_data(16), 1, progress=False)
 
@@ -252,7 +253,7 @@ def test_cc_with_arguments_and_a_missing_cc(fresh_build, monkeypatch):
 
 
 def test_plan_with_c_kernels_deep_copies():
-    plan = make_plan(replicas=2, kernel_backend="c")
+    plan = mlp_plan(replicas=2, kernel_backend="c")
     twin = copy.deepcopy(plan)
     assert isinstance(twin.scheduler.kernels, CK.CSMAKernels)
     twin.fit(tiny_data(16), 1, progress=False)

@@ -4,6 +4,7 @@ generator, determinism and resume through it, and the settings the plan refuses.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing as mp
 import random
 import re
@@ -24,7 +25,9 @@ from crossbow_graph.engine.batches import LearnerBatches
 from crossbow_graph.engine.shipping import BY_DESCRIPTOR_BYTES, BatchPipe
 from crossbow_graph.training.data import BatchSchedule
 from crossbow_graph.training.hooks import Hook
-from _reference import flat, reference_sma
+
+from _plans import make_plan
+from _reference import eager_steps, flat, reference_sma
 
 VOCAB = 30
 Pair = namedtuple("Pair", "tokens lengths")  # a batch may hold any picklable structure
@@ -84,12 +87,10 @@ class MeanBag(nn.Module):
         return self.fc(self.emb(x).mean(dim=1))
 
 
-def make_plan(devices=2, replicas=2, model=None, **kw) -> cg.Plan:
-    torch.manual_seed(0)
-    return cg.compile(model or MeanBag(), (torch.ones(1, 5, dtype=torch.long),), F.cross_entropy,
-                      batch_size=4, devices=devices, replicas=replicas,
-                      optimizer=cg.SGD(lr=0.2, momentum=0.9), sync=cg.SMA(central_momentum=0.9),
-                      **kw)
+# the plans of these tests: MeanBag on token ids [N, T] on 2 devices × 2 replicas, SGD(0.2, momentum 0.9)
+bag_plan = functools.partial(make_plan, model=MeanBag, example=torch.ones(1, 5, dtype=torch.long), devices=2,
+                             replicas=2, optimizer=cg.SGD(lr=0.2, momentum=0.9),
+                             sync=cg.SMA(central_momentum=0.9))
 
 
 def loader(ds=None, **kw) -> DataLoader:
@@ -101,7 +102,7 @@ def test_one_learner_through_a_padding_dataloader_trains_as_torch_sgd_does():
     """k = 1: the plan's learner gets batch t of the dataset's order, collated by collate_fn as
     the DataLoader collates it, and its training is torch.optim.SGD's on those batches."""
     ds = Sequences()
-    plan = make_plan(devices=1, replicas=1)
+    plan = bag_plan(devices=1, replicas=1)
     COLLATES.value = 0
     h = plan.fit(loader(ds, num_workers=2), 2, shuffle=False, progress=False,
                  eval_dataset=loader(ds))
@@ -112,11 +113,7 @@ def test_one_learner_through_a_padding_dataloader_trains_as_torch_sgd_does():
     torch.manual_seed(0)
     model = MeanBag()
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    for _ in range(2):
-        for x, y in DataLoader(ds, batch_size=4, collate_fn=pad, shuffle=False):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+    eager_steps(model, opt, 2 * list(DataLoader(ds, batch_size=4, collate_fn=pad, shuffle=False)))
     torch.testing.assert_close(flat(plan.central_model().parameters()), flat(model.parameters()),
                                rtol=1e-5, atol=1e-6)
     with torch.no_grad():  # evaluation collates its batch (all 96 samples) with collate_fn too
@@ -133,7 +130,7 @@ def test_every_learner_gets_its_own_collated_batch_whatever_the_executor_and_wor
     ds = Sequences()
     fits = {}
     for workers, executor in ((2, "process"), (0, "process"), (0, "inline")):
-        plan = make_plan(executor=executor)
+        plan = bag_plan(executor=executor)
         plan.fit(loader(ds, num_workers=workers), 1, seed=3, progress=False)
         fits[workers, executor] = plan.central_weights()
     order = BatchSchedule(len(ds), shuffle=True, seed=3).order(0).tolist()
@@ -153,7 +150,7 @@ def test_worker_init_fn_generator_and_persistent_workers_are_honoured():
     base = torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(123))
     for persistent, calls in ((False, 4), (True, 2)):  # 2 epochs × 2 workers, or the 2 kept
         INITS[0] = 0
-        plan = make_plan()
+        plan = bag_plan()
         plan.fit(loader(num_workers=2, worker_init_fn=count_init, generator=gen.manual_seed(123),
                         persistent_workers=persistent), 2, progress=False)
         assert INITS[0] == calls
@@ -175,7 +172,7 @@ def test_fits_through_a_dataloader_are_deterministic_and_resume_bit_identically(
     round, learner), so two fits agree and a fit resumed in the middle of an epoch continues
     as the uninterrupted one."""
     def fit(**kw) -> cg.Plan:
-        plan = make_plan(executor="process")
+        plan = bag_plan(executor="process")
         plan.fit(loader(Sequences(noise=True), num_workers=2), 2, seed=5, progress=False, **kw)
         return plan
 
@@ -188,7 +185,7 @@ def test_fits_through_a_dataloader_are_deterministic_and_resume_bit_identically(
         for a, b in zip(full.states, other.states):
             for key in ("z", "z_prev", "w", "v"):
                 assert torch.equal(getattr(a, key), getattr(b, key)), key
-    clean = make_plan(executor="process")
+    clean = bag_plan(executor="process")
     clean.fit(loader(Sequences(), num_workers=2), 2, seed=5, progress=False)
     assert not torch.equal(clean.central_weights(), full.central_weights())  # the noise is drawn
 
@@ -212,14 +209,14 @@ class Stream(IterableDataset):
     (lambda ds: DataLoader(Stream(), batch_size=4, collate_fn=pad), r"IterableDataset.*no indices"),
 ])
 def test_a_dataloader_that_chooses_the_samples_is_refused_before_training(data, message):
-    plan = make_plan()
+    plan = bag_plan()
     with pytest.raises(ValueError, match=message):
         plan.fit(data(Sequences()), 1, progress=False)
     assert plan.rounds_done == 0
 
 
 def test_a_collate_fn_that_returns_no_pair_is_a_clear_error():
-    plan = make_plan()
+    plan = bag_plan()
     with pytest.raises(ValueError, match="collate_fn returned a list of 4 items for a batch of 4 "
                                          "samples, not an"):
         plan.fit(DataLoader(Sequences(), batch_size=4, collate_fn=list), 1, progress=False)
@@ -232,8 +229,8 @@ def test_fused_learners_given_batches_of_their_own_lengths_run_one_replica_at_a_
     weights = {}
     for mode in ("fused", "per_replica"):
         torch.manual_seed(0)
-        plan = make_plan(devices=1, replicas=2, learner_mode=mode, executor="inline",
-                         model=MeanBag(padding_idx=None))
+        plan = bag_plan(devices=1, replicas=2, learner_mode=mode, executor="inline",
+                        model=MeanBag(padding_idx=None))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             plan.fit(loader(), 1, progress=False)
@@ -292,7 +289,7 @@ def test_changes_of_b_and_m_between_rounds_keep_the_learners_on_the_plans_sample
     assert len(set(seen.tolist())) == len(seen) == 2 * 16 + 2 * 12 + 6 * 6  # disjoint; 4 left
     weights = []
     for workers in (2, 0):  # worker processes: shipped the loader's batches, or fetching their own
-        plan = make_plan(executor="process")
+        plan = bag_plan(executor="process")
         plan.fit(loader(num_workers=workers), 1, seed=1, progress=False, hooks=[Change()])
         weights.append(plan.central_weights())
     assert torch.equal(weights[0], weights[1])
@@ -363,7 +360,7 @@ class LostSample(Sequences):
 
 @pytest.mark.parametrize("executor", ["process", "inline"])
 def test_a_sample_that_fails_in_a_loader_worker_stops_the_fit_and_every_process(executor):
-    plan = make_plan(executor=executor)
+    plan = bag_plan(executor=executor)
     with pytest.raises(OSError, match="sample 50: the disk is gone"):
         plan.fit(loader(LostSample(), num_workers=2), 1, shuffle=False, progress=False)
     assert mp.active_children() == []  # the loader's workers and the learner processes
@@ -524,7 +521,7 @@ def test_an_evaluation_dataloader_scores_exactly_the_samples_it_yields():
 def test_a_dataloaders_own_batch_size_is_a_warning_once_per_fit_naming_the_plans_b():
     """b = 4 is the plan's: a DataLoader's batch_size=16 yields to it with one warning per fit,
     at the line that called fit; the same b is silent."""
-    plan = make_plan(devices=1, replicas=1)
+    plan = bag_plan(devices=1, replicas=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan.fit(loader(batch_size=16, num_workers=2), 2, progress=False)

@@ -18,7 +18,7 @@ from crossbow_graph.engine.race_check import RaceRecorder
 from crossbow_graph.engine.scheduler import Scheduler
 from crossbow_graph.engine.streams import CudaStreams
 
-from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, tiny_data
+from _plans import TinyBN, TinyDrop, TinyNet, make_plan, tiny_data
 
 FIT = dict(progress=False, metrics_every=None)
 
@@ -71,7 +71,7 @@ def test_data_on_device_on_a_cpu_device_equals_the_host_gather(model, mode):
     data = tiny_data(96)
 
     def run(where):
-        plan = compile_tiny(model, devices=2, replicas=2, learner_mode=mode, executor="inline")
+        plan = make_plan(model, devices=2, replicas=2, learner_mode=mode, executor="inline")
         with _CountOps() as ops:
             history = plan.fit(data, 2, eval_dataset=tiny_data(16, 1), data_on_device=where, **FIT)
         return plan, history, ops.counts
@@ -91,7 +91,7 @@ def test_data_on_device_in_worker_processes_equals_the_host_gather():
     data = tiny_data(64)
 
     def run(where):
-        plan = compile_tiny(TinyBN, devices=1, replicas=2, executor="process")
+        plan = make_plan(TinyBN, devices=1, replicas=2, executor="process")
         plan.fit(data, 1, shuffle=False, data_on_device=where, **FIT)
         return _state(plan)
 
@@ -100,7 +100,7 @@ def test_data_on_device_in_worker_processes_equals_the_host_gather():
 
 @pytest.mark.parametrize("value", ["yes", 1, 0, None, "cuda"])
 def test_a_bad_data_on_device_is_a_value_error_before_training(value):
-    plan = compile_tiny(devices=1, replicas=2, executor="inline")
+    plan = make_plan(devices=1, replicas=2, executor="inline")
     with pytest.raises(ValueError, match=r"data_on_device=.*use 'auto'.*True or False"):
         plan.fit(tiny_data(64), data_on_device=value, **FIT)
     assert plan.rounds_done == 0
@@ -110,7 +110,7 @@ def test_a_bad_data_on_device_is_a_value_error_before_training(value):
 def test_data_on_device_true_needs_a_tensor_dataset(wrap):
     """True with samples the host reads one by one (or a DataLoader) cannot be honoured: a
     ValueError naming the type and the fix, before any round."""
-    plan = compile_tiny(devices=1, replicas=2, executor="inline")
+    plan = make_plan(devices=1, replicas=2, executor="inline")
     data = _Samples(tiny_data(64)) if wrap == "dataset" else DataLoader(tiny_data(64), batch_size=4)
     with pytest.raises(ValueError, match=r"data_on_device=True .* TensorDataset\(x, y\)"):
         plan.fit(data, data_on_device=True, **FIT)
@@ -152,8 +152,8 @@ def _fit(name: str, rec: RaceRecorder | None, *, ahead: bool = True):
     spec = dict(SCENARIOS[name])
     hooks = [_Replan()] if spec.pop("hooks", False) else []
     kind = spec.pop("data")
-    plan = compile_tiny(spec.pop("model"), replicas=2, executor="inline", kernel_backend="torch",
-                        **spec)
+    plan = make_plan(spec.pop("model"), replicas=2, executor="inline", kernel_backend="torch",
+                     **spec)
     if rec is not None:
         rec.attach(plan.scheduler)
     base = tiny_data(96)
@@ -215,8 +215,8 @@ def test_without_the_wait_for_the_copy_the_learners_race_with_it(monkeypatch):
 
 def _cuda_fit(mode: str, where, delay: dict | None = None):
     torch.backends.cudnn.deterministic = True
-    plan = compile_tiny(TinyBN, devices=["cuda:0"], replicas=2, learner_mode=mode,
-                        executor="inline", kernel_backend="torch")
+    plan = make_plan(TinyBN, devices=["cuda:0"], replicas=2, learner_mode=mode,
+                     executor="inline", kernel_backend="torch")
     if delay:
         plan.scheduler._streams().delay = delay
     plan.fit(tiny_data(96), 2, data_on_device=where, **FIT)

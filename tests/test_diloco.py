@@ -17,6 +17,9 @@ from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
 
+from _plans import make_plan
+from _reference import batches_of, flat, reference_diloco
+
 # -- SMA stays bit-identical -------------------------------------------------------------------
 #
 # The SMA update must not change when DiLoCo is added beside it. A bitwise check that holds on
@@ -69,19 +72,23 @@ def _as_float32(values) -> torch.Tensor:
     return torch.tensor([float(q) for q in values], dtype=torch.float32)
 
 
-def _dyadic_plan(**kw) -> cg.Plan:
+def _dyadic_model() -> nn.Linear:
+    """Linear(2 → 1) with the weights W0."""
     model = nn.Linear(2, 1)
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[float(W0[0]), float(W0[1])]]))
         model.bias.fill_(float(W0[2]))
-    opt = kw.pop("optimizer", None)
-    if opt is None:
-        opt = cg.SGD(lr=float(ETA), momentum=float(MU_L))
-    elif opt == "row":  # not the SGD kernels: torch.optim.SGD with two param groups, per replica
-        opt = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}],
-                              lr=float(ETA), momentum=float(MU_L))
-    return cg.compile(model, (torch.zeros(1, 2),), lambda out, y: F.mse_loss(out.squeeze(1), y),
-                      batch_size=4, devices=2, replicas=2, optimizer=opt, **kw)
+    return model
+
+
+def _row_sgd(model: nn.Module) -> torch.optim.SGD:
+    """Not the SGD kernels: torch.optim.SGD with two param groups, per replica."""
+    return torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}],
+                           lr=float(ETA), momentum=float(MU_L))
+
+
+def _squared(out, y):
+    return F.mse_loss(out.squeeze(1), y)
 
 
 @pytest.mark.parametrize("case", [
@@ -92,7 +99,10 @@ def _dyadic_plan(**kw) -> cg.Plan:
 def test_sma_default_rule_is_bit_identical_to_exact_sma(case):
     case = dict(case)
     tau = case.pop("sync_every", 1)
-    plan = _dyadic_plan(sync=cg.SMA(central_momentum=float(MU_Z), sync_every=tau), **case)
+    row = case.pop("optimizer", None) == "row"
+    plan = make_plan(_dyadic_model, seed=None, example=torch.zeros(1, 2), loss_fn=_squared,
+                     optimizer=_row_sgd if row else cg.SGD(lr=float(ETA), momentum=float(MU_L)),
+                     devices=2, replicas=2, sync=cg.SMA(central_momentum=float(MU_Z), sync_every=tau), **case)
     rounds, k, b = 4, 4, 4
     xs, ys = _dyadic_data(rounds * k * b)
     data = TensorDataset(torch.tensor([[float(a), float(c)] for a, c in xs]),
@@ -126,42 +136,6 @@ def _data(n: int, seed: int = 1) -> TensorDataset:
     return TensorDataset(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g))
 
 
-def _flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-
-
-def reference_diloco(model: nn.Module, data: TensorDataset, *, k: int, b: int, rounds: int, H: int,
-                     inner, outer, max_grad_norm: float | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DiLoCo (Douillard et al. 2023, Algorithm 1) by hand: k model copies, each with its own
-    ``inner(params)`` optimizer, learner j taking batch t·k + j in round t (shuffle=False); after
-    every H-th round Δ = z − mean_j w_j is the gradient of ``outer([z])``, and every copy restarts
-    from z with its optimizer state kept; ``max_grad_norm``: each copy's gradient clipped by
-    ``torch.nn.utils.clip_grad_norm_`` before its step. Returns (z ``[P]``, the replicas ``[k, P]``)."""
-    x, y = data.tensors
-    copies = [copy.deepcopy(model) for _ in range(k)]
-    inners = [inner(c.parameters()) for c in copies]
-    z = [p.detach().clone() for p in model.parameters()]
-    outer_opt = outer(z)
-    for t in range(rounds):
-        for j, (c, opt) in enumerate(zip(copies, inners)):
-            sl = slice((t * k + j) * b, (t * k + j + 1) * b)
-            opt.zero_grad()
-            F.cross_entropy(c(x[sl]), y[sl]).backward()
-            if max_grad_norm is not None:
-                nn.utils.clip_grad_norm_(c.parameters(), max_grad_norm)
-            opt.step()
-        if (t + 1) % H == 0:
-            with torch.no_grad():
-                for i, zi in enumerate(z):
-                    zi.grad = zi - torch.stack([list(c.parameters())[i] for c in copies]).mean(0)
-                outer_opt.step()
-                for c in copies:
-                    for p, zi in zip(c.parameters(), z):
-                        p.copy_(zi)
-    return torch.cat([zi.reshape(-1) for zi in z]), torch.stack([_flat(c) for c in copies])
-
-
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 
 
@@ -178,13 +152,13 @@ def test_diloco_equals_the_hand_written_reference(devices, replicas):
     assert plan.scheduler.resolved_executor() == "inline"  # auto picks it for DiLoCo
     plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
     assert plan.rounds_done == rounds
-    z, ws = reference_diloco(model, data, k=k, b=b, rounds=rounds, H=H, outer=NESTEROV,
+    z, ws = reference_diloco(model, batches_of(data, b), k=k, rounds=rounds, H=H, outer=NESTEROV,
                              inner=lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01))
     got = plan.central_weights()
     assert (got - z).norm() / z.norm() < RTOL
     torch.testing.assert_close(got, z, rtol=RTOL, atol=1e-6)
     assert torch.equal(plan.replica_weights(), got.expand(k, -1))  # restarted from z
-    assert not torch.allclose(got, _flat(model), atol=1e-3)  # it trained
+    assert not torch.allclose(got, flat(model), atol=1e-3)  # it trained
 
 
 def _ignored(data: TensorDataset, batches: list[int], b: int) -> TensorDataset:
@@ -290,12 +264,10 @@ class _StopAfter(cg.Hook):
         ctx.stop = ctx.plan.rounds_done >= self.n
 
 
-def _adamw_plan() -> cg.Plan:
-    torch.manual_seed(0)
-    model = SmallBN()
-    return cg.compile(model, (torch.zeros(2, 1, 8, 8),), F.cross_entropy, batch_size=4,
-                      devices=2, replicas=2, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
-                      sync=cg.DiLoCo(sync_every=3))
+# SmallBN at b = 4 on 2 devices × 2 replicas, AdamW per replica, DiLoCo with H = 3
+_adamw_plan = functools.partial(make_plan, model=SmallBN, example=torch.zeros(2, 1, 8, 8), devices=2,
+                                replicas=2, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3),
+                                sync=cg.DiLoCo(sync_every=3))
 
 
 @pytest.mark.parametrize("stop_at", [4, 6])  # mid-window (after 1 outer step), at an outer step
@@ -344,9 +316,9 @@ def test_bad_diloco_arguments_are_clear_errors(kwargs, error, match):
         cg.DiLoCo(**kwargs)
 
 
-def _compile(sync, **kw) -> cg.Plan:
-    return cg.compile(Small(), (torch.zeros(1, 1, 8, 8),), F.cross_entropy, batch_size=4,
-                      devices=2, replicas=1, sync=sync, **kw)
+# Small on 2 devices × 1 replica, compile's optimizer
+_small_plan = functools.partial(make_plan, model=Small, seed=None, example=torch.zeros(1, 1, 8, 8),
+                                optimizer=None, devices=2, replicas=1)
 
 
 @pytest.mark.parametrize("factory, error, match", [
@@ -358,13 +330,13 @@ def _compile(sync, **kw) -> cg.Plan:
 ])
 def test_a_bad_outer_optimizer_fails_at_compile(factory, error, match):
     with pytest.raises(error, match=match):
-        _compile(cg.DiLoCo(sync_every=2, outer_optimizer=factory))
+        _small_plan(sync=cg.DiLoCo(sync_every=2, outer_optimizer=factory))
 
 
 def test_diloco_on_the_process_executor_and_alpha_are_refused():
     with pytest.raises(ValueError, match=r"DiLoCo\(...\) runs on the inline executor only.*executor='inline'"):
-        _compile(cg.DiLoCo(sync_every=2), executor="process")
-    plan = _compile(cg.DiLoCo(sync_every=2))
+        _small_plan(sync=cg.DiLoCo(sync_every=2), executor="process")
+    plan = _small_plan(sync=cg.DiLoCo(sync_every=2))
     assert plan.scheduler.resolved_executor() == "inline"
     with pytest.raises(ValueError, match="DiLoCo pulls no replica toward z"):
         plan.adjust(cg.Adjustment(alpha=0.5))
@@ -389,7 +361,7 @@ def test_two_processes_step_the_same_outer_optimizer_and_give_the_one_process_z(
     import sys
 
     from _dist_diloco import B, H, M, ROUNDS, BNNoBias
-    from _runtime_helpers import compile_tiny, tiny_data
+    from _plans import tiny_data
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -416,9 +388,9 @@ def test_two_processes_step_the_same_outer_optimizer_and_give_the_one_process_z(
     assert torch.equal(r0["z"], r1["z"]) and torch.equal(r0["zbuf"], r1["zbuf"])
     b0, b1 = (r["outer"]["state"][0]["momentum_buffer"] for r in (r0, r1))
     assert torch.equal(b0, b1) and b0.abs().sum() > 0
-    one = compile_tiny(BNNoBias, seed=0, batch_size=B, devices=1, replicas=2 * M, executor="inline",
-                       sync=cg.DiLoCo(sync_every=H),
-                       optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01))
+    one = make_plan(BNNoBias, seed=0, batch_size=B, devices=1, replicas=2 * M, executor="inline",
+                    sync=cg.DiLoCo(sync_every=H),
+                    optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01))
     one.fit(tiny_data(ROUNDS * B * M * 2), 1, shuffle=False, progress=False)
     if sync_dtype == "fp32":
         torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
@@ -435,10 +407,10 @@ def test_a_fit_shorter_than_h_warns_that_z_gets_no_outer_step():
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 1, 8, 8, generator=g),
                                           torch.randint(0, 4, (64,), generator=g))
-    plan = _compile(cg.DiLoCo(sync_every=16))
+    plan = _small_plan(sync=cg.DiLoCo(sync_every=16))
     with pytest.warns(UserWarning, match=r"runs 8 rounds, fewer than H.*sync_every ≤ 8"):
         plan.fit(data, 1, progress=False, metrics_every=None)
-    plan = _compile(cg.DiLoCo(sync_every=8))
+    plan = _small_plan(sync=cg.DiLoCo(sync_every=8))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         plan.fit(data, 1, progress=False, metrics_every=None)

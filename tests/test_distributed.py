@@ -2,7 +2,7 @@
 
 Real process groups: two processes (tests/_dist_worker.py) with gloo on 127.0.0.1, started with
 torchrun's variables on a free port, with hard timeouts; every process is killed on the way out.
-The 1-process run and the hand-written SMA of tests/_runtime_helpers.py are the oracles.
+The 1-process run and the hand-written SMA of tests/_reference.py are the oracles.
 """
 
 import os
@@ -19,7 +19,8 @@ from crossbow_graph.engine.comm import Comm, torchrun_env
 from crossbow_graph.engine.peers import join_failed, lost_peer
 from _dist_worker import (B, M, ROUNDS, RecordSamples, Snapshot, StopAfter, _AtRound, _decide,
                           recording_data)
-from _runtime_helpers import TinyBN, compile_tiny, reference_sma, tiny_data
+from _plans import TinyBN, make_plan, tiny_data
+from _reference import batches_of, flat, reference_sma
 
 pytestmark = pytest.mark.distributed
 
@@ -97,7 +98,7 @@ def test_two_processes_give_the_one_process_z_and_identical_copies(ok_runs):
     assert torch.equal(r0["z"], r1["z"]) and torch.equal(r0["zbuf"], r1["zbuf"])
     assert r0["digest"] == r1["digest"]
     # the same k = 4 learners in one process (shuffle=False: learner j gets batch t·k + j)
-    one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=1, replicas=2 * M, executor="inline")
+    one = make_plan(TinyBN, seed=0, batch_size=B, devices=1, replicas=2 * M, executor="inline")
     data = tiny_data(ROUNDS * B * M * 2)
     history = one.fit(data, 1, shuffle=False, progress=False)
     # the epoch's loss is the mean over all ranks' learners
@@ -106,7 +107,7 @@ def test_two_processes_give_the_one_process_z_and_identical_copies(ok_runs):
     torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(r0["zbuf"], one.states[0].zbuf, rtol=1e-5, atol=1e-6)
     torch.manual_seed(0)
-    ref = reference_sma(TinyBN(), data, batch_size=B, ks=[2 * M] * ROUNDS, lr=0.05, momentum=0.9)
+    ref = flat(reference_sma(TinyBN(), batches_of(data, B), ks=[2 * M] * ROUNDS, lr=0.05, momentum=0.9)[0])
     torch.testing.assert_close(r0["z"], ref, rtol=1e-4, atol=1e-5)
 
 
@@ -114,7 +115,7 @@ def test_two_processes_with_two_devices_each_on_worker_processes_give_the_same_z
     r0, r1 = ok_runs["process"]  # hierarchical: 2 devices sum, then one all-reduce per process
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
     assert torch.equal(r0["z"], r1["z"])
-    one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=2 * M, replicas=1, executor="inline")
+    one = make_plan(TinyBN, seed=0, batch_size=B, devices=2 * M, replicas=1, executor="inline")
     one.fit(tiny_data(ROUNDS * B * M * 2), 1, shuffle=False, progress=False)
     torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(r0["zbuf"], one.states[0].zbuf, rtol=1e-5, atol=1e-6)
@@ -179,7 +180,7 @@ def test_rank_0s_decisions_reach_every_rank_at_the_same_round(ok_runs):
     assert (r0["alpha"], r1["alpha"], r0["mode"], r1["mode"]) == (0.3, 0.3, "fused", "fused")
     assert torch.equal(r0["z"], r1["z"])
     # oracle: one process with 2 devices (device-major = rank-major learners), the same change
-    one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=2, replicas=M, executor="inline")
+    one = make_plan(TinyBN, seed=0, batch_size=B, devices=2, replicas=M, executor="inline")
     one.fit(tiny_data(ROUNDS * B * M * 2), 1, shuffle=False, progress=False,
             hooks=[_AtRound(3, _decide)])
     assert one.rounds_done == r0["rounds"] == 6  # 3 rounds of k=4, then 3 of k=6
@@ -226,7 +227,7 @@ def test_ranks_with_their_own_data_train_together(ok_runs):
     of_rank_1 = (torch.arange(n) // B) % k >= M  # [n] the rows rank 1's learners read
     mixed = torch.utils.data.TensorDataset(torch.where(of_rank_1[:, None, None, None], x1, x0),
                                            torch.where(of_rank_1, y1, y0))
-    one = compile_tiny(TinyBN, seed=0, batch_size=B, devices=1, replicas=k, executor="inline")
+    one = make_plan(TinyBN, seed=0, batch_size=B, devices=1, replicas=k, executor="inline")
     one.fit(mixed, 1, shuffle=False, progress=False)
     torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(r0["z"], same["z"], rtol=1e-3, atol=1e-4)  # the data did differ
@@ -312,7 +313,7 @@ def reshape_runs(tmp_path_factory):
     two ranks resumes it (k = 4) and, next, writes its own after 3 rounds of k = 4 (position 48)."""
     out = tmp_path_factory.mktemp("reshape")
     data = recording_data()
-    one = compile_tiny(TinyBN, seed=0, devices=1, replicas=M, executor="inline")
+    one = make_plan(TinyBN, seed=0, devices=1, replicas=M, executor="inline")
     one.fit(data, 1, shuffle=True, progress=False, checkpoint_dir=str(out / "ckpt-1to2"),
             checkpoint_every=4, hooks=[RecordSamples(data), StopAfter(4)])
     before = list(data.seen)
@@ -374,7 +375,7 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(reshape_runs, caplog):
     saved = state["plan"]["states"][0]
     assert not torch.equal(saved["w"], state["peers"][0]["states"][0]["w"])  # rank 1's own learners
     data, snap = recording_data(), Snapshot()
-    plan = compile_tiny(TinyBN, seed=9, devices=1, replicas=M, executor="inline")
+    plan = make_plan(TinyBN, seed=9, devices=1, replicas=M, executor="inline")
     with caplog.at_level("INFO", logger="crossbow_graph.checkpoint"):
         plan.fit(data, 1, shuffle=True, progress=False, checkpoint_dir=str(ckpt), resume=True,
                  hooks=[RecordSamples(data), snap])
@@ -448,7 +449,7 @@ def test_without_torchrun_nothing_changes(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     assert torchrun_env() is None and Comm.from_env() is None
-    plan = compile_tiny(devices=1, replicas=2, executor="inline")
+    plan = make_plan(devices=1, replicas=2, executor="inline")
     assert plan.comm is None and plan.num_learners == 2
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -20,6 +21,8 @@ from crossbow_graph.errors import DivergenceError, TaskError
 from crossbow_graph.training.checkpoint import load_latest
 from crossbow_graph.training.hooks import Hook
 
+from _plans import make_plan
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -37,12 +40,14 @@ def data(n: int = 64, nan_at: int | None = None, ignored=()) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def make_plan(devices=2, replicas=2, central_momentum=0.0, executor="auto") -> cg.Plan:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
-    return cg.compile(model, (torch.zeros(1, 5),), nn.functional.cross_entropy, batch_size=4,
-                      devices=devices, replicas=replicas, optimizer=cg.SGD(lr=0.1, momentum=0.9),
-                      sync=cg.SMA(central_momentum=central_momentum), executor=executor)
+def _tanh_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+# the plans of these tests: the tanh MLP on x [N, 5] on 2 devices × 2 replicas, SGD(0.1, momentum 0.9),
+# no central momentum
+tanh_plan = functools.partial(make_plan, model=_tanh_mlp, example=torch.zeros(1, 5), devices=2, replicas=2,
+                              optimizer=cg.SGD(lr=0.1, momentum=0.9), sync=cg.SMA(central_momentum=0.0))
 
 
 class Poison(Hook):
@@ -66,7 +71,7 @@ class Poison(Hook):
 
 
 def test_faulty_replica_is_reset_and_left_out_of_the_average(caplog):
-    plan = make_plan()
+    plan = tanh_plan()
     hook = Poison(at=3, targets=[(1, 0)])
     with caplog.at_level(logging.WARNING, logger="crossbow_graph.faults"):
         history = plan.fit(data(), 1, progress=False, hooks=[hook])
@@ -84,7 +89,7 @@ def test_faulty_replica_is_reset_and_left_out_of_the_average(caplog):
 
 
 def test_nan_in_data_resets_only_that_learner():
-    plan = make_plan(devices=1, replicas=2)
+    plan = tanh_plan(devices=1, replicas=2)
     # shuffle=False: round 1, learner 1 reads samples [12, 16)
     history = plan.fit(data(nan_at=13), 1, shuffle=False, progress=False)
     assert [(f.round, f.device, f.replica) for f in history.faults] == [(1, "cpu:0", 1)]
@@ -93,7 +98,7 @@ def test_nan_in_data_resets_only_that_learner():
 
 
 def test_all_replicas_failing_stops_with_divergence_error_and_checkpoint_intact(tmp_path):
-    plan = make_plan(central_momentum=0.9)
+    plan = tanh_plan(sync=cg.SMA(central_momentum=0.9))
     targets = [(d, r) for d in range(2) for r in range(2)]
     poison = Poison(at=3, targets=targets)
     with pytest.raises(DivergenceError, match=r"all 4 replicas have NaN/Inf gradients in round 3") as err:
@@ -127,7 +132,7 @@ class Snapshot(Hook):
 
 @pytest.mark.parametrize("executor", ["inline", "process"])
 def test_nan_loss_with_finite_gradients_is_a_fault(executor, caplog):
-    plan = make_plan(devices=1, replicas=2, executor=executor)
+    plan = tanh_plan(devices=1, replicas=2, executor=executor)
     # shuffle=False, k = 2, b = 4: learner j of round t reads batch 2t + j; the loss of a batch
     # of ignored labels is NaN while its gradient is zero
     train = data(ignored=[2 * 1 + 1, 2 * 2 + 0])  # round 1 learner 1, round 2 learner 0
@@ -146,7 +151,7 @@ def test_nan_loss_with_finite_gradients_is_a_fault(executor, caplog):
 
 @pytest.mark.parametrize("executor", ["inline", "process"])
 def test_nan_loss_of_every_replica_is_divergence(executor):
-    plan = make_plan(devices=1, replicas=2, executor=executor)
+    plan = tanh_plan(devices=1, replicas=2, executor=executor)
     hook = Snapshot(at=2)
     with pytest.raises(DivergenceError, match="all 2 replicas have NaN/Inf gradients in round 2") as err:
         plan.fit(data(ignored=[4, 5]), 1, shuffle=False, progress=False, hooks=[hook])
@@ -155,14 +160,14 @@ def test_nan_loss_of_every_replica_is_divergence(executor):
 
 
 def test_single_learner_nan_is_divergence():
-    plan = make_plan(devices=1, replicas=1)
+    plan = tanh_plan(devices=1, replicas=1)
     with pytest.raises(DivergenceError, match="all 1 replicas"):
         plan.fit(data(), 1, progress=False, hooks=[Poison(at=0, targets=[(0, 0)])])
 
 
 def test_healthy_rounds_match_a_plan_without_faults():
     """The check changes nothing when every replica is finite (same z, bit for bit)."""
-    a, b = make_plan(central_momentum=0.9), make_plan(central_momentum=0.9)
+    a, b = tanh_plan(sync=cg.SMA(central_momentum=0.9)), tanh_plan(sync=cg.SMA(central_momentum=0.9))
     a.fit(data(), 1, progress=False)
     b.scheduler.faults.check = lambda state, **kw: None  # no detection at all
     b.fit(data(), 1, progress=False)
@@ -172,18 +177,20 @@ def test_healthy_rounds_match_a_plan_without_faults():
 # -- the DivergenceError's advice: a lower learning rate, then resume ----------------------------
 
 
-def _regression_plan(lr: float, momentum: float) -> cg.Plan:
-    """A ReLU MLP on a squared loss against one-hot targets: at lr = 1 with momentum 0.9 it grows
-    without bound until every replica overflows in the same round (in epoch 5, of 8 rounds)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+def _relu_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
 
-    def squared(out, y):
-        return ((out - nn.functional.one_hot(y, 3).float()) ** 2).mean()
 
-    return cg.compile(model, (torch.zeros(1, 5),), squared, batch_size=4, devices=1, replicas=2,
-                      optimizer=cg.SGD(lr=lr, momentum=momentum),
-                      sync=cg.SMA(central_momentum=0.0), executor="inline")
+def _squared(out, y):
+    return ((out - nn.functional.one_hot(y, 3).float()) ** 2).mean()
+
+
+# The ReLU MLP on a squared loss against one-hot targets, 2 replicas on one device: at lr = 1 with
+# momentum 0.9 it grows without bound until every replica overflows in the same round (in epoch 5,
+# of 8 rounds).
+_regression_plan = functools.partial(make_plan, model=_relu_mlp, example=torch.zeros(1, 5),
+                                     loss_fn=_squared, devices=1, replicas=2,
+                                     sync=cg.SMA(central_momentum=0.0), executor="inline")
 
 
 def test_lowering_the_lr_and_resuming_after_divergence_trains_on(tmp_path):
@@ -193,11 +200,12 @@ def test_lowering_the_lr_and_resuming_after_divergence_trains_on(tmp_path):
     ckpt = str(tmp_path)
     with pytest.raises(DivergenceError, match=r"Lower the learning rate \(compile the plan again "
                                               r"with a lower lr") as err:
-        _regression_plan(1.0, 0.9).fit(data(), 6, progress=False, checkpoint_dir=ckpt)
+        diverging = _regression_plan(optimizer=cg.SGD(lr=1.0, momentum=0.9))
+        diverging.fit(data(), 6, progress=False, checkpoint_dir=ckpt)
     saved = load_latest(ckpt)[1]["plan"]
     done = saved["rounds_done"]
     assert done == err.value.round_index // 8 * 8 >= 8  # the last epoch's end
-    resumed = _regression_plan(1e-3, 0.0)
+    resumed = _regression_plan(optimizer=cg.SGD(lr=1e-3, momentum=0.0))
     with pytest.warns(UserWarning, match=r"this fit's win: lr \(param group 0\) 0\.001 \(the "
                                          r"checkpoint's run was set up with 1\.0; 1\.0 in force at "
                                          r"the checkpoint\); momentum \(param group 0\) 0\.0"):
@@ -205,7 +213,8 @@ def test_lowering_the_lr_and_resuming_after_divergence_trains_on(tmp_path):
     assert resumed.rounds_done == 48 and history.lr[done:] == [1e-3] * (48 - done)
     assert not [f for f in history.faults if f.round >= done]
     assert torch.isfinite(resumed.central_weights()).all()
-    oracle = _regression_plan(1e-3, 0.0)  # the checkpoint's state, then the new settings
+    # the checkpoint's state, then the new settings
+    oracle = _regression_plan(optimizer=cg.SGD(lr=1e-3, momentum=0.0))
     oracle.load_state_dict(saved)
     oracle.adjust(cg.Adjustment(lr=1e-3))
     oracle.optimizer.param_groups[0]["momentum"] = 0.0
@@ -221,14 +230,14 @@ _INTERRUPTED = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {tests!r})
     from crossbow_graph.training.hooks import Hook
-    from test_faults import make_plan, data
+    from test_faults import tanh_plan, data
     class Mark(Hook):  # after round 2 the workers run; then the rounds go on until SIGINT
         def after_round(self, ctx):
             if ctx.plan.rounds_done == 2:
                 print(" ".join(str(p.pid) for p in ctx.plan.scheduler._workers.procs if p),
                       flush=True)
-    make_plan(devices=1, replicas=2, executor="process").fit(data(64 * 4000), 1, progress=False,
-                                                             hooks=[Mark()], metrics_every=None)
+    tanh_plan(devices=1, replicas=2, executor="process").fit(data(64 * 4000), 1, progress=False,
+                                                            hooks=[Mark()], metrics_every=None)
 """)
 
 
@@ -256,7 +265,7 @@ _COORDINATOR = os.getpid()
 
 
 class _CtrlC(nn.Module):
-    """``make_plan``'s model whose forward, in this process only (the coordinator, learning group
+    """``tanh_plan``'s model whose forward, in this process only (the coordinator, learning group
     0) and once ``armed``, raises KeyboardInterrupt: Ctrl-C in the middle of a round, while the
     workers learn theirs and then wait for the coordinator's release."""
 
@@ -312,7 +321,7 @@ class PoisonZ(Hook):
 def test_divergence_error_says_whether_z_itself_holds_nan():
     """NaN in z reaches every replica through its correction α(w − z); the replicas reset to
     that z fail again, and the DivergenceError says z holds NaN (it is not intact)."""
-    plan = make_plan(devices=1, replicas=2, executor="inline")
+    plan = tanh_plan(devices=1, replicas=2, executor="inline")
     with pytest.raises(DivergenceError, match=r"all 2 replicas have NaN/Inf gradients") as err:
         plan.fit(data(), 1, progress=False, hooks=[PoisonZ(at=2)])
     z = plan.central_weights()

@@ -1,6 +1,7 @@
 """compile → plan → fit on the kinds of models users bring, the data order, and real MNIST."""
 
 import copy
+import functools
 
 import networkx as nx
 import pytest
@@ -11,7 +12,8 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 import crossbow_graph as cg
 from crossbow_graph import TaskKind
-from _reference import flat, reference_sma
+from _plans import make_plan
+from _reference import batches_of, eager_steps, flat, reference_sma
 
 
 def data(n, shape=(1, 8, 8), classes=5, seed=1):
@@ -19,9 +21,8 @@ def data(n, shape=(1, 8, 8), classes=5, seed=1):
     return TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g))
 
 
-def compile_(model, shape=(1, 8, 8), **kw):
-    kw.setdefault("batch_size", 4)
-    return cg.compile(model, (torch.randn(2, *shape),), F.cross_entropy, **kw)
+# the plans of these tests: the model as given on x [N, 1, 8, 8], compile's optimizer
+fit_plan = functools.partial(make_plan, seed=None, optimizer=None)
 
 
 class BNNet(nn.Module):
@@ -60,7 +61,7 @@ class FrozenAndUnused(nn.Module):
 
 
 def test_task_graph_has_one_learn_per_replica_one_local_sync_per_device_and_one_global_sync():
-    plan = compile_(BNNet(), devices=2, replicas=3)
+    plan = fit_plan(BNNet(), devices=2, replicas=3)
     g = plan.task_graph
     assert isinstance(g, nx.DiGraph) and nx.is_directed_acyclic_graph(g)
     tasks = [g.nodes[n]["task"] for n in g.nodes]
@@ -77,7 +78,7 @@ def test_task_graph_has_one_learn_per_replica_one_local_sync_per_device_and_one_
 
 
 def test_batchnorm_statistics_are_per_replica_and_z_holds_their_mean():
-    plan = compile_(BNNet(), devices=2, replicas=2)
+    plan = fit_plan(BNNet(), devices=2, replicas=2)
     # 0 batches: the central model shows zbuf, the training state (else re-estimated for z:
     # tests/test_bn_recalibration.py)
     plan.fit(data(4 * 4 * 5), 1, progress=False, bn_recalibration_batches=0)
@@ -93,7 +94,7 @@ def test_batchnorm_statistics_are_per_replica_and_z_holds_their_mean():
 def test_batchnorm_model_matches_reference():
     model = BNNet()
     ds = data(4 * 4 * 3)
-    plan = compile_(model, devices=2, replicas=2, optimizer=cg.SGD(lr=0.05, momentum=0.9))
+    plan = fit_plan(model, devices=2, replicas=2, optimizer=cg.SGD(lr=0.05, momentum=0.9))
     plan.fit(ds, 1, shuffle=False, progress=False)
     bs = [(ds.tensors[0][i * 4:(i + 1) * 4], ds.tensors[1][i * 4:(i + 1) * 4]) for i in range(12)]
     z, _ = reference_sma(model, bs, k=4, rounds=3, lr=0.05, momentum=0.9)
@@ -102,16 +103,13 @@ def test_batchnorm_model_matches_reference():
 
 def test_tied_parameter_is_one_parameter_updated_once():
     model = Tied()
-    plan = compile_(model, optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    plan = fit_plan(model, optimizer=cg.SGD(lr=0.1, momentum=0.9))
     assert plan.num_parameters == 64 * 64 + 64 * 5 + 5
     eager = copy.deepcopy(model)
     sgd = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
     ds = data(12)
     plan.fit(ds, 1, shuffle=False, progress=False)
-    for i in range(3):
-        sgd.zero_grad()
-        F.cross_entropy(eager(ds.tensors[0][4 * i:4 * i + 4]), ds.tensors[1][4 * i:4 * i + 4]).backward()
-        sgd.step()
+    eager_steps(eager, sgd, batches_of(ds, 4))
     z = plan.central_model()
     assert z.enc.weight is z.dec.weight
     assert set(z.state_dict()) == set(model.state_dict())
@@ -120,7 +118,7 @@ def test_tied_parameter_is_one_parameter_updated_once():
 
 def test_frozen_parameters_never_change_and_unused_ones_do_not_crash():
     model = FrozenAndUnused()
-    plan = compile_(model, devices=2, replicas=2)
+    plan = fit_plan(model, devices=2, replicas=2)
     assert plan.num_parameters == 16 * 5 + 5 + 3 * 3 + 3  # head and unused, not frozen
     plan.fit(data(64), 2, progress=False)
     z = plan.central_model()
@@ -201,7 +199,7 @@ def test_shuffled_epochs_give_every_learner_disjoint_batches_and_a_new_order_eac
 
 
 def test_dataset_smaller_than_one_round_is_a_clear_error():
-    plan = compile_(BNNet(), devices=2, replicas=2)
+    plan = fit_plan(BNNet(), devices=2, replicas=2)
     with pytest.raises(ValueError, match="fewer than one round of 4 learners × 4 samples = 16"):
         plan.fit(data(10), 1, progress=False)
 
@@ -209,7 +207,7 @@ def test_dataset_smaller_than_one_round_is_a_clear_error():
 def test_history_and_target_accuracy_stop():
     ds = data(400, classes=2)
     ds.tensors[1].copy_((ds.tensors[0].flatten(1).mean(1) > 0).long())  # an easy rule
-    plan = compile_(nn.Sequential(nn.Flatten(), nn.Linear(64, 2)), devices=2, replicas=2,
+    plan = fit_plan(nn.Sequential(nn.Flatten(), nn.Linear(64, 2)), devices=2, replicas=2,
                     optimizer=cg.SGD(lr=0.1, momentum=0.9))
     h = plan.fit(ds, 20, eval_dataset=ds, target_accuracy=0.9, evals_per_epoch=2, progress=False)
     assert h.time_to_accuracy_s is not None and h.final_accuracy >= 0.9

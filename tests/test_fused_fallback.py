@@ -4,6 +4,7 @@ auto-tuner; an LSTM trains with ``replicas="auto"``."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -15,6 +16,7 @@ from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
 
+from _plans import make_plan
 from test_autotune import FAST, _Clock
 
 
@@ -51,10 +53,9 @@ def seq_data(n: int = 512, seed: int = 0) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def _compile(model, **kw):
-    kw.setdefault("batch_size", 8)
-    kw.setdefault("optimizer", cg.SGD(lr=0.1, momentum=0.9))
-    return cg.compile(model, (torch.randn(2, 6, 4),), F.cross_entropy, executor="inline", **kw)
+# the plans of these tests: the model as given on x [N, 6, 4] at b = 8, inline, SGD(0.1, momentum 0.9)
+seq_plan = functools.partial(make_plan, seed=None, input_shape=(6, 4), batch_size=8, executor="inline",
+                             optimizer=cg.SGD(lr=0.1, momentum=0.9))
 
 
 @pytest.mark.parametrize("model", [SeqNet(nn.LSTM), SeqNet(nn.GRU), Checkpointed()],
@@ -62,11 +63,11 @@ def _compile(model, **kw):
 def test_explicit_fused_that_vmap_cannot_run_is_refused_at_compile_naming_per_replica(model):
     with pytest.raises(ValueError, match=r"learner_mode='fused' cannot run .*vmap.*"
                                          r"use learner_mode='per_replica'"):
-        _compile(model, replicas=2, learner_mode="fused")
+        seq_plan(model, replicas=2, learner_mode="fused")
 
 
 def test_fused_is_refused_by_adjust_and_nothing_changes():
-    plan = _compile(SeqNet(), replicas=2)
+    plan = seq_plan(SeqNet(), replicas=2)
     assert "lstm" in plan.fused_failure
     with pytest.raises(ValueError, match="per_replica"):
         plan.set_learner_mode("fused")
@@ -79,7 +80,7 @@ def test_models_vmap_runs_are_not_refused():
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Flatten(), nn.Linear(24, 8), nn.BatchNorm1d(8), nn.Dropout(0.1),
                         nn.Linear(8, 3))
-    plan = _compile(mlp, replicas=2, learner_mode="fused")
+    plan = seq_plan(mlp, replicas=2, learner_mode="fused")
     assert plan.fused_failure is None and plan.learner_mode == "fused"
     before = [p.detach().clone() for p in mlp.parameters()]
     plan.fit(seq_data(64), 1, progress=False)
@@ -88,7 +89,7 @@ def test_models_vmap_runs_are_not_refused():
 
 def test_fused_with_auto_replicas_warns_and_starts_per_replica():
     with pytest.warns(UserWarning, match="starts with per_replica"):
-        plan = _compile(SeqNet(), replicas="auto", learner_mode="fused")
+        plan = seq_plan(SeqNet(), replicas="auto", learner_mode="fused")
     assert plan.learner_mode == "per_replica"
 
 
@@ -109,8 +110,8 @@ def test_vmap_failure_in_training_names_per_replica():
 def test_lstm_trains_with_auto_replicas_and_the_tuner_skips_fused():
     torch.manual_seed(0)
     model = SeqNet()
-    mem = _compile(SeqNet(), replicas=1).task_graph.graph["memory_per_learner_bytes"]
-    plan = _compile(model, replicas="auto", devices=2, memory_budget=2 * mem + 1,
+    mem = seq_plan(SeqNet(), replicas=1).task_graph.graph["memory_per_learner_bytes"]
+    plan = seq_plan(model, replicas="auto", devices=2, memory_budget=2 * mem + 1,
                     autotune=cg.AutoTune(**FAST))
     plan.autotuner.clock = _Clock(lambda k: 1.0)  # throughput ∝ k: the tuner grows to the bound
     train, test = seq_data(768), seq_data(256, seed=1)

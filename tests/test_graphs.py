@@ -23,7 +23,7 @@ from crossbow_graph.engine import graphs as G
 from crossbow_graph.engine.capture_check import CaptureChecker, SimulatedGraphs
 from crossbow_graph.engine.race_check import RaceRecorder
 
-from _runtime_helpers import TinyBN, compile_tiny, tiny_data
+from _plans import TinyBN, make_plan, tiny_data
 from test_streams import _ignored
 
 pytestmark = pytest.mark.filterwarnings("ignore::crossbow_graph.errors.TraceWarning")
@@ -41,8 +41,8 @@ def _fit(graph: bool, *, mode="per_replica", data=None, optimizer=None, model=Ti
     ``optimizer``) fitted on simulated streams; with ``graph`` its rounds go through a
     RoundGraph on simulated graphs. η halves every 3 rounds. Returns (plan, history, z, zbuf)."""
     opt = optimizer or cg.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3)
-    plan = compile_tiny(model, devices=1, replicas=3, executor="inline", kernel_backend="torch",
-                        learner_mode=mode, optimizer=opt, **kw)
+    plan = make_plan(model, devices=1, replicas=3, executor="inline", kernel_backend="torch",
+                     learner_mode=mode, optimizer=opt, **kw)
     rec = RaceRecorder().attach(plan.scheduler)
     if graph:
         plan.scheduler.round_graph = round_graph or G.RoundGraph(SimulatedGraphs())
@@ -133,7 +133,7 @@ def test_rounds_a_graph_cannot_take_run_eagerly_with_a_warning():
 
 def test_compile_refuses_cuda_graphs_without_cuda():
     with pytest.raises(ValueError, match="cuda_graphs=True captures rounds in CUDA graphs.*cpu:0"):
-        compile_tiny(devices=1, replicas=2, cuda_graphs=True)
+        make_plan(devices=1, replicas=2, cuda_graphs=True)
     with pytest.raises(ValueError, match="warmup_rounds=0"):
         G.RoundGraph(warmup_rounds=0)
 
@@ -200,9 +200,8 @@ def _gpu_fit(model_fn, mode: str, graphs: bool, rounds: int = 6, m: int = 4, b: 
     model = model_fn()
     x = torch.randn(m * b * rounds, 1, 28, 28)
     y = torch.randint(0, 10, (m * b * rounds,))
-    plan = cg.compile(model, (x[:2],), nn.functional.cross_entropy, batch_size=b, devices=1,
-                      replicas=m, learner_mode=mode, optimizer=cg.SGD(lr=0.05, momentum=0.9),
-                      cuda_graphs=graphs)
+    plan = make_plan(model, seed=None, example=x[:2], batch_size=b, devices=1, replicas=m,
+                     learner_mode=mode, optimizer=cg.SGD(lr=0.05, momentum=0.9), cuda_graphs=graphs)
     steps = torch.optim.lr_scheduler.StepLR(plan.optimizer, step_size=3, gamma=0.5)
     plan.fit(torch.utils.data.TensorDataset(x, y), 1, shuffle=False, progress=False,
              metrics_every=None, lr_scheduler=steps, lr_scheduler_interval="round")
@@ -257,4 +256,4 @@ def test_gpu_uncapturable_model_falls_back_and_trains():
 @pytest.mark.parametrize("value", ["yes", "False", 1, None])
 def test_cuda_graphs_must_be_a_bool(value):
     with pytest.raises(TypeError, match=r"cuda_graphs=.*must be True or False"):
-        compile_tiny(devices=1, replicas=2, cuda_graphs=value)
+        make_plan(devices=1, replicas=2, cuda_graphs=value)

@@ -12,7 +12,7 @@ from crossbow_graph.training.hooks import FitContext, Hook
 from crossbow_graph.training.lr_schedule import LRSchedulerHook
 from crossbow_graph.training.progress import FitProgress
 
-from _runtime_helpers import compile_tiny, tiny_data
+from _plans import make_plan, tiny_data
 
 ROUNDS = 10  # rounds per epoch of the process-executor fits: 2 learners × b = 4
 
@@ -22,7 +22,7 @@ def _sgd(model):
 
 
 def _process_fit(hooks=(), epochs=2, **kw):
-    plan = compile_tiny(replicas=2, executor="process", optimizer=_sgd)
+    plan = make_plan(replicas=2, executor="process", optimizer=_sgd)
     sched = torch.optim.lr_scheduler.LambdaLR(plan.optimizer, lambda t: 1.0 / (1 + t))
     plan.fit(tiny_data(4 * 2 * ROUNDS), epochs, shuffle=False, progress=False, metrics_every=None,
              lr_scheduler=sched, lr_scheduler_interval="round", hooks=list(hooks), **kw)
@@ -35,7 +35,7 @@ def test_a_process_fit_with_an_lr_scheduler_learns_the_next_round_ahead():
     plan = _process_fit()
     assert LRSchedulerHook.mutates_replicas is False
     assert plan.scheduler.rounds_learned_ahead == 2 * (ROUNDS - 1)
-    inline = compile_tiny(replicas=2, executor="inline", optimizer=_sgd)
+    inline = make_plan(replicas=2, executor="inline", optimizer=_sgd)
     sched = torch.optim.lr_scheduler.LambdaLR(inline.optimizer, lambda t: 1.0 / (1 + t))
     inline.fit(tiny_data(4 * 2 * ROUNDS), 2, shuffle=False, progress=False, metrics_every=None,
                lr_scheduler=sched, lr_scheduler_interval="round")
@@ -108,7 +108,7 @@ def test_the_hook_contract_has_documented_defaults_and_typed_context():
     assert hook.mutates_replicas is True and hook.wants_gradients(1) is False
     assert hook.state_dict() == {} and hook.load_state_dict({}) is None
     monitor = cg.MetricsMonitor(5)
-    plan = compile_tiny(replicas=2, executor="inline")
+    plan = make_plan(replicas=2, executor="inline")
     plan.fit(tiny_data(64), 2, progress=False, hooks=[Look()], metrics_every=monitor)
     assert seen == {"metrics": monitor, "n": 64, "end": 2, "losses": 2}
     assert not hasattr(FitContext(plan=plan, history=cg.History()), "extra")
@@ -121,18 +121,18 @@ def test_an_object_with_hook_methods_that_is_not_a_hook_is_refused():
 
     with pytest.raises(TypeError, match=r"hooks: .*Duck.* is not a hook \(not a "
                                         r"crossbow_graph.Hook\): .*subclass crossbow_graph.Hook"):
-        compile_tiny().fit(tiny_data(32), 1, progress=False, hooks=[Duck()])
+        make_plan().fit(tiny_data(32), 1, progress=False, hooks=[Duck()])
 
 
 def test_auto_replicas_is_the_plans_tuner_class_and_checkpoints_its_rule():
     tuner = cg.AutoReplicas(threshold=0.2)
-    plan = compile_tiny(replicas="auto")
+    plan = make_plan(replicas="auto")
     assert isinstance(tuner, type(plan.autotuner)) and isinstance(plan.autotuner, cg.Policy)
     assert tuner.state_dict() == tuner.rule.state_dict() and tuner.state_dict()
 
 
 def test_fit_progress_is_one_object_the_plans_attributes_read():
-    plan = compile_tiny(replicas=2, executor="inline")
+    plan = make_plan(replicas=2, executor="inline")
     plan.fit(tiny_data(4 * 2 * 5 + 3), 2, progress=False, metrics_every=None)
     assert plan.progress == FitProgress(epochs_done=2, rounds_done=10, round_in_epoch=0,
                                         position_in_epoch=0,
@@ -145,7 +145,7 @@ def test_fit_progress_is_one_object_the_plans_attributes_read():
                                   "position_in_epoch")} == {"epochs_done": 2, "rounds_done": 10,
                                                             "round_in_epoch": 0,
                                                             "position_in_epoch": 0}
-    other = compile_tiny(replicas=2, executor="inline")
+    other = make_plan(replicas=2, executor="inline")
     other.load_state_dict(state)
     assert other.progress == plan.progress
 
@@ -159,7 +159,7 @@ def test_a_policys_eta_composes_with_a_schedule_and_a_schedule_policy_by_one_rul
             if ctx.plan.rounds_done == 3:
                 self.adjust(ctx, lr=2 * ctx.plan.settings.lr)
 
-    plan = compile_tiny(replicas=2, executor="inline", optimizer=_sgd)
+    plan = make_plan(replicas=2, executor="inline", optimizer=_sgd)
     sched = torch.optim.lr_scheduler.LambdaLR(plan.optimizer, lambda t: 1.0 / (1 + t))
     h = plan.fit(tiny_data(4 * 2 * 4), 3, shuffle=False, progress=False, metrics_every=None,
                  policies=[cg.StepLR(step_epochs=1, gamma=0.5, reset_on_drop=False), Double()],

@@ -3,19 +3,18 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import multiprocessing
 
 import pytest
 import torch
-from torch import nn
 
 import crossbow_graph as cg
 from crossbow_graph.compiler import passes
 from crossbow_graph.compiler.tasks import TaskKind
 
-from _runtime_helpers import TinyNet, _flat, _load, compile_tiny, tiny_data
+from _plans import TinyNet, make_plan, tiny_data
+from _reference import batches_of, flat, reference_sma
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 LR, MOMENTUM, MU_Z, B = 0.05, 0.9, 0.9, 4
@@ -37,30 +36,6 @@ def _without_replica(j: int):
     return freeze
 
 
-def _reference(model: nn.Module, data, *, k: int, frozen: int, rounds: int) -> tuple[torch.Tensor, list]:
-    """z and the replicas after ``rounds`` rounds of SMA by hand, in eager PyTorch, where replica
-    ``frozen`` neither learns nor is corrected (it keeps its weights; its samples go unused) and
-    α = 1/k counts it."""
-    x_all, y_all = data.tensors
-    w0 = _flat(model)
-    ws, vs = [w0.clone() for _ in range(k)], [torch.zeros_like(w0) for _ in range(k)]
-    z, z_prev, alpha = w0.clone(), w0.clone(), 1.0 / k
-    work = copy.deepcopy(model).train()
-    for t in range(rounds):
-        cs = []
-        for j in (j for j in range(k) if j != frozen):
-            _load(work, ws[j])
-            work.zero_grad()
-            lo = (t * k + j) * B
-            nn.functional.cross_entropy(work(x_all[lo:lo + B]), y_all[lo:lo + B]).backward()
-            g = torch.cat([p.grad.reshape(-1) for p in work.parameters()])
-            vs[j] = MOMENTUM * vs[j] + g
-            cs.append(alpha * (ws[j] - z))
-            ws[j] = ws[j] - LR * vs[j] - cs[-1]
-        z, z_prev = z + torch.stack(cs).sum(0) + MU_Z * (z - z_prev), z
-    return z, ws
-
-
 @pytest.mark.distributed  # the process executor forks worker processes
 @pytest.mark.parametrize("devices,replicas,frozen,mode", [
     (1, 3, 2, "per_replica"),  # the worker's group has no task: the coordinator runs the global sync
@@ -72,19 +47,21 @@ def test_a_pass_that_removes_a_replicas_tasks_changes_what_both_executors_run(
     rounds, k = 4, devices * replicas
     data = tiny_data(B * k * rounds)
     torch.manual_seed(0)
-    want_z, want_w = _reference(TinyNet(), data, k=k, frozen=frozen, rounds=rounds)
-    unedited = compile_tiny(devices=devices, replicas=replicas, learner_mode=mode, executor="inline")
+    # replica `frozen` neither learns nor is corrected (its samples go unused); α = 1/k counts it
+    want_z, want_w = reference_sma(TinyNet(), batches_of(data, B), k=k, rounds=rounds, lr=LR,
+                                   momentum=MOMENTUM, central_momentum=MU_Z, frozen=(frozen,))
+    unedited = make_plan(devices=devices, replicas=replicas, learner_mode=mode, executor="inline")
     unedited.fit(data, 1, shuffle=False, progress=False)
     monkeypatch.setattr(passes, "PASSES", passes.PASSES + (("freeze", _without_replica(frozen)),))
     for executor in ("inline", "process"):
-        plan = compile_tiny(devices=devices, replicas=replicas, learner_mode=mode, executor=executor)
+        plan = make_plan(devices=devices, replicas=replicas, learner_mode=mode, executor=executor)
         assert f"learn:d0:r{frozen % replicas}" not in plan.task_graph  # the pass ran
         w0 = plan.replica_weights()[frozen].clone()
         plan.fit(data, 1, shuffle=False, progress=False)
         assert plan.scheduler.resolved_executor() == executor
         assert torch.equal(plan.replica_weights()[frozen], w0)  # it never learned
-        torch.testing.assert_close(plan.central_weights(), want_z, **TOL)
-        torch.testing.assert_close(plan.replica_weights(), torch.stack(want_w), **TOL)
+        torch.testing.assert_close(plan.central_weights(), flat(want_z), **TOL)
+        torch.testing.assert_close(plan.replica_weights(), torch.stack([flat(r) for r in want_w]), **TOL)
         assert not torch.allclose(plan.central_weights(), unedited.central_weights(), **TOL)
     assert multiprocessing.active_children() == []
 
@@ -96,4 +73,4 @@ def test_a_graph_the_executors_cannot_run_is_a_plan_error_naming_the_task(monkey
     monkeypatch.setattr(passes, "PASSES", passes.PASSES + (("freeze", _without_replica(1)),))
     with pytest.raises(cg.PlanError, match=r"task 'local_sync:d0' covers replicas \[0, 2\], not a "
                                            r"contiguous run of cpu:0's replicas"):
-        compile_tiny(replicas=3, executor=executor)
+        make_plan(replicas=3, executor=executor)

@@ -5,6 +5,7 @@ the kernels also run without it, see test_interpreter_without_env_var). Sizes ar
 one LeNet-5-sized case: the interpreter is slow.
 """
 
+import functools
 import inspect
 import os
 import re
@@ -26,6 +27,8 @@ from crossbow_graph.kernels import triton_sma as K
 from crossbow_graph.kernels.c_sma import CSMAKernels, c_kernels_available
 from crossbow_graph.kernels.protocol import SMAKernels
 from crossbow_graph.kernels.torch_ref import TorchSMAKernels, sma_central_update, sma_local_update
+
+from _plans import make_plan
 
 # float32: the same operations, but torch's CPU kernels fuse a·b + c (one rounding) where the
 # interpreter rounds twice, and the sum over replicas may be ordered differently: ≤ a few ulps.
@@ -387,17 +390,15 @@ def tiny_data(n=64, seed=0, dtype=torch.float32):
                          torch.randint(0, 3, (n,), generator=gen))
 
 
-def make_plan(model=None, *, replicas=2, devices=1, dtype=torch.float32, **kw):
-    torch.manual_seed(0)
-    model = (model or MLP()).to(dtype)
-    kw.setdefault("optimizer", cg.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3))
-    return cg.compile(model, (torch.randn(2, 8, dtype=dtype),), F.cross_entropy, batch_size=4,
-                      replicas=replicas, devices=devices, **kw)
+# the plans of these tests: the MLP on x [N, 8], 2 replicas on one device, SGD with Nesterov momentum
+# and weight decay
+mlp_plan = functools.partial(make_plan, model=MLP, input_shape=(8,), replicas=2, devices=1,
+                             optimizer=cg.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3))
 
 
 def test_plan_kernels_lists_what_runs():
     # inline: this process runs every launch (worker processes count their own)
-    plan = make_plan(replicas=3, kernel_backend="triton", sync=cg.SMA(sync_every=2), executor="inline")
+    plan = mlp_plan(replicas=3, kernel_backend="triton", sync=cg.SMA(sync_every=2), executor="inline")
     assert isinstance(plan.scheduler.kernels, K.TritonSMAKernels)
     listed = plan.kernels
     kinds = sorted((k.spec.kind, dict(k.spec.flags).get("FIRST_STEP"), dict(k.spec.flags).get("CORRECT"))
@@ -409,7 +410,7 @@ def test_plan_kernels_lists_what_runs():
     assert all(k.spec.P == plan.num_parameters for k in listed)
     plan.fit(tiny_data(), 1, shuffle=False, progress=False)
     assert sum(k.launches for k in plan.kernels) > 0  # the listed objects are the ones launched
-    torch_plan = make_plan(replicas=3, kernel_backend="torch")
+    torch_plan = mlp_plan(replicas=3, kernel_backend="torch")
     assert isinstance(torch_plan.scheduler.kernels, TorchSMAKernels)
     assert all(k.backend == "torch" for k in torch_plan.kernels)
     assert "def sma_local_update" in torch_plan.kernels[0].source
@@ -429,9 +430,9 @@ def test_triton_missing_says_how_to_install(monkeypatch):
     monkeypatch.setattr(K, "triton", None)
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton now raises ImportError
     with pytest.raises(ImportError, match="pip install"):
-        make_plan(kernel_backend="triton")
+        mlp_plan(kernel_backend="triton")
     cpu_default = CSMAKernels if c_kernels_available() else TorchSMAKernels
-    assert isinstance(make_plan(kernel_backend="auto").scheduler.kernels, cpu_default)
+    assert isinstance(mlp_plan(kernel_backend="auto").scheduler.kernels, cpu_default)
 
 
 @pytest.mark.parametrize("replicas,devices,sync_every", [(1, 1, 1), (3, 1, 1), (2, 2, 2)])
@@ -439,11 +440,11 @@ def test_fit_same_weights_triton_and_torch(replicas, devices, sync_every):
     """A whole short fit: the Triton kernels (interpreted) and the torch implementation agree."""
     out = {}
     for backend in ("triton", "torch"):
-        plan = make_plan(replicas=replicas, devices=devices, kernel_backend=backend,
-                         sync=cg.SMA(sync_every=sync_every))
+        plan = mlp_plan(replicas=replicas, devices=devices, kernel_backend=backend,
+                        sync=cg.SMA(sync_every=sync_every))
         plan.fit(tiny_data(), 2, seed=3, progress=False)
         out[backend] = plan.replica_weights(), plan.central_weights()
-    w0 = make_plan(replicas=replicas, devices=devices).replica_weights()
+    w0 = mlp_plan(replicas=replicas, devices=devices).replica_weights()
     assert (out["torch"][0] - w0).abs().max() > 1e-3  # training moved the weights
     for a, b in zip(out["triton"], out["torch"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -456,9 +457,9 @@ def test_fit_same_weights_triton_and_torch(replicas, devices, sync_every):
 def test_bf16_small_pull_moves_z(backend, dtype):
     """α = 0.01 in a bf16 (fp16) model: C is far below the resolution of z in that dtype, so only
     an fp32 master z moves; the modules show the masters rounded."""
-    plan = make_plan(dtype=dtype, kernel_backend=backend,
-                     optimizer=cg.SGD(lr=0.01, momentum=0.0),
-                     sync=cg.SMA(alpha=0.01, central_momentum=0.0))
+    plan = mlp_plan(dtype=dtype, kernel_backend=backend,
+                    optimizer=cg.SGD(lr=0.01, momentum=0.0),
+                    sync=cg.SMA(alpha=0.01, central_momentum=0.0))
     state = plan.states[0]
     assert state.w.dtype == state.z.dtype == state.v.dtype == torch.float32
     assert state.g.dtype == state.w_model.dtype == dtype
@@ -480,7 +481,7 @@ def test_bf16_small_pull_moves_z(backend, dtype):
 
 
 def test_fp16_model_and_mixed_dtypes():
-    plan = make_plan(dtype=torch.float16, kernel_backend="torch")
+    plan = mlp_plan(dtype=torch.float16, kernel_backend="torch")
     assert plan.states[0].g.dtype == torch.float16 and plan.states[0].w.dtype == torch.float32
     mixed = Mixed()
     mixed(torch.randn(2, 8))  # it runs: a model may mix dtypes, but not its trainable parameters
@@ -492,7 +493,7 @@ def test_fp16_model_and_mixed_dtypes():
 def test_float64_model_runs_the_torch_kernels_in_float64():
     """The C and Triton kernels update float32 masters: "auto" picks torch for a float64 model
     (on CUDA too), and asking for either of them is a clear error at compile."""
-    plan = make_plan(dtype=torch.float64)
+    plan = mlp_plan(dtype=torch.float64)
     assert isinstance(plan.scheduler.kernels, TorchSMAKernels)
     assert all(k.backend == "torch" and k.spec.dtype == torch.float64 for k in plan.kernels)
     assert isinstance(S.select_backend("auto", "cuda", torch.float64), TorchSMAKernels)
@@ -500,7 +501,7 @@ def test_float64_model_runs_the_torch_kernels_in_float64():
         with pytest.raises(ValueError, match=rf"kernel_backend='{backend}' updates float32 masters "
                                              r"only, but the model is float64 .*use "
                                              r"kernel_backend='torch' .*model.float\(\)"):
-            make_plan(dtype=torch.float64, kernel_backend=backend)
+            mlp_plan(dtype=torch.float64, kernel_backend=backend)
     plan.fit(tiny_data(16, dtype=torch.float64), 1, progress=False)
     assert plan.central_weights().dtype == torch.float64
 
@@ -571,7 +572,7 @@ def test_gpu_kernels_match_torch(m, dtype, padded):
 def test_gpu_fit_auto_picks_triton_and_matches_torch():
     out = {}
     for backend in ("auto", "torch"):
-        plan = make_plan(replicas=4, kernel_backend=backend, devices=["cuda:0"])
+        plan = mlp_plan(replicas=4, kernel_backend=backend, devices=["cuda:0"])
         plan.fit(tiny_data(), 2, seed=3, progress=False)
         out[backend] = plan.central_weights()
         if backend == "auto":

@@ -16,13 +16,10 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
-from _runtime_helpers import TinyBN, TinyNet, compile_tiny, tiny_data
+from _plans import TinyBN, TinyNet, make_plan, tiny_data
+from _reference import flat
 
 RTOL, ATOL = 1e-5, 1e-6  # float32: the same operations, the mean summed in another order
-
-
-def _flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
 def periodic_averaging(model: nn.Module, data: TensorDataset, *, k: int, b: int, rounds: int,
@@ -34,7 +31,7 @@ def periodic_averaging(model: nn.Module, data: TensorDataset, *, k: int, b: int,
     batches = list(zip(*(t.split(b) for t in data.tensors)))  # batch t·k + j: learner j's in round t
     copies = [copy.deepcopy(model) for _ in range(k)]
     inners = [inner(c.parameters()) for c in copies]
-    z = _flat(model)
+    z = flat(model)
     for t in range(rounds):
         for c, opt, (xb, yb) in zip(copies, inners, batches[t * k:(t + 1) * k]):
             opt.zero_grad()
@@ -46,8 +43,8 @@ def periodic_averaging(model: nn.Module, data: TensorDataset, *, k: int, b: int,
                     mean = torch.stack(ps).mean(0)
                     for p in ps:
                         p.copy_(mean)
-            z = _flat(copies[0])
-    return z, torch.stack([_flat(c) for c in copies])
+            z = flat(copies[0])
+    return z, torch.stack([flat(c) for c in copies])
 
 
 SGD_KERNELS = ("SGD kernels", lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
@@ -66,10 +63,10 @@ def test_local_sgd_equals_hand_written_periodic_averaging(learner_mode, optimize
     _, inner, local = optimizer
     k, b, rounds, H = 4, 4, 10, 3
     data = tiny_data(k * b * rounds)
-    plan = compile_tiny(TinyNet, batch_size=b, devices=devices, replicas=replicas,
-                        learner_mode=learner_mode, optimizer=local, sync=cg.LocalSGD(sync_every=H))
+    plan = make_plan(TinyNet, batch_size=b, devices=devices, replicas=replicas,
+                     learner_mode=learner_mode, optimizer=local, sync=cg.LocalSGD(sync_every=H))
     assert plan.scheduler.resolved_executor() == "inline"  # auto picks it
-    torch.manual_seed(0)  # compile_tiny's model, built again
+    torch.manual_seed(0)  # make_plan's model, built again
     z, ws = periodic_averaging(TinyNet(), data, k=k, b=b, rounds=rounds, H=H, inner=inner)
     plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
     assert plan.rounds_done == rounds
@@ -83,7 +80,7 @@ def test_local_sgd_equals_diloco_with_an_outer_sgd_of_lr_1():
     replicas up to rounding; float buffers averaged into zbuf as DiLoCo's."""
     k, b, rounds, H = 4, 4, 12, 4
     data = tiny_data(k * b * rounds)
-    plans = [compile_tiny(TinyBN, batch_size=b, devices=2, replicas=2, sync=sync) for sync in
+    plans = [make_plan(TinyBN, batch_size=b, devices=2, replicas=2, sync=sync) for sync in
              (cg.LocalSGD(sync_every=H),
               cg.DiLoCo(sync_every=H, outer_optimizer=functools.partial(torch.optim.SGD, lr=1.0)))]
     for plan in plans:
@@ -111,8 +108,8 @@ def test_a_resume_mid_window_gives_the_uninterrupted_run_bit_for_bit(tmp_path):
     the uninterrupted one."""
     data, ckpt = tiny_data(4 * 4 * 10), str(tmp_path / "ckpt")
     opt = lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3)  # noqa: E731
-    runs = [compile_tiny(TinyBN, devices=2, replicas=2, optimizer=opt,
-                         sync=cg.LocalSGD(sync_every=3)) for _ in range(3)]
+    runs = [make_plan(TinyBN, devices=2, replicas=2, optimizer=opt,
+                      sync=cg.LocalSGD(sync_every=3)) for _ in range(3)]
     runs[0].fit(data, 1, progress=False, seed=3, metrics_every=None)
     runs[1].fit(data, 1, progress=False, seed=3, metrics_every=None, checkpoint_dir=ckpt,
                 checkpoint_every=1, hooks=[_StopAfter(4)])
@@ -132,8 +129,8 @@ def test_local_sgd_settings_errors_and_summary():
         cg.LocalSGD(sync_every=0)
     with pytest.raises(ValueError, match=r"LocalSGD\(...\) runs on the inline executor only.*"
                                          r"executor='inline'"):
-        compile_tiny(devices=2, replicas=1, sync=cg.LocalSGD(sync_every=2), executor="process")
-    plan = compile_tiny(devices=2, replicas=1, sync=cg.LocalSGD(sync_every=16))
+        make_plan(devices=2, replicas=1, sync=cg.LocalSGD(sync_every=2), executor="process")
+    plan = make_plan(devices=2, replicas=1, sync=cg.LocalSGD(sync_every=16))
     with pytest.raises(ValueError, match="local SGD pulls no replica toward z"):
         plan.adjust(cg.Adjustment(alpha=0.5))
     assert "sync: LocalSGD(z ← mean w, every 16 round(s))" in plan.summary()

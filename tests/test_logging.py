@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import os
@@ -17,17 +18,21 @@ from crossbow_graph import cli
 from crossbow_graph.training.hooks import Hook
 from crossbow_graph.training.metrics_log import MetricsLogger
 
+from _plans import make_plan
+
 
 def data(n: int, seed: int) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g))
 
 
-def make_plan() -> cg.Plan:
-    torch.manual_seed(0)
-    return cg.compile(nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)), (torch.zeros(1, 5),),
-                      nn.functional.cross_entropy, batch_size=4, devices=2, replicas=1,
-                      optimizer=cg.SGD(lr=0.1))
+def _relu_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+# the plans of these tests: the ReLU MLP on x [N, 5] on 2 devices × 1 replica, SGD(0.1)
+relu_plan = functools.partial(make_plan, model=_relu_mlp, example=torch.zeros(1, 5), devices=2, replicas=1,
+                              optimizer=cg.SGD(lr=0.1))
 
 
 def rows(path: str) -> list[dict[str, str]]:
@@ -37,7 +42,7 @@ def rows(path: str) -> list[dict[str, str]]:
 
 def test_csv_tensorboard_and_history_json(tmp_path):
     log = str(tmp_path / "log")
-    history = make_plan().fit(data(64, 0), 2, eval_dataset=data(20, 1), evals_per_epoch=2,
+    history = relu_plan().fit(data(64, 0), 2, eval_dataset=data(20, 1), evals_per_epoch=2,
                               progress=False, log_dir=log)
     per_round = rows(os.path.join(log, "rounds.csv"))
     assert [int(r["round"]) for r in per_round] == list(range(1, 17))  # 8 rounds × 2 epochs
@@ -71,7 +76,7 @@ def test_tensorboard_missing_is_a_clear_error_before_any_round(tmp_path, monkeyp
     import sys
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
-    plan = make_plan()
+    plan = relu_plan()
     with pytest.raises(ImportError, match=r"pip install 'crossbow_graph\[tensorboard\]'"):
         plan.fit(data(64, 0), 1, progress=False, log_dir=str(tmp_path / "log"))
     assert plan.rounds_done == 0
@@ -88,7 +93,7 @@ class PoisonOnce(Hook):
 
 def test_every_rounds_and_faults_csv(tmp_path):
     log = str(tmp_path)
-    make_plan().fit(data(64, 0), 1, progress=False,
+    relu_plan().fit(data(64, 0), 1, progress=False,
                     hooks=[PoisonOnce(), MetricsLogger(log, every_rounds=3, tensorboard=False)])
     assert [int(r["round"]) for r in rows(os.path.join(log, "rounds.csv"))] == [3, 6]
     assert rows(os.path.join(log, "faults.csv")) == [{"round": "2", "device": "cpu:1", "replica": "0", "rank": "0"}]
@@ -98,10 +103,10 @@ def test_every_rounds_and_faults_csv(tmp_path):
 
 
 def test_progress_bar_shows_accuracy_and_rate_and_quiet_shows_nothing(capsys):
-    make_plan().fit(data(64, 0), 1, eval_dataset=data(20, 1), progress=True)
+    relu_plan().fit(data(64, 0), 1, eval_dataset=data(20, 1), progress=True)
     err = capsys.readouterr().err
     assert "acc=" in err and "samples_per_s=" in err and "sample/s" in err
-    make_plan().fit(data(64, 0), 1, eval_dataset=data(20, 1), progress=False)
+    relu_plan().fit(data(64, 0), 1, eval_dataset=data(20, 1), progress=False)
     assert capsys.readouterr().err == ""
 
 

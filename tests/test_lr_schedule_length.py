@@ -3,6 +3,7 @@ warnings when a schedule cannot reach its end, at the fit's start and when k or 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import warnings
@@ -10,13 +11,14 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.optim import lr_scheduler as lrs
 from torch.utils.data import DataLoader, TensorDataset
 
 import crossbow_graph as cg
 from crossbow_graph.training.hooks import Hook
 from crossbow_graph.training.lr_schedule import schedule_end
+
+from _plans import make_plan
 
 N, B, LR = 96, 4, 0.1  # samples, b, η
 
@@ -27,11 +29,11 @@ def data() -> TensorDataset:
     return TensorDataset(x, (x[:, 0] > 0).long())
 
 
-def make_plan(replicas: int = 2) -> cg.Plan:
-    torch.manual_seed(0)
-    return cg.compile(nn.Linear(6, 2), (torch.ones(1, 6),), F.cross_entropy, batch_size=B,
-                      devices=1, replicas=replicas, executor="inline",
-                      optimizer=cg.SGD(lr=LR, momentum=0.0))
+# the plans of these tests: Linear(6 → 2) at b = B, 2 replicas on one device, inline, SGD(LR) without
+# momentum
+linear_plan = functools.partial(make_plan, model=lambda: nn.Linear(6, 2), example=torch.ones(1, 6),
+                                batch_size=B, devices=1, replicas=2, executor="inline",
+                                optimizer=cg.SGD(lr=LR, momentum=0.0))
 
 
 class SetReplicas(Hook):
@@ -63,7 +65,7 @@ def test_a_cosine_schedule_sized_from_the_dataloaders_length_warns_at_the_start(
     """T_max = len(DataLoader) · epochs = 48 batches of b, but k = 2 learners make a round of
     k·b = 8 samples: 2 epochs are 24 rounds, so the schedule stops halfway (η = LR/2, not 0),
     which the warning says with both numbers and the fix."""
-    plan = make_plan()
+    plan = linear_plan()
     t_max = len(DataLoader(data(), batch_size=B)) * 2
     said = fit(plan, lrs.CosineAnnealingLR(plan.optimizer, T_max=t_max), 2)
     assert len(said) == 1
@@ -78,11 +80,11 @@ def test_a_cosine_schedule_sized_from_the_dataloaders_length_warns_at_the_start(
 
 
 def test_a_schedule_sized_in_rounds_of_k_b_finishes_without_a_warning():
-    plan = make_plan()
+    plan = linear_plan()
     sched = lrs.CosineAnnealingLR(plan.optimizer, T_max=2 * N // (2 * B))
     assert fit(plan, sched, 2) == []
     assert plan.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-9)
-    plan = make_plan()  # OneCycleLR with total_steps = the rounds (docs/optimizers.md)
+    plan = linear_plan()  # OneCycleLR with total_steps = the rounds (docs/optimizers.md)
     assert fit(plan, lrs.OneCycleLR(plan.optimizer, max_lr=LR, total_steps=24), 2) == []
 
 
@@ -90,7 +92,7 @@ def test_k_growing_mid_fit_warns_once_with_the_rounds_and_steps_left():
     """T_max = 24 fits k = 2; m 2 → 3 after round 5 leaves (96 − 40) // 12 + 8 = 12 rounds of 12
     samples: the warning predicts step 17 of 24, and the fit ends there (a second change to
     m = 4 does not warn again)."""
-    plan = make_plan()
+    plan = linear_plan()
     sched = lrs.CosineAnnealingLR(plan.optimizer, T_max=24)
     said = fit(plan, sched, 2, hooks=[SetReplicas(5, 3), SetReplicas(9, 4)])
     assert len(said) == 1
@@ -104,13 +106,13 @@ def test_k_growing_mid_fit_warns_once_with_the_rounds_and_steps_left():
 
 
 def test_k_shrinking_mid_fit_does_not_warn():
-    plan = make_plan()
+    plan = linear_plan()
     assert fit(plan, lrs.CosineAnnealingLR(plan.optimizer, T_max=24), 2,
                hooks=[SetReplicas(5, 1)]) == []
 
 
 def test_a_schedule_stepped_per_epoch_warns_when_the_fit_has_fewer_epochs():
-    plan = make_plan()
+    plan = linear_plan()
     said = fit(plan, lrs.CosineAnnealingLR(plan.optimizer, T_max=5), 3, interval="epoch")
     assert len(said) == 1
     assert re.search(r"reaches its end \(T_max=5\) 5 steps from now, but this fit steps it 3 more "
@@ -134,7 +136,7 @@ def test_where_a_schedule_ends():
 def test_a_one_cycle_schedule_past_its_end_holds_its_last_lr_with_a_warning():
     """k falls mid-fit, so the epoch holds more rounds than OneCycleLR was built for: torch would
     raise at its (total_steps + 1)-th step; the fit holds the last η instead and says so."""
-    plan = make_plan(replicas=2)
+    plan = linear_plan(replicas=2)
     rounds = 2 * (N // (2 * B))  # 2 epochs at k = 2
     sched = lrs.OneCycleLR(plan.optimizer, max_lr=LR, total_steps=rounds)
     with warnings.catch_warnings(record=True) as caught:

@@ -15,6 +15,9 @@ from torch.utils.data import TensorDataset
 import crossbow_graph as cg
 from crossbow_graph.engine.state import FlatLayout, channels_last_weights
 
+from _plans import make_plan
+from _reference import batches_of, eager_steps, flat
+
 B, N = 16, 128
 
 
@@ -32,16 +35,9 @@ def data():
     return TensorDataset(torch.randn(N, 3, 8, 8, generator=g), torch.randint(0, 5, (N,), generator=g))
 
 
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def _plan(data, memory_format, *, optimizer=None, **kw) -> cg.Plan:
-    model = _net()
-    opt = optimizer(model) if optimizer is not None else cg.SGD(lr=0.05, momentum=0.9)
-    return cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B,
-                      devices=1, executor="inline", optimizer=opt, memory_format=memory_format,
-                      **kw)
+# the plans of these tests: _net at b = B on one device, inline, SGD(0.05, momentum 0.9) unless given;
+# the example inputs and memory_format given
+_plan = functools.partial(make_plan, model=_net, seed=None, batch_size=B, devices=1, executor="inline")
 
 
 def _adamw(model):
@@ -77,17 +73,19 @@ def test_auto_picks_channels_last_on_cpu_only():
 
 def test_bad_memory_format_is_refused_before_tracing(data):
     with pytest.raises(ValueError, match="memory_format='nhwc'.*'auto', 'channels_last', 'contiguous'"):
-        _plan(data, "nhwc")
+        _plan(example=data.tensors[0][:B], memory_format="nhwc")
 
 
-@pytest.mark.parametrize("mode,optimizer", [("per_replica", None), ("per_replica", _adamw),
-                                            ("fused", _adamw)])
+@pytest.mark.parametrize("mode,optimizer", [("per_replica", cg.SGD(lr=0.05, momentum=0.9)),
+                                            ("per_replica", _adamw), ("fused", _adamw)],
+                         ids=["per_replica-sgd", "per_replica-adamw", "fused-adamw"])
 def test_channels_last_trains_as_contiguous_rows(data, mode, optimizer):
     """Two replicas for two epochs: channels-last rows end within float32 rounding of contiguous
     rows (the CPU's convolutions sum in another order), z and every replica."""
     plans = {}
     for fmt in ("channels_last", "contiguous"):
-        plan = _plan(data, fmt, optimizer=optimizer, replicas=2, learner_mode=mode)
+        plan = _plan(example=data.tensors[0][:B], memory_format=fmt, optimizer=optimizer, replicas=2,
+                     learner_mode=mode)
         weight = plan.states[0].replicas[1][4].weight
         assert weight.is_contiguous(memory_format=torch.channels_last) == (fmt == "channels_last")
         assert weight.grad.stride() == weight.stride()
@@ -96,22 +94,15 @@ def test_channels_last_trains_as_contiguous_rows(data, mode, optimizer):
     cl, std = plans["channels_last"], plans["contiguous"]
     torch.testing.assert_close(cl.central_weights(), std.central_weights(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(cl.replica_weights(), std.replica_weights(), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(_flat(cl.central_model()), cl.central_weights(), rtol=0, atol=0)
+    torch.testing.assert_close(flat(cl.central_model()), cl.central_weights(), rtol=0, atol=0)
 
 
 def test_one_learner_with_channels_last_rows_is_eager_adamw(data):
     """k = 1 with AdamW and param groups, channels-last rows: eager PyTorch step for step."""
-    plan = _plan(data, "channels_last", optimizer=_adamw, replicas=1)
+    plan = _plan(example=data.tensors[0][:B], memory_format="channels_last", optimizer=_adamw, replicas=1)
     assert plan.states[0].params.channels_last
     plan.fit(data, epochs=1, progress=False, shuffle=False, metrics_every=None)
-    model = _net()
-    opt = _adamw(model)
-    x, y = data.tensors
-    for t in range(N // B):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x[t * B:(t + 1) * B]), y[t * B:(t + 1) * B]).backward()
-        opt.step()
-    ref = _flat(model)
+    ref = eager_steps(_net(), _adamw, batches_of(data, B)).weights[-1]
     assert ((plan.central_weights() - ref).norm() / ref.norm()) < 1e-5
 
 
@@ -120,7 +111,7 @@ def test_checkpoints_hold_the_standard_order_and_move_between_formats(data, sync
     """A channels-last plan's state_dict holds w, v, z, z_prev and DiLoCo's outer momentum in the
     standard order: a contiguous plan loads it with the same z, and both train on alike."""
     kw = dict(sync=cg.DiLoCo(sync_every=2)) if sync == "diloco" else {}
-    cl = _plan(data, "channels_last", replicas=2, **kw)
+    cl = _plan(example=data.tensors[0][:B], memory_format="channels_last", replicas=2, **kw)
     cl.fit(data, epochs=1, progress=False, shuffle=False, metrics_every=None)
     sd = cl.state_dict()
     state = sd["states"][0]
@@ -129,7 +120,7 @@ def test_checkpoints_hold_the_standard_order_and_move_between_formats(data, sync
     if sync == "diloco":
         momentum = sd["outer_optimizer"]["state"]["state"][0]["momentum_buffer"]
         assert momentum.abs().sum() > 0
-    std = _plan(data, "contiguous", replicas=2, **kw)
+    std = _plan(example=data.tensors[0][:B], memory_format="contiguous", replicas=2, **kw)
     std.load_state_dict(copy.deepcopy(sd))
     assert torch.equal(std.central_weights(), cl.central_weights())
     assert torch.equal(std.replica_weights(), cl.replica_weights())
@@ -147,7 +138,7 @@ def test_one_replica_row_takes_torch_fused_adamw_with_channels_last_rows(data):
     row optimizer keeps torch's fused AdamW (a stacked view of two rows is strided: not fused)."""
     for replicas, fused in ((1, True), (2, False)):
         model = _net()
-        plan = _plan(data, "channels_last", replicas=replicas,
+        plan = _plan(example=data.tensors[0][:B], memory_format="channels_last", replicas=replicas,
                      optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
         plan.fit(TensorDataset(*(t[:B * replicas] for t in data.tensors)), epochs=1,
                  progress=False, shuffle=False, metrics_every=None)

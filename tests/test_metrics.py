@@ -3,6 +3,7 @@ gradients (torch.func vmap + grad), divergence, and the metric records of a fit.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -13,6 +14,8 @@ from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
 from crossbow_graph.tuning.metrics import MetricsMonitor, divergence, two_batch_estimate
+
+from _plans import make_plan
 
 
 class MLP(nn.Module):
@@ -48,11 +51,10 @@ def per_sample_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
     return torch.cat([gs[k].reshape(len(x), -1) for k in params], dim=1)
 
 
-def compile_mlp(b: int, **kw) -> cg.Plan:
-    torch.manual_seed(0)
-    kw.setdefault("optimizer", cg.SGD(lr=1e-9, momentum=0.0))  # weights stay (numerically) put
-    return cg.compile(MLP(), (torch.randn(2, 10),), nn.functional.cross_entropy, batch_size=b,
-                      devices=2, replicas=2, **kw)
+# the plans of these tests: the MLP on x [N, 10] on 2 devices × 2 replicas, at lr 1e-9 without momentum
+# unless given: the weights stay (numerically) put
+mlp_plan = functools.partial(make_plan, model=MLP, input_shape=(10,), devices=2, replicas=2,
+                             optimizer=cg.SGD(lr=1e-9, momentum=0.0))
 
 
 def test_two_batch_formula_on_known_moments():
@@ -69,7 +71,7 @@ def test_runtime_reads_the_learners_gradients_exactly():
     gradients grouped as the learners' batches (learner j: samples j·b … (j+1)·b − 1)."""
     b, k = 8, 4
     data = teacher_data(k * b)
-    plan = compile_mlp(b, executor="inline")
+    plan = mlp_plan(batch_size=b, executor="inline")
     model0 = plan.central_model()
     h = plan.fit(data, 1, shuffle=False, progress=False, metrics_every=1)
     (rec,) = h.metrics
@@ -90,7 +92,7 @@ def test_noise_scale_agrees_with_per_sample_estimate():
     seeded, so the outcome is fixed; a wrong 1/b or B factor is off by ≥ 2×)."""
     b, k, rounds = 8, 4, 64
     data = teacher_data(k * b * rounds, seed=1)
-    plan = compile_mlp(b, executor="inline")
+    plan = mlp_plan(batch_size=b, executor="inline")
     model0 = plan.central_model()
     mon = MetricsMonitor(1, ema=0.99)
     plan.fit(data, 1, progress=False, metrics_every=None, hooks=[mon])
@@ -111,7 +113,7 @@ def test_process_executor_reads_the_measured_rounds_gradients(every, measure):
     data = teacher_data(k * b * 12, seed=2)
     out = []
     for executor in ("inline", "process"):
-        plan = compile_mlp(b, executor=executor, optimizer=cg.SGD(lr=0.05, momentum=0.9))
+        plan = mlp_plan(batch_size=b, executor=executor, optimizer=cg.SGD(lr=0.05, momentum=0.9))
         h = plan.fit(data, 1, progress=False, seed=3,
                      metrics_every=MetricsMonitor(every, measure_rounds=measure))
         out.append([(m.round, m.grad_sq, m.trace_sigma) for m in h.metrics])
@@ -129,7 +131,7 @@ def test_a_windows_estimate_is_the_mean_of_its_last_measured_rounds():
     data = teacher_data(4 * b * 12, seed=5)
     fits = {}
     for every, measure in ((1, 1), (6, 4)):
-        plan = compile_mlp(b, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.9))
+        plan = mlp_plan(batch_size=b, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.9))
         mon = MetricsMonitor(every, ema=0.5, measure_rounds=measure)
         fits[every] = plan.fit(data, 1, progress=False, seed=3, metrics_every=mon).metrics
         fits[every, "z"] = plan.central_weights()
@@ -156,7 +158,7 @@ def test_the_first_window_of_training_is_kept_out_of_the_moving_averages():
     data = teacher_data(4 * b * 12, seed=5)
     fits = {}
     for warm in (0, 1):
-        plan = compile_mlp(b, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.9))
+        plan = mlp_plan(batch_size=b, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.9))
         mon = MetricsMonitor(3, ema=0.5, measure_rounds=3, warmup_windows=warm)
         fits[warm] = plan.fit(data, 1, progress=False, seed=3, metrics_every=mon).metrics
         fits[warm, "z"] = plan.central_weights()
@@ -197,7 +199,7 @@ def test_measure_rounds_validated_and_capped():
 def test_metric_records_of_a_fit():
     b = 4
     data = teacher_data(4 * b * 10, seed=4)
-    plan = compile_mlp(b, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.9))
+    plan = mlp_plan(batch_size=b, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.9))
     h = plan.fit(data, 2, eval_dataset=data, evals_per_epoch=1, progress=False, metrics_every=5)
     assert [m.round for m in h.metrics] == [5, 10, 15, 20]
     for m in h.metrics:
@@ -231,7 +233,7 @@ def test_windows_of_window_samples_follow_the_batch_size():
                 self.adjust(ctx, batch_size=16)
 
     data = teacher_data(4 * 16 * 12, seed=5)
-    plan = compile_mlp(4, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.9))
+    plan = mlp_plan(batch_size=4, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.9))
     monitor = MetricsMonitor(50, measure_rounds=2, window_samples=96)
     h = plan.fit(data, 1, progress=False, metrics_every=monitor, policies=[Quadruple()])
     # k·b = 16: windows of 6 rounds, then k·b = 64: windows of 2 rounds

@@ -17,6 +17,9 @@ from torch.utils.data import TensorDataset
 import crossbow_graph as cg
 from crossbow_graph.engine.optim import ELEMENTWISE
 
+from _plans import make_plan
+from _reference import batches_of, eager_steps
+
 N, B = 256, 8
 
 
@@ -53,37 +56,18 @@ def _adafactor(model):  # not elementwise: one instance per replica
     return torch.optim.Adafactor(model.parameters(), lr=1e-2)
 
 
-def _compile(model, data, **kw) -> cg.Plan:
-    """A plan of ``model`` at batch B on ``data``'s inputs with cross-entropy."""
-    return cg.compile(model, (data.tensors[0][:B],), nn.functional.cross_entropy, batch_size=B, **kw)
+# the plans of these tests: the model as given at b = B, compile's optimizer unless given; the example
+# inputs data.tensors[0][:B]
+_plan = functools.partial(make_plan, seed=None, batch_size=B, optimizer=None)
 
 
 def _adam_after_one_epoch(data) -> cg.Plan:
     """One device × 2 replicas with Adam (lr 1e-2), inline, after one epoch of ``data``."""
     model = _net()
-    plan = _compile(model, data, devices=1, replicas=2,
-                    optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), executor="inline")
+    plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=2,
+                 optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), executor="inline")
     plan.fit(data, epochs=1, progress=False, metrics_every=None)
     return plan
-
-
-def _flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def _eager(model, make_opt, data, rounds, sched=None):
-    """The oracle: plain PyTorch on batch t in round t (shuffle=False, one learner)."""
-    opt = make_opt(model)
-    scheduler = sched(opt) if sched else None
-    x, y = data.tensors
-    model.train()
-    for t in range(rounds):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x[t * B:(t + 1) * B]), y[t * B:(t + 1) * B]).backward()
-        opt.step()
-        if scheduler is not None:
-            scheduler.step()
-    return _flat(model)
 
 
 def _one_cycle(opt):
@@ -111,9 +95,9 @@ _FOR_LOOP_ADAMW = functools.partial(_groups_adamw, foreach=False)
          "rmsprop", "sgd-nesterov-onecycle", "adafactor"])
 def test_one_learner_equals_eager_pytorch_step_for_step(data, make_opt, eager_opt, sched):
     model = _net()
-    expected = _eager(copy.deepcopy(model), eager_opt, data, N // B, sched)
+    expected = eager_steps(copy.deepcopy(model), eager_opt, batches_of(data, B), lr_scheduler=sched).weights[-1]
     opt = make_opt(model)
-    plan = _compile(model, data, devices=1, replicas=1, optimizer=opt, executor="inline")
+    plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=1, optimizer=opt, executor="inline")
     history = plan.fit(data, shuffle=False, progress=False, metrics_every=None,
                        lr_scheduler=sched(plan.optimizer) if sched else None,
                        lr_scheduler_interval="round")
@@ -144,9 +128,9 @@ def test_one_learner_drifts_from_eager_default_adamw_only_where_adam_amplifies_r
     AVX-512 kernels, 4e-3 with ATen's baseline kernels (ATEN_CPU_CAPABILITY=default), all of it
     in that bias (docs/optimizers.md)."""
     model = _net()
-    expected = _eager(copy.deepcopy(model), _groups_adamw, data, N // B)
-    plan = _compile(model, data, devices=1, replicas=1, optimizer=_groups_adamw(model),
-                    executor="inline")
+    expected = eager_steps(copy.deepcopy(model), _groups_adamw, batches_of(data, B)).weights[-1]
+    plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=1, optimizer=_groups_adamw(model),
+                 executor="inline")
     plan.fit(data, shuffle=False, progress=False, metrics_every=None)
     z = plan.central_weights()
     assert float((z - expected).norm() / expected.norm()) < 2e-2
@@ -180,20 +164,13 @@ def test_fused_adamw_over_several_replicas_equals_one_eager_fused_adamw_each(dat
     k, rounds = 2, N // (2 * B)
     model = _net()
     start = copy.deepcopy(model)
-    plan = _compile(model, data, devices=1, replicas=k, executor="inline",
-                    optimizer=_FUSED_ADAMW(model), sync=cg.SMA(sync_every=10 * rounds))
+    plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=k, executor="inline",
+                 optimizer=_FUSED_ADAMW(model), sync=cg.SMA(sync_every=10 * rounds))
     plan.fit(data, shuffle=False, progress=False, metrics_every=None)
     assert not plan.settings.optimizer.stacked
-    x, y = data.tensors
-    for j in range(k):
-        eager = copy.deepcopy(start)
-        opt = _FUSED_ADAMW(eager)
-        for t in range(rounds):
-            i = (t * k + j) * B
-            opt.zero_grad()
-            nn.functional.cross_entropy(eager(x[i:i + B]), y[i:i + B]).backward()
-            opt.step()
-        torch.testing.assert_close(plan.replica_weights()[j], _flat(eager), rtol=1e-6, atol=1e-7)
+    for j in range(k):  # learner j: batch t·k + j in round t; no sync in this fit
+        eager = eager_steps(copy.deepcopy(start), _FUSED_ADAMW, batches_of(data, B)[j::k][:rounds])
+        torch.testing.assert_close(plan.replica_weights()[j], eager.weights[-1], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("executor,replicas", [("inline", 2), ("process", 2), ("inline", 1)],
@@ -206,7 +183,8 @@ def test_four_learners_adamw_train_and_a_zero_lr_group_stays_bitwise(data, execu
     opt = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 0.0},
                              {"params": list(model[1].parameters()) + list(model[3].parameters())}],
                             lr=1e-2)
-    plan = _compile(model, data, devices=2, replicas=replicas, optimizer=opt, executor=executor)
+    plan = _plan(model, example=data.tensors[0][:B], devices=2, replicas=replicas, optimizer=opt,
+                 executor=executor)
     history = plan.fit(data, epochs=3, progress=False, metrics_every=None, eval_dataset=data)
     losses = [e.test_loss for e in history.evals]
     assert losses[-1] < losses[0]
@@ -225,7 +203,8 @@ def test_stacked_replicas_equal_one_instance_per_replica(data, monkeypatch):
         opt = _groups_adamw(model)
         for group in opt.param_groups:
             group["foreach"] = False
-        plan = _compile(model, data, devices=1, replicas=4, optimizer=opt, executor="inline")
+        plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=4, optimizer=opt,
+                     executor="inline")
         assert plan.settings.optimizer.stacked
         if not stacked:
             monkeypatch.setattr(plan.settings.optimizer, "stacked", False)
@@ -274,7 +253,7 @@ def test_resume_with_adamw_and_a_scheduler_is_bit_identical(data, tmp_path):
     def run(epochs, resume, directory):
         model = _net()
         opt = _groups_adamw(model)
-        plan = _compile(model, data, devices=2, replicas=2, optimizer=opt)
+        plan = _plan(model, example=data.tensors[0][:B], devices=2, replicas=2, optimizer=opt)
         sched = torch.optim.lr_scheduler.SequentialLR(plan.optimizer, [
             torch.optim.lr_scheduler.LinearLR(plan.optimizer, start_factor=0.1, total_iters=4),
             torch.optim.lr_scheduler.CosineAnnealingLR(plan.optimizer, T_max=20)], milestones=[4])
@@ -297,8 +276,8 @@ def test_resume_with_adamw_and_a_scheduler_is_bit_identical(data, tmp_path):
 
 def test_reduce_on_plateau_reads_the_central_models_test_loss(data):
     model = _net()
-    plan = _compile(model, data, devices=1, replicas=2,
-                    optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=2,
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
     sched = torch.optim.lr_scheduler.ReduceLROnPlateau(plan.optimizer, patience=0, factor=0.5,
                                                        threshold=10.0, threshold_mode="abs")
     # better only at the first evaluation, then halved at each
@@ -310,17 +289,18 @@ def test_reduce_on_plateau_reads_the_central_models_test_loss(data):
 
 def test_torch_sgd_with_one_group_runs_the_sma_kernels(data):
     model = _net()
-    plan = _compile(model, data, devices=1, replicas=2,
-                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=2,
+                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     assert plan.settings.optimizer.kernel and plan.states[0].optim_rows is None
-    adam = _compile(model, data, devices=1, replicas=2, optimizer=torch.optim.Adam(model.parameters()))
+    adam = _plan(model, example=data.tensors[0][:B], devices=1, replicas=2,
+                 optimizer=torch.optim.Adam(model.parameters()))
     assert len(plan.kernels) > len(adam.kernels) == 1  # the row optimizer: central update only
     assert "SGD(lr=0.1" in plan.summary() and "Adam(lr=0.001" in adam.summary()
 
 
 def test_cg_sgd_is_a_torch_sgd_a_scheduler_can_drive(data):
     model = _net()
-    plan = _compile(model, data, devices=1, replicas=2, optimizer=cg.SGD(lr=0.1))
+    plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=2, optimizer=cg.SGD(lr=0.1))
     assert isinstance(plan.optimizer, torch.optim.SGD) and plan.settings.optimizer.kernel
     sched = torch.optim.lr_scheduler.MultiStepLR(plan.optimizer, milestones=[1], gamma=0.1)
     history = plan.fit(data, epochs=2, progress=False, metrics_every=None, lr_scheduler=sched)
@@ -360,12 +340,14 @@ def test_optimizers_that_cannot_be_replicated_are_refused_before_training(data, 
 def test_ssgd_with_adamw_is_refused(data):
     model = _net()
     with pytest.raises(ValueError, match="SSGD"):
-        _compile(model, data, replicas=2, optimizer=torch.optim.AdamW(model.parameters()), sync=cg.SSGD())
+        _plan(model, example=data.tensors[0][:B], replicas=2,
+              optimizer=torch.optim.AdamW(model.parameters()), sync=cg.SSGD())
 
 
 def test_a_scheduler_over_another_optimizer_is_refused(data):
     model = _net()
-    plan = _compile(model, data, replicas=2, optimizer=torch.optim.AdamW(model.parameters()))
+    plan = _plan(model, example=data.tensors[0][:B], replicas=2,
+                 optimizer=torch.optim.AdamW(model.parameters()))
     other = torch.optim.AdamW(_net().parameters())
     with pytest.raises(ValueError, match="another optimizer"):
         plan.fit(data, progress=False, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
@@ -378,16 +360,17 @@ def test_frozen_parameters_in_the_optimizer_are_skipped_as_torch_skips_them(data
     model[0].weight.requires_grad_(False)
     frozen = model[0].weight.detach().clone()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # holds the frozen one too
-    plan = _compile(model, data, devices=1, replicas=2, optimizer=opt)
+    plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=2, optimizer=opt)
     plan.fit(data, progress=False, metrics_every=None)
     assert torch.equal(plan.central_model()[0].weight, frozen)
     with pytest.raises(TypeError, match="the class AdamW"):
-        _compile(model, data, optimizer=torch.optim.AdamW)
+        _plan(model, example=data.tensors[0][:B], optimizer=torch.optim.AdamW)
 
 
 def test_a_one_cycle_shorter_than_the_fit_is_refused_before_any_round(data):
     model = _net()
-    plan = _compile(model, data, devices=1, replicas=2, optimizer=torch.optim.AdamW(model.parameters()))
+    plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=2,
+                 optimizer=torch.optim.AdamW(model.parameters()))
     short = torch.optim.lr_scheduler.OneCycleLR(plan.optimizer, max_lr=0.01, total_steps=5)
     with pytest.raises(ValueError, match="total_steps=16"):
         plan.fit(data, progress=False, lr_scheduler=short, lr_scheduler_interval="round")
@@ -405,7 +388,8 @@ def test_a_policys_lr_change_composes_with_the_schedule_as_a_factor(data, make_s
     def run(policy):
         model = _net()
         opt = _groups_adamw(model)
-        plan = _compile(model, data, devices=1, replicas=2, optimizer=opt, executor="inline")
+        plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=2, optimizer=opt,
+                     executor="inline")
         h = plan.fit(data, epochs=2, progress=False, metrics_every=None,
                      lr_scheduler=make_sched(plan.optimizer), lr_scheduler_interval="round",
                      policies=[policy] if policy else [])

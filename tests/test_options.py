@@ -18,7 +18,7 @@ import crossbow_graph as cg
 from crossbow_graph import cli_options
 from crossbow_graph.cli import build_parser
 
-from _runtime_helpers import TinyNet, compile_tiny, tiny_data
+from _plans import TinyNet, make_plan, tiny_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_OPTIONS = {"compile": {"model", "example_inputs", "loss_fn", "options"},
@@ -81,13 +81,13 @@ def test_options_and_keywords_together_are_refused():
     with pytest.raises(ValueError, match=r"fit\(\) got options=FitOptions\(\.\.\.\) and seed, "
                                          r"progress: give each option once.*"
                                          r"dataclasses.replace\(options, seed=\.\.\.\)"):
-        compile_tiny().fit(tiny_data(16), seed=1, progress=False, options=cg.FitOptions())
+        make_plan().fit(tiny_data(16), seed=1, progress=False, options=cg.FitOptions())
     with pytest.raises(ValueError, match=r"compile\(\) got options=CompileOptions\(\.\.\.\) and "
                                          r"batch_size"):
-        compile_tiny(batch_size=4, options=cg.CompileOptions(batch_size=8))
+        make_plan(batch_size=4, options=cg.CompileOptions(batch_size=8))
     with pytest.raises(TypeError, match=r"fit\(options=\{'epochs': 2\}\): must be "
                                         r"crossbow_graph.FitOptions\(\.\.\.\)"):
-        compile_tiny().fit(tiny_data(16), options={"epochs": 2})
+        make_plan().fit(tiny_data(16), options={"epochs": 2})
     with pytest.raises(ValueError, match=r"batch_size=None: must be a positive integer"):
         cg.compile(TinyNet(), (torch.zeros(1, 1, 8, 8),), nn.functional.cross_entropy)  # no b
 

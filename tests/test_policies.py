@@ -19,7 +19,7 @@ from crossbow_graph.tuning.adaptive_batch import lr_power
 from crossbow_graph.tuning.policies import (Adjustment, AdaptiveBatchSize, CosineLR,
                                              DivergenceGuard, MultiStepLR, Policy, StepLR,
                                              parse_policy)
-from _runtime_helpers import compile_tiny, tiny_data
+from _plans import make_plan, tiny_data
 
 
 class At(Policy):
@@ -57,7 +57,7 @@ class Snapshots(Hook):
 def test_change_applies_at_the_same_round_on_every_device(executor):
     """lr changed after round 3: round 4's local step uses the new η on both devices (μ_l = 0,
     λ = 0, so w_{t+1} = ŵ − η·g − α(ŵ − z)), rounds ≤ 3 the old one."""
-    plan = compile_tiny(devices=2, replicas=1, executor=executor, optimizer=cg.SGD(lr=0.05, momentum=0.0))
+    plan = make_plan(devices=2, replicas=1, executor=executor, optimizer=cg.SGD(lr=0.05, momentum=0.0))
     snap = Snapshots()
     h = plan.fit(tiny_data(8 * 8), 1, shuffle=False, progress=False, hooks=[snap],
                  policies=[At(3, lr=0.2)], metrics_every=None)
@@ -77,7 +77,7 @@ def test_batch_size_change_keeps_batches_disjoint_and_replans():
     epoch's batches never overlap; the task graph and the round size follow."""
     n = 160
     data = TensorDataset(torch.randn(n, 1, 8, 8), torch.randint(0, 4, (n,)))
-    plan = compile_tiny(devices=2, replicas=1, executor="inline")
+    plan = make_plan(devices=2, replicas=1, executor="inline")
     snap = Snapshots()
     h = plan.fit(data, 2, progress=False, hooks=[snap], policies=[At(3, batch_size=8)],
                  metrics_every=None)
@@ -93,12 +93,12 @@ def test_batch_size_change_keeps_batches_disjoint_and_replans():
 
 
 def test_batch_size_over_the_memory_budget_is_refused():
-    probe8 = compile_tiny(batch_size=8, devices=1, replicas=2)
-    probe4 = compile_tiny(batch_size=4, devices=1, replicas=2)
+    probe8 = make_plan(batch_size=8, devices=1, replicas=2)
+    probe4 = make_plan(batch_size=4, devices=1, replicas=2)
     mem8 = probe8.task_graph.graph["memory_per_learner_bytes"]
     mem4 = probe4.task_graph.graph["memory_per_learner_bytes"]
     assert mem8 > mem4
-    plan = compile_tiny(batch_size=4, devices=1, replicas=2, memory_budget=2 * mem4 + (mem8 - mem4) // 2)
+    plan = make_plan(batch_size=4, devices=1, replicas=2, memory_budget=2 * mem4 + (mem8 - mem4) // 2)
     with pytest.raises(PlanError):
         plan.adjust(Adjustment(batch_size=8))
     assert plan.batch_size == 4 and plan.scheduler.batch_size == 4
@@ -108,7 +108,7 @@ def test_batch_size_over_the_memory_budget_is_refused():
 
 
 def test_adjust_alpha_sync_every_replicas():
-    plan = compile_tiny(devices=1, replicas=2, executor="inline")
+    plan = make_plan(devices=1, replicas=2, executor="inline")
     done = plan.adjust(Adjustment(alpha=0.3, sync_every=2, replicas_per_device=3))
     assert done == {"alpha": 0.3, "sync_every": 2, "replicas_per_device": 3}
     assert plan.scheduler.alpha == 0.3 and plan.sync.sync_every == 2 and plan.num_learners == 3
@@ -154,7 +154,7 @@ def test_schedules_match_torch_lr_scheduler(ours, theirs):
             seen.append(ctx.plan.scheduler.lr)
 
     policy = ours()
-    plan = compile_tiny(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    plan = make_plan(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1, momentum=0.9))
     plan.fit(tiny_data(16), 8, progress=False, policies=[policy, Record()], metrics_every=None)
     assert seen == _torch_lrs(theirs, 8) and policy.scheduler.optimizer is plan.optimizer
 
@@ -167,7 +167,7 @@ def test_cosine_lr_holds_eta_min_after_its_epochs_and_continues_in_the_next_fit(
             seen.append(ctx.plan.settings.lr)
 
     policy, record = CosineLR(epochs=3, eta_min=0.001), Record()
-    plan = compile_tiny(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    plan = make_plan(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1, momentum=0.9))
     plan.fit(tiny_data(16), 2, progress=False, policies=[policy, record], metrics_every=None)
     plan.fit(tiny_data(16), 3, progress=False, policies=[policy, record], metrics_every=None)
     cosine = _torch_lrs(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=3,
@@ -186,7 +186,7 @@ def test_a_schedule_policys_state_from_an_older_checkpoint_continues_at_its_step
 
     policy = StepLR(step_epochs=2, gamma=0.5)
     policy.load_state_dict({"base_lr": 0.1, "applied": 1.0, "steps": 1})
-    plan = compile_tiny(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1, momentum=0.9))
+    plan = make_plan(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1, momentum=0.9))
     plan.fit(tiny_data(16), 3, progress=False, policies=[policy, Record()], metrics_every=None)
     assert seen == [0.1, 0.1, 0.05] and policy.steps == 2
 
@@ -199,7 +199,7 @@ def test_lr_drop_resets_every_replica_to_z():
             w, z = ctx.plan.replica_weights(), ctx.plan.central_weights()
             seen.append((ctx.plan.scheduler.lr, bool((w == z).all()), float(ctx.plan.states[0].v.abs().sum())))
 
-    plan = compile_tiny(devices=1, replicas=2, executor="inline")
+    plan = make_plan(devices=1, replicas=2, executor="inline")
     h = plan.fit(tiny_data(64), 3, progress=False, policies=[StepLR(2, 0.1), Check()],
                  metrics_every=None)
     assert [round(lr, 6) for lr, _, _ in seen] == [0.05, 0.05, 0.005]
@@ -237,7 +237,7 @@ def test_adaptive_batch_size_rule():
 def test_adaptive_batch_size_refuses_a_fit_without_metrics():
     """Without a metrics monitor there is no noise scale: the fit stops at its start with an error
     that names the way out, instead of running a policy that never acts."""
-    plan = compile_tiny(devices=2, replicas=1, executor="inline")
+    plan = make_plan(devices=2, replicas=1, executor="inline")
     with pytest.raises(ValueError, match="metrics_every"):
         plan.fit(tiny_data(64), 1, progress=False, metrics_every=None, policies=[AdaptiveBatchSize()])
     assert plan.rounds_done == 0
@@ -246,7 +246,7 @@ def test_adaptive_batch_size_refuses_a_fit_without_metrics():
 def test_adaptive_batch_size_grows_b_in_a_fit():
     """Random labels: the gradient is all noise (B_noise ≫ b), so b doubles up to the bound (with
     scale_lr, η alike), and every round's batches stay disjoint."""
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     snap = Snapshots()
     h = plan.fit(tiny_data(640), 1, progress=False, hooks=[snap], metrics_every=2,
                  policies=[AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, scale_lr=True)])
@@ -267,7 +267,7 @@ def test_adaptive_batch_size_grows_b_in_a_fit():
 def test_adaptive_batch_sizes_lr_rule_is_linear_for_sgd_and_square_root_for_adam(make, power):
     """η ← η·f^p for the batch's factor f (linear) or the gain's ratio r_new/r_old (gain): p = 1
     for SGD-like optimizers, 1/2 for adaptive ones (lr_power)."""
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=make)
+    plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=make)
     assert lr_power(plan.optimizer) == power
     ctx = types.SimpleNamespace(plan=plan)
     linear = AdaptiveBatchSize(scale_lr="linear")
@@ -288,8 +288,8 @@ def test_adaptive_batch_size_waits_for_the_estimate_to_settle():
     with pytest.raises(ValueError, match="settle_windows=0"):
         AdaptiveBatchSize(settle_windows=0)
     for settle, skip in ((1, 0), (3, 2), (None, 9)):
-        plan = compile_tiny(devices=2, replicas=1, executor="inline",
-                            optimizer=cg.SGD(lr=0.01, momentum=0.9))
+        plan = make_plan(devices=2, replicas=1, executor="inline",
+                         optimizer=cg.SGD(lr=0.01, momentum=0.9))
         h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
                      policies=[AdaptiveBatchSize(max_batch_size=8, settle_windows=settle, scale_lr="none")])
         windows = [m for m in h.metrics if m.grad_sq_ema is not None]  # the EMAs were updated
@@ -329,7 +329,7 @@ def test_lr_follows_the_gain_window_by_window_and_composes_with_a_schedule():
     """Default scale_lr='gain': from the ``gain_windows``-th window with an estimate on, η is
     η₀·r(k·b, B_noise) with the window's B_noise; a growth of b carries the gain at the new
     k·b in the same adjustment; a schedule's drop multiplies in (η₀·γ·r after the milestone)."""
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     p = AdaptiveBatchSize(reference_batch=4, max_batch_size=8, cooldown_epochs=0.02, settle_windows=5)
     h = plan.fit(tiny_data(320), 2, progress=False, metrics_every=2,
                  policies=[p, MultiStepLR(milestones=(1,), gamma=0.1)])
@@ -349,8 +349,8 @@ def test_adaptive_batch_size_shrinks_b_where_the_noise_is_small():
     against the start's k·b."""
     x = torch.randn(1280, 1, 8, 8, generator=torch.Generator().manual_seed(1))
     data = TensorDataset(x, torch.zeros(1280, dtype=torch.long))
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", batch_size=16,
-                        optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    plan = make_plan(devices=2, replicas=1, executor="inline", batch_size=16,
+                     optimizer=cg.SGD(lr=0.01, momentum=0.9))
     p = AdaptiveBatchSize(cooldown_epochs=0.02)
     h = plan.fit(data, 1, progress=False, metrics_every=2, policies=[p])
     sizes = [r.changes["batch_size"] for r in h.policy if "batch_size" in r.changes]
@@ -365,14 +365,14 @@ def test_lr_gain_waits_in_every_fit_and_restarts_on_another_plan():
     """A policy reused for a second fit on the same plan waits ``gain_windows`` windows of that
     fit again (a new monitor's first window is a single, noisy estimate); reused on another plan
     (whose η holds no gain) it starts again at r = 1: every η it sets there is η₀·r."""
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     p = AdaptiveBatchSize(reference_batch=4, max_batch_size=4)
     plan.fit(tiny_data(96), 1, progress=False, metrics_every=2, policies=[p])
     assert p.gain > 1.5  # k·b = 8 against B₀ = 4
     h = plan.fit(tiny_data(96), 1, progress=False, metrics_every=2, policies=[p])
     windows = [m.round for m in h.metrics if m.grad_sq_ema is not None]
     assert min(r.round for r in h.policy) >= windows[p.gain_windows - 1]
-    other = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    other = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     h = other.fit(tiny_data(96), 1, progress=False, metrics_every=2, policies=[p])
     assert _gain_invariant(h, lambda e: 0.01, 2, p) >= 1
 
@@ -383,7 +383,7 @@ def test_lr_gain_validated_and_reference_defaults_to_the_starting_batch():
         with pytest.raises(ValueError, match=next(iter(kw))):
             AdaptiveBatchSize(**kw)
     assert AdaptiveBatchSize(scale_lr=True).scale_lr == "linear"
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     p = AdaptiveBatchSize(max_batch_size=4)
     h = plan.fit(tiny_data(96), 1, progress=False, metrics_every=2, policies=[p])
     assert p.reference_batch == 2 * 4  # k·b at the start: η taken as right there
@@ -408,7 +408,7 @@ def test_adaptive_batch_size_keeps_a_growth_only_if_samples_per_s_rose(speed_8, 
     """The growth 4 → 8 is judged on ``speed_windows`` (2) windows at b = 8 after one warm-up
     window, against the median at b = 4: +4 % (≤ 10 %) goes back to b = 4, which becomes the
     bound (and η with it, under scale_lr); +50 % is kept and b goes on to 16."""
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     speeds = {4: 100.0, 8: speed_8, 16: 2 * speed_8}
     policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, settle_windows=3,
                                scale_lr=True, min_speedup=0.1)
@@ -437,7 +437,7 @@ def test_a_growth_on_trial_is_not_judged_after_another_policy_changed_k():
             if grown and ctx.plan.replicas_per_device == 1 and ctx.plan.rounds_done >= grown[0].round + 2:
                 self.adjust(ctx, replicas_per_device=2)
 
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     policy = AdaptiveBatchSize(max_batch_size=8, cooldown_epochs=0.02, settle_windows=3,
                                min_speedup=0.1, scale_lr="none")
     h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
@@ -455,7 +455,7 @@ def test_a_returned_growth_keeps_an_lr_drop_made_during_the_trial():
             if grown and len(ctx.history.policy) == 1 and ctx.plan.rounds_done >= grown[0].round + 1:
                 self.adjust(ctx, lr=ctx.plan.scheduler.lr * 0.1)
 
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, settle_windows=3,
                                scale_lr=True, min_speedup=0.1)
     h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
@@ -469,7 +469,7 @@ def test_a_growth_waits_for_a_samples_per_s_baseline():
     """With settle_windows=1 the noise scale asks for a growth at the first window; with
     min_speedup the growth waits for the baseline (one warm-up window and speed_windows = 2
     windows at b = 4), so it is judged (here returned) instead of taken untested."""
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, settle_windows=1,
                                min_speedup=0.1, scale_lr="none")
     h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
@@ -481,7 +481,7 @@ def test_a_growth_waits_for_a_samples_per_s_baseline():
 def test_a_growth_on_trial_at_the_end_of_a_fit_is_judged_in_the_next():
     """The same plan, policy and monitor over two fits: the growth 4 → 8 made near the end of the
     first fit is judged (and returned) in the second, after the restarted workers' warm-up."""
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     mon = MetricsMonitor(2, measure_rounds=2)
     policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, settle_windows=3,
                                min_speedup=0.1, scale_lr="none")
@@ -496,7 +496,7 @@ def test_a_growth_on_trial_at_the_end_of_a_fit_is_judged_in_the_next():
 def test_a_new_policy_does_not_act_on_a_reused_monitors_old_window():
     """A monitor reused from an earlier fit still holds that fit's last window (made to ask for a
     growth here); a policy new to this fit acts only on windows of this fit."""
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     mon = MetricsMonitor(2, measure_rounds=2)
     plan.fit(tiny_data(96), 1, progress=False, metrics_every=mon)
     done = plan.rounds_done
@@ -525,7 +525,7 @@ def test_windows_are_classed_by_their_own_settings():
             if ctx.plan.rounds_done == 6:
                 self.adjust(ctx, replicas_per_device=2)
 
-    plan = compile_tiny(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
+    plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     policy = AdaptiveBatchSize(max_batch_size=8, min_speedup=0.1, settle_windows=1,
                                cooldown_epochs=0.001, scale_lr="none")
     h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
@@ -568,7 +568,7 @@ class Poison(Hook):
 
 @pytest.mark.parametrize("executor", ["inline", "process"])
 def test_nan_replica_is_reset_and_training_goes_on(executor):
-    plan = compile_tiny(devices=1, replicas=2, executor=executor)
+    plan = make_plan(devices=1, replicas=2, executor=executor)
     snap = Snapshots()
     h = plan.fit(tiny_data(8 * 12), 1, progress=False, hooks=[Poison(4, value=float("nan")), snap],
                  policies=[DivergenceGuard()], metrics_every=None)
@@ -585,7 +585,7 @@ def test_diverged_replica_is_left_out_of_the_average(executor):
     if only the healthy replica had been averaged (with the guard off, z jumps by ~α·50·‖z‖)."""
     moves = {}
     for guard in (True, False):
-        plan = compile_tiny(devices=1, replicas=2, executor=executor)
+        plan = make_plan(devices=1, replicas=2, executor=executor)
         snap = Snapshots()
         z0 = plan.central_weights()
         policies = [DivergenceGuard(max_divergence=5.0, loss_factor=None)] if guard else []
@@ -601,7 +601,7 @@ def test_diverged_replica_is_left_out_of_the_average(executor):
 
 
 def test_exploding_loss_replica_is_reset_after_the_round():
-    plan = compile_tiny(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.0))
+    plan = make_plan(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.05, momentum=0.0))
     z0 = plan.central_weights()
     h = plan.fit(tiny_data(8 * 6), 1, shuffle=False, progress=False,
                  hooks=[Poison(2, shift=30 * float(z0.norm()) / math.sqrt(z0.numel()))],
@@ -649,7 +649,7 @@ def test_auto_replicas_policy_grows_m():
             clock["t"] += 1.0 / ctx.plan.replicas_per_device  # rounds get cheaper per sample
 
     pol.clock = tick
-    plan = compile_tiny(devices=1, replicas=1, executor="inline")
+    plan = make_plan(devices=1, replicas=1, executor="inline")
     h = plan.fit(tiny_data(4 * 60), 1, progress=False, hooks=[Clock()], policies=[pol],
                  metrics_every=None)
     assert plan.replicas_per_device == 3  # each gain confirmed by a second look at m − 1 (A B A)
@@ -674,13 +674,13 @@ def test_adaptive_batch_size_moves_a_start_outside_its_bounds_into_them():
         def before_round(self, ctx):
             sizes.append(ctx.plan.batch_size)
 
-    plan = compile_tiny(batch_size=16, devices=1, replicas=2, executor="inline")
+    plan = make_plan(batch_size=16, devices=1, replicas=2, executor="inline")
     h = plan.fit(tiny_data(64), 1, progress=False, hooks=[Record()], metrics_every=5,
                  policies=[AdaptiveBatchSize(max_batch_size=8)])
     assert sizes and set(sizes) == {8}
     first = h.policy[0]
     assert (first.round, first.changes) == (0, {"batch_size": 8}) and "outside" in first.reason
     assert plan.settings.lr == 0.05
-    single = compile_tiny(batch_size=4, devices=1, replicas=1, executor="inline")
+    single = make_plan(batch_size=4, devices=1, replicas=1, executor="inline")
     with pytest.raises(ValueError, match="k = 1"):
         single.fit(tiny_data(16), 1, progress=False, policies=[AdaptiveBatchSize()])

@@ -5,6 +5,7 @@ bfloat16-model fused learners; bad input."""
 from __future__ import annotations
 
 import copy
+import functools
 import multiprocessing
 
 import pytest
@@ -17,15 +18,12 @@ import crossbow_graph as cg
 from crossbow_graph.engine.precision import LossScales
 from crossbow_graph.errors import DivergenceError
 
-from _runtime_helpers import TinyBN, TinyNet
+from _plans import TinyBN, TinyNet, make_plan
+from _reference import flat
 
 MODES = ("per_replica", "fused")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 OPT = dict(lr=0.05, momentum=0.9, weight_decay=1e-4)
-
-
-def _flat(params) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params])
 
 
 def _batches(n: int, b: int = 8, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -41,12 +39,9 @@ def _learnable(n: int = 256, seed: int = 0) -> TensorDataset:
     return TensorDataset(x, (x.flatten(1) @ torch.randn(64, 4, generator=g)).argmax(1))
 
 
-def _plan(model: nn.Module, **kw) -> cg.Plan:
-    kw.setdefault("batch_size", 8)
-    kw.setdefault("replicas", 1)
-    kw.setdefault("executor", "inline")
-    kw.setdefault("optimizer", cg.SGD(**OPT))
-    return cg.compile(model, (torch.randn(2, 1, 8, 8),), kw.pop("loss_fn", F.cross_entropy), **kw)
+# the plans of these tests: the model as given at b = 8, 1 replica, inline, SGD(**OPT)
+_plan = functools.partial(make_plan, seed=None, batch_size=8, replicas=1, executor="inline",
+                          optimizer=cg.SGD(**OPT))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -64,7 +59,7 @@ def test_one_learner_equals_eager_autocast_and_sgd(mode, precision, device):
     scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
     plan = _plan(model, learner_mode=mode, precision=precision,
                  devices=1 if device == "cpu" else ["cuda:0"])
-    w0 = _flat(eager.parameters())
+    w0 = flat(eager.parameters())
     for x, y in _batches(2):
         plan.fit(TensorDataset(x, y), 1, shuffle=False, progress=False)
         sgd.zero_grad()
@@ -75,7 +70,7 @@ def test_one_learner_equals_eager_autocast_and_sgd(mode, precision, device):
         scaler.step(sgd)
         scaler.update()
     assert precision == "bf16" or scaler.get_scale() == LossScales.INIT  # eager made both steps
-    step_plan, step_eager = plan.central_weights() - w0, _flat(eager.parameters()) - w0
+    step_plan, step_eager = plan.central_weights() - w0, flat(eager.parameters()) - w0
     if mode == "per_replica":
         torch.testing.assert_close(step_plan, step_eager, rtol=1e-5, atol=1e-7)
         bn = plan.central_model().bn

@@ -6,14 +6,14 @@ import torch
 
 from crossbow_graph.training.checkpoint import load_plan_state_dict, plan_state_dict
 from crossbow_graph.training.reshard import saved_learners, saved_world_size, split_for_ranks
-from _runtime_helpers import TinyBN, compile_tiny, tiny_data
+from _plans import TinyBN, make_plan, tiny_data
 
 M = 2
 
 
 def _plan(seed: int):
-    return compile_tiny(TinyBN, seed=seed, devices=1, replicas=M, executor="inline", precision="fp16",
-                        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+    return make_plan(TinyBN, seed=seed, devices=1, replicas=M, executor="inline", precision="fp16",
+                     optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
 
 
 def _two_rank_checkpoint():

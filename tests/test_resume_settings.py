@@ -13,7 +13,7 @@ import crossbow_graph as cg
 from crossbow_graph.training.checkpoint import load_latest, save_checkpoint
 
 from test_checkpoint import (StopAfter, _DoubleBatch, _fit_interrupted_and_resumed,
-                             assert_same_state, data, make_plan)
+                             assert_same_state, data, net_plan)
 
 
 
@@ -27,11 +27,11 @@ def test_resume_with_another_lr_and_momentum_uses_the_new_ones_and_warns(tmp_pat
     everything else continue from the checkpoint (oracle: the checkpoint's state loaded into a
     plan that then trains with the new settings)."""
     ckpt = str(tmp_path)
-    make_plan().fit(data(), 2, progress=False, seed=3, hooks=[StopAfter(4)], checkpoint_dir=ckpt,
-                    checkpoint_every=1)
+    net_plan().fit(data(), 2, progress=False, seed=3, hooks=[StopAfter(4)], checkpoint_dir=ckpt,
+                   checkpoint_every=1)
     saved = load_latest(ckpt)[1]["plan"]
     other = dict(optimizer=cg.SGD(lr=0.01, momentum=0.5, weight_decay=1e-4))
-    resumed = make_plan(**other)
+    resumed = net_plan(**other)
     with pytest.warns(UserWarning) as record:
         h = resumed.fit(data(), 2, progress=False, seed=3, checkpoint_dir=ckpt, resume=True)
     (message,) = _resume_warnings(record)
@@ -40,7 +40,7 @@ def test_resume_with_another_lr_and_momentum_uses_the_new_ones_and_warns(tmp_pat
                      r"0\) 0\.5 \(.*set up with 0\.9", message), message
     assert "weight_decay" not in message  # unchanged: the checkpoint's
     assert h.lr[4:] == [0.01] * 8 and resumed.optimizer.param_groups[0]["momentum"] == 0.5
-    oracle = make_plan(**other)
+    oracle = net_plan(**other)
     oracle.load_state_dict(saved)  # as saved: η 0.05, μ 0.9 …
     assert (oracle.scheduler.lr, oracle.optimizer.param_groups[0]["momentum"]) == (0.05, 0.9)
     oracle.adjust(cg.Adjustment(lr=0.01))  # … then the new settings
@@ -63,12 +63,12 @@ def test_resume_after_a_policy_changed_lr_keeps_it_without_a_warning(tmp_path, r
 
 def test_an_older_checkpoint_without_a_set_up_keeps_its_settings_and_warns(tmp_path):
     ckpt = str(tmp_path)
-    make_plan().fit(data(), 1, progress=False, hooks=[StopAfter(4)], checkpoint_dir=ckpt,
-                    checkpoint_every=4)
+    net_plan().fit(data(), 1, progress=False, hooks=[StopAfter(4)], checkpoint_dir=ckpt,
+                   checkpoint_every=4)
     path, state = load_latest(ckpt)
     del state["plan"]["setup"]  # as written before checkpoints recorded it
     save_checkpoint(path, state)
-    resumed = make_plan(optimizer=cg.SGD(lr=0.01, momentum=0.9, weight_decay=1e-4))
+    resumed = net_plan(optimizer=cg.SGD(lr=0.01, momentum=0.9, weight_decay=1e-4))
     with pytest.warns(UserWarning, match=r"records no set-up .*: lr \(param group 0\) 0\.05 "
                                          r"\(this fit's: 0\.01\)"):
         h = resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt, resume=True)
@@ -80,7 +80,7 @@ def test_resume_with_a_scheduler_over_another_lr_follows_the_new_schedule(tmp_pa
     position with the new base (η = new base × f(t), from its first round), warning with both
     bases."""
     def fit(lr, **kw):
-        plan = make_plan(optimizer=cg.SGD(lr=lr, momentum=0.9))
+        plan = net_plan(optimizer=cg.SGD(lr=lr, momentum=0.9))
         sched = torch.optim.lr_scheduler.LambdaLR(plan.optimizer, lambda t: 1 / (1 + t))
         return plan.fit(data(), 2, progress=False, seed=3, lr_scheduler=sched,
                         lr_scheduler_interval="round", **kw)
@@ -108,8 +108,8 @@ def test_resume_with_another_diloco_outer_lr_uses_it(tmp_path):
 
     def diloco(outer_lr: float) -> cg.Plan:
         outer = functools.partial(torch.optim.SGD, lr=outer_lr, momentum=0.9, nesterov=True)
-        return make_plan(devices=1, executor="inline",
-                         sync=cg.DiLoCo(sync_every=2, outer_optimizer=outer))
+        return net_plan(devices=1, executor="inline",
+                        sync=cg.DiLoCo(sync_every=2, outer_optimizer=outer))
 
     ckpt = str(tmp_path)
     diloco(0.7).fit(data(), 1, progress=False, hooks=[StopAfter(6)], checkpoint_dir=ckpt,

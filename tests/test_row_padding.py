@@ -9,13 +9,14 @@ change (nothing reads it).
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
 from crossbow_graph.engine import state as state_module
 from crossbow_graph.kernels import triton_sma as K
 from crossbow_graph.kernels.torch_ref import sma_local_update
+
+from _plans import make_plan
 
 ATOL, RTOL = 1e-6, 1e-5  # as tests/test_kernels.py: the interpreter rounds a·b + c twice
 SENTINEL = -3.5  # exact in every dtype; a write changes it, a read changes the results
@@ -92,14 +93,12 @@ class MLP(nn.Module):
 
 def _fit(pad: bool, monkeypatch, *, backend: str, dtype=torch.float32, resize_to: int = 0):
     monkeypatch.setattr(state_module, "_PAD_ROWS_ON_CPU", pad)
-    torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(48, 8, generator=gen).to(dtype),
                          torch.randint(0, 3, (48,), generator=gen))
-    plan = cg.compile(MLP().to(dtype), (torch.randn(2, 8, dtype=dtype),), F.cross_entropy,
-                      batch_size=4, replicas=3, devices=1, kernel_backend=backend,
-                      executor="inline", sync=cg.SMA(sync_every=2),
-                      optimizer=cg.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3))
+    plan = make_plan(MLP, dtype=dtype, input_shape=(8,), replicas=3, devices=1, kernel_backend=backend,
+                     executor="inline", sync=cg.SMA(sync_every=2),
+                     optimizer=cg.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3))
     rows = _rows(plan, pad)
     plan.fit(data, 1, seed=3, progress=False)
     if resize_to:

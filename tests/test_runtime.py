@@ -10,7 +10,8 @@ from crossbow_graph.compiler.tasks import TaskKind
 from crossbow_graph.engine.learners import learn_group, seed_rng
 from crossbow_graph.training.hooks import Hook
 
-from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, reference_sma, tiny_data
+from _plans import TinyBN, TinyDrop, TinyNet, make_plan, tiny_data
+from _reference import batches_of, flat, reference_sma
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -22,9 +23,9 @@ def _fit(plan, data, hooks=(), **kw):
 @pytest.mark.parametrize("mode", ["per_replica", "fused"])
 def test_inline_modes_match_hand_written_sma(mode):
     data = tiny_data(40)  # 40 samples = 5 rounds of 2 learners × 4
-    plan = compile_tiny(replicas=2, learner_mode=mode, executor="inline")
+    plan = make_plan(replicas=2, learner_mode=mode, executor="inline")
     torch.manual_seed(0)
-    want = reference_sma(TinyNet(), data, batch_size=4, ks=[2] * 5, lr=0.05, momentum=0.9)
+    want = flat(reference_sma(TinyNet(), batches_of(data, 4), ks=[2] * 5, lr=0.05, momentum=0.9)[0])
     _fit(plan, data)
     assert plan.rounds_done == 5
     torch.testing.assert_close(plan.central_weights(), want, **TOL)
@@ -32,7 +33,7 @@ def test_inline_modes_match_hand_written_sma(mode):
 
 def test_fused_and_per_replica_agree_with_batchnorm():
     data = tiny_data(64)
-    plans = {mode: compile_tiny(TinyBN, replicas=3, learner_mode=mode, executor="inline")
+    plans = {mode: make_plan(TinyBN, replicas=3, learner_mode=mode, executor="inline")
              for mode in ("per_replica", "fused")}
     for plan in plans.values():
         _fit(plan, data)
@@ -56,7 +57,7 @@ def test_seed_rng_seeds_the_cpu_generator_like_manual_seed():
 
 @pytest.mark.parametrize("mode", ["per_replica", "fused"])
 def test_dropout_masks_differ_per_replica(mode):
-    plan = compile_tiny(TinyDrop, replicas=2, learner_mode=mode, executor="inline")
+    plan = make_plan(TinyDrop, replicas=2, learner_mode=mode, executor="inline")
     state = plan.states[0]
     torch.testing.assert_close(state.w[0], state.w[1], rtol=0, atol=0)  # identical replicas
     x = torch.randn(4, 1, 8, 8)
@@ -68,7 +69,7 @@ def test_dropout_masks_differ_per_replica(mode):
     assert state.g[0].abs().sum() > 0
     assert not torch.allclose(state.g[0], state.g[1])  # only dropout can tell them apart
     # and without dropout the same program gives identical gradients
-    plain = compile_tiny(TinyNet, replicas=2, learner_mode=mode, executor="inline")
+    plain = make_plan(TinyNet, replicas=2, learner_mode=mode, executor="inline")
     learn_group(plain.states[0], 0, 2, batch, torch.nn.functional.cross_entropy, 4, mode,
                 plain.scheduler.fused_programs[0])
     torch.testing.assert_close(plain.states[0].g[0], plain.states[0].g[1], **TOL)
@@ -106,12 +107,12 @@ class _Resize(Hook):
 def test_adding_and_removing_replicas_mid_fit_matches_reference(executor):
     ks = [1, 1, 2, 2, 2, 3, 3, 1, 1, 2]
     data = tiny_data(4 * sum(ks) + 3)  # a last partial round is dropped
-    plan = compile_tiny(replicas=1, executor=executor)
+    plan = make_plan(replicas=1, executor=executor)
     hook = _Resize({2: 2, 5: 3, 7: 1, 9: 2})
     hist = _fit(plan, data, hooks=[hook])
     assert hook.checked == 4 and plan.rounds_done == len(ks)
     torch.manual_seed(0)
-    want = reference_sma(TinyNet(), data, batch_size=4, ks=ks, lr=0.05, momentum=0.9)
+    want = flat(reference_sma(TinyNet(), batches_of(data, 4), ks=ks, lr=0.05, momentum=0.9)[0])
     torch.testing.assert_close(plan.central_weights(), want, **TOL)
     used = torch.cat(hook.seen)
     assert len(used) == 4 * sum(ks) and len(set(used.tolist())) == len(used)  # disjoint batches
@@ -119,9 +120,9 @@ def test_adding_and_removing_replicas_mid_fit_matches_reference(executor):
 
 
 def test_set_replicas_beyond_memory_budget_names_the_numbers():
-    probe = compile_tiny(replicas=1)
+    probe = make_plan(replicas=1)
     mem = probe.task_graph.graph["memory_per_learner_bytes"]
-    plan = compile_tiny(replicas=1, memory_budget=2 * mem)
+    plan = make_plan(replicas=1, memory_budget=2 * mem)
     assert plan.max_replicas_per_device == 2
     plan.set_replicas(2)
     with pytest.raises(cg.PlanError, match=r"3 replicas × .* budget"):
@@ -149,7 +150,7 @@ class _Boom(TinyNet):
 def test_failing_task_error_names_task_device_round(executor):
     data = tiny_data(64)
     data.tensors[0][4 * 7 + 1] = 1e6  # round 3 (k=2, b=4: 8 per round), learner 1
-    plan = compile_tiny(_Boom, replicas=2, executor=executor, leaf_modules=[_Guard])
+    plan = make_plan(_Boom, replicas=2, executor=executor, leaf_modules=[_Guard])
     with pytest.raises(cg.TaskError, match=r"task 'learn:d0:r1' \(LEARN on cpu:0\) failed in round 3") as err:
         _fit(plan, data)
     assert (err.value.task_id, err.value.device, err.value.round_index) == ("learn:d0:r1", "cpu:0", 3)
@@ -161,7 +162,7 @@ def test_failing_task_error_names_task_device_round(executor):
 def test_trace_inline_and_sync_share(tmp_path):
     import json
 
-    plan = compile_tiny(replicas=2, executor="inline")
+    plan = make_plan(replicas=2, executor="inline")
     hist = _fit(plan, tiny_data(64), trace=str(tmp_path / "t.json"))
     events = json.load(open(tmp_path / "t.json"))["traceEvents"]
     names = {e["name"] for e in events if e["ph"] == "X"}
@@ -174,8 +175,8 @@ def test_trace_inline_and_sync_share(tmp_path):
 @pytest.mark.parametrize("mode", ["per_replica", "fused"])
 def test_cuda_streams_match_hand_written_sma(mode):
     data = tiny_data(40)
-    plan = compile_tiny(replicas=2, learner_mode=mode, devices=["cuda:0"], executor="inline")
+    plan = make_plan(replicas=2, learner_mode=mode, devices=["cuda:0"], executor="inline")
     torch.manual_seed(0)
-    want = reference_sma(TinyNet(), data, batch_size=4, ks=[2] * 5, lr=0.05, momentum=0.9)
+    want = flat(reference_sma(TinyNet(), batches_of(data, 4), ks=[2] * 5, lr=0.05, momentum=0.9)[0])
     _fit(plan, data)
     torch.testing.assert_close(plan.central_weights().cpu(), want, rtol=1e-4, atol=1e-5)

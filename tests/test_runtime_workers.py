@@ -24,7 +24,8 @@ from crossbow_graph.engine.conv_choice import choose_onednn
 from crossbow_graph.engine.workers import worker_groups
 from crossbow_graph.kernels.torch_ref import TorchSMAKernels
 
-from _runtime_helpers import TinyBN, TinyDrop, TinyNet, compile_tiny, reference_sma, tiny_data
+from _plans import TinyBN, TinyDrop, TinyNet, make_plan, tiny_data
+from _reference import batches_of, flat, reference_sma
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -43,7 +44,7 @@ def test_worker_groups_split_replicas_evenly():
 
 
 def test_workers_convolution_library_is_measured_once_per_batch_size_or_fixed():
-    plan = compile_tiny(TinyBN, replicas=2, executor="process")
+    plan = make_plan(TinyBN, replicas=2, executor="process")
     sched, data = plan.scheduler, tiny_data(64)
     fetch = make_fetch(data)
     rng, onednn = torch.get_rng_state(), torch.backends.mkldnn.enabled
@@ -53,14 +54,14 @@ def test_workers_convolution_library_is_measured_once_per_batch_size_or_fixed():
     buf = plan.states[0].buf.clone()
     assert choose_onednn(sched, fetch) is choice and torch.equal(plan.states[0].buf, buf)
     # another plan of the same model and b reuses this process's measurement, unmeasured
-    again = compile_tiny(TinyBN, replicas=2, executor="process").scheduler
+    again = make_plan(TinyBN, replicas=2, executor="process").scheduler
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(conv_choice, "_step_seconds", lambda *a: pytest.fail("measured twice"))
         assert choose_onednn(again, fetch) is choice
     # fixed by compile's cpu_conv: both libraries give the same z to float tolerance
     z = {}
     for conv in ("onednn", "aten"):
-        p = compile_tiny(TinyBN, replicas=2, executor="process", cpu_conv=conv)
+        p = make_plan(TinyBN, replicas=2, executor="process", cpu_conv=conv)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(conv_choice, "_step_seconds", lambda *a: pytest.fail("measured, not fixed"))
             assert choose_onednn(p.scheduler, fetch) is (conv == "onednn")
@@ -68,15 +69,15 @@ def test_workers_convolution_library_is_measured_once_per_batch_size_or_fixed():
         z[conv] = p.central_weights()
     torch.testing.assert_close(z["onednn"], z["aten"], **TOL)
     with pytest.raises(ValueError, match="cpu_conv='mkl': use one of 'auto', 'onednn', 'aten'"):
-        compile_tiny(TinyBN, replicas=2, executor="process", cpu_conv="mkl")
+        make_plan(TinyBN, replicas=2, executor="process", cpu_conv="mkl")
 
 
 @pytest.mark.parametrize("devices,replicas,mode", [(1, 2, "per_replica"), (1, 3, "fused"),
                                                    (2, 2, "per_replica")])
 def test_process_executor_gives_the_same_z_as_in_process(devices, replicas, mode):
     data = tiny_data(4 * devices * replicas * 6)
-    plans = {ex: compile_tiny(TinyBN, devices=devices, replicas=replicas, learner_mode=mode,
-                              executor=ex) for ex in ("inline", "process")}
+    plans = {ex: make_plan(TinyBN, devices=devices, replicas=replicas, learner_mode=mode,
+                           executor=ex) for ex in ("inline", "process")}
     hists = {ex: _fit(p, data) for ex, p in plans.items()}
     a, b = plans["inline"], plans["process"]
     assert b.scheduler.resolved_executor() == "process"
@@ -94,18 +95,18 @@ def test_process_executor_gives_the_same_z_as_in_process(devices, replicas, mode
 
 def test_process_executor_matches_hand_written_sma_and_continues_across_fits():
     data = tiny_data(4 * 2 * 5)
-    plan = compile_tiny(replicas=2, executor="process")
+    plan = make_plan(replicas=2, executor="process")
     _fit(plan, data)
     _fit(plan, data)  # a second fit restarts the workers on the same state
     torch.manual_seed(0)
     twice = torch.utils.data.TensorDataset(*(torch.cat([t, t]) for t in data.tensors))
-    want = reference_sma(TinyNet(), twice, batch_size=4, ks=[2] * 10, lr=0.05, momentum=0.9)
+    want = flat(reference_sma(TinyNet(), batches_of(twice, 4), ks=[2] * 10, lr=0.05, momentum=0.9)[0])
     torch.testing.assert_close(plan.central_weights(), want, **TOL)
 
 
 def test_trace_shows_global_sync_overlapping_next_rounds_learning(tmp_path):
     path = tmp_path / "trace.json"
-    plan = compile_tiny(replicas=2, executor="process")
+    plan = make_plan(replicas=2, executor="process")
     hist = _fit(plan, tiny_data(4 * 2 * 40), trace=str(path))
     trace = json.load(open(path))["traceEvents"]
     events = [e for e in trace if e["ph"] == "X"]
@@ -153,7 +154,7 @@ def test_speculative_rounds_cancelled_by_a_resize_roll_back_batchnorm_buffers():
     data = tiny_data(4 * 2 * 30)
     plans = {}
     for ex in ("inline", "process"):
-        plans[ex] = compile_tiny(TinyBN, devices=2, replicas=1, executor=ex)
+        plans[ex] = make_plan(TinyBN, devices=2, replicas=1, executor=ex)
         plans[ex].fit(data, 1, shuffle=False, progress=False,
                       hooks=[_ResizeOnly({2: 2, 4: 3, 7: 1, 9: 2})])
     a, b = plans["inline"], plans["process"]
@@ -169,7 +170,7 @@ def test_speculative_rounds_cancelled_by_a_resize_roll_back_batchnorm_buffers():
 def test_worker_processes_draw_their_own_dropout_masks(model_cls, differ):
     half = tiny_data(4)
     same = torch.utils.data.TensorDataset(*(torch.cat([t, t]) for t in half.tensors))  # 2 × b
-    plan = compile_tiny(model_cls, replicas=2, executor="process")
+    plan = make_plan(model_cls, replicas=2, executor="process")
     plan.fit(same, 1, shuffle=False, progress=False)  # one round: both learners see the same 4
     w = plan.replica_weights()
     assert plan.rounds_done == 1
@@ -185,8 +186,8 @@ def test_dropout_masks_do_not_depend_on_the_executor(monkeypatch, mode, devices,
     data = tiny_data(4 * devices * replicas * 3)
     z = {}
     for ex in ("inline", "process"):
-        plan = compile_tiny(TinyDrop, devices=devices, replicas=replicas, learner_mode=mode,
-                            executor=ex, cpu_conv="onednn")  # the inline executor's library
+        plan = make_plan(TinyDrop, devices=devices, replicas=replicas, learner_mode=mode,
+                         executor=ex, cpu_conv="onednn")  # the inline executor's library
         _fit(plan, data, seed=5)
         z[ex] = plan.central_weights()
     torch.testing.assert_close(z["process"], z["inline"], **TOL)
@@ -214,7 +215,7 @@ def test_worker_processes_draw_their_own_augmentation_noise_reproducibly(draw):
     same = torch.utils.data.TensorDataset(*(torch.cat([t, t]) for t in half.tensors))  # 2 × b
 
     def fit(seed, epochs):
-        plan = compile_tiny(TinyNet, replicas=2, executor="process")
+        plan = make_plan(TinyNet, replicas=2, executor="process")
         plan.fit(_Noisy(same, draw), epochs, shuffle=False, progress=False, seed=seed)
         return plan.replica_weights(), plan.central_weights()
 
@@ -246,7 +247,7 @@ class _CentralFails(TorchSMAKernels):
 
 
 def test_a_failing_global_sync_in_the_worker_names_the_task_and_round():
-    plan = compile_tiny(replicas=2, executor="process")
+    plan = make_plan(replicas=2, executor="process")
     plan.scheduler.kernels = _CentralFails(plan.scheduler.kernels, at=3)  # forked with the workers
     with pytest.raises(TaskError, match="global_sync") as err:
         _fit(plan, tiny_data(4 * 2 * 10))
@@ -266,7 +267,7 @@ def test_a_worker_error_with_a_huge_message_is_reported_not_hung(monkeypatch):
             raise ValueError("x" * 100_000)
         return torch.nn.functional.cross_entropy(out, target)
 
-    plan = compile_tiny(replicas=2, executor="process", loss_fn=loss)
+    plan = make_plan(replicas=2, executor="process", loss_fn=loss)
     with pytest.raises(TaskError, match=r"ValueError: x+ \[…92,012 characters cut…\] x+") as err:
         _fit(plan, tiny_data(4 * 2 * 3))
     assert len(str(err.value)) < 10_000 and err.value.round_index == 0
@@ -336,7 +337,7 @@ def test_a_wait_for_the_coordinator_is_not_counted_as_synchronisation(tmp_path, 
     monkeypatch.setattr(workers, "time", types.SimpleNamespace(
         perf_counter_ns=clock.perf_counter_ns, perf_counter=time.perf_counter,
         monotonic=time.monotonic))
-    plan = compile_tiny(replicas=2, executor="process")
+    plan = make_plan(replicas=2, executor="process")
     hist = _fit(plan, tiny_data(4 * 2 * rounds), hooks=[_SlowHooks(clock, hook_ns)],
                 trace=str(tmp_path / "t.json"))
     # from round 1 on, group 0 learned ahead and then waited ≥ 1 s of the clock for the release,

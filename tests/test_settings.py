@@ -15,7 +15,7 @@ from crossbow_graph.compiler.tasks import TaskKind
 from crossbow_graph.training.hooks import Hook
 from crossbow_graph.tuning.metrics import MetricsMonitor
 from crossbow_graph.tuning.policies import Adjustment, Policy
-from _runtime_helpers import TinyBN, compile_tiny, tiny_data
+from _plans import TinyBN, make_plan, tiny_data
 
 CHANGES = dict(lr=0.02, batch_size=8, alpha=0.3, sync_every=2, replicas_per_device=2,
                learner_mode="fused")
@@ -40,7 +40,7 @@ class StopAfter(Hook):
 
 
 def _plan(**kw) -> cg.Plan:
-    return compile_tiny(TinyBN, devices=2, executor="inline", **{"replicas": 1, **kw})
+    return make_plan(TinyBN, devices=2, executor="inline", **{"replicas": 1, **kw})
 
 
 def _fit(plan, **kw) -> cg.History:

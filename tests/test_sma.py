@@ -1,6 +1,7 @@
 """SMA as docs/design-overview.md §2 says, checked against torch.optim.SGD and a hand-written reference."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
+from _plans import make_plan
 from _reference import flat, reference_sma
 from test_fit import BNNet
 
@@ -35,18 +37,15 @@ def as_dataset(bs):
     return TensorDataset(torch.cat([x for x, _ in bs]), torch.cat([y for _, y in bs]))
 
 
-def make_plan(model, *, devices=1, replicas=1, b=4, **kw):
-    opt = kw.pop("optimizer", cg.SGD(lr=0.05, momentum=0.9))
-    sync = kw.pop("sync", cg.SMA())
-    return cg.compile(model, (torch.randn(2, 1, 8, 8),), F.cross_entropy, batch_size=b,
-                      devices=devices, replicas=replicas, optimizer=opt, sync=sync, **kw)
+# the plans of these tests: the model as given, 1 device × 1 replica unless given, SGD(0.05, momentum 0.9)
+sma_plan = functools.partial(make_plan, seed=None, devices=1, replicas=1, sync=cg.SMA())
 
 
 def test_one_learner_equals_torch_sgd_step_for_step():
     model = Small()
     eager = copy.deepcopy(model)
     sgd = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    plan = make_plan(model, optimizer=cg.SGD(lr=0.05, momentum=0.9, weight_decay=1e-4))
+    plan = sma_plan(model, optimizer=cg.SGD(lr=0.05, momentum=0.9, weight_decay=1e-4))
     for x, y in batches(6, 4):
         plan.fit(TensorDataset(x, y), 1, shuffle=False, progress=False)
         sgd.zero_grad()
@@ -65,8 +64,8 @@ def test_matches_hand_written_reference(nesterov, weight_decay, alpha, mu_z):
     k, rounds, b = 4, 5, 4
     bs = batches(k * rounds, b)
     opt = cg.SGD(lr=0.05, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay)
-    plan = make_plan(model, devices=2, replicas=2, b=b, optimizer=opt,
-                     sync=cg.SMA(alpha=alpha, central_momentum=mu_z))
+    plan = sma_plan(model, devices=2, replicas=2, batch_size=b, optimizer=opt,
+                    sync=cg.SMA(alpha=alpha, central_momentum=mu_z))
     plan.fit(as_dataset(bs), 1, shuffle=False, progress=False)
     z, replicas = reference_sma(model, bs, k=k, rounds=rounds, lr=0.05, momentum=0.9,
                                 weight_decay=weight_decay, nesterov=nesterov, alpha=alpha,
@@ -77,7 +76,7 @@ def test_matches_hand_written_reference(nesterov, weight_decay, alpha, mu_z):
 
 
 def test_alpha_one_over_k_without_central_momentum_is_the_mean_of_prestep_replicas():
-    plan = make_plan(Small(), devices=2, replicas=3, sync=cg.SMA(alpha=None, central_momentum=0.0))
+    plan = sma_plan(Small(), devices=2, replicas=3, sync=cg.SMA(alpha=None, central_momentum=0.0))
     bs = batches(3 * 6, 4)
     for t in range(3):
         pre = plan.replica_weights()  # ŵ_j of round t
@@ -88,7 +87,7 @@ def test_alpha_one_over_k_without_central_momentum_is_the_mean_of_prestep_replic
 
 
 def test_every_device_holds_the_same_z_after_each_sync():
-    plan = make_plan(Small(), devices=3, replicas=2)
+    plan = sma_plan(Small(), devices=3, replicas=2)
     bs = batches(6 * 4, 4)
     for t in range(4):
         plan.fit(as_dataset(bs[6 * t: 6 * t + 6]), 1, shuffle=False, progress=False)
@@ -99,14 +98,15 @@ def test_every_device_holds_the_same_z_after_each_sync():
 @pytest.mark.parametrize("alpha", [0.0, -0.5, 1.5])
 def test_alpha_outside_unit_interval_is_a_value_error(alpha):
     with pytest.raises(ValueError, match="α must be in"):
-        make_plan(Small(), devices=2, replicas=2, sync=cg.SMA(alpha=alpha))
+        sma_plan(Small(), devices=2, replicas=2, sync=cg.SMA(alpha=alpha))
 
 
 def test_sync_every_tau_rounds_matches_reference_on_sync_rounds():
     """τ = 2: between syncs the learners only step; on the sync round the usual correction."""
     model, b = Small(), 4
     bs = batches(2 * 2, b)  # 2 rounds × 2 learners
-    plan = make_plan(model, devices=1, replicas=2, b=b, sync=cg.SMA(sync_every=2, central_momentum=0.0))
+    plan = sma_plan(model, devices=1, replicas=2, batch_size=b,
+                    sync=cg.SMA(sync_every=2, central_momentum=0.0))
     plan.fit(as_dataset(bs), 1, shuffle=False, progress=False)
     reps = [copy.deepcopy(model) for _ in range(2)]
     opts = [torch.optim.SGD(r.parameters(), lr=0.05, momentum=0.9) for r in reps]

@@ -21,7 +21,7 @@ from crossbow_graph.engine.race_check import RaceRecorder
 from crossbow_graph.engine.streams import CudaStreams
 from crossbow_graph.training.hooks import Hook
 
-from _runtime_helpers import TinyBN, compile_tiny, tiny_data
+from _plans import TinyBN, make_plan, tiny_data
 
 
 def _ignored(data, batches):
@@ -39,23 +39,23 @@ def _fit(scenario: str, tmp_path, rec: RaceRecorder | None):
     kw = dict(executor="inline", kernel_backend="torch")
     fit = dict(epochs=1, progress=False, metrics_every=None)
     if scenario == "batchnorm, 2 devices, evaluation, checkpoints, metrics":
-        plan = compile_tiny(TinyBN, devices=2, replicas=2, **kw)
+        plan = make_plan(TinyBN, devices=2, replicas=2, **kw)
         fit.update(eval_dataset=tiny_data(16, 1), evals_per_epoch=2, checkpoint_dir=str(tmp_path),
                    checkpoint_every=2, metrics_every=2, hooks=[ResetFromZ(), SaveMidFit()])
     elif scenario == "batchnorm, nothing between rounds":
-        plan = compile_tiny(TinyBN, devices=2, replicas=2, **kw)
+        plan = make_plan(TinyBN, devices=2, replicas=2, **kw)
     elif scenario == "τ = 2, NaN losses":
-        plan = compile_tiny(devices=1, replicas=2, sync=cg.SMA(sync_every=2), **kw)
+        plan = make_plan(devices=1, replicas=2, sync=cg.SMA(sync_every=2), **kw)
     elif scenario == "S-SGD":
-        plan = compile_tiny(TinyBN, devices=1, replicas=2, sync=cg.SSGD(), **kw)
+        plan = make_plan(TinyBN, devices=1, replicas=2, sync=cg.SSGD(), **kw)
     elif scenario == "DiLoCo, 2 devices, NaN losses":  # its global sync writes every w
-        plan = compile_tiny(TinyBN, devices=2, replicas=2, sync=cg.DiLoCo(sync_every=2), **kw)
+        plan = make_plan(TinyBN, devices=2, replicas=2, sync=cg.DiLoCo(sync_every=2), **kw)
         fit.update(checkpoint_dir=str(tmp_path), checkpoint_every=3)
     elif scenario == "one learner, AdamW":
-        plan = compile_tiny(TinyBN, devices=1, replicas=1,
-                            optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01), **kw)
+        plan = make_plan(TinyBN, devices=1, replicas=1,
+                         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01), **kw)
     else:  # "m and the learner mode change between fits"
-        plan = compile_tiny(devices=1, replicas=2, learner_mode="fused", **kw)
+        plan = make_plan(devices=1, replicas=2, learner_mode="fused", **kw)
     if rec is not None:
         rec.attach(plan.scheduler)
     data = tiny_data(64)
@@ -191,8 +191,8 @@ def test_a_delayed_stream_changes_nothing_on_cuda(mode, kind):
     torch.backends.cudnn.deterministic = True
 
     def run(delay: int):
-        plan = compile_tiny(TinyBN, devices=1, replicas=2, learner_mode=mode, executor="inline",
-                            kernel_backend="torch")
+        plan = make_plan(TinyBN, devices=1, replicas=2, learner_mode=mode, executor="inline",
+                         kernel_backend="torch")
         streams = plan.scheduler._streams()
         streams.delay = {kind: delay} if delay else {}
         plan.fit(tiny_data(64), 1, shuffle=False, progress=False, metrics_every=None)
@@ -208,7 +208,7 @@ def test_stream_timings_come_from_events_into_the_trace(tmp_path):
     stream, every task of every round in it; the host clock is not used (the recorder's
     events measure 0 ms)."""
     import json
-    plan = compile_tiny(devices=2, replicas=2, executor="inline", kernel_backend="torch")
+    plan = make_plan(devices=2, replicas=2, executor="inline", kernel_backend="torch")
     rec = RaceRecorder().attach(plan.scheduler)
     trace = tmp_path / "run.json"
     with rec:

@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import crossbow_graph as cg
 from crossbow_graph.errors import TaskError
-from _reference import flat, reference_sma
+from _plans import make_plan
+from _reference import batches_of, eager_steps, flat, reference_sma
 
 N, B = 32, 4
 
@@ -27,22 +28,9 @@ def _data(n: int = N, classes: int = 4) -> TensorDataset:
                          torch.randint(0, classes, (n,), generator=g))
 
 
-def _flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
-
-
-def _eager(model: nn.Module, data: TensorDataset, rounds: int, *, loss=F.cross_entropy,
-           lr: float = 0.1, momentum: float = 0.9) -> list[torch.Tensor]:
-    """Plain PyTorch: torch.optim.SGD on batch t in step t; the weights after every step."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    x, y = data.tensors
-    after = []
-    for t in range(rounds):
-        opt.zero_grad()
-        loss(model(x[t * B:(t + 1) * B]), y[t * B:(t + 1) * B]).backward()
-        opt.step()
-        after.append(_flat_params(model))
-    return after
+def _sgd(model: nn.Module) -> torch.optim.SGD:
+    """The eager twin of the plans' cg.SGD(lr=0.1, momentum=0.9)."""
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
 # -- a 0-dim parameter (a learned temperature) ----------------------------------------------
@@ -75,7 +63,7 @@ class _Steps(cg.Hook):
 def test_a_learned_temperature_trains_at_k1_as_eager_sgd_step_for_step():
     torch.manual_seed(0)
     model, data = Temperature(), _data()
-    expected = _eager(copy.deepcopy(model), data, N // B)
+    expected = eager_steps(copy.deepcopy(model), _sgd, batches_of(data, B)).weights
     plan = cg.compile(model, (data.tensors[0][:2],), F.cross_entropy, batch_size=B, devices=1,
                       replicas=1, executor="inline", memory_format="channels_last",
                       optimizer=cg.SGD(lr=0.1, momentum=0.9))
@@ -97,8 +85,7 @@ def test_a_learned_temperature_trains_at_k2_as_reference_sma(mode, executor):
     model, data = Temperature(), _data()
     x, y = data.tensors
     rounds = N // (2 * B)
-    z_ref, _ = reference_sma(model, [(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B]) for i in range(N // B)],
-                             k=2, rounds=rounds, lr=0.1, momentum=0.9)
+    z_ref, _ = reference_sma(model, batches_of(data, B), k=2, rounds=rounds, lr=0.1, momentum=0.9)
     plan = cg.compile(model, (x[:2],), F.cross_entropy, batch_size=B, devices=1, replicas=2,
                       learner_mode=mode, executor=executor, optimizer=cg.SGD(lr=0.1, momentum=0.9))
     plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
@@ -152,7 +139,8 @@ def test_a_dict_loss_trains_on_its_loss_entry_as_eager(mode):
     torch.manual_seed(0)
     model, data = nn.Sequential(nn.Flatten(), nn.Linear(16, 4)), _data()
     ref = copy.deepcopy(model)
-    expected = _eager(ref, data, N // B, loss=lambda o, y: _dict_loss(o, y)["loss"])
+    expected = eager_steps(ref, _sgd, batches_of(data, B),
+                           loss_fn=lambda o, y: _dict_loss(o, y)["loss"]).weights
     plan = cg.compile(model, (data.tensors[0][:2],), _dict_loss, batch_size=B, devices=1,
                       replicas=1, learner_mode=mode, executor="inline",
                       optimizer=cg.SGD(lr=0.1, momentum=0.9))
@@ -227,9 +215,9 @@ def _flag_batch(samples):
 
 
 def _trained(make, example, loss_fn, data, mode, **kw) -> torch.Tensor:
-    torch.manual_seed(0)
-    plan = cg.compile(make(), example, loss_fn, batch_size=B, devices=1, replicas=2,
-                      learner_mode=mode, executor="inline", **kw)
+    kw.setdefault("optimizer", None)  # compile's
+    plan = make_plan(make, example=example, loss_fn=loss_fn, batch_size=B, devices=1, replicas=2,
+                     learner_mode=mode, executor="inline", **kw)
     plan.fit(data, 2, shuffle=False, progress=False, metrics_every=None)
     return plan.replica_weights()
 
@@ -291,9 +279,8 @@ def _clamp(g):
 
 
 def _hooked_run(model: nn.Module, mode: str, **kw) -> cg.Plan:
-    args = dict(batch_size=B, devices=1, replicas=1, learner_mode=mode, executor="inline",
-                optimizer=cg.SGD(lr=0.1, momentum=0.9))
-    plan = cg.compile(model, (_data().tensors[0][:2],), F.cross_entropy, **{**args, **kw})
+    kw = {"devices": 1, "replicas": 1, "executor": "inline", "optimizer": cg.SGD(lr=0.1, momentum=0.9), **kw}
+    plan = make_plan(model, seed=None, example=_data().tensors[0][:2], batch_size=B, learner_mode=mode, **kw)
     plan.fit(_data(), 1, shuffle=False, progress=False, metrics_every=None)
     return plan
 
@@ -302,8 +289,8 @@ def _hooked_run(model: nn.Module, mode: str, **kw) -> cg.Plan:
 def test_a_clamping_gradient_hook_trains_at_k1_as_eager_with_the_hook(mode):
     eager = _net()
     eager[1].weight.register_hook(_clamp)
-    expected = _eager(eager, _data(), N // B)[-1]
-    unhooked = _eager(_net(), _data(), N // B)[-1]
+    expected = eager_steps(eager, _sgd, batches_of(_data(), B)).weights[-1]
+    unhooked = eager_steps(_net(), _sgd, batches_of(_data(), B)).weights[-1]
     assert not torch.allclose(expected, unhooked, atol=1e-3)  # the hook matters
     model = _net()
     model[1].weight.register_hook(_clamp)
@@ -344,8 +331,9 @@ def test_module_forward_hooks_run_as_in_eager(mode):
         model[1].register_forward_hook(lambda mod, args, out: out * 0.5)
         model[3].register_forward_pre_hook(lambda mod, args: (args[0] * 2.0,))
         return model
-    expected = _eager(hook(_net()), _data(), N // B)[-1]
-    assert not torch.allclose(expected, _eager(_net(), _data(), N // B)[-1], atol=1e-3)
+    expected = eager_steps(hook(_net()), _sgd, batches_of(_data(), B)).weights[-1]
+    unhooked = eager_steps(_net(), _sgd, batches_of(_data(), B)).weights[-1]
+    assert not torch.allclose(expected, unhooked, atol=1e-3)
     plan = _hooked_run(hook(_net()), mode)
     torch.testing.assert_close(plan.central_weights(), expected, rtol=1e-5, atol=1e-6)
 
@@ -354,7 +342,7 @@ def test_a_module_backward_hook_trains_per_replica_and_fused_says_so():
     def hook(model):
         model[3].register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 0.1,))
         return model
-    expected = _eager(hook(_net()), _data(), N // B)[-1]
+    expected = eager_steps(hook(_net()), _sgd, batches_of(_data(), B)).weights[-1]
     plan = _hooked_run(hook(_net()), "per_replica")
     torch.testing.assert_close(plan.central_weights(), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"learner_mode='fused' cannot run Sequential: .*module '3' has "
