@@ -11,7 +11,7 @@ import torch
 from crossbow_graph.training.checkpoint import load_latest
 from crossbow_graph.training.hooks import Hook
 
-from test_checkpoint import data, make_plan
+from test_checkpoint import data, net_plan
 
 class CountRounds(Hook):
     def __init__(self) -> None:
@@ -28,7 +28,7 @@ def test_an_older_releases_checkpoint_resumes_bit_identically(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(os.path.join(FIXTURE, "ckpt"), ckpt)
     assert load_latest(ckpt)[1]["plan"]["rounds_done"] == 4
-    plan = make_plan()
+    plan = net_plan()
     count = CountRounds()
     plan.fit(data(), 2, progress=False, seed=3, checkpoint_dir=ckpt, resume=True, hooks=[count])
     assert plan.rounds_done == 12 and count.rounds == 8  # resumed at round 4, not restarted

@@ -1,4 +1,5 @@
-"""Writes this fixture: a checkpoint of test_checkpoint.py's plan stopped at round 4 of 12 (ckpt/),
+"""Writes this fixture with a checkout that writes checkpoint format 1 (its tests/test_checkpoint.py
+make_plan, the same plan as net_plan here): a checkpoint of that plan stopped at round 4 of 12 (ckpt/),
 and the z, w, v and buffers of the same fit uninterrupted (expected.pt).
 
     PYTHONPATH=CHECKOUT python tests/data/checkpoint_v1/make.py OUT_DIR
