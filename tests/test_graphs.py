@@ -11,6 +11,7 @@ in steady-state rounds. The ``gpu`` tests compare real CUDA graphs with eager ro
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 
@@ -258,3 +259,78 @@ def test_gpu_uncapturable_model_falls_back_and_trains():
 def test_cuda_graphs_must_be_a_bool(value):
     with pytest.raises(TypeError, match=r"cuda_graphs=.*must be True or False"):
         compile_tiny(devices=1, replicas=2, cuda_graphs=value)
+
+
+class _FakeCudaGraph:
+    """torch.cuda.graph as it behaves on a GPU: its enter makes a side stream current; its exit
+    raises in capture_end (a failed capture) before putting the caller's stream back."""
+
+    def __init__(self, current: list, fail: bool, **kw) -> None:
+        self.current, self.fail, self.kw = current, fail, kw
+
+    def __enter__(self):
+        self.before, self.current[0] = self.current[0], "capture stream"
+
+    def __exit__(self, *exc):
+        if self.fail or exc[0] is not None:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        self.current[0] = self.before
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_capture_is_thread_local_and_restores_the_callers_stream(monkeypatch, fail):
+    """CudaGraphOps.capture asks for capture_error_mode="thread_local" (a DataLoader's pin
+    thread or a logger's .item() elsewhere cannot break it) and leaves the caller's stream
+    current after a capture, also one that failed in capture_end."""
+    current, seen = ["D"], {}
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
+
+    def graph(g, **kw):
+        seen.update(kw)
+        return _FakeCudaGraph(current, fail, **kw)
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    ops = G.CudaGraphOps()
+    if fail:
+        with pytest.raises(RuntimeError, match="capturing"):
+            with ops.capture(object(), torch.device("cpu")):
+                assert current[0] == "capture stream"
+    else:
+        with ops.capture(object(), torch.device("cpu")):
+            assert current[0] == "capture stream"
+    assert current[0] == "D" and seen == {"capture_error_mode": "thread_local"}
+
+
+@pytest.mark.gpu
+def test_gpu_failed_capture_leaves_the_default_stream_current():
+    """After a capture that failed (a host read in the model), the caller's stream is current
+    again: later rounds and the user's code do not run on torch's capture stream."""
+    with pytest.warns(G.GraphWarning, match="capture failed"):
+        _gpu_fit(ItemLeNet, "per_replica", True)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+@pytest.mark.gpu
+def test_gpu_capture_survives_another_threads_cuda_work():
+    """A thread reading device values (.item(), as a logger does) all through the fit does not
+    break the capture (capture_error_mode="thread_local")."""
+    import threading
+
+    stop = threading.Event()
+    probe = torch.ones(4, device="cuda")
+
+    def logger():
+        while not stop.is_set():
+            float(probe.sum().item())
+
+    thread = threading.Thread(target=logger, daemon=True)
+    thread.start()
+    try:
+        plan, _, _ = _gpu_fit(cg.models.lenet5, "fused", True)
+    finally:
+        stop.set()
+        thread.join()
+    rg = plan.scheduler.round_graph
+    assert rg.failure is None and rg.replays > 0, rg.failure

@@ -78,9 +78,18 @@ class CudaGraphOps:
     @contextmanager
     def capture(self, graph: Any, device: torch.device) -> Iterator[None]:
         """Context: the work issued on the current stream (a side stream ``torch.cuda.graph``
-        makes current) and on every stream forked from it goes into ``graph``."""
-        with torch.cuda.device(device), torch.cuda.graph(graph):
-            yield
+        makes current) and on every stream forked from it goes into ``graph``. Another thread's
+        CUDA calls do not break the capture (``capture_error_mode="thread_local"``); the caller's
+        stream is current again afterwards, also when the capture fails (``torch.cuda.graph``'s
+        exit raises in ``capture_end`` before it restores the stream)."""
+        with torch.cuda.device(device):
+            caller = torch.cuda.current_stream(device)
+            try:
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    yield
+            finally:
+                if torch.cuda.current_stream(device) != caller:
+                    torch.cuda.set_stream(caller)
 
     def replay(self, graph: Any) -> None:
         graph.replay()
