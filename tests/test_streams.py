@@ -10,6 +10,7 @@ report a race; the device-side fault path gives the host path's z and fault even
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,8 +140,31 @@ def test_every_wait_of_the_discipline_is_needed(kind, rule, monkeypatch, tmp_pat
     scenario = {"global sync (S-SGD, DiLoCo)": "DiLoCo, 2 devices, NaN losses"}.get(
         rule, "batchnorm, nothing between rounds")
     rec = RaceRecorder()
-    _fit(scenario, tmp_path, rec)
+    if (kind, rule) == ("local", "start"):  # ordered through the learners when a round has any
+        _local_sync_without_learners(rec)
+    else:
+        _fit(scenario, tmp_path, rec)
     assert rec.races, f"no race without {kind} waiting for {rule}"
+
+
+def _local_sync_without_learners(rec: RaceRecorder) -> None:
+    """The caller's stream D writes a tensor, a round starts with no learner on the device,
+    and its local sync on S_d writes the tensor too."""
+    t = torch.zeros(4)
+    with rec:
+        streams = CudaStreams([SimpleNamespace(torch_device=torch.device("cpu"))], rec)
+        t.add_(1)  # on D, before the round (a hook, the previous round's epilogue)
+        streams.begin_round(None)
+        with streams.local("local sync", 0):
+            t.mul_(2)
+
+
+def test_a_local_sync_without_learners_waits_for_the_round_start():
+    """WAITS["local"] has "start": a LOCAL_SYNC with no learners that round is ordered after
+    the caller's work before the round (start_t), as one after learners is."""
+    rec = RaceRecorder()
+    _local_sync_without_learners(rec)
+    assert [str(r) for r in rec.races] == []
 
 
 def test_join_and_the_buffer_snapshot_are_needed(monkeypatch, tmp_path):

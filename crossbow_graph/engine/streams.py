@@ -93,7 +93,7 @@ class CudaStreams:
 
     WAITS = {  # what each kind of stream waits for before its work of a round (the discipline)
         "learn": ("start", "batch copy", "own local sync", "global sync (S-SGD, DiLoCo)"),
-        "local": ("learners", "global sync"),  # after start_t through the learners
+        "local": ("start", "learners", "global sync"),  # start_t also with no learners
         "global": ("every local sync",),
     }
 
