@@ -334,3 +334,45 @@ def test_gpu_capture_survives_another_threads_cuda_work():
         thread.join()
     rg = plan.scheduler.round_graph
     assert rg.failure is None and rg.replays > 0, rg.failure
+
+
+class _VersionlessReplay(SimulatedGraphs):
+    """A replay that, like a CUDA graph's, moves no tensor's version counter (it runs nothing)."""
+
+    def replay(self, graph) -> None:
+        pass
+
+
+def test_a_replay_moves_the_version_of_the_state_it_writes():
+    """After every round, replayed ones too, z's version has moved: the central module's
+    low-precision copy (refreshed on z._version) is never stale after a replay."""
+    versions = []
+
+    class Versions(cg.Hook):
+        mutates_replicas = False
+
+        def after_round(self, ctx):
+            versions.append(ctx.plan.states[0].z._version)
+
+    plan = compile_tiny(TinyBN, devices=1, replicas=3, executor="inline", kernel_backend="torch",
+                        optimizer=cg.SGD(lr=0.05, momentum=0.9))
+    rec = RaceRecorder().attach(plan.scheduler)
+    plan.scheduler.round_graph = G.RoundGraph(_VersionlessReplay())
+    with rec:
+        plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None,
+                 hooks=[Versions()])
+    assert plan.scheduler.round_graph.replays == 4
+    assert all(b > a for a, b in zip(versions, versions[1:])), versions
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["per_replica", "fused"])
+def test_gpu_bf16_central_module_reads_z_after_replays(mode):
+    """bf16 weights, graph rounds: an evaluation after replays runs on z's current value (the
+    central module's bf16 copy equals z rounded), not on the value of the last eager round."""
+    plan, z, _ = _gpu_fit(lambda: cg.models.lenet5().to(torch.bfloat16), mode, True)
+    assert plan.scheduler.round_graph.replays > 0
+    x = torch.randn(8, 1, 28, 28, dtype=torch.bfloat16)
+    plan.evaluate(torch.utils.data.TensorDataset(x, torch.randint(0, 10, (8,))))
+    s = plan.states[0]
+    assert s.z_model is not s.z and torch.equal(s.z_model, s.z.to(torch.bfloat16))

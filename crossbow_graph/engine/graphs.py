@@ -189,7 +189,7 @@ class RoundGraph:
         streams.captured = True
         streams.seal()  # the round is ordered after the work so far, and waits for none of it
         if entry.graph is not None:
-            self.ops.replay(entry.graph)
+            self._replay(sched, entry.graph)
             self.replays += 1
             losses = [t.clone() for t in entry.losses]
         elif entry.warm < self.warmup_rounds:
@@ -201,10 +201,18 @@ class RoundGraph:
                 streams.captured = False
                 return False
             if not self.ops.executes_in_capture:
-                self.ops.replay(entry.graph)
+                self._replay(sched, entry.graph)
             losses = [t.clone() for t in entry.losses]
         sched.graph_epilogue(round_index, losses)
         return True
+
+    def _replay(self, sched: Any, graph: Any) -> None:
+        """Replay ``graph``, then move the version counters of the state it writes: a replay
+        writes behind autograd's back, and readers that refresh on ``Tensor._version`` (the
+        central module's low-precision copy of z, ``DeviceState.bind_central``) must see it."""
+        self.ops.replay(graph)
+        torch.autograd.graph.increment_version(
+            [t for s in sched.states for t in (s.w, s.v, s.g, s.buf, s.z, s.z_prev, s.zbuf)])
 
     def why_not(self, sched: Any, batch: Any) -> str | None:
         """Why this round of ``sched`` runs eagerly, or None when a graph can run it."""
