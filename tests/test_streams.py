@@ -9,6 +9,7 @@ report a race; the device-side fault path gives the host path's z and fault even
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -247,3 +248,46 @@ def test_stream_timings_come_from_events_into_the_trace(tmp_path):
     assert rounds == 4 and names.count("global_sync") == rounds
     assert sum(n.startswith("learn") for n in names) == 4 * rounds
     assert plan.scheduler.sync_seconds == 0.0  # the simulated events' durations
+
+
+def test_learner_streams_stay_within_the_pool_and_apart_from_the_sync_streams():
+    """m = 34 per_replica learners: at most STREAM_POOL learner streams (torch's pool size per
+    priority; the groups beyond share them on purpose), and the sync and global streams come
+    from another priority's pool, so no learner stream aliases them; no race, z as unstreamed."""
+    from crossbow_graph.engine.streams import STREAM_POOL, SYNC_PRIORITY
+
+    def fit(rec):
+        plan = compile_tiny(TinyBN, devices=1, replicas=34, executor="inline",
+                            kernel_backend="torch", optimizer=cg.SGD(lr=0.05, momentum=0.9))
+        if rec is not None:
+            rec.attach(plan.scheduler)
+        with rec if rec is not None else contextlib.nullcontext():
+            plan.fit(tiny_data(34 * 4 * 2), 1, shuffle=False, progress=False, metrics_every=None)
+        plan.scheduler.flush()
+        return plan
+
+    rec = RaceRecorder()
+    plan = fit(rec)
+    streams = plan.scheduler.cuda_streams
+    learners = {id(s): s for s in streams.groups.values()}
+    assert len(streams.groups) == 34 and len(learners) == STREAM_POOL
+    assert all(s.priority == 0 for s in learners.values())
+    assert streams.sync_stream[0].priority == SYNC_PRIORITY == streams.global_stream.priority
+    assert [str(r) for r in rec.races] == []
+    torch.testing.assert_close(plan.central_weights(), fit(None).central_weights(),
+                               atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_learner_streams_never_alias_the_sync_streams():
+    """m = 40 per_replica on cuda:0: the learner streams are at most 32 distinct CUDA streams,
+    none of them the sync or the global stream."""
+    torch.manual_seed(0)
+    x, y = torch.randn(40 * 8 * 2, 1, 28, 28), torch.randint(0, 10, (40 * 8 * 2,))
+    plan = cg.compile(cg.models.lenet5(), (x[:2],), nn.functional.cross_entropy, batch_size=8,
+                      devices=1, replicas=40, executor="inline")
+    plan.fit(torch.utils.data.TensorDataset(x, y), 1, progress=False, metrics_every=None)
+    streams = plan.scheduler.cuda_streams
+    learners = {s.cuda_stream for s in streams.groups.values()}
+    syncs = {streams.sync_stream[0].cuda_stream, streams.global_stream.cuda_stream}
+    assert len(learners) <= 32 and not learners & syncs
