@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -45,6 +46,19 @@ class TinyDrop(TinyNet):
 
     def forward(self, x):
         return self.fc(self.drop(torch.relu(self.conv(x)).flatten(1)))
+
+
+@contextlib.contextmanager
+def fp32_exact():
+    """Context: float32 matmuls and convolutions without TF32 on CUDA (a GPU result compared
+    with a CPU float32 oracle at rtol 1e-4 needs it: TF32 keeps 10 mantissa bits); restored
+    after."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def tiny_data(n: int = 256, seed: int = 0) -> TensorDataset:
