@@ -287,6 +287,8 @@ class Trainer:
         sched, sync0 = self.plan.scheduler, self.fit_sync0
         self.history.sync_seconds = sched.sync_seconds - sync0[0]
         self.history.sync_exposed_seconds = sched.sync_exposed_seconds - sync0[1]
+        if sched.round_graph is not None:
+            self.history.cuda_graphs = sched.round_graph.record()
 
     def _run_epochs(self) -> None:
         """The hooks' before_fit, the epochs up to ``end_epoch`` or a stop, the hooks' after_fit."""
