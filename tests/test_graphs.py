@@ -486,3 +486,26 @@ def test_hyper_parameters_are_written_only_when_they_change():
     assert hyper.values["lr"]._version == versions["lr"] + 1
     assert hyper.values["momentum"]._version == versions["momentum"]
     assert float(hyper.values["lr"]) == pytest.approx(0.05) and float(hyper.values["momentum"]) == pytest.approx(0.9)
+
+
+def test_graph_rounds_leave_two_rounds_of_fault_masks_in_flight():
+    """After graph round t the host has taken the fault masks of rounds before t − 1 only (it
+    waits for round t − 2's replay, so two rounds stay queued on the GPU); the fit's end takes
+    every one, and the faults equal the eager rounds' (test_graph_rounds_equal_eager_rounds)."""
+    pending = []
+
+    class Pending(cg.Hook):
+        mutates_replicas = False
+
+        def after_round(self, ctx):
+            pending.append(sorted({t for t, *_ in ctx.plan.scheduler._late_faults}))
+
+    plan = compile_tiny(TinyBN, devices=1, replicas=3, executor="inline", kernel_backend="torch",
+                        optimizer=cg.SGD(lr=0.05, momentum=0.9))
+    rec = RaceRecorder().attach(plan.scheduler)
+    plan.scheduler.round_graph = G.RoundGraph(SimulatedGraphs())
+    with rec:
+        plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None,
+                 hooks=[Pending()])
+    assert pending[4:] == [[3, 4], [4, 5], [5, 6], [6, 7]], pending
+    assert plan.scheduler._late_faults == []
