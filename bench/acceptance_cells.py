@@ -211,7 +211,7 @@ def profile_rounds(model: nn.Module, b: int, mode: str, data: TensorDataset, *, 
     events = prof.events()
     if device.type == "cuda":
         kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
-        busy_us = sum(e.device_time for e in kernels)
+        busy_us = sum(e.time_range.elapsed_us() for e in kernels)  # summed: streams overlap
         busy = busy_us / (state["wall"] * 1e6)
     else:
         kernels = [e for e in events if e.name.startswith("aten::")]
@@ -347,9 +347,10 @@ def _w1_result(evals: list[dict], target: float, samples_per_s: float) -> dict:
 
 
 def w1_crossbow(*, graphs: bool, seed: int = 0, target: float = 0.99, argv: tuple = (),
-                max_epochs: int = 6) -> dict:
+                max_epochs: int = 6, max_train_s: float = math.inf) -> dict:
     """``crossbow-graph train``'s defaults on W1 (``bench/tta.py run_cli``: its plan, MNIST,
-    schedule and policies; ``--data-dir`` from ``mnist_root``), with ``graphs`` its plan
+    schedule and policies; ``--data-dir`` from ``mnist_root``; it ends at the first evaluation
+    after ``max_train_s`` training seconds), with ``graphs`` its plan
     compiled with ``cuda_graphs=True``. Returns ``run_cli``'s record (time_to_accuracy_s, …)
     with the graphs' captures and replays."""
     import tta
@@ -366,7 +367,7 @@ def w1_crossbow(*, graphs: bool, seed: int = 0, target: float = 0.99, argv: tupl
 
     with mock.patch.object(cg, "compile", compile_):
         out = tta.run_cli(spec, None, None, model_name="lenet5", seed=seed, max_epochs=max_epochs,
-                          target=target, evals_per_epoch=4)
+                          target=target, evals_per_epoch=4, max_train_s=max_train_s)
     rg = plans[-1].scheduler.round_graph if plans else None
     out.update(captures=rg.captures if rg is not None else None,
                replays=rg.replays if rg is not None else None,

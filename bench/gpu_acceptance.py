@@ -789,7 +789,8 @@ def section_w1(args, sec: Section) -> None:
             sec.notes.append(f"skip (smoke): {label} needs CUDA graphs")
             continue
         r = record(label, partial(cells.w1_crossbow, graphs=graphs, argv=small,
-                                  max_epochs=1 if args.smoke else 6))
+                                  max_epochs=1 if args.smoke else 6,
+                                  max_train_s=math.inf if args.smoke else 15.0))
         if r is not None and graphs:
             sec.check((r["replays"] or 0) > 0, f"{label}: {r['replays']} replays, "
                       f"{r['captures']} captures (failure: {r['graph_failure']})")
