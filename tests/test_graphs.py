@@ -375,10 +375,16 @@ def test_a_replay_moves_the_version_of_the_state_it_writes():
 def test_gpu_bf16_central_module_reads_z_after_replays(mode):
     """bf16 weights, graph rounds: an evaluation after replays runs on z's current value (the
     central module's bf16 copy equals z rounded), not on the value of the last eager round."""
-    plan, z, _ = _gpu_fit(lambda: cg.models.lenet5().to(torch.bfloat16), mode, True)
+    torch.manual_seed(0)
+    x = torch.randn(4 * 16 * 6, 1, 28, 28, dtype=torch.bfloat16)
+    y = torch.randint(0, 10, (4 * 16 * 6,))
+    plan = cg.compile(cg.models.lenet5().to(torch.bfloat16), (x[:2],), nn.functional.cross_entropy,
+                      batch_size=16, devices=1, replicas=4, learner_mode=mode,
+                      optimizer=cg.SGD(lr=0.05, momentum=0.9), cuda_graphs=True)
+    data = torch.utils.data.TensorDataset(x, y)
+    plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
     assert plan.scheduler.round_graph.replays > 0
-    x = torch.randn(8, 1, 28, 28, dtype=torch.bfloat16)
-    plan.evaluate(torch.utils.data.TensorDataset(x, torch.randint(0, 10, (8,))))
+    plan.evaluate(data)
     s = plan.states[0]
     assert s.z_model is not s.z and torch.equal(s.z_model, s.z.to(torch.bfloat16))
 
@@ -465,7 +471,7 @@ def test_gpu_graph_rounds_from_host_data_replay_and_equal_eager(mode):
                               batch_size=16, devices=1, replicas=4, learner_mode=mode,
                               optimizer=cg.SGD(lr=0.05, momentum=0.9), cuda_graphs=graphs)
             src = data if source == "host" else torch.utils.data.DataLoader(
-                data, batch_size=64, pin_memory=True)
+                data, batch_size=16, pin_memory=True)
             h = plan.fit(src, 1, shuffle=False, progress=False, metrics_every=None,
                          **({"data_on_device": False} if source == "host" else {}))
             if graphs:
