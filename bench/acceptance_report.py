@@ -20,12 +20,15 @@ from pathlib import Path
 
 __all__ = ["SECTIONS", "collect", "main"]
 
-SECTIONS = [("tests", "1. gpu-marked tests"),
+SECTIONS = [("decisive", "1. LeNet-5 at b = 16 in every system"),
             ("bandwidth", "2. SMA kernel bandwidth, data out of L2"),
-            ("races", "3. race probes"),
-            ("reference", "4. CUDA fits against the CPU reference"),
-            ("nccl", "5. NCCL with one rank"),
-            ("throughput", "6. throughput against plain PyTorch")]
+            ("throughput", "3. throughput against plain PyTorch"),
+            ("w1", "4. W1 time to 99.0 % on real MNIST"),
+            ("profile", "5. torch.profiler: kernels and host µs per round"),
+            ("tests", "6. gpu-marked tests"),
+            ("races", "7. race probes"),
+            ("reference", "8. CUDA fits against the CPU reference"),
+            ("nccl", "9. NCCL with one rank")]
 
 
 def _rc(work: Path, name: str) -> tuple[int | None, float | None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -10,7 +11,7 @@ from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
 
-__all__ = ["TinyNet", "TinyBN", "TinyDrop", "tiny_data", "make_plan"]
+__all__ = ["TinyNet", "TinyBN", "TinyDrop", "tiny_data", "make_plan", "fp32_exact"]
 
 
 class TinyNet(nn.Module):
@@ -86,3 +87,16 @@ def make_plan(model: nn.Module | Callable[[], nn.Module] = TinyNet, *, seed: int
     if optimizer is not None:
         options["optimizer"] = optimizer
     return cg.compile(model, example, loss_fn, batch_size=batch_size, **options)
+
+
+@contextlib.contextmanager
+def fp32_exact():
+    """Context: float32 matmuls and convolutions without TF32 on CUDA (a GPU result compared
+    with a CPU float32 oracle at rtol 1e-4 needs it: TF32 keeps 10 mantissa bits); restored
+    after."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

@@ -22,6 +22,18 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _gpu_fp32(request):
+    """gpu-marked tests compare with float32 oracles: TF32 off while they run."""
+    if "gpu" not in request.node.keywords:
+        yield
+        return
+    from _plans import fp32_exact
+
+    with fp32_exact():
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -140,3 +140,19 @@ def test_cuda_estimate_adds_cublas_workspace_per_learner_and_the_budget_is_free_
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[d.index], 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 2**30)
     assert build.cuda_memory_budget(["cuda:0", "cuda:1"]) == 61 * 2**30
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_memory_measurement_does_not_depend_on_earlier_cublas_work():
+    """The measured peak is the same before and after cuBLAS work on the default stream (its
+    workspace, allocated once per stream, is cleared before each measurement)."""
+    from memcheck import measure_training_step_bytes
+
+    first = measure_training_step_bytes(lambda: models.get_model("lenet5"), (1, 28, 28), 64,
+                                        device="cuda")
+    a = torch.randn(256, 256, device="cuda")
+    (a @ a).sum().item()  # cuBLAS on the default stream
+    again = measure_training_step_bytes(lambda: models.get_model("lenet5"), (1, 28, 28), 64,
+                                        device="cuda")
+    assert abs(again - first) <= 0.01 * first, (first, again)

@@ -538,3 +538,43 @@ def test_a_failed_start_up_says_whether_ranks_never_arrived_or_the_address_is_wr
     err = join_failed(rank, 4, "10.0.0.1:29500", 60.0, RuntimeError(text))
     assert str(err).startswith(f"rank {rank} of 4: {says}"), str(err)
     assert str(err).endswith("; start every rank again") and err.round_index == -1
+
+
+def test_rank_0s_settings_travel_every_round_only_when_a_hook_decides(tmp_path, monkeypatch):
+    """One gloo rank in this process: 40 rounds with no deciding hook (an LR schedule decides
+    the same on every rank) agree rank 0's settings every AGREE_EVERY_ROUNDS rounds (and once
+    before the first round), not every round; with a hook that decides, after every round.
+    z equals the fit without torch.distributed either way."""
+    import torch.distributed as dist
+
+    from crossbow_graph.engine.comm import AGREE_EVERY_ROUNDS
+
+    calls = []
+    real = Comm.agree_settings
+    monkeypatch.setattr(Comm, "agree_settings",
+                        lambda self, plan, stop, t: calls.append(t) or real(self, plan, stop, t))
+
+    class Decides(cg.Hook):
+        mutates_replicas = False
+
+    def fit(hooks, distributed):
+        plan = make_plan(TinyBN, devices=1, replicas=2, kernel_backend="torch",
+                            distributed=cg.Distributed(backend="gloo") if distributed else None)
+        assert (plan.comm is not None) == distributed
+        steps = torch.optim.lr_scheduler.StepLR(plan.optimizer, step_size=5, gamma=0.5)
+        plan.fit(tiny_data(40 * 2 * 4), 1, shuffle=False, progress=False, metrics_every=None,
+                 hooks=hooks, lr_scheduler=steps, lr_scheduler_interval="round")
+        return plan.central_weights()
+
+    z_alone = fit([], False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        z = fit([], True)
+        quiet = list(calls)
+        calls.clear()
+        fit([Decides()], True)
+    finally:
+        dist.destroy_process_group()
+    assert len(quiet) == 1 + 40 // AGREE_EVERY_ROUNDS, quiet
+    assert len(calls) >= 40, len(calls)
+    torch.testing.assert_close(z, z_alone, atol=0, rtol=0)

@@ -11,12 +11,14 @@ in steady-state rounds. The ``gpu`` tests compare real CUDA graphs with eager ro
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 import crossbow_graph as cg
 from crossbow_graph.engine import graphs as G
@@ -257,3 +259,258 @@ def test_gpu_uncapturable_model_falls_back_and_trains():
 def test_cuda_graphs_must_be_a_bool(value):
     with pytest.raises(TypeError, match=r"cuda_graphs=.*must be True or False"):
         make_plan(devices=1, replicas=2, cuda_graphs=value)
+
+
+class _FakeCudaGraph:
+    """torch.cuda.graph as it behaves on a GPU: its enter makes a side stream current; its exit
+    raises in capture_end (a failed capture) before putting the caller's stream back."""
+
+    def __init__(self, current: list, fail: bool, **kw) -> None:
+        self.current, self.fail, self.kw = current, fail, kw
+
+    def __enter__(self):
+        self.before, self.current[0] = self.current[0], "capture stream"
+
+    def __exit__(self, *exc):
+        if self.fail or exc[0] is not None:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        self.current[0] = self.before
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_capture_is_thread_local_and_restores_the_callers_stream(monkeypatch, fail):
+    """CudaGraphOps.capture asks for capture_error_mode="thread_local" (a DataLoader's pin
+    thread or a logger's .item() elsewhere cannot break it), puts every graph in one memory
+    pool, and leaves the caller's stream current after a capture, also one that failed in
+    capture_end."""
+    current, seen = ["D"], {}
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
+
+    def graph(g, **kw):
+        seen.update(kw)
+        return _FakeCudaGraph(current, fail, **kw)
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    pools = iter(["pool", "another pool"])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
+    ops = G.CudaGraphOps()
+    if fail:
+        with pytest.raises(RuntimeError, match="capturing"):
+            with ops.capture(object(), torch.device("cpu")):
+                assert current[0] == "capture stream"
+    else:
+        for _ in range(2):  # every graph in the one pool
+            with ops.capture(object(), torch.device("cpu")):
+                assert current[0] == "capture stream"
+    assert current[0] == "D" and seen == {"capture_error_mode": "thread_local", "pool": "pool"}
+
+
+@pytest.mark.gpu
+def test_gpu_failed_capture_leaves_the_default_stream_current():
+    """After a capture that failed (a host read in the model), the caller's stream is current
+    again: later rounds and the user's code do not run on torch's capture stream."""
+    with pytest.warns(G.GraphWarning, match="capture failed"):
+        _gpu_fit(ItemLeNet, "per_replica", True)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+@pytest.mark.gpu
+def test_gpu_capture_survives_another_threads_cuda_work():
+    """A thread reading device values (.item(), as a logger does) all through the fit does not
+    break the capture (capture_error_mode="thread_local")."""
+    import threading
+
+    stop = threading.Event()
+    probe = torch.ones(4, device="cuda")
+
+    def logger():
+        while not stop.is_set():
+            float(probe.sum().item())
+
+    thread = threading.Thread(target=logger, daemon=True)
+    thread.start()
+    try:
+        plan, _, _ = _gpu_fit(cg.models.lenet5, "fused", True)
+    finally:
+        stop.set()
+        thread.join()
+    rg = plan.scheduler.round_graph
+    assert rg.failure is None and rg.replays > 0, rg.failure
+
+
+class _VersionlessReplay(SimulatedGraphs):
+    """A replay that, like a CUDA graph's, moves no tensor's version counter (it runs nothing)."""
+
+    def replay(self, graph) -> None:
+        pass
+
+
+def test_a_replay_moves_the_version_of_the_state_it_writes():
+    """After every round, replayed ones too, z's version has moved: the central module's
+    low-precision copy (refreshed on z._version) is never stale after a replay."""
+    versions = []
+
+    class Versions(cg.Hook):
+        mutates_replicas = False
+
+        def after_round(self, ctx):
+            versions.append(ctx.plan.states[0].z._version)
+
+    plan = make_plan(TinyBN, devices=1, replicas=3, executor="inline", kernel_backend="torch",
+                        optimizer=cg.SGD(lr=0.05, momentum=0.9))
+    rec = RaceRecorder().attach(plan.scheduler)
+    plan.scheduler.round_graph = G.RoundGraph(_VersionlessReplay())
+    with rec:
+        plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None,
+                 hooks=[Versions()])
+    assert plan.scheduler.round_graph.replays == 4
+    assert all(b > a for a, b in zip(versions, versions[1:])), versions
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["per_replica", "fused"])
+def test_gpu_bf16_central_module_reads_z_after_replays(mode):
+    """bf16 weights, graph rounds: an evaluation after replays runs on z's current value (the
+    central module's bf16 copy equals z rounded), not on the value of the last eager round."""
+    torch.manual_seed(0)
+    x = torch.randn(4 * 16 * 6, 1, 28, 28, dtype=torch.bfloat16)
+    y = torch.randint(0, 10, (4 * 16 * 6,))
+    plan = cg.compile(cg.models.lenet5().to(torch.bfloat16), (x[:2],), nn.functional.cross_entropy,
+                      batch_size=16, devices=1, replicas=4, learner_mode=mode,
+                      optimizer=cg.SGD(lr=0.05, momentum=0.9), cuda_graphs=True)
+    data = torch.utils.data.TensorDataset(x, y)
+    plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
+    assert plan.scheduler.round_graph.replays > 0
+    plan.evaluate(data)
+    s = plan.states[0]
+    assert s.z_model is not s.z and torch.equal(s.z_model, s.z.to(torch.bfloat16))
+
+
+def test_graph_rounds_take_a_dataloaders_batches_into_static_inputs():
+    """A DataLoader's batches (new tensors every round, never the dataset's): the graph rounds
+    copy each into static inputs of the plan's device, capture and replay, and z equals the
+    eager rounds'; the static inputs are the entry's own, and the first step's round (run once)
+    keeps none; the History records the captures, replays and eager rounds."""
+    loader = torch.utils.data.DataLoader(tiny_data(96), batch_size=12, shuffle=False)
+    eager = _fit(False, data=loader)
+    graph = _fit(True, data=loader)
+    _same(graph, eager)
+    rg = graph[0].scheduler.round_graph
+    assert (rg.captures, rg.replays, rg.failure) == (1, 4, None)
+    assert graph[1].cuda_graphs == {"captures": 1, "replays": 4, "eager_rounds": {}}
+    assert len(rg._entries) == 1  # the steady key only
+    (entry,) = rg._entries.values()
+    assert all(t.device == graph[0].states[0].torch_device for t in tree_leaves(entry.batch))
+
+
+def test_a_refused_round_names_data_on_device_and_is_recorded():
+    """Rounds a graph cannot take are counted by reason in the History (a row optimizer: all
+    8); a batch that is not a structure of tensors is refused naming data_on_device."""
+    graph = _fit(True, optimizer=_adamw)
+    record = graph[1].cuda_graphs
+    assert record["replays"] == 0 and list(record["eager_rounds"].values()) == [8], record
+    sched = _fit(True)[0].scheduler  # SGD: graph rounds
+    reason = sched.round_graph.why_not(sched, ((torch.zeros(2), "tag"), torch.zeros(2)))
+    assert reason is not None and "data_on_device" in reason
+    assert sched.round_graph.why_not(sched, (torch.zeros(2), torch.zeros(2))) is None
+
+
+class _Ops:
+    """Events and pinning as HostStaging uses them, recording the host's waits."""
+
+    def __init__(self):
+        self.waited, self.n = [], 0
+
+    def stage(self, t):
+        return t.clone()
+
+    def use(self, stream):
+        return contextlib.nullcontext()
+
+    def new_event(self):
+        self.n += 1
+        return self.n
+
+    def record(self, event, stream):
+        pass
+
+    def wait_host(self, event):
+        self.waited.append(event)
+
+
+def test_host_staging_refills_a_buffer_only_after_its_last_copy():
+    """Two slots in turn: the third batch waits for the event after the first batch's copy,
+    the fourth for the second's; each static input holds the batch copied last."""
+    ops = _Ops()
+    staging = G.HostStaging(ops)
+    static = [torch.zeros(3)]
+    for i in range(4):
+        staging.copy_in(static, [torch.full((3,), float(i))], stream=None)
+        assert torch.equal(static[0], torch.full((3,), float(i)))
+    assert ops.waited == [1, 2]
+    assert staging.buffers[0][0] is not staging.buffers[1][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["per_replica", "fused"])
+def test_gpu_graph_rounds_from_host_data_replay_and_equal_eager(mode):
+    """Host data (data_on_device=False: the batches are gathered on the host) and a DataLoader:
+    the graph rounds replay (no fallback) and z equals the eager rounds' on the same batches."""
+    torch.backends.cudnn.deterministic = True
+    torch.manual_seed(0)
+    x, y = torch.randn(4 * 16 * 8, 1, 28, 28), torch.randint(0, 10, (4 * 16 * 8,))
+    data = torch.utils.data.TensorDataset(x, y)
+    zs = {}
+    for source in ("host", "loader"):
+        for graphs in (True, False):
+            torch.manual_seed(0)
+            plan = cg.compile(cg.models.lenet5(), (x[:2],), nn.functional.cross_entropy,
+                              batch_size=16, devices=1, replicas=4, learner_mode=mode,
+                              optimizer=cg.SGD(lr=0.05, momentum=0.9), cuda_graphs=graphs)
+            src = data if source == "host" else torch.utils.data.DataLoader(
+                data, batch_size=16, pin_memory=True)
+            h = plan.fit(src, 1, shuffle=False, progress=False, metrics_every=None,
+                         **({"data_on_device": False} if source == "host" else {}))
+            if graphs:
+                assert h.cuda_graphs["replays"] > 0 and not h.cuda_graphs["eager_rounds"], h.cuda_graphs
+            zs[source, graphs] = plan.central_weights()
+        torch.testing.assert_close(zs[source, True], zs[source, False], atol=1e-6, rtol=1e-5)
+
+
+def test_hyper_parameters_are_written_only_when_they_change():
+    """DeviceHyper.set fills a tensor only when its number changed (no kernel in a round whose
+    η, μ_l, λ, α, μ_z stay), and always holds the number in force."""
+    hyper = G.DeviceHyper(torch.device("cpu"))
+    hyper.set(lr=0.1, momentum=0.9)
+    versions = {n: t._version for n, t in hyper.values.items()}
+    hyper.set(lr=0.1, momentum=0.9)
+    assert {n: t._version for n, t in hyper.values.items()} == versions
+    hyper.set(lr=0.05, momentum=0.9)
+    assert hyper.values["lr"]._version == versions["lr"] + 1
+    assert hyper.values["momentum"]._version == versions["momentum"]
+    assert float(hyper.values["lr"]) == pytest.approx(0.05) and float(hyper.values["momentum"]) == pytest.approx(0.9)
+
+
+def test_graph_rounds_leave_two_rounds_of_fault_masks_in_flight():
+    """After graph round t the host has taken the fault masks of rounds before t − 1 only (it
+    waits for round t − 2's replay, so two rounds stay queued on the GPU); the fit's end takes
+    every one, and the faults equal the eager rounds' (test_graph_rounds_equal_eager_rounds)."""
+    pending = []
+
+    class Pending(cg.Hook):
+        mutates_replicas = False
+
+        def after_round(self, ctx):
+            pending.append(sorted({t for t, *_ in ctx.plan.scheduler._late_faults}))
+
+    plan = make_plan(TinyBN, devices=1, replicas=3, executor="inline", kernel_backend="torch",
+                        optimizer=cg.SGD(lr=0.05, momentum=0.9))
+    rec = RaceRecorder().attach(plan.scheduler)
+    plan.scheduler.round_graph = G.RoundGraph(SimulatedGraphs())
+    with rec:
+        plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None,
+                 hooks=[Pending()])
+    assert pending[4:] == [[3, 4], [4, 5], [5, 6], [6, 7]], pending
+    assert plan.scheduler._late_faults == []

@@ -180,3 +180,24 @@ def test_cuda_streams_match_hand_written_sma(mode):
     want = flat(reference_sma(TinyNet(), batches_of(data, 4), ks=[2] * 5, lr=0.05, momentum=0.9)[0])
     _fit(plan, data)
     torch.testing.assert_close(plan.central_weights().cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_gpu_tests_run_without_tf32_and_restore_it():
+    """fp32_exact (every gpu-marked test runs in it, tests/conftest.py): TF32 off inside, the
+    flags as they were after, also after an exception."""
+    from _plans import fp32_exact
+
+    torch.backends.cudnn.allow_tf32 = True
+    with pytest.raises(RuntimeError):
+        with fp32_exact():
+            assert not torch.backends.cudnn.allow_tf32
+            assert not torch.backends.cuda.matmul.allow_tf32
+            raise RuntimeError
+    assert torch.backends.cudnn.allow_tf32
+
+
+@pytest.mark.gpu
+def test_gpu_tests_see_no_tf32():
+    """The conftest fixture is in force in a gpu-marked test (the TF32 convolutions of
+    test_cuda_streams_match_hand_written_sma would miss rtol 1e-4)."""
+    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32

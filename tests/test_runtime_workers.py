@@ -348,3 +348,25 @@ def test_a_wait_for_the_coordinator_is_not_counted_as_synchronisation(tmp_path, 
     events = json.load(open(tmp_path / "t.json"))["traceEvents"]
     release = [e["dur"] for e in events if e.get("name") == "wait for release"]
     assert sum(d >= hook_ns / 1e3 for d in release) >= rounds - 1  # µs
+
+
+def test_forking_the_workers_warns_nothing(monkeypatch):
+    """Python >= 3.12's DeprecationWarning at a fork of a multi-threaded process (emitted here
+    by a stand-in for os.fork, as 3.12's does) is silenced around the workers' fork only: the
+    fit trains and no warning escapes."""
+    import warnings
+
+    real_fork = os.fork
+
+    def fork_312():
+        warnings.warn(f"This process (pid={os.getpid()}) is multi-threaded, use of fork() may "
+                      "lead to deadlocks in the child.", DeprecationWarning, stacklevel=2)
+        return real_fork()
+
+    monkeypatch.setattr(os, "fork", fork_312)
+    plan = make_plan(devices=2, replicas=1, executor="process")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan.fit(tiny_data(64), 1, progress=False, metrics_every=None)
+    assert not [w for w in caught if "fork()" in str(w.message)], [str(w.message) for w in caught]
+    assert torch.isfinite(plan.central_weights()).all()

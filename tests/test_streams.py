@@ -9,7 +9,9 @@ report a race; the device-side fault path gives the host path's z and fault even
 
 from __future__ import annotations
 
+import contextlib
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,8 +141,31 @@ def test_every_wait_of_the_discipline_is_needed(kind, rule, monkeypatch, tmp_pat
     scenario = {"global sync (S-SGD, DiLoCo)": "DiLoCo, 2 devices, NaN losses"}.get(
         rule, "batchnorm, nothing between rounds")
     rec = RaceRecorder()
-    _fit(scenario, tmp_path, rec)
+    if (kind, rule) == ("local", "start"):  # ordered through the learners when a round has any
+        _local_sync_without_learners(rec)
+    else:
+        _fit(scenario, tmp_path, rec)
     assert rec.races, f"no race without {kind} waiting for {rule}"
+
+
+def _local_sync_without_learners(rec: RaceRecorder) -> None:
+    """The caller's stream D writes a tensor, a round starts with no learner on the device,
+    and its local sync on S_d writes the tensor too."""
+    t = torch.zeros(4)
+    with rec:
+        streams = CudaStreams([SimpleNamespace(torch_device=torch.device("cpu"))], rec)
+        t.add_(1)  # on D, before the round (a hook, the previous round's epilogue)
+        streams.begin_round(None)
+        with streams.local("local sync", 0):
+            t.mul_(2)
+
+
+def test_a_local_sync_without_learners_waits_for_the_round_start():
+    """WAITS["local"] has "start": a LOCAL_SYNC with no learners that round is ordered after
+    the caller's work before the round (start_t), as one after learners is."""
+    rec = RaceRecorder()
+    _local_sync_without_learners(rec)
+    assert [str(r) for r in rec.races] == []
 
 
 def test_join_and_the_buffer_snapshot_are_needed(monkeypatch, tmp_path):
@@ -223,3 +248,46 @@ def test_stream_timings_come_from_events_into_the_trace(tmp_path):
     assert rounds == 4 and names.count("global_sync") == rounds
     assert sum(n.startswith("learn") for n in names) == 4 * rounds
     assert plan.scheduler.sync_seconds == 0.0  # the simulated events' durations
+
+
+def test_learner_streams_stay_within_the_pool_and_apart_from_the_sync_streams():
+    """m = 34 per_replica learners: at most STREAM_POOL learner streams (torch's pool size per
+    priority; the groups beyond share them on purpose), and the sync and global streams come
+    from another priority's pool, so no learner stream aliases them; no race, z as unstreamed."""
+    from crossbow_graph.engine.streams import STREAM_POOL, SYNC_PRIORITY
+
+    def fit(rec):
+        plan = make_plan(TinyBN, devices=1, replicas=34, executor="inline",
+                            kernel_backend="torch", optimizer=cg.SGD(lr=0.05, momentum=0.9))
+        if rec is not None:
+            rec.attach(plan.scheduler)
+        with rec if rec is not None else contextlib.nullcontext():
+            plan.fit(tiny_data(34 * 4 * 2), 1, shuffle=False, progress=False, metrics_every=None)
+        plan.scheduler.flush()
+        return plan
+
+    rec = RaceRecorder()
+    plan = fit(rec)
+    streams = plan.scheduler.cuda_streams
+    learners = {id(s): s for s in streams.groups.values()}
+    assert len(streams.groups) == 34 and len(learners) == STREAM_POOL
+    assert all(s.priority == 0 for s in learners.values())
+    assert streams.sync_stream[0].priority == SYNC_PRIORITY == streams.global_stream.priority
+    assert [str(r) for r in rec.races] == []
+    torch.testing.assert_close(plan.central_weights(), fit(None).central_weights(),
+                               atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_learner_streams_never_alias_the_sync_streams():
+    """m = 40 per_replica on cuda:0: the learner streams are at most 32 distinct CUDA streams,
+    none of them the sync or the global stream."""
+    torch.manual_seed(0)
+    x, y = torch.randn(40 * 8 * 2, 1, 28, 28), torch.randint(0, 10, (40 * 8 * 2,))
+    plan = cg.compile(cg.models.lenet5(), (x[:2],), nn.functional.cross_entropy, batch_size=8,
+                      devices=1, replicas=40, executor="inline")
+    plan.fit(torch.utils.data.TensorDataset(x, y), 1, progress=False, metrics_every=None)
+    streams = plan.scheduler.cuda_streams
+    learners = {s.cuda_stream for s in streams.groups.values()}
+    syncs = {streams.sync_stream[0].cuda_stream, streams.global_stream.cuda_stream}
+    assert len(learners) <= 32 and not learners & syncs

@@ -17,7 +17,8 @@ Everything that must be the same on every rank is checked or decided once:
   fingerprint of compiler/fingerprint.py, devices, replicas, batch size, optimiser, SMA settings)
   and the fit's data facts, and raises DistributedError naming the first difference, instead of
   hanging in a collective later;
-* every round: the run settings that hooks may change (m, learner mode, lr, α, b, τ, stop) are
+* every round when some rank has a hook that ``decides`` (else every ``AGREE_EVERY_ROUNDS``
+  rounds): the run settings that hooks may change (m, learner mode, lr, α, b, τ, stop) are
   broadcast from rank 0 after the round's hooks and applied with ``Plan.adjust``
   (``Comm.agree_settings``; also before a round when epoch or evaluation hooks ran since, or when
   some rank has a ``before_round`` hook): the auto-tuner runs on rank 0 only, and rank 0's
@@ -61,7 +62,8 @@ from .peers import join_failed, lost_peer
 if TYPE_CHECKING:
     from ..api import Plan
 
-__all__ = ["Distributed", "Comm", "torchrun_env", "z_digest", "SyncDtype", "DistBackend"]
+__all__ = ["Distributed", "Comm", "torchrun_env", "z_digest", "SyncDtype", "DistBackend",
+           "AGREE_EVERY_ROUNDS"]
 
 SyncDtype = Literal["fp32", "bf16", "fp16"]  # the corrections' dtype in the all-reduce
 DistBackend = Literal["auto", "gloo", "nccl"]
@@ -111,6 +113,9 @@ class Distributed:
 
 SYNC_DTYPES: dict[SyncDtype, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                              "fp16": torch.float16}
+
+
+AGREE_EVERY_ROUNDS = 16  # rounds between agreements of rank 0's settings when no hook decides
 
 
 def torchrun_env() -> dict[str, str] | None:

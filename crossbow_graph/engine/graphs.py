@@ -11,9 +11,13 @@ replays it every round after:
   synchronises, the flags the update kernels are compiled with (momentum, Nesterov, weight
   decay, α ≠ 0, μ_z ≠ 0, a first step), the input's shapes and the flat buffers' addresses; a
   re-plan (``Scheduler.set_task_graph``) drops every graph.
-* **static inputs**: the round's batch is copied into a buffer the graph reads (made by the
-  key's first round); the flat buffers, the fault masks and the buffer snapshot are the state's
-  own, at fixed addresses.
+* **static inputs on the device**: the round's batch is copied into buffers on the plan's
+  device that the graph reads (made by the key's first round; a first step's round, run once,
+  keeps none), before the round and outside any capture: a device batch directly, a host batch
+  (a DataLoader's, an augmented or a large dataset's) through pinned staging buffers that the
+  host refills only after their last copy is done (``HostStaging``); the flat buffers, the
+  fault masks and the buffer snapshot are the state's own, at fixed addresses. Every graph
+  shares one memory pool (they replay one after another).
 * **hyper-parameters as device tensors**: η, μ_l, λ, α and μ_z live in 0-dim float32 tensors
   per device (``DeviceHyper``), written before each round (``fill_``: no host synchronisation)
   and read by the update kernels at run time (kernels/: ``HYPER_PTR``); a Python number would
@@ -31,9 +35,11 @@ replays it every round after:
 
 A round the graph cannot take (several devices, torchrun, a sync algorithm whose global sync
 writes every replica: ``SyncAlgorithm.cuda_graphs``, a row optimizer, float16 loss scales, a
-batch with non-tensor leaves) runs eagerly, with one warning naming the reason; a capture
-that fails (an op that cannot be captured: a host read, a data-dependent shape) warns once
-naming the exception, puts back what it changed, and every later round runs eagerly. ``SimulatedGraphs`` (engine/capture_check.py) stands in for ``CudaGraphOps`` on CPU
+batch with non-tensor leaves or on another device: the reason names ``data_on_device``) runs
+eagerly, with one warning naming the reason; a capture that fails (an op that cannot be
+captured: a host read, a data-dependent shape) warns once naming the exception, puts back what
+it changed, and every later round runs eagerly. ``RoundGraph.record`` (``History.cuda_graphs``)
+counts the captures, the replays and the eager rounds by reason. ``SimulatedGraphs`` (engine/capture_check.py) stands in for ``CudaGraphOps`` on CPU
 devices, where the tests run the same path.
 """
 
@@ -50,7 +56,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .batches import LearnerBatches
 from .learners import learner_seed, seed_rng
 
-__all__ = ["RoundGraph", "CudaGraphOps", "DeviceHyper", "GraphWarning", "cuda_graphs_refusal"]
+__all__ = ["RoundGraph", "CudaGraphOps", "DeviceHyper", "GraphWarning", "HostStaging",
+           "cuda_graphs_refusal"]
 
 
 class GraphWarning(RuntimeWarning):
@@ -72,15 +79,30 @@ class CudaGraphOps:
 
     executes_in_capture = False  # a CUDA capture records the kernels without running them
 
+    def __init__(self) -> None:
+        self.pool: Any = None  # one memory pool for every graph (made at the first capture)
+
     def new_graph(self) -> Any:
         return torch.cuda.CUDAGraph()
 
     @contextmanager
     def capture(self, graph: Any, device: torch.device) -> Iterator[None]:
         """Context: the work issued on the current stream (a side stream ``torch.cuda.graph``
-        makes current) and on every stream forked from it goes into ``graph``."""
-        with torch.cuda.device(device), torch.cuda.graph(graph):
-            yield
+        makes current) and on every stream forked from it goes into ``graph``. Another thread's
+        CUDA calls do not break the capture (``capture_error_mode="thread_local"``); the caller's
+        stream is current again afterwards, also when the capture fails (``torch.cuda.graph``'s
+        exit raises in ``capture_end`` before it restores the stream)."""
+        with torch.cuda.device(device):
+            caller = torch.cuda.current_stream(device)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            try:  # one pool: graphs replay one after another on the caller's stream, never
+                # concurrently, so a graph's temporaries may live where another's did
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    yield
+            finally:
+                if torch.cuda.current_stream(device) != caller:
+                    torch.cuda.set_stream(caller)
 
     def replay(self, graph: Any) -> None:
         graph.replay()
@@ -95,11 +117,15 @@ class DeviceHyper:
 
     def __init__(self, device: torch.device) -> None:
         self.values = {n: torch.zeros((), dtype=torch.float32, device=device) for n in self.NAMES}
+        self.written: dict[str, float] = {}  # the number each tensor holds
 
     def set(self, **numbers: float) -> None:
-        """Write the numbers in force (on the current stream, before the round that reads them)."""
+        """Write the numbers in force that changed (on the current stream, before the round that
+        reads them): a round whose η, μ_l, λ, α, μ_z stay launches no kernel for them."""
         for name, value in numbers.items():
-            self.values[name].fill_(float(value))
+            if self.written.get(name) != float(value):
+                self.values[name].fill_(float(value))
+                self.written[name] = float(value)
 
     def local_args(self, sgd: Any, alpha: float) -> dict[str, Any]:
         """The local kernels' ``lr``, ``momentum``, ``weight_decay``, ``alpha``: the tensors, but
@@ -113,9 +139,43 @@ class DeviceHyper:
         return self.values["central_momentum"] if central_momentum != 0 else 0.0
 
 
+class HostStaging:
+    """Pinned host buffers through which a host batch reaches a graph's static inputs on the
+    device, outside the capture: ``slots`` sets of buffers used in turn; before the host
+    overwrites a set it waits (``ops.wait_host``) for the event after the copy that last read it
+    (that of ``slots`` rounds before, done long since), so no replay reads a half-written batch.
+
+    Args:
+        ops: the streams' operations (``streams.StreamOps``, or a RaceRecorder on CPU devices).
+    """
+
+    def __init__(self, ops: Any, slots: int = 2) -> None:
+        self.ops, self.slots = ops, slots
+        self.buffers: list[list[torch.Tensor]] = []  # per slot, one pinned buffer per leaf
+        self.events: list[Any] = [None] * slots
+        self.turn = 0
+
+    def copy_in(self, statics: list[torch.Tensor], leaves: list[torch.Tensor], stream: Any) -> None:
+        """Copy the host tensors ``leaves`` into ``statics`` (device tensors of their shapes) on
+        ``stream`` through the next slot's pinned buffers."""
+        slot = self.turn % self.slots
+        self.turn += 1
+        if self.events[slot] is not None:
+            self.ops.wait_host(self.events[slot])
+        if len(self.buffers) <= slot:
+            self.buffers.append([self.ops.stage(torch.empty_like(t)) for t in leaves])
+        with self.ops.use(stream):
+            for buf, static, t in zip(self.buffers[slot], statics, leaves):
+                buf.copy_(t)  # the host writes the pinned buffer
+                static.copy_(buf, non_blocking=True)
+        self.events[slot] = self.ops.new_event()
+        self.ops.record(self.events[slot], stream)
+
+
 @dataclass(eq=False)
 class _Entry:
-    batch: Any  # the static input: the round's batch is copied here
+    batch: Any  # the static input on the device: the round's batch is copied here
+    staging: HostStaging  # host batches pass through it
     graph: Any = None
     warm: int = 0  # eager rounds run so far
     losses: list[torch.Tensor] | None = None  # the graph's losses, in learning order
@@ -144,6 +204,7 @@ class RoundGraph:
         self.observer: Callable[[int], Any] | None = None
         self.failure: str | None = None
         self.captures = self.replays = 0
+        self.eager_rounds: dict[str, int] = {}  # why a round ran eagerly → rounds
         self._entries: dict[tuple, _Entry] = {}
         self._hyper: dict[int, DeviceHyper] = {}  # id(DeviceState) → its tensors
         self._warned: set[str] = set()
@@ -164,25 +225,26 @@ class RoundGraph:
         round runs eagerly instead (``why_not``; a failed capture)."""
         reason = self.why_not(sched, batch)
         if reason is not None:
-            self._warn(reason)
+            self._eager(reason)
             if sched.cuda_streams is not None:
                 sched.cuda_streams.captured = False
             return False
         key = self._key(sched, batch, synchronise)
+        streams = sched.cuda_streams
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry(tree_map(_clone, batch))
-        else:
-            for static, new in zip(tree_leaves(entry.batch), tree_leaves(batch)):
-                static.copy_(new, non_blocking=True)
+            device = sched.states[0].torch_device
+            entry = _Entry(tree_map(lambda t: _static_like(t, device), batch), HostStaging(streams.ops))
+            if not any(f for s in sched.states for f in s.first_step):  # a first step: once
+                self._entries[key] = entry
+        self._copy_batch(entry, batch, streams.ops.current(sched.states[0].torch_device))
         self._prologue(sched, round_index)
-        streams = sched.cuda_streams
         streams.captured = True
         streams.seal()  # the round is ordered after the work so far, and waits for none of it
         if entry.graph is not None:
-            self.ops.replay(entry.graph)
+            self._replay(sched, entry.graph)
             self.replays += 1
-            losses = [t.clone() for t in entry.losses]
+            losses = _copied(entry.losses)
         elif entry.warm < self.warmup_rounds:
             with self.observer(round_index) if self.observer is not None else nullcontext():
                 losses = sched.graph_body(entry.batch, synchronise)
@@ -192,10 +254,37 @@ class RoundGraph:
                 streams.captured = False
                 return False
             if not self.ops.executes_in_capture:
-                self.ops.replay(entry.graph)
-            losses = [t.clone() for t in entry.losses]
+                self._replay(sched, entry.graph)
+            losses = _copied(entry.losses)
         sched.graph_epilogue(round_index, losses)
         return True
+
+    def _copy_batch(self, entry: _Entry, batch: Any, stream: Any) -> None:
+        """The round's batch into the entry's static inputs on the caller's stream, before the
+        round: a device tensor directly, host tensors through the pinned staging."""
+        host_statics, host_leaves = [], []
+        for static, new in zip(tree_leaves(entry.batch), tree_leaves(batch)):
+            if new.device == static.device:
+                static.copy_(new)
+            else:
+                host_statics.append(static)
+                host_leaves.append(new)
+        if host_leaves:
+            entry.staging.copy_in(host_statics, host_leaves, stream)
+
+    def record(self) -> dict[str, Any]:
+        """The graph rounds so far: ``{"captures", "replays", "eager_rounds": {reason: rounds}}``
+        (what ``History.cuda_graphs`` holds)."""
+        return {"captures": self.captures, "replays": self.replays,
+                "eager_rounds": dict(self.eager_rounds)}
+
+    def _replay(self, sched: Any, graph: Any) -> None:
+        """Replay ``graph``, then move the version counters of the state it writes: a replay
+        writes behind autograd's back, and readers that refresh on ``Tensor._version`` (the
+        central module's low-precision copy of z, ``DeviceState.bind_central``) must see it."""
+        self.ops.replay(graph)
+        torch.autograd.graph.increment_version(
+            [t for s in sched.states for t in (s.w, s.v, s.g, s.buf, s.z, s.z_prev, s.zbuf)])
 
     def why_not(self, sched: Any, batch: Any) -> str | None:
         """Why this round of ``sched`` runs eagerly, or None when a graph can run it."""
@@ -217,7 +306,15 @@ class RoundGraph:
             return "precision='fp16' settles its loss scales on the host"
         if isinstance(batch, LearnerBatches) or not all(
                 isinstance(t, torch.Tensor) for t in tree_leaves(batch)):
-            return "the batch is not a structure of tensors (a collate_fn's own batches)"
+            return ("the batch is not a structure of tensors (a collate_fn's own batches): graph "
+                    "rounds copy tensor batches into static inputs; use a TensorDataset "
+                    "(fit(data_on_device=True) keeps it on the GPU) or a collate_fn of tensors")
+        device = sched.states[0].torch_device
+        elsewhere = {str(t.device) for t in tree_leaves(batch)
+                     if t.device.type != "cpu" and t.device != device}
+        if elsewhere:
+            return (f"the batch lies on {sorted(elsewhere)}, not on the plan's {device}: pass host "
+                    f"data or fit(data_on_device=True), which moves a TensorDataset to {device}")
         return None
 
     def _key(self, sched: Any, batch: Any, synchronise: bool) -> tuple:
@@ -256,13 +353,15 @@ class RoundGraph:
             for s, flags in zip(sched.states, first_steps):
                 s.first_step[:] = flags
             sched.drop_streams()  # new streams: none of a failed capture's state lingers
-            self._warn(f"a capture failed ({self.failure})")
+            self._eager(f"a capture failed ({self.failure})")
             return False
         entry.graph, entry.losses = graph, losses
         self.captures += 1
         return True
 
-    def _warn(self, reason: str) -> None:
+    def _eager(self, reason: str) -> None:
+        """A round runs eagerly: counted under its reason, warned once per reason."""
+        self.eager_rounds[reason] = self.eager_rounds.get(reason, 0) + 1
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"cuda_graphs=True: rounds run eagerly, without CUDA graphs: {reason}",
@@ -278,5 +377,12 @@ def _first_failure(exc: BaseException) -> str:
     return f"{type(first).__name__}: {first}".strip()
 
 
-def _clone(x: Any) -> Any:
-    return x.detach().clone() if isinstance(x, torch.Tensor) else x
+def _copied(losses: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The graph's m losses (0-dim tensors it overwrites at every replay) copied out in one
+    kernel: views of one new ``[m]`` tensor."""
+    return list(torch.stack(losses).unbind()) if losses else []
+
+
+def _static_like(x: Any, device: torch.device) -> Any:
+    """A graph's static input for the batch tensor ``x``: the same shape and dtype on ``device``."""
+    return torch.empty_like(x, device=device) if isinstance(x, torch.Tensor) else x

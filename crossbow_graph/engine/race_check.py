@@ -50,8 +50,8 @@ class Race:
 
 
 class _Stream:
-    def __init__(self, sid: int, device: torch.device) -> None:
-        self.id, self.device = sid, device
+    def __init__(self, sid: int, device: torch.device, priority: int = 0) -> None:
+        self.id, self.device, self.priority = sid, device, priority
 
     def __repr__(self) -> str:
         return f"stream {self.id}"
@@ -90,8 +90,8 @@ class RaceRecorder(TorchDispatchMode):
 
     # -- StreamOps ------------------------------------------------------------------------------
 
-    def new_stream(self, device: torch.device) -> _Stream:
-        stream = _Stream(next(self._ids), device)
+    def new_stream(self, device: torch.device, priority: int = 0) -> _Stream:
+        stream = _Stream(next(self._ids), device, priority)
         self.syncs.create_stream(stream.id)
         self.streams_made += 1
         return stream

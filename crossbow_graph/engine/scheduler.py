@@ -416,7 +416,8 @@ class Scheduler(RoundInterpreter):
         for d, mask in enumerate(self.fault_masks):
             if mask is not None:
                 self._read_late(d, 0, mask, self._cuda.ops.current(self.states[d].torch_device))
-        self._take_late_faults(block=False, before=round_index)
+        # rounds t−1 and t stay queued: the host waits for round t−2's replay, not for t−1's
+        self._take_late_faults(block=False, before=round_index - 1)
 
     def graph_hyper(self, state: DeviceState):
         """In a graph round's body, the device's hyper-parameter tensors (graphs.DeviceHyper),

@@ -11,7 +11,8 @@ import torch
 
 from .batches import DeviceParts, batch_tensors, map_tensors
 
-__all__ = ["StreamOps", "CudaStreams", "STREAM_KINDS", "host_resident", "is_host_resident"]
+__all__ = ["StreamOps", "CudaStreams", "STREAM_KINDS", "STREAM_POOL", "host_resident",
+           "is_host_resident"]
 
 STREAM_KINDS = ("learn", "local", "global")
 
@@ -32,8 +33,10 @@ def is_host_resident(t: torch.Tensor) -> bool:
 class StreamOps:
     """torch.cuda's streams and events, as ``CudaStreams`` uses them."""
 
-    def new_stream(self, device: torch.device) -> Any:
-        return torch.cuda.Stream(device=device)
+    def new_stream(self, device: torch.device, priority: int = 0) -> Any:
+        """A stream from torch's pool of ``STREAM_POOL`` streams of ``priority`` on ``device``
+        (the pool is reused round-robin: more streams than that alias earlier ones)."""
+        return torch.cuda.Stream(device=device, priority=priority)
 
     def new_event(self, timing: bool = False) -> Any:
         return torch.cuda.Event(enable_timing=timing)
@@ -79,6 +82,8 @@ class StreamOps:
 
 
 CUDA_OPS = StreamOps()
+STREAM_POOL = 32  # streams per priority and device in torch's pool (c10/cuda/CUDAStream.cpp)
+SYNC_PRIORITY = -1  # the sync, global and copy streams: another pool than the learners'
 
 
 class CudaStreams:
@@ -93,7 +98,7 @@ class CudaStreams:
 
     WAITS = {  # what each kind of stream waits for before its work of a round (the discipline)
         "learn": ("start", "batch copy", "own local sync", "global sync (S-SGD, DiLoCo)"),
-        "local": ("learners", "global sync"),  # after start_t through the learners
+        "local": ("start", "learners", "global sync"),  # start_t also with no learners
         "global": ("every local sync",),
     }
 
@@ -102,8 +107,9 @@ class CudaStreams:
         self.delay: dict[str, int] = {}
         self.captured = False
         self.groups: dict[tuple[int, int], Any] = {}  # (device, first row) → learner stream
-        self.sync_stream = [ops.new_stream(s.torch_device) for s in states]
-        self.global_stream = ops.new_stream(states[0].torch_device)
+        self.sync_stream = [ops.new_stream(s.torch_device, SYNC_PRIORITY) for s in states]
+        self.global_stream = ops.new_stream(states[0].torch_device, SYNC_PRIORITY)
+        self._learner_streams: list[list[Any]] = [[] for _ in states]  # per device, ≤ STREAM_POOL
         self.origin = [self._event(ops.current(s.torch_device), timing=True) for s in states]
         self.default: list[Any] = [ops.current(s.torch_device) for s in states]  # D per device
         self.start: list[Any] = [None] * len(states)  # start_t per device (on D)
@@ -113,6 +119,16 @@ class CudaStreams:
         self.local_done: list[Any] = [None] * len(states)
         self.global_done: list[Any] = []  # on G and on the other devices' S_d
         self.spans: list[tuple[str, str, int, Any, Any]] = []  # (task, kind, device, start, end)
+
+    def _learner_stream(self, d: int) -> Any:
+        """A new learner group's stream on device d: a new one while the device has fewer than
+        ``STREAM_POOL``, else the existing ones in turn (shared on purpose, as the pool would
+        share them by accident: those groups run one after another on it)."""
+        made = self._learner_streams[d]
+        if len(made) < STREAM_POOL:
+            made.append(self.ops.new_stream(self.states[d].torch_device))
+            return made[-1]
+        return made[sum(1 for key in self.groups if key[0] == d) % STREAM_POOL]
 
     def _event(self, stream: Any, timing: bool = False) -> Any:
         event = self.ops.new_event(timing)
@@ -164,7 +180,7 @@ class CudaStreams:
             device = self.states[d].torch_device
             stream = self.copy_stream.get(d)
             if stream is None:
-                stream = self.copy_stream[d] = self.ops.new_stream(device)
+                stream = self.copy_stream[d] = self.ops.new_stream(device, SYNC_PRIORITY)
             with self.ops.use(stream):
                 if "copy" in self.delay:
                     self.ops.sleep(self.delay["copy"])
@@ -194,7 +210,7 @@ class CudaStreams:
         last global sync too, ``SyncAlgorithm.waits_for_global``)."""
         stream = self.groups.get((d, r0))
         if stream is None:
-            stream = self.groups[d, r0] = self.ops.new_stream(self.states[d].torch_device)
+            stream = self.groups[d, r0] = self._learner_stream(d)
         self._wait_rules("learn", stream, d, after_global=after_global)
         for t in self._batch_leaves if not self.captured else ():
             if t.device == self.states[d].torch_device:

@@ -39,6 +39,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ProcessExecutor", "GroupProgram", "group_programs", "Reply", "Spans", "worker_groups",
            "fork_available", "available_cores"]
+
+FORK_WARNING = r"This process .*is multi-threaded, use of fork\(\) may lead to deadlocks"  # 3.12
 
 _POLL_S = 0.5          # how often a blocked wait checks that the other side is alive
 ERROR_TEXT_MAX = 8000  # characters of a worker's error text kept in a TaskError
@@ -465,7 +468,13 @@ class ProcessExecutor:
                     target=_worker_main, name=f"crossbow-learner-{wid}", daemon=True,
                     args=(self.sched, wid, self, there, mail, sem,
                           seed * 1_000_003 + 7919 * (wid + 1), 1, parent))
-                proc.start()
+                with warnings.catch_warnings():
+                    # Python >= 3.12 warns at any fork of a process with several threads. Ours
+                    # are torch's intra-op pool and helper threads; the worker takes no lock
+                    # they may hold, starts no thread team in the fork (_worker_main sets one
+                    # intra-op thread first) and multiprocessing ends it with os._exit: the fork is safe.
+                    warnings.filterwarnings("ignore", FORK_WARNING, DeprecationWarning)
+                    proc.start()
                 there.close()
                 self.sems.append(sem)
                 self.conns.append(here)

@@ -368,6 +368,8 @@ class CheckpointHook(Hook):
             directory and writing and removing a probe file, before any training round.
     """
 
+    decides = False  # it saves and restores; it changes no setting
+
     def __init__(self, directory: str, schedule: "BatchSchedule", hooks: Sequence[Hook] = (), *,
                  every_rounds: int | None = None, keep: int = 2, writer: bool = True) -> None:
         if every_rounds is not None and (isinstance(every_rounds, bool) or

@@ -172,6 +172,9 @@ class History:
             m, divergence, gradient noise scale; ``fit(metrics_every=N)``).
         policy: every adjustment a policy applied (a PolicyRecord each).
         lr: η of every round run (the first param group's learning rate in force), in order.
+        cuda_graphs: with ``compile(cuda_graphs=True)``, the plan's graph rounds so far:
+            ``{"captures", "replays", "eager_rounds": {reason: rounds}}`` (engine/graphs.py
+            ``RoundGraph.record``); else empty.
     """
 
     epochs: list[EpochRecord] = field(default_factory=list)
@@ -187,6 +190,7 @@ class History:
     metrics: list = field(default_factory=list)
     policy: list = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
+    cuda_graphs: dict = field(default_factory=dict)
 
     @property
     def sync_unhidden_share(self) -> float | None:

@@ -84,9 +84,15 @@ class Hook:
       without learning the next one ahead.
     * ``state_dict()`` / ``load_state_dict(state)``: the hook's state in checkpoints. The
       default ``{}`` means no state: nothing is written, and ``load_state_dict`` is not called.
+    * ``decides`` (True): under torchrun the hook may change a setting or stop the fit from
+      what its rank sees, so rank 0's settings and stop are broadcast after every round; when
+      no hook of any rank declares True they are every ``engine.comm.AGREE_EVERY_ROUNDS``
+      rounds (and after evaluations and epochs). False: it decides the same on every rank (an
+      LR schedule) or nothing.
     """
 
     mutates_replicas: bool = True
+    decides: bool = True
 
     def wants_gradients(self, rounds_done: int) -> bool:
         """Whether this hook reads g after the round that makes ``rounds_done`` rounds."""
@@ -146,6 +152,10 @@ class FitHooks:
     def wants_gradients(self, rounds_done: int) -> bool:
         """Whether some hook reads g after the round that makes ``rounds_done`` rounds."""
         return any(h.wants_gradients(rounds_done) for h in self.hooks)
+
+    def decide(self) -> bool:
+        """Whether some hook declares ``decides``."""
+        return any(h.decides for h in self.hooks)
 
     def acts_before_rounds(self) -> bool:
         """Whether some hook overrides ``before_round``."""

@@ -138,6 +138,7 @@ class LRSchedulerHook(Hook):
     """
 
     mutates_replicas = False  # η only: the param groups, read by every learner's next update
+    decides = False  # the same schedule on every rank
 
     def __init__(self, scheduler: Any, interval: str = "epoch", *,
                  settings: "RunSettings | None" = None) -> None:

@@ -65,6 +65,8 @@ class MetricsLogger(Hook):
 
     mutates_replicas = False  # it only reads the metrics: the overlap of rounds stays on
 
+    decides = False  # it writes files only
+
     def __init__(self, log_dir: str, *, every_rounds: int = 1, tensorboard: bool = True) -> None:
         if not is_count(every_rounds):
             raise ValueError(f"every_rounds={every_rounds!r}: must be an integer ≥ 1")

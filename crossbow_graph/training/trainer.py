@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..errors import CheckpointError
+from ..engine.comm import AGREE_EVERY_ROUNDS
 from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook
@@ -61,8 +62,9 @@ class Trainer:
     writes logs and checkpoint files (gathering every rank's learners), evaluates and runs the
     auto-tuner; every rank runs the fit's
     hooks, and rank 0's m, learner mode, lr, α, batch size, sync interval and stop are then
-    broadcast and applied on every rank (``Comm.agree_settings``: after each round's hooks, and
-    before a round when hooks ran since); z is compared across ranks every ``checksum_every``
+    broadcast and applied on every rank (``Comm.agree_settings``: after each round's hooks when a
+    hook ``decides``, else every ``AGREE_EVERY_ROUNDS`` rounds, and before a round when hooks ran
+    since); z is compared across ranks every ``checksum_every``
     rounds and at the end; every rank's faults reach every rank's History (engine/faults.py,
     at each global sync and at the end) (docs/distributed.md).
 
@@ -285,6 +287,8 @@ class Trainer:
         sched, sync0 = self.plan.scheduler, self.fit_sync0
         self.history.sync_seconds = sched.sync_seconds - sync0[0]
         self.history.sync_exposed_seconds = sched.sync_exposed_seconds - sync0[1]
+        if sched.round_graph is not None:
+            self.history.cuda_graphs = sched.round_graph.record()
 
     def _run_epochs(self) -> None:
         """The hooks' before_fit, the epochs up to ``end_epoch`` or a stop, the hooks' after_fit."""
@@ -308,6 +312,7 @@ class Trainer:
         # rank 0's decisions are broadcast after every round's hooks, and before a round when hooks
         # ran since (epoch boundaries, evaluations) or when a hook of any rank acts in before_round
         self.pre_round = comm is not None and comm.any_rank(hooks.acts_before_rounds(), -1)
+        self.decides = comm is not None and comm.any_rank(hooks.decide(), -1)
 
     def _finish_fit(self) -> None:
         """Every rank's last faults into the History, the sync totals, the hooks' after_fit."""
@@ -424,9 +429,7 @@ class Trainer:
         if self.hooks.hooks:
             self._after_round(indices, n_losses)
         ctx.stop = ctx.stop or self.stop_signal.received is not None
-        if comm is not None:  # every rank, hooks or not: rank 0's decisions and stop
-            ctx.stop = comm.agree_settings(plan, ctx.stop, plan.rounds_done - 1)
-        if ctx.stop:
+        if self._agreed_stop():
             self._stop_for_signal()
             return False
         if self._evaluate_if_due(last=upcoming is None):
@@ -434,6 +437,18 @@ class Trainer:
         if self.prefetch and upcoming is not None and (plan.num_learners, plan.batch_size) == (k, b):
             sched.prefetch(plan.rounds_done, _mine(plan, upcoming))  # the next round's batch
         return True
+
+    def _agreed_stop(self) -> bool:
+        """Whether every rank stops after this round: under torchrun rank 0's settings and stop
+        are agreed after every round when a hook of some rank ``decides``, else every
+        ``AGREE_EVERY_ROUNDS`` rounds (a signal's stop waits for that round)."""
+        plan, ctx = self.plan, self.ctx
+        if self.comm is None:
+            return ctx.stop
+        if not self.decides and plan.rounds_done % AGREE_EVERY_ROUNDS:
+            return False
+        ctx.stop = self.comm.agree_settings(plan, ctx.stop, plan.rounds_done - 1)
+        return ctx.stop
 
     def _stop_for_signal(self) -> None:
         """At a stop (agreed across ranks): if a signal (any rank's) caused it, a checkpoint of
