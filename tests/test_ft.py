@@ -1,0 +1,141 @@
+"""The fault-tolerant global sync over torchft (docs/distributed.md, "Fault tolerance"): a
+Lighthouse process and two replica groups (processes, 2 learners each) on gloo; one group dies
+in a sync, the other discards that all-reduce, goes on over the live learners only and finishes.
+The options' errors need no torchft; the rest is skipped without it (the ``ft`` extra)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import crossbow_graph as cg
+from crossbow_graph.engine.ft import check_fault_tolerant
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROUNDS = 10
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_lighthouse(**flags: int) -> tuple[subprocess.Popen, str]:
+    """``torchft_lighthouse`` on a free port; (the process, its address)."""
+    port = _free_port()
+    args = {"min_replicas": 1, "join_timeout_ms": 2000, "heartbeat_timeout_ms": 1000,
+            "quorum_tick_ms": 50, **flags}
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"),
+           "--bind", f"[::]:{port}"] + [x for k, v in args.items() for x in (f"--{k}", str(v))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # wait until it listens
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"http://127.0.0.1:{port}"
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("torchft_lighthouse did not listen within 20 s")
+
+
+def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150):
+    """Groups g0, g1 of tests/_ft_group.py against a fresh Lighthouse; {group: result}."""
+    pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
+    lighthouse, address = start_lighthouse()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1")
+    procs = {g: subprocess.Popen([sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path),
+                                  g, sync, str(ROUNDS), str(die.get(g, -1))], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for g in ("g0", "g1")}
+    try:
+        logs = {g: p.communicate(timeout=timeout_s)[0] for g, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lighthouse.kill()
+        lighthouse.wait()
+    results = {}
+    for g, p in procs.items():
+        if g in die:
+            assert p.returncode == -9, (g, p.returncode, logs[g][-3000:])
+        else:
+            assert p.returncode == 0, (g, p.returncode, logs[g][-3000:])
+            results[g] = torch.load(tmp_path / f"{g}.pt", weights_only=False)
+            assert "error" not in results[g], results[g]["error"]
+    return results
+
+
+@pytest.mark.distributed
+def test_sma_survivor_discards_the_failed_all_reduce_and_averages_the_live_learners(tmp_path):
+    """g1 dies in round 3's sync: g0's all-reduce of that round is discarded, the quorum shrinks
+    to g0 and z after round 3 is the mean of g0's 2 learners' weights at the round's start (SMA,
+    α = 1/k, μ_z = 0; float32 summation order: rtol 1e-6); before it, z is the mean over 4
+    learners; g0 finishes all rounds."""
+    r = run_groups(tmp_path, "sma", {"g1": 3})["g0"]
+    assert r["rounds"] == ROUNDS
+    changes = r["membership"]
+    assert (changes[0]["groups"], changes[0]["learners"]) == (2, 4), changes
+    failure = [c for c in changes if c["failed_attempts"] or c["learners"] == 2]
+    assert failure and failure[0]["round_index"] == 3, changes
+    assert (failure[0]["groups"], failure[0]["learners"]) == (1, 2)
+    for t in range(3, ROUNDS):  # g0 alone: z ← mean of its learners at the round's start
+        torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-6, atol=1e-7)
+    # with four learners z is not g0's mean: g1's learners were in it
+    assert not torch.allclose(r["z_after"][2], r["w_before"][2].mean(0), rtol=1e-4, atol=1e-5)
+    assert "1 live group(s), k = 2 learners" in r["summary"]
+
+
+@pytest.mark.distributed
+def test_diloco_survivor_goes_on_alone_with_the_same_outer_state(tmp_path):
+    """DiLoCo (H = 2, AdamW): g1 dies in round 5's sync (the third outer step); g0 finishes every
+    round with k = 2 and a finite z."""
+    r = run_groups(tmp_path, "diloco", {"g1": 5})["g0"]
+    assert r["rounds"] == ROUNDS
+    changes = r["membership"]
+    assert (changes[0]["groups"], changes[0]["learners"]) == (2, 4), changes
+    assert (changes[-1]["groups"], changes[-1]["learners"], changes[-1]["round_index"]) == (1, 2, 5)
+    assert torch.isfinite(r["z_after"][-1]).all()
+
+
+@pytest.mark.distributed
+def test_two_groups_undisturbed_keep_the_same_z(tmp_path):
+    """No failure: both groups hold the same z bit for bit after every round (the same
+    all-reduced sum, the same update), k = 4 throughout."""
+    r = run_groups(tmp_path, "sma", {})
+    for t in range(ROUNDS):
+        assert torch.equal(r["g0"]["z_after"][t], r["g1"]["z_after"][t]), t
+    assert [(c["groups"], c["learners"]) for c in r["g0"]["membership"]] == [(2, 4)]
+
+
+def test_fault_tolerant_options_are_checked_before_training():
+    """Bad settings: clear errors naming the fix, before torchft is needed."""
+    with pytest.raises(ValueError, match="sync_dtype='fp32'"):
+        cg.Distributed(fault_tolerant=True, sync_dtype="bf16")
+    with pytest.raises(ValueError, match="min_replicas"):
+        cg.Distributed(fault_tolerant=True, min_replicas=0)
+    with pytest.raises(ValueError, match="use SMA, DiLoCo or LocalSGD"):
+        check_fault_tolerant(cg.SSGD(), "auto", 2)
+    with pytest.raises(ValueError, match="executor='inline'"):
+        check_fault_tolerant(cg.SMA(), "process", 2)
+    with pytest.raises(ValueError, match="replicas ≥ 2"):
+        check_fault_tolerant(cg.SMA(), "auto", 1)
+    check_fault_tolerant(cg.DiLoCo(sync_every=2), "auto", 1)  # one learner per group is DiLoCo's own
+
+
+def test_without_torchft_the_error_names_the_extra(monkeypatch):
+    """``import torchft`` failing: ImportError naming the ``ft`` extra."""
+    from crossbow_graph.engine import ft
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
+    with pytest.raises(ImportError, match=r"crossbow_graph\[ft\]"):
+        ft.import_torchft()
