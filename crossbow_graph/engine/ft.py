@@ -25,7 +25,9 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +38,8 @@ from .faults import FaultMonitor
 if TYPE_CHECKING:
     from .comm import Distributed
     from .sync.base import SyncContext
+
+_log = logging.getLogger("crossbow_graph.ft")
 
 __all__ = ["FaultTolerantSync", "MembershipChange", "import_torchft", "check_fault_tolerant"]
 
@@ -80,17 +84,18 @@ class MembershipChange:
         groups: replica groups in the sync (the Lighthouse quorum's participants).
         learners: k, learners of the groups that contributed (a group that just joined adds its
             learners from the next sync on).
-        quorum_id: the Lighthouse's quorum number.
         recovered: this group received its state from a peer in this quorum.
         failed_attempts: all-reduces discarded before this one (a group died or hung).
+        seconds: wall seconds of this sync, from its first quorum to its commit (with failed
+            attempts: the stall the failure cost this group).
     """
 
     round_index: int
     groups: int
     learners: int
-    quorum_id: int
     recovered: bool = False
     failed_attempts: int = 0
+    seconds: float = 0.0
 
 
 class FaultTolerantSync:
@@ -186,12 +191,13 @@ class FaultTolerantSync:
         if Q:
             torch.sum(torch.cat([b.to("cpu", total.dtype) for b in bufs]), dim=0, out=sent[P:P + Q])
         sent[P + Q] = sum(s.m for s in ctx.states)
+        start = time.perf_counter()
         for failed in range(self.attempts):
             self._recovered = False
             flat = self._attempt(sent)
             if flat is not None:
                 k = int(round(flat[P + Q].item()))
-                self._record(round_index, k, failed)
+                self._record(round_index, k, failed, time.perf_counter() - start)
                 mean_buf = flat[P:P + Q].div_(k).to(ctx.states[0].buf.dtype) if Q else None
                 return flat[:P].to(total.device), mean_buf, k
         raise DistributedError(
@@ -213,12 +219,16 @@ class FaultTolerantSync:
         manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         return flat if manager.should_commit() else None
 
-    def _record(self, round_index: int, k: int, failed: int) -> None:
+    def _record(self, round_index: int, k: int, failed: int, seconds: float) -> None:
         groups = self.manager.num_participants()
         last = self.membership[-1] if self.membership else None
         if last is None or (last.groups, last.learners) != (groups, k) or failed or self._recovered:
-            self.membership.append(MembershipChange(
-                round_index, groups, k, self.manager._quorum_id, self._recovered, failed))
+            change = MembershipChange(round_index, groups, k, self._recovered, failed, seconds)
+            self.membership.append(change)
+            _log.warning("replica group %s: round %d: %d live group(s), k = %d learners%s%s; "
+                         "this sync took %.2f s", self.replica_group, round_index, groups, k,
+                         " (recovered z from a peer)" if self._recovered else "",
+                         f" after {failed} discarded all-reduce(s)" if failed else "", seconds)
         self.live_learners = k
 
     def describe(self) -> str:

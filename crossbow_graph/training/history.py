@@ -172,6 +172,8 @@ class History:
             m, divergence, gradient noise scale; ``fit(metrics_every=N)``).
         policy: every adjustment a policy applied (a PolicyRecord each).
         lr: η of every round run (the first param group's learning rate in force), in order.
+        membership: under ``Distributed(fault_tolerant=True)`` every change of the live replica
+            groups (engine/ft.py MembershipChange: round, groups, learners k, ...), in order.
     """
 
     epochs: list[EpochRecord] = field(default_factory=list)
@@ -187,6 +189,7 @@ class History:
     metrics: list = field(default_factory=list)
     policy: list = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
+    membership: list = field(default_factory=list)
 
     @property
     def sync_unhidden_share(self) -> float | None:
