@@ -1,11 +1,12 @@
 """One torchft replica group of the fault-tolerance tests (tests/test_ft.py):
-``python _ft_group.py OUT_DIR GROUP SYNC ROUNDS DIE_AT`` with ``TORCHFT_LIGHTHOUSE`` set.
+``python _ft_group.py OUT_DIR GROUP SYNC ROUNDS DIE_AT [PHASE]`` with ``TORCHFT_LIGHTHOUSE`` set.
 
 TinyNet, 1 device × 2 replicas, b = 4, its own data (seeded by the group's number), ``SYNC``
 ``sma`` (SMA with α = 1/k, μ_z = 0: z after a sync is the mean of the live learners' weights at
 the round's start) or ``diloco`` (DiLoCo, H = 2, inner AdamW), ROUNDS rounds. ``DIE_AT`` ≥ 0:
 the group SIGKILLs itself in round DIE_AT's sync, after the Lighthouse's quorum and before the
-all-reduce (the others' all-reduce fails and is discarded). Writes ``GROUP.pt``: per round the
+all-reduce (the others' all-reduce fails and is discarded). ``PHASE`` ``first``: stop after 4
+rounds with a checkpoint in ``OUT_DIR/GROUP-ckpt``; ``resume``: resume from it. Writes ``GROUP.pt``: per round the
 replicas' weights at its start and z after it, the membership changes, or ``error``."""
 
 import dataclasses
@@ -62,7 +63,12 @@ def die_in_sync(plan: cg.Plan, round_index: int) -> None:
     manager.allreduce = dying
 
 
-def main(out: str, group: str, sync: str, rounds: int, die_at: int) -> None:
+class _StopAfter(cg.Hook):
+    def after_round(self, ctx) -> None:
+        ctx.stop = ctx.plan.rounds_done >= 4
+
+
+def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str = "") -> None:
     torch.set_num_threads(1)
     result = {}
     rec = _Record()
@@ -71,7 +77,10 @@ def main(out: str, group: str, sync: str, rounds: int, die_at: int) -> None:
         if die_at >= 0:
             die_in_sync(plan, die_at)
         data = tiny_data(rounds * B * M, seed=int(group[-1]) + 1)
-        plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None, hooks=[rec])
+        ckpt = dict(checkpoint_dir=os.path.join(out, f"{group}-ckpt"), checkpoint_every=4,
+                    resume=phase == "resume") if phase else {}
+        hooks = [rec, _StopAfter()] if phase == "first" else [rec]
+        plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None, hooks=hooks, **ckpt)
         result.update(rounds=plan.rounds_done, summary=plan.summary(),
                       membership=[dataclasses.asdict(c) for c in plan.scheduler.ft.membership])
     except TaskError as exc:
@@ -81,4 +90,4 @@ def main(out: str, group: str, sync: str, rounds: int, die_at: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    main(*sys.argv[1:4], int(sys.argv[4]), int(sys.argv[5]), *sys.argv[6:])

@@ -45,14 +45,16 @@ def start_lighthouse(**flags: int) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("torchft_lighthouse did not listen within 20 s")
 
 
-def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150):
+def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150, phase: str = "",
+               min_replicas: int = 1):
     """Groups g0, g1 of tests/_ft_group.py against a fresh Lighthouse; {group: result}."""
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
-    lighthouse, address = start_lighthouse()
+    lighthouse, address = start_lighthouse(min_replicas=min_replicas)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1")
+    os.makedirs(tmp_path, exist_ok=True)
     procs = {g: subprocess.Popen([sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path),
-                                  g, sync, str(ROUNDS), str(die.get(g, -1))], env=env,
+                                  g, sync, str(ROUNDS), str(die.get(g, -1)), phase], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for g in ("g0", "g1")}
     try:
@@ -115,6 +117,18 @@ def test_two_groups_undisturbed_keep_the_same_z(tmp_path):
     for t in range(ROUNDS):
         assert torch.equal(r["g0"]["z_after"][t], r["g1"]["z_after"][t]), t
     assert [(c["groups"], c["learners"]) for c in r["g0"]["membership"]] == [(2, 4)]
+
+
+@pytest.mark.distributed
+def test_a_checkpointed_run_resumes_bit_identically_when_nothing_fails(tmp_path):
+    """SMA: both groups stop after 4 rounds with a checkpoint and resume from it (new processes,
+    new Managers): z after the last round equals the undisturbed run's bit for bit, on both."""
+    whole = run_groups(tmp_path / "whole", "sma", {}, min_replicas=2)
+    run_groups(tmp_path / "parts", "sma", {}, phase="first", min_replicas=2)
+    resumed = run_groups(tmp_path / "parts", "sma", {}, phase="resume", min_replicas=2)
+    for g in ("g0", "g1"):
+        assert len(resumed[g]["z_after"]) == ROUNDS - 4
+        assert torch.equal(resumed[g]["z_after"][-1], whole[g]["z_after"][-1]), g
 
 
 def test_fault_tolerant_options_are_checked_before_training():

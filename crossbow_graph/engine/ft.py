@@ -231,6 +231,17 @@ class FaultTolerantSync:
                          f" after {failed} discarded all-reduce(s)" if failed else "", seconds)
         self.live_learners = k
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: k of the last sync (α of the next round) and the changes."""
+        return {"live_learners": self.live_learners,
+                "membership": [dataclasses.asdict(c) for c in self.membership]}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (a resumed group's first sync then uses the saved α; a group
+        whose peers went on recovers z from them at that sync)."""
+        self.live_learners = saved["live_learners"]
+        self.membership = [MembershipChange(**c) for c in saved["membership"]]
+
     def describe(self) -> str:
         """The live membership for the plan summary."""
         if not self.membership:
