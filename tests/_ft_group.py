@@ -6,13 +6,16 @@ TinyNet, 1 device × 2 replicas, b = 4, its own data (seeded by the group's numb
 the round's start) or ``diloco`` (DiLoCo, H = 2, inner AdamW), ROUNDS rounds. ``DIE_AT`` ≥ 0:
 the group SIGKILLs itself in round DIE_AT's sync, after the Lighthouse's quorum and before the
 all-reduce (the others' all-reduce fails and is discarded). ``PHASE`` ``first``: stop after 4
-rounds with a checkpoint in ``OUT_DIR/GROUP-ckpt``; ``resume``: resume from it. Writes ``GROUP.pt``: per round the
+rounds with a checkpoint in ``OUT_DIR/GROUP-ckpt``; ``resume``: resume from it; ``pace``: once
+alone, wait 0.2 s after each round (a restarted group then has time to rejoin), and stop 6 rounds
+after another group rejoined. Writes ``GROUP.pt``: per round the
 replicas' weights at its start and z after it, the membership changes, or ``error``."""
 
 import dataclasses
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -68,6 +71,18 @@ class _StopAfter(cg.Hook):
         ctx.stop = ctx.plan.rounds_done >= 4
 
 
+class _Pace(cg.Hook):
+    def after_round(self, ctx) -> None:
+        changes = ctx.plan.scheduler.ft.membership
+        alone = [i for i, c in enumerate(changes) if c.groups == 1]
+        if not alone:
+            return
+        if changes[-1].groups == 1:
+            time.sleep(0.2)
+        elif ctx.plan.rounds_done >= changes[alone[0] + 1].round_index + 6:
+            ctx.stop = True
+
+
 def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str = "") -> None:
     torch.set_num_threads(1)
     result = {}
@@ -79,7 +94,7 @@ def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str =
         data = tiny_data(rounds * B * M, seed=int(group[-1]) + 1)
         ckpt = dict(checkpoint_dir=os.path.join(out, f"{group}-ckpt"), checkpoint_every=4,
                     resume=phase == "resume") if phase else {}
-        hooks = [rec, _StopAfter()] if phase == "first" else [rec]
+        hooks = [rec] + {"first": [_StopAfter()], "pace": [_Pace()]}.get(phase, [])
         plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None, hooks=hooks, **ckpt)
         result.update(rounds=plan.rounds_done, summary=plan.summary(),
                       membership=[dataclasses.asdict(c) for c in plan.scheduler.ft.membership])

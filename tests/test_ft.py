@@ -46,18 +46,30 @@ def start_lighthouse(**flags: int) -> tuple[subprocess.Popen, str]:
 
 
 def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150, phase: str = "",
-               min_replicas: int = 1):
-    """Groups g0, g1 of tests/_ft_group.py against a fresh Lighthouse; {group: result}."""
+               min_replicas: int = 1, rounds: dict[str, int] | None = None):
+    """Groups g0, g1 of tests/_ft_group.py against a fresh Lighthouse; {group: result}. With
+    ``phase="pace"`` g0 paces itself once alone, and a group of ``die`` is restarted (without
+    dying) once it died."""
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
     lighthouse, address = start_lighthouse(min_replicas=min_replicas)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1")
     os.makedirs(tmp_path, exist_ok=True)
-    procs = {g: subprocess.Popen([sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path),
-                                  g, sync, str(ROUNDS), str(die.get(g, -1)), phase], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rounds = rounds or {}
+
+    def start(g: str, dies: int, phase: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path),
+                                 g, sync, str(rounds.get(g, ROUNDS)), str(dies), phase], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    procs = {g: start(g, die.get(g, -1), phase if g == "g0" or phase != "pace" else "")
              for g in ("g0", "g1")}
     try:
+        if phase == "pace":  # the dead group starts again and rejoins
+            for g in die:
+                procs[g].communicate(timeout=timeout_s)
+                procs[g] = start(g, -1, "")
+            die = {}
         logs = {g: p.communicate(timeout=timeout_s)[0] for g, p in procs.items()}
     finally:
         for p in procs.values():
@@ -77,6 +89,14 @@ def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150,
     return results
 
 
+def _after_four(changes: list[dict]) -> dict:
+    """The first membership change after the first sync of both groups' 4 learners (whichever
+    group reached the Lighthouse first may have synced alone, or recovered, before it)."""
+    ks = [(c["groups"], c["learners"]) for c in changes]
+    assert (2, 4) in ks, changes
+    return changes[ks.index((2, 4)) + 1]
+
+
 @pytest.mark.distributed
 def test_sma_survivor_discards_the_failed_all_reduce_and_averages_the_live_learners(tmp_path):
     """g1 dies in round 3's sync: g0's all-reduce of that round is discarded, the quorum shrinks
@@ -85,11 +105,9 @@ def test_sma_survivor_discards_the_failed_all_reduce_and_averages_the_live_learn
     learners; g0 finishes all rounds."""
     r = run_groups(tmp_path, "sma", {"g1": 3})["g0"]
     assert r["rounds"] == ROUNDS
-    changes = r["membership"]
-    assert (changes[0]["groups"], changes[0]["learners"]) == (2, 4), changes
-    failure = [c for c in changes if c["failed_attempts"] or c["learners"] == 2]
-    assert failure and failure[0]["round_index"] == 3, changes
-    assert (failure[0]["groups"], failure[0]["learners"]) == (1, 2)
+    failure = _after_four(r["membership"])
+    assert failure["round_index"] == 3 and failure["failed_attempts"] >= 1, r["membership"]
+    assert (failure["groups"], failure["learners"]) == (1, 2)
     for t in range(3, ROUNDS):  # g0 alone: z ← mean of its learners at the round's start
         torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-6, atol=1e-7)
     # with four learners z is not g0's mean: g1's learners were in it
@@ -103,9 +121,9 @@ def test_diloco_survivor_goes_on_alone_with_the_same_outer_state(tmp_path):
     round with k = 2 and a finite z."""
     r = run_groups(tmp_path, "diloco", {"g1": 5})["g0"]
     assert r["rounds"] == ROUNDS
-    changes = r["membership"]
-    assert (changes[0]["groups"], changes[0]["learners"]) == (2, 4), changes
-    assert (changes[-1]["groups"], changes[-1]["learners"], changes[-1]["round_index"]) == (1, 2, 5)
+    failure = _after_four(r["membership"])
+    assert (failure["groups"], failure["learners"], failure["round_index"]) == (1, 2, 5)
+    assert failure is r["membership"][-1]
     assert torch.isfinite(r["z_after"][-1]).all()
 
 
@@ -113,10 +131,32 @@ def test_diloco_survivor_goes_on_alone_with_the_same_outer_state(tmp_path):
 def test_two_groups_undisturbed_keep_the_same_z(tmp_path):
     """No failure: both groups hold the same z bit for bit after every round (the same
     all-reduced sum, the same update), k = 4 throughout."""
-    r = run_groups(tmp_path, "sma", {})
+    r = run_groups(tmp_path, "sma", {}, min_replicas=2)  # the Lighthouse waits for both
     for t in range(ROUNDS):
         assert torch.equal(r["g0"]["z_after"][t], r["g1"]["z_after"][t]), t
     assert [(c["groups"], c["learners"]) for c in r["g0"]["membership"]] == [(2, 4)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sync", ["sma", "diloco"])
+def test_a_restarted_group_rejoins_and_recovers_z_and_the_outer_state(tmp_path, sync):
+    """g1 dies in round 3's sync and starts again; it joins at the next quorum, receives z, z_prev
+    and (DiLoCo) the outer optimizer's state from g0 and contributes from the sync after: from its
+    recovery on both groups hold the same z bit for bit after every sync (a wrong momentum
+    would part them), and g0's k goes 4 → 2 → 4."""
+    r = run_groups(tmp_path, sync, {"g1": 3}, phase="pace", rounds={"g0": 400})
+    g0, g1 = r["g0"], r["g1"]
+    first = g1["membership"][0]
+    assert first["recovered"] and first["groups"] == 2, g1["membership"]
+    failure = _after_four(g0["membership"])
+    assert failure["round_index"] == 3 and (failure["groups"], failure["learners"]) == (1, 2)
+    assert (g0["membership"][-1]["groups"], g0["membership"][-1]["learners"]) == (2, 4)
+    back = next(c["round_index"] for c in g0["membership"]
+                if c["round_index"] > 3 and (c["groups"], c["learners"]) == (2, 2))
+    shared = min(g0["rounds"] - back, len(g1["z_after"]) - first["round_index"])
+    assert shared >= 5
+    for i in range(shared):
+        assert torch.equal(g0["z_after"][back + i], g1["z_after"][first["round_index"] + i]), i
 
 
 @pytest.mark.distributed
