@@ -54,13 +54,15 @@ def plan_of(group: str, sync: str) -> cg.Plan:
 
 
 def die_in_sync(plan: cg.Plan, round_index: int) -> None:
-    """SIGKILL this process in round ``round_index``'s all-reduce (after its quorum)."""
+    """SIGKILL (``FT_DIE_SIGNAL=STOP``: SIGSTOP) this process in round ``round_index``'s
+    all-reduce (after its quorum)."""
+    sig = signal.SIGSTOP if os.environ.get("FT_DIE_SIGNAL") == "STOP" else signal.SIGKILL
     manager = plan.scheduler.ft.manager
     allreduce = manager.allreduce
 
     def dying(*args, **kwargs):
         if plan.scheduler.round_index == round_index:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
         return allreduce(*args, **kwargs)
 
     manager.allreduce = dying

@@ -46,14 +46,16 @@ def start_lighthouse(**flags: int) -> tuple[subprocess.Popen, str]:
 
 
 def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150, phase: str = "",
-               min_replicas: int = 1, rounds: dict[str, int] | None = None):
+               min_replicas: int = 1, rounds: dict[str, int] | None = None, stop: bool = False):
     """Groups g0, g1 of tests/_ft_group.py against a fresh Lighthouse; {group: result}. With
     ``phase="pace"`` g0 paces itself once alone, and a group of ``die`` is restarted (without
-    dying) once it died."""
+    dying) once it died. ``stop``: the groups of ``die`` stop (SIGSTOP) instead of dying, and are
+    SIGKILLed once the others ended."""
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
     lighthouse, address = start_lighthouse(min_replicas=min_replicas)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1")
+    env.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1",
+               FT_DIE_SIGNAL="STOP" if stop else "KILL")
     os.makedirs(tmp_path, exist_ok=True)
     rounds = rounds or {}
 
@@ -70,7 +72,10 @@ def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150,
                 procs[g].communicate(timeout=timeout_s)
                 procs[g] = start(g, -1, "")
             die = {}
-        logs = {g: p.communicate(timeout=timeout_s)[0] for g, p in procs.items()}
+        logs = {g: p.communicate(timeout=timeout_s)[0] for g, p in procs.items() if g not in die or not stop}
+        for g in die if stop else ():  # stopped for good: the others went on without it
+            procs[g].kill()
+            logs[g] = procs[g].communicate()[0]
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -125,6 +130,21 @@ def test_diloco_survivor_goes_on_alone_with_the_same_outer_state(tmp_path):
     assert (failure["groups"], failure["learners"], failure["round_index"]) == (1, 2, 5)
     assert failure is r["membership"][-1]
     assert torch.isfinite(r["z_after"][-1]).all()
+
+
+@pytest.mark.distributed
+def test_a_hung_group_is_evicted_and_the_survivor_goes_on(tmp_path):
+    """g1 stops (SIGSTOP) in round 3's all-reduce: g0's all-reduce fails at the gloo timeout
+    (``timeout_s`` 10), is discarded, the Lighthouse has evicted g1 (no heartbeat for 1 s), and
+    g0 finishes with z the mean of its own learners from round 3 on."""
+    r = run_groups(tmp_path, "sma", {"g1": 3}, stop=True)["g0"]
+    assert r["rounds"] == ROUNDS
+    failure = _after_four(r["membership"])
+    assert failure["round_index"] == 3 and failure["failed_attempts"] >= 1, r["membership"]
+    assert (failure["groups"], failure["learners"]) == (1, 2)
+    for t in range(3, ROUNDS):
+        torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-6, atol=1e-7)
+    print(f"stall of the hung group's sync: {failure['seconds']:.2f} s")
 
 
 @pytest.mark.distributed
