@@ -4,7 +4,7 @@
 Starts ``torchft_lighthouse`` and two replica groups, each ``torchrun --standalone
 --nproc-per-node 1 -m crossbow_graph train --fault-tolerant`` with its own data shard; the
 survivor g0 trains the whole run, g1 is SIGKILLed (torchrun and its worker: torchrun starts the
-worker in a session of its own, so one killpg of torchrun's would leave the worker training) at a
+worker in a process group of its own, so one killpg of torchrun's would leave the worker training) at a
 random moment ``--kills`` times and restarted at once; with ``--sigstop`` g1 is
 stopped (SIGSTOP) once instead and g0 must evict it within the timeout. Prints, from g0's log,
 every membership change and the seconds its sync stalled at each failure, g0's final test
@@ -48,7 +48,7 @@ def lighthouse(port: int, heartbeat_ms: int) -> subprocess.Popen:
 
 
 def group(i: int, args: argparse.Namespace, address: str, log: str) -> subprocess.Popen:
-    """Replica group g<i> under torchrun (its worker in a session of its own: ``kill_tree``)."""
+    """Replica group g<i> under torchrun (its worker in a process group of its own: ``kill_tree``)."""
     cmd = ["torchrun", "--standalone", "--nproc-per-node", "1", "-m", "crossbow_graph", "train",
            "--fault-tolerant", "--lighthouse", address, "--replica-group", f"g{i}",
            "--data-shard", f"{i}/2", "--devices", "1", "--replicas", "2",
@@ -63,7 +63,7 @@ def group(i: int, args: argparse.Namespace, address: str, log: str) -> subproces
 
 
 def tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (torchrun's workers live in sessions of their own)."""
+    """``pid`` and its descendants (torchrun's workers live in process groups of their own)."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [pid] + [q for child in out for q in tree(int(child))]
 
