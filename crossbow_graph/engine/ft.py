@@ -31,6 +31,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from ..errors import DistributedError
 from .faults import FaultMonitor
@@ -136,7 +137,7 @@ class FaultTolerantSync:
         self.replica_group = settings.replica_group or os.environ.get("REPLICA_GROUP_ID", "0")
         self.attempts = settings.ft_attempts
         timeout = datetime.timedelta(seconds=settings.timeout_s)
-        self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True,
                                                  wait_for_workers=False)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), min_replica_size=settings.min_replicas,
@@ -192,8 +193,8 @@ class FaultTolerantSync:
             torch.sum(torch.cat([b.to("cpu", total.dtype) for b in bufs]), dim=0, out=sent[P:P + Q])
         sent[P + Q] = sum(s.m for s in ctx.states)
         start = time.perf_counter()
+        self._recovered = False  # set by _load, in any of the attempts
         for failed in range(self.attempts):
-            self._recovered = False
             flat = self._attempt(sent)
             if flat is not None:
                 k = int(round(flat[P + Q].item()))
@@ -209,14 +210,12 @@ class FaultTolerantSync:
 
     def _attempt(self, sent: torch.Tensor) -> torch.Tensor | None:
         """One quorum, all-reduce and commit of ``sent``; the sum, or None when discarded."""
-        from torch.distributed import ReduceOp
-
         manager = self.manager
         manager.start_quorum()  # may recover this group's state from a peer (_load)
-        if self._recovered:
+        if self._recovered:  # (again after a failed attempt: sent stays zero)
             sent.zero_()  # taken against the stale z: this group joins from the next sync
         flat = sent.clone()
-        manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
         return flat if manager.should_commit() else None
 
     def _record(self, round_index: int, k: int, failed: int, seconds: float) -> None:
