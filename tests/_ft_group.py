@@ -4,8 +4,10 @@
 TinyNet, 1 device × 2 replicas, b = 4, its own data (seeded by the group's number), ``SYNC``
 ``sma`` (SMA with α = 1/k, μ_z = 0: z after a sync is the mean of the live learners' weights at
 the round's start) or ``diloco`` (DiLoCo, H = 2, inner AdamW), ROUNDS rounds. ``DIE_AT`` ≥ 0:
-the group SIGKILLs itself in round DIE_AT's sync, after the Lighthouse's quorum and before the
-all-reduce (the others' all-reduce fails and is discarded). ``PHASE`` ``first``: stop after 4
+the group SIGKILLs itself in the first sync from round DIE_AT on that follows a sync of both
+groups' 4 learners and has both in its quorum (the groups may start out of step: a group that
+arrives late syncs alone, or recovers, first), after the quorum and before the all-reduce (the
+others' all-reduce fails and is discarded). ``PHASE`` ``first``: stop after 4
 rounds with a checkpoint in ``OUT_DIR/GROUP-ckpt``; ``resume``: resume from it; ``pace``: once
 alone, wait 0.2 s after each round (a restarted group then has time to rejoin), and stop 6 rounds
 after another group rejoined. Writes ``GROUP.pt``: per round the
@@ -54,14 +56,17 @@ def plan_of(group: str, sync: str) -> cg.Plan:
 
 
 def die_in_sync(plan: cg.Plan, round_index: int) -> None:
-    """SIGKILL (``FT_DIE_SIGNAL=STOP``: SIGSTOP) this process in round ``round_index``'s
-    all-reduce (after its quorum)."""
+    """SIGKILL (``FT_DIE_SIGNAL=STOP``: SIGSTOP) this process in the all-reduce (after its
+    quorum) of the first sync from round ``round_index`` on after a sync of 4 learners with 2
+    groups in the quorum."""
     sig = signal.SIGSTOP if os.environ.get("FT_DIE_SIGNAL") == "STOP" else signal.SIGKILL
-    manager = plan.scheduler.ft.manager
+    ft = plan.scheduler.ft
+    manager = ft.manager
     allreduce = manager.allreduce
 
     def dying(*args, **kwargs):
-        if plan.scheduler.round_index == round_index:
+        if plan.scheduler.round_index >= round_index and ft.live_learners == 4 \
+                and manager.num_participants() == 2:
             os.kill(os.getpid(), sig)
         return allreduce(*args, **kwargs)
 

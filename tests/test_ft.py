@@ -18,7 +18,7 @@ import crossbow_graph as cg
 from crossbow_graph.engine.ft import check_fault_tolerant
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROUNDS = 10
+ROUNDS = 16
 
 
 def _free_port() -> int:
@@ -104,33 +104,34 @@ def _after_four(changes: list[dict]) -> dict:
 
 @pytest.mark.distributed
 def test_sma_survivor_discards_the_failed_all_reduce_and_averages_the_live_learners(tmp_path):
-    """g1 dies in round 3's sync: g0's all-reduce of that round is discarded, the quorum shrinks
-    to g0 and z after round 3 is the mean of g0's 2 learners' weights at the round's start (SMA,
-    α = 1/k, μ_z = 0; float32 summation order: rtol 1e-6); before it, z is the mean over 4
-    learners; g0 finishes all rounds."""
+    """g1 dies in a sync from round 3 on (tests/_ft_group.py): g0's all-reduce of that round is
+    discarded, the quorum shrinks to g0 and z after that round is the mean of g0's 2 learners'
+    weights at the round's start (SMA, α = 1/k, μ_z = 0; float32 summation order: rtol 1e-6);
+    in the round before, z is the mean over 4 learners; g0 finishes all rounds."""
     r = run_groups(tmp_path, "sma", {"g1": 3})["g0"]
     assert r["rounds"] == ROUNDS
     failure = _after_four(r["membership"])
-    assert failure["round_index"] == 3 and failure["failed_attempts"] >= 1, r["membership"]
+    t0 = failure["round_index"]
+    assert t0 >= 3 and failure["failed_attempts"] >= 1, r["membership"]
     assert (failure["groups"], failure["learners"]) == (1, 2)
-    for t in range(3, ROUNDS):  # g0 alone: z ← mean of its learners at the round's start
+    for t in range(t0, ROUNDS):  # g0 alone: z ← mean of its learners at the round's start
         torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-6, atol=1e-7)
     # with four learners z is not g0's mean: g1's learners were in it
-    assert not torch.allclose(r["z_after"][2], r["w_before"][2].mean(0), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(r["z_after"][t0 - 1], r["w_before"][t0 - 1].mean(0), rtol=1e-4, atol=1e-5)
     assert "1 live group(s), k = 2 learners" in r["summary"]
 
 
 @pytest.mark.distributed
 def test_a_hung_group_is_evicted_and_the_survivor_goes_on(tmp_path):
-    """g1 stops (SIGSTOP) in round 3's all-reduce: g0's all-reduce fails at the gloo timeout
-    (``timeout_s`` 10), is discarded, the Lighthouse has evicted g1 (no heartbeat for 1 s), and
-    g0 finishes with z the mean of its own learners from round 3 on."""
+    """g1 stops (SIGSTOP) in a sync's all-reduce from round 3 on: g0's all-reduce fails at the
+    gloo timeout (``timeout_s`` 10), is discarded, the Lighthouse has evicted g1 (no heartbeat
+    for 1 s), and g0 finishes with z the mean of its own learners from that round on."""
     r = run_groups(tmp_path, "sma", {"g1": 3}, stop=True)["g0"]
     assert r["rounds"] == ROUNDS
     failure = _after_four(r["membership"])
-    assert failure["round_index"] == 3 and failure["failed_attempts"] >= 1, r["membership"]
+    assert failure["round_index"] >= 3 and failure["failed_attempts"] >= 1, r["membership"]
     assert (failure["groups"], failure["learners"]) == (1, 2)
-    for t in range(3, ROUNDS):
+    for t in range(failure["round_index"], ROUNDS):
         torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-6, atol=1e-7)
     print(f"stall of the hung group's sync: {failure['seconds']:.2f} s")
 
@@ -148,7 +149,7 @@ def test_two_groups_undisturbed_keep_the_same_z(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.parametrize("sync", ["sma", "diloco"])
 def test_a_restarted_group_rejoins_and_recovers_z_and_the_outer_state(tmp_path, sync):
-    """g1 dies in round 3's sync and starts again; it joins at the next quorum, receives z, z_prev
+    """g1 dies in a sync from round 3 on and starts again; it joins at the next quorum, receives z, z_prev
     and (DiLoCo) the outer optimizer's state from g0 and contributes from the sync after: from its
     recovery on both groups hold the same z bit for bit after every sync (a wrong momentum
     would part them), and g0's k goes 4 → 2 → 4."""
@@ -157,10 +158,10 @@ def test_a_restarted_group_rejoins_and_recovers_z_and_the_outer_state(tmp_path, 
     first = g1["membership"][0]
     assert first["recovered"] and first["groups"] == 2, g1["membership"]
     failure = _after_four(g0["membership"])
-    assert failure["round_index"] == 3 and (failure["groups"], failure["learners"]) == (1, 2)
+    assert failure["round_index"] >= 3 and (failure["groups"], failure["learners"]) == (1, 2)
     assert (g0["membership"][-1]["groups"], g0["membership"][-1]["learners"]) == (2, 4)
     back = next(c["round_index"] for c in g0["membership"]
-                if c["round_index"] > 3 and (c["groups"], c["learners"]) == (2, 2))
+                if c["round_index"] > failure["round_index"] and (c["groups"], c["learners"]) == (2, 2))
     shared = min(g0["rounds"] - back, len(g1["z_after"]) - first["round_index"])
     assert shared >= 5
     for i in range(shared):
