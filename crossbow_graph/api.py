@@ -164,7 +164,7 @@ class Plan:
 
     def __init__(self, model: nn.Module, example_inputs: Any, options: CompileOptions,
                  parts: PlanParts) -> None:
-        task_graph, comm = parts.task_graph, parts.comm
+        task_graph, comm, ft = parts.task_graph, parts.comm, parts.ft
         self.options = options
         self.model_graph = parts.model_graph
         self.task_graph = task_graph
@@ -194,9 +194,10 @@ class Plan:
         self.states[0].bind_central(self._central, self._central_buf)
         self.bn_recalibration = BNRecalibration(self._central)  # set by every fit
         self.scheduler = Scheduler(
-            task_graph, self.states, self.loss_fn, self.settings, executor=options.executor,
+            task_graph, self.states, self.loss_fn, self.settings,
+            executor="inline" if ft is not None and options.executor == "auto" else options.executor,
             kernels=parts.kernels, comm=comm, cpu_conv=options.cpu_conv,
-            round_graph=RoundGraph() if options.cuda_graphs else None)
+            round_graph=RoundGraph() if options.cuda_graphs else None, ft=ft)
         self.memory_budget = parts.memory_budget
         self.autotuner = AutoTuner(options.autotune or AutoTune()) if options.tuned else None
         self.comm = comm  # under torchrun: this rank's place in the process group (engine/comm.py)
@@ -360,6 +361,8 @@ class Plan:
             text += (f"\nglobal sync over {self.comm.world_size} processes: "
                      f"{d.sync_bytes(self.num_parameters, self.states[0].buf.shape[1]):,} bytes "
                      f"per process per sync ({d.sync_dtype} corrections)")
+        if self.scheduler.ft is not None:
+            text += "\n" + self.scheduler.ft.describe()
         return text
 
     def to_json(self, *, indent: int | None = 2) -> str:

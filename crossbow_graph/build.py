@@ -20,6 +20,7 @@ from .compiler.outputs import model_loss
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
 from .engine.comm import Comm, Distributed
+from .engine.ft import FaultTolerantSync, check_fault_tolerant
 from .engine.fused import fused_mode_message
 from .engine.graphs import cuda_graphs_refusal
 from .engine.precision import check_precision
@@ -43,6 +44,7 @@ class PlanParts:
     loss_fn: Callable  # the user's loss, or the model's own (compiler/outputs.py model_loss)
     kernels: SMAKernels  # the SMA update kernels' backend
     comm: Comm | None  # under torchrun: this rank's place in the process group
+    ft: FaultTolerantSync | None  # Distributed(fault_tolerant=True): this torchft replica group
     memory_budget: int | None  # bytes per device: the option's, or a GPU's free memory
 
 
@@ -75,6 +77,11 @@ def build_parts(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
         TraceError, ValueError, ImportError, CompilerError, PlanError, DistributedError: as
             ``compile`` documents them.
     """
+    ft = None
+    if options.distributed is not None and options.distributed.fault_tolerant:
+        learners = None if options.tuned else options.replicas * len(resolve_devices(options.devices))
+        check_fault_tolerant(options.sync, options.executor, learners)
+        ft = FaultTolerantSync(options.distributed)  # ImportError without torchft
     names, comm = devices_and_comm(options.devices, options.distributed)
     if options.cuda_graphs and (refusal := cuda_graphs_refusal(names)):
         raise ValueError(refusal)
@@ -97,7 +104,7 @@ def build_parts(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
                              verify=options.verify)
     return PlanParts(model_graph=model_graph, task_graph=graph,
                      loss_fn=model_loss if loss_fn is None else loss_fn, kernels=kernels,
-                     comm=comm, memory_budget=memory_budget)
+                     comm=comm, ft=ft, memory_budget=memory_budget)
 
 
 def settle_learner_mode(plan: "Plan", options: CompileOptions) -> None:

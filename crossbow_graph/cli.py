@@ -183,6 +183,21 @@ def _add_distributed_flags(train: argparse.ArgumentParser) -> None:
                        default=flag_default("--sync-dtype"),
                        help="under torchrun: the corrections' dtype in the global sync's "
                             "all-reduce (bf16/fp16: half the bytes, with error feedback)")
+    train.add_argument("--fault-tolerant", action="store_true",
+                       help="this process is one torchft replica group (the ft extra): the global "
+                            "sync spans the live groups, a dead one is left out, a new one joins "
+                            "(docs/distributed.md, 'Fault tolerance')")
+    train.add_argument("--lighthouse", default=flag_default("--lighthouse"),
+                       help="with --fault-tolerant: the torchft Lighthouse, http://HOST:PORT "
+                            "(default: $TORCHFT_LIGHTHOUSE)")
+    train.add_argument("--replica-group", default=flag_default("--replica-group"),
+                       help="with --fault-tolerant: this group's name (default: "
+                            "$REPLICA_GROUP_ID, else 0)")
+    train.add_argument("--min-replicas", type=int, default=flag_default("--min-replicas"),
+                       help="with --fault-tolerant: the fewest live groups a sync commits with")
+    train.add_argument("--data-shard", default=None, metavar="I/N",
+                       help="train on the samples i with i mod N = I only (a replica group's "
+                            "own data; default: all)")
 
 
 def _add_sync_flags(train: argparse.ArgumentParser) -> None:
@@ -460,6 +475,8 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
     torch.manual_seed(args.seed)
     model = cg.models.get_model(args.model)
     train_set, test_set = _load_dataset(args)
+    if args.data_shard is not None:
+        train_set = _shard(train_set, args.data_shard)
     devices, replicas = learner_layout(args.devices, args.replicas, policies)
     plan = cg.compile(
         model, (train_set[0][0].unsqueeze(0),), torch.nn.functional.cross_entropy,
@@ -470,7 +487,9 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
         precision=args.precision, memory_format=args.memory_format,
         sync=_sync(args),
         distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every,
-                                   sync_dtype=args.sync_dtype),
+                                   sync_dtype=args.sync_dtype, fault_tolerant=args.fault_tolerant,
+                                   lighthouse=args.lighthouse, replica_group=args.replica_group,
+                                   min_replicas=args.min_replicas),
     )
     fit = dict(train_dataset=train_set, epochs=args.epochs, eval_dataset=test_set, seed=args.seed,
                target_accuracy=args.target if args.target > 0 else None,
@@ -482,6 +501,22 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
                bn_recalibration_batches=args.bn_recalibration_batches,
                max_grad_norm=args.max_grad_norm)
     return plan, fit
+
+
+def _shard(dataset: Any, spec: str) -> torch.utils.data.Subset:
+    """``--data-shard I/N``: the samples i of ``dataset`` with i mod N = I.
+
+    Raises:
+        ValueError: not two integers with 0 ≤ I < N.
+    """
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        i = n = -1
+    if not 0 <= i < n:
+        raise ValueError(f"--data-shard {spec}: use I/N with 0 ≤ I < N, e.g. 0/2 and 1/2 for two "
+                         "replica groups")
+    return torch.utils.data.Subset(dataset, range(i, len(dataset), n))
 
 
 def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo | cg.LocalSGD:
@@ -553,6 +588,11 @@ def _train(args: argparse.Namespace) -> int:
         sys.stdout.write(f"rank {comm.rank}/{comm.world_size}: z checksum "
                          f"{z_digest(plan.central_weights())} after {plan.rounds_done} rounds\n")
         sys.stdout.flush()
+    for c in history.membership:  # torchft: every change of the live groups
+        print(f"membership: round {c.round_index}: {c.groups} group(s), k = {c.learners}"
+              + (" (recovered from a peer)" if c.recovered else "")
+              + (f" after {c.failed_attempts} discarded all-reduce(s)" if c.failed_attempts else ""),
+              flush=True)
     if main_rank:
         _print_results(plan, history, target)
     return 0

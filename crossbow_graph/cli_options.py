@@ -43,6 +43,10 @@ OPTION_FLAGS: dict[str, tuple[type, str]] = {  # flag → (the dataclass, its fi
     "--dist-timeout": (Distributed, "timeout_s"),
     "--checksum-every": (Distributed, "checksum_every"),
     "--sync-dtype": (Distributed, "sync_dtype"),
+    "--fault-tolerant": (Distributed, "fault_tolerant"),
+    "--lighthouse": (Distributed, "lighthouse"),
+    "--replica-group": (Distributed, "replica_group"),
+    "--min-replicas": (Distributed, "min_replicas"),
 }
 
 # flag → (the CLI's default, why it is not the option's): the CLI trains the main job of

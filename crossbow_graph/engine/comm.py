@@ -83,6 +83,15 @@ class Distributed:
             (exact), or ``"bf16"``/``"fp16"`` (half the bytes; each rank keeps the float32
             rounding error of what it sent and adds it to its next sum, error feedback:
             ``Comm.all_reduce_sum_``). Buffer sums and the fault count stay float32.
+        fault_tolerant: every process is one torchft replica group and the global sync's sum
+            goes through torchft's Manager (engine/ft.py; docs/distributed.md, "Fault
+            tolerance"): a group that dies or hangs is left out, one that starts joins. Needs
+            the ``ft`` extra (torchft).
+        lighthouse: the torchft Lighthouse's address (``http://HOST:PORT``); None: the
+            ``TORCHFT_LIGHTHOUSE`` variable.
+        replica_group: this group's name (None: ``REPLICA_GROUP_ID``, else ``"0"``).
+        min_replicas: the fewest live groups a sync commits with (≥ 1).
+        ft_attempts: quorums a sync tries before DistributedError (≥ 1).
 
     Raises:
         ValueError: a value outside its range.
@@ -92,6 +101,11 @@ class Distributed:
     checksum_every: int = 100
     backend: DistBackend = "auto"
     sync_dtype: SyncDtype = "fp32"
+    fault_tolerant: bool = False
+    lighthouse: str | None = None
+    replica_group: str | None = None
+    min_replicas: int = 1
+    ft_attempts: int = 10
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -104,6 +118,12 @@ class Distributed:
         if self.sync_dtype not in get_args(SyncDtype):
             raise ValueError(f"Distributed(sync_dtype={self.sync_dtype!r}): use one of "
                              f"{get_args(SyncDtype)} (the corrections' dtype in the all-reduce)")
+        for name in ("min_replicas", "ft_attempts"):
+            if not is_count(getattr(self, name)):
+                raise ValueError(f"Distributed({name}={getattr(self, name)!r}): must be an integer ≥ 1")
+        if self.fault_tolerant and self.sync_dtype != "fp32":
+            raise ValueError(f"Distributed(fault_tolerant=True, sync_dtype={self.sync_dtype!r}): "
+                             "the fault-tolerant sync sends float32; use sync_dtype='fp32'")
 
     def sync_bytes(self, num_parameters: int, num_float_buffers: int) -> int:
         """Bytes one process hands to the all-reduce per sync: the P corrections in

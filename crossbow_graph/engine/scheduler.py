@@ -71,6 +71,8 @@ class Scheduler(RoundInterpreter):
         executor: ``"auto"``, ``"inline"`` or ``"process"`` (this module's docstring).
         kernels: the SMA update backend; None: the torch kernels.
         comm: under torchrun, this rank's ``engine.comm.Comm`` (the global sync spans the ranks).
+        ft: with ``Distributed(fault_tolerant=True)``, this replica group's
+            ``engine.ft.FaultTolerantSync`` (the global sync spans torchft's live groups).
         cpu_conv, round_graph: the attributes below.
 
     Attributes:
@@ -118,7 +120,7 @@ class Scheduler(RoundInterpreter):
     def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Callable,
                  settings: RunSettings, *, executor: Executor = "auto",
                  kernels: SMAKernels | None = None, comm: Any = None, cpu_conv: CpuConv = "auto",
-                 round_graph: Any = None) -> None:
+                 round_graph: Any = None, ft: Any = None) -> None:
         if executor not in EXECUTORS:
             raise ValueError(f"executor={executor!r}: use one of {EXECUTORS}")
         if executor == "process" and any(s.torch_device.type != "cpu" for s in states):
@@ -138,6 +140,7 @@ class Scheduler(RoundInterpreter):
         self.timeline = None
         self.seed = 0
         self.comm = comm  # a engine.comm.Comm under torchrun: the global sync spans the ranks
+        self.ft = ft  # a engine.ft.FaultTolerantSync: the global sync spans torchft's live groups
         self._fetch: Callable | None = None
         self._load: Callable | None = None  # begin_fit's load, if any
         self._round_losses: dict[int, list] = {}  # device → its replicas' losses of the round
@@ -203,7 +206,8 @@ class Scheduler(RoundInterpreter):
     @property
     def alpha(self) -> float:
         """α used in the next round's local updates: ``settings.alpha``, or 1/k; 0 when k = 1."""
-        return self.settings.sync.alpha_for(self.num_learners)
+        live = self.ft.live_learners if self.ft is not None else None  # torchft: last sync's k
+        return self.settings.sync.alpha_for(live or self.num_learners)
 
     @property
     def fused_programs(self) -> list[FusedProgram]:

@@ -104,6 +104,7 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         "faults": [asdict(e) for e in sched.faults.events],
         **plan.progress.state_dict(),  # epochs_done, rounds_done, round_in_epoch, ...
         "outer_optimizer": _sync_state_entry(plan),
+        "fault_tolerance": sched.ft.state_dict() if sched.ft is not None else None,  # engine/ft.py
     }
 
 
@@ -225,6 +226,8 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any], setup: dict[str, Any]
     device = plan.states[0].torch_device
     sched.losses = [x.to(device) for x in sd["losses"].unbind()]
     sched.faults.events = [FaultEvent(**e) for e in sd["faults"]]
+    if sched.ft is not None and sd.get("fault_tolerance") is not None:
+        sched.ft.load_state_dict(sd["fault_tolerance"])
     plan.progress.load_state_dict(sd)
     choice.warn(source)
 

@@ -175,6 +175,8 @@ class History:
         cuda_graphs: with ``compile(cuda_graphs=True)``, the plan's graph rounds so far:
             ``{"captures", "replays", "eager_rounds": {reason: rounds}}`` (engine/graphs.py
             ``RoundGraph.record``); else empty.
+        membership: under ``Distributed(fault_tolerant=True)`` every change of the live replica
+            groups (engine/ft.py MembershipChange: round, groups, learners k, ...), in order.
     """
 
     epochs: list[EpochRecord] = field(default_factory=list)
@@ -191,6 +193,7 @@ class History:
     policy: list = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
     cuda_graphs: dict = field(default_factory=dict)
+    membership: list = field(default_factory=list)
 
     @property
     def sync_unhidden_share(self) -> float | None:

@@ -472,6 +472,8 @@ class Trainer:
         if len(sched.faults.events) > self.faults_seen:
             self.history.faults.extend(sched.faults.events[self.faults_seen:])
             self.faults_seen = len(sched.faults.events)
+        if sched.ft is not None and len(sched.ft.membership) > len(self.history.membership):
+            self.history.membership.extend(sched.ft.membership[len(self.history.membership):])
 
     def _after_round(self, indices: torch.Tensor, n_losses: int) -> None:
         """The round's context (indices, losses, training seconds so far) and the hooks'

@@ -30,16 +30,20 @@ def mean_buffers(bufs: list[torch.Tensor], home: torch.device) -> torch.Tensor |
     return torch.cat([bb.to(home) for bb in bufs]).mean(dim=0)
 
 
-def global_sum(ctx: "SyncContext", accs: list[torch.Tensor], bufs: list[torch.Tensor]
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def global_sum(ctx: "SyncContext", accs: list[torch.Tensor], bufs: list[torch.Tensor],
+               scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """Σ_d acc_d ``[P]`` on the first device, under torchrun summed over the ranks too
-    (``SyncContext.all_reduce_sums``); and the mean buffers ``[Q]`` over all k replicas (every
-    rank's, under torchrun; None without float buffers)."""
+    (``SyncContext.all_reduce_sums``), under torchft over the live replica groups
+    (``FaultTolerantSync.all_reduce``, each group's sum multiplied by ``scale`` first); the mean
+    buffers ``[Q]`` over all k replicas (None without float buffers); and k, the learners whose
+    contributions the sum holds (under torchft the live groups', else ``ctx.num_learners``)."""
     home = ctx.states[0].torch_device
     total = sum_on(accs, home)
+    if ctx.ft is not None:
+        return ctx.ft.all_reduce(ctx, total * scale, bufs, ctx.round_index)
     if ctx.comm is None:
-        return total, mean_buffers(bufs, home)
-    return ctx.all_reduce_sums(total, bufs, home)
+        return total, mean_buffers(bufs, home), ctx.num_learners
+    return (*ctx.all_reduce_sums(total, bufs, home), ctx.num_learners)
 
 
 def restart_from_z(states: list["DeviceState"], mean_buf: torch.Tensor | None) -> None:

@@ -22,12 +22,19 @@ class SyncContext(Protocol):
     """What an algorithm's updates may use of the engine (the Scheduler): ``states`` (one
     DeviceState per device: w, v, g ``[m, P]``, z, z_prev ``[P]``, buf ``[m, Q]``, zbuf ``[Q]``),
     ``kernels`` (``SMAKernels``), ``comm`` (torchrun's ``Comm`` or None), ``num_learners`` (k,
-    every process's), ``optimizer`` (the ``LocalOptimizer``, its settings in force)."""
+    every process's), ``optimizer`` (the ``LocalOptimizer``, its settings in force), ``ft`` (the
+    ``engine.ft.FaultTolerantSync`` of a torchft replica group, or None), ``round_index``,
+    ``alpha`` (α of this round's local updates)."""
 
     states: list[DeviceState]
     kernels: SMAKernels
     comm: Any
     optimizer: LocalOptimizer
+    ft: Any
+    round_index: int
+
+    @property
+    def alpha(self) -> float: ...
 
     @property
     def num_learners(self) -> int: ...
@@ -87,6 +94,9 @@ class SyncAlgorithm(abc.ABC):
             ``with_alpha`` and ``with_sync_every`` raise ValueError for the others.
         alpha: α as set (None: 1/k); None for an algorithm without α.
         central_momentum: μ_z of the central update (0 where z moves otherwise).
+        fault_tolerant: its global sync runs over torchft's replica groups
+            (``Distributed(fault_tolerant=True)``, engine/ft.py): it sums through
+            ``_reduce.global_sum`` and scales by the k that sum returns.
 
     Attributes:
         sync_every: τ (or H), rounds between synchronisations (≥ 1).
@@ -98,6 +108,7 @@ class SyncAlgorithm(abc.ABC):
     adjustable: ClassVar[tuple[str, ...]] = ("sync_every",)
     alpha: ClassVar[float | None] = None
     central_momentum: ClassVar[float] = 0.0
+    fault_tolerant: ClassVar[bool] = True
     sync_every: int
 
     # -- settings ---------------------------------------------------------------------------

@@ -100,9 +100,9 @@ class DiLoCo(SyncAlgorithm):
         the old z, the devices copy z, every replica restarts from z with its optimizer state
         kept; float buffers averaged into zbuf. With one learner it is the same (Δ = z − w_0)."""
         s0 = ctx.states[0]
-        total, mean_buf = global_sum(ctx, accs, bufs)
+        total, mean_buf, k = global_sum(ctx, accs, bufs)
         s0.z_prev.copy_(s0.z)
-        sync_state.step(s0.z, torch.div(total, -ctx.num_learners))  # Δ [P]
+        sync_state.step(s0.z, torch.div(total, -k))  # Δ [P]
         restart_from_z(ctx.states, mean_buf)
 
     def describe(self, sync_state: SyncState | None = None) -> dict[str, Any]:

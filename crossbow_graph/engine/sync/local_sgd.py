@@ -62,9 +62,9 @@ class LocalSGD(SyncAlgorithm):
         """z ← Σ_d acc_d / k (all-reduced under torchrun), z_prev ← the old z, the devices copy
         z, every replica restarts from z; float buffers averaged into zbuf."""
         s0 = ctx.states[0]
-        total, mean_buf = global_sum(ctx, accs, bufs)
+        total, mean_buf, k = global_sum(ctx, accs, bufs)
         s0.z_prev.copy_(s0.z)
-        s0.z.copy_(torch.div(total, ctx.num_learners))
+        s0.z.copy_(torch.div(total, k))
         restart_from_z(ctx.states, mean_buf)
 
     def summary_rule(self, num_learners: int, sync_state: SyncState | None = None) -> str:

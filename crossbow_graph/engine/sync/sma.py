@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ...errors import check_number, is_count
-from ._reduce import mean_buffers, sum_on
+from ._reduce import global_sum, mean_buffers, sum_on
 from .base import SyncAlgorithm, SyncContext, SyncState
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class SMA(SyncAlgorithm):
         hyper = ctx.graph_hyper(states[0])
         if hyper is not None:  # a graph round: μ_z from its device tensor (one device)
             mu_z = hyper.central(mu_z)
-        mean_buf = _central_update(ctx, accs, bufs, mu_z)
+        mean_buf = _central_update(ctx, accs, bufs, mu_z, self.alpha_for)
         if mean_buf is None:
             mean_buf = mean_buffers(bufs, states[0].torch_device)
         if mean_buf is not None:
@@ -116,17 +116,26 @@ class SMA(SyncAlgorithm):
 
 
 def _central_update(ctx: SyncContext, accs: list[torch.Tensor], bufs: list[torch.Tensor],
-                    mu_z: float | torch.Tensor) -> torch.Tensor | None:
+                    mu_z: float | torch.Tensor, alpha_for) -> torch.Tensor | None:
     """z ← z + Σ_d acc_d + μ_z(z − z_prev) on every device; returns the mean buffers over all k
-    replicas when the torchrun all-reduce carried them, else None."""
+    replicas when the torchrun all-reduce carried them, else None.
+
+    Under torchft (``ctx.ft``) each group sends Σ_j (ŵ_j − z), its corrections over the α it
+    used, and the sum over the live groups' k learners is scaled by ``alpha_for(k)``: with α =
+    1/k, z + Σ c_j is the mean of the live learners' ŵ_j (μ_z = 0), whichever group died or
+    joined in the round."""
     states: list[DeviceState] = ctx.states
     on_cpu = all(s.torch_device.type == "cpu" for s in states)
     # CPU devices share one memory: Σ acc_d, the update and z's copies in one pass
-    if on_cpu and ctx.comm is None and ctx.kernels.central_update_shared(
+    if on_cpu and ctx.comm is None and ctx.ft is None and ctx.kernels.central_update_shared(
             [s.z for s in states], [s.z_prev for s in states], accs, central_momentum=mu_z):
         return None
     home, mean_buf = states[0].torch_device, None
-    total = sum_on(accs, home)
+    if ctx.ft is not None:
+        total, mean_buf, k = global_sum(ctx, accs, bufs, scale=1.0 / ctx.alpha)
+        total.mul_(alpha_for(k))
+    else:
+        total = sum_on(accs, home)
     if ctx.comm is not None:
         total, mean_buf = ctx.all_reduce_sums(total, bufs, home)
     # CPU logical devices share one memory: update z once and copy it (same numbers)

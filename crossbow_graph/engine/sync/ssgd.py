@@ -35,6 +35,7 @@ class SSGD(SyncAlgorithm):
     """
 
     adjustable: ClassVar[tuple[str, ...]] = ()
+    fault_tolerant: ClassVar[bool] = False  # its global step is not a sum over groups
     sync_every: ClassVar[int] = 1
 
     def with_alpha(self, alpha: float | None) -> "SSGD":

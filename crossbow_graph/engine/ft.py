@@ -1,0 +1,255 @@
+"""The fault-tolerant global sync over torchft (docs/distributed.md, "Fault tolerance").
+
+With ``Distributed(fault_tolerant=True)`` every process is one replica group of torchft: its own
+devices × m learners, its own data, checkpoints and evaluation, and one torchft ``Manager``
+(a Lighthouse quorum per sync, a reconfigurable gloo process group across the live groups,
+recovery of state from a healthy peer). The global sync's sum over the groups goes through the
+Manager (``FaultTolerantSync.all_reduce``):
+
+1. ``start_quorum``: the Lighthouse names the live groups; a group that joins (or restarts)
+   receives z, z_prev, zbuf and the sync algorithm's state (DiLoCo's outer optimizer) from a
+   healthy peer, its learners restart from z with fresh optimizer state, and it contributes
+   nothing to this sync (its corrections were taken against its own, stale z);
+2. one all-reduce (sum) of ``[Σ contributions [P], Σ buffers [Q], n]``, n the group's learners:
+   the sum's last entry is k, the learners of the live groups;
+3. ``should_commit``: when a group died or hung during the all-reduce, the sum is discarded and
+   steps 1–2 run again over the groups still alive (the same contributions: nothing applied
+   twice, none lost), at most ``Distributed.ft_attempts`` times.
+
+The sync algorithms scale what they send and what they apply by k (engine/sync/_reduce.py
+``ft_sum``), so z after a failure is the update over the live learners only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistributedError
+from .faults import FaultMonitor
+
+if TYPE_CHECKING:
+    from .comm import Distributed
+    from .sync.base import SyncContext
+
+_log = logging.getLogger("crossbow_graph.ft")
+
+__all__ = ["FaultTolerantSync", "MembershipChange", "import_torchft", "check_fault_tolerant"]
+
+
+def check_fault_tolerant(sync: Any, executor: str, num_learners: int | None) -> None:
+    """ValueError when ``compile``'s ``sync``, ``executor`` or this group's learner count
+    (``num_learners``, None: chosen by the auto-tuner) cannot run under
+    ``Distributed(fault_tolerant=True)``."""
+    name = type(sync).__name__
+    if not sync.fault_tolerant:
+        raise ValueError(f"Distributed(fault_tolerant=True) with sync={name}(): its global step "
+                         "is not a sum over replica groups; use SMA, DiLoCo or LocalSGD")
+    if executor == "process":
+        raise ValueError("Distributed(fault_tolerant=True) with executor='process': a group that "
+                         "recovers rewrites every replica during the sync, which the worker "
+                         "processes do not wait for; use executor='inline' (or 'auto')")
+    if num_learners == 1 and sync.alpha_for(2) > 0:
+        raise ValueError(f"Distributed(fault_tolerant=True) with sync={name}(...) and one learner "
+                         "in this group: the group's correction needs k > 1 learners of its own; "
+                         "use replicas ≥ 2 (or devices ≥ 2)")
+
+
+def import_torchft() -> Any:
+    """The ``torchft`` module. Raises ImportError naming the extra when it is not installed."""
+    try:
+        import torchft
+        import torchft.manager  # noqa: F401
+        import torchft.process_group  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "Distributed(fault_tolerant=True) (--fault-tolerant) runs on torchft, which is not "
+            "installed: pip install 'crossbow_graph[ft]' (torchft==0.2.0)") from exc
+    return torchft
+
+
+@dataclasses.dataclass(frozen=True)
+class MembershipChange:
+    """A sync whose live membership differs from the previous one's.
+
+    Attributes:
+        round_index: the round (0-based) whose global sync saw it.
+        groups: replica groups in the sync (the Lighthouse quorum's participants).
+        learners: k, learners of the groups that contributed (a group that just joined adds its
+            learners from the next sync on).
+        recovered: this group received its state from a peer in this quorum.
+        failed_attempts: all-reduces discarded before this one (a group died or hung).
+        seconds: wall seconds of this sync, from its first quorum to its commit (with failed
+            attempts: the stall the failure cost this group).
+    """
+
+    round_index: int
+    groups: int
+    learners: int
+    recovered: bool = False
+    failed_attempts: int = 0
+    seconds: float = 0.0
+
+
+class FaultTolerantSync:
+    """This process's replica group in a torchft run: its Manager and the sync's all-reduce.
+
+    Args:
+        settings: ``Distributed`` with ``fault_tolerant=True``: ``lighthouse`` (or the
+            ``TORCHFT_LIGHTHOUSE`` variable), ``replica_group``, ``min_replicas``, ``timeout_s``
+            (collectives, recovery, and the quorum's wait).
+
+    Attributes:
+        live_learners: k of the last committed sync (None before the first): α = 1/k of the next
+            round's local updates.
+        membership: every ``MembershipChange``, in order.
+        replica_group: this group's name (the Lighthouse sees it with a unique suffix).
+
+    Raises:
+        ImportError: torchft is not installed (names the ``ft`` extra).
+        ValueError: no Lighthouse address, or torchrun started several processes in this group.
+    """
+
+    def __init__(self, settings: "Distributed") -> None:
+        import_torchft()
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        lighthouse = settings.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not lighthouse:
+            raise ValueError("Distributed(fault_tolerant=True): no Lighthouse address; start "
+                             "`torchft_lighthouse --min_replicas 1 --bind [::]:29510` and pass "
+                             "lighthouse='http://HOST:29510' (--lighthouse), or set "
+                             "TORCHFT_LIGHTHOUSE")
+        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            raise ValueError(f"Distributed(fault_tolerant=True) with WORLD_SIZE="
+                             f"{os.environ['WORLD_SIZE']}: a replica group is one process (its "
+                             "devices × m learners); launch each group with torchrun "
+                             "--nproc-per-node 1 (or plain python)")
+        self.replica_group = settings.replica_group or os.environ.get("REPLICA_GROUP_ID", "0")
+        self.attempts = settings.ft_attempts
+        timeout = datetime.timedelta(seconds=settings.timeout_s)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True,
+                                                 wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=settings.min_replicas,
+            load_state_dict=self._load, state_dict=self._save, use_async_quorum=False,
+            init_sync=False,  # the groups start from the same seeded model; a joiner recovers
+            replica_id=self.replica_group, store_addr="127.0.0.1", store_port=self._store.port,
+            rank=0, world_size=1, lighthouse_addr=lighthouse, timeout=timeout,
+            quorum_timeout=timeout, connect_timeout=timeout)
+        self.live_learners: int | None = None
+        self.membership: list[MembershipChange] = []
+        self._ctx: Any = None  # the scheduler whose state a recovering peer receives
+        self._recovered = False
+        atexit.register(self.close)
+
+    # -- recovery (torchft calls these in its quorum; _load on the main thread) ---------------
+
+    def _save(self) -> dict[str, Any]:
+        s0 = self._ctx.states[0]
+        return {"z": s0.z.detach().cpu().clone(), "z_prev": s0.z_prev.detach().cpu().clone(),
+                "zbuf": s0.zbuf.detach().cpu().clone(),
+                "sync_state": self._ctx.sync_state.state_dict()}
+
+    @torch.no_grad()
+    def _load(self, saved: dict[str, Any]) -> None:
+        for s in self._ctx.states:
+            s.z.copy_(saved["z"])
+            s.z_prev.copy_(saved["z_prev"])
+            s.zbuf.copy_(saved["zbuf"])
+            FaultMonitor.reset(s, list(range(s.m)))  # w ← z, zero momentum, fresh state
+        self._ctx.sync_state.load_state_dict(saved["sync_state"])
+        self._recovered = True
+
+    # -- the global sync ------------------------------------------------------------------------
+
+    def all_reduce(self, ctx: "SyncContext", total: torch.Tensor, bufs: list[torch.Tensor],
+                   round_index: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Σ over the live groups of ``total [P]`` (this group's contribution) and of the
+        replicas' float buffers (``bufs``: ``[m_d, Q]`` per device), committed by torchft.
+
+        Returns:
+            (the sum ``[P]`` on ``total``'s device, the mean buffers over the k learners ``[Q]``
+            or None, k: the learners of the groups that contributed).
+
+        Raises:
+            DistributedError: no sync committed in ``ft_attempts`` quorums (fewer live groups
+                than ``min_replicas``, or the Lighthouse is gone).
+        """
+        self._ctx = ctx
+        P, Q = total.shape[0], bufs[0].shape[1]
+        sent = torch.empty(P + Q + 1, dtype=total.dtype)  # [P + Q + 1] on the host (gloo)
+        sent[:P].copy_(total)
+        if Q:
+            torch.sum(torch.cat([b.to("cpu", total.dtype) for b in bufs]), dim=0, out=sent[P:P + Q])
+        sent[P + Q] = sum(s.m for s in ctx.states)
+        start = time.perf_counter()
+        self._recovered = False  # set by _load, in any of the attempts
+        for failed in range(self.attempts):
+            flat = self._attempt(sent)
+            if flat is not None:
+                k = int(round(flat[P + Q].item()))
+                self._record(round_index, k, failed, time.perf_counter() - start)
+                mean_buf = flat[P:P + Q].div_(k).to(ctx.states[0].buf.dtype) if Q else None
+                return flat[:P].to(total.device), mean_buf, k
+        raise DistributedError(
+            f"replica group {self.replica_group}: the global sync of round {round_index} did not "
+            f"commit in {self.attempts} quorums (fewer live groups than min_replicas, or the "
+            "Lighthouse is unreachable); stopping. Restart the group: it rejoins and recovers "
+            "z from a live peer", task_id="global_sync", device=f"group {self.replica_group}",
+            round_index=round_index)
+
+    def _attempt(self, sent: torch.Tensor) -> torch.Tensor | None:
+        """One quorum, all-reduce and commit of ``sent``; the sum, or None when discarded."""
+        manager = self.manager
+        manager.start_quorum()  # may recover this group's state from a peer (_load)
+        if self._recovered:  # (again after a failed attempt: sent stays zero)
+            sent.zero_()  # taken against the stale z: this group joins from the next sync
+        flat = sent.clone()
+        manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+        return flat if manager.should_commit() else None
+
+    def _record(self, round_index: int, k: int, failed: int, seconds: float) -> None:
+        groups = self.manager.num_participants()
+        last = self.membership[-1] if self.membership else None
+        if last is None or (last.groups, last.learners) != (groups, k) or failed or self._recovered:
+            change = MembershipChange(round_index, groups, k, self._recovered, failed, seconds)
+            self.membership.append(change)
+            _log.warning("replica group %s: round %d: %d live group(s), k = %d learners%s%s; "
+                         "this sync took %.2f s", self.replica_group, round_index, groups, k,
+                         " (recovered z from a peer)" if self._recovered else "",
+                         f" after {failed} discarded all-reduce(s)" if failed else "", seconds)
+        self.live_learners = k
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: k of the last sync (α of the next round) and the changes."""
+        return {"live_learners": self.live_learners,
+                "membership": [dataclasses.asdict(c) for c in self.membership]}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (a resumed group's first sync then uses the saved α; a group
+        whose peers went on recovers z from them at that sync)."""
+        self.live_learners = saved["live_learners"]
+        self.membership = [MembershipChange(**c) for c in saved["membership"]]
+
+    def describe(self) -> str:
+        """The live membership for the plan summary."""
+        if not self.membership:
+            return f"fault-tolerant replica group {self.replica_group!r} (torchft): no sync yet"
+        last = self.membership[-1]
+        return (f"fault-tolerant replica group {self.replica_group!r} (torchft): "
+                f"{last.groups} live group(s), k = {last.learners} learners (round "
+                f"{last.round_index}); {len(self.membership)} membership change(s)")
+
+    def close(self) -> None:
+        """Shut the Manager down (its servers and threads)."""
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,115 @@
+"""One torchft replica group of the fault-tolerance tests (tests/test_ft.py):
+``python _ft_group.py OUT_DIR GROUP SYNC ROUNDS DIE_AT [PHASE]`` with ``TORCHFT_LIGHTHOUSE`` set.
+
+TinyNet, 1 device × 2 replicas, b = 4, its own data (seeded by the group's number), ``SYNC``
+``sma`` (SMA with α = 1/k, μ_z = 0: z after a sync is the mean of the live learners' weights at
+the round's start) or ``diloco`` (DiLoCo, H = 2, inner AdamW), ROUNDS rounds. ``DIE_AT`` ≥ 0:
+the group SIGKILLs itself in the first sync from round DIE_AT on that follows a sync of both
+groups' 4 learners and has both in its quorum (the groups may start out of step: a group that
+arrives late syncs alone, or recovers, first), after the quorum and before the all-reduce (the
+others' all-reduce fails and is discarded). ``PHASE`` ``first``: stop after 4
+rounds with a checkpoint in ``OUT_DIR/GROUP-ckpt``; ``resume``: resume from it; ``pace``: once
+alone, wait 0.2 s after each round (a restarted group then has time to rejoin), and stop 6 rounds
+after another group rejoined. Writes ``GROUP.pt``: per round the
+replicas' weights at its start and z after it, the membership changes, or ``error``."""
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import crossbow_graph as cg  # noqa: E402
+from crossbow_graph.errors import TaskError  # noqa: E402
+from _runtime_helpers import TinyNet, compile_tiny, tiny_data  # noqa: E402
+
+B, M = 4, 2
+
+
+class _Record(cg.Hook):
+    """The replicas at each round's start, z after it."""
+
+    def __init__(self) -> None:
+        self.w_before: list[torch.Tensor] = []
+        self.z_after: list[torch.Tensor] = []
+
+    def before_round(self, ctx) -> None:
+        self.w_before.append(ctx.plan.replica_weights().clone())
+
+    def after_round(self, ctx) -> None:
+        self.z_after.append(ctx.plan.central_weights().clone())
+
+
+def plan_of(group: str, sync: str) -> cg.Plan:
+    dist = cg.Distributed(fault_tolerant=True, replica_group=group, timeout_s=10.0)
+    if sync == "sma":
+        return compile_tiny(TinyNet, seed=0, batch_size=B, devices=1, replicas=M,
+                            sync=cg.SMA(central_momentum=0.0), distributed=dist)
+    return compile_tiny(TinyNet, seed=0, batch_size=B, devices=1, replicas=M,
+                        sync=cg.DiLoCo(sync_every=2),
+                        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
+                        distributed=dist)
+
+
+def die_in_sync(plan: cg.Plan, round_index: int) -> None:
+    """SIGKILL (``FT_DIE_SIGNAL=STOP``: SIGSTOP) this process in the all-reduce (after its
+    quorum) of the first sync from round ``round_index`` on after a sync of 4 learners with 2
+    groups in the quorum."""
+    sig = signal.SIGSTOP if os.environ.get("FT_DIE_SIGNAL") == "STOP" else signal.SIGKILL
+    ft = plan.scheduler.ft
+    manager = ft.manager
+    allreduce = manager.allreduce
+
+    def dying(*args, **kwargs):
+        if plan.scheduler.round_index >= round_index and ft.live_learners == 4 \
+                and manager.num_participants() == 2:
+            os.kill(os.getpid(), sig)
+        return allreduce(*args, **kwargs)
+
+    manager.allreduce = dying
+
+
+class _StopAfter(cg.Hook):
+    def after_round(self, ctx) -> None:
+        ctx.stop = ctx.plan.rounds_done >= 4
+
+
+class _Pace(cg.Hook):
+    def after_round(self, ctx) -> None:
+        changes = ctx.plan.scheduler.ft.membership
+        alone = [i for i, c in enumerate(changes) if c.groups == 1]
+        if not alone:
+            return
+        if changes[-1].groups == 1:
+            time.sleep(0.2)
+        elif ctx.plan.rounds_done >= changes[alone[0] + 1].round_index + 6:
+            ctx.stop = True
+
+
+def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str = "") -> None:
+    torch.set_num_threads(1)
+    result = {}
+    rec = _Record()
+    try:
+        plan = plan_of(group, sync)
+        if die_at >= 0:
+            die_in_sync(plan, die_at)
+        data = tiny_data(rounds * B * M, seed=int(group[-1]) + 1)
+        ckpt = dict(checkpoint_dir=os.path.join(out, f"{group}-ckpt"), checkpoint_every=4,
+                    resume=phase == "resume") if phase else {}
+        hooks = [rec] + {"first": [_StopAfter()], "pace": [_Pace()]}.get(phase, [])
+        plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None, hooks=hooks, **ckpt)
+        result.update(rounds=plan.rounds_done, summary=plan.summary(),
+                      membership=[dataclasses.asdict(c) for c in plan.scheduler.ft.membership])
+    except TaskError as exc:
+        result.update(error=str(exc))
+    result.update(w_before=rec.w_before, z_after=rec.z_after)
+    torch.save(result, os.path.join(out, f"{group}.pt"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4], int(sys.argv[4]), int(sys.argv[5]), *sys.argv[6:])

@@ -1,0 +1,204 @@
+"""The fault-tolerant global sync over torchft (docs/distributed.md, "Fault tolerance"): a
+Lighthouse process and two replica groups (processes, 2 learners each) on gloo; one group dies
+in a sync, the other discards that all-reduce, goes on over the live learners only and finishes.
+The options' errors need no torchft; the rest is skipped without it (the ``ft`` extra)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import crossbow_graph as cg
+from crossbow_graph.engine.ft import check_fault_tolerant
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROUNDS = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_lighthouse(**flags: int) -> tuple[subprocess.Popen, str]:
+    """``torchft_lighthouse`` on a free port; (the process, its address)."""
+    port = _free_port()
+    args = {"min_replicas": 1, "join_timeout_ms": 2000, "heartbeat_timeout_ms": 1000,
+            "quorum_tick_ms": 50, **flags}
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"),
+           "--bind", f"[::]:{port}"] + [x for k, v in args.items() for x in (f"--{k}", str(v))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90  # it imports torch: slow on a loaded machine
+    while time.monotonic() < deadline:  # wait until it listens
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"http://127.0.0.1:{port}"
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("torchft_lighthouse did not listen within 90 s")
+
+
+def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150, phase: str = "",
+               min_replicas: int = 1, rounds: dict[str, int] | None = None, stop: bool = False):
+    """Groups g0, g1 of tests/_ft_group.py against a fresh Lighthouse; {group: result}. With
+    ``phase="pace"`` g0 paces itself once alone, and a group of ``die`` is restarted (without
+    dying) once it died. ``stop``: the groups of ``die`` stop (SIGSTOP) instead of dying, and are
+    SIGKILLed once the others ended."""
+    pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
+    lighthouse, address = start_lighthouse(min_replicas=min_replicas)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1",
+               FT_DIE_SIGNAL="STOP" if stop else "KILL")
+    os.makedirs(tmp_path, exist_ok=True)
+    rounds = rounds or {}
+
+    def start(g: str, dies: int, phase: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path),
+                                 g, sync, str(rounds.get(g, ROUNDS)), str(dies), phase], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    procs = {g: start(g, die.get(g, -1), phase if g == "g0" or phase != "pace" else "")
+             for g in ("g0", "g1")}
+    try:
+        if phase == "pace":  # the dead group starts again and rejoins
+            for g in die:
+                procs[g].communicate(timeout=timeout_s)
+                procs[g] = start(g, -1, "")
+            die = {}
+        logs = {g: p.communicate(timeout=timeout_s)[0] for g, p in procs.items() if g not in die or not stop}
+        for g in die if stop else ():  # stopped for good: the others went on without it
+            procs[g].kill()
+            logs[g] = procs[g].communicate()[0]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lighthouse.kill()
+        lighthouse.wait()
+    results = {}
+    for g, p in procs.items():
+        if g in die:
+            assert p.returncode == -9, (g, p.returncode, logs[g][-3000:])
+        else:
+            assert p.returncode == 0, (g, p.returncode, logs[g][-3000:])
+            results[g] = torch.load(tmp_path / f"{g}.pt", weights_only=False)
+            assert "error" not in results[g], results[g]["error"]
+    return results
+
+
+def _after_four(changes: list[dict]) -> dict:
+    """The first membership change after the first sync of both groups' 4 learners (whichever
+    group reached the Lighthouse first may have synced alone, or recovered, before it)."""
+    ks = [(c["groups"], c["learners"]) for c in changes]
+    assert (2, 4) in ks, changes
+    return changes[ks.index((2, 4)) + 1]
+
+
+@pytest.mark.distributed
+def test_sma_survivor_discards_the_failed_all_reduce_and_averages_the_live_learners(tmp_path):
+    """g1 dies in a sync from round 3 on (tests/_ft_group.py): g0's all-reduce of that round is
+    discarded, the quorum shrinks to g0 and z after that round is the mean of g0's 2 learners'
+    weights at the round's start (SMA, α = 1/k, μ_z = 0; float32 summation order: rtol 1e-6);
+    in the round before, z is the mean over 4 learners; g0 finishes all rounds."""
+    r = run_groups(tmp_path, "sma", {"g1": 3})["g0"]
+    assert r["rounds"] == ROUNDS
+    failure = _after_four(r["membership"])
+    t0 = failure["round_index"]
+    assert t0 >= 3 and failure["failed_attempts"] >= 1, r["membership"]
+    assert (failure["groups"], failure["learners"]) == (1, 2)
+    for t in range(t0, ROUNDS):  # g0 alone: z ← mean of its learners at the round's start
+        torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-6, atol=1e-7)
+    # with four learners z is not g0's mean: g1's learners were in it
+    assert not torch.allclose(r["z_after"][t0 - 1], r["w_before"][t0 - 1].mean(0), rtol=1e-4, atol=1e-5)
+    assert "1 live group(s), k = 2 learners" in r["summary"]
+
+
+@pytest.mark.distributed
+def test_a_hung_group_is_evicted_and_the_survivor_goes_on(tmp_path):
+    """g1 stops (SIGSTOP) in a sync's all-reduce from round 3 on: g0's all-reduce fails at the
+    gloo timeout (``timeout_s`` 10), is discarded, the Lighthouse has evicted g1 (no heartbeat
+    for 1 s), and g0 finishes with z the mean of its own learners from that round on."""
+    r = run_groups(tmp_path, "sma", {"g1": 3}, stop=True)["g0"]
+    assert r["rounds"] == ROUNDS
+    failure = _after_four(r["membership"])
+    assert failure["round_index"] >= 3 and failure["failed_attempts"] >= 1, r["membership"]
+    assert (failure["groups"], failure["learners"]) == (1, 2)
+    for t in range(failure["round_index"], ROUNDS):
+        torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-6, atol=1e-7)
+    print(f"stall of the hung group's sync: {failure['seconds']:.2f} s")
+
+
+@pytest.mark.distributed
+def test_two_groups_undisturbed_keep_the_same_z(tmp_path):
+    """No failure: both groups hold the same z bit for bit after every round (the same
+    all-reduced sum, the same update), k = 4 throughout."""
+    r = run_groups(tmp_path, "sma", {}, min_replicas=2)  # the Lighthouse waits for both
+    for t in range(ROUNDS):
+        assert torch.equal(r["g0"]["z_after"][t], r["g1"]["z_after"][t]), t
+    assert [(c["groups"], c["learners"]) for c in r["g0"]["membership"]] == [(2, 4)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sync", ["sma", "diloco"])
+def test_a_restarted_group_rejoins_and_recovers_z_and_the_outer_state(tmp_path, sync):
+    """g1 dies in a sync from round 3 on and starts again; it joins at the next quorum, receives z, z_prev
+    and (DiLoCo) the outer optimizer's state from g0 and contributes from the sync after: from its
+    recovery on both groups hold the same z bit for bit after every sync (a wrong momentum
+    would part them), and g0's k goes 4 → 2 → 4."""
+    r = run_groups(tmp_path, sync, {"g1": 3}, phase="pace", rounds={"g0": 400})
+    g0, g1 = r["g0"], r["g1"]
+    first = g1["membership"][0]
+    assert first["recovered"] and first["groups"] == 2, g1["membership"]
+    failure = _after_four(g0["membership"])
+    assert failure["round_index"] >= 3 and (failure["groups"], failure["learners"]) == (1, 2)
+    assert (g0["membership"][-1]["groups"], g0["membership"][-1]["learners"]) == (2, 4)
+    back = next(c["round_index"] for c in g0["membership"]
+                if c["round_index"] > failure["round_index"] and (c["groups"], c["learners"]) == (2, 2))
+    shared = min(g0["rounds"] - back, len(g1["z_after"]) - first["round_index"])
+    assert shared >= 5
+    for i in range(shared):
+        assert torch.equal(g0["z_after"][back + i], g1["z_after"][first["round_index"] + i]), i
+
+
+@pytest.mark.distributed
+def test_a_checkpointed_run_resumes_bit_identically_when_nothing_fails(tmp_path):
+    """SMA: both groups stop after 4 rounds with a checkpoint and resume from it (new processes,
+    new Managers): z after the last round equals the undisturbed run's bit for bit, on both."""
+    whole = run_groups(tmp_path / "whole", "sma", {}, min_replicas=2)
+    run_groups(tmp_path / "parts", "sma", {}, phase="first", min_replicas=2)
+    resumed = run_groups(tmp_path / "parts", "sma", {}, phase="resume", min_replicas=2)
+    for g in ("g0", "g1"):
+        assert len(resumed[g]["z_after"]) == ROUNDS - 4
+        assert torch.equal(resumed[g]["z_after"][-1], whole[g]["z_after"][-1]), g
+
+
+def test_fault_tolerant_options_are_checked_before_training():
+    """Bad settings: clear errors naming the fix, before torchft is needed."""
+    with pytest.raises(ValueError, match="sync_dtype='fp32'"):
+        cg.Distributed(fault_tolerant=True, sync_dtype="bf16")
+    with pytest.raises(ValueError, match="min_replicas"):
+        cg.Distributed(fault_tolerant=True, min_replicas=0)
+    with pytest.raises(ValueError, match="use SMA, DiLoCo or LocalSGD"):
+        check_fault_tolerant(cg.SSGD(), "auto", 2)
+    with pytest.raises(ValueError, match="executor='inline'"):
+        check_fault_tolerant(cg.SMA(), "process", 2)
+    with pytest.raises(ValueError, match="replicas ≥ 2"):
+        check_fault_tolerant(cg.SMA(), "auto", 1)
+    check_fault_tolerant(cg.DiLoCo(sync_every=2), "auto", 1)  # one learner per group is DiLoCo's own
+
+
+def test_without_torchft_the_error_names_the_extra(monkeypatch):
+    """``import torchft`` failing: ImportError naming the ``ft`` extra."""
+    from crossbow_graph.engine import ft
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
+    with pytest.raises(ImportError, match=r"crossbow_graph\[ft\]"):
+        ft.import_torchft()
