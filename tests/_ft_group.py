@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.errors import TaskError  # noqa: E402
-from _runtime_helpers import TinyNet, compile_tiny, tiny_data  # noqa: E402
+from _plans import TinyNet, make_plan, tiny_data  # noqa: E402
 
 B, M = 4, 2
 
@@ -47,9 +47,9 @@ class _Record(cg.Hook):
 def plan_of(group: str, sync: str) -> cg.Plan:
     dist = cg.Distributed(fault_tolerant=True, replica_group=group, timeout_s=10.0)
     if sync == "sma":
-        return compile_tiny(TinyNet, seed=0, batch_size=B, devices=1, replicas=M,
+        return make_plan(TinyNet, seed=0, batch_size=B, devices=1, replicas=M,
                             sync=cg.SMA(central_momentum=0.0), distributed=dist)
-    return compile_tiny(TinyNet, seed=0, batch_size=B, devices=1, replicas=M,
+    return make_plan(TinyNet, seed=0, batch_size=B, devices=1, replicas=M,
                         sync=cg.DiLoCo(sync_every=2),
                         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
                         distributed=dist)
