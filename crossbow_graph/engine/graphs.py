@@ -1,41 +1,6 @@
-"""CUDA-graph rounds: a whole round captured once and replayed (docs/runtime.md "CUDA-graph
-rounds"; docs/design-overview.md §5).
-
-On a GPU a small batch's round is hundreds of short kernels, and issuing them from Python costs
-more than running them. ``RoundGraph`` captures the round the inline executor runs — the
-learners on their streams (or fused), the local syncs and the global sync, forked from and
-joined back into the caller's stream (engine/streams.py) — in a ``torch.cuda.CUDAGraph`` and
-replays it every round after:
-
-* **one graph per shape of round**: the key holds m, b, the learner mode, whether the round
-  synchronises, the flags the update kernels are compiled with (momentum, Nesterov, weight
-  decay, α ≠ 0, μ_z ≠ 0, a first step), the input's shapes and the flat buffers' addresses; a
-  re-plan (``Scheduler.set_task_graph``) drops every graph.
-* **static inputs**: the round's batch is copied into a buffer the graph reads (made by the
-  key's first round); the flat buffers, the fault masks and the buffer snapshot are the state's
-  own, at fixed addresses.
-* **hyper-parameters as device tensors**: η, μ_l, λ, α and μ_z live in 0-dim float32 tensors
-  per device (``DeviceHyper``), written before each round (``fill_``: no host synchronisation)
-  and read by the update kernels at run time (kernels/: ``HYPER_PTR``); a Python number would
-  be frozen into the graph.
-* **warm-up**: each key's first ``warmup_rounds`` rounds run the same body eagerly (it makes the
-  lazily allocated buffers and the libraries' handles before the capture); then the capture,
-  then replays.
-* **no host read inside the round**: faults are found and reset with masks on the device
-  (``FaultMonitor.find_and_reset_masked``); after a replay the device's mask is copied to the
-  host behind an event and recorded a round late, as on the streams; the learners' losses are
-  copied out of the graph's buffers.
-* **dropout**: the round's random draws come from the device's generator, seeded before each
-  round from (fit seed, round) alone; CUDA's generator advances its offsets through a replay,
-  so masks differ between replicas and rounds (not the eager rounds' per-replica seeds).
-
-A round the graph cannot take (several devices, torchrun, a sync algorithm whose global sync
-writes every replica: ``SyncAlgorithm.cuda_graphs``, a row optimizer, float16 loss scales, a
-batch with non-tensor leaves) runs eagerly, with one warning naming the reason; a capture
-that fails (an op that cannot be captured: a host read, a data-dependent shape) warns once
-naming the exception, puts back what it changed, and every later round runs eagerly. ``SimulatedGraphs`` (engine/capture_check.py) stands in for ``CudaGraphOps`` on CPU
-devices, where the tests run the same path.
-"""
+"""CUDA-graph rounds: a whole round captured once per key and replayed, hyper-parameters in
+device tensors, eager fallback with a GraphWarning naming the reason (docs/runtime.md,
+"CUDA-graph rounds"; docs/design-overview.md §5)."""
 
 from __future__ import annotations
 
@@ -47,10 +12,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .backend import RoundEnv
 from .batches import LearnerBatches
 from .learners import learner_seed, seed_rng
+from .stream_backend import StreamsBackend
 
-__all__ = ["RoundGraph", "CudaGraphOps", "DeviceHyper", "GraphWarning", "cuda_graphs_refusal"]
+__all__ = ["GraphBackend", "RoundGraph", "CudaGraphOps", "DeviceHyper", "GraphWarning", "cuda_graphs_refusal"]
 
 
 class GraphWarning(RuntimeWarning):
@@ -185,7 +152,7 @@ class RoundGraph:
             losses = [t.clone() for t in entry.losses]
         elif entry.warm < self.warmup_rounds:
             with self.observer(round_index) if self.observer is not None else nullcontext():
-                losses = sched.graph_body(entry.batch, synchronise)
+                losses = sched.backend.graph_body(entry.batch, synchronise)
             entry.warm += 1
         else:
             if not self._capture(sched, entry, synchronise):
@@ -194,7 +161,7 @@ class RoundGraph:
             if not self.ops.executes_in_capture:
                 self.ops.replay(entry.graph)
             losses = [t.clone() for t in entry.losses]
-        sched.graph_epilogue(round_index, losses)
+        sched.backend.graph_epilogue(round_index, losses)
         return True
 
     def why_not(self, sched: Any, batch: Any) -> str | None:
@@ -250,12 +217,12 @@ class RoundGraph:
         first_steps = [list(s.first_step) for s in sched.states]
         try:
             with self.ops.capture(graph, sched.states[0].torch_device):
-                losses = sched.graph_body(entry.batch, synchronise)
+                losses = sched.backend.graph_body(entry.batch, synchronise)
         except Exception as exc:  # noqa: BLE001 - any op that cannot be captured: fall back
             self.failure = _first_failure(exc)
             for s, flags in zip(sched.states, first_steps):
                 s.first_step[:] = flags
-            sched.drop_streams()  # new streams: none of a failed capture's state lingers
+            sched.backend.drop_streams()  # new streams: none of a failed capture's state lingers
             self._warn(f"a capture failed ({self.failure})")
             return False
         entry.graph, entry.losses = graph, losses
@@ -280,3 +247,57 @@ def _first_failure(exc: BaseException) -> str:
 
 def _clone(x: Any) -> Any:
     return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+
+class GraphBackend(StreamsBackend):
+    """The CUDA-graphs backend: the streams backend's rounds captured by ``graph`` (a
+    RoundGraph) and replayed; a round the graph cannot take runs on the streams."""
+
+    name = "graphs"
+
+    def __init__(self, sched: Any, ops: Any, graph: RoundGraph) -> None:
+        super().__init__(sched, ops)
+        self.graph = graph
+        self.in_graph = False  # the round body runs as a graph captures it
+
+    def run_env(self, env: RoundEnv) -> None:
+        if not self.graph.run_round(self.sched, env.round_index, env.batch, env.synchronise):
+            super().run_env(env)
+
+    def prefetch(self, round_index: int, indices: torch.Tensor) -> None:
+        """Nothing: a graph round copies its batch into the graph's static input."""
+
+    def graph_body(self, batch: Any, synchronise: bool) -> list[torch.Tensor]:
+        """One round's tasks as a graph captures them (between two ``seal``s, hyper-parameters
+        from ``DeviceHyper``, no seeding, no host copy, no timing); returns the learners' losses
+        (0-dim tensors, in learning order)."""
+        sched = self.sched
+        env = RoundEnv.of(sched.round_index, batch, synchronise, sched.alpha, sched.states, [])
+        self.in_graph = True
+        try:
+            self.cuda_streams.begin_round(batch)
+            self.run(sched.order, env)
+        finally:
+            self.in_graph = False
+            self.cuda_streams.seal()  # every stream joins the caller's again
+        return env.learned
+
+    def graph_epilogue(self, round_index: int, losses: list[torch.Tensor]) -> None:
+        """After a graph round: its ``losses`` into the scheduler's, each device's fault mask to
+        the host behind an event, the faults of the rounds before recorded."""
+        sched = self.sched
+        sched.losses.extend(losses)
+        for d, mask in enumerate(sched.fault_masks):
+            if mask is not None:
+                self.read_late(d, 0, mask, self.cuda_streams.ops.current(sched.states[d].torch_device))
+        self.take_late_faults(block=False, before=round_index)
+
+    def graph_hyper(self, state: Any) -> DeviceHyper | None:
+        return self.graph.hyper_of(state) if self.in_graph else None
+
+    def learn_seed(self, env: RoundEnv, row: int) -> int | None:
+        return None if self.in_graph else super().learn_seed(env, row)
+
+    @property
+    def reads_masks_late(self) -> bool:
+        return not self.in_graph
