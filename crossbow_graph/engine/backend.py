@@ -66,8 +66,6 @@ class Backend:
         sched: the Scheduler (what every backend shares: states, program, settings, faults).
     """
 
-    name = "host"
-
     def __init__(self, sched: "Scheduler") -> None:
         self.sched = sched
 

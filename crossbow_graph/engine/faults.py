@@ -58,7 +58,7 @@ class FaultMonitor:
                        losses: Sequence[torch.Tensor] | None = None) -> list[int]:
         """Test replicas ``r0 … r1−1`` (NaN/Inf in ``g[r0:r1] [n, P]`` or in ``losses``, n 0-dim
         tensors; ‖ŵ_j − z‖/‖z‖ above ``max_divergence``) and reset the faulty ones from z
-        (docs/reliability.md, "How faults are found"). ``kernels``: its ``nonfinite_rows``, if
+        (docs/reliability.md, "Numerical faults"). ``kernels``: its ``nonfinite_rows``, if
         any, tests the rows.
 
         Returns:

@@ -253,8 +253,6 @@ class GraphBackend(StreamsBackend):
     """The CUDA-graphs backend: the streams backend's rounds captured by ``graph`` (a
     RoundGraph) and replayed; a round the graph cannot take runs on the streams."""
 
-    name = "graphs"
-
     def __init__(self, sched: Any, ops: Any, graph: RoundGraph) -> None:
         super().__init__(sched, ops)
         self.graph = graph

@@ -19,8 +19,6 @@ class InlineBackend(Backend, RoundInterpreter):
     """Runs a Scheduler's rounds task by task, one method per task kind, each task timed on the
     host (its span to the timeline, a sync task's seconds to ``sync_seconds``, all exposed)."""
 
-    name = "inline"
-
     def run_round(self, round_index: int, batch: Any, synchronise: bool, indices: Any,
                   next_indices: Any) -> None:
         """Run round ``round_index`` on ``batch`` (None: the batch copied ahead for ``indices``,

@@ -22,8 +22,6 @@ class StreamsBackend(InlineBackend):
     """Runs a Scheduler's rounds on ``CudaStreams`` through ``ops`` (``StreamOps`` on CUDA
     devices, a ``RaceRecorder`` on CPU devices)."""
 
-    name = "streams"
-
     def __init__(self, sched: Any, ops: StreamOps) -> None:
         super().__init__(sched)
         self.ops = ops

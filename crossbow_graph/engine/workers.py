@@ -338,8 +338,6 @@ class ProcessBackend(Backend):
         executor: the running ProcessExecutor, or None.
     """
 
-    name = "process"
-
     def __init__(self, sched: "Scheduler") -> None:
         super().__init__(sched)
         self.executor: ProcessExecutor | None = None
