@@ -18,7 +18,7 @@ import crossbow_graph as cg
 from crossbow_graph.errors import TaskError
 from crossbow_graph.training.hooks import Hook
 from crossbow_graph.training.data import make_fetch
-from crossbow_graph.engine import workers
+from crossbow_graph.engine import groups, workers
 from crossbow_graph.engine import conv_choice
 from crossbow_graph.engine.conv_choice import choose_onednn
 from crossbow_graph.engine.workers import worker_groups
@@ -334,9 +334,10 @@ class _SlowHooks(Hook):
 def test_a_wait_for_the_coordinator_is_not_counted_as_synchronisation(tmp_path, monkeypatch):
     clock, hook_ns, rounds = _SharedClock(), 10**9, 6
     # the executor's timestamps (here and, forked after this patch, in the workers) read the clock
-    monkeypatch.setattr(workers, "time", types.SimpleNamespace(
-        perf_counter_ns=clock.perf_counter_ns, perf_counter=time.perf_counter,
-        monotonic=time.monotonic))
+    fake_time = types.SimpleNamespace(perf_counter_ns=clock.perf_counter_ns,
+                                      perf_counter=time.perf_counter, monotonic=time.monotonic)
+    for module in (workers, groups):  # the coordinator's and the worker loop's
+        monkeypatch.setattr(module, "time", fake_time)
     plan = make_plan(replicas=2, executor="process")
     hist = _fit(plan, tiny_data(4 * 2 * rounds), hooks=[_SlowHooks(clock, hook_ns)],
                 trace=str(tmp_path / "t.json"))

@@ -176,8 +176,8 @@ def test_join_and_the_buffer_snapshot_are_needed(monkeypatch, tmp_path):
     _fit(SCENARIOS[0], tmp_path / "a", rec)
     assert any("metrics.py" in str(r) for r in rec.races)  # the noise scale's read of g
     monkeypatch.undo()
-    from crossbow_graph.engine.scheduler import Scheduler
-    monkeypatch.setattr(Scheduler, "_snapshot_buffers", lambda self, d, a, b: None)
+    from crossbow_graph.engine.stream_backend import StreamsBackend
+    monkeypatch.setattr(StreamsBackend, "_snapshot_buffers", lambda self, env, d, a, b: None)
     rec = RaceRecorder()
     _fit("batchnorm, nothing between rounds", tmp_path / "b", rec)
     assert any("native_batch_norm" in str(r) for r in rec.races)

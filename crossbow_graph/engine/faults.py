@@ -1,34 +1,5 @@
-"""Numerical faults: NaN or Inf in a replica, found at the local synchronisation (docs/design-overview.md §2).
-
-Before every local update, ``FaultMonitor.find_and_reset`` (called by the scheduler's
-``local_update_rows``, in this process or in a worker for its own rows) reduces the replicas'
-gradients ``g [r0:r1, P]`` and their losses of the round ``[r1 − r0]`` to one sum and tests it
-with ``isfinite``; only when it is not finite are the row sums tested, to find the faulty rows (a
-non-finite element makes its row sum non-finite; a row sum that overflows float32 means the
-replica diverged anyway). A replica whose loss is NaN/Inf is faulty even when its gradients are
-finite (a ``torch.where`` that masks a NaN branch, a NaN term whose gradient is masked). With the
-C kernel backend (kernels/c_sma.py) the rows are tested in C instead, element by element,
-in one read of g (a finite row whose sum would overflow is then not faulty). A faulty replica j
-is reset from the device's central model before the local update — ``w[j] ← z``, ``v[j] ← 0``,
-``g[j] ← 0``, float buffers ``buf[j] ← zbuf`` — so its correction α·(w[j] − z) is exactly zero:
-it is left out of the round's sum acc_d, and it starts the next round as a fresh copy of z. After
-the update ``reset`` puts it back at z (the zero gradient still met weight decay). The faulty rows
-go back to the coordinator, where ``record`` logs each (logger ``crossbow_graph.faults``) and keeps
-it in ``events`` (the trainer copies them into ``History.faults``). If every learner of a round is
-faulty, ``DivergenceError`` stops training.
-
-Under torchrun each rank finds its own faults; k counts the learners of every rank. The global
-sync's all-reduce carries the number of this rank's events not yet shared (``pending``, one more
-float32), so every rank learns in the same round whether any rank has new faults; only then do the
-ranks all-gather those events (``share``): every rank keeps the other ranks' events too (so rank
-0's History, checkpoints and logs hold every rank's), and every rank raises the same
-DivergenceError, before z is updated, when the events of one round cover all k learners. With
-τ > 1 the events of rounds without a sync are shared at the next sync (or at the fit's end).
-
-By induction w, v and z stay finite: a replica is either healthy (finite w, g ⇒ finite update) or
-reset to the finite z, so checking g alone suffices (a replica poisoned from outside, e.g. NaN
-weights, yields a non-finite loss and gradient and is caught the same round).
-"""
+"""Numerical faults: NaN or Inf in a replica, found at the local synchronisation, the replica
+reset from z (docs/reliability.md, "Numerical faults"; docs/design-overview.md §2)."""
 
 from __future__ import annotations
 
@@ -85,17 +56,10 @@ class FaultMonitor:
     def find_and_reset(state: DeviceState, r0: int, r1: int,
                        max_divergence: float | None = None, kernels: SMAKernels | None = None,
                        losses: Sequence[torch.Tensor] | None = None) -> list[int]:
-        """Test replicas ``r0 … r1−1`` of a device before their local update; reset the faulty ones.
-
-        Cost: one reduction over ``g[r0:r1] [n, P]`` and the n losses to one number and one host
-        read (the row sums only when it is not finite). A faulty
-        replica gets ``w ← z``, ``v ← 0``, ``g ← 0``, ``buf ← zbuf``, so its correction is zero.
-        Worker processes call it for their own rows. ``losses``: the rows' losses of the round
-        (n 0-dim tensors); a NaN/Inf one makes its row faulty, whatever its gradients. With
-        ``max_divergence`` (policies' DivergenceGuard) a replica with ‖ŵ_j − z‖/‖z‖ above it,
-        or NaN, is faulty too (one more reduction over ``w[r0:r1]``). ``kernels``: the SMA
-        backend (``kernels.protocol.SMAKernels``); when its ``nonfinite_rows`` tests the rows (the
-        C backend's does) they are tested in one read of g instead (and the losses in one more).
+        """Test replicas ``r0 … r1−1`` (NaN/Inf in ``g[r0:r1] [n, P]`` or in ``losses``, n 0-dim
+        tensors; ‖ŵ_j − z‖/‖z‖ above ``max_divergence``) and reset the faulty ones from z
+        (docs/reliability.md, "Numerical faults"). ``kernels``: its ``nonfinite_rows``, if
+        any, tests the rows.
 
         Returns:
             The faulty replicas' indices on the device (empty when all are finite).
@@ -130,13 +94,8 @@ class FaultMonitor:
     def find_and_reset_masked(state: DeviceState, r0: int, r1: int,
                               max_divergence: float | None = None,
                               losses: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        """``find_and_reset`` without a host read (the CUDA streams' path): the faulty rows'
-        mask is computed on the device and the reset is a ``torch.where`` over every row.
-
-        Cost: the row sums of ``g[r0:r1] [n, P]`` (one read), and one read and write of the
-        rows of w, v, g, buf for the reset. The same rows are faulty as with ``find_and_reset``
-        without a kernel backend's test, and the same values result, except for a row
-        optimizer's state (``reset_masked``).
+        """``find_and_reset`` without a host read (CUDA streams, graphs): the same rows and values,
+        but a row optimizer's state (``reset_masked``).
 
         Returns:
             The faulty rows' mask ``[n]`` bool, on the device (the caller reads it a round late).
@@ -154,10 +113,8 @@ class FaultMonitor:
     @staticmethod
     @torch.no_grad()
     def reset_masked(state: DeviceState, r0: int, bad: torch.Tensor) -> None:
-        """``reset`` of the rows ``r0 + i`` where ``bad [n]`` is True, without a host read. A row
-        optimizer's state (engine/optim.py) is made fresh when the host reads the mask, a round
-        later: meanwhile the row steps once with its previous, finite state and a zero gradient
-        (its correction is zero all the same, and it ends the round at z)."""
+        """``reset`` of the rows ``r0 + i`` where ``bad [n]`` is True, without a host read; a row
+        optimizer's state is made fresh when the host reads the mask, a round later."""
         r1 = r0 + len(bad)
         keep = ~bad[:, None]
         w = state.w[r0:r1]
@@ -213,13 +170,9 @@ class FaultMonitor:
 
     def share(self, comm: Any, round_index: int, num_learners: int,
               z: torch.Tensor | Callable[[], torch.Tensor]) -> None:
-        """Under torchrun, when some rank has events not yet shared: every rank's ``pending``
-        reaches every rank (one all-gather of pickled events over ``comm``, a engine.comm.Comm).
-        The other ranks' events join ``events`` (rank 0 logs them); ``pending`` empties.
-
-        Every rank calls it in the same round (the global sync's all-reduce tells them when).
-        ``z [P]``: this rank's central model, whose finiteness the DivergenceError states (or a
-        function that returns it once no stream writes it).
+        """Under torchrun, every rank in the same round: every rank's ``pending`` events reach
+        every rank (one all-gather over ``comm``) and join ``events``. ``z [P]`` (or a function
+        returning it): its finiteness goes in a DivergenceError's message.
 
         Raises:
             DivergenceError: on every rank alike, when the events of one round, over every rank,

@@ -1,47 +1,7 @@
-"""CUDA-graph rounds: a whole round captured once and replayed (docs/runtime.md "CUDA-graph
-rounds"; docs/design-overview.md §5).
-
-On a GPU a small batch's round is hundreds of short kernels, and issuing them from Python costs
-more than running them. ``RoundGraph`` captures the round the inline executor runs — the
-learners on their streams (or fused), the local syncs and the global sync, forked from and
-joined back into the caller's stream (engine/streams.py) — in a ``torch.cuda.CUDAGraph`` and
-replays it every round after:
-
-* **one graph per shape of round**: the key holds m, b, the learner mode, whether the round
-  synchronises, the flags the update kernels are compiled with (momentum, Nesterov, weight
-  decay, α ≠ 0, μ_z ≠ 0, a first step), the input's shapes and the flat buffers' addresses; a
-  re-plan (``Scheduler.set_task_graph``) drops every graph.
-* **static inputs on the device**: the round's batch is copied into buffers on the plan's
-  device that the graph reads (made by the key's first round; a first step's round, run once,
-  keeps none), before the round and outside any capture: a device batch directly, a host batch
-  (a DataLoader's, an augmented or a large dataset's) through pinned staging buffers that the
-  host refills only after their last copy is done (``HostStaging``); the flat buffers, the
-  fault masks and the buffer snapshot are the state's own, at fixed addresses. Every graph
-  shares one memory pool (they replay one after another).
-* **hyper-parameters as device tensors**: η, μ_l, λ, α and μ_z live in 0-dim float32 tensors
-  per device (``DeviceHyper``), written before each round (``fill_``: no host synchronisation)
-  and read by the update kernels at run time (kernels/: ``HYPER_PTR``); a Python number would
-  be frozen into the graph.
-* **warm-up**: each key's first ``warmup_rounds`` rounds run the same body eagerly (it makes the
-  lazily allocated buffers and the libraries' handles before the capture); then the capture,
-  then replays.
-* **no host read inside the round**: faults are found and reset with masks on the device
-  (``FaultMonitor.find_and_reset_masked``); after a replay the device's mask is copied to the
-  host behind an event and recorded a round late, as on the streams; the learners' losses are
-  copied out of the graph's buffers.
-* **dropout**: the round's random draws come from the device's generator, seeded before each
-  round from (fit seed, round) alone; CUDA's generator advances its offsets through a replay,
-  so masks differ between replicas and rounds (not the eager rounds' per-replica seeds).
-
-A round the graph cannot take (several devices, torchrun, a sync algorithm whose global sync
-writes every replica: ``SyncAlgorithm.cuda_graphs``, a row optimizer, float16 loss scales, a
-batch with non-tensor leaves or on another device: the reason names ``data_on_device``) runs
-eagerly, with one warning naming the reason; a capture that fails (an op that cannot be
-captured: a host read, a data-dependent shape) warns once naming the exception, puts back what
-it changed, and every later round runs eagerly. ``RoundGraph.record`` (``History.cuda_graphs``)
-counts the captures, the replays and the eager rounds by reason. ``SimulatedGraphs`` (engine/capture_check.py) stands in for ``CudaGraphOps`` on CPU
-devices, where the tests run the same path.
-"""
+"""CUDA-graph rounds: a whole round captured once per key and replayed, inputs on the device
+(host batches through pinned staging), one memory pool, hyper-parameters in device tensors, an
+eager round with a GraphWarning naming the reason (docs/runtime.md, "CUDA-graph rounds";
+docs/design-overview.md §5)."""
 
 from __future__ import annotations
 
@@ -53,10 +13,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .backend import RoundEnv
 from .batches import LearnerBatches
 from .learners import learner_seed, seed_rng
+from .stream_backend import StreamsBackend
 
-__all__ = ["RoundGraph", "CudaGraphOps", "DeviceHyper", "GraphWarning", "HostStaging",
+__all__ = ["GraphBackend", "RoundGraph", "CudaGraphOps", "DeviceHyper", "GraphWarning", "HostStaging",
            "cuda_graphs_refusal"]
 
 
@@ -247,7 +209,7 @@ class RoundGraph:
             losses = _copied(entry.losses)
         elif entry.warm < self.warmup_rounds:
             with self.observer(round_index) if self.observer is not None else nullcontext():
-                losses = sched.graph_body(entry.batch, synchronise)
+                losses = sched.backend.graph_body(entry.batch, synchronise)
             entry.warm += 1
         else:
             if not self._capture(sched, entry, synchronise):
@@ -256,7 +218,7 @@ class RoundGraph:
             if not self.ops.executes_in_capture:
                 self._replay(sched, entry.graph)
             losses = _copied(entry.losses)
-        sched.graph_epilogue(round_index, losses)
+        sched.backend.graph_epilogue(round_index, losses)
         return True
 
     def _copy_batch(self, entry: _Entry, batch: Any, stream: Any) -> None:
@@ -347,12 +309,12 @@ class RoundGraph:
         first_steps = [list(s.first_step) for s in sched.states]
         try:
             with self.ops.capture(graph, sched.states[0].torch_device):
-                losses = sched.graph_body(entry.batch, synchronise)
+                losses = sched.backend.graph_body(entry.batch, synchronise)
         except Exception as exc:  # noqa: BLE001 - any op that cannot be captured: fall back
             self.failure = _first_failure(exc)
             for s, flags in zip(sched.states, first_steps):
                 s.first_step[:] = flags
-            sched.drop_streams()  # new streams: none of a failed capture's state lingers
+            sched.backend.drop_streams()  # new streams: none of a failed capture's state lingers
             self._eager(f"a capture failed ({self.failure})")
             return False
         entry.graph, entry.losses = graph, losses
@@ -386,3 +348,56 @@ def _copied(losses: list[torch.Tensor]) -> list[torch.Tensor]:
 def _static_like(x: Any, device: torch.device) -> Any:
     """A graph's static input for the batch tensor ``x``: the same shape and dtype on ``device``."""
     return torch.empty_like(x, device=device) if isinstance(x, torch.Tensor) else x
+
+
+class GraphBackend(StreamsBackend):
+    """The CUDA-graphs backend: the streams backend's rounds captured by ``graph`` (a
+    RoundGraph) and replayed; a round the graph cannot take runs on the streams."""
+
+    def __init__(self, sched: Any, ops: Any, graph: RoundGraph) -> None:
+        super().__init__(sched, ops)
+        self.graph = graph
+        self.in_graph = False  # the round body runs as a graph captures it
+
+    def run_env(self, env: RoundEnv) -> None:
+        if not self.graph.run_round(self.sched, env.round_index, env.batch, env.synchronise):
+            super().run_env(env)
+
+    def prefetch(self, round_index: int, indices: torch.Tensor) -> None:
+        """Nothing: a graph round copies its batch into the graph's static input."""
+
+    def graph_body(self, batch: Any, synchronise: bool) -> list[torch.Tensor]:
+        """One round's tasks as a graph captures them (between two ``seal``s, hyper-parameters
+        from ``DeviceHyper``, no seeding, no host copy, no timing); returns the learners' losses
+        (0-dim tensors, in learning order)."""
+        sched = self.sched
+        env = RoundEnv.of(sched.round_index, batch, synchronise, sched.alpha, sched.states, [])
+        self.in_graph = True
+        try:
+            self.cuda_streams.begin_round(batch)
+            self.run(sched.order, env)
+        finally:
+            self.in_graph = False
+            self.cuda_streams.seal()  # every stream joins the caller's again
+        return env.learned
+
+    def graph_epilogue(self, round_index: int, losses: list[torch.Tensor]) -> None:
+        """After a graph round: its ``losses`` into the scheduler's, each device's fault mask to
+        the host behind an event, the faults of the rounds before recorded."""
+        sched = self.sched
+        sched.losses.extend(losses)
+        for d, mask in enumerate(sched.fault_masks):
+            if mask is not None:
+                self.read_late(d, 0, mask, self.cuda_streams.ops.current(sched.states[d].torch_device))
+        # rounds t−1 and t stay queued: the host waits for round t−2's replay, not for t−1's
+        self.take_late_faults(block=False, before=round_index - 1)
+
+    def graph_hyper(self, state: Any) -> DeviceHyper | None:
+        return self.graph.hyper_of(state) if self.in_graph else None
+
+    def learn_seed(self, env: RoundEnv, row: int) -> int | None:
+        return None if self.in_graph else super().learn_seed(env, row)
+
+    @property
+    def reads_masks_late(self) -> bool:
+        return not self.in_graph

@@ -18,14 +18,9 @@ def example_call(example_inputs: tuple[Any, ...] | dict[str, Any]
 
 
 def split_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-    """``(inputs, target)`` → (positional args, keyword args, target) of the model call.
-
-    A sample is ``(x, y)``: x a tensor (one input), a tuple/list (several inputs) or a dict
-    (keyword inputs); y the target given to ``loss_fn``. Or a sample is a dict (any Mapping,
-    e.g. a HuggingFace ``BatchEncoding``) of keyword inputs alone, as HuggingFace data sets
-    give them: ``{"input_ids": ids, "attention_mask": mask, "labels": labels}``; its target is
-    its ``"labels"`` entry (None without one), and the labels stay among the keyword inputs, so
-    that a model given ``loss_fn=None`` computes its own loss from them.
+    """``(inputs, target)`` (inputs a tensor, a tuple/list or a dict), or a Mapping of keyword
+    inputs whose target is its ``"labels"`` entry (kept among the inputs) → (positional args,
+    keyword args, target) of the model call (docs/design-overview.md §6).
 
     Raises:
         ValueError: neither a pair nor a dict.

@@ -1,20 +1,10 @@
-"""The task graph as the program of a round (docs/design-overview.md §3, §5).
-
-``RoundProgram.of`` reads a plan's task graph once (when the plan adopts it): the tasks in
-topological order and, per task, the device and the rows of its flat buffers it works on. A
-``RoundInterpreter`` runs tasks as torch.fx's Interpreter runs nodes: ``run(tasks)`` calls
-``run_task`` on each, which calls the method of the task's kind (``learn``, ``local_sync``,
-``global_sync``; the TaskKind vocabulary is closed) and re-raises any failure as a TaskError
-naming the task, its device and the round. Both executors are such interpreters: the inline one
-runs every task of the graph (engine/scheduler.py), each learner group of the process executor
-its share of the graph's tasks (engine/workers.py). Edit a compiler pass, and the rounds run
-what the new graph says.
-"""
+"""The task graph as the program of a round, and the interpreter that runs it one method per
+task kind (docs/runtime.md, "The interpreter"; docs/design-overview.md §3, §5)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import networkx as nx
 
@@ -44,48 +34,43 @@ def cause_text(err: TaskError) -> str:
 
 
 class RoundInterpreter:
-    """Runs tasks by kind, one method per TaskKind (subclasses implement them).
+    """Runs tasks by kind, one method per TaskKind (subclasses implement them); each method
+    gets the task and the round's ``RoundEnv`` (engine/backend.py)."""
 
-    Attributes:
-        round_index: the round t being run, for the TaskError of a failing task.
-    """
-
-    round_index = 0
-
-    def run(self, tasks: Iterable[Task]) -> None:
+    def run(self, tasks: Iterable[Task], env: Any) -> None:
         """Run ``tasks`` in the given order (a topological order of the task graph)."""
         for task in tasks:
-            self.run_task(task)
+            self.run_task(task, env)
 
-    def run_task(self, task: Task) -> None:
+    def run_task(self, task: Task, env: Any) -> None:
         """Run one task with the method of its kind: ``learn``, ``local_sync`` or ``global_sync``.
 
         Raises:
-            TaskError: the task failed (names the task, its device and ``round_index``); a
+            TaskError: the task failed (names the task, its device and ``env.round_index``); a
                 TaskError raised by the method itself passes unchanged.
         """
         kind = task.kind
         try:
             if kind is _LEARN:
-                self.learn(task)
+                self.learn(task, env)
             elif kind is _LOCAL_SYNC:
-                self.local_sync(task)
+                self.local_sync(task, env)
             else:
-                self.global_sync(task)
+                self.global_sync(task, env)
         except TaskError:
             raise
         except Exception as exc:
-            raise task_error(task, self.round_index, f"{type(exc).__name__}: {exc}") from exc
+            raise task_error(task, env.round_index, f"{type(exc).__name__}: {exc}") from exc
 
-    def learn(self, task: Task) -> None:
+    def learn(self, task: Task, env: Any) -> None:
         """LEARN: forward and backward of ``task.replicas[0]``."""
         raise NotImplementedError
 
-    def local_sync(self, task: Task) -> None:
+    def local_sync(self, task: Task, env: Any) -> None:
         """LOCAL_SYNC: the local update and correction sum of ``task.replicas``."""
         raise NotImplementedError
 
-    def global_sync(self, task: Task) -> None:
+    def global_sync(self, task: Task, env: Any) -> None:
         """GLOBAL_SYNC: the sum of the devices' corrections and the update of z."""
         raise NotImplementedError
 

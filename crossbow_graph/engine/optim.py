@@ -1,40 +1,6 @@
-"""Each learner's local optimiser: any torch.optim optimizer (docs/design-overview.md §2, step 1).
-
-The user builds a torch.optim optimizer over the model's own parameters, with param groups and
-per-group settings, and passes it to ``compile(optimizer=...)``; ``crossbow_graph.SGD(...)`` is a
-shorthand for ``torch.optim.SGD`` with one group. That optimizer object is never stepped: its
-``param_groups`` hold the hyper-parameters in force (an LR scheduler built over it changes them),
-and ``LocalOptimizer`` maps each group to the entries of the flat layout (engine/state.py).
-
-Two update rules run it:
-
-- **the SGD kernels** (``LocalOptimizer.kernel``): ``torch.optim.SGD`` with one param group,
-  ``dampening=0`` and ``maximize=False`` is exactly the SGD of §2, so the fused SMA kernels
-  (kernels/) run its step and the correction in one pass, reading η, μ_l, Nesterov and λ from the
-  group every round;
-- **row optimizers** (``OptimizerRows``) for every other optimizer: per device, the optimizer's
-  own ``step`` runs over the device's replica rows. An elementwise optimizer (``ELEMENTWISE``:
-  each parameter's update reads only its own gradient and state) runs as one instance over the
-  stacked rows ``[n, *shape]`` of replicas of the same age (m independent optimizers by
-  construction, one launch per tensor instead of m); any other runs one instance per replica.
-  Its state lives in per-device tensors ``[m, *shape]`` (one per parameter and state key;
-  scalar state such as Adam's ``step`` as ``[m]``), in shared memory under the process executor,
-  so every process steps its own rows and the coordinator reads all of them (checkpoints,
-  resizes). A replica with fresh state (new, reset to z, or faulty) gets torch.optim's own
-  initialisation at its next step, and ``age`` (steps since fresh state) keeps replicas of
-  different ages in different instances, so Adam's bias correction is per replica.
-
-Which torch.optim implementation a row optimizer runs (docs/optimizers.md, "Which
-implementation"): the user's own choice where a group sets ``fused`` or ``foreach``; torch's
-fused kernels take dense tensors only, and a stack of rows is strided, so ``fused=True`` runs one
-instance per replica (never stacked). Where the user left both unset, Adam, AdamW, SGD and
-Adagrad (``FUSED``) run torch's fused kernel on an instance over one replica's row (k = 1, one
-replica per device, or a replica whose age differs from its neighbours'), and torch's default
-(the single-tensor loop on the CPU, foreach on CUDA) on a stack of rows.
-
-The SMA correction is applied to the weights after the local step, whatever the optimizer:
-c_j = α·(ŵ_j − z) from the pre-step weights, w_j ← step(ŵ_j) − c_j, acc_d = Σ_j c_j.
-"""
+"""Each learner's local optimiser: any torch.optim optimizer, run by the SGD kernels or as row
+optimizers over the flat layout; the SMA correction c_j = α·(ŵ_j − z) from the pre-step weights
+(docs/optimizers.md, "What runs", "Which implementation"; docs/design-overview.md §2, step 1)."""
 
 from __future__ import annotations
 

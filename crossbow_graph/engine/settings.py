@@ -1,16 +1,5 @@
-"""The run settings: the values a policy or the auto-tuner may change while a plan trains
-(docs/design-overview.md §5, Run settings).
-
-One ``RunSettings`` object per plan holds them (``Plan.settings``); the scheduler, its fused
-programs, the worker processes, the torchrun agreement, the metrics, the policies and the
-checkpoints read them from there, so there is one copy of each. ``tuning.policy_base.apply_adjustment``
-(reached through ``Plan.adjust(Adjustment(...))``) changes them between rounds. η lives in the
-optimizer's param groups (what the kernels and row optimizers read), and this object is their
-only writer: a policy's η (``lr``), an LR scheduler's step (``step_lr_schedule``), a checkpoint's
-groups (``load_group_settings``) and the worker processes' copy (``load_hyper_vector``).
-``settings_view`` gives other objects read-only attributes that forward to the settings
-(``Plan.batch_size``, ``Scheduler.lr``, ...).
-"""
+"""The run settings: the values a policy or the auto-tuner may change while a plan trains, one
+object per plan, their only writer (docs/design-overview.md §5, Run settings)."""
 
 from __future__ import annotations
 
@@ -42,17 +31,8 @@ class RunSettings:
             k changes); None for the algorithms without α. ``sync.alpha``.
         sync_every: τ, rounds between synchronisations (≥ 1; 1 under SSGD). ``sync.sync_every``.
 
-    η of param group i composes the policies' changes with the LR schedules
-    (docs/optimizers.md, Schedules): each schedule added here (``add_lr_schedule``) keeps a
-    factor F_i, the product of the ratios new/old of every write of the group's lr since it was
-    added that is not its own step (a policy's ``lr``, another schedule's step); its step
-    (``step_lr_schedule``) hands the torch scheduler η_i / F_i, steps it and writes F_i times
-    the value it computes, so η_i = F_i · schedule_i(t).
-
-    Who changes them: ``tuning.policy_base.apply_adjustment`` only (``Plan.adjust``, which
-    ``Plan.set_replicas``, ``Plan.set_learner_mode``, the auto-tuner, ``Comm.agree_settings`` and
-    checkpoint resumes call), and for the param groups the methods below; every other module
-    reads them.
+    η_i = F_i · schedule_i(t) (docs/optimizers.md, Schedules). Only
+    ``tuning.policy_base.apply_adjustment`` and the methods below change them.
 
     Raises:
         ValueError: an unknown learner mode; setting α under an algorithm without α (e.g.

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from ..engine.batches import LearnerBatches
-from .data import collate_of, read_samples, yields_every_sample
+from .data import (LearnerFetch, collate_of, device_fetch, make_fetch, read_samples,
+                   yields_every_sample)
 
 if TYPE_CHECKING:
     from ..api import Plan
 
-__all__ = ["RoundLoader", "check_loader", "seed_learner_batch"]
+__all__ = ["BatchSource", "RoundLoader", "batch_source", "check_loader", "seed_learner_batch"]
 
 _LOADER_TAG = 0x4C4F4144  # "LOAD": keeps these seeds apart from seed_host_rngs' (engine/learners.py)
 
@@ -260,3 +262,74 @@ def _stop_workers(iterator: Iterator) -> None:
     shutdown = getattr(iterator, "_shutdown_workers", None)  # multi-process iterators have it
     if shutdown is not None:
         shutdown()
+
+
+Route = Literal["host", "loader", "resident"]
+
+
+@dataclass(frozen=True)
+class BatchSource:
+    """How a fit's rounds get their samples, chosen once per fit (``batch_source``;
+    docs/runtime.md, "Data paths").
+
+    Attributes:
+        route: ``"host"`` (gathered and collated on the host; worker processes fetch their own
+            rows), ``"loader"`` (a user's DataLoader loads each round in this process; worker
+            processes receive their rows), ``"resident"`` (a TensorDataset on the device,
+            gathered there).
+        fetch: sample indices ``[n]`` → collated batch, in any process.
+        host_fetch: the same samples read on the host (the first batches' checks).
+        loader: the RoundLoader of the ``"loader"`` route, else None.
+    """
+
+    route: Route
+    fetch: Callable[[torch.Tensor], Any]
+    host_fetch: Callable[[torch.Tensor], Any]
+    loader: RoundLoader | None = None
+
+    @property
+    def load(self) -> Callable[[int, torch.Tensor], Any] | None:
+        """(round t, indices ``[k·b]``) → the round's batch, in round order, or None."""
+        return self.loader.load if self.loader is not None else None
+
+    @property
+    def copies_ahead(self) -> bool:
+        """Whether the next round's batch is loaded and copied to the devices a round ahead
+        (on CUDA streams): host and loader batches, not resident ones."""
+        return self.route != "resident"
+
+    def start_epoch(self, order: torch.Tensor, position: int, epoch: int, first_round: int) -> None:
+        """The epoch's sample order from ``position`` on (``RoundLoader.start_epoch``)."""
+        if self.loader is not None:
+            self.loader.start_epoch(order, position, epoch, first_round)
+
+    def close(self) -> None:
+        """Stop the DataLoader's workers, if any."""
+        if self.loader is not None:
+            self.loader.close()
+
+
+def batch_source(data: Any, train: Dataset, plan: "Plan", *, seed: int,
+                 data_on_device: bool | str) -> BatchSource:
+    """The fit's BatchSource for ``data`` (what ``fit`` was given) over its Dataset ``train``:
+    resident on the plan's first device (``device_fetch``), else loaded by a DataLoader with
+    worker processes (or pinned memory for CUDA devices), else fetched on the host (a
+    DataLoader's ``collate_fn`` per learner, a dataset's ``get_batch``, or default collation).
+
+    Raises:
+        ValueError: ``data_on_device=True`` with data other than a TensorDataset.
+    """
+    collate = collate_of(data)
+    if collate is not None:  # every learner's b samples collated on their own
+        host = LearnerFetch(train, collate, plan.settings)
+    elif hasattr(train, "get_batch"):  # whole batches at once (e.g. vectorised augmentation)
+        host = train.get_batch
+    else:
+        host = make_fetch(train)
+    resident = device_fetch(data, train, data_on_device, plan.states[0].torch_device)
+    if resident is not None:
+        return BatchSource("resident", resident, host)
+    cuda = any(s.torch_device.type == "cuda" for s in plan.states)
+    if isinstance(data, DataLoader) and (data.num_workers > 0 or (data.pin_memory and cuda)):
+        return BatchSource("loader", host, host, RoundLoader(data, plan, seed))
+    return BatchSource("host", host, host)

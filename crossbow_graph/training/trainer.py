@@ -23,12 +23,12 @@ from ..engine.comm import AGREE_EVERY_ROUNDS
 from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook
-from .data import BatchSchedule, LearnerFetch, as_dataset, collate_of, device_fetch, make_fetch
+from .data import BatchSchedule, as_dataset, collate_of, make_fetch
 from .evaluation import eval_samples
 from .history import EpochRecord, EvalRecord, History
 from .hooks import FitContext, FitHooks, Hook
 from .lr_schedule import LRSchedulerHook, check_lr_scheduler
-from .loader import RoundLoader, check_loader
+from .loader import batch_source, check_loader
 from .metrics_log import MetricsLogger
 from .options import FitOptions
 from .run_lock import DirectoryLock
@@ -68,10 +68,10 @@ class Trainer:
     rounds and at the end; every rank's faults reach every rank's History (engine/faults.py,
     at each global sync and at the end) (docs/distributed.md).
 
-    A TensorDataset lives on the plan's first device with ``options.data_on_device``
-    (training/data.py ``device_fetch``: each round gathered there); any other data is fetched on
-    the host and, on CUDA streams, the next round's batch is copied to the devices after each
-    round's hooks and evaluation (``Scheduler.prefetch``), when k and b stay.
+    The rounds' samples come from one BatchSource per fit (training/loader.py ``batch_source``:
+    resident on the device, a DataLoader's, or fetched on the host; docs/runtime.md, "Data
+    paths"); host and DataLoader batches are copied to CUDA devices a round ahead
+    (``Scheduler.prefetch``), when k and b stay.
 
     The epoch's ``train_loss`` and the hooks' ``round_loss`` are the means of the learners'
     finite losses: a faulty replica's NaN/Inf loss is left out, as the replica is.
@@ -136,8 +136,8 @@ class Trainer:
         trace, comm, sched = self.options.trace, self.comm, self.plan.scheduler
         self.timeline = Timeline() if trace is not None else None
         self.fit_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
-        sched.begin_fit(self.fetch, seed=self.options.seed, timeline=self.timeline,
-                        load=self.loader.load if self.loader is not None else None,
+        sched.begin_fit(self.source.fetch, seed=self.options.seed, timeline=self.timeline,
+                        load=self.source.load,
                         max_grad_norm=self.options.max_grad_norm)
         try:
             self._run_epochs()
@@ -149,8 +149,7 @@ class Trainer:
             raise
         finally:
             sched.end_fit()
-            if self.loader is not None:
-                self.loader.close()
+            self.source.close()
             self._sync_totals()
             if self.timeline is not None:
                 self.timeline.save(trace)
@@ -163,13 +162,11 @@ class Trainer:
         self.train = self._check_datasets()
         self._agree_on_the_fit()
         self.schedule = BatchSchedule(len(self.train), shuffle=opts.shuffle, seed=opts.seed)
-        self.fetch, self.loader = self._data_path()
+        self.source = batch_source(self.train_dataset, self.train, plan, seed=opts.seed,
+                                   data_on_device=opts.data_on_device)  # raises ValueError
         self._check_first_batches()
-        resident = device_fetch(self.train_dataset, self.train, opts.data_on_device,
-                                plan.states[0].torch_device)  # raises ValueError
-        self.fetch = resident or self.fetch
-        self.prefetch = resident is None  # host batches: copied one round ahead on CUDA
-        plan.bn_recalibration.use(self.fetch, len(self.train), batches=opts.bn_recalibration_batches,
+        plan.bn_recalibration.use(self.source.fetch, len(self.train),
+                                  batches=opts.bn_recalibration_batches,
                                   seed=opts.seed)  # z's BatchNorm statistics for evaluation
         torch.manual_seed(opts.seed)
         # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
@@ -177,22 +174,6 @@ class Trainer:
         self.history = History(target_accuracy=opts.target_accuracy,
                                max_grad_norm=opts.max_grad_norm)
         self.hooks = FitHooks(self._fit_hooks())
-
-    def _data_path(self) -> tuple[Any, RoundLoader | None]:
-        """How the rounds' samples are read: the fetch (indices → batch, in any process) and,
-        for a DataLoader with worker processes (or pinned memory for CUDA devices), the
-        RoundLoader that loads the rounds through it (docs/runtime.md, Your DataLoader)."""
-        train, data = self.train, self.train_dataset
-        collate = collate_of(data)
-        if collate is not None:  # every learner's b samples collated on their own
-            fetch = LearnerFetch(train, collate, self.plan.settings)
-        elif hasattr(train, "get_batch"):  # whole batches at once (e.g. vectorised augmentation)
-            fetch = train.get_batch
-        else:
-            fetch = make_fetch(train)
-        cuda = any(s.torch_device.type == "cuda" for s in self.plan.states)
-        loads = isinstance(data, DataLoader) and (data.num_workers > 0 or (data.pin_memory and cuda))
-        return fetch, RoundLoader(data, self.plan, self.options.seed) if loads else None
 
     def _check_datasets(self) -> Any:
         """The training Dataset, after the checks that need the datasets (ValueError)."""
@@ -232,7 +213,7 @@ class Trainer:
         eval_dataset, as evaluation reads them, fit the plan (``check_first_batch``)."""
         plan, b = self.plan, self.plan.batch_size
         first = self.schedule.next_round(self.schedule.order(0), 0, 1, b)
-        check_first_batch(plan, self.train, self.fetch, first)
+        check_first_batch(plan, self.train, self.source.host_fetch, first)
         if self.eval_dataset is not None:
             evals = eval_samples(self.eval_dataset)  # the samples evaluation scores
             check_first_batch(plan, evals, make_fetch(evals, collate_of(self.eval_dataset)),
@@ -347,8 +328,7 @@ class Trainer:
         self.hooks.before_epoch(ctx)
         self.agree = self.comm is not None  # after_epoch and before_epoch hooks ran
         self.order = self.schedule.order(epoch)
-        if self.loader is not None:
-            self.loader.start_epoch(self.order, self.position, epoch, plan.rounds_done)
+        self.source.start_epoch(self.order, self.position, epoch, plan.rounds_done)
         if self.position == 0:
             sched.losses = []
         self.epoch_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
@@ -434,7 +414,7 @@ class Trainer:
             return False
         if self._evaluate_if_due(last=upcoming is None):
             return False
-        if self.prefetch and upcoming is not None and (plan.num_learners, plan.batch_size) == (k, b):
+        if self.source.copies_ahead and upcoming is not None and (plan.num_learners, plan.batch_size) == (k, b):
             sched.prefetch(plan.rounds_done, _mine(plan, upcoming))  # the next round's batch
         return True
 
