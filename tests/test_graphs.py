@@ -503,7 +503,7 @@ def test_graph_rounds_leave_two_rounds_of_fault_masks_in_flight():
         mutates_replicas = False
 
         def after_round(self, ctx):
-            pending.append(sorted({t for t, *_ in ctx.plan.scheduler._late_faults}))
+            pending.append(sorted({t for t, *_ in ctx.plan.scheduler.backend._late}))
 
     plan = make_plan(TinyBN, devices=1, replicas=3, executor="inline", kernel_backend="torch",
                         optimizer=cg.SGD(lr=0.05, momentum=0.9))
@@ -513,4 +513,4 @@ def test_graph_rounds_leave_two_rounds_of_fault_masks_in_flight():
         plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None,
                  hooks=[Pending()])
     assert pending[4:] == [[3, 4], [4, 5], [5, 6], [6, 7]], pending
-    assert plan.scheduler._late_faults == []
+    assert plan.scheduler.backend._late == []
