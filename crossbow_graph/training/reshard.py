@@ -6,7 +6,7 @@ A checkpoint holds every rank's learners: rank 0's plan state (``plan_state_dict
 ``peers[r − 1]`` (``{"states": [...], "losses": [n], "rng": {...}}``); ``world_size`` is R (a checkpoint without it is of one
 process). Learners are numbered globally, rank-major, then device, then replica:
 j = (r·G + d)·m + i for G devices × m replicas per rank, the order in which the learners take a
-round's k·b samples (k = R·G·m; the trainer's ``_mine``).
+round's k·b samples (k = R·G·m; training/fit_data.py ``rank_rows``).
 
 On R′ ranks with the same G and m per rank (k′ = R′·G·m), ``split_for_ranks`` gives each new rank
 its plan state:
