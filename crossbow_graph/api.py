@@ -56,43 +56,23 @@ def compile(  # noqa: A001 - the public name the design asks for
     strict_trace: bool = False, memory_format: MemoryFormat = "auto", cuda_graphs: bool = False,
     cpu_conv: CpuConv = "auto", options: CompileOptions | None = None,
 ) -> "Plan":
-    """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training.
-
-    The plan trains k = G·m replicas (m per device, G devices) with synchronous model averaging
-    (docs/design-overview.md §2). Each replica starts as a copy of ``model``'s current weights;
-    ``model`` itself is not modified.
+    """Trace ``model`` and compile it into a runnable, inspectable plan of SMA training on
+    k = G·m replicas (docs/api.md, compile; docs/design-overview.md §2); ``model`` is not modified.
 
     Args:
         model: the ``nn.Module`` to train (floating-point parameters).
-        example_inputs: one batch: a tuple of positional inputs, e.g. ``(x,)`` with
-            ``x [N, 1, 28, 28]``, or a dict of keyword inputs, e.g. a HuggingFace model's
-            ``{"input_ids": ids [N, T], "attention_mask": mask [N, T]}``.
-        loss_fn: ``loss_fn(output, target) -> scalar`` (batch mean; or a dict with it under
-            ``"loss"``) on the output as the model returns it (tensor, tuple, dict, ModelOutput);
-            None: the loss the model computes from labels in its inputs (compiler/outputs.py).
-        batch_size, devices, replicas, learner_mode, executor, autotune, optimizer, sync,
-            concrete_args, leaf_modules, memory_budget, verify, kernel_backend, distributed,
-            precision, strict_trace, memory_format, cuda_graphs, cpu_conv: the options, as
-            ``CompileOptions`` documents them (defaults, choices: docs/options.md);
-            ``batch_size`` (b) is required.
-        options: all of them as one ``CompileOptions(...)``, instead of the keywords.
-
-    Returns:
-        The Plan.
+        example_inputs: one batch: a tuple of positional inputs (``(x,)``, ``x [N, ...]``) or a
+            dict of keyword inputs.
+        loss_fn: ``loss_fn(output, target) -> scalar`` (batch mean), or None: the model's own loss.
+        the other keywords: the options (``CompileOptions``, docs/options.md; ``batch_size``
+            is required), or all of them as one ``options=CompileOptions(...)``.
 
     Raises:
-        TraceError: the example inputs do not run through the model, or (``strict_trace``)
-            torch.fx cannot trace it.
-        ValueError: a bad argument (batch size, replicas, devices, a value not among an
-            option's choices, ``cuda_graphs=True`` without CUDA devices; a model without
-            trainable float parameters or with a post-accumulate-grad hook; ``loss_fn=None``
-            without a loss; ``"fused"`` for a model vmap cannot run; a meta example input;
-            ``options`` and a keyword both given; docs/reliability.md).
-        TypeError: ``loss_fn`` not callable or a loss class, a flag not a bool, a tracing
-            argument, ``options`` not a CompileOptions.
+        TraceError: the example inputs do not run, or (``strict_trace``) torch.fx cannot trace.
+        ValueError, TypeError: a bad argument (docs/api.md, compile; docs/reliability.md).
         ImportError, CompilerError: the Triton or C kernels asked for cannot be built.
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
-        DistributedError: under torchrun, the ranks' plans differ (names the difference).
+        DistributedError: under torchrun, the ranks' plans differ.
     """
     keywords = dict(
         batch_size=batch_size, devices=devices, replicas=replicas, learner_mode=learner_mode,

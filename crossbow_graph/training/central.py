@@ -89,7 +89,7 @@ class CentralModel:
     def evaluate(self, dataset: Any, *, batch_size: int,
                  metric_fn: Callable[[Any, Any], Any] | None) -> tuple[float | None, float]:
         """(accuracy or None, mean loss) of the refreshed module (``evaluate_model``); the first
-        unscored evaluation warns (UserWarning, to ``Plan.evaluate``'s caller)."""
+        unscored evaluation warns (UserWarning)."""
         plan = self._plan
         data, dataset = dataset, eval_samples(dataset)
         self.refresh()
@@ -101,7 +101,7 @@ class CentralModel:
             self._unscored_warned = True
             warnings.warn(f"{plan.model_graph.name}: no test accuracy: {result.unscored}; "
                           "test_accuracy is None and target_accuracy cannot stop training",
-                          UserWarning, stacklevel=3)
+                          UserWarning, stacklevel=4)  # the caller of Plan.evaluate
         return result.accuracy, result.loss
 
     @torch.no_grad()
