@@ -1,7 +1,7 @@
 """``compile``'s building around the Plan (docs/design-overview.md §1): the checks of the model,
 its example inputs and loss (``check_inputs``); the devices, torchrun's process group, the update
 kernels, the traced model and the task graph (``build_parts``); the learner mode of the built
-plan (``settle_learner_mode``)."""
+plan (``settle_learner_mode``); the plan's replicas (``build_states``)."""
 
 from __future__ import annotations
 
@@ -24,14 +24,18 @@ from .engine.ft import FaultTolerantSync, check_fault_tolerant
 from .engine.fused import fused_mode_message
 from .engine.graphs import cuda_graphs_refusal
 from .engine.precision import check_precision
-from .engine.state import check_grad_hooks, model_dtype, trainable_named
+from .engine.optim import OptimizerRows, as_local_optimizer
+from .engine.settings import RunSettings
+from .engine.state import (DeviceState, FlatLayout, channels_last_weights, check_grad_hooks,
+                           copy_module, float_buffers_named, model_dtype, trainable_named)
 from .kernels.protocol import SMAKernels
 from .kernels.select import select_backend
 
 if TYPE_CHECKING:
     from .api import Plan
 
-__all__ = ["PlanParts", "check_inputs", "build_parts", "settle_learner_mode", "resolve_devices",
+__all__ = ["PlanParts", "check_inputs", "build_parts", "build_states", "settle_learner_mode",
+           "resolve_devices",
            "devices_and_comm", "cuda_memory_budget", "torch_device"]
 
 
@@ -105,6 +109,33 @@ def build_parts(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
     return PlanParts(model_graph=model_graph, task_graph=graph,
                      loss_fn=model_loss if loss_fn is None else loss_fn, kernels=kernels,
                      comm=comm, ft=ft, memory_budget=memory_budget)
+
+
+def build_states(model: nn.Module, example_inputs: Any, options: CompileOptions,
+                 task_graph: nx.DiGraph) -> tuple[nn.Module, FlatLayout, RunSettings, list[DeviceState]]:
+    """The template (a copy of ``model`` in training mode, with its gradient hooks), the flat
+    layout of its trainable parameters ``[P]``, the run settings and one DeviceState per device.
+
+    Raises:
+        ValueError: the sync algorithm does not accept the optimizer (e.g. SSGD with AdamW).
+    """
+    devices = list(task_graph.graph["devices"])
+    template = copy_module(model).train()
+    params = FlatLayout.of(trainable_named(template), channels_last_weights(
+        template, options.memory_format, {torch_device(d).type for d in devices}, example_inputs))
+    buffers = FlatLayout.of(float_buffers_named(template))
+    local = as_local_optimizer(options.optimizer, model, template,
+                               [name for name, *_ in params.entries])
+    options.sync.check_optimizer(local)
+    settings = RunSettings(optimizer=local, sync=options.sync, batch_size=options.batch_size,
+                           replicas_per_device=int(task_graph.graph["replicas_per_device"]),
+                           learner_mode=options.learner_mode)
+    states = [DeviceState(name, torch_device(name), template, settings.replicas_per_device,
+                          params, buffers, precision=options.precision) for name in devices]
+    if not local.kernel:
+        for s in states:
+            s.optim_rows = OptimizerRows(local, s)
+    return template, params, settings, states
 
 
 def settle_learner_mode(plan: "Plan", options: CompileOptions) -> None:

@@ -1,4 +1,4 @@
-"""The errors crossbow_graph raises for what a user can get wrong."""
+"""The errors crossbow_graph raises for what a user can get wrong (docs/api.md, Errors)."""
 
 from __future__ import annotations
 
@@ -47,10 +47,7 @@ class TraceError(ValueError):
 
 
 class TraceWarning(UserWarning):
-    """No fx tracer could trace the model (or a module in it could not be measured): it trains
-    as given, and the message says what the tracers reported and what inspection lost
-    (docs/compiler.md §1, "Trace fallback"). ``compile(..., strict_trace=True)`` raises the
-    TraceError instead."""
+    """No fx tracer could trace the model: it trains as given (docs/compiler.md §1, Trace fallback)."""
 
 
 class PlanError(ValueError):
@@ -68,51 +65,26 @@ class TaskError(RuntimeError):
 
 
 class DivergenceError(TaskError):
-    """Every replica produced NaN or Inf in the same round: training cannot continue.
-
-    Raised at the local synchronisation of the round (engine/faults.py; under torchrun at the
-    global sync, on every rank alike, counting every rank's faults). The message names the round
-    and says whether the central model z is finite: if it is, z and the last checkpoint on disk
-    are intact and the usual fixes apply (a lower learning rate, gradient-safe loss, resuming
-    from the last checkpoint). Under torchrun also raised by the z check (``checksum_every``)
-    when z holds NaN/Inf on some rank, naming those ranks and the round.
-    """
+    """Every replica produced NaN or Inf in the same round (engine/faults.py; docs/api.md, Errors)."""
 
 
 class DistributedError(TaskError):
-    """Processes of a torchrun launch disagree or lost each other (engine/comm.py).
-
-    Raised at start-up when the ranks' plans, computations or data sizes differ (the message names
-    the difference and each rank's value), when ranks never arrived or left during start-up, when
-    a peer rank left the process group (died, or stopped on an error) or did not answer a
-    collective within the timeout (the message says which), or when the copies of z differ
-    between ranks. ``round_index`` is −1 at start-up.
-    """
+    """Processes of a torchrun launch disagree or lost each other (engine/comm.py; docs/api.md,
+    Errors); ``round_index`` is −1 at start-up."""
 
 
 class HookError(RuntimeError):
-    """A hook broke what it declares (training/hooks.py ``Hook``): it wrote the replicas (w, v or
-    z) while worker processes learned the next round from them, but declares
-    ``mutates_replicas = False``; the message names the hook and the fixes."""
+    """A hook declaring ``mutates_replicas = False`` wrote w, v or z while a round was learned ahead."""
 
 
 class CheckpointError(RuntimeError):
-    """No checkpoint in a directory can be loaded, one does not match the plan or the data, one
-    cannot be written (a full disk, a file-size limit), or the directory is another fit's: held
-    by a running fit, or holding another run's checkpoints where ``resume=False``.
-
-    The message names the directory or file, what is wrong, and how to fix it.
-    """
+    """A checkpoint cannot be read, matched or written, or the directory is another fit's
+    (docs/reliability.md, Checkpoints)."""
 
 
 class TrainingInterrupted(SystemExit):
-    """A fit stopped by a signal (SIGTERM: ``docker stop``, SLURM, ``kill``) at a round boundary.
-
-    The fit finishes the round in progress, writes a checkpoint when it has a ``checkpoint_dir``
-    (training/signals.py), runs its hooks' ``after_fit`` and raises this. A ``SystemExit`` with
-    code 128 + the signal number (143 for SIGTERM): a script that does not catch it ends with
-    that status, as a process the signal killed would, and ``except Exception`` does not swallow
-    it. The message (``str``) says which signal, after which round, and the checkpoint to resume.
+    """A fit stopped by a signal at a round boundary: a ``SystemExit`` of code 128 + the signal
+    number (docs/reliability.md, Stopping a fit).
 
     Attributes:
         signal_number: the signal received (``signal.SIGTERM``).
@@ -133,9 +105,5 @@ class TrainingInterrupted(SystemExit):
 
 
 class CompilerError(RuntimeError):
-    """The C kernels of the CPU (kernels/sma_cpu.c) could not be built or loaded.
-
-    Raised by ``compile(..., kernel_backend="c")``; ``"auto"`` then keeps the torch kernels. The
-    message has the compiler's output and the fixes: install a C compiler, set ``$CC``, or use
-    ``kernel_backend="torch"``.
-    """
+    """The C kernels of the CPU (kernels/sma_cpu.c) could not be built or loaded
+    (``kernel_backend="c"``; docs/kernels.md, The C kernels)."""

@@ -153,12 +153,12 @@ def test_dataloader_and_any_dataset_are_accepted():
 def test_cli_gives_cifar_style_models_padded_rgb_fashion_mnist(monkeypatch):
     import argparse
 
-    from crossbow_graph import cli, models
+    from crossbow_graph import cli_train, models
 
     monkeypatch.setattr(models, "INPUT_SHAPES", {"resnet32": (3, 32, 32)}, raising=False)
     args = argparse.Namespace(dataset="fashion_mnist", data_dir=None, model="resnet32",
                               train_samples=64, test_samples=32, no_augment=False)
-    train, test = cli._load_dataset(args)
+    train, test = cli_train.load_dataset(args)
     assert train.images.shape == (64, 3, 32, 32) and test.images.shape == (32, 3, 32, 32)
     args.model = "lenet5"
-    assert cli._load_dataset(args)[0].images.shape == (64, 1, 28, 28)
+    assert cli_train.load_dataset(args)[0].images.shape == (64, 1, 28, 28)

@@ -1,19 +1,7 @@
-"""BatchNorm statistics of the central model, re-estimated for z's weights
-(docs/design-overview.md §2, BatchNorm).
-
-The replicas' mean running statistics (``zbuf``) are not the statistics of z's weights: z is an
-average of the replicas (with momentum), and its activations have other means and variances than
-any replica's (Izmailov et al., "Averaging Weights Leads to Wider Optima and Better
-Generalization", UAI 2018, §3.2). Before z is evaluated (``Plan.evaluate``, the fit's
-evaluations, ``Plan.central_forward``) and in ``Plan.central_model()``, every BatchNorm layer of
-the central model that trains (in training mode after the model's own ``train()``: a frozen
-backbone kept in evaluation mode keeps its statistics) gets the cumulative average
-(``momentum=None``) of the batch statistics of ``batches`` training batches of b samples run
-through z in training mode, without gradients:
-``torch.optim.swa_utils.update_bn``'s algorithm. It writes the evaluated copy's buffers only:
-``zbuf``, which the synchronisation updates, checkpoints hold and new or reset replicas clone,
-stays the replicas' mean, so training is the same with or without it.
-"""
+"""BatchNorm statistics of the central model, re-estimated for z's weights with
+``torch.optim.swa_utils.update_bn``'s algorithm (docs/design-overview.md §2, BatchNorm;
+Izmailov et al., "Averaging Weights Leads to Wider Optima and Better Generalization", UAI 2018,
+§3.2)."""
 
 from __future__ import annotations
 
@@ -31,10 +19,8 @@ __all__ = ["BNRecalibration", "recalibrate_batch_norm"]
 
 
 def _trained_batch_norms(module: nn.Module) -> list[_BatchNorm]:
-    """The BatchNorm layers whose running statistics training updates: those in training mode,
-    tracking running statistics, once ``module.train()`` has run (the model's own ``train``: a
-    backbone an override keeps in evaluation mode, the fine-tuning idiom, is left out). The
-    module is left in training mode."""
+    """The BatchNorm layers that track running statistics and are in training mode once
+    ``module.train()`` has run (the model's own ``train``); the module is left in training mode."""
     module.train()
     return [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training
             and m.track_running_stats and m.running_mean is not None]
@@ -42,23 +28,15 @@ def _trained_batch_norms(module: nn.Module) -> list[_BatchNorm]:
 
 @torch.no_grad()
 def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.device) -> int:
-    """Re-estimate the running statistics of ``module``'s BatchNorm layers that train, in place.
-
-    ``torch.optim.swa_utils.update_bn``'s algorithm, over the layers in training mode once
-    ``module.train()`` has run (``_trained_batch_norms``; a frozen backbone that the model's
-    ``train`` override keeps in evaluation mode keeps its statistics): each such layer's running
-    statistics are reset, its momentum set to None (a cumulative average: after n batches,
-    running_mean is the mean of the n batch means and running_var that of the n unbiased batch
-    variances), the module runs forward in training mode on each batch, without gradients;
-    then momenta and the module's
-    mode are restored, and every other buffer (``num_batches_tracked``, a model's own counters or
-    averages) is put back as it was: only the BatchNorm layers' running means and variances
-    change. The parameters are not changed.
+    """Re-estimate the running statistics of ``module``'s BatchNorm layers that train
+    (``_trained_batch_norms``), in place: reset, then the cumulative average (``momentum=None``)
+    over ``batches`` run forward in training mode without gradients; momenta, the module's mode and
+    every other buffer are restored, the parameters unchanged (docs/design-overview.md §2).
 
     Args:
         module: the model (any mode).
         batches: collated ``(inputs, target)`` batches, as ``engine.inputs.split_inputs`` takes them.
-        device: where the module is; tensors of the batches are moved there.
+        device: where the module is; the batches' tensors are moved there.
 
     Returns:
         The number of batches run (0: no BatchNorm layer with running statistics trains).
@@ -90,25 +68,12 @@ def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.
 
 
 class BNRecalibration:
-    """What the central model's BatchNorm statistics are re-estimated on, and when (one per Plan).
-
-    Each fit sets its training data (``use``); ``refresh`` is called before every read of the
-    central model and re-estimates only when z, its buffers, b or the data changed since the last
-    time. With k = 1 learner z is the replica itself, and its own running statistics (those plain
-    PyTorch's training gives) are kept. The batches are ``batches`` disjoint batches of b samples
-    (b in force), drawn from the training data with a generator seeded with (the fit's seed, the
-    plan's rounds done): the same state evaluates the same, and a resumed fit evaluates as an
-    uninterrupted one. Torch's, Python's and NumPy's global RNGs are as before (dropout in the
-    forward passes, a Dataset's augmentation).
-
-    Cost: ``batches`` forward passes of b samples through z and their fetches, once per state of z
-    that is read (0.48 s for 20 batches of 16 on bench/bn_central.py's MobileNet, one core).
-
-    It keeps the last fit's ``fetch`` (and with it the training data) until the next fit.
+    """What the central model's BatchNorm statistics are re-estimated on, and when (one per
+    Plan; docs/design-overview.md §2, BatchNorm): set by each fit (``use``), reused until z, its
+    buffers, b or the data change, skipped with k = 1; the global RNGs are left as they were.
 
     Attributes:
-        batches: training batches per re-estimation, 0: off (z is evaluated with ``zbuf``, the
-            replicas' mean).
+        batches: training batches per re-estimation, 0: off (z is evaluated with ``zbuf``).
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -128,9 +93,8 @@ class BNRecalibration:
         self._key = None
 
     def draw(self, batch_size: int, round_index: int) -> list[torch.Tensor]:
-        """The sample indices of the batches for the state after ``round_index`` rounds: up to
-        ``batches`` disjoint batches of ``batch_size``, ``[b]`` each (fewer when the data is
-        smaller; a last partial batch only when it is the only one)."""
+        """The sample indices, ``[b]`` each, of up to ``batches`` disjoint batches for the state
+        after ``round_index`` rounds (seeded by the fit's seed and ``round_index``)."""
         n = min(self.batches * batch_size, self._num_samples)
         gen = torch.Generator().manual_seed((self._seed * 1_000_003 + round_index) * 65_537 + 7_919)
         order = torch.randperm(self._num_samples, generator=gen)[:n]
@@ -141,10 +105,8 @@ class BNRecalibration:
 
     def refresh(self, module: nn.Module, buf: torch.Tensor, *, z: torch.Tensor,
                 zbuf: torch.Tensor, batch_size: int, num_learners: int, round_index: int) -> None:
-        """Make ``module``'s float buffers (views of ``buf [Q]``) right for z: ``zbuf [Q]``
-        copied, then, when on, with k = ``num_learners`` > 1 and a model with BatchNorm, the
-        BatchNorm statistics re-estimated (``recalibrate_batch_norm``) on
-        ``draw(batch_size, round_index)``."""
+        """``module``'s float buffers (views of ``buf [Q]``) for z: ``zbuf [Q]`` copied, then,
+        when on, with k = ``num_learners`` > 1, the BatchNorm statistics re-estimated on ``draw``."""
         if not (self.batches and self.has_batch_norm and self._fetch is not None
                 and num_learners > 1):
             buf.copy_(zbuf)

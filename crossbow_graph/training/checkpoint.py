@@ -1,35 +1,6 @@
-"""Checkpoints: the whole training state, written atomically, resumed bit-identically.
-
-A checkpoint holds everything the next round depends on:
-
-- the plan (``plan_state_dict``): the model it trains (``model``: name, shape and dtype of every
-  trainable parameter, float buffer and integer buffer, in the order of the flat buffers; checked
-  on load by ``check_same_model``); per device the replicas ``w [m, P]``, momenta ``v [m, P]``,
-  the central model ``z [P]`` and ``z_prev [P]``, float buffers ``buf [m, Q]`` and ``zbuf [Q]``,
-  every replica's integer buffers (``num_batches_tracked``), the ``first_step`` flags, the
-  float16 learners' loss scales (engine/precision.py); the sync algorithm's state, DiLoCo's
-  outer optimizer (``outer_optimizer``: class and torch.optim ``state_dict``,
-  engine/sync/outer.py; None for the others); the run
-  settings a policy may have changed (``Plan.settings``: batch size b, SMA α and τ, the
-  learning rate η, the learner mode), which a resumed fit continues with; the current epoch's losses;
-  the counters (epochs and rounds done, the round within the epoch, the sample position in it,
-  training seconds);
-- the data position (epoch, sample position within it) and what fixes the sample order (N,
-  shuffle, seed), checked on resume;
-- every random number generator: torch CPU (and CUDA when present), Python ``random``, NumPy;
-- the state of every hook that has ``state_dict()``/``load_state_dict()`` (auto-tuner, policies);
-- the History so far;
-- under torchrun, the world size R and, per rank 1 … R−1, its device states (as in the plan's
-  ``states``: replicas, momenta or optimizer state, buffers), its losses of the current epoch and
-  its RNG states (``peers``), gathered to rank 0 at every checkpoint, so that every learner
-  resumes exactly, on R ranks or on another number (training/reshard.py).
-
-The files (format, atomic writes, verification, the fallback to the previous good one) are
-training/checkpoint_files.py's; the set-up a checkpoint records and the rule by which a resumed fit
-picks between its settings and the checkpoint's are training/run_setup.py's. ``CheckpointHook``
-holds the directory's lock (training/run_lock.py) while its fit runs and refuses, with
-``resume=False``, a directory holding another run's checkpoints.
-"""
+"""Checkpoints: the whole training state, written atomically, resumed bit-identically
+(docs/reliability.md, Checkpoints: what a checkpoint holds; training/checkpoint_files.py: the
+files; training/run_setup.py: the settings a resume keeps; training/run_lock.py: the lock)."""
 
 from __future__ import annotations
 
@@ -71,7 +42,7 @@ _FORMAT = 1
 # -- the plan's state ------------------------------------------------------------------------
 
 def plan_state_dict(plan: "Plan") -> dict[str, Any]:
-    """The plan's training state as CPU tensors and plain values (see the module docstring)."""
+    """The plan's training state as CPU tensors and plain values (docs/reliability.md, Checkpoints)."""
     plan.scheduler.flush()  # the streams' work so far, on the host
     states = []
     for s in plan.states:
@@ -109,10 +80,8 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
 
 
 def model_layout(plan: "Plan") -> dict[str, list[list[Any]]]:
-    """What identifies the plan's model in a checkpoint: ``[name, shape, dtype]`` per trainable
-    parameter (the columns of ``w``), float buffer (of ``buf``), integer buffer and frozen
-    parameter, in that order, with the dtypes of the input model (e.g.
-    ``["net.0.weight", [5, 12], "float32"]``)."""
+    """``[name, shape, dtype]`` per trainable parameter, float buffer, integer buffer and
+    frozen parameter, in that order, with the input model's dtypes."""
     template = plan.template
 
     def rows(named) -> list[list[Any]]:
@@ -142,13 +111,11 @@ def _first_difference(what: str, saved: list[list[Any]], have: list[list[Any]]) 
 
 
 def check_same_model(plan: "Plan", sd: dict[str, Any], source: str = "the checkpoint") -> None:
-    """Refuse a ``plan_state_dict`` of another model: one whose parameters or buffers differ in
-    name, shape or dtype from the plan's (``model_layout``), even with as many scalars; ``source``
-    names the state in the message. A state without ``model`` (written before checkpoints
-    recorded it) is accepted; for it ``load_plan_state_dict`` compares the counts only.
+    """Refuse the ``plan_state_dict`` of another model (``model_layout`` differs); a state
+    without ``model`` is accepted (``load_plan_state_dict`` compares the counts).
 
     Raises:
-        CheckpointError: naming the first difference and the fix.
+        CheckpointError: naming ``source``, the first difference and the fix.
     """
     if "model" not in sd:
         return
@@ -168,21 +135,13 @@ def check_same_model(plan: "Plan", sd: dict[str, Any], source: str = "the checkp
 @torch.no_grad()
 def load_plan_state_dict(plan: "Plan", sd: dict[str, Any], setup: dict[str, Any] | None = None,
                          source: str = "the checkpoint") -> None:
-    """Copy a ``plan_state_dict`` into ``plan`` in place (module parameters stay views of ``w``).
-
-    The run settings a policy changes through ``Plan.adjust`` are restored the same way first: a
-    saved b other than the plan's re-plans the learners (and re-checks the memory bound), and α,
-    τ, every param group's settings (η, momentum, ...) and the learner mode are set, so the plan
-    continues with the settings in force when it was saved (m too for an auto-tuned plan;
-    otherwise m must match). With ``setup`` (a resume: this fit's ``RunRecord.setup``), a setting
-    this fit was set up with differently from the checkpoint's run keeps this fit's value, with a
-    UserWarning naming both values and ``source`` (training/run_setup.py).
+    """Copy a ``plan_state_dict`` into ``plan`` in place, its run settings first through
+    ``Plan.adjust``; with ``setup`` (a resume) the rule of training/run_setup.py picks each setting
+    (docs/reliability.md, Resuming with other settings).
 
     Raises:
-        CheckpointError: the state was saved for another model (``check_same_model``: names the
-            first parameter or buffer whose name, shape or dtype differs), or from a plan of
-            another shape (devices, replicas, parameter or buffer count), or with another outer
-            optimizer (or none where this plan has one: DiLoCo).
+        CheckpointError: another model (``check_same_model``), another plan shape (devices,
+            replicas, parameter or buffer count), another outer optimizer.
         PlanError: the saved batch size does not fit this plan's memory budget.
     """
     check_same_model(plan, sd)
@@ -233,8 +192,7 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any], setup: dict[str, Any]
 
 
 def _check_same_optimizer(plan: "Plan", sd: dict[str, Any]) -> None:
-    """CheckpointError unless the state was saved with the plan's optimizer class, as many param
-    groups, and a row optimizer's state exactly where this plan keeps one."""
+    """CheckpointError unless saved with the plan's optimizer class, groups and row state."""
     if "optimizer" not in sd:
         return
     mine = plan.settings.optimizer.describe()["class"]
@@ -250,9 +208,7 @@ def _check_same_optimizer(plan: "Plan", sd: dict[str, Any]) -> None:
 
 def _outer_layout(plan: "Plan", sd: dict[str, Any],
                   convert: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
-    """The outer optimizer's ``state_dict`` with its ``[P]`` tensors (momentum of z) converted by
-    ``convert``: the plan's flat layout's ``to_standard`` or ``from_standard`` (engine/state.py
-    FlatLayout)."""
+    """The outer optimizer's ``state_dict`` with its ``[P]`` tensors converted by ``convert``."""
     P = plan.num_parameters
     state = {i: {k: convert(t) if isinstance(t, torch.Tensor) and t.shape == (P,) else t
                  for k, t in per_param.items()} for i, per_param in sd["state"].items()}
@@ -260,9 +216,7 @@ def _outer_layout(plan: "Plan", sd: dict[str, Any],
 
 
 def _sync_state_entry(plan: "Plan") -> dict[str, Any] | None:
-    """The sync algorithm's runtime state (``Scheduler.sync_state``; DiLoCo's outer optimizer,
-    engine/sync/outer.py) as a checkpoint's ``"outer_optimizer"`` entry: its class and state in
-    the standard layout; None for an algorithm without state."""
+    """The sync algorithm's runtime state as the ``"outer_optimizer"`` entry, or None."""
     state = plan.scheduler.sync_state
     if state.state_class is None:
         return None
@@ -271,9 +225,8 @@ def _sync_state_entry(plan: "Plan") -> dict[str, Any] | None:
 
 
 def _load_outer(plan: "Plan", saved: dict[str, Any] | None) -> None:
-    """The sync algorithm's runtime state (DiLoCo's outer optimizer) from a checkpoint's
-    ``"outer_optimizer"`` entry; CheckpointError when one of the two has such state and the other
-    not, or of another class."""
+    """The sync algorithm's runtime state from the ``"outer_optimizer"`` entry (CheckpointError
+    when only one side has such state, or of another class)."""
     state = plan.scheduler.sync_state
     mine = state.state_class
     theirs = None if saved is None else saved["class"]
@@ -343,32 +296,20 @@ def _history_from(d: dict[str, Any], into: History) -> None:
 
 
 class CheckpointHook(Hook):
-    """Saves a checkpoint every ``every_rounds`` rounds and at the end of every complete epoch.
-    It reads the replicas' buffers after a round, which a round learned ahead already moves, so
-    it keeps ``mutates_replicas = True``.
-
-    Under torchrun every rank has one: rank 0's (``writer``) writes the file, with every other
-    rank's device states and RNG states gathered to it (``peers``, one gather per checkpoint) and
-    the world size; on resume rank 0 reads it and sends each rank its part, for any number of
-    ranks (training/reshard.py ``split_for_ranks``).
+    """Saves a checkpoint every ``every_rounds`` rounds and at the end of every complete epoch
+    (docs/reliability.md, Checkpoints; under torchrun docs/distributed.md).
 
     Args:
         directory: where ``ckpt-*.pt`` files go (created if missing).
         schedule: the fit's BatchSchedule (its N, shuffle and seed are saved and checked).
         hooks: the fit's other hooks; their ``state_dict()`` is saved (but an empty one).
         every_rounds: rounds between checkpoints (≥ 1); None: only at epoch ends.
-        keep: checkpoints kept (≥ 2, so that a corrupt newest one has a fallback).
-        writer: this process writes and reads the files (rank 0, or a single process); the
-            other ranks only take part in the gather and the resume.
-
-    The fit's writer takes the directory first (``claim``): its lock, and with ``resume=False``
-    the refusal of another run's checkpoints. Every file written or resumed from is recorded in
-    the plan's ``run_record``, which tells this run's checkpoints from another's.
+        keep: checkpoints kept (≥ 2).
+        writer: this process writes and reads the files (rank 0, or a single process).
 
     Raises:
-        ValueError: ``every_rounds`` < 1 or ``keep`` < 2, or ``directory`` cannot be created or
-            written (a file, a path inside a file, read-only): checked at once by creating the
-            directory and writing and removing a probe file, before any training round.
+        ValueError: ``every_rounds`` < 1, ``keep`` < 2, or ``directory`` cannot be created or
+            written (a probe file is written at once).
     """
 
     decides = False  # it saves and restores; it changes no setting
@@ -389,15 +330,12 @@ class CheckpointHook(Hook):
             check_writable_dir("checkpoint_dir", directory)
 
     def claim(self, plan: "Plan", resume: bool) -> DirectoryLock | None:
-        """Take the directory for this fit: the writer holds its lock (training/run_lock.py;
-        the caller releases it when the fit ends) and, with ``resume=False``, refuses a directory
-        whose newest checkpoint this plan's run neither wrote nor resumed from. Returns the lock
-        (None on the other ranks).
+        """Take the directory for this fit (docs/reliability.md, One fit per directory);
+        returns the writer's lock (the caller releases it), None on the other ranks.
 
         Raises:
-            CheckpointError: another fit holds the directory (names it, the holder's pid and the
-                fix), or ``resume=False`` where it holds another run's checkpoints (names the
-                newest and the fixes: resume=True, another checkpoint_dir, or delete them).
+            CheckpointError: another fit holds the directory, or ``resume=False`` where it holds
+                another run's checkpoints.
         """
         if not self.writer:
             return None
@@ -415,22 +353,14 @@ class CheckpointHook(Hook):
         return lock
 
     def resume(self, plan: "Plan", history: History) -> str | None:
-        """Load the newest good checkpoint into the plan, the hooks, the RNGs and ``history``.
-
-        Under torchrun every rank calls it: rank 0 reads the file and sends every rank its
-        learners, RNG states and the shared state (one scatter), on as many ranks as wrote it or
-        on another number (``split_for_ranks``; a warning says how k changes). The other ranks'
-        hooks and History are not restored (rank 0's decide).
-
-        Returns:
-            The path loaded, or None when the directory holds no checkpoint.
+        """Load the newest good checkpoint into the plan, the hooks, the RNGs and ``history``
+        (under torchrun on every rank, on any number of ranks: training/reshard.py); returns its path,
+        or None when there is none.
 
         Raises:
-            CheckpointError: no checkpoint can be read, or the newest good one was written for
-                another model, another plan shape or another data order (dataset size, shuffle,
-                seed); such a checkpoint is refused, never skipped (under torchrun on every
-                rank, naming rank 0's reason).
-            PlanError: the checkpoint's batch size (a policy's) does not fit the memory budget.
+            CheckpointError: no checkpoint can be read, or the newest good one is of another model,
+                plan shape or data order (refused, never skipped).
+            PlanError: the checkpoint's batch size does not fit the memory budget.
         """
         comm = plan.comm
         world = 1 if comm is None else comm.world_size
@@ -468,8 +398,7 @@ class CheckpointHook(Hook):
         return path
 
     def _read(self, plan: "Plan") -> tuple[str, dict[str, Any]] | None:
-        """The newest good checkpoint ``(path, state)``, checked against the plan's model and the
-        fit's data order; None when there is none."""
+        """The newest good checkpoint ``(path, state)``, checked, or None."""
         found = load_latest(self.directory)
         if found is None:
             return None
@@ -495,8 +424,7 @@ class CheckpointHook(Hook):
         _history_from(state["history"], history)
 
     def save(self, ctx: FitContext) -> str | None:
-        """Write a checkpoint of the current state; returns its path (None on a rank other than
-        rank 0, which sends it its device states and RNG states: a collective of every rank)."""
+        """Write a checkpoint (a collective under torchrun); returns its path (None off rank 0)."""
         plan, comm = ctx.plan, ctx.plan.comm
         peers: list[Any] = []
         if comm is not None:
@@ -529,9 +457,7 @@ class CheckpointHook(Hook):
         return path
 
     def save_if_new(self, ctx: FitContext) -> str | None:
-        """A checkpoint of the current state unless the last one saved (or resumed) is of it (a
-        collective under torchrun, as ``save``); returns the file holding it (None on a rank
-        other than rank 0)."""
+        """``save`` unless the last checkpoint saved or resumed is of this state; the file."""
         if self._last_saved != ctx.plan.rounds_done:
             return self.save(ctx)
         return checkpoint_path(self.directory, ctx.plan.rounds_done) if self.writer else None

@@ -1,15 +1,9 @@
-"""Checkpoint files: atomic writes with a checksum, verified reads, the newest good one of a directory.
+"""Checkpoint files: atomic writes with a checksum, verified reads, the newest good one of a
+directory (docs/reliability.md, Checkpoints).
 
 File format: ``MAGIC`` (8 bytes), payload length (8 bytes, little endian), SHA-256 of the payload
-(32 bytes), then the payload (``torch.save`` of the state, loaded with ``weights_only=True``). A
-file is written to a temporary file in the same directory, flushed and fsync'ed, renamed over its
-final name with ``os.replace`` and the directory fsync'ed, so a crash (even SIGKILL) at any point
-leaves every earlier checkpoint intact; a write that fails (a full disk, a file-size limit) removes
-its temporary file and raises ``CheckpointError`` naming the file, the bytes it needed and the
-previous checkpoint, which is intact. Names are ``ckpt-<rounds done, 10 digits>.pt``;
-``load_latest`` verifies length and checksum and falls back to the previous checkpoint, with a
-warning naming the bad file and why, when the newest is truncated or corrupt (and skips, with a
-warning, anything of that name that is not a file).
+(32 bytes), then the payload (``torch.save`` of the state, loaded with ``weights_only=True``);
+names ``ckpt-<rounds done, 10 digits>.pt``.
 """
 
 from __future__ import annotations

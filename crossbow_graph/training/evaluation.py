@@ -1,11 +1,5 @@
-"""Evaluation of a model on a data set for any output: mean loss and accuracy (or a metric).
-
-The accuracy of a batch is ``metric_fn(output, target)`` when one is given; else the fraction of
-samples whose class scores' argmax is the target, read from the output as
-``compiler/outputs.py logits_of`` finds the scores (the output itself, ``output.logits``, or the
-first tensor of a tuple or dict) when they are ``[N, C]`` and the target is integer classes
-``[N]``. Otherwise there is no accuracy, and ``unscored`` says why (docs/design-overview.md §6).
-"""
+"""Evaluation of a model on a data set for any output: mean loss and accuracy, a metric, or
+why there is none (docs/api.md, Evaluation; docs/design-overview.md §6)."""
 
 from __future__ import annotations
 
@@ -44,18 +38,11 @@ class Evaluation:
 
 
 def eval_samples(data: Any, what: str = "eval_dataset") -> Dataset:
-    """The samples an evaluation scores: a Dataset's, or those a DataLoader yields.
-
-    A DataLoader's ``batch_sampler`` (with ``batch_size=None``) or else its ``sampler`` chooses
-    the samples, each scored as often as it is yielded (their order does not matter): a
-    ``torch.utils.data.Subset`` of its dataset. A ``SequentialSampler`` or a plain
-    ``RandomSampler`` (``shuffle=False``/``True``) yields every sample once: the dataset itself.
-    ``batch_size`` and ``drop_last`` are not used (evaluation batches have its own batch size).
-    A random sampler draws from its own generator, or from torch's, which is left as it was.
+    """The samples an evaluation scores: a Dataset's, or those a DataLoader's ``batch_sampler`` or
+    ``sampler`` yields (a ``Subset``; each as often as yielded; torch's RNG left as it was).
 
     Raises:
-        TypeError, ValueError: as ``as_dataset`` (neither a Dataset nor a DataLoader, empty, an
-            IterableDataset); ValueError: the sampler yields no sample.
+        TypeError, ValueError: as ``as_dataset``; ValueError: the sampler yields no sample.
     """
     dataset = as_dataset(data, what)
     if not isinstance(data, DataLoader):

@@ -55,27 +55,17 @@ class EvalRecord:
 
 @dataclass(kw_only=True)
 class AutotuneRecord:
-    """One decision of the replica auto-tuner (docs/design-overview.md §5).
+    """One decision of the replica auto-tuner (docs/runtime.md, the auto-tuner's decisions).
 
     Attributes:
         round: the plan's round count when the decision was taken.
-        replicas_per_device: m that the measurement was taken with.
-        learner_mode: the learner mode the measurement was taken with.
-        samples_per_s: measured throughput over the window (training samples per second): the
-            median of its sub-windows' (tuning/autotune_rule.py ``Measurement``).
-        samples_per_s_low, samples_per_s_high: the spread: the interval of that median (the
-            wider of its sub-windows' notch and half the distance of its windows' medians).
+        replicas_per_device, learner_mode: the configuration measured.
+        samples_per_s: its median throughput over the window, training samples per second.
+        samples_per_s_low, samples_per_s_high: the spread of that median.
         windows: measurement windows of this configuration pooled for the decision.
-        action: what the tuner did: ``"add"`` (m+1), ``"confirm"`` (a candidate read faster:
-            measure the configuration before it again), ``"confirmed_add"``,
-            ``"confirmed_keep_mode"``, ``"unconfirmed"`` (the candidate did not beat it again),
-            ``"remove"`` (undo the last add and hold), ``"bound"`` (m is at the memory or
-            replica bound), ``"try_mode"`` (switch learner mode), ``"revert_mode"``,
-            ``"skip_mode"`` (fused learners cannot run the
-            model, ``Plan.fused_failure``: per-replica, hold), ``"hold"`` (keep measuring), ``"drift"``
-            (throughput moved by more than the threshold and beyond the spreads in 3 windows in a
-            row: re-probe from a fresh window), ``"repeat"`` (the outcome is open: measure the
-            same configuration once more).
+        action: ``"add"``, ``"confirm"``, ``"confirmed_add"``, ``"confirmed_keep_mode"``,
+            ``"unconfirmed"``, ``"remove"``, ``"bound"``, ``"try_mode"``, ``"revert_mode"``,
+            ``"skip_mode"``, ``"hold"``, ``"drift"`` or ``"repeat"``.
         next_replicas_per_device, next_learner_mode: the configuration after the decision.
     """
 
@@ -93,23 +83,17 @@ class AutotuneRecord:
 
 @dataclass(kw_only=True)
 class MetricRecord:
-    """One metrics window (every ``MetricsMonitor.every`` rounds).
+    """One metrics window (every ``MetricsMonitor.every`` rounds; docs/policies.md, Metrics).
 
     Attributes:
-        round: the plan's round count at the end of the window.
-        epoch: fractional epoch at the end of the window (2.5 = half-way through the third).
-        samples_per_s: training samples per training second over the window.
-        train_loss: mean learner loss over the window's rounds.
-        lr: learning rate η in force; batch_size: b; replicas_per_device: m; num_learners: k;
-        alpha: α; sync_every: τ.
+        round: the plan's round count at the end of the window; epoch: fractional epoch then.
+        samples_per_s: training samples per training second; train_loss: mean learner loss.
+        lr, batch_size, replicas_per_device, num_learners, alpha, sync_every: η, b, m, k, α, τ.
         divergence_mean, divergence_max: mean and max over replicas of ‖w_j − z‖ / ‖z‖.
-        grad_sq, trace_sigma: the window's two-batch estimates of |G|² and tr Σ (None: k = 1).
-        grad_sq_ema, trace_sigma_ema: their bias-corrected exponential moving averages (None in
-            the monitor's warm-up windows: ``MetricsMonitor.warmup_windows``).
-        noise_scale: B_noise = trace_sigma_ema / grad_sq_ema, samples (None when k = 1, in the
-            monitor's warm-up windows, or while the EMA of |G|² is ≤ 0).
-        test_accuracy: z's accuracy at the last evaluation inside the window (including one right
-            after its last round), else None.
+        grad_sq, trace_sigma: the window's estimates of |G|² and tr Σ (None: k = 1).
+        grad_sq_ema, trace_sigma_ema: their bias-corrected EMAs (None in warm-up windows).
+        noise_scale: B_noise = trace_sigma_ema / grad_sq_ema, samples (or None).
+        test_accuracy: z's accuracy at the last evaluation inside the window, else None.
     """
 
     round: int
@@ -197,12 +181,8 @@ class History:
 
     @property
     def sync_unhidden_share(self) -> float | None:
-        """Share of synchronisation time not hidden behind learning, in [0, 1] (None: no sync).
-
-        1.0 for the sequential inline executor; with worker processes, the global sync of round
-        t runs while round t+1 learns and only the learners' wait for z (until z was final),
-        their own local update and the sync worker's global sync are exposed.
-        """
+        """Share of synchronisation time not hidden behind learning, in [0, 1]
+        (None: no sync; docs/runtime.md, Overlap)."""
         if self.sync_seconds <= 0:
             return None
         return min(1.0, self.sync_exposed_seconds / self.sync_seconds)

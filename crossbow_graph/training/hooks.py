@@ -1,9 +1,5 @@
-"""Hooks into the training loop: what logging, checkpoints, the auto-tuner and policies plug into.
-
-A Hook's methods run at round, epoch and fit boundaries (docs/design-overview.md §5, Policies): every change
-they make to the plan takes effect at a round boundary, identically on every device. ``FitHooks``
-is a fit's hooks in calling order, and checks what they declare.
-"""
+"""Hooks into the training loop at round, epoch and fit boundaries (docs/runtime.md, Overlap;
+docs/design-overview.md §5, Policies); ``FitHooks``: a fit's hooks in calling order."""
 
 from __future__ import annotations
 
@@ -21,34 +17,22 @@ __all__ = ["Hook", "FitContext", "FitHooks"]
 
 @dataclass(kw_only=True)
 class FitContext:
-    """What a hook sees of a running fit.
+    """What a hook sees of a running fit (docs/design-overview.md §5, Policies).
 
     Attributes:
-        plan: the Plan being trained.
-        history: the History being filled.
+        plan: the Plan being trained; history: the History being filled.
         epoch: 0-based index of the current epoch (over the plan's life).
-        round_in_epoch: rounds completed in the current epoch.
-        rounds_per_epoch: rounds in a full epoch.
-        end_epoch: the epoch the fit ends before: it runs epochs ``epoch`` … ``end_epoch − 1``.
-        num_samples: N, samples of the training data per epoch.
-        metrics: the fit's MetricsMonitor (tuning/metrics.py; updated before the policies run),
-            None with ``fit(metrics_every=None)``.
-        round_loss: mean training loss of the last round's learners, NaN/Inf (faulty) ones
-            left out (a 0-dim tensor, lazily synchronised), None before the first round.
+        round_in_epoch: rounds completed in it; rounds_per_epoch: rounds in a full epoch.
+        end_epoch: the epoch the fit ends before.
+        num_samples: N, training samples per epoch.
+        metrics: the fit's MetricsMonitor (tuning/metrics.py), or None.
+        round_loss: 0-dim mean loss of the last round's finite learner losses, None before a round.
         round_losses: the last round's losses per learner (0-dim tensors, device-major).
         train_seconds: training wall seconds so far (evaluation excluded).
         stop: set True to end the fit after the current round.
-        batch_indices: the last round's sample indices ``[k·b]`` (learner j's at
-            ``[j·b, (j+1)·b)``), None before the first round.
-        round_samples: samples of the last round (k·b at that round).
-        epoch_complete: in ``after_epoch``, whether the epoch used its order up (fewer than one
-            round of k·b samples left, whatever k and b were on the way); False when a target
-            or ``stop`` cut it short.
-
-    In ``after_round`` every task of the round has run (w, v, z, zbuf are final). A hook may
-    change the plan between rounds (``plan.adjust(Adjustment(...))``, ``plan.set_replicas``,
-    ``plan.set_learner_mode``; the run settings in force are ``plan.settings``). On CUDA, call
-    ``ctx.plan.scheduler.flush()`` before reading buffers on the host (the Plan's own methods do).
+        batch_indices: the last round's sample indices ``[k·b]`` (learner j's at ``[j·b, (j+1)·b)``).
+        round_samples: samples of the last round (k·b).
+        epoch_complete: in ``after_epoch``, whether the epoch used its order up.
     """
 
     plan: "Plan"
@@ -69,27 +53,10 @@ class FitContext:
 
 
 class Hook:
-    """Base class: override any of the methods; each is called with the FitContext.
-
-    What a hook declares (the defaults are those of a hook that declares nothing):
-
-    * ``mutates_replicas`` (True): the hook may write the replicas' state (w, v, g, buf, z)
-      other than through the plan's methods (``adjust``, ``set_replicas``, ``set_learner_mode``,
-      ``scheduler.reset_replicas``, which cancel a round learned ahead first), or reads what
-      learning moves (g, buf) after a round. When every hook of a fit declares False, worker
-      processes learn round t+1 while the hooks of round t run (engine/workers.py); a hook that
-      declares False and writes w, v or z while they do raises HookError (``FitHooks``).
-    * ``wants_gradients(rounds_done)`` (False): whether the hook reads the learners' gradients g
-      after the round that makes the plan's round count ``rounds_done``; that round then runs
-      without learning the next one ahead.
-    * ``state_dict()`` / ``load_state_dict(state)``: the hook's state in checkpoints. The
-      default ``{}`` means no state: nothing is written, and ``load_state_dict`` is not called.
-    * ``decides`` (True): under torchrun the hook may change a setting or stop the fit from
-      what its rank sees, so rank 0's settings and stop are broadcast after every round; when
-      no hook of any rank declares True they are every ``engine.comm.AGREE_EVERY_ROUNDS``
-      rounds (and after evaluations and epochs). False: it decides the same on every rank (an
-      LR schedule) or nothing.
-    """
+    """Base class: override any of the methods; each is called with the FitContext. A hook
+    declares ``mutates_replicas`` (default True), ``wants_gradients(rounds_done)`` (default False),
+    ``decides`` (default True) and its checkpointed ``state_dict()`` / ``load_state_dict(state)``
+    (default ``{}``: none); what they mean: docs/runtime.md, Overlap."""
 
     mutates_replicas: bool = True
     decides: bool = True
@@ -128,17 +95,11 @@ class Hook:
 
 
 class FitHooks:
-    """A fit's hooks in calling order, called together: each method calls that method of every
-    hook, in order.
+    """A fit's hooks in calling order: each method calls that method of every hook.
 
-    While worker processes learn a round ahead (``Scheduler.learning_ahead``), a hook declaring
-    ``mutates_replicas = False`` must leave w, v and z alone: their version counters
-    (``Tensor._version``, moved by every in-place write in this process) are compared around
-    each of its calls, and a change raises HookError naming the hook (writes through ``.data``
-    or NumPy views are not seen).
-
-    Args:
-        hooks: the hooks, in calling order.
+    Raises:
+        HookError: a hook declaring ``mutates_replicas = False`` wrote w, v or z while a round was
+            learned ahead (docs/runtime.md, Overlap).
     """
 
     def __init__(self, hooks: list[Hook]) -> None:

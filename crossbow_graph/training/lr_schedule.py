@@ -1,36 +1,5 @@
-"""A torch.optim LR scheduler driving a fit (docs/design-overview.md §5, Run settings).
-
-``fit(lr_scheduler=sched, lr_scheduler_interval="epoch" | "round")`` takes any
-``torch.optim.lr_scheduler`` built over the plan's optimizer (``Plan.optimizer``: the optimizer
-given to ``compile``): OneCycleLR, SequentialLR of LinearLR warm-up and CosineAnnealingLR,
-MultiStepLR, ReduceLROnPlateau, ... ``LRSchedulerHook`` steps it at the end of every round or
-epoch (ReduceLROnPlateau: after each evaluation of z, with z's test loss; without an evaluation
-set, at the end of each epoch with its training loss). Each step, through the plan's
-``RunSettings``, writes the param groups' ``lr`` (and momentum or betas, e.g. OneCycleLR's
-``cycle_momentum``); every learner reads them at
-the next round (worker processes through the control block, engine/workers.py), so all learners
-see the same η at the same round, and so do all torchrun ranks (each steps its own scheduler on
-the same rounds). Its state is checkpointed with the fit (a hook's ``state_dict``).
-
-A policy's η change composes with the schedule by one rule, η = F · schedule(t)
-(docs/optimizers.md, Schedules), which the plan's ``RunSettings`` applies at each step
-(engine/settings.py ``step_lr_schedule``: it keeps the factors F, the only writer of the param
-groups); the factors are checkpointed with the scheduler.
-
-A resumed fit restores the scheduler's state (its position, ``last_epoch``) from the checkpoint,
-but where this fit's scheduler was built over other learning rates than the checkpoint's (its
-``base_lrs``, also those of the schedulers inside a SequentialLR or ChainedScheduler, differ) it
-keeps its own, and a group's η in force becomes the checkpoint's scaled by new base / old base,
-with a warning naming both: the user set the run up anew, as for the param groups' settings
-(training/run_setup.py; docs/reliability.md, Resuming with other settings).
-
-How long a schedule runs (docs/optimizers.md, Schedules): stepped per round, it takes one step
-per round of k·b samples, so a fit of E epochs of N samples steps it E·⌊N/(k·b)⌋ times at a fixed
-k·b (``len(DataLoader)``, N/b batches, only at k = 1), and a change of k or b changes the rounds
-left; stepped per epoch, once per epoch whatever k and b. ``LRSchedulerHook`` warns at the fit's
-start when a schedule's steps up to its end (``schedule_end``) outnumber the fit's steps at the
-current k·b, and once when a change of k or b mid-fit leaves fewer rounds than that.
-"""
+"""A torch.optim LR scheduler driving a fit, ``fit(lr_scheduler=...)`` (docs/optimizers.md, Schedules;
+docs/reliability.md, Resuming with other settings; docs/design-overview.md §5, Run settings)."""
 
 from __future__ import annotations
 
@@ -86,12 +55,9 @@ def check_lr_scheduler(plan: "Plan", scheduler: Any, interval: str,
 
 
 def schedule_end(scheduler: Any) -> tuple[int, str, str | None] | None:
-    """Where a scheduler's schedule ends: the step count (its ``last_epoch``) at which it reaches
-    its last value, the setting that says so, and that setting's name when one number sizes it
-    (else None): CosineAnnealingLR's ``T_max``, OneCycleLR's ``total_steps`` − 1, LinearLR's,
-    ConstantLR's and PolynomialLR's ``total_iters``, MultiStepLR's last milestone, SequentialLR's
-    last milestone plus its last scheduler's end. None for a schedule without an end (StepLR,
-    ExponentialLR, LambdaLR, CosineAnnealingWarmRestarts, ReduceLROnPlateau, ...)."""
+    """Where a scheduler's schedule ends: (its ``last_epoch`` there, the setting that says so,
+    that setting's name or None), or None for a schedule without an end (docs/optimizers.md,
+    Schedules)."""
     lr = torch.optim.lr_scheduler
     if isinstance(scheduler, lr.OneCycleLR):
         return scheduler.total_steps - 1, f"total_steps={scheduler.total_steps}", "total_steps"
@@ -114,9 +80,7 @@ def schedule_end(scheduler: Any) -> tuple[int, str, str | None] | None:
 
 def rounds_left(plan: "Plan", num_samples: int, end_epoch: int) -> int:
     """The rounds a fit still runs if k and b stay: ⌊(N − position)/(k·b)⌋ in the current epoch
-    (a last partial round is dropped) and ⌊N/(k·b)⌋ in each later one before ``end_epoch``;
-    N = ``num_samples`` per epoch, position = ``plan.position_in_epoch`` (samples of the epoch's
-    order used)."""
+    and ⌊N/(k·b)⌋ in each later one before ``end_epoch``."""
     if plan.epochs_done >= end_epoch:
         return 0
     per_round = plan.num_learners * plan.batch_size
@@ -125,16 +89,14 @@ def rounds_left(plan: "Plan", num_samples: int, end_epoch: int) -> int:
 
 
 class LRSchedulerHook(Hook):
-    """Steps a torch.optim LR scheduler once per round or epoch of a fit (module docstring),
-    through the plan's ``RunSettings.step_lr_schedule``.
+    """Steps a torch.optim LR scheduler once per round or epoch of a fit through
+    ``RunSettings.step_lr_schedule`` (docs/optimizers.md, Schedules).
 
     Args:
         scheduler: a ``torch.optim.lr_scheduler`` scheduler over ``Plan.optimizer``.
-        interval: ``"epoch"`` or ``"round"`` (ignored by ReduceLROnPlateau, which steps after
-            each evaluation).
-        settings: the plan's RunSettings, where the scheduler is added as a schedule (F = 1)
-            until the fit ends; None for a subclass that builds and adds its own at
-            ``before_fit`` (tuning/policies.py's schedule policies).
+        interval: ``"epoch"`` or ``"round"`` (ReduceLROnPlateau steps after each evaluation).
+        settings: the plan's RunSettings, where the scheduler is added until the fit ends; None
+            for a subclass that adds its own at ``before_fit``.
     """
 
     mutates_replicas = False  # η only: the param groups, read by every learner's next update
@@ -163,9 +125,8 @@ class LRSchedulerHook(Hook):
             self.settings.step_lr_schedule(self.scheduler, *args)
 
     def _past_its_end(self) -> bool:
-        """Whether a OneCycleLR has taken all its ``total_steps`` (torch raises at one more step:
-        k·b fell mid-fit and the epochs hold more rounds than it was sized for); it then holds its
-        last η for the rest of the fit, with a UserWarning once per fit."""
+        """Whether a OneCycleLR has taken all its ``total_steps``; it then holds its
+        last η, with a UserWarning once per fit."""
         sched = self.scheduler
         if not isinstance(sched, torch.optim.lr_scheduler.OneCycleLR) or \
                 sched.last_epoch < sched.total_steps:
@@ -278,9 +239,8 @@ class LRSchedulerHook(Hook):
 
 
 def _keep_new_bases(saved: Any, fresh: Any, changed: dict[int, tuple[float, float]]) -> Any:
-    """``saved`` (a scheduler's ``state_dict``) with every ``base_lrs`` entry, nested ones too,
-    taken from ``fresh``; ``changed`` gets ``group index: (old base, new base)`` where the two
-    differ (the first list that differs)."""
+    """``saved`` with every ``base_lrs`` entry (nested too) from ``fresh``; ``changed`` gets
+    ``group index: (old base, new base)`` where they differ."""
     if isinstance(saved, dict) and isinstance(fresh, dict):
         out = {}
         for key, value in saved.items():

@@ -1,32 +1,10 @@
 """A checkpoint's learners on another number of ranks (docs/distributed.md, Resuming on another
-number of processes).
+number of processes): ``split_for_ranks`` gives each of R′ ranks its plan state.
 
-A checkpoint holds every rank's learners: rank 0's plan state (``plan_state_dict``, its
-``states``, its ``losses``) and its RNG states, and per other rank r = 1 … R−1 the same three in
-``peers[r − 1]`` (``{"states": [...], "losses": [n], "rng": {...}}``); ``world_size`` is R (a checkpoint without it is of one
-process). Learners are numbered globally, rank-major, then device, then replica:
-j = (r·G + d)·m + i for G devices × m replicas per rank, the order in which the learners take a
-round's k·b samples (k = R·G·m; the trainer's ``_mine``).
-
-On R′ ranks with the same G and m per rank (k′ = R′·G·m), ``split_for_ranks`` gives each new rank
-its plan state:
-
-- a learner j < k restarts from saved learner j exactly: w, v (or its optimizer state), float and
-  integer buffers, ``first_step``, loss scale;
-- a learner j ≥ k is new, by the rule for a replica the auto-tuner adds
-  (``DeviceState.resize``): w cloned from z, float buffers from zbuf, integer buffers from
-  global learner 0's, momentum zero, optimizer state fresh (torch.optim's initialisation at its
-  next step), ``first_step`` set, loss scale the smallest saved one;
-- saved learners j ≥ k′ are dropped;
-- z, z_prev (the central momentum is z − z_prev) and zbuf, the run settings, counters, the data
-  position and the fault events are every rank's, copied as saved; α = 1/k′ follows from k′ (an
-  explicit α stays);
-- rank r < R takes saved rank r's losses of the current epoch (new rank 0 also those of the
-  saved ranks ≥ R′, so that the epoch's mean loss counts every learner's once) and its RNG
-  states; a new rank r ≥ R none (the checkpoint hook seeds it from the fit's seed, rank and
-  round).
-
-With R′ = R every rank gets its own saved state, unchanged (a bit-identical resume).
+A checkpoint holds rank 0's plan state and RNG states, and per other rank r = 1 … R−1
+``peers[r − 1] = {"states": [...], "losses": [n], "rng": {...}}``; ``world_size`` is R (absent:
+one process). Learners are numbered j = (r·G + d)·m + i (training/fit_data.py ``rank_rows``); a
+new learner's loss scale is the smallest saved one.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
-"""What a run was set up with, and which settings a resumed fit continues with
-(docs/reliability.md, Resuming with other settings).
-
-A run's **set-up** (``run_setup``) is the run settings as the user set them up: every param
-group's hyper-parameters (lr, momentum, weight decay, betas, ... and the keys an LR scheduler built
-before the fit added), b, SMA α and τ, the learner mode and DiLoCo's outer optimizer's groups, as
-they are when the plan's first fit starts, before a resume (so what ``compile`` was given, the LR
-scheduler built over ``plan.optimizer`` and any ``plan.adjust`` before fitting). Every checkpoint
-stores the set-up of the run that wrote it. A resumed fit compares, value by value, its own set-up
-with the checkpoint's (``SettingsChoice``):
-
-- the same value: the checkpoint's value in force wins (a policy's or a scheduler's change
-  continues), so resuming an unchanged run is bit-identical;
-- another value (the user changed it since): this fit's set-up value wins, with a warning naming
-  both values; everything else, the optimizer state included, comes from the checkpoint;
-- a checkpoint without a set-up (an older one): the checkpoint's value wins, with a warning where
-  it differs from this fit's.
-
-``Plan.load_state_dict`` passes no set-up and restores the state's values as they are.
-"""
+"""What a run was set up with (``run_setup``, stored in every checkpoint), and which settings a
+resumed fit continues with, value by value (``SettingsChoice``; docs/reliability.md, Resuming
+with other settings)."""
 
 from __future__ import annotations
 
@@ -96,12 +79,11 @@ class RunRecord:
 
 
 class SettingsChoice:
-    """Chooses, value by value, between a checkpoint's settings and this fit's (module
-    docstring), and warns once with every value that differs.
+    """Chooses, value by value, between a checkpoint's settings and this fit's (docs/reliability.md,
+    Resuming with other settings), and warns once with every value that differs.
 
     Args:
-        mine: this fit's set-up (``RunRecord.setup``), or None: the checkpoint's values as they
-            are, without warnings (``Plan.load_state_dict``).
+        mine: this fit's set-up (``RunRecord.setup``), or None: the checkpoint's values, no warning.
         theirs: the set-up of the run that wrote the checkpoint, None for an older checkpoint.
     """
 

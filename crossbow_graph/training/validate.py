@@ -1,11 +1,5 @@
-"""Checks of the training data against the plan, run once at the start of a fit on one batch.
-
-Per-round checks would cost every round; these run once, on learner 0's first batch of b samples
-(all labels when they are one tensor), before the fit seeds its random number generators.
-``loss_fn`` is never called, and the model only when the inputs' shapes or dtypes differ from the
-example inputs' (then once, in evaluation mode), so user code with side effects sees the training
-rounds.
-"""
+"""Checks of the training data against the plan, run once at the start of a fit on one batch
+(docs/reliability.md, Bad input and the error you get)."""
 
 from __future__ import annotations
 
@@ -227,19 +221,10 @@ def _class_index_loss(loss_fn: Any) -> int | None:
 
 def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor], Any],
                       indices: torch.Tensor, what: str = "train_dataset") -> None:
-    """Check one batch of ``dataset`` against the plan (``loss_fn`` is not called).
-
-    Checks: the batch's first sample and the dataset's last index (``len − 1``) are ``(inputs,
-    target)`` pairs (a dataset read through its ``get_batch``: the batch and the last index, in one
-    call; read through a DataLoader's collate_fn, ``LearnerFetch`` or ``CollateFetch``: the
-    collated batch is the pair); every floating input's dtype equals the compiled example input's (or, if not, the model
-    in evaluation mode takes the batch: it casts its inputs); every input's per-sample shape equals
-    the compiled example input's (or, if not, the model in evaluation mode takes the batch and
-    gives an output of the compiled shape); with a class-index loss (``cross_entropy``,
-    ``nll_loss`` or their modules) and an output ``[N, C, ...]``, the labels are int64/uint8 class
-    indices ``[N, ...]`` (or, for cross_entropy, float class probabilities ``[N, C, ...]``) and
-    integer labels lie in [0, C), ``ignore_index`` allowed (all labels of a tensor dataset, else
-    the batch's). Whether ``loss_fn`` returns a scalar is checked by every LEARN task.
+    """Check one batch of ``dataset`` against the plan: ``(inputs, target)`` pairs (the first
+    sample and the last index), the inputs' dtypes and per-sample shapes against the example
+    inputs' (the model runs once, in evaluation mode, only where they differ), and a class-index
+    loss's labels (docs/reliability.md, Bad input); ``loss_fn`` is not called.
 
     Args:
         plan: the compiled Plan.

@@ -1,22 +1,5 @@
 """The replica auto-tuner: measured throughput → replicas per device and learner mode
-(docs/design-overview.md §5).
-
-Reference rule (CROSSBOW §4.4): start at m = 1 per device; after a warm-up (in rounds and in
-seconds: restarted worker processes need both), measure samples/s over windows of whole rounds,
-each configuration over ``AutoTune.windows`` windows pooled: the median of their sub-windows'
-samples/s and the spread of that median (tuning/autotune_rule.py ``Measurement``). If the median
-rose by more than a threshold (default 10 %) over the best so far and beyond the spread of both,
-measure the previous m again and add the replica only if it beats that too (A B A); an open
-outcome is measured again, up to ``AutoTune.repeats`` windows; otherwise remove the replica added
-and hold. Then try the other learner mode at that m the same way (fused only where
-torch.func.vmap runs the model, ``Plan.fused_failure``, else a warning and per-replica). While
-holding, re-probe when three windows in a row differ from the held ones by more than the threshold
-and beyond both spreads, in the same direction. Never beyond the memory bound (the task graph's ``memory_per_learner_bytes`` against
-``compile(memory_budget=...)``) or ``AutoTune.max_replicas``. Replicas change between rounds
-without losing state (``Plan.set_replicas``: new replicas cloned from z with zeroed momentum, α
-re-derived for the new k, the compiler passes re-run). Every decision goes to
-``History.autotune`` with the spread it rested on.
-"""
+(CROSSBOW §4.4; docs/runtime.md, the auto-tuner; docs/design-overview.md §5)."""
 
 from __future__ import annotations
 
@@ -35,32 +18,21 @@ __all__ = ["AutoTune", "AutoTuner"]
 
 @dataclass(frozen=True, kw_only=True)
 class AutoTune:
-    """Settings of the replica auto-tuner.
+    """Settings of the replica auto-tuner (docs/runtime.md, the auto-tuner).
 
     Attributes:
         threshold: relative throughput change that counts (0.10 = 10 %), > 0.
-        warmup_rounds: rounds ignored after every change (worker start-up, caches), ≥ 1.
-        warmup_s: and at least this many training seconds, ≥ 0. Forked worker processes take
-            about half a second to reach their steady speed (first touches of the inherited
-            memory, cold caches): LeNet-5 at b = 8 and 2 × 2 learners ran 7,500–8,000
-            samples/s in the first 0.25 s after a change and 10,300 from 0.5 s on, so a window
-            that began after 20 rounds (70 ms) read 2 × 2 only 0–7% above 2 × 1 instead of 12–15%.
+        warmup_rounds: rounds ignored after every change, ≥ 1.
+        warmup_s: and at least this many training seconds, ≥ 0.
         window_s: a measurement window is the fewest whole rounds lasting at least this many
             training seconds, > 0.
         min_window_rounds: and at least this many rounds, ≥ 1.
-        sub_windows: a window's rounds are split into this many consecutive sub-windows (fewer
-            when it has fewer rounds), whose samples/s give its median and the interval of the
-            median, ≥ 1 (1: no interval, single numbers decide).
+        sub_windows: sub-windows per window, whose samples/s give its median and its interval, ≥ 1.
         max_replicas: most replicas per device, whatever the memory allows, ≥ 1.
         try_other_mode: also measure the other learner mode (per-replica / fused).
-        reprobe: re-probe m when throughput drifts by more than ``threshold`` and beyond the
-            spreads, in the same direction, in three consecutive windows while holding.
-        windows: windows of each configuration measured, pooled, before a step is decided, ≥ 1:
-            the spread then includes how far the windows' medians lie apart (a load that changes
-            between windows moves whole windows, which one window's sub-windows do not show).
-        repeats: windows of the same configuration measured again, pooled, while a step's
-            outcome is open (the gain is not shown, but the upper end of the window's interval
-            reaches the threshold: noise may hide one), ≥ 0; then it counts as no gain.
+        reprobe: re-probe m when throughput drifts while holding.
+        windows: windows of each configuration measured, pooled, before a step is decided, ≥ 1.
+        repeats: windows measured again while a step's outcome is open, ≥ 0.
 
     Raises:
         ValueError: a value outside its range.
@@ -104,16 +76,13 @@ class AutoTune:
 
 
 class AutoTuner(Policy):
-    """The auto-tuner, a policy: ``compile(replicas="auto")`` attaches one to the plan, which
-    every fit runs first (``Plan.autotuner``); ``policies=[AutoReplicas(...)]`` runs one as a
-    policy. It measures windows and applies what its ``TuningRule`` decides through
-    ``Plan.set_replicas`` and ``Plan.set_learner_mode`` (``Plan.adjust``); each change of m or
-    the learner mode is a PolicyRecord too. Its rule's state is checkpointed.
+    """The auto-tuner as a policy (``Plan.autotuner`` with ``compile(replicas="auto")``, or
+    ``AutoReplicas``): it measures windows and applies its ``TuningRule``'s decisions through
+    ``Plan.adjust``; its rule's state is checkpointed.
 
     Args:
         config: the AutoTune settings.
-        clock: ``clock(ctx) -> seconds``; default the fit's training seconds (evaluation
-            excluded). Tests pass a deterministic clock.
+        clock: ``clock(ctx) -> seconds``; default the fit's training seconds.
 
     Attributes:
         rule: the TuningRule (``phase``: ``"grow"``, ``"mode"`` or ``"hold"``).

@@ -1,27 +1,8 @@
-"""Hyper-parameter policies: hooks that read the monitored metrics and change the plan
-(docs/design-overview.md §5, Policies; Mai et al., "Taming Hyper-parameters in Deep Learning
-Systems", ACM SIGOPS OSR 53(1) 2019; KungFu, OSDI 2020).
-
-A ``Policy`` is a Hook. It reads ``ctx.metrics`` (the fit's ``MetricsMonitor``, updated
-every N rounds before the policies run) and ``ctx.history``, and changes the plan only through
-one narrow interface, ``Policy.adjust(ctx, lr=..., batch_size=..., alpha=..., sync_every=...,
-replicas_per_device=..., learner_mode=..., reset_replicas=...)``: it builds one ``Adjustment`` (plain data: the
-decision) and applies it with ``Plan.adjust``. Hooks run between rounds, so a change takes effect
-at the next round, on every device at once (the devices share one scheduler). With several
-processes the ``Adjustment`` is what is broadcast from rank 0 before it is applied: the decision
-is taken in one place. Every applied adjustment is kept in ``History.policy``.
-
-The interface: ``Policy`` and ``apply_adjustment`` are in tuning/policy_base.py, ``Adjustment``
-in config.py, ``PolicyRecord`` in training/history.py, ``AdaptiveBatchSize`` in
-tuning/adaptive_batch.py; this module exports them with the other built-in policies.
-
-Built-in policies: ``AutoReplicas`` (the replica auto-tuner of tuning/autotune.py given as a
-policy), ``AdaptiveBatchSize`` (b toward the gradient noise scale), ``StepLR`` / ``MultiStepLR``
-(with warm-up) / ``CosineLR`` (torch.optim.lr_scheduler's StepLR, MultiStepLR chained with LinearLR,
-CosineAnnealingLR over ``plan.optimizer``, stepped per epoch by the fit's LR mechanism; a drop
-resets every replica to z, as the CROSSBOW reference code does) and ``DivergenceGuard`` (a
-replica that diverges from z or whose loss explodes is reset from z; z is never poisoned).
-"""
+"""Hyper-parameter policies: hooks that read the monitored metrics and change the plan through
+``Policy.adjust`` (docs/policies.md; docs/design-overview.md §5, Policies; Mai et al., "Taming
+Hyper-parameters in Deep Learning Systems", ACM SIGOPS OSR 53(1) 2019; KungFu, OSDI 2020).
+This module exports the built-in policies with ``Policy``, ``apply_adjustment`` (policy_base.py)
+and ``AdaptiveBatchSize`` (adaptive_batch.py)."""
 
 from __future__ import annotations
 
@@ -47,13 +28,9 @@ __all__ = ["Adjustment", "apply_adjustment", "PolicyRecord", "Policy", "AutoRepl
 
 
 class AutoReplicas(AutoTuner):
-    """The replica auto-tuner (tuning/autotune.py ``AutoTuner``, CROSSBOW §4.4) given as a policy:
-    ``fit(policies=[AutoReplicas(threshold=0.2)])``, ``--policy auto_replicas``. It is the tuner
-    that ``compile(replicas="auto")`` attaches to the plan; use one or the other.
-
-    Args:
-        config: the AutoTune settings; keyword arguments build one instead (``threshold=0.1``...).
-    """
+    """The replica auto-tuner (tuning/autotune.py ``AutoTuner``, CROSSBOW §4.4) as a policy, the
+    one ``compile(replicas="auto")`` attaches (use one or the other); ``config``: AutoTune settings,
+    or keyword arguments that build one."""
 
     def __init__(self, config: AutoTune | None = None, **kwargs: Any) -> None:
         super().__init__(config or AutoTune(**kwargs))
@@ -63,15 +40,9 @@ class AutoReplicas(AutoTuner):
 
 
 class _EpochSchedule(LRSchedulerHook, Policy):
-    """A torch.optim LR scheduler (``torch_scheduler``) over ``plan.optimizer``, stepped through
-    the fit's one LR mechanism (training/lr_schedule.py ``LRSchedulerHook``, composed by the
-    plan's RunSettings) so that before epoch e (0-based, over the plan's life) it has taken e
-    steps: η = F·schedule(e), where F composes other policies' changes of η, such as
-    AdaptiveBatchSize's. It is built at the policy's first epoch (its construction may set η:
-    LinearLR's warm-up start) and kept over its later fits. Every change of η is a PolicyRecord;
-    when η drops and ``reset_on_drop``, every replica is reset to z (CROSSBOW reference
-    behaviour). For any other torch scheduler, or one stepped per round, pass it to
-    ``fit(lr_scheduler=...)``."""
+    """A torch.optim LR scheduler over ``plan.optimizer`` stepped once per epoch through the fit's
+    LR mechanism (training/lr_schedule.py), so that before epoch e it has taken e steps; a drop of η
+    with ``reset_on_drop`` resets every replica to z (docs/policies.md, LR schedules)."""
 
     reset_default = True
     max_steps: int | None = None  # steps after which η holds (CosineLR: T)
@@ -231,21 +202,8 @@ class CosineLR(_EpochSchedule):
 
 
 class DivergenceGuard(Policy):
-    """Reset replicas that diverge from z or whose loss explodes; z is never poisoned.
-
-    Two checks, both on top of engine/faults.py (which already resets replicas with NaN/Inf
-    gradients before the local update, so that their correction is zero):
-
-    * before the local update of every round, a replica with ‖ŵ_j − z‖/‖z‖ > ``max_divergence``
-      (or NaN) is reset from z the same way: its correction, the only way a replica reaches z,
-      is zero, so it is left out of that round's average (``Scheduler.max_divergence``; one more
-      reduction over ``w [m, P]`` per device per round);
-    * after every round, a replica whose loss is NaN/Inf, or above both ``loss_factor`` × the
-      median of the round's losses and the fit's first-round mean loss (so that the ordinary
-      spread of small losses near convergence is not taken for an explosion), is reset from z
-      (w ← z, v ← 0, buffers ← zbuf) before the next round.
-
-    Resets are FaultEvents in ``History.faults``; every learner failing in one round raises
+    """Reset replicas that diverge from z or whose loss explodes (docs/policies.md,
+    DivergenceGuard); resets are FaultEvents, every learner failing in one round raises
     DivergenceError (engine/faults.py).
 
     Args:
