@@ -21,12 +21,7 @@ class TaskKind(enum.Enum):
     GLOBAL_SYNC ``None`` (all devices) every replica                    every ``acc_d``, ``z`` → ``z``
     =========== ====================== ================================ ================================
 
-    LEARN: forward, backward (gradients into the device's flat ``g [m, P]``, row j − first_d).
-    LOCAL_SYNC: the local SGD step and the correction c_j = α(ŵ_j − z) of each of its replicas,
-    and their sum acc_d (docs/design-overview.md §2, steps 1–2).
-    GLOBAL_SYNC: C = Σ_d acc_d over the devices with a LOCAL_SYNC (all-reduced under torchrun)
-    and the central update of z on every device (step 3); the float buffers of the replicas are
-    averaged into ``zbuf``. How the executors run a graph: docs/runtime.md, "The interpreter".
+    The steps: docs/design-overview.md §2; how the backends run a graph: docs/runtime.md.
     """
 
     LEARN = "learn"

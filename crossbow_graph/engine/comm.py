@@ -1,36 +1,7 @@
-"""Global synchronisation across processes and machines over torch.distributed
-(docs/design-overview.md §2, §5).
-
-Under ``torchrun`` (its environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``) every process runs its own devices' learners and the global sync of each round
-becomes hierarchical: the devices of a process sum their corrections first (``C_p = Σ_{d of p}
-acc_d``), then one all-reduce (sum) per process per sync adds the processes' sums, packed with the
-sums of the replicas' float buffers (BatchNorm statistics) and the number of the process's fault
-events not yet shared (engine/faults.py) into one flat tensor ``[P + Q + 1]``; every process then
-applies the same z update to its own copy of z. Bytes per sync and process: 4·(P + Q + 1) handed
-to the all-reduce, as for S-SGD's gradient all-reduce (docs/distributed.md); with
-``Distributed(sync_dtype="bf16")`` 2·P + 4·(Q + 1), the corrections rounded with error feedback.
-
-Everything that must be the same on every rank is checked or decided once:
-
-* start-up: ``Comm.agree`` all-gathers each rank's plan facts (model fingerprint, the computation's
-  fingerprint of compiler/fingerprint.py, devices, replicas, batch size, optimiser, SMA settings)
-  and the fit's data facts, and raises DistributedError naming the first difference, instead of
-  hanging in a collective later;
-* every round when some rank has a hook that ``decides`` (else every ``AGREE_EVERY_ROUNDS``
-  rounds): the run settings that hooks may change (m, learner mode, lr, α, b, τ, stop) are
-  broadcast from rank 0 after the round's hooks and applied with ``Plan.adjust``
-  (``Comm.agree_settings``; also before a round when epoch or evaluation hooks ran since, or when
-  some rank has a ``before_round`` hook): the auto-tuner runs on rank 0 only, and rank 0's
-  settings win over any other rank's hooks;
-* every ``checksum_every`` rounds: ``Comm.check_z`` all-reduces an exact bit checksum of z (max and
-  min over ranks) and a flag per rank for NaN/Inf in z, in one all-reduce, and raises
-  DivergenceError if some rank's z is not finite, DistributedError if the copies differ.
-
-Every collective runs under the process group's timeout (``Distributed.timeout_s``, default 60 s):
-a rank that died, or left the process group after an error of its own (``Comm.close``), or hangs
-makes the others raise DistributedError (gloo reports a closed peer at once, a hung one at the
-timeout; engine/peers.py words which), never hang.
+"""Global synchronisation across processes over torch.distributed under torchrun: the
+hierarchical all-reduce of ``[C_p, Σ buf, n]`` per sync, the start-up agreement (``Comm.agree``),
+rank 0's settings (``Comm.agree_settings``), z's checksum (``Comm.check_z``), every collective
+under ``Distributed.timeout_s`` (docs/distributed.md; docs/design-overview.md §2, §5).
 """
 
 from __future__ import annotations

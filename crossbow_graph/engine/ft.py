@@ -1,23 +1,8 @@
-"""The fault-tolerant global sync over torchft (docs/distributed.md, "Fault tolerance").
-
-With ``Distributed(fault_tolerant=True)`` every process is one replica group of torchft: its own
-devices × m learners, its own data, checkpoints and evaluation, and one torchft ``Manager``
-(a Lighthouse quorum per sync, a reconfigurable gloo process group across the live groups,
-recovery of state from a healthy peer). The global sync's sum over the groups goes through the
-Manager (``FaultTolerantSync.all_reduce``):
-
-1. ``start_quorum``: the Lighthouse names the live groups; a group that joins (or restarts)
-   receives z, z_prev, zbuf and the sync algorithm's state (DiLoCo's outer optimizer) from a
-   healthy peer, its learners restart from z with fresh optimizer state, and it contributes
-   nothing to this sync (its corrections were taken against its own, stale z);
-2. one all-reduce (sum) of ``[Σ contributions [P], Σ buffers [Q], n]``, n the group's learners:
-   the sum's last entry is k, the learners of the live groups;
-3. ``should_commit``: when a group died or hung during the all-reduce, the sum is discarded and
-   steps 1–2 run again over the groups still alive (the same contributions: nothing applied
-   twice, none lost), at most ``Distributed.ft_attempts`` times.
-
-The sync algorithms scale what they send and what they apply by k (engine/sync/_reduce.py
-``ft_sum``), so z after a failure is the update over the live learners only.
+"""The fault-tolerant global sync over torchft: each process one replica group with a torchft
+``Manager``; per sync a quorum (a joining group recovers z and the sync's state from a peer), one
+all-reduce of ``[Σ contributions [P], Σ buffers [Q], n]`` whose last entry is k, and a commit that
+discards a failed all-reduce and redoes it over the live groups (docs/distributed.md,
+"Fault tolerance: torchft replica groups").
 """
 
 from __future__ import annotations

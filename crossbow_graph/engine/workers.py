@@ -108,13 +108,7 @@ class ProcessExecutor:
                     target=worker_main, name=f"crossbow-learner-{wid}", daemon=True,
                     args=(self.sched, wid, self, there, mail, sem,
                           seed * 1_000_003 + 7919 * (wid + 1), 1, parent))
-                with warnings.catch_warnings():
-                    # Python >= 3.12 warns at any fork of a process with several threads. Ours
-                    # are torch's intra-op pool and helper threads; the worker takes no lock
-                    # they may hold, starts no thread team in the fork (_worker_main sets one
-                    # intra-op thread first) and multiprocessing ends it with os._exit: the fork is safe.
-                    warnings.filterwarnings("ignore", FORK_WARNING, DeprecationWarning)
-                    proc.start()
+                _start_forked(proc)
                 there.close()
                 self.sems.append(sem)
                 self.conns.append(here)
@@ -373,3 +367,13 @@ class ProcessBackend(Backend):
         if self.executor is not None:
             executor, self.executor = self.executor, None
             executor.close()
+
+
+def _start_forked(proc: Any) -> None:
+    """``proc.start()`` without Python 3.12's warning at a fork of a multi-threaded process. Our
+    threads are torch's intra-op pool and helper threads; the worker takes no lock they may
+    hold, starts no thread team in the fork (``worker_main`` sets one intra-op thread first) and
+    multiprocessing ends it with ``os._exit``: the fork is safe."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", FORK_WARNING, DeprecationWarning)
+        proc.start()

@@ -126,14 +126,8 @@ class _LearnerBatchView(Dataset):
 
 class _BatchKeys(Sampler):
     """The DataLoader's sampler: the keys ``(epoch, q, order[q:q+b])`` of this process's learner
-    batches, from ``position`` of the epoch's ``order`` on, in the order the rounds take them.
-    In one process the rounds take every batch in turn, q = position, position + b, …, whatever
-    k is, so the keys run to the epoch's last full batch of b = ``batch_size`` samples and a
-    change of k between rounds needs no new iterator (at most k − 1 batches of the epoch's last,
-    partial round are loaded and not used). Under torchrun rank r takes, of each round at p, the
-    batches q = p + (r·k + j)·b of k = ``num_learners`` (this rank's) learners, up to the last
-    full round of every rank's learners, and a change of k restarts at a round's first batch.
-    Set by ``RoundLoader`` before each ``iter``."""
+    batches from ``position`` of the epoch's ``order`` on, in the order the rounds take them
+    (docs/runtime.md, "Your DataLoader"); set by ``RoundLoader`` before each ``iter``."""
 
     def __init__(self) -> None:
         self.order = torch.zeros(0, dtype=torch.int64)
@@ -151,18 +145,8 @@ class _BatchKeys(Sampler):
 
 
 class RoundLoader:
-    """Loads the plan's rounds through a DataLoader with the user's loading settings.
-
-    One DataLoader per fit over the user's dataset, with its ``collate_fn``, ``num_workers``,
-    ``pin_memory`` (and ``pin_memory_device``), ``prefetch_factor``, ``persistent_workers``,
-    ``worker_init_fn``, ``generator`` (the workers' base seed; without one, a generator seeded
-    from the fit's seed, so the global RNG is not drawn from), ``timeout``,
-    ``multiprocessing_context`` and ``in_order``; its sampler (``_BatchKeys``) yields one item per
-    learner batch: b samples of the epoch's order, collated alone in a worker. An epoch's items
-    come from one iterator, started at ``start_epoch``. A change of k between rounds (the
-    auto-tuner) keeps it in one process, where the rounds take the same batches in the same order
-    whatever k is (its keys run to the epoch's last full batch); a change of b (policies), or of
-    k under torchrun, restarts it at that round's position (the items loaded ahead are dropped).
+    """Loads the plan's rounds through one DataLoader per fit with the user's loading settings,
+    one item per learner batch (``_BatchKeys``); docs/runtime.md, "Your DataLoader".
 
     Args:
         loader: the user's DataLoader (``check_loader`` passed).

@@ -93,7 +93,7 @@ class Trainer:
         finally:
             sched.end_fit()
             self.data.close()
-            self._sync_totals()
+            _sync_totals(self.history, self.plan.scheduler, self.fit_sync0)
             if self.timeline is not None:
                 self.timeline.save(trace)
 
@@ -123,15 +123,6 @@ class Trainer:
             if resumed:  # a resumed run finishes the epochs of the run it continues
                 self.end_epoch = opts.epochs
         self.hooks = FitHooks(hooks)
-
-    def _sync_totals(self) -> None:
-        """The fit's synchronisation seconds into the History (before after_fit, so that hooks,
-        history.json, see them)."""
-        sched, sync0 = self.plan.scheduler, self.fit_sync0
-        self.history.sync_seconds = sched.sync_seconds - sync0[0]
-        self.history.sync_exposed_seconds = sched.sync_exposed_seconds - sync0[1]
-        if sched.round_graph is not None:
-            self.history.cuda_graphs = sched.round_graph.record()
 
     def _run_epochs(self) -> None:
         """The hooks' before_fit, the epochs up to ``end_epoch`` or a stop, the hooks' after_fit."""
@@ -164,7 +155,7 @@ class Trainer:
             _share_faults(plan, comm)
         if sched.faults is self.monitor and len(sched.faults.events) > self.faults_seen:
             history.faults.extend(sched.faults.events[self.faults_seen:])  # a hook's, last round
-        self._sync_totals()
+        _sync_totals(self.history, self.plan.scheduler, self.fit_sync0)
         self.hooks.after_fit(self.ctx)
 
     # -- an epoch -----------------------------------------------------------------------------
@@ -269,7 +260,7 @@ class Trainer:
         if self.hooks.hooks:
             self._after_round(indices, n_losses)
         ctx.stop = ctx.stop or self.stop_signal.received is not None
-        if self._agreed_stop():
+        if _agreed_stop(self.plan, self.comm, self.ctx, self.decides):
             self._stop_for_signal()
             return False
         if self.evals.due(self.position, last=upcoming is None) and self.evaluate():
@@ -277,18 +268,6 @@ class Trainer:
         if self.data.source.copies_ahead and upcoming is not None and (plan.num_learners, plan.batch_size) == (k, b):
             sched.prefetch(plan.rounds_done, rank_rows(plan, upcoming))  # the next round's batch
         return True
-
-    def _agreed_stop(self) -> bool:
-        """Whether every rank stops after this round: under torchrun rank 0's settings and stop
-        are agreed after every round when a hook of some rank ``decides``, else every
-        ``AGREE_EVERY_ROUNDS`` rounds (a signal's stop waits for that round)."""
-        plan, ctx = self.plan, self.ctx
-        if self.comm is None:
-            return ctx.stop
-        if not self.decides and plan.rounds_done % AGREE_EVERY_ROUNDS:
-            return False
-        ctx.stop = self.comm.agree_settings(plan, ctx.stop, plan.rounds_done - 1)
-        return ctx.stop
 
     def _stop_for_signal(self) -> None:
         """At a stop (agreed across ranks): if a signal (any rank's) caused it, a checkpoint of
@@ -350,3 +329,24 @@ def _share_faults(plan: "Plan", comm) -> None:
     faults, t = plan.scheduler.faults, plan.rounds_done - 1
     if comm.any_rank(bool(faults.pending), t):
         faults.share(comm, t, plan.num_learners, plan.states[0].z)
+
+
+def _sync_totals(history: History, sched: Any, sync0: tuple[float, float]) -> None:
+    """The fit's synchronisation seconds (since ``sync0``) and CUDA-graph counts into ``history``
+    (before after_fit, so that hooks and history.json see them)."""
+    history.sync_seconds = sched.sync_seconds - sync0[0]
+    history.sync_exposed_seconds = sched.sync_exposed_seconds - sync0[1]
+    if sched.round_graph is not None:
+        history.cuda_graphs = sched.round_graph.record()
+
+
+def _agreed_stop(plan: "Plan", comm: Any, ctx: FitContext, decides: bool) -> bool:
+    """Whether every rank stops after this round: under torchrun rank 0's settings and stop are
+    agreed after every round when a hook of some rank ``decides``, else every
+    ``AGREE_EVERY_ROUNDS`` rounds (a signal's stop waits for that round)."""
+    if comm is None:
+        return ctx.stop
+    if not decides and plan.rounds_done % AGREE_EVERY_ROUNDS:
+        return False
+    ctx.stop = comm.agree_settings(plan, ctx.stop, plan.rounds_done - 1)
+    return ctx.stop

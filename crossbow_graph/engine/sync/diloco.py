@@ -30,13 +30,8 @@ class DiLoCo(SyncAlgorithm):
     2023, "DiLoCo: Distributed Low-Communication Training of Language Models", Algorithm 1;
     docs/design-overview.md §2, "Outer optimizers").
 
-    Between synchronisations every replica takes its own optimizer's steps (the ``optimizer`` of
-    ``compile``, e.g. AdamW) with no pull toward z (α = 0). Every H-th round, after the learners'
-    steps, the pseudo-gradient Δ = z − (1/k)·Σ_j w_j (over all k learners, every process) is the
-    gradient of the outer optimizer over z: ``z.grad = Δ; outer.step()``; then every replica
-    restarts from z (w_j ← z) and keeps its optimizer state. Float buffers (BatchNorm) are
-    averaged into the central buffers as under SMA and stay per replica. It runs on the inline
-    executor.
+    Every H-th round: Δ = z − (1/k)·Σ_j w_j, ``z.grad = Δ; outer.step()``, then w_j ← z (each
+    replica keeps its optimizer state); between them the replicas step alone (α = 0).
 
     Attributes:
         sync_every: H, rounds between outer steps (an integer ≥ 1).

@@ -23,11 +23,7 @@ __all__ = ["SMA"]
 class SMA(SyncAlgorithm):
     """Synchronous model averaging (CROSSBOW, Koliousis et al. 2019, §3; docs/design-overview.md §2).
 
-    In a round that synchronises, each learner's local update subtracts the correction
-    c_j = α·(ŵ_j − z) (ŵ_j: its weights before the step) after its optimizer's step, and the
-    global sync moves z ← z + Σ_j c_j + μ_z·(z − z_prev) on every device; float buffers are
-    averaged into the central buffers. With one learner z follows it. It runs on both executors
-    and in CUDA graphs.
+    Local update w_j ← step(w_j) − c_j, c_j = α·(ŵ_j − z); global z ← z + Σ_j c_j + μ_z·(z − z_prev).
 
     Attributes:
         alpha: α, the pull of every replica toward the central average model z; ``None`` means
