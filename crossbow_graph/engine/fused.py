@@ -56,7 +56,8 @@ def _vmap_error(exc: BaseException) -> bool:
 
 
 class FusedProgram:
-    """The vmapped forward and loss of a device's replicas (one per device; no state of its own).
+    """The vmapped forward and loss of a device's replicas (one per device; no state of its own
+    but cached gather indices).
 
     Args:
         template: a module of the model's structure (its parameter values are never used).
@@ -77,6 +78,7 @@ class FusedProgram:
                                       target))
 
         self._one = one
+        self._orders: dict[tuple, torch.Tensor] = {}  # (n, Q, device) -> ``_tensor_major``
 
     def step(self, state: DeviceState, r0: int, r1: int, batch: Any, *,
              reseed: Callable[[], None] | None = None) -> torch.Tensor:
@@ -111,38 +113,43 @@ class FusedProgram:
         if state.w_model is not state.w:  # a low-precision model: its copy of the masters' rows
             with torch.no_grad():
                 state.w_model[r0:r1].copy_(state.w[r0:r1])
-        ints = [name for name, t in state.replicas[r0].named_buffers() if not t.is_floating_point()]
         scales = state.loss_scales
+        ints = {name: t[r0:r1] for name, t in state.ints.items()}  # updated in place
+        saved = {name: t.clone() for name, t in ints.items()} if scales is not None else {}
         while True:
             if reseed is not None:
                 reseed()
-            buffers, losses = self._run(state, r0, r1, ints, args, kwargs, target)  # g rows set
+            stacked, losses = self._run(state, r0, r1, ints, args, kwargs, target)  # g rows set
             if scales is None or scales.settle(r0, r1, losses, state.g[r0:r1]):
                 break
-        for name, shape, off, k in state.buffers.entries:
-            state.buf[r0:r1, off:off + k].copy_(buffers[name].reshape(n, k))
-        for name in ints:
-            for i, r in enumerate(range(r0, r1)):
-                state.replicas[r].get_buffer(name).copy_(buffers[name][i])
+            for name, t in saved.items():  # run again from the same buffers
+                ints[name].copy_(t)
+        if stacked is not None:  # [n·Q] tensor by tensor back to the rows [n, Q]
+            n_q = [stacked[n * off:n * (off + k)].view(n, k) for _, _, off, k in state.buffers.entries]
+            torch.cat(n_q, dim=1, out=state.buf[r0:r1])
         return losses.detach()
 
-    def _run(self, state: DeviceState, r0: int, r1: int, ints: list[str], args: tuple,
-             kwargs: dict, target: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _run(self, state: DeviceState, r0: int, r1: int, ints: dict[str, torch.Tensor],
+             args: tuple, kwargs: dict, target: Any) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The vmapped forward and backward of rows ``r0 … r1−1`` from their current parameters
         and buffers, one autograd leaf ``[n, *shape]`` per parameter tensor (a view of the rows:
         one ``[n, P]`` leaf would make every tensor's backward a zero-filled ``[n, P]`` gradient);
-        the gradients (of Σ_j S_j·ℓ_j with float16 loss scales) into ``state.g[r0:r1]``. Returns
-        (the buffers the forward updated, the losses ``[n]``)."""
+        the gradients (of Σ_j S_j·ℓ_j with float16 loss scales) into ``state.g[r0:r1]``; the
+        integer buffers ``ints [n, *shape]`` updated in place. Returns (the float buffers the
+        forward updated, tensor by tensor ``[n·Q]``, or None without any; the losses ``[n]``)."""
         n = r1 - r0
         flat = (state.w_model if state.w_model is not state.w else state.w)[r0:r1].detach()
         params = {entry[0]: state.params.view(flat, entry).requires_grad_(True)
                   for entry in state.params.entries}
         add_replica_hooks(params, state.grad_hooks)
-        # contiguous copies: vmap's batch-norm rule does not write through strided views
-        buffers = {name: state.buf[r0:r1, off:off + k].reshape(n, *shape).clone()
-                   for name, shape, off, k in state.buffers.entries}
-        for name in ints:
-            buffers[name] = torch.stack([state.replicas[r].get_buffer(name) for r in range(r0, r1)])
+        # one gather of the rows tensor by tensor, [n·Q], each tensor's [n, *shape] contiguous
+        # in it: vmap's batch-norm rule does not write through strided views
+        entries = state.buffers.entries
+        stacked = torch.index_select(state.buf[r0:r1].reshape(-1), 0,
+                                     self._tensor_major(state, n)) if entries else None
+        buffers = {name: stacked[n * off:n * (off + k)].view(n, *shape)
+                   for name, shape, off, k in entries}
+        buffers.update(ints)
         scales = state.loss_scales
         try:
             with autocast(state.precision, state.torch_device, vmapped=True):
@@ -163,7 +170,18 @@ class FusedProgram:
                 rows.zero_()
             else:
                 rows.copy_(grad)
-        return buffers, losses
+        return stacked, losses
+
+    def _tensor_major(self, state: DeviceState, n: int) -> torch.Tensor:
+        """Indices ``[n·Q]`` into rows ``[n, Q]`` flattened that order them tensor by tensor:
+        element c of replica i's tensor at ``off`` (k elements) goes to ``n·off + i·k + c``."""
+        key = (n, state.buffers.size, state.torch_device)
+        if key not in self._orders:
+            Q = state.buffers.size
+            self._orders[key] = torch.cat([
+                (torch.arange(n)[:, None] * Q + off + torch.arange(k)[None, :]).reshape(-1)
+                for _, _, off, k in state.buffers.entries]).to(state.torch_device)
+        return self._orders[key]
 
 
 def in_dims(inputs: Any) -> Any:
