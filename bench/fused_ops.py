@@ -5,8 +5,8 @@ inline plan of each zoo model with m fused replicas on the CPU, runs one warm-up
 counts, with a ``TorchDispatchMode``, every aten op of one learner group's step
 (``engine.learners.learn_group`` in fused mode: stacking, the vmapped forward and backward, the
 gradients into ``g`` and the buffers written back), which is the learner part of a fused round.
-It prints the total and the ops by kind, the memory-moving ones (copy_, clone, zero_, stack, …)
-first. Run it at two commits to compare (``git stash``-free: check the other commit out in a
+It prints the total, the kernels (ops that are not views) and the kernels by kind, the
+memory-moving ones (copy_, clone, zero_, stack, …) first. Run it at two commits to compare (``git stash``-free: check the other commit out in a
 worktree and run this file there).
 """
 
@@ -30,25 +30,31 @@ from crossbow_graph.models import get_model, input_shape  # noqa: E402
 
 __all__ = ["MOVING", "OpCounter", "count_step", "main"]
 
-#: Ops that only move or fill memory: the avoidable kind on a fused step's critical path.
-MOVING = ("copy_", "clone", "zero_", "fill_", "stack", "cat", "_to_copy", "unbind", "select",
-          "add_", "index_select")
+#: Kernels that only move or fill memory (or count batches): the avoidable kind on a fused step's
+#: critical path.
+MOVING = ("copy_", "clone", "zero_", "fill_", "stack", "cat", "index_select", "_to_copy", "add_")
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched while active, by overload packet name (``copy_``, …)."""
+    """Counts the aten ops dispatched while active, by overload packet name (``copy_``, …);
+    ``views`` holds the names of those that only make views (no kernel)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
+        self.views: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
+        name = func.overloadpacket.__name__
+        self.counts[name] += 1
+        if func.is_view or name == "detach":
+            self.views.add(name)
         return func(*args, **(kwargs or {}))
 
 
-def count_step(model: str, m: int, b: int) -> collections.Counter[str]:
-    """Ops by name of one fused ``learn_group`` step of zoo ``model``, m replicas × b samples."""
+def count_step(model: str, m: int, b: int) -> tuple[collections.Counter[str], set[str]]:
+    """Ops by name of one fused ``learn_group`` step of zoo ``model``, m replicas × b samples,
+    and the names of the view ops among them."""
     torch.manual_seed(0)
     shape = input_shape(model)
     plan = cg.compile(get_model(model), (torch.randn(2, *shape),), F.cross_entropy, batch_size=b,
@@ -58,7 +64,7 @@ def count_step(model: str, m: int, b: int) -> collections.Counter[str]:
     learn_group(state, 0, m, batch, F.cross_entropy, b, "fused", fused)  # warm-up
     with OpCounter() as counter:
         learn_group(state, 0, m, batch, F.cross_entropy, b, "fused", fused)
-    return counter.counts
+    return counter.counts, counter.views
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -70,16 +76,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     results = {}
     for model in args.models:
-        counts = count_step(model, args.m, args.b)
+        counts, views = count_step(model, args.m, args.b)
+        kernels = {k: v for k, v in counts.most_common() if k not in views}
         moving = {k: counts[k] for k in MOVING if counts[k]}
-        others = {k: v for k, v in counts.most_common() if k not in MOVING}
-        results[model] = {"m": args.m, "b": args.b, "total": sum(counts.values()),
-                          "moving": sum(moving.values()), "moving_by_kind": moving,
-                          "others_by_kind": others}
+        others = {k: v for k, v in kernels.items() if k not in MOVING}
+        results[model] = {"m": args.m, "b": args.b, "ops": sum(counts.values()),
+                          "kernels": sum(kernels.values()), "moving": sum(moving.values()),
+                          "moving_by_kind": moving, "other_kernels_by_kind": others,
+                          "views_by_kind": {k: counts[k] for k in sorted(views)}}
         print(f"{model} m={args.m} b={args.b}: {sum(counts.values())} ops per fused step, "
-              f"{sum(moving.values())} memory-moving")
+              f"{sum(kernels.values())} of them kernels (not views), {sum(moving.values())} "
+              "memory-moving")
         print("  moving: " + ", ".join(f"{k} {v}" for k, v in moving.items()))
-        print("  others: " + ", ".join(f"{k} {v}" for k, v in others.items()))
+        print("  other kernels: " + ", ".join(f"{k} {v}" for k, v in others.items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
