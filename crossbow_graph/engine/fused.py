@@ -5,10 +5,12 @@ The group's parameters are the rows ``w[r0:r1] [n, P]`` viewed per tensor as ``[
 each view its own autograd leaf (one leaf for the whole ``[n, P]`` block would make every
 tensor's backward a zero-filled ``[n, P]`` slice gradient summed into it: O(tensors · P) work and
 memory per step, 20× slower than per-replica learners on a ResNet-18, docs/runtime.md); the
-float buffers are ``buf[r0:r1] [n, Q]`` copied per tensor to ``[n, *shape]`` and written back
-after the step (BatchNorm statistics stay per replica; vmap's in-place running-stat updates do not
-write through strided views, hence the copies); integer
-buffers (``num_batches_tracked``) are stacked from the replicas' modules and written back.
+float buffers ``buf[r0:r1] [n, Q]`` are gathered tensor by tensor into one ``[n·Q]`` tensor
+(one ``index_select``) in which each ``[n, *shape]`` is contiguous, and written back with one
+``torch.cat`` after the step (BatchNorm statistics stay per replica; vmap's in-place
+running-stat updates do not write through strided views, hence the gather); integer buffers
+(``num_batches_tracked``) are rows of ``state.ints [m, *shape]``, updated in place. The
+gradients go into ``g[r0:r1]`` with one ``torch.cat`` (docs/runtime.md, "Learner modes").
 ``torch.func.functional_call`` runs the model on them under ``torch.func.vmap`` with
 ``randomness="different"`` (every replica draws its own dropout mask); the sum of the n mean losses
 is differentiated once, which gives each replica the gradient of its own loss. Tensor inputs are
@@ -164,12 +166,7 @@ class FusedProgram:
                 raise
             raise RuntimeError(fused_mode_message(type(self.module).__name__,
                                                   f"{type(exc).__name__}: {exc}")) from exc
-        for entry, grad in zip(state.params.entries, grads):
-            rows = state.params.view(state.g[r0:r1], entry)  # [n, *shape]
-            if grad is None:  # unused in forward: a zero gradient
-                rows.zero_()
-            else:
-                rows.copy_(grad)
+        _grads_into_rows(state, r0, r1, grads)
         return stacked, losses
 
     def _tensor_major(self, state: DeviceState, n: int) -> torch.Tensor:
@@ -182,6 +179,21 @@ class FusedProgram:
                 (torch.arange(n)[:, None] * Q + off + torch.arange(k)[None, :]).reshape(-1)
                 for _, _, off, k in state.buffers.entries]).to(state.torch_device)
         return self._orders[key]
+
+
+def _grads_into_rows(state: DeviceState, r0: int, r1: int, grads: tuple) -> None:
+    """The gradients ``[n, *shape]`` per parameter tensor (None: unused, a zero gradient) into
+    ``state.g[r0:r1]``: one ``torch.cat`` of their ``[n, k]`` flattenings in the layout's
+    order into the rows (the pads of padded rows untouched; a leaf's gradient has its dtype,
+    which is g's)."""
+    g, n, layout = state.g, r1 - r0, state.params
+    parts = []
+    for (name, _, _, k), grad in zip(layout.entries, grads):
+        if grad is None:
+            parts.append(torch.zeros(n, k, dtype=g.dtype, device=g.device))
+        else:  # the order of layout.view: [O, kH, kW, I] for a channels-last weight
+            parts.append((grad.movedim(-3, -1) if name in layout.channels_last else grad).reshape(n, k))
+    torch.cat(parts, dim=1, out=g[r0:r1])  # padded rows: CUDA's cat writes strided output
 
 
 def in_dims(inputs: Any) -> Any:
