@@ -5,10 +5,12 @@ The group's parameters are the rows ``w[r0:r1] [n, P]`` viewed per tensor as ``[
 each view its own autograd leaf (one leaf for the whole ``[n, P]`` block would make every
 tensor's backward a zero-filled ``[n, P]`` slice gradient summed into it: O(tensors · P) work and
 memory per step, 20× slower than per-replica learners on a ResNet-18, docs/runtime.md); the
-float buffers are ``buf[r0:r1] [n, Q]`` copied per tensor to ``[n, *shape]`` and written back
-after the step (BatchNorm statistics stay per replica; vmap's in-place running-stat updates do not
-write through strided views, hence the copies); integer
-buffers (``num_batches_tracked``) are stacked from the replicas' modules and written back.
+float buffers ``buf[r0:r1] [n, Q]`` are gathered tensor by tensor into one ``[n·Q]`` tensor
+(one ``index_select``) in which each ``[n, *shape]`` is contiguous, and written back with one
+``torch.cat`` after the step (BatchNorm statistics stay per replica; vmap's in-place
+running-stat updates do not write through strided views, hence the gather); integer buffers
+(``num_batches_tracked``) are rows of ``state.ints [m, *shape]``, updated in place. The
+gradients go into ``g[r0:r1]`` with one ``torch.cat`` (docs/runtime.md, "Learner modes").
 ``torch.func.functional_call`` runs the model on them under ``torch.func.vmap`` with
 ``randomness="different"`` (every replica draws its own dropout mask); the sum of the n mean losses
 is differentiated once, which gives each replica the gradient of its own loss. Tensor inputs are
@@ -56,7 +58,8 @@ def _vmap_error(exc: BaseException) -> bool:
 
 
 class FusedProgram:
-    """The vmapped forward and loss of a device's replicas (one per device; no state of its own).
+    """The vmapped forward and loss of a device's replicas (one per device; no state of its own
+    but cached gather indices).
 
     Args:
         template: a module of the model's structure (its parameter values are never used).
@@ -77,6 +80,7 @@ class FusedProgram:
                                       target))
 
         self._one = one
+        self._orders: dict[tuple, torch.Tensor] = {}  # (n, Q, device) -> ``_tensor_major``
 
     def step(self, state: DeviceState, r0: int, r1: int, batch: Any, *,
              reseed: Callable[[], None] | None = None) -> torch.Tensor:
@@ -111,38 +115,43 @@ class FusedProgram:
         if state.w_model is not state.w:  # a low-precision model: its copy of the masters' rows
             with torch.no_grad():
                 state.w_model[r0:r1].copy_(state.w[r0:r1])
-        ints = [name for name, t in state.replicas[r0].named_buffers() if not t.is_floating_point()]
         scales = state.loss_scales
+        ints = {name: t[r0:r1] for name, t in state.ints.items()}  # updated in place
+        saved = {name: t.clone() for name, t in ints.items()} if scales is not None else {}
         while True:
             if reseed is not None:
                 reseed()
-            buffers, losses = self._run(state, r0, r1, ints, args, kwargs, target)  # g rows set
+            stacked, losses = self._run(state, r0, r1, ints, args, kwargs, target)  # g rows set
             if scales is None or scales.settle(r0, r1, losses, state.g[r0:r1]):
                 break
-        for name, shape, off, k in state.buffers.entries:
-            state.buf[r0:r1, off:off + k].copy_(buffers[name].reshape(n, k))
-        for name in ints:
-            for i, r in enumerate(range(r0, r1)):
-                state.replicas[r].get_buffer(name).copy_(buffers[name][i])
+            for name, t in saved.items():  # run again from the same buffers
+                ints[name].copy_(t)
+        if stacked is not None:  # [n·Q] tensor by tensor back to the rows [n, Q]
+            n_q = [stacked[n * off:n * (off + k)].view(n, k) for _, _, off, k in state.buffers.entries]
+            torch.cat(n_q, dim=1, out=state.buf[r0:r1])
         return losses.detach()
 
-    def _run(self, state: DeviceState, r0: int, r1: int, ints: list[str], args: tuple,
-             kwargs: dict, target: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _run(self, state: DeviceState, r0: int, r1: int, ints: dict[str, torch.Tensor],
+             args: tuple, kwargs: dict, target: Any) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The vmapped forward and backward of rows ``r0 … r1−1`` from their current parameters
         and buffers, one autograd leaf ``[n, *shape]`` per parameter tensor (a view of the rows:
         one ``[n, P]`` leaf would make every tensor's backward a zero-filled ``[n, P]`` gradient);
-        the gradients (of Σ_j S_j·ℓ_j with float16 loss scales) into ``state.g[r0:r1]``. Returns
-        (the buffers the forward updated, the losses ``[n]``)."""
+        the gradients (of Σ_j S_j·ℓ_j with float16 loss scales) into ``state.g[r0:r1]``; the
+        integer buffers ``ints [n, *shape]`` updated in place. Returns (the float buffers the
+        forward updated, tensor by tensor ``[n·Q]``, or None without any; the losses ``[n]``)."""
         n = r1 - r0
         flat = (state.w_model if state.w_model is not state.w else state.w)[r0:r1].detach()
         params = {entry[0]: state.params.view(flat, entry).requires_grad_(True)
                   for entry in state.params.entries}
         add_replica_hooks(params, state.grad_hooks)
-        # contiguous copies: vmap's batch-norm rule does not write through strided views
-        buffers = {name: state.buf[r0:r1, off:off + k].reshape(n, *shape).clone()
-                   for name, shape, off, k in state.buffers.entries}
-        for name in ints:
-            buffers[name] = torch.stack([state.replicas[r].get_buffer(name) for r in range(r0, r1)])
+        # one gather of the rows tensor by tensor, [n·Q], each tensor's [n, *shape] contiguous
+        # in it: vmap's batch-norm rule does not write through strided views
+        entries = state.buffers.entries
+        stacked = torch.index_select(state.buf[r0:r1].reshape(-1), 0,
+                                     self._tensor_major(state, n)) if entries else None
+        buffers = {name: stacked[n * off:n * (off + k)].view(n, *shape)
+                   for name, shape, off, k in entries}
+        buffers.update(ints)
         scales = state.loss_scales
         try:
             with autocast(state.precision, state.torch_device, vmapped=True):
@@ -157,13 +166,34 @@ class FusedProgram:
                 raise
             raise RuntimeError(fused_mode_message(type(self.module).__name__,
                                                   f"{type(exc).__name__}: {exc}")) from exc
-        for entry, grad in zip(state.params.entries, grads):
-            rows = state.params.view(state.g[r0:r1], entry)  # [n, *shape]
-            if grad is None:  # unused in forward: a zero gradient
-                rows.zero_()
-            else:
-                rows.copy_(grad)
-        return buffers, losses
+        _grads_into_rows(state, r0, r1, grads)
+        return stacked, losses
+
+    def _tensor_major(self, state: DeviceState, n: int) -> torch.Tensor:
+        """Indices ``[n·Q]`` into rows ``[n, Q]`` flattened that order them tensor by tensor:
+        element c of replica i's tensor at ``off`` (k elements) goes to ``n·off + i·k + c``."""
+        key = (n, state.buffers.size, state.torch_device)
+        if key not in self._orders:
+            Q = state.buffers.size
+            self._orders[key] = torch.cat([
+                (torch.arange(n)[:, None] * Q + off + torch.arange(k)[None, :]).reshape(-1)
+                for _, _, off, k in state.buffers.entries]).to(state.torch_device)
+        return self._orders[key]
+
+
+def _grads_into_rows(state: DeviceState, r0: int, r1: int, grads: tuple) -> None:
+    """The gradients ``[n, *shape]`` per parameter tensor (None: unused, a zero gradient) into
+    ``state.g[r0:r1]``: one ``torch.cat`` of their ``[n, k]`` flattenings in the layout's
+    order into the rows (the pads of padded rows untouched; a leaf's gradient has its dtype,
+    which is g's)."""
+    g, n, layout = state.g, r1 - r0, state.params
+    parts = []
+    for (name, _, _, k), grad in zip(layout.entries, grads):
+        if grad is None:
+            parts.append(torch.zeros(n, k, dtype=g.dtype, device=g.device))
+        else:  # the order of layout.view: [O, kH, kW, I] for a channels-last weight
+            parts.append((grad.movedim(-3, -1) if name in layout.channels_last else grad).reshape(n, k))
+    torch.cat(parts, dim=1, out=g[r0:r1])  # padded rows: CUDA's cat writes strided output
 
 
 def in_dims(inputs: Any) -> Any:

@@ -139,7 +139,6 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
     Returns:
         The r1 − r0 losses (0-dim tensors, detached).
     """
-    state.g[r0:r1].zero_()
     if mode == "fused" and isinstance(batch, LearnerBatches):
         try:
             batch = to_device(batch.stacked(), state.torch_device)
@@ -152,6 +151,7 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
         losses = list(fused.step(state, r0, r1, batch, reseed=reseed).unbind())
         clip_rows(state.g[r0:r1], max_grad_norm)
         return losses
+    state.g[r0:r1].zero_()  # the backward accumulates (fused mode writes every element of g)
     b = batch_size
     losses = []
     for r in range(r0, r1):

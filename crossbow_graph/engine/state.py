@@ -284,6 +284,8 @@ class DeviceState:
         w, v, g: ``[m, P]`` parameters and momentum (``master_dtype``), gradients (model
             dtype); rows ``row_length(P, device)`` apart.
         buf: ``[m, Q]`` float buffers (model dtype).
+        ints: the replicas' other buffers (``num_batches_tracked``) stacked, ``[m, *shape]`` by
+            name; replica j's buffer is the view ``ints[name][j]``.
         z, z_prev, zbuf: ``[P]``, ``[P]``, ``[Q]``: the central model, its previous value, its
             float buffers.
         dtype: the model's dtype, that of ``w_model [m, P]`` and ``z_model [P]`` (``w`` and
@@ -320,6 +322,8 @@ class DeviceState:
         self.replicas: list[nn.Module] = []
         for j in range(m):
             self.replicas.append(self._new_replica(template, j))
+        self.ints: dict[str, torch.Tensor] = {}
+        self._bind_ints()
         if low:
             self.w.copy_(self.w_model)
         self.z.copy_(self.w[0])
@@ -346,6 +350,14 @@ class DeviceState:
         if self._low:
             r.register_forward_pre_hook(_CopyRow(self, j))
         return r
+
+    def _bind_ints(self) -> None:
+        """Stack the replicas' non-float buffers into ``ints`` and make each a view of its row."""
+        names = [n for n, b in self.replicas[0].named_buffers() if not b.is_floating_point()]
+        self.ints = {n: torch.stack([r.get_buffer(n) for r in self.replicas]) for n in names}
+        for n, stacked in self.ints.items():
+            for j, r in enumerate(self.replicas):
+                _set_buffer(r, n, stacked[j])
 
     def bind_central(self, module: nn.Module, buffers: torch.Tensor | None = None) -> None:
         """Make ``module`` (a copy of the model) show this device's central model: parameters
@@ -393,6 +405,7 @@ class DeviceState:
                         value.copy_(ints[name])
             replicas.append(r)
         self.replicas = replicas
+        self._bind_ints()
         self.first_step = self.first_step[:keep] + [True] * (m - keep)
         if self.optim_rows is not None:
             self.optim_rows.resize(self, keep, m)
@@ -406,9 +419,7 @@ class DeviceState:
             t.share_memory_()
         if self.loss_scales is not None:
             self.loss_scales.share_memory()
-        for r in self.replicas:
-            for b in r.buffers():
-                if not b.is_floating_point():
-                    b.share_memory_()
+        for stacked in self.ints.values():  # the replicas' integer buffers are views of them
+            stacked.share_memory_()
         if self.optim_rows is not None:
             self.optim_rows.share_memory()
