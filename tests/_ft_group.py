@@ -8,9 +8,9 @@ the group SIGKILLs itself in the first sync from round DIE_AT on that follows a 
 groups' 4 learners and has both in its quorum (the groups may start out of step: a group that
 arrives late syncs alone, or recovers, first), after the quorum and before the all-reduce (the
 others' all-reduce fails and is discarded). ``PHASE`` ``first``: stop after 4
-rounds with a checkpoint in ``OUT_DIR/GROUP-ckpt``; ``resume``: resume from it; ``pace``: once
-alone, wait 0.2 s after each round (a restarted group then has time to rejoin), and stop 6 rounds
-after another group rejoined. Writes ``GROUP.pt``: per round the
+rounds with a checkpoint in ``OUT_DIR/GROUP-ckpt``; ``resume``: resume from it; ``pace``: while
+alone, wait 0.2 s after each round (a late or restarted group then has time to join), and stop 6
+rounds after another group rejoined a group left alone after a sync of both. Writes ``GROUP.pt``: per round the
 replicas' weights at its start and z after it, the membership changes, or ``error``."""
 
 import dataclasses
@@ -81,12 +81,13 @@ class _StopAfter(cg.Hook):
 class _Pace(cg.Hook):
     def after_round(self, ctx) -> None:
         changes = ctx.plan.scheduler.ft.membership
-        alone = [i for i, c in enumerate(changes) if c.groups == 1]
-        if not alone:
-            return
-        if changes[-1].groups == 1:
+        if changes and changes[-1].groups == 1:  # alone: give the other group time to (re)join
             time.sleep(0.2)
-        elif ctx.plan.rounds_done >= changes[alone[0] + 1].round_index + 6:
+        both = [i for i, c in enumerate(changes) if (c.groups, c.learners) == (2, 4)]
+        # alone after a sync of both groups (a group that started first was alone before it)
+        alone = [i for i, c in enumerate(changes) if c.groups == 1 and both and i > both[0]]
+        if alone and len(changes) > alone[0] + 1 and \
+                ctx.plan.rounds_done >= changes[alone[0] + 1].round_index + 6:
             ctx.stop = True
 
 
