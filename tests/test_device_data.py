@@ -80,8 +80,10 @@ def test_data_on_device_on_a_cpu_device_equals_the_host_gather(model, mode):
     ref_plan, ref_history, ref_counts = run(False)
     rounds = plan.rounds_done
     assert rounds == 2 * (96 // 16)
-    assert counts.get("aten::index_select", 0) >= 2 * rounds  # x and y, every round
-    assert ref_counts.get("aten::index_select", 0) == 0
+    # fused BatchNorm: one gather of each device's float buffers per round (engine/fused.py)
+    bn_gathers = 2 * rounds if (model, mode) == (TinyBN, "fused") else 0
+    assert counts.get("aten::index_select", 0) >= 2 * rounds + bn_gathers  # x and y, every round
+    assert ref_counts.get("aten::index_select", 0) == bn_gathers
     assert _equal(_state(plan), _state(ref_plan))
     assert [e.train_loss for e in history.epochs] == [e.train_loss for e in ref_history.epochs]
 
