@@ -10,7 +10,6 @@ torchft (the ``ft`` extra)."""
 from __future__ import annotations
 
 import copy
-import functools
 import threading
 from datetime import timedelta
 
@@ -28,32 +27,13 @@ from torchft.local_sgd import DiLoCo as TorchftDiLoCo  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
+from _reference import flat  # noqa: E402
+from test_diloco import NESTEROV, Small, _data  # noqa: E402
+
 pytestmark = pytest.mark.distributed
 
 K, B, H, ROUNDS = 3, 4, 4, 12
 LR, WD = 3e-3, 0.01
-NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
-
-
-class Small(nn.Module):
-    """conv(1→4, 3×3) → ReLU → linear(4·6·6 → 5) on 1×8×8 inputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.fc = nn.Linear(4 * 6 * 6, 5)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.conv(x)).flatten(1))
-
-
-def _data(n: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    return TensorDataset(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g))
-
-
-def _flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
 def _torchft_group(j: int, model: nn.Module, data: TensorDataset, lighthouse: str,
@@ -81,7 +61,7 @@ def _torchft_group(j: int, model: nn.Module, data: TensorDataset, lighthouse: st
                 F.cross_entropy(model(x[sl]), y[sl]).backward()
                 inner.step()  # every H-th step: the pseudo-gradient all-reduce and the outer step
         assert manager.current_step() == ROUNDS // H, "a sync was not committed"
-        out[j] = _flat(model)
+        out[j] = flat(model)
     finally:
         manager.shutdown(wait=False)
 
@@ -124,4 +104,4 @@ def test_diloco_matches_torchfts_diloco_over_k_replica_groups():
         assert torch.equal(out[j], out[0])
     got = plan.central_weights()
     torch.testing.assert_close(got, out[0], rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(got, _flat(model), atol=1e-3)  # it trained
+    assert not torch.allclose(got, flat(model), atol=1e-3)  # it trained
