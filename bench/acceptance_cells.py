@@ -85,23 +85,13 @@ def plain_graph_rate(model: nn.Module, b: int, data: TensorDataset, seconds: flo
         loss.backward()
         opt.step()
 
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            opt.zero_grad(set_to_none=True)
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        step()  # its gradients' buffers stay the graph's: each replay overwrites them
+    replay = _graph_step(step, opt, device, warmup)  # the gradients' buffers stay the graph's
     for _ in range(3):
-        graph.replay()
+        replay()
     _sync(device)
     steps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        graph.replay()
+        replay()
         steps += 1
         if steps % 50 == 0:
             _sync(device)
@@ -322,12 +312,13 @@ def w1_plain(train: TensorDataset, test: TensorDataset, *, batch: int, graph: bo
     return _w1_result(evals, target, k * batch / max(trained, 1e-9))
 
 
-def _graph_step(step, opt, device: torch.device):
-    """``step`` warmed up on a side stream, captured in a CUDA graph; returns its replay."""
+def _graph_step(step, opt, device: torch.device, warmup: int = 3):
+    """``step`` warmed up ``warmup`` times on a side stream, captured in a CUDA graph; returns its
+    replay."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(warmup):
             opt.zero_grad(set_to_none=True)
             step()
     torch.cuda.current_stream(device).wait_stream(side)
