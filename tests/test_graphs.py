@@ -59,6 +59,18 @@ def _fit(graph: bool, *, mode="per_replica", data=None, optimizer=None, model=Ti
     return plan, history, plan.central_weights(), plan.states[0].zbuf.clone()
 
 
+def _graph_rounds(ops, hook) -> "cg.Plan":
+    """A TinyBN plan (1 device × 3 replicas, SGD with momentum) fitted one epoch of 8 rounds on
+    simulated streams, its rounds through a RoundGraph over ``ops``, with ``hook``."""
+    plan = make_plan(TinyBN, devices=1, replicas=3, executor="inline", kernel_backend="torch",
+                     optimizer=cg.SGD(lr=0.05, momentum=0.9))
+    rec = RaceRecorder().attach(plan.scheduler)
+    plan.scheduler.round_graph = G.RoundGraph(ops)
+    with rec:
+        plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None, hooks=[hook])
+    return plan
+
+
 def _same(a, b) -> None:
     torch.testing.assert_close(a[2], b[2], atol=ATOL, rtol=RTOL)  # z
     torch.testing.assert_close(a[3], b[3], atol=ATOL, rtol=RTOL)  # BatchNorm's mean buffers
@@ -358,13 +370,7 @@ def test_a_replay_moves_the_version_of_the_state_it_writes():
         def after_round(self, ctx):
             versions.append(ctx.plan.states[0].z._version)
 
-    plan = make_plan(TinyBN, devices=1, replicas=3, executor="inline", kernel_backend="torch",
-                        optimizer=cg.SGD(lr=0.05, momentum=0.9))
-    rec = RaceRecorder().attach(plan.scheduler)
-    plan.scheduler.round_graph = G.RoundGraph(_VersionlessReplay())
-    with rec:
-        plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None,
-                 hooks=[Versions()])
+    plan = _graph_rounds(_VersionlessReplay(), Versions())
     assert plan.scheduler.round_graph.replays == 4
     assert all(b > a for a, b in zip(versions, versions[1:])), versions
 
@@ -505,12 +511,6 @@ def test_graph_rounds_leave_two_rounds_of_fault_masks_in_flight():
         def after_round(self, ctx):
             pending.append(sorted({t for t, *_ in ctx.plan.scheduler.backend._late}))
 
-    plan = make_plan(TinyBN, devices=1, replicas=3, executor="inline", kernel_backend="torch",
-                        optimizer=cg.SGD(lr=0.05, momentum=0.9))
-    rec = RaceRecorder().attach(plan.scheduler)
-    plan.scheduler.round_graph = G.RoundGraph(SimulatedGraphs())
-    with rec:
-        plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None,
-                 hooks=[Pending()])
+    plan = _graph_rounds(SimulatedGraphs(), Pending())
     assert pending[4:] == [[3, 4], [4, 5], [5, 6], [6, 7]], pending
     assert plan.scheduler.backend._late == []
