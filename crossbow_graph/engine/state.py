@@ -330,7 +330,6 @@ class DeviceState:
         self.z_prev = self.z.clone()
         self.zbuf.copy_(self.buf[0])
         self.first_step = [True] * m
-        self.acc: torch.Tensor | None = None
         self.optim_rows = None  # engine/optim.py OptimizerRows: the state of a row optimizer
 
     @property
