@@ -25,7 +25,7 @@ from crossbow_graph.engine import graphs as G
 from crossbow_graph.engine.capture_check import CaptureChecker, SimulatedGraphs
 from crossbow_graph.engine.race_check import RaceRecorder
 
-from _plans import TinyBN, make_plan, tiny_data
+from _plans import TinyBN, TinyDrop, make_plan, tiny_data
 from test_streams import _ignored
 
 pytestmark = pytest.mark.filterwarnings("ignore::crossbow_graph.errors.TraceWarning")
@@ -240,6 +240,25 @@ def test_gpu_graph_rounds_equal_eager_rounds_bitwise(mode):
     rg = plan.scheduler.round_graph
     assert rg.failure is None and rg.captures == 1 and rg.replays == 2, (rg.failure, rg.replays)
     assert torch.equal(z, z_eager), (z - z_eager).abs().max()
+    assert [e.draws_random for e in rg._entries.values()] == [False]  # replays seed nothing
+
+
+class LeNetDrop(cg.models.LeNet5):
+    def __init__(self):
+        super().__init__()
+        self.classifier.insert(0, nn.Dropout(0.5))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_rounds_with_dropout_seed_every_round():
+    """LeNet-5 with dropout in graph rounds: the body draws from the CUDA generator (its Philox
+    offset moves), so every round is seeded from (fit seed, round): two fits equal bitwise."""
+    torch.backends.cudnn.deterministic = True
+    plan, z, _ = _gpu_fit(LeNetDrop, "per_replica", True)
+    _, z_again, _ = _gpu_fit(LeNetDrop, "per_replica", True)
+    rg = plan.scheduler.round_graph
+    assert rg.failure is None and rg.replays == 2 and [e.draws_random for e in rg._entries.values()] == [True]
+    assert torch.equal(z, z_again)
 
 
 @pytest.mark.gpu
@@ -514,3 +533,76 @@ def test_graph_rounds_leave_two_rounds_of_fault_masks_in_flight():
     plan = _graph_rounds(SimulatedGraphs(), Pending())
     assert pending[4:] == [[3, 4], [4, 5], [5, 6], [6, 7]], pending
     assert plan.scheduler.backend._late == []
+
+
+def _resident_fit(graph: bool, model=TinyBN, counts=None, monkeypatch=None):
+    """``_graph_rounds``' plan (3 replicas, b = 4, 8 rounds) on a device-resident TensorDataset
+    (``data_on_device=True``), through a RoundGraph on simulated graphs when ``graph``; with
+    ``counts``, the calls of DeviceFetch's gathers without ``out``, its index copies and the
+    generator seeds are counted. Returns (plan, history)."""
+    from crossbow_graph.training.data import DeviceFetch
+
+    plan = make_plan(model, devices=1, replicas=3, executor="inline", kernel_backend="torch",
+                     optimizer=cg.SGD(lr=0.05, momentum=0.9))
+    if counts is not None:
+        for cls, name, key in ((DeviceFetch, "_copied", "index copies"),
+                               (DeviceFetch, "gather", "gathers outside a graph"), (G, "seed_rng", "seeds")):
+            original = getattr(cls, name)
+
+            def counted(*a, _f=original, _k=key, **kw):
+                counts[_k] += _k != "gathers outside a graph" or kw.get("out") is None
+                return _f(*a, **kw)
+            monkeypatch.setattr(cls, name, counted)
+    rec = RaceRecorder().attach(plan.scheduler)
+    if graph:
+        plan.scheduler.round_graph = G.RoundGraph(SimulatedGraphs())
+    with rec:
+        history = plan.fit(tiny_data(96), 1, shuffle=True, progress=False, metrics_every=None,
+                           data_on_device=True)
+        plan.scheduler.flush()
+    return plan, history
+
+
+def test_resident_data_is_gathered_in_the_graph_from_the_epochs_order_on_the_device(monkeypatch):
+    """A device-resident TensorDataset: the epoch's order goes to the device once, each round's
+    indices are a view of it copied into the graph's static indices, and the gathers run in the
+    graph (none outside it); z and the buffers equal the eager rounds' on the same samples."""
+    counts = {"index copies": 0, "gathers outside a graph": 0, "seeds": 0}
+    eager = _resident_fit(False)
+    graph = _resident_fit(True, counts=counts, monkeypatch=monkeypatch)
+    torch.testing.assert_close(graph[0].central_weights(), eager[0].central_weights(), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(graph[0].states[0].zbuf, eager[0].states[0].zbuf, atol=ATOL, rtol=RTOL)
+    assert graph[1].cuda_graphs == {"captures": 1, "replays": 4, "eager_rounds": {}}
+    assert counts["index copies"] == 1 and counts["gathers outside a graph"] == 0, counts
+    (entry,) = graph[0].scheduler.round_graph._entries.values()
+    assert entry.gather is not None and entry.gather.indices.shape == (12,)
+
+
+def test_device_fetch_reads_a_slice_of_the_epochs_order_on_the_device():
+    """``on_device``: a slice of the epoch's order is a view of its device copy (same values);
+    other indices (a copy, a reversed order) are copied, with their own values."""
+    from crossbow_graph.training.data import DeviceFetch
+
+    fetch = DeviceFetch((torch.arange(10.0),), torch.device("cpu"))
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(0))
+    fetch.start_epoch(order)
+    device_order = fetch._order[1]
+    view = fetch.on_device(order[3:7])
+    assert view.untyped_storage().data_ptr() == device_order.untyped_storage().data_ptr()
+    assert torch.equal(view, order[3:7]) and torch.equal(fetch(order[3:7])[0], order[3:7].double().float())
+    for other in (order[3:7].clone(), order.flip(0)[:4]):
+        got = fetch.on_device(other)
+        assert torch.equal(got, other) and got.untyped_storage().data_ptr() != device_order.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("model, seeded_rounds", [(TinyBN, 2), (TinyDrop, 8)])
+def test_graph_rounds_seed_the_generator_only_when_the_round_draws_random_numbers(
+        model, seeded_rounds, monkeypatch):
+    """A model without random ops: only the warm-up rounds that measure it are seeded (round 0,
+    its first-step key, and round 1); the capture and the replays seed nothing. With dropout every
+    round is seeded from (fit seed, round): two fits draw the same masks, z equal bit for bit."""
+    counts = {"index copies": 0, "gathers outside a graph": 0, "seeds": 0}
+    plan, history = _resident_fit(True, model=model, counts=counts, monkeypatch=monkeypatch)
+    assert counts["seeds"] == seeded_rounds and history.cuda_graphs["replays"] == 4, counts
+    again = _resident_fit(True, model=model)[0]
+    assert torch.equal(plan.central_weights(), again.central_weights())

@@ -18,8 +18,8 @@ from .batches import LearnerBatches
 from .learners import learner_seed, seed_rng
 from .stream_backend import StreamsBackend
 
-__all__ = ["GraphBackend", "RoundGraph", "CudaGraphOps", "DeviceHyper", "GraphWarning", "HostStaging",
-           "cuda_graphs_refusal"]
+__all__ = ["GraphBackend", "RoundGraph", "CudaGraphOps", "DeviceGather", "DeviceHyper", "GraphWarning",
+           "HostStaging", "cuda_graphs_refusal"]
 
 
 class GraphWarning(RuntimeWarning):
@@ -135,12 +135,33 @@ class HostStaging:
 
 
 @dataclass(eq=False)
+class DeviceGather:
+    """A round's batch of device-resident data before its gather: ``fetch`` (a
+    ``training.data.DeviceFetch``) and the round's sample indices ``[k·b]`` on its device. A graph
+    round gathers in the graph, from its static indices into its static inputs."""
+
+    fetch: Any
+    indices: torch.Tensor
+
+    def batch(self) -> list[torch.Tensor]:
+        """The gathered batch (an eager round's)."""
+        return self.fetch.gather(self.indices)
+
+    def specs(self) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
+        """(shape, dtype, device) of each tensor of the batch."""
+        n = len(self.indices)
+        return [((n, *t.shape[1:]), t.dtype, t.device) for t in self.fetch.tensors]
+
+
+@dataclass(eq=False)
 class _Entry:
-    batch: Any  # the static input on the device: the round's batch is copied here
+    batch: Any  # the static input on the device: the round's batch is copied (gathered) here
     staging: HostStaging  # host batches pass through it
+    gather: DeviceGather | None = None  # resident data: gathered in the graph from ``indices``
     graph: Any = None
     warm: int = 0  # eager rounds run so far
     losses: list[torch.Tensor] | None = None  # the graph's losses, in learning order
+    draws_random: bool | None = None  # whether the body draws random numbers (None: not known)
 
 
 class RoundGraph:
@@ -195,12 +216,11 @@ class RoundGraph:
         streams = sched.cuda_streams
         entry = self._entries.get(key)
         if entry is None:
-            device = sched.states[0].torch_device
-            entry = _Entry(tree_map(lambda t: _static_like(t, device), batch), HostStaging(streams.ops))
+            entry = _new_entry(batch, sched.states[0].torch_device, HostStaging(streams.ops))
             if not any(f for s in sched.states for f in s.first_step):  # a first step: once
                 self._entries[key] = entry
         self._copy_batch(entry, batch, streams.ops.current(sched.states[0].torch_device))
-        self._prologue(sched, round_index)
+        self._prologue(sched, round_index, entry)
         streams.captured = True
         streams.seal()  # the round is ordered after the work so far, and waits for none of it
         if entry.graph is not None:
@@ -208,8 +228,11 @@ class RoundGraph:
             self.replays += 1
             losses = _copied(entry.losses)
         elif entry.warm < self.warmup_rounds:
+            mark = _rng_mark(sched.states[0].torch_device)
             with self.observer(round_index) if self.observer is not None else nullcontext():
-                losses = sched.backend.graph_body(entry.batch, synchronise)
+                losses = self._body(sched, entry, synchronise)
+            entry.draws_random = bool(entry.draws_random) or \
+                mark != _rng_mark(sched.states[0].torch_device)
             entry.warm += 1
         else:
             if not self._capture(sched, entry, synchronise):
@@ -221,9 +244,19 @@ class RoundGraph:
         sched.backend.graph_epilogue(round_index, losses)
         return True
 
+    def _body(self, sched: Any, entry: _Entry, synchronise: bool) -> list[torch.Tensor]:
+        """The round as a graph captures it: resident data's gather, then the tasks."""
+        if entry.gather is not None:
+            entry.gather.fetch.gather(entry.gather.indices, out=entry.batch)
+        return sched.backend.graph_body(entry.batch, synchronise)
+
     def _copy_batch(self, entry: _Entry, batch: Any, stream: Any) -> None:
         """The round's batch into the entry's static inputs on the caller's stream, before the
-        round: a device tensor directly, host tensors through the pinned staging."""
+        round: resident data's indices, a device tensor directly, host tensors through the
+        pinned staging."""
+        if entry.gather is not None:
+            entry.gather.indices.copy_(batch.indices)
+            return
         host_statics, host_leaves = [], []
         for static, new in zip(tree_leaves(entry.batch), tree_leaves(batch)):
             if new.device == static.device:
@@ -266,6 +299,8 @@ class RoundGraph:
                     "the host); the SGD kernels run in graphs")
         if any(s.loss_scales is not None for s in sched.states):
             return "precision='fp16' settles its loss scales on the host"
+        if hasattr(batch, "specs"):  # a DeviceGather: on the plan's device
+            return None
         if isinstance(batch, LearnerBatches) or not all(
                 isinstance(t, torch.Tensor) for t in tree_leaves(batch)):
             return ("the batch is not a structure of tensors (a collate_fn's own batches): graph "
@@ -283,15 +318,18 @@ class RoundGraph:
         sgd = sched.optimizer.sgd()
         states = tuple((s.m, s.w.data_ptr(), s.v.data_ptr(), s.g.data_ptr(), s.z.data_ptr(),
                         s.buf.data_ptr(), tuple(s.first_step)) for s in sched.states)
-        inputs = tuple((tuple(t.shape), t.dtype, str(t.device)) for t in tree_leaves(batch))
+        inputs = tuple((tuple(shape), dtype, str(device)) for shape, dtype, device in
+                       (batch.specs() if hasattr(batch, "specs") else
+                        ((t.shape, t.dtype, t.device) for t in tree_leaves(batch))))
         return (id(sched.program), states, inputs, sched.batch_size, sched.learner_mode,
                 bool(synchronise), sgd.momentum != 0, sgd.nesterov, sgd.weight_decay != 0,
                 sched.alpha != 0, sched.settings.sync.central_momentum != 0, sched.max_divergence,
                 sched.max_grad_norm)  # numbers the graph's operations hold
 
-    def _prologue(self, sched: Any, round_index: int) -> None:
+    def _prologue(self, sched: Any, round_index: int, entry: _Entry) -> None:
         """Before the round, on the caller's stream: the hyper-parameters in force into the
-        device tensors, and each device's generator seeded from (fit seed, round)."""
+        device tensors, and, unless the entry's body draws no random numbers, each device's
+        generator seeded from (fit seed, round)."""
         sgd = sched.optimizer.sgd()
         for s in sched.states:
             hyper = self._hyper.get(id(s))
@@ -299,7 +337,8 @@ class RoundGraph:
                 hyper = self._hyper[id(s)] = DeviceHyper(s.torch_device)
             hyper.set(lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay,
                       alpha=sched.alpha, central_momentum=sched.settings.sync.central_momentum)
-            seed_rng(s.torch_device, learner_seed(sched.seed, round_index, sched.learner_offset))
+            if entry.draws_random is not False:
+                seed_rng(s.torch_device, learner_seed(sched.seed, round_index, sched.learner_offset))
 
     def _capture(self, sched: Any, entry: _Entry, synchronise: bool) -> bool:
         """Capture the body into a new graph; on failure warn, put back what the capture
@@ -309,7 +348,7 @@ class RoundGraph:
         first_steps = [list(s.first_step) for s in sched.states]
         try:
             with self.ops.capture(graph, sched.states[0].torch_device):
-                losses = sched.backend.graph_body(entry.batch, synchronise)
+                losses = self._body(sched, entry, synchronise)
         except Exception as exc:  # noqa: BLE001 - any op that cannot be captured: fall back
             self.failure = _first_failure(exc)
             for s, flags in zip(sched.states, first_steps):
@@ -345,9 +384,22 @@ def _copied(losses: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch.stack(losses).unbind()) if losses else []
 
 
-def _static_like(x: Any, device: torch.device) -> Any:
-    """A graph's static input for the batch tensor ``x``: the same shape and dtype on ``device``."""
-    return torch.empty_like(x, device=device) if isinstance(x, torch.Tensor) else x
+def _new_entry(batch: Any, device: torch.device, staging: HostStaging) -> _Entry:
+    """A key's entry: static inputs on ``device`` of the batch's shapes and dtypes (and, for a
+    ``DeviceGather``, static indices)."""
+    if hasattr(batch, "specs"):
+        statics = [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype, dev in batch.specs()]
+        return _Entry(statics, staging, DeviceGather(batch.fetch, torch.empty_like(batch.indices)))
+    return _Entry(tree_map(lambda x: torch.empty_like(x, device=device)
+                           if isinstance(x, torch.Tensor) else x, batch), staging)
+
+
+def _rng_mark(device: torch.device) -> Any:
+    """Where ``device``'s generator stands (its Philox offset on CUDA, its state on the CPU):
+    two marks differ when random numbers were drawn in between."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index or 0].get_offset()
+    return torch.default_generator.get_state().numpy().tobytes()
 
 
 class GraphBackend(StreamsBackend):
@@ -359,8 +411,18 @@ class GraphBackend(StreamsBackend):
         self.graph = graph
         self.in_graph = False  # the round body runs as a graph captures it
 
+    def run_round(self, round_index: int, batch: Any, synchronise: bool, indices: Any,
+                  next_indices: Any) -> None:
+        """As the inline backend's; device-resident data is gathered in the round's graph."""
+        sched = self.sched
+        if batch is None and sched.load_fn is None and hasattr(sched.fetch_fn, "gather"):
+            batch = DeviceGather(sched.fetch_fn, sched.fetch_fn.on_device(indices))
+        super().run_round(round_index, batch, synchronise, indices, next_indices)
+
     def run_env(self, env: RoundEnv) -> None:
         if not self.graph.run_round(self.sched, env.round_index, env.batch, env.synchronise):
+            if hasattr(env.batch, "specs"):
+                env.batch = env.batch.batch()
             super().run_env(env)
 
     def prefetch(self, round_index: int, indices: torch.Tensor) -> None:

@@ -142,10 +142,11 @@ def make_fetch(dataset: Dataset, collate_fn: Callable[[list], Any] | None = None
 
 class DeviceFetch:
     """Sample indices ``[n]`` → ``[t[indices] for t in tensors]`` gathered on ``device``, where
-    the tensors were moved once (a device-resident TensorDataset): the indices go to the device
-    from a pinned host tensor with a non-blocking copy, and ``index_select`` runs there, on the
+    the tensors were moved once (a device-resident TensorDataset), with ``index_select`` on the
     caller's current stream (the default stream ``D``, before the round's learners). The same
-    samples, in the same order, as ``make_fetch``'s host gather.
+    samples, in the same order, as ``make_fetch``'s host gather. The epoch's order goes to the
+    device once (``start_epoch``): a round's indices, a slice of it, are a view of that copy;
+    other indices go there from a pinned host tensor with a non-blocking copy.
 
     Args:
         tensors: the TensorDataset's tensors, ``[N, ...]`` each.
@@ -156,13 +157,41 @@ class DeviceFetch:
         self.device = device
         self.tensors = [t.to(device) for t in tensors]
         self.pinned = device.type == "cuda"
+        self._order: tuple[torch.Tensor, torch.Tensor] | None = None  # (host [N], device [N])
 
     def __call__(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        return self.gather(self.on_device(indices))
+
+    def start_epoch(self, order: torch.Tensor) -> None:
+        """Copy the epoch's sample order ``[N]`` to the device (one copy per epoch)."""
+        self._order = (order, self._copied(order))
+
+    def on_device(self, indices: torch.Tensor) -> torch.Tensor:
+        """``indices [n]`` on the device: a view of the epoch's order there when they are a
+        slice of it (what ``BatchSchedule.next_round`` returns), else a copy."""
+        if self._order is not None and indices.dim() == 1 and indices.stride() == (1,):
+            host, device_order = self._order
+            at = indices.storage_offset() - host.storage_offset()
+            if (indices.untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
+                    and 0 <= at <= len(host) - len(indices)):
+                return device_order[at:at + len(indices)]
+        return self._copied(indices)
+
+    def gather(self, indices: torch.Tensor, out: list[torch.Tensor] | None = None
+               ) -> list[torch.Tensor]:
+        """``[t[indices] for t in tensors]`` for ``indices [n]`` on the device; into ``out``
+        (tensors of those shapes) when given."""
+        if out is None:
+            return [t.index_select(0, indices) for t in self.tensors]
+        for t, o in zip(self.tensors, out):
+            torch.index_select(t, 0, indices, out=o)
+        return out
+
+    def _copied(self, indices: torch.Tensor) -> torch.Tensor:
         idx = indices.to(torch.int64)
         if self.pinned and idx.device.type == "cpu":
             idx = torch.empty(idx.shape, dtype=torch.int64, pin_memory=True).copy_(idx)
-        idx = idx.to(self.device, non_blocking=True)
-        return [t.index_select(0, idx) for t in self.tensors]
+        return idx.to(self.device, non_blocking=True)
 
 
 def device_fetch(data: Any, dataset: Dataset, data_on_device: bool | str,

@@ -283,9 +283,12 @@ class BatchSource:
         return self.route != "resident"
 
     def start_epoch(self, order: torch.Tensor, position: int, epoch: int, first_round: int) -> None:
-        """The epoch's sample order from ``position`` on (``RoundLoader.start_epoch``)."""
+        """The epoch's sample order from ``position`` on (``RoundLoader.start_epoch``; resident
+        data: ``DeviceFetch.start_epoch``)."""
         if self.loader is not None:
             self.loader.start_epoch(order, position, epoch, first_round)
+        elif self.route == "resident":
+            self.fetch.start_epoch(order)
 
     def close(self) -> None:
         """Stop the DataLoader's workers, if any."""
