@@ -1,25 +1,9 @@
-"""Fused learners: a group of replicas stacked and run as one program with torch.func
-(docs/design-overview.md §5).
-
-The group's parameters are the rows ``w[r0:r1] [n, P]`` viewed per tensor as ``[n, *shape]``,
-each view its own autograd leaf (one leaf for the whole ``[n, P]`` block would make every
-tensor's backward a zero-filled ``[n, P]`` slice gradient summed into it: O(tensors · P) work and
-memory per step, 20× slower than per-replica learners on a ResNet-18, docs/runtime.md); the
-float buffers ``buf[r0:r1] [n, Q]`` are gathered tensor by tensor into one ``[n·Q]`` tensor
-(one ``index_select``) in which each ``[n, *shape]`` is contiguous, and written back with one
-``torch.cat`` after the step (BatchNorm statistics stay per replica; vmap's in-place
-running-stat updates do not write through strided views, hence the gather); integer buffers
-(``num_batches_tracked``) are rows of ``state.ints [m, *shape]``, updated in place. The
-gradients go into ``g[r0:r1]`` with one ``torch.cat`` (docs/runtime.md, "Learner modes").
-``torch.func.functional_call`` runs the model on them under ``torch.func.vmap`` with
-``randomness="different"`` (every replica draws its own dropout mask); the sum of the n mean losses
-is differentiated once, which gives each replica the gradient of its own loss. Tensor inputs are
-stacked per replica; any other input (None, a bool flag, a number) goes to every replica as it is.
-The user's gradient hooks on parameters run on each replica's gradient (``add_replica_hooks``).
-
-Not every model runs under vmap (``torch.nn.LSTM``/``GRU`` have no batching rule,
-``torch.utils.checkpoint`` cannot be vmapped): ``vmap_failure`` finds out on the example inputs,
-and ``FusedProgram.step`` names ``learner_mode="per_replica"`` when vmap fails in training.
+"""Fused learners: a group of replicas stacked and run as one program with torch.func:
+``functional_call`` over ``[n, *shape]`` views of ``w[r0:r1]`` (each its own autograd leaf)
+under ``vmap(randomness="different")``, the float buffers gathered in one ``index_select`` and
+written back with one ``cat``, the gradients into ``g[r0:r1]`` with one ``cat``
+(docs/runtime.md, "Learner modes"; docs/design-overview.md §5). ``vmap_failure`` finds models
+vmap cannot run (LSTM, checkpointing) on the example inputs.
 """
 
 from __future__ import annotations
