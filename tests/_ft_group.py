@@ -11,9 +11,11 @@ others' all-reduce fails and is discarded). ``PHASE`` ``first``: stop after 4
 rounds with a checkpoint in ``OUT_DIR/GROUP-ckpt``; ``resume``: resume from it; ``pace``: while
 alone, wait 0.2 s after each round (a late or restarted group then has time to join), and stop 6
 rounds after another group rejoined a group left alone after a sync of both. Writes ``GROUP.pt``: per round the
-replicas' weights at its start and z after it, the membership changes, or ``error``."""
+replicas' weights at its start and z after it, the membership changes, or ``error``. Logs at INFO
+(``logging.basicConfig``), as an application that logs its own progress."""
 
 import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -93,6 +95,7 @@ class _Pace(cg.Hook):
 
 def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str = "") -> None:
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO)
     result = {}
     rec = _Record()
     try:

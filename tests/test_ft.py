@@ -53,7 +53,8 @@ def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150,
     SIGKILLed once the others ended."""
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
     lighthouse, address = start_lighthouse(min_replicas=min_replicas)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RUST_LOG")}
     env.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1",
                FT_DIE_SIGNAL="STOP" if stop else "KILL")
     os.makedirs(tmp_path, exist_ok=True)
@@ -91,6 +92,7 @@ def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150,
             assert p.returncode == 0, (g, p.returncode, logs[g][-3000:])
             results[g] = torch.load(tmp_path / f"{g}.pt", weights_only=False)
             assert "error" not in results[g], results[g]["error"]
+            results[g]["log"] = logs[g]
     return results
 
 
@@ -139,11 +141,17 @@ def test_a_hung_group_is_evicted_and_the_survivor_goes_on(tmp_path):
 @pytest.mark.distributed
 def test_two_groups_undisturbed_keep_the_same_z(tmp_path):
     """No failure: both groups hold the same z bit for bit after every round (the same
-    all-reduced sum, the same update), k = 4 throughout."""
+    all-reduced sum, the same update), k = 4 throughout; no line of torchft's per-sync log."""
     r = run_groups(tmp_path, "sma", {}, min_replicas=2)  # the Lighthouse waits for both
     for t in range(ROUNDS):
         assert torch.equal(r["g0"]["z_after"][t], r["g1"]["z_after"][t]), t
     assert [(c["groups"], c["learners"]) for c in r["g0"]["membership"]] == [(2, 4)]
+    # torchft's per-sync INFO lines (its Rust log, its Python loggers under the groups' INFO
+    # logging config) stay out of the output; the membership change is in it
+    log = r["g0"]["log"]
+    assert "replica group g0: round 0: 2 live group(s), k = 4 learners" in log, log[-3000:]
+    for line in log.splitlines():
+        assert "[INFO]" not in line and ":torchft" not in line and "flight recorder" not in line, line
 
 
 @pytest.mark.distributed

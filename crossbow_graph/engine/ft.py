@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,11 @@ def check_fault_tolerant(sync: Any, executor: str, num_learners: int | None) -> 
 
 
 def import_torchft() -> Any:
-    """The ``torchft`` module. Raises ImportError naming the extra when it is not installed."""
+    """The ``torchft`` module, its Rust log at WARNING unless ``RUST_LOG`` is set (read once, at
+    the first import). Raises ImportError naming the extra when it is not installed."""
+    quiet = "RUST_LOG" not in os.environ and "torchft._torchft" not in sys.modules
+    if quiet:
+        os.environ["RUST_LOG"] = "warn"  # for torchft's import only: not the processes we start
     try:
         import torchft
         import torchft.manager  # noqa: F401
@@ -58,7 +63,35 @@ def import_torchft() -> Any:
         raise ImportError(
             "Distributed(fault_tolerant=True) (--fault-tolerant) runs on torchft, which is not "
             "installed: pip install 'crossbow_graph[ft]' (torchft==0.2.0)") from exc
+    finally:
+        if quiet:
+            del os.environ["RUST_LOG"]
     return torchft
+
+
+class _QuietTorchft(logging.Filter):
+    """torchft's Python loggers that nobody configured (no level, no handler: not its
+    OpenTelemetry export) at WARNING, and its warning about NCCL's flight recorder (a torch
+    built without it) dropped, until ``restore``."""
+
+    NAMES = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quieted = [lg for lg in map(logging.getLogger, self.NAMES)
+                        if lg.level == logging.NOTSET and not lg.handlers]
+        for lg in self.quieted:
+            lg.setLevel(logging.WARNING)
+        logging.getLogger("torchft.manager").addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NCCL flight recorder" not in record.getMessage()
+
+    def restore(self) -> None:
+        for lg in self.quieted:
+            lg.setLevel(logging.NOTSET)
+        self.quieted = []
+        logging.getLogger("torchft.manager").removeFilter(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +157,7 @@ class FaultTolerantSync:
         timeout = datetime.timedelta(seconds=settings.timeout_s)
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True,
                                                  wait_for_workers=False)
+        self._quiet = _QuietTorchft()  # a fit prints membership changes, not every sync
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), min_replica_size=settings.min_replicas,
             load_state_dict=self._load, state_dict=self._save, use_async_quorum=False,
@@ -236,5 +270,6 @@ class FaultTolerantSync:
                 f"{last.round_index}); {len(self.membership)} membership change(s)")
 
     def close(self) -> None:
-        """Shut the Manager down (its servers and threads)."""
+        """Shut the Manager down (its servers and threads); torchft's loggers as they were."""
         self.manager.shutdown(wait=False)
+        self._quiet.restore()
