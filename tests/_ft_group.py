@@ -9,8 +9,9 @@ groups' 4 learners and has both in its quorum (the groups may start out of step:
 arrives late syncs alone, or recovers, first), after the quorum and before the all-reduce (the
 others' all-reduce fails and is discarded). ``PHASE`` ``first``: stop after 4
 rounds with a checkpoint in ``OUT_DIR/GROUP-ckpt``; ``resume``: resume from it; ``pace``: while
-alone, wait 0.2 s after each round (a late or restarted group then has time to join), and stop 6
-rounds after another group rejoined a group left alone after a sync of both. Writes ``GROUP.pt``: per round the
+alone, wait 0.2 s after each round (a late or restarted group then has time to join), write
+``OUT_DIR/GROUP.alone`` once alone after a sync of both, and stop 6 rounds after another group
+rejoined. Writes ``GROUP.pt``: per round the
 replicas' weights at its start and z after it, the membership changes, or ``error``. Logs at INFO
 (``logging.basicConfig``), as an application that logs its own progress."""
 
@@ -65,10 +66,12 @@ def die_in_sync(plan: cg.Plan, round_index: int) -> None:
     ft = plan.scheduler.ft
     manager = ft.manager
     allreduce = manager.allreduce
+    fired = []  # once: a continued group (SIGCONT) goes on with this all-reduce
 
     def dying(*args, **kwargs):
-        if plan.scheduler.round_index >= round_index and ft.live_learners == 4 \
+        if not fired and plan.scheduler.round_index >= round_index and ft.live_learners == 4 \
                 and manager.num_participants() == 2:
+            fired.append(True)
             os.kill(os.getpid(), sig)
         return allreduce(*args, **kwargs)
 
@@ -81,6 +84,9 @@ class _StopAfter(cg.Hook):
 
 
 class _Pace(cg.Hook):
+    def __init__(self, alone_file: str) -> None:
+        self.alone_file = alone_file
+
     def after_round(self, ctx) -> None:
         changes = ctx.plan.scheduler.ft.membership
         if changes and changes[-1].groups == 1:  # alone: give the other group time to (re)join
@@ -88,6 +94,8 @@ class _Pace(cg.Hook):
         both = [i for i, c in enumerate(changes) if (c.groups, c.learners) == (2, 4)]
         # alone after a sync of both groups (a group that started first was alone before it)
         alone = [i for i, c in enumerate(changes) if c.groups == 1 and both and i > both[0]]
+        if alone and not os.path.exists(self.alone_file):
+            open(self.alone_file, "w").close()
         if alone and len(changes) > alone[0] + 1 and \
                 ctx.plan.rounds_done >= changes[alone[0] + 1].round_index + 6:
             ctx.stop = True
@@ -105,7 +113,8 @@ def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str =
         data = tiny_data(rounds * B * M, seed=int(group[-1]) + 1)
         ckpt = dict(checkpoint_dir=os.path.join(out, f"{group}-ckpt"), checkpoint_every=4,
                     resume=phase == "resume") if phase else {}
-        hooks = [rec] + {"first": [_StopAfter()], "pace": [_Pace()]}.get(phase, [])
+        hooks = [rec] + {"first": [_StopAfter()],
+                         "pace": [_Pace(os.path.join(out, f"{group}.alone"))]}.get(phase, [])
         plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None, hooks=hooks, **ckpt)
         result.update(rounds=plan.rounds_done, summary=plan.summary(),
                       membership=[dataclasses.asdict(c) for c in plan.scheduler.ft.membership])

@@ -6,6 +6,7 @@ The options' errors need no torchft; the rest is skipped without it (the ``ft`` 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,8 +50,8 @@ def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150,
                min_replicas: int = 1, rounds: dict[str, int] | None = None, stop: bool = False):
     """Groups g0, g1 of tests/_ft_group.py against a fresh Lighthouse; {group: result}. With
     ``phase="pace"`` g0 paces itself once alone, and a group of ``die`` is restarted (without
-    dying) once it died. ``stop``: the groups of ``die`` stop (SIGSTOP) instead of dying, and are
-    SIGKILLed once the others ended."""
+    dying) once it died; with ``stop`` too, the groups of ``die`` stop (SIGSTOP) instead of
+    dying and are continued (SIGCONT) once g0 synced alone."""
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
     lighthouse, address = start_lighthouse(min_replicas=min_replicas)
     env = {k: v for k, v in os.environ.items()
@@ -68,15 +69,19 @@ def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150,
     procs = {g: start(g, die.get(g, -1), phase if g == "g0" or phase != "pace" else "")
              for g in ("g0", "g1")}
     try:
-        if phase == "pace":  # the dead group starts again and rejoins
+        if phase == "pace" and stop:  # the stopped group goes on once g0 went on without it
+            deadline = time.monotonic() + timeout_s
+            while not (tmp_path / "g0.alone").exists() and procs["g0"].poll() is None \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for g in die:  # (also when it never stopped: g0 ended or never synced alone)
+                os.kill(procs[g].pid, signal.SIGCONT)
+        elif phase == "pace":  # the dead group starts again and rejoins
             for g in die:
                 procs[g].communicate(timeout=timeout_s)
                 procs[g] = start(g, -1, "")
-            die = {}
-        logs = {g: p.communicate(timeout=timeout_s)[0] for g, p in procs.items() if g not in die or not stop}
-        for g in die if stop else ():  # stopped for good: the others went on without it
-            procs[g].kill()
-            logs[g] = procs[g].communicate()[0]
+        die = {} if phase == "pace" else die
+        logs = {g: p.communicate(timeout=timeout_s)[0] for g, p in procs.items()}
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -124,17 +129,25 @@ def test_sma_survivor_discards_the_failed_all_reduce_and_averages_the_live_learn
 
 
 @pytest.mark.distributed
-def test_a_hung_group_is_evicted_and_the_survivor_goes_on(tmp_path):
+def test_a_hung_group_is_evicted_and_rejoins_when_continued(tmp_path):
     """g1 stops (SIGSTOP) in a sync's all-reduce from round 3 on: g0's all-reduce fails at the
     gloo timeout (``timeout_s`` 10), is discarded, the Lighthouse has evicted g1 (no heartbeat
-    for 1 s), and g0 finishes with z the mean of its own learners from that round on."""
-    r = run_groups(tmp_path, "sma", {"g1": 3}, stop=True)["g0"]
-    assert r["rounds"] == ROUNDS
-    failure = _after_four(r["membership"])
-    assert failure["round_index"] >= 3 and failure["failed_attempts"] >= 1, r["membership"]
-    assert (failure["groups"], failure["learners"]) == (1, 2)
-    for t in range(failure["round_index"], ROUNDS):
-        torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-6, atol=1e-7)
+    for 1 s), and g0 goes on with z the mean of its own learners. Continued (SIGCONT) once g0
+    synced alone, g1's stale all-reduce fails (g0 left that process group), is discarded, and g1
+    rejoins at the next quorum, recovering z from g0: then as a restarted group (below)."""
+    for attempt in range(3):  # see the restarted-group test: both groups must meet first
+        r = run_groups(tmp_path / str(attempt), "sma", {"g1": 3}, phase="pace", stop=True,
+                       rounds={"g0": 400, "g1": 60})
+        if _stopped_and_back(r["g0"]["membership"]):
+            break
+    g0, g1 = r["g0"], r["g1"]
+    failure = _after_four(g0["membership"])
+    assert failure["round_index"] >= 3 and failure["failed_attempts"] >= 1, g0["membership"]
+    back = _assert_rejoined(g0, g1)
+    for t in range(failure["round_index"], back):  # g0 alone: the mean of its own learners
+        torch.testing.assert_close(g0["z_after"][t], g0["w_before"][t].mean(0), rtol=1e-6, atol=1e-7)
+    recovered = [c for c in g1["membership"] if c["recovered"]][-1]
+    assert recovered["failed_attempts"] >= 1, g1["membership"]  # its stale all-reduce
     print(f"stall of the hung group's sync: {failure['seconds']:.2f} s")
 
 
@@ -168,12 +181,24 @@ def test_a_restarted_group_rejoins_and_recovers_z_and_the_outer_state(tmp_path, 
     for attempt in range(3):
         r = run_groups(tmp_path / str(attempt), sync, {"g1": 3}, phase="pace",
                        rounds={"g0": 400, "g1": 60})
-        ks = [(c["groups"], c["learners"]) for c in r["g0"]["membership"]]
-        if (2, 4) in ks and ks[-1] == (2, 4) and (1, 2) in ks[ks.index((2, 4)):]:
+        if _stopped_and_back(r["g0"]["membership"]):
             break
-    g0, g1 = r["g0"], r["g1"]
-    # the restarted g1 recovers from g0 (its first quorum may come before g0 asks: alone, then it recovers)
-    first = next((c for c in g1["membership"] if c["recovered"] and c["groups"] == 2), None)
+    _assert_rejoined(r["g0"], r["g1"])
+
+
+def _stopped_and_back(changes: list[dict]) -> bool:
+    """g0's k went 4 → 2 after a sync of both groups and ends at 4."""
+    ks = [(c["groups"], c["learners"]) for c in changes]
+    return (2, 4) in ks and ks[-1] == (2, 4) and (1, 2) in ks[ks.index((2, 4)):]
+
+
+def _assert_rejoined(g0: dict, g1: dict) -> int:
+    """g1 recovered from g0 in a quorum of both after g0 went on alone, g0's k went 4 → 2 → 4,
+    and from g1's recovery on both hold the same z bit for bit after every sync (at least 5);
+    g0's round of that recovery."""
+    # the last recovery (g1's first quorum may come before g0 asks: alone, then it recovers; a
+    # continued g1 may also have recovered when it first arrived)
+    first = ([c for c in g1["membership"] if c["recovered"] and c["groups"] == 2] or [None])[-1]
     assert first is not None, (g1["membership"], g0["membership"], g0["rounds"], len(g1["z_after"]))
     failure = _after_four(g0["membership"])
     assert failure["round_index"] >= 3 and (failure["groups"], failure["learners"]) == (1, 2)
@@ -184,6 +209,7 @@ def test_a_restarted_group_rejoins_and_recovers_z_and_the_outer_state(tmp_path, 
     assert shared >= 5
     for i in range(shared):
         assert torch.equal(g0["z_after"][back + i], g1["z_after"][first["round_index"] + i]), i
+    return back
 
 
 @pytest.mark.distributed
