@@ -1,9 +1,9 @@
 """One torchft replica group of the fault-tolerance tests (tests/test_ft.py):
 ``python _ft_group.py OUT_DIR GROUP SYNC ROUNDS DIE_AT [PHASE]`` with ``TORCHFT_LIGHTHOUSE`` set.
 
-TinyNet, 1 device × 2 replicas, b = 4, its own data (seeded by the group's number), ``SYNC``
-``sma`` (SMA with α = 1/k, μ_z = 0: z after a sync is the mean of the live learners' weights at
-the round's start) or ``diloco`` (DiLoCo, H = 2, inner AdamW), ROUNDS rounds. ``DIE_AT`` ≥ 0:
+TinyNet, 1 device (``FT_DEVICE``, else the CPU) × 2 replicas, b = 4, its own data (seeded by
+the group's number), ``SYNC`` ``sma`` (SMA with α = 1/k, μ_z = 0: z after a sync is the mean of
+the live learners' weights at the round's start) or ``diloco`` (DiLoCo, H = 2, inner AdamW), ROUNDS rounds. ``DIE_AT`` ≥ 0:
 the group SIGKILLs itself in the first sync from round DIE_AT on that follows a sync of both
 groups' 4 learners and has both in its quorum (the groups may start out of step: a group that
 arrives late syncs alone, or recovers, first), after the quorum and before the all-reduce (the
@@ -49,10 +49,11 @@ class _Record(cg.Hook):
 
 def plan_of(group: str, sync: str) -> cg.Plan:
     dist = cg.Distributed(fault_tolerant=True, replica_group=group, timeout_s=10.0)
+    devices = [os.environ["FT_DEVICE"]] if os.environ.get("FT_DEVICE") else 1
     if sync == "sma":
-        return make_plan(TinyNet, seed=0, batch_size=B, devices=1, replicas=M,
+        return make_plan(TinyNet, seed=0, batch_size=B, devices=devices, replicas=M,
                             sync=cg.SMA(central_momentum=0.0), distributed=dist)
-    return make_plan(TinyNet, seed=0, batch_size=B, devices=1, replicas=M,
+    return make_plan(TinyNet, seed=0, batch_size=B, devices=devices, replicas=M,
                         sync=cg.DiLoCo(sync_every=2),
                         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
                         distributed=dist)
@@ -117,6 +118,7 @@ def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str =
                          "pace": [_Pace(os.path.join(out, f"{group}.alone"))]}.get(phase, [])
         plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None, hooks=hooks, **ckpt)
         result.update(rounds=plan.rounds_done, summary=plan.summary(),
+                      backend=plan.scheduler.ft.manager._pg.getBackendName(),
                       membership=[dataclasses.asdict(c) for c in plan.scheduler.ft.membership])
     except TaskError as exc:
         result.update(error=str(exc))

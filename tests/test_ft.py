@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import crossbow_graph as cg
-from crossbow_graph.engine.ft import check_fault_tolerant
+from crossbow_graph.engine.ft import check_fault_tolerant, process_group_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS = 16
@@ -47,8 +47,10 @@ def start_lighthouse(**flags: int) -> tuple[subprocess.Popen, str]:
 
 
 def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150, phase: str = "",
-               min_replicas: int = 1, rounds: dict[str, int] | None = None, stop: bool = False):
-    """Groups g0, g1 of tests/_ft_group.py against a fresh Lighthouse; {group: result}. With
+               min_replicas: int = 1, rounds: dict[str, int] | None = None, stop: bool = False,
+               devices: dict[str, str] | None = None):
+    """Groups g0, g1 (those of ``devices``, each on its device, when given; else on the CPU) of
+    tests/_ft_group.py against a fresh Lighthouse; {group: result}. With
     ``phase="pace"`` g0 paces itself once alone, and a group of ``die`` is restarted (without
     dying) once it died; with ``stop`` too, the groups of ``die`` stop (SIGSTOP) instead of
     dying and are continued (SIGCONT) once g0 synced alone."""
@@ -61,13 +63,16 @@ def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150,
     os.makedirs(tmp_path, exist_ok=True)
     rounds = rounds or {}
 
+    devices = devices or {"g0": "", "g1": ""}
+
     def start(g: str, dies: int, phase: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path),
-                                 g, sync, str(rounds.get(g, ROUNDS)), str(dies), phase], env=env,
+                                 g, sync, str(rounds.get(g, ROUNDS)), str(dies), phase],
+                                env={**env, "FT_DEVICE": devices[g]},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     procs = {g: start(g, die.get(g, -1), phase if g == "g0" or phase != "pace" else "")
-             for g in ("g0", "g1")}
+             for g in devices}
     try:
         if phase == "pace" and stop:  # the stopped group goes on once g0 went on without it
             deadline = time.monotonic() + timeout_s
@@ -145,7 +150,8 @@ def test_a_hung_group_is_evicted_and_rejoins_when_continued(tmp_path):
     assert failure["round_index"] >= 3 and failure["failed_attempts"] >= 1, g0["membership"]
     back = _assert_rejoined(g0, g1)
     for t in range(failure["round_index"], back):  # g0 alone: the mean of its own learners
-        torch.testing.assert_close(g0["z_after"][t], g0["w_before"][t].mean(0), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(g0["z_after"][t], g0["w_before"][t].mean(0),
+                                   rtol=1e-6, atol=1e-7)
     recovered = [c for c in g1["membership"] if c["recovered"]][-1]
     assert recovered["failed_attempts"] >= 1, g1["membership"]  # its stale all-reduce
     print(f"stall of the hung group's sync: {failure['seconds']:.2f} s")
@@ -164,7 +170,8 @@ def test_two_groups_undisturbed_keep_the_same_z(tmp_path):
     log = r["g0"]["log"]
     assert "replica group g0: round 0: 2 live group(s), k = 4 learners" in log, log[-3000:]
     for line in log.splitlines():
-        assert "[INFO]" not in line and ":torchft" not in line and "flight recorder" not in line, line
+        assert "[INFO]" not in line and ":torchft" not in line, line
+        assert "flight recorder" not in line, line
 
 
 @pytest.mark.distributed
@@ -222,6 +229,43 @@ def test_a_checkpointed_run_resumes_bit_identically_when_nothing_fails(tmp_path)
     for g in ("g0", "g1"):
         assert len(resumed[g]["z_after"]) == ROUNDS - 4
         assert torch.equal(resumed[g]["z_after"][-1], whole[g]["z_after"][-1]), g
+
+
+def test_the_global_sync_runs_over_nccl_on_a_cuda_device_and_over_gloo_on_the_host():
+    """The plan's first device picks torchft's process group and where its all-reduce runs."""
+    pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    assert process_group_for("cpu:0") == (ProcessGroupGloo, torch.device("cpu"))
+    assert process_group_for("cpu:1") == (ProcessGroupGloo, torch.device("cpu"))
+    assert process_group_for("cuda:0") == (ProcessGroupNCCL, torch.device("cuda:0"))
+    assert process_group_for("cuda:1") == (ProcessGroupNCCL, torch.device("cuda:1"))
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_a_group_on_a_gpu_syncs_over_nccl(tmp_path):
+    """One group on cuda:0 (one GPU suffices: NCCL refuses two groups on one GPU): its sync
+    runs over torchft's NCCL group, and z after every round is the mean of its 2 learners'
+    weights at the round's start (SMA, α = 1/k, μ_z = 0; the GPU's summation order: rtol 1e-5)."""
+    r = run_groups(tmp_path, "sma", {}, devices={"g0": "cuda:0"})["g0"]
+    assert r["backend"] == "torchft-nccl"
+    assert [(c["groups"], c["learners"]) for c in r["membership"]] == [(1, 2)]
+    for t in range(ROUNDS):
+        torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_two_groups_on_two_gpus_keep_the_same_z_over_nccl(tmp_path):
+    """g0 on cuda:0, g1 on cuda:1, undisturbed: the same z bit for bit after every round, k = 4."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (NCCL refuses two groups on one)")
+    r = run_groups(tmp_path, "sma", {}, min_replicas=2, devices={"g0": "cuda:0", "g1": "cuda:1"})
+    assert r["g0"]["backend"] == r["g1"]["backend"] == "torchft-nccl"
+    for t in range(ROUNDS):
+        assert torch.equal(r["g0"]["z_after"][t], r["g1"]["z_after"][t]), t
+    assert [(c["groups"], c["learners"]) for c in r["g0"]["membership"]] == [(2, 4)]
 
 
 def test_fault_tolerant_options_are_checked_before_training():
