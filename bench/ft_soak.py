@@ -14,6 +14,7 @@ hung or something was left.
     python bench/ft_soak.py --kills 10 --sync sma
     python bench/ft_soak.py --kills 0            # the undisturbed run, for its accuracy
     python bench/ft_soak.py --kills 0 --sigstop --sync diloco
+    python bench/ft_soak.py --kills 10 --sync diloco --lr 0.002 --resume   # restarts resume
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,6 +59,8 @@ def group(i: int, args: argparse.Namespace, address: str, log: str) -> subproces
            "--train-samples", str(args.train_samples), "--test-samples", "2000",
            "--evals-per-epoch", "1", "--target", "0", "--dist-timeout", str(args.timeout),
            "--seed", str(args.seed), "--quiet"] + (["--lr", str(args.lr)] if args.lr else [])
+    if args.resume:  # a checkpoint every epoch; a restart resumes from its group's newest one
+        cmd += ["--checkpoint-dir", os.path.join(args.out, f"g{i}-ckpt"), "--resume"]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     with open(log, "a") as f:
         return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
@@ -108,14 +112,18 @@ def main() -> int:
                         "uniformly: a random round")
     p.add_argument("--lr", type=float, default=None,
                    help="the groups' --lr (OneCycle's peak; default: the CLI's)")
+    p.add_argument("--resume", action="store_true",
+                   help="the groups checkpoint every epoch and g1 restarts with --resume (its "
+                        "epochs and schedule go on); default: a restart starts its fit afresh")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="/tmp/ft_soak")
     p.add_argument("--json", default=None, help="also write the summary there, as JSON")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     logs = [os.path.join(args.out, f"g{i}.log") for i in range(2)]
-    for log in logs:
+    for i, log in enumerate(logs):
         open(log, "w").close()
+        shutil.rmtree(os.path.join(args.out, f"g{i}-ckpt"), ignore_errors=True)
     shm_before = shm()
     port = free_port()
     lh = lighthouse(port, heartbeat_ms=1000)
@@ -175,11 +183,13 @@ def report(address: str, logs: list[str], events: list[str], rc: int, shm_before
     changes = re.findall(r"replica group g0: (round \d+: .*)", text)
     stalls = [float(s) for s in re.findall(r"discarded all-reduce\(s\); this sync took ([\d.]+) s", text)]
     shrinks = [float(s) for s in re.findall(r"1 live group\(s\).*took ([\d.]+) s", text)]
-    alone, rejoins = False, 0  # g1 recovering after g0 went on alone: a sync of 2 groups, k = 2
+    # a rejoin: g1 recovering (2 groups, k = 2) after g0 went on alone after a sync of both (k = 4)
+    met = alone = False
+    rejoins = 0
     for c in changes:
-        alone, rejoins = ((True, rejoins) if ": 1 live group" in c else
-                          (False, rejoins + 1) if alone and "2 live group(s), k = 2 " in c else
-                          (alone, rejoins))
+        met = met or "k = 4 " in c
+        rejoins += alone and "2 live group(s), k = 2 " in c
+        alone = (alone or met and ": 1 live group" in c) and "2 live group(s)" not in c
     acc = re.findall(r"final test accuracy ([\d.]+)", text)
     epochs = [float(a) for a in re.findall(r"^epoch \d+: .*test accuracy ([\d.]+)", text, re.M)]
     for e in events:
