@@ -59,6 +59,7 @@ def group(i: int, args: argparse.Namespace, address: str, log: str) -> subproces
            "--train-samples", str(args.train_samples), "--test-samples", "2000",
            "--evals-per-epoch", "1", "--target", "0", "--dist-timeout", str(args.timeout),
            "--seed", str(args.seed), "--quiet"] + (["--lr", str(args.lr)] if args.lr else [])
+    cmd += ["--lr-schedule", args.lr_schedule] if args.lr_schedule else []
     if args.resume:  # a checkpoint every epoch; a restart resumes from its group's newest one
         cmd += ["--checkpoint-dir", os.path.join(args.out, f"g{i}-ckpt"), "--resume"]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
@@ -112,6 +113,10 @@ def main() -> int:
                         "uniformly: a random round")
     p.add_argument("--lr", type=float, default=None,
                    help="the groups' --lr (OneCycle's peak; default: the CLI's)")
+    p.add_argument("--lr-schedule", default=None,
+                   choices=("onecycle", "multistep", "cosine", "constant"),
+                   help="the groups' --lr-schedule (default: the CLI's, onecycle); a restarted "
+                        "group's schedule starts over (--resume: from its checkpoint)")
     p.add_argument("--resume", action="store_true",
                    help="the groups checkpoint every epoch and g1 restarts with --resume (its "
                         "epochs and schedule go on); default: a restart starts its fit afresh")
