@@ -14,14 +14,17 @@ hung or something was left.
     python bench/ft_soak.py --kills 10 --sync sma
     python bench/ft_soak.py --kills 0            # the undisturbed run, for its accuracy
     python bench/ft_soak.py --kills 0 --sigstop --sync diloco
+    python bench/ft_soak.py --kills 10 --sync diloco --lr 0.002 --resume   # restarts resume
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,7 +58,10 @@ def group(i: int, args: argparse.Namespace, address: str, log: str) -> subproces
            "--sync", args.sync, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
            "--train-samples", str(args.train_samples), "--test-samples", "2000",
            "--evals-per-epoch", "1", "--target", "0", "--dist-timeout", str(args.timeout),
-           "--seed", str(args.seed), "--quiet"]
+           "--seed", str(args.seed), "--quiet"] + (["--lr", str(args.lr)] if args.lr else [])
+    cmd += ["--lr-schedule", args.lr_schedule] if args.lr_schedule else []
+    if args.resume:  # a checkpoint every epoch; a restart resumes from its group's newest one
+        cmd += ["--checkpoint-dir", os.path.join(args.out, f"g{i}-ckpt"), "--resume"]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     with open(log, "a") as f:
         return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
@@ -105,13 +111,24 @@ def main() -> int:
     p.add_argument("--gap", type=float, nargs=2, default=(2.0, 10.0),
                    help="seconds from g1's joining the run (its first sync) to its kill, drawn "
                         "uniformly: a random round")
+    p.add_argument("--lr", type=float, default=None,
+                   help="the groups' --lr (OneCycle's peak; default: the CLI's)")
+    p.add_argument("--lr-schedule", default=None,
+                   choices=("onecycle", "multistep", "cosine", "constant"),
+                   help="the groups' --lr-schedule (default: the CLI's, onecycle); a restarted "
+                        "group's schedule starts over (--resume: from its checkpoint)")
+    p.add_argument("--resume", action="store_true",
+                   help="the groups checkpoint every epoch and g1 restarts with --resume (its "
+                        "epochs and schedule go on); default: a restart starts its fit afresh")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="/tmp/ft_soak")
+    p.add_argument("--json", default=None, help="also write the summary there, as JSON")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     logs = [os.path.join(args.out, f"g{i}.log") for i in range(2)]
-    for log in logs:
+    for i, log in enumerate(logs):
         open(log, "w").close()
+        shutil.rmtree(os.path.join(args.out, f"g{i}-ckpt"), ignore_errors=True)
     shm_before = shm()
     port = free_port()
     lh = lighthouse(port, heartbeat_ms=1000)
@@ -156,16 +173,30 @@ def main() -> int:
         os.killpg(lh.pid, signal.SIGKILL)
         lh.wait()
     time.sleep(1.0)
-    return report(address, logs, events, g0.returncode, shm_before, {g0.pid, g1.pid, lh.pid})
+    summary = report(address, logs, events, g0.returncode, shm_before, {g0.pid, g1.pid, lh.pid})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python bench/ft_soak.py " + " ".join(sys.argv[1:]), **summary},
+                      f, indent=1)
+    return 0 if summary["ok"] else 1
 
 
 def report(address: str, logs: list[str], events: list[str], rc: int, shm_before: set[str],
-           pids: set[int]) -> int:
+           pids: set[int]) -> dict:
+    """Prints g0's membership changes and the summary line; the summary."""
     text = open(logs[0]).read()
     changes = re.findall(r"replica group g0: (round \d+: .*)", text)
     stalls = [float(s) for s in re.findall(r"discarded all-reduce\(s\); this sync took ([\d.]+) s", text)]
     shrinks = [float(s) for s in re.findall(r"1 live group\(s\).*took ([\d.]+) s", text)]
+    # a rejoin: g1 recovering (2 groups, k = 2) after g0 went on alone after a sync of both (k = 4)
+    met = alone = False
+    rejoins = 0
+    for c in changes:
+        met = met or "k = 4 " in c
+        rejoins += alone and "2 live group(s), k = 2 " in c
+        alone = (alone or met and ": 1 live group" in c) and "2 live group(s)" not in c
     acc = re.findall(r"final test accuracy ([\d.]+)", text)
+    epochs = [float(a) for a in re.findall(r"^epoch \d+: .*test accuracy ([\d.]+)", text, re.M)]
     for e in events:
         print(e)
     for c in changes:
@@ -174,12 +205,18 @@ def report(address: str, logs: list[str], events: list[str], rc: int, shm_before
     orphans = subprocess.run(["pgrep", "-f", f"--lighthouse {address} "],
                              capture_output=True, text=True).stdout.split()
     new_shm = sorted(shm() - shm_before)
-    print(f"g0 exit status {rc}; kills {sum('SIGKILL' in e for e in events)}; "
+    kills = sum("SIGKILL" in e for e in events)
+    print(f"g0 exit status {rc}; kills {kills}; "
           f"shrinks seen by g0 {len(shrinks)} (sync seconds {shrinks}); syncs with a discarded "
-          f"all-reduce {len(stalls)} (seconds {stalls}); g0 final test accuracy "
-          f"{acc[-1] if acc else '?'}; processes left {left + orphans}; new /dev/shm entries "
-          f"{new_shm}")
-    return 0 if rc == 0 and not left and not orphans and not new_shm else 1
+          f"all-reduce {len(stalls)} (seconds {stalls}); rejoins seen by g0 {rejoins}; g0 final "
+          f"test accuracy {acc[-1] if acc else '?'}; processes left {left + orphans}; new "
+          f"/dev/shm entries {new_shm}")
+    return {"g0_exit_status": rc, "kills": kills, "events": events, "shrink_sync_seconds": shrinks,
+            "discarded_all_reduce_sync_seconds": stalls, "rejoins": rejoins,
+            "test_accuracy_per_epoch": epochs,
+            "first_epoch_at_97": next((i + 1 for i, a in enumerate(epochs) if a >= 0.97), None),
+            "final_accuracy": float(acc[-1]) if acc else None, "processes_left": left + orphans,
+            "new_shm": new_shm, "ok": rc == 0 and not left and not orphans and not new_shm}
 
 
 if __name__ == "__main__":

@@ -83,9 +83,10 @@ def build_parts(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
     """
     ft = None
     if options.distributed is not None and options.distributed.fault_tolerant:
-        learners = None if options.tuned else options.replicas * len(resolve_devices(options.devices))
-        check_fault_tolerant(options.sync, options.executor, learners)
-        ft = FaultTolerantSync(options.distributed)  # ImportError without torchft
+        names = resolve_devices(options.devices)
+        check_fault_tolerant(options.sync, options.executor,
+                             None if options.tuned else options.replicas * len(names))
+        ft = FaultTolerantSync(options.distributed, names[0])  # ImportError without torchft
     names, comm = devices_and_comm(options.devices, options.distributed)
     if options.cuda_graphs and (refusal := cuda_graphs_refusal(names)):
         raise ValueError(refusal)

@@ -1,19 +1,22 @@
 """One torchft replica group of the fault-tolerance tests (tests/test_ft.py):
 ``python _ft_group.py OUT_DIR GROUP SYNC ROUNDS DIE_AT [PHASE]`` with ``TORCHFT_LIGHTHOUSE`` set.
 
-TinyNet, 1 device × 2 replicas, b = 4, its own data (seeded by the group's number), ``SYNC``
-``sma`` (SMA with α = 1/k, μ_z = 0: z after a sync is the mean of the live learners' weights at
-the round's start) or ``diloco`` (DiLoCo, H = 2, inner AdamW), ROUNDS rounds. ``DIE_AT`` ≥ 0:
+TinyNet, 1 device (``FT_DEVICE``, else the CPU) × 2 replicas, b = 4, its own data (seeded by
+the group's number), ``SYNC`` ``sma`` (SMA with α = 1/k, μ_z = 0: z after a sync is the mean of
+the live learners' weights at the round's start) or ``diloco`` (DiLoCo, H = 2, inner AdamW), ROUNDS rounds. ``DIE_AT`` ≥ 0:
 the group SIGKILLs itself in the first sync from round DIE_AT on that follows a sync of both
 groups' 4 learners and has both in its quorum (the groups may start out of step: a group that
 arrives late syncs alone, or recovers, first), after the quorum and before the all-reduce (the
 others' all-reduce fails and is discarded). ``PHASE`` ``first``: stop after 4
 rounds with a checkpoint in ``OUT_DIR/GROUP-ckpt``; ``resume``: resume from it; ``pace``: while
-alone, wait 0.2 s after each round (a late or restarted group then has time to join), and stop 6
-rounds after another group rejoined a group left alone after a sync of both. Writes ``GROUP.pt``: per round the
-replicas' weights at its start and z after it, the membership changes, or ``error``."""
+alone, wait 0.2 s after each round (a late or restarted group then has time to join), write
+``OUT_DIR/GROUP.alone`` once alone after a sync of both, and stop 6 rounds after another group
+rejoined. Writes ``GROUP.pt``: per round the
+replicas' weights at its start and z after it, the membership changes, or ``error``. Logs at INFO
+(``logging.basicConfig``), as an application that logs its own progress."""
 
 import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -46,10 +49,11 @@ class _Record(cg.Hook):
 
 def plan_of(group: str, sync: str) -> cg.Plan:
     dist = cg.Distributed(fault_tolerant=True, replica_group=group, timeout_s=10.0)
+    devices = [os.environ["FT_DEVICE"]] if os.environ.get("FT_DEVICE") else 1
     if sync == "sma":
-        return make_plan(TinyNet, seed=0, batch_size=B, devices=1, replicas=M,
+        return make_plan(TinyNet, seed=0, batch_size=B, devices=devices, replicas=M,
                             sync=cg.SMA(central_momentum=0.0), distributed=dist)
-    return make_plan(TinyNet, seed=0, batch_size=B, devices=1, replicas=M,
+    return make_plan(TinyNet, seed=0, batch_size=B, devices=devices, replicas=M,
                         sync=cg.DiLoCo(sync_every=2),
                         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
                         distributed=dist)
@@ -63,10 +67,12 @@ def die_in_sync(plan: cg.Plan, round_index: int) -> None:
     ft = plan.scheduler.ft
     manager = ft.manager
     allreduce = manager.allreduce
+    fired = []  # once: a continued group (SIGCONT) goes on with this all-reduce
 
     def dying(*args, **kwargs):
-        if plan.scheduler.round_index >= round_index and ft.live_learners == 4 \
+        if not fired and plan.scheduler.round_index >= round_index and ft.live_learners == 4 \
                 and manager.num_participants() == 2:
+            fired.append(True)
             os.kill(os.getpid(), sig)
         return allreduce(*args, **kwargs)
 
@@ -79,6 +85,9 @@ class _StopAfter(cg.Hook):
 
 
 class _Pace(cg.Hook):
+    def __init__(self, alone_file: str) -> None:
+        self.alone_file = alone_file
+
     def after_round(self, ctx) -> None:
         changes = ctx.plan.scheduler.ft.membership
         if changes and changes[-1].groups == 1:  # alone: give the other group time to (re)join
@@ -86,6 +95,8 @@ class _Pace(cg.Hook):
         both = [i for i, c in enumerate(changes) if (c.groups, c.learners) == (2, 4)]
         # alone after a sync of both groups (a group that started first was alone before it)
         alone = [i for i, c in enumerate(changes) if c.groups == 1 and both and i > both[0]]
+        if alone and not os.path.exists(self.alone_file):
+            open(self.alone_file, "w").close()
         if alone and len(changes) > alone[0] + 1 and \
                 ctx.plan.rounds_done >= changes[alone[0] + 1].round_index + 6:
             ctx.stop = True
@@ -93,6 +104,7 @@ class _Pace(cg.Hook):
 
 def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str = "") -> None:
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO)
     result = {}
     rec = _Record()
     try:
@@ -102,9 +114,11 @@ def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str =
         data = tiny_data(rounds * B * M, seed=int(group[-1]) + 1)
         ckpt = dict(checkpoint_dir=os.path.join(out, f"{group}-ckpt"), checkpoint_every=4,
                     resume=phase == "resume") if phase else {}
-        hooks = [rec] + {"first": [_StopAfter()], "pace": [_Pace()]}.get(phase, [])
+        hooks = [rec] + {"first": [_StopAfter()],
+                         "pace": [_Pace(os.path.join(out, f"{group}.alone"))]}.get(phase, [])
         plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None, hooks=hooks, **ckpt)
         result.update(rounds=plan.rounds_done, summary=plan.summary(),
+                      backend=plan.scheduler.ft.manager._pg.getBackendName(),
                       membership=[dataclasses.asdict(c) for c in plan.scheduler.ft.membership])
     except TaskError as exc:
         result.update(error=str(exc))

@@ -6,6 +6,7 @@ The options' errors need no torchft; the rest is skipped without it (the ``ft`` 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import crossbow_graph as cg
-from crossbow_graph.engine.ft import check_fault_tolerant
+from crossbow_graph.engine.ft import check_fault_tolerant, process_group_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS = 16
@@ -46,36 +47,46 @@ def start_lighthouse(**flags: int) -> tuple[subprocess.Popen, str]:
 
 
 def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150, phase: str = "",
-               min_replicas: int = 1, rounds: dict[str, int] | None = None, stop: bool = False):
-    """Groups g0, g1 of tests/_ft_group.py against a fresh Lighthouse; {group: result}. With
+               min_replicas: int = 1, rounds: dict[str, int] | None = None, stop: bool = False,
+               devices: dict[str, str] | None = None):
+    """Groups g0, g1 (those of ``devices``, each on its device, when given; else on the CPU) of
+    tests/_ft_group.py against a fresh Lighthouse; {group: result}. With
     ``phase="pace"`` g0 paces itself once alone, and a group of ``die`` is restarted (without
-    dying) once it died. ``stop``: the groups of ``die`` stop (SIGSTOP) instead of dying, and are
-    SIGKILLed once the others ended."""
+    dying) once it died; with ``stop`` too, the groups of ``die`` stop (SIGSTOP) instead of
+    dying and are continued (SIGCONT) once g0 synced alone."""
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
     lighthouse, address = start_lighthouse(min_replicas=min_replicas)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RUST_LOG")}
     env.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1",
                FT_DIE_SIGNAL="STOP" if stop else "KILL")
     os.makedirs(tmp_path, exist_ok=True)
     rounds = rounds or {}
 
+    devices = devices or {"g0": "", "g1": ""}
+
     def start(g: str, dies: int, phase: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path),
-                                 g, sync, str(rounds.get(g, ROUNDS)), str(dies), phase], env=env,
+                                 g, sync, str(rounds.get(g, ROUNDS)), str(dies), phase],
+                                env={**env, "FT_DEVICE": devices[g]},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     procs = {g: start(g, die.get(g, -1), phase if g == "g0" or phase != "pace" else "")
-             for g in ("g0", "g1")}
+             for g in devices}
     try:
-        if phase == "pace":  # the dead group starts again and rejoins
+        if phase == "pace" and stop:  # the stopped group goes on once g0 went on without it
+            deadline = time.monotonic() + timeout_s
+            while not (tmp_path / "g0.alone").exists() and procs["g0"].poll() is None \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for g in die:  # (also when it never stopped: g0 ended or never synced alone)
+                os.kill(procs[g].pid, signal.SIGCONT)
+        elif phase == "pace":  # the dead group starts again and rejoins
             for g in die:
                 procs[g].communicate(timeout=timeout_s)
                 procs[g] = start(g, -1, "")
-            die = {}
-        logs = {g: p.communicate(timeout=timeout_s)[0] for g, p in procs.items() if g not in die or not stop}
-        for g in die if stop else ():  # stopped for good: the others went on without it
-            procs[g].kill()
-            logs[g] = procs[g].communicate()[0]
+        die = {} if phase == "pace" else die
+        logs = {g: p.communicate(timeout=timeout_s)[0] for g, p in procs.items()}
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -91,6 +102,7 @@ def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150,
             assert p.returncode == 0, (g, p.returncode, logs[g][-3000:])
             results[g] = torch.load(tmp_path / f"{g}.pt", weights_only=False)
             assert "error" not in results[g], results[g]["error"]
+            results[g]["log"] = logs[g]
     return results
 
 
@@ -122,28 +134,44 @@ def test_sma_survivor_discards_the_failed_all_reduce_and_averages_the_live_learn
 
 
 @pytest.mark.distributed
-def test_a_hung_group_is_evicted_and_the_survivor_goes_on(tmp_path):
+def test_a_hung_group_is_evicted_and_rejoins_when_continued(tmp_path):
     """g1 stops (SIGSTOP) in a sync's all-reduce from round 3 on: g0's all-reduce fails at the
     gloo timeout (``timeout_s`` 10), is discarded, the Lighthouse has evicted g1 (no heartbeat
-    for 1 s), and g0 finishes with z the mean of its own learners from that round on."""
-    r = run_groups(tmp_path, "sma", {"g1": 3}, stop=True)["g0"]
-    assert r["rounds"] == ROUNDS
-    failure = _after_four(r["membership"])
-    assert failure["round_index"] >= 3 and failure["failed_attempts"] >= 1, r["membership"]
-    assert (failure["groups"], failure["learners"]) == (1, 2)
-    for t in range(failure["round_index"], ROUNDS):
-        torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-6, atol=1e-7)
+    for 1 s), and g0 goes on with z the mean of its own learners. Continued (SIGCONT) once g0
+    synced alone, g1's stale all-reduce fails (g0 left that process group), is discarded, and g1
+    rejoins at the next quorum, recovering z from g0: then as a restarted group (below)."""
+    for attempt in range(3):  # see the restarted-group test: both groups must meet first
+        r = run_groups(tmp_path / str(attempt), "sma", {"g1": 3}, phase="pace", stop=True,
+                       rounds={"g0": 400, "g1": 60})
+        if _stopped_and_back(r["g0"]["membership"]):
+            break
+    g0, g1 = r["g0"], r["g1"]
+    failure = _after_four(g0["membership"])
+    assert failure["round_index"] >= 3 and failure["failed_attempts"] >= 1, g0["membership"]
+    back = _assert_rejoined(g0, g1)
+    for t in range(failure["round_index"], back):  # g0 alone: the mean of its own learners
+        torch.testing.assert_close(g0["z_after"][t], g0["w_before"][t].mean(0),
+                                   rtol=1e-6, atol=1e-7)
+    recovered = [c for c in g1["membership"] if c["recovered"]][-1]
+    assert recovered["failed_attempts"] >= 1, g1["membership"]  # its stale all-reduce
     print(f"stall of the hung group's sync: {failure['seconds']:.2f} s")
 
 
 @pytest.mark.distributed
 def test_two_groups_undisturbed_keep_the_same_z(tmp_path):
     """No failure: both groups hold the same z bit for bit after every round (the same
-    all-reduced sum, the same update), k = 4 throughout."""
+    all-reduced sum, the same update), k = 4 throughout; no line of torchft's per-sync log."""
     r = run_groups(tmp_path, "sma", {}, min_replicas=2)  # the Lighthouse waits for both
     for t in range(ROUNDS):
         assert torch.equal(r["g0"]["z_after"][t], r["g1"]["z_after"][t]), t
     assert [(c["groups"], c["learners"]) for c in r["g0"]["membership"]] == [(2, 4)]
+    # torchft's per-sync INFO lines (its Rust log, its Python loggers under the groups' INFO
+    # logging config) stay out of the output; the membership change is in it
+    log = r["g0"]["log"]
+    assert "replica group g0: round 0: 2 live group(s), k = 4 learners" in log, log[-3000:]
+    for line in log.splitlines():
+        assert "[INFO]" not in line and ":torchft" not in line, line
+        assert "flight recorder" not in line, line
 
 
 @pytest.mark.distributed
@@ -160,12 +188,24 @@ def test_a_restarted_group_rejoins_and_recovers_z_and_the_outer_state(tmp_path, 
     for attempt in range(3):
         r = run_groups(tmp_path / str(attempt), sync, {"g1": 3}, phase="pace",
                        rounds={"g0": 400, "g1": 60})
-        ks = [(c["groups"], c["learners"]) for c in r["g0"]["membership"]]
-        if (2, 4) in ks and ks[-1] == (2, 4) and (1, 2) in ks[ks.index((2, 4)):]:
+        if _stopped_and_back(r["g0"]["membership"]):
             break
-    g0, g1 = r["g0"], r["g1"]
-    # the restarted g1 recovers from g0 (its first quorum may come before g0 asks: alone, then it recovers)
-    first = next((c for c in g1["membership"] if c["recovered"] and c["groups"] == 2), None)
+    _assert_rejoined(r["g0"], r["g1"])
+
+
+def _stopped_and_back(changes: list[dict]) -> bool:
+    """g0's k went 4 → 2 after a sync of both groups and ends at 4."""
+    ks = [(c["groups"], c["learners"]) for c in changes]
+    return (2, 4) in ks and ks[-1] == (2, 4) and (1, 2) in ks[ks.index((2, 4)):]
+
+
+def _assert_rejoined(g0: dict, g1: dict) -> int:
+    """g1 recovered from g0 in a quorum of both after g0 went on alone, g0's k went 4 → 2 → 4,
+    and from g1's recovery on both hold the same z bit for bit after every sync (at least 5);
+    g0's round of that recovery."""
+    # the last recovery (g1's first quorum may come before g0 asks: alone, then it recovers; a
+    # continued g1 may also have recovered when it first arrived)
+    first = ([c for c in g1["membership"] if c["recovered"] and c["groups"] == 2] or [None])[-1]
     assert first is not None, (g1["membership"], g0["membership"], g0["rounds"], len(g1["z_after"]))
     failure = _after_four(g0["membership"])
     assert failure["round_index"] >= 3 and (failure["groups"], failure["learners"]) == (1, 2)
@@ -176,6 +216,7 @@ def test_a_restarted_group_rejoins_and_recovers_z_and_the_outer_state(tmp_path, 
     assert shared >= 5
     for i in range(shared):
         assert torch.equal(g0["z_after"][back + i], g1["z_after"][first["round_index"] + i]), i
+    return back
 
 
 @pytest.mark.distributed
@@ -188,6 +229,43 @@ def test_a_checkpointed_run_resumes_bit_identically_when_nothing_fails(tmp_path)
     for g in ("g0", "g1"):
         assert len(resumed[g]["z_after"]) == ROUNDS - 4
         assert torch.equal(resumed[g]["z_after"][-1], whole[g]["z_after"][-1]), g
+
+
+def test_the_global_sync_runs_over_nccl_on_a_cuda_device_and_over_gloo_on_the_host():
+    """The plan's first device picks torchft's process group and where its all-reduce runs."""
+    pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    assert process_group_for("cpu:0") == (ProcessGroupGloo, torch.device("cpu"))
+    assert process_group_for("cpu:1") == (ProcessGroupGloo, torch.device("cpu"))
+    assert process_group_for("cuda:0") == (ProcessGroupNCCL, torch.device("cuda:0"))
+    assert process_group_for("cuda:1") == (ProcessGroupNCCL, torch.device("cuda:1"))
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_a_group_on_a_gpu_syncs_over_nccl(tmp_path):
+    """One group on cuda:0 (one GPU suffices: NCCL refuses two groups on one GPU): its sync
+    runs over torchft's NCCL group, and z after every round is the mean of its 2 learners'
+    weights at the round's start (SMA, α = 1/k, μ_z = 0; the GPU's summation order: rtol 1e-5)."""
+    r = run_groups(tmp_path, "sma", {}, devices={"g0": "cuda:0"})["g0"]
+    assert r["backend"] == "torchft-nccl"
+    assert [(c["groups"], c["learners"]) for c in r["membership"]] == [(1, 2)]
+    for t in range(ROUNDS):
+        torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_two_groups_on_two_gpus_keep_the_same_z_over_nccl(tmp_path):
+    """g0 on cuda:0, g1 on cuda:1, undisturbed: the same z bit for bit after every round, k = 4."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (NCCL refuses two groups on one)")
+    r = run_groups(tmp_path, "sma", {}, min_replicas=2, devices={"g0": "cuda:0", "g1": "cuda:1"})
+    assert r["g0"]["backend"] == r["g1"]["backend"] == "torchft-nccl"
+    for t in range(ROUNDS):
+        assert torch.equal(r["g0"]["z_after"][t], r["g1"]["z_after"][t]), t
+    assert [(c["groups"], c["learners"]) for c in r["g0"]["membership"]] == [(2, 4)]
 
 
 def test_fault_tolerant_options_are_checked_before_training():

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("crossbow_graph.ft")
 
-__all__ = ["FaultTolerantSync", "MembershipChange", "import_torchft", "check_fault_tolerant"]
+__all__ = ["FaultTolerantSync", "MembershipChange", "import_torchft", "check_fault_tolerant",
+           "process_group_for"]
 
 
 def check_fault_tolerant(sync: Any, executor: str, num_learners: int | None) -> None:
@@ -49,7 +51,11 @@ def check_fault_tolerant(sync: Any, executor: str, num_learners: int | None) -> 
 
 
 def import_torchft() -> Any:
-    """The ``torchft`` module. Raises ImportError naming the extra when it is not installed."""
+    """The ``torchft`` module, its Rust log at WARNING unless ``RUST_LOG`` is set (read once, at
+    the first import). Raises ImportError naming the extra when it is not installed."""
+    quiet = "RUST_LOG" not in os.environ and "torchft._torchft" not in sys.modules
+    if quiet:
+        os.environ["RUST_LOG"] = "warn"  # for torchft's import only: not the processes we start
     try:
         import torchft
         import torchft.manager  # noqa: F401
@@ -58,7 +64,47 @@ def import_torchft() -> Any:
         raise ImportError(
             "Distributed(fault_tolerant=True) (--fault-tolerant) runs on torchft, which is not "
             "installed: pip install 'crossbow_graph[ft]' (torchft==0.2.0)") from exc
+    finally:
+        if quiet:
+            del os.environ["RUST_LOG"]
     return torchft
+
+
+class _QuietTorchft(logging.Filter):
+    """torchft's Python loggers that nobody configured (no level, no handler: not its
+    OpenTelemetry export) at WARNING, and its warning about NCCL's flight recorder (a torch
+    built without it) dropped, until ``restore``."""
+
+    NAMES = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quieted = [lg for lg in map(logging.getLogger, self.NAMES)
+                        if lg.level == logging.NOTSET and not lg.handlers]
+        for lg in self.quieted:
+            lg.setLevel(logging.WARNING)
+        logging.getLogger("torchft.manager").addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NCCL flight recorder" not in record.getMessage()
+
+    def restore(self) -> None:
+        for lg in self.quieted:
+            lg.setLevel(logging.NOTSET)
+        self.quieted = []
+        logging.getLogger("torchft.manager").removeFilter(self)
+
+
+def process_group_for(device: str) -> tuple[type, torch.device]:
+    """torchft's reconfigurable process group for a plan whose first device is ``device``, and
+    the device its all-reduce runs on: ``ProcessGroupNCCL`` on that CUDA device, else
+    ``ProcessGroupGloo`` on the host."""
+    from torchft import process_group
+
+    where = torch.device(device)
+    if where.type == "cuda":
+        return process_group.ProcessGroupNCCL, where
+    return process_group.ProcessGroupGloo, torch.device("cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +137,7 @@ class FaultTolerantSync:
         settings: ``Distributed`` with ``fault_tolerant=True``: ``lighthouse`` (or the
             ``TORCHFT_LIGHTHOUSE`` variable), ``replica_group``, ``min_replicas``, ``timeout_s``
             (collectives, recovery, and the quorum's wait).
+        device: the plan's first device (``process_group_for``: NCCL on CUDA, else gloo).
 
     Attributes:
         live_learners: k of the last committed sync (None before the first): α = 1/k of the next
@@ -103,10 +150,9 @@ class FaultTolerantSync:
         ValueError: no Lighthouse address, or torchrun started several processes in this group.
     """
 
-    def __init__(self, settings: "Distributed") -> None:
+    def __init__(self, settings: "Distributed", device: str = "cpu") -> None:
         import_torchft()
         from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
         lighthouse = settings.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
@@ -122,10 +168,14 @@ class FaultTolerantSync:
         self.replica_group = settings.replica_group or os.environ.get("REPLICA_GROUP_ID", "0")
         self.attempts = settings.ft_attempts
         timeout = datetime.timedelta(seconds=settings.timeout_s)
+        process_group, self.device = process_group_for(device)
+        if self.device.type == "cuda":  # torchft's NCCL group sets it itself, with a warning
+            os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(settings.timeout_s))
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True,
                                                  wait_for_workers=False)
+        self._quiet = _QuietTorchft()  # a fit prints membership changes, not every sync
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=settings.min_replicas,
+            pg=process_group(timeout=timeout), min_replica_size=settings.min_replicas,
             load_state_dict=self._load, state_dict=self._save, use_async_quorum=False,
             init_sync=False,  # the groups start from the same seeded model; a joiner recovers
             replica_id=self.replica_group, store_addr="127.0.0.1", store_port=self._store.port,
@@ -172,10 +222,11 @@ class FaultTolerantSync:
         """
         self._ctx = ctx
         P, Q = total.shape[0], bufs[0].shape[1]
-        sent = torch.empty(P + Q + 1, dtype=total.dtype)  # [P + Q + 1] on the host (gloo)
+        sent = torch.empty(P + Q + 1, dtype=total.dtype, device=self.device)  # [P + Q + 1]
         sent[:P].copy_(total)
         if Q:
-            torch.sum(torch.cat([b.to("cpu", total.dtype) for b in bufs]), dim=0, out=sent[P:P + Q])
+            torch.sum(torch.cat([b.to(self.device, total.dtype) for b in bufs]), dim=0,
+                      out=sent[P:P + Q])
         sent[P + Q] = sum(s.m for s in ctx.states)
         start = time.perf_counter()
         self._recovered = False  # set by _load, in any of the attempts
@@ -196,12 +247,13 @@ class FaultTolerantSync:
     def _attempt(self, sent: torch.Tensor) -> torch.Tensor | None:
         """One quorum, all-reduce and commit of ``sent``; the sum, or None when discarded."""
         manager = self.manager
-        manager.start_quorum()  # may recover this group's state from a peer (_load)
-        if self._recovered:  # (again after a failed attempt: sent stays zero)
-            sent.zero_()  # taken against the stale z: this group joins from the next sync
-        flat = sent.clone()
-        manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
-        return flat if manager.should_commit() else None
+        with torch.accelerator.device_index(self.device.index):  # NCCL's device (None: the host)
+            manager.start_quorum()  # may recover this group's state from a peer (_load)
+            if self._recovered:  # (again after a failed attempt: sent stays zero)
+                sent.zero_()  # taken against the stale z: this group joins from the next sync
+            flat = sent.clone()
+            manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+            return flat if manager.should_commit() else None
 
     def _record(self, round_index: int, k: int, failed: int, seconds: float) -> None:
         groups = self.manager.num_participants()
@@ -236,5 +288,6 @@ class FaultTolerantSync:
                 f"{last.round_index}); {len(self.membership)} membership change(s)")
 
     def close(self) -> None:
-        """Shut the Manager down (its servers and threads)."""
+        """Shut the Manager down (its servers and threads); torchft's loggers as they were."""
         self.manager.shutdown(wait=False)
+        self._quiet.restore()
