@@ -11,7 +11,12 @@ others' all-reduce fails and is discarded). ``PHASE`` ``first``: stop after 4
 rounds with a checkpoint in ``OUT_DIR/GROUP-ckpt``; ``resume``: resume from it; ``pace``: while
 alone, wait 0.2 s after each round (a late or restarted group then has time to join), and stop 6
 rounds after another group rejoined a group left alone after a sync of both. Writes ``GROUP.pt``: per round the
-replicas' weights at its start and z after it, the membership changes, or ``error``."""
+replicas' weights at its start and z after it, the membership changes, or ``error``.
+
+With torchrun's variables (RANK, WORLD_SIZE = W, MASTER_ADDR, MASTER_PORT) this process is rank
+RANK of a group of W processes: its data is W times as long (the ranks share it, so the group
+still runs ROUNDS rounds), the sync it dies in follows one of both groups' 2·W·2 learners, and
+it writes ``GROUP-RANK.pt``."""
 
 import dataclasses
 import os
@@ -28,6 +33,7 @@ from crossbow_graph.errors import TaskError  # noqa: E402
 from _plans import TinyNet, make_plan, tiny_data  # noqa: E402
 
 B, M = 4, 2
+W, RANK = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
 
 class _Record(cg.Hook):
@@ -57,15 +63,15 @@ def plan_of(group: str, sync: str) -> cg.Plan:
 
 def die_in_sync(plan: cg.Plan, round_index: int) -> None:
     """SIGKILL (``FT_DIE_SIGNAL=STOP``: SIGSTOP) this process in the all-reduce (after its
-    quorum) of the first sync from round ``round_index`` on after a sync of 4 learners with 2
-    groups in the quorum."""
+    quorum) of the first sync from round ``round_index`` on after a sync of both groups' 2·W·M
+    learners with 2 groups in the quorum."""
     sig = signal.SIGSTOP if os.environ.get("FT_DIE_SIGNAL") == "STOP" else signal.SIGKILL
     ft = plan.scheduler.ft
     manager = ft.manager
     allreduce = manager.allreduce
 
     def dying(*args, **kwargs):
-        if plan.scheduler.round_index >= round_index and ft.live_learners == 4 \
+        if plan.scheduler.round_index >= round_index and ft.live_learners == 2 * W * M \
                 and manager.num_participants() == 2:
             os.kill(os.getpid(), sig)
         return allreduce(*args, **kwargs)
@@ -99,7 +105,7 @@ def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str =
         plan = plan_of(group, sync)
         if die_at >= 0:
             die_in_sync(plan, die_at)
-        data = tiny_data(rounds * B * M, seed=int(group[-1]) + 1)
+        data = tiny_data(rounds * B * M * W, seed=int(group[-1]) + 1)
         ckpt = dict(checkpoint_dir=os.path.join(out, f"{group}-ckpt"), checkpoint_every=4,
                     resume=phase == "resume") if phase else {}
         hooks = [rec] + {"first": [_StopAfter()], "pace": [_Pace()]}.get(phase, [])
@@ -109,7 +115,7 @@ def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str =
     except TaskError as exc:
         result.update(error=str(exc))
     result.update(w_before=rec.w_before, z_after=rec.z_after)
-    torch.save(result, os.path.join(out, f"{group}.pt"))
+    torch.save(result, os.path.join(out, f"{group}.pt" if W == 1 else f"{group}-{RANK}.pt"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+"""Replica groups of several processes under torchft (docs/distributed.md, "Fault tolerance"):
+two groups g0, g1 of W = 2 ranks each (torchrun's variables and a store per group, as torchrun
+sets them; each rank 1 device × 2 replicas of tests/_ft_group.py, SMA with α = 1/k, μ_z = 0)
+against a real Lighthouse on gloo. Oracle: z after a sync is the mean of the live learners'
+weights at the round's start, over every rank of every live group. Skipped without torchft."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_ft import HERE, ROUNDS, _free_port, start_lighthouse
+
+W = 2  # ranks per group
+GROUPS = ("g0", "g1")
+
+
+def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1,
+                    timeout_s: float = 150) -> dict[tuple[str, int], dict]:
+    """Groups g0, g1 of W ranks each; {(group, rank): result} of the groups that do not die.
+    Every rank of a group in ``die`` SIGKILLs itself in the same sync (tests/_ft_group.py)."""
+    pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
+    lighthouse, address = start_lighthouse(min_replicas=min_replicas)
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    base.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1",
+                FT_DIE_SIGNAL="KILL")
+    os.makedirs(tmp_path, exist_ok=True)
+    procs = {}
+    try:
+        for g in GROUPS:
+            port = str(_free_port())  # the group's store: rank 0's process group hosts it
+            for r in range(W):
+                env = dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(W),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                procs[g, r] = subprocess.Popen(
+                    [sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path), g, "sma",
+                     str(ROUNDS), str(die.get(g, -1))],
+                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        logs = {key: p.communicate(timeout=timeout_s)[0] for key, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lighthouse.kill()
+        lighthouse.wait()
+    results = {}
+    for (g, r), p in procs.items():
+        if g in die:
+            assert p.returncode == -9, (g, r, p.returncode, logs[g, r][-3000:])
+            continue
+        assert p.returncode == 0, (g, r, p.returncode, logs[g, r][-3000:])
+        results[g, r] = torch.load(tmp_path / f"{g}-{r}.pt", weights_only=False)
+        assert "error" not in results[g, r], results[g, r]["error"]
+    return results
+
+
+def _group_mean(results: dict, g: str, t: int) -> torch.Tensor:
+    """The mean over group g's W·2 learners of their weights at round t's start, ``[P]``."""
+    return torch.cat([results[g, r]["w_before"][t] for r in range(W)]).mean(0)
+
+
+def _unclocked(changes: list[dict]) -> list[dict]:
+    """Membership changes without their wall seconds (each rank's own)."""
+    return [{k: v for k, v in c.items() if k != "seconds"} for c in changes]
+
+
+@pytest.mark.distributed
+def test_two_groups_of_two_ranks_average_all_eight_learners(tmp_path):
+    """Undisturbed: after every round z is bit for bit the same on all 4 processes and equals
+    the mean of the 8 learners' weights at the round's start (float32 summation order: rtol
+    1e-6); k = 8 throughout."""
+    r = run_rank_groups(tmp_path, {}, min_replicas=2)  # the Lighthouse waits for both groups
+    for t in range(ROUNDS):
+        z = r["g0", 0]["z_after"][t]
+        for key in r:
+            assert torch.equal(r[key]["z_after"][t], z), (key, t)
+        mean = torch.cat([r[key]["w_before"][t] for key in r]).mean(0)  # [8, P] → [P]
+        torch.testing.assert_close(z, mean, rtol=1e-6, atol=1e-7)
+    for key in r:
+        assert [(c["groups"], c["learners"]) for c in r[key]["membership"]] == [(2, 8)], key
+        assert _unclocked(r[key]["membership"]) == _unclocked(r["g0", 0]["membership"]), key
+    assert "replica group 'g0' of 2 processes (torchft): 2 live group(s), k = 8" \
+        in r["g0", 0]["summary"]
+
+
+@pytest.mark.distributed
+def test_a_killed_group_of_two_ranks_is_left_out_and_the_survivor_averages_its_own(tmp_path):
+    """Both ranks of g1 die in a sync from round 3 on: g0's all-reduce of that round is
+    discarded on both its ranks (one commit decision), the quorum shrinks to g0 and z after that
+    round and every later one is the mean of g0's 4 learners at the round's start (rtol 1e-6),
+    the same on both ranks; before it z held g1's learners too; g0 finishes all rounds."""
+    r = run_rank_groups(tmp_path, {"g1": 3})
+    changes = r["g0", 0]["membership"]
+    assert _unclocked(changes) == _unclocked(r["g0", 1]["membership"])
+    ks = [(c["groups"], c["learners"]) for c in changes]
+    assert (2, 8) in ks, changes  # a group that arrived late may have synced alone first
+    failure = changes[ks.index((2, 8)) + 1]
+    t0 = failure["round_index"]
+    assert t0 >= 3 and failure["failed_attempts"] >= 1, changes
+    assert (failure["groups"], failure["learners"]) == (1, 4)
+    for rank in range(W):
+        assert r["g0", rank]["rounds"] == ROUNDS
+    for t in range(t0, ROUNDS):
+        assert torch.equal(r["g0", 0]["z_after"][t], r["g0", 1]["z_after"][t]), t
+        torch.testing.assert_close(r["g0", 0]["z_after"][t], _group_mean(r, "g0", t),
+                                   rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(r["g0", 0]["z_after"][t0 - 1], _group_mean(r, "g0", t0 - 1),
+                              rtol=1e-4, atol=1e-5)
