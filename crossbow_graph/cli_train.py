@@ -267,7 +267,7 @@ def run_train(args: argparse.Namespace) -> int:
         sys.stdout.write(f"rank {comm.rank}/{comm.world_size}: z checksum "
                          f"{z_digest(plan.central_weights())} after {plan.rounds_done} rounds\n")
         sys.stdout.flush()
-    for c in history.membership:  # torchft: every change of the live groups
+    for c in history.membership if main_rank else ():  # torchft: every change of the live groups
         print(f"membership: round {c.round_index}: {c.groups} group(s), k = {c.learners}"
               + (" (recovered from a peer)" if c.recovered else "")
               + (f" after {c.failed_attempts} discarded all-reduce(s)" if c.failed_attempts else ""),

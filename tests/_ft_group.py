@@ -89,7 +89,7 @@ class _Pace(cg.Hook):
         changes = ctx.plan.scheduler.ft.membership
         if changes and changes[-1].groups == 1:  # alone: give the other group time to (re)join
             time.sleep(0.2)
-        both = [i for i, c in enumerate(changes) if (c.groups, c.learners) == (2, 4)]
+        both = [i for i, c in enumerate(changes) if (c.groups, c.learners) == (2, 2 * W * M)]
         # alone after a sync of both groups (a group that started first was alone before it)
         alone = [i for i, c in enumerate(changes) if c.groups == 1 and both and i > both[0]]
         if alone and len(changes) > alone[0] + 1 and \

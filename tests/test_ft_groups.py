@@ -19,10 +19,13 @@ W = 2  # ranks per group
 GROUPS = ("g0", "g1")
 
 
-def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1,
-                    timeout_s: float = 150) -> dict[tuple[str, int], dict]:
+def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1, restart: bool = False,
+                    rounds: dict[str, int] | None = None, timeout_s: float = 150
+                    ) -> dict[tuple[str, int], dict]:
     """Groups g0, g1 of W ranks each; {(group, rank): result} of the groups that do not die.
-    Every rank of a group in ``die`` SIGKILLs itself in the same sync (tests/_ft_group.py)."""
+    Every rank of a group in ``die`` SIGKILLs itself in the same sync (tests/_ft_group.py);
+    ``restart``: g0 paces itself (phase ``pace``) and a group of ``die`` starts again (a new
+    store, as a new torchrun job) once all its ranks died."""
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
     lighthouse, address = start_lighthouse(min_replicas=min_replicas)
     base = {k: v for k, v in os.environ.items()
@@ -30,17 +33,27 @@ def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1,
     base.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1",
                 FT_DIE_SIGNAL="KILL")
     os.makedirs(tmp_path, exist_ok=True)
-    procs = {}
+    rounds = rounds or {}
+
+    def start(g: str, dies: int, phase: str) -> dict[tuple[str, int], subprocess.Popen]:
+        port = str(_free_port())  # the group's store: rank 0's process group hosts it
+        return {(g, r): subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path), g, "sma",
+             str(rounds.get(g, ROUNDS)), str(dies), phase],
+            env=dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(W),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(W)}
+
+    procs: dict[tuple[str, int], subprocess.Popen] = {}
     try:
         for g in GROUPS:
-            port = str(_free_port())  # the group's store: rank 0's process group hosts it
-            for r in range(W):
-                env = dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(W),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-                procs[g, r] = subprocess.Popen(
-                    [sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path), g, "sma",
-                     str(ROUNDS), str(die.get(g, -1))],
-                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            procs.update(start(g, die.get(g, -1), "pace" if restart and g == "g0" else ""))
+        if restart:
+            for g in die:
+                for r in range(W):
+                    procs[g, r].communicate(timeout=timeout_s)
+                procs.update(start(g, -1, ""))
+            die = {}
         logs = {key: p.communicate(timeout=timeout_s)[0] for key, p in procs.items()}
     finally:
         for p in procs.values():
@@ -112,3 +125,34 @@ def test_a_killed_group_of_two_ranks_is_left_out_and_the_survivor_averages_its_o
                                    rtol=1e-6, atol=1e-7)
     assert not torch.allclose(r["g0", 0]["z_after"][t0 - 1], _group_mean(r, "g0", t0 - 1),
                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_a_restarted_group_of_two_ranks_recovers_z_on_each_rank_from_its_peer(tmp_path):
+    """Both ranks of g1 die in a sync from round 3 on and start again as a new job: at their
+    next quorum with g0 each rank receives z from g0's rank of the same number, and from then on
+    z after every sync is bit for bit the same on all four processes; g0's k goes 8 → 4 → 8."""
+    # as test_ft's restart test: the Lighthouse must put both groups in one quorum before the
+    # death and after the restart, which two jobs' timing can miss: at most three tries
+    for attempt in range(3):
+        r = run_rank_groups(tmp_path / str(attempt), {"g1": 3}, restart=True,
+                            rounds={"g0": 400, "g1": 60})
+        ks = [(c["groups"], c["learners"]) for c in r["g0", 0]["membership"]]
+        if (2, 8) in ks and ks[-1] == (2, 8) and (1, 4) in ks[ks.index((2, 8)):]:
+            break
+    g0 = r["g0", 0]
+    for rank in range(W):
+        g1 = r["g1", rank]
+        first = next((c for c in g1["membership"] if c["recovered"] and c["groups"] == 2), None)
+        assert first is not None, (g1["membership"], g0["membership"])
+        assert _unclocked(r["g0", rank]["membership"]) == _unclocked(g0["membership"])
+        ks = [(c["groups"], c["learners"]) for c in g0["membership"]]
+        failure = ks.index((1, 4), ks.index((2, 8)))
+        back = next(c["round_index"] for c in g0["membership"][failure:]
+                    if (c["groups"], c["learners"]) == (2, 4))  # g1 recovering: its sum is zero
+        shared = min(g0["rounds"] - back, len(g1["z_after"]) - first["round_index"])
+        assert shared >= 5
+        for i in range(shared):
+            z = r["g0", rank]["z_after"][back + i]
+            assert torch.equal(z, g1["z_after"][first["round_index"] + i]), (rank, i)
+            assert torch.equal(z, g0["z_after"][back + i]), (rank, i)
