@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -20,12 +21,12 @@ GROUPS = ("g0", "g1")
 
 
 def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1, restart: bool = False,
-                    rounds: dict[str, int] | None = None, timeout_s: float = 150
-                    ) -> dict[tuple[str, int], dict]:
+                    rounds: dict[str, int] | None = None, phase: str = "",
+                    timeout_s: float = 150) -> dict[tuple[str, int], dict]:
     """Groups g0, g1 of W ranks each; {(group, rank): result} of the groups that do not die.
     Every rank of a group in ``die`` SIGKILLs itself in the same sync (tests/_ft_group.py);
     ``restart``: g0 paces itself (phase ``pace``) and a group of ``die`` starts again (a new
-    store, as a new torchrun job) once all its ranks died."""
+    store, as a new torchrun job) once all its ranks died; else ``phase`` is every group's."""
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
     lighthouse, address = start_lighthouse(min_replicas=min_replicas)
     base = {k: v for k, v in os.environ.items()
@@ -47,7 +48,8 @@ def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1, restar
     procs: dict[tuple[str, int], subprocess.Popen] = {}
     try:
         for g in GROUPS:
-            procs.update(start(g, die.get(g, -1), "pace" if restart and g == "g0" else ""))
+            procs.update(start(g, die.get(g, -1), ("pace" if g == "g0" else "") if restart
+                               else phase))
         if restart:
             for g in die:
                 for r in range(W):
@@ -156,3 +158,18 @@ def test_a_restarted_group_of_two_ranks_recovers_z_on_each_rank_from_its_peer(tm
             z = r["g0", rank]["z_after"][back + i]
             assert torch.equal(z, g1["z_after"][first["round_index"] + i]), (rank, i)
             assert torch.equal(z, g0["z_after"][back + i]), (rank, i)
+
+
+@pytest.mark.distributed
+def test_groups_of_two_ranks_resume_from_their_checkpoints_bit_identically(tmp_path):
+    """Both groups stop after 4 rounds with a checkpoint (rank 0 of each writes its group's,
+    with both ranks' learners) and resume from it as new jobs: z after the last round equals the
+    undisturbed run's bit for bit on all four processes."""
+    with ThreadPoolExecutor(2) as pool:  # the undisturbed run and the first part side by side
+        whole, _ = pool.map(lambda phase: run_rank_groups(
+            tmp_path / ("parts" if phase else "whole"), {}, min_replicas=2, phase=phase),
+            ["", "first"])
+    resumed = run_rank_groups(tmp_path / "parts", {}, min_replicas=2, phase="resume")
+    for key in whole:
+        assert len(resumed[key]["z_after"]) == ROUNDS - 4
+        assert torch.equal(resumed[key]["z_after"][-1], whole[key]["z_after"][-1]), key
