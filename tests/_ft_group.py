@@ -15,8 +15,8 @@ replicas' weights at its start and z after it, the membership changes, or ``erro
 
 With torchrun's variables (RANK, WORLD_SIZE = W, MASTER_ADDR, MASTER_PORT) this process is rank
 RANK of a group of W processes: its data is W times as long (the ranks share it, so the group
-still runs ROUNDS rounds), the sync it dies in follows one of both groups' 2·W·2 learners, and
-it writes ``GROUP-RANK.pt``."""
+still runs ROUNDS rounds), the sync it dies in follows one of both groups' 2·W·2 learners (with
+``FT_DIE_RANK`` set only that rank dies), and it writes ``GROUP-RANK.pt``."""
 
 import dataclasses
 import os
@@ -66,6 +66,8 @@ def die_in_sync(plan: cg.Plan, round_index: int) -> None:
     quorum) of the first sync from round ``round_index`` on after a sync of both groups' 2·W·M
     learners with 2 groups in the quorum."""
     sig = signal.SIGSTOP if os.environ.get("FT_DIE_SIGNAL") == "STOP" else signal.SIGKILL
+    if os.environ.get("FT_DIE_RANK", str(RANK)) != str(RANK):
+        return  # another rank of this group dies
     ft = plan.scheduler.ft
     manager = ft.manager
     allreduce = manager.allreduce

@@ -22,9 +22,11 @@ GROUPS = ("g0", "g1")
 
 def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1, restart: bool = False,
                     rounds: dict[str, int] | None = None, phase: str = "",
-                    timeout_s: float = 150) -> dict[tuple[str, int], dict]:
+                    die_rank: int | None = None, timeout_s: float = 150
+                    ) -> dict[tuple[str, int], dict]:
     """Groups g0, g1 of W ranks each; {(group, rank): result} of the groups that do not die.
-    Every rank of a group in ``die`` SIGKILLs itself in the same sync (tests/_ft_group.py);
+    Every rank of a group in ``die`` SIGKILLs itself in the same sync (tests/_ft_group.py), or
+    only rank ``die_rank`` (its other ranks then end on their own errors, as nothing ends them);
     ``restart``: g0 paces itself (phase ``pace``) and a group of ``die`` starts again (a new
     store, as a new torchrun job) once all its ranks died; else ``phase`` is every group's."""
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
@@ -42,7 +44,8 @@ def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1, restar
             [sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path), g, "sma",
              str(rounds.get(g, ROUNDS)), str(dies), phase],
             env=dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(W),
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                     **({} if die_rank is None else {"FT_DIE_RANK": str(die_rank)})),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(W)}
 
     procs: dict[tuple[str, int], subprocess.Popen] = {}
@@ -67,7 +70,8 @@ def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1, restar
     results = {}
     for (g, r), p in procs.items():
         if g in die:
-            assert p.returncode == -9, (g, r, p.returncode, logs[g, r][-3000:])
+            if die_rank in (None, r):
+                assert p.returncode == -9, (g, r, p.returncode, logs[g, r][-3000:])
             continue
         assert p.returncode == 0, (g, r, p.returncode, logs[g, r][-3000:])
         results[g, r] = torch.load(tmp_path / f"{g}-{r}.pt", weights_only=False)
@@ -105,12 +109,16 @@ def test_two_groups_of_two_ranks_average_all_eight_learners(tmp_path):
 
 
 @pytest.mark.distributed
-def test_a_killed_group_of_two_ranks_is_left_out_and_the_survivor_averages_its_own(tmp_path):
-    """Both ranks of g1 die in a sync from round 3 on: g0's all-reduce of that round is
-    discarded on both its ranks (one commit decision), the quorum shrinks to g0 and z after that
-    round and every later one is the mean of g0's 4 learners at the round's start (rtol 1e-6),
-    the same on both ranks; before it z held g1's learners too; g0 finishes all rounds."""
-    r = run_rank_groups(tmp_path, {"g1": 3})
+@pytest.mark.parametrize("die_rank", [None, 1])
+def test_a_killed_group_of_two_ranks_is_left_out_and_the_survivor_averages_its_own(tmp_path,
+                                                                                   die_rank):
+    """Both ranks of g1 (or only its rank 1: its rank 0, and the Manager server with it, lives
+    on until its own collectives time out, and the quorums without g1 wait for that) die in a
+    sync from round 3 on: g0's all-reduce of that round is discarded on both its ranks (one
+    commit decision), the quorum shrinks to g0 and z after that round and every later one is the
+    mean of g0's 4 learners at the round's start (rtol 1e-6), the same on both ranks; before it
+    z held g1's learners too; g0 finishes all rounds."""
+    r = run_rank_groups(tmp_path, {"g1": 3}, die_rank=die_rank)
     changes = r["g0", 0]["membership"]
     assert _unclocked(changes) == _unclocked(r["g0", 1]["membership"])
     ks = [(c["groups"], c["learners"]) for c in changes]

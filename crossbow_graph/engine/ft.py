@@ -223,7 +223,11 @@ class FaultTolerantSync:
     def _attempt(self, sent: torch.Tensor) -> torch.Tensor | None:
         """One quorum, all-reduce and commit of ``sent``; the sum, or None when discarded."""
         manager = self.manager
-        manager.start_quorum()  # may recover this group's state from a peer (_load)
+        try:
+            manager.start_quorum()  # may recover this group's state from a peer (_load)
+        except TimeoutError:  # no quorum in timeout_s: e.g. the Lighthouse still sees a group
+            manager._quorum_future = None  # whose rank died (its rank 0 lingers); torchft would
+            return None  # raise this failed quorum again in the next start_quorum
         if self._recovered:  # (again after a failed attempt: sent stays zero)
             sent.zero_()  # taken against the stale z: this group joins from the next sync
         flat = sent.clone()
