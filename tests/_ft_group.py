@@ -1,7 +1,7 @@
 """One torchft replica group of the fault-tolerance tests (tests/test_ft.py):
 ``python _ft_group.py OUT_DIR GROUP SYNC ROUNDS DIE_AT [PHASE]`` with ``TORCHFT_LIGHTHOUSE`` set.
 
-TinyNet, 1 device × 2 replicas, b = 4, its own data (seeded by the group's number), ``SYNC``
+TinyNet, 1 device × 2 replicas (``FT_REPLICAS``: another number), b = 4, its own data (seeded by the group's number), ``SYNC``
 ``sma`` (SMA with α = 1/k, μ_z = 0: z after a sync is the mean of the live learners' weights at
 the round's start) or ``diloco`` (DiLoCo, H = 2, inner AdamW), ROUNDS rounds. ``DIE_AT`` ≥ 0:
 the group SIGKILLs itself in the first sync from round DIE_AT on that follows a sync of both
@@ -32,7 +32,7 @@ import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.errors import TaskError  # noqa: E402
 from _plans import TinyNet, make_plan, tiny_data  # noqa: E402
 
-B, M = 4, 2
+B, M = 4, int(os.environ.get("FT_REPLICAS", "2"))  # replicas per device
 W, RANK = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
 

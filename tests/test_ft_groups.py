@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from test_ft import HERE, ROUNDS, _free_port, start_lighthouse
+from test_ft import HERE, ROUNDS, _free_port, run_groups, start_lighthouse
 
 W = 2  # ranks per group
 GROUPS = ("g0", "g1")
@@ -22,7 +22,7 @@ GROUPS = ("g0", "g1")
 
 def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1, restart: bool = False,
                     rounds: dict[str, int] | None = None, phase: str = "",
-                    die_rank: int | None = None, timeout_s: float = 150
+                    die_rank: int | None = None, sync: str = "sma", timeout_s: float = 150
                     ) -> dict[tuple[str, int], dict]:
     """Groups g0, g1 of W ranks each; {(group, rank): result} of the groups that do not die.
     Every rank of a group in ``die`` SIGKILLs itself in the same sync (tests/_ft_group.py), or
@@ -41,7 +41,7 @@ def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1, restar
     def start(g: str, dies: int, phase: str) -> dict[tuple[str, int], subprocess.Popen]:
         port = str(_free_port())  # the group's store: rank 0's process group hosts it
         return {(g, r): subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path), g, "sma",
+            [sys.executable, os.path.join(HERE, "_ft_group.py"), str(tmp_path), g, sync,
              str(rounds.get(g, ROUNDS)), str(dies), phase],
             env=dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(W),
                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
@@ -181,3 +181,22 @@ def test_groups_of_two_ranks_resume_from_their_checkpoints_bit_identically(tmp_p
     for key in whole:
         assert len(resumed[key]["z_after"]) == ROUNDS - 4
         assert torch.equal(resumed[key]["z_after"][-1], whole[key]["z_after"][-1]), key
+
+
+@pytest.mark.distributed
+def test_diloco_over_groups_of_two_ranks_follows_one_process_groups_of_the_same_learners(
+        tmp_path, monkeypatch):
+    """DiLoCo (H = 2, inner AdamW): groups of 2 ranks × 2 replicas train the same learners on
+    the same batches as one-process groups of 4 replicas (rank r's learners are the group's
+    learners 2r, 2r + 1); z after every round agrees with theirs to float32 summation order
+    (the group's sum is the ranks' partial sums: rtol 1e-5), and on all four processes bit for
+    bit."""
+    ranks = run_rank_groups(tmp_path / "ranks", {}, min_replicas=2, sync="diloco")
+    monkeypatch.setenv("FT_REPLICAS", "4")
+    single = run_groups(tmp_path / "single", "diloco", {}, min_replicas=2)
+    for t in range(ROUNDS):
+        z = ranks["g0", 0]["z_after"][t]
+        for key in ranks:
+            assert torch.equal(ranks[key]["z_after"][t], z), (key, t)
+        torch.testing.assert_close(z, single["g0"]["z_after"][t], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(z, ranks["g0", 0]["z_after"][0])  # z moved
