@@ -246,8 +246,9 @@ def run_train(args: argparse.Namespace) -> int:
     if main_rank:
         print(plan.summary(), flush=True)
         if comm is not None:
+            k = "this replica group's k" if plan.scheduler.ft is not None else "k"
             print(f"torchrun: {comm.world_size} processes ({comm.backend}) × "
-                  f"{plan.num_learners // comm.world_size} learners = k {plan.num_learners}; "
+                  f"{plan.num_learners // comm.world_size} learners = {k} {plan.num_learners}; "
                   f"{comm.settings.sync_bytes(plan.num_parameters, plan.states[0].buf.shape[1]):,} "
                   f"bytes per process per sync ({comm.settings.sync_dtype} corrections)", flush=True)
     if args.sync_dtype != "fp32" and comm is None:
