@@ -53,7 +53,8 @@ def lighthouse(port: int, heartbeat_ms: int) -> subprocess.Popen:
 def group(i: int, args: argparse.Namespace, address: str, log: str) -> subprocess.Popen:
     """Replica group g<i> under torchrun (its worker in a process group of its own: ``kill_tree``)."""
     cmd = ["torchrun", "--standalone", "--nproc-per-node", str(args.nproc_per_node),
-           "--local-ranks-filter", "0", "-m", "crossbow_graph", "train",  # rank 0's output
+           "--local-ranks-filter", "0",  # rank 0's output only
+           "-m", "crossbow_graph", "train",
            "--fault-tolerant", "--lighthouse", address, "--replica-group", f"g{i}",
            "--data-shard", f"{i}/2", "--devices", "1", "--replicas", "2",
            "--sync", args.sync, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
