@@ -6,7 +6,9 @@ Starts ``torchft_lighthouse`` and two replica groups, each ``torchrun --standalo
 survivor g0 trains the whole run, g1 is SIGKILLed (torchrun and its worker: torchrun starts the
 worker in a process group of its own, so one killpg of torchrun's would leave the worker training) at a
 random moment ``--kills`` times and restarted at once; with ``--sigstop`` g1 is
-stopped (SIGSTOP) once instead and g0 must evict it within the timeout. Prints, from g0's log,
+stopped (SIGSTOP) once instead and g0 must evict it within the timeout. With
+``--nproc-per-node 2`` every group is two ranks, and ``--kill-one-rank`` SIGKILLs only g1's
+last rank (torchrun then ends the other and exits; g1 restarts once it has). Prints, from g0's log,
 every membership change and the seconds its sync stalled at each failure, g0's final test
 accuracy, and whether processes or shared memory were left behind. Exit status 1 when g0 failed,
 hung or something was left.
@@ -15,6 +17,7 @@ hung or something was left.
     python bench/ft_soak.py --kills 0            # the undisturbed run, for its accuracy
     python bench/ft_soak.py --kills 0 --sigstop --sync diloco
     python bench/ft_soak.py --kills 10 --sync diloco --lr 0.002 --resume   # restarts resume
+    python bench/ft_soak.py --kills 5 --nproc-per-node 2 --kill-one-rank
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ def lighthouse(port: int, heartbeat_ms: int) -> subprocess.Popen:
 
 def group(i: int, args: argparse.Namespace, address: str, log: str) -> subprocess.Popen:
     """Replica group g<i> under torchrun (its worker in a process group of its own: ``kill_tree``)."""
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "1", "-m", "crossbow_graph", "train",
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", str(args.nproc_per_node),
+           "--local-ranks-filter", "0",  # rank 0's output only
+           "-m", "crossbow_graph", "train",
            "--fault-tolerant", "--lighthouse", address, "--replica-group", f"g{i}",
            "--data-shard", f"{i}/2", "--devices", "1", "--replicas", "2",
            "--sync", args.sync, "--batch-size", str(args.batch_size), "--epochs", str(args.epochs),
@@ -81,6 +86,22 @@ def kill_tree(proc: subprocess.Popen, sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def kill_last_rank(proc: subprocess.Popen) -> None:
+    """SIGKILL the worker of ``proc``'s torchrun with the highest LOCAL_RANK and wait until
+    torchrun ended the others and exited."""
+    ranks = {}
+    for pid in tree(proc.pid)[1:]:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if b"LOCAL_RANK" in env:
+            ranks[int(env[b"LOCAL_RANK"])] = pid
+    os.kill(ranks[max(ranks)], signal.SIGKILL)
+    proc.wait()
 
 
 def joined(log: str, offset: int, survivor: subprocess.Popen) -> bool:
@@ -121,6 +142,9 @@ def main() -> int:
                    help="the groups checkpoint every epoch and g1 restarts with --resume (its "
                         "epochs and schedule go on); default: a restart starts its fit afresh")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per group")
+    p.add_argument("--kill-one-rank", action="store_true",
+                   help="kill only g1's last rank (torchrun ends the group)")
     p.add_argument("--out", default="/tmp/ft_soak")
     p.add_argument("--json", default=None, help="also write the summary there, as JSON")
     args = p.parse_args()
@@ -157,8 +181,11 @@ def main() -> int:
             if g0.poll() is not None:
                 events.append(f"g0 ended before kill {n + 1}")
                 break
-            kill_tree(g1, signal.SIGKILL)
-            g1.wait()
+            if args.kill_one_rank:
+                kill_last_rank(g1)
+            else:
+                kill_tree(g1, signal.SIGKILL)
+                g1.wait()
             events.append(f"{time.strftime('%X')} SIGKILL g1 (kill {n + 1})")
             seen = os.path.getsize(logs[1])
             g1 = group(1, args, address, logs[1])

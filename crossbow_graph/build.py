@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -81,13 +82,15 @@ def build_parts(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
         TraceError, ValueError, ImportError, CompilerError, PlanError, DistributedError: as
             ``compile`` documents them.
     """
-    ft = None
-    if options.distributed is not None and options.distributed.fault_tolerant:
-        names = resolve_devices(options.devices)
-        check_fault_tolerant(options.sync, options.executor,
-                             None if options.tuned else options.replicas * len(names))
-        ft = FaultTolerantSync(options.distributed, names[0])  # ImportError without torchft
+    fault_tolerant = options.distributed is not None and options.distributed.fault_tolerant
+    if fault_tolerant:  # the group's learners: every rank's when torchrun started several
+        learners = None if options.tuned else options.replicas * len(
+            resolve_devices(options.devices)) * int(os.environ.get("WORLD_SIZE", "1") or 1)
+        check_fault_tolerant(options.sync, options.executor, learners)
     names, comm = devices_and_comm(options.devices, options.distributed)
+    # after torchrun's process group: the Managers of a group of several ranks meet in its store;
+    # ImportError without torchft
+    ft = FaultTolerantSync(options.distributed, names[0], comm) if fault_tolerant else None
     if options.cuda_graphs and (refusal := cuda_graphs_refusal(names)):
         raise ValueError(refusal)
     kernels = select_backend(options.kernel_backend, "cuda" if names[0].startswith("cuda") else "cpu",

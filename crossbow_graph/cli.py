@@ -148,8 +148,9 @@ def _add_distributed_flags(train: argparse.ArgumentParser) -> None:
                        help="under torchrun: the corrections' dtype in the global sync's "
                             "all-reduce (bf16/fp16: half the bytes, with error feedback)")
     train.add_argument("--fault-tolerant", action="store_true",
-                       help="this process is one torchft replica group (the ft extra): the global "
-                            "sync spans the live groups, a dead one is left out, a new one joins "
+                       help="this torchrun job (one process or several) is one torchft replica "
+                            "group (the ft extra): the global sync spans the live groups, a dead "
+                            "one is left out, a new one joins "
                             "(docs/distributed.md, 'Fault tolerance')")
     train.add_argument("--lighthouse", default=flag_default("--lighthouse"),
                        help="with --fault-tolerant: the torchft Lighthouse, http://HOST:PORT "

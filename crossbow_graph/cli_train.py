@@ -246,8 +246,9 @@ def run_train(args: argparse.Namespace) -> int:
     if main_rank:
         print(plan.summary(), flush=True)
         if comm is not None:
+            k = "this replica group's k" if plan.scheduler.ft is not None else "k"
             print(f"torchrun: {comm.world_size} processes ({comm.backend}) × "
-                  f"{plan.num_learners // comm.world_size} learners = k {plan.num_learners}; "
+                  f"{plan.num_learners // comm.world_size} learners = {k} {plan.num_learners}; "
                   f"{comm.settings.sync_bytes(plan.num_parameters, plan.states[0].buf.shape[1]):,} "
                   f"bytes per process per sync ({comm.settings.sync_dtype} corrections)", flush=True)
     if args.sync_dtype != "fp32" and comm is None:
@@ -267,7 +268,7 @@ def run_train(args: argparse.Namespace) -> int:
         sys.stdout.write(f"rank {comm.rank}/{comm.world_size}: z checksum "
                          f"{z_digest(plan.central_weights())} after {plan.rounds_done} rounds\n")
         sys.stdout.flush()
-    for c in history.membership:  # torchft: every change of the live groups
+    for c in history.membership if main_rank else ():  # torchft: every change of the live groups
         print(f"membership: round {c.round_index}: {c.groups} group(s), k = {c.learners}"
               + (" (recovered from a peer)" if c.recovered else "")
               + (f" after {c.failed_attempts} discarded all-reduce(s)" if c.failed_attempts else ""),

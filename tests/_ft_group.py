@@ -1,9 +1,10 @@
 """One torchft replica group of the fault-tolerance tests (tests/test_ft.py):
 ``python _ft_group.py OUT_DIR GROUP SYNC ROUNDS DIE_AT [PHASE]`` with ``TORCHFT_LIGHTHOUSE`` set.
 
-TinyNet, 1 device (``FT_DEVICE``, else the CPU) × 2 replicas, b = 4, its own data (seeded by
-the group's number), ``SYNC`` ``sma`` (SMA with α = 1/k, μ_z = 0: z after a sync is the mean of
-the live learners' weights at the round's start) or ``diloco`` (DiLoCo, H = 2, inner AdamW), ROUNDS rounds. ``DIE_AT`` ≥ 0:
+TinyNet, 1 device (``FT_DEVICE``, else the CPU) × 2 replicas (``FT_REPLICAS``: another number),
+b = 4, its own data (seeded by the group's number), ``SYNC`` ``sma`` (SMA with α = 1/k, μ_z = 0:
+z after a sync is the mean of the live learners' weights at the round's start) or ``diloco``
+(DiLoCo, H = 2, inner AdamW), ROUNDS rounds. ``DIE_AT`` ≥ 0:
 the group SIGKILLs itself in the first sync from round DIE_AT on that follows a sync of both
 groups' 4 learners and has both in its quorum (the groups may start out of step: a group that
 arrives late syncs alone, or recovers, first), after the quorum and before the all-reduce (the
@@ -13,7 +14,12 @@ alone, wait 0.2 s after each round (a late or restarted group then has time to j
 ``OUT_DIR/GROUP.alone`` once alone after a sync of both, and stop 6 rounds after another group
 rejoined. Writes ``GROUP.pt``: per round the
 replicas' weights at its start and z after it, the membership changes, or ``error``. Logs at INFO
-(``logging.basicConfig``), as an application that logs its own progress."""
+(``logging.basicConfig``), as an application that logs its own progress.
+
+With torchrun's variables (RANK, WORLD_SIZE = W, MASTER_ADDR, MASTER_PORT) this process is rank
+RANK of a group of W processes: its data is W times as long (the ranks share it, so the group
+still runs ROUNDS rounds), the sync it dies in follows one of both groups' 2·W·2 learners (with
+``FT_DIE_RANK`` set only that rank dies), and it writes ``GROUP-RANK.pt``."""
 
 import dataclasses
 import logging
@@ -30,7 +36,8 @@ import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.errors import TaskError  # noqa: E402
 from _plans import TinyNet, make_plan, tiny_data  # noqa: E402
 
-B, M = 4, 2
+B, M = 4, int(os.environ.get("FT_REPLICAS", "2"))  # replicas per device
+W, RANK = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 
 
 class _Record(cg.Hook):
@@ -61,17 +68,19 @@ def plan_of(group: str, sync: str) -> cg.Plan:
 
 def die_in_sync(plan: cg.Plan, round_index: int) -> None:
     """SIGKILL (``FT_DIE_SIGNAL=STOP``: SIGSTOP) this process in the all-reduce (after its
-    quorum) of the first sync from round ``round_index`` on after a sync of 4 learners with 2
-    groups in the quorum."""
+    quorum) of the first sync from round ``round_index`` on after a sync of both groups' 2·W·M
+    learners with 2 groups in the quorum."""
     sig = signal.SIGSTOP if os.environ.get("FT_DIE_SIGNAL") == "STOP" else signal.SIGKILL
+    if os.environ.get("FT_DIE_RANK", str(RANK)) != str(RANK):
+        return  # another rank of this group dies
     ft = plan.scheduler.ft
     manager = ft.manager
     allreduce = manager.allreduce
     fired = []  # once: a continued group (SIGCONT) goes on with this all-reduce
 
     def dying(*args, **kwargs):
-        if not fired and plan.scheduler.round_index >= round_index and ft.live_learners == 4 \
-                and manager.num_participants() == 2:
+        if not fired and plan.scheduler.round_index >= round_index \
+                and ft.live_learners == 2 * W * M and manager.num_participants() == 2:
             fired.append(True)
             os.kill(os.getpid(), sig)
         return allreduce(*args, **kwargs)
@@ -92,7 +101,7 @@ class _Pace(cg.Hook):
         changes = ctx.plan.scheduler.ft.membership
         if changes and changes[-1].groups == 1:  # alone: give the other group time to (re)join
             time.sleep(0.2)
-        both = [i for i, c in enumerate(changes) if (c.groups, c.learners) == (2, 4)]
+        both = [i for i, c in enumerate(changes) if (c.groups, c.learners) == (2, 2 * W * M)]
         # alone after a sync of both groups (a group that started first was alone before it)
         alone = [i for i, c in enumerate(changes) if c.groups == 1 and both and i > both[0]]
         if alone and not os.path.exists(self.alone_file):
@@ -111,7 +120,7 @@ def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str =
         plan = plan_of(group, sync)
         if die_at >= 0:
             die_in_sync(plan, die_at)
-        data = tiny_data(rounds * B * M, seed=int(group[-1]) + 1)
+        data = tiny_data(rounds * B * M * W, seed=int(group[-1]) + 1)
         ckpt = dict(checkpoint_dir=os.path.join(out, f"{group}-ckpt"), checkpoint_every=4,
                     resume=phase == "resume") if phase else {}
         hooks = [rec] + {"first": [_StopAfter()],
@@ -123,7 +132,7 @@ def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str =
     except TaskError as exc:
         result.update(error=str(exc))
     result.update(w_before=rec.w_before, z_after=rec.z_after)
-    torch.save(result, os.path.join(out, f"{group}.pt"))
+    torch.save(result, os.path.join(out, f"{group}.pt" if W == 1 else f"{group}-{RANK}.pt"))
 
 
 if __name__ == "__main__":

@@ -54,10 +54,10 @@ class Distributed:
             (exact), or ``"bf16"``/``"fp16"`` (half the bytes; each rank keeps the float32
             rounding error of what it sent and adds it to its next sum, error feedback:
             ``Comm.all_reduce_sum_``). Buffer sums and the fault count stay float32.
-        fault_tolerant: every process is one torchft replica group and the global sync's sum
-            goes through torchft's Manager (engine/ft.py; docs/distributed.md, "Fault
-            tolerance"): a group that dies or hangs is left out, one that starts joins. Needs
-            the ``ft`` extra (torchft).
+        fault_tolerant: every torchrun job (one process or several) is one torchft replica
+            group and the global sync's sum goes through torchft's Manager (engine/ft.py;
+            docs/distributed.md, "Fault tolerance"): a group that dies or hangs is left out, one
+            that starts joins. Needs the ``ft`` extra (torchft).
         lighthouse: the torchft Lighthouse's address (``http://HOST:PORT``); None: the
             ``TORCHFT_LIGHTHOUSE`` variable.
         replica_group: this group's name (None: ``REPLICA_GROUP_ID``, else ``"0"``).

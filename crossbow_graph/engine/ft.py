@@ -1,8 +1,9 @@
-"""The fault-tolerant global sync over torchft: each process one replica group with a torchft
-``Manager``; per sync a quorum (a joining group recovers z and the sync's state from a peer), one
-all-reduce of ``[Σ contributions [P], Σ buffers [Q], n]`` whose last entry is k, and a commit that
-discards a failed all-reduce and redoes it over the live groups (docs/distributed.md,
-"Fault tolerance: torchft replica groups").
+"""The fault-tolerant global sync over torchft: each torchrun job one replica group (one process
+or several ranks, each with a torchft ``Manager``); per sync a quorum (a joining group recovers
+z and the sync's state from a peer), one all-reduce of ``[Σ contributions [P], Σ buffers [Q],
+n]`` whose last entry is k (a group's ranks sum theirs first), and a commit that discards a
+failed all-reduce and redoes it over the live groups (docs/distributed.md, "Fault tolerance:
+torchft replica groups").
 """
 
 from __future__ import annotations
@@ -131,13 +132,16 @@ class MembershipChange:
 
 
 class FaultTolerantSync:
-    """This process's replica group in a torchft run: its Manager and the sync's all-reduce.
+    """This process's part of its replica group in a torchft run: its Manager and the sync's
+    all-reduce.
 
     Args:
         settings: ``Distributed`` with ``fault_tolerant=True``: ``lighthouse`` (or the
             ``TORCHFT_LIGHTHOUSE`` variable), ``replica_group``, ``min_replicas``, ``timeout_s``
             (collectives, recovery, and the quorum's wait).
         device: the plan's first device (``process_group_for``: NCCL on CUDA, else gloo).
+        comm: the group's torchrun ``Comm`` when the group is several processes (each rank has
+            a Manager on torchrun's store, MASTER_ADDR:MASTER_PORT), else None.
 
     Attributes:
         live_learners: k of the last committed sync (None before the first): α = 1/k of the next
@@ -147,10 +151,12 @@ class FaultTolerantSync:
 
     Raises:
         ImportError: torchft is not installed (names the ``ft`` extra).
-        ValueError: no Lighthouse address, or torchrun started several processes in this group.
+        ValueError: no Lighthouse address, or a group of several processes without
+            MASTER_ADDR/MASTER_PORT.
     """
 
-    def __init__(self, settings: "Distributed", device: str = "cpu") -> None:
+    def __init__(self, settings: "Distributed", device: str = "cpu",
+                 comm: "Comm | None" = None) -> None:
         import_torchft()
         from torchft.manager import Manager
 
@@ -160,32 +166,40 @@ class FaultTolerantSync:
                              "`torchft_lighthouse --min_replicas 1 --bind [::]:29510` and pass "
                              "lighthouse='http://HOST:29510' (--lighthouse), or set "
                              "TORCHFT_LIGHTHOUSE")
-        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-            raise ValueError(f"Distributed(fault_tolerant=True) with WORLD_SIZE="
-                             f"{os.environ['WORLD_SIZE']}: a replica group is one process (its "
-                             "devices × m learners); launch each group with torchrun "
-                             "--nproc-per-node 1 (or plain python)")
         self.replica_group = settings.replica_group or os.environ.get("REPLICA_GROUP_ID", "0")
         self.attempts = settings.ft_attempts
+        self.rank, self.world_size = (comm.rank, comm.world_size) if comm else (0, 1)
         timeout = datetime.timedelta(seconds=settings.timeout_s)
         process_group, self.device = process_group_for(device)
         if self.device.type == "cuda":  # torchft's NCCL group sets it itself, with a warning
             os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(settings.timeout_s))
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True,
-                                                 wait_for_workers=False)
+        store_addr, store_port = self._group_store()
         self._quiet = _QuietTorchft()  # a fit prints membership changes, not every sync
         self.manager = Manager(
             pg=process_group(timeout=timeout), min_replica_size=settings.min_replicas,
             load_state_dict=self._load, state_dict=self._save, use_async_quorum=False,
             init_sync=False,  # the groups start from the same seeded model; a joiner recovers
-            replica_id=self.replica_group, store_addr="127.0.0.1", store_port=self._store.port,
-            rank=0, world_size=1, lighthouse_addr=lighthouse, timeout=timeout,
+            replica_id=self.replica_group, store_addr=store_addr, store_port=store_port,
+            rank=self.rank, world_size=self.world_size, lighthouse_addr=lighthouse, timeout=timeout,
             quorum_timeout=timeout, connect_timeout=timeout)
         self.live_learners: int | None = None
         self.membership: list[MembershipChange] = []
         self._ctx: Any = None  # the scheduler whose state a recovering peer receives
         self._recovered = False
         atexit.register(self.close)
+
+    def _group_store(self) -> tuple[str, int]:
+        """The store the group's Managers meet in: a new one of this process for a one-process
+        group, torchrun's (MASTER_ADDR:MASTER_PORT) for several, as torchft's HSDP examples."""
+        if self.world_size == 1:
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            return "127.0.0.1", self._store.port
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise ValueError(f"Distributed(fault_tolerant=True) with {self.world_size} "
+                             f"processes in replica group {self.replica_group!r}: their Managers "
+                             "meet in torchrun's store, but MASTER_ADDR or MASTER_PORT is not "
+                             "set; launch the group with torchrun")
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
     # -- recovery (torchft calls these in its quorum; _load on the main thread) ---------------
 
@@ -209,8 +223,9 @@ class FaultTolerantSync:
 
     def all_reduce(self, ctx: "SyncContext", total: torch.Tensor, bufs: list[torch.Tensor],
                    round_index: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """Σ over the live groups of ``total [P]`` (this group's contribution) and of the
-        replicas' float buffers (``bufs``: ``[m_d, Q]`` per device), committed by torchft.
+        """Σ over the live groups of ``total [P]`` (this process's contribution; in a group of
+        several processes first summed over its ranks) and of the replicas' float buffers
+        (``bufs``: ``[m_d, Q]`` per device), committed by torchft.
 
         Returns:
             (the sum ``[P]`` on ``total``'s device, the mean buffers over the k learners ``[Q]``
@@ -228,6 +243,8 @@ class FaultTolerantSync:
             torch.sum(torch.cat([b.to(self.device, total.dtype) for b in bufs]), dim=0,
                       out=sent[P:P + Q])
         sent[P + Q] = sum(s.m for s in ctx.states)
+        if ctx.comm is not None:
+            self._group_sum(ctx, sent, round_index)
         start = time.perf_counter()
         self._recovered = False  # set by _load, in any of the attempts
         for failed in range(self.attempts):
@@ -244,11 +261,26 @@ class FaultTolerantSync:
             "z from a live peer", task_id="global_sync", device=f"group {self.replica_group}",
             round_index=round_index)
 
+    @staticmethod
+    def _group_sum(ctx: Any, sent: torch.Tensor, round_index: int) -> None:
+        """``sent [P + Q + 1]`` ← its sum over the group's ranks, in place (torchrun's process
+        group, on the first device), with the ranks' unshared fault events counted and shared
+        as a torchrun run does (``local_update.all_reduce_sums``)."""
+        flat = torch.cat([sent, sent.new_tensor([len(ctx.faults.pending)])])  # [P + Q + 2]
+        flat = flat.to(ctx.states[0].torch_device)
+        ctx.comm.all_reduce_sum_(flat, round_index)
+        ctx.backend.share_faults(flat[-1:])
+        sent.copy_(flat[:-1])
+
     def _attempt(self, sent: torch.Tensor) -> torch.Tensor | None:
         """One quorum, all-reduce and commit of ``sent``; the sum, or None when discarded."""
         manager = self.manager
         with torch.accelerator.device_index(self.device.index):  # NCCL's device (None: the host)
-            manager.start_quorum()  # may recover this group's state from a peer (_load)
+            try:
+                manager.start_quorum()  # may recover this group's state from a peer (_load)
+            except TimeoutError:  # no quorum in timeout_s: e.g. the Lighthouse still sees a group
+                manager._quorum_future = None  # whose rank died (its rank 0 lingers); torchft
+                return None  # would raise this failed quorum again in the next start_quorum
             if self._recovered:  # (again after a failed attempt: sent stays zero)
                 sent.zero_()  # taken against the stale z: this group joins from the next sync
             flat = sent.clone()
@@ -280,10 +312,12 @@ class FaultTolerantSync:
 
     def describe(self) -> str:
         """The live membership for the plan summary."""
+        name = f"fault-tolerant replica group {self.replica_group!r}" + (
+            f" of {self.world_size} processes" if self.world_size > 1 else "")
         if not self.membership:
-            return f"fault-tolerant replica group {self.replica_group!r} (torchft): no sync yet"
+            return f"{name} (torchft): no sync yet"
         last = self.membership[-1]
-        return (f"fault-tolerant replica group {self.replica_group!r} (torchft): "
+        return (f"{name} (torchft): "
                 f"{last.groups} live group(s), k = {last.learners} learners (round "
                 f"{last.round_index}); {len(self.membership)} membership change(s)")
 

@@ -132,7 +132,7 @@ def _central_update(ctx: SyncContext, accs: list[torch.Tensor], bufs: list[torch
         total.mul_(alpha_for(k))
     else:
         total = sum_on(accs, home)
-    if ctx.comm is not None:
+    if ctx.comm is not None and ctx.ft is None:  # under torchft the group's ranks summed above
         total, mean_buf = ctx.all_reduce_sums(total, bufs, home)
     # CPU logical devices share one memory: update z once and copy it (same numbers)
     for s in states[:1] if on_cpu else states:
