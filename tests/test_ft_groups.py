@@ -76,6 +76,7 @@ def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1, restar
         assert p.returncode == 0, (g, r, p.returncode, logs[g, r][-3000:])
         results[g, r] = torch.load(tmp_path / f"{g}-{r}.pt", weights_only=False)
         assert "error" not in results[g, r], results[g, r]["error"]
+        results[g, r]["log"] = logs[g, r]
     return results
 
 
@@ -106,6 +107,9 @@ def test_two_groups_of_two_ranks_average_all_eight_learners(tmp_path):
         assert _unclocked(r[key]["membership"]) == _unclocked(r["g0", 0]["membership"]), key
     assert "replica group 'g0' of 2 processes (torchft): 2 live group(s), k = 8" \
         in r["g0", 0]["summary"]
+    for g in GROUPS:  # the membership line once per group: its rank 0's
+        assert f"replica group {g}: round 0: 2 live group(s), k = 8 learners" in r[g, 0]["log"]
+        assert "live group(s)" not in r[g, 1]["log"], r[g, 1]["log"][-2000:]
 
 
 @pytest.mark.distributed

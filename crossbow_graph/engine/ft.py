@@ -293,10 +293,11 @@ class FaultTolerantSync:
         if last is None or (last.groups, last.learners) != (groups, k) or failed or self._recovered:
             change = MembershipChange(round_index, groups, k, self._recovered, failed, seconds)
             self.membership.append(change)
-            _log.warning("replica group %s: round %d: %d live group(s), k = %d learners%s%s; "
-                         "this sync took %.2f s", self.replica_group, round_index, groups, k,
-                         " (recovered z from a peer)" if self._recovered else "",
-                         f" after {failed} discarded all-reduce(s)" if failed else "", seconds)
+            if self.rank == 0:  # one line per group, however many ranks it has
+                _log.warning("replica group %s: round %d: %d live group(s), k = %d learners%s%s; "
+                             "this sync took %.2f s", self.replica_group, round_index, groups, k,
+                             " (recovered z from a peer)" if self._recovered else "",
+                             f" after {failed} discarded all-reduce(s)" if failed else "", seconds)
         self.live_learners = k
 
     def state_dict(self) -> dict[str, Any]:
