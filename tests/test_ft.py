@@ -46,6 +46,16 @@ def start_lighthouse(**flags: int) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("torchft_lighthouse did not listen within 90 s")
 
 
+def stop_all(procs, lighthouse: subprocess.Popen) -> None:
+    """Kill and reap the group processes still running, then the Lighthouse."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    lighthouse.kill()
+    lighthouse.wait()
+
+
 def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150, phase: str = "",
                min_replicas: int = 1, rounds: dict[str, int] | None = None, stop: bool = False,
                devices: dict[str, str] | None = None):
@@ -88,12 +98,7 @@ def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150,
         die = {} if phase == "pace" else die
         logs = {g: p.communicate(timeout=timeout_s)[0] for g, p in procs.items()}
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lighthouse.kill()
-        lighthouse.wait()
+        stop_all(procs.values(), lighthouse)
     results = {}
     for g, p in procs.items():
         if g in die:

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from test_ft import HERE, ROUNDS, _free_port, run_groups, start_lighthouse
+from test_ft import HERE, ROUNDS, _free_port, run_groups, start_lighthouse, stop_all
 
 W = 2  # ranks per group
 GROUPS = ("g0", "g1")
@@ -61,12 +61,7 @@ def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1, restar
             die = {}
         logs = {key: p.communicate(timeout=timeout_s)[0] for key, p in procs.items()}
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lighthouse.kill()
-        lighthouse.wait()
+        stop_all(procs.values(), lighthouse)
     results = {}
     for (g, r), p in procs.items():
         if g in die:
