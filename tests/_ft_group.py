@@ -55,12 +55,15 @@ class _Record(cg.Hook):
 
 
 def plan_of(group: str, sync: str) -> cg.Plan:
+    """The group's plan; ``FT_SEED_<GROUP>``, ``FT_MOMENTUM_<GROUP>``: its seed, its SMA's μ_z."""
     dist = cg.Distributed(fault_tolerant=True, replica_group=group, timeout_s=10.0)
     devices = [os.environ["FT_DEVICE"]] if os.environ.get("FT_DEVICE") else 1
+    seed = int(os.environ.get(f"FT_SEED_{group}", "0"))
     if sync == "sma":
-        return make_plan(TinyNet, seed=0, batch_size=B, devices=devices, replicas=M,
-                            sync=cg.SMA(central_momentum=0.0), distributed=dist)
-    return make_plan(TinyNet, seed=0, batch_size=B, devices=devices, replicas=M,
+        momentum = float(os.environ.get(f"FT_MOMENTUM_{group}", "0"))
+        return make_plan(TinyNet, seed=seed, batch_size=B, devices=devices, replicas=M,
+                         sync=cg.SMA(central_momentum=momentum), distributed=dist)
+    return make_plan(TinyNet, seed=seed, batch_size=B, devices=devices, replicas=M,
                         sync=cg.DiLoCo(sync_every=2),
                         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
                         distributed=dist)

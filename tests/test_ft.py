@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import crossbow_graph as cg
-from crossbow_graph.engine.ft import check_fault_tolerant, process_group_for
+from crossbow_graph.engine.ft import FaultTolerantSync, check_fault_tolerant, process_group_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS = 16
@@ -58,7 +58,7 @@ def stop_all(procs, lighthouse: subprocess.Popen) -> None:
 
 def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150, phase: str = "",
                min_replicas: int = 1, rounds: dict[str, int] | None = None, stop: bool = False,
-               devices: dict[str, str] | None = None):
+               devices: dict[str, str] | None = None, errors: bool = False):
     """Groups g0, g1 (those of ``devices``, each on its device, when given; else on the CPU) of
     tests/_ft_group.py against a fresh Lighthouse; {group: result}. With
     ``phase="pace"`` g0 paces itself once alone, and a group of ``die`` is restarted (without
@@ -106,7 +106,7 @@ def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150,
         else:
             assert p.returncode == 0, (g, p.returncode, logs[g][-3000:])
             results[g] = torch.load(tmp_path / f"{g}.pt", weights_only=False)
-            assert "error" not in results[g], results[g]["error"]
+            assert errors or "error" not in results[g], results[g]["error"]
             results[g]["log"] = logs[g]
     return results
 
@@ -225,6 +225,22 @@ def _assert_rejoined(g0: dict, g1: dict) -> int:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("env, says", [({"FT_SEED_g1": "1"}, "hold another z"),
+                                       ({"FT_MOMENTUM_g1": "0.5"}, "run another computation")])
+def test_groups_that_differ_stop_at_their_first_sync_naming_the_difference(tmp_path, monkeypatch,
+                                                                          env, says):
+    """g1 compiled with another seed (z differs) or another SMA (μ_z 0.5): at the first quorum
+    of both, every group stops with a DistributedError naming what differs, before any sum of
+    the two is applied."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    r = run_groups(tmp_path, "sma", {}, min_replicas=2, errors=True)
+    for g in ("g0", "g1"):
+        assert says in r[g].get("error", ""), (g, r[g].get("error"), r[g]["log"][-2000:])
+        assert r[g]["z_after"] == []  # the first round did not end: no sum of the two applied
+
+
+@pytest.mark.distributed
 def test_a_checkpointed_run_resumes_bit_identically_when_nothing_fails(tmp_path):
     """SMA: both groups stop after 4 rounds with a checkpoint and resume from it (new processes,
     new Managers): z after the last round equals the undisturbed run's bit for bit, on both."""
@@ -286,6 +302,17 @@ def test_fault_tolerant_options_are_checked_before_training():
     with pytest.raises(ValueError, match="replicas ≥ 2"):
         check_fault_tolerant(cg.SMA(), "auto", 1)
     check_fault_tolerant(cg.DiLoCo(sync_every=2), "auto", 1)  # one learner per group is DiLoCo's own
+
+
+def test_a_lighthouse_address_is_checked_before_training():
+    """An address without its scheme is refused at once; one where nothing listens after the
+    connect timeout, naming the address and torchft_lighthouse (no torchft traceback)."""
+    pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
+    with pytest.raises(ValueError, match="http://HOST:PORT"):
+        FaultTolerantSync(cg.Distributed(fault_tolerant=True, lighthouse="127.0.0.1:29510"))
+    address = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(ValueError, match=f"no Lighthouse answered at {address}.*torchft_lighthouse"):
+        FaultTolerantSync(cg.Distributed(fault_tolerant=True, lighthouse=address, timeout_s=1.0))
 
 
 def test_without_torchft_the_error_names_the_extra(monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import hashlib
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..compiler.fingerprint import computation_fingerprint
 from ..errors import DistributedError
 from .faults import FaultMonitor
 
@@ -108,6 +110,20 @@ def process_group_for(device: str) -> tuple[type, torch.device]:
     return process_group.ProcessGroupGloo, torch.device("cpu")
 
 
+def agreement_words(ctx: "SyncContext") -> list[int]:
+    """What the replica groups of a quorum must share, as integers below 2^20 (exact in a float64
+    sum and its squares): P, Q and a digest of the model's tensors, its computation
+    (compiler/fingerprint.py), the sync, the precision and the rows' channels-last weights."""
+    s0 = ctx.states[0]
+    model = [(n, tuple(t.shape), str(t.dtype)) for n, t in
+             [*s0.template.named_parameters(), *s0.template.named_buffers()]]
+    facts = (model, computation_fingerprint(s0.template, None, ctx.loss_fn).lines,
+             ctx.sync.describe(ctx.sync_state), s0.precision, sorted(s0.params.channels_last))
+    digest = int(hashlib.sha256(repr(facts).encode()).hexdigest()[:15], 16)  # 60 bits
+    P, Q = s0.z.shape[0], s0.buf.shape[1]
+    return [(x >> (20 * i)) & 0xFFFFF for x, n in ((digest, 3), (P, 2), (Q, 2)) for i in range(n)]
+
+
 @dataclasses.dataclass(frozen=True)
 class MembershipChange:
     """A sync whose live membership differs from the previous one's.
@@ -151,8 +167,8 @@ class FaultTolerantSync:
 
     Raises:
         ImportError: torchft is not installed (names the ``ft`` extra).
-        ValueError: no Lighthouse address, or a group of several processes without
-            MASTER_ADDR/MASTER_PORT.
+        ValueError: no Lighthouse address, not a URL, none answering there, or a group of
+            several processes without MASTER_ADDR/MASTER_PORT.
     """
 
     def __init__(self, settings: "Distributed", device: str = "cpu",
@@ -166,8 +182,12 @@ class FaultTolerantSync:
                              "`torchft_lighthouse --min_replicas 1 --bind [::]:29510` and pass "
                              "lighthouse='http://HOST:29510' (--lighthouse), or set "
                              "TORCHFT_LIGHTHOUSE")
+        if not lighthouse.startswith(("http://", "https://")):
+            raise ValueError(f"Distributed(fault_tolerant=True): lighthouse={lighthouse!r} is not "
+                             "a URL; pass it as http://HOST:PORT (--lighthouse), the port "
+                             "torchft_lighthouse's --bind names")
         self.replica_group = settings.replica_group or os.environ.get("REPLICA_GROUP_ID", "0")
-        self.attempts = settings.ft_attempts
+        self.attempts, self.min_replicas = settings.ft_attempts, settings.min_replicas
         self.rank, self.world_size = (comm.rank, comm.world_size) if comm else (0, 1)
         timeout = datetime.timedelta(seconds=settings.timeout_s)
         process_group, self.device = process_group_for(device)
@@ -175,13 +195,22 @@ class FaultTolerantSync:
             os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(settings.timeout_s))
         store_addr, store_port = self._group_store()
         self._quiet = _QuietTorchft()  # a fit prints membership changes, not every sync
-        self.manager = Manager(
-            pg=process_group(timeout=timeout), min_replica_size=settings.min_replicas,
-            load_state_dict=self._load, state_dict=self._save, use_async_quorum=False,
-            init_sync=False,  # the groups start from the same seeded model; a joiner recovers
-            replica_id=self.replica_group, store_addr=store_addr, store_port=store_port,
-            rank=self.rank, world_size=self.world_size, lighthouse_addr=lighthouse, timeout=timeout,
-            quorum_timeout=timeout, connect_timeout=timeout)
+        try:
+            self.manager = Manager(
+                pg=process_group(timeout=timeout), min_replica_size=settings.min_replicas,
+                load_state_dict=self._load, state_dict=self._save, use_async_quorum=False,
+                init_sync=False,  # the groups start from the same seeded model; a joiner recovers
+                replica_id=self.replica_group, store_addr=store_addr, store_port=store_port,
+                rank=self.rank, world_size=self.world_size, lighthouse_addr=lighthouse,
+                timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+        except RuntimeError as exc:  # torchft's connect, after connect_timeout
+            self._quiet.restore()
+            raise ValueError(f"replica group {self.replica_group}: no Lighthouse answered at "
+                             f"{lighthouse} within {settings.timeout_s:g} s ({str(exc)[:200]}); "
+                             "start torchft_lighthouse there, or pass its address (--lighthouse)"
+                             ) from None
+        self._agreed_quorum: int | None = None  # the quorum whose groups were found to agree
+        self._discarded = ""  # why the last attempt was discarded
         self.live_learners: int | None = None
         self.membership: list[MembershipChange] = []
         self._ctx: Any = None  # the scheduler whose state a recovering peer receives
@@ -211,6 +240,12 @@ class FaultTolerantSync:
 
     @torch.no_grad()
     def _load(self, saved: dict[str, Any]) -> None:
+        if saved["z"].shape != self._ctx.states[0].z.shape:
+            raise DistributedError(
+                f"replica group {self.replica_group}: the live groups' z has "
+                f"{saved['z'].shape[0]:,} parameters, this group's {self._ctx.states[0].z.shape[0]:,}"
+                ": every replica group must compile the same model", task_id="global_sync",
+                device=f"group {self.replica_group}", round_index=-1)
         for s in self._ctx.states:
             s.z.copy_(saved["z"])
             s.z_prev.copy_(saved["z_prev"])
@@ -233,7 +268,8 @@ class FaultTolerantSync:
 
         Raises:
             DistributedError: no sync committed in ``ft_attempts`` quorums (fewer live groups
-                than ``min_replicas``, or the Lighthouse is gone).
+                than ``min_replicas``, or the Lighthouse is gone); the groups of a new quorum
+                differ (``_agree``).
         """
         self._ctx = ctx
         P, Q = total.shape[0], bufs[0].shape[1]
@@ -249,6 +285,10 @@ class FaultTolerantSync:
         self._recovered = False  # set by _load, in any of the attempts
         for failed in range(self.attempts):
             flat = self._attempt(sent)
+            if flat is None and self.rank == 0:
+                _log.warning("replica group %s: round %d: sync attempt %d of %d discarded (%s)",
+                             self.replica_group, round_index, failed + 1, self.attempts,
+                             self._discarded)
             if flat is not None:
                 k = int(round(flat[P + Q].item()))
                 self._record(round_index, k, failed, time.perf_counter() - start)
@@ -256,10 +296,11 @@ class FaultTolerantSync:
                 return flat[:P].to(total.device), mean_buf, k
         raise DistributedError(
             f"replica group {self.replica_group}: the global sync of round {round_index} did not "
-            f"commit in {self.attempts} quorums (fewer live groups than min_replicas, or the "
-            "Lighthouse is unreachable); stopping. Restart the group: it rejoins and recovers "
-            "z from a live peer", task_id="global_sync", device=f"group {self.replica_group}",
-            round_index=round_index)
+            f"commit in {self.attempts} attempts; the last: {self._discarded}. With fewer live "
+            f"groups than min_replicas={self.min_replicas}, start the others (a Lighthouse "
+            "started with --min_replicas N makes quorums wait for N groups); with the "
+            "Lighthouse gone, restart it and this group (it recovers z from a live peer, if any)",
+            task_id="global_sync", device=f"group {self.replica_group}", round_index=round_index)
 
     @staticmethod
     def _group_sum(ctx: Any, sent: torch.Tensor, round_index: int) -> None:
@@ -278,14 +319,61 @@ class FaultTolerantSync:
         with torch.accelerator.device_index(self.device.index):  # NCCL's device (None: the host)
             try:
                 manager.start_quorum()  # may recover this group's state from a peer (_load)
-            except TimeoutError:  # no quorum in timeout_s: e.g. the Lighthouse still sees a group
-                manager._quorum_future = None  # whose rank died (its rank 0 lingers); torchft
-                return None  # would raise this failed quorum again in the next start_quorum
+            except (TimeoutError, RuntimeError) as exc:  # no quorum in timeout_s (e.g. the
+                # Lighthouse still sees a group whose rank died, its rank 0 lingering), or no
+                manager._quorum_future = None  # Lighthouse; torchft would raise this failed
+                self._discarded = f"no quorum: {str(exc)[:200]}"  # quorum again next time
+                return None
             if self._recovered:  # (again after a failed attempt: sent stays zero)
                 sent.zero_()  # taken against the stale z: this group joins from the next sync
+            agreed = manager._quorum_id == self._agreed_quorum or self._agree(manager)
             flat = sent.clone()
             manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
-            return flat if manager.should_commit() else None
+            if agreed and manager.should_commit():
+                return flat
+            self._discarded = (f"{manager.num_participants()} live group(s), fewer than "
+                               f"min_replicas={self.min_replicas}"
+                               if manager.num_participants() < self.min_replicas else
+                               f"a collective failed: {str(manager.errored())[:200]}")
+            if manager.num_participants() < self.min_replicas:
+                time.sleep(1.0)  # the others may be starting: wait attempts × 1 s for them
+            return None
+
+    def _agree(self, manager: Any) -> bool:
+        """In a new quorum, check that every group runs the same computation and holds the same
+        z (after recovery): two all-reduces, of ``agreement_words`` and of z. Returns False when
+        a collective failed (the attempt is discarded).
+
+        Raises:
+            DistributedError: the groups differ (a model, loss, sync or layout; z: another seed).
+        """
+        words = torch.tensor(agreement_words(self._ctx), dtype=torch.float64, device=self.device)
+        n = manager.num_participants()
+        sums = torch.cat([words.new_ones(1), words, words * words])  # [1 + 2W], exact integers
+        manager.allreduce(sums, reduce_op=dist.ReduceOp.SUM).wait()
+        if manager.errored() is not None or sums[0].item() != n:
+            return False
+        W = len(words)
+        if not (torch.equal(sums[1:W + 1], n * words) and torch.equal(sums[W + 1:], n * words * words)):
+            self._differ("run another computation (the model, its forward, loss, sync, precision "
+                         "or the flat rows' layout: channels-last weights on one kind of device only)")
+        z = self._ctx.states[0].z.to(self.device, torch.float64)
+        mean = z.clone()
+        manager.allreduce(mean, reduce_op=dist.ReduceOp.SUM).wait()
+        if manager.errored() is not None:
+            return False
+        gap = (mean.div_(n) - z).abs().max().item() if z.numel() else 0.0
+        if gap > 1e-4 * (1.0 + z.abs().max().item()):
+            self._differ(f"hold another z (largest difference from the groups' mean {gap:.3g}): "
+                         "every group must compile with the same seed (fit's and compile's)")
+        self._agreed_quorum = manager._quorum_id
+        return True
+
+    def _differ(self, what: str) -> None:
+        raise DistributedError(
+            f"replica group {self.replica_group}: the {self.manager.num_participants()} replica "
+            f"groups of this quorum {what}; start every group with the same model and options",
+            task_id="global_sync", device=f"group {self.replica_group}", round_index=-1)
 
     def _record(self, round_index: int, k: int, failed: int, seconds: float) -> None:
         groups = self.manager.num_participants()
