@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_train(args)
         if args.command == "inspect":
             return _inspect(args)
-    except (ValueError, FileNotFoundError, DistributedError) as exc:  # DistributedError: ranks
-        # that disagree at start-up
+    except (ValueError, FileNotFoundError, DistributedError, ImportError) as exc:
+        # DistributedError: ranks that disagree at start-up; ImportError: a missing extra (torchft)
         print(f"crossbow-graph {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 1
