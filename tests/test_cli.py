@@ -283,3 +283,17 @@ def test_an_error_in_the_fit_is_printed_on_a_line_of_its_own_below_the_progress_
     err = capsys.readouterr().err
     assert "epoch 1" in err  # the bar was shown
     assert err.replace("\r", "\n").splitlines()[-1].startswith("crossbow-graph train: error: the peers")
+
+
+def test_bad_fault_tolerance_set_ups_are_one_line_errors(monkeypatch, capsys):
+    """A malformed --data-shard, and --fault-tolerant with no Lighthouse address (torchft
+    installed): exit 2 with the fix in one line."""
+    small = ["train", "--train-samples", "256", "--test-samples", "128", "--quiet"]
+    for spec in ("2/2", "1-2", "a/b"):
+        assert main(small + ["--data-shard", spec]) == 2
+        assert f"--data-shard {spec}: use I/N with 0 ≤ I < N" in capsys.readouterr().err
+    pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    assert main(small + ["--fault-tolerant", "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no Lighthouse address" in err and "TORCHFT_LIGHTHOUSE" in err
