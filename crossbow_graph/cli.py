@@ -156,10 +156,11 @@ def _add_distributed_flags(train: argparse.ArgumentParser) -> None:
                        help="with --fault-tolerant: the torchft Lighthouse, http://HOST:PORT "
                             "(default: $TORCHFT_LIGHTHOUSE)")
     train.add_argument("--replica-group", default=flag_default("--replica-group"),
-                       help="with --fault-tolerant: this group's name (default: "
-                            "$REPLICA_GROUP_ID, else 0)")
+                       help="with --fault-tolerant: this group's name in the logs, one per "
+                            "group (default: $REPLICA_GROUP_ID, else 0)")
     train.add_argument("--min-replicas", type=int, default=flag_default("--min-replicas"),
-                       help="with --fault-tolerant: the fewest live groups a sync commits with")
+                       help="with --fault-tolerant: the fewest live groups a sync commits with "
+                            "(give the Lighthouse's --min_replicas the same number)")
     train.add_argument("--data-shard", default=None, metavar="I/N",
                        help="train on the samples i with i mod N = I only (a replica group's "
                             "own data; default: all)")
@@ -352,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_train(args)
         if args.command == "inspect":
             return _inspect(args)
-    except (ValueError, FileNotFoundError, DistributedError) as exc:  # DistributedError: ranks
-        # that disagree at start-up
+    except (ValueError, FileNotFoundError, DistributedError, ImportError) as exc:
+        # DistributedError: ranks that disagree at start-up; ImportError: a missing extra (torchft)
         print(f"crossbow-graph {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -10,11 +10,13 @@ import sys
 from typing import Any
 
 import torch
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import crossbow_graph as cg
 
 from . import datasets, models
 from .cli_layout import learner_layout
+from .cli_options import flag_default
 from .datasets import ImageDataset
 from .engine.comm import z_digest
 from .errors import CheckpointError, DistributedError, DivergenceError, TrainingInterrupted
@@ -137,6 +139,7 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
     Raises:
         ValueError: a bad flag value (before any training).
     """
+    _check_ft_flags(args)
     policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
     _, default_lr, lr_batch = OPTIMIZERS[args.optimizer]
     lr = default_lr if args.lr is None else args.lr
@@ -177,6 +180,18 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
                bn_recalibration_batches=args.bn_recalibration_batches,
                max_grad_norm=args.max_grad_norm)
     return plan, fit
+
+
+def _check_ft_flags(args: argparse.Namespace) -> None:
+    """Raises ValueError: ``--lighthouse``, ``--replica-group`` or ``--min-replicas`` (other than
+    its default) without ``--fault-tolerant``."""
+    given = [flag for flag, value in (("--lighthouse", args.lighthouse),
+                                      ("--replica-group", args.replica_group),
+                                      ("--min-replicas", args.min_replicas))
+             if value != flag_default(flag)]
+    if given and not args.fault_tolerant:
+        raise ValueError(f"{' '.join(given)} without --fault-tolerant: they set up a torchft replica "
+                         "group; add --fault-tolerant, or drop them")
 
 
 def _shard(dataset: Any, spec: str) -> torch.utils.data.Subset:
@@ -256,7 +271,8 @@ def run_train(args: argparse.Namespace) -> int:
               "no all-reduce); training as given", file=sys.stderr, flush=True)
     target = fit["target_accuracy"]
     try:
-        history = plan.fit(**fit)
+        with logging_redirect_tqdm():  # log records (membership changes) above the progress bar
+            history = plan.fit(**fit)
     except (CheckpointError, DivergenceError, DistributedError) as exc:  # one line, exit 2
         print(f"crossbow-graph train: error: {exc}", file=sys.stderr)
         return 2

@@ -77,7 +77,9 @@ class CompileOptions:
         "interpreter), 'torch' or 'c'"))
     distributed: Distributed | None = option(None, doc=(
         "under torchrun, crossbow_graph.Distributed(...) (timeout, checksum period, sync dtype; "
-        "None: its defaults); each rank runs devices × m learners, z starts as rank 0's model"))
+        "fault_tolerant, lighthouse, replica_group, min_replicas, ft_attempts: torchft replica "
+        "groups, docs/distributed.md; None: its defaults); each rank runs devices × m learners, "
+        "z starts as rank 0's model"))
     precision: Precision = option("fp32", doc=(
         "'bf16'/'fp16': the learners' forward under torch.autocast, float32 parameters and SMA "
         "update, fp16 with a loss scale per replica (a float32 model only; docs/runtime.md)"))

@@ -232,3 +232,68 @@ def test_max_grad_norm_flag_reaches_fit(tmp_path, capsys):
                  "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "64",
                  "--max-grad-norm", "0.5", "--log-dir", str(log)]) == 0
     assert json.loads((log / "history.json").read_text())["max_grad_norm"] == 0.5
+
+
+def test_fault_tolerance_flags_without_fault_tolerant_are_a_one_line_error(capsys):
+    """--lighthouse, --replica-group or --min-replicas ≠ 1 without --fault-tolerant: exit 2 before
+    any data is read, naming the flags; --data-shard alone shards an ordinary run."""
+    from crossbow_graph.cli import prepare_train
+
+    for flags in (["--lighthouse", "http://127.0.0.1:1"], ["--replica-group", "g5"],
+                  ["--min-replicas", "2"]):
+        assert main(["train", "--dataset", "nonexistent"] + flags) == 2, flags  # before the data
+        err = capsys.readouterr().err
+        assert err == f"crossbow-graph train: error: {flags[0]} without --fault-tolerant: they set " \
+                      "up a torchft replica group; add --fault-tolerant, or drop them\n", flags
+    _, fit = prepare_train(build_parser().parse_args(
+        ["train", "--train-samples", "256", "--test-samples", "128", "--data-shard", "1/2"]))
+    assert len(fit["train_dataset"]) == 128
+
+
+def test_fault_tolerant_without_torchft_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
+    assert main(["train", "--fault-tolerant", "--lighthouse", "http://127.0.0.1:1", "--replicas", "2",
+                 "--train-samples", "256", "--test-samples", "128", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("crossbow-graph train: error: ") and err.count("\n") == 1
+    assert "pip install 'crossbow_graph[ft]'" in err and "Traceback" not in err
+
+
+def test_an_error_in_the_fit_is_printed_on_a_line_of_its_own_below_the_progress_bar(monkeypatch, capsys):
+    """The bar is cleared when the fit fails, so the CLI's error line (read as a terminal shows
+    it: \\r returns to the line's start) is the error alone."""
+    from crossbow_graph import cli_train
+    from crossbow_graph.errors import DistributedError
+
+    class LoseThePeers(cg.Hook):
+        def after_round(self, ctx):
+            if ctx.round_in_epoch == 2:
+                raise DistributedError("the peers are gone", task_id="sync", device="cpu",
+                                       round_index=2)
+
+    prepare = cli_train.prepare_train
+
+    def prepare_failing(args):
+        plan, fit = prepare(args)
+        return plan, {**fit, "hooks": [LoseThePeers()]}
+
+    monkeypatch.setattr(cli_train, "prepare_train", prepare_failing)
+    assert main(["train", "--train-samples", "256", "--test-samples", "128", "--batch-size", "16",
+                 "--epochs", "1", "--target", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "epoch 1" in err  # the bar was shown
+    assert err.replace("\r", "\n").splitlines()[-1].startswith("crossbow-graph train: error: the peers")
+
+
+def test_bad_fault_tolerance_set_ups_are_one_line_errors(monkeypatch, capsys):
+    """A malformed --data-shard, and --fault-tolerant with no Lighthouse address (torchft
+    installed): exit 2 with the fix in one line."""
+    small = ["train", "--train-samples", "256", "--test-samples", "128", "--quiet"]
+    for spec in ("2/2", "1-2", "a/b"):
+        assert main(small + ["--data-shard", spec]) == 2
+        assert f"--data-shard {spec}: use I/N with 0 ≤ I < N" in capsys.readouterr().err
+    pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    assert main(small + ["--fault-tolerant", "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no Lighthouse address" in err and "TORCHFT_LIGHTHOUSE" in err

@@ -51,6 +51,7 @@ class Trainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.comm = plan.comm
         self.main = self.comm is None or self.comm.is_main  # rank 0 logs, checkpoints, evaluates
+        self.bar: Any = None  # the epoch's tqdm bar, from the first epoch on
 
     # -- the fit ------------------------------------------------------------------------------
 
@@ -87,6 +88,8 @@ class Trainer:
             if comm is not None:
                 comm.check_z(self.plan.states[0].z, self.plan.rounds_done - 1)
         except BaseException:
+            if self.bar is not None:
+                self.bar.close()  # what reports the error writes on a line of its own
             if comm is not None:
                 comm.close()  # the others see this rank gone at once instead of at their timeout
             raise
