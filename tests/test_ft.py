@@ -11,12 +11,16 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
 
 import crossbow_graph as cg
 from crossbow_graph.engine.ft import FaultTolerantSync, check_fault_tolerant, process_group_for
+from crossbow_graph.errors import DistributedError
+
+from _plans import TinyNet, make_plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS = 16
@@ -313,6 +317,21 @@ def test_a_lighthouse_address_is_checked_before_training():
     address = f"http://127.0.0.1:{_free_port()}"
     with pytest.raises(ValueError, match=f"no Lighthouse answered at {address}.*torchft_lighthouse"):
         FaultTolerantSync(cg.Distributed(fault_tolerant=True, lighthouse=address, timeout_s=1.0))
+
+
+def test_a_joiner_of_another_model_stops_in_its_recovery():
+    """A peer's z of another size: ``_load`` raises a DistributedError naming both sizes, and
+    the attempt passes it on (not a discarded quorum, retried)."""
+    ft = FaultTolerantSync.__new__(FaultTolerantSync)  # no Manager: the recovery alone
+    ft.replica_group, ft.device, ft._ctx = "g1", torch.device("cpu"), make_plan(TinyNet).scheduler
+    with pytest.raises(DistributedError, match="z has 230 parameters, this group's 466"):
+        ft._load({"z": torch.zeros(230)})
+
+    def recover():
+        ft._load({"z": torch.zeros(230)})
+    ft.manager = types.SimpleNamespace(start_quorum=recover)
+    with pytest.raises(DistributedError, match="same model"):
+        ft._attempt(torch.zeros(3))
 
 
 def test_without_torchft_the_error_names_the_extra(monkeypatch):

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -318,7 +319,11 @@ class FaultTolerantSync:
         manager = self.manager
         with torch.accelerator.device_index(self.device.index):  # NCCL's device (None: the host)
             try:
-                manager.start_quorum()  # may recover this group's state from a peer (_load)
+                with warnings.catch_warnings():  # torch's, on the checkpoint torchft streams in
+                    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                    manager.start_quorum()  # may recover this group's state from a peer (_load)
+            except DistributedError:
+                raise  # this group's model is not the live groups' (_load)
             except (TimeoutError, RuntimeError) as exc:  # no quorum in timeout_s (e.g. the
                 # Lighthouse still sees a group whose rank died, its rank 0 lingering), or no
                 manager._quorum_future = None  # Lighthouse; torchft would raise this failed
