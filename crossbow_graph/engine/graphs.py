@@ -299,7 +299,7 @@ class RoundGraph:
                     "the host); the SGD kernels run in graphs")
         if any(s.loss_scales is not None for s in sched.states):
             return "precision='fp16' settles its loss scales on the host"
-        if hasattr(batch, "specs"):  # a DeviceGather: on the plan's device
+        if isinstance(batch, DeviceGather):  # on the plan's device
             return None
         if isinstance(batch, LearnerBatches) or not all(
                 isinstance(t, torch.Tensor) for t in tree_leaves(batch)):
@@ -319,7 +319,7 @@ class RoundGraph:
         states = tuple((s.m, s.w.data_ptr(), s.v.data_ptr(), s.g.data_ptr(), s.z.data_ptr(),
                         s.buf.data_ptr(), tuple(s.first_step)) for s in sched.states)
         inputs = tuple((tuple(shape), dtype, str(device)) for shape, dtype, device in
-                       (batch.specs() if hasattr(batch, "specs") else
+                       (batch.specs() if isinstance(batch, DeviceGather) else
                         ((t.shape, t.dtype, t.device) for t in tree_leaves(batch))))
         return (id(sched.program), states, inputs, sched.batch_size, sched.learner_mode,
                 bool(synchronise), sgd.momentum != 0, sgd.nesterov, sgd.weight_decay != 0,
@@ -387,7 +387,7 @@ def _copied(losses: list[torch.Tensor]) -> list[torch.Tensor]:
 def _new_entry(batch: Any, device: torch.device, staging: HostStaging) -> _Entry:
     """A key's entry: static inputs on ``device`` of the batch's shapes and dtypes (and, for a
     ``DeviceGather``, static indices)."""
-    if hasattr(batch, "specs"):
+    if isinstance(batch, DeviceGather):
         statics = [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype, dev in batch.specs()]
         return _Entry(statics, staging, DeviceGather(batch.fetch, torch.empty_like(batch.indices)))
     return _Entry(tree_map(lambda x: torch.empty_like(x, device=device)
@@ -421,7 +421,7 @@ class GraphBackend(StreamsBackend):
 
     def run_env(self, env: RoundEnv) -> None:
         if not self.graph.run_round(self.sched, env.round_index, env.batch, env.synchronise):
-            if hasattr(env.batch, "specs"):
+            if isinstance(env.batch, DeviceGather):
                 env.batch = env.batch.batch()
             super().run_env(env)
 
