@@ -336,12 +336,12 @@ class FaultTolerantSync:
             manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
             if agreed and manager.should_commit():
                 return flat
-            self._discarded = (f"{manager.num_participants()} live group(s), fewer than "
-                               f"min_replicas={self.min_replicas}"
-                               if manager.num_participants() < self.min_replicas else
-                               f"a collective failed: {str(manager.errored())[:200]}")
-            if manager.num_participants() < self.min_replicas:
-                time.sleep(1.0)  # the others may be starting: wait attempts × 1 s for them
+            live = manager.num_participants()
+            if live >= self.min_replicas:
+                self._discarded = f"a collective failed: {str(manager.errored())[:200]}"
+                return None
+            self._discarded = f"{live} live group(s), fewer than min_replicas={self.min_replicas}"
+            time.sleep(1.0)  # the others may be starting: wait attempts × 1 s for them
             return None
 
     def _agree(self, manager: Any) -> bool:
