@@ -24,6 +24,7 @@ import crossbow_graph as cg
 from crossbow_graph.engine import graphs as G
 from crossbow_graph.engine.capture_check import CaptureChecker, SimulatedGraphs
 from crossbow_graph.engine.race_check import RaceRecorder
+from crossbow_graph.training.data import DeviceFetch
 
 from _plans import TinyBN, TinyDrop, make_plan, tiny_data
 from test_streams import _ignored
@@ -540,8 +541,6 @@ def _resident_fit(graph: bool, model=TinyBN, counts=None, monkeypatch=None):
     (``data_on_device=True``), through a RoundGraph on simulated graphs when ``graph``; with
     ``counts``, the calls of DeviceFetch's gathers without ``out``, its index copies and the
     generator seeds are counted. Returns (plan, history)."""
-    from crossbow_graph.training.data import DeviceFetch
-
     plan = make_plan(model, devices=1, replicas=3, executor="inline", kernel_backend="torch",
                      optimizer=cg.SGD(lr=0.05, momentum=0.9))
     if counts is not None:
@@ -581,15 +580,13 @@ def test_resident_data_is_gathered_in_the_graph_from_the_epochs_order_on_the_dev
 def test_device_fetch_reads_a_slice_of_the_epochs_order_on_the_device():
     """``on_device``: a slice of the epoch's order is a view of its device copy (same values);
     other indices (a copy, a reversed order) are copied, with their own values."""
-    from crossbow_graph.training.data import DeviceFetch
-
     fetch = DeviceFetch((torch.arange(10.0),), torch.device("cpu"))
     order = torch.randperm(10, generator=torch.Generator().manual_seed(0))
     fetch.start_epoch(order)
     device_order = fetch._order[1]
     view = fetch.on_device(order[3:7])
     assert view.untyped_storage().data_ptr() == device_order.untyped_storage().data_ptr()
-    assert torch.equal(view, order[3:7]) and torch.equal(fetch(order[3:7])[0], order[3:7].double().float())
+    assert torch.equal(view, order[3:7]) and torch.equal(fetch(order[3:7])[0], order[3:7].float())
     for other in (order[3:7].clone(), order.flip(0)[:4]):
         got = fetch.on_device(other)
         assert torch.equal(got, other) and got.untyped_storage().data_ptr() != device_order.untyped_storage().data_ptr()
