@@ -20,7 +20,8 @@ from torch import nn
 import crossbow_graph as cg
 from crossbow_graph.engine.faults import FaultMonitor
 from crossbow_graph.engine.race_check import RaceRecorder
-from crossbow_graph.engine.streams import CudaStreams
+from crossbow_graph.engine import streams as stream_module
+from crossbow_graph.engine.streams import CudaStreams, host_resident, is_host_resident
 from crossbow_graph.training.hooks import Hook
 
 from _plans import TinyBN, make_plan, tiny_data
@@ -291,3 +292,15 @@ def test_gpu_learner_streams_never_alias_the_sync_streams():
     learners = {s.cuda_stream for s in streams.groups.values()}
     syncs = {streams.sync_stream[0].cuda_stream, streams.global_stream.cuda_stream}
     assert len(learners) <= 32 and not learners & syncs
+
+
+def test_a_host_resident_mark_ends_with_its_tensor():
+    """A freed host-resident tensor's address is no longer marked: a later tensor allocated
+    there is recorded (the race checks would otherwise miss its accesses)."""
+    from crossbow_graph.engine import streams
+
+    age = host_resident(torch.zeros(4, dtype=torch.int64))
+    ptr = age.untyped_storage().data_ptr()
+    assert is_host_resident(age)
+    del age
+    assert ptr not in stream_module._HOST_RESIDENT

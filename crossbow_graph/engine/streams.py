@@ -4,6 +4,7 @@ each waits for (``CudaStreams.WAITS``; docs/runtime.md, "Streams on CUDA")."""
 
 from __future__ import annotations
 
+import weakref
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
@@ -21,8 +22,10 @@ _HOST_RESIDENT: set[int] = set()  # storages that stay in host memory on a GPU r
 
 def host_resident(t: torch.Tensor) -> torch.Tensor:
     """Mark a CPU tensor that the host reads and writes outside the streams (a RaceRecorder
-    leaves it out)."""
-    _HOST_RESIDENT.add(t.untyped_storage().data_ptr())
+    leaves it out), while it lives: its memory may hold another tensor afterwards."""
+    ptr = t.untyped_storage().data_ptr()
+    _HOST_RESIDENT.add(ptr)
+    weakref.finalize(t, _HOST_RESIDENT.discard, ptr)
     return t
 
 
