@@ -89,7 +89,7 @@ def compare(name: str, batch_size: int, *, device: str = "cpu") -> tuple[int, in
     the estimate includes the cuBLAS workspace of the stream (the caching allocator counts it)."""
     shape = input_shape(name)
     mg = trace_model(get_model(name), (torch.randn(2, *shape),))
-    library = library_workspace([device if device != "cuda" else "cuda:0"])
+    library = library_workspace([device if device != "cuda" else "cuda:0"], mg.analysis)
     estimate = estimate_memory(mg.analysis, batch_size).training_step + library
     measured = measure_training_step_bytes(lambda: get_model(name), shape, batch_size, device=device)
     return measured, estimate, estimate / measured - 1

@@ -112,7 +112,8 @@ class ModelAnalysis:
     new tensors, of those kept for backward, of the largest one); bytes of the largest trainable
     tensor, of the parameters (trainable, frozen) and buffers; P = ``num_trainable``, Q =
     ``num_float_buffers``; ``residual_joins``; ``workspace_activations`` (1.5, or 3 with
-    residual joins)."""
+    residual joins); ``overhang_conv_weight_bytes``: bytes of the largest weight of a
+    convolution whose kernel is larger than its input in every spatial dimension (0: none)."""
 
     nodes: tuple[NodeCost, ...]
     example_batch: int
@@ -130,6 +131,7 @@ class ModelAnalysis:
     num_float_buffers: int
     residual_joins: int
     workspace_activations: float
+    overhang_conv_weight_bytes: int = 0
 
     def forward_flops(self, batch_size: int) -> int:
         """Forward FLOPs of a batch of ``batch_size`` samples."""
@@ -288,6 +290,20 @@ def _saved_inputs(node: fx.Node, cat: str, modules: dict[str, nn.Module]) -> tup
     return tensor_args, True, 0  # unknown op: assume it keeps its inputs and its output
 
 
+def _overhang_weight_bytes(node: fx.Node, modules: dict[str, nn.Module]) -> int:
+    """A convolution module's weight bytes when its kernel is larger than its input in every
+    spatial dimension (a 3 × 3 kernel over a 2 × 2 map), else 0."""
+    mod = modules.get(node.target) if node.op == "call_module" else None
+    in_shape = _arg_shape(node.args[0]) if node.args else None
+    if mod is None or in_shape is None:
+        return 0
+    kernel = tuple(mod.weight.shape[2:])
+    spatial = tuple(in_shape[-len(kernel):]) if kernel else ()
+    if not kernel or not all(s < k for s, k in zip(spatial, kernel)):
+        return 0
+    return mod.weight.numel() * mod.weight.element_size()
+
+
 def _is_inplace(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     if node.op == "call_module":
         return bool(getattr(modules[node.target], "inplace", False))
@@ -335,6 +351,8 @@ def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buf
         if extra_per_elt:
             extra[node.name] = extra_per_elt * _numel(_tensor_meta(node)[0])
     nodes, largest = [], 0
+    overhang = max((_overhang_weight_bytes(n, modules) for n in module.graph.nodes
+                    if cats[n.name][0] == "conv"), default=0)
     for node in module.graph.nodes:
         cat, target = cats[node.name]
         shape, dtype = _tensor_meta(node)
@@ -359,7 +377,7 @@ def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buf
         forward_flops=sum(c.flops for c in nodes),
         activation_bytes=sum(c.bytes for c in nodes if c.op != "input"),
         saved_bytes=sum(c.saved_bytes for c in nodes), max_activation_bytes=largest,
-        residual_joins=joins)
+        residual_joins=joins, overhang_conv_weight_bytes=overhang)
 
 
 def _measured(node: fx.Node, measured: dict[str, "EagerCost"]) -> "EagerCost | None":
@@ -369,7 +387,8 @@ def _measured(node: fx.Node, measured: dict[str, "EagerCost"]) -> "EagerCost | N
 def analysis_of_totals(nodes: list[NodeCost], example_batch: int, *, parameters: list,
                        buffers: list, forward_flops: float, activation_bytes: float,
                        saved_bytes: float, max_activation_bytes: float,
-                       residual_joins: int | None) -> ModelAnalysis:
+                       residual_joins: int | None,
+                       overhang_conv_weight_bytes: int = 0) -> ModelAnalysis:
     """A ModelAnalysis from totals at an example batch of N samples (per sample: / N); bytes of
     parameters and buffers from the inventory; ``residual_joins=None`` (unknown) takes the
     residual workspace factor."""
@@ -391,6 +410,7 @@ def analysis_of_totals(nodes: list[NodeCost], example_batch: int, *, parameters:
         num_float_buffers=sum(b.numel for b in buffers if b.dtype.is_floating_point),
         residual_joins=joins,
         workspace_activations=workspace,
+        overhang_conv_weight_bytes=overhang_conv_weight_bytes,
     )
 
 
