@@ -35,6 +35,7 @@ from .training.options import FitOptions
 from .training.progress import FitProgress
 from .training.run_setup import RunRecord
 from .training.trainer import Trainer
+from .training.validate import check_eval_dataset
 from .tuning.autotune import AutoTune, AutoTuner
 from .tuning.metrics import MetricsMonitor
 from .tuning.policy_base import apply_adjustment
@@ -294,7 +295,13 @@ class Plan:
                  metric_fn: Callable[[Any, Any], Any] | None = None) -> tuple[float | None, float]:
         """(accuracy, mean loss) of z on ``dataset`` (a Dataset or DataLoader); accuracy is
         ``metric_fn``'s mean, else the class accuracy, else None with a UserWarning once
-        (training/evaluation.py; docs/api.md, Evaluation)."""
+        (training/evaluation.py; docs/api.md, Evaluation).
+
+        Raises:
+            TypeError, ValueError: before any forward, data that does not fit the plan, as
+                ``fit(eval_dataset=)`` checks it (training/validate.py; docs/reliability.md).
+        """
+        check_eval_dataset(self, dataset)
         return self.central.evaluate(dataset, batch_size=batch_size, metric_fn=metric_fn)
 
     # -- training -----------------------------------------------------------------------------

@@ -68,7 +68,8 @@ class CompileOptions:
     leaf_modules: Sequence[type[nn.Module]] = option((), doc=(
         "module classes torch.fx keeps whole (measured eagerly, as a model it cannot trace)"))
     memory_budget: int | None = option(None, doc=(
-        "bytes per device for the learners; None: no bound on CPUs, the free memory on CUDA"))
+        "bytes per device for the learners; None: the free memory on CUDA; on CPUs, the "
+        "replicas' state must fit the host's available memory"))
     verify: bool = option(True, doc=(
         "run the verifier between the compiler passes, also when adjust re-plans"))
     kernel_backend: KernelBackend = option("auto", doc=(

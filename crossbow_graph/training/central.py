@@ -63,7 +63,7 @@ class CentralModel:
         first = plan.states[0]
         self.recalibration.refresh(self.module, self._buf, z=first.z, zbuf=first.zbuf,
                                    batch_size=plan.batch_size, num_learners=plan.num_learners,
-                                   round_index=plan.rounds_done)
+                                   round_index=plan.rounds_done, flags=first.call_flags)
         if plan.comm is not None and not plan.comm.is_main:
             return
         src = dict(first.replicas[0].named_buffers())
@@ -95,7 +95,7 @@ class CentralModel:
         self.refresh()
         result = evaluate_model(self.module, plan.loss_fn, dataset, batch_size=batch_size,
                                 device=plan.states[0].torch_device, metric_fn=metric_fn,
-                                collate_fn=collate_of(data))
+                                collate_fn=collate_of(data), flags=plan.states[0].call_flags)
         self.last_eval_extras = result.extras  # a dict loss_fn's other entries (EvalRecord)
         if result.unscored and not self._unscored_warned:
             self._unscored_warned = True
