@@ -318,31 +318,35 @@ def host_memory_bytes() -> int | None:
 
 def check_host_memory(model_graph: ModelGraph, names: Sequence[str], replicas_per_device: int,
                       batch_size: int, available: int | None) -> None:
-    """CPU devices without a ``memory_budget``: PlanError when the replicas' state alone (every
-    learner's parameters, gradients, optimizer rows and buffers, and the flat share; exact
-    sizes, docs/compiler.md §3) with one learner's activations per device exceeds the host's
-    ``available`` bytes, before any replica is built. The logical CPU devices share the host."""
+    """CPU devices without a ``memory_budget``: PlanError when the replicas' state (every
+    learner's parameters, gradients, optimizer rows and buffers, and the device's flat z, z_prev,
+    acc and zbuf; docs/compiler.md §3) with one learner's activations and workspace per device
+    exceeds the host's ``available`` bytes (None: unknown, no check), before any replica is
+    built. The logical CPU devices share the host. The message gives the arithmetic and the
+    largest m that fits: m·own + shared + step ≤ available / G."""
     if available is None:
         return
-    m, mib = replicas_per_device, 2**20
+    m, mib, per_device = replicas_per_device, 2**20, available // len(names)
     est = estimate_memory(model_graph.analysis, batch_size, m)
-    state = est.params + est.grads + est.optimizer + est.buffers + est.flat_share  # per learner
+    own = est.params + est.grads + est.optimizer + est.buffers  # each learner's rows
+    shared = est.flat_share * m  # the device's z, z_prev, acc, zbuf
     step = est.activations + est.workspace  # one learner's forward and backward at a time
-    need = len(names) * (m * state + step)
-    if need <= available:
+    need = m * own + shared + step
+    if need <= per_device:
         return
-    fit = max(0, (available // len(names) - step) // state) if state else 0
-    devices = f"{len(names)} CPU devices × " if len(names) > 1 else ""
+    fit = max(0, (per_device - shared - step) // own) if own else 0
+    devices = f"{len(names)} CPU devices, each " if len(names) > 1 else ""
     advice = (f"at most {fit:,} replicas per device fit: lower replicas to {fit:,} or fewer"
               if fit else "not even one replica fits: use a smaller model or batch size")
     parts = " + ".join(f"{name} {value / mib:.3g}" for name, value in (
         ("params", est.params), ("grads", est.grads), ("optimizer", est.optimizer),
-        ("buffers", est.buffers), ("flat share", est.flat_share)) if value >= mib / 1000)
+        ("buffers", est.buffers)) if value >= mib / 1000)
     raise PlanError(
-        f"replicas={m:,}: {devices}{m:,} replicas × {state / mib:.3g} MiB of state per learner "
-        f"({parts} MiB) + {step / mib:.3g} MiB for one learner's step at "
-        f"batch {batch_size} = {need / mib:,.0f} MiB, more than the {available / mib:,.0f} MiB "
-        f"this machine has available; {advice} (or bound it yourself with memory_budget=)")
+        f"replicas={m:,}: {devices}{m:,} replicas × {own / mib:.3g} MiB of state per learner "
+        f"({parts} MiB) + {shared / mib:.3g} MiB of the device's central model + {step / mib:.3g} "
+        f"MiB for one learner's step at batch {batch_size} = {need / mib:,.0f} MiB, more than the "
+        f"{per_device / mib:,.0f} MiB this machine has available{' per device' if devices else ''}"
+        f"; {advice} (or bound it yourself with memory_budget=)")
 
 
 def devices_and_comm(devices: int | str | Sequence[str],
