@@ -35,7 +35,6 @@ from .training.options import FitOptions
 from .training.progress import FitProgress
 from .training.run_setup import RunRecord
 from .training.trainer import Trainer
-from .training.validate import check_eval_dataset
 from .tuning.autotune import AutoTune, AutoTuner
 from .tuning.metrics import MetricsMonitor
 from .tuning.policy_base import apply_adjustment
@@ -293,15 +292,9 @@ class Plan:
 
     def evaluate(self, dataset: Any, *, batch_size: int = 1000,
                  metric_fn: Callable[[Any, Any], Any] | None = None) -> tuple[float | None, float]:
-        """(accuracy, mean loss) of z on ``dataset`` (a Dataset or DataLoader); accuracy is
-        ``metric_fn``'s mean, else the class accuracy, else None with a UserWarning once
-        (training/evaluation.py; docs/api.md, Evaluation).
-
-        Raises:
-            TypeError, ValueError: before any forward, data that does not fit the plan, as
-                ``fit(eval_dataset=)`` checks it (training/validate.py; docs/reliability.md).
-        """
-        check_eval_dataset(self, dataset)
+        """(accuracy, mean loss) of z on ``dataset`` (a Dataset or DataLoader, checked as
+        ``fit(eval_dataset=)``: ValueError, TypeError); accuracy is ``metric_fn``'s mean, else the
+        class accuracy, else None with a UserWarning once (training/evaluation.py; docs/api.md)."""
         return self.central.evaluate(dataset, batch_size=batch_size, metric_fn=metric_fn)
 
     # -- training -----------------------------------------------------------------------------

@@ -86,8 +86,8 @@ class CompileOptions:
         "update, fp16 with a loss scale per replica (a float32 model only; docs/runtime.md)"))
     strict_trace: bool = option(False, doc=(
         "raise TraceError where torch.fx cannot trace the model; False: train it as given (analysed "
-        "by one measured forward) with a TraceWarning saying what inspection lost "
-        "(docs/compiler.md §1)"))
+        "by one measured forward) with a one-line TraceWarning; plan.summary() says what "
+        "inspection lost (docs/compiler.md §1)"))
     memory_format: MemoryFormat = option("auto", doc=(
         "layout of the nn.Conv2d weights in the replicas' rows: 'auto' (channels-last on CPU "
         "devices, contiguous on CUDA), 'channels_last' or 'contiguous' (docs/runtime.md)"))

@@ -13,6 +13,7 @@ from torch.utils.data import Dataset, TensorDataset
 import crossbow_graph as cg
 from crossbow_graph import cli
 from crossbow_graph.errors import PlanError
+from _plans import make_plan
 
 N, B = 32, 4
 
@@ -23,10 +24,10 @@ def _data(n: int = N) -> TensorDataset:
 
 
 def _plan(model: nn.Module | None = None, **kw) -> cg.Plan:
-    torch.manual_seed(0)
-    kw = {"devices": 1, "replicas": 2, **kw}
-    return cg.compile(model or nn.Linear(4, 3), (torch.zeros(2, 4),), kw.pop("loss_fn", F.cross_entropy),
-                      batch_size=B, **kw)
+    """The suite's plan (tests/_plans.py) of ``model`` (a linear classifier) on x [N, 4]."""
+    kw = {"devices": 1, "replicas": 2, "optimizer": None, **kw}
+    return make_plan(model or (lambda: nn.Linear(4, 3)), example=torch.zeros(2, 4), batch_size=B,
+                     **kw)
 
 
 class _Labelled(Dataset):
@@ -68,6 +69,23 @@ def test_data_on_the_meta_device_is_refused_before_any_round(part, label):
         p.fit(TensorDataset(*tensors), 1, progress=False)
     with pytest.raises(ValueError, match=message.format(what="eval_dataset")):
         p.evaluate(TensorDataset(*tensors))
+    assert p.rounds_done == 0
+
+
+class _NoTarget(Dataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        return torch.zeros(4), None
+
+
+def test_samples_without_a_target_under_a_class_index_loss_are_refused_before_any_round():
+    p = _plan()
+    with pytest.raises(ValueError, match=r"train_dataset's samples have no target \(None\), but "
+                                         r"loss_fn is cross_entropy, which takes class indices; give "
+                                         r"\(inputs, label\) pairs, or a loss_fn that needs no target"):
+        p.fit(_NoTarget(), 1, progress=False)
     assert p.rounds_done == 0
 
 

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import crossbow_graph as cg
+from _plans import make_plan
 
 N, B = 32, 4
 
@@ -25,12 +26,12 @@ def _xy(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _plan(model: type[nn.Module] | None = None, example=None, loss_fn=F.cross_entropy,
           **kw) -> cg.Plan:
-    """A plan of ``model()`` (``nn.Linear(6, 3)``) built after ``torch.manual_seed(0)``."""
-    torch.manual_seed(0)
+    """The suite's plan (tests/_plans.py) of ``model()`` (``nn.Linear(6, 3)``) built after
+    ``torch.manual_seed(0)``."""
     kw = {"devices": 1, "replicas": 2, "optimizer": cg.SGD(lr=0.1, momentum=0.9), **kw}
-    return cg.compile(model() if model else nn.Linear(6, 3),
-                      (torch.zeros(2, 6),) if example is None else example, loss_fn,
-                      batch_size=B, **kw)
+    return make_plan(model or (lambda: nn.Linear(6, 3)), seed=0,
+                     example=torch.zeros(2, 6) if example is None else example, loss_fn=loss_fn,
+                     batch_size=B, **kw)
 
 
 def _fit(plan: cg.Plan, data, **kw) -> torch.Tensor:

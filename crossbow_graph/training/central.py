@@ -15,6 +15,7 @@ from ..engine.state import DeviceState, FlatLayout, copy_module
 from .batchnorm import BNRecalibration
 from .data import collate_of
 from .evaluation import eval_samples, evaluate_model
+from .validate import check_eval_dataset
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -86,11 +87,14 @@ class CentralModel:
         return out.eval()
 
     @torch.no_grad()
-    def evaluate(self, dataset: Any, *, batch_size: int,
-                 metric_fn: Callable[[Any, Any], Any] | None) -> tuple[float | None, float]:
-        """(accuracy or None, mean loss) of the refreshed module (``evaluate_model``); the first
-        unscored evaluation warns (UserWarning)."""
+    def evaluate(self, dataset: Any, *, batch_size: int, metric_fn: Callable[[Any, Any], Any] | None,
+                 check: bool = True) -> tuple[float | None, float]:
+        """(accuracy or None, mean loss) of the refreshed module (``evaluate_model``), with
+        ``check`` after ``check_eval_dataset`` (training/validate.py: TypeError, ValueError
+        before any forward); the first unscored evaluation warns (UserWarning)."""
         plan = self._plan
+        if check:
+            check_eval_dataset(plan, dataset)
         data, dataset = dataset, eval_samples(dataset)
         self.refresh()
         result = evaluate_model(self.module, plan.loss_fn, dataset, batch_size=batch_size,

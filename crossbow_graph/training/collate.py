@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate as _torch_collate
 from torch.utils.data._utils.collate import default_collate_fn_map
@@ -25,14 +25,22 @@ def plain_tensor(t: torch.Tensor) -> torch.Tensor:
     return t if t.layout is torch.strided else t.to_dense()
 
 
-def _needs_plain(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and (t.requires_grad or t.layout is not torch.strided)
+def _needs_plain(value: Any) -> bool:
+    """Whether a tensor of ``value`` (nested in lists, tuples and dicts) requires grad or is
+    sparse (a walk cheaper than pytree's flattening: once per learner batch and round)."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad or value.layout is not torch.strided
+    if isinstance(value, (list, tuple)):
+        return any(_needs_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return any(_needs_plain(v) for v in value.values())
+    return False
 
 
 def plain_batch(batch: Any) -> Any:
-    """``batch`` (what a DataLoader's collate_fn or a dataset's ``get_batch`` returned) with
-    every tensor ``plain_tensor``; ``batch`` itself when none needs it."""
-    if not any(_needs_plain(t) for t in tree_flatten(batch)[0]):
+    """``batch`` (what a DataLoader's collate_fn returned) with every tensor ``plain_tensor``;
+    ``batch`` itself when none needs it."""
+    if not _needs_plain(batch):
         return batch
     return tree_map(lambda t: plain_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
 
@@ -93,5 +101,5 @@ def collate(samples: list[Any]) -> Any:
             and all(isinstance(s, (tuple, list)) and len(s) == 2 for s in samples):
         inputs = _collate_keywords([s[0] for s in samples])
         target = _torch_collate([s[1] for s in samples], collate_fn_map=_COLLATE_MAP)
-        return (inputs, target) if isinstance(first, tuple) else [inputs, target]
+        return [inputs, target]  # a list, as default_collate makes of tuples too
     return _torch_collate(samples, collate_fn_map=_COLLATE_MAP)

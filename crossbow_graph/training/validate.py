@@ -307,8 +307,22 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
     _check_text(plan, args, kwargs, target, what)
     _check_dtypes(plan, args, kwargs, what)
     _check_inputs(plan, args, kwargs, what)
+    _check_labels(plan, dataset, args, kwargs, target, what)
+
+
+def _check_labels(plan: "Plan", dataset: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  target: Any, what: str) -> None:
+    """Under a class-index loss: a target, an output with a class dimension, labels of its
+    form, every label (a tensor dataset's all, else the batch's) among its classes or the
+    ignore_index."""
     ignore = _class_index_loss(plan.loss_fn)
     out_shape = _output_shape(plan)
+    if ignore is not None and target is None:
+        name = "nll_loss" if plan.loss_fn is F.nll_loss or isinstance(plan.loss_fn, nn.NLLLoss) \
+            else "cross_entropy"
+        raise ValueError(f"{what}'s samples have no target (None), but loss_fn is {name}, which "
+                         "takes class indices; give (inputs, label) pairs, or a loss_fn that "
+                         "needs no target (it gets None), or loss_fn=None for the model's own loss")
     if ignore is not None and out_shape is not None and len(out_shape) < 2:
         _check_class_dimension(plan, args, kwargs)
     if ignore is None or out_shape is None or len(out_shape) < 2 or not isinstance(target, torch.Tensor):
