@@ -118,6 +118,17 @@ def test_an_output_squeezed_only_for_a_batch_of_one_trains():
     assert p.rounds_done == N // (2 * B)
 
 
+def test_sparse_data_kept_on_the_device_is_refused_with_the_auto_fix():
+    g = torch.Generator().manual_seed(0)
+    sparse = TensorDataset(torch.randn(N, 4, generator=g).to_sparse(), torch.zeros(N, dtype=torch.long))
+    p = _plan()
+    with pytest.raises(ValueError, match=r"data_on_device=True keeps a TensorDataset's tensors on "
+                                         r"the device .* but train_dataset holds sparse tensors; "
+                                         r"pass data_on_device='auto'"):
+        p.fit(sparse, 1, progress=False, data_on_device=True)
+    assert p.rounds_done == 0
+
+
 def test_an_empty_device_list_is_refused():
     with pytest.raises(ValueError, match=r"devices=\[\] names no device; use devices=1 .*'auto', "
                                          r"or a list of names such as \['cpu:0'\]"):

@@ -191,14 +191,28 @@ def test_sparse_inputs_train_and_evaluate_as_their_dense_values(form):
 
 @pytest.mark.parametrize("executor, form", [("inline", "tensor"), ("inline", "rows"),
                                             ("inline", "loader"), ("process", "tensor"),
-                                            ("inline", "non-leaf")])
+                                            ("inline", "non-leaf"), ("inline", "resident")])
 def test_inputs_that_require_grad_train_as_detached_data(executor, form):
     x, y = _xy(4)
     plain = _fit(_plan(devices=2, executor=executor), TensorDataset(x, y))
     leaf = x.clone().requires_grad_(True)
     data = {"tensor": lambda: TensorDataset(leaf, y), "rows": lambda: Rows(leaf, y),
             "loader": lambda: DataLoader(Rows(leaf, y), batch_size=B, num_workers=1),
-            "non-leaf": lambda: TensorDataset(leaf * 1.0, y)}[form]()
-    torch.testing.assert_close(_fit(_plan(devices=2, executor=executor), data), plain,
+            "non-leaf": lambda: TensorDataset(leaf * 1.0, y),
+            "resident": lambda: TensorDataset(leaf, y)}[form]()
+    on_device = {"data_on_device": True} if form == "resident" else {}
+    torch.testing.assert_close(_fit(_plan(devices=2, executor=executor), data, **on_device), plain,
                                rtol=0, atol=0)
     assert leaf.grad is None  # the data got no gradient
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("form", ["resident", "sparse"])
+def test_inputs_that_require_grad_or_are_sparse_train_on_a_gpu_as_their_plain_values(form):
+    x, y = _sparse_x()
+    plain = _fit(_plan(devices=["cuda:0"]), TensorDataset(x, y))
+    leaf = x.clone().requires_grad_(True)
+    data = TensorDataset(leaf, y) if form == "resident" else TensorDataset(x.to_sparse(), y)
+    torch.testing.assert_close(_fit(_plan(devices=["cuda:0"]), data), plain, rtol=1e-6, atol=1e-7)
+    assert leaf.grad is None
