@@ -64,10 +64,11 @@ _COLLATE_MAP = {**default_collate_fn_map, type(None): _collate_none, torch.Tenso
 
 def _flags(samples: list[Mapping]) -> dict[str, Any]:
     """The entries of dict samples that are flags: a bool, or None, the same in every sample
-    (``return_loss=True``), which the model takes as they are, not as a tensor of b of them."""
+    (``return_loss=True``), which the model takes as they are, not as a tensor of b of them;
+    never ``'labels'`` (bool labels are data)."""
     first = samples[0]
     return {key: value for key, value in first.items()
-            if (value is None or isinstance(value, bool))
+            if (value is None or isinstance(value, bool)) and key != "labels"
             and all(isinstance(s, Mapping) and key in s and s[key] is value for s in samples)}
 
 

@@ -108,9 +108,9 @@ class BatchSchedule:
 
 
 def collate_of(data: Any) -> Callable[[list], Any] | None:
-    """A DataLoader's collate_fn unless it is ``default_collate`` (what the plan uses without
-    one) or ``default_convert`` (what ``batch_size=None`` sets: samples left uncollated); None
-    for a Dataset."""
+    """A DataLoader's collate_fn unless it is ``default_collate`` (the plan's own collation,
+    training/collate.py ``collate``, a superset, replaces it) or ``default_convert`` (what
+    ``batch_size=None`` sets: samples left uncollated); None for a Dataset."""
     if isinstance(data, DataLoader) and data.collate_fn not in (default_collate, default_convert):
         return data.collate_fn
     return None
