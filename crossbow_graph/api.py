@@ -292,9 +292,9 @@ class Plan:
 
     def evaluate(self, dataset: Any, *, batch_size: int = 1000,
                  metric_fn: Callable[[Any, Any], Any] | None = None) -> tuple[float | None, float]:
-        """(accuracy, mean loss) of z on ``dataset`` (a Dataset or DataLoader); accuracy is
-        ``metric_fn``'s mean, else the class accuracy, else None with a UserWarning once
-        (training/evaluation.py; docs/api.md, Evaluation)."""
+        """(accuracy, mean loss) of z on ``dataset`` (a Dataset or DataLoader, checked as
+        ``fit(eval_dataset=)``: ValueError, TypeError); accuracy is ``metric_fn``'s mean, else the
+        class accuracy, else None with a UserWarning once (training/evaluation.py; docs/api.md)."""
         return self.central.evaluate(dataset, batch_size=batch_size, metric_fn=metric_fn)
 
     # -- training -----------------------------------------------------------------------------

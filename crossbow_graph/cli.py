@@ -34,6 +34,18 @@ def _milestones_arg(text: str) -> tuple[int, ...]:
     return epochs
 
 
+def _epochs_arg(text: str) -> int:
+    """``--epochs``: a whole number ≥ 1 (the run's length, which --lr-schedule spans)."""
+    try:
+        epochs = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': give a whole number of epochs, e.g. 3") from None
+    if epochs < 1:
+        raise argparse.ArgumentTypeError(f"{epochs}: must be a whole number ≥ 1 (the epochs to "
+                                         "run; with --resume, of the whole run), e.g. --epochs 3")
+    return epochs
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="crossbow-graph",
@@ -78,7 +90,7 @@ def _add_train_parser(sub) -> None:
                             "channels_last on the CPU, contiguous on CUDA), channels_last, contiguous")
     _add_optimizer_flags(train)
     _add_sync_flags(train)
-    train.add_argument("--epochs", type=int, default=flag_default("--epochs"),
+    train.add_argument("--epochs", type=_epochs_arg, default=flag_default("--epochs"),
                        help="most epochs to run (the length of --lr-schedule onecycle and cosine)")
     train.add_argument("--target", type=float, default=flag_default("--target"),
                        help="stop when the central model's test accuracy reaches it (0 disables)")

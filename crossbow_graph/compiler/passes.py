@@ -116,6 +116,8 @@ def annotate_costs(graph: nx.DiGraph, model_graph: ModelGraph) -> nx.DiGraph:
         "forward_flops_per_sample": analysis.forward_flops_per_sample,
         "train_flops_per_sample": analysis.train_flops_per_sample,
         "tracer": model_graph.tracer,
+        "untraced": model_graph.untraced,
+        "lost": model_graph.lost,
     }
     for n in out.nodes:
         task: Task = out.nodes[n]["task"]

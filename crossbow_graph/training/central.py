@@ -15,6 +15,7 @@ from ..engine.state import DeviceState, FlatLayout, copy_module
 from .batchnorm import BNRecalibration
 from .data import collate_of
 from .evaluation import eval_samples, evaluate_model
+from .validate import check_eval_dataset
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -63,7 +64,7 @@ class CentralModel:
         first = plan.states[0]
         self.recalibration.refresh(self.module, self._buf, z=first.z, zbuf=first.zbuf,
                                    batch_size=plan.batch_size, num_learners=plan.num_learners,
-                                   round_index=plan.rounds_done)
+                                   round_index=plan.rounds_done, flags=first.call_flags)
         if plan.comm is not None and not plan.comm.is_main:
             return
         src = dict(first.replicas[0].named_buffers())
@@ -86,16 +87,19 @@ class CentralModel:
         return out.eval()
 
     @torch.no_grad()
-    def evaluate(self, dataset: Any, *, batch_size: int,
-                 metric_fn: Callable[[Any, Any], Any] | None) -> tuple[float | None, float]:
-        """(accuracy or None, mean loss) of the refreshed module (``evaluate_model``); the first
-        unscored evaluation warns (UserWarning)."""
+    def evaluate(self, dataset: Any, *, batch_size: int, metric_fn: Callable[[Any, Any], Any] | None,
+                 check: bool = True) -> tuple[float | None, float]:
+        """(accuracy or None, mean loss) of the refreshed module (``evaluate_model``), with
+        ``check`` after ``check_eval_dataset`` (training/validate.py: TypeError, ValueError
+        before any forward); the first unscored evaluation warns (UserWarning)."""
         plan = self._plan
+        if check:
+            check_eval_dataset(plan, dataset)
         data, dataset = dataset, eval_samples(dataset)
         self.refresh()
         result = evaluate_model(self.module, plan.loss_fn, dataset, batch_size=batch_size,
                                 device=plan.states[0].torch_device, metric_fn=metric_fn,
-                                collate_fn=collate_of(data))
+                                collate_fn=collate_of(data), flags=plan.states[0].call_flags)
         self.last_eval_extras = result.extras  # a dict loss_fn's other entries (EvalRecord)
         if result.unscored and not self._unscored_warned:
             self._unscored_warned = True

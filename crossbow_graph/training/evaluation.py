@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..compiler.outputs import describe_output, logits_of, loss_extras, loss_value
-from ..engine.inputs import split_inputs
+from ..engine.inputs import NO_FLAGS, CallFlags, split_inputs
 from .data import as_dataset, make_fetch, yields_every_sample
 
 __all__ = ["Evaluation", "batch_correct", "eval_samples", "evaluate_model"]
@@ -71,6 +71,10 @@ def batch_correct(output: Any, target: Any) -> int | None:
 
 
 def _why_unscored(output: Any, target: Any) -> str:
+    if target is None:
+        return ("the samples have no target (None), so there is no class accuracy to compute; "
+                "pass fit(..., metric_fn=fn), fn(output, None) -> the batch's score in [0, 1], "
+                "to measure one")
     have = (f"Tensor [{', '.join(map(str, target.shape))}] of {target.dtype}"
             if isinstance(target, torch.Tensor) else type(target).__name__)
     return (f"the output ({describe_output(output)}) with targets ({have}) gives no accuracy: "
@@ -83,7 +87,8 @@ def _why_unscored(output: Any, target: Any) -> str:
 def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], torch.Tensor],
                    dataset: Any, *, batch_size: int, device: torch.device,
                    metric_fn: Callable[[Any, Any], Any] | None = None,
-                   collate_fn: Callable[[list], Any] | None = None) -> Evaluation:
+                   collate_fn: Callable[[list], Any] | None = None,
+                   flags: CallFlags = NO_FLAGS) -> Evaluation:
     """Mean loss and accuracy of ``forward`` on ``dataset``, in batches of ``batch_size``.
 
     Args:
@@ -99,6 +104,8 @@ def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], to
             (``batch_correct``).
         collate_fn: a DataLoader's collate_fn for each batch's samples (training/data.py
             ``collate_of``); None: the default collation.
+        flags: compile's keyword flags, passed where a batch does not give them
+            (engine/inputs.py ``CallFlags``).
 
     Returns:
         The Evaluation.
@@ -109,7 +116,7 @@ def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], to
     for start in range(0, len(dataset), batch_size):
         idx = torch.arange(start, min(start + batch_size, len(dataset)))
         batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, fetch(idx))
-        args, kwargs, y = split_inputs(batch)
+        args, kwargs, y = split_inputs(batch, flags)
         out = forward(*args, **kwargs)
         loss = loss_fn(out, y)
         loss_sum += float(loss_value(loss)) * len(idx)

@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
-from .data import BatchSchedule, as_dataset, collate_of, make_fetch
-from .evaluation import eval_samples
+from .data import BatchSchedule, as_dataset
 from .loader import BatchSource, batch_source, check_loader
 from .options import FitOptions
-from .validate import check_first_batch
+from .validate import check_eval_dataset, check_first_batch
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -91,9 +90,7 @@ class FitData:
         first = self.schedule.next_round(self.schedule.order(0), 0, 1, b)
         check_first_batch(plan, self.train, self.source.host_fetch, first)
         if self.eval_dataset is not None:
-            evals = eval_samples(self.eval_dataset)  # the samples evaluation scores
-            check_first_batch(plan, evals, make_fetch(evals, collate_of(self.eval_dataset)),
-                              torch.arange(min(b, len(evals))), what="eval_dataset")
+            check_eval_dataset(plan, self.eval_dataset)
 
 
 def rank_rows(plan: "Plan", indices: torch.Tensor | None) -> torch.Tensor | None:

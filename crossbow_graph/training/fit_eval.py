@@ -64,12 +64,13 @@ class FitEvaluation:
         return True
 
     def _evaluate(self) -> tuple[float | None, float]:
+        """``Plan.evaluate`` without its data check (the fit checked eval_dataset at its start)."""
         plan, comm, opts = self.plan, self.plan.comm, self.options
+        acc, loss = (0.0, 0.0) if comm is not None and not comm.is_main else plan.central.evaluate(
+            self.eval_dataset, batch_size=opts.eval_batch_size, metric_fn=opts.metric_fn,
+            check=False)
         if comm is None:
-            return plan.evaluate(self.eval_dataset, batch_size=opts.eval_batch_size,
-                                 metric_fn=opts.metric_fn)
-        acc, loss = plan.evaluate(self.eval_dataset, batch_size=opts.eval_batch_size,
-                                  metric_fn=opts.metric_fn) if comm.is_main else (0.0, 0.0)
+            return acc, loss
         acc, loss = comm.broadcast_floats([float("nan") if acc is None else acc, loss],
                                           plan.rounds_done - 1)
         return (None if acc != acc else acc), loss

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from ..engine.batches import LearnerBatches
+from .collate import collate, plain_batch
 from .data import (LearnerFetch, collate_of, device_fetch, make_fetch, read_samples,
                    yields_every_sample)
 
@@ -96,8 +97,9 @@ def _as_is(item: Any) -> Any:
 
 class _LearnerBatchView(Dataset):
     """The dataset as the DataLoader's workers read it: a key ``(epoch, position, indices)`` →
-    ``(position, collate_fn(samples))``, the learner batch at ``position`` of the epoch's order,
-    read after ``seed_learner_batch``.
+    ``(position, collate_fn(samples))`` (its tensors detached and dense: ``plain_batch``; without
+    a collate_fn, ``training.collate.collate``), the learner batch at ``position`` of the epoch's
+    order, read after ``seed_learner_batch``.
 
     ``dataset`` is the user's; other attributes are read from it, so that a worker_init_fn that
     reads ``torch.utils.data.get_worker_info().dataset`` finds what it set up.
@@ -113,7 +115,9 @@ class _LearnerBatchView(Dataset):
         if self.collate_fn is None and hasattr(self.dataset, "get_batch"):
             return position, self.dataset.get_batch(torch.tensor(idx))  # reads a batch at once
         samples = read_samples(self.dataset, idx)
-        return position, (self.collate_fn or torch.utils.data.default_collate)(samples)
+        if self.collate_fn is None:
+            return position, collate(samples)
+        return position, plain_batch(self.collate_fn(samples))
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -120,9 +120,25 @@ class LRSchedulerHook(Hook):
     def _lrs(self) -> list[float]:
         return [float(g["lr"]) for g in self.scheduler.optimizer.param_groups]
 
-    def _step(self, *args: float) -> None:
+    def _step(self, ctx: FitContext, *args: float) -> None:
         if not self._past_its_end():
             self.settings.step_lr_schedule(self.scheduler, *args)
+            self._check_lrs(ctx)
+
+    def _check_lrs(self, ctx: FitContext) -> None:
+        """ValueError when the scheduler set a learning rate below 0 (or NaN): a negative η
+        climbs the loss (``SGD(lr=)`` refuses one); raised before any round trains at it."""
+        bad = [(i, lr) for i, lr in enumerate(self._lrs()) if not lr >= 0]
+        if not bad:
+            return
+        i, lr = bad[0]
+        plan = ctx.plan
+        raise ValueError(
+            f"lr_scheduler {type(self.scheduler).__name__} set lr={lr:.6g} for param group {i} "
+            f"at its step {self.scheduler.last_epoch}, before round {plan.rounds_done} (epoch "
+            f"{plan.epochs_done + 1}): a negative learning rate climbs the loss; make "
+            "the schedule's factor ≥ 0 at every step, e.g. LambdaLR(plan.optimizer, lambda "
+            "step: max(0.0, 1 - step / total_steps))")
 
     def _past_its_end(self) -> bool:
         """Whether a OneCycleLR has taken all its ``total_steps``; it then holds its
@@ -149,6 +165,7 @@ class LRSchedulerHook(Hook):
         self._evaluated = False
         self._shape = self._round_shape(ctx)
         self._warned = self._held = False
+        self._check_lrs(ctx)  # the factor at the scheduler's current step (LambdaLR's at 0)
         self._warn_if_unfinished(ctx, start=True)
 
     def after_fit(self, ctx: FitContext) -> None:
@@ -156,7 +173,7 @@ class LRSchedulerHook(Hook):
 
     def after_round(self, ctx: FitContext) -> None:
         if self.interval == "round" and not self.plateau:
-            self._step()
+            self._step(ctx)
             shape = self._round_shape(ctx)
             if shape != self._shape:  # k or b changed (the auto-tuner, a policy)
                 self._shape = shape
@@ -201,14 +218,14 @@ class LRSchedulerHook(Hook):
     def after_eval(self, ctx: FitContext, record: "EvalRecord") -> None:
         if self.plateau:
             self._evaluated = True
-            self._step(float(record.test_loss))
+            self._step(ctx, float(record.test_loss))
 
     def after_epoch(self, ctx: FitContext, record: "EpochRecord") -> None:
         if self.plateau:
             if not self._evaluated and record.train_loss is not None:
-                self._step(float(record.train_loss))
+                self._step(ctx, float(record.train_loss))
         elif self.interval == "epoch":
-            self._step()
+            self._step(ctx)
 
     def state_dict(self) -> dict[str, Any]:
         """The scheduler's state, its factors F and the groups' η in force ("written")."""
