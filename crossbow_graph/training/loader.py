@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
 from ..engine.batches import LearnerBatches
 from .data import (LearnerFetch, collate_of, device_fetch, make_fetch, read_samples,
@@ -27,7 +27,8 @@ from .data import (LearnerFetch, collate_of, device_fetch, make_fetch, read_samp
 if TYPE_CHECKING:
     from ..api import Plan
 
-__all__ = ["BatchSource", "RoundLoader", "batch_source", "check_loader", "seed_learner_batch"]
+__all__ = ["BatchSource", "RoundLoader", "batch_source", "check_loader", "fit_shuffle",
+           "seed_learner_batch"]
 
 _LOADER_TAG = 0x4C4F4144  # "LOAD": keeps these seeds apart from seed_host_rngs' (engine/learners.py)
 
@@ -37,7 +38,8 @@ def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset
     """Refuse a DataLoader whose settings choose the samples, which the plan does.
 
     A ``SequentialSampler`` or a plain ``RandomSampler`` (what ``shuffle=False``/``True`` make)
-    is accepted: the order is ``fit(shuffle=, seed=)``'s. ``batch_size`` and ``drop_last`` are
+    is accepted: the order is ``fit(shuffle=, seed=)``'s, by default the DataLoader's own
+    ``shuffle`` (``fit_shuffle``) with the fit's seed. ``batch_size`` and ``drop_last`` are
     not used (b is the plan's; a last partial round is always dropped): a ``batch_size`` other
     than b = ``batch_size`` is a ``UserWarning`` (once per call: ``Plan.fit`` checks once) that
     says b is used and that ``DataLoader(..., batch_size=b)`` silences it.
@@ -72,6 +74,17 @@ def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset
                       ", or what a policy set), and its batch_size is not used; pass "
                       f"DataLoader(..., batch_size={batch_size}) to silence this warning",
                       UserWarning, stacklevel=stacklevel)
+
+
+def fit_shuffle(data: Any, shuffle: bool | None) -> bool:
+    """Whether a fit shuffles every epoch: ``fit(shuffle=)`` as given; None: a DataLoader's own
+    setting (its sampler a ``RandomSampler``: ``DataLoader(shuffle=True)``; a
+    ``SequentialSampler``, ``shuffle=False``, its default: the dataset's order), else True."""
+    if shuffle is not None:
+        return shuffle
+    if isinstance(data, DataLoader):
+        return isinstance(data.sampler, RandomSampler)
+    return True
 
 
 def seed_learner_batch(fit_seed: int, epoch: int, position: int) -> None:

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from ..engine.comm import AGREE_EVERY_ROUNDS
 from ..engine.learners import seed_host_rngs
+from ..engine.threads import choose_threads
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook
 from .fit_data import FitData, rank_rows
@@ -80,6 +81,8 @@ class Trainer:
         self.timeline = Timeline() if trace is not None else None
         self.fit_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
         source = self.data.source
+        if self.threads is not None:
+            torch.set_num_threads(self.threads.threads)
         sched.begin_fit(source.fetch, seed=self.options.seed, timeline=self.timeline,
                         load=source.load,
                         max_grad_norm=self.options.max_grad_norm)
@@ -95,6 +98,8 @@ class Trainer:
             raise
         finally:
             sched.end_fit()
+            if self.threads is not None:
+                torch.set_num_threads(self.threads.before)
             self.data.close()
             _sync_totals(self.history, self.plan.scheduler, self.fit_sync0)
             if self.timeline is not None:
@@ -114,10 +119,17 @@ class Trainer:
         torch.manual_seed(opts.seed)
         # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
         seed_host_rngs(opts.seed, plan.rounds_done, comm.rank if comm is not None else 0, 0)
+        self.threads = choose_threads(
+            opts.cpu_threads, on_cpu=all(s.torch_device.type == "cpu" for s in plan.states),
+            local_ranks=comm.local_world_size if comm is not None else 1)
         self.history = History(target_accuracy=opts.target_accuracy,
-                               max_grad_norm=opts.max_grad_norm)
+                               max_grad_norm=opts.max_grad_norm,
+                               cpu_threads=(self.threads.threads if self.threads is not None
+                                            else torch.get_num_threads()),
+                               free_cores=self.threads.free if self.threads is not None else None)
         self.evals = FitEvaluation(plan, self.eval_dataset, opts, self.history)
-        hooks = fit_hooks(plan, opts, self.schedule, self.first_hooks, self.metrics, main=self.main)
+        hooks = fit_hooks(plan, opts, self.schedule, self.first_hooks, self.metrics, main=self.main,
+                          batches_per_epoch=self.data.batches_per_epoch)
         self.end_epoch = plan.epochs_done + opts.epochs
         if opts.checkpoint_dir is not None:
             self.saver, self.lock, resumed = checkpoints(plan, opts, self.schedule, hooks,
