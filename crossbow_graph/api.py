@@ -24,7 +24,7 @@ from .engine.scheduler import Executor, Scheduler
 from .engine.settings import settings_view
 from .engine.sync import SMA, SyncAlgorithm
 from .engine.state import MemoryFormat
-from .errors import TrainingInterrupted, is_count
+from .errors import is_count
 from .fields import options_of
 from .kernels.select import KernelBackend, plan_kernels
 from .training.central import CentralModel, start_from_rank0
@@ -344,27 +344,16 @@ class Plan:
             lr_scheduler_interval=lr_scheduler_interval, metric_fn=metric_fn,
             bn_recalibration_batches=bn_recalibration_batches, data_on_device=data_on_device,
             max_grad_norm=max_grad_norm, cpu_threads=cpu_threads)
-        return self._train(train_dataset, eval_dataset, options_of(FitOptions, keywords, options,
-                                                                    "fit"))
-
-    def _train(self, train_dataset: Any, eval_dataset: Any, options: FitOptions) -> History:
-        """``fit`` with its options checked: the user's module checked, the Trainer's run, then
-        the central model's state in the user's module (training/user_model.py), also after a
-        SIGTERM's stop."""
+        options = options_of(FitOptions, keywords, options, "fit")
         tuner = [self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main) \
             else []
         every = options.metrics_every
         metrics = every if isinstance(every, MetricsMonitor) or every is None else MetricsMonitor(every)
-        self.user_model.check_frozen()
-        try:
-            history = Trainer(self, train_dataset, eval_dataset, options,
-                              hooks=tuner + list(options.hooks), metrics=metrics).run()
-        except TrainingInterrupted:  # stopped after a whole round: the model holds that z
-            self.user_model.update(self.central.state())
-            raise
+        history = Trainer(self, train_dataset, eval_dataset, options, hooks=tuner + list(options.hooks),
+                          metrics=metrics).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self.central.int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)
-        self.user_model.update(self.central.state())
+        self.user_model.update(self.central.state())  # docs/api.md, Your model after a fit
         return history
 
     def adjust(self, adjustment: Adjustment) -> dict[str, Any]:

@@ -20,8 +20,8 @@ import torch
 
 from .mailbox import available_cores
 
-__all__ = ["CpuThreads", "ThreadChoice", "choose_threads", "describe_threads", "free_cores",
-           "THREADS_WINDOW_S"]
+__all__ = ["CpuThreads", "IntraOpThreads", "ThreadChoice", "choose_threads", "describe_threads",
+           "free_cores", "THREADS_WINDOW_S"]
 
 CpuThreads = int | Literal["auto"] | None
 THREADS_WINDOW_S = 0.1  # the window over which a core's idle share is measured
@@ -104,6 +104,36 @@ def choose_threads(setting: CpuThreads, *, on_cpu: bool, local_ranks: int = 1
     free = free_cores()
     threads = max(1, min(before, int(free + 0.5) // max(1, local_ranks)))
     return ThreadChoice(threads=threads, cores=cores, free=free, before=before)
+
+
+class IntraOpThreads:
+    """torch's intra-op threads for one fit: chosen when made (``choose_threads``), set on
+    entering, given back on leaving (a ``with`` block around the fit's rounds).
+
+    Args:
+        setting: ``fit(cpu_threads=)``: ``"auto"``, a count or None.
+        devices: the plan's torch devices (``"auto"`` chooses on CPU devices only).
+        local_ranks: the torchrun ranks of this host (1 without torchrun).
+
+    Attributes:
+        count: the threads during the fit (``History.cpu_threads``).
+        free: the cores found free, or None (``History.free_cores``).
+    """
+
+    def __init__(self, setting: CpuThreads, devices: list[torch.device], local_ranks: int) -> None:
+        self.choice = choose_threads(setting, on_cpu=all(d.type == "cpu" for d in devices),
+                                     local_ranks=local_ranks)
+        self.count = self.choice.threads if self.choice is not None else torch.get_num_threads()
+        self.free = self.choice.free if self.choice is not None else None
+
+    def __enter__(self) -> "IntraOpThreads":
+        if self.choice is not None:
+            torch.set_num_threads(self.choice.threads)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.choice is not None:
+            torch.set_num_threads(self.choice.before)
 
 
 def describe_threads(threads: int, free: float | None) -> str:

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from ..engine.comm import AGREE_EVERY_ROUNDS
 from ..engine.learners import seed_host_rngs
-from ..engine.threads import choose_threads
+from ..engine.threads import IntraOpThreads
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook
 from .fit_data import FitData, rank_rows
@@ -58,19 +58,22 @@ class Trainer:
 
     def run(self) -> History:
         """Prepare the fit, then run its epochs (``_train``) with SIGTERM handled
-        (training/signals.py); release the checkpoint directory's lock at the end. Returns the
-        History; raises TrainingInterrupted when a signal stopped the fit."""
+        (training/signals.py) and the fit's intra-op threads (engine/threads.py); release the
+        checkpoint directory's lock at the end. Returns the History; raises TrainingInterrupted
+        when a signal stopped the fit, z in the user's module (training/user_model.py)."""
         self.lock: DirectoryLock | None = None
         self.saver: CheckpointHook | None = None
         self.stop_signal, self.interrupted = StopSignal(), None
+        self.plan.user_model.check_frozen()  # ValueError before anything else
         try:
             self._prepare()
-            with self.stop_signal:
+            with self.stop_signal, self.threads:
                 self._train()
         finally:
             if self.lock is not None:
                 self.lock.release()
-        if self.interrupted is not None:
+        if self.interrupted is not None:  # the user's module holds the last whole round's z
+            self.plan.user_model.update(self.plan.central.state())
             raise self.interrupted
         return self.history
 
@@ -81,8 +84,6 @@ class Trainer:
         self.timeline = Timeline() if trace is not None else None
         self.fit_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
         source = self.data.source
-        if self.threads is not None:
-            torch.set_num_threads(self.threads.threads)
         sched.begin_fit(source.fetch, seed=self.options.seed, timeline=self.timeline,
                         load=source.load,
                         max_grad_norm=self.options.max_grad_norm)
@@ -98,8 +99,6 @@ class Trainer:
             raise
         finally:
             sched.end_fit()
-            if self.threads is not None:
-                torch.set_num_threads(self.threads.before)
             self.data.close()
             _sync_totals(self.history, self.plan.scheduler, self.fit_sync0)
             if self.timeline is not None:
@@ -119,14 +118,10 @@ class Trainer:
         torch.manual_seed(opts.seed)
         # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
         seed_host_rngs(opts.seed, plan.rounds_done, comm.rank if comm is not None else 0, 0)
-        self.threads = choose_threads(
-            opts.cpu_threads, on_cpu=all(s.torch_device.type == "cpu" for s in plan.states),
-            local_ranks=comm.local_world_size if comm is not None else 1)
-        self.history = History(target_accuracy=opts.target_accuracy,
-                               max_grad_norm=opts.max_grad_norm,
-                               cpu_threads=(self.threads.threads if self.threads is not None
-                                            else torch.get_num_threads()),
-                               free_cores=self.threads.free if self.threads is not None else None)
+        self.threads = IntraOpThreads(opts.cpu_threads, [s.torch_device for s in plan.states],
+                                      comm.local_world_size if comm is not None else 1)
+        self.history = History(target_accuracy=opts.target_accuracy, max_grad_norm=opts.max_grad_norm,
+                               cpu_threads=self.threads.count, free_cores=self.threads.free)
         self.evals = FitEvaluation(plan, self.eval_dataset, opts, self.history)
         hooks = fit_hooks(plan, opts, self.schedule, self.first_hooks, self.metrics, main=self.main,
                           batches_per_epoch=self.data.batches_per_epoch)
