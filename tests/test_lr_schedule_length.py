@@ -171,13 +171,25 @@ def test_a_lambda_schedule_sized_in_dataloader_steps_and_stepped_per_round_warns
     total = 2 * len(loader())
     said = fit(plan, lrs.LambdaLR(plan.optimizer, hf_linear(4, total)), 2)
     assert len(said) == 1
-    assert re.search(r"LambdaLR, stepped once per round, takes 24 steps in this fit \(rounds of "
-                     r"k·b = 2 × 4 = 8 samples\) and leaves η at 0\.0545; stepped once per batch of "
-                     r"b, as a plain loop over the DataLoader steps it \(48 batches, 24 an epoch\), "
+    assert re.search(r"LambdaLR, stepped once per round, takes 24 more steps in this fit \(rounds "
+                     r"of k·b = 2 × 4 = 8 samples\) and leaves η at 0\.0545; stepped once per batch "
+                     r"of b, as a plain loop over the DataLoader steps it \(48 batches, 24 an epoch\), "
                      r"it would go on to η = 0: a schedule sized in len\(DataLoader\) steps .* step "
                      r"it per batch \(lr_scheduler_interval='batch'\) or size it in rounds \(24\)",
                      said[0])
     assert plan.optimizer.param_groups[0]["lr"] == pytest.approx(LR * hf_linear(4, total)(24))
+
+
+def test_a_lambda_schedule_warns_when_the_auto_tuner_adds_learners_mid_fit():
+    """replicas="auto" starts at k = 1, where rounds are the loader's batches; when k grows
+    (here m 1 → 3 after round 6) the rounds left fall short, and the fit says so then, once."""
+    plan = linear_plan(replicas=1)
+    said = fit(plan, lrs.LambdaLR(plan.optimizer, hf_linear(4, 48)), 2,
+               hooks=[SetReplicas(6, 3), SetReplicas(9, 2)])
+    assert len(said) == 1
+    assert re.search(r"LambdaLR, stepped once per round, takes 14 more steps in this fit \(rounds "
+                     r"of k·b = 3 × 4 = 12 samples\) .* \(42 batches, 24 an epoch\), it would go on "
+                     r"to η = 0", said[0])
 
 
 def test_a_lambda_schedule_sized_in_rounds_is_not_warned():

@@ -213,6 +213,7 @@ class LRSchedulerHook(Hook):
         if shape != self._shape:  # k or b changed (the auto-tuner, a policy)
             self._shape = shape
             self._warn_if_unfinished(ctx, start=False)
+            self._warn_if_short_of_the_batches(ctx)
 
     def _batch_steps_due(self, ctx: FitContext) -> int:
         """Steps to take after a round with ``"batch"``: the epoch's L steps spread over its
@@ -272,15 +273,15 @@ class LRSchedulerHook(Hook):
         return self.batches_per_epoch * epochs - self._epoch_steps
 
     def _warn_if_short_of_the_batches(self, ctx: FitContext) -> None:
-        """At the start, for a schedule stepped per round whose end is no setting (LambdaLR,
-        MultiplicativeLR, ...): with k > 1 the fit's R rounds are fewer than the L batches of b a
-        plain loop takes; a UserWarning when η at step R differs from η at step L and the
-        schedule goes lower than where the fit leaves it (``probe_lrs``; docs/optimizers.md,
-        Schedules). A schedule sized in rounds, which ends at its lowest η there, is not
-        warned."""
+        """At the start and when k or b changes, for a schedule stepped per round whose end is
+        no setting (LambdaLR, MultiplicativeLR, ...): with k > 1 the R rounds left are fewer than
+        the L batches of b a plain loop takes; a UserWarning (once per fit) when η after R steps
+        differs from η after L and the schedule goes lower than where the fit leaves it
+        (``probe_lrs``; docs/optimizers.md, Schedules). A schedule sized in rounds, which ends
+        at its lowest η there, is not warned."""
         plan, n = ctx.plan, ctx.num_samples
         if self.interval != "round" or self.plateau or schedule_end(self.scheduler) is not None \
-                or not n or not self.batches_per_epoch:
+                or not n or not self.batches_per_epoch or self._warned:
             return
         rounds = rounds_left(plan, n, ctx.end_epoch)
         done = self.batches_per_epoch * plan.position_in_epoch // n
@@ -293,11 +294,12 @@ class LRSchedulerHook(Hook):
         if math.isclose(at_end, at_batches, rel_tol=1e-6, abs_tol=1e-9 * scale) \
                 or at_end <= lowest + 1e-9 * scale:
             return
+        self._warned = True
         k, b, f = plan.num_learners, plan.batch_size, self.factors[0]
         warnings.warn(
             f"lr_scheduler {type(self.scheduler).__name__}, stepped once per round, takes "
-            f"{rounds} steps in this fit (rounds of k·b = {k} × {b} = {k * b} samples) and leaves "
-            f"η at {f * at_end:.3g}; stepped once per batch of b, as a plain loop over the "
+            f"{rounds} more steps in this fit (rounds of k·b = {k} × {b} = {k * b} samples) and "
+            f"leaves η at {f * at_end:.3g}; stepped once per batch of b, as a plain loop over the "
             f"DataLoader steps it ({batches} batches, {self.batches_per_epoch} an epoch), it "
             f"would go on to η = {f * at_batches:.3g}: a schedule sized in len(DataLoader) steps "
             "(e.g. num_training_steps = epochs · len(loader)) does not finish; step it per batch "
