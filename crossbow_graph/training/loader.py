@@ -66,7 +66,7 @@ def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset
     if not yields_every_sample(loader) or type(batches) is not BatchSampler:
         raise ValueError(f"{what} is a DataLoader with a sampler ({type(loader.sampler).__name__}), "
                          f"but {plan_draws}, so it cannot follow the sampler; pass the DataLoader "
-                         "without it (shuffle= is fit's), and to weight or select samples give "
+                         "without it (its shuffle=True or False is honoured), and to weight or select samples give "
                          "a dataset that does (e.g. a torch.utils.data.Subset)")
     if loader.batch_size != batch_size:
         warnings.warn(f"{what} is a DataLoader with batch_size={loader.batch_size}, but every "
