@@ -353,7 +353,7 @@ class Plan:
                           metrics=metrics).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self.central.int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)
-        self.user_model.update(self.central.state())  # docs/api.md, Your model after a fit
+        self.user_model.update(self.central)  # docs/api.md, Your model after a fit
         return history
 
     def adjust(self, adjustment: Adjustment) -> dict[str, Any]:

@@ -250,3 +250,20 @@ def test_a_scheduler_stepped_between_fits_gives_no_false_torch_warning():
             lrs.append(history.lr[0])
             sched.step()
     assert lrs == pytest.approx([0.1, 0.05, 0.025])
+
+
+def _collate(samples):
+    """A DataLoader's collate_fn of its own (default_collate's result, built by hand)."""
+    return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+
+
+def test_a_batchnorm_model_trained_through_a_collate_fn_holds_z():
+    """k = 2 learners, BatchNorm and a DataLoader with a collate_fn: z's statistics are
+    re-estimated on batches that collate_fn makes, and the model holds them after the fit."""
+    torch.manual_seed(0)
+    model = TinyBN()
+    plan = _compile(model)
+    plan.fit(DataLoader(tiny_data(64), batch_size=4, collate_fn=_collate), 1, **FIT)
+    z = plan.central_model().state_dict()
+    _exactly_equal(model.state_dict(), z)
+    assert not torch.equal(z["bn.running_var"], plan.template.bn.running_var)

@@ -73,7 +73,7 @@ class Trainer:
             if self.lock is not None:
                 self.lock.release()
         if self.interrupted is not None:  # the user's module holds the last whole round's z
-            self.plan.user_model.update(self.plan.central.state())
+            self.plan.user_model.update(self.plan.central)
             raise self.interrupted
         return self.history
 

@@ -13,8 +13,13 @@ caller dropped is not kept alive, and nothing is written.
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .central import CentralModel
 
 __all__ = ["UserModel"]
 
@@ -69,13 +74,15 @@ class UserModel:
             "torch.optim.AdamW(model.parameters(), ...)); plan2.fit(...)")
 
     @torch.no_grad()
-    def update(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` (the central model's state_dict) into the user's module in place:
-        every entry of its ``state_dict`` of the same name and shape (cast to its dtype, moved
-        to its device); nothing when the caller dropped the module."""
+    def update(self, central: "CentralModel") -> None:
+        """Copy the central model's state (``CentralModel.state``: z, its buffers refreshed)
+        into the user's module in place: every entry of its ``state_dict`` of the same name and
+        shape (cast to its dtype, moved to its device); nothing, and no refresh, when the caller
+        dropped the module."""
         model = self.module
         if model is None:
             return
+        state = central.state()
         for name, tensor in model.state_dict(keep_vars=True).items():
             source = state.get(name)
             if source is not None and source.shape == tensor.shape:
