@@ -104,6 +104,7 @@ class Plan:
         states: one DeviceState per device (engine/state.py).
         scheduler: the engine that runs the rounds (engine/scheduler.py).
         central: the evaluated central model (training/central.py ``CentralModel``).
+        user_model: the module given to ``compile``, held weakly (training/user_model.py).
         memory_budget: bytes per device for learners (None: unbounded).
         autotuner: the AutoTuner hook that ``fit`` runs (``replicas="auto"``), else None.
         comm: under torchrun this rank's place in the process group, else None.
@@ -349,6 +350,7 @@ class Plan:
             else []
         every = options.metrics_every
         metrics = every if isinstance(every, MetricsMonitor) or every is None else MetricsMonitor(every)
+        self.user_model.check_frozen()  # ValueError before anything else
         history = Trainer(self, train_dataset, eval_dataset, options, hooks=tuner + list(options.hooks),
                           metrics=metrics).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere

@@ -46,7 +46,6 @@ class ThreadChoice:
     before: int
 
 
-
 def _idle_ticks(cpus: set[int]) -> tuple[int, int] | None:
     """(idle, total) jiffies summed over ``cpus`` from /proc/stat, or None where it is missing."""
     try:
@@ -56,8 +55,8 @@ def _idle_ticks(cpus: set[int]) -> tuple[int, int] | None:
         return None
     idle = total = 0
     for line in lines:
-        name, *fields = line.split()
-        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+        name, *fields = line.split() or [""]
+        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cpus:
             continue
         ticks = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
         idle += ticks[3] + ticks[4]

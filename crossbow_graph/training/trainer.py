@@ -57,14 +57,12 @@ class Trainer:
     # -- the fit ------------------------------------------------------------------------------
 
     def run(self) -> History:
-        """Prepare the fit, then run its epochs (``_train``) with SIGTERM handled
-        (training/signals.py) and the fit's intra-op threads (engine/threads.py); release the
-        checkpoint directory's lock at the end. Returns the History; raises TrainingInterrupted
-        when a signal stopped the fit, z in the user's module (training/user_model.py)."""
+        """Prepare the fit, then run its epochs (``_train``) with SIGTERM handled and the fit's
+        intra-op threads set (engine/threads.py); release the checkpoint directory's lock. Returns
+        the History; a signal's stop raises TrainingInterrupted, z left in the user's module."""
         self.lock: DirectoryLock | None = None
         self.saver: CheckpointHook | None = None
         self.stop_signal, self.interrupted = StopSignal(), None
-        self.plan.user_model.check_frozen()  # ValueError before anything else
         try:
             self._prepare()
             with self.stop_signal, self.threads:
