@@ -1,13 +1,6 @@
-"""The intra-op threads of a fit on CPU devices, chosen from the cores other processes leave
-free (docs/runtime.md, Threads on a busy host).
-
-torch's default is one intra-op thread per core. On a host where other processes keep cores
-busy, a parallel region waits at its barrier for threads the kernel has descheduled, at every
-operator (docs/runtime.md has the measured cost, bench/busy_host_threads.py the measurement). A
-fit therefore chooses, at its start, as many threads as cores are free (``free_cores``: the idle share of each core this process may run on, over a short
-window of /proc/stat; elsewhere the cores less the 1-minute load average), shared among the
-torchrun ranks of the host and at most torch's setting, and gives the setting back at its end.
-"""
+"""The intra-op threads of a fit on CPU devices: as many as cores other processes leave free, so
+that no parallel region waits at its barrier for a descheduled thread (docs/runtime.md, Threads
+on a busy host; bench/busy_host_threads.py)."""
 
 from __future__ import annotations
 
@@ -106,18 +99,9 @@ def choose_threads(setting: CpuThreads, *, on_cpu: bool, local_ranks: int = 1
 
 
 class IntraOpThreads:
-    """torch's intra-op threads for one fit: chosen when made (``choose_threads``), set on
-    entering, given back on leaving (a ``with`` block around the fit's rounds).
-
-    Args:
-        setting: ``fit(cpu_threads=)``: ``"auto"``, a count or None.
-        devices: the plan's torch devices (``"auto"`` chooses on CPU devices only).
-        local_ranks: the torchrun ranks of this host (1 without torchrun).
-
-    Attributes:
-        count: the threads during the fit (``History.cpu_threads``).
-        free: the cores found free, or None (``History.free_cores``).
-    """
+    """torch's intra-op threads for one fit (``with`` around its rounds): ``choose_threads`` of
+    ``setting`` (``fit(cpu_threads=)``), ``devices`` (the plan's) and ``local_ranks`` (torchrun's
+    on this host); ``count`` and ``free`` are ``History.cpu_threads`` and ``free_cores``."""
 
     def __init__(self, setting: CpuThreads, devices: list[torch.device], local_ranks: int) -> None:
         self.choice = choose_threads(setting, on_cpu=all(d.type == "cpu" for d in devices),

@@ -1,13 +1,5 @@
 """A torch.optim LR scheduler driving a fit, ``fit(lr_scheduler=...)`` (docs/optimizers.md, Schedules;
-docs/reliability.md, Resuming with other settings; docs/design-overview.md §5, Run settings).
-
-A schedule steps once per epoch, once per round (of k·b samples), or once per batch of b: the
-training DataLoader's ``len`` per epoch (a Dataset: ⌈N/b⌉), spread evenly over the epoch's rounds,
-so a schedule sized as a plain loop sizes it, ``epochs · len(loader)``, ends with the fit whatever
-k is. A schedule that cannot reach its end is warned: where its end is a setting
-(``schedule_end``), by the steps left; where it is not (LambdaLR, MultiplicativeLR, ...), stepped
-per round with k > 1, by probing a copy (``probe_lrs``).
-"""
+docs/reliability.md, Resuming with other settings; docs/design-overview.md §5, Run settings)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""The user's own module, the one given to ``compile``: checked at the start of every fit, and
-holding z after it (docs/api.md, Your model after a fit).
-
-``compile`` traces a copy and leaves the module as it was; the replicas and z live in the plan's
-flat buffers. So that code written for a plain training loop (``test(model)``,
-``torch.save(model.state_dict(), ...)``) sees the trained model, every fit ends by copying the
-central model's state (``CentralModel.state``: z's parameters and the buffers ``central_model()``
-has) into the user's module in place: the same tensors, so an optimizer, a tied weight or a
-reference to a parameter still sees them. The plan keeps only a weak reference: a module the
-caller dropped is not kept alive, and nothing is written.
-"""
+"""The module given to ``compile``, held weakly: checked at the start of every fit, and holding
+z after it, in place, so that a plain loop's ``test(model)`` and ``torch.save(model.state_dict())``
+see the trained model (docs/api.md, Your model after a fit)."""
 
 from __future__ import annotations
 
