@@ -13,7 +13,8 @@ import torch
 
 import crossbow_graph as cg
 
-from .cli_options import DefaultsFormatter, flag_choices, flag_default, max_grad_norm_arg, replicas_arg
+from .cli_options import (DefaultsFormatter, cpu_threads_arg, flag_choices, flag_default,
+                          max_grad_norm_arg, replicas_arg)
 from .cli_train import (DATASETS, DEFAULT_LR, DEFAULT_LR_BATCH, DILOCO_H, LR_SCHEDULES, OPTIMIZERS,
                         prepare_train, run_train)
 from .compiler.inspect import inspect_model
@@ -232,6 +233,9 @@ def _add_optimizer_flags(train: argparse.ArgumentParser) -> None:
                        default=flag_default("--max-grad-norm"),
                        help="clip every learner's gradient to this 2-norm before its local step, "
                             "as torch.nn.utils.clip_grad_norm_ does (default: no clipping)")
+    train.add_argument("--cpu-threads", type=cpu_threads_arg, default=flag_default("--cpu-threads"),
+                       help="torch's intra-op threads on CPU devices: auto (as many as cores are "
+                            "free at the start, other processes' load measured) or a number")
 
 
 def _add_inspect_parser(sub) -> None:

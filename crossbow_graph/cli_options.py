@@ -17,7 +17,8 @@ from .engine.sync import SMA
 from .training.options import FitOptions
 
 __all__ = ["OPTION_FLAGS", "CLI_DEFAULTS", "BUILDING_FLAGS", "flag_default", "flag_choices",
-           "option_field_type", "DefaultsFormatter", "max_grad_norm_arg", "replicas_arg"]
+           "option_field_type", "DefaultsFormatter", "max_grad_norm_arg", "replicas_arg",
+           "cpu_threads_arg"]
 
 OPTION_FLAGS: dict[str, tuple[type, str]] = {  # flag → (the dataclass, its field)
     "--batch-size": (CompileOptions, "batch_size"),
@@ -37,6 +38,7 @@ OPTION_FLAGS: dict[str, tuple[type, str]] = {  # flag → (the dataclass, its fi
     "--metrics-every": (FitOptions, "metrics_every"),
     "--seed": (FitOptions, "seed"),
     "--max-grad-norm": (FitOptions, "max_grad_norm"),
+    "--cpu-threads": (FitOptions, "cpu_threads"),
     "--alpha": (SMA, "alpha"),
     "--central-momentum": (SMA, "central_momentum"),
     "--sync-every": (SMA, "sync_every"),
@@ -121,6 +123,15 @@ def max_grad_norm_arg(text: str) -> float:
 
 def replicas_arg(text: str) -> int | str:
     """``--replicas``: 'auto' or a whole number ≥ 1."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': give a whole number ≥ 1 or 'auto'")
+    return int(text)
+
+
+def cpu_threads_arg(text: str) -> int | str:
+    """``--cpu-threads``: 'auto' or a whole number ≥ 1."""
     if text == "auto":
         return text
     if not text.isdigit() or int(text) < 1:

@@ -19,6 +19,7 @@ from .cli_layout import learner_layout
 from .cli_options import flag_default
 from .datasets import ImageDataset
 from .engine.comm import z_digest
+from .engine.threads import describe_threads
 from .errors import CheckpointError, DistributedError, DivergenceError, TrainingInterrupted
 from .tuning.metrics import MetricsMonitor
 from .tuning.policies import AdaptiveBatchSize, MultiStepLR, parse_policy
@@ -178,7 +179,7 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
                lr_scheduler=_lr_schedule(args, plan, len(train_set)),
                lr_scheduler_interval="round",
                bn_recalibration_batches=args.bn_recalibration_batches,
-               max_grad_norm=args.max_grad_norm)
+               max_grad_norm=args.max_grad_norm, cpu_threads=args.cpu_threads)
     return plan, fit
 
 
@@ -316,4 +317,5 @@ def _print_results(plan: cg.Plan, history: cg.History, target: float | None) -> 
                f"target {target}")
     print(f"final test accuracy {history.final_accuracy:.4f} ({reached}) after "
           f"{epochs:.2f} epochs, {seconds:.1f} training seconds, "
-          f"{samples / max(plan.train_seconds, 1e-9):,.0f} samples/s")
+          f"{samples / max(plan.train_seconds, 1e-9):,.0f} samples/s, "
+          f"{describe_threads(history.cpu_threads, history.free_cores)}")

@@ -434,6 +434,8 @@ def test_every_rank_stops_with_divergence_error_at_the_same_round_when_every_lea
 
 
 def test_the_central_model_is_bitwise_identical_on_every_rank_integer_buffers_included(fault_runs):
+    """The central model is bit-identical on every rank, integer buffers included, and every
+    rank's module given to compile holds it after the fit."""
     _, _, runs = fault_runs
     r0, r1 = runs["int_buffers"]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
@@ -443,6 +445,9 @@ def test_the_central_model_is_bitwise_identical_on_every_rank_integer_buffers_in
         other = r1["central"][name]
         assert value.dtype == other.dtype and torch.equal(value, other), name
     assert int(r0["central"]["seen"]) == r0["seen"][0]  # the rule: rank 0's first replica's
+    for r in (r0, r1):  # every rank's own module holds that central model after the fit
+        assert r["user"].keys() == r0["central"].keys()
+        assert all(torch.equal(r["user"][name], value) for name, value in r0["central"].items())
 
 
 def test_without_torchrun_nothing_changes(monkeypatch):

@@ -125,6 +125,9 @@ def test_gpt2_causal_lm_trains_on_its_own_loss_with_the_labels_among_the_inputs(
     assert isinstance(z, transformers.GPT2LMHeadModel)
     assert list(z.state_dict()) == list(model.state_dict())
     assert z.lm_head.weight is z.transformer.wte.weight  # tied weights kept
+    assert model.lm_head.weight is model.transformer.wte.weight  # the user's model holds z, tied
+    for key, value in z.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=key)
     with torch.no_grad():
         torch.testing.assert_close(plan.evaluate(train)[1], float(z(input_ids=ids, labels=ids).loss),
                                    rtol=1e-5, atol=1e-6)

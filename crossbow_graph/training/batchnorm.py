@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..engine.batches import LearnerBatches
 from ..engine.conv_choice import host_rngs_kept
 from ..engine.inputs import NO_FLAGS, CallFlags, split_inputs
 from ..engine.learners import seed_rng
@@ -36,7 +37,8 @@ def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.
 
     Args:
         module: the model (any mode).
-        batches: collated ``(inputs, target)`` batches, as ``engine.inputs.split_inputs`` takes them.
+        batches: collated ``(inputs, target)`` batches, as ``engine.inputs.split_inputs`` takes them,
+            or ``LearnerBatches`` (a DataLoader's collate_fn per learner batch: each run alone).
         device: where the module is; the batches' tensors are moved there.
         flags: compile's keyword flags (engine/inputs.py ``CallFlags``).
 
@@ -57,8 +59,9 @@ def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.
             bn.reset_running_stats()
             bn.momentum = None
         for batch in batches:
-            args, kwargs, _ = split_inputs(batch, flags)
-            module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
+            for one in batch.batches if isinstance(batch, LearnerBatches) else [batch]:
+                args, kwargs, _ = split_inputs(one, flags)
+                module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
     finally:
         for bn, momentum in zip(norms, momenta):
             bn.momentum = momentum

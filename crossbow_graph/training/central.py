@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from ..engine.state import DeviceState, FlatLayout, copy_module
 from .batchnorm import BNRecalibration
@@ -79,11 +80,16 @@ class CentralModel:
         self.refresh()
         return self.module(*moved, **kwargs)
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """The refreshed module's state_dict: z's parameters (views of z: copy what you keep)
+        and the buffers ``copy`` has."""
+        self.refresh()
+        return self.module.state_dict()
+
     def copy(self) -> nn.Module:
         """The refreshed module as a new module of the template's class, evaluation mode."""
-        self.refresh()
         out = copy_module(self._plan.template)
-        out.load_state_dict({k: v.detach().clone() for k, v in self.module.state_dict().items()})
+        out.load_state_dict({k: v.detach().clone() for k, v in self.state().items()})
         return out.eval()
 
     @torch.no_grad()
@@ -99,7 +105,8 @@ class CentralModel:
         self.refresh()
         result = evaluate_model(self.module, plan.loss_fn, dataset, batch_size=batch_size,
                                 device=plan.states[0].torch_device, metric_fn=metric_fn,
-                                collate_fn=collate_of(data), flags=plan.states[0].call_flags)
+                                collate_fn=collate_of(data), flags=plan.states[0].call_flags,
+                                workers_of=data if isinstance(data, DataLoader) else None)
         self.last_eval_extras = result.extras  # a dict loss_fn's other entries (EvalRecord)
         if result.unscored and not self._unscored_warned:
             self._unscored_warned = True

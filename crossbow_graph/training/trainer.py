@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from ..engine.comm import AGREE_EVERY_ROUNDS
 from ..engine.learners import seed_host_rngs
+from ..engine.threads import IntraOpThreads
 from ..engine.timeline import Timeline
 from .checkpoint import CheckpointHook
 from .fit_data import FitData, rank_rows
@@ -56,20 +57,21 @@ class Trainer:
     # -- the fit ------------------------------------------------------------------------------
 
     def run(self) -> History:
-        """Prepare the fit, then run its epochs (``_train``) with SIGTERM handled
-        (training/signals.py); release the checkpoint directory's lock at the end. Returns the
-        History; raises TrainingInterrupted when a signal stopped the fit."""
+        """Prepare the fit, then run its epochs (``_train``) with SIGTERM handled and the fit's
+        intra-op threads set (engine/threads.py); release the checkpoint directory's lock. Returns
+        the History; a signal's stop raises TrainingInterrupted, z left in the user's module."""
         self.lock: DirectoryLock | None = None
         self.saver: CheckpointHook | None = None
         self.stop_signal, self.interrupted = StopSignal(), None
         try:
             self._prepare()
-            with self.stop_signal:
+            with self.stop_signal, self.threads:
                 self._train()
         finally:
             if self.lock is not None:
                 self.lock.release()
-        if self.interrupted is not None:
+        if self.interrupted is not None:  # the user's module holds the last whole round's z
+            self.plan.user_model.update(self.plan.central)
             raise self.interrupted
         return self.history
 
@@ -114,10 +116,13 @@ class Trainer:
         torch.manual_seed(opts.seed)
         # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
         seed_host_rngs(opts.seed, plan.rounds_done, comm.rank if comm is not None else 0, 0)
-        self.history = History(target_accuracy=opts.target_accuracy,
-                               max_grad_norm=opts.max_grad_norm)
+        self.threads = IntraOpThreads(opts.cpu_threads, [s.torch_device for s in plan.states],
+                                      comm.local_world_size if comm is not None else 1)
+        self.history = History(target_accuracy=opts.target_accuracy, max_grad_norm=opts.max_grad_norm,
+                               cpu_threads=self.threads.count, free_cores=self.threads.free)
         self.evals = FitEvaluation(plan, self.eval_dataset, opts, self.history)
-        hooks = fit_hooks(plan, opts, self.schedule, self.first_hooks, self.metrics, main=self.main)
+        hooks = fit_hooks(plan, opts, self.schedule, self.first_hooks, self.metrics, main=self.main,
+                          batches_per_epoch=self.data.batches_per_epoch)
         self.end_epoch = plan.epochs_done + opts.epochs
         if opts.checkpoint_dir is not None:
             self.saver, self.lock, resumed = checkpoints(plan, opts, self.schedule, hooks,
