@@ -14,12 +14,13 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .backend import RoundEnv
-from .batches import LearnerBatches
+from .batches import DeviceParts, LearnerBatches
+from .capture_check import CaptureProbe
 from .learners import learner_seed, seed_rng
 from .stream_backend import StreamsBackend
 
 __all__ = ["GraphBackend", "RoundGraph", "CudaGraphOps", "DeviceGather", "DeviceHyper", "GraphWarning",
-           "HostStaging", "cuda_graphs_refusal"]
+           "HostStaging", "cuda_graphs_refusal", "graph_batch"]
 
 
 class GraphWarning(RuntimeWarning):
@@ -62,9 +63,29 @@ class CudaGraphOps:
                 # concurrently, so a graph's temporaries may live where another's did
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     yield
+            except BaseException:
+                self._end_failed_capture(torch.cuda.current_device())
+                raise
             finally:
                 if torch.cuda.current_stream(device) != caller:
                     torch.cuda.set_stream(caller)
+
+    def _end_failed_capture(self, index: int) -> None:
+        """After a failed capture on device ``index``: torch's caching allocator stops routing
+        the capture's allocations to the pool and releases the pool's reference the capture
+        took. ``CUDAGraph::capture_end`` raises at ``cudaStreamEndCapture`` before it does either
+        (torch's aten/src/ATen/cuda/CUDAGraph.cpp), and a graph whose capture did not end never
+        releases its pool; left so, the allocator stays in capture mode for the rest of the
+        process: it defers freeing every block used on another stream (``record_stream``, as
+        every round does) and ``empty_cache`` frees nothing, so memory grows every round. The
+        next capture takes a new pool."""
+        try:
+            torch._C._cuda_endAllocateToPool(index, self.pool)
+        except RuntimeError:  # not allocating to the pool: the capture never began, or it ended
+            pass
+        else:
+            torch._C._cuda_releasePool(index, self.pool)
+        self.pool = None
 
     def replay(self, graph: Any) -> None:
         graph.replay()
@@ -162,6 +183,7 @@ class _Entry:
     warm: int = 0  # eager rounds run so far
     losses: list[torch.Tensor] | None = None  # the graph's losses, in learning order
     draws_random: bool | None = None  # whether the body draws random numbers (None: not known)
+    doomed: str | None = None  # what a warm-up found that a capture cannot take (CaptureProbe)
 
 
 class RoundGraph:
@@ -174,7 +196,9 @@ class RoundGraph:
     Attributes:
         observer: None, or a function of the round index giving a context entered around every
             eager run of the body (``capture_check.CaptureChecker.round``).
-        failure: why graph rounds stopped (``"ExcType: message"`` of a failed capture), or None.
+        failure: why graph rounds stopped, or None: ``"ExcType: message"`` of a failed capture,
+            or what a warm-up round found that a capture cannot take (``CaptureProbe``: that
+            capture was never started).
         captures, replays: graphs captured and replayed so far.
     """
 
@@ -186,6 +210,7 @@ class RoundGraph:
         self.warmup_rounds = warmup_rounds
         self.observer: Callable[[int], Any] | None = None
         self.failure: str | None = None
+        self._stopped: str | None = None  # why every round runs eagerly (a failed capture)
         self.captures = self.replays = 0
         self.eager_rounds: dict[str, int] = {}  # why a round ran eagerly → rounds
         self._entries: dict[tuple, _Entry] = {}
@@ -202,10 +227,13 @@ class RoundGraph:
 
     # -- one round ------------------------------------------------------------------------------
 
-    def run_round(self, sched: Any, round_index: int, batch: Any, synchronise: bool) -> bool:
-        """Run round ``round_index`` of ``sched`` (a Scheduler) on its batch: eagerly during the
-        warm-up, then captured, then replayed. Returns False, having run nothing, when the
+    def run_round(self, sched: Any, round_index: int, batch: Any, synchronise: bool,
+                  copied: list[Any] | None = None) -> bool:
+        """Run round ``round_index`` of ``sched`` (a Scheduler) on its batch (``graph_batch``'s
+        form; ``copied``: the events after its copy ahead to the device, or None): eagerly during
+        the warm-up, then captured, then replayed. Returns False, having run nothing, when the
         round runs eagerly instead (``why_not``; a failed capture)."""
+        batch = graph_batch(batch)
         reason = self.why_not(sched, batch)
         if reason is not None:
             self._eager(reason)
@@ -214,12 +242,16 @@ class RoundGraph:
             return False
         key = self._key(sched, batch, synchronise)
         streams = sched.cuda_streams
+        caller = streams.ops.current(sched.states[0].torch_device)
+        for event in copied or ():  # a batch copied ahead: read after its copy
+            if event is not None:
+                streams.ops.wait(caller, event)
         entry = self._entries.get(key)
         if entry is None:
             entry = _new_entry(batch, sched.states[0].torch_device, HostStaging(streams.ops))
             if not any(f for s in sched.states for f in s.first_step):  # a first step: once
                 self._entries[key] = entry
-        self._copy_batch(entry, batch, streams.ops.current(sched.states[0].torch_device))
+        self._copy_batch(entry, batch, streams.ops, copied is not None, caller)
         self._prologue(sched, round_index, entry)
         streams.captured = True
         streams.seal()  # the round is ordered after the work so far, and waits for none of it
@@ -228,12 +260,7 @@ class RoundGraph:
             self.replays += 1
             losses = _copied(entry.losses)
         elif entry.warm < self.warmup_rounds:
-            mark = _rng_mark(sched.states[0].torch_device)
-            with self.observer(round_index) if self.observer is not None else nullcontext():
-                losses = self._body(sched, entry, synchronise)
-            entry.draws_random = bool(entry.draws_random) or \
-                mark != _rng_mark(sched.states[0].torch_device)
-            entry.warm += 1
+            losses = self._warm_up(sched, entry, round_index, synchronise)
         else:
             if not self._capture(sched, entry, synchronise):
                 streams.captured = False
@@ -244,16 +271,33 @@ class RoundGraph:
         sched.backend.graph_epilogue(round_index, losses)
         return True
 
+    def _warm_up(self, sched: Any, entry: _Entry, round_index: int,
+                 synchronise: bool) -> list[torch.Tensor]:
+        """An eager run of the key's body (under ``observer``): whether it draws random numbers,
+        and what would make its capture fail (``CaptureProbe``: the key is never captured, the
+        rounds run eagerly from its capture's round on)."""
+        device = sched.states[0].torch_device
+        mark, probe = _rng_mark(device), CaptureProbe(device)
+        with self.observer(round_index) if self.observer is not None else nullcontext(), probe:
+            losses = self._body(sched, entry, synchronise)
+        entry.draws_random = bool(entry.draws_random) or mark != _rng_mark(device)
+        entry.warm += 1
+        if entry.doomed is None and probe.problem is not None:
+            entry.doomed = probe.problem
+        return losses
+
     def _body(self, sched: Any, entry: _Entry, synchronise: bool) -> list[torch.Tensor]:
         """The round as a graph captures it: resident data's gather, then the tasks."""
         if entry.gather is not None:
             entry.gather.fetch.gather(entry.gather.indices, out=entry.batch)
         return sched.backend.graph_body(entry.batch, synchronise)
 
-    def _copy_batch(self, entry: _Entry, batch: Any, stream: Any) -> None:
-        """The round's batch into the entry's static inputs on the caller's stream, before the
-        round: resident data's indices, a device tensor directly, host tensors through the
-        pinned staging."""
+    def _copy_batch(self, entry: _Entry, batch: Any, ops: Any, copied_ahead: bool,
+                    stream: Any) -> None:
+        """The round's batch into the entry's static inputs on the caller's ``stream``, before
+        the round: resident data's indices; a device tensor directly (one ``copied_ahead`` on a
+        copy stream kept alive until ``stream`` has read it); host tensors through the pinned
+        staging."""
         if entry.gather is not None:
             entry.gather.indices.copy_(batch.indices)
             return
@@ -261,6 +305,8 @@ class RoundGraph:
         for static, new in zip(tree_leaves(entry.batch), tree_leaves(batch)):
             if new.device == static.device:
                 static.copy_(new)
+                if copied_ahead:  # allocated on the copy stream, read here
+                    ops.keep_alive(new, stream)
             else:
                 host_statics.append(static)
                 host_leaves.append(new)
@@ -283,14 +329,15 @@ class RoundGraph:
 
     def why_not(self, sched: Any, batch: Any) -> str | None:
         """Why this round of ``sched`` runs eagerly, or None when a graph can run it."""
-        if self.failure is not None:
-            return f"a capture failed ({self.failure})"
+        if self._stopped is not None:
+            return self._stopped
         if sched.cuda_streams is None:
             return "the round has no CUDA streams (the inline executor on CUDA devices runs them)"
         if len(sched.states) > 1:
             return "the plan has several devices (a graph captures one device's streams)"
-        if sched.comm is not None:
-            return "under torchrun the global sync's all-reduce and fault sharing run on the host"
+        if sched.comm is not None or sched.ft is not None:
+            return ("under torchrun or torchft the global sync's all-reduce and fault sharing run "
+                    "on the host")
         if not sched.sync.cuda_graphs:
             return f"sync={type(sched.sync).__name__}() runs eagerly (its global sync writes every replica)"
         if not sched.optimizer.kernel:
@@ -301,11 +348,12 @@ class RoundGraph:
             return "precision='fp16' settles its loss scales on the host"
         if isinstance(batch, DeviceGather):  # on the plan's device
             return None
-        if isinstance(batch, LearnerBatches) or not all(
+        if isinstance(batch, (LearnerBatches, DeviceParts)) or not all(
                 isinstance(t, torch.Tensor) for t in tree_leaves(batch)):
-            return ("the batch is not a structure of tensors (a collate_fn's own batches): graph "
-                    "rounds copy tensor batches into static inputs; use a TensorDataset "
-                    "(fit(data_on_device=True) keeps it on the GPU) or a collate_fn of tensors")
+            return ("the batch is not a structure of tensors of one shape per learner (a "
+                    "collate_fn's own batches): graph rounds copy tensor batches into static "
+                    "inputs; use a TensorDataset (fit(data_on_device=True) keeps it on the GPU) "
+                    "or a collate_fn of tensors padded to one length")
         device = sched.states[0].torch_device
         elsewhere = {str(t.device) for t in tree_leaves(batch)
                      if t.device.type != "cpu" and t.device != device}
@@ -318,7 +366,9 @@ class RoundGraph:
         sgd = sched.optimizer.sgd()
         states = tuple((s.m, s.w.data_ptr(), s.v.data_ptr(), s.g.data_ptr(), s.z.data_ptr(),
                         s.buf.data_ptr(), tuple(s.first_step)) for s in sched.states)
-        inputs = tuple((tuple(shape), dtype, str(device)) for shape, dtype, device in
+        # shapes and dtypes: a batch copied ahead (on the device) and one loaded in the round (on
+        # the host, an epoch's first) fill the same static inputs
+        inputs = tuple((tuple(shape), dtype) for shape, dtype, _ in
                        (batch.specs() if isinstance(batch, DeviceGather) else
                         ((t.shape, t.dtype, t.device) for t in tree_leaves(batch))))
         return (id(sched.program), states, inputs, sched.batch_size, sched.learner_mode,
@@ -340,21 +390,29 @@ class RoundGraph:
             if entry.draws_random is not False:
                 seed_rng(s.torch_device, learner_seed(sched.seed, round_index, sched.learner_offset))
 
+    def _stop(self, failure: str, reason: str) -> None:
+        """Graph rounds stop: this round and every later one run eagerly (``why_not``)."""
+        self.failure, self._stopped = failure, reason
+        self._eager(reason)
+
     def _capture(self, sched: Any, entry: _Entry, synchronise: bool) -> bool:
         """Capture the body into a new graph; on failure warn, put back what the capture
         changed on the host (the first-step flags; a simulated capture also its tensors) and
-        return False."""
+        return False. A key whose warm-up found an op a capture cannot take is not captured."""
+        if entry.doomed is not None:
+            self._stop(entry.doomed, f"a capture would fail ({entry.doomed}); none was started")
+            return False
         graph = self.ops.new_graph()
         first_steps = [list(s.first_step) for s in sched.states]
         try:
             with self.ops.capture(graph, sched.states[0].torch_device):
                 losses = self._body(sched, entry, synchronise)
         except Exception as exc:  # noqa: BLE001 - any op that cannot be captured: fall back
-            self.failure = _first_failure(exc)
             for s, flags in zip(sched.states, first_steps):
                 s.first_step[:] = flags
             sched.backend.drop_streams()  # new streams: none of a failed capture's state lingers
-            self._eager(f"a capture failed ({self.failure})")
+            failure = _first_failure(exc)
+            self._stop(failure, f"a capture failed ({failure})")
             return False
         entry.graph, entry.losses = graph, losses
         self.captures += 1
@@ -367,6 +425,23 @@ class RoundGraph:
             self._warned.add(reason)
             warnings.warn(f"cuda_graphs=True: rounds run eagerly, without CUDA graphs: {reason}",
                           GraphWarning, stacklevel=4)
+
+
+def graph_batch(batch: Any) -> Any:
+    """A round's batch as a graph round takes it: the one device's part of a ``DeviceParts``;
+    a ``LearnerBatches`` (a DataLoader's learner batches) concatenated when it stacks into
+    tensors of one shape per learner (``LearnerBatches.stacked``: learner j's rows at
+    ``[j·b, (j+1)·b)``, what the learners take of a collated batch); any other batch as it is
+    (``RoundGraph.why_not`` says why a graph cannot take it)."""
+    if isinstance(batch, DeviceParts) and len(batch.parts) == 1:
+        batch = batch.parts[0]
+    if not isinstance(batch, LearnerBatches):
+        return batch
+    try:
+        stacked = batch.stacked()
+    except ValueError:  # ragged learner batches: per_replica learners take them eagerly
+        return batch
+    return stacked if all(isinstance(t, torch.Tensor) for t in tree_leaves(stacked)) else batch
 
 
 def _first_failure(exc: BaseException) -> str:
@@ -420,13 +495,19 @@ class GraphBackend(StreamsBackend):
         super().run_round(round_index, batch, synchronise, indices, next_indices)
 
     def run_env(self, env: RoundEnv) -> None:
-        if not self.graph.run_round(self.sched, env.round_index, env.batch, env.synchronise):
+        if not self.graph.run_round(self.sched, env.round_index, env.batch, env.synchronise,
+                                    env.copied):
             if isinstance(env.batch, DeviceGather):
                 env.batch = env.batch.batch()
             super().run_env(env)
 
     def prefetch(self, round_index: int, indices: torch.Tensor) -> None:
-        """Nothing: a graph round copies its batch into the graph's static input."""
+        """As the streams backend's: round ``round_index``'s batch loaded and copied to the
+        device a round ahead, a DataLoader's learner batches stacked first when they stack into
+        tensors (``graph_batch``), so that a graph round copies it into its static inputs on the
+        device and an eager round (a fallback) takes it as it is."""
+        self.copy_ahead(round_index, indices,
+                        graph_batch(self.sched.load_batch(round_index, indices)))
 
     def graph_body(self, batch: Any, synchronise: bool) -> list[torch.Tensor]:
         """One round's tasks as a graph captures them (between two ``seal``s, hyper-parameters
