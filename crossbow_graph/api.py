@@ -215,12 +215,14 @@ class Plan:
 
     @property
     def kernels(self) -> list:
-        """The SMA update kernels this plan runs, one per specialisation (docs/kernels.md)."""
+        """The SMA update kernels this plan runs, one per specialisation (docs/kernels.md); with
+        ``cuda_graphs=True`` those of its graph rounds (hyper-parameters in device tensors)."""
         local = self.settings.optimizer
         opt = local.sgd()
         return plan_kernels(self.scheduler.kernels, self.states, local=local.kernel,
                             momentum=opt.momentum, nesterov=opt.nesterov,
                             weight_decay=opt.weight_decay,
+                            graphs=self.scheduler.round_graph is not None,
                             **self.sync.kernel_facts(self.num_learners))  # k, τ, μ_z
 
     # -- inspection (compiler/inspect.py; docs/compiler.md §5) ----------------------------------

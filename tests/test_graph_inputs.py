@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader
 
 import crossbow_graph as cg
+from crossbow_graph.engine import graph_inputs as GI
 from crossbow_graph.engine import graphs as G
 from crossbow_graph.engine.batches import LearnerBatches
 
@@ -85,10 +86,10 @@ def test_ragged_learner_batches_run_eagerly_naming_why():
     _same(graph, _fit(False, data=loader, model=_Pool, example=torch.randn(2, 1, 8, 8)))
     assert graph[1].cuda_graphs["replays"] == 0
     even = LearnerBatches([(torch.full((2, 3), float(j)), torch.tensor([j, j])) for j in range(3)], 2)
-    x, y = G.graph_batch(even)
+    x, y = GI.graph_batch(even)
     assert torch.equal(x[:, 0], torch.tensor([0., 0., 1., 1., 2., 2.])) and y.tolist() == [0, 0, 1, 1, 2, 2]
     ragged = LearnerBatches([(torch.zeros(2, 3),), (torch.zeros(2, 4),)], 2)
-    assert G.graph_batch(ragged) is ragged
+    assert GI.graph_batch(ragged) is ragged
 
 
 def test_graph_rounds_take_a_dataloaders_batches_into_static_inputs():
@@ -135,7 +136,7 @@ def test_host_staging_refills_a_buffer_only_after_its_last_copy():
     """Two slots in turn: the third batch waits for the event after the first batch's copy,
     the fourth for the second's; each static input holds the batch copied last."""
     ops = _Ops()
-    staging = G.HostStaging(ops)
+    staging = GI.HostStaging(ops)
     static = [torch.zeros(3)]
     for i in range(4):
         staging.copy_in(static, [torch.full((3,), float(i))], stream=None)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import crossbow_graph as cg
+from crossbow_graph.engine import graph_inputs as GI
 from crossbow_graph.engine import graphs as G
 from crossbow_graph.engine.capture_check import (CaptureChecker, CaptureError, SimulatedGraph,
                                                  SimulatedGraphs)
@@ -97,7 +98,7 @@ def test_graph_rounds_equal_eager_rounds(mode):
 def test_numbers_in_the_graph_would_be_frozen(monkeypatch):
     """The oracle can fail: with η handed to the kernels as a number, the replays keep the
     captured round's η and z moves away from the eager rounds'."""
-    monkeypatch.setattr(G.DeviceHyper, "local_args", lambda self, sgd, alpha: dict(
+    monkeypatch.setattr(GI.DeviceHyper, "local_args", lambda self, sgd, alpha: dict(
         lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay, alpha=alpha))
     eager, graph = _fit(False), _fit(True)
     assert not torch.allclose(graph[2], eager[2], atol=100 * ATOL, rtol=100 * RTOL)
@@ -533,7 +534,7 @@ def test_a_refused_round_names_data_on_device_and_is_recorded():
 def test_hyper_parameters_are_written_only_when_they_change():
     """DeviceHyper.set fills a tensor only when its number changed (no kernel in a round whose
     η, μ_l, λ, α, μ_z stay), and always holds the number in force."""
-    hyper = G.DeviceHyper(torch.device("cpu"))
+    hyper = GI.DeviceHyper(torch.device("cpu"))
     hyper.set(lr=0.1, momentum=0.9)
     versions = {n: t._version for n, t in hyper.values.items()}
     hyper.set(lr=0.1, momentum=0.9)

@@ -1,5 +1,5 @@
 """The SMA update backend of a plan (``select_backend``) and the kernels it runs
-(``plan_kernels``) (docs/kernels.md, "Emission, cache, what runs")."""
+(``plan_kernels``, ``kernel_specs``) (docs/kernels.md, "Emission, cache, what runs")."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from .torch_ref import TorchSMAKernels, sma_central_update, sma_local_update
 from .triton_sma import (EmittedKernel, KernelSpec, TritonSMAKernels, central_spec, device_type, emit,
                          import_triton, local_spec)
 
-__all__ = ["TorchKernel", "CKernel", "plan_kernels", "select_backend", "KernelBackend",
-           "KERNEL_BACKENDS"]
+__all__ = ["TorchKernel", "CKernel", "plan_kernels", "kernel_specs", "select_backend",
+           "KernelBackend", "KERNEL_BACKENDS"]
 
 KernelBackend = Literal["auto", "triton", "torch", "c"]
 KERNEL_BACKENDS = get_args(KernelBackend)
@@ -57,34 +57,51 @@ class CKernel:
 
 
 def plan_kernels(backend: SMAKernels, states: list[Any], *, local: bool = True, momentum: float,
-                 nesterov: bool,
-                 weight_decay: float, num_learners: int, sync_every: int,
-                 central_momentum: float) -> list[EmittedKernel | TorchKernel]:
-    """The kernels a plan runs on its devices' flat buffers, one per distinct spec: the local
-    ones (with ``local``, i.e. no row optimizer) for the first and later steps, with and without
-    the correction as k and τ need them, and the central one when k > 1."""
+                 nesterov: bool, weight_decay: float, num_learners: int, sync_every: int,
+                 central_momentum: float, graphs: bool = False
+                 ) -> list[EmittedKernel | TorchKernel]:
+    """The kernels a plan runs on its devices' flat buffers, one per distinct spec
+    (``kernel_specs`` of each device's ``w [m, P]``, its row stride and gradients' dtype)."""
     specs: list[KernelSpec] = []
-    corrects = ([True] if num_learners > 1 else []) + ([False] if num_learners == 1 or sync_every > 1 else [])
-    firsts = [True, False] if momentum != 0 else [False]
-    block = backend.block
     for s in states:
         m, P = s.w.shape
-        dev = device_type(s.w)
-        for first in firsts if local else ():
-            for correct in corrects:
-                specs.append(local_spec(m, P, s.g.dtype, dev, momentum=momentum, nesterov=nesterov,
-                                        weight_decay=weight_decay, first_step=first,
-                                        correct=correct, block=block,
-                                        row_stride=s.w.stride(0)))
-        if num_learners > 1:
-            specs.append(central_spec(P, dev, central_momentum=central_momentum, block=block,
-                                      dtype=s.z.dtype))
+        specs += kernel_specs(m, P, device_type(s.w), row_stride=s.w.stride(0), dtype=s.g.dtype,
+                              z_dtype=s.z.dtype, local=local, momentum=momentum,
+                              nesterov=nesterov, weight_decay=weight_decay,
+                              num_learners=num_learners, sync_every=sync_every,
+                              central_momentum=central_momentum, graphs=graphs,
+                              block=backend.block)
     unique = list(dict.fromkeys(specs))
     if isinstance(backend, TritonSMAKernels):
         return [emit(s) for s in unique]
     if isinstance(backend, CSMAKernels):  # gradients not in float32 take the torch path
         return [CKernel(s) if s.dtype == torch.float32 else TorchKernel(s) for s in unique]
     return [TorchKernel(s) for s in unique]
+
+
+def kernel_specs(m: int, P: int, device_type: str, *, row_stride: int | None = None,
+                 dtype: torch.dtype = torch.float32, z_dtype: torch.dtype = torch.float32,
+                 local: bool = True, momentum: float, nesterov: bool, weight_decay: float,
+                 num_learners: int, sync_every: int, central_momentum: float,
+                 graphs: bool = False, block: int | None = None) -> list[KernelSpec]:
+    """The specs one device of m replicas of P parameters launches (rows ``row_stride`` apart,
+    gradients of ``dtype``): with ``local`` (no row optimizer) the local kernel of the first
+    and later steps, with and without the correction as k = ``num_learners`` and τ =
+    ``sync_every`` need them; the central one when k > 1. ``graphs``: as CUDA-graph rounds
+    launch them, the hyper-parameters read from device tensors (``HYPER_PTR``; μ_z = 0 stays a
+    number)."""
+    specs = []
+    corrects = ([True] if num_learners > 1 else []) + ([False] if num_learners == 1 or sync_every > 1 else [])
+    for first in ([True, False] if momentum != 0 else [False]) if local else ():
+        for correct in corrects:
+            specs.append(local_spec(m, P, dtype, device_type, momentum=momentum,
+                                    nesterov=nesterov, weight_decay=weight_decay, first_step=first,
+                                    correct=correct, block=block, row_stride=row_stride,
+                                    hyper_ptr=graphs))
+    if num_learners > 1:
+        specs.append(central_spec(P, device_type, central_momentum=central_momentum, block=block,
+                                  dtype=z_dtype, hyper_ptr=graphs and central_momentum != 0))
+    return specs
 
 
 def select_backend(kernel_backend: str, device_type: str, dtype: torch.dtype = torch.float32
