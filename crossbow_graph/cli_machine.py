@@ -1,17 +1,7 @@
-"""``crossbow-graph train``'s defaults per machine: what the flags left out mean on a CPU and on a
-CUDA GPU (docs/benchmarking.md, "The main job").
-
-On a CPU the defaults are what measures fastest there: one learner at b = 256 with AdamW and a
-OneCycle schedule (docs/benchmarking.md: SMA with k = 2 single-threaded learners needs more
-epochs than one learner using both cores). On a CUDA GPU the defaults train what CROSSBOW is
-about: SMA at a small per-learner batch with several replicas per GPU, the SGD kernels, graph
-rounds. That recipe — b = 16, k = 4, SGD with momentum 0.9, η 0.02 ×0.1 at epochs 2 and 4 — is
-the one measured on W1 (docs/benchmarking.md, ``crossbow-r2``: 99.0 % at 2.25–2.75 epochs), with
-m = 4 replicas on one GPU for its k = 4; LeNet-5 at b = 16 is launch-bound on a GPU, where graph
-rounds of m = 4 learners replay a round's ~10² kernels in one launch (first-principles figures:
-≥ 200 k samples/s against plain eager's 30–55 k). The GPU choice is a first-principles default
-that the GPU acceptance's W1 section (bench/gpu_acceptance.sh) confirms or corrects.
-"""
+"""``crossbow-graph train``'s defaults per machine (docs/benchmarking.md, "The main job"): on a
+CPU what measures fastest there (one learner, b = 256, AdamW, OneCycle); on a CUDA GPU SMA at
+b = 16 with 4 replicas per GPU, SGD with 10× drops (W1's measured b = 16, k = 4 recipe) in graph
+rounds: a first-principles default the GPU acceptance's W1 section confirms or corrects."""
 
 from __future__ import annotations
 
@@ -30,15 +20,10 @@ GPU_DEFAULTS = {"optimizer": "sgd", "batch_size": 16, "lr_schedule": "multistep"
 
 
 def apply_machine_defaults(args: argparse.Namespace) -> list[str]:
-    """Give every machine-dependent flag left out (None) of ``args`` its value on the machine
-    that trains: ``GPU_DEFAULTS`` when the plan's devices are CUDA GPUs (``--devices`` 'auto' or
-    a count on a machine with CUDA), else ``CPU_DEFAULTS``; ``--cuda-graphs`` as
-    ``graph_rounds_default`` says. ``--replicas`` left out on a CPU stays None (cli_layout.py
-    chooses). Returns the GPU defaults applied, as flags (empty on a CPU).
-
-    Raises:
-        ValueError: ``--devices`` neither 'auto' nor a count (resolve_devices' message).
-    """
+    """Give the machine-dependent flags left out (None) of ``args`` their values: ``GPU_DEFAULTS``
+    when the plan's devices are CUDA GPUs, else ``CPU_DEFAULTS`` (``--replicas`` stays None for
+    cli_layout.py); ``--cuda-graphs`` as ``graph_rounds_default`` says. Returns the GPU defaults
+    applied, as flags. Raises ValueError: a bad ``--devices`` (resolve_devices')."""
     flag = "auto" if args.devices is None else args.devices
     devices = resolve_devices(int(flag) if str(flag).isdigit() else flag)
     gpu = devices[0].startswith("cuda")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from crossbow_graph.kernels import precompile as PC
-from crossbow_graph.kernels.select import kernel_specs
+from crossbow_graph.kernels.select import UpdateFacts, kernel_specs
 
 pytest.importorskip("triton")
 
@@ -28,10 +28,10 @@ M, P = 4, 4096  # one device of 4 replicas, rows P apart
 def _specs(P: int, m: int = M) -> list:
     """What a fit of m replicas (SGD with momentum, SMA with μ_z 0.9, τ 1) launches on a CUDA
     device, in eager rounds and in graph rounds."""
+    facts = UpdateFacts(momentum=0.9, nesterov=False, weight_decay=0.0, num_learners=m,
+                        sync_every=1, central_momentum=0.9)
     return [s for graphs in (False, True)
-            for s in kernel_specs(m, P, "cuda", row_stride=P, momentum=0.9, nesterov=False,
-                                  weight_decay=0.0, num_learners=m, sync_every=1,
-                                  central_momentum=0.9, graphs=graphs)]
+            for s in kernel_specs(m, P, "cuda", facts, row_stride=P, graphs=graphs)]
 
 
 def _launch_hits(cache: str) -> list[bool]:
@@ -67,8 +67,9 @@ def test_launch_args_are_the_kernels_signature():
     central = next(s for s in specs if s.kind == "sma_central" and not s.hyper_ptr)
     assert PC.launch_args(local) == [torch.float32] * 9
     assert PC.launch_args(central) == [torch.float32] * 3 + [0.5]
-    bf16 = kernel_specs(2, 64, "cuda", dtype=torch.bfloat16, momentum=0.9, nesterov=False,
-                        weight_decay=0.0, num_learners=2, sync_every=1, central_momentum=0.0)[0]
+    facts = UpdateFacts(momentum=0.9, nesterov=False, weight_decay=0.0, num_learners=2,
+                        sync_every=1, central_momentum=0.0)
+    bf16 = kernel_specs(2, 64, "cuda", facts, dtype=torch.bfloat16)[0]
     assert PC.launch_args(bf16)[2] == torch.bfloat16 and PC.launch_args(bf16)[5:] == [0.5] * 4
 
 

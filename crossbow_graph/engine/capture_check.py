@@ -94,17 +94,10 @@ class CaptureChecker(TorchDispatchMode):
 
 
 class CaptureProbe(TorchDispatchMode):
-    """Watches an eager run of a round's body (a warm-up round) for what would make its CUDA-graph
-    capture fail, so that a doomed capture is never started (a failed one costs a capture's
-    work and leaves torch's allocator to clean up: ``graphs.CudaGraphOps.capture``).
-
-    Args:
-        device: the plan's device; on CUDA only ops on CUDA tensors count (a host read of a CPU
-            tensor captures), on a CPU device (simulated graphs) every op.
-
-    Attributes:
-        problem: the first ``capture_problem`` seen, with where it was issued, or None.
-    """
+    """Watches an eager run of a round's body (a warm-up round) for an op its CUDA-graph capture
+    cannot take, so that a doomed capture is never started. ``problem``: the first
+    ``capture_problem`` seen and where, or None; on a CUDA ``device`` only ops on its tensors
+    count, on a CPU device (simulated graphs) every op."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()

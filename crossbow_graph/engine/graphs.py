@@ -71,14 +71,10 @@ class CudaGraphOps:
                     torch.cuda.set_stream(caller)
 
     def _end_failed_capture(self, index: int) -> None:
-        """After a failed capture on device ``index``: torch's caching allocator stops routing
-        the capture's allocations to the pool and releases the pool's reference the capture
-        took. ``CUDAGraph::capture_end`` raises at ``cudaStreamEndCapture`` before it does either
-        (torch's aten/src/ATen/cuda/CUDAGraph.cpp), and a graph whose capture did not end never
-        releases its pool; left so, the allocator stays in capture mode for the rest of the
-        process: it defers freeing every block used on another stream (``record_stream``, as
-        every round does) and ``empty_cache`` frees nothing, so memory grows every round. The
-        next capture takes a new pool."""
+        """After a failed capture on device ``index``: end the allocator's allocation to the pool
+        and release the pool's reference, which ``CUDAGraph::capture_end`` skips when it raises
+        (else the allocator stays in capture mode: blocks used on another stream are never
+        freed; docs/runtime.md). The next capture takes a new pool."""
         try:
             torch._C._cuda_endAllocateToPool(index, self.pool)
         except RuntimeError:  # not allocating to the pool: the capture never began, or it ended
@@ -191,8 +187,7 @@ class RoundGraph:
     def _warm_up(self, sched: Any, entry: _Entry, round_index: int,
                  synchronise: bool) -> list[torch.Tensor]:
         """An eager run of the key's body (under ``observer``): whether it draws random numbers,
-        and what would make its capture fail (``CaptureProbe``: the key is never captured, the
-        rounds run eagerly from its capture's round on)."""
+        and an op its capture cannot take (``CaptureProbe``: then no capture starts)."""
         device = sched.states[0].torch_device
         mark, probe = _rng_mark(device), CaptureProbe(device)
         with self.observer(round_index) if self.observer is not None else nullcontext(), probe:

@@ -1,15 +1,6 @@
-"""The Triton kernels compiled ahead of their first launch, in parallel, without a GPU
-(docs/kernels.md, "Compiling ahead").
-
-A CUDA launch of ``EmittedKernel`` JIT-compiles its spec the first time (0.3–2 s each: Triton's
-passes, then ptxas), one after another in the launching process. ``precompile`` compiles a list
-of specs in worker processes through the very path the JIT takes (``JITFunction.warmup``: its
-specialisation of the arguments, its options, its cache key), for a CUDA target given by its
-compute capability instead of the GPU's driver, so every result lands in Triton's on-disk cache
-(``TRITON_CACHE_DIR``, default ``~/.triton/cache``) under the key a launch on such a GPU looks up:
-the launch then loads the binary. It needs no GPU; the cache key includes the Triton version,
-ptxas's and the cache-invalidating environment variables, so compile where the kernels will run.
-"""
+"""The Triton kernels compiled ahead of their first launch, in parallel worker processes, without
+a GPU, through the path Triton's JIT takes, into the on-disk cache key a launch on a GPU of that
+compute capability looks up (docs/kernels.md, "Compiling ahead")."""
 
 from __future__ import annotations
 

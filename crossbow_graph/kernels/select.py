@@ -16,8 +16,8 @@ from .torch_ref import TorchSMAKernels, sma_central_update, sma_local_update
 from .triton_sma import (EmittedKernel, KernelSpec, TritonSMAKernels, central_spec, device_type, emit,
                          import_triton, local_spec)
 
-__all__ = ["TorchKernel", "CKernel", "plan_kernels", "kernel_specs", "select_backend",
-           "KernelBackend", "KERNEL_BACKENDS"]
+__all__ = ["TorchKernel", "CKernel", "UpdateFacts", "plan_kernels", "kernel_specs",
+           "select_backend", "KernelBackend", "KERNEL_BACKENDS"]
 
 KernelBackend = Literal["auto", "triton", "torch", "c"]
 KERNEL_BACKENDS = get_args(KernelBackend)
@@ -56,20 +56,29 @@ class CKernel:
         return f"<{self.spec.describe(launch=False)}, c>"
 
 
-def plan_kernels(backend: SMAKernels, states: list[Any], *, local: bool = True, momentum: float,
-                 nesterov: bool, weight_decay: float, num_learners: int, sync_every: int,
-                 central_momentum: float, graphs: bool = False
-                 ) -> list[EmittedKernel | TorchKernel]:
+@dataclass(frozen=True)
+class UpdateFacts:
+    """What selects a device's update kernels besides m and P: the SGD flags of the local kernel
+    (``local``: no row optimizer), k = ``num_learners``, τ = ``sync_every``, μ_z."""
+
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+    num_learners: int
+    sync_every: int
+    central_momentum: float
+    local: bool = True
+
+
+def plan_kernels(backend: SMAKernels, states: list[Any], facts: UpdateFacts, *,
+                 graphs: bool = False) -> list[EmittedKernel | TorchKernel]:
     """The kernels a plan runs on its devices' flat buffers, one per distinct spec
     (``kernel_specs`` of each device's ``w [m, P]``, its row stride and gradients' dtype)."""
     specs: list[KernelSpec] = []
     for s in states:
         m, P = s.w.shape
-        specs += kernel_specs(m, P, device_type(s.w), row_stride=s.w.stride(0), dtype=s.g.dtype,
-                              z_dtype=s.z.dtype, local=local, momentum=momentum,
-                              nesterov=nesterov, weight_decay=weight_decay,
-                              num_learners=num_learners, sync_every=sync_every,
-                              central_momentum=central_momentum, graphs=graphs,
+        specs += kernel_specs(m, P, device_type(s.w), facts, row_stride=s.w.stride(0),
+                              dtype=s.g.dtype, z_dtype=s.z.dtype, graphs=graphs,
                               block=backend.block)
     unique = list(dict.fromkeys(specs))
     if isinstance(backend, TritonSMAKernels):
@@ -79,28 +88,26 @@ def plan_kernels(backend: SMAKernels, states: list[Any], *, local: bool = True, 
     return [TorchKernel(s) for s in unique]
 
 
-def kernel_specs(m: int, P: int, device_type: str, *, row_stride: int | None = None,
-                 dtype: torch.dtype = torch.float32, z_dtype: torch.dtype = torch.float32,
-                 local: bool = True, momentum: float, nesterov: bool, weight_decay: float,
-                 num_learners: int, sync_every: int, central_momentum: float,
-                 graphs: bool = False, block: int | None = None) -> list[KernelSpec]:
+def kernel_specs(m: int, P: int, device_type: str, facts: UpdateFacts, *,
+                 row_stride: int | None = None, dtype: torch.dtype = torch.float32,
+                 z_dtype: torch.dtype = torch.float32, graphs: bool = False,
+                 block: int | None = None) -> list[KernelSpec]:
     """The specs one device of m replicas of P parameters launches (rows ``row_stride`` apart,
-    gradients of ``dtype``): with ``local`` (no row optimizer) the local kernel of the first
-    and later steps, with and without the correction as k = ``num_learners`` and τ =
-    ``sync_every`` need them; the central one when k > 1. ``graphs``: as CUDA-graph rounds
-    launch them, the hyper-parameters read from device tensors (``HYPER_PTR``; μ_z = 0 stays a
-    number)."""
-    specs = []
-    corrects = ([True] if num_learners > 1 else []) + ([False] if num_learners == 1 or sync_every > 1 else [])
-    for first in ([True, False] if momentum != 0 else [False]) if local else ():
+    gradients of ``dtype``): the local kernel of the first and later steps, with and without
+    the correction as k and τ need them; the central one when k > 1. ``graphs``: as CUDA-graph
+    rounds launch them (``HYPER_PTR``; μ_z = 0 stays a number)."""
+    f, specs = facts, []
+    corrects = [True] * (f.num_learners > 1) + [False] * (f.num_learners == 1 or f.sync_every > 1)
+    for first in ([True, False] if f.momentum != 0 else [False]) if f.local else ():
         for correct in corrects:
-            specs.append(local_spec(m, P, dtype, device_type, momentum=momentum,
-                                    nesterov=nesterov, weight_decay=weight_decay, first_step=first,
-                                    correct=correct, block=block, row_stride=row_stride,
-                                    hyper_ptr=graphs))
-    if num_learners > 1:
-        specs.append(central_spec(P, device_type, central_momentum=central_momentum, block=block,
-                                  dtype=z_dtype, hyper_ptr=graphs and central_momentum != 0))
+            specs.append(local_spec(m, P, dtype, device_type, momentum=f.momentum,
+                                    nesterov=f.nesterov, weight_decay=f.weight_decay,
+                                    first_step=first, correct=correct, block=block,
+                                    row_stride=row_stride, hyper_ptr=graphs))
+    if f.num_learners > 1:
+        specs.append(central_spec(P, device_type, central_momentum=f.central_momentum,
+                                  block=block, dtype=z_dtype,
+                                  hyper_ptr=graphs and f.central_momentum != 0))
     return specs
 
 
