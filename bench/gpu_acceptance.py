@@ -25,6 +25,7 @@ each target as a check only a GPU can make.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -36,11 +37,6 @@ import traceback
 from pathlib import Path
 
 import torch
-
-try:
-    import triton
-except ImportError:  # recorded by the env section; the kernels say how to install it
-    triton = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -59,7 +55,8 @@ SMOKE_PRECOMPILED = 1  # specs a smoke run compiles for sm_90 (the GPU run: ever
 def section_env(args, sec: Section) -> None:
     """Versions and the card's facts, while the child ``precompile`` compiles the kernels."""
     started = time.perf_counter()
-    child = _start_precompile(args)
+    triton = _triton()
+    child = _start_precompile(args) if triton is not None else None
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
                               "clocks.max.sm,clocks.max.memory", "--format=csv,noheader"],
@@ -120,10 +117,17 @@ def card_facts_measured(name: str) -> dict:
             "graph_node_us": node_us, "eager_launch_us": eager_us}
 
 
-def _start_precompile(args) -> subprocess.Popen | None:
-    """The child ``precompile`` (forked compile workers, no CUDA), or None without triton."""
-    if triton is None:
+def _triton():
+    """The triton module, or None where it is not installed (the env section records it; the
+    other sections import it only through the kernels, which say how to install it)."""
+    try:
+        return importlib.import_module("triton")
+    except ImportError:
         return None
+
+
+def _start_precompile(args) -> subprocess.Popen:
+    """The child ``precompile``: forked compile workers, no CUDA."""
     cmd = [sys.executable, __file__, "precompile", "--work", str(args.work),
            "--arch", str(args.arch), "--budget-s", str(args.budget_s)] + ["--smoke"] * args.smoke
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

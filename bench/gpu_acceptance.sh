@@ -3,7 +3,7 @@
 # adding up to 360 s (with the GPU machine's 1–2 minute start, ≤ 7 minutes). From the repository root:
 #   PYTHONPATH=. OUT=/some/empty/dir bash bench/gpu_acceptance.sh          (on a GPU)
 #   SECTIONS="decisive w1" bash bench/gpu_acceptance.sh    (env, then only those: rerun what failed)
-#   bash bench/gpu_acceptance.sh --smoke                  (every section on the CPU, tiny sizes, untimed)
+#   bash bench/gpu_acceptance.sh --smoke     (every section on the CPU, tiny sizes, untimed, two at a time)
 # W1 reads real MNIST: 'python bench/gpu_acceptance.py stage-mnist --work /tmp' copies its four
 # files into bench/mnist (ignored by git); carry that folder to the GPU machine (or set MNIST_DIR).
 # Each section runs under its own time limit (`timeout --signal=INT`: a section cut short keeps
@@ -93,22 +93,41 @@ PY
 report() { "$PY" bench/acceptance_report.py --work "$WORK" --out "$OUT" --mode "$MODE" --sections "$SELECTED" "$@"; }
 
 # Interrupted (the device tool's limit, ^C): the summary still says what finished.
-trap 'report >/dev/null 2>&1; echo "interrupted: $OUT/summary.md has what finished"; exit 130' INT TERM
+trap 'kill $(jobs -p) 2>/dev/null; report >/dev/null 2>&1; echo "interrupted: $OUT/summary.md has what finished"; exit 130' INT TERM
 
 # section NAME COMMAND...: unless SECTIONS leaves NAME out, runs COMMAND under `timeout` (NAME's
 # limit), its output appended to the log, records "<exit status> <seconds>", rewrites the summary.
+# On a GPU one section at a time; the smoke run (untimed) runs two at a time after env, each
+# section's output into the log when it ends (in order: `finish`).
+PARALLEL=$((SMOKE ? 2 : 1))
+RUN=()  # the smoke run's sections started, in order
 section() {
-    local name=$1 limit=${LIMIT[$1]} t0 rc ms
+    local name=$1
     shift
     [[ -z "$SELECTED" || "$name" == env || " $SELECTED " == *" $name "* ]] || return 0
-    printf '\n===== %s (limit %s s): %s\n' "$name" "$limit" "$*" >>"$LOG"
+    if ((PARALLEL == 1)) || [[ "$name" == env ]]; then
+        run_section "$name" "$LOG" "$@"
+        return
+    fi
+    while (($(jobs -rp | wc -l) >= PARALLEL)); do wait -n; done
+    RUN+=("$name")
+    run_section "$name" "$WORK/$name.log" "$@" &
+}
+run_section() {
+    local name=$1 log=$2 limit=${LIMIT[$1]} t0 rc ms
+    shift 2
+    printf '\n===== %s (limit %s s): %s\n' "$name" "$limit" "$*" >>"$log"
     t0=$(date +%s%N)
-    timeout --signal=INT -k 5 "$limit" "$@" >>"$LOG" 2>&1
+    timeout --signal=INT -k 5 "$limit" "$@" >>"$log" 2>&1
     rc=$?
     ms=$((($(date +%s%N) - t0) / 1000000))
     printf '%d %d.%03d\n' "$rc" $((ms / 1000)) $((ms % 1000)) >"$WORK/$name.rc"
     report
     echo "  $name: exit $rc, $((ms / 1000)) s"
+}
+finish() {  # the sections still running end; their logs join the log in order
+    wait
+    for name in "${RUN[@]}"; do cat "$WORK/$name.log" >>"$LOG"; done
 }
 
 # acc NAME: bench/gpu_acceptance.py's section NAME, told its budget (its limit − 8 s)
@@ -146,6 +165,7 @@ tests tests-late "${LATE[@]}"
 section races $EXACT $(acc races)
 section reference $EXACT $(acc reference)
 section nccl $(acc nccl)
+finish
 
 report --final
 status=$?

@@ -13,6 +13,9 @@ import crossbow_graph as cg
 from crossbow_graph.cli import build_parser
 from crossbow_graph.cli_machine import CPU_DEFAULTS, apply_machine_defaults
 from crossbow_graph.cli_train import prepare_train
+from crossbow_graph.engine.capture_check import SimulatedGraphs
+from crossbow_graph.engine.graphs import RoundGraph
+from crossbow_graph.engine.race_check import RaceRecorder
 
 
 def _args(*flags: str):
@@ -104,3 +107,26 @@ def test_train_compiles_the_gpu_defaults_into_its_plan(cuda, monkeypatch):
     assert isinstance(opt, torch.optim.SGD) and opt.defaults["lr"] == 0.02 and \
         opt.defaults["momentum"] == 0.9
     assert isinstance(seen["sync"], cg.SMA)
+
+
+def test_the_gpu_defaults_run_their_rounds_as_graphs(cuda, monkeypatch):
+    """The GPU defaults' plan (SMA with the SGD kernels, b = 16, m = 4), compiled here on the CPU,
+    runs its rounds as simulated CUDA graphs on simulated streams: captured and replayed, no round
+    eager (AdamW, the CPU's default, a row optimizer, runs every round eagerly)."""
+    real = cg.compile
+
+    def on_this_cpu(model, example, loss_fn, **kw):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+        return real(model, example, loss_fn, **{**kw, "cuda_graphs": False, "executor": "inline"})
+
+    monkeypatch.setattr(cg, "compile", on_this_cpu)
+    plan, fit = prepare_train(_args("--train-samples", "640", "--test-samples", "64", "--epochs",
+                                    "1", "--evals-per-epoch", "1", "--quiet"))
+    assert plan.replicas_per_device == 4 and plan.batch_size == 16
+    rec = RaceRecorder().attach(plan.scheduler)
+    plan.scheduler.round_graph = RoundGraph(SimulatedGraphs())
+    with rec:
+        history = plan.fit(**fit)
+    assert history.cuda_graphs["captures"] == 1 and history.cuda_graphs["replays"] == 6, \
+        history.cuda_graphs
+    assert history.cuda_graphs["eager_rounds"] == {} and rec.races == []
