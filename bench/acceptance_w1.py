@@ -101,7 +101,8 @@ def _w1_tables(args, sec: Section, runs: dict) -> None:
         t = r["time_to_accuracy_s"]
         rate = r.get("samples_per_s")
         per_epoch = sec.data["train_samples"] / rate if rate else None  # training seconds
-        rows.append([label, f"{t:.2f}" if t else "missed", f"{r.get('epochs_to_accuracy') or 0:.2f}",
+        epochs = r.get("epochs_to_accuracy")
+        rows.append([label, f"{t:.2f}" if t else "missed", f"{epochs:.2f}" if epochs else "—",
                      f"{per_epoch:.2f}" if per_epoch else "—",
                      f"{r['best_accuracy']:.4f}" if r.get("best_accuracy") else "—",
                      f"{t / tuned:.2f}×" if t and tuned else "—",

@@ -152,7 +152,9 @@ def _wait_precompile(args, sec: Section, child: subprocess.Popen | None, started
     sec.data["precompile"] = done
     sec.notes.append(done["line"] + (f"; smoke: {done['listed']} listed for a GPU run"
                                      if args.smoke else ""))
-    sec.check(not done["failed"], f"kernels that did not compile: {done['failed'][:3]}")
+    if done["failed"]:  # they compile at their first launch instead, as without precompiling
+        sec.notes.append(f"kernels that did not precompile (JIT-compiled at their first launch "
+                         f"instead): {done['failed'][:3]}")
 
 
 def run_precompile(args) -> int:
