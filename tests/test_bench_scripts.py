@@ -100,7 +100,8 @@ def test_gpu_acceptance_smoke_runs_every_section_on_the_cpu(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["mode"] == "smoke"
     assert [t["met"] for t in results["targets"]] == [None] * 4  # every target: GPU only
-    assert results["sections"]["env"]["data"]["precompile"]["compiled"] == 1
+    precompiled = results["sections"]["env"]["data"]["precompile"]  # Triton's cache may have it
+    assert precompiled["compiled"] + precompiled["cached"] == 1 and not precompiled["failed"]
     assert results["sections"]["races"]["data"]["sleep_cycles"] == 0  # simulated streams
     assert results["sections"]["nccl"]["data"]["backend"] == "gloo"
     decisive = results["sections"]["decisive"]["data"]["cells"][0]
