@@ -26,7 +26,7 @@ from .engine.sync import SMA, SyncAlgorithm
 from .engine.state import MemoryFormat
 from .errors import is_count
 from .fields import options_of
-from .kernels.select import KernelBackend, plan_kernels
+from .kernels.select import KernelBackend, UpdateFacts, plan_kernels
 from .training.central import CentralModel, start_from_rank0
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
 from .training.history import History
@@ -218,13 +218,15 @@ class Plan:
 
     @property
     def kernels(self) -> list:
-        """The SMA update kernels this plan runs, one per specialisation (docs/kernels.md)."""
+        """The SMA update kernels this plan runs, one per specialisation (docs/kernels.md); with
+        ``cuda_graphs=True`` those of its graph rounds (hyper-parameters in device tensors)."""
         local = self.settings.optimizer
         opt = local.sgd()
-        return plan_kernels(self.scheduler.kernels, self.states, local=local.kernel,
-                            momentum=opt.momentum, nesterov=opt.nesterov,
-                            weight_decay=opt.weight_decay,
+        facts = UpdateFacts(momentum=opt.momentum, nesterov=opt.nesterov,
+                            weight_decay=opt.weight_decay, local=local.kernel,
                             **self.sync.kernel_facts(self.num_learners))  # k, τ, μ_z
+        return plan_kernels(self.scheduler.kernels, self.states, facts,
+                            graphs=self.scheduler.round_graph is not None)
 
     # -- inspection (compiler/inspect.py; docs/compiler.md §5) ----------------------------------
 

@@ -89,6 +89,11 @@ def build_parts(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
             ``compile`` documents them.
     """
     fault_tolerant = options.distributed is not None and options.distributed.fault_tolerant
+    if fault_tolerant and options.cuda_graphs:
+        raise ValueError("Distributed(fault_tolerant=True) with cuda_graphs=True: a replica "
+                         "group's global sync runs torchft's quorum and all-reduce on the host "
+                         "every round, which a CUDA graph cannot hold; leave cuda_graphs=False "
+                         "(the rounds run on CUDA streams)")
     if fault_tolerant:  # the group's learners: every rank's when torchrun started several
         learners = None if options.tuned else options.replicas * len(
             resolve_devices(options.devices)) * int(os.environ.get("WORLD_SIZE", "1") or 1)
