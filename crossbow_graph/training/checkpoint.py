@@ -466,7 +466,10 @@ class CheckpointHook(Hook):
         if self.writer:
             remove_temporaries(self.directory)  # the remains of a write that was killed
 
-    def after_round(self, ctx: FitContext) -> None:
+    def save_if_due(self, ctx: FitContext) -> None:
+        """The round's checkpoint every ``every_rounds`` rounds; the Trainer calls it once the
+        round's hooks and its evaluation (with the hooks' after_eval) have run, so that a resume
+        continues after both."""
         if self.every_rounds is not None and ctx.plan.rounds_done % self.every_rounds == 0:
             self.save(ctx)
 

@@ -108,6 +108,7 @@ class LRSchedulerHook(Hook):
         self.interval = interval
         self.settings = settings
         self._evaluated = self._warned = self._held = False
+        self._resumed = False  # load_state_dict ran: before_fit keeps the loaded ``_evaluated``
         self._shape = (0, 0)  # (k, b) of the rounds when last checked
         if settings is not None:
             settings.add_lr_schedule(scheduler)
@@ -146,7 +147,9 @@ class LRSchedulerHook(Hook):
         return self.settings.lr_factors(self.scheduler)
 
     def before_fit(self, ctx: FitContext) -> None:
-        self._evaluated = False
+        if not self._resumed:  # a resumed fit's epoch ends as the checkpoint's run's would
+            self._evaluated = False
+        self._resumed = False
         self._shape = self._round_shape(ctx)
         self._warned = self._held = False
         self._warn_if_unfinished(ctx, start=True)
@@ -221,7 +224,7 @@ class LRSchedulerHook(Hook):
         changed: dict[int, tuple[float, float]] = {}
         saved = _keep_new_bases(state["scheduler"], self.scheduler.state_dict(), changed)
         self.scheduler.load_state_dict(saved)
-        self._evaluated = state["evaluated"]
+        self._evaluated, self._resumed = state["evaluated"], True
         if "factors" in state:
             self.settings.set_lr_factors(self.scheduler, state["factors"])
         written = list(state.get("written", self._lrs()))  # the checkpoint's η in force

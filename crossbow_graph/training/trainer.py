@@ -188,12 +188,21 @@ class Trainer:
         if self.position == 0:
             sched.losses = []
         self.epoch_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
-        self.epoch_seconds, self.acc, self.samples_run = 0.0, None, 0
+        self.epoch_seconds, self.samples_run = 0.0, 0
+        self.acc = self._last_accuracy_in_epoch()  # a resumed epoch's evaluations so far
         self.evals.start_epoch(n, self.position)
         self.bar = tqdm(total=n, initial=self.position, desc=f"epoch {epoch + 1}", unit="sample",
                         unit_scale=True, disable=not self.progress, leave=False,
                         dynamic_ncols=True)
         self.start = time.perf_counter()
+
+    def _last_accuracy_in_epoch(self) -> float | None:
+        """z's accuracy at the last evaluation of the epoch starting now (one before a resume in
+        its middle), None without one."""
+        evals, first_round = self.history.evals, self.plan.rounds_done - self.plan.round_in_epoch
+        if self.position == 0 or not evals or evals[-1].round <= first_round:
+            return None
+        return evals[-1].test_accuracy
 
     def _end_epoch(self) -> None:
         """Stop the epoch's clock, count the epoch in the plan, record it, run after_epoch."""
@@ -221,7 +230,7 @@ class Trainer:
             train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
             learner_mode=plan.learner_mode,
             sync_unhidden_share=min(1.0, exposed_s / sync_s) if sync_s > 0 else None,
-            samples=self.samples_run,
+            samples=self.position,  # the epoch's, also those before a resume in its middle
         ))
 
     # -- a round ------------------------------------------------------------------------------
@@ -263,10 +272,16 @@ class Trainer:
         if self.hooks.hooks:
             self._after_round(indices, n_losses)
         ctx.stop = ctx.stop or self.stop_signal.received is not None
-        if _agreed_stop(self.plan, self.comm, self.ctx, self.decides):
+        stop = _agreed_stop(self.plan, self.comm, self.ctx, self.decides)
+        # the round's evaluation, also before a stop, then its checkpoint: a checkpoint holds
+        # what the evaluation and the hooks' after_eval did (a resume evaluates no round twice
+        # and misses none)
+        reached = self.evals.due(self.position, last=upcoming is None) and self.evaluate()
+        if self.saver is not None:
+            self.saver.save_if_due(ctx)
+        if stop:
             self._stop_for_signal()
-            return False
-        if self.evals.due(self.position, last=upcoming is None) and self.evaluate():
+        if stop or reached:
             return False
         if self.data.source.copies_ahead and upcoming is not None and (plan.num_learners, plan.batch_size) == (k, b):
             sched.prefetch(plan.rounds_done, rank_rows(plan, upcoming))  # the next round's batch
