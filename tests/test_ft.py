@@ -6,6 +6,7 @@ The options' errors need no torchft; the rest is skipped without it (the ``ft`` 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -229,18 +230,24 @@ def _assert_rejoined(g0: dict, g1: dict) -> int:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("env, says", [({"FT_SEED_g1": "1"}, "hold another z"),
-                                       ({"FT_MOMENTUM_g1": "0.5"}, "run another computation")])
+@pytest.mark.parametrize("env, says", [
+    ({"FT_SEED_g1": "1"}, "hold another z"),
+    ({"FT_MOMENTUM_g1": "0.5"}, "run another computation"),
+    ({"FT_LR_g1": "0.1"}, r"other hyper-parameters: .* \(this group's: SGD\(lr=0\.(1|05), momentum"),
+    ({"FT_OPTIMIZER_g1": "adamw"}, r"other hyper-parameters: .* \(this group's: (AdamW|SGD)\(lr"),
+    ({"FT_BATCH_g1": "8"}, r"other hyper-parameters: .*, b = (4|8)\)")],
+    ids=["seed", "sma", "lr", "optimizer", "batch_size"])
 def test_groups_that_differ_stop_at_their_first_sync_naming_the_difference(tmp_path, monkeypatch,
                                                                           env, says):
-    """g1 compiled with another seed (z differs) or another SMA (μ_z 0.5): at the first quorum
-    of both, every group stops with a DistributedError naming what differs, before any sum of
-    the two is applied."""
+    """g1 compiled with another seed (z differs), another SMA (μ_z 0.5), another learning rate,
+    optimizer or batch size (what plain torchrun refuses at start-up): at the first quorum of
+    both, every group stops with a DistributedError naming what differs, before any sum of the
+    two is applied."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     r = run_groups(tmp_path, "sma", {}, min_replicas=2, errors=True)
     for g in ("g0", "g1"):
-        assert says in r[g].get("error", ""), (g, r[g].get("error"), r[g]["log"][-2000:])
+        assert re.search(says, r[g].get("error", "")), (g, r[g].get("error"), r[g]["log"][-2000:])
         assert r[g]["z_after"] == []  # the first round did not end: no sum of the two applied
 
 
