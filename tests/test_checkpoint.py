@@ -20,13 +20,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
+from crossbow_graph.engine import conv_choice
 from crossbow_graph.errors import CheckpointError
 from crossbow_graph.training.checkpoint import list_checkpoints, load_checkpoint, load_latest
 from crossbow_graph.training.hooks import Hook
 from crossbow_graph.tuning.metrics import MetricsMonitor
 from crossbow_graph.tuning.policies import AdaptiveBatchSize, Policy
 
-from _plans import make_plan
+from _plans import TinyNet, make_plan, tiny_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,6 +163,36 @@ def test_resume_with_noise_drawn_in_worker_processes_is_bit_identical(tmp_path):
     fit(second, checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
     assert second.rounds_done == full.rounds_done == 12
     assert_same_state(full, second)
+
+
+def test_a_resumed_process_keeps_the_convolution_library_its_checkpoint_ran_with(tmp_path,
+                                                                               monkeypatch):
+    """cpu_conv="auto" measures oneDNN against ATen once per process and b; a resumed process's
+    measurement may come out the other way (simulated: the other library measures faster). The
+    checkpoint holds the library of each b, and the resumed fit runs with its checkpoint's,
+    bit-identical to an uninterrupted fit."""
+    def faster(onednn: bool):  # conv_choice's timing of a step with oneDNN on (True) and off
+        return lambda *args: {onednn: 1.0, not onednn: 2.0}
+
+    def plan() -> cg.Plan:
+        return make_plan(TinyNet, devices=1, replicas=2, executor="process", cpu_conv="auto")
+
+    def fit(p: cg.Plan, **kw) -> None:
+        p.fit(tiny_data(96), 2, progress=False, seed=3, **kw)
+
+    monkeypatch.setattr(conv_choice, "_step_seconds", faster(True))
+    full = plan()
+    fit(full)
+    ckpt = str(tmp_path / "ckpt")
+    fit(plan(), hooks=[StopAfter(5)], checkpoint_dir=ckpt, checkpoint_every=1)
+    monkeypatch.setattr(conv_choice, "_ONEDNN_CHOICES", {})  # a new process: nothing measured
+    monkeypatch.setattr(conv_choice, "_step_seconds", faster(False))
+    resumed = plan()
+    fit(resumed, hooks=[StopAfter(10**6)], checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
+    assert resumed.scheduler.onednn_choices == full.scheduler.onednn_choices == {4: True}
+    assert resumed.rounds_done == full.rounds_done == 24
+    assert torch.equal(resumed.central_weights(), full.central_weights())
+    assert torch.equal(resumed.replica_weights(), full.replica_weights())
 
 
 def test_resume_at_epoch_end_without_every(tmp_path):

@@ -76,6 +76,9 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         **plan.progress.state_dict(),  # epochs_done, rounds_done, round_in_epoch, ...
         "outer_optimizer": _sync_state_entry(plan),
         "fault_tolerance": sched.ft.state_dict() if sched.ft is not None else None,  # engine/ft.py
+        # the worker processes' convolution library per b (engine/conv_choice.py): measured per
+        # process with cpu_conv="auto", so a resumed process keeps the one its rounds ran with
+        "cpu_conv_choices": dict(sched.onednn_choices),
     }
 
 
@@ -187,6 +190,7 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any], setup: dict[str, Any]
     sched.faults.events = [FaultEvent(**e) for e in sd["faults"]]
     if sched.ft is not None and sd.get("fault_tolerance") is not None:
         sched.ft.load_state_dict(sd["fault_tolerance"])
+    sched.onednn_choices.update(sd.get("cpu_conv_choices", {}))
     plan.progress.load_state_dict(sd)
     choice.warn(source)
 
@@ -430,6 +434,7 @@ class CheckpointHook(Hook):
         if comm is not None:
             sd = None if self.writer else plan_state_dict(plan)
             mine = None if self.writer else {"states": sd["states"], "losses": sd["losses"],
+                                             "cpu_conv_choices": sd["cpu_conv_choices"],
                                              "rng": _rng_state()}
             gathered = comm.gather_object(mine, "the gather of every rank's learners for a "
                                           "checkpoint", plan.rounds_done - 1)
