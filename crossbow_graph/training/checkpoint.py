@@ -18,6 +18,7 @@ from ..engine.faults import FaultEvent
 from ..engine.learners import seed_host_rngs
 from .history import EpochRecord, EvalRecord, History, MetricRecord, PolicyRecord
 from .hooks import FitContext, Hook
+from .checkpoint_health import CheckpointHealth
 from .checkpoint_files import (MAGIC, checkpoint_path, list_checkpoints, load_checkpoint, load_latest,
                                prune_checkpoints, remove_temporaries, save_checkpoint)
 from .options import check_writable_dir
@@ -329,6 +330,7 @@ class CheckpointHook(Hook):
                              "one has a fallback")
         self.directory, self.schedule, self.hooks = directory, schedule, list(hooks)
         self.every_rounds, self.keep, self.writer = every_rounds, keep, writer
+        self.health = CheckpointHealth()  # which checkpoint a resume after divergence takes
         self._last_saved = -1
         if writer:
             check_writable_dir("checkpoint_dir", directory)
@@ -426,6 +428,7 @@ class CheckpointHook(Hook):
             if key in state["hooks"]:
                 hook.load_state_dict(state["hooks"][key])
         _history_from(state["history"], history)
+        self.health.load_state_dict(state.get("health"))
 
     def save(self, ctx: FitContext) -> str | None:
         """Write a checkpoint (a collective under torchrun); returns its path (None off rank 0)."""
@@ -444,6 +447,8 @@ class CheckpointHook(Hook):
             return None
         plan_state = plan_state_dict(plan)
         plan_state["train_seconds"] = ctx.train_seconds  # includes the unfinished epoch's rounds
+        path = checkpoint_path(self.directory, plan.rounds_done)
+        self.health.judge(os.path.basename(path))
         state = {
             "format": _FORMAT,
             "plan": plan_state,
@@ -454,12 +459,19 @@ class CheckpointHook(Hook):
             "history": ctx.history.to_dict(),
             "world_size": 1 if comm is None else comm.world_size,
             "peers": peers,  # ranks 1 … R−1: {"states": [...], "losses": [n], "rng": {...}}
+            "health": self.health.state_dict(),  # training/checkpoint_health.py
         }
-        path = checkpoint_path(self.directory, plan.rounds_done)
         save_checkpoint(path, state)
         plan.run_record.saw(path)
-        prune_checkpoints(self.directory, self.keep)
+        prune_checkpoints(self.directory, self.keep, spare=self.health.healthy)
+        self.health.kept([os.path.basename(p) for p in list_checkpoints(self.directory)])
         return path
+
+    def set_aside_unhealthy(self) -> str:
+        """At a DivergenceError (the writer): the checkpoints newer than the newest healthy one
+        renamed ``….pt.diverged`` (training/checkpoint_health.py); returns what a resume now
+        does, for the error's message ("" off rank 0, or without a checkpoint of this run)."""
+        return self.health.set_aside(self.directory) if self.writer else ""
 
     def save_if_new(self, ctx: FitContext) -> str | None:
         """``save`` unless the last checkpoint saved or resumed is of this state; the file."""
@@ -470,6 +482,10 @@ class CheckpointHook(Hook):
     def before_fit(self, ctx: FitContext) -> None:
         if self.writer:
             remove_temporaries(self.directory)  # the remains of a write that was killed
+
+    def after_round(self, ctx: FitContext) -> None:
+        if self.writer and ctx.round_loss is not None:
+            self.health.see_round(ctx.round_loss)  # on the device; read at the next checkpoint
 
     def save_if_due(self, ctx: FitContext) -> None:
         """The round's checkpoint every ``every_rounds`` rounds; the Trainer calls it once the

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from ..engine.comm import AGREE_EVERY_ROUNDS
 from ..engine.learners import seed_host_rngs
 from ..engine.timeline import Timeline
+from ..errors import DivergenceError
 from .checkpoint import CheckpointHook
 from .fit_data import FitData, rank_rows
 from .fit_eval import FitEvaluation, finite_mean, mean_loss
@@ -87,11 +88,13 @@ class Trainer:
             self._run_epochs()
             if comm is not None:
                 comm.check_z(self.plan.states[0].z, self.plan.rounds_done - 1)
+        except DivergenceError as exc:  # a resume takes the last healthy checkpoint
+            if self.saver is not None and (note := self.saver.set_aside_unhealthy()):
+                exc.args = (f"{exc}. With checkpoint_dir={self.options.checkpoint_dir!r}: {note}",)
+            self._abandon(comm)
+            raise
         except BaseException:
-            if self.bar is not None:
-                self.bar.close()  # what reports the error writes on a line of its own
-            if comm is not None:
-                comm.close()  # the others see this rank gone at once instead of at their timeout
+            self._abandon(comm)
             raise
         finally:
             sched.end_fit()
@@ -99,6 +102,13 @@ class Trainer:
             _sync_totals(self.history, self.plan.scheduler, self.fit_sync0)
             if self.timeline is not None:
                 self.timeline.save(trace)
+
+    def _abandon(self, comm: Any) -> None:
+        """A fit that stops on an error: its bar closed, this rank gone from the group."""
+        if self.bar is not None:
+            self.bar.close()  # what reports the error writes on a line of its own
+        if comm is not None:
+            comm.close()  # the others see this rank gone at once instead of at their timeout
 
     def _prepare(self) -> None:
         """Everything before the first round: the data's checks, the ranks' agreement on the fit,
