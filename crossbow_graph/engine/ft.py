@@ -14,11 +14,8 @@ import datetime
 import hashlib
 import logging
 import os
-import re
-import socket
 import sys
 import time
-import urllib.parse
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +25,7 @@ import torch.distributed as dist
 from ..compiler.fingerprint import computation_fingerprint
 from ..errors import DistributedError
 from .faults import FaultMonitor
+from .lighthouse import Lighthouse
 
 if TYPE_CHECKING:
     from .comm import Distributed
@@ -149,17 +147,6 @@ def agreement_words(ctx: "SyncContext", hyper: dict[str, Any]) -> list[list[int]
     return [_digest_words(facts) + sizes, _digest_words(hyper)]
 
 
-def _listening(url: str) -> bool:
-    """Whether something accepts a TCP connection at ``url``'s host and port (1 s at most)."""
-    parts = urllib.parse.urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        with socket.create_connection((parts.hostname or "localhost", port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
 def _say(hyper: dict[str, Any]) -> str:
     """``hyper_parameters`` in words: ``SGD(lr=0.05, momentum=0.9, …), b = 4``."""
     groups = "; ".join(", ".join(f"{k}={v}" for k, v in g.items() if k != "params")
@@ -229,7 +216,7 @@ class FaultTolerantSync:
             raise ValueError(f"Distributed(fault_tolerant=True): lighthouse={lighthouse!r} is not "
                              "a URL; pass it as http://HOST:PORT (--lighthouse), the port "
                              "torchft_lighthouse's --bind names")
-        self.lighthouse, self.timeout_s = lighthouse, settings.timeout_s
+        self.lighthouse, self.timeout_s = Lighthouse(lighthouse), settings.timeout_s
         self.replica_group = settings.replica_group or os.environ.get("REPLICA_GROUP_ID", "0")
         self.attempts, self.min_replicas = settings.ft_attempts, settings.min_replicas
         self.rank, self.world_size = (comm.rank, comm.world_size) if comm else (0, 1)
@@ -344,25 +331,12 @@ class FaultTolerantSync:
                 self._record(round_index, k, failed, time.perf_counter() - start)
                 mean_buf = flat[P:P + Q].div_(k).to(ctx.states[0].buf.dtype) if Q else None
                 return flat[:P].to(total.device), mean_buf, k
-        raise DistributedError(self._gave_up(round_index, time.perf_counter() - start),
-                               task_id="global_sync", device=f"group {self.replica_group}",
-                               round_index=round_index)
-
-    def _gave_up(self, round_index: int, seconds: float) -> str:
-        """The DistributedError's message after ``ft_attempts`` discarded attempts."""
-        said = (f"replica group {self.replica_group}: the global sync of round {round_index} did "
-                f"not commit in {self.attempts} attempts ({seconds:.0f} s); the last: "
-                f"{self._discarded}. ")
-        if not _listening(self.lighthouse):
-            port = urllib.parse.urlsplit(self.lighthouse).port or 29510
-            return said + (f"Restart the Lighthouse there (torchft_lighthouse --min_replicas 1 "
-                           f"--bind [::]:{port}), then this group from its checkpoint (resume=True, "
-                           "--resume): it recovers z from a live peer, if any. A Lighthouse back "
-                           f"within the {self.attempts} attempts of {self.timeout_s:g} s "
-                           "(ft_attempts × timeout_s, --dist-timeout) lets the groups go on")
-        return said + (f"With fewer live groups than min_replicas={self.min_replicas}, start the "
-                       "others (a Lighthouse started with --min_replicas N makes quorums wait for "
-                       "N groups)")
+        raise DistributedError(
+            f"replica group {self.replica_group}: the global sync of round {round_index} did not "
+            f"commit in {self.attempts} attempts ({time.perf_counter() - start:.0f} s); the last: "
+            f"{self._discarded}. "
+            + self.lighthouse.advice(self.attempts, self.timeout_s, self.min_replicas),
+            task_id="global_sync", device=f"group {self.replica_group}", round_index=round_index)
 
     @staticmethod
     def _group_sum(ctx: Any, sent: torch.Tensor, round_index: int) -> None:
@@ -388,7 +362,8 @@ class FaultTolerantSync:
             except (TimeoutError, RuntimeError) as exc:  # no quorum in timeout_s (e.g. the
                 # Lighthouse still sees a group whose rank died, its rank 0 lingering), or no
                 manager._quorum_future = None  # Lighthouse; torchft would raise this failed
-                self._discarded = self._no_quorum(exc)  # quorum again next time
+                self._discarded = self.lighthouse.why_no_quorum(  # quorum again next time
+                    exc, self.timeout_s, self.replica_group)
                 return None
             if self._recovered:  # (again after a failed attempt: sent stays zero)
                 sent.zero_()  # taken against the stale z: this group joins from the next sync
@@ -404,17 +379,6 @@ class FaultTolerantSync:
             self._discarded = f"{live} live group(s), fewer than min_replicas={self.min_replicas}"
             time.sleep(1.0)  # the others may be starting: wait attempts × 1 s for them
             return None
-
-    def _no_quorum(self, exc: BaseException) -> str:
-        """Why a quorum failed, in words: the Lighthouse not listening, or torchft's reason
-        (gRPC's message only; its whole text at DEBUG, logger ``crossbow_graph.ft``)."""
-        _log.debug("replica group %s: no quorum: %s", self.replica_group, exc)
-        if not _listening(self.lighthouse):
-            return (f"the Lighthouse at {self.lighthouse} does not answer: nothing listens "
-                    "there (it stopped, or was never started there)")
-        said = re.search(r'message: "([^"]*)"', str(exc))
-        return (f"no quorum from the Lighthouse at {self.lighthouse} within {self.timeout_s:g} s "
-                f"({said.group(1) if said else str(exc).splitlines()[0][:120]})")
 
     def _agree(self, manager: Any) -> bool:
         """In a new quorum, check that every group runs the same computation and holds the same

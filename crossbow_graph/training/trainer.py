@@ -88,13 +88,12 @@ class Trainer:
             self._run_epochs()
             if comm is not None:
                 comm.check_z(self.plan.states[0].z, self.plan.rounds_done - 1)
-        except DivergenceError as exc:  # a resume takes the last healthy checkpoint
-            if self.saver is not None and (note := self.saver.set_aside_unhealthy()):
-                exc.args = (f"{exc}. With checkpoint_dir={self.options.checkpoint_dir!r}: {note}",)
-            self._abandon(comm)
-            raise
-        except BaseException:
-            self._abandon(comm)
+        except BaseException as exc:
+            _resume_after_divergence(exc, self.saver, self.options.checkpoint_dir)
+            if self.bar is not None:
+                self.bar.close()  # what reports the error writes on a line of its own
+            if comm is not None:
+                comm.close()  # the others see this rank gone at once instead of at their timeout
             raise
         finally:
             sched.end_fit()
@@ -102,13 +101,6 @@ class Trainer:
             _sync_totals(self.history, self.plan.scheduler, self.fit_sync0)
             if self.timeline is not None:
                 self.timeline.save(trace)
-
-    def _abandon(self, comm: Any) -> None:
-        """A fit that stops on an error: its bar closed, this rank gone from the group."""
-        if self.bar is not None:
-            self.bar.close()  # what reports the error writes on a line of its own
-        if comm is not None:
-            comm.close()  # the others see this rank gone at once instead of at their timeout
 
     def _prepare(self) -> None:
         """Everything before the first round: the data's checks, the ranks' agreement on the fit,
@@ -199,20 +191,11 @@ class Trainer:
             sched.losses = []
         self.epoch_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
         self.epoch_seconds, self.samples_run = 0.0, 0
-        self.acc = self._last_accuracy_in_epoch()  # a resumed epoch's evaluations so far
-        self.evals.start_epoch(n, self.position)
+        self.acc = self.evals.start_epoch(n, self.position, plan.rounds_done - plan.round_in_epoch)
         self.bar = tqdm(total=n, initial=self.position, desc=f"epoch {epoch + 1}", unit="sample",
                         unit_scale=True, disable=not self.progress, leave=False,
                         dynamic_ncols=True)
         self.start = time.perf_counter()
-
-    def _last_accuracy_in_epoch(self) -> float | None:
-        """z's accuracy at the last evaluation of the epoch starting now (one before a resume in
-        its middle), None without one."""
-        evals, first_round = self.history.evals, self.plan.rounds_done - self.plan.round_in_epoch
-        if self.position == 0 or not evals or evals[-1].round <= first_round:
-            return None
-        return evals[-1].test_accuracy
 
     def _end_epoch(self) -> None:
         """Stop the epoch's clock, count the epoch in the plan, record it, run after_epoch."""
@@ -283,11 +266,8 @@ class Trainer:
             self._after_round(indices, n_losses)
         ctx.stop = ctx.stop or self.stop_signal.received is not None
         stop = _agreed_stop(self.plan, self.comm, self.ctx, self.decides)
-        # the round's evaluation, also before a stop, then its checkpoint: a checkpoint holds
-        # what the evaluation and the hooks' after_eval did (a resume evaluates no round twice
-        # and misses none)
         reached = self.evals.due(self.position, last=upcoming is None) and self.evaluate()
-        if self.saver is not None:
+        if self.saver is not None:  # after the round's evaluation: a resume misses none
             self.saver.save_if_due(ctx)
         if stop:
             self._stop_for_signal()
@@ -349,6 +329,18 @@ class Trainer:
         self.agree = self.comm is not None
         self.start = time.perf_counter()
         return self.evals.reached(record)
+
+
+def _resume_after_divergence(exc: BaseException, saver: CheckpointHook | None,
+                             directory: str | None) -> None:
+    """At a DivergenceError (``exc``) of a fit with checkpoints: those after the newest healthy
+    one set aside, and the message says which one a resume continues from
+    (training/checkpoint_health.py)."""
+    if not isinstance(exc, DivergenceError) or saver is None:
+        return
+    note = saver.set_aside_unhealthy()
+    if note:
+        exc.args = (f"{exc}. With checkpoint_dir={directory!r}: {note}",)
 
 
 def _share_faults(plan: "Plan", comm) -> None:
