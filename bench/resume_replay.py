@@ -17,7 +17,10 @@ The state is every tensor of ``Plan.state_dict()`` (``torch.equal``); the Histor
 but the clocks (samples/s, seconds, sync shares). Prints one line per case and a summary; exit
 status 1 when a case differs.
 
-    python bench/resume_replay.py [--cases 26] [--seed 0] [--configs mlp_inline ...]
+Under torchrun (``torchrun_*``: 2 ranks) rank 0 is killed or stopped (torchrun then ends the
+other rank) and writes the result; the ``time`` phase is not drawn there.
+
+    python bench/resume_replay.py [--cases 26] [--seed 0] [--configs mlp_inline_plateau ...]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -115,6 +119,7 @@ CONFIGS: dict[str, Callable[[], tuple[cg.Plan, dict]]] = {
         max_batch_size=64, cooldown_epochs=0.05, settle_windows=2)]),
     "mlp_diloco": _config(lambda: _mlp_plan(sync=cg.DiLoCo(sync_every=4))),
     "mlp_local_sgd": _config(lambda: _mlp_plan(sync=cg.LocalSGD(sync_every=4))),
+    "torchrun_mlp_plateau": _config(_mlp_plan, _plateau),  # 2 ranks (torchrun)
     "lenet_adaptive_batch_process": _config(
         lambda: _lenet_plan(executor="process", cpu_conv="auto"), data=_mnist, epochs=2,
         policies=[AdaptiveBatchSize(max_batch_size=64, cooldown_epochs=0.05, settle_windows=2)]),
@@ -167,7 +172,8 @@ def _history(h: cg.History) -> Any:
 
 
 def _child(name: str, out: str, ckpt: str | None, kill: str, resume: bool, every: int) -> int:
-    sig, at, phase = kill.split(":") if kill else ("KILL", "-1", "round")
+    rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 is killed and reports
+    sig, at, phase = kill.split(":") if kill and rank0 else ("KILL", "-1", "round")
     killer = _Killer(getattr(signal, f"SIG{sig}"), int(at), phase)
     plan, kw = CONFIGS[name]()
     kw = dict(kw, hooks=[killer], metric_fn=killer.metric)
@@ -177,6 +183,8 @@ def _child(name: str, out: str, ckpt: str | None, kill: str, resume: bool, every
         history = plan.fit(**kw)
     except TrainingInterrupted:
         return 143
+    if not rank0:
+        return 0
     state = plan.state_dict()
     tensors = {f"{d}.{k}": s[k] for d, s in enumerate(state["states"])
                for k in ("w", "v", "z", "z_prev", "buf", "zbuf")}
@@ -188,6 +196,12 @@ def _child(name: str, out: str, ckpt: str | None, kill: str, resume: bool, every
 
 def _run(args: list[str], kill_after_s: float | None = None) -> int:
     cmd = [sys.executable, os.path.abspath(__file__), "child", *args]
+    if args[0].startswith("torchrun"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(port)] + cmd[1:]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     if kill_after_s is not None:
@@ -198,7 +212,7 @@ def _run(args: list[str], kill_after_s: float | None = None) -> int:
                 proc.send_signal(signal.SIGKILL)
         threading.Thread(target=kill_later, daemon=True).start()
     _, err = proc.communicate()
-    if proc.returncode not in (0, 143, -9):
+    if proc.returncode not in (0, 143, -9, 1):
         sys.stderr.write(err[-3000:])
     return proc.returncode
 
@@ -225,7 +239,7 @@ def _first_difference(a: Any, b: Any, where: str = "") -> str:
 
 def _case(name: str, whole: dict, rng: random.Random, work: str, i: int) -> tuple[str, list[str]]:
     rounds = max(whole["history"]["epochs"][-1]["rounds"], 1) * len(whole["history"]["epochs"])
-    phase = rng.choice(PHASES)
+    phase = rng.choice(PHASES[:-1] if name.startswith("torchrun") else PHASES)  # (rank 0's pid)
     sig = "KILL" if phase == "time" else rng.choice(["KILL", "TERM"])
     at = rng.randrange(1, max(2, rounds - 1))
     every = rng.choice([1, 4, 8, 11])
