@@ -58,6 +58,13 @@ class FitEvaluation:
                                              test_extras=dict(plan.last_eval_extras)))
         return self.history.evals[-1]
 
+    def reached_before(self) -> bool:
+        """Whether an evaluation already in the History (a resumed run's) reached
+        ``target_accuracy``: the run it continues had stopped there."""
+        target = self.options.target_accuracy
+        return target is not None and any(e.test_accuracy is not None and e.test_accuracy >= target
+                                          for e in self.history.evals)
+
     def reached(self, record: EvalRecord) -> bool:
         """Whether ``record`` reaches ``target_accuracy``; records the time and epochs to it."""
         target, acc = self.options.target_accuracy, record.test_accuracy

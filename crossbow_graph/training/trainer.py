@@ -125,8 +125,9 @@ class Trainer:
             self.saver, self.lock, resumed = checkpoints(plan, opts, self.schedule, hooks,
                                                          self.history, main=self.main)
             hooks.append(self.saver)
-            if resumed:  # a resumed run finishes the epochs of the run it continues
-                self.end_epoch = opts.epochs
+            if resumed:  # a resumed run finishes the epochs of the run it continues (none
+                # once it reached its target)
+                self.end_epoch = plan.epochs_done if self.evals.reached_before() else opts.epochs
         self.hooks = FitHooks(hooks)
 
     def _run_epochs(self) -> None:
