@@ -386,7 +386,8 @@ class FaultTolerantSync:
         a collective failed (the attempt is discarded).
 
         Raises:
-            DistributedError: the groups differ (a model, loss, sync or layout; z: another seed).
+            DistributedError: the groups differ (a model, loss, sync or layout; the optimizer,
+                its settings or b they were compiled with; z: another seed).
         """
         computation, hyper = agreement_words(self._ctx, self.hyper)
         words = torch.tensor(computation + hyper, dtype=torch.float64, device=self.device)
