@@ -147,6 +147,8 @@ class Plan:
             executor="inline" if ft is not None and options.executor == "auto" else options.executor,
             kernels=parts.kernels, comm=comm, cpu_conv=options.cpu_conv,
             round_graph=RoundGraph() if options.cuda_graphs else None, ft=ft)
+        if ft is not None:  # every replica group of a quorum must be compiled with the same
+            ft.expect(self.settings.optimizer.describe(), self.settings.batch_size)
         self.memory_budget = parts.memory_budget
         self.autotuner = AutoTuner(options.autotune or AutoTune()) if options.tuned else None
         self.comm = comm

@@ -89,3 +89,24 @@ def test_the_cli_says_how_many_threads_it_ran(capsys, tmp_path):
     assert main(["train", "--epochs", "1", "--train-samples", "512", "--target", "0", "--quiet",
                  "--cpu-threads", "1", "--lr-schedule", "constant"]) == 0
     assert "samples/s, 1 intra-op thread (as set)" in capsys.readouterr().out
+
+
+def test_a_resumed_fit_runs_the_threads_its_checkpoint_ran_with(monkeypatch, two_threads, tmp_path):
+    """A fit chose 1 thread on a busy host and was cut short; the host is idle at the resume
+    (auto would choose 2), but the resumed rounds run the checkpoint's 1, so they round as the
+    uninterrupted fit's would; a count given to the resumed fit wins."""
+    monkeypatch.setattr(threads, "free_cores", lambda: 0.3)
+    make_plan(replicas=1, executor="inline").fit(tiny_data(32), 1, checkpoint_dir=str(tmp_path),
+                                                 checkpoint_every=3, **FIT)
+    for name in sorted(p.name for p in tmp_path.glob("ckpt-*.pt"))[1:]:  # keep round 3's only
+        (tmp_path / name).unlink()
+    monkeypatch.setattr(threads, "free_cores", lambda: 2.0)
+    seen = SeenThreads()
+    history = make_plan(replicas=1, executor="inline").fit(
+        tiny_data(32), 1, checkpoint_dir=str(tmp_path), resume=True, hooks=[seen], **FIT)
+    assert seen and set(seen.seen) == {1} and history.cpu_threads == 1
+    seen = SeenThreads()
+    history = make_plan(replicas=1, executor="inline").fit(
+        tiny_data(32), 2, checkpoint_dir=str(tmp_path), resume=True, hooks=[seen], cpu_threads=2,
+        **FIT)
+    assert seen and set(seen.seen) == {2} and history.cpu_threads == 2

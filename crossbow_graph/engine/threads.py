@@ -109,6 +109,16 @@ class IntraOpThreads:
         self.count = self.choice.threads if self.choice is not None else torch.get_num_threads()
         self.free = self.choice.free if self.choice is not None else None
 
+    def keep(self, threads: int) -> int:
+        """A resumed fit: the ``threads`` its checkpoint's fit ran with replace an ``"auto"``
+        choice (so the resumed rounds round as the uninterrupted ones; 0: unknown, the choice
+        stays); a count given to the fit wins. Returns the count in force."""
+        choice = self.choice
+        if choice is not None and choice.free is not None and threads > 0:
+            self.choice = dataclasses.replace(choice, threads=threads)
+            self.count = threads
+        return self.count
+
     def __enter__(self) -> "IntraOpThreads":
         if self.choice is not None:
             torch.set_num_threads(self.choice.threads)

@@ -26,11 +26,15 @@ class FitEvaluation:
         self.points: list[int] = []
         self.next = 0
 
-    def start_epoch(self, num_samples: int, position: int) -> None:
-        """The epoch's evaluation points (sample positions) and the next one after ``position``."""
+    def start_epoch(self, num_samples: int, position: int, first_round: int) -> float | None:
+        """The epoch's evaluation points (sample positions) and the next one after ``position``;
+        returns z's accuracy at the epoch's last evaluation so far (one before a resume in its
+        middle: after the plan's round ``first_round``, where the epoch began), or None."""
         evals = self.options.evals_per_epoch
         self.points = [num_samples * i // evals for i in range(1, evals + 1)]
         self.next = sum(1 for p in self.points if p <= position)
+        done = self.history.evals
+        return done[-1].test_accuracy if done and done[-1].round > first_round else None
 
     def due(self, position: int, last: bool) -> bool:
         """Whether ``position`` passed the next evaluation point (or the epoch's ``last`` round
@@ -53,6 +57,13 @@ class FitEvaluation:
                                              test_loss=test_loss,
                                              test_extras=dict(plan.last_eval_extras)))
         return self.history.evals[-1]
+
+    def reached_before(self) -> bool:
+        """Whether an evaluation already in the History (a resumed run's) reached
+        ``target_accuracy``: the run it continues had stopped there."""
+        target = self.options.target_accuracy
+        return target is not None and any(e.test_accuracy is not None and e.test_accuracy >= target
+                                          for e in self.history.evals)
 
     def reached(self, record: EvalRecord) -> bool:
         """Whether ``record`` reaches ``target_accuracy``; records the time and epochs to it."""

@@ -141,6 +141,7 @@ class LRSchedulerHook(Hook):
         self.settings = settings
         self.batches_per_epoch = batches_per_epoch
         self._evaluated = self._warned = self._held = False
+        self._resumed = False  # load_state_dict ran: before_fit keeps the loaded ``_evaluated``
         self._shape = (0, 0)  # (k, b) of the rounds when last checked
         self._epoch_steps = 0  # steps taken in the current epoch ("batch")
         if settings is not None:
@@ -196,7 +197,9 @@ class LRSchedulerHook(Hook):
         return self.settings.lr_factors(self.scheduler)
 
     def before_fit(self, ctx: FitContext) -> None:
-        self._evaluated = False
+        if not self._resumed:  # a resumed fit's epoch ends as the checkpoint's run's would
+            self._evaluated = False
+        self._resumed = False
         self._shape = self._round_shape(ctx)
         self._warned = self._held = False
         self._check_lrs(ctx)  # the factor at the scheduler's current step (LambdaLR's at 0)
@@ -339,7 +342,7 @@ class LRSchedulerHook(Hook):
         changed: dict[int, tuple[float, float]] = {}
         saved = _keep_new_bases(state["scheduler"], self.scheduler.state_dict(), changed)
         self.scheduler.load_state_dict(saved)
-        self._evaluated = state["evaluated"]
+        self._evaluated, self._resumed = state["evaluated"], True
         self._epoch_steps = int(state.get("epoch_steps", 0))
         if "factors" in state:
             self.settings.set_lr_factors(self.scheduler, state["factors"])
