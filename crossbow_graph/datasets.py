@@ -265,11 +265,9 @@ _COOKIE_END = b"\n%\n"  # a cookie's last line break and the separator line of t
 
 
 class TextDataset(TensorDataset):
-    """Byte-level language-modelling samples over one token stream ``tokens [L]`` (int64 byte
-    values, 0–255): sample i is ``(x, y)`` with ``x = tokens[i·T : (i+1)·T]`` and ``y =
-    tokens[i·T + 1 : (i+1)·T + 1]``, both ``[T]`` int64, T = ``block_size``: non-overlapping
-    windows, so one epoch predicts each of the first ``len(self)·T`` tokens once. ``x`` and ``y``
-    (``tensors``, ``[N, T]`` each) are views of ``tokens``."""
+    """Byte-level language-modelling samples over ``tokens [L]`` (int64, 0–255): sample i is
+    ``x = tokens[i·T : (i+1)·T]``, ``y = tokens[i·T + 1 : (i+1)·T + 1]`` (T = ``block_size``;
+    ``tensors``: views ``[N, T]``), non-overlapping, so an epoch predicts each token once."""
 
     vocab_size = BYTE_VOCAB_SIZE
 
@@ -356,13 +354,8 @@ def fortunes(split: str = "train", *, block_size: int = 128, seed: int = 0,
     ``"train"``; a split's stream is its cookies in file order (``FORTUNES_FILES``), each
     followed by ``"\\n%\\n"`` as in the files. With the defaults, of the 15,217 cookies
     (2,531,016 bytes) of Debian 12's packages: 13,703 training cookies (2,306,085 tokens,
-    18,016 samples) and 1,514 validation cookies (270,582 tokens, 2,113 samples).
-
-    Bytes, not characters, are the tokens: the vocabulary is fixed (256) whatever the
-    installed corpus or split holds (the corpus has 113 distinct characters, 16 of them in the
-    training split only), any text encodes, and the larger output layer adds 1.3 % to the 8.5
-    MFLOP per token of a training step of ``models.gpt()`` (6·(256 − 113)·128 FLOPs), too
-    little to measure: 1,930 against 1,900 tokens/s at b = 16 on one CPU thread.
+    18,016 samples) and 1,514 validation cookies (270,582 tokens, 2,113 samples). Why bytes:
+    docs/design-overview.md §6.
 
     Args:
         split: ``"train"`` or ``"val"``.

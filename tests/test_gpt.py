@@ -139,9 +139,9 @@ def test_one_learner_equals_eager_pytorch_step_for_step(data, optimizer):
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_fused_replicas_equal_per_replica_ones(data, optimizer):
-    """k = 4 learners, dropout 0: the vmapped program computes what each replica's own forward and
-    backward computes, up to float32 rounding in another order (max |Δ| measured 2.4e-7 on
-    weights of order 1 after 16 rounds of SGD)."""
+    """k = 4 learners, dropout 0, 8 rounds: the vmapped program computes what each replica's own
+    forward and backward computes, up to float32 rounding in another order (measured: SGD max
+    |Δ| 1.2e-7 on weights of order 1, AdamW ‖Δ‖/‖w‖ 3.8e-7)."""
     make = (lambda m: cg.SGD(lr=0.05, momentum=0.9)) if optimizer == "sgd" else \
         (lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3))
     weights, losses = {}, {}
@@ -150,7 +150,12 @@ def test_fused_replicas_equal_per_replica_ones(data, optimizer):
         plan = _plan(model, data, replicas=4, learner_mode=mode, optimizer=make(model))
         history = plan.fit(data, shuffle=False, progress=False, metrics_every=None)
         weights[mode], losses[mode] = plan.replica_weights(), history.epochs[-1].train_loss
-    torch.testing.assert_close(weights["fused"], weights["per_replica"], rtol=1e-4, atol=1e-5)
+    if optimizer == "sgd":
+        torch.testing.assert_close(weights["fused"], weights["per_replica"], rtol=1e-4, atol=1e-5)
+    # Adam's normalised step turns the rounding of a gradient near 0 into a step of up to η
+    # either way (docs/optimizers.md): a few elements may differ by more, the whole by little
+    error = (weights["fused"] - weights["per_replica"]).norm() / weights["per_replica"].norm()
+    assert float(error) < 1e-5
     assert losses["fused"] == pytest.approx(losses["per_replica"], rel=1e-5)
 
 

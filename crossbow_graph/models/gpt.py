@@ -118,11 +118,10 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``idx [N, T0]`` followed by ``max_new_tokens`` tokens sampled one at a time from the
-        softmax of the last position's logits / ``temperature`` (among the ``top_k`` largest if
-        given), each conditioned on at most the last ``block_size`` tokens: ``[N, T0 +
-        max_new_tokens]``. Runs in the module's current mode (call ``eval()`` first to turn off
-        dropout). Raises ValueError when ``temperature`` ≤ 0."""
+        """``idx [N, T0]`` and ``max_new_tokens`` tokens sampled one by one from softmax(last
+        logits / ``temperature``) (among the ``top_k`` largest), each seeing at most the last
+        ``block_size`` tokens: ``[N, T0 + max_new_tokens]``, in the module's current mode
+        (``eval()``: no dropout). Raises ValueError when ``temperature`` ≤ 0."""
         if temperature <= 0:
             raise ValueError(f"generate(temperature={temperature!r}): must be > 0 (e.g. 0.8)")
         for _ in range(max_new_tokens):
