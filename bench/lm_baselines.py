@@ -23,6 +23,8 @@ single-thread tokens/s alone (run it at ``nice -n 0`` at a quiet moment; it reco
     nice -n 19 python bench/lm_baselines.py --grid                    # AdamW, B ∈ {8,16,32,64} × 3 lrs
     nice -n 19 python bench/lm_baselines.py --configs adamw:16:0.002 sma-sgd:8:0.1 --seeds 0 1 2
     python bench/lm_baselines.py --speed adamw:16:0.002               # tokens/s, one thread
+    python bench/lm_baselines.py --report bench/runs/lm-*.json --targets 2.6 2.65 2.7 \
+        --out bench/results/lm-baselines-w4.json                       # the runs of several files
     python bench/lm_baselines.py --smoke                              # seconds (tests)
 
 Every run is a fresh ``--one JSON`` subprocess (``--jobs`` at a time); the runs are appended to
@@ -259,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", nargs="*", type=float, default=list(TARGETS))
     p.add_argument("--speed", nargs="*", default=[], help="single-thread tokens/s of these configs")
     p.add_argument("--smoke", action="store_true", help="a one-layer model for 4,096 tokens: adamw and sma-sgd")
+    p.add_argument("--report", nargs="*", default=[], help="JSON files of earlier runs: their table (and --out, merged)")
     p.add_argument("--out", default=None, help="JSON file (default bench/runs/lm-baselines-<time>.json)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -269,6 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.speed:
         for config in args.speed:
             print(json.dumps(speed(config)))
+        return 0
+    if args.report:
+        runs = [r for path in args.report for r in json.load(open(path))["runs"]]
+        print(_table(runs, args.targets))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(sources=[os.path.basename(x) for x in args.report], runs=runs), f, indent=1)
         return 0
     configs = (grid() if args.grid else []) + args.configs
     extra = dict(budget=args.budget, eval_every=args.eval_every)
