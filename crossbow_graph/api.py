@@ -309,7 +309,7 @@ class Plan:
     def fit(
         self, train_dataset: Any, epochs: int = 1, *, eval_dataset: Any = None,
         shuffle: bool | None = None, seed: int = 0, target_accuracy: float | None = None,
-        evals_per_epoch: int = 1, eval_batch_size: int = 1000, progress: bool = True,
+        target_loss: float | None = None, evals_per_epoch: int = 1, eval_batch_size: int = 1000, progress: bool = True,
         hooks: Sequence[Hook] = (), checkpoint_dir: str | None = None,
         checkpoint_every: int | None = None, resume: bool = False, log_dir: str | None = None,
         trace: str | None = None, policies: Sequence[Hook] = (),
@@ -342,7 +342,7 @@ class Plan:
         """
         keywords = dict(
             epochs=epochs, shuffle=shuffle, seed=seed, target_accuracy=target_accuracy,
-            evals_per_epoch=evals_per_epoch, eval_batch_size=eval_batch_size, progress=progress,
+            target_loss=target_loss, evals_per_epoch=evals_per_epoch, eval_batch_size=eval_batch_size, progress=progress,
             hooks=hooks, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             resume=resume, log_dir=log_dir, trace=trace, policies=policies,
             metrics_every=metrics_every, lr_scheduler=lr_scheduler,

@@ -298,6 +298,8 @@ def _history_from(d: dict[str, Any], into: History) -> None:
     into.policy = [PolicyRecord(**p) for p in d.get("policy", [])]
     into.lr = list(d.get("lr", []))
     into.time_to_accuracy_s, into.epochs_to_accuracy = d["time_to_accuracy_s"], d["epochs_to_accuracy"]
+    into.time_to_loss_s, into.epochs_to_loss = d.get("time_to_loss_s"), d.get("epochs_to_loss")
+    into.samples_to_loss = d.get("samples_to_loss")
     into.cpu_threads = int(d.get("cpu_threads", 0))  # the threads the checkpoint's fit ran with
 
 

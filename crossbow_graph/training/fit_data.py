@@ -17,7 +17,7 @@ from .validate import check_eval_dataset, check_first_batch
 if TYPE_CHECKING:
     from ..api import Plan
 
-__all__ = ["FitData", "rank_rows"]
+__all__ = ["FitData", "rank_rows", "tokens_per_sample"]
 
 
 class FitData:
@@ -33,7 +33,7 @@ class FitData:
         source: the fit's one BatchSource (training/loader.py), after ``open``.
 
     Raises:
-        ValueError: ``target_accuracy`` without an eval_dataset, fewer samples than one round.
+        ValueError: ``target_accuracy`` or ``target_loss`` without an eval_dataset, fewer samples than one round.
     """
 
     def __init__(self, plan: "Plan", train_dataset: Any, eval_dataset: Any,
@@ -42,6 +42,9 @@ class FitData:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         if options.target_accuracy is not None and eval_dataset is None:
             raise ValueError("target_accuracy needs an eval_dataset to measure z's accuracy on")
+        if options.target_loss is not None and eval_dataset is None:
+            raise ValueError("target_loss needs an eval_dataset to measure z's test loss on; give "
+                             "fit(eval_dataset=...), e.g. datasets.fortunes('val')")
         self.train = as_dataset(train_dataset)
         self.shuffle = fit_shuffle(train_dataset, options.shuffle)
         self.batches_per_epoch = len(train_dataset) if isinstance(train_dataset, DataLoader) \
@@ -62,7 +65,7 @@ class FitData:
         comm.agree({"train samples": len(self.train), "epochs": opts.epochs,
                     "shuffle": self.shuffle, "seed": opts.seed,
                     "evals_per_epoch": opts.evals_per_epoch,
-                    "target_accuracy": opts.target_accuracy,
+                    "target_accuracy": opts.target_accuracy, "target_loss": opts.target_loss,
                     "max_grad_norm": opts.max_grad_norm,
                     "checkpoint_every": opts.checkpoint_every, "resume": opts.resume,
                     "rounds done": plan.rounds_done,
@@ -109,3 +112,13 @@ def rank_rows(plan: "Plan", indices: torch.Tensor | None) -> torch.Tensor | None
         return indices
     per_rank = len(indices) // comm.world_size
     return indices[comm.rank * per_rank:(comm.rank + 1) * per_rank]
+
+
+def tokens_per_sample(train_dataset: Any) -> int | None:
+    """Tokens one training sample predicts: the ``block_size`` of a ``datasets.TextDataset``
+    (also under a DataLoader or ``torch.utils.data.Subset``), else None (no tokens counted)."""
+    data = train_dataset.dataset if isinstance(train_dataset, DataLoader) else train_dataset
+    while isinstance(data, torch.utils.data.Subset):
+        data = data.dataset
+    size = getattr(data, "block_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None

@@ -1,5 +1,5 @@
 """A fit's evaluations of z: when they are due, their records, the target accuracy
-(docs/api.md, How a fit runs)."""
+(docs/api.md, How a fit runs): the target accuracy or test loss."""
 
 from __future__ import annotations
 
@@ -47,32 +47,41 @@ class FitEvaluation:
             self.next += 1
         return True
 
-    def measure(self, epoch: float, train_seconds: float) -> EvalRecord:
+    def measure(self, epoch: float, train_seconds: float, samples: int = 0) -> EvalRecord:
         """z's accuracy and loss, recorded in the History at ``epoch`` (fractional) after
-        ``train_seconds`` of training."""
+        ``train_seconds`` of training and ``samples`` training samples."""
         plan = self.plan
         acc, test_loss = self._evaluate()
         self.history.evals.append(EvalRecord(epoch=epoch, round=plan.rounds_done,
                                              train_seconds=train_seconds, test_accuracy=acc,
                                              test_loss=test_loss,
-                                             test_extras=dict(plan.last_eval_extras)))
+                                             test_extras=dict(plan.last_eval_extras),
+                                             samples=samples))
         return self.history.evals[-1]
 
     def reached_before(self) -> bool:
         """Whether an evaluation already in the History (a resumed run's) reached
-        ``target_accuracy``: the run it continues had stopped there."""
-        target = self.options.target_accuracy
-        return target is not None and any(e.test_accuracy is not None and e.test_accuracy >= target
-                                          for e in self.history.evals)
+        ``target_accuracy`` or ``target_loss``: the run it continues had stopped there."""
+        return any(any(self._hits(e)) for e in self.history.evals)
+
+    def _hits(self, record: EvalRecord) -> tuple[bool, bool]:
+        """(whether ``record`` reaches ``target_accuracy``, whether it reaches ``target_loss``)."""
+        opts, acc, loss = self.options, record.test_accuracy, record.test_loss
+        return (opts.target_accuracy is not None and acc is not None and acc >= opts.target_accuracy,
+                opts.target_loss is not None and loss <= opts.target_loss)
 
     def reached(self, record: EvalRecord) -> bool:
-        """Whether ``record`` reaches ``target_accuracy``; records the time and epochs to it."""
-        target, acc = self.options.target_accuracy, record.test_accuracy
-        if target is None or acc is None or acc < target:
-            return False
-        self.history.time_to_accuracy_s = record.train_seconds
-        self.history.epochs_to_accuracy = record.epoch
-        return True
+        """Whether ``record`` reaches ``target_accuracy`` or ``target_loss``; records the time,
+        epochs (and samples, for the loss) to it."""
+        accuracy, loss = self._hits(record)
+        if accuracy:
+            self.history.time_to_accuracy_s = record.train_seconds
+            self.history.epochs_to_accuracy = record.epoch
+        if loss:
+            self.history.time_to_loss_s = record.train_seconds
+            self.history.epochs_to_loss = record.epoch
+            self.history.samples_to_loss = record.samples
+        return accuracy or loss
 
     def _evaluate(self) -> tuple[float | None, float]:
         """``Plan.evaluate`` without its data check (the fit checked eval_dataset at its start)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["EpochRecord", "EvalRecord", "AutotuneRecord", "MetricRecord", "PolicyRecord", "History"]
@@ -20,6 +21,7 @@ class EpochRecord:
         test_accuracy: accuracy of the central model z on the eval dataset at the end of the
             epoch (fraction in [0, 1]), None without one.
         samples_per_s: training samples per second of training time (evaluation excluded).
+        tokens_per_s: ``samples_per_s`` × ``History.tokens_per_sample``; None without tokens.
         train_seconds: cumulative training wall seconds at the end of the epoch.
         replicas_per_device: m at the end of the epoch (the auto-tuner may change it).
         learner_mode: ``"per_replica"`` or ``"fused"`` at the end of the epoch.
@@ -37,13 +39,17 @@ class EpochRecord:
     learner_mode: str = "per_replica"
     sync_unhidden_share: float | None = None
     samples: int = 0
+    tokens_per_s: float | None = None
 
 
 @dataclass(kw_only=True)
 class EvalRecord:
     """One evaluation of z: ``epoch`` as a fraction (2.5 = half-way through the third epoch);
     ``test_extras``: the other scalar entries of a dict that ``loss_fn`` returns, averaged over
-    the samples (rank 0's under torchrun)."""
+    the samples (rank 0's under torchrun); ``samples``: training samples run before it (this
+    fit's, with those of the run a resume continues); ``test_perplexity``: exp(test_loss), the
+    perplexity per token when the loss is a mean cross-entropy (``models.lm_loss``), inf when
+    that overflows."""
 
     epoch: float
     round: int
@@ -51,6 +57,20 @@ class EvalRecord:
     test_accuracy: float
     test_loss: float
     test_extras: dict[str, float] = field(default_factory=dict)
+    samples: int = 0
+    test_perplexity: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.test_perplexity is None and self.test_loss is not None:
+            self.test_perplexity = _exp(self.test_loss)
+
+
+def _exp(loss: float) -> float:
+    """exp(loss), inf past the float range, NaN for NaN."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 @dataclass(kw_only=True)
@@ -147,6 +167,12 @@ class History:
             (``fit(max_grad_norm=...)``), None: not clipped.
         time_to_accuracy_s: training seconds when z first reached the target (None if never).
         epochs_to_accuracy: epochs (fractional) at that point.
+        target_loss: the requested test-loss target (``fit(target_loss=)``), if any.
+        time_to_loss_s: training seconds when z's test loss first reached ``target_loss``
+            (None if never); epochs_to_loss and samples_to_loss: epochs (fractional) and
+            training samples at that point.
+        tokens_per_sample: tokens one training sample predicts: the training dataset's
+            ``block_size`` (``datasets.TextDataset``), else None; tokens = samples × it.
         faults: every replica reset for NaN/Inf (engine/faults.py FaultEvent: round, device,
             replica, rank; under torchrun every rank's).
         autotune: every decision of the replica auto-tuner, in order.
@@ -172,6 +198,11 @@ class History:
     max_grad_norm: float | None = None
     time_to_accuracy_s: float | None = None
     epochs_to_accuracy: float | None = None
+    target_loss: float | None = None
+    time_to_loss_s: float | None = None
+    epochs_to_loss: float | None = None
+    samples_to_loss: int | None = None
+    tokens_per_sample: int | None = None
     faults: list = field(default_factory=list)
     autotune: list[AutotuneRecord] = field(default_factory=list)
     sync_seconds: float = 0.0
@@ -193,6 +224,19 @@ class History:
         return min(1.0, self.sync_exposed_seconds / self.sync_seconds)
 
     @property
+    def tokens_to_loss(self) -> int | None:
+        """Training tokens when z first reached ``target_loss`` (``samples_to_loss`` ×
+        ``tokens_per_sample``), None if never or without tokens."""
+        if self.samples_to_loss is None or self.tokens_per_sample is None:
+            return None
+        return self.samples_to_loss * self.tokens_per_sample
+
+    @property
+    def target_reached(self) -> bool:
+        """Whether z reached ``target_accuracy`` or ``target_loss`` (the fit stopped there)."""
+        return self.time_to_accuracy_s is not None or self.time_to_loss_s is not None
+
+    @property
     def final_accuracy(self) -> float | None:
         """The last evaluated test accuracy of z, or None."""
         return self.evals[-1].test_accuracy if self.evals else None
@@ -200,6 +244,7 @@ class History:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["sync_unhidden_share"] = self.sync_unhidden_share
+        out["tokens_to_loss"] = self.tokens_to_loss
         return out
 
     def save_json(self, path: str) -> None:

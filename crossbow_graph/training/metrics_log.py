@@ -4,15 +4,17 @@ Files written into ``log_dir`` (appended to when a resumed fit logs into the sam
 rows between the last checkpoint and a crash can appear twice; the later ones are the resumed run):
 
 - ``rounds.csv``: round (global, 1-based), epoch (1-based), round_in_epoch, loss (mean training
-  loss of the round's k learners), samples_per_s (since the previous row), train_seconds;
-- ``evals.csv``: every evaluation of z (History.evals);
+  loss of the round's k learners), samples_per_s (since the previous row), train_seconds,
+  tokens_per_s (samples_per_s × History.tokens_per_sample; empty without tokens);
+- ``evals.csv``: every evaluation of z (History.evals: with its samples and test_perplexity);
 - ``epochs.csv``: every epoch (History.epochs);
 - ``faults.csv``: every replica reset for NaN/Inf (round, device, replica, rank: every rank's
   under torchrun);
 - ``history.json``: the fit's History at its end (History.save_json);
 - TensorBoard event files (``torch.utils.tensorboard.SummaryWriter``): ``train/loss``,
-  ``train/samples_per_s`` per round; ``eval/accuracy``, ``eval/loss`` per evaluation;
-  ``epoch/train_loss``, ``epoch/samples_per_s``, ``epoch/accuracy``, ``epoch/replicas_per_device``
+  ``train/samples_per_s`` (and ``train/tokens_per_s``) per round; ``eval/accuracy``,
+  ``eval/loss``, ``eval/perplexity`` per evaluation; ``epoch/train_loss``, ``epoch/samples_per_s``,
+  ``epoch/tokens_per_s``, ``epoch/accuracy``, ``epoch/replicas_per_device``
   per epoch; ``faults/replicas_reset``; steps are global round numbers.
 """
 
@@ -30,7 +32,8 @@ from .hooks import FitContext, Hook
 
 __all__ = ["MetricsLogger"]
 
-_ROUND_FIELDS = ["round", "epoch", "round_in_epoch", "loss", "samples_per_s", "train_seconds"]
+_ROUND_FIELDS = ["round", "epoch", "round_in_epoch", "loss", "samples_per_s", "train_seconds",
+                 "tokens_per_s"]
 _EVAL_FIELDS = list(EvalRecord.__dataclass_fields__)
 _EPOCH_FIELDS = list(EpochRecord.__dataclass_fields__)
 _FAULT_FIELDS = ["round", "device", "replica", "rank"]
@@ -111,11 +114,15 @@ class MetricsLogger(Hook):
         samples = (step - last_round) * plan.num_learners * plan.batch_size
         rate = samples / max(ctx.train_seconds - last_seconds, 1e-9)
         loss = float(ctx.round_loss)
+        tokens = ctx.history.tokens_per_sample
+        token_rate = rate * tokens if tokens else None
         self._files["rounds"].write({"round": step, "epoch": ctx.epoch + 1,
                                      "round_in_epoch": ctx.round_in_epoch, "loss": loss,
-                                     "samples_per_s": rate, "train_seconds": ctx.train_seconds})
+                                     "samples_per_s": rate, "train_seconds": ctx.train_seconds,
+                                     "tokens_per_s": token_rate})
         self._scalar("train/loss", loss, step)
         self._scalar("train/samples_per_s", rate, step)
+        self._scalar("train/tokens_per_s", token_rate, step)
         self._last = (step, ctx.train_seconds)
 
     def after_eval(self, ctx: FitContext, record: EvalRecord) -> None:
@@ -124,6 +131,7 @@ class MetricsLogger(Hook):
         self._files["evals"].write(row)
         self._scalar("eval/accuracy", record.test_accuracy, record.round)
         self._scalar("eval/loss", record.test_loss, record.round)
+        self._scalar("eval/perplexity", record.test_perplexity, record.round)
         for key, value in record.test_extras.items():
             self._scalar(f"eval/{key}", value, record.round)
 
@@ -132,6 +140,7 @@ class MetricsLogger(Hook):
         step = ctx.plan.rounds_done
         self._scalar("epoch/train_loss", record.train_loss, step)
         self._scalar("epoch/samples_per_s", record.samples_per_s, step)
+        self._scalar("epoch/tokens_per_s", record.tokens_per_s, step)
         self._scalar("epoch/accuracy", record.test_accuracy, step)
         self._scalar("epoch/replicas_per_device", float(record.replicas_per_device), step)
         for f in self._files.values():

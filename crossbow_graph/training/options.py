@@ -31,14 +31,14 @@ class FitOptions:
     Raises:
         ValueError: ``epochs``, ``evals_per_epoch``, ``eval_batch_size`` or ``metrics_every`` not
             an integer ≥ 1, ``bn_recalibration_batches`` not an integer ≥ 0,
-            ``target_accuracy`` outside (0, 1], ``data_on_device`` not ``"auto"``, True or
+            ``target_accuracy`` outside (0, 1], ``target_loss`` not finite, ``data_on_device`` not ``"auto"``, True or
             False, ``max_grad_norm`` not a positive finite number, ``cpu_threads`` not
             ``"auto"``, None or an integer ≥ 1, a value not among a field's
             choices, ``resume=True`` or ``checkpoint_every`` without ``checkpoint_dir``, a
             ``trace`` path whose folder is missing or not writable, a ``log_dir`` that is a
             file or cannot be created or written.
-        TypeError: ``metric_fn`` not callable, ``seed`` not an integer, ``target_accuracy`` or
-            ``max_grad_norm`` not a number, ``shuffle`` not a bool or None, ``progress`` or
+        TypeError: ``metric_fn`` not callable, ``seed`` not an integer, ``target_accuracy``,
+            ``target_loss`` or ``max_grad_norm`` not a number, ``shuffle`` not a bool or None, ``progress`` or
             ``resume`` not a bool,
             ``hooks``/``policies`` not a list of hook objects (one hook alone, or a class
             instead of an instance).
@@ -57,6 +57,10 @@ class FitOptions:
     target_accuracy: float | None = option(None, doc=(
         "stop once z's test accuracy (a fraction in (0, 1]) reaches it (needs an eval_dataset); "
         "None: run every epoch"))
+    target_loss: float | None = option(None, doc=(
+        "stop once z's test loss (loss_fn's mean over the eval_dataset: nats per token with "
+        "models.lm_loss) is at or below it (needs an eval_dataset; with target_accuracy too, "
+        "whichever is reached first); None: no loss target"))
     evals_per_epoch: int = option(1, doc=(
         "evaluations of z on the eval_dataset per epoch (the time-to-accuracy resolution)"))
     eval_batch_size: int = option(1000, doc="batch size of evaluation (≥ 1)")
@@ -135,6 +139,7 @@ class FitOptions:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed={seed!r}: must be an integer, e.g. seed=0")
         _check_target_accuracy(self.target_accuracy)
+        _check_target_loss(self.target_loss)
         _check_max_grad_norm(self.max_grad_norm)
         if self.max_grad_norm is not None:  # a NumPy number too: a Python float for the kernels
             object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm))
@@ -250,6 +255,18 @@ def check_writable_dir(argument: str, directory: object) -> None:
     except OSError as exc:
         raise ValueError(f"{argument}={directory!r} {step} ({type(exc).__name__}: "
                          f"{exc.strerror or exc}); pass a writable directory") from exc
+
+
+def _check_target_loss(target_loss: object) -> None:
+    """TypeError/ValueError for a ``target_loss`` that is not None or a finite number."""
+    if target_loss is None:
+        return
+    if isinstance(target_loss, bool) or not isinstance(target_loss, numbers.Real):
+        raise TypeError(f"target_loss={target_loss!r}: must be a number, z's test loss to stop at "
+                        "(e.g. 2.4 nats per token), or None")
+    if not math.isfinite(target_loss):
+        raise ValueError(f"target_loss={target_loss!r}: must be a finite number, z's test loss to "
+                         "stop at (e.g. 2.4 nats per token), or None")
 
 
 def _check_target_accuracy(target_accuracy: object) -> None:

@@ -16,7 +16,7 @@ from ..engine.threads import IntraOpThreads
 from ..engine.timeline import Timeline
 from ..errors import DivergenceError
 from .checkpoint import CheckpointHook
-from .fit_data import FitData, rank_rows
+from .fit_data import FitData, rank_rows, tokens_per_sample
 from .fit_eval import FitEvaluation, finite_mean, mean_loss
 from .fit_hooks import checkpoints, fit_hooks
 from .history import EpochRecord, History
@@ -121,7 +121,9 @@ class Trainer:
         self.threads = IntraOpThreads(opts.cpu_threads, [s.torch_device for s in plan.states],
                                       comm.local_world_size if comm is not None else 1)
         self.history = History(target_accuracy=opts.target_accuracy, max_grad_norm=opts.max_grad_norm,
-                               cpu_threads=self.threads.count, free_cores=self.threads.free)
+                               cpu_threads=self.threads.count, free_cores=self.threads.free,
+                               target_loss=opts.target_loss,
+                               tokens_per_sample=tokens_per_sample(self.train_dataset))
         self.evals = FitEvaluation(plan, self.eval_dataset, opts, self.history)
         hooks = fit_hooks(plan, opts, self.schedule, self.first_hooks, self.metrics, main=self.main,
                           batches_per_epoch=self.data.batches_per_epoch)
@@ -179,7 +181,7 @@ class Trainer:
         while self.run_round():
             pass
         self._end_epoch()
-        return self.history.time_to_accuracy_s is not None or self.ctx.stop
+        return self.history.target_reached or self.ctx.stop
 
     def _start_epoch(self) -> None:
         """The hooks' before_epoch, the epoch's order, evaluation points, progress bar and clock."""
@@ -223,10 +225,12 @@ class Trainer:
         losses = torch.stack(sched.losses) if sched.losses else torch.zeros(1)
         sync_s = sched.sync_seconds - self.epoch_sync0[0]
         exposed_s = sched.sync_exposed_seconds - self.epoch_sync0[1]
+        rate = self.samples_run / max(self.epoch_seconds, 1e-9)
+        tokens = self.history.tokens_per_sample
         self.history.epochs.append(EpochRecord(
             epoch=plan.epochs_done, rounds=self.rounds_run,
             train_loss=mean_loss(self.comm, losses, plan.rounds_done - 1), test_accuracy=self.acc,
-            samples_per_s=self.samples_run / max(self.epoch_seconds, 1e-9),
+            samples_per_s=rate, tokens_per_s=rate * tokens if tokens else None,
             train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
             learner_mode=plan.learner_mode,
             sync_unhidden_share=min(1.0, exposed_s / sync_s) if sync_s > 0 else None,
@@ -323,11 +327,12 @@ class Trainer:
 
     def evaluate(self) -> bool:
         """z's evaluation (``FitEvaluation.measure``), off the training clock, and the hooks'
-        after_eval. Returns whether ``target_accuracy`` is reached."""
+        after_eval. Returns whether ``target_accuracy`` or ``target_loss`` is reached."""
         n = self.schedule.num_samples
         self.epoch_seconds += time.perf_counter() - self.start  # evaluation is not training time
         trained = self.plan.train_seconds + self.epoch_seconds
-        record = self.evals.measure(self.epoch + self.position / n, trained)
+        samples = sum(e.samples for e in self.history.epochs) + self.position
+        record = self.evals.measure(self.epoch + self.position / n, trained, samples)
         self.acc = acc = record.test_accuracy
         self.bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
                              samples_per_s=f"{self.samples_run / self.epoch_seconds:,.0f}")
