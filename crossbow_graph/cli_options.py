@@ -34,6 +34,7 @@ OPTION_FLAGS: dict[str, tuple[type, str]] = {  # flag → (the dataclass, its fi
     "--log-dir": (FitOptions, "log_dir"),
     "--epochs": (FitOptions, "epochs"),
     "--target": (FitOptions, "target_accuracy"),
+    "--target-loss": (FitOptions, "target_loss"),
     "--evals-per-epoch": (FitOptions, "evals_per_epoch"),
     "--bn-recalibration-batches": (FitOptions, "bn_recalibration_batches"),
     "--metrics-every": (FitOptions, "metrics_every"),

@@ -15,6 +15,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import crossbow_graph as cg
 
 from . import datasets, models
+from .cli_lm import (LM_BETAS, LM_MODELS, EvalPrinter, apply_lm_defaults, is_language_model,
+                     lm_datasets, lm_lr_schedule, print_lm_results)
 from .cli_layout import learner_layout
 from .cli_machine import apply_machine_defaults
 from .cli_options import flag_default
@@ -28,7 +30,7 @@ from .tuning.policies import AdaptiveBatchSize, MultiStepLR, parse_policy
 __all__ = ["prepare_train", "run_train", "load_dataset", "DATASETS", "OPTIMIZERS", "LR_SCHEDULES",
            "DILOCO_H", "DEFAULT_LR", "DEFAULT_LR_BATCH", "WINDOW_SAMPLES"]
 
-DATASETS = ("mnist", "fashion_mnist", "cifar10")
+DATASETS = ("mnist", "fashion_mnist", "cifar10", "fortunes")
 # --optimizer: the torch.optim class, its default η and the samples per round (k·b) that η was
 # measured at on LeNet-5/MNIST (adaptive_batch's reference for the gain with the default η):
 # AdamW's with the default OneCycle schedule at b = 256, k = 1 and b = 128, k = 2
@@ -75,6 +77,8 @@ def load_dataset(args: argparse.Namespace):
     cifar_style = getattr(models, "INPUT_SHAPES", {}).get(args.model) == (3, 32, 32)
     if name not in DATASETS:
         raise ValueError(f"unknown dataset '{name}'; choose one of: {', '.join(DATASETS)}")
+    if is_language_model(args):
+        return lm_datasets(args, args.block_size)
     if name == "cifar10" and root is None:
         raise ValueError("--dataset cifar10 needs --data-dir DIR, the unpacked cifar-10-batches-py "
                          "folder (CIFAR-10 is not shipped by any package)")
@@ -100,6 +104,8 @@ def _optimizer(args: argparse.Namespace, model: torch.nn.Module, lr: float) -> t
     kwargs: dict[str, Any] = {"lr": lr, "weight_decay": args.weight_decay}
     if cls in (torch.optim.SGD, torch.optim.RMSprop):
         kwargs["momentum"] = args.momentum
+    if cls in (torch.optim.AdamW, torch.optim.Adam) and is_language_model(args):
+        kwargs["betas"] = LM_BETAS
     return cls(model.parameters(), **kwargs)
 
 
@@ -146,6 +152,8 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
     Raises:
         ValueError: a bad flag value (before any training).
     """
+    apply_lm_defaults(args)  # --model gpt / --dataset fortunes: cli_lm.py's defaults first
+    lm = is_language_model(args)
     args.machine_defaults = apply_machine_defaults(args)
     _check_ft_flags(args)
     policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
@@ -160,13 +168,15 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
             not any(type(p).__name__.endswith("LR") for p in policies):
         policies.append(MultiStepLR(milestones=args.lr_milestones, gamma=0.1))
     torch.manual_seed(args.seed)
-    model = cg.models.get_model(args.model)
+    model = LM_MODELS[args.model]() if lm else cg.models.get_model(args.model)
+    args.block_size = getattr(model, "block_size", None)
     train_set, test_set = load_dataset(args)
     if args.data_shard is not None:
         train_set = _shard(train_set, args.data_shard)
     devices, replicas = learner_layout(args.devices, args.replicas, policies)
     plan = cg.compile(
-        model, (train_set[0][0].unsqueeze(0),), torch.nn.functional.cross_entropy,
+        model, (train_set[0][0].unsqueeze(0),),
+        models.lm_loss if lm else torch.nn.functional.cross_entropy,
         batch_size=args.batch_size, devices=devices,
         replicas=replicas,
         learner_mode=args.learner_mode,
@@ -183,10 +193,15 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
                evals_per_epoch=args.evals_per_epoch, progress=not args.quiet,
                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                resume=args.resume, log_dir=args.log_dir, policies=policies, metrics_every=metrics,
-               lr_scheduler=_lr_schedule(args, plan, len(train_set)),
+               lr_scheduler=(lm_lr_schedule(args, plan, len(train_set), args.block_size)
+                             if lm and args.lr_schedule == "cosine"
+                             else _lr_schedule(args, plan, len(train_set))),
                lr_scheduler_interval="round",
                bn_recalibration_batches=args.bn_recalibration_batches,
-               max_grad_norm=args.max_grad_norm, cpu_threads=args.cpu_threads)
+               max_grad_norm=args.max_grad_norm, cpu_threads=args.cpu_threads,
+               target_loss=args.target_loss)
+    if lm:  # next-byte accuracy, a line per evaluation
+        fit.update(metric_fn=models.token_accuracy, hooks=[EvalPrinter()])
     return plan, fit
 
 
@@ -300,7 +315,9 @@ def run_train(args: argparse.Namespace) -> int:
               + (" (recovered from a peer)" if c.recovered else "")
               + (f" after {c.failed_attempts} discarded all-reduce(s)" if c.failed_attempts else ""),
               flush=True)
-    if main_rank:
+    if main_rank and is_language_model(args):
+        print_lm_results(plan, history, args)
+    elif main_rank:
         _print_results(plan, history, target)
     return 0
 

@@ -1,6 +1,7 @@
 """The crossbow-graph command line."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -8,7 +9,9 @@ import pytest
 
 import crossbow_graph as cg
 
-from crossbow_graph.cli import DEFAULT_LR, DEFAULT_LR_BATCH, OPTIMIZERS, build_parser, main
+from crossbow_graph.cli import (DEFAULT_LR, DEFAULT_LR_BATCH, OPTIMIZERS, build_parser, main,
+                                parse_args, prepare_train)
+from crossbow_graph.cli_lm import LM_TARGET_LOSS, lr_factor
 from crossbow_graph.cli_machine import apply_machine_defaults
 
 # the layout of the SGD tests below: b = 16, 2 devices × 2 replicas (k·b = 64), SGD with drops
@@ -303,3 +306,68 @@ def test_bad_fault_tolerance_set_ups_are_one_line_errors(monkeypatch, capsys):
     assert main(small + ["--fault-tolerant", "--replicas", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no Lighthouse address" in err and "TORCHFT_LIGHTHOUSE" in err
+
+
+# --model gpt --dataset fortunes: tiny caps (16 training windows, 4 validation windows)
+GPT_TINY = ["--train-samples", "16", "--test-samples", "4", "--evals-per-epoch", "2", "--quiet"]
+needs_fortunes = pytest.mark.skipif(
+    not all(os.path.isfile(os.path.join(cg.datasets.FORTUNES_DIR, f))
+            for f in cg.datasets.FORTUNES_FILES),
+    reason="Debian packages fortunes and fortunes-min not installed (bash scripts/setup.sh)")
+
+
+@needs_fortunes
+@pytest.mark.parametrize("named", [["--model", "gpt"], ["--dataset", "fortunes"]])
+def test_gpt_on_fortunes_takes_the_language_models_defaults(named):
+    """Either flag names the workload; the flags left out take cli_lm.LM_DEFAULTS, the fit stops
+    at the target validation loss and not at a test accuracy, the cosine runs over tokens."""
+    args = parse_args(["train", *named, *GPT_TINY, "--lr-schedule-tokens", "4096"])
+    plan, fit = prepare_train(args)
+    assert (args.model, args.dataset, args.epochs) == ("gpt", "fortunes", 1)
+    assert (plan.batch_size, plan.num_learners) == (4, 1)
+    group = plan.optimizer.param_groups[0]
+    assert type(plan.optimizer).__name__ == "AdamW"
+    assert (group["initial_lr"], group["betas"], group["weight_decay"]) == (1e-3, (0.9, 0.99), 0.1)
+    assert (fit["target_loss"], fit["target_accuracy"]) == (LM_TARGET_LOSS, None)
+    assert fit["metric_fn"] is cg.models.token_accuracy and len(fit["eval_dataset"]) == 4
+    history = plan.fit(**fit)
+    assert history.tokens_per_sample == 128 and len(history.evals) == 2
+    steps = 4096 // (4 * 128)  # 8 rounds of the schedule; 4 rounds ran
+    assert history.lr == pytest.approx([1e-3 * lr_factor(r, steps) for r in range(4)], rel=1e-12)
+
+
+@needs_fortunes
+def test_flags_given_with_gpt_override_its_defaults():
+    args = parse_args(["train", "--model", "gpt", "--epochs", "3", "--batch-size", "2",
+                       "--target", "0.5", "--optimizer", "sgd", "--lr", "0.3", "--momentum", "0"])
+    plan, fit = prepare_train(args)
+    assert (args.epochs, plan.batch_size, fit["target_accuracy"]) == (3, 2, 0.5)
+    assert fit["target_loss"] == LM_TARGET_LOSS
+    group = plan.optimizer.param_groups[0]
+    assert (type(plan.optimizer).__name__, group["initial_lr"], group["momentum"]) == ("SGD", 0.3, 0)
+
+
+@needs_fortunes
+def test_gpt_prints_loss_perplexity_tokens_per_s_and_a_sample(capsys):
+    assert main(["train", "--model", "gpt", *GPT_TINY, "--sample", "24", "--target-loss", "9"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens 1,024: validation loss " in out and "(perplexity " in out
+    final = next(line for line in out.splitlines() if line.startswith("final validation loss"))
+    assert "reached target 9) after 1,024 tokens (0.50 epochs)" in final  # the first evaluation
+    assert "tokens/s" in final and "samples/s" in final
+    assert "sample of 24 bytes from z (temperature 0.8):" in out
+
+
+def test_gpt_with_an_image_dataset_or_sample_with_lenet5_is_a_one_line_error(capsys):
+    assert main(["train", "--model", "gpt", "--dataset", "mnist", "--quiet"]) == 2
+    assert "use --model gpt --dataset fortunes" in capsys.readouterr().err
+    assert main(["train", "--sample", "10", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--sample 10 with --model lenet5" in err and "language model" in err
+
+
+def test_help_lists_the_language_model():
+    out = subprocess.run([sys.executable, "-m", "crossbow_graph", "train", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for text in ("or gpt, the language model", "--target-loss", "--sample N", "fortunes"):
+        assert text in out
