@@ -1,35 +1,44 @@
-"""W4 groundwork: validation loss against tokens and seconds of ``models.gpt()`` on the fortunes
-bytes (docs/benchmarking.md, W4), for plain PyTorch and for crossbow_graph's SMA.
+"""W4: tokens and training seconds until ``models.gpt()`` reaches a validation loss on the fortunes
+bytes (docs/benchmarking.md, W4), for plain PyTorch and crossbow_graph, and the AdamW grid.
 
-Systems, each run for a fixed budget of training tokens (the schedule's length), one intra-op
-thread per process (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``):
+A configuration is ``SYSTEM`` followed by ``:key=value`` settings (``adamw:b=4:lr=1e-3``):
 
-* ``adamw:B:LR`` / ``sgd:B:LR``: plain PyTorch, one model, ``torch.optim.AdamW`` (betas (0.9,
-  0.99), weight decay 0.1) or ``torch.optim.SGD`` (momentum 0.9), batches of B windows of 128
-  bytes drawn without replacement from a seeded permutation of the training windows;
-* ``sma-adamw:b:LR`` / ``sma-sgd:b:LR``: ``crossbow_graph.compile(models.gpt(), replicas=4)``
-  (one CPU device, inline executor, per-replica learners, SMA's defaults α = 1/k, μ_z = 0.9), b
-  windows per learner, the same optimizer per replica, trained on the same permutation's first
-  windows for one pass; its tokens count all k learners' (k·b·128 per round).
+* ``adamw`` / ``sgd``: plain PyTorch, one model, batches of b windows of 128 bytes;
+  ``torch.optim.AdamW`` (betas (0.9, beta2), weight decay wd) or ``torch.optim.SGD`` (momentum
+  mom, default 0: Marek et al. 2025's vanilla SGD);
+* ``sma-adamw`` / ``sma-sgd``: ``crossbow_graph.compile(models.gpt(), ...)`` with k learners of b
+  windows each, SMA's defaults (α = 1/k, μ_z = 0.9), the same optimizer per learner;
+* ``diloco-adamw`` / ``diloco-sgd``: the same with ``sync=DiLoCo(sync_every=H)`` (Nesterov outer
+  step, lr 0.7, momentum 0.9).
 
-Every run: linear warm-up over the first 5 % of its steps to LR, then a cosine to LR/10 at the
-end of the budget (``LambdaLR``, per step or round); the validation loss of the model (z for
-SMA) on a fixed subset of the validation split (``TextDataset.subset``, 128 windows = 16,384
-tokens, evenly spread) at the start and every ``--eval-every`` training tokens (default 32,768:
-70 evaluations per epoch of 2.3 M tokens). Seconds are training wall seconds, evaluation
-excluded; under a shared CPU they are only indicative: ``--speed`` measures one recipe's
-single-thread tokens/s alone (run it at ``nice -n 0`` at a quiet moment; it records the load).
+Keys: ``k`` learners (1), ``b`` windows per learner (4), ``lr`` peak (1e-3), ``beta2`` (0.99),
+``mom`` (0), ``wd`` (0.1 for AdamW, 0 for SGD), ``H`` (8). Tokens count every learner's
+(k·b·128 a round). Every run: one intra-op thread per process; the learning rate warms up
+linearly over the first 5 % of ``--schedule-tokens`` and follows a cosine to a tenth of its peak
+at ``--schedule-tokens``, then stays there (``crossbow_graph.cli_lm.lr_factor``, the schedule of
+``crossbow-graph train --model gpt``); batches are drawn without replacement from a seeded
+permutation of the training windows (one pass, at most ``--cap-tokens``); the validation loss of
+the model (z) on ``--val-windows`` evenly spread windows of the validation split is measured at
+the start and every ``--eval-every`` tokens; the run stops at the first evaluation at or below
+``--target`` (crossbow_graph: ``fit(target_loss=)``) or at ``--cap-tokens``. Seconds are training seconds (evaluation excluded).
+crossbow_graph runs with ``--executor process`` on 2 CPU devices (k/2 learners each, one process
+per device) or ``inline`` on one device in this process (one thread); DiLoCo runs inline.
 
-    nice -n 19 python bench/lm_baselines.py --grid                    # AdamW, B ∈ {8,16,32,64} × 3 lrs
-    nice -n 19 python bench/lm_baselines.py --configs adamw:16:0.002 sma-sgd:8:0.1 --seeds 0 1 2
-    python bench/lm_baselines.py --speed adamw:16:0.002               # tokens/s, one thread
-    python bench/lm_baselines.py --report bench/runs/lm-*.json --targets 2.6 2.65 2.7 \
-        --out bench/results/lm-baselines-w4.json                       # the runs of several files
-    python bench/lm_baselines.py --smoke                              # seconds (tests)
+    nice -n 19 python bench/lm_baselines.py --configs adamw:b=4:lr=1e-3 sma-adamw:k=4:b=2:lr=1e-3 \\
+        --seeds 0 1 2 --target 2.4
+    nice -n 19 python bench/lm_baselines.py --grid --schedule-tokens 524288 --cap-tokens 524288 --target 0
+    python bench/lm_baselines.py --speed adamw:b=4 sma-adamw:k=4:b=2
+    python bench/lm_baselines.py --report bench/runs/lm-*.json --target 2.4 \\
+        --out bench/results/lm-w4.json --plot docs/images/lm_w4.png
+    python bench/lm_baselines.py --smoke
 
-Every run is a fresh ``--one JSON`` subprocess (``--jobs`` at a time); the runs are appended to
-``bench/runs/lm-baselines-<UTC time>.json`` (not committed) as they finish; the table gives, per
-run, the final and best validation loss and the tokens and seconds to each of ``--targets``.
+``--grid``: AdamW at B ∈ {8, 16, 32, 64} × lr ∈ {0.5, 1, 2} × ``centre_lr(B)``. ``--report``: the
+table of JSON files of runs (medians over seeds) and, with ``--plot``, the validation loss of each
+configuration against tokens and against training seconds (a line per seed).
+
+Every run is a fresh ``--one JSON`` subprocess (``--jobs`` at a time, interleaved: every
+configuration of a seed before the next seed); runs are appended to ``--out`` (default
+``bench/runs/lm-<UTC time>.json``, not committed) as they finish.
 """
 
 from __future__ import annotations
@@ -51,19 +60,37 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH))
 
 import crossbow_graph as cg  # noqa: E402
+from crossbow_graph.cli_lm import lr_factor  # noqa: E402
 
-__all__ = ["GRID_BATCHES", "centre_lr", "grid", "parse_config", "lr_factor", "run_plain", "run_sma",
-           "run", "tokens_to", "main"]
+__all__ = ["SYSTEMS", "parse", "lr_factor", "centre_lr", "grid", "val_loss", "run_plain",
+           "run_crossbow", "run", "reached", "speed", "summarise", "plot", "main"]
 
-RESULTS = os.path.join(BENCH, "runs")  # raw runs, not committed
-GRID_BATCHES = (8, 16, 32, 64)
-LR_FACTORS = (0.5, 1.0, 2.0)
-BUDGET_TOKENS = 2**19  # 524,288: 0.23 epochs, a few minutes on one thread
+RUNS = os.path.join(BENCH, "runs")  # raw runs, not committed
+SYSTEMS = ("adamw", "sgd", "sma-adamw", "sma-sgd", "diloco-adamw", "diloco-sgd")
+KEYS = dict(k=int, b=int, lr=float, beta2=float, mom=float, wd=float, H=int)
+SCHEDULE_TOKENS = 2**20
 EVAL_EVERY_TOKENS = 2**15
 VAL_WINDOWS = 128
-WARMUP_SHARE, FINAL_SHARE = 0.05, 0.1
-TARGETS = (2.2, 2.0, 1.9, 1.8, 1.7, 1.6)
+GRID_BATCHES, LR_FACTORS = (8, 16, 32, 64), (0.5, 1.0, 2.0)
 SMALL = dict(n_layer=1, n_head=2, n_embd=32)  # --smoke's model
+
+
+def parse(text: str) -> dict:
+    """``SYSTEM:key=value:...`` → the configuration with every key (defaults filled in);
+    ValueError naming the format, the systems or the keys on a bad one."""
+    system, *pairs = text.split(":")
+    if system not in SYSTEMS:
+        raise ValueError(f"{text!r}: SYSTEM is one of {', '.join(SYSTEMS)}")
+    config = dict(system=system, k=1, b=4, lr=1e-3, beta2=0.99, mom=0.0,
+                  wd=0.1 if system.endswith("adamw") else 0.0, H=8)
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in KEYS or not value:
+            raise ValueError(f"{text!r}: settings are key=value with key one of {', '.join(KEYS)}")
+        config[key] = KEYS[key](value)
+    if system in ("adamw", "sgd") and config["k"] != 1:
+        raise ValueError(f"{text!r}: plain PyTorch trains one model (k=1)")
+    return config
 
 
 def centre_lr(batch: int) -> float:
@@ -72,36 +99,16 @@ def centre_lr(batch: int) -> float:
 
 
 def grid(batches=GRID_BATCHES, factors=LR_FACTORS) -> list[str]:
-    """The AdamW sweep as configuration names ``adamw:B:LR``, LR rounded to 2 significant digits."""
-    return [f"adamw:{b}:{float(f'{centre_lr(b) * f:.2g}'):g}" for b in batches for f in factors]
+    """The AdamW sweep as configurations ``adamw:b=B:lr=LR``, LR rounded to 2 significant digits."""
+    return [f"adamw:b={b}:lr={float(f'{centre_lr(b) * f:.2g}'):g}" for b in batches for f in factors]
 
 
-def parse_config(text: str) -> dict:
-    """``SYSTEM:B:LR`` → ``dict(system, batch, lr)``; ValueError naming the format on a bad one."""
-    try:
-        system, batch, lr = text.split(":")
-        config = dict(system=system, batch=int(batch), lr=float(lr))
-    except ValueError:
-        raise ValueError(f"{text!r}: use SYSTEM:B:LR, e.g. adamw:16:0.002") from None
-    if system not in ("adamw", "sgd", "sma-adamw", "sma-sgd"):
-        raise ValueError(f"{text!r}: SYSTEM is one of adamw, sgd, sma-adamw, sma-sgd")
-    return config
-
-
-def lr_factor(step: int, steps: int) -> float:
-    """The share of the peak lr at ``step`` of ``steps``: linear warm-up over the first
-    ``WARMUP_SHARE`` of the steps, then a cosine from 1 to ``FINAL_SHARE`` at the last step."""
-    warmup = max(1, round(WARMUP_SHARE * steps))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - 1 - warmup)
-    return FINAL_SHARE + (1 - FINAL_SHARE) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def _optimizer(kind: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    if kind.endswith("sgd"):
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
+def _optimizer(config: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if config["system"].endswith("sgd"):
+        return torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=config["mom"],
+                               weight_decay=config["wd"])
+    return torch.optim.AdamW(model.parameters(), lr=config["lr"], betas=(0.9, config["beta2"]),
+                             weight_decay=config["wd"])
 
 
 def _data(block_size: int, val_windows: int):
@@ -110,7 +117,8 @@ def _data(block_size: int, val_windows: int):
 
 
 @torch.no_grad()
-def _val_loss(model: torch.nn.Module, val) -> float:
+def val_loss(model: torch.nn.Module, val) -> float:
+    """Mean next-byte cross-entropy (nats per byte) of ``model`` over the windows of ``val``."""
     model.eval()
     x, y = val.tensors
     total = sum(float(cg.models.lm_loss(model(x[i:i + 64]), y[i:i + 64])) * len(x[i:i + 64])
@@ -119,23 +127,21 @@ def _val_loss(model: torch.nn.Module, val) -> float:
     return total / len(x)
 
 
-def run_plain(system: str, batch: int, lr: float, seed: int, *, budget: int = BUDGET_TOKENS,
-              eval_every: int = EVAL_EVERY_TOKENS, val_windows: int = VAL_WINDOWS,
-              model_kw: dict | None = None) -> dict:
-    """One plain-PyTorch run (``adamw`` or ``sgd``): ``evals`` of (tokens, train_seconds,
-    val_loss), from the start to ``budget`` training tokens."""
-    torch.set_num_threads(1)
+def run_plain(config: dict, seed: int, opts: dict) -> dict:
+    """One plain-PyTorch run: ``evals`` of (tokens, train_seconds, val_loss) until the target or
+    the cap."""
     torch.manual_seed(seed)
-    model = cg.models.gpt(**(model_kw or {})).train()
-    train, val = _data(model.block_size, val_windows)
-    per_step = batch * model.block_size
-    steps = budget // per_step
+    model = cg.models.gpt(**opts.get("model_kw", {})).train()
+    train, val = _data(model.block_size, opts["val_windows"])
+    b = config["b"]
+    per_step = b * model.block_size
+    steps, schedule = opts["cap_tokens"] // per_step, opts["schedule_tokens"] // per_step
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
-    opt = _optimizer(system, model, lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
-    evals, seconds = [dict(tokens=0, train_seconds=0.0, val_loss=_val_loss(model, val))], 0.0
+    opt = _optimizer(config, model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, schedule))
+    evals, seconds = [dict(tokens=0, train_seconds=0.0, val_loss=val_loss(model, val))], 0.0
     for step in range(steps):
-        idx = order[step * batch:(step + 1) * batch]
+        idx = order[step * b:(step + 1) * b]
         start = time.perf_counter()
         loss = cg.models.lm_loss(model(train.tensors[0][idx]), train.tensors[1][idx])
         opt.zero_grad(set_to_none=True)
@@ -144,161 +150,280 @@ def run_plain(system: str, batch: int, lr: float, seed: int, *, budget: int = BU
         sched.step()
         seconds += time.perf_counter() - start
         tokens = (step + 1) * per_step
-        if tokens // eval_every > (tokens - per_step) // eval_every or step == steps - 1:
-            evals.append(dict(tokens=tokens, train_seconds=seconds, val_loss=_val_loss(model, val)))
-    return dict(evals=evals, steps=steps, tokens=steps * per_step, train_seconds=seconds)
+        if tokens % opts["eval_every"] < per_step or step == steps - 1:
+            evals.append(dict(tokens=tokens, train_seconds=seconds, val_loss=val_loss(model, val)))
+            if _done(evals[-1]["tokens"], evals[-1]["val_loss"], opts):
+                break
+    return dict(evals=evals, tokens=evals[-1]["tokens"], train_seconds=seconds)
 
 
-def run_sma(system: str, batch: int, lr: float, seed: int, *, replicas: int = 4,
-            budget: int = BUDGET_TOKENS, eval_every: int = EVAL_EVERY_TOKENS,
-            val_windows: int = VAL_WINDOWS, model_kw: dict | None = None) -> dict:
-    """One crossbow_graph run (``sma-adamw`` or ``sma-sgd``): k = ``replicas`` learners of b =
-    ``batch`` windows on one CPU device, for ``budget`` tokens of all learners together."""
-    torch.set_num_threads(1)
+def _behind(tokens: int, loss: float, opts: dict) -> bool:
+    """Whether ``loss`` is above an abandon threshold ``[tokens, loss]`` of ``opts["abandon"]``
+    that ``tokens`` has reached."""
+    return any(tokens >= t and loss > limit for t, limit in opts.get("abandon", []))
+
+
+def _done(tokens: int, loss: float, opts: dict) -> bool:
+    """Whether a run stops after an evaluation: at the target, at a loss that is not finite, or
+    behind (``_behind``)."""
+    return loss <= opts["target"] or not math.isfinite(loss) or _behind(tokens, loss, opts)
+
+
+class Abandon(cg.Hook):
+    """Stops the fit after an evaluation of z whose loss is not finite or behind (``_behind``);
+    the target itself stops it through ``fit(target_loss=)``."""
+
+    mutates_replicas = False
+
+    def __init__(self, opts: dict, per_round: int) -> None:
+        self.opts, self.per_round = opts, per_round
+
+    def after_eval(self, ctx: cg.FitContext, record) -> None:
+        loss = record.test_loss
+        if not math.isfinite(loss) or _behind(record.round * self.per_round, loss, self.opts):
+            ctx.stop = True
+
+
+def _compile(config: dict, model: torch.nn.Module, example: torch.Tensor, executor: str):
+    k = config["k"]
+    devices = 2 if executor == "process" and config["system"].startswith("sma") and k % 2 == 0 else 1
+    sync = (cg.DiLoCo(sync_every=config["H"]) if config["system"].startswith("diloco")
+            else cg.SMA())
+    return cg.compile(model, (example,), cg.models.lm_loss, batch_size=config["b"],
+                      replicas=k // devices, devices=devices,
+                      executor="process" if devices == 2 else "inline",
+                      learner_mode="per_replica", optimizer=_optimizer(config, model), sync=sync)
+
+
+def run_crossbow(config: dict, seed: int, opts: dict) -> dict:
+    """One crossbow_graph run (SMA or DiLoCo): k learners of b windows, ``evals`` of z until the
+    target or the cap (tokens of all learners)."""
     torch.manual_seed(seed)
-    model = cg.models.gpt(**(model_kw or {})).train()
-    train, val = _data(model.block_size, val_windows)
-    per_round = replicas * batch * model.block_size
-    rounds = budget // per_round
+    model = cg.models.gpt(**opts.get("model_kw", {})).train()
+    train, val = _data(model.block_size, opts["val_windows"])
+    per_round = config["k"] * config["b"] * model.block_size
+    rounds, schedule = opts["cap_tokens"] // per_round, opts["schedule_tokens"] // per_round
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
-    idx = order[:rounds * replicas * batch]
+    idx = order[:rounds * config["k"] * config["b"]]
     data = torch.utils.data.TensorDataset(train.tensors[0][idx], train.tensors[1][idx])
-    plan = cg.compile(model, (train.tensors[0][:2],), cg.models.lm_loss, batch_size=batch,
-                      replicas=replicas, devices=1, executor="inline", learner_mode="per_replica",
-                      optimizer=_optimizer(system, model, lr))
-    sched = torch.optim.lr_scheduler.LambdaLR(plan.optimizer, lambda s: lr_factor(s, rounds))
+    plan = _compile(config, model, train.tensors[0][:2], opts["executor"])
+    sched = torch.optim.lr_scheduler.LambdaLR(plan.optimizer, lambda s: lr_factor(s, schedule))
     start_loss = plan.evaluate(val, batch_size=64)[1]
     history = plan.fit(data, epochs=1, shuffle=False, seed=seed, eval_dataset=val,
-                       evals_per_epoch=max(1, rounds * per_round // eval_every), eval_batch_size=64,
-                       lr_scheduler=sched, lr_scheduler_interval="round", progress=False,
-                       metrics_every=None)
+                       evals_per_epoch=max(1, rounds * per_round // opts["eval_every"]),
+                       eval_batch_size=64, lr_scheduler=sched, lr_scheduler_interval="round",
+                       hooks=[Abandon(opts, per_round)], target_loss=opts["target"],
+                       progress=False, metrics_every=None, cpu_threads=1)
     evals = [dict(tokens=0, train_seconds=0.0, val_loss=start_loss)] + [
         dict(tokens=e.round * per_round, train_seconds=e.train_seconds, val_loss=e.test_loss)
         for e in history.evals]
-    return dict(evals=evals, steps=rounds, tokens=rounds * per_round,
-                train_seconds=history.epochs[-1].train_seconds, replicas=replicas)
+    return dict(evals=evals, tokens=evals[-1]["tokens"],
+                train_seconds=history.epochs[-1].train_seconds,
+                executor=plan.options.executor, devices=len(plan.options.devices)
+                if isinstance(plan.options.devices, (list, tuple)) else plan.options.devices)
 
 
-def run(config: str, seed: int, **kw) -> dict:
-    """``config`` (``SYSTEM:B:LR``) for one seed, in this process: the record of the run."""
-    c = parse_config(config)
-    runner = run_sma if c["system"].startswith("sma-") else run_plain
-    out = runner(c["system"], c["batch"], c["lr"], seed, **kw)
-    out.update(config=config, seed=seed, load_avg=os.getloadavg(), nice=os.nice(0),
-               tokens_per_s=out["tokens"] / out["train_seconds"])
+def run(text: str, seed: int, opts: dict) -> dict:
+    """``text`` (a configuration) for one seed, in this process: the record of the run, with the
+    load average before and after."""
+    torch.set_num_threads(1)
+    config = parse(text)
+    load_before = os.getloadavg()
+    runner = run_plain if config["system"] in ("adamw", "sgd") else run_crossbow
+    out = runner(config, seed, opts)
+    tok, sec = reached(out["evals"], opts["target"])
+    last = out["evals"][-1]
+    out.update(config=text, seed=seed, target=opts["target"], tokens_to_target=tok,
+               abandoned=tok is None and _behind(last["tokens"], last["val_loss"], opts),
+               seconds_to_target=sec, final_loss=out["evals"][-1]["val_loss"],
+               tokens_per_s=out["tokens"] / max(out["train_seconds"], 1e-9),
+               load_before=load_before, load_after=os.getloadavg(), nice=os.nice(0))
     return out
 
 
-def tokens_to(evals: list[dict], target: float) -> tuple[int | None, float | None]:
+def reached(evals: list[dict], target: float) -> tuple[int | None, float | None]:
     """(tokens, training seconds) at the first evaluation at or below ``target``, or (None, None)."""
     hit = next((e for e in evals if e["val_loss"] <= target), None)
     return (hit["tokens"], hit["train_seconds"]) if hit else (None, None)
 
 
-def speed(config: str, *, steps: int = 8, repeats: int = 5) -> dict:
-    """Single-thread training tokens/s of a plain configuration (no evaluation): the median of
-    ``repeats`` timings of ``steps`` steps after 3 warm-up steps, with the load average."""
-    c = parse_config(config)
+def speed(text: str, executor: str, tokens: int = 2**15) -> dict:
+    """Training tokens/s of a configuration without evaluation: ``tokens`` tokens after a warm-up
+    of a tenth of them, in this process (and its workers), with the load average."""
+    opts = dict(cap_tokens=tokens, schedule_tokens=SCHEDULE_TOKENS, eval_every=10**12,
+                val_windows=2, target=-1.0, executor=executor)
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = cg.models.gpt().train()
-    opt = _optimizer(c["system"], model, c["lr"])
-    x = torch.randint(0, 256, (c["batch"], model.block_size))
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        cg.models.lm_loss(model(x), x).backward()
-        opt.step()
-
-    for _ in range(3):
-        step()
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        rates.append(steps * x.numel() / (time.perf_counter() - start))
-    return dict(config=config, tokens_per_s=statistics.median(rates), all=rates,
+    config = parse(text)
+    runner = run_plain if config["system"] in ("adamw", "sgd") else run_crossbow
+    runner(config, 0, dict(opts, cap_tokens=tokens // 10))
+    out = runner(config, 1, opts)
+    return dict(config=text, executor=executor, tokens_per_s=out["tokens"] / out["train_seconds"],
                 load_avg=os.getloadavg(), nice=os.nice(0))
 
 
-def _subprocess(config: str, seed: int, extra: dict) -> dict:
-    job = json.dumps(dict(config=config, seed=seed, **extra))
+def _subprocess(text: str, seed: int, opts: dict) -> dict:
+    job = json.dumps(dict(config=text, seed=seed, opts=opts))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, __file__, "--one", job], capture_output=True, text=True,
                           env=env)
     if proc.returncode:
-        return dict(config=config, seed=seed, error=proc.stderr[-2000:])
+        return dict(config=text, seed=seed, error=proc.stderr[-2000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _table(runs: list[dict], targets) -> str:
-    head = f"{'config':<22}{'seed':>5}{'final':>8}{'best':>8}{'tok/s':>8}" + "".join(
-        f"{'tok@' + format(t, 'g'):>10}{'s':>6}" for t in targets)
-    rows = [head]
+def summarise(runs: list[dict], target: float) -> dict:
+    """Per configuration, over its seeds: runs, seeds that reached ``target``, and the medians of
+    tokens and seconds to it (when every seed reached it; else None), of the final loss and of
+    tokens/s, with each seed's values."""
+    out: dict[str, dict] = {}
     for r in runs:
         if "error" in r:
-            rows.append(f"{r['config']:<22}{r['seed']:>5}  error: {r['error'].splitlines()[-1][:80]}")
             continue
-        losses = [e["val_loss"] for e in r["evals"]]
-        cells = ""
-        for t in targets:
-            tok, sec = tokens_to(r["evals"], t)
-            cells += f"{tok or '-':>10}{format(sec, '.0f') if sec else '-':>6}"
-        rows.append(f"{r['config']:<22}{r['seed']:>5}{losses[-1]:>8.3f}{min(losses):>8.3f}"
-                    f"{r['tokens_per_s']:>8.0f}{cells}")
+        tok, sec = reached(r["evals"], target)
+        row = out.setdefault(r["config"], dict(seeds=[], tokens=[], seconds=[], final=[], tps=[]))
+        row["seeds"].append(r["seed"])
+        row["tokens"].append(tok)
+        row["seconds"].append(sec)
+        row["final"].append(r["evals"][-1]["val_loss"])
+        row["tps"].append(r["tokens_per_s"])
+    for row in out.values():
+        hit = [t for t in row["tokens"] if t is not None]
+        row["reached"] = len(hit)
+        full = len(hit) == len(row["tokens"])
+        row["median_tokens"] = statistics.median(row["tokens"]) if full else None
+        row["median_seconds"] = statistics.median(row["seconds"]) if full else None
+        row["median_final"] = statistics.median(row["final"])
+        row["median_tokens_per_s"] = statistics.median(row["tps"])
+    return out
+
+
+def _table(summary: dict, target: float) -> str:
+    rows = [f"{'config':<44}{'seeds':>6}{'hit':>4}{'tokens':>10}{'s':>7}{'final':>7}{'tok/s':>7}"
+            f"   tokens to {target:g} per seed"]
+    for name, r in summary.items():
+        tok = f"{r['median_tokens']:.0f}" if r["median_tokens"] is not None else "-"
+        sec = f"{r['median_seconds']:.0f}" if r["median_seconds"] is not None else "-"
+        per_seed = ", ".join(str(t or "-") for t in r["tokens"])
+        rows.append(f"{name:<44}{len(r['seeds']):>6}{r['reached']:>4}{tok:>10}{sec:>7}"
+                    f"{r['median_final']:>7.3f}{r['median_tokens_per_s']:>7.0f}   {per_seed}")
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _write(path: str, opts: dict, runs: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump(dict(opts=opts, runs=runs), f, indent=1)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="*", default=[], help="SYSTEM:key=value:..., e.g. adamw:b=4:lr=1e-3")
     p.add_argument("--grid", action="store_true", help="the AdamW sweep: B × 3 lrs around centre_lr(B)")
-    p.add_argument("--configs", nargs="*", default=[], help="SYSTEM:B:LR, e.g. adamw:16:0.002 sma-sgd:8:0.1")
+    p.add_argument("--plot", default=None, help="with --report: a PNG of loss against tokens and seconds")
     p.add_argument("--seeds", nargs="*", type=int, default=[0])
-    p.add_argument("--budget", type=int, default=BUDGET_TOKENS, help="training tokens per run")
+    p.add_argument("--target", type=float, default=2.4, help="validation loss to stop at (nats per byte)")
+    p.add_argument("--schedule-tokens", type=int, default=SCHEDULE_TOKENS, help="the cosine's length")
+    p.add_argument("--cap-tokens", type=int, default=2 * SCHEDULE_TOKENS, help="tokens at most")
     p.add_argument("--eval-every", type=int, default=EVAL_EVERY_TOKENS, help="tokens between evaluations")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time, each one process of one thread")
-    p.add_argument("--targets", nargs="*", type=float, default=list(TARGETS))
-    p.add_argument("--speed", nargs="*", default=[], help="single-thread tokens/s of these configs")
-    p.add_argument("--smoke", action="store_true", help="a one-layer model for 4,096 tokens: adamw and sma-sgd")
-    p.add_argument("--report", nargs="*", default=[], help="JSON files of earlier runs: their table (and --out, merged)")
-    p.add_argument("--out", default=None, help="JSON file (default bench/runs/lm-baselines-<time>.json)")
+    p.add_argument("--val-windows", type=int, default=VAL_WINDOWS, help="validation windows evaluated")
+    p.add_argument("--abandon", nargs="*", default=[], metavar="LOSS@TOKENS",
+                   help="stop a run whose validation loss is above LOSS at or after TOKENS")
+    p.add_argument("--executor", choices=("inline", "process"), default="inline",
+                   help="crossbow_graph's SMA: one device inline, or 2 devices of processes")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    p.add_argument("--speed", nargs="*", default=[], help="tokens/s of these configurations, no evaluation")
+    p.add_argument("--report", nargs="*", default=[], help="JSON files of earlier runs: their table (and --out)")
+    p.add_argument("--smoke", action="store_true", help="a one-layer model, 4,096 tokens, four systems")
+    p.add_argument("--out", default=None, help="JSON file (default bench/runs/lm-<time>.json)")
     p.add_argument("--one", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def plot(runs: list[dict], target: float, path: str) -> None:
+    """Validation loss against training tokens and against training seconds, a line per run
+    (one colour per configuration), the target dashed, as a PNG at ``path``."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plots need matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    colours: dict[str, str] = {}
+    for r in (r for r in runs if "error" not in r):
+        colour = colours.setdefault(r["config"], f"C{len(colours) % 10}")
+        for ax, key in zip(axes, ("tokens", "train_seconds")):
+            ax.plot([e[key] for e in r["evals"]], [e["val_loss"] for e in r["evals"]], color=colour,
+                    lw=1, alpha=0.8, label=r["config"] if key == "tokens" and r["seed"] == min(
+                        x["seed"] for x in runs if x.get("config") == r["config"]) else None)
+    for ax, label in zip(axes, ("training tokens", "training seconds (one thread, shared CPU)")):
+        ax.axhline(target, color="k", ls="--", lw=0.8)
+        ax.set_xlabel(label)
+        ax.set_ylim(max(target - 0.4, 1.0), 3.6)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss (nats per byte)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def _report(args: argparse.Namespace) -> int:
+    runs = [r for path in args.report for r in json.load(open(path))["runs"]]
+    summary = summarise(runs, args.target)
+    print(_table(summary, args.target))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(sources=[os.path.basename(x) for x in args.report], target=args.target,
+                           summary=summary), f, indent=1)
+    if args.plot:
+        plot(runs, args.target, args.plot)
+    return 0
+
+
+def _line(result: dict) -> str:
+    if "error" in result:
+        return f"{result['config']} seed {result['seed']}: error {result['error'].splitlines()[-1][:200]}"
+    return (f"{result['config']} seed {result['seed']}: tokens {result['tokens_to_target']} "
+            f"s {result['seconds_to_target']} final {result['final_loss']:.3f} "
+            f"tok/s {result['tokens_per_s']:.0f} load {result['load_after'][0]:.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.one:
         job = json.loads(args.one)
-        print(json.dumps(run(job.pop("config"), job.pop("seed"), **job)))
+        print(json.dumps(run(job["config"], job["seed"], job["opts"])))
         return 0
     if args.speed:
-        for config in args.speed:
-            print(json.dumps(speed(config)))
+        for text in args.speed:
+            print(json.dumps(speed(text, args.executor)), flush=True)
         return 0
     if args.report:
-        runs = [r for path in args.report for r in json.load(open(path))["runs"]]
-        print(_table(runs, args.targets))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(sources=[os.path.basename(x) for x in args.report], runs=runs), f, indent=1)
-        return 0
+        return _report(args)
+    opts = dict(target=args.target, schedule_tokens=args.schedule_tokens, cap_tokens=args.cap_tokens,
+                eval_every=args.eval_every, val_windows=args.val_windows, executor=args.executor,
+                abandon=[[int(t), float(x)] for x, t in (a.split("@") for a in args.abandon)])
     configs = (grid() if args.grid else []) + args.configs
-    extra = dict(budget=args.budget, eval_every=args.eval_every)
     if args.smoke:
-        configs, extra = ["adamw:8:0.003", "sma-sgd:2:0.1"], dict(budget=4096, eval_every=2048,
-                                                                  val_windows=8, model_kw=SMALL)
+        configs = ["adamw:b=8:lr=3e-3", "sgd:b=2:lr=0.3", "sma-adamw:k=2:b=2:lr=3e-3",
+                   "diloco-adamw:k=2:b=2:lr=3e-3:H=2"]
+        opts.update(schedule_tokens=4096, cap_tokens=4096, eval_every=2048, val_windows=8,
+                    model_kw=SMALL)
     if not configs:
-        p.error("nothing to run: give --grid, --configs, --speed or --smoke")
+        _parser().error("nothing to run: give --configs, --grid, --speed, --report or --smoke")
+    for text in configs:
+        parse(text)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or os.path.join(RESULTS, f"lm-baselines-{stamp}.json")
+    out = args.out or os.path.join(RUNS, f"lm-{stamp}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     jobs = [(c, s) for s in args.seeds for c in configs]  # interleaved: every config per seed
     runs: list[dict] = []
     with cf.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for result in pool.map(lambda job: _subprocess(*job, extra), jobs):
+        for result in pool.map(lambda job: _subprocess(*job, opts), jobs):
             runs.append(result)
-            with open(out, "w") as f:
-                json.dump(dict(when=stamp, budget=extra["budget"], runs=runs), f, indent=1)
-            print(_table([result], args.targets).splitlines()[-1], flush=True)
-    print(_table(runs, args.targets))
+            _write(out, opts, runs)
+            print(_line(result), flush=True)
+    print(_table(summarise(runs, args.target), args.target))
     print(f"wrote {out}")
     return 0 if all("error" not in r for r in runs) else 1
 
