@@ -175,6 +175,7 @@ def test_dropout_masks_differ_across_replicas_and_repeat_across_fits(data, mode)
     rows = _one_round_with_dropout(data, 0.0, mode).replica_weights()
     assert all(torch.equal(rows[0], rows[j]) for j in range(1, 4))
     plan = _one_round_with_dropout(data, 0.2, mode)
+    assert plan.learner_mode == mode  # the vmapped program ran, not a fallback
     rows = plan.replica_weights()
     assert all(float((rows[i] - rows[j]).abs().max()) > 1e-4 for i in range(4) for j in range(i))
     again = _one_round_with_dropout(data, 0.2, mode)
