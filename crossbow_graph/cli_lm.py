@@ -27,7 +27,7 @@ from .training.history import EvalRecord
 
 __all__ = ["LM_MODELS", "LM_DATASETS", "LM_DEFAULTS", "LM_TARGET_LOSS", "LM_SCHEDULE_TOKENS",
            "LM_BETAS", "SAMPLE_TEMPERATURE", "is_language_model", "apply_lm_defaults",
-           "lm_datasets", "lm_lr_schedule", "lr_factor", "EvalPrinter", "print_lm_results"]
+           "lm_datasets", "lm_fit_options", "lm_lr_schedule", "lr_factor", "EvalPrinter", "print_lm_results"]
 
 LM_MODELS = {"gpt": models.gpt}
 LM_DATASETS = ("fortunes",)
@@ -93,6 +93,14 @@ def lm_datasets(args: argparse.Namespace, block_size: int):
             raise ValueError(f"--test-samples {args.test_samples}: must be ≥ 1")
         val = val.subset(args.test_samples)
     return train, val
+
+
+def lm_fit_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``Plan.fit`` keywords of the language model (next-byte accuracy, a line per evaluation);
+    {} for the image models."""
+    if not is_language_model(args):
+        return {}
+    return dict(metric_fn=models.token_accuracy, hooks=[EvalPrinter()])
 
 
 def lr_factor(step: int, steps: int) -> float:

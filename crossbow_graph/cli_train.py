@@ -15,8 +15,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import crossbow_graph as cg
 
 from . import datasets, models
-from .cli_lm import (LM_BETAS, LM_MODELS, EvalPrinter, apply_lm_defaults, is_language_model,
-                     lm_datasets, lm_lr_schedule, print_lm_results)
+from .cli_lm import (LM_BETAS, LM_MODELS, apply_lm_defaults, is_language_model, lm_datasets,
+                     lm_fit_options, lm_lr_schedule, print_lm_results)
 from .cli_layout import learner_layout
 from .cli_machine import apply_machine_defaults
 from .cli_options import flag_default
@@ -115,6 +115,8 @@ def _lr_schedule(args: argparse.Namespace, plan: cg.Plan, n_train: int):
     it spans the run whatever the auto-tuner does to k; None for multistep (a policy) and
     constant."""
     epochs, warm = args.epochs, args.warmup_epochs
+    if is_language_model(args) and args.lr_schedule == "cosine":  # over tokens: cli_lm.py
+        return lm_lr_schedule(args, plan, n_train, args.block_size)
     if args.lr_schedule in ("multistep", "constant"):
         return None
     if args.lr_schedule == "cosine" and not 0 <= warm < epochs:
@@ -153,7 +155,6 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
         ValueError: a bad flag value (before any training).
     """
     apply_lm_defaults(args)  # --model gpt / --dataset fortunes: cli_lm.py's defaults first
-    lm = is_language_model(args)
     args.machine_defaults = apply_machine_defaults(args)
     _check_ft_flags(args)
     policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
@@ -168,15 +169,13 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
             not any(type(p).__name__.endswith("LR") for p in policies):
         policies.append(MultiStepLR(milestones=args.lr_milestones, gamma=0.1))
     torch.manual_seed(args.seed)
-    model = LM_MODELS[args.model]() if lm else cg.models.get_model(args.model)
-    args.block_size = getattr(model, "block_size", None)
+    model, loss_fn = _model_and_loss(args)
     train_set, test_set = load_dataset(args)
     if args.data_shard is not None:
         train_set = _shard(train_set, args.data_shard)
     devices, replicas = learner_layout(args.devices, args.replicas, policies)
     plan = cg.compile(
-        model, (train_set[0][0].unsqueeze(0),),
-        models.lm_loss if lm else torch.nn.functional.cross_entropy,
+        model, (train_set[0][0].unsqueeze(0),), loss_fn,
         batch_size=args.batch_size, devices=devices,
         replicas=replicas,
         learner_mode=args.learner_mode,
@@ -193,16 +192,24 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
                evals_per_epoch=args.evals_per_epoch, progress=not args.quiet,
                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                resume=args.resume, log_dir=args.log_dir, policies=policies, metrics_every=metrics,
-               lr_scheduler=(lm_lr_schedule(args, plan, len(train_set), args.block_size)
-                             if lm and args.lr_schedule == "cosine"
-                             else _lr_schedule(args, plan, len(train_set))),
+               lr_scheduler=_lr_schedule(args, plan, len(train_set)),
                lr_scheduler_interval="round",
                bn_recalibration_batches=args.bn_recalibration_batches,
                max_grad_norm=args.max_grad_norm, cpu_threads=args.cpu_threads,
                target_loss=args.target_loss)
-    if lm:  # next-byte accuracy, a line per evaluation
-        fit.update(metric_fn=models.token_accuracy, hooks=[EvalPrinter()])
+    fit.update(lm_fit_options(args))  # the language model's metric and evaluation lines
     return plan, fit
+
+
+def _model_and_loss(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
+    """``--model``'s new model and its loss: ``models.lm_loss`` for the language model (its
+    context in ``args.block_size``), cross-entropy for the zoo's image models."""
+    if is_language_model(args):
+        model = LM_MODELS[args.model]()
+        args.block_size = model.block_size
+        return model, models.lm_loss
+    args.block_size = None
+    return cg.models.get_model(args.model), torch.nn.functional.cross_entropy
 
 
 def _check_ft_flags(args: argparse.Namespace) -> None:

@@ -19,6 +19,8 @@ import crossbow_graph as cg
 from crossbow_graph import datasets
 from crossbow_graph.models.gpt import gpt, lm_loss, token_accuracy
 
+from _plans import make_plan
+
 pytestmark = pytest.mark.skipif(
     not all(os.path.isfile(os.path.join(datasets.FORTUNES_DIR, f)) for f in datasets.FORTUNES_FILES),
     reason="Debian packages fortunes and fortunes-min not installed (bash scripts/setup.sh)")
@@ -33,12 +35,16 @@ def data() -> tuple[datasets.TextDataset, datasets.TextDataset]:
             datasets.fortunes("val", block_size=T).subset(16))
 
 
+def _plan(train: datasets.TextDataset, **options) -> cg.Plan:
+    """The one-layer GPT (seed 0) under AdamW(lr 3e-3), b = B, on one CPU device."""
+    return make_plan(lambda: gpt(n_layer=1, n_head=2, n_embd=32, block_size=T),
+                     example=train.tensors[0][:2], loss_fn=lm_loss, batch_size=B, devices=1,
+                     optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3), **options)
+
+
 def _fit(data, **fit) -> cg.History:
-    torch.manual_seed(0)
-    model = gpt(n_layer=1, n_head=2, n_embd=32, block_size=T)
     train, val = data
-    plan = cg.compile(model, (train.tensors[0][:2],), lm_loss, batch_size=B, replicas=K, devices=1,
-                      executor="inline", optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))
+    plan = _plan(train, replicas=K, executor="inline")
     return plan.fit(train, 1, eval_dataset=val, evals_per_epoch=8, eval_batch_size=16,
                     progress=False, metrics_every=None, cpu_threads=1, metric_fn=token_accuracy,
                     **fit)
@@ -100,9 +106,7 @@ def test_a_bad_target_loss_is_refused(target, error, match):
 
 
 def test_target_loss_without_an_eval_dataset_is_refused(data):
-    torch.manual_seed(0)
-    model = gpt(n_layer=1, n_head=2, n_embd=32, block_size=T)
     train, _ = data
-    plan = cg.compile(model, (train.tensors[0][:2],), lm_loss, batch_size=B, devices=1)
+    plan = _plan(train)
     with pytest.raises(ValueError, match="target_loss needs an eval_dataset"):
         plan.fit(train, target_loss=2.4, progress=False)

@@ -47,10 +47,12 @@ class FitEvaluation:
             self.next += 1
         return True
 
-    def measure(self, epoch: float, train_seconds: float, samples: int = 0) -> EvalRecord:
+    def measure(self, epoch: float, train_seconds: float, position: int = 0) -> EvalRecord:
         """z's accuracy and loss, recorded in the History at ``epoch`` (fractional) after
-        ``train_seconds`` of training and ``samples`` training samples."""
+        ``train_seconds`` of training, at sample ``position`` of the epoch (the History's
+        earlier epochs' samples added)."""
         plan = self.plan
+        samples = sum(e.samples for e in self.history.epochs) + position
         acc, test_loss = self._evaluate()
         self.history.evals.append(EvalRecord(epoch=epoch, round=plan.rounds_done,
                                              train_seconds=train_seconds, test_accuracy=acc,

@@ -223,6 +223,10 @@ class History:
             return None
         return min(1.0, self.sync_exposed_seconds / self.sync_seconds)
 
+    def per_token(self, samples_per_s: float) -> float | None:
+        """``samples_per_s`` × ``tokens_per_sample`` (tokens/s), None without tokens."""
+        return samples_per_s * self.tokens_per_sample if self.tokens_per_sample else None
+
     @property
     def tokens_to_loss(self) -> int | None:
         """Training tokens when z first reached ``target_loss`` (``samples_to_loss`` ×

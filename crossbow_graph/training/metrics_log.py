@@ -114,8 +114,7 @@ class MetricsLogger(Hook):
         samples = (step - last_round) * plan.num_learners * plan.batch_size
         rate = samples / max(ctx.train_seconds - last_seconds, 1e-9)
         loss = float(ctx.round_loss)
-        tokens = ctx.history.tokens_per_sample
-        token_rate = rate * tokens if tokens else None
+        token_rate = ctx.history.per_token(rate)
         self._files["rounds"].write({"round": step, "epoch": ctx.epoch + 1,
                                      "round_in_epoch": ctx.round_in_epoch, "loss": loss,
                                      "samples_per_s": rate, "train_seconds": ctx.train_seconds,

@@ -226,11 +226,10 @@ class Trainer:
         sync_s = sched.sync_seconds - self.epoch_sync0[0]
         exposed_s = sched.sync_exposed_seconds - self.epoch_sync0[1]
         rate = self.samples_run / max(self.epoch_seconds, 1e-9)
-        tokens = self.history.tokens_per_sample
         self.history.epochs.append(EpochRecord(
             epoch=plan.epochs_done, rounds=self.rounds_run,
             train_loss=mean_loss(self.comm, losses, plan.rounds_done - 1), test_accuracy=self.acc,
-            samples_per_s=rate, tokens_per_s=rate * tokens if tokens else None,
+            samples_per_s=rate, tokens_per_s=self.history.per_token(rate),
             train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
             learner_mode=plan.learner_mode,
             sync_unhidden_share=min(1.0, exposed_s / sync_s) if sync_s > 0 else None,
@@ -331,8 +330,7 @@ class Trainer:
         n = self.schedule.num_samples
         self.epoch_seconds += time.perf_counter() - self.start  # evaluation is not training time
         trained = self.plan.train_seconds + self.epoch_seconds
-        samples = sum(e.samples for e in self.history.epochs) + self.position
-        record = self.evals.measure(self.epoch + self.position / n, trained, samples)
+        record = self.evals.measure(self.epoch + self.position / n, trained, self.position)
         self.acc = acc = record.test_accuracy
         self.bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
                              samples_per_s=f"{self.samples_run / self.epoch_seconds:,.0f}")
