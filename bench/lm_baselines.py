@@ -273,8 +273,8 @@ def _subprocess(text: str, seed: int, opts: dict) -> dict:
 
 def summarise(runs: list[dict], target: float) -> dict:
     """Per configuration, over its seeds: runs, seeds that reached ``target``, and the medians of
-    tokens and seconds to it (when every seed reached it; else None), of the final loss and of
-    tokens/s, with each seed's values."""
+    tokens and seconds to it (a seed that missed it counts as +∞; None when the median is), of
+    the final loss and of tokens/s, with each seed's values."""
     out: dict[str, dict] = {}
     for r in runs:
         if "error" in r:
@@ -289,12 +289,17 @@ def summarise(runs: list[dict], target: float) -> dict:
     for row in out.values():
         hit = [t for t in row["tokens"] if t is not None]
         row["reached"] = len(hit)
-        full = len(hit) == len(row["tokens"])
-        row["median_tokens"] = statistics.median(row["tokens"]) if full else None
-        row["median_seconds"] = statistics.median(row["seconds"]) if full else None
+        row["median_tokens"] = _median_missing_inf(row["tokens"])
+        row["median_seconds"] = _median_missing_inf(row["seconds"])
         row["median_final"] = statistics.median(row["final"])
         row["median_tokens_per_s"] = statistics.median(row["tps"])
     return out
+
+
+def _median_missing_inf(values: list) -> float | None:
+    """The median of ``values`` with None as +∞ (docs/benchmarking.md, Protocol); None if +∞."""
+    median = statistics.median([math.inf if v is None else v for v in values])
+    return None if math.isinf(median) else median
 
 
 def _table(summary: dict, target: float) -> str:
