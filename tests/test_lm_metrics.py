@@ -110,3 +110,18 @@ def test_target_loss_without_an_eval_dataset_is_refused(data):
     plan = _plan(train)
     with pytest.raises(ValueError, match="target_loss needs an eval_dataset"):
         plan.fit(train, target_loss=2.4, progress=False)
+
+
+def test_a_resumed_fit_that_had_reached_target_loss_trains_no_more(data, tmp_path):
+    """The checkpoint keeps the time, epochs and samples to the target loss; resuming the run it
+    stopped finishes it without another round."""
+    losses = [e.test_loss for e in _fit(data).evals]
+    ckpt = str(tmp_path / "ckpt")
+    first = _fit(data, target_loss=losses[3], checkpoint_dir=ckpt, checkpoint_every=2)
+    train, val = data
+    plan = _plan(train, replicas=K, executor="inline")
+    again = plan.fit(train, 1, eval_dataset=val, evals_per_epoch=8, eval_batch_size=16,
+                     progress=False, metrics_every=None, cpu_threads=1, metric_fn=token_accuracy,
+                     target_loss=losses[3], checkpoint_dir=ckpt, resume=True)
+    assert plan.rounds_done == 16 and len(again.evals) == 4  # the 16 rounds before the stop
+    assert (again.time_to_loss_s, again.samples_to_loss) == (first.time_to_loss_s, first.samples_to_loss)
