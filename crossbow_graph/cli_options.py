@@ -12,8 +12,8 @@ import sys
 from typing import Any, get_args
 
 from .compile_options import CompileOptions
-from .engine.comm import Distributed
 from .engine.sync import SMA
+from .engine.transport.comm import Distributed
 from .training.options import FitOptions
 
 __all__ = ["OPTION_FLAGS", "CLI_DEFAULTS", "BUILDING_FLAGS", "flag_default", "flag_choices",

@@ -19,8 +19,8 @@ from .cli_layout import learner_layout
 from .cli_machine import apply_machine_defaults
 from .cli_options import flag_default
 from .datasets import ImageDataset
-from .engine.comm import z_digest
-from .engine.threads import describe_threads
+from .engine.learning.threads import describe_threads
+from .engine.transport.comm import z_digest
 from .errors import CheckpointError, DistributedError, DivergenceError, TrainingInterrupted
 from .tuning.metrics import MetricsMonitor
 from .tuning.policies import AdaptiveBatchSize, MultiStepLR, parse_policy
@@ -272,7 +272,7 @@ def run_train(args: argparse.Namespace) -> int:
                   "with several replicas per GPU; flags given override them)", flush=True)
         print(plan.summary(), flush=True)
         if comm is not None:
-            k = "this replica group's k" if plan.scheduler.ft is not None else "k"
+            k = "this replica group's k" if comm.settings.fault_tolerant else "k"
             print(f"torchrun: {comm.world_size} processes ({comm.backend}) × "
                   f"{plan.num_learners // comm.world_size} learners = {k} {plan.num_learners}; "
                   f"{comm.settings.sync_bytes(plan.num_parameters, plan.states[0].buf.shape[1]):,} "

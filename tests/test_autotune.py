@@ -10,10 +10,10 @@ import torch
 
 import crossbow_graph as cg
 from crossbow_graph.compiler.tasks import TaskKind
+from crossbow_graph.training.hooks import Hook
 from crossbow_graph.tuning.autotune import AutoTuner
 from crossbow_graph.tuning.autotune_rule import (Measurement, Setting, TuningRule, exceeds,
                                                  sub_window_rates, verdict)
-from crossbow_graph.training.hooks import Hook
 
 from _plans import make_plan, tiny_data
 

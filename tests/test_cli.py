@@ -174,14 +174,14 @@ def test_sync_diloco_flags_build_a_diloco_plan(capsys):
              "--devices", "2"]
     plan, fit = prepare_train(build_parser().parse_args(small + ["--sync", "diloco", "--sync-every", "4"]))
     assert isinstance(plan.sync, cg.DiLoCo) and plan.sync.sync_every == 4
-    assert plan.scheduler.resolved_executor() == "inline"
-    group = plan.scheduler.sync_state.optimizer.param_groups[0]
+    assert plan.rounds.resolved_executor() == "inline"
+    group = plan.rounds.sync_state.optimizer.param_groups[0]
     assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.9, True)  # DiLoCo's
     plan.fit(**fit)
-    assert plan.rounds_done == 8 and plan.scheduler.sync_state.optimizer.state  # 2 outer steps
+    assert plan.rounds_done == 8 and plan.rounds.sync_state.optimizer.state  # 2 outer steps
     plan, _ = prepare_train(build_parser().parse_args(
         small + ["--sync", "diloco", "--outer-lr", "1", "--outer-momentum", "0"]))  # local SGD
-    group = plan.scheduler.sync_state.optimizer.param_groups[0]
+    group = plan.rounds.sync_state.optimizer.param_groups[0]
     assert plan.sync.sync_every == DILOCO_H and (group["lr"], group["momentum"], group["nesterov"]) == (1, 0, False)
     plan, _ = prepare_train(build_parser().parse_args(small + ["--sync-every", "3"]))
     assert plan.sync == cg.SMA(sync_every=3)

@@ -20,7 +20,7 @@ from .trace import trace_model
 from .verify import verify_task_graph
 
 __all__ = ["SCHEMA", "PlanView", "summary", "to_json", "from_json", "to_dot", "draw",
-           "inspect_model", "optimizer_text", "plan_settings", "plan_summary"]
+           "inspect_model", "optimizer_text"]
 
 #: The ``schema`` field of every JSON document ``to_json`` writes.
 SCHEMA = "crossbow_graph.plan/2"
@@ -107,28 +107,6 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
     lines.append(f"{'total':<10}{k:>9}{'':>7}{'':>12}{total_flops / 1e9:>13.4f}"
                  f"{k * mem / _MIB:>12.2f}")
     return "\n".join(lines)
-
-
-def plan_settings(plan: Any) -> dict[str, Any]:
-    """A compiled plan's settings as plain data for ``summary`` and ``to_json``: the optimizer,
-    the sync algorithm (its description and ``summary_rule``), α for its k learners."""
-    sync, state, k = plan.sync, plan.scheduler.sync_state, plan.num_learners
-    return {"optimizer": plan.settings.optimizer.describe(), "sync": sync.describe(state),
-            "sync_rule": sync.summary_rule(k, state), "alpha": sync.alpha_for(k)}
-
-
-def plan_summary(plan: Any) -> str:
-    """``summary`` of a compiled plan; under torchrun a last line with the bytes each process
-    hands to the global sync's all-reduce (``Distributed.sync_bytes``)."""
-    text = summary(plan.task_graph, plan_settings(plan))
-    if plan.comm is not None:
-        d = plan.comm.settings
-        text += (f"\nglobal sync over {plan.comm.world_size} processes: "
-                 f"{d.sync_bytes(plan.num_parameters, plan.states[0].buf.shape[1]):,} bytes "
-                 f"per process per sync ({d.sync_dtype} corrections)")
-    if plan.scheduler.ft is not None:  # Distributed(fault_tolerant=True): the live membership
-        text += "\n" + plan.scheduler.ft.describe()
-    return text
 
 
 def _task_to_dict(t: Task) -> dict[str, Any]:

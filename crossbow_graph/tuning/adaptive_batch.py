@@ -180,9 +180,9 @@ class AdaptiveBatchSize(Policy):
             self.min_batch_size, self.reference_batch = self._given["min"], self._given["reference"]
         self._plan = weakref.ref(plan)
         if self.min_batch_size is None:
-            self.min_batch_size = min(MIN_BATCH_SIZE, plan.batch_size, self.max_batch_size)
+            self.min_batch_size = min(MIN_BATCH_SIZE, plan.settings.batch_size, self.max_batch_size)
         if self.reference_batch is None:  # η is taken as right for the batch the fit starts with
-            self.reference_batch = plan.num_learners * plan.batch_size
+            self.reference_batch = plan.num_learners * plan.settings.batch_size
         if not self._resumed:
             # a new fit restarts the settle count, the gain's wait and the speed windows (the
             # workers restart); a growth still on trial from the last fit on this plan is judged
@@ -195,7 +195,7 @@ class AdaptiveBatchSize(Policy):
 
     def _into_bounds(self, ctx: FitContext) -> None:
         """Move a starting b outside the bounds to the nearer bound."""
-        b = ctx.plan.batch_size
+        b = ctx.plan.settings.batch_size
         inside = min(max(b, self.min_batch_size or 1), self.max_batch_size)
         if inside == b:
             return
@@ -218,7 +218,7 @@ class AdaptiveBatchSize(Policy):
         gain = after / trial["speed"] - 1
         if gain > self.min_speedup:
             return False
-        b, b0 = ctx.plan.batch_size, trial["batch_size"]
+        b, b0 = ctx.plan.settings.batch_size, trial["batch_size"]
         lr, r = self._lr_for(ctx, b0)  # relative to η now: keeps drops made since the growth
         try:
             self.adjust(ctx, batch_size=b0, lr=lr,
@@ -250,7 +250,7 @@ class AdaptiveBatchSize(Policy):
         plan = ctx.plan
         lr, power = plan.settings.lr, lr_power(plan.settings.optimizer.optimizer)
         if self.scale_lr == "linear":
-            return lr * (b / plan.batch_size) ** power, self.gain
+            return lr * (b / plan.settings.batch_size) ** power, self.gain
         if self.scale_lr != "gain" or self._gain_windows_seen < self.gain_windows or self._noise is None:
             return None, self.gain
         gain = self.gain_at(plan.num_learners * b, self._noise[0])
@@ -278,9 +278,9 @@ class AdaptiveBatchSize(Policy):
             self._noise = (mon.last.noise_scale,)
         self._resize(ctx, mon)
         if self.scale_lr == "gain" and mon.last.grad_sq_ema is not None:
-            lr, gain = self._lr_for(ctx, ctx.plan.batch_size)
+            lr, gain = self._lr_for(ctx, ctx.plan.settings.batch_size)
             if lr is not None and gain != self.gain:
-                ns, batch = mon.last.noise_scale, ctx.plan.num_learners * ctx.plan.batch_size
+                ns, batch = mon.last.noise_scale, ctx.plan.num_learners * ctx.plan.settings.batch_size
                 self.adjust(ctx, lr=lr, reason=f"gain {gain:.3f}: B_noise "
                             f"{'∞' if ns is None else f'{ns:,.0f}'} samples, k·b = {batch}, "
                             f"reference {self.reference_batch}")
@@ -308,7 +308,7 @@ class AdaptiveBatchSize(Policy):
                 or self._windows < self.windows_to_settle(mon.ema)):
             return
         plan = ctx.plan
-        b = plan.batch_size
+        b = plan.settings.batch_size
         b2 = self.target(b, ns, plan.num_learners)
         if b2 == b or (b2 > b and self.min_speedup is not None
                        and len(self._speeds) < self.speed_windows):  # no baseline yet: wait
@@ -325,6 +325,6 @@ class AdaptiveBatchSize(Policy):
         self.gain = gain
         if b2 > b and self.min_speedup is not None:
             self._trial = {"batch_size": b, "speed": statistics.median(self._speeds),
-                           "setting": [b2, plan.num_learners, plan.replicas_per_device,
-                                       plan.sync.sync_every]}
+                           "setting": [b2, plan.num_learners, plan.settings.replicas_per_device,
+                                       plan.settings.sync.sync_every]}
         self._changed(ctx)
