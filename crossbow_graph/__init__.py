@@ -12,7 +12,7 @@ from .compile_options import CompileOptions
 from .compiler.tasks import Cost, Task, TaskKind
 from .config import SGD, Adjustment
 from .engine.settings import RunSettings
-from .engine.sync import SMA, SSGD, DiLoCo, LocalSGD
+from .engine.sync import EASGD, SMA, SSGD, DiLoCo, LocalSGD
 from .engine.transport.comm import Distributed
 from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, HookError,
                      PlanError, TaskError, TraceError, TraceWarning, TrainingInterrupted)
@@ -25,7 +25,7 @@ from .tuning.policies import (AdaptiveBatchSize, AutoReplicas, CosineLR, Diverge
                               MultiStepLR, Policy, StepLR)
 
 __all__ = [
-    "compile", "CompileOptions", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "LocalSGD", "AutoTune", "Task",
+    "compile", "CompileOptions", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "LocalSGD", "EASGD", "AutoTune", "Task",
     "TaskKind", "Cost", "History",
     "TraceError", "TraceWarning", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
     "DivergenceError", "CheckpointError", "HookError", "TrainingInterrupted",

@@ -2,34 +2,32 @@
 
 from __future__ import annotations
 
-import pathlib
+import functools
 from operator import attrgetter
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from .build import (PlanParts, build_parts, build_states, check_inputs, join_plan, resolve_devices,
                     settle_learner_mode)
 from .compile_options import CompileOptions
 from .compiler import inspect as _inspect
 from .compiler.passes import build_task_graph
-from .config import LEARNER_MODES, SGD, Adjustment, LearnerMode
+from .config import SGD, Adjustment, LearnerMode
 from .engine.adjust import apply_adjustment
 from .engine.backends.graphs.capture import RoundGraph
 from .engine.backends.process.conv_choice import CpuConv
 from .engine.executors import Executor
-from .engine.learning.fused import vmap_failure
+from .engine.learning.fused import FusedProbe
 from .engine.scheduler import Scheduler
 from .engine.settings import settings_view
 from .engine.state.flat import MemoryFormat
 from .engine.state.precision import Precision
 from .engine.sync import SMA, SyncAlgorithm
 from .engine.transport.comm import Distributed
-from .errors import TrainingInterrupted, is_count
 from .fields import options_of
-from .kernels.select import KernelBackend, UpdateFacts, plan_kernels
+from .kernels.select import KernelBackend, plan_kernels
 from .training.central import CentralModel
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
 from .training.history import History
@@ -92,7 +90,7 @@ def compile(  # noqa: A001 - the public name the design asks for
     return plan
 
 
-class Plan:
+class Plan(_inspect.Inspectable):
     """A compiled SMA training plan: the task graph of one round and the state it runs on
     (docs/api.md, The Plan).
 
@@ -143,6 +141,10 @@ class Plan:
     verify = property(attrgetter("options.verify"), doc=(
         "Whether the verifier runs between the compiler passes, also when ``adjust`` re-plans."))
 
+    fused_failure = property(attrgetter("_fused_probe.failure"), doc=(
+        "Why ``learner_mode=\"fused\"`` cannot run this model (torch.func.vmap's error in a dry "
+        "run, engine/learning/fused.py ``FusedProbe``), or None; probed once (docs/runtime.md)."))
+
     def __init__(self, model: nn.Module, example_inputs: Any, options: CompileOptions,
                  parts: PlanParts) -> None:
         self.options, self.model_graph, self.loss_fn = options, parts.model_graph, parts.loss_fn
@@ -157,19 +159,12 @@ class Plan:
         self.memory_budget = parts.memory_budget
         self.autotuner = AutoTuner(options.autotune or AutoTune()) if options.tuned else None
         self.comm = parts.comm
-        self._example_inputs = tree_map(  # fused_failure's dry run
-            lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, example_inputs)
-        self._fused_failure: tuple[str | None] | None = None  # (failure,) once probed
+        self._fused_probe = FusedProbe(self._template, example_inputs)
         self.progress = FitProgress()
         self.run_record = RunRecord()
         join_plan(self, parts)  # torchrun: the ranks agree and start from rank 0's state
 
     # -- shape of the plan ------------------------------------------------------------------
-
-    @property
-    def devices(self) -> list[str]:
-        """This process's device names."""
-        return list(self.task_graph.graph["devices"])
 
     @property
     def precision(self) -> str:
@@ -190,36 +185,21 @@ class Plan:
         return max(1, self.memory_budget // mem)
 
     @property
-    def fused_failure(self) -> str | None:
-        """Why ``learner_mode="fused"`` cannot run this model (torch.func.vmap's error in a dry
-        run, engine/learning/fused.py ``vmap_failure``), or None; probed once (docs/runtime.md)."""
-        if self._fused_failure is None:
-            found = None if self._example_inputs is None else \
-                vmap_failure(self._template, self._example_inputs)
-            self._fused_failure = (found,)
-        return self._fused_failure[0]
-
-    @property
     def kernels(self) -> list:
         """The SMA update kernels this plan runs, one per specialisation (docs/kernels.md); with
         ``cuda_graphs=True`` those of its graph rounds (hyper-parameters in device tensors)."""
-        local = self.settings.optimizer
-        opt = local.sgd()
-        facts = UpdateFacts(momentum=opt.momentum, nesterov=opt.nesterov,
-                            weight_decay=opt.weight_decay, local=local.kernel,
-                            **self.sync.kernel_facts(self.num_learners))  # k, τ, μ_z
-        return plan_kernels(self.rounds.kernels, self.states, facts,
+        return plan_kernels(self.rounds.kernels, self.states,
+                            self.settings.update_facts(self.num_learners),
                             graphs=self.rounds.executors.round_graph is not None)
 
-    # -- inspection (compiler/inspect.py; docs/compiler.md §5) ----------------------------------
+    # -- inspection (compiler/inspect.py ``Inspectable``; docs/compiler.md §5) ----------------
+
+    def inspected_settings(self) -> dict[str, Any]:
+        return plan_settings(self)
 
     def summary(self) -> str:
         """A table per device: replicas, tasks, GFLOP per round, memory (MiB); then the totals."""
         return plan_summary(self)
-
-    def to_json(self, *, indent: int | None = 2) -> str:
-        """The task graph as JSON, schema ``crossbow_graph.plan/2``."""
-        return _inspect.to_json(self.task_graph, plan_settings(self), indent=indent)
 
     @staticmethod
     def from_json(text: str) -> "_inspect.PlanView":
@@ -229,18 +209,6 @@ class Plan:
             ValueError: not a plan document. PlanError: the task graph fails the verifier.
         """
         return _inspect.from_json(text)
-
-    def to_dot(self) -> str:
-        """Graphviz DOT text of the task graph, devices as clusters."""
-        return _inspect.to_dot(self.task_graph)
-
-    def draw(self, path: str) -> "pathlib.Path":
-        """Write a picture of the task graph (PNG, SVG or PDF by suffix).
-
-        Raises:
-            RuntimeError: graphviz's ``dot`` is not installed. ValueError: an unknown suffix.
-        """
-        return _inspect.draw(self.task_graph, path)
 
     # -- checkpoints (training/checkpoint.py; docs/reliability.md, Checkpoints) ----------------
 
@@ -335,17 +303,10 @@ class Plan:
             else []
         every = options.metrics_every
         metrics = every if isinstance(every, MetricsMonitor) or every is None else MetricsMonitor(every)
-        self.user_model.check_frozen()  # ValueError before anything else
-        try:
-            history = Trainer(self, train_dataset, eval_dataset, options,
-                              hooks=tuner + list(options.hooks), metrics=metrics).run()
-        except TrainingInterrupted:  # the user's module holds the last whole round's z
-            self.user_model.update(self.central)
-            raise
-        if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
-            self.central.int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)
-        self.user_model.update(self.central)  # docs/api.md, Your model after a fit
-        return history
+        trainer = Trainer(self, train_dataset, eval_dataset, options,
+                          hooks=tuner + list(options.hooks), metrics=metrics)
+        return self.user_model.around_fit(  # docs/api.md, Your model after a fit
+            self.central, trainer.run, comm=self.comm, last_round=lambda: self.rounds_done - 1)
 
     def adjust(self, adjustment: Adjustment) -> dict[str, Any]:
         """Change lr, b, α, τ, m or the learner mode (or reset every replica to z) between
@@ -357,16 +318,12 @@ class Plan:
             PlanError: the new b or m exceeds the memory budget (nothing changed).
             ValueError: α with k = 1; α or τ ≠ 1 with ``sync=SSGD()``.
         """
-        return apply_adjustment(self.rounds, adjustment, replan=self._replan,
+        replan = functools.partial(build_task_graph, self.model_graph, devices=self.devices,
+                                   memory_budget_bytes=self.memory_budget, verify=self.verify)
+        return apply_adjustment(self.rounds, adjustment,
+                                replan=lambda b, m: replan(replicas_per_device=m, batch_size=b),
                                 fused_failure=lambda: self.fused_failure,
                                 model_name=type(self._template).__name__)
-
-    def _replan(self, b: int, m: int) -> Any:
-        """The task graph of b samples and m replicas per device (compiler/passes.py; PlanError
-        when they exceed the memory budget)."""
-        return build_task_graph(self.model_graph, devices=self.devices, replicas_per_device=m,
-                                batch_size=b, memory_budget_bytes=self.memory_budget,
-                                verify=self.verify)
 
     def set_replicas(self, replicas_per_device: int) -> None:
         """``adjust(Adjustment(replicas_per_device=m))`` (docs/runtime.md, Changing m).
@@ -374,10 +331,7 @@ class Plan:
         Raises:
             ValueError: m not an integer ≥ 1. PlanError: m replicas exceed the memory budget.
         """
-        m = replicas_per_device
-        if not is_count(m):
-            raise ValueError(f"replicas_per_device={m!r}: must be an integer ≥ 1")
-        self.adjust(Adjustment(replicas_per_device=m))
+        self.adjust(Adjustment(replicas_per_device=replicas_per_device))
 
     def set_learner_mode(self, mode: str) -> None:
         """``adjust(Adjustment(learner_mode=mode))``, from the next round on.
@@ -385,8 +339,6 @@ class Plan:
         Raises:
             ValueError: an unknown mode.
         """
-        if mode not in LEARNER_MODES:
-            raise ValueError(f"learner_mode={mode!r}: use one of {LEARNER_MODES}")
         self.adjust(Adjustment(learner_mode=mode))
 
 

@@ -273,7 +273,7 @@ def test_adaptive_batch_sizes_lr_rule_is_linear_for_sgd_and_square_root_for_adam
     linear = AdaptiveBatchSize(scale_lr="linear")
     assert linear._lr_for(ctx, 16)[0] == pytest.approx(1e-2 * 4.0 ** power)  # b 4 → 16
     gain = AdaptiveBatchSize(scale_lr="gain", reference_batch=8)
-    gain._noise, gain._gain_windows_seen = (100.0,), gain.gain_windows
+    gain.pace.noise, gain.pace.gain_windows_seen = (100.0,), gain.gain_windows
     lr, r = gain._lr_for(ctx, 16)
     assert r == pytest.approx(gain.gain_at(2 * 16, 100.0)) and lr == pytest.approx(1e-2 * r ** power)
 
@@ -443,7 +443,7 @@ def test_a_growth_on_trial_is_not_judged_after_another_policy_changed_k():
     h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
                  policies=[FakeSpeed({4: 100.0, 8: 104.0}.__getitem__), policy, MoreReplicas()])
     assert [p.changes for p in h.policy] == [{"batch_size": 8}, {"replicas_per_device": 2}]
-    assert plan.batch_size == 8 and policy._trial is None and policy.max_batch_size == 8
+    assert plan.batch_size == 8 and policy.pace.trial is None and policy.max_batch_size == 8
 
 
 def test_a_returned_growth_keeps_an_lr_drop_made_during_the_trial():
@@ -487,7 +487,7 @@ def test_a_growth_on_trial_at_the_end_of_a_fit_is_judged_in_the_next():
                                min_speedup=0.1, scale_lr="none")
     speed = FakeSpeed({4: 100.0, 8: 50.0, 16: 25.0}.__getitem__)
     first = plan.fit(tiny_data(96), 2, progress=False, metrics_every=mon, policies=[speed, policy])
-    assert [p.changes for p in first.policy] == [{"batch_size": 8}] and policy._trial is not None
+    assert [p.changes for p in first.policy] == [{"batch_size": 8}] and policy.pace.trial is not None
     second = plan.fit(tiny_data(96), 1, progress=False, metrics_every=mon, policies=[speed, policy])
     assert [p.changes for p in second.policy] == [{"batch_size": 4}]
     assert plan.batch_size == 4 and policy.max_batch_size == 4

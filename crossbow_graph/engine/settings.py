@@ -8,6 +8,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 from ..config import LEARNER_MODES
+from ..kernels.select import UpdateFacts
 from .state.hyper import Hyper
 from .state.optim import LocalOptimizer
 from .sync.base import SyncAlgorithm
@@ -154,6 +155,14 @@ class RunSettings:
         ``num_learners`` learners (``alpha_for``) and μ_z; taken once per round."""
         return Hyper.of(self.optimizer, alpha=self.sync.alpha_for(num_learners),
                         central_momentum=self.sync.central_momentum)
+
+    def update_facts(self, num_learners: int) -> UpdateFacts:
+        """What selects the update kernels (kernels/select.py): the local optimizer's SGD flags
+        and the sync algorithm's facts for k = ``num_learners`` learners (k, τ, μ_z)."""
+        opt = self.optimizer.sgd()
+        return UpdateFacts(momentum=opt.momentum, nesterov=opt.nesterov,
+                           weight_decay=opt.weight_decay, local=self.optimizer.kernel,
+                           **self.sync.kernel_facts(num_learners))
 
     # -- α, τ ---------------------------------------------------------------------------------------
 

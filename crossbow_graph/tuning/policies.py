@@ -93,8 +93,8 @@ class _EpochSchedule(LRSchedulerHook, Policy):
         if state is not None and "scheduler" in state:
             LRSchedulerHook.load_state_dict(self, state)
         elif state is not None:  # an older checkpoint's: the steps taken, η in force restored
-            for sched in _chained(self.scheduler):
-                sched.last_epoch = self.steps
+            for part in _chained(self.scheduler):  # a chain's schedulers, each at the steps
+                part.last_epoch = self.steps
 
     def after_epoch(self, ctx: FitContext, record) -> None:
         """Nothing: the schedule steps at the epochs' starts."""

@@ -21,7 +21,7 @@ from ..data.inputs import example_call, split_inputs
 from ..state.flat import DeviceState, copy_module
 from ..state.precision import autocast
 
-__all__ = ["FusedProgram", "add_replica_hooks", "fused_mode_message", "in_dims", "vmap_failure"]
+__all__ = ["FusedProbe", "FusedProgram", "add_replica_hooks", "fused_mode_message", "in_dims", "vmap_failure"]
 
 
 def fused_mode_message(model_name: str, failure: str) -> str:
@@ -195,6 +195,25 @@ def add_replica_hooks(params: dict[str, torch.Tensor], hooks: dict[str, list[Cal
 def _per_replica(fn: Callable, grads: torch.Tensor) -> torch.Tensor:
     """``fn`` on each row of ``grads [n, *shape]``, stacked back ``[n, *shape]``."""
     return torch.stack([g if (out := fn(g)) is None else out for g in grads.unbind(0)])
+
+
+class FusedProbe:
+    """Why fused learners cannot run a model (``vmap_failure`` on a copy of its example inputs),
+    probed once, when first asked (``Plan.fused_failure``; docs/runtime.md)."""
+
+    def __init__(self, template: nn.Module, example_inputs: Any) -> None:
+        self._template = template
+        self._inputs = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t,
+                                example_inputs)
+        self._found: tuple[str | None] | None = None  # (failure,) once probed
+
+    @property
+    def failure(self) -> str | None:
+        """torch.func.vmap's error in a dry run, or None."""
+        if self._found is None:
+            self._found = (None if self._inputs is None else
+                           vmap_failure(self._template, self._inputs),)
+        return self._found[0]
 
 
 def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any], *,

@@ -145,6 +145,24 @@ def as_local_optimizer(optimizer: Any, model: nn.Module, template: nn.Module,
     for cls, why in _REFUSED.items():
         if isinstance(optimizer, cls):
             raise TypeError(f"optimizer={type(optimizer).__name__}: cannot run one per replica: {why}")
+    groups = _group_rows(optimizer, model, names)  # raises ValueError
+    g0 = optimizer.param_groups[0]
+    kernel = (type(optimizer) is torch.optim.SGD and len(optimizer.param_groups) == 1
+              and len(groups[0]) == len(names) and g0.get("dampening", 0) == 0
+              and not g0.get("maximize", False) and not g0.get("differentiable", False))
+    # torch's fused kernels write a strided view as if it were contiguous (outside the view):
+    # the user's fused=True runs one instance per replica's dense row
+    asks_fused = any(g.get("fused") for g in optimizer.param_groups)
+    return LocalOptimizer(optimizer=optimizer, groups=tuple(groups),
+                          hyper_keys=_hyper_keys(optimizer.defaults), kernel=kernel,
+                          stacked=type(optimizer) in ELEMENTWISE and not asks_fused)
+
+
+def _group_rows(optimizer: torch.optim.Optimizer, model: nn.Module,
+                names: list[str]) -> list[tuple[int, ...]]:
+    """Per param group of ``optimizer``, the flat layout's indices of its parameters (frozen
+    ones left out); ValueError for a tensor that is not a trainable parameter of ``model`` or a
+    parameter twice."""
     where = _model_param_index(model, names)
     groups, seen = [], set()
     for gi, group in enumerate(optimizer.param_groups):
@@ -165,16 +183,7 @@ def as_local_optimizer(optimizer: Any, model: nn.Module, template: nn.Module,
             seen.add(i)
             ix.append(i)
         groups.append(tuple(ix))
-    g0 = optimizer.param_groups[0]
-    kernel = (type(optimizer) is torch.optim.SGD and len(optimizer.param_groups) == 1
-              and len(groups[0]) == len(names) and g0.get("dampening", 0) == 0
-              and not g0.get("maximize", False) and not g0.get("differentiable", False))
-    # torch's fused kernels write a strided view as if it were contiguous (outside the view):
-    # the user's fused=True runs one instance per replica's dense row
-    asks_fused = any(g.get("fused") for g in optimizer.param_groups)
-    return LocalOptimizer(optimizer=optimizer, groups=tuple(groups),
-                          hyper_keys=_hyper_keys(optimizer.defaults), kernel=kernel,
-                          stacked=type(optimizer) in ELEMENTWISE and not asks_fused)
+    return groups
 
 
 def _dense(t: torch.Tensor) -> bool:
