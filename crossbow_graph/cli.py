@@ -13,6 +13,7 @@ import torch
 
 import crossbow_graph as cg
 
+from .cli_sync import add_sync_flags
 from .cli_options import (DefaultsFormatter, cpu_threads_arg, flag_choices, flag_default,
                           max_grad_norm_arg, replicas_arg)
 from .cli_train import (DATASETS, DEFAULT_LR, DEFAULT_LR_BATCH, DILOCO_H, LR_SCHEDULES, OPTIMIZERS,
@@ -70,33 +71,9 @@ def _add_train_parser(sub) -> None:
     )
     _add_data_flags(train)
     _add_checkpoint_flags(train)
-    train.add_argument("--batch-size", type=int, default=None,
-                       help="b, samples per learner per round (default: 16 on a GPU, 256 on a CPU)")
-    train.add_argument("--devices", default=flag_default("--devices"),
-                       help="devices: 'auto' (every GPU, else one CPU device, whose learners use "
-                            "every core) or a count G (on a CPU: G logical devices splitting the "
-                            "cores) (default: auto)")
-    train.add_argument("--replicas", default=flag_default("--replicas"), type=replicas_arg,
-                       help="m, replicas per device, or 'auto' (the tuner picks m by samples/s) (default: "
-                            "4 on a GPU; on a CPU 1, without --devices 2 on one device if a "
-                            "--policy needs k ≥ 2)")
-    train.add_argument("--learner-mode", default=flag_default("--learner-mode"),
-                       choices=flag_choices("--learner-mode"),
-                       help="learners' mode (with --replicas auto the tuner also tries the other one)")
-    train.add_argument("--precision", default=flag_default("--precision"),
-                       choices=flag_choices("--precision"),
-                       help="learners' forward: fp32 (default), or bf16/fp16 under torch.autocast "
-                            "with float32 parameters (fp16 with a loss scale per replica)")
-    train.add_argument("--cuda-graphs", default=flag_default("--cuda-graphs"),
-                       action=argparse.BooleanOptionalAction,
-                       help="capture each round in a CUDA graph and replay it (default: on with one "
-                            "CUDA device, one process and --optimizer sgd, else off)")
-    train.add_argument("--memory-format", default=flag_default("--memory-format"),
-                       choices=flag_choices("--memory-format"),
-                       help="layout of the Conv2d weights in the replicas' rows: auto (default: "
-                            "channels_last on the CPU, contiguous on CUDA), channels_last, contiguous")
+    _add_layout_flags(train)
     _add_optimizer_flags(train)
-    _add_sync_flags(train)
+    add_sync_flags(train)
     train.add_argument("--epochs", type=_epochs_arg, default=flag_default("--epochs"),
                        help="most epochs to run (the length of --lr-schedule onecycle and cosine)")
     train.add_argument("--target", type=float, default=flag_default("--target"),
@@ -123,6 +100,36 @@ def _add_train_parser(sub) -> None:
                        help="a hyper-parameter policy, repeatable: auto_replicas, adaptive_batch, "
                             "step_lr, multistep_lr, cosine_lr, divergence_guard (e.g. "
                             "adaptive_batch:max_batch_size=128; tuples as 3/4)")
+
+
+def _add_layout_flags(train: argparse.ArgumentParser) -> None:
+    """``train``'s flags of the plan's layout: b, the devices and replicas, the learners' mode,
+    precision and memory format, CUDA-graph rounds."""
+    train.add_argument("--batch-size", type=int, default=None,
+                       help="b, samples per learner per round (default: 16 on a GPU, 256 on a CPU)")
+    train.add_argument("--devices", default=flag_default("--devices"),
+                       help="devices: 'auto' (every GPU, else one CPU device, whose learners use "
+                            "every core) or a count G (on a CPU: G logical devices splitting the "
+                            "cores) (default: auto)")
+    train.add_argument("--replicas", default=flag_default("--replicas"), type=replicas_arg,
+                       help="m, replicas per device, or 'auto' (the tuner picks m by samples/s) (default: "
+                            "4 on a GPU; on a CPU 1, without --devices 2 on one device if a "
+                            "--policy needs k ≥ 2)")
+    train.add_argument("--learner-mode", default=flag_default("--learner-mode"),
+                       choices=flag_choices("--learner-mode"),
+                       help="learners' mode (with --replicas auto the tuner also tries the other one)")
+    train.add_argument("--precision", default=flag_default("--precision"),
+                       choices=flag_choices("--precision"),
+                       help="learners' forward: fp32 (default), or bf16/fp16 under torch.autocast "
+                            "with float32 parameters (fp16 with a loss scale per replica)")
+    train.add_argument("--cuda-graphs", default=flag_default("--cuda-graphs"),
+                       action=argparse.BooleanOptionalAction,
+                       help="capture each round in a CUDA graph and replay it (default: on with one "
+                            "CUDA device, one process and --optimizer sgd, else off)")
+    train.add_argument("--memory-format", default=flag_default("--memory-format"),
+                       choices=flag_choices("--memory-format"),
+                       help="layout of the Conv2d weights in the replicas' rows: auto (default: "
+                            "channels_last on the CPU, contiguous on CUDA), channels_last, contiguous")
 
 
 def _add_data_flags(train: argparse.ArgumentParser) -> None:
@@ -183,27 +190,6 @@ def _add_distributed_flags(train: argparse.ArgumentParser) -> None:
     train.add_argument("--data-shard", default=None, metavar="I/N",
                        help="train on the samples i with i mod N = I only (a replica group's "
                             "own data; default: all)")
-
-
-def _add_sync_flags(train: argparse.ArgumentParser) -> None:
-    """``train``'s flags of the synchronisation: SMA's, DiLoCo's or local SGD's (``_sync``)."""
-    train.add_argument("--sync", default="sma", choices=("sma", "diloco", "local_sgd"),
-                       help="sma: SMA (--alpha, --central-momentum); diloco: DiLoCo, an outer "
-                            "SGD on z every --sync-every rounds (--outer-lr, --outer-momentum), "
-                            "replicas restarted from z (the inline executor); local_sgd: z the "
-                            "replicas' mean every --sync-every rounds, replicas restarted from z")
-    train.add_argument("--sync-every", type=int, default=flag_default("--sync-every"),
-                       help="rounds between synchronisations: SMA's τ (default "
-                            f"{cg.SMA().sync_every}), DiLoCo's and local SGD's H (default "
-                            f"{DILOCO_H})")
-    train.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's outer SGD lr "
-                       "(default 0.7)")
-    train.add_argument("--outer-momentum", type=float, default=None,
-                       help="DiLoCo's outer SGD momentum in [0, 1), Nesterov when > 0 (default "
-                            "0.9; --outer-lr 1 --outer-momentum 0 is local SGD: z the replicas' mean)")
-    train.add_argument("--alpha", type=float, default=flag_default("--alpha"), help="SMA α; default 1/k")
-    train.add_argument("--central-momentum", type=float, default=flag_default("--central-momentum"),
-                       help=f"SMA μ_z (default {cg.SMA().central_momentum})")
 
 
 def _add_optimizer_flags(train: argparse.ArgumentParser) -> None:

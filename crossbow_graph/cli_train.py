@@ -18,6 +18,7 @@ from . import datasets, models
 from .cli_layout import learner_layout
 from .cli_machine import apply_machine_defaults
 from .cli_options import flag_default
+from .cli_sync import DILOCO_H, sync_of
 from .datasets import ImageDataset
 from .engine.learning.threads import describe_threads
 from .engine.transport.comm import z_digest
@@ -41,7 +42,6 @@ OPTIMIZERS = {
 # samples per metrics window (MetricsMonitor(window_samples=...)): 50 rounds at the default k·b
 WINDOW_SAMPLES = 12_800
 LR_SCHEDULES = ("onecycle", "multistep", "cosine", "constant")
-DILOCO_H = 16  # --sync diloco's and local_sgd's default H (docs/benchmarking.md, DiLoCo on W1)
 DEFAULT_LR, DEFAULT_LR_BATCH = OPTIMIZERS["adamw"][1:]  # the default optimizer's
 
 
@@ -172,7 +172,7 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
         learner_mode=args.learner_mode,
         optimizer=_optimizer(args, model, lr),
         precision=args.precision, memory_format=args.memory_format, cuda_graphs=args.cuda_graphs,
-        sync=_sync(args),
+        sync=sync_of(args),
         distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every,
                                    sync_dtype=args.sync_dtype, fault_tolerant=args.fault_tolerant,
                                    lighthouse=args.lighthouse, replica_group=args.replica_group,
@@ -216,47 +216,6 @@ def _shard(dataset: Any, spec: str) -> torch.utils.data.Subset:
         raise ValueError(f"--data-shard {spec}: use I/N with 0 ≤ I < N, e.g. 0/2 and 1/2 for two "
                          "replica groups")
     return torch.utils.data.Subset(dataset, range(i, len(dataset), n))
-
-
-def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo | cg.LocalSGD:
-    """``--sync``'s algorithm: SMA with ``--alpha``, ``--central-momentum``, τ; DiLoCo with H and
-    an outer SGD of ``--outer-lr``, ``--outer-momentum`` (Nesterov when > 0); or local SGD with H.
-
-    Raises:
-        ValueError: an SMA flag (``--alpha``, ``--central-momentum``) with ``--sync diloco`` or
-            ``local_sgd``, a DiLoCo flag (``--outer-lr``, ``--outer-momentum``) with ``--sync
-            sma`` or ``local_sgd``, or an outer lr ≤ 0 or momentum outside [0, 1).
-    """
-    outer_flags = (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum))
-    if args.sync == "sma":
-        for flag, value in outer_flags:
-            if value is not None:
-                raise ValueError(f"{flag} with --sync sma: it sets DiLoCo's outer optimizer; add "
-                                 "--sync diloco, or drop it")
-        given = {key: value for key, value in (("central_momentum", args.central_momentum),
-                                               ("sync_every", args.sync_every)) if value is not None}
-        return cg.SMA(alpha=args.alpha, **given)  # SMA's own defaults for the others
-    name, z_moves = (("DiLoCo", "its outer optimizer is --outer-lr, --outer-momentum")
-                     if args.sync == "diloco" else ("local SGD", "z is the replicas' mean"))
-    for flag, value in (("--alpha", args.alpha), ("--central-momentum", args.central_momentum)):
-        if value is not None:
-            raise ValueError(f"{flag} with --sync {args.sync}: it is an SMA setting ({name} pulls "
-                             f"no replica toward z; {z_moves}); drop {flag}, or use --sync sma")
-    H = DILOCO_H if args.sync_every is None else args.sync_every
-    if args.sync == "local_sgd":
-        for flag, value in outer_flags:
-            if value is not None:
-                raise ValueError(f"{flag} with --sync local_sgd: local SGD has no outer optimizer "
-                                 "(z is the replicas' mean); drop it, or use --sync diloco")
-        return cg.LocalSGD(sync_every=H)
-    lr = 0.7 if args.outer_lr is None else args.outer_lr
-    momentum = 0.9 if args.outer_momentum is None else args.outer_momentum
-    if not lr > 0:
-        raise ValueError(f"--outer-lr {lr:g}: the outer SGD's lr must be > 0, e.g. 0.7")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"--outer-momentum {momentum:g}: must be in [0, 1), e.g. 0.9 (0: none)")
-    outer = functools.partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=momentum > 0)
-    return cg.DiLoCo(sync_every=H, outer_optimizer=outer)
 
 
 def run_train(args: argparse.Namespace) -> int:
