@@ -4,7 +4,6 @@ fit and its results (docs/benchmarking.md, The main job)."""
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import sys
 from typing import Any

@@ -556,10 +556,17 @@ def test_rank_0s_settings_travel_every_round_only_when_a_hook_decides(tmp_path, 
 
     from crossbow_graph.engine.transport.comm import AGREE_EVERY_ROUNDS
 
+    from crossbow_graph.training import rank_sync, trainer
+
     calls = []
-    real = Comm.agree_settings
-    monkeypatch.setattr(Comm, "agree_settings",
-                        lambda self, plan, stop, t: calls.append(t) or real(self, plan, stop, t))
+    real = rank_sync.agree_settings
+
+    def counted(comm, plan, stop, t):
+        calls.append(t)
+        return real(comm, plan, stop, t)
+
+    for module in (rank_sync, trainer):  # the round's start (trainer) and its end (agreed_stop)
+        monkeypatch.setattr(module, "agree_settings", counted)
 
     class Decides(cg.Hook):
         mutates_replicas = False

@@ -305,7 +305,7 @@ _INTERRUPTED = textwrap.dedent("""
     class Mark(Hook):  # after round 2 the workers run; then the rounds go on until SIGINT
         def after_round(self, ctx):
             if ctx.plan.rounds_done == 2:
-                print(" ".join(str(p.pid) for p in ctx.plan.rounds.executors.process.executor.procs if p),
+                print(" ".join(str(p.pid) for p in ctx.plan.rounds.executors.process.executor.workers.procs if p),
                       flush=True)
     tanh_plan(devices=1, replicas=2, executor="process").fit(data(64 * 4000), 1, progress=False,
                                                             hooks=[Mark()], metrics_every=None)
@@ -357,7 +357,7 @@ class _ArmAfter(Hook):
 
     def after_round(self, ctx) -> None:
         if ctx.plan.rounds_done == 2:
-            self.procs = [p for p in ctx.plan.rounds.executors.process.executor.procs if p is not None]
+            self.procs = [p for p in ctx.plan.rounds.executors.process.executor.workers.procs if p is not None]
             _CtrlC.armed = True
 
 

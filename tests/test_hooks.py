@@ -136,7 +136,9 @@ def test_fit_progress_is_one_object_the_plans_attributes_read():
     plan.fit(tiny_data(4 * 2 * 5 + 3), 2, progress=False, metrics_every=None)
     assert plan.progress == FitProgress(epochs_done=2, rounds_done=10, round_in_epoch=0,
                                         position_in_epoch=0,
-                                        train_seconds=plan.progress.train_seconds)
+                                        train_seconds=plan.progress.train_seconds,
+                                        losses=plan.progress.losses)
+    assert len(plan.progress.losses) == 5 * 2  # the last epoch's rounds × learners
     assert (plan.epochs_done, plan.rounds_done) == (2, 10) and plan.train_seconds > 0
     with pytest.raises(AttributeError):
         plan.rounds_done = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -15,7 +16,7 @@ import torch
 
 import crossbow_graph as cg
 
-from crossbow_graph.engine.backends.process import conv_choice, executor as workers, groups
+from crossbow_graph.engine.backends.process import conv_choice, groups, workers
 from crossbow_graph.engine.backends.process.conv_choice import choose_onednn
 from crossbow_graph.engine.backends.process.executor import worker_groups
 from crossbow_graph.errors import TaskError
@@ -47,23 +48,24 @@ def test_workers_convolution_library_is_measured_once_per_batch_size_or_fixed():
     sched, data = plan.rounds, tiny_data(64)
     fetch = make_fetch(data)
     rng, onednn = torch.get_rng_state(), torch.backends.mkldnn.enabled
-    choice = choose_onednn(sched, fetch)
-    assert sched.onednn_choices == {plan.batch_size: choice}
+    choice = choose_onednn(sched.ctx, fetch, plan.batch_size)
+    assert sched.ctx.onednn_choices == {plan.batch_size: choice}
     assert torch.equal(torch.get_rng_state(), rng) and torch.backends.mkldnn.enabled == onednn
     buf = plan.states[0].buf.clone()
-    assert choose_onednn(sched, fetch) is choice and torch.equal(plan.states[0].buf, buf)
+    assert choose_onednn(sched.ctx, fetch, plan.batch_size) is choice
+    assert torch.equal(plan.states[0].buf, buf)
     # another plan of the same model and b reuses this process's measurement, unmeasured
     again = make_plan(TinyBN, replicas=2, executor="process").rounds
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(conv_choice, "_step_seconds", lambda *a: pytest.fail("measured twice"))
-        assert choose_onednn(again, fetch) is choice
+        assert choose_onednn(again.ctx, fetch, plan.batch_size) is choice
     # fixed by compile's cpu_conv: both libraries give the same z to float tolerance
     z = {}
     for conv in ("onednn", "aten"):
         p = make_plan(TinyBN, replicas=2, executor="process", cpu_conv=conv)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(conv_choice, "_step_seconds", lambda *a: pytest.fail("measured, not fixed"))
-            assert choose_onednn(p.rounds, fetch) is (conv == "onednn")
+            assert choose_onednn(p.rounds.ctx, fetch, p.batch_size) is (conv == "onednn")
         _fit(p, data)
         z[conv] = p.central_weights()
     torch.testing.assert_close(z["onednn"], z["aten"], **TOL)
@@ -247,7 +249,8 @@ class _CentralFails(TorchSMAKernels):
 
 def test_a_failing_global_sync_in_the_worker_names_the_task_and_round():
     plan = make_plan(replicas=2, executor="process")
-    plan.rounds.kernels = _CentralFails(plan.rounds.kernels, at=3)  # forked with the workers
+    ctx = plan.rounds.ctx  # the kernels the sync algorithm's updates use, forked with the workers
+    ctx.sync = dataclasses.replace(ctx.sync, kernels=_CentralFails(ctx.sync.kernels, at=3))
     with pytest.raises(TaskError, match="global_sync") as err:
         _fit(plan, tiny_data(4 * 2 * 10))
     assert err.value.round_index == 2 and "central update failed" in str(err.value)
@@ -289,7 +292,7 @@ def test_bf16_replicas_split_over_processes_match_in_process():
         plan = cg.compile(model.bfloat16(), (torch.randn(2, 64, dtype=torch.bfloat16),),
                           torch.nn.functional.cross_entropy, batch_size=4, replicas=2,
                           optimizer=cg.SGD(lr=0.05, momentum=0.9), executor=ex)
-        assert [g[0] for g in workers.worker_groups([2], 2)] == [0, 0]  # both groups on device 0
+        assert [g[0] for g in worker_groups([2], 2)] == [0, 0]  # both groups on device 0
         plan.fit(data, 3, shuffle=False, progress=False, policies=[cg.MultiStepLR(milestones=(1, 2))])
         out[ex] = plan.central_weights(), plan.replica_weights()
     for a, b in zip(out["process"], out["inline"]):

@@ -1,7 +1,8 @@
 """Global synchronisation across processes over torch.distributed under torchrun: the
 hierarchical all-reduce of ``[C_p, Σ buf, n]`` per sync, the start-up agreement (``Comm.agree``),
-rank 0's settings (``Comm.agree_settings``), z's checksum (``Comm.check_z``), every collective
-under ``Distributed.timeout_s`` (docs/distributed.md; docs/design-overview.md §2, §5).
+rank 0's settings (``Comm.broadcast_floats``; training/rank_sync.py), z's checksum
+(``Comm.check_z``), every collective under ``Distributed.timeout_s`` (docs/distributed.md;
+docs/design-overview.md §2, §5).
 """
 
 from __future__ import annotations
