@@ -238,3 +238,27 @@ def test_report_prints_its_tables_without_matplotlib():
     assert "| system | k | epochs to 99.0% |" in proc.stdout
     plots = _without_matplotlib("import plots")
     assert plots.returncode != 0 and "plots need matplotlib: pip install" in plots.stderr
+
+
+@pytest.mark.skipif(not os.path.isfile("/usr/share/games/fortunes/fortunes"),
+                    reason="Debian packages fortunes and fortunes-min not installed (bash "
+                           "scripts/setup.sh installs them)")
+def test_lm_baselines_smoke_records_validation_loss_against_tokens(tmp_path, capsys):
+    """bench/lm_baselines.py --smoke: plain AdamW and SMA (k = 4, b = 2) on a one-layer GPT for
+    4,096 tokens each, in ``--one`` subprocesses as every run: the validation loss at the start
+    and every 2,048 tokens, training seconds and tokens/s, and the table."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import lm_baselines
+
+    out = tmp_path / "smoke.json"
+    assert lm_baselines.main(["--smoke", "--out", str(out)]) == 0
+    plain, sma = json.loads(out.read_text())["runs"]
+    assert plain["config"] == "adamw:8:0.003" and sma["config"] == "sma-sgd:2:0.1"
+    assert [e["tokens"] for e in plain["evals"]] == [0, 2048, 4096] == [e["tokens"] for e in sma["evals"]]
+    for run in (plain, sma):
+        assert run["evals"][-1]["val_loss"] < run["evals"][0]["val_loss"] and run["tokens_per_s"] > 0
+    assert sma["replicas"] == 4 and "sma-sgd:2:0.1" in capsys.readouterr().out
+    assert len(lm_baselines.grid()) == 4 * 3 and lm_baselines.grid()[:3] == [
+        "adamw:8:0.00071", "adamw:8:0.0014", "adamw:8:0.0028"]
+    assert lm_baselines.lr_factor(0, 100) == pytest.approx(0.2)  # warm-up of 5 steps
+    assert lm_baselines.lr_factor(99, 100) == pytest.approx(0.1)  # the cosine's end
