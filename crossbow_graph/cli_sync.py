@@ -58,6 +58,11 @@ def _scalar(field: dataclasses.Field) -> type | None:
     return _SCALARS.get(parts[0]) if len(parts) == 1 else None
 
 
+def _required(field: dataclasses.Field) -> bool:
+    """The field has no default (an algorithm's constructor needs it)."""
+    return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+
+
 def _attribute_docs(cls: type) -> dict[str, str]:
     """The ``Attributes:`` entries of ``cls``'s docstring: name → its text on one line."""
     docs: dict[str, str] = {}
@@ -88,8 +93,9 @@ def sync_flags() -> dict[str, SyncFlag]:
                 continue
             flag = "--" + field.name.replace("_", "-")
             text = re.split(r"; |\. |\.$", docs.get(field.name, field.name))[0].replace("``", "")
-            if field.default is dataclasses.MISSING:
-                text += f" (default {_REQUIRED[field.name]})"
+            if _required(field):
+                text += (f" (default {_REQUIRED[field.name]})" if field.name in _REQUIRED
+                         else " (required)")
             line = f"{name}: {text}"
             old = found.get(flag)
             found[flag] = SyncFlag(flag, field.name, kind, (old.owners if old else ()) + (cls,),
@@ -140,7 +146,10 @@ def sync_of(args: argparse.Namespace) -> SyncAlgorithm:
                              f"{sync_name(spec.owners[0])}")
         given[spec.name] = value
     for field in dataclasses.fields(cls):
-        if field.default is dataclasses.MISSING and field.name not in given:
+        if _required(field) and field.name not in given:
+            if field.name not in _REQUIRED:
+                raise ValueError(f"--sync {args.sync} needs --{field.name.replace('_', '-')} "
+                                 f"({cls.__name__}.{field.name} has no default)")
             given[field.name] = _REQUIRED[field.name]
     if _OUTER in {f.name for f in dataclasses.fields(cls)}:
         given[_OUTER] = _outer_optimizer(args)
