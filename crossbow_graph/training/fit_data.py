@@ -48,7 +48,7 @@ class FitData:
             else -(-len(self.train) // plan.settings.batch_size)
         k, b = plan.num_learners, plan.settings.batch_size
         if isinstance(train_dataset, DataLoader):
-            check_loader(train_dataset, b, stacklevel=6)  # the caller of Plan.fit
+            check_loader(train_dataset, b, stacklevel=7)  # the caller of Plan.fit
         if len(self.train) < k * b:
             raise ValueError(
                 f"train_dataset has {len(self.train)} samples, fewer than one round of {k} "

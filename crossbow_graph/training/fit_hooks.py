@@ -83,4 +83,4 @@ def _warn_if_no_outer_step(plan: "FitPlan", schedule: BatchSchedule, epochs: int
     rounds = schedule.rounds_per_epoch(plan.num_learners, plan.settings.batch_size) * epochs
     message = plan.settings.sync.short_fit_warning(rounds, plan.progress.rounds_done)
     if message is not None:
-        warnings.warn(message, stacklevel=6)
+        warnings.warn(message, stacklevel=7)  # the caller of Plan.fit
