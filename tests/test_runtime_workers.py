@@ -16,7 +16,7 @@ import torch
 
 import crossbow_graph as cg
 
-from crossbow_graph.engine.backends.process import conv_choice, groups, workers
+from crossbow_graph.engine.backends.process import conv_choice, executor, groups, workers
 from crossbow_graph.engine.backends.process.conv_choice import choose_onednn
 from crossbow_graph.engine.backends.process.executor import worker_groups
 from crossbow_graph.errors import TaskError
@@ -183,7 +183,7 @@ def test_worker_processes_draw_their_own_dropout_masks(model_cls, differ):
 def test_dropout_masks_do_not_depend_on_the_executor(monkeypatch, mode, devices, replicas):
     """Same seed, inline and process executor: the same masks, so the same z. Four cores claimed,
     so that the process executor could split every device's replicas over two processes."""
-    monkeypatch.setattr(workers, "available_cores", lambda: 4)
+    monkeypatch.setattr(executor, "available_cores", lambda: 4)
     data = tiny_data(4 * devices * replicas * 3)
     z = {}
     for ex in ("inline", "process"):
@@ -338,7 +338,7 @@ def test_a_wait_for_the_coordinator_is_not_counted_as_synchronisation(tmp_path, 
     # the executor's timestamps (here and, forked after this patch, in the workers) read the clock
     fake_time = types.SimpleNamespace(perf_counter_ns=clock.perf_counter_ns,
                                       perf_counter=time.perf_counter, monotonic=time.monotonic)
-    for module in (workers, groups):  # the coordinator's and the worker loop's
+    for module in (executor, groups):  # the coordinator's and the worker loop's
         monkeypatch.setattr(module, "time", fake_time)
     plan = make_plan(replicas=2, executor="process")
     hist = _fit(plan, tiny_data(4 * 2 * rounds), hooks=[_SlowHooks(clock, hook_ns)],
