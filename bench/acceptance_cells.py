@@ -4,7 +4,7 @@
   whole step in one CUDA graph.
 - ``crossbow_rate``: crossbow_graph samples/s with m learners at b, eager or in CUDA-graph rounds
   (``graphs=True``; on the CPU the rounds go through simulated streams and graphs,
-  engine/race_check.py and engine/capture_check.py), with the graphs captured and replayed.
+  testing/race_check.py and testing/capture_check.py), with the graphs captured and replayed.
 - ``w1_*``: W1 (LeNet-5 on MNIST to 99.0 % test accuracy) on the GPU: tuned plain PyTorch
   (AdamW + OneCycle, eager and in a CUDA graph) and ``crossbow-graph train`` with its defaults
   or given flags (docs/benchmarking.md, the W1 protocol).
@@ -28,9 +28,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
-from crossbow_graph.engine.capture_check import SimulatedGraphs
-from crossbow_graph.engine.graphs import RoundGraph
-from crossbow_graph.engine.race_check import RaceRecorder
+from crossbow_graph.engine.backends.graphs.capture import RoundGraph
+from crossbow_graph.testing.capture_check import SimulatedGraphs
+from crossbow_graph.testing.race_check import RaceRecorder
 
 __all__ = ["plain_rate", "plain_graph_rate", "crossbow_rate", "profile_rounds", "mnist_root",
            "w1_plain", "w1_crossbow", "W1_BATCHES", "MNIST_CARRY"]
@@ -149,12 +149,12 @@ def crossbow_rate(model: nn.Module, b: int, mode: str, data: TensorDataset, seco
     plan = _plan(model, data.tensors[0][:2].cpu(), device, m=m, b=b, mode=mode, graphs=graphs)
     rec = None
     if graphs and device.type != "cuda":
-        rec = RaceRecorder().attach(plan.scheduler)
-        plan.scheduler.round_graph = RoundGraph(SimulatedGraphs())
+        rec = RaceRecorder().attach(plan.rounds)
+        plan.rounds.executors.round_graph = RoundGraph(SimulatedGraphs())
     meter = _Meter(device, seconds, warmup)
     with rec if rec is not None else contextlib.nullcontext():
         plan.fit(data, 10_000, progress=False, metrics_every=None, hooks=[meter], **fit_kw)
-    rg = plan.scheduler.round_graph
+    rg = plan.rounds.executors.round_graph
     return {"rate": meter.rate if meter.rate is not None else float("nan"), "rounds": meter.rounds,
             "captures": rg.captures if rg is not None else None,
             "replays": rg.replays if rg is not None else None,
@@ -206,7 +206,7 @@ def profile_rounds(model: nn.Module, b: int, mode: str, data: TensorDataset, *, 
     else:
         kernels = [e for e in events if e.name.startswith("aten::")]
         busy = None
-    rg = plan.scheduler.round_graph
+    rg = plan.rounds.executors.round_graph
     return {"kernels_per_round": len(kernels) / rounds,
             "host_us_per_round": state["wall"] * 1e6 / rounds, "gpu_busy_share": busy,
             "replays": rg.replays if rg is not None else None, "rounds": rounds}
@@ -360,7 +360,7 @@ def w1_crossbow(*, seed: int = 0, target: float = 0.99, argv: tuple = (), max_ep
                           seed=seed, max_epochs=max_epochs, target=target, evals_per_epoch=4,
                           max_train_s=max_train_s)
     plan = plans[-1] if plans else None
-    rg = plan.scheduler.round_graph if plan is not None else None
+    rg = plan.rounds.executors.round_graph if plan is not None else None
     out.update(replicas_per_device=plan.replicas_per_device if plan else None,
                captures=rg.captures if rg is not None else None,
                replays=rg.replays if rg is not None else None,

@@ -2,7 +2,7 @@
 
 - ``races``: (a) a short fit in each learner mode (BatchNorm, evaluation, checkpoints, metrics) in
   a child process under PyTorch's CUDA sanitizer (``TORCH_CUDA_SANITIZER=1``: an unsynchronised
-  access raises); (b) for each stream kind of ``engine.streams.STREAM_KINDS`` a seeded fit whose
+  access raises); (b) for each stream kind of ``engine.backends.streams.discipline.STREAM_KINDS`` a seeded fit whose
   streams of that kind sleep ~20 ms (``torch.cuda._sleep``) before their work every round, against
   the same fit undelayed: w, z and zbuf must be equal bit for bit (and two undelayed fits too);
   fits ``RACE_SCENARIOS``: per_replica, fused, S-SGD with nothing between rounds, and one with
@@ -13,7 +13,7 @@
 - ``nccl``: torchrun with one rank; the rank joins an NCCL process group, fits through
   ``Distributed(backend="nccl")`` (z checksummed every round) and matches the same fit without it.
 
-In a smoke run: the race probes with a ``RaceRecorder`` as the streams (engine/race_check.py: no
+In a smoke run: the race probes with a ``RaceRecorder`` as the streams (testing/race_check.py: no
 unordered access may be found), the "device" the CPU (Triton in its interpreter), gloo instead of
 NCCL; the sanitizer's child runs unsanitised.
 """
@@ -39,8 +39,8 @@ import crossbow_graph as cg
 from acceptance_common import (ATOL, RTOL, BNNet, Section, bitwise_equal, child_timeout, close,
                                compile_plan, device_of, exact, max_diff, md_table, state_of,
                                sync, synthetic)
-from crossbow_graph.engine.race_check import RaceRecorder
-from crossbow_graph.engine.streams import STREAM_KINDS
+from crossbow_graph.engine.backends.streams.discipline import STREAM_KINDS
+from crossbow_graph.testing.race_check import RaceRecorder
 
 __all__ = ["section_races", "section_reference", "section_nccl", "run_sanitize", "run_nccl_rank",
            "DelayStream", "RACE_SCENARIOS", "sanitizer_timeout", "rank_timeout"]
@@ -73,11 +73,11 @@ class DelayStream(cg.Hook):
         self.kind, self.cycles, self.streams, self.delayed_rounds = kind, cycles, None, 0
 
     def before_round(self, ctx) -> None:
-        self.streams = ctx.plan.scheduler._streams()
+        self.streams = ctx.plan.rounds.executors.cuda_streams
         self.streams.delay[self.kind] = self.cycles
 
     def after_round(self, ctx) -> None:
-        streams = ctx.plan.scheduler._streams()
+        streams = ctx.plan.rounds.executors.cuda_streams
         self.delayed_rounds += streams is self.streams and streams.delay.get(self.kind) == self.cycles
 
 
@@ -100,7 +100,7 @@ def probe_fit(scenario: str, device: torch.device, tmp: Path, *, smoke: bool,
     data, evals = synthetic("bnnet", 8 * 2 * b, device), synthetic("bnnet", 16, device, seed=1)
     plan = compile_plan("bnnet", device, b=b, kernel_backend="torch" if smoke else kernel_backend,
                     **compile_kw)
-    rec = RaceRecorder().attach(plan.scheduler) if smoke else None
+    rec = RaceRecorder().attach(plan.rounds) if smoke else None
     hooks = [DelayStream(kind, cycles)] if kind else []
     shutil.rmtree(tmp, ignore_errors=True)  # each probe a fresh run: a fit refuses another's
     tmp.mkdir(parents=True)                 # checkpoints (docs/reliability.md)
@@ -319,7 +319,7 @@ def section_nccl(args, sec: Section) -> None:
     sec.key = (f"{r['backend']}, 1 rank, {r['rounds']} rounds on {r['device']}, z checksummed every "
                f"round; against the fit without torch.distributed: max |Δ| {r['max_diff']:.2e}")
     sec.notes.append("the CLI under torchrun with one rank runs without a process group "
-                     "(engine/comm.py torchrun_env: WORLD_SIZE 1), so the rank joins the group itself")
+                     "(engine/transport/comm.py torchrun_env: WORLD_SIZE 1), so the rank joins the group itself")
     if args.smoke:
         sec.notes.append("smoke: gloo on the CPU instead of NCCL")
 

@@ -90,7 +90,7 @@ def sync(device: torch.device) -> None:
 
 def state_of(plan: cg.Plan) -> dict[str, torch.Tensor]:
     """w ``[k, P]``, z ``[P]``, zbuf ``[Q]`` of the plan, on the CPU, after its work is done."""
-    plan.scheduler.flush()
+    plan.rounds.flush()
     return {"w": plan.replica_weights().cpu(), "z": plan.central_weights().cpu(),
             "zbuf": plan.states[0].zbuf.detach().cpu().clone()}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from crossbow_graph import models
-from crossbow_graph.engine.state import row_length
+from crossbow_graph.engine.state.flat import row_length
 from crossbow_graph.kernels.select import UpdateFacts, kernel_specs
 from crossbow_graph.kernels.triton_sma import KernelSpec, central_spec, local_spec
 

@@ -16,9 +16,9 @@ from torch import nn
 
 import crossbow_graph as cg
 from acceptance_common import Section, card_facts, compile_plan, device_of, md_table, synthetic
-from crossbow_graph.engine.capture_check import SimulatedGraphs
-from crossbow_graph.engine.graphs import RoundGraph
-from crossbow_graph.engine.race_check import RaceRecorder
+from crossbow_graph.engine.backends.graphs.capture import RoundGraph
+from crossbow_graph.testing.capture_check import SimulatedGraphs
+from crossbow_graph.testing.race_check import RaceRecorder
 
 __all__ = ["section_memory", "PEAK_OVER_ESTIMATE", "SyncLeNet", "ItemLeNet"]
 
@@ -72,8 +72,8 @@ def _graph_plan(model, device: torch.device, m: int, b: int) -> tuple[cg.Plan, A
                       executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9), cuda_graphs=cuda)
     if cuda:
         return plan, contextlib.nullcontext()
-    recorder = RaceRecorder().attach(plan.scheduler)
-    plan.scheduler.round_graph = RoundGraph(SimulatedGraphs())
+    recorder = RaceRecorder().attach(plan.rounds)
+    plan.rounds.executors.round_graph = RoundGraph(SimulatedGraphs())
     return plan, recorder
 
 
@@ -85,7 +85,7 @@ def _flat_rounds(sec: Section, device: torch.device, model, at: tuple[int, ...],
     epochs = -(-at[-1] * 4 * plan.batch_size // len(data))
     with context:
         plan.fit(data, epochs, progress=False, metrics_every=None, hooks=[hook])
-    rg = plan.scheduler.round_graph
+    rg = plan.rounds.executors.round_graph
     return {"reserved": hook.reserved, "rounds": plan.rounds_done, "captures": rg.captures,
             "replays": rg.replays, "failure": rg.failure}
 
@@ -116,7 +116,7 @@ def _peak_rows(args, sec: Section, device: torch.device) -> list[list]:
                       f"{estimate / 2**20:.1f} MiB")
         rows.append([m, f"{estimate / 2**20:.1f}", f"{peak / 2**20:.1f}" if peak else "—",
                      f"{peak / estimate:.2f}" if peak else "—",
-                     plan.scheduler.round_graph.replays])
+                     plan.rounds.executors.round_graph.replays])
         del plan
     return rows
 

@@ -61,7 +61,8 @@ plan.fit(sub, 1, progress=False, lr_scheduler=sched, lr_scheduler_interval="roun
 t0 = time.perf_counter()
 plan.fit(sub, 2, progress=False, lr_scheduler=sched, lr_scheduler_interval="round")
 rate = n / (time.perf_counter() - t0)
-ahead = getattr(plan.scheduler, "rounds_learned_ahead", None)
+engine = getattr(plan, "rounds", None) or plan.scheduler  # the engine, as each checkout names it
+ahead = engine.clock.learned_ahead if hasattr(engine, "clock") else engine.rounds_learned_ahead
 print("RESULT", json.dumps({"samples/s": rate, "rounds_learned_ahead": ahead}))
 """
 

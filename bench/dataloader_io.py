@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crossbow_graph as cg  # noqa: E402
-from crossbow_graph.engine.workers import available_cores  # noqa: E402
+from crossbow_graph.engine.learning.threads import available_cores  # noqa: E402
 
 __all__ = ["SlowDataset", "plain_rates", "crossbow_rates", "main"]
 

@@ -6,7 +6,7 @@ classes) on 3×32×32 inputs:
 
 1. **one learner group's step** (forward and backward of n = 2 replicas at b = 16, one thread, as a
    worker process runs it), through ``engine.learners.learn_group``: ``per_replica``, ``fused``
-   (engine/fused.py: one autograd leaf per parameter tensor), and ``fused_one_leaf``, the fused
+   (engine/learning/fused.py: one autograd leaf per parameter tensor), and ``fused_one_leaf``, the fused
    step with the whole ``[n, P]`` block as one leaf and every tensor a slice of it. Per step:
    seconds (best of the repetitions), user and system CPU seconds and minor page faults
    (``resource.getrusage``).
@@ -39,8 +39,8 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crossbow_graph as cg  # noqa: E402
-from crossbow_graph.engine.inputs import split_inputs  # noqa: E402
-from crossbow_graph.engine.learners import learn_group  # noqa: E402
+from crossbow_graph.engine.data.inputs import split_inputs  # noqa: E402
+from crossbow_graph.engine.learning.learners import learn_group  # noqa: E402
 
 __all__ = ["ResNet18", "measure_step", "measure_fit", "main"]
 
@@ -112,7 +112,7 @@ def measure_step(variant: str, *, n: int = 2, b: int = 16, reps: int = 3) -> dic
     mode = "per_replica" if variant == "per_replica" else "fused"
     plan = cg.compile(ResNet18(), (torch.randn(2, 3, 32, 32),), F.cross_entropy, batch_size=b,
                       replicas=n, learner_mode=mode, executor="inline")
-    state, fused = plan.states[0], plan.scheduler.fused_programs[0]
+    state, fused = plan.states[0], plan.rounds.ctx.fused[0]
     batch = [torch.randn(n * b, 3, 32, 32), torch.randint(0, 10, (n * b,))]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crossbow_graph as cg  # noqa: E402
-from crossbow_graph.engine.learners import learn_group  # noqa: E402
+from crossbow_graph.engine.learning.learners import learn_group  # noqa: E402
 from crossbow_graph.models import get_model, input_shape  # noqa: E402
 
 __all__ = ["MOVING", "OpCounter", "count_step", "main"]
@@ -62,7 +62,7 @@ def count_step(model: str, m: int, b: int, memory_format: str = "auto"
     plan = cg.compile(get_model(model), (torch.randn(2, *shape),), F.cross_entropy, batch_size=b,
                       replicas=m, learner_mode="fused", executor="inline",
                       memory_format=memory_format)
-    state, fused = plan.states[0], plan.scheduler.fused_programs[0]
+    state, fused = plan.states[0], plan.rounds.ctx.fused[0]
     batch = [torch.randn(m * b, *shape), torch.randint(0, 10, (m * b,))]
     learn_group(state, 0, m, batch, F.cross_entropy, b, "fused", fused)  # warm-up
     with OpCounter() as counter:

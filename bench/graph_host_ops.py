@@ -18,9 +18,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import crossbow_graph as cg  # noqa: E402
-from crossbow_graph.engine import graphs as G  # noqa: E402
-from crossbow_graph.engine.capture_check import SimulatedGraphs  # noqa: E402
-from crossbow_graph.engine.race_check import RaceRecorder  # noqa: E402
+from crossbow_graph.engine.backends.graphs import capture as G  # noqa: E402
+from crossbow_graph.testing.capture_check import SimulatedGraphs  # noqa: E402
+from crossbow_graph.testing.race_check import RaceRecorder  # noqa: E402
 from _plans import TinyBN, make_plan, tiny_data  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def main() -> None:
     ops.replay = uncounted_replay
     plan = make_plan(TinyBN, devices=1, replicas=3, executor="inline", kernel_backend="torch",
                      optimizer=cg.SGD(lr=0.05, momentum=0.9))
-    sched = plan.scheduler
+    sched = plan.rounds
     sched.round_graph = G.RoundGraph(ops)
     rounds = []
     run_round = sched.run_round

@@ -34,7 +34,7 @@ CHILD = textwrap.dedent("""
     from torch import nn
     from torch.utils.data import TensorDataset
     import crossbow_graph as cg
-    import crossbow_graph.engine.workers as workers
+    import crossbow_graph.engine.backends.process.executor as workers
     from crossbow_graph.training.hooks import Hook
 
     close = workers.ProcessExecutor.close

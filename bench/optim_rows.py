@@ -3,7 +3,7 @@ torch.optim implementations of one replica's row.
 
     python bench/optim_rows.py [--replicas 8] [--repeats 200]
 
-Times ``OptimizerRows.step`` (engine/optim.py) for all m rows of one device of a LeNet-5 plan, one
+Times ``OptimizerRows.step`` (engine/state/optim.py) for all m rows of one device of a LeNet-5 plan, one
 thread, for AdamW and SGD with momentum 0.9 in two params groups (so SGD takes the row path too),
 interleaving the two layouts; prints milliseconds per step (median of 5 blocks) and the ratio.
 Then AdamW on one replica's row (k = 1) as each implementation: fused and foreach unset (torch's
@@ -20,7 +20,7 @@ import time
 import torch
 
 import crossbow_graph as cg
-from crossbow_graph.engine.optim import OptimizerRows
+from crossbow_graph.engine.state.optim import OptimizerRows
 
 
 def _plan(make, m: int):

@@ -40,9 +40,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's crossbow_graph
 
-from crossbow_graph.engine.state import row_length  # noqa: E402
+from crossbow_graph.engine.state.flat import row_length  # noqa: E402
 from crossbow_graph.kernels.c_sma import CSMAKernels  # noqa: E402
-from crossbow_graph.kernels.torch_ref import TorchSMAKernels, sma_central_update, sma_local_update  # noqa: E402
+from crossbow_graph.kernels.torch_ref import (TorchSMAKernels, sma_central_update, sma_local_update)  # noqa: E402
 
 __all__ = ["model_shapes", "naive_round", "bench_cuda", "copy_bandwidth", "nominal_bandwidth",
            "L2Flush", "main"]
@@ -297,7 +297,7 @@ def bench_cuda(name, P, m, reps, iters, peak, device="cuda", flush: L2Flush | No
     flush = flush or L2Flush(device)
     tri = TritonSMAKernels()
     dev = torch.device(device)
-    w = _rows(torch.randn(m, P, device=dev))  # [m, P], rows padded as engine/state.py pads them
+    w = _rows(torch.randn(m, P, device=dev))  # [m, P], rows padded as engine/state/flat.py pads them
     v, g = _rows(torch.zeros(m, P, device=dev)), _rows(torch.randn(m, P, device=dev) * 1e-3)
     w_c, v_c, g_c = w.contiguous(), v.contiguous(), g.contiguous()  # rows P apart
     z, z_prev = w.mean(0), w.mean(0)
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         flush = L2Flush("cuda")
         print(f"{meta['gpu']}: device-to-device copy {peak / 1e9:,.0f} GB/s; each timed launch "
               f"after a {L2_FLUSH_BYTES >> 20} MiB read (its data out of L2)")
-        print("triton: rows padded to 32 elements (engine/state.py); P-apart: contiguous rows")
+        print("triton: rows padded to 32 elements (engine/state/flat.py); P-apart: contiguous rows")
         print(f"{'model':<10}{'m':>3}{'P':>12}{'triton µs':>11}{'GB/s':>8}{'of copy':>9}"
               f"{'P-apart µs':>12}{'torch µs':>10}{'GB/s':>8}{'torch/tri':>10}"
               f"{'central tri/torch µs':>22}")

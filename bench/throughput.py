@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crossbow_graph as cg  # noqa: E402
+from crossbow_graph.engine.learning.threads import available_cores  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
-from crossbow_graph.engine.workers import available_cores  # noqa: E402
 
 __all__ = ["plain_rate", "crossbow_rate", "tuned_choice", "main"]
 

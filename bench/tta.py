@@ -194,7 +194,7 @@ def run_crossbow(spec, train, test, *, model_name, seed, max_epochs, target, eva
         evals.append(dict(epoch=samples / len(train), train_seconds=plan.train_seconds,
                           test_accuracy=plan.evaluate(test)[0]))
     out = _result(evals, samples, plan.train_seconds, target)
-    out["executor"] = plan.scheduler.resolved_executor()
+    out["executor"] = plan.rounds.resolved_executor()
     out["final_replicas_per_device"] = plan.replicas_per_device
     out["final_learner_mode"] = plan.learner_mode
     out["autotune"] = [dict(round=d.round, m=d.replicas_per_device, mode=d.learner_mode,
@@ -335,7 +335,7 @@ def run_cli(spec, train, test, *, model_name, seed, max_epochs, target, evals_pe
              for e in h.evals]
     out = _result(evals, sum(e.samples for e in h.epochs), plan.train_seconds, target)
     out.update(argv=argv, final_replicas_per_device=plan.replicas_per_device,
-               executor=plan.scheduler.resolved_executor())
+               executor=plan.rounds.resolved_executor())
     return out
 
 

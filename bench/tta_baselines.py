@@ -57,7 +57,7 @@ sys.path.insert(0, BENCH)
 sys.path.insert(0, os.path.dirname(BENCH))
 
 import crossbow_graph as cg  # noqa: E402
-from crossbow_graph.engine.workers import available_cores  # noqa: E402
+from crossbow_graph.engine.learning.threads import available_cores  # noqa: E402
 
 import tta  # noqa: E402  (bench/tta.py: data, evaluation points, accuracy, result record)
 

@@ -11,9 +11,9 @@ from .api import Plan, compile
 from .compile_options import CompileOptions
 from .compiler.tasks import Cost, Task, TaskKind
 from .config import SGD, Adjustment
-from .engine.comm import Distributed
 from .engine.settings import RunSettings
-from .engine.sync import SMA, SSGD, DiLoCo, LocalSGD
+from .engine.sync import EASGD, SMA, SSGD, DiLoCo, LocalSGD
+from .engine.transport.comm import Distributed
 from .errors import (CheckpointError, CompilerError, DistributedError, DivergenceError, HookError,
                      PlanError, TaskError, TraceError, TraceWarning, TrainingInterrupted)
 from .training.history import History
@@ -21,11 +21,11 @@ from .training.hooks import FitContext, Hook
 from .training.options import FitOptions
 from .tuning.autotune import AutoTune
 from .tuning.metrics import MetricsMonitor
-from .tuning.policies import (AdaptiveBatchSize, AutoReplicas, CosineLR, DivergenceGuard, MultiStepLR,
-                              Policy, StepLR)
+from .tuning.policies import (AdaptiveBatchSize, AutoReplicas, CosineLR, DivergenceGuard,
+                              MultiStepLR, Policy, StepLR)
 
 __all__ = [
-    "compile", "CompileOptions", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "LocalSGD", "AutoTune", "Task",
+    "compile", "CompileOptions", "Plan", "SGD", "SMA", "SSGD", "DiLoCo", "LocalSGD", "EASGD", "AutoTune", "Task",
     "TaskKind", "Cost", "History",
     "TraceError", "TraceWarning", "PlanError", "TaskError", "Distributed", "DistributedError", "CompilerError",
     "DivergenceError", "CheckpointError", "HookError", "TrainingInterrupted",

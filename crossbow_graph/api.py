@@ -2,45 +2,45 @@
 
 from __future__ import annotations
 
-import pathlib
+import functools
 from operator import attrgetter
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from .build import (PlanParts, build_parts, build_states, check_inputs, resolve_devices,
+from .build import (PlanParts, build_parts, build_states, check_inputs, join_plan, resolve_devices,
                     settle_learner_mode)
 from .compile_options import CompileOptions
 from .compiler import inspect as _inspect
-from .config import LEARNER_MODES, SGD, Adjustment, LearnerMode
-from .engine.comm import Distributed, plan_facts
-from .engine.conv_choice import CpuConv
-from .engine.precision import Precision
-from .engine.fused import vmap_failure
-from .engine.graphs import RoundGraph
-from .engine.scheduler import Executor, Scheduler
+from .compiler.passes import build_task_graph
+from .config import SGD, Adjustment, LearnerMode
+from .engine.adjust import apply_adjustment
+from .engine.backends.graphs.capture import RoundGraph
+from .engine.backends.process.conv_choice import CpuConv
+from .engine.executors import Executor
+from .engine.learning.fused import FusedProbe
+from .engine.scheduler import Scheduler
 from .engine.settings import settings_view
+from .engine.state.flat import MemoryFormat
+from .engine.state.precision import Precision
 from .engine.sync import SMA, SyncAlgorithm
-from .engine.state import MemoryFormat
-from .errors import is_count
+from .engine.transport.comm import Distributed
 from .fields import options_of
-from .kernels.select import KernelBackend, UpdateFacts, plan_kernels
-from .training.central import CentralModel, start_from_rank0
+from .kernels.select import KernelBackend, plan_kernels
+from .training.central import CentralModel
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
 from .training.history import History
 from .training.hooks import Hook
 from .training.options import FitOptions
 from .training.progress import FitProgress
-from .training.run_setup import RunRecord
+from .training.run_record import RunRecord
 from .training.trainer import Trainer
 from .training.user_model import UserModel
 from .tuning.autotune import AutoTune, AutoTuner
 from .tuning.metrics import MetricsMonitor
-from .tuning.policy_base import apply_adjustment
 
-__all__ = ["compile", "Plan", "resolve_devices"]
+__all__ = ["compile", "Plan", "resolve_devices", "plan_settings", "plan_summary"]
 
 
 def compile(  # noqa: A001 - the public name the design asks for
@@ -90,19 +90,18 @@ def compile(  # noqa: A001 - the public name the design asks for
     return plan
 
 
-class Plan:
+class Plan(_inspect.Inspectable):
     """A compiled SMA training plan: the task graph of one round and the state it runs on
     (docs/api.md, The Plan).
 
     Attributes:
-        task_graph: ``networkx.DiGraph`` of one round (node attribute ``"task"``: a Task).
         model_graph: the traced model (fx GraphModule, shapes, parameter inventory).
         options: ``compile``'s CompileOptions, as given.
         settings: the run settings in force (engine/settings.py ``RunSettings``), changed only
             through ``adjust``; ``batch_size``, ``replicas_per_device``, ``learner_mode`` and
             ``sync`` are read-only views of it.
-        states: one DeviceState per device (engine/state.py).
-        scheduler: the engine that runs the rounds (engine/scheduler.py).
+        states: one DeviceState per device (engine/state/flat.py).
+        rounds: the engine that runs the rounds (engine/scheduler.py ``Scheduler``).
         central: the evaluated central model (training/central.py ``CentralModel``).
         user_model: the module given to ``compile``, held weakly (training/user_model.py).
         memory_budget: bytes per device for learners (None: unbounded).
@@ -111,7 +110,7 @@ class Plan:
         progress: how far it has trained (training/progress.py ``FitProgress``);
             ``epochs_done``, ``rounds_done``, ``round_in_epoch``, ``position_in_epoch`` and
             ``train_seconds`` are read-only views of it.
-        run_record: its set-up and checkpoints (training/run_setup.py).
+        run_record: its set-up and checkpoints (training/run_record.py).
     """
 
     batch_size = settings_view("batch_size", "b, samples per learner per round (read-only).")
@@ -130,75 +129,52 @@ class Plan:
                                 doc="z's BatchNorm re-estimation (training/batchnorm.py).")
     last_eval_extras = property(attrgetter("central.last_eval_extras"),
                                 doc="The last ``evaluate``'s other loss entries.")
+    task_graph = property(attrgetter("rounds.task_graph"), doc=(
+        "``networkx.DiGraph`` of one round (node attribute ``\"task\"``: a Task; read-only)."))
+    optimizer = property(attrgetter("settings.optimizer.optimizer"), doc=(
+        "The local optimiser as given (never stepped; its ``param_groups`` hold the settings in "
+        "force; docs/optimizers.md)."))
+    template = property(attrgetter("_template"), doc=(
+        "The module every replica is cloned from (training mode, never trained; read-only)."))
+    num_parameters = property(attrgetter("_params.size"),
+                              doc="P, trainable scalars per replica (tied parameters once).")
+    verify = property(attrgetter("options.verify"), doc=(
+        "Whether the verifier runs between the compiler passes, also when ``adjust`` re-plans."))
+
+    fused_failure = property(attrgetter("_fused_probe.failure"), doc=(
+        "Why ``learner_mode=\"fused\"`` cannot run this model (torch.func.vmap's error in a dry "
+        "run, engine/learning/fused.py ``FusedProbe``), or None; probed once (docs/runtime.md)."))
 
     def __init__(self, model: nn.Module, example_inputs: Any, options: CompileOptions,
                  parts: PlanParts) -> None:
-        task_graph, comm, ft = parts.task_graph, parts.comm, parts.ft
-        self.options = options
-        self.model_graph = parts.model_graph
-        self.task_graph = task_graph
-        self.loss_fn = parts.loss_fn
+        self.options, self.model_graph, self.loss_fn = options, parts.model_graph, parts.loss_fn
         self._template, self._params, self.settings, self.states = build_states(
-            model, example_inputs, options, task_graph)
+            model, example_inputs, options, parts.task_graph)
         self.central = CentralModel(self, self._params)
         self.user_model = UserModel(model, self._template)  # holds z after every fit
-        self.scheduler = Scheduler(
-            task_graph, self.states, self.loss_fn, self.settings,
-            executor="inline" if ft is not None and options.executor == "auto" else options.executor,
-            kernels=parts.kernels, comm=comm, cpu_conv=options.cpu_conv,
-            round_graph=RoundGraph() if options.cuda_graphs else None, ft=ft)
-        if ft is not None:  # every replica group of a quorum must be compiled with the same
-            ft.expect(self.settings.optimizer.describe(), self.settings.batch_size)
+        self.rounds = Scheduler(
+            parts.task_graph, self.states, self.loss_fn, self.settings, executor=parts.executor,
+            kernels=parts.kernels, transport=parts.transport, comm=parts.comm,
+            cpu_conv=options.cpu_conv, round_graph=RoundGraph() if options.cuda_graphs else None)
         self.memory_budget = parts.memory_budget
         self.autotuner = AutoTuner(options.autotune or AutoTune()) if options.tuned else None
-        self.comm = comm
-        self._example_inputs = tree_map(  # fused_failure's dry run
-            lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, example_inputs)
-        self._fused_failure: tuple[str | None] | None = None  # (failure,) once probed
-        if comm is not None:
-            comm.agree(plan_facts(self), "the plan")
-            start_from_rank0(self.states, comm)
-            self.central.int_buffers_from_rank0(replicas=True)
+        self.comm = parts.comm
+        self._fused_probe = FusedProbe(self._template, example_inputs)
         self.progress = FitProgress()
         self.run_record = RunRecord()
+        join_plan(self, parts)  # torchrun: the ranks agree and start from rank 0's state
 
     # -- shape of the plan ------------------------------------------------------------------
 
     @property
-    def devices(self) -> list[str]:
-        """This process's device names."""
-        return list(self.task_graph.graph["devices"])
-
-    @property
     def precision(self) -> str:
-        """The learners' precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (engine/precision.py)."""
+        """The learners' precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (engine/state/precision.py)."""
         return self.states[0].precision
 
     @property
     def num_learners(self) -> int:
         """k = G·m, over every process under torchrun."""
         return len(self.devices) * self.replicas_per_device * (self.comm.world_size if self.comm else 1)
-
-    @property
-    def num_parameters(self) -> int:
-        """P, trainable scalars per replica (tied parameters once)."""
-        return self._params.size
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The local optimiser as given (never stepped; its ``param_groups`` hold the settings in
-        force; docs/optimizers.md)."""
-        return self.settings.optimizer.optimizer
-
-    @property
-    def template(self) -> nn.Module:
-        """The module every replica is cloned from (training mode, never trained; read-only)."""
-        return self._template
-
-    @property
-    def verify(self) -> bool:
-        """Whether the verifier runs between the compiler passes, also when ``adjust`` re-plans."""
-        return self.options.verify
 
     @property
     def max_replicas_per_device(self) -> int | None:
@@ -209,36 +185,21 @@ class Plan:
         return max(1, self.memory_budget // mem)
 
     @property
-    def fused_failure(self) -> str | None:
-        """Why ``learner_mode="fused"`` cannot run this model (torch.func.vmap's error in a dry
-        run, engine/fused.py ``vmap_failure``), or None; probed once (docs/runtime.md)."""
-        if self._fused_failure is None:
-            found = None if self._example_inputs is None else \
-                vmap_failure(self._template, self._example_inputs)
-            self._fused_failure = (found,)
-        return self._fused_failure[0]
-
-    @property
     def kernels(self) -> list:
         """The SMA update kernels this plan runs, one per specialisation (docs/kernels.md); with
         ``cuda_graphs=True`` those of its graph rounds (hyper-parameters in device tensors)."""
-        local = self.settings.optimizer
-        opt = local.sgd()
-        facts = UpdateFacts(momentum=opt.momentum, nesterov=opt.nesterov,
-                            weight_decay=opt.weight_decay, local=local.kernel,
-                            **self.sync.kernel_facts(self.num_learners))  # k, τ, μ_z
-        return plan_kernels(self.scheduler.kernels, self.states, facts,
-                            graphs=self.scheduler.round_graph is not None)
+        return plan_kernels(self.rounds.kernels, self.states,
+                            self.settings.update_facts(self.num_learners),
+                            graphs=self.rounds.executors.round_graph is not None)
 
-    # -- inspection (compiler/inspect.py; docs/compiler.md §5) ----------------------------------
+    # -- inspection (compiler/inspect.py ``Inspectable``; docs/compiler.md §5) ----------------
+
+    def inspected_settings(self) -> dict[str, Any]:
+        return plan_settings(self)
 
     def summary(self) -> str:
         """A table per device: replicas, tasks, GFLOP per round, memory (MiB); then the totals."""
-        return _inspect.plan_summary(self)
-
-    def to_json(self, *, indent: int | None = 2) -> str:
-        """The task graph as JSON, schema ``crossbow_graph.plan/2``."""
-        return _inspect.to_json(self.task_graph, _inspect.plan_settings(self), indent=indent)
+        return plan_summary(self)
 
     @staticmethod
     def from_json(text: str) -> "_inspect.PlanView":
@@ -248,18 +209,6 @@ class Plan:
             ValueError: not a plan document. PlanError: the task graph fails the verifier.
         """
         return _inspect.from_json(text)
-
-    def to_dot(self) -> str:
-        """Graphviz DOT text of the task graph, devices as clusters."""
-        return _inspect.to_dot(self.task_graph)
-
-    def draw(self, path: str) -> "pathlib.Path":
-        """Write a picture of the task graph (PNG, SVG or PDF by suffix).
-
-        Raises:
-            RuntimeError: graphviz's ``dot`` is not installed. ValueError: an unknown suffix.
-        """
-        return _inspect.draw(self.task_graph, path)
 
     # -- checkpoints (training/checkpoint.py; docs/reliability.md, Checkpoints) ----------------
 
@@ -354,17 +303,14 @@ class Plan:
             else []
         every = options.metrics_every
         metrics = every if isinstance(every, MetricsMonitor) or every is None else MetricsMonitor(every)
-        self.user_model.check_frozen()  # ValueError before anything else
-        history = Trainer(self, train_dataset, eval_dataset, options, hooks=tuner + list(options.hooks),
-                          metrics=metrics).run()
-        if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
-            self.central.int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)
-        self.user_model.update(self.central)  # docs/api.md, Your model after a fit
-        return history
+        trainer = Trainer(self, train_dataset, eval_dataset, options,
+                          hooks=tuner + list(options.hooks), metrics=metrics)
+        return self.user_model.around_fit(  # docs/api.md, Your model after a fit
+            self.central, trainer.run, comm=self.comm, last_round=lambda: self.rounds_done - 1)
 
     def adjust(self, adjustment: Adjustment) -> dict[str, Any]:
         """Change lr, b, α, τ, m or the learner mode (or reset every replica to z) between
-        rounds: the one interface through which ``settings`` change (tuning/policy_base.py;
+        rounds: the one interface through which ``settings`` change (engine/adjust.py;
         docs/design-overview.md §5, Run settings). Returns what changed, e.g.
         ``{"batch_size": 32}``.
 
@@ -372,7 +318,12 @@ class Plan:
             PlanError: the new b or m exceeds the memory budget (nothing changed).
             ValueError: α with k = 1; α or τ ≠ 1 with ``sync=SSGD()``.
         """
-        return apply_adjustment(self, adjustment)
+        replan = functools.partial(build_task_graph, self.model_graph, devices=self.devices,
+                                   memory_budget_bytes=self.memory_budget, verify=self.verify)
+        return apply_adjustment(self.rounds, adjustment,
+                                replan=lambda b, m: replan(replicas_per_device=m, batch_size=b),
+                                fused_failure=lambda: self.fused_failure,
+                                model_name=type(self._template).__name__)
 
     def set_replicas(self, replicas_per_device: int) -> None:
         """``adjust(Adjustment(replicas_per_device=m))`` (docs/runtime.md, Changing m).
@@ -380,10 +331,7 @@ class Plan:
         Raises:
             ValueError: m not an integer ≥ 1. PlanError: m replicas exceed the memory budget.
         """
-        m = replicas_per_device
-        if not is_count(m):
-            raise ValueError(f"replicas_per_device={m!r}: must be an integer ≥ 1")
-        self.adjust(Adjustment(replicas_per_device=m))
+        self.adjust(Adjustment(replicas_per_device=replicas_per_device))
 
     def set_learner_mode(self, mode: str) -> None:
         """``adjust(Adjustment(learner_mode=mode))``, from the next round on.
@@ -391,6 +339,27 @@ class Plan:
         Raises:
             ValueError: an unknown mode.
         """
-        if mode not in LEARNER_MODES:
-            raise ValueError(f"learner_mode={mode!r}: use one of {LEARNER_MODES}")
         self.adjust(Adjustment(learner_mode=mode))
+
+
+def plan_settings(plan: "Plan") -> dict[str, Any]:
+    """A compiled plan's settings as plain data for ``summary`` and ``to_json``: the optimizer,
+    the sync algorithm (its description and ``summary_rule``), α for its k learners."""
+    sync, state, k = plan.sync, plan.rounds.sync_state, plan.num_learners
+    return {"optimizer": plan.settings.optimizer.describe(), "sync": sync.describe(state),
+            "sync_rule": sync.summary_rule(k, state), "alpha": sync.alpha_for(k)}
+
+
+def plan_summary(plan: "Plan") -> str:
+    """``summary`` of a compiled plan; under torchrun a last line with the bytes each process
+    hands to the global sync's all-reduce (``Distributed.sync_bytes``)."""
+    text = _inspect.summary(plan.task_graph, plan_settings(plan))
+    if plan.comm is not None:
+        d = plan.comm.settings
+        text += (f"\nglobal sync over {plan.comm.world_size} processes: "
+                 f"{d.sync_bytes(plan.num_parameters, plan.states[0].buf.shape[1]):,} bytes "
+                 f"per process per sync ({d.sync_dtype} corrections)")
+    membership = plan.rounds.transport.describe()  # torchft's live replica groups
+    if membership is not None:
+        text += "\n" + membership
+    return text

@@ -19,28 +19,32 @@ from torch import nn
 from .compile_options import CompileOptions
 from .compiler.analysis import estimate_memory
 from .compiler.arguments import check_trace_arguments
+from .compiler.fingerprint import computation_fingerprint
 from .compiler.outputs import model_loss
 from .compiler.passes import build_task_graph
 from .compiler.trace import ModelGraph, trace_model
-from .engine.comm import Comm, Distributed
-from .engine.ft import FaultTolerantSync, check_fault_tolerant
-from .engine.fused import fused_mode_message
-from .engine.graphs import cuda_graphs_refusal
-from .engine.inputs import CallFlags
-from .engine.precision import check_precision
-from .engine.optim import OptimizerRows, as_local_optimizer
+from .config import Adjustment
+from .engine.backends.graphs.capture import cuda_graphs_refusal
+from .engine.data.inputs import CallFlags
+from .engine.learning.fused import fused_mode_message
 from .engine.settings import RunSettings
-from .engine.state import (DeviceState, FlatLayout, channels_last_weights, check_grad_hooks,
-                           copy_module, float_buffers_named, model_dtype, trainable_named)
+from .engine.state.flat import (DeviceState, FlatLayout, channels_last_weights, check_grad_hooks,
+                                copy_module, float_buffers_named, model_dtype, trainable_named)
+from .engine.state.optim import OptimizerRows, as_local_optimizer
+from .engine.state.precision import check_precision
+from .engine.transport.comm import Comm, Distributed
+from .engine.transport.ft import FaultTolerantSync, check_fault_tolerant
+from .engine.transport.transports import Transport, choose_transport
 from .errors import PlanError
 from .kernels.protocol import SMAKernels
 from .kernels.select import select_backend
+from .training.central import start_from_rank0
 
 if TYPE_CHECKING:
-    from .api import Plan
+    from .training.fit_plan import FitPlan
 
 __all__ = ["PlanParts", "check_inputs", "build_parts", "build_states", "loss_inputs_hint",
-           "settle_learner_mode",
+           "settle_learner_mode", "plan_facts", "join_plan",
            "resolve_devices",
            "devices_and_comm", "cuda_memory_budget", "check_host_memory", "host_memory_bytes",
            "torch_device"]
@@ -56,6 +60,8 @@ class PlanParts:
     kernels: SMAKernels  # the SMA update kernels' backend
     comm: Comm | None  # under torchrun: this rank's place in the process group
     ft: FaultTolerantSync | None  # Distributed(fault_tolerant=True): this torchft replica group
+    transport: Transport  # how the global sync's sums cross devices and processes, chosen once
+    executor: str  # the executor option in force ("auto" is "inline" under torchft)
     memory_budget: int | None  # bytes per device: the option's, or a GPU's free memory
 
 
@@ -122,9 +128,29 @@ def build_parts(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
     graph = build_task_graph(model_graph, devices=names, replicas_per_device=m,
                              batch_size=options.batch_size, memory_budget_bytes=memory_budget,
                              verify=options.verify)
+    if comm is not None and not options.sync.across_processes:
+        raise ValueError(f"sync={type(options.sync).__name__}() runs in one process (its global "
+                         "step is not summed across torchrun ranks); use SMA, DiLoCo or LocalSGD "
+                         "under torchrun")
+    transport = choose_transport(on_cpu=names[0].startswith("cpu"), comm=comm, ft=ft)
     return PlanParts(model_graph=model_graph, task_graph=graph,
                      loss_fn=model_loss if loss_fn is None else loss_fn, kernels=kernels,
-                     comm=comm, ft=ft, memory_budget=memory_budget)
+                     comm=comm, ft=ft, transport=transport, memory_budget=memory_budget,
+                     executor="inline" if ft is not None and options.executor == "auto"
+                     else options.executor)
+
+
+def join_plan(plan: "FitPlan", parts: PlanParts) -> None:
+    """A built plan joins the other processes: every torchft replica group of a quorum must be
+    compiled with the same hyper-parameters (``FaultTolerantSync.expect``); under torchrun the
+    ranks agree on the plan (``plan_facts``; DistributedError) and start from rank 0's replicas,
+    z and integer buffers."""
+    if parts.ft is not None:
+        parts.ft.expect(plan.settings.optimizer.describe(), plan.settings.batch_size)
+    if parts.comm is not None:
+        parts.comm.agree(plan_facts(plan), "the plan")
+        start_from_rank0(plan.states, parts.comm)
+        plan.central.int_buffers_from_rank0(replicas=True)
 
 
 def loss_inputs_hint(model: nn.Module) -> str:
@@ -175,7 +201,7 @@ def build_states(model: nn.Module, example_inputs: Any, options: CompileOptions,
     return template, params, settings, states
 
 
-def settle_learner_mode(plan: "Plan", options: CompileOptions) -> None:
+def settle_learner_mode(plan: "FitPlan", options: CompileOptions) -> None:
     """With ``learner_mode="fused"`` for a model vmap cannot run (``Plan.fused_failure``):
     ValueError, or with ``replicas="auto"`` a warning (to ``compile``'s caller) and the plan
     switched to ``"per_replica"``."""
@@ -184,7 +210,7 @@ def settle_learner_mode(plan: "Plan", options: CompileOptions) -> None:
         if not options.tuned:
             raise ValueError(message)
         warnings.warn(f"{message}; replicas='auto' starts with per_replica", stacklevel=3)
-        plan.set_learner_mode("per_replica")
+        plan.adjust(Adjustment(learner_mode="per_replica"))
 
 
 def resolve_devices(devices: int | str | Sequence[str]) -> list[str]:
@@ -379,3 +405,26 @@ def devices_and_comm(devices: int | str | Sequence[str],
                              f"--nproc-per-node {max(1, n_cuda // devices)}")
         names = [f"cuda:{first + i}" for i in range(devices)]
     return names, comm
+
+
+def plan_facts(plan: "FitPlan") -> dict[str, Any]:
+    """What every rank's plan must share: the model's fingerprint (parameter and buffer names,
+    shapes, dtypes), the computation's (compiler/fingerprint.py: the modules, the traced forward,
+    the loss function), devices per process, replicas, batch size, optimiser and SMA settings, the
+    learners' precision, the flat rows' layout (which weights lie channels-last)."""
+    template = plan.template
+    model = [(n, tuple(p.shape), str(p.dtype)) for n, p in template.named_parameters()]
+    model += [(n, tuple(b.shape), str(b.dtype)) for n, b in template.named_buffers()]
+    return {
+        "model": (type(template).__name__, model),
+        "computation": computation_fingerprint(template, plan.model_graph.module, plan.loss_fn),
+        "devices per process": len(plan.devices),
+        "replicas per device": ("auto" if plan.autotuner is not None
+                                else plan.settings.replicas_per_device),
+        "batch_size": plan.settings.batch_size,
+        "optimizer": plan.settings.optimizer.describe(),
+        "sync": plan.settings.sync.describe(plan.rounds.sync_state),
+        "precision": plan.states[0].precision,
+        "channels-last weights": sorted(plan.states[0].params.channels_last),  # the rows' layout
+        "sync dtype": plan.comm.settings.sync_dtype if plan.comm is not None else "fp32",
+    }

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 import crossbow_graph as cg
 
 from . import datasets, models
-from .engine.threads import describe_threads
+from .engine.learning.threads import describe_threads
 from .training.hooks import FitContext, Hook
 from .training.history import EvalRecord
 

@@ -40,7 +40,7 @@ def apply_machine_defaults(args: argparse.Namespace) -> list[str]:
 
 
 def graph_rounds_default(args: argparse.Namespace, devices: list[str]) -> bool:
-    """``--cuda-graphs`` left out: on where graph rounds replay (engine/graphs.py ``why_not``):
+    """``--cuda-graphs`` left out: on where graph rounds replay (engine/backends/graphs/capture.py ``why_not``):
     one CUDA device, one process (no torchrun group, no ``--fault-tolerant``), SMA with the SGD
     kernels (``--optimizer sgd``), no fp16 loss scaling."""
     return (len(devices) == 1 and devices[0].startswith("cuda")

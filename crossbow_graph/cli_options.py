@@ -1,5 +1,6 @@
 """``crossbow-graph train``'s flags that set an option: of ``compile`` (``CompileOptions``), of
-``Plan.fit`` (``FitOptions``), of SMA or of ``Distributed``. Each such flag takes its default
+``Plan.fit`` (``FitOptions``) or of ``Distributed`` (the sync algorithms' flags: cli_sync.py).
+Each such flag takes its default
 and its choices from the option's field (docs/options.md), except where ``CLI_DEFAULTS`` gives
 the CLI's own default and the reason; tests/test_options.py holds the two together."""
 
@@ -12,8 +13,7 @@ import sys
 from typing import Any, get_args
 
 from .compile_options import CompileOptions
-from .engine.comm import Distributed
-from .engine.sync import SMA
+from .engine.transport.comm import Distributed
 from .training.options import FitOptions
 
 __all__ = ["OPTION_FLAGS", "CLI_DEFAULTS", "BUILDING_FLAGS", "flag_default", "flag_choices",
@@ -41,9 +41,6 @@ OPTION_FLAGS: dict[str, tuple[type, str]] = {  # flag → (the dataclass, its fi
     "--seed": (FitOptions, "seed"),
     "--max-grad-norm": (FitOptions, "max_grad_norm"),
     "--cpu-threads": (FitOptions, "cpu_threads"),
-    "--alpha": (SMA, "alpha"),
-    "--central-momentum": (SMA, "central_momentum"),
-    "--sync-every": (SMA, "sync_every"),
     "--dist-timeout": (Distributed, "timeout_s"),
     "--checksum-every": (Distributed, "checksum_every"),
     "--sync-dtype": (Distributed, "sync_dtype"),
@@ -69,9 +66,6 @@ CLI_DEFAULTS: dict[str, tuple[Any, str]] = {
     "--evals-per-epoch": (4, "the main job's time-to-accuracy resolution"),
     "--metrics-every": (None, "50 with a --policy, else 0 (no metrics): a window costs the next "
                               "round's overlap, and only policies read the metrics"),
-    "--central-momentum": (None, "SMA's own; None tells --sync diloco that it was not given"),
-    "--sync-every": (None, "SMA's τ (1) or, with --sync diloco or local_sgd, their H "
-                           "(cli.DILOCO_H)"),
 }
 
 # flags named after an option whose value they build from a name and other flags (no default of
@@ -79,7 +73,7 @@ CLI_DEFAULTS: dict[str, tuple[Any, str]] = {
 BUILDING_FLAGS: dict[str, str] = {
     "--optimizer": "the torch.optim class of cli.OPTIMIZERS, over the model, with --lr, "
                    "--momentum and --weight-decay",
-    "--sync": "SMA, DiLoCo or local SGD with their own flags (cli._sync)",
+    "--sync": "a sync algorithm of engine/sync/ ALGORITHMS with its own flags (cli_sync.py)",
 }
 
 

@@ -4,7 +4,6 @@ fit and its results (docs/benchmarking.md, The main job)."""
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import sys
 from typing import Any
@@ -20,9 +19,10 @@ from .cli_lm import (LM_BETAS, LM_MODELS, apply_lm_defaults, is_language_model, 
 from .cli_layout import learner_layout
 from .cli_machine import apply_machine_defaults
 from .cli_options import flag_default
+from .cli_sync import DILOCO_H, sync_of
 from .datasets import ImageDataset
-from .engine.comm import z_digest
-from .engine.threads import describe_threads
+from .engine.learning.threads import describe_threads
+from .engine.transport.comm import z_digest
 from .errors import CheckpointError, DistributedError, DivergenceError, TrainingInterrupted
 from .tuning.metrics import MetricsMonitor
 from .tuning.policies import AdaptiveBatchSize, MultiStepLR, parse_policy
@@ -43,7 +43,6 @@ OPTIMIZERS = {
 # samples per metrics window (MetricsMonitor(window_samples=...)): 50 rounds at the default k·b
 WINDOW_SAMPLES = 12_800
 LR_SCHEDULES = ("onecycle", "multistep", "cosine", "constant")
-DILOCO_H = 16  # --sync diloco's and local_sgd's default H (docs/benchmarking.md, DiLoCo on W1)
 DEFAULT_LR, DEFAULT_LR_BATCH = OPTIMIZERS["adamw"][1:]  # the default optimizer's
 
 
@@ -181,7 +180,7 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
         learner_mode=args.learner_mode,
         optimizer=_optimizer(args, model, lr),
         precision=args.precision, memory_format=args.memory_format, cuda_graphs=args.cuda_graphs,
-        sync=_sync(args),
+        sync=sync_of(args),
         distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every,
                                    sync_dtype=args.sync_dtype, fault_tolerant=args.fault_tolerant,
                                    lighthouse=args.lighthouse, replica_group=args.replica_group,
@@ -240,47 +239,6 @@ def _shard(dataset: Any, spec: str) -> torch.utils.data.Subset:
     return torch.utils.data.Subset(dataset, range(i, len(dataset), n))
 
 
-def _sync(args: argparse.Namespace) -> cg.SMA | cg.DiLoCo | cg.LocalSGD:
-    """``--sync``'s algorithm: SMA with ``--alpha``, ``--central-momentum``, τ; DiLoCo with H and
-    an outer SGD of ``--outer-lr``, ``--outer-momentum`` (Nesterov when > 0); or local SGD with H.
-
-    Raises:
-        ValueError: an SMA flag (``--alpha``, ``--central-momentum``) with ``--sync diloco`` or
-            ``local_sgd``, a DiLoCo flag (``--outer-lr``, ``--outer-momentum``) with ``--sync
-            sma`` or ``local_sgd``, or an outer lr ≤ 0 or momentum outside [0, 1).
-    """
-    outer_flags = (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum))
-    if args.sync == "sma":
-        for flag, value in outer_flags:
-            if value is not None:
-                raise ValueError(f"{flag} with --sync sma: it sets DiLoCo's outer optimizer; add "
-                                 "--sync diloco, or drop it")
-        given = {key: value for key, value in (("central_momentum", args.central_momentum),
-                                               ("sync_every", args.sync_every)) if value is not None}
-        return cg.SMA(alpha=args.alpha, **given)  # SMA's own defaults for the others
-    name, z_moves = (("DiLoCo", "its outer optimizer is --outer-lr, --outer-momentum")
-                     if args.sync == "diloco" else ("local SGD", "z is the replicas' mean"))
-    for flag, value in (("--alpha", args.alpha), ("--central-momentum", args.central_momentum)):
-        if value is not None:
-            raise ValueError(f"{flag} with --sync {args.sync}: it is an SMA setting ({name} pulls "
-                             f"no replica toward z; {z_moves}); drop {flag}, or use --sync sma")
-    H = DILOCO_H if args.sync_every is None else args.sync_every
-    if args.sync == "local_sgd":
-        for flag, value in outer_flags:
-            if value is not None:
-                raise ValueError(f"{flag} with --sync local_sgd: local SGD has no outer optimizer "
-                                 "(z is the replicas' mean); drop it, or use --sync diloco")
-        return cg.LocalSGD(sync_every=H)
-    lr = 0.7 if args.outer_lr is None else args.outer_lr
-    momentum = 0.9 if args.outer_momentum is None else args.outer_momentum
-    if not lr > 0:
-        raise ValueError(f"--outer-lr {lr:g}: the outer SGD's lr must be > 0, e.g. 0.7")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"--outer-momentum {momentum:g}: must be in [0, 1), e.g. 0.9 (0: none)")
-    outer = functools.partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=momentum > 0)
-    return cg.DiLoCo(sync_every=H, outer_optimizer=outer)
-
-
 def run_train(args: argparse.Namespace) -> int:
     """``crossbow-graph train``: the plan's summary, the fit, the results; the exit status
     (2: a checkpoint, divergence or distributed error, printed on one line; 128 + the signal
@@ -294,7 +252,7 @@ def run_train(args: argparse.Namespace) -> int:
                   "with several replicas per GPU; flags given override them)", flush=True)
         print(plan.summary(), flush=True)
         if comm is not None:
-            k = "this replica group's k" if plan.scheduler.ft is not None else "k"
+            k = "this replica group's k" if comm.settings.fault_tolerant else "k"
             print(f"torchrun: {comm.world_size} processes ({comm.backend}) × "
                   f"{plan.num_learners // comm.world_size} learners = {k} {plan.num_learners}; "
                   f"{comm.settings.sync_bytes(plan.num_parameters, plan.states[0].buf.shape[1]):,} "

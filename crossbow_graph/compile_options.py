@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from .config import SGD, LearnerMode
-from .engine.comm import Distributed
-from .engine.conv_choice import CpuConv
-from .engine.precision import Precision
-from .engine.scheduler import Executor
-from .engine.state import MemoryFormat
+from .engine.backends.process.conv_choice import CpuConv
+from .engine.executors import Executor
+from .engine.state.flat import MemoryFormat
+from .engine.state.precision import Precision
 from .engine.sync import ALGORITHMS, SMA, SyncAlgorithm
+from .engine.transport.comm import Distributed
 from .errors import check_flag, is_count
 from .fields import check_choices, option
 from .kernels.select import KernelBackend

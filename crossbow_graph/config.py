@@ -14,7 +14,7 @@ from .errors import check_flag, check_number, is_count
 
 __all__ = ["SGD", "Adjustment", "LearnerMode", "LEARNER_MODES"]
 
-LearnerMode = Literal["per_replica", "fused"]  # engine/fused.py: the same mathematics, two programs
+LearnerMode = Literal["per_replica", "fused"]  # engine/learning/fused.py: the same mathematics, two programs
 LEARNER_MODES = get_args(LearnerMode)
 
 

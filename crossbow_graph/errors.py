@@ -65,11 +65,11 @@ class TaskError(RuntimeError):
 
 
 class DivergenceError(TaskError):
-    """Every replica produced NaN or Inf in the same round (engine/faults.py; docs/api.md, Errors)."""
+    """Every replica produced NaN or Inf in the same round (engine/learning/faults.py; docs/api.md, Errors)."""
 
 
 class DistributedError(TaskError):
-    """Processes of a torchrun launch disagree or lost each other (engine/comm.py; docs/api.md,
+    """Processes of a torchrun launch disagree or lost each other (engine/transport/comm.py; docs/api.md,
     Errors); ``round_index`` is −1 at start-up."""
 
 

@@ -121,9 +121,9 @@ def _resumed() -> dict:
 
 
 def _streams() -> dict:
-    from crossbow_graph.engine.race_check import RaceRecorder
+    from crossbow_graph.testing.race_check import RaceRecorder
     plan = _plan(replicas=3)
-    with RaceRecorder().attach(plan.scheduler):
+    with RaceRecorder().attach(plan.rounds):
         return _fit(plan)
 
 

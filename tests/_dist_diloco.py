@@ -52,7 +52,7 @@ def main(out: str) -> None:
         plan = plan_of(rank)
         plan.fit(data, 1, shuffle=False, progress=False, checkpoint_dir=ckpt, resume=True)
         result.update(z=plan.central_weights(), zbuf=plan.states[0].zbuf.clone(),
-                      rounds=plan.rounds_done, outer=plan.scheduler.sync_state.state_dict())
+                      rounds=plan.rounds_done, outer=plan.rounds.sync_state.state_dict())
     except TaskError as exc:
         result.update(error=str(exc))
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))

@@ -46,9 +46,9 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 
 import crossbow_graph as cg  # noqa: E402
+from crossbow_graph.engine.transport.comm import Comm, z_digest  # noqa: E402
 from crossbow_graph.errors import CheckpointError, TaskError  # noqa: E402
-from crossbow_graph.engine.comm import Comm, z_digest  # noqa: E402
-from crossbow_graph.engine.race_check import RaceRecorder  # noqa: E402
+from crossbow_graph.testing.race_check import RaceRecorder  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
 from _plans import TinyBN, TinyDrop, TinyNet, make_plan, tiny_data  # noqa: E402
 
@@ -87,7 +87,7 @@ class _Poison(Hook):
     def before_round(self, ctx) -> None:
         if ctx.plan.rounds_done in self.at:
             if self.flush:  # the streams' work before writing on the default stream
-                ctx.plan.scheduler.flush()
+                ctx.plan.rounds.flush()
             for r in self.rows:
                 ctx.plan.states[0].w[r, 3] = float("nan")
 
@@ -224,7 +224,7 @@ def run(scenario: str, rank: int, out: str) -> dict:
                       log_dir=os.path.join(out, "logs-fault"))
         if scenario == "fault_streams":  # fault_one on the CUDA streams' path, recorded on the CPU
             hooks.append(_Poison([2], [1], flush=True) if rank == 1 else _Poison([4], [0], flush=True))
-            recorder = RaceRecorder().attach(plan.scheduler)
+            recorder = RaceRecorder().attach(plan.rounds)
             recorder.__enter__()
         if scenario == "nan_all":
             hooks.append(_Poison(range(3, ROUNDS), range(M)))
@@ -257,7 +257,7 @@ def run(scenario: str, rank: int, out: str) -> dict:
             recorder.__exit__(None, None, None)
             result.update(races=[str(r) for r in recorder.races])
         result.update(z=plan.central_weights(), zbuf=plan.states[0].zbuf.clone(),
-                      m=plan.replicas_per_device, lr=plan.scheduler.lr, tau=plan.sync.sync_every,
+                      m=plan.replicas_per_device, lr=plan.settings.lr, tau=plan.sync.sync_every,
                       alpha=plan.sync.alpha, mode=plan.learner_mode,
                       digest=z_digest(plan.states[0].z), rounds=plan.rounds_done,
                       loss=history.epochs[-1].train_loss,

@@ -82,14 +82,14 @@ def die_in_sync(plan: cg.Plan, round_index: int) -> None:
     sig = signal.SIGSTOP if os.environ.get("FT_DIE_SIGNAL") == "STOP" else signal.SIGKILL
     if os.environ.get("FT_DIE_RANK", str(RANK)) != str(RANK):
         return  # another rank of this group dies
-    ft = plan.scheduler.ft
+    ft = plan.rounds.transport.ft
     manager = ft.manager
     allreduce = manager.allreduce
     fired = []  # once: a continued group (SIGCONT) goes on with this all-reduce
 
     def dying(*args, **kwargs):
-        if not fired and plan.scheduler.round_index >= round_index \
-                and ft.live_learners == 2 * W * M and manager.num_participants() == 2:
+        if not fired and plan.progress.rounds_done - 1 >= round_index \
+                and ft.members.live_learners == 2 * W * M and manager.num_participants() == 2:
             fired.append(True)
             os.kill(os.getpid(), sig)
         return allreduce(*args, **kwargs)
@@ -107,7 +107,7 @@ class _Pace(cg.Hook):
         self.alone_file = alone_file
 
     def after_round(self, ctx) -> None:
-        changes = ctx.plan.scheduler.ft.membership
+        changes = ctx.plan.rounds.transport.ft.members.changes
         if changes and changes[-1].groups == 1:  # alone: give the other group time to (re)join
             time.sleep(0.2)
         both = [i for i, c in enumerate(changes) if (c.groups, c.learners) == (2, 2 * W * M)]
@@ -136,8 +136,8 @@ def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str =
                          "pace": [_Pace(os.path.join(out, f"{group}.alone"))]}.get(phase, [])
         plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None, hooks=hooks, **ckpt)
         result.update(rounds=plan.rounds_done, summary=plan.summary(),
-                      backend=plan.scheduler.ft.manager._pg.getBackendName(),
-                      membership=[dataclasses.asdict(c) for c in plan.scheduler.ft.membership])
+                      backend=plan.rounds.transport.ft.manager._pg.getBackendName(),
+                      membership=[dataclasses.asdict(c) for c in plan.rounds.transport.ft.members.changes])
     except TaskError as exc:
         result.update(error=str(exc))
     result.update(w_before=rec.w_before, z_after=rec.z_after)

@@ -1,5 +1,5 @@
 """Eager PyTorch oracles of the test suite: one learner's optimizer steps, SMA by the book
-(docs/design-overview.md §2) one parameter tensor at a time, DiLoCo by hand, and the helpers that
+(docs/design-overview.md §2) one parameter tensor at a time, DiLoCo and EASGD by hand, and the helpers that
 flatten models and split data sets as the plans do."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-__all__ = ["flat", "batches_of", "EagerRun", "eager_steps", "reference_sma", "reference_diloco"]
+__all__ = ["flat", "batches_of", "EagerRun", "eager_steps", "reference_sma", "reference_diloco",
+           "reference_easgd"]
 
 
 def flat(tensors: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor:
@@ -164,3 +165,38 @@ def reference_diloco(model: nn.Module, batches, *, k: int, rounds: int, H: int, 
                     for p, zi in zip(c.parameters(), z):
                         p.copy_(zi)
     return flat(z), torch.stack([flat(c) for c in copies])
+
+
+def reference_easgd(model: nn.Module, batches, *, k: int, rounds: int, lr: float, momentum: float,
+                    alpha: float, beta: float, tau: int = 1,
+                    loss_fn=torch.nn.functional.cross_entropy):
+    """Synchronous EASGD by the paper (Zhang, Choromanska and LeCun 2015, eqs. 5–6) on copies of
+    ``model``, k learners: in round t learner j takes ``batches[t·k + j]`` and steps SGD
+    (``momentum`` as torch.optim.SGD) from x_j; in every τ-th round also the elastic terms from
+    the same x_j and the centre x̃: x_j ← x_j − η·u_j − α·(x_j − x̃), x̃ ← x̃ + β·(mean_j x_j − x̃).
+    Returns (x̃ as a list of tensors, the replicas as modules)."""
+    replicas = [copy.deepcopy(model) for _ in range(k)]
+    params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
+    centre = [p.detach().clone() for p in params[0]]
+    velocity = [[None] * len(centre) for _ in range(k)]
+    for t in range(rounds):
+        elastic = (t + 1) % tau == 0
+        before = [[p.detach().clone() for p in ps] for ps in params]  # x_j of the round
+        for j, r in enumerate(replicas):
+            x, y = batches[t * k + j]
+            r.zero_grad(set_to_none=True)
+            loss_fn(r(x), y).backward()
+            with torch.no_grad():
+                for i, p in enumerate(params[j]):
+                    g = p.grad
+                    if momentum:
+                        v = velocity[j][i]
+                        velocity[j][i] = g.clone() if v is None else momentum * v + g
+                        g = velocity[j][i]
+                    p.sub_(lr * g)
+                    if elastic:
+                        p.sub_(alpha * (before[j][i] - centre[i]))
+        if elastic:
+            with torch.no_grad():
+                centre = [c + beta * (sum(b[i] for b in before) / k - c) for i, c in enumerate(centre)]
+    return centre, replicas

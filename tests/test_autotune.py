@@ -10,10 +10,10 @@ import torch
 
 import crossbow_graph as cg
 from crossbow_graph.compiler.tasks import TaskKind
+from crossbow_graph.training.hooks import Hook
 from crossbow_graph.tuning.autotune import AutoTuner
 from crossbow_graph.tuning.autotune_rule import (Measurement, Setting, TuningRule, exceeds,
                                                  sub_window_rates, verdict)
-from crossbow_graph.training.hooks import Hook
 
 from _plans import make_plan, tiny_data
 
@@ -125,13 +125,14 @@ def test_tuner_keeps_the_other_mode_when_it_is_faster():
     clock = _Clock(lambda k: 1.0)
     plan = _tuned_plan(clock)
     plan.autotuner.config = cg.AutoTune(max_replicas=2, **FAST)
-    orig = plan.set_learner_mode
+    orig = plan.adjust  # the one way a tuner changes the plan (training/fit_plan.py FitPlan)
 
-    def faster_fused(mode):
-        orig(mode)
-        clock.per_round = (lambda k: 0.5) if mode == "fused" else (lambda k: 1.0)
+    def faster_fused(adjustment):
+        done = orig(adjustment)
+        clock.per_round = (lambda k: 0.5) if plan.learner_mode == "fused" else (lambda k: 1.0)
+        return done
 
-    plan.set_learner_mode = faster_fused
+    plan.adjust = faster_fused
     watch = _Watch(plan.autotuner, 9)
     hist = plan.fit(tiny_data(4000), 1, progress=False, hooks=[watch])
     actions = [d.action for d in hist.autotune]

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
-from crossbow_graph.engine import conv_choice
+from crossbow_graph.engine.backends.process import conv_choice
 from crossbow_graph.errors import CheckpointError
 from crossbow_graph.training.checkpoint import list_checkpoints, load_checkpoint, load_latest
 from crossbow_graph.training.hooks import Hook
@@ -190,7 +190,7 @@ def test_a_resumed_process_keeps_the_convolution_library_its_checkpoint_ran_with
     monkeypatch.setattr(conv_choice, "_step_seconds", faster(False))
     resumed = plan()
     fit(resumed, hooks=[StopAfter(10**6)], checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
-    assert resumed.scheduler.onednn_choices == full.scheduler.onednn_choices == {4: True}
+    assert resumed.rounds.ctx.onednn_choices == full.rounds.ctx.onednn_choices == {4: True}
     assert resumed.rounds_done == full.rounds_done == 24
     assert torch.equal(resumed.central_weights(), full.central_weights())
     assert torch.equal(resumed.replica_weights(), full.replica_weights())
@@ -610,10 +610,10 @@ def test_resume_continues_at_a_policy_changed_batch_size(tmp_path, stop_at):
     full = net_plan()
     random.seed(7), np.random.seed(7)
     h_full = fit(full, hooks=[StopAfter(10**6)])
-    assert (full.batch_size, full.scheduler.lr, full.rounds_done) == (8, 0.1, 10)
+    assert (full.batch_size, full.settings.lr, full.rounds_done) == (8, 0.1, 10)
     second, h = _fit_interrupted_and_resumed(tmp_path, stop_at, fit)
-    assert (second.batch_size, second.scheduler.lr, second.rounds_done) == (8, 0.1, 10)
-    assert second.scheduler.batch_size == 8
+    assert (second.batch_size, second.settings.lr, second.rounds_done) == (8, 0.1, 10)
+    assert second.settings.batch_size == 8
     assert_same_state(full, second)
     assert [e.train_loss for e in h.epochs] == [e.train_loss for e in h_full.epochs]
     assert _policy_log(h) == _policy_log(h_full) == [(3, 0, "_DoubleBatch",

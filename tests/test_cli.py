@@ -177,14 +177,14 @@ def test_sync_diloco_flags_build_a_diloco_plan(capsys):
              "--devices", "2"]
     plan, fit = prepare_train(build_parser().parse_args(small + ["--sync", "diloco", "--sync-every", "4"]))
     assert isinstance(plan.sync, cg.DiLoCo) and plan.sync.sync_every == 4
-    assert plan.scheduler.resolved_executor() == "inline"
-    group = plan.scheduler.sync_state.optimizer.param_groups[0]
+    assert plan.rounds.resolved_executor() == "inline"
+    group = plan.rounds.sync_state.optimizer.param_groups[0]
     assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.9, True)  # DiLoCo's
     plan.fit(**fit)
-    assert plan.rounds_done == 8 and plan.scheduler.sync_state.optimizer.state  # 2 outer steps
+    assert plan.rounds_done == 8 and plan.rounds.sync_state.optimizer.state  # 2 outer steps
     plan, _ = prepare_train(build_parser().parse_args(
         small + ["--sync", "diloco", "--outer-lr", "1", "--outer-momentum", "0"]))  # local SGD
-    group = plan.scheduler.sync_state.optimizer.param_groups[0]
+    group = plan.rounds.sync_state.optimizer.param_groups[0]
     assert plan.sync.sync_every == DILOCO_H and (group["lr"], group["momentum"], group["nesterov"]) == (1, 0, False)
     plan, _ = prepare_train(build_parser().parse_args(small + ["--sync-every", "3"]))
     assert plan.sync == cg.SMA(sync_every=3)
@@ -211,10 +211,58 @@ def test_sync_local_sgd_flag_builds_a_local_sgd_plan(capsys):
     assert plan.sync == cg.LocalSGD(sync_every=4)
     plan, _ = prepare_train(build_parser().parse_args(small + ["--sync", "local_sgd"]))
     assert plan.sync == cg.LocalSGD(sync_every=DILOCO_H)
-    for flags, says in [(["--alpha", "0.5"], "--alpha with --sync local_sgd: it is an SMA setting"),
-                        (["--outer-lr", "1"], "--outer-lr with --sync local_sgd: local SGD has no outer optimizer")]:
+    for flags, says in [(["--alpha", "0.5"], "--alpha with --sync local_sgd: it is a setting of SMA, "
+                                             "EASGD, not of LocalSGD"),
+                        (["--outer-lr", "1"], "--outer-lr with --sync local_sgd: it sets an outer "
+                                              "optimizer, which LocalSGD has not; add --sync diloco")]:
         assert main(small + ["--sync", "local_sgd"] + flags) == 2, flags
         assert says in capsys.readouterr().err, flags
+
+
+def test_sync_flags_are_generated_from_each_algorithms_fields(capsys):
+    """--sync easgd with --alpha and --centre-rate builds EASGD from its fields' flags (no CLI
+    code names it); a field of another algorithm is refused; an algorithm added to
+    engine/sync's ALGORITHMS gets --sync and a flag per number field by itself."""
+    import dataclasses
+
+    from crossbow_graph import cli_sync
+    from crossbow_graph.cli import prepare_train
+    from crossbow_graph.engine import sync as sync_package
+
+    small = ["train", "--train-samples", "256", "--test-samples", "128", "--epochs", "1",
+             "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "16",
+             "--devices", "2"]
+    plan, _ = prepare_train(build_parser().parse_args(
+        small + ["--sync", "easgd", "--alpha", "0.25", "--centre-rate", "0.5", "--sync-every", "2"]))
+    assert plan.sync == cg.EASGD(alpha=0.25, centre_rate=0.5, sync_every=2)
+    assert main(small + ["--centre-rate", "0.5"]) == 2
+    assert ("--centre-rate with --sync sma: it is a setting of EASGD, not of SMA; drop "
+            "--centre-rate, or use --sync easgd") in capsys.readouterr().err
+    assert main(small + ["--sync", "easgd", "--centre-rate", "1.5"]) == 2  # EASGD's own check
+    assert "EASGD(centre_rate=1.5): a moving rate must be in (0, 1]" in capsys.readouterr().err
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class PullSGD(cg.SMA):
+        """A new algorithm.
+
+        Attributes:
+            pull_steps: rounds a pull lasts (≥ 1).
+            sync_every: τ.
+        """
+
+        pull_steps: int = 3
+
+    algorithms = sync_package.ALGORITHMS
+    try:
+        sync_package.ALGORITHMS = algorithms + (PullSGD,)
+        parser = build_parser()
+        args = parser.parse_args(small + ["--sync", "pull_sgd", "--pull-steps", "5"])
+        assert cli_sync.sync_of(args) == PullSGD(pull_steps=5)
+        train = next(a for a in parser._actions if a.dest == "command").choices["train"]
+        helps = {a.option_strings[0]: a.help for a in train._actions if a.option_strings}
+        assert helps["--pull-steps"] == "pull_sgd: rounds a pull lasts (≥ 1)"
+    finally:
+        sync_package.ALGORITHMS = algorithms
 
 
 def test_sync_dtype_without_torchrun_says_it_has_no_effect(capsys):

@@ -13,9 +13,9 @@ import crossbow_graph as cg
 from crossbow_graph.cli import build_parser
 from crossbow_graph.cli_machine import CPU_DEFAULTS, apply_machine_defaults
 from crossbow_graph.cli_train import prepare_train
-from crossbow_graph.engine.capture_check import SimulatedGraphs
-from crossbow_graph.engine.graphs import RoundGraph
-from crossbow_graph.engine.race_check import RaceRecorder
+from crossbow_graph.engine.backends.graphs.capture import RoundGraph
+from crossbow_graph.testing.capture_check import SimulatedGraphs
+from crossbow_graph.testing.race_check import RaceRecorder
 
 
 def _args(*flags: str):
@@ -123,8 +123,8 @@ def test_the_gpu_defaults_run_their_rounds_as_graphs(cuda, monkeypatch):
     plan, fit = prepare_train(_args("--train-samples", "640", "--test-samples", "64", "--epochs",
                                     "1", "--evals-per-epoch", "1", "--quiet"))
     assert plan.replicas_per_device == 4 and plan.batch_size == 16
-    rec = RaceRecorder().attach(plan.scheduler)
-    plan.scheduler.round_graph = RoundGraph(SimulatedGraphs())
+    rec = RaceRecorder().attach(plan.rounds)
+    plan.rounds.executors.round_graph = RoundGraph(SimulatedGraphs())
     with rec:
         history = plan.fit(**fit)
     assert history.cuda_graphs["captures"] == 1 and history.cuda_graphs["replays"] == 6, \

@@ -1,4 +1,4 @@
-"""Gradient clipping per learner, ``fit(max_grad_norm=...)`` (engine/clipping.py): eager PyTorch
+"""Gradient clipping per learner, ``fit(max_grad_norm=...)`` (engine/learning/clipping.py): eager PyTorch
 with ``torch.nn.utils.clip_grad_norm_`` before each optimizer step is the oracle, in every
 execution path (learner modes, executors, simulated CUDA streams and graphs, float16 loss
 scales, SMA, S-SGD, DiLoCo). Every oracle asserts that the clip binds (the unclipped norm
@@ -15,10 +15,10 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
-from crossbow_graph.engine import graphs as G
-from crossbow_graph.engine.capture_check import SimulatedGraphs
-from crossbow_graph.engine.clipping import clip_rows
-from crossbow_graph.engine.race_check import RaceRecorder
+from crossbow_graph.engine.backends.graphs import capture as G
+from crossbow_graph.engine.learning.clipping import clip_rows
+from crossbow_graph.testing.capture_check import SimulatedGraphs
+from crossbow_graph.testing.race_check import RaceRecorder
 from crossbow_graph.training.hooks import Hook
 
 from _plans import TinyNet, make_plan, tiny_data
@@ -96,7 +96,7 @@ def test_two_learners_clip_each_gradient_in_every_mode_and_executor(executor, mo
     hand-written SMA with clip_grad_norm_ per learner, and differs from it unclipped."""
     data, max_norm = tiny_data(96), 0.5
     plan = make_plan(devices=1, replicas=2, executor=executor, learner_mode=mode)
-    assert plan.scheduler.resolved_executor() == executor
+    assert plan.rounds.resolved_executor() == executor
     torch.manual_seed(0)
     model = TinyNet()
     model.zero_grad()
@@ -194,16 +194,16 @@ def _on_streams(graph: bool, norms: tuple[float, ...]) -> tuple[torch.Tensor, G.
     """1 device × 3 replicas on simulated CUDA streams (and, with ``graph``, simulated CUDA
     graphs), one fit per entry of ``norms`` with that max_grad_norm. Returns (z, round graph)."""
     plan = make_plan(devices=1, replicas=3, executor="inline", kernel_backend="torch")
-    rec = RaceRecorder().attach(plan.scheduler)
+    rec = RaceRecorder().attach(plan.rounds)
     if graph:
-        plan.scheduler.round_graph = G.RoundGraph(SimulatedGraphs())
+        plan.rounds.executors.round_graph = G.RoundGraph(SimulatedGraphs())
     with rec:
         for norm in norms:
             plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None,
                      max_grad_norm=norm)
-        plan.scheduler.flush()
+        plan.rounds.flush()
     assert [str(r) for r in rec.races] == []
-    return plan.central_weights(), plan.scheduler.round_graph
+    return plan.central_weights(), plan.rounds.executors.round_graph
 
 
 def test_clipping_on_cuda_streams_and_in_graph_rounds_reads_nothing_on_the_host():

@@ -18,9 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import crossbow_graph as cg
-from crossbow_graph.kernels import c_sma as CK
-from crossbow_graph.kernels import select as S
-from crossbow_graph.engine.faults import FaultMonitor
+from crossbow_graph.engine.learning.faults import FaultMonitor
+from crossbow_graph.kernels import c_sma as CK, select as S
 from crossbow_graph.kernels.torch_ref import TorchSMAKernels, sma_central_update, sma_local_update
 
 from _plans import make_plan
@@ -167,7 +166,7 @@ def test_fit_with_c_kernels_agrees_with_torch(executor):
         plan.fit(tiny_data(), 2, seed=3, progress=False)
         out[backend] = plan.replica_weights(), plan.central_weights()
         if backend == "c":
-            assert isinstance(plan.scheduler.kernels, CK.CSMAKernels)
+            assert isinstance(plan.rounds.kernels, CK.CSMAKernels)
             assert plan.kernels and all(k.backend == "c" for k in plan.kernels)
             assert "void sma_local(" in plan.kernels[0].source
     w0 = mlp_plan(replicas=2, devices=2).replica_weights()
@@ -205,7 +204,7 @@ def test_without_a_compiler_auto_keeps_torch_and_c_says_why(fresh_build, monkeyp
     with pytest.raises(CK.CompilerError, match="no C compiler found.*kernel_backend='torch'"):
         S.select_backend("c", "cpu")
     plan = mlp_plan(replicas=2)  # kernel_backend="auto": trains with the torch kernels
-    assert isinstance(plan.scheduler.kernels, TorchSMAKernels)
+    assert isinstance(plan.rounds.kernels, TorchSMAKernels)
     plan.fit(tiny_data(16), 1, progress=False)
 
 
@@ -255,7 +254,7 @@ def test_cc_with_arguments_and_a_missing_cc(fresh_build, monkeypatch):
 def test_plan_with_c_kernels_deep_copies():
     plan = mlp_plan(replicas=2, kernel_backend="c")
     twin = copy.deepcopy(plan)
-    assert isinstance(twin.scheduler.kernels, CK.CSMAKernels)
+    assert isinstance(twin.rounds.kernels, CK.CSMAKernels)
     twin.fit(tiny_data(16), 1, progress=False)
 
 

@@ -21,8 +21,8 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
                               WeightedRandomSampler)
 
 import crossbow_graph as cg
-from crossbow_graph.engine.batches import LearnerBatches
-from crossbow_graph.engine.shipping import BY_DESCRIPTOR_BYTES, BatchPipe
+from crossbow_graph.engine.data.batches import LearnerBatches
+from crossbow_graph.engine.data.shipping import BY_DESCRIPTOR_BYTES, BatchPipe
 from crossbow_graph.training.data import BatchSchedule
 from crossbow_graph.training.hooks import Hook
 
@@ -296,7 +296,7 @@ def test_changes_of_b_and_m_between_rounds_keep_the_learners_on_the_plans_sample
 
 
 def test_the_batch_pipe_carries_any_batch_to_a_forked_worker_as_views_of_shared_memory():
-    """The coordinator → worker path of loaded rounds (engine/shipping.py): structure, dtypes,
+    """The coordinator → worker path of loaded rounds (engine/data/shipping.py): structure, dtypes,
     shapes and values arrive unchanged; the arena grows for a larger batch; a large tensor in
     shared memory travels by descriptor."""
     g = torch.Generator().manual_seed(0)

@@ -1,8 +1,8 @@
 """Data on the device (training/data.py ``DeviceFetch``) and batches copied a round ahead
-(engine/prefetch.py, ``CudaStreams.copy_in``), through ``Plan.fit``.
+(engine/data/prefetch.py, ``CudaStreams.copy_in``), through ``Plan.fit``.
 
 Oracles: the same fit with the data gathered on the host (``data_on_device=False``, or without
-the copy ahead) gives z bit for bit; on simulated streams (engine/race_check.py) the copy ahead
+the copy ahead) gives z bit for bit; on simulated streams (testing/race_check.py) the copy ahead
 has no unordered access, and without the learners' wait for the copy's event it has one.
 """
 
@@ -14,9 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import crossbow_graph as cg
-from crossbow_graph.engine.race_check import RaceRecorder
+from crossbow_graph.engine.backends.streams.discipline import CudaStreams
 from crossbow_graph.engine.scheduler import Scheduler
-from crossbow_graph.engine.streams import CudaStreams
+from crossbow_graph.testing.race_check import RaceRecorder
 
 from _plans import TinyBN, TinyDrop, TinyNet, make_plan, tiny_data
 
@@ -51,7 +51,7 @@ class _CountOps(TorchDispatchMode):
 
 
 def _state(plan: cg.Plan) -> list[torch.Tensor]:
-    plan.scheduler.flush()
+    plan.rounds.flush()
     s = plan.states[0]
     return [plan.central_weights(), s.zbuf.clone(), s.w.clone()]
 
@@ -80,7 +80,7 @@ def test_data_on_device_on_a_cpu_device_equals_the_host_gather(model, mode):
     ref_plan, ref_history, ref_counts = run(False)
     rounds = plan.rounds_done
     assert rounds == 2 * (96 // 16)
-    # fused BatchNorm: one gather of each device's float buffers per round (engine/fused.py)
+    # fused BatchNorm: one gather of each device's float buffers per round (engine/learning/fused.py)
     bn_gathers = 2 * rounds if (model, mode) == (TinyBN, "fused") else 0
     assert counts.get("aten::index_select", 0) >= 2 * rounds + bn_gathers  # x and y, every round
     assert ref_counts.get("aten::index_select", 0) == bn_gathers
@@ -157,18 +157,18 @@ def _fit(name: str, rec: RaceRecorder | None, *, ahead: bool = True):
     plan = make_plan(spec.pop("model"), replicas=2, executor="inline", kernel_backend="torch",
                      **spec)
     if rec is not None:
-        rec.attach(plan.scheduler)
+        rec.attach(plan.rounds)
     base = tiny_data(96)
     data = {"samples": _Samples(base), "tensors": base,
             "collate": DataLoader(_Samples(base), batch_size=4, collate_fn=_collate),
             "workers": DataLoader(_Samples(base), batch_size=4, num_workers=1)}[kind]
     original = Scheduler.prefetch
     if not ahead:
-        Scheduler.prefetch = lambda self, t, indices: None
+        Scheduler.prefetch = lambda self, t, indices, b: None
     try:
         with rec if rec is not None else _Nothing():
             plan.fit(data, 2, hooks=hooks, data_on_device=False, **FIT)
-            plan.scheduler.flush()
+            plan.rounds.flush()
     finally:
         Scheduler.prefetch = original
     return plan
@@ -190,7 +190,7 @@ def test_batches_copied_ahead_have_no_race_and_change_nothing(name):
     rec = RaceRecorder()
     plan = _fit(name, rec)
     assert [str(r) for r in rec.races] == []
-    ahead = plan.scheduler.batch_ahead
+    ahead = plan.rounds.ctx.batch_ahead
     rounds = plan.rounds_done
     if name == "m and b change mid-fit":
         assert ahead.dropped == 2 and ahead.taken == rounds - 2 - 2  # 2 epochs' first rounds
@@ -220,7 +220,7 @@ def _cuda_fit(mode: str, where, delay: dict | None = None):
     plan = make_plan(TinyBN, devices=["cuda:0"], replicas=2, learner_mode=mode,
                      executor="inline", kernel_backend="torch")
     if delay:
-        plan.scheduler._streams().delay = delay
+        plan.rounds.executors.cuda_streams.delay = delay
     plan.fit(tiny_data(96), 2, data_on_device=where, **FIT)
     return plan
 
@@ -231,8 +231,8 @@ def test_data_on_cuda_equals_the_host_path(mode):
     """The TensorDataset on cuda:0 (gathered there) and on the host (copied a round ahead from
     pinned memory): z, buffers and replicas bit for bit; "auto" keeps this small one on the GPU."""
     resident, host, auto = (_cuda_fit(mode, w) for w in (True, False, "auto"))
-    assert host.scheduler.batch_ahead.taken == host.rounds_done - 2
-    assert auto.scheduler.batch_ahead.taken == 0
+    assert host.rounds.ctx.batch_ahead.taken == host.rounds_done - 2
+    assert auto.rounds.ctx.batch_ahead.taken == 0
     assert _equal(_state(resident), _state(host)) and _equal(_state(resident), _state(auto))
 
 

@@ -149,7 +149,7 @@ def test_diloco_equals_the_hand_written_reference(devices, replicas):
                       devices=devices, replicas=replicas,
                       optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01),
                       sync=cg.DiLoCo(sync_every=H))
-    assert plan.scheduler.resolved_executor() == "inline"  # auto picks it for DiLoCo
+    assert plan.rounds.resolved_executor() == "inline"  # auto picks it for DiLoCo
     start = copy.deepcopy(model)  # the fit leaves z in model
     plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
     assert plan.rounds_done == rounds
@@ -164,7 +164,7 @@ def test_diloco_equals_the_hand_written_reference(devices, replicas):
 
 def _ignored(data: TensorDataset, batches: list[int], b: int) -> TensorDataset:
     """``data`` with the labels of batches ``batches`` (of b samples) set to ignore_index: their
-    loss is NaN, so the learner that takes one is faulty that round (engine/faults.py)."""
+    loss is NaN, so the learner that takes one is faulty that round (engine/learning/faults.py)."""
     x, y = data.tensors
     y = y.clone()
     for i in batches:
@@ -288,7 +288,7 @@ def test_resume_mid_run_gives_the_uninterrupted_z_bit_for_bit(tmp_path, stop_at)
     for a, b in zip(full.states, second.states):
         for key in ("z", "z_prev", "w", "buf", "zbuf"):
             assert torch.equal(getattr(a, key), getattr(b, key)), key
-    mine, theirs = (p.scheduler.sync_state.state_dict()["state"][0]["momentum_buffer"] for p in (full, second))
+    mine, theirs = (p.rounds.sync_state.state_dict()["state"][0]["momentum_buffer"] for p in (full, second))
     assert torch.equal(mine, theirs) and mine.abs().sum() > 0
 
 
@@ -339,7 +339,7 @@ def test_diloco_on_the_process_executor_and_alpha_are_refused():
     with pytest.raises(ValueError, match=r"DiLoCo\(...\) runs on the inline executor only.*executor='inline'"):
         _small_plan(sync=cg.DiLoCo(sync_every=2), executor="process")
     plan = _small_plan(sync=cg.DiLoCo(sync_every=2))
-    assert plan.scheduler.resolved_executor() == "inline"
+    assert plan.rounds.resolved_executor() == "inline"
     with pytest.raises(ValueError, match="DiLoCo pulls no replica toward z"):
         plan.adjust(cg.Adjustment(alpha=0.5))
     plan.adjust(cg.Adjustment(sync_every=4))  # H changes like τ

@@ -1,4 +1,4 @@
-"""Global synchronisation over torch.distributed (engine/comm.py, docs/distributed.md).
+"""Global synchronisation over torch.distributed (engine/transport/comm.py, docs/distributed.md).
 
 Real process groups: two processes (tests/_dist_worker.py) with gloo on 127.0.0.1, started with
 torchrun's variables on a free port, with hard timeouts; every process is killed on the way out.
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import crossbow_graph as cg
+from crossbow_graph.engine.transport.comm import Comm, torchrun_env
+from crossbow_graph.engine.transport.peers import join_failed, lost_peer
 from crossbow_graph.training.checkpoint import load_latest
-from crossbow_graph.engine.comm import Comm, torchrun_env
-from crossbow_graph.engine.peers import join_failed, lost_peer
 from _dist_worker import (B, M, ROUNDS, RecordSamples, Snapshot, StopAfter, _AtRound, _decide,
                           recording_data)
 from _plans import TinyBN, make_plan, tiny_data
@@ -153,7 +153,7 @@ def test_error_feedback_sends_what_the_rounding_lost_next_time(monkeypatch):
     """One rank's view: Σ_t sent_t = Σ_t C_t − e_T exactly (telescoping), with the residual
     e_T within half a bfloat16 step of the last sum; without feedback the rounding errors of
     small corrections add up."""
-    from crossbow_graph.engine import comm as comm_mod
+    from crossbow_graph.engine.transport import comm as comm_mod
     comm = comm_mod.Comm.__new__(comm_mod.Comm)
     comm.settings, comm._residual, comm.bytes_reduced = cg.Distributed(sync_dtype="bf16"), None, 0
     monkeypatch.setattr(comm_mod.dist, "all_reduce", lambda t, op=None, group=None: None)  # one rank
@@ -556,12 +556,19 @@ def test_rank_0s_settings_travel_every_round_only_when_a_hook_decides(tmp_path, 
     z equals the fit without torch.distributed either way."""
     import torch.distributed as dist
 
-    from crossbow_graph.engine.comm import AGREE_EVERY_ROUNDS
+    from crossbow_graph.engine.transport.comm import AGREE_EVERY_ROUNDS
+
+    from crossbow_graph.training import rank_sync, trainer
 
     calls = []
-    real = Comm.agree_settings
-    monkeypatch.setattr(Comm, "agree_settings",
-                        lambda self, plan, stop, t: calls.append(t) or real(self, plan, stop, t))
+    real = rank_sync.agree_settings
+
+    def counted(comm, plan, stop, t):
+        calls.append(t)
+        return real(comm, plan, stop, t)
+
+    for module in (rank_sync, trainer):  # the round's start (trainer) and its end (agreed_stop)
+        monkeypatch.setattr(module, "agree_settings", counted)
 
     class Decides(cg.Hook):
         mutates_replicas = False

@@ -105,7 +105,7 @@ def test_all_replicas_failing_stops_with_divergence_error_and_checkpoint_intact(
     with pytest.raises(DivergenceError, match=r"all 4 replicas have NaN/Inf gradients in round 3") as err:
         plan.fit(data(), 1, progress=False, hooks=[poison],
                  checkpoint_dir=str(tmp_path), checkpoint_every=1)
-    assert plan.scheduler.resolved_executor() == "process"  # the last worker runs the global sync
+    assert plan.rounds.resolved_executor() == "process"  # the last worker runs the global sync
     assert torch.equal(plan.central_weights(), poison.pre_z)  # z untouched by the failed round
     assert isinstance(err.value, TaskError) and err.value.round_index == 3
     assert re.search(r"resume=True continues from \S+/ckpt-0000000003\.pt, the newest checkpoint "
@@ -141,7 +141,7 @@ def test_nan_loss_with_finite_gradients_is_a_fault(executor, caplog):
     hook = Snapshot(at=1)
     with caplog.at_level(logging.WARNING, logger="crossbow_graph.faults"):
         history = plan.fit(train, 1, shuffle=False, progress=False, hooks=[hook])
-    assert plan.scheduler.resolved_executor() == executor
+    assert plan.rounds.resolved_executor() == executor
     assert [(f.round, f.device, f.replica, f.rank) for f in history.faults] == [
         (1, "cpu:0", 1, 0), (2, "cpu:0", 0, 0)]
     assert "round 1: replica 1 on cpu:0 has NaN/Inf gradients or loss" in caplog.text
@@ -171,7 +171,7 @@ def test_healthy_rounds_match_a_plan_without_faults():
     """The check changes nothing when every replica is finite (same z, bit for bit)."""
     a, b = tanh_plan(sync=cg.SMA(central_momentum=0.9)), tanh_plan(sync=cg.SMA(central_momentum=0.9))
     a.fit(data(), 1, progress=False)
-    b.scheduler.faults.check = lambda state, **kw: None  # no detection at all
+    b.rounds.faults.check = lambda state, **kw: None  # no detection at all
     b.fit(data(), 1, progress=False)
     assert torch.equal(a.central_weights(), b.central_weights())
 
@@ -305,7 +305,7 @@ _INTERRUPTED = textwrap.dedent("""
     class Mark(Hook):  # after round 2 the workers run; then the rounds go on until SIGINT
         def after_round(self, ctx):
             if ctx.plan.rounds_done == 2:
-                print(" ".join(str(p.pid) for p in ctx.plan.scheduler.process.executor.procs if p),
+                print(" ".join(str(p.pid) for p in ctx.plan.rounds.executors.process.executor.workers.procs if p),
                       flush=True)
     tanh_plan(devices=1, replicas=2, executor="process").fit(data(64 * 4000), 1, progress=False,
                                                             hooks=[Mark()], metrics_every=None)
@@ -357,7 +357,7 @@ class _ArmAfter(Hook):
 
     def after_round(self, ctx) -> None:
         if ctx.plan.rounds_done == 2:
-            self.procs = [p for p in ctx.plan.scheduler.process.executor.procs if p is not None]
+            self.procs = [p for p in ctx.plan.rounds.executors.process.executor.workers.procs if p is not None]
             _CtrlC.armed = True
 
 

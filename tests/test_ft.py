@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import crossbow_graph as cg
-from crossbow_graph.engine.ft import FaultTolerantSync, check_fault_tolerant, process_group_for
+from crossbow_graph.engine.transport.ft import (FaultTolerantSync, check_fault_tolerant,
+                                                process_group_for)
 from crossbow_graph.errors import DistributedError
 
 from _plans import TinyNet, make_plan
@@ -385,7 +386,8 @@ def test_a_joiner_of_another_model_stops_in_its_recovery():
     """A peer's z of another size: ``_load`` raises a DistributedError naming both sizes, and
     the attempt passes it on (not a discarded quorum, retried)."""
     ft = FaultTolerantSync.__new__(FaultTolerantSync)  # no Manager: the recovery alone
-    ft.replica_group, ft.device, ft._ctx = "g1", torch.device("cpu"), make_plan(TinyNet).scheduler
+    ft.replica_group, ft.device = "g1", torch.device("cpu")
+    ft.host = make_plan(TinyNet).rounds.transport.host  # the engine a recovering group serves
     with pytest.raises(DistributedError, match="z has 230 parameters, this group's 466"):
         ft._load({"z": torch.zeros(230)})
 
@@ -398,7 +400,7 @@ def test_a_joiner_of_another_model_stops_in_its_recovery():
 
 def test_without_torchft_the_error_names_the_extra(monkeypatch):
     """``import torchft`` failing: ImportError naming the ``ft`` extra."""
-    from crossbow_graph.engine import ft
+    from crossbow_graph.engine.transport import ft
 
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
     with pytest.raises(ImportError, match=r"crossbow_graph\[ft\]"):

@@ -12,8 +12,8 @@ import torch
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from crossbow_graph.engine import state as state_module
-from crossbow_graph.engine.learners import learn_group
+from crossbow_graph.engine.learning.learners import learn_group
+from crossbow_graph.engine.state import flat as state_module
 
 from _plans import TinyBN, make_plan
 from test_row_padding import SENTINEL, pad_columns
@@ -48,7 +48,7 @@ def _two_steps(m: int, b: int = 4):
     """A TinyBN plan of m fused replicas, one step (checked against eager BatchNorm per replica),
     then a second step under the counter. Returns (plan, counts of the second step)."""
     plan = make_plan(TinyBN, replicas=m, learner_mode="fused", executor="inline", batch_size=b)
-    state, fused = plan.states[0], plan.scheduler.fused_programs[0]
+    state, fused = plan.states[0], plan.rounds.ctx.fused[0]
     batch = _batch(m, b)
     learn_group(state, 0, m, batch, F.cross_entropy, b, "fused", fused)
     for j in range(m):  # oracle: eager BatchNorm of the template on replica j's samples
@@ -90,7 +90,7 @@ def test_gradients_fill_padded_rows_and_leave_their_pads(monkeypatch):
     for pad in (False, True):
         monkeypatch.setattr(state_module, "_PAD_ROWS_ON_CPU", pad)
         plan = make_plan(_Unused, replicas=4, learner_mode="fused", executor="inline")
-        state, fused = plan.states[0], plan.scheduler.fused_programs[0]
+        state, fused = plan.states[0], plan.rounds.ctx.fused[0]
         state.g.fill_(SENTINEL)  # zeros in the unused layer's gradient must be written
         if pad:
             pad_columns(state.g).fill_(SENTINEL)

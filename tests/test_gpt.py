@@ -20,6 +20,7 @@ import crossbow_graph as cg
 from crossbow_graph import datasets
 from crossbow_graph.models.gpt import GPT, gpt, lm_loss, token_accuracy
 
+from _plans import make_plan
 from _reference import batches_of, eager_steps
 
 pytestmark = pytest.mark.skipif(
@@ -43,8 +44,10 @@ def data() -> TensorDataset:
 
 
 def _plan(model, data, **options) -> cg.Plan:
-    options = {"devices": 1, "executor": "inline", "optimizer": cg.SGD(lr=0.05, momentum=0.9)} | options
-    return cg.compile(model, (data.tensors[0][:2],), lm_loss, batch_size=B, **options)
+    """The suite's plan (``_plans.make_plan``: SGD(0.05, momentum 0.9) unless given) of ``model``
+    on two windows of ``data``, under ``lm_loss``, one device, inline."""
+    return make_plan(model, seed=None, example=data.tensors[0][:2], loss_fn=lm_loss,
+                     batch_size=B, **({"devices": 1, "executor": "inline"} | options))
 
 
 def test_the_default_gpt_has_nanogpts_shape_and_1_2_million_parameters():

@@ -1,4 +1,4 @@
-"""What CUDA-graph rounds take as their batch (engine/graphs.py ``graph_batch``): a DataLoader's
+"""What CUDA-graph rounds take as their batch (engine/backends/graphs/capture.py ``graph_batch``): a DataLoader's
 learner batches (worker processes, pinned memory) stacked into static inputs, and the next
 round's batch copied to the device a round ahead, by graph rounds and by the eager rounds of a
 plan whose rounds a graph cannot take.
@@ -19,9 +19,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader
 
 import crossbow_graph as cg
-from crossbow_graph.engine import graph_inputs as GI
-from crossbow_graph.engine import graphs as G
-from crossbow_graph.engine.batches import LearnerBatches
+from crossbow_graph.engine.backends.graphs import capture as G, inputs as GI
+from crossbow_graph.engine.data.batches import LearnerBatches
 
 from _plans import tiny_data
 from test_graphs import _adamw, _fit, _same
@@ -40,8 +39,8 @@ def test_graph_rounds_take_a_dataloader_with_worker_processes(mode):
     graph = _fit(True, mode=mode, data=loader)
     _same(graph, eager)
     assert graph[1].cuda_graphs == {"captures": 1, "replays": 4, "eager_rounds": {}}
-    assert graph[0].scheduler.batch_ahead.taken == 7  # every round but the first
-    assert graph[0].scheduler.batch_ahead.taken == eager[0].scheduler.batch_ahead.taken
+    assert graph[0].rounds.ctx.batch_ahead.taken == 7  # every round but the first
+    assert graph[0].rounds.ctx.batch_ahead.taken == eager[0].rounds.ctx.batch_ahead.taken
 
 
 def test_rounds_a_graph_refuses_keep_the_copy_ahead():
@@ -54,7 +53,7 @@ def test_rounds_a_graph_refuses_keep_the_copy_ahead():
     eager = _fit(False, optimizer=_adamw, data=loader)
     _same(graph, eager)
     assert graph[1].cuda_graphs["replays"] == 0
-    assert graph[0].scheduler.batch_ahead.taken == eager[0].scheduler.batch_ahead.taken == 7
+    assert graph[0].rounds.ctx.batch_ahead.taken == eager[0].rounds.ctx.batch_ahead.taken == 7
 
 
 def _ragged(samples):
@@ -101,7 +100,7 @@ def test_graph_rounds_take_a_dataloaders_batches_into_static_inputs():
     eager = _fit(False, data=loader)
     graph = _fit(True, data=loader)
     _same(graph, eager)
-    rg = graph[0].scheduler.round_graph
+    rg = graph[0].rounds.executors.round_graph
     assert (rg.captures, rg.replays, rg.failure) == (1, 4, None)
     assert graph[1].cuda_graphs == {"captures": 1, "replays": 4, "eager_rounds": {}}
     assert len(rg._entries) == 1  # the steady key only
@@ -191,6 +190,6 @@ def test_gpu_graph_rounds_from_a_dataloader_with_workers_and_pinned_memory(mode)
                      shuffle=False, progress=False, metrics_every=None)
         if graphs:
             assert h.cuda_graphs["replays"] > 0 and not h.cuda_graphs["eager_rounds"], h.cuda_graphs
-            assert plan.scheduler.batch_ahead.taken == plan.rounds_done - 1
+            assert plan.rounds.ctx.batch_ahead.taken == plan.rounds_done - 1
         zs[graphs] = plan.central_weights()
     torch.testing.assert_close(zs[True], zs[False], atol=1e-6, rtol=1e-5)

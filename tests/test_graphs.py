@@ -1,4 +1,4 @@
-"""CUDA-graph rounds (engine/graphs.py) and their preconditions (engine/capture_check.py).
+"""CUDA-graph rounds (engine/backends/graphs/capture.py) and their preconditions (testing/capture_check.py).
 
 On the CPU the graph path runs on simulated streams (a RaceRecorder, tests/test_streams.py) and
 simulated graphs (``SimulatedGraphs``: a capture records the round's aten ops, raising where
@@ -20,11 +20,10 @@ import torch
 from torch import nn
 
 import crossbow_graph as cg
-from crossbow_graph.engine import graph_inputs as GI
-from crossbow_graph.engine import graphs as G
-from crossbow_graph.engine.capture_check import (CaptureChecker, CaptureError, SimulatedGraph,
-                                                 SimulatedGraphs)
-from crossbow_graph.engine.race_check import RaceRecorder
+from crossbow_graph.engine.backends.graphs import capture as G, inputs as GI
+from crossbow_graph.testing.capture_check import (CaptureChecker, CaptureError, SimulatedGraph,
+                                                  SimulatedGraphs)
+from crossbow_graph.testing.race_check import RaceRecorder
 from crossbow_graph.training.data import DeviceFetch
 
 from _plans import TinyBN, TinyDrop, make_plan, tiny_data
@@ -47,16 +46,16 @@ def _fit(graph: bool, *, mode="per_replica", data=None, optimizer=None, model=Ti
     opt = optimizer or cg.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3)
     plan = make_plan(model, devices=1, replicas=3, executor="inline", kernel_backend="torch",
                      learner_mode=mode, optimizer=opt, **kw)
-    rec = RaceRecorder().attach(plan.scheduler)
+    rec = RaceRecorder().attach(plan.rounds)
     if graph:
-        plan.scheduler.round_graph = round_graph or G.RoundGraph(SimulatedGraphs())
+        plan.rounds.executors.round_graph = round_graph or G.RoundGraph(SimulatedGraphs())
     steps = torch.optim.lr_scheduler.StepLR(plan.optimizer, step_size=3, gamma=0.5)
     data = data if data is not None else tiny_data(96)  # 8 rounds of k·b = 12
     with rec:
         for _ in range(fits):
             history = plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None,
                                lr_scheduler=steps, lr_scheduler_interval="round")
-        plan.scheduler.flush()
+        plan.rounds.flush()
     assert [str(r) for r in rec.races] == [], [str(r) for r in rec.races][:3]
     return plan, history, plan.central_weights(), plan.states[0].zbuf.clone()
 
@@ -66,8 +65,8 @@ def _graph_rounds(ops, hook) -> "cg.Plan":
     simulated streams, its rounds through a RoundGraph over ``ops``, with ``hook``."""
     plan = make_plan(TinyBN, devices=1, replicas=3, executor="inline", kernel_backend="torch",
                      optimizer=cg.SGD(lr=0.05, momentum=0.9))
-    rec = RaceRecorder().attach(plan.scheduler)
-    plan.scheduler.round_graph = G.RoundGraph(ops)
+    rec = RaceRecorder().attach(plan.rounds)
+    plan.rounds.executors.round_graph = G.RoundGraph(ops)
     with rec:
         plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None, hooks=[hook])
     return plan
@@ -90,7 +89,7 @@ def test_graph_rounds_equal_eager_rounds(mode):
     graph = _fit(True, mode=mode, data=data)
     _same(graph, eager)
     assert [(f.round, f.replica) for f in graph[1].faults] == [(5, 1)]
-    rg = graph[0].scheduler.round_graph
+    rg = graph[0].rounds.executors.round_graph
     assert (rg.captures, rg.replays, rg.failure) == (1, 4, None)
     assert graph[1].lr == eager[1].lr and len(set(graph[1].lr[3:])) == 2  # η changed after capture
 
@@ -98,8 +97,7 @@ def test_graph_rounds_equal_eager_rounds(mode):
 def test_numbers_in_the_graph_would_be_frozen(monkeypatch):
     """The oracle can fail: with η handed to the kernels as a number, the replays keep the
     captured round's η and z moves away from the eager rounds'."""
-    monkeypatch.setattr(GI.DeviceHyper, "local_args", lambda self, sgd, alpha: dict(
-        lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay, alpha=alpha))
+    monkeypatch.setattr(GI.GraphHyper, "kernel_args", GI.Hyper.kernel_args)
     eager, graph = _fit(False), _fit(True)
     assert not torch.allclose(graph[2], eager[2], atol=100 * ATOL, rtol=100 * RTOL)
 
@@ -110,13 +108,13 @@ def test_a_re_plan_captures_again():
     def run(graph):
         plan, *_ = _fit(graph, fits=1)
         plan.set_replicas(2)
-        with plan.scheduler.stream_ops:
+        with plan.rounds.executors.stream_ops:
             plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None)
-            plan.scheduler.flush()
+            plan.rounds.flush()
         return plan, plan.central_weights()
     (plan, z), (_, z_eager) = run(True), run(False)
     torch.testing.assert_close(z, z_eager, atol=ATOL, rtol=RTOL)
-    rg = plan.scheduler.round_graph
+    rg = plan.rounds.executors.round_graph
     assert rg.captures == 2 and rg.replays == 4 + 9  # 8 + 12 rounds: 4 and 3 eager of each
 
 
@@ -146,7 +144,7 @@ def test_an_uncapturable_model_warns_once_and_trains_eagerly():
         graph = _fit(True, model=ItemNet, round_graph=G.RoundGraph(ops))
     assert len([w for w in caught if issubclass(w.category, G.GraphWarning)]) == 1
     _same(graph, _fit(False, model=ItemNet))
-    rg = graph[0].scheduler.round_graph
+    rg = graph[0].rounds.executors.round_graph
     assert rg.captures == 0 and ops.started == 0 and "_local_scalar_dense" in rg.failure
 
 
@@ -162,7 +160,7 @@ def test_a_capture_that_fails_after_a_clean_warm_up_falls_back():
     with pytest.warns(G.GraphWarning, match="a capture failed .*CaptureError"):
         graph = _fit(True, round_graph=G.RoundGraph(Late()))
     _same(graph, _fit(False))
-    rg = graph[0].scheduler.round_graph
+    rg = graph[0].rounds.executors.round_graph
     assert rg.captures == 0 and rg.failure.startswith("CaptureError")
 
 
@@ -182,7 +180,7 @@ def test_rounds_a_graph_cannot_take_run_eagerly_with_a_warning():
     with pytest.warns(G.GraphWarning, match="row optimizer"):
         graph = _fit(True, optimizer=_adamw)
     _same(graph, _fit(False, optimizer=_adamw))
-    assert graph[0].scheduler.round_graph.captures == 0
+    assert graph[0].rounds.executors.round_graph.captures == 0
 
 
 def test_compile_refuses_cuda_graphs_with_fault_tolerance():
@@ -213,7 +211,7 @@ def test_compile_refuses_cuda_graphs_without_cuda():
 # torch.optim's Adam/AdamW without capturable=True (which CPU tensors refuse) read the step count
 # on the host and pass the bias corrections as Python numbers; a fault's reset gives the replica
 # fresh state, which its next round steps apart from the others
-ROW_OPTIMIZER_EXCEPTIONS = (r"_local_scalar_dense reads device data on the host .* engine/optim\.py",
+ROW_OPTIMIZER_EXCEPTIONS = (r"_local_scalar_dense reads device data on the host .* engine/state/optim\.py",
                             r"^aten\.\w+\.\w+: [-\d.e ]+ → [-\d.e ]+$",
                             r"^the op sequence changed")
 
@@ -230,7 +228,7 @@ def test_steady_state_rounds_have_no_host_sync_and_change_nothing(mode, optimize
     checker = CaptureChecker()
     rg.observer = checker.round
     if optimizer == "adamw":  # let the body run, to show why graphs decline it
-        monkeypatch.setattr(rg, "why_not", lambda sched, batch: None)
+        monkeypatch.setattr(rg, "why_not", lambda backend, env, batch: None)
     data = _ignored(tiny_data(60), [7])  # round 2's learner 1
     _, history, *_ = _fit(True, mode=mode, data=data, round_graph=rg,
                           optimizer=_adamw if optimizer == "adamw" else None)
@@ -275,7 +273,7 @@ def _gpu_fit(model_fn, mode: str, graphs: bool, rounds: int = 6, m: int = 4, b: 
     steps = torch.optim.lr_scheduler.StepLR(plan.optimizer, step_size=3, gamma=0.5)
     plan.fit(torch.utils.data.TensorDataset(x, y), 1, shuffle=False, progress=False,
              metrics_every=None, lr_scheduler=steps, lr_scheduler_interval="round")
-    plan.scheduler.flush()
+    plan.rounds.flush()
     return plan, plan.central_weights(), plan.states[0].zbuf.clone()
 
 
@@ -293,7 +291,7 @@ def test_gpu_graph_rounds_equal_eager_rounds_bitwise(mode):
     torch.backends.cudnn.deterministic = True
     plan, z, _ = _gpu_fit(cg.models.lenet5, mode, True)
     _, z_eager, _ = _gpu_fit(cg.models.lenet5, mode, False)
-    rg = plan.scheduler.round_graph
+    rg = plan.rounds.executors.round_graph
     assert rg.failure is None and rg.captures == 1 and rg.replays == 2, (rg.failure, rg.replays)
     assert torch.equal(z, z_eager), (z - z_eager).abs().max()
     assert [e.draws_random for e in rg._entries.values()] == [False]  # replays seed nothing
@@ -312,7 +310,7 @@ def test_gpu_graph_rounds_with_dropout_seed_every_round():
     torch.backends.cudnn.deterministic = True
     plan, z, _ = _gpu_fit(LeNetDrop, "per_replica", True)
     _, z_again, _ = _gpu_fit(LeNetDrop, "per_replica", True)
-    rg = plan.scheduler.round_graph
+    rg = plan.rounds.executors.round_graph
     assert rg.failure is None and rg.replays == 2 and [e.draws_random for e in rg._entries.values()] == [True]
     assert torch.equal(z, z_again)
 
@@ -323,7 +321,7 @@ def test_gpu_graph_rounds_with_batchnorm_within_tolerance(mode):
     """LeNet-5 with BatchNorm: within 1e-5 (cuDNN may pick other algorithms under capture)."""
     plan, z, zbuf = _gpu_fit(LeNetBN, mode, True)
     _, z_eager, zbuf_eager = _gpu_fit(LeNetBN, mode, False)
-    assert plan.scheduler.round_graph.failure is None
+    assert plan.rounds.executors.round_graph.failure is None
     torch.testing.assert_close(z, z_eager, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(zbuf, zbuf_eager, atol=1e-5, rtol=1e-4)
 
@@ -338,7 +336,7 @@ def test_gpu_uncapturable_model_falls_back_and_trains():
     with pytest.warns(G.GraphWarning, match="capture would fail"):
         plan, z, _ = _gpu_fit(ItemLeNet, "per_replica", True)
     _, z_eager, _ = _gpu_fit(ItemLeNet, "per_replica", False)
-    assert plan.scheduler.round_graph.captures == 0
+    assert plan.rounds.executors.round_graph.captures == 0
     torch.testing.assert_close(z, z_eager, atol=1e-6, rtol=1e-5)
 
 
@@ -449,7 +447,7 @@ def test_gpu_memory_stays_flat_after_a_failed_capture():
     with pytest.warns(G.GraphWarning, match="capture failed"):
         plan.fit(torch.utils.data.TensorDataset(x, y), 1, shuffle=False, progress=False,
                  metrics_every=None, hooks=[Reserved()])
-    assert plan.scheduler.round_graph.captures == 0 and plan.rounds_done == 200
+    assert plan.rounds.executors.round_graph.captures == 0 and plan.rounds_done == 200
     assert reserved[200] == reserved[20], reserved
 
 
@@ -473,7 +471,7 @@ def test_gpu_capture_survives_another_threads_cuda_work():
     finally:
         stop.set()
         thread.join()
-    rg = plan.scheduler.round_graph
+    rg = plan.rounds.executors.round_graph
     assert rg.failure is None and rg.replays > 0, rg.failure
 
 
@@ -496,7 +494,7 @@ def test_a_replay_moves_the_version_of_the_state_it_writes():
             versions.append(ctx.plan.states[0].z._version)
 
     plan = _graph_rounds(_VersionlessReplay(), Versions())
-    assert plan.scheduler.round_graph.replays == 4
+    assert plan.rounds.executors.round_graph.replays == 4
     assert all(b > a for a, b in zip(versions, versions[1:])), versions
 
 
@@ -513,7 +511,7 @@ def test_gpu_bf16_central_module_reads_z_after_replays(mode):
                       optimizer=cg.SGD(lr=0.05, momentum=0.9), cuda_graphs=True)
     data = torch.utils.data.TensorDataset(x, y)
     plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
-    assert plan.scheduler.round_graph.replays > 0
+    assert plan.rounds.executors.round_graph.replays > 0
     plan.evaluate(data)
     s = plan.states[0]
     assert s.z_model is not s.z and torch.equal(s.z_model, s.z.to(torch.bfloat16))
@@ -525,21 +523,26 @@ def test_a_refused_round_names_data_on_device_and_is_recorded():
     graph = _fit(True, optimizer=_adamw)
     record = graph[1].cuda_graphs
     assert record["replays"] == 0 and list(record["eager_rounds"].values()) == [8], record
-    sched = _fit(True)[0].scheduler  # SGD: graph rounds
-    reason = sched.round_graph.why_not(sched, ((torch.zeros(2), "tag"), torch.zeros(2)))
+    rounds = _fit(True)[0].rounds  # SGD: graph rounds
+    backend, env = rounds.executors.inline, rounds.round_env(0, None, True)
+    rg = rounds.executors.round_graph
+    reason = rg.why_not(backend, env, ((torch.zeros(2), "tag"), torch.zeros(2)))
     assert reason is not None and "data_on_device" in reason
-    assert sched.round_graph.why_not(sched, (torch.zeros(2), torch.zeros(2))) is None
+    assert rg.why_not(backend, env, (torch.zeros(2), torch.zeros(2))) is None
 
 
 def test_hyper_parameters_are_written_only_when_they_change():
     """DeviceHyper.set fills a tensor only when its number changed (no kernel in a round whose
     η, μ_l, λ, α, μ_z stay), and always holds the number in force."""
+    def round_of(lr, momentum):
+        return GI.Hyper((), lr, momentum, 0.0, False, 0.0, 0.0)
+
     hyper = GI.DeviceHyper(torch.device("cpu"))
-    hyper.set(lr=0.1, momentum=0.9)
+    hyper.set(round_of(0.1, 0.9))
     versions = {n: t._version for n, t in hyper.values.items()}
-    hyper.set(lr=0.1, momentum=0.9)
+    hyper.set(round_of(0.1, 0.9))
     assert {n: t._version for n, t in hyper.values.items()} == versions
-    hyper.set(lr=0.05, momentum=0.9)
+    hyper.set(round_of(0.05, 0.9))
     assert hyper.values["lr"]._version == versions["lr"] + 1
     assert hyper.values["momentum"]._version == versions["momentum"]
     assert float(hyper.values["lr"]) == pytest.approx(0.05) and float(hyper.values["momentum"]) == pytest.approx(0.9)
@@ -555,11 +558,11 @@ def test_graph_rounds_leave_two_rounds_of_fault_masks_in_flight():
         mutates_replicas = False
 
         def after_round(self, ctx):
-            pending.append(sorted({t for t, *_ in ctx.plan.scheduler.backend._late}))
+            pending.append(sorted({t for t, *_ in ctx.plan.rounds.executors.current._late}))
 
     plan = _graph_rounds(SimulatedGraphs(), Pending())
     assert pending[4:] == [[3, 4], [4, 5], [5, 6], [6, 7]], pending
-    assert plan.scheduler.backend._late == []
+    assert plan.rounds.executors.current._late == []
 
 
 def _resident_fit(graph: bool, model=TinyBN, counts=None, monkeypatch=None):
@@ -578,13 +581,13 @@ def _resident_fit(graph: bool, model=TinyBN, counts=None, monkeypatch=None):
                 counts[_k] += _k != "gathers outside a graph" or kw.get("out") is None
                 return _f(*a, **kw)
             monkeypatch.setattr(cls, name, counted)
-    rec = RaceRecorder().attach(plan.scheduler)
+    rec = RaceRecorder().attach(plan.rounds)
     if graph:
-        plan.scheduler.round_graph = G.RoundGraph(SimulatedGraphs())
+        plan.rounds.executors.round_graph = G.RoundGraph(SimulatedGraphs())
     with rec:
         history = plan.fit(tiny_data(96), 1, shuffle=True, progress=False, metrics_every=None,
                            data_on_device=True)
-        plan.scheduler.flush()
+        plan.rounds.flush()
     return plan, history
 
 
@@ -599,7 +602,7 @@ def test_resident_data_is_gathered_in_the_graph_from_the_epochs_order_on_the_dev
     torch.testing.assert_close(graph[0].states[0].zbuf, eager[0].states[0].zbuf, atol=ATOL, rtol=RTOL)
     assert graph[1].cuda_graphs == {"captures": 1, "replays": 4, "eager_rounds": {}}
     assert counts["index copies"] == 1 and counts["gathers outside a graph"] == 0, counts
-    (entry,) = graph[0].scheduler.round_graph._entries.values()
+    (entry,) = graph[0].rounds.executors.round_graph._entries.values()
     assert entry.gather is not None and entry.gather.indices.shape == (12,)
 
 

@@ -34,7 +34,7 @@ def test_a_process_fit_with_an_lr_scheduler_learns_the_next_round_ahead():
     was learned while the round before synchronised, and the result is the inline executor's."""
     plan = _process_fit()
     assert LRSchedulerHook.mutates_replicas is False
-    assert plan.scheduler.rounds_learned_ahead == 2 * (ROUNDS - 1)
+    assert plan.rounds.clock.learned_ahead == 2 * (ROUNDS - 1)
     inline = make_plan(replicas=2, executor="inline", optimizer=_sgd)
     sched = torch.optim.lr_scheduler.LambdaLR(inline.optimizer, lambda t: 1.0 / (1 + t))
     inline.fit(tiny_data(4 * 2 * ROUNDS), 2, shuffle=False, progress=False, metrics_every=None,
@@ -68,7 +68,7 @@ def test_a_hook_that_writes_replicas_without_declaring_it_is_stopped_naming_it()
 
 def test_a_hook_that_declares_its_writes_runs_without_the_overlap():
     plan = _process_fit([_HalveDeclared()], epochs=1)
-    assert plan.rounds_done == ROUNDS and plan.scheduler.rounds_learned_ahead == 0
+    assert plan.rounds_done == ROUNDS and plan.rounds.clock.learned_ahead == 0
 
 
 class _ResetThrough(Hook):
@@ -78,20 +78,20 @@ class _ResetThrough(Hook):
 
     def after_round(self, ctx):
         if ctx.plan.rounds_done == 3:
-            ctx.plan.scheduler.reset_replicas([[1]])
+            ctx.plan.rounds.reset_replicas([[1]])
 
 
 def test_a_reset_through_the_scheduler_is_allowed_and_cancels_the_round_learned_ahead():
     plan = _process_fit([_ResetThrough()], epochs=1)
     # round 4 was learned ahead from the old replica 1 and cancelled; the others were kept
-    assert plan.rounds_done == ROUNDS and plan.scheduler.rounds_learned_ahead == ROUNDS - 2
+    assert plan.rounds_done == ROUNDS and plan.rounds.clock.learned_ahead == ROUNDS - 2
 
 
 def test_divergence_guard_resets_through_the_engine_and_keeps_the_overlap():
     plan = _process_fit(policies=[cg.DivergenceGuard(max_divergence=None, loss_factor=10.0)],
                         epochs=1)
     assert cg.DivergenceGuard.mutates_replicas is False
-    assert plan.scheduler.rounds_learned_ahead == ROUNDS - 1 and plan.scheduler.max_divergence is None
+    assert plan.rounds.clock.learned_ahead == ROUNDS - 1 and plan.rounds.max_divergence is None
 
 
 def test_the_hook_contract_has_documented_defaults_and_typed_context():
@@ -136,7 +136,9 @@ def test_fit_progress_is_one_object_the_plans_attributes_read():
     plan.fit(tiny_data(4 * 2 * 5 + 3), 2, progress=False, metrics_every=None)
     assert plan.progress == FitProgress(epochs_done=2, rounds_done=10, round_in_epoch=0,
                                         position_in_epoch=0,
-                                        train_seconds=plan.progress.train_seconds)
+                                        train_seconds=plan.progress.train_seconds,
+                                        losses=plan.progress.losses)
+    assert len(plan.progress.losses) == 5 * 2  # the last epoch's rounds × learners
     assert (plan.epochs_done, plan.rounds_done) == (2, 10) and plan.train_seconds > 0
     with pytest.raises(AttributeError):
         plan.rounds_done = 0

@@ -1,5 +1,5 @@
 """The task graph is the program: a compiler pass that edits it changes what both executors run
-(engine/interpreter.py), and a graph they cannot run is a PlanError naming the task."""
+(engine/rounds/interpreter.py), and a graph they cannot run is a PlanError naming the task."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_a_pass_that_removes_a_replicas_tasks_changes_what_both_executors_run(
         assert f"learn:d0:r{frozen % replicas}" not in plan.task_graph  # the pass ran
         w0 = plan.replica_weights()[frozen].clone()
         plan.fit(data, 1, shuffle=False, progress=False)
-        assert plan.scheduler.resolved_executor() == executor
+        assert plan.rounds.resolved_executor() == executor
         assert torch.equal(plan.replica_weights()[frozen], w0)  # it never learned
         torch.testing.assert_close(plan.central_weights(), flat(want_z), **TOL)
         torch.testing.assert_close(plan.replica_weights(), torch.stack([flat(r) for r in want_w]), **TOL)

@@ -264,7 +264,7 @@ def test_every_kernel_lowers_for_sm90_with_16_byte_loads(dtype):
 
     Loads (docs/kernels.md): P = 65,536, a multiple of the block, has only full blocks, and
     every access is a 16-byte vector (the 2-byte gradients': 8 bytes, 4 per thread). At
-    LeNet-5's P = 61,706 with the rows padded to 61,728 elements (engine/state.py on CUDA) the
+    LeNet-5's P = 61,706 with the rows padded to 61,728 elements (engine/state/flat.py on CUDA) the
     full blocks' accesses are the same, and only the tail program's are split in two by its
     mask; with unpadded rows (61,706 apart, 8-byte aligned) rows 1… are 8-byte loads too.
 
@@ -399,7 +399,7 @@ mlp_plan = functools.partial(make_plan, model=MLP, input_shape=(8,), replicas=2,
 def test_plan_kernels_lists_what_runs():
     # inline: this process runs every launch (worker processes count their own)
     plan = mlp_plan(replicas=3, kernel_backend="triton", sync=cg.SMA(sync_every=2), executor="inline")
-    assert isinstance(plan.scheduler.kernels, K.TritonSMAKernels)
+    assert isinstance(plan.rounds.kernels, K.TritonSMAKernels)
     listed = plan.kernels
     kinds = sorted((k.spec.kind, dict(k.spec.flags).get("FIRST_STEP"), dict(k.spec.flags).get("CORRECT"))
                    for k in listed)
@@ -411,7 +411,7 @@ def test_plan_kernels_lists_what_runs():
     plan.fit(tiny_data(), 1, shuffle=False, progress=False)
     assert sum(k.launches for k in plan.kernels) > 0  # the listed objects are the ones launched
     torch_plan = mlp_plan(replicas=3, kernel_backend="torch")
-    assert isinstance(torch_plan.scheduler.kernels, TorchSMAKernels)
+    assert isinstance(torch_plan.rounds.kernels, TorchSMAKernels)
     assert all(k.backend == "torch" for k in torch_plan.kernels)
     assert "def sma_local_update" in torch_plan.kernels[0].source
 
@@ -432,7 +432,7 @@ def test_triton_missing_says_how_to_install(monkeypatch):
     with pytest.raises(ImportError, match="pip install"):
         mlp_plan(kernel_backend="triton")
     cpu_default = CSMAKernels if c_kernels_available() else TorchSMAKernels
-    assert isinstance(mlp_plan(kernel_backend="auto").scheduler.kernels, cpu_default)
+    assert isinstance(mlp_plan(kernel_backend="auto").rounds.kernels, cpu_default)
 
 
 @pytest.mark.parametrize("replicas,devices,sync_every", [(1, 1, 1), (3, 1, 1), (2, 2, 2)])
@@ -494,7 +494,7 @@ def test_float64_model_runs_the_torch_kernels_in_float64():
     """The C and Triton kernels update float32 masters: "auto" picks torch for a float64 model
     (on CUDA too), and asking for either of them is a clear error at compile."""
     plan = mlp_plan(dtype=torch.float64)
-    assert isinstance(plan.scheduler.kernels, TorchSMAKernels)
+    assert isinstance(plan.rounds.kernels, TorchSMAKernels)
     assert all(k.backend == "torch" and k.spec.dtype == torch.float64 for k in plan.kernels)
     assert isinstance(S.select_backend("auto", "cuda", torch.float64), TorchSMAKernels)
     for backend in ("c", "triton"):
@@ -543,7 +543,7 @@ def test_interpreter_without_env_var():
 @pytest.mark.parametrize("m", [1, 4, 8, 16])
 def test_gpu_kernels_match_torch(m, dtype, padded):
     """ResNet-32's P: many programs, P not a multiple of the block; contiguous rows, and rows
-    padded to 32 elements as engine/state.py allocates them on CUDA (pads left untouched)."""
+    padded to 32 elements as engine/state/flat.py allocates them on CUDA (pads left untouched)."""
     P = 464_154
     gpu = K.TritonSMAKernels()
     w, v, g, z = (t.cuda() for t in make_inputs(m, P, dtype=dtype))
@@ -576,7 +576,7 @@ def test_gpu_fit_auto_picks_triton_and_matches_torch():
         plan.fit(tiny_data(), 2, seed=3, progress=False)
         out[backend] = plan.central_weights()
         if backend == "auto":
-            assert isinstance(plan.scheduler.kernels, K.TritonSMAKernels)
+            assert isinstance(plan.rounds.kernels, K.TritonSMAKernels)
     torch.testing.assert_close(out["auto"], out["torch"], atol=1e-5, rtol=1e-5)
 
 

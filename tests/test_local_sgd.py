@@ -65,7 +65,7 @@ def test_local_sgd_equals_hand_written_periodic_averaging(learner_mode, optimize
     data = tiny_data(k * b * rounds)
     plan = make_plan(TinyNet, batch_size=b, devices=devices, replicas=replicas,
                      learner_mode=learner_mode, optimizer=local, sync=cg.LocalSGD(sync_every=H))
-    assert plan.scheduler.resolved_executor() == "inline"  # auto picks it
+    assert plan.rounds.resolved_executor() == "inline"  # auto picks it
     torch.manual_seed(0)  # make_plan's model, built again
     z, ws = periodic_averaging(TinyNet(), data, k=k, b=b, rounds=rounds, H=H, inner=inner)
     plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)

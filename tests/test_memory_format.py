@@ -1,4 +1,4 @@
-"""Convolution weights channels-last in the flat rows (engine/state.py ``FlatLayout``,
+"""Convolution weights channels-last in the flat rows (engine/state/flat.py ``FlatLayout``,
 ``compile(memory_format=...)``). The oracles: the same plan with contiguous rows, eager PyTorch,
 and the standard order of ``torch.cat([p.flatten() for p in model.parameters()])``."""
 
@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
-from crossbow_graph.engine.state import FlatLayout, channels_last_weights
+from crossbow_graph.engine.state.flat import FlatLayout, channels_last_weights
 
 from _plans import make_plan
 from _reference import batches_of, eager_steps, flat

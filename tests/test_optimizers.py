@@ -1,4 +1,4 @@
-"""Any torch.optim optimizer and LR scheduler as each learner's local optimiser (engine/optim.py,
+"""Any torch.optim optimizer and LR scheduler as each learner's local optimiser (engine/state/optim.py,
 training/lr_schedule.py): eager PyTorch is the oracle."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
-from crossbow_graph.engine.optim import ELEMENTWISE
+from crossbow_graph.engine.state.optim import ELEMENTWISE
 
 from _plans import make_plan
 from _reference import batches_of, eager_steps

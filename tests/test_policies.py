@@ -14,11 +14,11 @@ from torch.utils.data import TensorDataset
 import crossbow_graph as cg
 from crossbow_graph.errors import PlanError
 from crossbow_graph.training.hooks import Hook
-from crossbow_graph.tuning.metrics import MetricsMonitor
 from crossbow_graph.tuning.adaptive_batch import lr_power
+from crossbow_graph.tuning.metrics import MetricsMonitor
 from crossbow_graph.tuning.policies import (Adjustment, AdaptiveBatchSize, CosineLR,
-                                             DivergenceGuard, MultiStepLR, Policy, StepLR,
-                                             parse_policy)
+                                            DivergenceGuard, MultiStepLR, Policy, StepLR,
+                                            parse_policy)
 from _plans import make_plan, tiny_data
 
 
@@ -42,11 +42,11 @@ class Snapshots(Hook):
         self.rounds = []
 
     def after_round(self, ctx):
-        ctx.plan.scheduler.flush()
+        ctx.plan.rounds.flush()
         self.rounds.append({
             "w": [s.w.clone() for s in ctx.plan.states], "g": [s.g.clone() for s in ctx.plan.states],
             "z": [s.z.clone() for s in ctx.plan.states], "samples": ctx.round_samples,
-            "indices": ctx.batch_indices.clone(), "lr": ctx.plan.scheduler.lr,
+            "indices": ctx.batch_indices.clone(), "lr": ctx.plan.settings.lr,
         })
 
 
@@ -101,7 +101,7 @@ def test_batch_size_over_the_memory_budget_is_refused():
     plan = make_plan(batch_size=4, devices=1, replicas=2, memory_budget=2 * mem4 + (mem8 - mem4) // 2)
     with pytest.raises(PlanError):
         plan.adjust(Adjustment(batch_size=8))
-    assert plan.batch_size == 4 and plan.scheduler.batch_size == 4
+    assert plan.batch_size == 4 and plan.settings.batch_size == 4
     policy = AdaptiveBatchSize(max_batch_size=64)
     policy.min_batch_size = 4
     assert policy.target(4, 100.0) == 8  # the policy would grow; the plan refuses: it stays
@@ -111,9 +111,9 @@ def test_adjust_alpha_sync_every_replicas():
     plan = make_plan(devices=1, replicas=2, executor="inline")
     done = plan.adjust(Adjustment(alpha=0.3, sync_every=2, replicas_per_device=3))
     assert done == {"alpha": 0.3, "sync_every": 2, "replicas_per_device": 3}
-    assert plan.scheduler.alpha == 0.3 and plan.sync.sync_every == 2 and plan.num_learners == 3
+    assert plan.rounds.round_env(0, None, True).alpha == 0.3 and plan.sync.sync_every == 2 and plan.num_learners == 3
     plan.adjust(Adjustment(alpha="auto"))
-    assert plan.scheduler.alpha == pytest.approx(1 / 3)
+    assert plan.rounds.round_env(0, None, True).alpha == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="lr"):
         Adjustment(lr=-1.0)
     with pytest.raises(ValueError, match="α"):
@@ -151,7 +151,7 @@ def test_schedules_match_torch_lr_scheduler(ours, theirs):
 
     class Record(Policy):  # after the schedule: the η that the epoch's rounds use
         def before_epoch(self, ctx):
-            seen.append(ctx.plan.scheduler.lr)
+            seen.append(ctx.plan.settings.lr)
 
     policy = ours()
     plan = make_plan(devices=1, replicas=2, executor="inline", optimizer=cg.SGD(lr=0.1, momentum=0.9))
@@ -197,7 +197,7 @@ def test_lr_drop_resets_every_replica_to_z():
     class Check(Policy):
         def before_epoch(self, ctx):
             w, z = ctx.plan.replica_weights(), ctx.plan.central_weights()
-            seen.append((ctx.plan.scheduler.lr, bool((w == z).all()), float(ctx.plan.states[0].v.abs().sum())))
+            seen.append((ctx.plan.settings.lr, bool((w == z).all()), float(ctx.plan.states[0].v.abs().sum())))
 
     plan = make_plan(devices=1, replicas=2, executor="inline")
     h = plan.fit(tiny_data(64), 3, progress=False, policies=[StepLR(2, 0.1), Check()],
@@ -251,7 +251,7 @@ def test_adaptive_batch_size_grows_b_in_a_fit():
     h = plan.fit(tiny_data(640), 1, progress=False, hooks=[snap], metrics_every=2,
                  policies=[AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, scale_lr=True)])
     assert [p.changes["batch_size"] for p in h.policy] == [8, 16]
-    assert plan.batch_size == 16 and plan.scheduler.lr == pytest.approx(0.04)
+    assert plan.batch_size == 16 and plan.settings.lr == pytest.approx(0.04)
     idx = torch.cat([r["indices"] for r in snap.rounds])
     assert len(idx) == len(set(idx.tolist()))
     assert all(m.noise_scale is not None and m.noise_scale > 2 * 4 for m in h.metrics[:1])
@@ -273,7 +273,7 @@ def test_adaptive_batch_sizes_lr_rule_is_linear_for_sgd_and_square_root_for_adam
     linear = AdaptiveBatchSize(scale_lr="linear")
     assert linear._lr_for(ctx, 16)[0] == pytest.approx(1e-2 * 4.0 ** power)  # b 4 → 16
     gain = AdaptiveBatchSize(scale_lr="gain", reference_batch=8)
-    gain._noise, gain._gain_windows_seen = (100.0,), gain.gain_windows
+    gain.pace.noise, gain.pace.gain_windows_seen = (100.0,), gain.gain_windows
     lr, r = gain._lr_for(ctx, 16)
     assert r == pytest.approx(gain.gain_at(2 * 16, 100.0)) and lr == pytest.approx(1e-2 * r ** power)
 
@@ -340,7 +340,7 @@ def test_lr_follows_the_gain_window_by_window_and_composes_with_a_schedule():
     first = next(r for r in h.policy if r.policy == "AdaptiveBatchSize")
     windows = [m.round for m in h.metrics if m.grad_sq_ema is not None]
     assert first.round == windows[p.gain_windows - 1]  # not before gain_windows windows
-    assert p.gain == pytest.approx(plan.scheduler.lr / 0.001)
+    assert p.gain == pytest.approx(plan.settings.lr / 0.001)
 
 
 def test_adaptive_batch_size_shrinks_b_where_the_noise_is_small():
@@ -387,7 +387,7 @@ def test_lr_gain_validated_and_reference_defaults_to_the_starting_batch():
     p = AdaptiveBatchSize(max_batch_size=4)
     h = plan.fit(tiny_data(96), 1, progress=False, metrics_every=2, policies=[p])
     assert p.reference_batch == 2 * 4  # k·b at the start: η taken as right there
-    assert h.policy == [] and p.gain == 1.0 and plan.scheduler.lr == 0.01  # at B = B₀, r = 1
+    assert h.policy == [] and p.gain == 1.0 and plan.settings.lr == 0.01  # at B = B₀, r = 1
 
 
 class FakeSpeed(Policy):
@@ -418,12 +418,12 @@ def test_adaptive_batch_size_keeps_a_growth_only_if_samples_per_s_rose(speed_8, 
     grown = [r.round for r in h.policy][0]
     if kept:
         assert [c["batch_size"] for c in changes] == [8, 16] and plan.batch_size == 16
-        assert plan.scheduler.lr == pytest.approx(0.04)
+        assert plan.settings.lr == pytest.approx(0.04)
     else:
         assert changes == [{"batch_size": 8, "lr": pytest.approx(0.02)},
                            {"batch_size": 4, "lr": pytest.approx(0.01)}]
         assert plan.batch_size == 4 and policy.max_batch_size == 4
-        assert plan.scheduler.lr == pytest.approx(0.01)
+        assert plan.settings.lr == pytest.approx(0.01)
         # judged at the end of the 3rd window at b = 8: warm-up, then 2 measured windows
         assert h.policy[1].round == grown + 3 * 2 and "+4.0%" in h.policy[1].reason
 
@@ -443,7 +443,7 @@ def test_a_growth_on_trial_is_not_judged_after_another_policy_changed_k():
     h = plan.fit(tiny_data(640), 1, progress=False, metrics_every=2,
                  policies=[FakeSpeed({4: 100.0, 8: 104.0}.__getitem__), policy, MoreReplicas()])
     assert [p.changes for p in h.policy] == [{"batch_size": 8}, {"replicas_per_device": 2}]
-    assert plan.batch_size == 8 and policy._trial is None and policy.max_batch_size == 8
+    assert plan.batch_size == 8 and policy.pace.trial is None and policy.max_batch_size == 8
 
 
 def test_a_returned_growth_keeps_an_lr_drop_made_during_the_trial():
@@ -453,7 +453,7 @@ def test_a_returned_growth_keeps_an_lr_drop_made_during_the_trial():
         def after_round(self, ctx):
             grown = [p for p in ctx.history.policy if p.changes.get("batch_size") == 8]
             if grown and len(ctx.history.policy) == 1 and ctx.plan.rounds_done >= grown[0].round + 1:
-                self.adjust(ctx, lr=ctx.plan.scheduler.lr * 0.1)
+                self.adjust(ctx, lr=ctx.plan.settings.lr * 0.1)
 
     plan = make_plan(devices=2, replicas=1, executor="inline", optimizer=cg.SGD(lr=0.01, momentum=0.9))
     policy = AdaptiveBatchSize(max_batch_size=16, cooldown_epochs=0.02, settle_windows=3,
@@ -487,7 +487,7 @@ def test_a_growth_on_trial_at_the_end_of_a_fit_is_judged_in_the_next():
                                min_speedup=0.1, scale_lr="none")
     speed = FakeSpeed({4: 100.0, 8: 50.0, 16: 25.0}.__getitem__)
     first = plan.fit(tiny_data(96), 2, progress=False, metrics_every=mon, policies=[speed, policy])
-    assert [p.changes for p in first.policy] == [{"batch_size": 8}] and policy._trial is not None
+    assert [p.changes for p in first.policy] == [{"batch_size": 8}] and policy.pace.trial is not None
     second = plan.fit(tiny_data(96), 1, progress=False, metrics_every=mon, policies=[speed, policy])
     assert [p.changes for p in second.policy] == [{"batch_size": 4}]
     assert plan.batch_size == 4 and policy.max_batch_size == 4

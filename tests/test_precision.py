@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
-from crossbow_graph.engine.precision import LossScales
+from crossbow_graph.engine.state.precision import LossScales
 from crossbow_graph.errors import DivergenceError
 
 from _plans import TinyBN, TinyNet, make_plan
@@ -111,7 +111,7 @@ def test_both_learner_modes_cast_as_eager_autocast_does(mode):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want.loss(model(x), y)
     plan = _plan(model, learner_mode=mode, precision="bf16", loss_fn=rec.loss)
-    rec.watch(plan.scheduler.fused_programs[0].module if mode == "fused" else plan.states[0].replicas[0])
+    rec.watch(plan.rounds.ctx.fused[0].module if mode == "fused" else plan.states[0].replicas[0])
     plan.fit(TensorDataset(x, y), 1, shuffle=False, progress=False)
     assert want.seen == {"conv": torch.bfloat16, "bn": torch.bfloat16, "fc": torch.bfloat16,
                          "loss": torch.float32}

@@ -42,7 +42,7 @@ def test_resume_with_another_lr_and_momentum_uses_the_new_ones_and_warns(tmp_pat
     assert h.lr[4:] == [0.01] * 8 and resumed.optimizer.param_groups[0]["momentum"] == 0.5
     oracle = net_plan(**other)
     oracle.load_state_dict(saved)  # as saved: η 0.05, μ 0.9 …
-    assert (oracle.scheduler.lr, oracle.optimizer.param_groups[0]["momentum"]) == (0.05, 0.9)
+    assert (oracle.settings.lr, oracle.optimizer.param_groups[0]["momentum"]) == (0.05, 0.9)
     oracle.adjust(cg.Adjustment(lr=0.01))  # … then the new settings
     oracle.optimizer.param_groups[0]["momentum"] = 0.5
     oracle.fit(data(), 2, progress=False, seed=3)  # the rest of epoch 1, then epoch 2
@@ -57,7 +57,7 @@ def test_resume_after_a_policy_changed_lr_keeps_it_without_a_warning(tmp_path, r
         return plan.fit(data(144), 2, progress=False, seed=3, policies=[_DoubleBatch()], **kw)
 
     second, _ = _fit_interrupted_and_resumed(tmp_path, 5, fit)
-    assert (second.batch_size, second.scheduler.lr) == (8, 0.1)
+    assert (second.batch_size, second.settings.lr) == (8, 0.1)
     assert _resume_warnings(recwarn.list) == []
 
 
@@ -121,7 +121,7 @@ def test_resume_with_another_diloco_outer_lr_uses_it(tmp_path):
         resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt, resume=True)
     oracle = diloco(0.3)
     oracle.load_state_dict(saved)  # the outer optimizer's state, its lr 0.7 included …
-    oracle.scheduler.sync_state.optimizer.param_groups[0]["lr"] = 0.3  # … then the new lr
+    oracle.rounds.sync_state.optimizer.param_groups[0]["lr"] = 0.3  # … then the new lr
     oracle.fit(data(), 1, progress=False)
-    assert resumed.scheduler.sync_state.optimizer.param_groups[0]["lr"] == 0.3
+    assert resumed.rounds.sync_state.optimizer.param_groups[0]["lr"] == 0.3
     assert torch.equal(oracle.central_weights(), resumed.central_weights())

@@ -1,4 +1,4 @@
-"""Padded rows (engine/state.py ``row_length``): on CUDA devices the rows of w, v, g, w_model are
+"""Padded rows (engine/state/flat.py ``row_length``): on CUDA devices the rows of w, v, g, w_model are
 ``[:, :P]`` views of ``[m, P_pad]`` buffers, P_pad a multiple of 32. No CUDA device here: the
 kernel runs on padded CPU views in Triton's interpreter, and the state's padding is forced on
 the CPU through its private knob. The oracle is the torch implementation on contiguous rows;
@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
-from crossbow_graph.engine import state as state_module
+from crossbow_graph.engine.state import flat as state_module
 from crossbow_graph.kernels import triton_sma as K
 from crossbow_graph.kernels.torch_ref import sma_local_update
 

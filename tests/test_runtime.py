@@ -7,7 +7,7 @@ import torch
 
 import crossbow_graph as cg
 from crossbow_graph.compiler.tasks import TaskKind
-from crossbow_graph.engine.learners import learn_group, seed_rng
+from crossbow_graph.engine.learning.learners import learn_group, seed_rng
 from crossbow_graph.training.hooks import Hook
 
 from _plans import TinyBN, TinyDrop, TinyNet, make_plan, tiny_data
@@ -65,13 +65,13 @@ def test_dropout_masks_differ_per_replica(mode):
     batch = [torch.cat([x, x]), torch.cat([y, y])]  # the same samples for both replicas
     torch.manual_seed(1)
     learn_group(state, 0, 2, batch, torch.nn.functional.cross_entropy, 4, mode,
-                plan.scheduler.fused_programs[0])
+                plan.rounds.ctx.fused[0])
     assert state.g[0].abs().sum() > 0
     assert not torch.allclose(state.g[0], state.g[1])  # only dropout can tell them apart
     # and without dropout the same program gives identical gradients
     plain = make_plan(TinyNet, replicas=2, learner_mode=mode, executor="inline")
     learn_group(plain.states[0], 0, 2, batch, torch.nn.functional.cross_entropy, 4, mode,
-                plain.scheduler.fused_programs[0])
+                plain.rounds.ctx.fused[0])
     torch.testing.assert_close(plain.states[0].g[0], plain.states[0].g[1], **TOL)
 
 
@@ -97,7 +97,7 @@ class _Resize(Hook):
         for r in range(old_m, m):
             torch.testing.assert_close(s.w[r], z, rtol=0, atol=0)  # cloned from z
             assert s.v[r].abs().sum() == 0  # zeroed momentum
-        assert plan.scheduler.alpha == pytest.approx(1 / plan.num_learners if plan.num_learners > 1 else 0)
+        assert plan.rounds.round_env(0, None, True).alpha == pytest.approx(1 / plan.num_learners if plan.num_learners > 1 else 0)
         learns = [n for n, t in plan.task_graph.nodes(data="task") if t.kind is TaskKind.LEARN]
         assert len(learns) == m * len(plan.devices)
         self.checked += 1

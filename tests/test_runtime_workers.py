@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -15,14 +16,13 @@ import torch
 
 import crossbow_graph as cg
 
+from crossbow_graph.engine.backends.process import conv_choice, executor, groups, workers
+from crossbow_graph.engine.backends.process.conv_choice import choose_onednn
+from crossbow_graph.engine.backends.process.executor import worker_groups
 from crossbow_graph.errors import TaskError
-from crossbow_graph.training.hooks import Hook
-from crossbow_graph.training.data import make_fetch
-from crossbow_graph.engine import groups, workers
-from crossbow_graph.engine import conv_choice
-from crossbow_graph.engine.conv_choice import choose_onednn
-from crossbow_graph.engine.workers import worker_groups
 from crossbow_graph.kernels.torch_ref import TorchSMAKernels
+from crossbow_graph.training.data import make_fetch
+from crossbow_graph.training.hooks import Hook
 
 from _plans import TinyBN, TinyDrop, TinyNet, make_plan, tiny_data
 from _reference import batches_of, flat, reference_sma
@@ -45,26 +45,27 @@ def test_worker_groups_split_replicas_evenly():
 
 def test_workers_convolution_library_is_measured_once_per_batch_size_or_fixed():
     plan = make_plan(TinyBN, replicas=2, executor="process")
-    sched, data = plan.scheduler, tiny_data(64)
+    sched, data = plan.rounds, tiny_data(64)
     fetch = make_fetch(data)
     rng, onednn = torch.get_rng_state(), torch.backends.mkldnn.enabled
-    choice = choose_onednn(sched, fetch)
-    assert sched.onednn_choices == {plan.batch_size: choice}
+    choice = choose_onednn(sched.ctx, fetch, plan.batch_size)
+    assert sched.ctx.onednn_choices == {plan.batch_size: choice}
     assert torch.equal(torch.get_rng_state(), rng) and torch.backends.mkldnn.enabled == onednn
     buf = plan.states[0].buf.clone()
-    assert choose_onednn(sched, fetch) is choice and torch.equal(plan.states[0].buf, buf)
+    assert choose_onednn(sched.ctx, fetch, plan.batch_size) is choice
+    assert torch.equal(plan.states[0].buf, buf)
     # another plan of the same model and b reuses this process's measurement, unmeasured
-    again = make_plan(TinyBN, replicas=2, executor="process").scheduler
+    again = make_plan(TinyBN, replicas=2, executor="process").rounds
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(conv_choice, "_step_seconds", lambda *a: pytest.fail("measured twice"))
-        assert choose_onednn(again, fetch) is choice
+        assert choose_onednn(again.ctx, fetch, plan.batch_size) is choice
     # fixed by compile's cpu_conv: both libraries give the same z to float tolerance
     z = {}
     for conv in ("onednn", "aten"):
         p = make_plan(TinyBN, replicas=2, executor="process", cpu_conv=conv)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(conv_choice, "_step_seconds", lambda *a: pytest.fail("measured, not fixed"))
-            assert choose_onednn(p.scheduler, fetch) is (conv == "onednn")
+            assert choose_onednn(p.rounds.ctx, fetch, p.batch_size) is (conv == "onednn")
         _fit(p, data)
         z[conv] = p.central_weights()
     torch.testing.assert_close(z["onednn"], z["aten"], **TOL)
@@ -80,7 +81,7 @@ def test_process_executor_gives_the_same_z_as_in_process(devices, replicas, mode
                            executor=ex) for ex in ("inline", "process")}
     hists = {ex: _fit(p, data) for ex, p in plans.items()}
     a, b = plans["inline"], plans["process"]
-    assert b.scheduler.resolved_executor() == "process"
+    assert b.rounds.resolved_executor() == "process"
     torch.testing.assert_close(b.central_weights(), a.central_weights(), **TOL)
     torch.testing.assert_close(b.replica_weights(), a.replica_weights(), **TOL)
     for sa, sb in zip(a.states, b.states):
@@ -182,7 +183,7 @@ def test_worker_processes_draw_their_own_dropout_masks(model_cls, differ):
 def test_dropout_masks_do_not_depend_on_the_executor(monkeypatch, mode, devices, replicas):
     """Same seed, inline and process executor: the same masks, so the same z. Four cores claimed,
     so that the process executor could split every device's replicas over two processes."""
-    monkeypatch.setattr(workers, "available_cores", lambda: 4)
+    monkeypatch.setattr(executor, "available_cores", lambda: 4)
     data = tiny_data(4 * devices * replicas * 3)
     z = {}
     for ex in ("inline", "process"):
@@ -248,7 +249,8 @@ class _CentralFails(TorchSMAKernels):
 
 def test_a_failing_global_sync_in_the_worker_names_the_task_and_round():
     plan = make_plan(replicas=2, executor="process")
-    plan.scheduler.kernels = _CentralFails(plan.scheduler.kernels, at=3)  # forked with the workers
+    ctx = plan.rounds.ctx  # the kernels the sync algorithm's updates use, forked with the workers
+    ctx.sync = dataclasses.replace(ctx.sync, kernels=_CentralFails(ctx.sync.kernels, at=3))
     with pytest.raises(TaskError, match="global_sync") as err:
         _fit(plan, tiny_data(4 * 2 * 10))
     assert err.value.round_index == 2 and "central update failed" in str(err.value)
@@ -290,7 +292,7 @@ def test_bf16_replicas_split_over_processes_match_in_process():
         plan = cg.compile(model.bfloat16(), (torch.randn(2, 64, dtype=torch.bfloat16),),
                           torch.nn.functional.cross_entropy, batch_size=4, replicas=2,
                           optimizer=cg.SGD(lr=0.05, momentum=0.9), executor=ex)
-        assert [g[0] for g in workers.worker_groups([2], 2)] == [0, 0]  # both groups on device 0
+        assert [g[0] for g in worker_groups([2], 2)] == [0, 0]  # both groups on device 0
         plan.fit(data, 3, shuffle=False, progress=False, policies=[cg.MultiStepLR(milestones=(1, 2))])
         out[ex] = plan.central_weights(), plan.replica_weights()
     for a, b in zip(out["process"], out["inline"]):
@@ -336,7 +338,7 @@ def test_a_wait_for_the_coordinator_is_not_counted_as_synchronisation(tmp_path, 
     # the executor's timestamps (here and, forked after this patch, in the workers) read the clock
     fake_time = types.SimpleNamespace(perf_counter_ns=clock.perf_counter_ns,
                                       perf_counter=time.perf_counter, monotonic=time.monotonic)
-    for module in (workers, groups):  # the coordinator's and the worker loop's
+    for module in (executor, groups):  # the coordinator's and the worker loop's
         monkeypatch.setattr(module, "time", fake_time)
     plan = make_plan(replicas=2, executor="process")
     hist = _fit(plan, tiny_data(4 * 2 * rounds), hooks=[_SlowHooks(clock, hook_ns)],
@@ -344,7 +346,7 @@ def test_a_wait_for_the_coordinator_is_not_counted_as_synchronisation(tmp_path, 
     # from round 1 on, group 0 learned ahead and then waited ≥ 1 s of the clock for the release,
     # after z was final: none of it is synchronisation. Counted, it would add ≥ 0.5 s per round;
     # the rest of a round is a few hundred clock readings (< 1 ms).
-    assert plan.scheduler.sync_exposed_seconds < rounds * 1e-3
+    assert plan.rounds.clock.exposed_s < rounds * 1e-3
     assert hist.sync_unhidden_share is not None
     events = json.load(open(tmp_path / "t.json"))["traceEvents"]
     release = [e["dur"] for e in events if e.get("name") == "wait for release"]

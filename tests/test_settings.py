@@ -51,7 +51,7 @@ def _fit(plan, **kw) -> cg.History:
 
 def _readers(plan: cg.Plan) -> dict[str, dict]:
     """η, b, α, τ, m and the learner mode as each reader of the plan sees them."""
-    s, sched, graph = plan.settings, plan.scheduler, plan.task_graph
+    s, env, graph = plan.settings, plan.rounds.round_env(0, None, True), plan.task_graph
     learn_tasks = sum(1 for _, t in graph.nodes(data="task") if t.kind is TaskKind.LEARN)
     return {
         "settings": dict(lr=s.lr, batch_size=s.batch_size, alpha=s.alpha, sync_every=s.sync_every,
@@ -59,9 +59,8 @@ def _readers(plan: cg.Plan) -> dict[str, dict]:
         "plan": dict(lr=plan.optimizer.param_groups[0]["lr"], batch_size=plan.batch_size, alpha=plan.sync.alpha,
                      sync_every=plan.sync.sync_every, replicas_per_device=plan.replicas_per_device,
                      learner_mode=plan.learner_mode),
-        "scheduler": dict(lr=sched.lr, batch_size=sched.batch_size, alpha=sched.sync.alpha,
-                          sync_every=sched.sync.sync_every, learner_mode=sched.learner_mode),
-        **{f"fused program {d}": dict(batch_size=f.batch_size) for d, f in enumerate(sched.fused_programs)},
+        "a round": dict(lr=env.hyper.lr, batch_size=env.b, alpha=env.sync.alpha,
+                        sync_every=env.sync.sync_every, learner_mode=env.learner_mode),
         "task graph": dict(batch_size=graph.graph["batch_size"],
                            replicas_per_device=graph.graph["replicas_per_device"]),
         "its learn tasks": dict(replicas_per_device=learn_tasks / len(plan.devices)),
@@ -74,7 +73,7 @@ def _assert_agree(plan: cg.Plan, want: dict) -> None:
              for reader, seen in _readers(plan).items()}
     assert not any(wrong.values()), wrong
     k = plan.num_learners
-    assert plan.scheduler.alpha == (1 / k if want["alpha"] is None else want["alpha"])  # in use
+    assert plan.rounds.round_env(0, None, True).alpha == (1 / k if want["alpha"] is None else want["alpha"])  # in use
 
 
 def test_every_reader_sees_the_policys_settings_and_a_resume_restores_them(tmp_path):
@@ -113,8 +112,7 @@ def test_every_reader_sees_the_policys_settings_and_a_resume_restores_them(tmp_p
 def test_the_views_of_the_settings_are_read_only_and_name_the_interface():
     plan = _plan()
     for owner, name in ((plan, "batch_size"), (plan, "sync"), (plan, "learner_mode"),
-                        (plan, "replicas_per_device"), (plan.scheduler, "lr"),
-                        (plan.scheduler.fused_programs[0], "batch_size")):
+                        (plan, "replicas_per_device")):
         with pytest.raises(AttributeError, match=r"read-only.*plan\.adjust\(crossbow_graph\.Adjustment"):
             setattr(owner, name, getattr(owner, name))
     assert plan.adjust(Adjustment(learner_mode="fused")) == {"learner_mode": "fused"}
@@ -125,8 +123,8 @@ def test_the_views_of_the_settings_are_read_only_and_name_the_interface():
 
 SETTINGS = {"lr", "batch_size", "alpha", "sync_every", "replicas_per_device", "learner_mode",
             "sync", "optimizer"}
-HOLDERS = {"plan", "sched", "scheduler", "settings"}  # names under which the settings' holders go
-OWNER = "tuning/policy_base.py"  # apply_adjustment
+HOLDERS = {"plan", "sched", "scheduler", "rounds", "settings"}  # names under which the settings' holders go
+OWNER = "engine/adjust.py"  # apply_adjustment
 
 
 def _holder(node: ast.expr) -> str | None:
@@ -139,7 +137,7 @@ def _holder(node: ast.expr) -> str | None:
 
 
 def test_only_the_adjustment_interface_assigns_the_run_settings():
-    """No module but tuning/policy_base.py assigns η, b, α, τ, m, the learner mode, the sync or
+    """No module but engine/adjust.py assigns η, b, α, τ, m, the learner mode, the sync or
     optimizer settings on the plan, the scheduler or the settings (``x.plan.lr = ...``,
     ``sched.sync = ...``): every change goes through ``Plan.adjust``."""
     package = Path(cg.__file__).parent

@@ -48,4 +48,4 @@ def test_ssgd_needs_the_inline_executor():
 def test_ssgd_auto_executor_resolves_inline():
     plan = cg.compile(_mlp(), (torch.randn(1, 12),), nn.functional.cross_entropy, batch_size=4,
                       devices=2, replicas=2, sync=cg.SSGD())
-    assert plan.scheduler.resolved_executor() == "inline"
+    assert plan.rounds.resolved_executor() == "inline"

@@ -1,5 +1,5 @@
-"""The inline executor's stream discipline (engine/streams.py), checked on the CPU by a race
-recorder (engine/race_check.py): simulated streams and events, every aten op's reads and writes.
+"""The inline executor's stream discipline (engine/backends/streams/discipline.py), checked on the CPU by a race
+recorder (testing/race_check.py): simulated streams and events, every aten op's reads and writes.
 
 Oracles: no pair of unordered conflicting accesses in fits that exercise every writer and reader
 of the state (BatchNorm buffers, evaluation, checkpoints, metrics, faults, τ = 2, S-SGD, DiLoCo,
@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 import crossbow_graph as cg
-from crossbow_graph.engine.faults import FaultMonitor
-from crossbow_graph.engine.race_check import RaceRecorder
-from crossbow_graph.engine import streams as stream_module
-from crossbow_graph.engine.streams import CudaStreams, host_resident, is_host_resident
+from crossbow_graph.engine.backends.streams.discipline import CudaStreams
+from crossbow_graph.engine.learning.faults import FaultMonitor
+from crossbow_graph.testing.race_check import RaceRecorder
 from crossbow_graph.training.hooks import Hook
 
 from _plans import TinyBN, make_plan, tiny_data
@@ -60,7 +59,7 @@ def _fit(scenario: str, tmp_path, rec: RaceRecorder | None):
     else:  # "m and the learner mode change between fits"
         plan = make_plan(devices=1, replicas=2, learner_mode="fused", **kw)
     if rec is not None:
-        rec.attach(plan.scheduler)
+        rec.attach(plan.rounds)
     data = tiny_data(64)
     if scenario == "τ = 2, NaN losses":
         data = _ignored(data, [3, 6])
@@ -74,7 +73,7 @@ def _fit(scenario: str, tmp_path, rec: RaceRecorder | None):
             history = plan.fit(data, shuffle=False, **fit)
             plan.set_replicas(1)
             history = plan.fit(data, shuffle=False, **fit)
-        plan.scheduler.flush()
+        plan.rounds.flush()
         z = plan.central_weights()
     return plan, history, z
 
@@ -85,7 +84,7 @@ class ResetFromZ(Hook):
 
     def before_round(self, ctx) -> None:
         if ctx.plan.rounds_done % 3 == 1:
-            ctx.plan.scheduler.flush()
+            ctx.plan.rounds.flush()
             FaultMonitor.reset(ctx.plan.states[0], [1])
 
 
@@ -177,7 +176,7 @@ def test_join_and_the_buffer_snapshot_are_needed(monkeypatch, tmp_path):
     _fit(SCENARIOS[0], tmp_path / "a", rec)
     assert any("metrics.py" in str(r) for r in rec.races)  # the noise scale's read of g
     monkeypatch.undo()
-    from crossbow_graph.engine.stream_backend import StreamsBackend
+    from crossbow_graph.engine.backends.streams.backend import StreamsBackend
     monkeypatch.setattr(StreamsBackend, "_snapshot_buffers", lambda self, env, d, a, b: None)
     rec = RaceRecorder()
     _fit("batchnorm, nothing between rounds", tmp_path / "b", rec)
@@ -198,7 +197,7 @@ def test_device_fault_path_resets_like_the_host_path_and_raises_a_round_late():
                                           torch.randint(0, 3, (64,), generator=g))
     data = _ignored(data, [4, 5])  # round 2's two learners
     plan = plan_of()
-    rec = RaceRecorder().attach(plan.scheduler)
+    rec = RaceRecorder().attach(plan.rounds)
     with rec, pytest.raises(cg.DivergenceError, match="all 2 replicas .* round 2"):
         plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None)
     assert plan.rounds_done == 4  # round 3 ran before the host read round 2's flags
@@ -219,7 +218,7 @@ def test_a_delayed_stream_changes_nothing_on_cuda(mode, kind):
     def run(delay: int):
         plan = make_plan(TinyBN, devices=1, replicas=2, learner_mode=mode, executor="inline",
                          kernel_backend="torch")
-        streams = plan.scheduler._streams()
+        streams = plan.rounds.executors.cuda_streams
         streams.delay = {kind: delay} if delay else {}
         plan.fit(tiny_data(64), 1, shuffle=False, progress=False, metrics_every=None)
         return plan.central_weights(), plan.states[0].zbuf.clone()
@@ -235,7 +234,7 @@ def test_stream_timings_come_from_events_into_the_trace(tmp_path):
     events measure 0 ms)."""
     import json
     plan = make_plan(devices=2, replicas=2, executor="inline", kernel_backend="torch")
-    rec = RaceRecorder().attach(plan.scheduler)
+    rec = RaceRecorder().attach(plan.rounds)
     trace = tmp_path / "run.json"
     with rec:
         plan.fit(tiny_data(64), 1, shuffle=False, progress=False, metrics_every=None,
@@ -248,28 +247,28 @@ def test_stream_timings_come_from_events_into_the_trace(tmp_path):
     rounds = plan.rounds_done
     assert rounds == 4 and names.count("global_sync") == rounds
     assert sum(n.startswith("learn") for n in names) == 4 * rounds
-    assert plan.scheduler.sync_seconds == 0.0  # the simulated events' durations
+    assert plan.rounds.clock.sync_s == 0.0  # the simulated events' durations
 
 
 def test_learner_streams_stay_within_the_pool_and_apart_from_the_sync_streams():
     """m = 34 per_replica learners: at most STREAM_POOL learner streams (torch's pool size per
     priority; the groups beyond share them on purpose), and the sync and global streams come
     from another priority's pool, so no learner stream aliases them; no race, z as unstreamed."""
-    from crossbow_graph.engine.streams import STREAM_POOL, SYNC_PRIORITY
+    from crossbow_graph.engine.backends.streams.discipline import STREAM_POOL, SYNC_PRIORITY
 
     def fit(rec):
         plan = make_plan(TinyBN, devices=1, replicas=34, executor="inline",
                             kernel_backend="torch", optimizer=cg.SGD(lr=0.05, momentum=0.9))
         if rec is not None:
-            rec.attach(plan.scheduler)
+            rec.attach(plan.rounds)
         with rec if rec is not None else contextlib.nullcontext():
             plan.fit(tiny_data(34 * 4 * 2), 1, shuffle=False, progress=False, metrics_every=None)
-        plan.scheduler.flush()
+        plan.rounds.flush()
         return plan
 
     rec = RaceRecorder()
     plan = fit(rec)
-    streams = plan.scheduler.cuda_streams
+    streams = plan.rounds.executors.cuda_streams
     learners = {id(s): s for s in streams.groups.values()}
     assert len(streams.groups) == 34 and len(learners) == STREAM_POOL
     assert all(s.priority == 0 for s in learners.values())
@@ -288,19 +287,7 @@ def test_gpu_learner_streams_never_alias_the_sync_streams():
     plan = cg.compile(cg.models.lenet5(), (x[:2],), nn.functional.cross_entropy, batch_size=8,
                       devices=1, replicas=40, executor="inline")
     plan.fit(torch.utils.data.TensorDataset(x, y), 1, progress=False, metrics_every=None)
-    streams = plan.scheduler.cuda_streams
+    streams = plan.rounds.executors.cuda_streams
     learners = {s.cuda_stream for s in streams.groups.values()}
     syncs = {streams.sync_stream[0].cuda_stream, streams.global_stream.cuda_stream}
     assert len(learners) <= 32 and not learners & syncs
-
-
-def test_a_host_resident_mark_ends_with_its_tensor():
-    """A freed host-resident tensor's address is no longer marked: a later tensor allocated
-    there is recorded (the race checks would otherwise miss its accesses)."""
-    from crossbow_graph.engine import streams
-
-    age = host_resident(torch.zeros(4, dtype=torch.int64))
-    ptr = age.untyped_storage().data_ptr()
-    assert is_host_resident(age)
-    del age
-    assert ptr not in stream_module._HOST_RESIDENT

@@ -1,6 +1,6 @@
 """A fit's intra-op threads on CPU devices: chosen from the cores other processes leave free
 (``fit(cpu_threads="auto")``, the default), or as given; torch's setting is given back after the
-fit and the choice is in the History and the CLI's last line (engine/threads.py; docs/runtime.md,
+fit and the choice is in the History and the CLI's last line (engine/learning/threads.py; docs/runtime.md,
 Threads on a busy host)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import crossbow_graph as cg
-import crossbow_graph.engine.threads as threads
+import crossbow_graph.engine.learning.threads as threads
 from crossbow_graph.cli import main
 
 from _plans import make_plan, tiny_data

@@ -19,8 +19,8 @@ from .tasks import Cost, Task, TaskKind
 from .trace import trace_model
 from .verify import verify_task_graph
 
-__all__ = ["SCHEMA", "PlanView", "summary", "to_json", "from_json", "to_dot", "draw",
-           "inspect_model", "optimizer_text", "plan_settings", "plan_summary"]
+__all__ = ["SCHEMA", "Inspectable", "PlanView", "summary", "to_json", "from_json", "to_dot", "draw",
+           "inspect_model", "optimizer_text"]
 
 #: The ``schema`` field of every JSON document ``to_json`` writes.
 SCHEMA = "crossbow_graph.plan/2"
@@ -107,28 +107,6 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
     lines.append(f"{'total':<10}{k:>9}{'':>7}{'':>12}{total_flops / 1e9:>13.4f}"
                  f"{k * mem / _MIB:>12.2f}")
     return "\n".join(lines)
-
-
-def plan_settings(plan: Any) -> dict[str, Any]:
-    """A compiled plan's settings as plain data for ``summary`` and ``to_json``: the optimizer,
-    the sync algorithm (its description and ``summary_rule``), α for its k learners."""
-    sync, state, k = plan.sync, plan.scheduler.sync_state, plan.num_learners
-    return {"optimizer": plan.settings.optimizer.describe(), "sync": sync.describe(state),
-            "sync_rule": sync.summary_rule(k, state), "alpha": sync.alpha_for(k)}
-
-
-def plan_summary(plan: Any) -> str:
-    """``summary`` of a compiled plan; under torchrun a last line with the bytes each process
-    hands to the global sync's all-reduce (``Distributed.sync_bytes``)."""
-    text = summary(plan.task_graph, plan_settings(plan))
-    if plan.comm is not None:
-        d = plan.comm.settings
-        text += (f"\nglobal sync over {plan.comm.world_size} processes: "
-                 f"{d.sync_bytes(plan.num_parameters, plan.states[0].buf.shape[1]):,} bytes "
-                 f"per process per sync ({d.sync_dtype} corrections)")
-    if plan.scheduler.ft is not None:  # Distributed(fault_tolerant=True): the live membership
-        text += "\n" + plan.scheduler.ft.describe()
-    return text
 
 
 def _task_to_dict(t: Task) -> dict[str, Any]:
@@ -272,7 +250,43 @@ def draw(graph: nx.DiGraph, path: str | Path) -> Path:
     return path
 
 
-class PlanView:
+class Inspectable:
+    """What a runnable plan (``api.Plan``) and a ``PlanView`` share: the inspection of their
+    ``task_graph`` with the settings ``inspected_settings()`` gives (docs/compiler.md §5)."""
+
+    task_graph: nx.DiGraph
+
+    def inspected_settings(self) -> dict[str, Any]:
+        """The optimizer and sync settings as plain data (the summary's and JSON's)."""
+        return {}
+
+    @property
+    def devices(self) -> list[str]:
+        """This process's device names."""
+        return list(self.task_graph.graph["devices"])
+
+    def summary(self) -> str:
+        """A table per device: replicas, tasks, GFLOP per round, memory (MiB); then the totals."""
+        return summary(self.task_graph, self.inspected_settings())
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """The task graph as JSON, schema ``crossbow_graph.plan/2``."""
+        return to_json(self.task_graph, self.inspected_settings(), indent=indent)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text of the task graph, devices as clusters."""
+        return to_dot(self.task_graph)
+
+    def draw(self, path: str | Path) -> Path:
+        """Write a picture of the task graph (PNG, SVG or PDF by suffix).
+
+        Raises:
+            RuntimeError: graphviz's ``dot`` is not installed. ValueError: an unknown suffix.
+        """
+        return draw(self.task_graph, path)
+
+
+class PlanView(Inspectable):
     """A plan's inspection surface without replicas (``Plan.from_json``, ``crossbow-graph
     inspect``): ``fit`` and ``evaluate`` raise PlanError.
 
@@ -288,9 +302,8 @@ class PlanView:
         self.settings = dict(settings or {})
         self.analysis = analysis
 
-    @property
-    def devices(self) -> list[str]:
-        return list(self.task_graph.graph["devices"])
+    def inspected_settings(self) -> dict[str, Any]:
+        return self.settings
 
     @property
     def replicas_per_device(self) -> int:
@@ -303,22 +316,6 @@ class PlanView:
     @property
     def batch_size(self) -> int:
         return int(self.task_graph.graph["batch_size"])
-
-    def summary(self) -> str:
-        """See ``summary``."""
-        return summary(self.task_graph, self.settings)
-
-    def to_json(self, *, indent: int | None = 2) -> str:
-        """See ``to_json``."""
-        return to_json(self.task_graph, self.settings, indent=indent)
-
-    def to_dot(self) -> str:
-        """See ``to_dot``."""
-        return to_dot(self.task_graph)
-
-    def draw(self, path: str | Path) -> Path:
-        """See ``draw``."""
-        return draw(self.task_graph, path)
 
     def _no_state(self, what: str):
         raise PlanError(f"{what}() needs training state, but this plan was loaded for inspection "

@@ -1,104 +1,117 @@
-"""Runs a plan's task graph round after round through one of the execution backends
+"""Runs a plan's task graph round after round: the run settings read once per round into the
+round's ``RoundEnv``, the round run by the backend chosen for it, its ``RoundResult`` handed back
 (docs/runtime.md, "Backends"; docs/design-overview.md §1, §2, §5)."""
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Literal, get_args
+from typing import Any
 
 import networkx as nx
 import torch
 
-from ..compiler.tasks import Task, TaskKind
 from ..kernels.protocol import SMAKernels
 from ..kernels.torch_ref import TorchSMAKernels
-from .backend import Backend
-from .conv_choice import CpuConv
-from .faults import FaultMonitor
-from .fused import FusedProgram
-from .graphs import GraphBackend
-from .inline import InlineBackend
-from .interpreter import RoundProgram
-from .local_update import all_reduce_sums, local_update_rows
-from .optim import LocalOptimizer
-from .prefetch import BatchPrefetch
-from .settings import RunSettings, settings_view
-from .state import DeviceState
-from .stream_backend import StreamsBackend
-from .streams import CUDA_OPS, CudaStreams
-from .sync.base import SyncState
-from .workers import ProcessBackend, available_cores, fork_available
+from .backends.process.conv_choice import CpuConv
+from .executors import Executor, Executors
+from .learning.faults import FaultEvent, FaultMonitor
+from .learning.fused import FusedProgram
+from .rounds.context import FitRun, RunContext, SyncClock
+from .rounds.env import RoundEnv, RoundResult
+from .settings import RunSettings
+from .state.flat import DeviceState
+from .sync.base import SyncContext, SyncState
+from .transport.host import TransportHost
+from .transport.transports import InProcess, Transport
 
-__all__ = ["Scheduler", "Executor", "EXECUTORS"]
-
-Executor = Literal["auto", "inline", "process"]
-EXECUTORS = get_args(Executor)
+__all__ = ["Scheduler"]
 
 
 class Scheduler:
-    """Runs rounds over the devices' replicas through a backend (engine/backend.py); what every
-    backend shares lives here, and it is the sync algorithms' ``SyncContext``.
+    """Runs a plan's rounds (this module's docstring): what a fit uses of the engine.
 
     Args:
         task_graph: the plan's task graph (one round).
         states: one DeviceState per device, in the plan's device order.
         loss_fn: ``loss_fn(output, target) -> scalar tensor``.
-        settings: the plan's RunSettings (engine/settings.py).
+        settings: the plan's RunSettings (engine/settings.py): read once per round.
         executor: ``"auto"``, ``"inline"`` or ``"process"`` (docs/runtime.md, "Executors").
-        kernels: the SMA update backend (None: torch's); comm: torchrun's ``Comm`` or None.
-        ft: under ``Distributed(fault_tolerant=True)``, the group's ``engine.ft.FaultTolerantSync``.
+        kernels: the SMA update backend (None: torch's).
+        transport: how the global sync's sums cross devices and processes
+            (engine/transport/transports.py; None: this process's devices).
+        comm: torchrun's ``Comm``, or None.
         cpu_conv: the worker processes' convolutions: ``"auto"``, ``"onednn"`` or ``"aten"``.
-        round_graph: a ``graphs.RoundGraph`` (CUDA-graph rounds), or None.
+        round_graph: a ``RoundGraph`` (CUDA-graph rounds), or None.
+
+    Attributes:
+        ctx: what every backend shares (``RunContext``); executors: the backends and the choice
+            between them (engine/executors.py); max_divergence: the fault test's threshold in
+            force (None: off).
 
     Raises:
         ValueError: an unknown ``executor``, or ``"process"`` with a CUDA device; TypeError or
             ValueError: the sync algorithm cannot bind these states.
-
-    Attributes: docs/runtime.md, "Backends".
     """
 
-    lr = settings_view("lr", "η in force (read-only: ``settings.lr``).")
-    batch_size = settings_view("batch_size", "b in force (read-only: ``settings.batch_size``).")
-    learner_mode = settings_view("learner_mode", "The learner mode in force (read-only).")
-    optimizer = settings_view("optimizer", "The local optimiser, its groups' settings in force "
-                              "(read-only; engine/optim.py LocalOptimizer).")
-    sync = settings_view("sync", "The sync algorithm, its α, τ (H) in force (read-only; "
-                         "engine/sync/).")
-
-    def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Callable,
+    def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Any,
                  settings: RunSettings, *, executor: Executor = "auto",
-                 kernels: SMAKernels | None = None, comm: Any = None, cpu_conv: CpuConv = "auto",
-                 round_graph: Any = None, ft: Any = None) -> None:
-        if executor not in EXECUTORS:
-            raise ValueError(f"executor={executor!r}: use one of {EXECUTORS}")
-        if executor == "process" and any(s.torch_device.type != "cpu" for s in states):
-            raise ValueError("executor='process' runs CPU devices only; use 'inline' (CUDA streams) "
-                             "or 'auto' for CUDA devices")
+                 kernels: SMAKernels | None = None, transport: Transport | None = None,
+                 comm: Any = None, cpu_conv: CpuConv = "auto", round_graph: Any = None) -> None:
         self.settings = settings
-        self.kernels: SMAKernels = kernels if kernels is not None else TorchSMAKernels()
-        self.states, self.loss_fn, self.executor, self.comm = states, loss_fn, executor, comm
-        self.ft = ft  # the global sync spans torchft's live groups
+        transport = transport or InProcess(shared_memory=all(s.torch_device.type == "cpu"
+                                                             for s in states))
+        sync_state: SyncState = settings.sync.bind(states)  # raises TypeError, ValueError
+        sync = SyncContext(states, kernels or TorchSMAKernels(), settings.optimizer, transport,
+                           sync_state)
+        self.ctx = ctx = RunContext(states, loss_fn, [FusedProgram(_structure(s), loss_fn)
+                                                      for s in states], sync, comm, cpu_conv)
+        transport.attach(TransportHost(
+            states, loss_fn, sync_state, describe_sync=lambda: self.settings.sync.describe(sync_state),
+            pending_faults=lambda: len(ctx.faults.pending)))
+        self.executors = Executors(ctx, executor, round_graph)  # raises ValueError
         self.max_divergence: float | None = None
-        self.max_grad_norm: float | None = None
-        self.losses: list[torch.Tensor] = []
-        self.sync_seconds = self.sync_exposed_seconds = 0.0
-        self.rounds_learned_ahead = self.seed = self.round_index = 0
-        self.timeline = None
-        self.fetch_fn: Callable | None = None  # begin_fit's fetch and load
-        self.load_fn: Callable | None = None
-        self.fused_programs = [FusedProgram(_clone_structure(s), loss_fn, settings) for s in states]
-        self.batch_ahead = BatchPrefetch()
-        self.fault_masks: list[torch.Tensor | None] = [None] * len(states)
-        self._resolved: tuple[int, str] | None = None  # (k, executor) cache
-        self.cpu_conv = cpu_conv
-        self.onednn_choices: dict[int, bool] = {}  # b → oneDNN or not (conv_choice.choose_onednn)
-        self.sync_state: SyncState = settings.sync.bind(states)  # raises TypeError, ValueError
-        self._stream_ops: Any = None
-        self._round_graph = round_graph
-        self.process = ProcessBackend(self)
-        self._inline: InlineBackend | None = None
-        self.backend: Backend = self.process  # the backend of the round being run (or last run)
+        self._changes_seen = 0  # membership changes handed out
         self.set_task_graph(task_graph)
+
+    # -- what the plan shares with its rounds --------------------------------------------------
+
+    @property
+    def states(self) -> list[DeviceState]:
+        return self.ctx.states
+
+    @property
+    def kernels(self) -> SMAKernels:
+        """The SMA update kernels' backend (kernels/select.py)."""
+        return self.ctx.sync.kernels
+
+    @property
+    def transport(self) -> Transport:
+        """How the global sync's sums cross devices and processes (chosen when the plan is built)."""
+        return self.ctx.sync.transport
+
+    @property
+    def sync_state(self) -> SyncState:
+        """The sync algorithm's runtime state (``SyncAlgorithm.bind``: DiLoCo's outer optimizer)."""
+        return self.ctx.sync.state
+
+    @property
+    def faults(self) -> FaultMonitor:
+        return self.ctx.faults
+
+    @property
+    def clock(self) -> SyncClock:
+        """The synchronisation seconds so far and the rounds learned ahead."""
+        return self.ctx.clock
+
+    @property
+    def fault_masks(self) -> list[torch.Tensor | None]:
+        """Per device, its last local sync's fault mask on the device (CUDA streams), or None."""
+        return self.ctx.fault_masks
+
+    @property
+    def num_learners(self) -> int:
+        """k, learners of every process (every rank has the same m per device)."""
+        return self.ctx.num_learners
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -108,148 +121,55 @@ class Scheduler:
         Raises:
             PlanError: a graph the backends cannot run (``RoundProgram.of`` names the task).
         """
-        self.close_workers()
+        self.executors.process.close()
         self.task_graph = task_graph
-        self.program = RoundProgram.of(task_graph, [s.name for s in self.states],
-                                       [s.m for s in self.states])  # raises PlanError
-        self.order: list[Task] = list(self.program.tasks)
-        self.fused_runs: dict[str, tuple[int, int]] = {}  # fused learners: lead task → rows
-        for d in range(len(self.states)):
-            self.fused_runs.update(self.program.learn_runs(
-                [t for t in self.order if t.kind is TaskKind.LEARN and self.program.device[t.id] == d]))
-        pending = self.faults.pending if hasattr(self, "faults") else []
-        self.faults = FaultMonitor()  # NaN/Inf replicas: reset from z, left out of the sum
-        self.faults.pending = pending  # torchrun: this rank's faults not yet shared go on
-        if self._inline is not None:
-            self._inline.close()  # the new graph's streams start after the old ones' work
-        self.batch_ahead.drop()  # split for the old graph's devices and rows
-        if self._round_graph is not None:
-            self._round_graph.clear()  # other tasks, other buffers: new graphs
-
-    @property
-    def stream_ops(self) -> Any:
-        """The streams' ``StreamOps`` (None: torch.cuda on CUDA devices); setting it re-chooses."""
-        return self._stream_ops
-
-    @stream_ops.setter
-    def stream_ops(self, ops: Any) -> None:
-        self._stream_ops = ops
-        self._drop_inline()
-
-    @property
-    def round_graph(self) -> Any:
-        """A ``graphs.RoundGraph`` capturing the rounds, or None. Setting it re-chooses."""
-        return self._round_graph
-
-    @round_graph.setter
-    def round_graph(self, graph: Any) -> None:
-        self._round_graph = graph
-        self._drop_inline()
-
-    def _drop_inline(self) -> None:
-        if self._inline is not None:
-            self._inline.close()
-            self._inline = None
-
-    def inline_backend(self) -> InlineBackend:
-        """The backend of in-process rounds: on CUDA streams (or ``stream_ops``), captured in
-        CUDA graphs with ``round_graph``, else plain inline; made at first use."""
-        if self._inline is None:
-            ops = self._stream_ops
-            if ops is None and any(s.torch_device.type == "cuda" for s in self.states):
-                ops = CUDA_OPS
-            if ops is None:
-                self._inline = InlineBackend(self)
-            elif self._round_graph is not None:
-                self._inline = GraphBackend(self, ops, self._round_graph)
-            else:
-                self._inline = StreamsBackend(self, ops)
-        return self._inline
-
-    @property
-    def num_learners(self) -> int:
-        """k, learners of every process (every rank has the same m per device)."""
-        return sum(s.m for s in self.states) * (self.comm.world_size if self.comm else 1)
-
-    @property
-    def learner_offset(self) -> int:
-        """Global index of this process's first learner (rank · local learners)."""
-        return sum(s.m for s in self.states) * self.comm.rank if self.comm else 0
-
-    @property
-    def rank(self) -> int | None:
-        """This process's torchrun rank, None in a single process."""
-        return self.comm.rank if self.comm else None
-
-    @property
-    def alpha(self) -> float:
-        """α of the next round's local updates: ``settings.alpha``, or 1/k; 0 when k = 1."""
-        live = self.ft.live_learners if self.ft is not None else None  # torchft: last sync's k
-        return self.settings.sync.alpha_for(live or self.num_learners)
+        self.ctx.adopt(task_graph)  # raises PlanError
+        self.executors.replan()
 
     def resolved_executor(self) -> str:
         """The executor that runs the next round: ``"inline"`` or ``"process"``."""
-        if self.executor != "auto":
-            return self.executor
-        if "process" not in self.sync.executors:  # e.g. a global sync that writes every w
-            return "inline"
-        k = self.num_learners
-        if self._resolved is None or self._resolved[0] != k:
-            cpu = all(s.torch_device.type == "cpu" for s in self.states)
-            self._resolved = (k, "process" if (cpu and available_cores() >= 2 and k >= 2
-                                               and fork_available()) else "inline")
-        return self._resolved[1]
+        return self.executors.resolved(self.settings.sync)
+
+    def graph_record(self) -> dict[str, Any] | None:
+        """The CUDA-graph rounds so far (``RoundGraph.record``), or None without them."""
+        graph = self.executors.round_graph
+        return graph.record() if graph is not None else None
 
     # -- fit boundaries -----------------------------------------------------------------------
 
-    def begin_fit(self, fetch: Callable[[torch.Tensor], Any], *, seed: int = 0, timeline=None,
-                  load: Callable[[int, torch.Tensor], Any] | None = None,
-                  max_grad_norm: float | None = None) -> None:
-        """Prepare a fit: ``fetch`` maps sample indices ``[n]`` to a collated batch (in any
-        process); ``load``, if given, maps (round t, its indices ``[k·b]``) to the round's batch
-        in this process, once per round in round order; ``max_grad_norm``: the per-learner
-        gradient clipping, or None."""
-        self.fetch_fn, self.load_fn = fetch, load
-        self.seed = seed
-        self.max_grad_norm = max_grad_norm
-        self.timeline = timeline
-
-    def load_batch(self, round_index: int, indices: torch.Tensor) -> Any:
-        """Round ``round_index``'s batch of the samples ``indices [k·b]``, in this process."""
-        return self.fetch_fn(indices) if self.load_fn is None else self.load_fn(round_index, indices)
+    def begin_fit(self, fit: FitRun) -> None:
+        """Prepare a fit: its data functions, seed, clipping and timeline (``FitRun``)."""
+        self.ctx.fit = fit
 
     def end_fit(self) -> None:
         """Finish the work in flight and stop any worker processes."""
         try:
-            self.flush()
-            if self._inline is not None:
-                self._inline.finish()
+            for backend in self.executors.made:
+                backend.finish()
         finally:
             self.close_workers()
-            self.batch_ahead.drop()
-            self.fetch_fn = self.load_fn = None
+            self.ctx.batch_ahead.drop()
 
     def flush(self) -> None:
         """Complete the work in flight: z, zbuf and the replicas reflect every round so far on
         the host too, and the faults of those rounds are recorded."""
-        self.process.flush()
-        if self._inline is not None:
-            self._inline.flush()
+        for backend in self.executors.made:
+            backend.flush()
 
     def join(self) -> None:
         """Order the caller's default stream after every stream's work so far, without a host
         wait (docs/runtime.md, "Streams on CUDA"); nothing without streams."""
-        if self._inline is not None:
-            self._inline.join()
+        for backend in self.executors.made:
+            backend.join()
 
     def close_workers(self) -> None:
         """Stop the worker processes (cancelling a speculative round); the next round restarts them."""
-        self.process.close()
+        self.executors.process.close()
 
     @property
     def learning_ahead(self) -> bool:
         """Whether worker processes learn the next round now (a speculative round in flight)."""
-        return self.process.learning_ahead
+        return self.executors.process.learning_ahead
 
     def reset_replicas(self, rows: list[list[int]], *, round_index: int | None = None) -> None:
         """Put the replicas ``rows`` (per device) at z between rounds; with ``round_index`` each
@@ -270,72 +190,71 @@ class Scheduler:
 
     def run_round(self, round_index: int, batch: Any = None, *, synchronise: bool,
                   indices: torch.Tensor | None = None,
-                  next_indices: torch.Tensor | None = None) -> None:
-        """Run every task of one round.
+                  next_indices: torch.Tensor | None = None) -> RoundResult:
+        """Run every task of one round and return its result.
 
         Args:
             round_index: the global round number t.
             batch: the round's collated samples, ``k·b`` along dimension 0 (learner j's at
                 ``[j·b, (j+1)·b)``), or a ``LearnerBatches``; or None with ``indices``.
             synchronise: whether this round ends with a synchronisation.
-            indices: the round's sample indices ``[k·b]`` (fetched or loaded after begin_fit).
+            indices: the round's sample indices ``[k·b]`` (fetched or loaded by the fit).
             next_indices: the next round's indices when nothing writes the replicas between the
                 rounds (the process backend learns it ahead); else None.
 
         Raises:
             TaskError: a task failed (names the task, its device and the round).
         """
-        self.round_index = round_index
-        if indices is not None and batch is None and self.resolved_executor() == "process":
-            self.backend = self.process
-        else:
-            self.close_workers()
-            self.backend = self.inline_backend()
-        self.backend.run_round(round_index, batch, synchronise, indices, next_indices)
+        env = self.round_env(round_index, batch, synchronise)
+        backend = self.executors.choose(env.sync, indices_only=indices is not None and batch is None)
+        backend.run_round(env, indices, next_indices)
         self.settings.mark_stepped()
+        return RoundResult(env.learned, *self.collect())
 
-    def prefetch(self, round_index: int, indices: torch.Tensor) -> None:
-        """Load round ``round_index``'s batch of ``indices [k·b]`` now and copy it to the
-        devices ahead (the streams backend only; ``batch_ahead``)."""
+    def round_env(self, round_index: int, batch: Any, synchronise: bool) -> RoundEnv:
+        """Round ``round_index``'s environment: k, b, the learner mode, the sync algorithm and the
+        hyper-parameters in force, read once from the run settings (``RunSettings.hyper``: α for
+        the learners the transport says the round averages)."""
+        s, k = self.settings, self.num_learners
+        return RoundEnv(round_index, batch, synchronise, k, s.batch_size, s.learner_mode, s.sync,
+                        s.hyper(self.transport.live_learners(k)), self.max_divergence)
+
+    def collect(self) -> tuple[list[FaultEvent], list[Any]]:
+        """The fault events and membership changes found since the last result (a flush between
+        rounds may find a round's late faults)."""
+        changes = self.transport.membership
+        new, self._changes_seen = changes[self._changes_seen:], len(changes)
+        return self.faults.take_new(), new
+
+    def share_last_faults(self, round_index: int) -> None:
+        """Under torchrun, at a fit's end: the faults found since the last global sync (τ > 1)
+        reach every rank (``FaultMonitor.share``, after one all-reduce of a flag;
+        DivergenceError as at a sync)."""
+        comm, faults = self.ctx.comm, self.faults
+        if comm.any_rank(bool(faults.pending), round_index):
+            faults.share(comm, round_index, self.num_learners, self.states[0].z)
+
+    def prefetch(self, round_index: int, indices: torch.Tensor, b: int) -> None:
+        """Load round ``round_index``'s batch of ``indices [k·b]`` (b per learner) now and copy it
+        to the devices ahead (the streams backend only; ``RunContext.batch_ahead``)."""
         if self.resolved_executor() == "inline":
-            self.inline_backend().prefetch(round_index, indices)
+            self.executors.inline.prefetch(round_index, indices, b)
 
-    @property
-    def cuda_streams(self) -> CudaStreams | None:
-        """The in-process rounds' CudaStreams (engine/streams.py), or None."""
-        return self.inline_backend().cuda_streams
+    # -- what a checkpoint keeps ----------------------------------------------------------------
 
-    def _streams(self) -> CudaStreams | None:
-        return self.cuda_streams
+    def state_dict(self) -> dict[str, Any]:
+        """The runs' records a resume continues: the fault events of the plan's task graph, the
+        transport's membership (torchft) and the measured convolution libraries per b."""
+        return {"faults": list(self.faults.events), "fault_tolerance": self.transport.state_dict(),
+                "cpu_conv_choices": dict(self.ctx.onednn_choices)}
 
-    # -- SyncContext (engine/sync/base.py) ------------------------------------------------------
-
-    def local_update_rows(self, state: DeviceState, r0: int, r1: int, *, alpha: float,
-                          synchronise: bool, optimizer: LocalOptimizer,
-                          out: torch.Tensor | None = None,
-                          losses: list[torch.Tensor] | None = None, on_device: bool = False
-                          ) -> tuple[torch.Tensor | None, Any]:
-        """``local_update.local_update_rows`` of this scheduler."""
-        return local_update_rows(self, state, r0, r1, alpha=alpha, synchronise=synchronise,
-                                 optimizer=optimizer, out=out, losses=losses, on_device=on_device)
-
-    def graph_hyper(self, state: DeviceState) -> Any:
-        """In a CUDA-graph round's body, the device's ``DeviceHyper``, else None."""
-        return self.backend.graph_hyper(state)
-
-    def sync_central(self, accs: list[torch.Tensor], buffers: list[torch.Tensor] | None = None) -> None:
-        """The sync algorithm's global update (``SyncAlgorithm.global_update``) of the sums
-        ``accs`` (acc_d ``[P]`` in device order) and the buffers ``[m, Q]`` per device
-        (default: the live ``buf``), on the global stream."""
-        bufs = buffers if buffers is not None else [s.buf for s in self.states]
-        with self.backend.on_stream("global", "global_sync"):
-            self.sync.global_update(self, self.sync_state, accs, bufs)
-
-    def all_reduce_sums(self, total: torch.Tensor, bufs: list[torch.Tensor], home: torch.device
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``local_update.all_reduce_sums`` of this scheduler (under torchrun)."""
-        return all_reduce_sums(self, total, bufs, home)
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (the events as reported already)."""
+        self.faults.restore(saved["faults"])
+        self.transport.load_state_dict(saved.get("fault_tolerance"))
+        self._changes_seen = len(self.transport.membership)
+        self.ctx.onednn_choices.update(saved.get("cpu_conv_choices", {}))
 
 
-def _clone_structure(state: DeviceState):
+def _structure(state: DeviceState):
     return copy.deepcopy(state.template).to(state.torch_device).train()

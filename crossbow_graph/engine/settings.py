@@ -8,7 +8,9 @@ import warnings
 from typing import Any, Callable, Sequence
 
 from ..config import LEARNER_MODES
-from .optim import LocalOptimizer
+from ..kernels.select import UpdateFacts
+from .state.hyper import Hyper
+from .state.optim import LocalOptimizer
 from .sync.base import SyncAlgorithm
 
 __all__ = ["RunSettings", "settings_view"]
@@ -18,13 +20,13 @@ class RunSettings:
     """The settings in force from the next round on.
 
     Attributes:
-        optimizer: the local optimiser (engine/optim.py ``LocalOptimizer``): the user's
+        optimizer: the local optimiser (engine/state/optim.py ``LocalOptimizer``): the user's
             torch.optim optimizer, whose param groups hold the hyper-parameters in force.
         sync: the synchronisation algorithm (engine/sync/: ``SMA`` with the α and τ in force,
             μ_z fixed; ``DiLoCo`` with the H in force; ``SSGD()``; ...).
         batch_size: b, samples per learner per round (≥ 1).
         replicas_per_device: m, replicas on every device (≥ 1; k = G·m over every process).
-        learner_mode: ``"per_replica"`` or ``"fused"`` (engine/fused.py).
+        learner_mode: ``"per_replica"`` or ``"fused"`` (engine/learning/fused.py).
         lr: η, the first param group's learning rate in force (≥ 0), applied to the mean loss
             of a learner's b samples; setting it is a policy's change of η.
         alpha: SMA α in (0, 1], the pull of each replica toward z, or None: 1/k (re-derived when
@@ -148,19 +150,19 @@ class RunSettings:
             for k, v in s.items():
                 g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
 
-    # the worker processes' copy of the groups' hyper-parameters (engine/workers.py ctrl block)
-    def hyper_vector(self) -> list[float]:
-        """Every group's hyper-parameters in force, flattened (``LocalOptimizer.hyper_vector``)."""
-        return self.optimizer.hyper_vector()
+    def hyper(self, num_learners: int) -> Hyper:
+        """The snapshot a round reads (``Hyper``): the param groups in force, α for k =
+        ``num_learners`` learners (``alpha_for``) and μ_z; taken once per round."""
+        return Hyper.of(self.optimizer, alpha=self.sync.alpha_for(num_learners),
+                        central_momentum=self.sync.central_momentum)
 
-    def load_hyper_vector(self, values: Sequence[float]) -> None:
-        """Write ``hyper_vector()``'s values (received from the coordinator) into this process's
-        param groups."""
-        it = iter(values)
-        for g in self._groups:
-            for k in self.optimizer.hyper_keys:
-                v = g[k]
-                g[k] = tuple(next(it) for _ in v) if isinstance(v, tuple) else next(it)
+    def update_facts(self, num_learners: int) -> UpdateFacts:
+        """What selects the update kernels (kernels/select.py): the local optimizer's SGD flags
+        and the sync algorithm's facts for k = ``num_learners`` learners (k, τ, μ_z)."""
+        opt = self.optimizer.sgd()
+        return UpdateFacts(momentum=opt.momentum, nesterov=opt.nesterov,
+                           weight_decay=opt.weight_decay, local=self.optimizer.kernel,
+                           **self.sync.kernel_facts(num_learners))
 
     # -- α, τ ---------------------------------------------------------------------------------------
 

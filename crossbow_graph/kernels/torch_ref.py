@@ -167,5 +167,5 @@ class TorchSMAKernels:
 
     @staticmethod
     def nonfinite_rows(g: torch.Tensor) -> list[int] | None:
-        """Declined: None (engine/faults.py tests the rows in torch)."""
+        """Declined: None (engine/learning/faults.py tests the rows in torch)."""
         return None

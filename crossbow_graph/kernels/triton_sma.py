@@ -446,7 +446,7 @@ def _row_stride(rows: dict[str, torch.Tensor]) -> int:
     if len(set(strides.values())) > 1 or stride < P:
         raise ValueError(f"the rows of {', '.join(strides)} [{m}, {P}] are {strides} elements "
                          f"apart: the Triton kernel needs one row stride ≥ P for all of them "
-                         f"(engine/state.py allocates them alike), e.g. .contiguous() each")
+                         f"(engine/state/flat.py allocates them alike), e.g. .contiguous() each")
     return stride
 
 
@@ -526,5 +526,5 @@ class TritonSMAKernels:
 
     @staticmethod
     def nonfinite_rows(g: torch.Tensor) -> list[int] | None:
-        """Declined: None (engine/faults.py tests the rows in torch)."""
+        """Declined: None (engine/learning/faults.py tests the rows in torch)."""
         return None

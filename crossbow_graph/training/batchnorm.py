@@ -11,10 +11,9 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..engine.batches import LearnerBatches
-from ..engine.conv_choice import host_rngs_kept
-from ..engine.inputs import NO_FLAGS, CallFlags, split_inputs
-from ..engine.learners import seed_rng
+from ..engine.data.batches import LearnerBatches
+from ..engine.data.inputs import NO_FLAGS, CallFlags, split_inputs
+from ..engine.learning.learners import host_rngs_kept, seed_rng
 
 __all__ = ["BNRecalibration", "recalibrate_batch_norm"]
 
@@ -40,7 +39,7 @@ def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.
         batches: collated ``(inputs, target)`` batches, as ``engine.inputs.split_inputs`` takes them,
             or ``LearnerBatches`` (a DataLoader's collate_fn per learner batch: each run alone).
         device: where the module is; the batches' tensors are moved there.
-        flags: compile's keyword flags (engine/inputs.py ``CallFlags``).
+        flags: compile's keyword flags (engine/data/inputs.py ``CallFlags``).
 
     Returns:
         The number of batches run (0: no BatchNorm layer with running statistics trains).

@@ -12,14 +12,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..engine.state import DeviceState, FlatLayout, copy_module
+from ..engine.state.flat import DeviceState, FlatLayout, copy_module
 from .batchnorm import BNRecalibration
 from .data import collate_of
 from .evaluation import eval_samples, evaluate_model
 from .validate import check_eval_dataset
 
 if TYPE_CHECKING:
-    from ..api import Plan
+    from .fit_plan import FitPlan
 
 __all__ = ["CentralModel", "start_from_rank0"]
 
@@ -34,7 +34,7 @@ class CentralModel:
         last_eval_extras: the last ``evaluate``'s ``Evaluation.extras``.
     """
 
-    def __init__(self, plan: "Plan", params: FlatLayout) -> None:
+    def __init__(self, plan: "FitPlan", params: FlatLayout) -> None:
         self._plan, self._params = plan, params
         first = plan.states[0]
         self.module = copy.deepcopy(plan.template).to(first.torch_device).eval()
@@ -46,13 +46,13 @@ class CentralModel:
 
     def weights(self, device: int) -> torch.Tensor:
         """A copy of device ``device``'s z, ``[P]``, in ``named_parameters()`` order."""
-        self._plan.scheduler.flush()
+        self._plan.rounds.flush()
         return self._params.to_standard(self._plan.states[device].z.detach())
 
     def replica_weights(self) -> torch.Tensor:
         """A copy of every replica's parameters, ``[k, P]``, device-major (j = d·m + r)."""
         states = self._plan.states
-        self._plan.scheduler.flush()
+        self._plan.rounds.flush()
         return self._params.to_standard(
             torch.cat([s.w.detach().to(states[0].torch_device) for s in states]))
 
@@ -61,11 +61,11 @@ class CentralModel:
         re-estimated (``BNRecalibration.refresh``), integer buffers from the first replica
         (under torchrun on rank 0 only: the others hold rank 0's, ``int_buffers_from_rank0``)."""
         plan = self._plan
-        plan.scheduler.flush()
+        plan.rounds.flush()
         first = plan.states[0]
         self.recalibration.refresh(self.module, self._buf, z=first.z, zbuf=first.zbuf,
-                                   batch_size=plan.batch_size, num_learners=plan.num_learners,
-                                   round_index=plan.rounds_done, flags=first.call_flags)
+                                   batch_size=plan.settings.batch_size, num_learners=plan.num_learners,
+                                   round_index=plan.progress.rounds_done, flags=first.call_flags)
         if plan.comm is not None and not plan.comm.is_main:
             return
         src = dict(first.replicas[0].named_buffers())

@@ -13,22 +13,23 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ..engine.learning.faults import FaultEvent
+from ..engine.learning.learners import seed_host_rngs
+from ..engine.state.flat import float_buffers_named, trainable_named
+from ..config import Adjustment
 from ..errors import CheckpointError
-from ..engine.faults import FaultEvent
-from ..engine.learners import seed_host_rngs
+from .checkpoint_files import (MAGIC, checkpoint_path, list_checkpoints, load_checkpoint,
+                               load_latest, prune_checkpoints, remove_temporaries, save_checkpoint)
+from .checkpoint_health import CheckpointHealth
 from .history import EpochRecord, EvalRecord, History, MetricRecord, PolicyRecord
 from .hooks import FitContext, Hook
-from .checkpoint_health import CheckpointHealth
-from .checkpoint_files import (MAGIC, checkpoint_path, list_checkpoints, load_checkpoint, load_latest,
-                               prune_checkpoints, remove_temporaries, save_checkpoint)
 from .options import check_writable_dir
 from .reshard import saved_learners, saved_world_size, split_for_ranks
 from .run_lock import DirectoryLock
 from .run_setup import SettingsChoice, restore_outer_settings, restore_settings
-from ..engine.state import float_buffers_named, trainable_named
 
 if TYPE_CHECKING:
-    from ..api import Plan
+    from .fit_plan import FitPlan
     from .data import BatchSchedule
 
 __all__ = ["CheckpointHook", "plan_state_dict", "load_plan_state_dict", "check_same_model",
@@ -42,9 +43,9 @@ _FORMAT = 1
 
 # -- the plan's state ------------------------------------------------------------------------
 
-def plan_state_dict(plan: "Plan") -> dict[str, Any]:
+def plan_state_dict(plan: "FitPlan") -> dict[str, Any]:
     """The plan's training state as CPU tensors and plain values (docs/reliability.md, Checkpoints)."""
-    plan.scheduler.flush()  # the streams' work so far, on the host
+    plan.rounds.flush()  # the streams' work so far, on the host
     states = []
     for s in plan.states:
         flat = lambda t: s.params.to_standard(t.detach().cpu())  # noqa: E731 (any memory format)
@@ -56,14 +57,14 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
             "optimizer_rows": s.optim_rows.state_dict() if s.optim_rows is not None else None,
             "int_buffers": [{n: b.detach().cpu().clone() for n, b in r.named_buffers()
                              if not b.is_floating_point()} for r in s.replicas],
-            "loss_scales": None if s.loss_scales is None else  # float16 learners (engine/precision.py)
+            "loss_scales": None if s.loss_scales is None else  # float16 learners (engine/state/precision.py)
             (s.loss_scales.scale.clone(), s.loss_scales.good.clone()),
         })
-    sched, settings = plan.scheduler, plan.settings
+    settings, rounds = plan.settings, plan.rounds.state_dict()
     return {
         "format": _FORMAT,
         "model": model_layout(plan),
-        "devices": plan.devices, "replicas_per_device": plan.replicas_per_device,
+        "devices": plan.devices, "replicas_per_device": plan.settings.replicas_per_device,
         "num_parameters": plan.num_parameters, "num_float_buffers": plan.states[0].buf.shape[1],
         "states": states,
         "batch_size": settings.batch_size,
@@ -72,18 +73,17 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         "optimizer": {"class": settings.optimizer.describe()["class"],
                       "groups": settings.optimizer.group_settings()},
         "setup": plan.run_record.setup,  # what the run was set up with (training/run_setup.py)
-        "losses": torch.stack(sched.losses).cpu() if sched.losses else torch.zeros(0),
-        "faults": [asdict(e) for e in sched.faults.events],
-        **plan.progress.state_dict(),  # epochs_done, rounds_done, round_in_epoch, ...
+        "faults": [asdict(e) for e in rounds["faults"]],
+        **plan.progress.state_dict(),  # epochs_done, rounds_done, ..., the epoch's losses
         "outer_optimizer": _sync_state_entry(plan),
-        "fault_tolerance": sched.ft.state_dict() if sched.ft is not None else None,  # engine/ft.py
-        # the worker processes' convolution library per b (engine/conv_choice.py): measured per
-        # process with cpu_conv="auto", so a resumed process keeps the one its rounds ran with
-        "cpu_conv_choices": dict(sched.onednn_choices),
+        "fault_tolerance": rounds["fault_tolerance"],  # torchft's membership (transport/ft.py)
+        # the worker processes' convolution library per b (backends/process/conv_choice.py):
+        # measured per process with cpu_conv="auto", so a resumed process keeps its rounds' one
+        "cpu_conv_choices": rounds["cpu_conv_choices"],
     }
 
 
-def model_layout(plan: "Plan") -> dict[str, list[list[Any]]]:
+def model_layout(plan: "FitPlan") -> dict[str, list[list[Any]]]:
     """``[name, shape, dtype]`` per trainable parameter, float buffer, integer buffer and
     frozen parameter, in that order, with the input model's dtypes."""
     template = plan.template
@@ -114,7 +114,7 @@ def _first_difference(what: str, saved: list[list[Any]], have: list[list[Any]]) 
     return None
 
 
-def check_same_model(plan: "Plan", sd: dict[str, Any], source: str = "the checkpoint") -> None:
+def check_same_model(plan: "FitPlan", sd: dict[str, Any], source: str = "the checkpoint") -> None:
     """Refuse the ``plan_state_dict`` of another model (``model_layout`` differs); a state
     without ``model`` is accepted (``load_plan_state_dict`` compares the counts).
 
@@ -137,7 +137,7 @@ def check_same_model(plan: "Plan", sd: dict[str, Any], source: str = "the checkp
 
 
 @torch.no_grad()
-def load_plan_state_dict(plan: "Plan", sd: dict[str, Any], setup: dict[str, Any] | None = None,
+def load_plan_state_dict(plan: "FitPlan", sd: dict[str, Any], setup: dict[str, Any] | None = None,
                          source: str = "the checkpoint") -> None:
     """Copy a ``plan_state_dict`` into ``plan`` in place, its run settings first through
     ``Plan.adjust``; with ``setup`` (a resume) the rule of training/run_setup.py picks each setting
@@ -150,10 +150,11 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any], setup: dict[str, Any]
     """
     check_same_model(plan, sd)
     _check_same_optimizer(plan, sd)
-    if plan.autotuner is not None and sd["replicas_per_device"] != plan.replicas_per_device:
-        plan.set_replicas(sd["replicas_per_device"])  # the tuner had changed m: continue from there
-    plan.scheduler.flush()  # the copies below come after the streams' work so far
-    have = (len(plan.devices), plan.replicas_per_device, plan.num_parameters, plan.states[0].buf.shape[1])
+    if plan.autotuner is not None and sd["replicas_per_device"] != plan.settings.replicas_per_device:
+        # the tuner had changed m: continue from there
+        plan.adjust(Adjustment(replicas_per_device=sd["replicas_per_device"]))
+    plan.rounds.flush()  # the copies below come after the streams' work so far
+    have = (len(plan.devices), plan.settings.replicas_per_device, plan.num_parameters, plan.states[0].buf.shape[1])
     want = (len(sd["devices"]), sd["replicas_per_device"], sd["num_parameters"], sd["num_float_buffers"])
     if have != want:
         raise CheckpointError(
@@ -185,33 +186,29 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any], setup: dict[str, Any]
             named = dict(r.named_buffers())
             for n, value in ints.items():
                 named[n].copy_(value)
-    sched = plan.scheduler
-    device = plan.states[0].torch_device
-    sched.losses = [x.to(device) for x in sd["losses"].unbind()]
-    sched.faults.events = [FaultEvent(**e) for e in sd["faults"]]
-    if sched.ft is not None and sd.get("fault_tolerance") is not None:
-        sched.ft.load_state_dict(sd["fault_tolerance"])
-    sched.onednn_choices.update(sd.get("cpu_conv_choices", {}))
-    plan.progress.load_state_dict(sd)
+    plan.rounds.load_state_dict({"faults": [FaultEvent(**e) for e in sd["faults"]],
+                                 "fault_tolerance": sd.get("fault_tolerance"),
+                                 "cpu_conv_choices": sd.get("cpu_conv_choices", {})})
+    plan.progress.load_state_dict(sd, device=plan.states[0].torch_device)
     choice.warn(source)
 
 
-def _check_same_optimizer(plan: "Plan", sd: dict[str, Any]) -> None:
+def _check_same_optimizer(plan: "FitPlan", sd: dict[str, Any]) -> None:
     """CheckpointError unless saved with the plan's optimizer class, groups and row state."""
     if "optimizer" not in sd:
         return
     mine = plan.settings.optimizer.describe()["class"]
     theirs, groups = sd["optimizer"]["class"], len(sd["optimizer"]["groups"])
     rows = [saved.get("optimizer_rows") is not None for saved in sd["states"]]
-    if theirs != mine or groups != len(plan.optimizer.param_groups) or \
+    if theirs != mine or groups != len(plan.settings.optimizer.optimizer.param_groups) or \
             any(r != (s.optim_rows is not None) for r, s in zip(rows, plan.states)):
         raise CheckpointError(
             f"the checkpoint was written with optimizer {theirs} ({groups} param group(s)), but "
-            f"this plan's is {mine} ({len(plan.optimizer.param_groups)}); compile with the same "
+            f"this plan's is {mine} ({len(plan.settings.optimizer.optimizer.param_groups)}); compile with the same "
             f"optimizer to resume, or use another checkpoint_dir to start afresh")
 
 
-def _outer_layout(plan: "Plan", sd: dict[str, Any],
+def _outer_layout(plan: "FitPlan", sd: dict[str, Any],
                   convert: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
     """The outer optimizer's ``state_dict`` with its ``[P]`` tensors converted by ``convert``."""
     P = plan.num_parameters
@@ -220,19 +217,19 @@ def _outer_layout(plan: "Plan", sd: dict[str, Any],
     return {**sd, "state": state}
 
 
-def _sync_state_entry(plan: "Plan") -> dict[str, Any] | None:
+def _sync_state_entry(plan: "FitPlan") -> dict[str, Any] | None:
     """The sync algorithm's runtime state as the ``"outer_optimizer"`` entry, or None."""
-    state = plan.scheduler.sync_state
+    state = plan.rounds.sync_state
     if state.state_class is None:
         return None
     return {"class": state.state_class,
             "state": _outer_layout(plan, state.state_dict(), plan.states[0].params.to_standard)}
 
 
-def _load_outer(plan: "Plan", saved: dict[str, Any] | None) -> None:
+def _load_outer(plan: "FitPlan", saved: dict[str, Any] | None) -> None:
     """The sync algorithm's runtime state from the ``"outer_optimizer"`` entry (CheckpointError
     when only one side has such state, or of another class)."""
-    state = plan.scheduler.sync_state
+    state = plan.rounds.sync_state
     mine = state.state_class
     theirs = None if saved is None else saved["class"]
     if mine != theirs:
@@ -240,7 +237,7 @@ def _load_outer(plan: "Plan", saved: dict[str, Any] | None) -> None:
             return "no outer optimizer" if c is None else f"outer optimizer {c}"
         raise CheckpointError(f"the checkpoint was written with {say(theirs)} (the state of its "
                               f"sync algorithm), but this plan has {say(mine)} "
-                              f"(sync={type(plan.sync).__name__}); compile with the same sync to "
+                              f"(sync={type(plan.settings.sync).__name__}); compile with the same sync to "
                               "resume, or use another checkpoint_dir to start afresh")
     if mine is not None:
         try:
@@ -338,7 +335,7 @@ class CheckpointHook(Hook):
         if writer:
             check_writable_dir("checkpoint_dir", directory)
 
-    def claim(self, plan: "Plan", resume: bool) -> DirectoryLock | None:
+    def claim(self, plan: "FitPlan", resume: bool) -> DirectoryLock | None:
         """Take the directory for this fit (docs/reliability.md, One fit per directory);
         returns the writer's lock (the caller releases it), None on the other ranks.
 
@@ -361,7 +358,7 @@ class CheckpointHook(Hook):
                 "afresh there")
         return lock
 
-    def resume(self, plan: "Plan", history: History) -> str | None:
+    def resume(self, plan: "FitPlan", history: History) -> str | None:
         """Load the newest good checkpoint into the plan, the hooks, the RNGs and ``history``
         (under torchrun on every rank, on any number of ranks: training/reshard.py); returns its path,
         or None when there is none.
@@ -398,15 +395,15 @@ class CheckpointHook(Hook):
         if rng is not None:
             _set_rng_state(rng)
         else:  # a rank the checkpoint did not have: its own stream from this round on
-            seed_host_rngs(self.schedule.seed, plan.rounds_done, comm.rank, 0)
-        self._last_saved = plan.rounds_done
+            seed_host_rngs(self.schedule.seed, plan.progress.rounds_done, comm.rank, 0)
+        self._last_saved = plan.progress.rounds_done
         if self.writer:
             plan.run_record.saw(path)
             self._restore_hooks_and_history(state, history)
             _log_resume(path, plan, state, world)
         return path
 
-    def _read(self, plan: "Plan") -> tuple[str, dict[str, Any]] | None:
+    def _read(self, plan: "FitPlan") -> tuple[str, dict[str, Any]] | None:
         """The newest good checkpoint ``(path, state)``, checked, or None."""
         found = load_latest(self.directory)
         if found is None:
@@ -443,14 +440,14 @@ class CheckpointHook(Hook):
                                              "cpu_conv_choices": sd["cpu_conv_choices"],
                                              "rng": _rng_state()}
             gathered = comm.gather_object(mine, "the gather of every rank's learners for a "
-                                          "checkpoint", plan.rounds_done - 1)
+                                          "checkpoint", plan.progress.rounds_done - 1)
             peers = gathered[1:] if self.writer else []
-        self._last_saved = plan.rounds_done
+        self._last_saved = plan.progress.rounds_done
         if not self.writer:
             return None
         plan_state = plan_state_dict(plan)
         plan_state["train_seconds"] = ctx.train_seconds  # includes the unfinished epoch's rounds
-        path = checkpoint_path(self.directory, plan.rounds_done)
+        path = checkpoint_path(self.directory, plan.progress.rounds_done)
         self.health.judge(os.path.basename(path))
         state = {
             "format": _FORMAT,
@@ -478,9 +475,9 @@ class CheckpointHook(Hook):
 
     def save_if_new(self, ctx: FitContext) -> str | None:
         """``save`` unless the last checkpoint saved or resumed is of this state; the file."""
-        if self._last_saved != ctx.plan.rounds_done:
+        if self._last_saved != ctx.plan.progress.rounds_done:
             return self.save(ctx)
-        return checkpoint_path(self.directory, ctx.plan.rounds_done) if self.writer else None
+        return checkpoint_path(self.directory, ctx.plan.progress.rounds_done) if self.writer else None
 
     def before_fit(self, ctx: FitContext) -> None:
         if self.writer:
@@ -494,22 +491,22 @@ class CheckpointHook(Hook):
         """The round's checkpoint every ``every_rounds`` rounds; the Trainer calls it once the
         round's hooks and its evaluation (with the hooks' after_eval) have run, so that a resume
         continues after both."""
-        if self.every_rounds is not None and ctx.plan.rounds_done % self.every_rounds == 0:
+        if self.every_rounds is not None and ctx.plan.progress.rounds_done % self.every_rounds == 0:
             self.save(ctx)
 
     def after_epoch(self, ctx: FitContext, record: EpochRecord) -> None:
-        if ctx.epoch_complete and self._last_saved != ctx.plan.rounds_done:
+        if ctx.epoch_complete and self._last_saved != ctx.plan.progress.rounds_done:
             self.save(ctx)
 
 
-def _log_resume(path: str, plan: "Plan", state: dict[str, Any], world: int) -> None:
+def _log_resume(path: str, plan: "FitPlan", state: dict[str, Any], world: int) -> None:
     """The resume's log line; a warning saying how k changes when the number of ranks does."""
     log.info("resumed from %s: epoch %d, round %d of it (%d rounds done)", path,
-             plan.epochs_done, plan.round_in_epoch, plan.rounds_done)
+             plan.progress.epochs_done, plan.progress.round_in_epoch, plan.progress.rounds_done)
     saved = saved_world_size(state)
     if saved == world:
         return
-    k_old, k_new, b = saved_learners(state), plan.num_learners, plan.batch_size
+    k_old, k_new, b = saved_learners(state), plan.num_learners, plan.settings.batch_size
     log.warning(
         "checkpoint %s was written by %d process(es) with k = %d learners and resumes on %d "
         "with k = %d: learners 0…%d continue from it, %d new one(s) start from z with zero "
@@ -517,4 +514,4 @@ def _log_resume(path: str, plan: "Plan", state: dict[str, Any], world: int) -> N
         "%d samples per round", path, saved, k_old, world, k_new, min(k_old, k_new) - 1,
         max(k_new - k_old, 0), max(k_old - k_new, 0),
         f"{plan.settings.alpha_for(k_new):.6g}" if k_new > 1 else "— (one learner: z follows it)",
-        plan.epochs_done + 1, plan.position_in_epoch, k_new * b)
+        plan.progress.epochs_done + 1, plan.progress.position_in_epoch, k_new * b)

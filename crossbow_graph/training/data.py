@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import (DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler,
                               TensorDataset, default_collate, default_convert)
 
-from ..engine.batches import LearnerBatches
+from ..engine.data.batches import LearnerBatches
 from ..engine.settings import RunSettings
 from .collate import collate, plain_batch
 

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..compiler.outputs import describe_output, logits_of, loss_extras, loss_value
-from ..engine.inputs import NO_FLAGS, CallFlags, split_inputs
+from ..engine.data.inputs import NO_FLAGS, CallFlags, split_inputs
 from .collate import collate
 from .data import as_dataset, make_fetch, yields_every_sample
 
@@ -122,7 +122,7 @@ def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], to
         loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the batch), or a dict whose
             ``"loss"`` entry is it (compiler/outputs.py ``loss_value``).
         dataset: a Dataset of ``(inputs, target)`` pairs or dicts of keyword inputs
-            (engine/inputs.py ``split_inputs``).
+            (engine/data/inputs.py ``split_inputs``).
         batch_size: samples per batch (the last one may be smaller).
         device: where the model is; every tensor of a batch is moved there.
         metric_fn: ``metric_fn(output, target) -> float`` (or a 0-dim tensor), the batch's mean
@@ -131,7 +131,7 @@ def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], to
         collate_fn: a DataLoader's collate_fn for each batch's samples (training/data.py
             ``collate_of``); None: the default collation.
         flags: compile's keyword flags, passed where a batch does not give them
-            (engine/inputs.py ``CallFlags``).
+            (engine/data/inputs.py ``CallFlags``).
         workers_of: a DataLoader whose worker processes load the batches (its ``num_workers``
             and their settings; its samples are ``dataset``'s), or None: read in this process.
 

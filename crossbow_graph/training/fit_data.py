@@ -15,7 +15,7 @@ from .options import FitOptions
 from .validate import check_eval_dataset, check_first_batch
 
 if TYPE_CHECKING:
-    from ..api import Plan
+    from .fit_plan import FitPlan
 
 __all__ = ["FitData", "rank_rows", "tokens_per_sample"]
 
@@ -36,7 +36,7 @@ class FitData:
         ValueError: ``target_accuracy`` or ``target_loss`` without an eval_dataset, fewer samples than one round.
     """
 
-    def __init__(self, plan: "Plan", train_dataset: Any, eval_dataset: Any,
+    def __init__(self, plan: "FitPlan", train_dataset: Any, eval_dataset: Any,
                  options: FitOptions) -> None:
         self.plan, self.options = plan, options
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -48,10 +48,10 @@ class FitData:
         self.train = as_dataset(train_dataset)
         self.shuffle = fit_shuffle(train_dataset, options.shuffle)
         self.batches_per_epoch = len(train_dataset) if isinstance(train_dataset, DataLoader) \
-            else -(-len(self.train) // plan.batch_size)
-        k, b = plan.num_learners, plan.batch_size
+            else -(-len(self.train) // plan.settings.batch_size)
+        k, b = plan.num_learners, plan.settings.batch_size
         if isinstance(train_dataset, DataLoader):
-            check_loader(train_dataset, b, stacklevel=6)  # the caller of Plan.fit
+            check_loader(train_dataset, b, stacklevel=7)  # the caller of Plan.fit
         if len(self.train) < k * b:
             raise ValueError(
                 f"train_dataset has {len(self.train)} samples, fewer than one round of {k} "
@@ -68,7 +68,7 @@ class FitData:
                     "target_accuracy": opts.target_accuracy, "target_loss": opts.target_loss,
                     "max_grad_norm": opts.max_grad_norm,
                     "checkpoint_every": opts.checkpoint_every, "resume": opts.resume,
-                    "rounds done": plan.rounds_done,
+                    "rounds done": plan.progress.rounds_done,
                     "eval samples": None if self.eval_dataset is None else len(self.eval_dataset)},
                    "the fit")
 
@@ -86,7 +86,7 @@ class FitData:
         self.source = batch_source(self.train_dataset, self.train, plan, seed=opts.seed,
                                    data_on_device=opts.data_on_device)
         self._check_first_batches()
-        plan.bn_recalibration.use(self.source.fetch, len(self.train),
+        plan.central.recalibration.use(self.source.fetch, len(self.train),
                                   batches=opts.bn_recalibration_batches, seed=opts.seed)
 
     def close(self) -> None:
@@ -97,14 +97,14 @@ class FitData:
     def _check_first_batches(self) -> None:
         """The first learner's first training batch and the first b samples of the
         eval_dataset, as evaluation reads them, fit the plan (``check_first_batch``)."""
-        plan, b = self.plan, self.plan.batch_size
+        plan, b = self.plan, self.plan.settings.batch_size
         first = self.schedule.next_round(self.schedule.order(0), 0, 1, b)
         check_first_batch(plan, self.train, self.source.host_fetch, first)
         if self.eval_dataset is not None:
             check_eval_dataset(plan, self.eval_dataset)
 
 
-def rank_rows(plan: "Plan", indices: torch.Tensor | None) -> torch.Tensor | None:
+def rank_rows(plan: "FitPlan", indices: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's rows of a round's indices ``[k·b]``: rank r's learners are the global learners
     r·k_r … (r+1)·k_r − 1 (k_r = k / world size); all of them in a single process."""
     comm = plan.comm

@@ -11,7 +11,7 @@ from .history import EvalRecord, History
 from .options import FitOptions
 
 if TYPE_CHECKING:
-    from ..api import Plan
+    from .fit_plan import FitPlan
 
 __all__ = ["FitEvaluation", "finite_mean", "mean_loss"]
 
@@ -20,7 +20,7 @@ class FitEvaluation:
     """The evaluations of one fit: ``options.evals_per_epoch`` evaluation points per epoch, in
     samples of the epoch's order; under torchrun rank 0 evaluates and broadcasts the result."""
 
-    def __init__(self, plan: "Plan", eval_dataset: Any, options: FitOptions,
+    def __init__(self, plan: "FitPlan", eval_dataset: Any, options: FitOptions,
                  history: History) -> None:
         self.plan, self.eval_dataset, self.options, self.history = plan, eval_dataset, options, history
         self.points: list[int] = []
@@ -54,10 +54,10 @@ class FitEvaluation:
         plan = self.plan
         samples = sum(e.samples for e in self.history.epochs) + position
         acc, test_loss = self._evaluate()
-        self.history.evals.append(EvalRecord(epoch=epoch, round=plan.rounds_done,
+        self.history.evals.append(EvalRecord(epoch=epoch, round=plan.progress.rounds_done,
                                              train_seconds=train_seconds, test_accuracy=acc,
                                              test_loss=test_loss,
-                                             test_extras=dict(plan.last_eval_extras),
+                                             test_extras=dict(plan.central.last_eval_extras),
                                              samples=samples))
         return self.history.evals[-1]
 
@@ -94,13 +94,13 @@ class FitEvaluation:
         if comm is None:
             return acc, loss
         acc, loss = comm.broadcast_floats([float("nan") if acc is None else acc, loss],
-                                          plan.rounds_done - 1)
+                                          plan.progress.rounds_done - 1)
         return (None if acc != acc else acc), loss
 
 
 def finite_mean(losses: torch.Tensor) -> torch.Tensor:
     """The mean of the finite entries of ``losses [n]``, 0-dim, NaN when none is, without a host
-    read (a faulty replica's NaN/Inf loss is left out, as the replica is: engine/faults.py)."""
+    read (a faulty replica's NaN/Inf loss is left out, as the replica is: engine/learning/faults.py)."""
     finite = torch.isfinite(losses)
     return torch.where(finite, losses, 0.0).sum() / finite.sum()
 

@@ -17,12 +17,12 @@ from .options import FitOptions
 from .run_lock import DirectoryLock
 
 if TYPE_CHECKING:
-    from ..api import Plan
+    from .fit_plan import FitPlan
 
 __all__ = ["fit_hooks", "checkpoints"]
 
 
-def fit_hooks(plan: "Plan", options: FitOptions, schedule: BatchSchedule, first: list[Hook],
+def fit_hooks(plan: "FitPlan", options: FitOptions, schedule: BatchSchedule, first: list[Hook],
               metrics: Hook | None, *, main: bool, batches_per_epoch: int) -> list[Hook]:
     """``first`` (the auto-tuner, the user's hooks), ``metrics``, the policies, the LR
     scheduler (``batches_per_epoch``: a plain loop's batches of b per epoch,
@@ -40,7 +40,7 @@ def fit_hooks(plan: "Plan", options: FitOptions, schedule: BatchSchedule, first:
         known = not options.resume and plan.autotuner is None and not options.policies
         interval = options.lr_scheduler_interval
         steps = (batches_per_epoch if interval == "batch" else
-                 schedule.rounds_per_epoch(plan.num_learners, plan.batch_size)) * options.epochs
+                 schedule.rounds_per_epoch(plan.num_learners, plan.settings.batch_size)) * options.epochs
         check_lr_scheduler(plan, options.lr_scheduler, interval,
                            steps if known or interval == "batch" else None)
         hooks.append(LRSchedulerHook(options.lr_scheduler, interval, settings=plan.settings,
@@ -51,7 +51,7 @@ def fit_hooks(plan: "Plan", options: FitOptions, schedule: BatchSchedule, first:
     return hooks
 
 
-def checkpoints(plan: "Plan", options: FitOptions, schedule: BatchSchedule, hooks: list[Hook],
+def checkpoints(plan: "FitPlan", options: FitOptions, schedule: BatchSchedule, hooks: list[Hook],
                 history: History, *, main: bool) -> tuple[CheckpointHook, DirectoryLock | None, bool]:
     """The CheckpointHook (it comes last, after ``hooks``: it saves what they did in the round),
     the checkpoint directory's lock (``main`` holds it), and whether the fit resumed from its
@@ -77,10 +77,10 @@ def checkpoints(plan: "Plan", options: FitOptions, schedule: BatchSchedule, hook
     return saver, lock, resumed
 
 
-def _warn_if_no_outer_step(plan: "Plan", schedule: BatchSchedule, epochs: int) -> None:
+def _warn_if_no_outer_step(plan: "FitPlan", schedule: BatchSchedule, epochs: int) -> None:
     """The sync algorithm's warning (to the caller of ``Plan.fit``) when the fit is too short
     for z to move (``SyncAlgorithm.short_fit_warning``)."""
-    rounds = schedule.rounds_per_epoch(plan.num_learners, plan.batch_size) * epochs
-    message = plan.sync.short_fit_warning(rounds, plan.rounds_done)
+    rounds = schedule.rounds_per_epoch(plan.num_learners, plan.settings.batch_size) * epochs
+    message = plan.settings.sync.short_fit_warning(rounds, plan.progress.rounds_done)
     if message is not None:
-        warnings.warn(message, stacklevel=6)
+        warnings.warn(message, stacklevel=7)  # the caller of Plan.fit

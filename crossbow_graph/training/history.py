@@ -173,7 +173,7 @@ class History:
             training samples at that point.
         tokens_per_sample: tokens one training sample predicts: the training dataset's
             ``block_size`` (``datasets.TextDataset``), else None; tokens = samples × it.
-        faults: every replica reset for NaN/Inf (engine/faults.py FaultEvent: round, device,
+        faults: every replica reset for NaN/Inf (engine/learning/faults.py FaultEvent: round, device,
             replica, rank; under torchrun every rank's).
         autotune: every decision of the replica auto-tuner, in order.
         sync_seconds: synchronisation work during the fit (local and global syncs), seconds.
@@ -183,13 +183,13 @@ class History:
         policy: every adjustment a policy applied (a PolicyRecord each).
         lr: η of every round run (the first param group's learning rate in force), in order.
         cuda_graphs: with ``compile(cuda_graphs=True)``, the plan's graph rounds so far:
-            ``{"captures", "replays", "eager_rounds": {reason: rounds}}`` (engine/graphs.py
+            ``{"captures", "replays", "eager_rounds": {reason: rounds}}`` (engine/backends/graphs/capture.py
             ``RoundGraph.record``); else empty.
         cpu_threads: torch's intra-op threads during the fit (``fit(cpu_threads=)``).
         free_cores: the cores other processes left free at its start, from which
-            ``cpu_threads="auto"`` chose (engine/threads.py); None: not measured.
+            ``cpu_threads="auto"`` chose (engine/learning/threads.py); None: not measured.
         membership: under ``Distributed(fault_tolerant=True)`` every change of the live replica
-            groups (engine/ft.py MembershipChange: round, groups, learners k, ...), in order.
+            groups (engine/transport/ft.py MembershipChange: round, groups, learners k, ...), in order.
     """
 
     epochs: list[EpochRecord] = field(default_factory=list)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..errors import HookError
 
 if TYPE_CHECKING:
-    from ..api import Plan
+    from .fit_plan import FitPlan
     from .history import EpochRecord, EvalRecord, History
 
 __all__ = ["Hook", "FitContext", "FitHooks"]
@@ -20,7 +20,8 @@ class FitContext:
     """What a hook sees of a running fit (docs/design-overview.md §5, Policies).
 
     Attributes:
-        plan: the Plan being trained; history: the History being filled.
+        plan: the Plan being trained (what a fit reads of it: training/fit_plan.py ``FitPlan``);
+            history: the History being filled.
         epoch: 0-based index of the current epoch (over the plan's life).
         round_in_epoch: rounds completed in it; rounds_per_epoch: rounds in a full epoch.
         end_epoch: the epoch the fit ends before.
@@ -35,7 +36,7 @@ class FitContext:
         epoch_complete: in ``after_epoch``, whether the epoch used its order up.
     """
 
-    plan: "Plan"
+    plan: "FitPlan"
     history: "History"
     epoch: int = 0
     round_in_epoch: int = 0
@@ -154,23 +155,24 @@ class FitHooks:
 def _checked(hook: Hook, method: Callable[..., None], ctx: FitContext, *args: Any) -> None:
     """``method(ctx, *args)`` of ``hook``; HookError if the hook declares
     ``mutates_replicas = False`` but wrote w, v or z while a round is learned ahead."""
-    sched = ctx.plan.scheduler
-    if hook.mutates_replicas or not sched.learning_ahead:
+    rounds = ctx.plan.rounds
+    if hook.mutates_replicas or not rounds.learning_ahead:
         method(ctx, *args)
         return
     before = _versions(ctx.plan)
     method(ctx, *args)
-    if sched.learning_ahead and _versions(ctx.plan) != before:
+    if rounds.learning_ahead and _versions(ctx.plan) != before:
         name = type(hook).__name__
         raise HookError(
             f"{name}.{method.__name__} wrote the replicas (w, v or z) after round "
-            f"{ctx.plan.rounds_done - 1} while worker processes learned round "
-            f"{ctx.plan.rounds_done} from them, but {name} declares mutates_replicas = False; "
-            f"set mutates_replicas = True on {name} (the rounds then run one after the other), "
-            "or change the replicas through plan.adjust(...) or plan.scheduler.reset_replicas"
-            "(...), which cancel the round learned ahead (docs/runtime.md, Hooks)")
+            f"{ctx.plan.progress.rounds_done - 1} while worker processes learned round "
+            f"{ctx.plan.progress.rounds_done} from them, but {name} declares mutates_replicas = "
+            f"False; set mutates_replicas = True on {name} (the rounds then run one after the "
+            "other), or change the replicas through plan.adjust(...) or "
+            "plan.rounds.reset_replicas(...), which cancel the round learned ahead "
+            "(docs/runtime.md, Hooks)")
 
 
-def _versions(plan: "Plan") -> list[int]:
+def _versions(plan: "FitPlan") -> list[int]:
     """The version counters of every device's ``w``, ``v`` and ``z``."""
     return [t._version for s in plan.states for t in (s.w, s.v, s.z)]

@@ -20,18 +20,18 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
-from ..engine.batches import LearnerBatches
+from ..engine.data.batches import LearnerBatches
 from .collate import collate, plain_batch
 from .data import (LearnerFetch, collate_of, device_fetch, make_fetch, read_samples,
                    yields_every_sample)
 
 if TYPE_CHECKING:
-    from ..api import Plan
+    from .fit_plan import FitPlan
 
 __all__ = ["BatchSource", "RoundLoader", "batch_source", "check_loader", "fit_shuffle",
            "seed_learner_batch"]
 
-_LOADER_TAG = 0x4C4F4144  # "LOAD": keeps these seeds apart from seed_host_rngs' (engine/learners.py)
+_LOADER_TAG = 0x4C4F4144  # "LOAD": keeps these seeds apart from seed_host_rngs' (engine/learning/learners.py)
 
 
 def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset",
@@ -94,7 +94,7 @@ def seed_learner_batch(fit_seed: int, epoch: int, position: int) -> None:
     samples ``order[position:position + b]``) is read: what a Dataset's augmentation draws from
     in a DataLoader worker, so its draws are a function of the fit's seed and the batch, whichever
     worker loads it and however many learners share the round, and a resumed fit draws them
-    again. ``numpy.random.SeedSequence``, as ``seed_host_rngs`` (engine/learners.py) and torch's
+    again. ``numpy.random.SeedSequence``, as ``seed_host_rngs`` (engine/learning/learners.py) and torch's
     DataLoader derive seeds."""
     words = np.random.SeedSequence([fit_seed % 2**64, epoch, position,
                                     _LOADER_TAG]).generate_state(4)
@@ -171,7 +171,7 @@ class RoundLoader:
         seed: the fit's seed (``seed_learner_batch``).
     """
 
-    def __init__(self, loader: DataLoader, plan: "Plan", seed: int) -> None:
+    def __init__(self, loader: DataLoader, plan: "FitPlan", seed: int) -> None:
         self.plan = plan
         self.keys = _BatchKeys()
         comm = plan.comm
@@ -205,7 +205,7 @@ class RoundLoader:
         """Round ``round_index``'s batches of this process's learners, whose samples are
         ``indices [k_r·b]`` (learner j's at ``[j·b, (j+1)·b)``), from the DataLoader's workers.
         Rounds are asked for in order (a round again when the one asked before was dropped)."""
-        keys, b = self.keys, self.plan.batch_size
+        keys, b = self.keys, self.plan.settings.batch_size
         k = len(indices) // b
         position = self.starts[round_index]
         first = position + keys.rank * k * b  # this rank's first batch of the round
@@ -313,7 +313,7 @@ class BatchSource:
             self.loader.close()
 
 
-def batch_source(data: Any, train: Dataset, plan: "Plan", *, seed: int,
+def batch_source(data: Any, train: Dataset, plan: "FitPlan", *, seed: int,
                  data_on_device: bool | str) -> BatchSource:
     """The fit's BatchSource for ``data`` (what ``fit`` was given) over its Dataset ``train``:
     resident on the plan's first device (``device_fetch``), else loaded by a DataLoader with

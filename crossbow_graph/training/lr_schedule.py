@@ -13,7 +13,7 @@ import torch
 from .hooks import FitContext, Hook
 
 if TYPE_CHECKING:
-    from ..api import Plan
+    from .fit_plan import FitPlan
     from ..engine.settings import RunSettings
     from .history import EpochRecord, EvalRecord
 
@@ -25,7 +25,7 @@ LR_INTERVALS = get_args(LRInterval)
 PROBE_STEPS = 200_000  # the most steps a copy of a scheduler is stepped to see where it goes
 
 
-def check_lr_scheduler(plan: "Plan", scheduler: Any, interval: str,
+def check_lr_scheduler(plan: "FitPlan", scheduler: Any, interval: str,
                        steps: int | None = None) -> None:
     """Check ``fit(lr_scheduler=..., lr_scheduler_interval=...)`` before any round; ``steps``:
     the steps the fit will take per round or per batch (None: unknown, e.g. the auto-tuner
@@ -45,7 +45,7 @@ def check_lr_scheduler(plan: "Plan", scheduler: Any, interval: str,
         raise TypeError(f"lr_scheduler must be a torch.optim.lr_scheduler scheduler built over "
                         f"plan.optimizer, e.g. OneCycleLR(plan.optimizer, max_lr=0.1, "
                         f"total_steps=...), got {got}")
-    if scheduler.optimizer is not plan.optimizer:
+    if scheduler.optimizer is not plan.settings.optimizer.optimizer:
         raise ValueError(
             f"lr_scheduler is built over another optimizer ({type(scheduler.optimizer).__name__} "
             f"at {id(scheduler.optimizer):#x}) than the plan's; build it over the optimizer given "
@@ -106,14 +106,14 @@ def probe_lrs(scheduler: Any, steps: int) -> list[float] | None:
     return out
 
 
-def rounds_left(plan: "Plan", num_samples: int, end_epoch: int) -> int:
+def rounds_left(plan: "FitPlan", num_samples: int, end_epoch: int) -> int:
     """The rounds a fit still runs if k and b stay: ⌊(N − position)/(k·b)⌋ in the current epoch
     and ⌊N/(k·b)⌋ in each later one before ``end_epoch``."""
-    if plan.epochs_done >= end_epoch:
+    if plan.progress.epochs_done >= end_epoch:
         return 0
-    per_round = plan.num_learners * plan.batch_size
-    later = end_epoch - plan.epochs_done - 1
-    return (num_samples - plan.position_in_epoch) // per_round + later * (num_samples // per_round)
+    per_round = plan.num_learners * plan.settings.batch_size
+    later = end_epoch - plan.progress.epochs_done - 1
+    return (num_samples - plan.progress.position_in_epoch) // per_round + later * (num_samples // per_round)
 
 
 class LRSchedulerHook(Hook):
@@ -170,8 +170,8 @@ class LRSchedulerHook(Hook):
         plan = ctx.plan
         raise ValueError(
             f"lr_scheduler {type(self.scheduler).__name__} set lr={lr:.6g} for param group {i} "
-            f"at its step {self.scheduler.last_epoch}, before round {plan.rounds_done} (epoch "
-            f"{plan.epochs_done + 1}): a negative learning rate climbs the loss; make "
+            f"at its step {self.scheduler.last_epoch}, before round {plan.progress.rounds_done} (epoch "
+            f"{plan.progress.epochs_done + 1}): a negative learning rate climbs the loss; make "
             "the schedule's factor ≥ 0 at every step, e.g. LambdaLR(plan.optimizer, lambda "
             "step: max(0.0, 1 - step / total_steps))")
 
@@ -232,7 +232,7 @@ class LRSchedulerHook(Hook):
         rounds in proportion to the samples trained, ⌊L·p/e⌋ at position p of an epoch that
         ends at position e if k·b stays (all L at its last round)."""
         plan, n, total = ctx.plan, ctx.num_samples, self.batches_per_epoch
-        p, per_round = plan.position_in_epoch, plan.num_learners * plan.batch_size
+        p, per_round = plan.progress.position_in_epoch, plan.num_learners * plan.settings.batch_size
         end = p + (n - p) // per_round * per_round
         due = max(0, (total * p // end if end else total) - self._epoch_steps)
         self._epoch_steps += due
@@ -240,7 +240,7 @@ class LRSchedulerHook(Hook):
 
     @staticmethod
     def _round_shape(ctx: FitContext) -> tuple[int, int]:
-        return ctx.plan.num_learners, ctx.plan.batch_size
+        return ctx.plan.num_learners, ctx.plan.settings.batch_size
 
     def _warn_if_unfinished(self, ctx: FitContext, start: bool) -> None:
         """A UserWarning (once per fit) when the schedule cannot reach its end in the steps the
@@ -254,7 +254,7 @@ class LRSchedulerHook(Hook):
         if stop - last <= steps:
             return
         self._warned = True
-        k, b = plan.num_learners, plan.batch_size
+        k, b = plan.num_learners, plan.settings.batch_size
         what = (f"lr_scheduler {type(self.scheduler).__name__} reaches its end ({setting}) "
                 f"{stop - last} steps from now, but ")
         if not per_round:
@@ -268,7 +268,7 @@ class LRSchedulerHook(Hook):
         rounds = (f"rounds of k·b = {k} × {b} = {k * b} samples ({n // (k * b)} an epoch of {n} "
                   "samples)")
         when = (f"this fit runs {steps} {rounds}" if start else
-                f"k·b changed at round {plan.rounds_done}, and {steps} {rounds} are left")
+                f"k·b changed at round {plan.progress.rounds_done}, and {steps} {rounds} are left")
         fix = f"size it in rounds ({name}={last + steps}), " if start and name else ""
         warnings.warn(what + f"{when}, one step each; it stops at step {last + steps}; {fix}"
                       "step it per batch of b (lr_scheduler_interval='batch': a schedule sized "
@@ -279,7 +279,7 @@ class LRSchedulerHook(Hook):
     def _steps_left(self, ctx: FitContext) -> int:
         """Steps left in the fit: its epochs (``"epoch"``), or L per epoch less those taken in
         the current one (``"batch"``)."""
-        epochs = max(0, ctx.end_epoch - ctx.plan.epochs_done)
+        epochs = max(0, ctx.end_epoch - ctx.plan.progress.epochs_done)
         if self.interval == "epoch":
             return epochs
         return self.batches_per_epoch * epochs - self._epoch_steps
@@ -296,8 +296,8 @@ class LRSchedulerHook(Hook):
                 or not n or not self.batches_per_epoch or self._warned:
             return
         rounds = rounds_left(plan, n, ctx.end_epoch)
-        done = self.batches_per_epoch * plan.position_in_epoch // n
-        batches = self.batches_per_epoch * max(0, ctx.end_epoch - plan.epochs_done) - done
+        done = self.batches_per_epoch * plan.progress.position_in_epoch // n
+        batches = self.batches_per_epoch * max(0, ctx.end_epoch - plan.progress.epochs_done) - done
         lrs = probe_lrs(self.scheduler, batches) if 0 < rounds < batches else None
         if lrs is None:
             return
@@ -307,7 +307,7 @@ class LRSchedulerHook(Hook):
                 or at_end <= lowest + 1e-9 * scale:
             return
         self._warned = True
-        k, b, f = plan.num_learners, plan.batch_size, self.factors[0]
+        k, b, f = plan.num_learners, plan.settings.batch_size, self.factors[0]
         warnings.warn(
             f"lr_scheduler {type(self.scheduler).__name__}, stepped once per round, takes "
             f"{rounds} more steps in this fit (rounds of k·b = {k} × {b} = {k * b} samples) and "

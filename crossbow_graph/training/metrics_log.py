@@ -92,7 +92,7 @@ class MetricsLogger(Hook):
             self._files[name] = _Csv(os.path.join(self.log_dir, f"{name}.csv"), fields)
         if self.tensorboard:
             self._writer = SummaryWriter(log_dir=self.log_dir)
-        self._last = (ctx.plan.rounds_done, ctx.train_seconds)
+        self._last = (ctx.plan.progress.rounds_done, ctx.train_seconds)
         self._faults_seen = len(ctx.history.faults)
 
     def _scalar(self, tag: str, value: float | None, step: int) -> None:
@@ -101,7 +101,7 @@ class MetricsLogger(Hook):
 
     def after_round(self, ctx: FitContext) -> None:
         plan = ctx.plan
-        step = plan.rounds_done
+        step = plan.progress.rounds_done
         faults = ctx.history.faults[self._faults_seen:]
         for f in faults:
             self._files["faults"].write(asdict(f))
@@ -111,7 +111,7 @@ class MetricsLogger(Hook):
         if step % self.every_rounds:
             return
         last_round, last_seconds = self._last
-        samples = (step - last_round) * plan.num_learners * plan.batch_size
+        samples = (step - last_round) * plan.num_learners * plan.settings.batch_size
         rate = samples / max(ctx.train_seconds - last_seconds, 1e-9)
         loss = float(ctx.round_loss)
         token_rate = ctx.history.per_token(rate)
@@ -136,7 +136,7 @@ class MetricsLogger(Hook):
 
     def after_epoch(self, ctx: FitContext, record: EpochRecord) -> None:
         self._files["epochs"].write(asdict(record))
-        step = ctx.plan.rounds_done
+        step = ctx.plan.progress.rounds_done
         self._scalar("epoch/train_loss", record.train_loss, step)
         self._scalar("epoch/samples_per_s", record.samples_per_s, step)
         self._scalar("epoch/tokens_per_s", record.tokens_per_s, step)

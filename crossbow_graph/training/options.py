@@ -8,15 +8,12 @@ import math
 import numbers
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import Any, Callable, Literal
 
 from ..errors import check_flag, is_count
 from ..fields import check_choices, option
 from .hooks import Hook
 from .lr_schedule import LRInterval
-
-if TYPE_CHECKING:
-    from ..tuning.metrics import MetricsMonitor
 
 __all__ = ["FitOptions", "as_hooks", "check_writable_dir"]
 

@@ -92,7 +92,7 @@ def _device_state(base: dict[str, Any], rows: list[tuple[dict[str, Any], int] | 
            "int_buffers": [dict(src["int_buffers"][i]) if src is not None else
                            {n: t.clone() for n, t in fresh["ints"].items()}
                            for src, i in _pairs(rows)]}
-    if base.get("loss_scales") is not None:  # float16 learners (engine/precision.py)
+    if base.get("loss_scales") is not None:  # float16 learners (engine/state/precision.py)
         scale = [src["loss_scales"][0][i] if src is not None else fresh["scale"]
                  for src, i in _pairs(rows)]
         good = [src["loss_scales"][1][i] if src is not None else
@@ -101,7 +101,7 @@ def _device_state(base: dict[str, Any], rows: list[tuple[dict[str, Any], int] | 
     else:
         out["loss_scales"] = None
     opt = base.get("optimizer_rows")
-    if opt is not None:  # a row optimizer (engine/optim.py OptimizerRows): age 0 is fresh state
+    if opt is not None:  # a row optimizer (engine/state/optim.py OptimizerRows): age 0 is fresh state
         out["optimizer_rows"] = {
             "age": torch.stack([src["optimizer_rows"]["age"][i] if src is not None else
                                 torch.zeros_like(opt["age"][0]) for src, i in _pairs(rows)]),

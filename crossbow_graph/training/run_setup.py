@@ -4,16 +4,15 @@ with other settings)."""
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..config import Adjustment
 
 if TYPE_CHECKING:
-    from ..api import Plan
+    from .fit_plan import FitPlan
 
-__all__ = ["RunRecord", "SettingsChoice", "run_setup", "restore_settings", "restore_outer_settings"]
+__all__ = ["SettingsChoice", "run_setup", "restore_settings", "restore_outer_settings"]
 
 _MISSING = object()
 
@@ -33,49 +32,15 @@ def _plain_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for g in param_groups]
 
 
-def run_setup(plan: "Plan") -> dict[str, Any]:
+def run_setup(plan: "FitPlan") -> dict[str, Any]:
     """The plan's run settings now, as plain values: ``optimizer`` (per param group, its
     settings but the parameters), ``batch_size``, ``alpha``, ``sync_every``, ``learner_mode``,
     ``outer`` (the groups of the sync algorithm's state, DiLoCo's outer optimizer's, or None)."""
-    s, outer = plan.settings, plan.scheduler.sync_state.param_groups
+    s, outer = plan.settings, plan.rounds.sync_state.param_groups
     return {"optimizer": _plain_groups(s.optimizer.optimizer.param_groups),
             "batch_size": s.batch_size, "alpha": s.alpha, "sync_every": s.sync_every,
             "learner_mode": s.learner_mode,
             "outer": _plain_groups(outer) if outer else None}
-
-
-class RunRecord:
-    """A plan's run (``Plan.run_record``): its set-up, and per checkpoint directory the newest
-    checkpoint it wrote or resumed from there (what makes a directory's checkpoints its own).
-
-    Attributes:
-        setup: ``run_setup`` at the start of the plan's first fit (None before it).
-    """
-
-    def __init__(self) -> None:
-        self.setup: dict[str, Any] | None = None
-        self._newest: dict[str, tuple[str, int, int]] = {}
-
-    def begin_fit(self, plan: "Plan") -> None:
-        """Take the set-up at the plan's first fit (before a resume); later fits keep it."""
-        if self.setup is None:
-            self.setup = run_setup(plan)
-
-    @staticmethod
-    def _identity(path: str) -> tuple[str, tuple[str, int, int]]:
-        st = os.stat(path)
-        return (os.path.realpath(os.path.dirname(os.path.abspath(path))),
-                (os.path.basename(path), st.st_ino, st.st_mtime_ns))
-
-    def saw(self, path: str) -> None:
-        """``path`` is this run's newest checkpoint in its directory (written or resumed)."""
-        directory, ident = self._identity(path)
-        self._newest[directory] = ident
-
-    def owns(self, path: str) -> bool:
-        """Whether ``path`` is the checkpoint this run last wrote or resumed in its directory."""
-        directory, ident = self._identity(path)
-        return self._newest.get(directory) == ident
 
 
 class SettingsChoice:
@@ -141,21 +106,21 @@ def _show(value: Any) -> str:
     return "auto (1/k)" if value is None else repr(value)
 
 
-def restore_settings(plan: "Plan", sd: dict[str, Any], choice: SettingsChoice) -> None:
+def restore_settings(plan: "FitPlan", sd: dict[str, Any], choice: SettingsChoice) -> None:
     """b, α, τ, every param group's settings and the learner mode of a ``plan_state_dict``,
     as ``choice`` picks them, through ``Plan.adjust`` (before the tensors are copied: a change
     of b re-plans, which resets the fault monitor). A state without one of them (an older
     checkpoint) keeps the plan's."""
     settings, changes = plan.settings, {}
     for key in ("batch_size", "alpha", "sync_every", "learner_mode"):
-        if key not in sd or (key == "alpha" and "alpha" not in plan.sync.adjustable):
+        if key not in sd or (key == "alpha" and "alpha" not in plan.settings.sync.adjustable):
             continue
         now = getattr(settings, key)
         value = choice.pick(key, now, sd[key], (key,))
         if value != now:
             changes[key] = "auto" if key == "alpha" and value is None else value
     if "optimizer" in sd:  # every group's settings (η, momentum, betas, ...) as chosen
-        groups = plan.optimizer.param_groups
+        groups = plan.settings.optimizer.optimizer.param_groups
         settings.load_group_settings([
             {k: choice.pick(f"{k} (param group {i})", g.get(k), v, ("optimizer", i, k))
              for k, v in saved.items()} for i, (g, saved) in enumerate(zip(groups, sd["optimizer"]["groups"]))])
@@ -165,10 +130,10 @@ def restore_settings(plan: "Plan", sd: dict[str, Any], choice: SettingsChoice) -
         plan.adjust(Adjustment(**changes))
 
 
-def restore_outer_settings(plan: "Plan", choice: SettingsChoice) -> None:
+def restore_outer_settings(plan: "FitPlan", choice: SettingsChoice) -> None:
     """After DiLoCo's outer optimizer loaded a checkpoint's state (its groups' settings
     included): each group setting ``choice`` picks from this fit's set-up."""
-    for i, g in enumerate(plan.scheduler.sync_state.param_groups):
+    for i, g in enumerate(plan.rounds.sync_state.param_groups):
         for k, v in list(g.items()):
             path = ("outer", i, k)
             if k == "params" or _plain(v) is _MISSING:

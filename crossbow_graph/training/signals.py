@@ -11,7 +11,7 @@ same request and changes nothing: under torchrun a rank gets SIGTERM twice when 
 every process and torchrun's agent forwards the one it got. Later, a second one acts as it would
 without the fit (by default: the process ends at once). Once the fit is over the previous
 handlers are back, and a signal that arrived after the fit's last round is raised again, so that
-it acts as it would have. Worker processes ignore SIGTERM (engine/workers.py): the coordinator
+it acts as it would have. Worker processes ignore SIGTERM (engine/backends/process/executor.py): the coordinator
 stops them.
 """
 
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import TrainingInterrupted
 
 if TYPE_CHECKING:
-    from ..api import Plan
+    from .fit_plan import FitPlan
 
 __all__ = ["StopSignal", "STOP_SIGNALS", "SAME_STOP_S", "interruption"]
 
@@ -89,7 +89,7 @@ class StopSignal:
             signal.raise_signal(self.received)  # it came after the last round: act on it now
 
 
-def interruption(plan: "Plan", signum: int, checkpoint: str | None, *,
+def interruption(plan: "FitPlan", signum: int, checkpoint: str | None, *,
                  announce: bool = True) -> TrainingInterrupted:
     """The TrainingInterrupted of a fit that stopped on ``signum`` after the plan's rounds done,
     its state in ``checkpoint`` (None: no checkpoint_dir); its message is logged (logger
@@ -99,9 +99,9 @@ def interruption(plan: "Plan", signum: int, checkpoint: str | None, *,
     saved = (f"checkpoint {checkpoint} holds its state; run the same fit with resume=True "
              "(crossbow-graph train --resume) to continue it" if checkpoint is not None else
              "it has no checkpoint_dir, so its state is in this process only")
-    message = (f"the fit stopped on {name} after {plan.rounds_done} rounds (round "
-               f"{plan.round_in_epoch} of epoch {plan.epochs_done + 1}): {saved}")
+    message = (f"the fit stopped on {name} after {plan.progress.rounds_done} rounds (round "
+               f"{plan.progress.round_in_epoch} of epoch {plan.progress.epochs_done + 1}): {saved}")
     if announce:
         log.warning("%s", message)
-    return TrainingInterrupted(message, signal_number=signum, rounds_done=plan.rounds_done,
+    return TrainingInterrupted(message, signal_number=signum, rounds_done=plan.progress.rounds_done,
                                checkpoint=checkpoint)

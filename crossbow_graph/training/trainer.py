@@ -3,30 +3,27 @@ docs/design-overview.md §2, §6)."""
 
 from __future__ import annotations
 
-import signal
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
-from ..engine.comm import AGREE_EVERY_ROUNDS
-from ..engine.learners import seed_host_rngs
-from ..engine.threads import IntraOpThreads
-from ..engine.timeline import Timeline
+from ..engine.rounds.context import FitRun
+from ..engine.rounds.env import RoundResult
+from ..engine.rounds.timeline import Timeline
 from ..errors import DivergenceError
 from .checkpoint import CheckpointHook
-from .fit_data import FitData, rank_rows, tokens_per_sample
-from .fit_eval import FitEvaluation, finite_mean, mean_loss
-from .fit_hooks import checkpoints, fit_hooks
-from .history import EpochRecord, History
-from .hooks import FitContext, FitHooks, Hook
+from .fit_data import rank_rows
+from .fit_eval import finite_mean
+from .fit_state import EpochState, FitState
+from .history import History
+from .hooks import FitContext, Hook
 from .options import FitOptions
-from .run_lock import DirectoryLock
-from .signals import StopSignal, interruption
+from .rank_sync import agree_settings, agreed_stop
 
 if TYPE_CHECKING:
-    from ..api import Plan
+    from .fit_plan import FitPlan
 
 __all__ = ["Trainer"]
 
@@ -36,141 +33,99 @@ class Trainer:
     metrics=...).run()`` (docs/api.md, How a fit runs).
 
     Args:
-        plan: the Plan to train.
+        plan: the plan to train (what a fit reads of it: training/fit_plan.py ``FitPlan``).
         train_dataset: a Dataset of ``(inputs, target)`` samples, or a DataLoader.
         eval_dataset: evaluated with z ``options.evals_per_epoch`` times per epoch, or None.
         options: the fit's FitOptions (already checked).
         hooks: the hooks that run first: the plan's auto-tuner (if any), then ``options.hooks``.
         metrics: the fit's MetricsMonitor, or None.
 
-    ``run`` raises what ``Plan.fit`` documents.
+    ``run`` raises what ``Plan.fit`` documents; the fit's state is ``fit`` (``FitState``).
     """
 
-    def __init__(self, plan: "Plan", train_dataset: Any, eval_dataset: Any, options: FitOptions,
+    def __init__(self, plan: FitPlan, train_dataset: Any, eval_dataset: Any, options: FitOptions,
                  *, hooks: list[Hook], metrics: Hook | None) -> None:
         self.plan, self.options = plan, options
         self.first_hooks, self.metrics = hooks, metrics
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.comm = plan.comm
         self.main = self.comm is None or self.comm.is_main  # rank 0 logs, checkpoints, evaluates
-        self.bar: Any = None  # the epoch's tqdm bar, from the first epoch on
+        self.fit: FitState | None = None
 
     # -- the fit ------------------------------------------------------------------------------
 
     def run(self) -> History:
         """Prepare the fit, then run its epochs (``_train``) with SIGTERM handled and the fit's
-        intra-op threads set (engine/threads.py); release the checkpoint directory's lock. Returns
-        the History; a signal's stop raises TrainingInterrupted, z left in the user's module."""
-        self.lock: DirectoryLock | None = None
-        self.saver: CheckpointHook | None = None
-        self.stop_signal, self.interrupted = StopSignal(), None
-        try:
-            self._prepare()
-            with self.stop_signal, self.threads:
+        intra-op threads set (engine/learning/threads.py); release the checkpoint directory's
+        lock. Returns the History; a signal's stop raises TrainingInterrupted."""
+        try:  # the fit's state is kept as soon as it holds the checkpoint directory's lock
+            self.fit = FitState.prepare(self.plan, self.train_dataset, self.eval_dataset,
+                                        self.options, self.first_hooks, self.metrics, main=self.main)
+            if self.options.checkpoint_dir is not None:
+                self.fit.add_checkpoints(self.plan, self.options, main=self.main)
+            with self.fit.stop_signal, self.fit.threads:
                 self._train()
         finally:
-            if self.lock is not None:
-                self.lock.release()
-        if self.interrupted is not None:  # the user's module holds the last whole round's z
-            self.plan.user_model.update(self.plan.central)
-            raise self.interrupted
-        return self.history
+            if self.fit is not None and self.fit.lock is not None:
+                self.fit.lock.release()
+        if self.fit.interrupted is not None:
+            raise self.fit.interrupted
+        return self.fit.history
 
     def _train(self) -> None:
-        """The epochs inside the scheduler's fit (worker processes); under torchrun compare z at
-        the end."""
-        trace, comm, sched = self.options.trace, self.comm, self.plan.scheduler
-        self.timeline = Timeline() if trace is not None else None
-        self.fit_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
-        source = self.data.source
-        sched.begin_fit(source.fetch, seed=self.options.seed, timeline=self.timeline,
-                        load=source.load,
-                        max_grad_norm=self.options.max_grad_norm)
+        """The hooks' before_fit, the epochs up to ``end_epoch`` or a stop and the hooks'
+        after_fit, inside the engine's fit (worker processes); under torchrun compare z at the
+        end."""
+        fit, comm, rounds = self.fit, self.comm, self.plan.rounds
+        fit.timeline = Timeline() if self.options.trace is not None else None
+        fit.sync0 = (rounds.clock.sync_s, rounds.clock.exposed_s)
+        source = fit.data.source
+        rounds.begin_fit(FitRun(source.fetch, source.load, self.options.seed,
+                                self.options.max_grad_norm, fit.timeline))
         try:
-            self._run_epochs()
+            self._start_fit()
+            while self.plan.progress.epochs_done < fit.end_epoch and not self.run_epoch():
+                pass
+            self._finish_fit()
             if comm is not None:
-                comm.check_z(self.plan.states[0].z, self.plan.rounds_done - 1)
+                comm.check_z(self.plan.states[0].z, self.plan.progress.rounds_done - 1)
         except BaseException as exc:
-            _resume_after_divergence(exc, self.saver, self.options.checkpoint_dir)
-            if self.bar is not None:
-                self.bar.close()  # what reports the error writes on a line of its own
+            _resume_after_divergence(exc, fit.saver, self.options.checkpoint_dir)
+            if fit.epoch is not None:
+                fit.epoch.bar.close()  # what reports the error writes on a line of its own
             if comm is not None:
                 comm.close()  # the others see this rank gone at once instead of at their timeout
             raise
         finally:
-            sched.end_fit()
-            self.data.close()
-            _sync_totals(self.history, self.plan.scheduler, self.fit_sync0)
-            if self.timeline is not None:
-                self.timeline.save(trace)
-
-    def _prepare(self) -> None:
-        """Everything before the first round: the data's checks, the ranks' agreement on the fit,
-        the first batches' checks, the seeds, the hooks and a resume."""
-        opts, plan, comm = self.options, self.plan, self.comm
-        plan.run_record.begin_fit(plan)  # the set-up, at the plan's first fit (before a resume)
-        self.data = FitData(plan, self.train_dataset, self.eval_dataset, opts)
-        self.progress = opts.progress and (comm is None or comm.is_main)  # rank 0's bar only
-        if comm is not None:
-            self.data.agree(comm)
-        self.data.open()
-        self.schedule = self.data.schedule
-        torch.manual_seed(opts.seed)
-        # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
-        seed_host_rngs(opts.seed, plan.rounds_done, comm.rank if comm is not None else 0, 0)
-        self.threads = IntraOpThreads(opts.cpu_threads, [s.torch_device for s in plan.states],
-                                      comm.local_world_size if comm is not None else 1)
-        self.history = History(target_accuracy=opts.target_accuracy, max_grad_norm=opts.max_grad_norm,
-                               cpu_threads=self.threads.count, free_cores=self.threads.free,
-                               target_loss=opts.target_loss,
-                               tokens_per_sample=tokens_per_sample(self.train_dataset))
-        self.evals = FitEvaluation(plan, self.eval_dataset, opts, self.history)
-        hooks = fit_hooks(plan, opts, self.schedule, self.first_hooks, self.metrics, main=self.main,
-                          batches_per_epoch=self.data.batches_per_epoch)
-        self.end_epoch = plan.epochs_done + opts.epochs
-        if opts.checkpoint_dir is not None:
-            self.saver, self.lock, resumed = checkpoints(plan, opts, self.schedule, hooks,
-                                                         self.history, main=self.main)
-            hooks.append(self.saver)
-            if resumed:  # a resumed run finishes the epochs of the run it continues (none
-                # once it reached its target), with the intra-op threads it ran with
-                self.end_epoch = plan.epochs_done if self.evals.reached_before() else opts.epochs
-                self.history.cpu_threads = self.threads.keep(self.history.cpu_threads)
-        self.hooks = FitHooks(hooks)
-
-    def _run_epochs(self) -> None:
-        """The hooks' before_fit, the epochs up to ``end_epoch`` or a stop, the hooks' after_fit."""
-        self._start_fit()
-        while self.plan.epochs_done < self.end_epoch:
-            if self.run_epoch():
-                break
-        self._finish_fit()
+            rounds.end_fit()
+            fit.data.close()
+            self.fit.sync_totals(self.plan.rounds)
+            if fit.timeline is not None:
+                fit.timeline.save(self.options.trace)
 
     def _start_fit(self) -> None:
         """The FitContext, the hooks' before_fit, and what the rounds read of the hooks."""
-        plan, hooks, comm, sched = self.plan, self.hooks, self.comm, self.plan.scheduler
-        n = self.schedule.num_samples
-        self.speculate = hooks.overlap
-        self.ctx = ctx = FitContext(plan=plan, history=self.history,
-                                    train_seconds=plan.train_seconds,
-                                    rounds_per_epoch=n // (plan.num_learners * plan.batch_size),
-                                    end_epoch=self.end_epoch, num_samples=n, metrics=self.metrics)
-        hooks.before_fit(ctx)
-        self.monitor, self.faults_seen = sched.faults, len(sched.faults.events)
+        plan, fit, comm = self.plan, self.fit, self.comm
+        n = fit.schedule.num_samples
+        fit.speculate = fit.hooks.overlap
+        fit.ctx = FitContext(plan=plan, history=fit.history, train_seconds=plan.progress.train_seconds,
+                             rounds_per_epoch=n // (plan.num_learners * plan.settings.batch_size),
+                             end_epoch=fit.end_epoch, num_samples=n, metrics=self.metrics)
+        fit.hooks.before_fit(fit.ctx)
+        plan.rounds.collect()  # the faults found before the fit's rounds are not the fit's
         # rank 0's decisions are broadcast after every round's hooks, and before a round when hooks
         # ran since (epoch boundaries, evaluations) or when a hook of any rank acts in before_round
-        self.pre_round = comm is not None and comm.any_rank(hooks.acts_before_rounds(), -1)
-        self.decides = comm is not None and comm.any_rank(hooks.decide(), -1)
+        fit.pre_round = comm is not None and comm.any_rank(fit.hooks.acts_before_rounds(), -1)
+        fit.decides = comm is not None and comm.any_rank(fit.hooks.decide(), -1)
 
     def _finish_fit(self) -> None:
         """Every rank's last faults into the History, the sync totals, the hooks' after_fit."""
-        plan, comm, sched, history = self.plan, self.comm, self.plan.scheduler, self.history
+        plan, comm = self.plan, self.comm
         if comm is not None:  # faults since the last sync reach every rank (one flag all-reduce)
-            _share_faults(plan, comm)
-        if sched.faults is self.monitor and len(sched.faults.events) > self.faults_seen:
-            history.faults.extend(sched.faults.events[self.faults_seen:])  # a hook's, last round
-        _sync_totals(self.history, self.plan.scheduler, self.fit_sync0)
-        self.hooks.after_fit(self.ctx)
+            plan.rounds.share_last_faults(plan.progress.rounds_done - 1)
+        self.fit.record(RoundResult([], *plan.rounds.collect()))  # a hook's, last round
+        self.fit.sync_totals(self.plan.rounds)
+        self.fit.hooks.after_fit(self.fit.ctx)
 
     # -- an epoch -----------------------------------------------------------------------------
 
@@ -181,164 +136,129 @@ class Trainer:
         while self.run_round():
             pass
         self._end_epoch()
-        return self.history.target_reached or self.ctx.stop
+        return self.fit.history.target_reached or self.fit.ctx.stop
 
     def _start_epoch(self) -> None:
         """The hooks' before_epoch, the epoch's order, evaluation points, progress bar and clock."""
-        plan, ctx, sched = self.plan, self.ctx, self.plan.scheduler
-        n = self.schedule.num_samples
-        self.epoch = epoch = plan.epochs_done
-        self.position = plan.position_in_epoch  # > 0 when resumed in the middle of an epoch
-        self.rounds_run = plan.round_in_epoch
-        ctx.epoch, ctx.round_in_epoch = epoch, self.rounds_run
-        ctx.rounds_per_epoch = n // (plan.num_learners * plan.batch_size)
-        self.hooks.before_epoch(ctx)
-        self.agree = self.comm is not None  # after_epoch and before_epoch hooks ran
-        self.order = self.schedule.order(epoch)
-        self.data.source.start_epoch(self.order, self.position, epoch, plan.rounds_done)
-        if self.position == 0:
-            sched.losses = []
-        self.epoch_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
-        self.epoch_seconds, self.samples_run = 0.0, 0
-        self.acc = self.evals.start_epoch(n, self.position, plan.rounds_done - plan.round_in_epoch)
-        self.bar = tqdm(total=n, initial=self.position, desc=f"epoch {epoch + 1}", unit="sample",
-                        unit_scale=True, disable=not self.progress, leave=False,
-                        dynamic_ncols=True)
-        self.start = time.perf_counter()
+        plan, fit = self.plan, self.fit
+        progress, ctx, n = plan.progress, fit.ctx, fit.schedule.num_samples
+        ctx.epoch, ctx.round_in_epoch = progress.epochs_done, progress.round_in_epoch
+        ctx.rounds_per_epoch = n // (plan.num_learners * plan.settings.batch_size)
+        fit.hooks.before_epoch(ctx)
+        epoch, position = progress.epochs_done, progress.position_in_epoch  # > 0: resumed in it
+        order = fit.schedule.order(epoch)
+        fit.data.source.start_epoch(order, position, epoch, progress.rounds_done)
+        progress.start_epoch()
+        acc = fit.evals.start_epoch(n, position, progress.rounds_done - progress.round_in_epoch)
+        bar = tqdm(total=n, initial=position, desc=f"epoch {epoch + 1}", unit="sample",
+                   unit_scale=True, disable=not (self.options.progress and self.main),
+                   leave=False, dynamic_ncols=True)
+        clock = plan.rounds.clock
+        fit.epoch = EpochState(epoch, order, position, progress.round_in_epoch,
+                               (clock.sync_s, clock.exposed_s), acc, bar, time.perf_counter(),
+                               agree=self.comm is not None)  # after_epoch and before_epoch ran
 
     def _end_epoch(self) -> None:
         """Stop the epoch's clock, count the epoch in the plan, record it, run after_epoch."""
-        plan, ctx = self.plan, self.ctx
-        self.epoch_seconds += time.perf_counter() - self.start
-        self.bar.close()
-        plan.scheduler.flush()
-        ctx.epoch_complete = self.schedule.next_round(self.order, self.position, plan.num_learners,
-                                                      plan.batch_size) is None
-        plan.progress.end_epoch(self.epoch_seconds)
-        self.record_epoch()
-        ctx.train_seconds = plan.train_seconds
-        self.hooks.after_epoch(ctx, self.history.epochs[-1])
-
-    def record_epoch(self) -> None:
-        """The epoch's EpochRecord into the History (one all-reduce of the loss under torchrun)."""
-        plan, sched = self.plan, self.plan.scheduler
-        losses = torch.stack(sched.losses) if sched.losses else torch.zeros(1)
-        sync_s = sched.sync_seconds - self.epoch_sync0[0]
-        exposed_s = sched.sync_exposed_seconds - self.epoch_sync0[1]
-        rate = self.samples_run / max(self.epoch_seconds, 1e-9)
-        self.history.epochs.append(EpochRecord(
-            epoch=plan.epochs_done, rounds=self.rounds_run,
-            train_loss=mean_loss(self.comm, losses, plan.rounds_done - 1), test_accuracy=self.acc,
-            samples_per_s=rate, tokens_per_s=self.history.per_token(rate),
-            train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
-            learner_mode=plan.learner_mode,
-            sync_unhidden_share=min(1.0, exposed_s / sync_s) if sync_s > 0 else None,
-            samples=self.position,  # the epoch's, also those before a resume in its middle
-        ))
+        plan, fit, e = self.plan, self.fit, self.fit.epoch
+        e.seconds += time.perf_counter() - e.start
+        e.bar.close()
+        plan.rounds.flush()
+        fit.ctx.epoch_complete = fit.schedule.next_round(
+            e.order, e.position, plan.num_learners, plan.settings.batch_size) is None
+        plan.progress.end_epoch(e.seconds)
+        fit.history.epochs.append(e.record(plan, self.comm, fit.history))
+        fit.ctx.train_seconds = plan.progress.train_seconds
+        fit.hooks.after_epoch(fit.ctx, fit.history.epochs[-1])
 
     # -- a round ------------------------------------------------------------------------------
 
     def run_round(self) -> bool:
         """One round: the hooks' before_round, rank 0's settings (torchrun), the next k·b samples
-        (k and b read from the plan now), the scheduler's round, faults, the hooks' after_round,
-        an evaluation when due. Returns whether the epoch goes on."""
-        plan, ctx, comm, sched = self.plan, self.ctx, self.comm, self.plan.scheduler
-        self.hooks.before_round(ctx)
-        if self.agree or self.pre_round:  # rank 0's decisions (m, mode, lr, α) apply to this round
-            comm.agree_settings(plan, False, plan.rounds_done)
-            self.agree = False
-        k, b = plan.num_learners, plan.batch_size
-        ctx.rounds_per_epoch = self.schedule.rounds_per_epoch(k, b)
-        indices = self.schedule.next_round(self.order, self.position, k, b)
+        (k and b read from the run settings once), the engine's round and its result, the hooks'
+        after_round, an evaluation when due. Returns whether the epoch goes on."""
+        plan, fit, e = self.plan, self.fit, self.fit.epoch
+        fit.hooks.before_round(fit.ctx)
+        if e.agree or fit.pre_round:  # rank 0's decisions (m, mode, lr, α) apply to this round
+            agree_settings(self.comm, plan, False, plan.progress.rounds_done)
+            e.agree = False
+        k, b = plan.num_learners, plan.settings.batch_size
+        fit.ctx.rounds_per_epoch = fit.schedule.rounds_per_epoch(k, b)
+        indices = fit.schedule.next_round(e.order, e.position, k, b)
         if indices is None:
             return False
-        self.position += len(indices)
-        # if k and b stay, the next round's samples
-        upcoming = self.schedule.next_round(self.order, self.position, k, b)
-        n_losses = len(sched.losses)
-        plan.progress.start_round()
-        # a round whose gradients a hook reads (the noise scale) does not overlap the next
-        ahead = self.speculate and not self.hooks.wants_gradients(plan.rounds_done)
-        self.history.lr.append(plan.settings.lr)  # η of this round (first param group)
-        sched.run_round(plan.rounds_done - 1,
-                        synchronise=plan.rounds_done % plan.sync.sync_every == 0,
-                        indices=rank_rows(plan, indices),
-                        next_indices=rank_rows(plan, upcoming) if ahead else None)
-        if comm is not None and plan.rounds_done % comm.settings.checksum_every == 0:
-            sched.join()  # the checksum reads z after the round's global sync
-            comm.check_z(plan.states[0].z, plan.rounds_done - 1)
-        self.rounds_run += 1
-        self.samples_run += len(indices)
-        plan.progress.end_round(self.rounds_run, self.position)
-        self.bar.update(len(indices))
-        self._collect_faults()
-        if self.hooks.hooks:
-            self._after_round(indices, n_losses)
-        ctx.stop = ctx.stop or self.stop_signal.received is not None
-        stop = _agreed_stop(self.plan, self.comm, self.ctx, self.decides)
-        reached = self.evals.due(self.position, last=upcoming is None) and self.evaluate()
-        if self.saver is not None:  # after the round's evaluation: a resume misses none
-            self.saver.save_if_due(ctx)
+        e.position += len(indices)
+        upcoming = fit.schedule.next_round(e.order, e.position, k, b)  # if k and b stay
+        result = self._learn_round(indices, upcoming)
+        self._after_round(indices, result)
+        fit.ctx.stop = fit.ctx.stop or fit.stop_signal.received is not None
+        stop = agreed_stop(plan, self.comm, fit.ctx, fit.decides)
+        reached = fit.evals.due(e.position, last=upcoming is None) and self.evaluate()
+        if fit.saver is not None:  # after the round's evaluation: a resume misses none
+            fit.saver.save_if_due(fit.ctx)
         if stop:
-            self._stop_for_signal()
+            fit.stop_for_signal(plan, self.comm, announce=self.main)
         if stop or reached:
             return False
-        if self.data.source.copies_ahead and upcoming is not None and (plan.num_learners, plan.batch_size) == (k, b):
-            sched.prefetch(plan.rounds_done, rank_rows(plan, upcoming))  # the next round's batch
+        if fit.data.source.copies_ahead and upcoming is not None and \
+                (plan.num_learners, plan.settings.batch_size) == (k, b):
+            plan.rounds.prefetch(plan.progress.rounds_done, rank_rows(plan, upcoming), b)
         return True
 
-    def _stop_for_signal(self) -> None:
-        """At a stop (agreed across ranks): if a signal (any rank's) caused it, a checkpoint of
-        the state after this round (when the fit has a checkpoint_dir) and the
-        TrainingInterrupted that ``run`` raises once the fit has ended."""
-        signum = self.stop_signal.received
-        if self.comm is not None:  # every rank is here in the same round
-            signum = signal.SIGTERM if self.comm.any_rank(signum is not None,
-                                                          self.plan.rounds_done - 1) else None
-        if signum is None:
-            return
-        self.stop_signal.consumed = True
-        path = self.saver.save_if_new(self.ctx) if self.saver is not None else None
-        self.interrupted = interruption(self.plan, signum, path, announce=self.main)
+    def _learn_round(self, indices: torch.Tensor, upcoming: torch.Tensor | None) -> RoundResult:
+        """The engine's round on ``indices`` (``upcoming``: the next round's, learned ahead where
+        it may be), the torchrun checksum of z when due, the round's progress and record."""
+        plan, fit, e, comm = self.plan, self.fit, self.fit.epoch, self.comm
+        plan.progress.start_round()
+        fit.history.lr.append(plan.settings.lr)  # η of this round (first param group)
+        t = plan.progress.rounds_done - 1
+        # a round whose gradients a hook reads (the noise scale) does not overlap the next
+        ahead = fit.speculate and not fit.hooks.wants_gradients(plan.progress.rounds_done)
+        result = plan.rounds.run_round(
+            t, synchronise=plan.progress.rounds_done % plan.settings.sync_every == 0,
+            indices=rank_rows(plan, indices),
+            next_indices=rank_rows(plan, upcoming) if ahead else None)
+        if comm is not None and plan.progress.rounds_done % comm.settings.checksum_every == 0:
+            plan.rounds.join()  # the checksum reads z after the round's global sync
+            comm.check_z(plan.states[0].z, t)
+        e.rounds_run += 1
+        e.samples += len(indices)
+        plan.progress.end_round(e.rounds_run, e.position, result.losses)
+        e.bar.update(len(indices))
+        self.fit.record(result)
+        return result
 
-    def _collect_faults(self) -> None:
-        """The scheduler's new fault events into the History."""
-        sched = self.plan.scheduler
-        if sched.faults is not self.monitor:  # re-planned (replicas, batch size): a new monitor
-            self.monitor, self.faults_seen = sched.faults, 0
-        if len(sched.faults.events) > self.faults_seen:
-            self.history.faults.extend(sched.faults.events[self.faults_seen:])
-            self.faults_seen = len(sched.faults.events)
-        if sched.ft is not None and len(sched.ft.membership) > len(self.history.membership):
-            self.history.membership.extend(sched.ft.membership[len(self.history.membership):])
-
-    def _after_round(self, indices: torch.Tensor, n_losses: int) -> None:
+    def _after_round(self, indices: torch.Tensor, result: RoundResult) -> None:
         """The round's context (indices, losses, training seconds so far) and the hooks'
         after_round."""
-        plan, ctx, sched = self.plan, self.ctx, self.plan.scheduler
-        ctx.round_in_epoch = self.rounds_run
+        fit, e = self.fit, self.fit.epoch
+        if not fit.hooks.hooks:
+            return
+        ctx = fit.ctx
+        ctx.round_in_epoch = e.rounds_run
         ctx.batch_indices = indices
         ctx.round_samples = len(indices)
-        ctx.round_losses = sched.losses[n_losses:]
-        ctx.round_loss = finite_mean(torch.stack(sched.losses[n_losses:]))
-        ctx.train_seconds = plan.train_seconds + self.epoch_seconds + time.perf_counter() - self.start
-        self.hooks.after_round(ctx)
+        ctx.round_losses = result.losses
+        ctx.round_loss = finite_mean(torch.stack(result.losses))
+        ctx.train_seconds = self.plan.progress.train_seconds + e.seconds + time.perf_counter() - e.start
+        fit.hooks.after_round(ctx)
 
     def evaluate(self) -> bool:
         """z's evaluation (``FitEvaluation.measure``), off the training clock, and the hooks'
         after_eval. Returns whether ``target_accuracy`` or ``target_loss`` is reached."""
-        n = self.schedule.num_samples
-        self.epoch_seconds += time.perf_counter() - self.start  # evaluation is not training time
-        trained = self.plan.train_seconds + self.epoch_seconds
-        record = self.evals.measure(self.epoch + self.position / n, trained, self.position)
-        self.acc = acc = record.test_accuracy
-        self.bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
-                             samples_per_s=f"{self.samples_run / self.epoch_seconds:,.0f}")
-        self.ctx.train_seconds = trained
-        self.hooks.after_eval(self.ctx, record)
-        self.agree = self.comm is not None
-        self.start = time.perf_counter()
-        return self.evals.reached(record)
+        fit, e = self.fit, self.fit.epoch
+        n = fit.schedule.num_samples
+        e.seconds += time.perf_counter() - e.start  # evaluation is not training time
+        trained = self.plan.progress.train_seconds + e.seconds
+        record = fit.evals.measure(e.epoch + e.position / n, trained, e.position)
+        e.acc = acc = record.test_accuracy
+        e.bar.set_postfix(acc=f"{acc:.4f}" if acc is not None else "-",
+                          samples_per_s=f"{e.samples / e.seconds:,.0f}")
+        fit.ctx.train_seconds = trained
+        fit.hooks.after_eval(fit.ctx, record)
+        e.agree = self.comm is not None
+        e.start = time.perf_counter()
+        return fit.evals.reached(record)
 
 
 def _resume_after_divergence(exc: BaseException, saver: CheckpointHook | None,
@@ -351,32 +271,3 @@ def _resume_after_divergence(exc: BaseException, saver: CheckpointHook | None,
     note = saver.set_aside_unhealthy()
     if note:
         exc.args = (f"{exc}. With checkpoint_dir={directory!r}: {note}",)
-
-
-def _share_faults(plan: "Plan", comm) -> None:
-    """At the fit's end: the faults found since the last global sync (τ > 1) reach every rank
-    (``FaultMonitor.share``, after one all-reduce of a flag; DivergenceError as at a sync)."""
-    faults, t = plan.scheduler.faults, plan.rounds_done - 1
-    if comm.any_rank(bool(faults.pending), t):
-        faults.share(comm, t, plan.num_learners, plan.states[0].z)
-
-
-def _sync_totals(history: History, sched: Any, sync0: tuple[float, float]) -> None:
-    """The fit's synchronisation seconds (since ``sync0``) and CUDA-graph counts into ``history``
-    (before after_fit, so that hooks and history.json see them)."""
-    history.sync_seconds = sched.sync_seconds - sync0[0]
-    history.sync_exposed_seconds = sched.sync_exposed_seconds - sync0[1]
-    if sched.round_graph is not None:
-        history.cuda_graphs = sched.round_graph.record()
-
-
-def _agreed_stop(plan: "Plan", comm: Any, ctx: FitContext, decides: bool) -> bool:
-    """Whether every rank stops after this round: under torchrun rank 0's settings and stop are
-    agreed after every round when a hook of some rank ``decides``, else every
-    ``AGREE_EVERY_ROUNDS`` rounds (a signal's stop waits for that round)."""
-    if comm is None:
-        return ctx.stop
-    if not decides and plan.rounds_done % AGREE_EVERY_ROUNDS:
-        return False
-    ctx.stop = comm.agree_settings(plan, ctx.stop, plan.rounds_done - 1)
-    return ctx.stop

@@ -5,10 +5,12 @@ see the trained model (docs/api.md, Your model after a fit)."""
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
+
+from ..errors import TrainingInterrupted
 
 if TYPE_CHECKING:
     from .central import CentralModel
@@ -65,8 +67,24 @@ class UserModel:
             "model.backbone.requires_grad_(True); plan2 = cg.compile(model, ..., optimizer="
             "torch.optim.AdamW(model.parameters(), ...)); plan2.fit(...)")
 
+    def around_fit(self, central: CentralModel, run: Callable[[], Any], *, comm: Any,
+                   last_round: Callable[[], int]) -> Any:
+        """``run()`` (a fit) after ``check_frozen``; the user's module then holds z (``update``):
+        the last whole round's when SIGTERM stopped the fit (``TrainingInterrupted``, re-raised),
+        else under torchrun with rank 0's integer buffers (of round ``last_round()``)."""
+        self.check_frozen()  # ValueError before anything else
+        try:
+            result = run()
+        except TrainingInterrupted:
+            self.update(central)
+            raise
+        if comm is not None:
+            central.int_buffers_from_rank0(replicas=False, round_index=last_round())
+        self.update(central)
+        return result
+
     @torch.no_grad()
-    def update(self, central: "CentralModel") -> None:
+    def update(self, central: CentralModel) -> None:
         """Copy the central model's state (``CentralModel.state``: z, its buffers refreshed)
         into the user's module in place: every entry of its ``state_dict`` of the same name and
         shape (cast to its dtype, moved to its device); nothing, and no refresh, when the caller

@@ -14,18 +14,18 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.data import TensorDataset
 
 from ..compiler.outputs import model_loss
-from ..engine.batches import single
-from ..engine.inputs import split_inputs
+from ..engine.data.batches import single
+from ..engine.data.inputs import split_inputs
 from .data import CollateFetch, LearnerFetch, collate_of, make_fetch
 from .evaluation import eval_samples
 
 if TYPE_CHECKING:
-    from ..api import Plan
+    from .fit_plan import FitPlan
 
 __all__ = ["check_eval_dataset", "check_first_batch"]
 
 
-def _given_inputs(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+def _given_inputs(plan: "FitPlan", args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(label for messages, value, the compiled InputSpec) of a batch's inputs: positional ones
     in the forward's order, keyword ones by name."""
     specs = plan.model_graph.inputs
@@ -39,14 +39,14 @@ _CAST = {torch.float64: ".double()", torch.float32: ".float()", torch.bfloat16: 
          torch.float16: ".half()"}
 
 
-def _run_central(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _run_central(plan: "FitPlan", args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The central model in evaluation mode (no dropout, no BatchNorm update) on ``args``, with
     compile's keyword flags as training passes them."""
-    return plan.central_forward(*args, **plan.states[0].call_flags.added(args, kwargs))
+    return plan.central.forward(*args, **plan.states[0].call_flags.added(args, kwargs))
 
 
 @torch.no_grad()
-def _check_dtypes(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> None:
+def _check_dtypes(plan: "FitPlan", args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> None:
     """Floating inputs of another dtype than the example inputs' are an error unless the model
     takes them (a model that casts its inputs)."""
     for label, arg, spec in _given_inputs(plan, args, kwargs):
@@ -69,12 +69,12 @@ def _check_dtypes(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], w
         return  # the model takes them: one forward is enough
 
 
-def _output_shape(plan: "Plan") -> tuple[int, ...] | None:
+def _output_shape(plan: "FitPlan") -> tuple[int, ...] | None:
     return plan.model_graph.output_shape
 
 
 @torch.no_grad()
-def _check_inputs(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> None:
+def _check_inputs(plan: "FitPlan", args: tuple[Any, ...], kwargs: dict[str, Any], what: str) -> None:
     """Inputs shaped unlike the example inputs are an error unless the model takes them and gives
     an output of the compiled shape (e.g. a globally pooled CNN on larger images)."""
     fix = (f"compile the plan with example_inputs shaped like one sample of {what}, e.g. "
@@ -98,7 +98,7 @@ def _check_inputs(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], w
                              f"{list(out.shape[1:])} instead of {list(want_out[1:])}; {fix}")
 
 
-def _check_keywords(plan: "Plan", batch: Any, kwargs: dict[str, Any], what: str) -> None:
+def _check_keywords(plan: "FitPlan", batch: Any, kwargs: dict[str, Any], what: str) -> None:
     """A dict sample has the target ``loss_fn`` needs (its ``"labels"``), and the model's forward
     takes every keyword input by name (docs/design-overview.md §6)."""
     whole = isinstance(batch, Mapping)  # a dict sample; else a pair whose inputs are a dict
@@ -126,7 +126,7 @@ def _check_keywords(plan: "Plan", batch: Any, kwargs: dict[str, Any], what: str)
                          f"which takes no {', '.join(repr(k) for k in unknown)}; {pairs}")
 
 
-def _check_meta(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+def _check_meta(plan: "FitPlan", args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
                 what: str) -> None:
     """A tensor on the meta device (shapes without data) among a batch's inputs or its target is
     an error naming it: no forward or loss can read it."""
@@ -147,7 +147,7 @@ def _texts(value: Any) -> list[str]:
     return list(items) if items and all(isinstance(v, str) for v in items) else []
 
 
-def _check_text(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+def _check_text(plan: "FitPlan", args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
                 what: str) -> None:
     """Text where the model takes a tensor (the compiled example input is one), or as the
     target, is an error naming the input and the fix: the model and the loss take tensors."""
@@ -229,7 +229,7 @@ def _check_label_form(loss_fn: Any, target: torch.Tensor, out_shape: tuple[int, 
 
 
 @torch.no_grad()
-def _check_class_dimension(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _check_class_dimension(plan: "FitPlan", args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A class-index loss over an output without a class dimension (``[N]``: one score per
     sample) is an error naming the output, the loss and the two fixes. The example's output
     was 1-d (or 0-d); the model runs once on the batch to tell a model that squeezes a batch of
@@ -257,7 +257,7 @@ def _class_index_loss(loss_fn: Any) -> int | None:
     return None
 
 
-def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor], Any],
+def check_first_batch(plan: "FitPlan", dataset: Any, fetch: Callable[[torch.Tensor], Any],
                       indices: torch.Tensor, what: str = "train_dataset") -> None:
     """Check one batch of ``dataset`` against the plan: ``(inputs, target)`` pairs (the first
     sample and the last index), the inputs' dtypes and per-sample shapes against the example
@@ -310,7 +310,7 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
     _check_labels(plan, dataset, args, kwargs, target, what)
 
 
-def _check_labels(plan: "Plan", dataset: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+def _check_labels(plan: "FitPlan", dataset: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                   target: Any, what: str) -> None:
     """Under a class-index loss: a target, an output with a class dimension, labels of its
     form, every label (a tensor dataset's all, else the batch's) among its classes or the
@@ -344,7 +344,7 @@ def _check_labels(plan: "Plan", dataset: Any, args: tuple[Any, ...], kwargs: dic
         )
 
 
-def check_eval_dataset(plan: "Plan", data: Any) -> None:
+def check_eval_dataset(plan: "FitPlan", data: Any) -> None:
     """``check_first_batch`` of an evaluation set (a Dataset or DataLoader) as evaluation reads
     it: its first b samples (those its sampler yields), collated by its collate_fn; the one check
     of ``fit(eval_dataset=)`` and ``Plan.evaluate``.
@@ -355,4 +355,4 @@ def check_eval_dataset(plan: "Plan", data: Any) -> None:
     """
     evals = eval_samples(data)  # the samples evaluation scores
     check_first_batch(plan, evals, make_fetch(evals, collate_of(data)),
-                      torch.arange(min(plan.batch_size, len(evals))), what="eval_dataset")
+                      torch.arange(min(plan.settings.batch_size, len(evals))), what="eval_dataset")

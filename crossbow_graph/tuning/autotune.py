@@ -11,6 +11,7 @@ from ..errors import check_flag, is_count
 from ..training.history import AutotuneRecord
 from ..training.hooks import FitContext
 from .autotune_rule import Decision, Measurement, Setting, TuningRule, sub_window_rates
+from ..config import Adjustment
 from .policy_base import Policy
 
 __all__ = ["AutoTune", "AutoTuner"]
@@ -155,7 +156,7 @@ class AutoTuner(Policy):
     def _decide(self, ctx: FitContext, window: Measurement) -> bool:
         """Act on one window's measurement; returns whether the configuration changed."""
         plan = ctx.plan
-        at = Setting(plan.replicas_per_device, plan.learner_mode, plan.batch_size)
+        at = Setting(plan.settings.replicas_per_device, plan.settings.learner_mode, plan.settings.batch_size)
         decision = self.rule.decide(window, at, bound=self.bound(plan),
                                     fused_ok=plan.fused_failure is None)
         if not decision.steps:
@@ -170,9 +171,9 @@ class AutoTuner(Policy):
         if (m2, mode2) == (at.m, at.mode):
             return False
         if m2 != at.m:
-            plan.set_replicas(m2)
+            plan.adjust(Adjustment(replicas_per_device=m2))
         if mode2 != at.mode:
-            plan.set_learner_mode(mode2)
+            plan.adjust(Adjustment(learner_mode=mode2))
         self.record(ctx, {"replicas_per_device": m2, "learner_mode": mode2},
                     ", ".join(f"{r.action} at {r.samples_per_s:,.0f} samples/s" for r in records))
         return True
@@ -180,7 +181,7 @@ class AutoTuner(Policy):
     def _record(self, ctx: FitContext, decision: Decision, at: Setting, action: str, m2: int,
                 mode2: str) -> AutotuneRecord:
         measured = decision.measured
-        rec = AutotuneRecord(round=ctx.plan.rounds_done, replicas_per_device=at.m,
+        rec = AutotuneRecord(round=ctx.plan.progress.rounds_done, replicas_per_device=at.m,
                              learner_mode=at.mode, samples_per_s=measured.samples_per_s,
                              samples_per_s_low=measured.low, samples_per_s_high=measured.high,
                              windows=measured.windows, action=action,

@@ -180,7 +180,7 @@ class MetricsMonitor(Hook):
     def _length(self) -> int:
         """Rounds of the current window at the plan's k·b."""
         plan = self._plan
-        return self.every if plan is None else self.window_rounds(plan.num_learners * plan.batch_size)
+        return self.every if plan is None else self.window_rounds(plan.num_learners * plan.settings.batch_size)
 
     def _measured(self, round_in_window: int) -> bool:
         """Whether round ``round_in_window`` (1 … length) is among the last ``measure_rounds``."""
@@ -193,19 +193,19 @@ class MetricsMonitor(Hook):
     def _measure(self, ctx: FitContext) -> None:
         """Append this round's two-batch estimate (if k ≥ 2 and it is finite) to the window's."""
         plan = ctx.plan
-        k, b = plan.num_learners, plan.batch_size
+        k, b = plan.num_learners, plan.settings.batch_size
         if k < 2:
             return
-        sched = plan.scheduler
-        sched.join()  # the default stream reads g after the round's syncs; the host does not wait
+        rounds = plan.rounds
+        rounds.join()  # the default stream reads g after the round's syncs; the host does not wait
         states = plan.states
-        if any(m is not None for m in sched.fault_masks):  # the streams' path: on the device
-            faulty = list(sched.fault_masks)
+        if any(m is not None for m in rounds.fault_masks):  # the streams' path: on the device
+            faulty = list(rounds.fault_masks)
         else:
-            this_round = plan.rounds_done - 1
+            this_round = plan.progress.rounds_done - 1
             rank = plan.comm.rank if plan.comm is not None else 0  # the events hold every rank's
             faulty = _excluded(states, {(d, e.replica) for d, s in enumerate(states)
-                                        for e in sched.faults.events if e.round == this_round
+                                        for e in ctx.history.faults if e.round == this_round
                                         and e.device == s.name and e.rank == rank})
         self._pending.append((moment_sums(states, faulty), b))  # read at the window's end
 
@@ -245,15 +245,15 @@ class MetricsMonitor(Hook):
         if self._rounds < self._length():  # the monitor runs before the policies: this round's k·b
             return
         plan = ctx.plan
-        plan.scheduler.flush()  # the window's one host wait
+        plan.rounds.flush()  # the window's one host wait
         self._take_pending()
         states = plan.states
-        k, b = plan.num_learners, plan.batch_size
+        k, b = plan.num_learners, plan.settings.batch_size
         g2 = tr = g2_ema = tr_ema = ns = None
         if self._est:
             g2 = sum(e[0] for e in self._est) / len(self._est)
             tr = sum(e[1] for e in self._est) / len(self._est)
-            if plan.rounds_done > self.warmup_windows * self.every:  # past the warm-up windows
+            if plan.progress.rounds_done > self.warmup_windows * self.every:  # past the warm-up windows
                 a = self.ema
                 self._g2 = a * self._g2 + (1 - a) * g2
                 self._tr = a * self._tr + (1 - a) * tr
@@ -264,11 +264,11 @@ class MetricsMonitor(Hook):
         elapsed = max(ctx.train_seconds - self._t0, 1e-9)
         n_samples = ctx.rounds_per_epoch * k * b or 1
         self.last = MetricRecord(
-            round=plan.rounds_done,
-            epoch=ctx.epoch + min(1.0, plan.position_in_epoch / max(n_samples, 1)),
+            round=plan.progress.rounds_done,
+            epoch=ctx.epoch + min(1.0, plan.progress.position_in_epoch / max(n_samples, 1)),
             samples_per_s=self._samples / elapsed,
             train_loss=float(self._loss) / self._rounds,
-            lr=float(plan.settings.lr), batch_size=b, replicas_per_device=plan.replicas_per_device,
+            lr=float(plan.settings.lr), batch_size=b, replicas_per_device=plan.settings.replicas_per_device,
             num_learners=k, alpha=float(plan.settings.alpha_for(k)), sync_every=plan.settings.sync_every,
             divergence_mean=float(div.mean()), divergence_max=float(div.max()),
             grad_sq=g2, trace_sigma=tr,

@@ -1,8 +1,8 @@
 """Hyper-parameter policies: hooks that read the monitored metrics and change the plan through
 ``Policy.adjust`` (docs/policies.md; docs/design-overview.md §5, Policies; Mai et al., "Taming
 Hyper-parameters in Deep Learning Systems", ACM SIGOPS OSR 53(1) 2019; KungFu, OSDI 2020).
-This module exports the built-in policies with ``Policy``, ``apply_adjustment`` (policy_base.py)
-and ``AdaptiveBatchSize`` (adaptive_batch.py)."""
+This module exports the built-in policies with ``Policy`` (policy_base.py) and
+``AdaptiveBatchSize`` (adaptive_batch.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from ..training.hooks import FitContext
 from ..training.lr_schedule import LRSchedulerHook
 from .adaptive_batch import AdaptiveBatchSize
 from .autotune import AutoTune, AutoTuner
-from .policy_base import Policy, apply_adjustment
+from .policy_base import Policy
 
-__all__ = ["Adjustment", "apply_adjustment", "PolicyRecord", "Policy", "AutoReplicas",
+__all__ = ["Adjustment", "PolicyRecord", "Policy", "AutoReplicas",
            "AdaptiveBatchSize", "StepLR", "MultiStepLR", "CosineLR", "DivergenceGuard",
            "POLICIES", "parse_policy"]
 
@@ -72,7 +72,7 @@ class _EpochSchedule(LRSchedulerHook, Policy):
         self.scheduler = None
 
     def before_fit(self, ctx: FitContext) -> None:
-        if self.scheduler is not None and self.scheduler.optimizer is not ctx.plan.optimizer:
+        if self.scheduler is not None and self.scheduler.optimizer is not ctx.plan.settings.optimizer.optimizer:
             self._forget()  # another plan
 
     def before_epoch(self, ctx: FitContext) -> None:
@@ -93,8 +93,8 @@ class _EpochSchedule(LRSchedulerHook, Policy):
         if state is not None and "scheduler" in state:
             LRSchedulerHook.load_state_dict(self, state)
         elif state is not None:  # an older checkpoint's: the steps taken, η in force restored
-            for sched in _chained(self.scheduler):
-                sched.last_epoch = self.steps
+            for part in _chained(self.scheduler):  # a chain's schedulers, each at the steps
+                part.last_epoch = self.steps
 
     def after_epoch(self, ctx: FitContext, record) -> None:
         """Nothing: the schedule steps at the epochs' starts."""
@@ -204,7 +204,7 @@ class CosineLR(_EpochSchedule):
 class DivergenceGuard(Policy):
     """Reset replicas that diverge from z or whose loss explodes (docs/policies.md,
     DivergenceGuard); resets are FaultEvents, every learner failing in one round raises
-    DivergenceError (engine/faults.py).
+    DivergenceError (engine/learning/faults.py).
 
     Args:
         max_divergence: threshold on ‖ŵ_j − z‖/‖z‖ (> 0); None: only the loss check.
@@ -221,10 +221,10 @@ class DivergenceGuard(Policy):
 
     def before_fit(self, ctx: FitContext) -> None:
         self._first_loss = None
-        ctx.plan.scheduler.set_max_divergence(self.max_divergence)
+        ctx.plan.rounds.set_max_divergence(self.max_divergence)
 
     def after_fit(self, ctx: FitContext) -> None:
-        ctx.plan.scheduler.set_max_divergence(None)
+        ctx.plan.rounds.set_max_divergence(None)
 
     @torch.no_grad()
     def after_round(self, ctx: FitContext) -> None:
@@ -240,16 +240,16 @@ class DivergenceGuard(Policy):
         bad = ~finite | ((loss > self.loss_factor * med.abs().clamp_min(1e-12)) & (loss > floor))
         if not bool(bad.any()):
             return
-        plan, sched = ctx.plan, ctx.plan.scheduler
-        t = plan.rounds_done - 1
-        done = {(e.device, e.replica) for e in sched.faults.events if e.round == t}  # reset already
+        plan = ctx.plan
+        t = plan.progress.rounds_done - 1
+        done = {(e.device, e.replica) for e in ctx.history.faults if e.round == t}  # reset already
         rows_of = []
         j0 = 0
         for s in plan.states:
             rows_of.append([r for r in range(s.m) if bool(bad[j0 + r]) and (s.name, r) not in done])
             j0 += s.m
         if any(rows_of):  # a round learned ahead from the bad replica is cancelled
-            sched.reset_replicas(rows_of, round_index=t)
+            plan.rounds.reset_replicas(rows_of, round_index=t)
 
 
 # -- by name (the CLI's --policy NAME[:ARGS]) ----------------------------------------------------

@@ -1,6 +1,7 @@
 """The protocol every synchronisation algorithm implements, ``SyncAlgorithm``; what the engine
-offers it, ``SyncContext`` (the Scheduler); the per-plan runtime state it binds, ``SyncState``
-(docs/design-overview.md §2, "Where the algorithms live")."""
+gives it once per plan, ``SyncContext``, and once per round, ``SyncRound`` (the round's
+environment); the per-plan runtime state it binds, ``SyncState`` (docs/design-overview.md §2,
+"Where the algorithms live")."""
 
 from __future__ import annotations
 
@@ -10,51 +11,43 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from ..learning.faults import FaultMonitor
+
 if TYPE_CHECKING:
     from ...kernels.protocol import SMAKernels
-    from ..optim import LocalOptimizer
-    from ..state import DeviceState
+    from ..state.flat import DeviceState
+    from ..state.hyper import Hyper
+    from ..state.optim import LocalOptimizer
+    from ..transport.transports import Transport
 
-__all__ = ["SyncAlgorithm", "SyncContext", "SyncState"]
+__all__ = ["SyncAlgorithm", "SyncContext", "SyncRound", "SyncState"]
 
 
-class SyncContext(Protocol):
-    """What an algorithm's updates may use of the engine (the Scheduler): ``states`` (one
-    DeviceState per device: w, v, g ``[m, P]``, z, z_prev ``[P]``, buf ``[m, Q]``, zbuf ``[Q]``),
-    ``kernels`` (``SMAKernels``), ``comm`` (torchrun's ``Comm`` or None), ``num_learners`` (k,
-    every process's), ``optimizer`` (the ``LocalOptimizer``, its settings in force), ``ft`` (the
-    ``engine.ft.FaultTolerantSync`` of a torchft replica group, or None), ``round_index``,
-    ``alpha`` (α of this round's local updates)."""
+class SyncRound(Protocol):
+    """What an algorithm reads of a round (the engine's ``RoundEnv``, engine/rounds/env.py)."""
+
+    round_index: int
+    k: int  # the learners of every process
+    synchronise: bool  # the round ends with a global sync
+    alpha: float  # α of the round's local updates (``hyper.alpha``)
+    hyper: Hyper  # the round's hyper-parameters (η, μ_l, λ, α, μ_z): one snapshot
+    max_divergence: float | None  # ‖ŵ_j − z‖/‖z‖ above which a replica is reset (None: off)
+    on_device: bool  # find faulty rows without a host read (CUDA streams and graphs)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SyncContext:
+    """What an algorithm's updates use of the plan, given once: ``states`` (one DeviceState per
+    device: w, v, g ``[m, P]``, z, z_prev ``[P]``, buf ``[m, Q]``, zbuf ``[Q]``), ``kernels``
+    (``SMAKernels``), ``optimizer`` (the ``LocalOptimizer``: which step runs; its settings in
+    force come with the round, ``SyncRound.hyper``), ``transport`` (how sums cross devices and
+    processes, engine/transport/transports.py) and ``state`` (the algorithm's ``SyncState``)."""
 
     states: list[DeviceState]
     kernels: SMAKernels
-    comm: Any
     optimizer: LocalOptimizer
-    ft: Any
-    round_index: int
-
-    @property
-    def alpha(self) -> float: ...
-
-    @property
-    def num_learners(self) -> int: ...
-
-    def local_update_rows(self, state: DeviceState, r0: int, r1: int, *, alpha: float,
-                          synchronise: bool, optimizer: LocalOptimizer,
-                          out: torch.Tensor | None = None,
-                          losses: list[torch.Tensor] | None = None, on_device: bool = False
-                          ) -> tuple[torch.Tensor | None, Any]:
-        """The local optimizer's step of rows r0 … r1−1 with the correction α·(ŵ − z) in a round
-        that synchronises; faulty replicas reset from z first. Returns (Σ correction ``[P]`` or
-        None, the faulty replicas)."""
-
-    def all_reduce_sums(self, total: torch.Tensor, bufs: list[torch.Tensor], home: torch.device
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Under torchrun: Σ over the ranks of ``total [P]`` and of the replicas' buffers; returns
-        (the sum ``[P]``, the mean buffers over all k replicas ``[Q]`` or None)."""
-
-    def graph_hyper(self, state: DeviceState) -> Any:
-        """In a CUDA-graph round's body, the device's hyper-parameter tensors, else None."""
+    transport: Transport
+    state: SyncState
 
 
 class SyncState:
@@ -95,8 +88,9 @@ class SyncAlgorithm(abc.ABC):
         alpha: α as set (None: 1/k); None for an algorithm without α.
         central_momentum: μ_z of the central update (0 where z moves otherwise).
         fault_tolerant: its global sync runs over torchft's replica groups
-            (``Distributed(fault_tolerant=True)``, engine/ft.py): it sums through
-            ``_reduce.global_sum`` and scales by the k that sum returns.
+            (``Distributed(fault_tolerant=True)``, engine/transport/ft.py): its sum's k (the live
+            groups' learners, ``Summed.k``) may differ from the round's.
+        across_processes: it runs under torchrun (its global sum crosses the ranks).
 
     Attributes:
         sync_every: τ (or H), rounds between synchronisations (≥ 1).
@@ -109,6 +103,7 @@ class SyncAlgorithm(abc.ABC):
     alpha: ClassVar[float | None] = None
     central_momentum: ClassVar[float] = 0.0
     fault_tolerant: ClassVar[bool] = True
+    across_processes: ClassVar[bool] = True
     sync_every: int
 
     # -- settings ---------------------------------------------------------------------------
@@ -156,37 +151,44 @@ class SyncAlgorithm(abc.ABC):
 
     # -- rounds -----------------------------------------------------------------------------
 
-    def local_update(self, ctx: SyncContext, state: DeviceState, r0: int, r1: int, *,
-                     alpha: float, synchronise: bool,
-                     losses: list[torch.Tensor] | None = None, on_device: bool = False,
+    def local_update(self, ctx: SyncContext, env: SyncRound, state: DeviceState, r0: int, r1: int,
+                     *, losses: list[torch.Tensor] | None = None,
                      out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
-        """The LOCAL_SYNC's work on rows ``r0 … r1−1`` of ``state``: here the learners' local
-        step (the local optimizer's, with the correction α·(ŵ − z) in a round that synchronises:
-        ``SyncContext.local_update_rows``, which resets faulty replicas from z first).
+        """The LOCAL_SYNC's work on rows ``r0 … r1−1`` of ``state``: faulty replicas (NaN/Inf
+        gradients or ``losses``, divergent ones) reset from z, then the local optimizer's step
+        with the round's ``env.hyper`` and, in a round that synchronises with α > 0, the
+        correction c_j = α·(ŵ_j − z) (docs/design-overview.md §2, steps 1–2).
 
         Args:
-            alpha: α in force for this round (the process executor's workers are handed it).
-            synchronise: whether the round ends with a global sync.
             losses: the rows' losses of the round (r1 − r0 0-dim tensors), for the fault test.
-            on_device: find faulty rows without a host read (the CUDA streams' path).
             out: ``[P]`` to write the rows' accumulator into, or None.
 
         Returns:
-            (the rows' accumulator ``[P]`` for ``global_update`` (here Σ of the corrections),
-            None in a round without one; the faulty replicas: their indices, or with
-            ``on_device`` their mask ``[r1 − r0]`` on the device).
+            (the rows' accumulator ``[P]`` for ``global_update`` (here Σ_j c_j), None in a round
+            without one; the faulty replicas: their indices, or with ``env.on_device`` their mask
+            ``[r1 − r0]`` on the device).
         """
-        return ctx.local_update_rows(state, r0, r1, alpha=alpha, synchronise=synchronise,
-                                     optimizer=ctx.optimizer, out=out, losses=losses,
-                                     on_device=on_device)
+        faulty = FaultMonitor.find(state, r0, r1, max_divergence=env.max_divergence,
+                                   kernels=ctx.kernels, losses=losses, on_device=env.on_device)
+        z = state.z if env.synchronise and env.alpha else None
+        if ctx.optimizer.kernel:
+            acc = ctx.kernels.local_update(
+                state.w[r0:r1], state.v[r0:r1], state.g[r0:r1], z, nesterov=env.hyper.nesterov,
+                first_step=all(state.first_step[r0:r1]),  # a new replica's momentum is zero
+                out=out, **env.hyper.kernel_args(z is not None))
+            state.first_step[r0:r1] = [False] * (r1 - r0)
+        else:
+            acc = _rows_step(state, r0, r1, z, env.hyper, out)
+        FaultMonitor.reset_found(state, r0, faulty)  # back at z: the zero gradient met weight decay
+        return acc, faulty
 
     @abc.abstractmethod
-    def global_update(self, ctx: SyncContext, sync_state: SyncState, accs: list[torch.Tensor],
+    def global_update(self, ctx: SyncContext, env: SyncRound, accs: list[torch.Tensor],
                       bufs: list[torch.Tensor]) -> None:
         """The GLOBAL_SYNC's work (on the global stream): from the devices' accumulators
         ``accs`` (``[P]`` each, in device order) and the replicas' float buffers ``bufs``
-        (``[m_d, Q]`` per device) to the new z, z_prev, zbuf on every device (and, where the
-        algorithm says so, every replica)."""
+        (``[m_d, Q]`` per device), summed through ``ctx.transport``, to the new z, z_prev, zbuf
+        on every device (and, where the algorithm says so, every replica)."""
 
     # -- description ------------------------------------------------------------------------
 
@@ -215,3 +217,21 @@ class SyncAlgorithm(abc.ABC):
                 f"than H, so the central model z (what evaluation and central_model() use) "
                 f"{missed} and stays where it started; use sync_every ≤ {max(rounds, 1)} or "
                 "train longer")
+
+
+
+@torch.no_grad()
+def _rows_step(state: DeviceState, r0: int, r1: int, z: torch.Tensor | None, hyper: Hyper,
+               out: torch.Tensor | None) -> torch.Tensor | None:
+    """A row optimizer's local update of rows r0 … r1−1 (engine/state/optim.py): c = α·(ŵ − z)
+    from the pre-step weights, the step with ``hyper.groups``, w ← w − c; returns Σ c ``[P]``
+    (in ``out``), or None without a correction (``z`` None)."""
+    w = state.w[r0:r1]
+    c = None
+    if z is not None:
+        c = torch.sub(w, z, out=state.optim_rows.scratch(w)).mul_(hyper.alpha)
+    state.optim_rows.step(state, r0, r1, hyper.groups)
+    if c is None:
+        return None
+    w.sub_(c)
+    return torch.sum(c, dim=0, out=out) if out is not None else c.sum(dim=0)

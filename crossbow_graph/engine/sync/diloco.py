@@ -11,12 +11,12 @@ import torch
 
 from ...compiler.inspect import optimizer_text
 from ...errors import is_count
-from ._reduce import global_sum, restart_from_z
-from .base import SyncAlgorithm, SyncContext, SyncState
+from ._reduce import restart_from_z
+from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState
 from .outer import OuterOptimizer
 
 if TYPE_CHECKING:
-    from ..state import DeviceState
+    from ..state.flat import DeviceState
 
 __all__ = ["DiLoCo", "DILOCO_OUTER"]
 
@@ -75,30 +75,28 @@ class DiLoCo(SyncAlgorithm):
         ``OuterOptimizer``)."""
         return OuterOptimizer(self.outer_optimizer, states[0].z)
 
-    def local_update(self, ctx: SyncContext, state: DeviceState, r0: int, r1: int, *,
-                     alpha: float, synchronise: bool,
-                     losses: list[torch.Tensor] | None = None, on_device: bool = False,
+    def local_update(self, ctx: SyncContext, env: SyncRound, state: DeviceState, r0: int, r1: int,
+                     *, losses: list[torch.Tensor] | None = None,
                      out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
         """The learners' local steps (no correction); in a round that synchronises the rows'
         Σ_j (w_j − z) ``[P]`` after them."""
-        acc, faulty = super().local_update(ctx, state, r0, r1, alpha=0.0, synchronise=synchronise,
-                                           losses=losses, on_device=on_device, out=out)
-        if synchronise:
+        acc, faulty = super().local_update(ctx, env, state, r0, r1, losses=losses, out=out)
+        if env.synchronise:
             acc = torch.sub(state.w[r0:r1], state.z).sum(dim=0)  # [P]
         return acc, faulty
 
     @torch.no_grad()
-    def global_update(self, ctx: SyncContext, sync_state: SyncState, accs: list[torch.Tensor],
+    def global_update(self, ctx: SyncContext, env: SyncRound, accs: list[torch.Tensor],
                       bufs: list[torch.Tensor]) -> None:
         """Σ_d acc_d (all-reduced under torchrun: the same Δ on every rank, the same outer
         state) gives Δ = z − mean_j w_j = −Σ/k; the outer optimizer steps z with it, z_prev ←
         the old z, the devices copy z, every replica restarts from z with its optimizer state
         kept; float buffers averaged into zbuf. With one learner it is the same (Δ = z − w_0)."""
         s0 = ctx.states[0]
-        total, mean_buf, k = global_sum(ctx, accs, bufs)
+        summed = ctx.transport.sum(accs, bufs, env)
         s0.z_prev.copy_(s0.z)
-        sync_state.step(s0.z, torch.div(total, -k))  # Δ [P]
-        restart_from_z(ctx.states, mean_buf)
+        ctx.state.step(s0.z, torch.div(summed.total, -summed.k))  # Δ [P]
+        restart_from_z(ctx.states, summed.mean_buf)
 
     def describe(self, sync_state: SyncState | None = None) -> dict[str, Any]:
         """H and the outer optimizer's class and groups (its factory, a callable, is not data)."""

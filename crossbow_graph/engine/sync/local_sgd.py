@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...errors import is_count
-from ._reduce import global_sum, restart_from_z
-from .base import SyncAlgorithm, SyncContext, SyncState
+from ._reduce import restart_from_z
+from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState
 
 if TYPE_CHECKING:
-    from ..state import DeviceState
+    from ..state.flat import DeviceState
 
 __all__ = ["LocalSGD"]
 
@@ -44,28 +44,26 @@ class LocalSGD(SyncAlgorithm):
         raise ValueError(f"alpha={alpha!r} with sync=LocalSGD(...): local SGD pulls no replica "
                          "toward z (α = 0); z is the replicas' mean every H rounds")
 
-    def local_update(self, ctx: SyncContext, state: DeviceState, r0: int, r1: int, *,
-                     alpha: float, synchronise: bool,
-                     losses: list[torch.Tensor] | None = None, on_device: bool = False,
+    def local_update(self, ctx: SyncContext, env: SyncRound, state: DeviceState, r0: int, r1: int,
+                     *, losses: list[torch.Tensor] | None = None,
                      out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
         """The learners' local steps (no correction); in a round that synchronises the rows'
         Σ_j w_j ``[P]`` after them."""
-        acc, faulty = super().local_update(ctx, state, r0, r1, alpha=0.0, synchronise=synchronise,
-                                           losses=losses, on_device=on_device, out=out)
-        if synchronise:
+        acc, faulty = super().local_update(ctx, env, state, r0, r1, losses=losses, out=out)
+        if env.synchronise:
             acc = state.w[r0:r1].sum(dim=0)  # [P]
         return acc, faulty
 
     @torch.no_grad()
-    def global_update(self, ctx: SyncContext, sync_state: SyncState, accs: list[torch.Tensor],
+    def global_update(self, ctx: SyncContext, env: SyncRound, accs: list[torch.Tensor],
                       bufs: list[torch.Tensor]) -> None:
         """z ← Σ_d acc_d / k (all-reduced under torchrun), z_prev ← the old z, the devices copy
         z, every replica restarts from z; float buffers averaged into zbuf."""
         s0 = ctx.states[0]
-        total, mean_buf, k = global_sum(ctx, accs, bufs)
+        summed = ctx.transport.sum(accs, bufs, env)
         s0.z_prev.copy_(s0.z)
-        s0.z.copy_(torch.div(total, k))
-        restart_from_z(ctx.states, mean_buf)
+        s0.z.copy_(torch.div(summed.total, summed.k))
+        restart_from_z(ctx.states, summed.mean_buf)
 
     def summary_rule(self, num_learners: int, sync_state: SyncState | None = None) -> str:
         return f"LocalSGD(z ← mean w, every {self.sync_every} round(s))"

@@ -10,13 +10,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ...errors import check_number, is_count
-from ._reduce import global_sum, mean_buffers, sum_on
-from .base import SyncAlgorithm, SyncContext, SyncState
+from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState
 
 if TYPE_CHECKING:
-    from ..state import DeviceState
+    from ...kernels.protocol import SMAKernels
 
-__all__ = ["SMA"]
+__all__ = ["SMA", "CentralMomentum"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,29 +76,24 @@ class SMA(SyncAlgorithm):
         return {"num_learners": num_learners, "sync_every": self.sync_every,
                 "central_momentum": self.central_momentum}
 
-    def global_update(self, ctx: SyncContext, sync_state: SyncState, accs: list[torch.Tensor],
+    def global_update(self, ctx: SyncContext, env: SyncRound, accs: list[torch.Tensor],
                       bufs: list[torch.Tensor]) -> None:
-        """C = Σ_d acc_d (each the device's Σ_j c_j; under torchrun all-reduced over the ranks),
-        then z ← z + C + μ_z(z − z_prev) on every device; zbuf ← the mean of the replicas' float
-        buffers. With one learner z ← w_0 (and zbuf its buffers).
+        """C = Σ_d acc_d over every learner (each acc_d the device's Σ_j c_j; summed through
+        ``ctx.transport``), then z ← z + C + μ_z(z − z_prev) on every device; zbuf ← the mean of
+        the replicas' float buffers. With one learner z ← w_0 (and zbuf its buffers).
 
-        With CPU devices and no torchrun, the kernel backend's ``central_update_shared`` (the C
-        kernels'; the others decline) does the sum, the update and the devices' copies of z in
-        one pass."""
+        Each c_j holds the factor α = ``alpha_for(k)``: a sum over another k of learners (torchft's
+        live groups) is weighted for that k (``Transport.sum``'s ``per_learner``)."""
         states = ctx.states
-        if ctx.num_learners == 1:  # the single replica is the central model
+        if env.k == 1:  # the single replica is the central model
             s = states[0]
             s.z_prev.copy_(s.z)
             s.z.copy_(s.w[0])
             s.zbuf.copy_(bufs[0][0])
             return
-        mu_z = self.central_momentum
-        hyper = ctx.graph_hyper(states[0])
-        if hyper is not None:  # a graph round: μ_z from its device tensor (one device)
-            mu_z = hyper.central(mu_z)
-        mean_buf = _central_update(ctx, accs, bufs, mu_z, self.alpha_for)
-        if mean_buf is None:
-            mean_buf = mean_buffers(bufs, states[0].torch_device)
+        step = CentralMomentum(ctx.kernels, env.hyper.central())
+        mean_buf = ctx.transport.central_update(states, accs, bufs, env, step,
+                                                per_learner=self.alpha_for)
         if mean_buf is not None:
             for s in states:
                 s.zbuf.copy_(mean_buf)
@@ -111,34 +105,18 @@ class SMA(SyncAlgorithm):
         return f"SMA(α={shown}, μ_z={self.central_momentum}, every {self.sync_every} round(s))"
 
 
-def _central_update(ctx: SyncContext, accs: list[torch.Tensor], bufs: list[torch.Tensor],
-                    mu_z: float | torch.Tensor, alpha_for) -> torch.Tensor | None:
-    """z ← z + Σ_d acc_d + μ_z(z − z_prev) on every device; returns the mean buffers over all k
-    replicas when the torchrun all-reduce carried them, else None.
+@dataclass(frozen=True, eq=False)
+class CentralMomentum:
+    """SMA's central update z ← z + C + μ_z·(z − z_prev), z_prev ← the old z (``kernels``'
+    ``central_update``; ``mu_z`` a number, or a device tensor in a CUDA graph), as a
+    transport's ``CentralStep``."""
 
-    Under torchft (``ctx.ft``) each group sends Σ_j (ŵ_j − z), its corrections over the α it
-    used, and the sum over the live groups' k learners is scaled by ``alpha_for(k)``: with α =
-    1/k, z + Σ c_j is the mean of the live learners' ŵ_j (μ_z = 0), whichever group died or
-    joined in the round."""
-    states: list[DeviceState] = ctx.states
-    on_cpu = all(s.torch_device.type == "cpu" for s in states)
-    # CPU devices share one memory: Σ acc_d, the update and z's copies in one pass
-    if on_cpu and ctx.comm is None and ctx.ft is None and ctx.kernels.central_update_shared(
-            [s.z for s in states], [s.z_prev for s in states], accs, central_momentum=mu_z):
-        return None
-    home, mean_buf = states[0].torch_device, None
-    if ctx.ft is not None:
-        total, mean_buf, k = global_sum(ctx, accs, bufs, scale=1.0 / ctx.alpha)
-        total.mul_(alpha_for(k))
-    else:
-        total = sum_on(accs, home)
-    if ctx.comm is not None and ctx.ft is None:  # under torchft the group's ranks summed above
-        total, mean_buf = ctx.all_reduce_sums(total, bufs, home)
-    # CPU logical devices share one memory: update z once and copy it (same numbers)
-    for s in states[:1] if on_cpu else states:
-        ctx.kernels.central_update(s.z, s.z_prev, total.to(s.torch_device), central_momentum=mu_z)
-    if on_cpu:
-        for s in states[1:]:
-            s.z.copy_(states[0].z)
-            s.z_prev.copy_(states[0].z_prev)
-    return mean_buf
+    kernels: SMAKernels
+    mu_z: float | torch.Tensor
+
+    def apply(self, z: torch.Tensor, z_prev: torch.Tensor, total: torch.Tensor) -> None:
+        self.kernels.central_update(z, z_prev, total, central_momentum=self.mu_z)
+
+    def apply_shared(self, zs: list[torch.Tensor], z_prevs: list[torch.Tensor],
+                     parts: list[torch.Tensor]) -> bool:
+        return self.kernels.central_update_shared(zs, z_prevs, parts, central_momentum=self.mu_z)

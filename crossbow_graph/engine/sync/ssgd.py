@@ -8,12 +8,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ._reduce import mean_buffers, sum_on
-from .base import SyncAlgorithm, SyncContext, SyncState
+from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState
 
 if TYPE_CHECKING:
-    from ..optim import LocalOptimizer
-    from ..state import DeviceState
+    from ..state.flat import DeviceState
+    from ..state.optim import LocalOptimizer
 
 __all__ = ["SSGD"]
 
@@ -36,6 +35,7 @@ class SSGD(SyncAlgorithm):
 
     adjustable: ClassVar[tuple[str, ...]] = ()
     fault_tolerant: ClassVar[bool] = False  # its global step is not a sum over groups
+    across_processes: ClassVar[bool] = False  # its gradient sum stays in one process
     sync_every: ClassVar[int] = 1
 
     def with_alpha(self, alpha: float | None) -> "SSGD":
@@ -54,42 +54,33 @@ class SSGD(SyncAlgorithm):
     def kernel_facts(self, num_learners: int) -> dict[str, Any]:
         return {"num_learners": num_learners, "sync_every": 1, "central_momentum": 0.0}
 
-    def local_update(self, ctx: SyncContext, state: DeviceState, r0: int, r1: int, *,
-                     alpha: float, synchronise: bool,
-                     losses: list[torch.Tensor] | None = None, on_device: bool = False,
+    def local_update(self, ctx: SyncContext, env: SyncRound, state: DeviceState, r0: int, r1: int,
+                     *, losses: list[torch.Tensor] | None = None,
                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
         """The rows' gradient sum ``[P]``, in the masters' dtype; the step is global; no row is
         reset."""
         return state.g[r0:r1].sum(dim=0, dtype=state.w.dtype), []
 
-    def global_update(self, ctx: SyncContext, sync_state: SyncState, accs: list[torch.Tensor],
+    def global_update(self, ctx: SyncContext, env: SyncRound, accs: list[torch.Tensor],
                       bufs: list[torch.Tensor]) -> None:
-        """ḡ = Σ_d acc_d / k, one SGD step of replica 0 of device 0 with ḡ, then every replica
-        (w, v) and z on every device set to it; float buffers averaged.
-
-        Raises:
-            ValueError: under torchrun (the gradient sum is not all-reduced across ranks).
-        """
-        if ctx.comm is not None:
-            raise ValueError("sync=SSGD() runs in one process for now (its gradient sum is not "
-                             "all-reduced across torchrun ranks); use SMA under torchrun")
-        states, home = ctx.states, ctx.states[0].torch_device
-        s0, opt = states[0], ctx.optimizer.sgd()  # a kernel optimizer (check_optimizer)
-        total = sum_on(accs, home)
+        """ḡ = Σ_d acc_d / k (summed through ``ctx.transport``), one SGD step of replica 0 of
+        device 0 with ḡ and the round's η, μ, λ (``env.hyper``), then every replica (w, v) and z
+        on every device set to it; float buffers averaged."""
+        states, h = ctx.states, env.hyper
+        s0, summed = states[0], ctx.transport.sum(accs, bufs, env)
         ctx.kernels.local_update(
-            s0.w[:1], s0.v[:1], (total / ctx.num_learners).unsqueeze(0), None, lr=opt.lr,
-            momentum=opt.momentum, nesterov=opt.nesterov, weight_decay=opt.weight_decay,
-            alpha=0.0, first_step=s0.first_step[0])
+            s0.w[:1], s0.v[:1], (summed.total / env.k).unsqueeze(0), None, lr=h.lr,
+            momentum=h.momentum, nesterov=h.nesterov, weight_decay=h.weight_decay, alpha=0.0,
+            first_step=s0.first_step[0])
         w0, v0 = s0.w[0].clone(), s0.v[0].clone()  # [P]
-        mean_buf = mean_buffers(bufs, home)
         for s in states:
             s.w.copy_(w0.to(s.torch_device).expand_as(s.w))
             s.v.copy_(v0.to(s.torch_device).expand_as(s.v))
             s.first_step[:] = [False] * s.m
             s.z_prev.copy_(s.z)
             s.z.copy_(w0.to(s.torch_device))
-            if mean_buf is not None:
-                s.zbuf.copy_(mean_buf.to(s.torch_device))
+            if summed.mean_buf is not None:
+                s.zbuf.copy_(summed.mean_buf.to(s.torch_device))
 
     def summary_rule(self, num_learners: int, sync_state: SyncState | None = None) -> str:
         return f"SSGD(one SGD step on the mean gradient of the {num_learners} learners, every round)"
