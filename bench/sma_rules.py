@@ -19,7 +19,8 @@ Systems:
 
 The rule (sma):
 
-* ``--alpha``: ``inv`` (1/k, the engine's default), a number, or ``sqrt:c`` (c/√k, at most 1);
+* ``--alpha``: ``inv`` (1/k, the engine's default), ``inv:c`` (c/k), a number, or ``sqrt:c``
+  (c/√k); at most 1;
 * ``--mu-z``: a number, or ``k:c`` (μ_z = 1 − c/k, at least 0.9);
 * ``--scale`` s(k): ``1``, ``sqrt`` (√k), ``pow:p`` (k^p), ``linear`` (k), a number, or
   ``adascale`` (AdaScale's gain r = (1 + B_noise/b)/(1 + B_noise/(k·b)) from the engine's
@@ -136,6 +137,8 @@ class Rule:
         """α for k learners; None for the engine's 1/k."""
         if k == 1 or self.alpha_s == "inv":
             return None
+        if self.alpha_s.startswith("inv:"):
+            return min(1.0, float(self.alpha_s[4:]) / k)
         if self.alpha_s.startswith("sqrt:"):
             return min(1.0, float(self.alpha_s[5:]) / math.sqrt(k))
         return float(self.alpha_s)
@@ -347,19 +350,24 @@ def _runs_alive() -> int:
 
 
 def cmd_queue(args) -> int:
-    """Runs the argument lines of ``args.file`` as ``nice -n 19`` subprocesses, ``--jobs`` at once."""
-    lines = [ln.strip() for ln in open(args.file) if ln.strip() and not ln.startswith("#")]
+    """Runs the argument lines of ``args.file`` as ``nice -n 19`` subprocesses, ``--jobs`` at once
+    (counting every ``run`` alive), re-reading the file so that lines appended later run too;
+    ends when every line has started and none is running."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    started: set[str] = set()
     running: list[subprocess.Popen] = []
-    for line in lines:
-        while _runs_alive() >= args.jobs:  # every queue's runs count: queues may overlap
-            running = [p for p in running if p.poll() is None]
-            time.sleep(5)
-        cmd = ["nice", "-n", "19", sys.executable, os.path.abspath(__file__), "run", *shlex.split(line)]
-        running.append(subprocess.Popen(cmd, env=env))
-    for p in running:
-        p.wait()
-    return 0
+    while True:
+        running = [p for p in running if p.poll() is None]
+        lines = [ln.strip() for ln in open(args.file) if ln.strip() and not ln.startswith("#")]
+        todo = [ln for ln in lines if ln not in started]
+        if not todo and not running:
+            return 0
+        if todo and _runs_alive() < args.jobs:
+            started.add(todo[0])
+            cmd = ["nice", "-n", "19", sys.executable, os.path.abspath(__file__), "run",
+                   *shlex.split(todo[0])]
+            running.append(subprocess.Popen(cmd, env=env))
+        time.sleep(5)
 
 
 def summarise(runs_dir: str = RUNS) -> list[dict]:
@@ -380,13 +388,45 @@ def summarise(runs_dir: str = RUNS) -> list[dict]:
     return rows
 
 
+def table(rows: list[dict]) -> list[str]:
+    """Markdown rows: one per configuration (its seeds pooled), epochs to each target per seed
+    ("—": not reached within the cap) and the median's ratio to the workload's k = 1 median."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["name"].rsplit("-seed", 1)[0], []).append(r)
+    base: dict[tuple[str, str], float] = {}
+    for key, rs in groups.items():
+        if rs[0]["k"] == 1 and not rs[0]["k_schedule"]:
+            for t in rs[0]["to_target"]:
+                med = _median([x["to_target"][t]["epochs"] if x["to_target"][t] else math.inf for x in rs])
+                old = base.get((rs[0]["workload"], t), math.inf)
+                base[(rs[0]["workload"], t)] = min(old, med)
+    out = []
+    for key, rs in sorted(groups.items(), key=lambda kv: (kv[1][0]["workload"], kv[1][0]["k"], kv[0])):
+        cells = []
+        for t in rs[0]["to_target"]:
+            vals = [x["to_target"][t]["epochs"] if x["to_target"][t] else math.inf for x in rs]
+            med = _median(vals)
+            ratio = med / base.get((rs[0]["workload"], t), math.nan)
+            cells.append(", ".join("—" if v == math.inf else f"{v:.2f}" for v in vals)
+                         + (f" (×{ratio:.2f})" if math.isfinite(ratio) else ""))
+        out.append(f"| {key} | {len(rs)} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _median(vals: list[float]) -> float:
+    vals = sorted(vals)
+    n = len(vals)
+    return vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
+
+
 def cmd_summary(args) -> int:
     rows = summarise()
     with open(os.path.join(RUNS, "summary.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    for r in rows:
-        tt = "  ".join(f"{t}: {v['epochs']:.3f}" if v else f"{t}: —" for t, v in r["to_target"].items())
-        print(f"{r['name']:<80} {tt}  best {r['best_accuracy']:.4f}")
+    print("| run | seeds | epochs to 98.5 % (×k=1) | epochs to 99.0 % (×k=1) |")
+    print("|---|---|---|---|")
+    print("\n".join(table(rows)))
     return 0
 
 
