@@ -117,7 +117,7 @@ class ResNet20(nn.Module):
         self.fc = nn.Linear(cin, 10)
 
     def forward(self, x):
-        return self.fc(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1))
+        return self.fc(self.blocks(self.stem(x)).mean((2, 3)))  # global average pooling
 
 
 def build_model(workload: str) -> nn.Module:
@@ -331,7 +331,10 @@ def cmd_run(args) -> int:
         return 0
     train, test = load(args.workload, args.train_samples, args.test_samples)
     t0 = time.perf_counter()
-    res = (run_ssgd if args.system == "ssgd" else run_sma)(args, train, test)
+    try:
+        res = (run_ssgd if args.system == "ssgd" else run_sma)(args, train, test)
+    except cg.errors.DivergenceError as e:  # every replica NaN/Inf in one round
+        res = dict(evals=[], diverged=str(e).split(";")[0], train_seconds=None)
     res.update(name=name, args=vars(args), wall_s=time.perf_counter() - t0,
                to_target=_firsts(res["evals"], args.targets, len(train)),
                best_accuracy=max((e["test_accuracy"] for e in res["evals"]), default=None))
@@ -339,7 +342,9 @@ def cmd_run(args) -> int:
         json.dump(res, f, indent=1)
     reached = "  ".join(f"{t}: {v['epochs']:.3f}" if v else f"{t}: not reached"
                         for t, v in res["to_target"].items())
-    print(f"{name}: {reached}  best {res['best_accuracy']:.4f}  ({res['wall_s']:.0f} s)", flush=True)
+    best = res["best_accuracy"]
+    print(f"{name}: {reached}  best {best if best is None else round(best, 4)}  "
+          f"{res.get('diverged', '')} ({res['wall_s']:.0f} s)", flush=True)
     return 0
 
 
