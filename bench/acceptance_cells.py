@@ -6,8 +6,8 @@
   (``graphs=True``; on the CPU the rounds go through simulated streams and graphs,
   engine/race_check.py and engine/capture_check.py), with the graphs captured and replayed.
 - ``w1_*``: W1 (LeNet-5 on MNIST to 99.0 % test accuracy) on the GPU: tuned plain PyTorch
-  (AdamW + OneCycle, eager and in a CUDA graph) and ``crossbow-graph train``'s defaults, with
-  and without graph rounds (docs/benchmarking.md, the W1 protocol).
+  (AdamW + OneCycle, eager and in a CUDA graph) and ``crossbow-graph train`` with its defaults
+  or given flags (docs/benchmarking.md, the W1 protocol).
 - ``profile_rounds``: a torch.profiler summary of rounds of a fit: kernels per round, host µs per
   round, the GPU's busy share.
 
@@ -337,31 +337,32 @@ def _w1_result(evals: list[dict], target: float, samples_per_s: float) -> dict:
             "evals": len(evals), "samples_per_s": samples_per_s}
 
 
-def w1_crossbow(*, graphs: bool, seed: int = 0, target: float = 0.99, argv: tuple = (),
-                max_epochs: int = 6, max_train_s: float = math.inf) -> dict:
-    """``crossbow-graph train``'s defaults on W1 (``bench/tta.py run_cli``: its plan, MNIST,
-    schedule and policies; ``--data-dir`` from ``mnist_root``; it ends at the first evaluation
-    after ``max_train_s`` training seconds), with ``graphs`` its plan
-    compiled with ``cuda_graphs=True``. Returns ``run_cli``'s record (time_to_accuracy_s, …)
-    with the graphs' captures and replays."""
+def w1_crossbow(*, seed: int = 0, target: float = 0.99, argv: tuple = (), max_epochs: int = 6,
+                max_train_s: float = math.inf) -> dict:
+    """``crossbow-graph train`` with ``argv`` (its defaults for this machine where a flag is left
+    out: cli_machine.py) on W1 (``bench/tta.py run_cli``: its plan, MNIST, schedule and
+    policies; ``--data-dir`` from ``mnist_root``; it ends at the first evaluation after
+    ``max_train_s`` training seconds). Returns ``run_cli``'s record (time_to_accuracy_s, evals,
+    …) with the plan's m, learner mode, graph rounds' captures, replays and failure."""
     import tta
 
     root = mnist_root()
     argv = [*argv, *(["--data-dir", root] if root else [])]
-    spec = {"kind": "cli", "argv": argv}
     plans = []
     real = cg.compile
 
-    def compile_(*a, **kw):
-        plans.append(real(*a, **kw, cuda_graphs=graphs and torch.cuda.is_available()))
+    def compile_(*a, **kw):  # the CLI's plan, to read its graph rounds
+        plans.append(real(*a, **kw))
         return plans[-1]
 
     with mock.patch.object(cg, "compile", compile_):
-        out = tta.run_cli(spec, None, None, model_name="lenet5", seed=seed, max_epochs=max_epochs,
-                          target=target, evals_per_epoch=4, max_train_s=max_train_s)
-    rg = plans[-1].scheduler.round_graph if plans else None
-    out.update(captures=rg.captures if rg is not None else None,
+        out = tta.run_cli({"kind": "cli", "argv": argv}, None, None, model_name="lenet5",
+                          seed=seed, max_epochs=max_epochs, target=target, evals_per_epoch=4,
+                          max_train_s=max_train_s)
+    plan = plans[-1] if plans else None
+    rg = plan.scheduler.round_graph if plan is not None else None
+    out.update(replicas_per_device=plan.replicas_per_device if plan else None,
+               captures=rg.captures if rg is not None else None,
                replays=rg.replays if rg is not None else None,
                graph_failure=rg.failure if rg is not None else None)
     return out
-

@@ -89,7 +89,7 @@ def compare(name: str, batch_size: int, *, device: str = "cpu") -> tuple[int, in
     the estimate includes the cuBLAS workspace of the stream (the caching allocator counts it)."""
     shape = input_shape(name)
     mg = trace_model(get_model(name), (torch.randn(2, *shape),))
-    library = library_workspace([device if device != "cuda" else "cuda:0"])
+    library = library_workspace([device if device != "cuda" else "cuda:0"], mg.analysis)
     estimate = estimate_memory(mg.analysis, batch_size).training_step + library
     measured = measure_training_step_bytes(lambda: get_model(name), shape, batch_size, device=device)
     return measured, estimate, estimate / measured - 1
@@ -102,8 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python bench/memcheck.py",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("device", nargs="?", default="cpu", help="cpu (default) or cuda")
-    device = parser.parse_args(argv).device
+    parser.add_argument("--one", nargs=2, metavar=("MODEL", "BATCH"), default=None,
+                        help="measure one model at one batch size and print 'measured estimate' "
+                             "in bytes (what the tests run in a process of its own)")
+    args = parser.parse_args(argv)
+    device = args.device
     torch.set_num_threads(1)
+    if args.one is not None:
+        measured, estimate, _ = compare(args.one[0], int(args.one[1]), device=device)
+        print(measured, estimate)
+        return 0
     print(f"{'model':<10}{'batch':>6}{'measured MiB':>14}{'estimate MiB':>14}{'error':>8}  ({device})")
     for name, b in (("lenet5", 16), ("lenet5", 64), ("resnet32", 8), ("resnet32", 32),
                     ("vgg16", 8), ("vgg16", 32)):

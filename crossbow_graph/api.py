@@ -26,7 +26,7 @@ from .engine.sync import SMA, SyncAlgorithm
 from .engine.state import MemoryFormat
 from .errors import is_count
 from .fields import options_of
-from .kernels.select import KernelBackend, plan_kernels
+from .kernels.select import KernelBackend, UpdateFacts, plan_kernels
 from .training.central import CentralModel, start_from_rank0
 from .training.checkpoint import load_plan_state_dict, plan_state_dict
 from .training.history import History
@@ -35,6 +35,7 @@ from .training.options import FitOptions
 from .training.progress import FitProgress
 from .training.run_setup import RunRecord
 from .training.trainer import Trainer
+from .training.user_model import UserModel
 from .tuning.autotune import AutoTune, AutoTuner
 from .tuning.metrics import MetricsMonitor
 from .tuning.policy_base import apply_adjustment
@@ -103,6 +104,7 @@ class Plan:
         states: one DeviceState per device (engine/state.py).
         scheduler: the engine that runs the rounds (engine/scheduler.py).
         central: the evaluated central model (training/central.py ``CentralModel``).
+        user_model: the module given to ``compile``, held weakly (training/user_model.py).
         memory_budget: bytes per device for learners (None: unbounded).
         autotuner: the AutoTuner hook that ``fit`` runs (``replicas="auto"``), else None.
         comm: under torchrun this rank's place in the process group, else None.
@@ -139,11 +141,14 @@ class Plan:
         self._template, self._params, self.settings, self.states = build_states(
             model, example_inputs, options, task_graph)
         self.central = CentralModel(self, self._params)
+        self.user_model = UserModel(model, self._template)  # holds z after every fit
         self.scheduler = Scheduler(
             task_graph, self.states, self.loss_fn, self.settings,
             executor="inline" if ft is not None and options.executor == "auto" else options.executor,
             kernels=parts.kernels, comm=comm, cpu_conv=options.cpu_conv,
             round_graph=RoundGraph() if options.cuda_graphs else None, ft=ft)
+        if ft is not None:  # every replica group of a quorum must be compiled with the same
+            ft.expect(self.settings.optimizer.describe(), self.settings.batch_size)
         self.memory_budget = parts.memory_budget
         self.autotuner = AutoTuner(options.autotune or AutoTune()) if options.tuned else None
         self.comm = comm
@@ -215,13 +220,15 @@ class Plan:
 
     @property
     def kernels(self) -> list:
-        """The SMA update kernels this plan runs, one per specialisation (docs/kernels.md)."""
+        """The SMA update kernels this plan runs, one per specialisation (docs/kernels.md); with
+        ``cuda_graphs=True`` those of its graph rounds (hyper-parameters in device tensors)."""
         local = self.settings.optimizer
         opt = local.sgd()
-        return plan_kernels(self.scheduler.kernels, self.states, local=local.kernel,
-                            momentum=opt.momentum, nesterov=opt.nesterov,
-                            weight_decay=opt.weight_decay,
+        facts = UpdateFacts(momentum=opt.momentum, nesterov=opt.nesterov,
+                            weight_decay=opt.weight_decay, local=local.kernel,
                             **self.sync.kernel_facts(self.num_learners))  # k, τ, μ_z
+        return plan_kernels(self.scheduler.kernels, self.states, facts,
+                            graphs=self.scheduler.round_graph is not None)
 
     # -- inspection (compiler/inspect.py; docs/compiler.md §5) ----------------------------------
 
@@ -292,16 +299,16 @@ class Plan:
 
     def evaluate(self, dataset: Any, *, batch_size: int = 1000,
                  metric_fn: Callable[[Any, Any], Any] | None = None) -> tuple[float | None, float]:
-        """(accuracy, mean loss) of z on ``dataset`` (a Dataset or DataLoader); accuracy is
-        ``metric_fn``'s mean, else the class accuracy, else None with a UserWarning once
-        (training/evaluation.py; docs/api.md, Evaluation)."""
+        """(accuracy, mean loss) of z on ``dataset`` (a Dataset or DataLoader, checked as
+        ``fit(eval_dataset=)``: ValueError, TypeError); accuracy is ``metric_fn``'s mean, else the
+        class accuracy, else None with a UserWarning once (training/evaluation.py; docs/api.md)."""
         return self.central.evaluate(dataset, batch_size=batch_size, metric_fn=metric_fn)
 
     # -- training -----------------------------------------------------------------------------
 
     def fit(
         self, train_dataset: Any, epochs: int = 1, *, eval_dataset: Any = None,
-        shuffle: bool = True, seed: int = 0, target_accuracy: float | None = None,
+        shuffle: bool | None = None, seed: int = 0, target_accuracy: float | None = None,
         evals_per_epoch: int = 1, eval_batch_size: int = 1000, progress: bool = True,
         hooks: Sequence[Hook] = (), checkpoint_dir: str | None = None,
         checkpoint_every: int | None = None, resume: bool = False, log_dir: str | None = None,
@@ -309,7 +316,8 @@ class Plan:
         metrics_every: "int | MetricsMonitor | None" = 50, lr_scheduler: Any = None,
         lr_scheduler_interval: str = "epoch", metric_fn: Callable[[Any, Any], Any] | None = None,
         bn_recalibration_batches: int = 20, data_on_device: bool | str = "auto",
-        max_grad_norm: float | None = None, options: FitOptions | None = None,
+        max_grad_norm: float | None = None, cpu_threads: int | str | None = "auto",
+        options: FitOptions | None = None,
     ) -> History:
         """Train with SMA for ``epochs`` epochs, continuing from the plan's state (docs/api.md, fit).
 
@@ -340,16 +348,18 @@ class Plan:
             metrics_every=metrics_every, lr_scheduler=lr_scheduler,
             lr_scheduler_interval=lr_scheduler_interval, metric_fn=metric_fn,
             bn_recalibration_batches=bn_recalibration_batches, data_on_device=data_on_device,
-            max_grad_norm=max_grad_norm)
+            max_grad_norm=max_grad_norm, cpu_threads=cpu_threads)
         options = options_of(FitOptions, keywords, options, "fit")
         tuner = [self.autotuner] if self.autotuner and (self.comm is None or self.comm.is_main) \
             else []
         every = options.metrics_every
         metrics = every if isinstance(every, MetricsMonitor) or every is None else MetricsMonitor(every)
+        self.user_model.check_frozen()  # ValueError before anything else
         history = Trainer(self, train_dataset, eval_dataset, options, hooks=tuner + list(options.hooks),
                           metrics=metrics).run()
         if self.comm is not None:  # the central model's integer buffers: rank 0's everywhere
             self.central.int_buffers_from_rank0(replicas=False, round_index=self.rounds_done - 1)
+        self.user_model.update(self.central)  # docs/api.md, Your model after a fit
         return history
 
     def adjust(self, adjustment: Adjustment) -> dict[str, Any]:

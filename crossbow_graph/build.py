@@ -6,6 +6,7 @@ plan (``settle_learner_mode``); the plan's replicas (``build_states``)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import warnings
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from .compile_options import CompileOptions
+from .compiler.analysis import estimate_memory
 from .compiler.arguments import check_trace_arguments
 from .compiler.outputs import model_loss
 from .compiler.passes import build_task_graph
@@ -24,20 +26,24 @@ from .engine.comm import Comm, Distributed
 from .engine.ft import FaultTolerantSync, check_fault_tolerant
 from .engine.fused import fused_mode_message
 from .engine.graphs import cuda_graphs_refusal
+from .engine.inputs import CallFlags
 from .engine.precision import check_precision
 from .engine.optim import OptimizerRows, as_local_optimizer
 from .engine.settings import RunSettings
 from .engine.state import (DeviceState, FlatLayout, channels_last_weights, check_grad_hooks,
                            copy_module, float_buffers_named, model_dtype, trainable_named)
+from .errors import PlanError
 from .kernels.protocol import SMAKernels
 from .kernels.select import select_backend
 
 if TYPE_CHECKING:
     from .api import Plan
 
-__all__ = ["PlanParts", "check_inputs", "build_parts", "build_states", "settle_learner_mode",
+__all__ = ["PlanParts", "check_inputs", "build_parts", "build_states", "loss_inputs_hint",
+           "settle_learner_mode",
            "resolve_devices",
-           "devices_and_comm", "cuda_memory_budget", "torch_device"]
+           "devices_and_comm", "cuda_memory_budget", "check_host_memory", "host_memory_bytes",
+           "torch_device"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,6 +89,11 @@ def build_parts(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
             ``compile`` documents them.
     """
     fault_tolerant = options.distributed is not None and options.distributed.fault_tolerant
+    if fault_tolerant and options.cuda_graphs:
+        raise ValueError("Distributed(fault_tolerant=True) with cuda_graphs=True: a replica "
+                         "group's global sync runs torchft's quorum and all-reduce on the host "
+                         "every round, which a CUDA graph cannot hold; leave cuda_graphs=False "
+                         "(the rounds run on CUDA streams)")
     if fault_tolerant:  # the group's learners: every rank's when torchrun started several
         learners = None if options.tuned else options.replicas * len(
             resolve_devices(options.devices)) * int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -101,18 +112,38 @@ def build_parts(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
     if loss_fn is None and not model_graph.output_has_loss:
         raise ValueError(f"loss_fn=None trains on the loss {model_graph.name} computes itself "
                          "(output.loss or output['loss']), but its output on the example inputs "
-                         "has none: put the labels among the example inputs, e.g. "
-                         "{'input_ids': ids, 'labels': labels}, or pass a loss_fn(output, target)")
+                         f"has none: {loss_inputs_hint(model)}, or pass a loss_fn(output, target)")
     memory_budget = options.memory_budget
+    m = 1 if options.tuned else options.replicas
     if memory_budget is None and names[0].startswith("cuda"):
         memory_budget = cuda_memory_budget(names)
-    graph = build_task_graph(model_graph, devices=names,
-                             replicas_per_device=1 if options.tuned else options.replicas,
+    elif memory_budget is None:
+        check_host_memory(model_graph, names, m, options.batch_size, host_memory_bytes())
+    graph = build_task_graph(model_graph, devices=names, replicas_per_device=m,
                              batch_size=options.batch_size, memory_budget_bytes=memory_budget,
                              verify=options.verify)
     return PlanParts(model_graph=model_graph, task_graph=graph,
                      loss_fn=model_loss if loss_fn is None else loss_fn, kernels=kernels,
                      comm=comm, ft=ft, memory_budget=memory_budget)
+
+
+def loss_inputs_hint(model: nn.Module) -> str:
+    """What to put among the example inputs for ``model`` to compute its own loss, read from its
+    forward's parameters: ``return_loss=True`` (a flag every forward then gets, as CLIP takes
+    it), or the labels (a HuggingFace model with a head)."""
+    try:
+        names = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        names = {}
+    if "return_loss" in names:
+        return (f"{type(model).__name__}.forward computes its loss with return_loss=True: put "
+                "it among the example inputs, e.g. {'input_ids': ids, 'pixel_values': pixels, "
+                "'return_loss': True} (a bool or number there is a flag every forward gets)")
+    if "labels" in names or not names:
+        return ("put the labels among the example inputs, e.g. {'input_ids': ids, 'labels': "
+                "labels}")
+    return (f"give the inputs its loss needs among the example inputs (its forward takes "
+            f"{', '.join(names)})")
 
 
 def build_states(model: nn.Module, example_inputs: Any, options: CompileOptions,
@@ -134,8 +165,10 @@ def build_states(model: nn.Module, example_inputs: Any, options: CompileOptions,
     settings = RunSettings(optimizer=local, sync=options.sync, batch_size=options.batch_size,
                            replicas_per_device=int(task_graph.graph["replicas_per_device"]),
                            learner_mode=options.learner_mode)
+    flags = CallFlags.of(model, example_inputs)
     states = [DeviceState(name, torch_device(name), template, settings.replicas_per_device,
-                          params, buffers, precision=options.precision) for name in devices]
+                          params, buffers, precision=options.precision, call_flags=flags)
+              for name in devices]
     if not local.kernel:
         for s in states:
             s.optim_rows = OptimizerRows(local, s)
@@ -161,7 +194,7 @@ def resolve_devices(devices: int | str | Sequence[str]) -> list[str]:
     when that many exist, else G logical CPU devices ``cpu:0 … cpu:G−1``. A list: those names.
 
     Raises:
-        ValueError: G < 1, an unknown name, or a CUDA device that does not exist.
+        ValueError: G < 1, an empty list, an unknown name, or a CUDA device that does not exist.
     """
     n_cuda = torch.cuda.device_count()
     if devices == "auto":
@@ -185,6 +218,10 @@ def resolve_devices(devices: int | str | Sequence[str]) -> list[str]:
             return [f"cuda:{i}" for i in range(devices)]
         return [f"cpu:{i}" for i in range(devices)]
     names = list(devices)
+    if not names:
+        raise ValueError(f"devices={devices!r} names no device; use devices=1 (the CPU, or a GPU "
+                         "when there is one), 'auto', or a list of names such as ['cpu:0'] or "
+                         "['cuda:0', 'cuda:1']")
     for name in names:
         kind, _, idx = str(name).partition(":")
         if kind not in ("cpu", "cuda") or (idx and not idx.isdigit()):
@@ -254,6 +291,67 @@ def cuda_memory_budget(names: Sequence[str]) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         budgets.append(int(free) + int(torch.cuda.memory_reserved(device)))
     return min(budgets)
+
+
+def host_memory_bytes() -> int | None:
+    """Bytes this process can still take on the host: ``MemAvailable`` of /proc/meminfo (else
+    the available pages), bounded by a cgroup v2 limit (``memory.max − memory.current``, a
+    container's); None where neither can be read."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            available = None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            left = max(0, int(limit) - used)
+            available = left if available is None else min(available, left)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_host_memory(model_graph: ModelGraph, names: Sequence[str], replicas_per_device: int,
+                      batch_size: int, available: int | None) -> None:
+    """CPU devices without a ``memory_budget``: PlanError when the replicas' state (every
+    learner's parameters, gradients, optimizer rows and buffers, and the device's flat z, z_prev,
+    acc and zbuf; docs/compiler.md §3) with one learner's activations and workspace per device
+    exceeds the host's ``available`` bytes (None: unknown, no check), before any replica is
+    built. The logical CPU devices share the host. The message gives the arithmetic and the
+    largest m that fits: m·own + shared + step ≤ available / G."""
+    if available is None:
+        return
+    m, mib, per_device = replicas_per_device, 2**20, available // len(names)
+    est = estimate_memory(model_graph.analysis, batch_size, m)
+    own = est.params + est.grads + est.optimizer + est.buffers  # each learner's rows
+    shared = est.flat_share * m  # the device's z, z_prev, acc, zbuf
+    step = est.activations + est.workspace  # one learner's forward and backward at a time
+    need = m * own + shared + step
+    if need <= per_device:
+        return
+    fit = max(0, (per_device - shared - step) // own) if own else 0
+    devices = f"{len(names)} CPU devices, each " if len(names) > 1 else ""
+    advice = (f"at most {fit:,} replicas per device fit: lower replicas to {fit:,} or fewer"
+              if fit else "not even one replica fits: use a smaller model or batch size")
+    parts = " + ".join(f"{name} {value / mib:.3g}" for name, value in (
+        ("params", est.params), ("grads", est.grads), ("optimizer", est.optimizer),
+        ("buffers", est.buffers)) if value >= mib / 1000)
+    raise PlanError(
+        f"replicas={m:,}: {devices}{m:,} replicas × {own / mib:.3g} MiB of state per learner "
+        f"({parts} MiB) + {shared / mib:.3g} MiB of the device's central model + {step / mib:.3g} "
+        f"MiB for one learner's step at batch {batch_size} = {need / mib:,.0f} MiB, more than the "
+        f"{per_device / mib:,.0f} MiB this machine has available{' per device' if devices else ''}"
+        f"; {advice} (or bound it yourself with memory_budget=)")
 
 
 def devices_and_comm(devices: int | str | Sequence[str],

@@ -13,7 +13,8 @@ import torch
 
 import crossbow_graph as cg
 
-from .cli_options import DefaultsFormatter, flag_choices, flag_default, max_grad_norm_arg, replicas_arg
+from .cli_options import (DefaultsFormatter, cpu_threads_arg, flag_choices, flag_default,
+                          max_grad_norm_arg, replicas_arg)
 from .cli_train import (DATASETS, DEFAULT_LR, DEFAULT_LR_BATCH, DILOCO_H, LR_SCHEDULES, OPTIMIZERS,
                         prepare_train, run_train)
 from .compiler.inspect import inspect_model
@@ -34,6 +35,18 @@ def _milestones_arg(text: str) -> tuple[int, ...]:
     return epochs
 
 
+def _epochs_arg(text: str) -> int:
+    """``--epochs``: a whole number ≥ 1 (the run's length, which --lr-schedule spans)."""
+    try:
+        epochs = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': give a whole number of epochs, e.g. 3") from None
+    if epochs < 1:
+        raise argparse.ArgumentTypeError(f"{epochs}: must be a whole number ≥ 1 (the epochs to "
+                                         "run; with --resume, of the whole run), e.g. --epochs 3")
+    return epochs
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="crossbow-graph",
@@ -49,22 +62,24 @@ def _add_train_parser(sub) -> None:
     train = sub.add_parser(
         "train", help="train a zoo model on a real dataset with SMA",
         description="Train a model of the zoo with SMA and print the central model's test accuracy. "
-                    "With no arguments: LeNet-5 on MNIST, b=256, every GPU (else one CPU device) "
-                    "× 1 replica, AdamW with a OneCycle schedule over 3 epochs, until 99.0% test "
-                    "accuracy.",
+                    "With no arguments: LeNet-5 on MNIST over 3 epochs, until 99.0% test accuracy; "
+                    "on a CUDA GPU SMA at b=16 with 4 replicas per GPU, SGD (η 0.02, ×0.1 at "
+                    "epochs 2 and 4) and CUDA-graph rounds; on a CPU one device × 1 replica at "
+                    "b=256, AdamW with a OneCycle schedule (cli_machine.py says why).",
         formatter_class=DefaultsFormatter,
     )
     _add_data_flags(train)
     _add_checkpoint_flags(train)
-    train.add_argument("--batch-size", type=int, default=flag_default("--batch-size"),
-                       help="b, samples per learner per round")
+    train.add_argument("--batch-size", type=int, default=None,
+                       help="b, samples per learner per round (default: 16 on a GPU, 256 on a CPU)")
     train.add_argument("--devices", default=flag_default("--devices"),
                        help="devices: 'auto' (every GPU, else one CPU device, whose learners use "
                             "every core) or a count G (on a CPU: G logical devices splitting the "
                             "cores) (default: auto)")
     train.add_argument("--replicas", default=flag_default("--replicas"), type=replicas_arg,
                        help="m, replicas per device, or 'auto' (the tuner picks m by samples/s) (default: "
-                            "1; without --devices, 2 on one device if a --policy needs k ≥ 2)")
+                            "4 on a GPU; on a CPU 1, without --devices 2 on one device if a "
+                            "--policy needs k ≥ 2)")
     train.add_argument("--learner-mode", default=flag_default("--learner-mode"),
                        choices=flag_choices("--learner-mode"),
                        help="learners' mode (with --replicas auto the tuner also tries the other one)")
@@ -72,13 +87,17 @@ def _add_train_parser(sub) -> None:
                        choices=flag_choices("--precision"),
                        help="learners' forward: fp32 (default), or bf16/fp16 under torch.autocast "
                             "with float32 parameters (fp16 with a loss scale per replica)")
+    train.add_argument("--cuda-graphs", default=flag_default("--cuda-graphs"),
+                       action=argparse.BooleanOptionalAction,
+                       help="capture each round in a CUDA graph and replay it (default: on with one "
+                            "CUDA device, one process and --optimizer sgd, else off)")
     train.add_argument("--memory-format", default=flag_default("--memory-format"),
                        choices=flag_choices("--memory-format"),
                        help="layout of the Conv2d weights in the replicas' rows: auto (default: "
                             "channels_last on the CPU, contiguous on CUDA), channels_last, contiguous")
     _add_optimizer_flags(train)
     _add_sync_flags(train)
-    train.add_argument("--epochs", type=int, default=flag_default("--epochs"),
+    train.add_argument("--epochs", type=_epochs_arg, default=flag_default("--epochs"),
                        help="most epochs to run (the length of --lr-schedule onecycle and cosine)")
     train.add_argument("--target", type=float, default=flag_default("--target"),
                        help="stop when the central model's test accuracy reaches it (0 disables)")
@@ -201,12 +220,14 @@ def _add_optimizer_flags(train: argparse.ArgumentParser) -> None:
                        help="with --lr-schedule multistep: epochs at which η drops 10×, replicas "
                             "reset to z (a MultiStepLR policy); '' for a constant η. Ignored when "
                             "--policy names an LR schedule")
-    train.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS),
-                       help="each learner's torch.optim optimizer (sgd: SGD with --momentum; "
-                            "adamw, adam: their torch defaults but lr and --weight-decay; "
-                            "rmsprop: also --momentum)")
-    train.add_argument("--lr-schedule", default="onecycle", choices=LR_SCHEDULES,
-                       help="η over the run: multistep (10× drops at --lr-milestones, replicas "
+    train.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS),
+                       help="each learner's torch.optim optimizer (sgd: SGD with --momentum, run "
+                            "by the fused SMA kernels; adamw, adam: their torch defaults but lr and "
+                            "--weight-decay; rmsprop: also --momentum) (default: sgd on a GPU, "
+                            "adamw on a CPU)")
+    train.add_argument("--lr-schedule", default=None, choices=LR_SCHEDULES,
+                       help="η over the run (default: multistep on a GPU, onecycle on a CPU): "
+                            "multistep (10× drops at --lr-milestones, replicas "
                             "reset to z), onecycle (torch's OneCycleLR shape over --epochs: warm-up "
                             "to --lr for 30%%, cosine down), cosine (linear warm-up for "
                             "--warmup-epochs, then cosine to 0 at --epochs), constant")
@@ -220,6 +241,9 @@ def _add_optimizer_flags(train: argparse.ArgumentParser) -> None:
                        default=flag_default("--max-grad-norm"),
                        help="clip every learner's gradient to this 2-norm before its local step, "
                             "as torch.nn.utils.clip_grad_norm_ does (default: no clipping)")
+    train.add_argument("--cpu-threads", type=cpu_threads_arg, default=flag_default("--cpu-threads"),
+                       help="torch's intra-op threads on CPU devices: auto (as many as cores are "
+                            "free at the start, other processes' load measured) or a number")
 
 
 def _add_inspect_parser(sub) -> None:

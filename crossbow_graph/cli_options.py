@@ -17,7 +17,8 @@ from .engine.sync import SMA
 from .training.options import FitOptions
 
 __all__ = ["OPTION_FLAGS", "CLI_DEFAULTS", "BUILDING_FLAGS", "flag_default", "flag_choices",
-           "option_field_type", "DefaultsFormatter", "max_grad_norm_arg", "replicas_arg"]
+           "option_field_type", "DefaultsFormatter", "max_grad_norm_arg", "replicas_arg",
+           "cpu_threads_arg"]
 
 OPTION_FLAGS: dict[str, tuple[type, str]] = {  # flag → (the dataclass, its field)
     "--batch-size": (CompileOptions, "batch_size"),
@@ -26,6 +27,7 @@ OPTION_FLAGS: dict[str, tuple[type, str]] = {  # flag → (the dataclass, its fi
     "--learner-mode": (CompileOptions, "learner_mode"),
     "--precision": (CompileOptions, "precision"),
     "--memory-format": (CompileOptions, "memory_format"),
+    "--cuda-graphs": (CompileOptions, "cuda_graphs"),
     "--checkpoint-dir": (FitOptions, "checkpoint_dir"),
     "--checkpoint-every": (FitOptions, "checkpoint_every"),
     "--resume": (FitOptions, "resume"),
@@ -37,6 +39,7 @@ OPTION_FLAGS: dict[str, tuple[type, str]] = {  # flag → (the dataclass, its fi
     "--metrics-every": (FitOptions, "metrics_every"),
     "--seed": (FitOptions, "seed"),
     "--max-grad-norm": (FitOptions, "max_grad_norm"),
+    "--cpu-threads": (FitOptions, "cpu_threads"),
     "--alpha": (SMA, "alpha"),
     "--central-momentum": (SMA, "central_momentum"),
     "--sync-every": (SMA, "sync_every"),
@@ -50,12 +53,16 @@ OPTION_FLAGS: dict[str, tuple[type, str]] = {  # flag → (the dataclass, its fi
 }
 
 # flag → (the CLI's default, why it is not the option's): the CLI trains the main job of
-# docs/benchmarking.md (LeNet-5 on MNIST, AdamW with a OneCycle schedule, b = 256, 'auto' × 1)
+# docs/benchmarking.md (LeNet-5 on MNIST; on a CPU AdamW with a OneCycle schedule, b = 256,
+# 'auto' × 1; on a GPU SMA at b = 16, 4 replicas per GPU, SGD, graph rounds: cli_machine.py).
+# --batch-size, --optimizer and --lr-schedule default to None, the machine's (cli_machine.py).
 CLI_DEFAULTS: dict[str, tuple[Any, str]] = {
-    "--batch-size": (256, "the main job's b; compile's batch_size has no default"),
     "--devices": (None, "'auto', or with --replicas alone one device (cli_layout.py)"),
-    "--replicas": (None, "1, or as many as a --policy needs for k ≥ 2 (cli_layout.py): the "
-                         "auto-tuner only when asked for, by --replicas auto"),
+    "--replicas": (None, "4 per GPU (cli_machine.py); on a CPU 1, or as many as a --policy "
+                         "needs for k ≥ 2 (cli_layout.py): the auto-tuner only when asked for, "
+                         "by --replicas auto"),
+    "--cuda-graphs": (None, "on where graph rounds replay: one CUDA device, one process, SMA "
+                            "with --optimizer sgd (cli_machine.py); else off"),
     "--epochs": (3, "the main job's length, which its OneCycle schedule spans"),
     "--target": (0.99, "the main job trains to 99 % test accuracy (0: no target)"),
     "--evals-per-epoch": (4, "the main job's time-to-accuracy resolution"),
@@ -121,6 +128,15 @@ def max_grad_norm_arg(text: str) -> float:
 
 def replicas_arg(text: str) -> int | str:
     """``--replicas``: 'auto' or a whole number ≥ 1."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': give a whole number ≥ 1 or 'auto'")
+    return int(text)
+
+
+def cpu_threads_arg(text: str) -> int | str:
+    """``--cpu-threads``: 'auto' or a whole number ≥ 1."""
     if text == "auto":
         return text
     if not text.isdigit() or int(text) < 1:

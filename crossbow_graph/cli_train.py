@@ -16,9 +16,11 @@ import crossbow_graph as cg
 
 from . import datasets, models
 from .cli_layout import learner_layout
+from .cli_machine import apply_machine_defaults
 from .cli_options import flag_default
 from .datasets import ImageDataset
 from .engine.comm import z_digest
+from .engine.threads import describe_threads
 from .errors import CheckpointError, DistributedError, DivergenceError, TrainingInterrupted
 from .tuning.metrics import MetricsMonitor
 from .tuning.policies import AdaptiveBatchSize, MultiStepLR, parse_policy
@@ -136,9 +138,15 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
     (the model, data, optimizer, schedule, policies and options its flags give; bench/tta.py
     runs the CLI's configurations through it).
 
+    The flags left out that depend on the machine (``--optimizer``, ``--batch-size``,
+    ``--replicas``, ``--lr-schedule``, ``--cuda-graphs``) get its values first
+    (cli_machine.py ``apply_machine_defaults``: the GPU ones it applied are listed in
+    ``args.machine_defaults``).
+
     Raises:
         ValueError: a bad flag value (before any training).
     """
+    args.machine_defaults = apply_machine_defaults(args)
     _check_ft_flags(args)
     policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
     _, default_lr, lr_batch = OPTIMIZERS[args.optimizer]
@@ -163,7 +171,7 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
         replicas=replicas,
         learner_mode=args.learner_mode,
         optimizer=_optimizer(args, model, lr),
-        precision=args.precision, memory_format=args.memory_format,
+        precision=args.precision, memory_format=args.memory_format, cuda_graphs=args.cuda_graphs,
         sync=_sync(args),
         distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every,
                                    sync_dtype=args.sync_dtype, fault_tolerant=args.fault_tolerant,
@@ -178,7 +186,7 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
                lr_scheduler=_lr_schedule(args, plan, len(train_set)),
                lr_scheduler_interval="round",
                bn_recalibration_batches=args.bn_recalibration_batches,
-               max_grad_norm=args.max_grad_norm)
+               max_grad_norm=args.max_grad_norm, cpu_threads=args.cpu_threads)
     return plan, fit
 
 
@@ -259,6 +267,9 @@ def run_train(args: argparse.Namespace) -> int:
     comm = plan.comm  # under torchrun: only rank 0 prints, every rank prints its z checksum
     main_rank = comm is None or comm.is_main
     if main_rank:
+        if args.machine_defaults:
+            print(f"defaults on a CUDA GPU: {' '.join(args.machine_defaults)} (SMA at a small batch "
+                  "with several replicas per GPU; flags given override them)", flush=True)
         print(plan.summary(), flush=True)
         if comm is not None:
             k = "this replica group's k" if plan.scheduler.ft is not None else "k"
@@ -316,4 +327,5 @@ def _print_results(plan: cg.Plan, history: cg.History, target: float | None) -> 
                f"target {target}")
     print(f"final test accuracy {history.final_accuracy:.4f} ({reached}) after "
           f"{epochs:.2f} epochs, {seconds:.1f} training seconds, "
-          f"{samples / max(plan.train_seconds, 1e-9):,.0f} samples/s")
+          f"{samples / max(plan.train_seconds, 1e-9):,.0f} samples/s, "
+          f"{describe_threads(history.cpu_threads, history.free_cores)}")

@@ -68,7 +68,8 @@ class CompileOptions:
     leaf_modules: Sequence[type[nn.Module]] = option((), doc=(
         "module classes torch.fx keeps whole (measured eagerly, as a model it cannot trace)"))
     memory_budget: int | None = option(None, doc=(
-        "bytes per device for the learners; None: no bound on CPUs, the free memory on CUDA"))
+        "bytes per device for the learners; None: the free memory on CUDA; on CPUs, the "
+        "replicas' state must fit the host's available memory"))
     verify: bool = option(True, doc=(
         "run the verifier between the compiler passes, also when adjust re-plans"))
     kernel_backend: KernelBackend = option("auto", doc=(
@@ -85,8 +86,8 @@ class CompileOptions:
         "update, fp16 with a loss scale per replica (a float32 model only; docs/runtime.md)"))
     strict_trace: bool = option(False, doc=(
         "raise TraceError where torch.fx cannot trace the model; False: train it as given (analysed "
-        "by one measured forward) with a TraceWarning saying what inspection lost "
-        "(docs/compiler.md §1)"))
+        "by one measured forward) with a one-line TraceWarning; plan.summary() says what "
+        "inspection lost (docs/compiler.md §1)"))
     memory_format: MemoryFormat = option("auto", doc=(
         "layout of the nn.Conv2d weights in the replicas' rows: 'auto' (channels-last on CPU "
         "devices, contiguous on CUDA), 'channels_last' or 'contiguous' (docs/runtime.md)"))

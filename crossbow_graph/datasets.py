@@ -1,5 +1,7 @@
-"""Image data sets read from installed packages or a user folder, nothing downloaded, and
-``Augmented`` (random crop and flip of whole batches) (docs/reliability.md, "Data")."""
+"""Data sets read from installed packages or a user folder, nothing downloaded: images (MNIST,
+Fashion-MNIST, CIFAR-10) with ``Augmented`` (random crop and flip of whole batches), and text
+(``fortunes``, a byte-level corpus of Debian's fortune cookies) (docs/design-overview.md §6;
+docs/reliability.md, "Data")."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import gzip
 import importlib.util
 import os
 import pickle
+import zlib
 
 import numpy as np
 import torch
@@ -14,7 +17,8 @@ from torch.utils.data import TensorDataset
 
 __all__ = ["ImageDataset", "Augmented", "mnist", "fashion_mnist", "cifar10", "read_idx",
            "crop_flip", "MNIST_MEAN", "MNIST_STD", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD",
-           "FASHION_MNIST_DIR", "CIFAR10_MEAN", "CIFAR10_STD"]
+           "FASHION_MNIST_DIR", "CIFAR10_MEAN", "CIFAR10_STD", "TextDataset", "fortunes",
+           "read_cookies", "FORTUNES_DIR", "FORTUNES_FILES", "BYTE_VOCAB_SIZE"]
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530  # of the 60,000 training images
@@ -240,3 +244,140 @@ class Augmented(torch.utils.data.Dataset):
 
     def __repr__(self) -> str:
         return self.name
+
+
+# -- text -----------------------------------------------------------------------------------------
+
+FORTUNES_DIR = "/usr/share/games/fortunes"
+#: The cookie files of Debian's ``fortunes-min`` (fortunes, literature, riddles) and ``fortunes``
+#: packages, in the order they are read; other packages installing into the same folder
+#: (``fortunes-bofh-excuses``, translations) are not part of the corpus.
+FORTUNES_FILES = (
+    "art", "ascii-art", "computers", "cookie", "debian", "definitions", "disclaimer", "drugs",
+    "education", "ethnic", "food", "fortunes", "goedel", "humorists", "kids", "knghtbrd", "law",
+    "linux", "linuxcookie", "literature", "love", "magic", "medicine", "men-women",
+    "miscellaneous", "news", "paradoxum", "people", "perl", "pets", "platitudes", "politics",
+    "pratchett", "riddles", "science", "songs-poems", "sports", "startrek", "tao", "translate-me",
+    "wisdom", "work", "zippy")
+#: Token ids of byte-level text: a token is one byte, 0–255.
+BYTE_VOCAB_SIZE = 256
+_COOKIE_END = b"\n%\n"  # a cookie's last line break and the separator line of the files
+
+
+class TextDataset(TensorDataset):
+    """Byte-level language-modelling samples over ``tokens [L]`` (int64, 0–255): sample i is
+    ``x = tokens[i·T : (i+1)·T]``, ``y = tokens[i·T + 1 : (i+1)·T + 1]`` (T = ``block_size``;
+    ``tensors``: views ``[N, T]``), non-overlapping, so an epoch predicts each token once."""
+
+    vocab_size = BYTE_VOCAB_SIZE
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, name: str) -> None:
+        n = (len(tokens) - 1) // block_size
+        super().__init__(tokens[:n * block_size].view(n, block_size),
+                         tokens[1:n * block_size + 1].view(n, block_size))
+        self.tokens, self.block_size, self.name = tokens, block_size, name
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens predicted in one epoch: ``len(self) · block_size``."""
+        return len(self) * self.block_size
+
+    def subset(self, num_samples: int) -> "TextDataset":
+        """``num_samples`` of the windows spread evenly over the stream (windows ``⌊i·N /
+        num_samples⌋``; all of them when ``num_samples`` ≥ N), as a new TextDataset with the
+        same block size: a fixed evaluation set cheaper than the whole split.
+        Raises ValueError when ``num_samples`` < 1."""
+        if num_samples < 1:
+            raise ValueError(f"subset(num_samples={num_samples}): must be ≥ 1")
+        n, t = len(self), self.block_size
+        picks = (torch.arange(min(num_samples, n)) * n) // min(num_samples, n)
+        rows = (picks[:, None] * t + torch.arange(t + 1)[None, :]).reshape(-1)  # windows + 1 token
+        chunks = self.tokens[rows].view(-1, t + 1)
+        out = TextDataset.__new__(TextDataset)
+        TensorDataset.__init__(out, chunks[:, :-1], chunks[:, 1:])
+        out.tokens, out.block_size = self.tokens, t
+        out.name = f"{self.name}[{len(picks)} of {n}]"
+        return out
+
+    @staticmethod
+    def decode(tokens: torch.Tensor | list[int]) -> str:
+        """Text of byte tokens ``[L]`` (UTF-8; bytes that are not valid UTF-8 become U+FFFD)."""
+        values = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        return bytes(values).decode("utf-8", errors="replace")
+
+    @staticmethod
+    def encode(text: str) -> torch.Tensor:
+        """Byte tokens ``[L]`` int64 of ``text`` encoded as UTF-8."""
+        return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
+
+    def __repr__(self) -> str:
+        return f"{self.name}({len(self)} samples of {self.block_size} tokens)"
+
+
+def read_cookies(root: str = FORTUNES_DIR) -> list[bytes]:
+    """The cookies of ``FORTUNES_FILES`` in ``root``, file by file in that order, each as its
+    bytes without the separator (the text between lines of ``%``, last line break dropped);
+    cookies of only whitespace are left out.
+
+    Raises:
+        FileNotFoundError: a file is missing; the message names the Debian packages to install.
+    """
+    missing = [f for f in FORTUNES_FILES if not os.path.isfile(os.path.join(root, f))]
+    if missing:
+        raise FileNotFoundError(
+            f"the fortunes corpus lacks {len(missing)} of its {len(FORTUNES_FILES)} cookie files in "
+            f"{root} ({', '.join(missing[:3])}{', …' if len(missing) > 3 else ''}); install the Debian "
+            "packages with: apt-get install fortunes fortunes-min (bash scripts/setup.sh does)")
+    cookies = []
+    for name in FORTUNES_FILES:
+        with open(os.path.join(root, name), "rb") as f:
+            text = f.read()
+        parts = (b"\n" + text).split(_COOKIE_END)  # a leading \n: a file may start with "%\n"
+        cookies += [p[1:] if i == 0 else p for i, p in enumerate(parts)]
+    return [c.rstrip(b"\n") for c in cookies if c.strip()]
+
+
+def _in_validation(cookie: bytes, seed: int, val_per_mille: int) -> bool:
+    """A cookie's split: by the CRC-32 of the seed and its bytes, so equal cookies (the corpus
+    repeats some across files) share a split and the split holds for any Python or NumPy."""
+    return zlib.crc32(seed.to_bytes(8, "little") + cookie) % 1000 < val_per_mille
+
+
+def fortunes(split: str = "train", *, block_size: int = 128, seed: int = 0,
+             val_per_mille: int = 100, root: str = FORTUNES_DIR) -> TextDataset:
+    """The fortune cookies of Debian's ``fortunes`` and ``fortunes-min`` packages as a
+    byte-level language-modelling data set (``TextDataset``: samples ``(x [T], y [T])``, int64
+    byte values, T = ``block_size``; vocabulary the 256 byte values).
+
+    The split is by cookie: a cookie is in ``"val"`` when the CRC-32 of ``seed`` and its bytes,
+    mod 1000, is below ``val_per_mille`` (about a tenth of the cookies by default), else in
+    ``"train"``; a split's stream is its cookies in file order (``FORTUNES_FILES``), each
+    followed by ``"\\n%\\n"`` as in the files. With the defaults, of the 15,217 cookies
+    (2,531,016 bytes) of Debian 12's packages: 13,703 training cookies (2,306,085 tokens,
+    18,016 samples) and 1,514 validation cookies (270,582 tokens, 2,113 samples). Why bytes:
+    docs/design-overview.md §6.
+
+    Args:
+        split: ``"train"`` or ``"val"``.
+        block_size: T, tokens per sample (the model's context), ≥ 1.
+        seed: the split's seed.
+        val_per_mille: the validation share, in 1/1000 of the cookies, 1 … 999.
+        root: the folder of the cookie files.
+
+    Raises:
+        ValueError: a bad ``split``, ``block_size`` or ``val_per_mille``.
+        FileNotFoundError: the files are missing (the message says to ``apt-get install
+            fortunes fortunes-min``).
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"fortunes(split={split!r}): the splits are 'train' and 'val'")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"fortunes(block_size={block_size!r}): tokens per sample, an integer ≥ 1")
+    if not isinstance(val_per_mille, int) or not 0 < val_per_mille < 1000:
+        raise ValueError(f"fortunes(val_per_mille={val_per_mille!r}): the validation share in 1/1000 "
+                         "of the cookies, an integer in 1 … 999 (100: a tenth)")
+    want_val = split == "val"
+    stream = b"".join(c + _COOKIE_END for c in read_cookies(root)
+                      if _in_validation(c, seed, val_per_mille) == want_val)
+    tokens = torch.frombuffer(bytearray(stream), dtype=torch.uint8).to(torch.int64)
+    return TextDataset(tokens, block_size, f"fortunes-{split}")

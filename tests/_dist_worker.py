@@ -33,6 +33,7 @@ OUT_DIR: per scenario a dict, ``error`` with the TaskError's message (and ``kind
 ``round_index``), or the results.
 """
 
+import copy
 import dataclasses
 import functools
 import os
@@ -197,9 +198,11 @@ def run(scenario: str, rank: int, out: str) -> dict:
         devices, replicas, executor = (2, 1, "process") if scenario == "process" else (1, M, "inline")
         executor = "process" if scenario == "nan_all" else executor
         layout = "contiguous" if scenario == "mismatch_layout" and rank == 1 else "auto"
-        plan = make_plan(model_cls, seed=rank, batch_size=batch, devices=devices,
+        torch.manual_seed(rank)  # rank 0's init wins
+        model = model_cls()  # kept: after the fit it holds z (int_buffers)
+        plan = make_plan(model, seed=rank, batch_size=batch, devices=devices,
                          replicas=replicas, executor=executor, memory_format=layout,
-                         distributed=settings)  # seed=rank: rank 0's init wins
+                         distributed=settings)
         data = tiny_data(ROUNDS * B * M * 2)
         hooks, kw = [], {}
         if scenario == "diverge" and rank == 1:
@@ -264,7 +267,8 @@ def run(scenario: str, rank: int, out: str) -> dict:
                       P=plan.num_parameters, Q=plan.states[0].buf.shape[1])
         if scenario == "int_buffers":
             result.update(central=plan.central_model().state_dict(),
-                          seen=[int(r.seen) for r in plan.states[0].replicas])
+                          seen=[int(r.seen) for r in plan.states[0].replicas],
+                          user=copy.deepcopy(model.state_dict()))
     except TaskError as exc:  # DistributedError, DivergenceError
         result.update(error=str(exc), kind=type(exc).__name__, round_index=exc.round_index)
     return result

@@ -55,14 +55,20 @@ class _Record(cg.Hook):
 
 
 def plan_of(group: str, sync: str) -> cg.Plan:
-    """The group's plan; ``FT_SEED_<GROUP>``, ``FT_MOMENTUM_<GROUP>``: its seed, its SMA's μ_z."""
+    """The group's plan; ``FT_SEED_<GROUP>``, ``FT_MOMENTUM_<GROUP>``: its seed, its SMA's μ_z;
+    with SMA ``FT_LR_<GROUP>``, ``FT_OPTIMIZER_<GROUP>`` (``adamw``), ``FT_BATCH_<GROUP>``: its
+    learning rate (0.05), optimizer (SGD with momentum 0.9) and b (4; the data stays B's)."""
     dist = cg.Distributed(fault_tolerant=True, replica_group=group, timeout_s=10.0)
     devices = [os.environ["FT_DEVICE"]] if os.environ.get("FT_DEVICE") else 1
     seed = int(os.environ.get(f"FT_SEED_{group}", "0"))
     if sync == "sma":
         momentum = float(os.environ.get(f"FT_MOMENTUM_{group}", "0"))
-        return make_plan(TinyNet, seed=seed, batch_size=B, devices=devices, replicas=M,
-                         sync=cg.SMA(central_momentum=momentum), distributed=dist)
+        lr = float(os.environ.get(f"FT_LR_{group}", "0.05"))
+        optimizer = (lambda m: torch.optim.AdamW(m.parameters(), lr=lr)) \
+            if os.environ.get(f"FT_OPTIMIZER_{group}") == "adamw" else cg.SGD(lr=lr, momentum=0.9)
+        return make_plan(TinyNet, seed=seed, batch_size=int(os.environ.get(f"FT_BATCH_{group}", B)),
+                         devices=devices, replicas=M, sync=cg.SMA(central_momentum=momentum),
+                         optimizer=optimizer, distributed=dist)
     return make_plan(TinyNet, seed=seed, batch_size=B, devices=devices, replicas=M,
                         sync=cg.DiLoCo(sync_every=2),
                         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),

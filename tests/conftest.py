@@ -16,6 +16,14 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/_reference.py and friends
 
+# One intra-op thread for the suite, and by OMP_NUM_THREADS for the processes it starts: the
+# oracles (eager PyTorch) and the plans, whose fit(cpu_threads="auto") chooses from the cores the
+# host leaves free and never more than torch's setting, then run the same arithmetic whatever the
+# host's load (a thread count of its own rounds otherwise, and Adam turns that into steps of ±η
+# where a gradient is 0: docs/optimizers.md). tests/test_threads.py sets its own.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -2,8 +2,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -66,14 +68,16 @@ def test_tta_runs_the_cli_itself_for_a_cli_system():
 def test_gpu_acceptance_smoke_runs_every_section_on_the_cpu(tmp_path):
     """bash bench/gpu_acceptance.sh --smoke: every section of the GPU acceptance check end to end
     on the CPU (tiny sizes, Triton interpreted, gloo, the race probes on a RaceRecorder); it
-    exits 0, its summary lists every section with a status, and it writes at most 8 files. The
-    smoke run is untimed (no section limit binds on a loaded machine); its graph cells replay."""
+    exits 0, its summary lists every section with a status and the checks only a GPU can make,
+    and it writes at most 8 files. The smoke run is untimed (no section limit binds on a loaded
+    machine); its graph cells replay."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import acceptance_report
 
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable,
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("SECTIONS", None)
     proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_acceptance.sh"), "--smoke"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     log = (out / "acceptance.log").read_text() if (out / "acceptance.log").exists() else ""
@@ -82,18 +86,92 @@ def test_gpu_acceptance_smoke_runs_every_section_on_the_cpu(tmp_path):
     for _, label in acceptance_report.SECTIONS:
         status = summary.split(f"| {label} | ")[1].split(" |")[0]
         assert status in ("pass", "skip"), (label, status, summary)
-    assert "| 6. gpu-marked tests | skip |" in summary  # no GPU here: every gpu test skipped
-    assert "**Overall: PASS**" in summary
-    files = [p for p in out.rglob("*") if p.is_file()]
-    assert len(files) <= 8, files
+    for label in ("2. gpu-marked tests: graph rounds, device data", "9. the other gpu-marked tests"):
+        assert f"| {label} | skip |" in summary  # no GPU here: every gpu test skipped
+    assert "**Overall: PASS**" in summary and "Checks only a GPU can make" in summary
+    gpu_tests = {"tests-early": 0, "tests-late": 0}  # gpu-marked tests only, each skipped here
+    for name in gpu_tests:
+        suite = ET.parse(out / f"pytest-{name}.xml").getroot().find("testsuite")
+        gpu_tests[name] = int(suite.get("tests"))
+        assert int(suite.get("skipped")) == gpu_tests[name] > 0
+    files = sorted(p.name for p in out.rglob("*") if p.is_file())
+    assert files == ["acceptance.log", "pytest-tests-early.xml", "pytest-tests-late.xml",
+                     "results.json", "results.md", "summary.md"], files
     results = json.loads((out / "results.json").read_text())
     assert results["mode"] == "smoke"
+    assert [t["met"] for t in results["targets"]] == [None] * 4  # every target: GPU only
+    precompiled = results["sections"]["env"]["data"]["precompile"]  # Triton's cache may have it
+    assert precompiled["compiled"] + precompiled["cached"] == 1 and not precompiled["failed"]
     assert results["sections"]["races"]["data"]["sleep_cycles"] == 0  # simulated streams
     assert results["sections"]["nccl"]["data"]["backend"] == "gloo"
     decisive = results["sections"]["decisive"]["data"]["cells"][0]
     assert decisive["per_replica graphs m=4"] > 0 and "replayed" in decisive["per_replica graphs m=4 graphs"]
     assert int(decisive["fused graphs m=4 graphs"].split(", ")[1].split()[0]) > 0  # replays
-    assert results["sections"]["profile"]["data"]["fused, eager rounds"]["kernels_per_round"] > 0
+    memory = results["sections"]["memory"]["data"]
+    assert memory["steady"]["replays"] > 0 and memory["failed"]["captures"] == 0
+    assert results["sections"]["profile"]["data"]["fused, eager rounds, m=4"]["kernels_per_round"] > 0
+    assert results["sections"]["w1"]["data"]["runs"]["SMA m=4"]["replicas_per_device"] == 4
+
+
+def test_gpu_acceptance_sections_fit_the_gpu_machines_limits():
+    """The sections' time limits add up to at most 360 s (with the machine's start, ≤ 7
+    minutes), each section's at most 600 s (one command's limit); the sanitizer's and the
+    torchrun rank's child processes get ≥ 25 s inside their sections' limits; an unknown name in
+    SECTIONS is refused before anything runs, naming the sections."""
+    text = open(os.path.join(ROOT, "bench", "gpu_acceptance.sh")).read()
+    table = text.split("declare -A LIMIT=(")[1].split(")")[0]
+    limits = {name: int(s) for name, s in re.findall(r"\[([\w-]+)\]=(\d+)", table)}
+    order = text.split("ORDER=(")[1].split(")")[0].split()
+    assert sorted(limits) == sorted(order) and len(order) == 12
+    assert sum(limits.values()) <= 360 and max(limits.values()) <= 600, limits
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import acceptance_checks
+
+    for name, timeout in (("races", acceptance_checks.sanitizer_timeout),
+                          ("nccl", acceptance_checks.rank_timeout)):  # python's budget: limit − 8
+        assert 25 <= timeout(limits[name] - 8) <= limits[name] - 3, name
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_acceptance.sh"), "--smoke"],
+                          env={**os.environ, "SECTIONS": "w1 nonsense"}, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 3 and "unknown section 'nonsense'" in proc.stdout
+    assert "tests-early decisive w1" in proc.stdout
+
+
+def test_gpu_acceptance_report_names_a_miss_with_its_profile_and_skips_unselected(tmp_path):
+    """On a GPU: a missed target fails its section and the summary lists it with the profile of
+    its system (kernels and host µs per round, the GPU's busy share); sections SECTIONS left out
+    are "not selected" and do not fail the run."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import acceptance_report
+    from acceptance_common import Section
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    env = Section("env", work)
+    env.data = {"card": {"name": "NVIDIA H100 80GB HBM3", "graph_node_us": 2.0, "copy_GBps": 2900.0}}
+    decisive = Section("decisive", work)
+    decisive.target("per_replica graph rounds, m = 4, LeNet-5 b = 16", 150e3, 160e3,
+                    unit="samples/s", scale="scaled", gpu=True, explain="per_replica, graph rounds, m=4")
+    profile = Section("profile", work)
+    profile.data = {"per_replica, graph rounds, m=4": {"kernels_per_round": 180.0,
+                                                       "host_us_per_round": 320.0, "gpu_busy_share": 0.45}}
+    for sec in (env, decisive, profile):
+        assert sec.write(quiet=True) == (1 if sec is decisive else 0)
+        (work / f"{sec.name}.rc").write_text("0 1.0\n" if sec is not decisive else "1 1.0\n")
+    args = ["--work", str(work), "--out", str(out), "--mode", "gpu", "--sections", "decisive profile"]
+    assert acceptance_report.main(args + ["--final"]) == 1
+    summary = (out / "summary.md").read_text()
+    assert "## Targets on NVIDIA H100 80GB HBM3" in summary
+    assert ("MISS: per_replica graph rounds, m = 4, LeNet-5 b = 16: per_replica, graph rounds, m=4: "
+            "180 kernels and 320 host µs per round, GPU busy 45%; host-bound") in summary
+    assert "| 4. W1 time to 99.0 % on real MNIST | not selected |" in summary
+    assert "**Overall: FAIL — 3. LeNet-5 at b = 16 in every system** (1 target(s) missed)" in summary
+    decisive.failures.clear()
+    decisive.data["targets"][0].update(value=170e3, met=True)
+    decisive.write(quiet=True)
+    (work / "decisive.rc").write_text("0 1.0\n")
+    assert acceptance_report.main(args + ["--final"]) == 0
 
 
 def test_gpu_acceptance_section_cut_short_keeps_its_finished_cells(tmp_path, monkeypatch):
@@ -101,12 +179,13 @@ def test_gpu_acceptance_section_cut_short_keeps_its_finished_cells(tmp_path, mon
     fails naming the cut; a graph cell with zero replays fails."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import gpu_acceptance as ga
+    from acceptance_common import run_cell
 
     def section(args, sec):
         cell = {"model": "lenet5", "b": 16}
         sec.data["cells"] = [cell]
-        ga._cell(sec, cell, "plain eager", lambda: 123.0)
-        ga._cell(sec, cell, "fused graphs m=4", lambda: {"rate": 5.0, "captures": 1, "replays": 0,
+        run_cell(sec, cell, "plain eager", lambda: 123.0)
+        run_cell(sec, cell, "fused graphs m=4", lambda: {"rate": 5.0, "captures": 1, "replays": 0,
                                                          "graph_failure": None})
         raise KeyboardInterrupt
 
@@ -159,3 +238,27 @@ def test_report_prints_its_tables_without_matplotlib():
     assert "| system | k | epochs to 99.0% |" in proc.stdout
     plots = _without_matplotlib("import plots")
     assert plots.returncode != 0 and "plots need matplotlib: pip install" in plots.stderr
+
+
+@pytest.mark.skipif(not os.path.isfile("/usr/share/games/fortunes/fortunes"),
+                    reason="Debian packages fortunes and fortunes-min not installed (bash "
+                           "scripts/setup.sh installs them)")
+def test_lm_baselines_smoke_records_validation_loss_against_tokens(tmp_path, capsys):
+    """bench/lm_baselines.py --smoke: plain AdamW and SMA (k = 4, b = 2) on a one-layer GPT for
+    4,096 tokens each, in ``--one`` subprocesses as every run: the validation loss at the start
+    and every 2,048 tokens, training seconds and tokens/s, and the table."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import lm_baselines
+
+    out = tmp_path / "smoke.json"
+    assert lm_baselines.main(["--smoke", "--out", str(out)]) == 0
+    plain, sma = json.loads(out.read_text())["runs"]
+    assert plain["config"] == "adamw:8:0.003" and sma["config"] == "sma-sgd:2:0.1"
+    assert [e["tokens"] for e in plain["evals"]] == [0, 2048, 4096] == [e["tokens"] for e in sma["evals"]]
+    for run in (plain, sma):
+        assert run["evals"][-1]["val_loss"] < run["evals"][0]["val_loss"] and run["tokens_per_s"] > 0
+    assert sma["replicas"] == 4 and "sma-sgd:2:0.1" in capsys.readouterr().out
+    assert len(lm_baselines.grid()) == 4 * 3 and lm_baselines.grid()[:3] == [
+        "adamw:8:0.00071", "adamw:8:0.0014", "adamw:8:0.0028"]
+    assert lm_baselines.lr_factor(0, 100) == pytest.approx(0.2)  # warm-up of 5 steps
+    assert lm_baselines.lr_factor(99, 100) == pytest.approx(0.1)  # the cosine's end

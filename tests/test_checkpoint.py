@@ -20,13 +20,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
+from crossbow_graph.engine import conv_choice
 from crossbow_graph.errors import CheckpointError
 from crossbow_graph.training.checkpoint import list_checkpoints, load_checkpoint, load_latest
 from crossbow_graph.training.hooks import Hook
 from crossbow_graph.tuning.metrics import MetricsMonitor
 from crossbow_graph.tuning.policies import AdaptiveBatchSize, Policy
 
-from _plans import make_plan
+from _plans import TinyNet, make_plan, tiny_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,6 +163,86 @@ def test_resume_with_noise_drawn_in_worker_processes_is_bit_identical(tmp_path):
     fit(second, checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
     assert second.rounds_done == full.rounds_done == 12
     assert_same_state(full, second)
+
+
+def test_a_resumed_process_keeps_the_convolution_library_its_checkpoint_ran_with(tmp_path,
+                                                                               monkeypatch):
+    """cpu_conv="auto" measures oneDNN against ATen once per process and b; a resumed process's
+    measurement may come out the other way (simulated: the other library measures faster). The
+    checkpoint holds the library of each b, and the resumed fit runs with its checkpoint's,
+    bit-identical to an uninterrupted fit."""
+    def faster(onednn: bool):  # conv_choice's timing of a step with oneDNN on (True) and off
+        return lambda *args: {onednn: 1.0, not onednn: 2.0}
+
+    def plan() -> cg.Plan:
+        return make_plan(TinyNet, devices=1, replicas=2, executor="process", cpu_conv="auto")
+
+    def fit(p: cg.Plan, **kw) -> None:
+        p.fit(tiny_data(96), 2, progress=False, seed=3, **kw)
+
+    monkeypatch.setattr(conv_choice, "_ONEDNN_CHOICES", {})  # none measured by earlier tests
+    monkeypatch.setattr(conv_choice, "_step_seconds", faster(True))
+    full = plan()
+    fit(full)
+    ckpt = str(tmp_path / "ckpt")
+    fit(plan(), hooks=[StopAfter(5)], checkpoint_dir=ckpt, checkpoint_every=1)
+    monkeypatch.setattr(conv_choice, "_ONEDNN_CHOICES", {})  # a new process: nothing measured
+    monkeypatch.setattr(conv_choice, "_step_seconds", faster(False))
+    resumed = plan()
+    fit(resumed, hooks=[StopAfter(10**6)], checkpoint_dir=ckpt, checkpoint_every=1, resume=True)
+    assert resumed.scheduler.onednn_choices == full.scheduler.onednn_choices == {4: True}
+    assert resumed.rounds_done == full.rounds_done == 24
+    assert torch.equal(resumed.central_weights(), full.central_weights())
+    assert torch.equal(resumed.replica_weights(), full.replica_weights())
+
+
+def test_an_evaluation_due_at_a_checkpoint_is_in_it_and_a_resume_neither_repeats_nor_misses_it(
+        tmp_path):
+    """A checkpoint due in a round with an evaluation is written after the evaluation and its
+    hooks (ReduceLROnPlateau on z's test loss): a fit killed right after it (a metric_fn that
+    raises at the next evaluation stands for SIGKILL) and resumed has the uninterrupted fit's
+    evaluations, η of every round, History and state; with target_accuracy, a fit that stopped
+    at its target and is resumed trains no further."""
+    class Killed(Exception):
+        pass
+
+    def metric(kill_at: int | None):
+        def accuracy(output, target):
+            if kill_at is not None and len(calls) == kill_at:
+                raise Killed
+            calls.append(1)
+            return float((output.argmax(1) == target).float().mean())
+        calls: list[int] = []
+        return accuracy
+
+    def fit(plan, kill_at=None, **kw):
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(plan.optimizer, factor=0.5, patience=0)
+        return plan.fit(data(96), 3, eval_dataset=data(48), evals_per_epoch=3, progress=False,
+                        seed=3, lr_scheduler=sched, metric_fn=metric(kill_at), **kw)
+
+    full = net_plan()
+    h_full = fit(full)
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(Killed):  # at the 5th evaluation, after round 10's (its checkpoint's)
+        fit(net_plan(), kill_at=4, checkpoint_dir=ckpt, checkpoint_every=4)
+    assert load_latest(ckpt)[1]["plan"]["rounds_done"] == 8
+    resumed = net_plan()
+    h = fit(resumed, checkpoint_dir=ckpt, checkpoint_every=4, resume=True)
+    assert [(e.round, e.test_loss) for e in h.evals] == [(e.round, e.test_loss) for e in h_full.evals]
+    assert h.lr == h_full.lr and len(set(h.lr)) > 1  # the plateau halved η
+    assert [(e.rounds, e.samples, e.train_loss, e.test_accuracy) for e in h.epochs] == \
+        [(e.rounds, e.samples, e.train_loss, e.test_accuracy) for e in h_full.epochs]
+    assert_same_state(full, resumed)
+
+    accs = [e.test_accuracy for e in h_full.evals]  # a target first reached after round 2
+    i = next(i for i in range(1, len(accs)) if accs[i] > max(accs[:i]))
+    ckpt = str(tmp_path / "target")
+    first = net_plan()
+    fit(first, target_accuracy=accs[i], checkpoint_dir=ckpt, checkpoint_every=2)
+    again = net_plan()
+    h = fit(again, target_accuracy=accs[i], checkpoint_dir=ckpt, checkpoint_every=2, resume=True)
+    assert first.rounds_done == again.rounds_done == h_full.evals[i].round
+    assert h.epochs_to_accuracy == h_full.evals[i].epoch
 
 
 def test_resume_at_epoch_end_without_every(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import crossbow_graph as cg
 
 from crossbow_graph.cli import DEFAULT_LR, DEFAULT_LR_BATCH, OPTIMIZERS, build_parser, main
+from crossbow_graph.cli_machine import apply_machine_defaults
 
 # the layout of the SGD tests below: b = 16, 2 devices × 2 replicas (k·b = 64), SGD with drops
 SGD16 = ["--batch-size", "16", "--devices", "2", "--replicas", "2", "--optimizer", "sgd",
@@ -16,7 +17,10 @@ SGD16 = ["--batch-size", "16", "--devices", "2", "--replicas", "2", "--optimizer
 
 
 def test_train_defaults_are_the_main_job():
+    """On this CPU (tests/test_cli_machine.py: on a GPU)."""
     args = build_parser().parse_args(["train"])
+    assert (args.batch_size, args.optimizer, args.lr_schedule) == (None, None, None)  # the machine's
+    assert apply_machine_defaults(args) == []
     assert (args.model, args.dataset, args.batch_size) == ("lenet5", "mnist", 256)
     assert (args.devices, args.replicas) == (None, None)  # 'auto' × 1, or 2 learners for a policy
     assert (args.optimizer, args.lr_schedule, args.epochs, args.target, args.lr) == ("adamw", "onecycle", 3, 0.99, None)
@@ -135,7 +139,9 @@ def test_bad_optimizer_flags_are_one_line_errors(capsys):
         build_parser().parse_args(["train", "--optimizer", "lbfgs"])
     out = subprocess.run([sys.executable, "-m", "crossbow_graph", "train", "--help"],
                          capture_output=True, text=True, check=True).stdout
-    assert "--optimizer" in out and "(default: adamw)" in out and "(default: onecycle)" in out
+    out = " ".join(out.split())  # argparse wraps the help
+    assert "--optimizer" in out and "(default: sgd on a GPU, adamw on a CPU)" in out
+    assert "(default: multistep on a GPU, onecycle on a CPU)" in out
 
 
 def test_precision_flag_reaches_the_plan(capsys, monkeypatch):

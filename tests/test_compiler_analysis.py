@@ -128,3 +128,39 @@ def test_activations_kept_for_backward_match_autograds_saved_tensors(name, rel):
     truth = _saved_by_autograd(model, x)
     assert abs(ours - truth) <= rel * truth, (ours, truth)
     assert ours <= truth
+
+
+class _Attention(nn.Module):
+    """``x [N, T, 32]`` → causal self-attention of 4 heads (``dropout_p`` on its weights) → a
+    linear layer."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.qkv, self.out, self.dropout = nn.Linear(32, 96), nn.Linear(32, 32), dropout
+
+    def forward(self, x):
+        n, t = x.size(0), x.size(1)
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        q, k, v = (a.view(n, t, 4, 8).transpose(1, 2) for a in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(n, t, 32))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_attention_flops_and_saved_bytes_match_flopcounter_and_autograd(dropout):
+    """scaled_dot_product_attention: 4·N·H·Tq·Tk·D FLOPs (its two batched products, which
+    FlopCounterMode counts on the composite path that dropout takes); saved for backward, as
+    torch's CPU kernels keep them: q, k, v, the output and the log-sum-exp without dropout, copies
+    of q, k, v and three [N, H, Tq, Tk] tensors with it."""
+    torch.manual_seed(0)
+    model, x = _Attention(dropout).train(), torch.randn(4, 24, 32)
+    nodes = trace_model(model, (x,), strict=True).analysis.nodes
+    attention = next(n for n in nodes if n.op == "attention")
+    assert attention.flops == 4 * 4 * 4 * 24 * 24 * 8
+    if dropout:
+        with FlopCounterMode(display=False) as counter:
+            model(x)
+        biases = 4 * 24 * (96 + 32)
+        assert sum(n.flops for n in nodes if n.op in ("linear", "attention")) == counter.get_total_flops() + biases
+    ours = trace_model(model, (x,)).analysis.saved_bytes_per_sample * 4
+    assert ours == _saved_by_autograd(model, x)

@@ -131,7 +131,7 @@ def test_every_learner_gets_its_own_collated_batch_whatever_the_executor_and_wor
     fits = {}
     for workers, executor in ((2, "process"), (0, "process"), (0, "inline")):
         plan = bag_plan(executor=executor)
-        plan.fit(loader(ds, num_workers=workers), 1, seed=3, progress=False)
+        plan.fit(loader(ds, num_workers=workers, shuffle=True), 1, seed=3, progress=False)
         fits[workers, executor] = plan.central_weights()
     order = BatchSchedule(len(ds), shuffle=True, seed=3).order(0).tolist()
     rounds = len(ds) // 16

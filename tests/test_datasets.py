@@ -162,3 +162,88 @@ def test_cli_gives_cifar_style_models_padded_rgb_fashion_mnist(monkeypatch):
     assert train.images.shape == (64, 3, 32, 32) and test.images.shape == (32, 3, 32, 32)
     args.model = "lenet5"
     assert cli_train.load_dataset(args)[0].images.shape == (64, 1, 28, 28)
+
+
+needs_fortunes = pytest.mark.skipif(
+    not all(os.path.isfile(os.path.join(datasets.FORTUNES_DIR, f)) for f in datasets.FORTUNES_FILES),
+    reason="Debian packages fortunes and fortunes-min not installed (bash scripts/setup.sh installs "
+           "them: apt-get install fortunes fortunes-min)")
+
+
+def _cookies_of(ds: datasets.TextDataset) -> list[bytes]:
+    """The cookies of a split's stream, which ends every cookie with "\\n%\\n"."""
+    stream = bytes(ds.tokens.tolist())
+    assert stream.endswith(b"\n%\n")
+    return stream[:-3].split(b"\n%\n")
+
+
+@needs_fortunes
+def test_fortunes_is_split_by_cookie_into_windows_of_bytes():
+    """Debian 12's fortunes 1:1.99.1-7.3 and fortunes-min: 15,217 cookies of 2,531,016 bytes."""
+    cookies = datasets.read_cookies()
+    assert len(cookies) == 15_217 and sum(map(len, cookies)) == 2_531_016
+    train, val = datasets.fortunes("train"), datasets.fortunes("val")
+    train_cookies, val_cookies = _cookies_of(train), _cookies_of(val)
+    assert (len(train_cookies), len(val_cookies)) == (13_703, 1_514)
+    assert not set(train_cookies) & set(val_cookies)  # repeated cookies share their split
+    assert sorted(train_cookies + val_cookies) == sorted(cookies)
+    assert [c for c in cookies if c in set(val_cookies)] == val_cookies  # in file order
+    assert (len(train.tokens), len(val.tokens)) == (2_306_085, 270_582)
+    assert (len(train), len(val)) == (18_016, 2_113) and train.num_tokens == 18_016 * 128
+    assert isinstance(train, TensorDataset) and train.vocab_size == 256
+    x, y = train[5]
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (128,)
+    assert torch.equal(x, train.tokens[640:768]) and torch.equal(y, train.tokens[641:769])
+    assert int(train.tokens.min()) >= 0 and int(train.tokens.max()) < 256
+    first = train_cookies[0]
+    assert train.decode(train.tokens[:3 + len(first)]) == first.decode("utf-8", "replace") + "\n%\n"
+    again = datasets.fortunes("val")
+    assert torch.equal(again.tokens, val.tokens)
+    other = datasets.fortunes("val", seed=1)
+    assert not torch.equal(other.tokens, val.tokens)
+    assert 0.08 < len(_cookies_of(other)) / len(cookies) < 0.12
+
+
+@needs_fortunes
+def test_fortunes_block_size_subset_and_text_round_trip():
+    val = datasets.fortunes("val", block_size=16)
+    assert len(val) == (270_582 - 1) // 16 and val.tensors[0].shape == (len(val), 16)
+    part = val.subset(4)
+    picks = [i * len(val) // 4 for i in range(4)]
+    assert len(part) == 4 and part.block_size == 16
+    for row, i in enumerate(picks):
+        assert torch.equal(part[row][0], val[i][0]) and torch.equal(part[row][1], val[i][1])
+    assert len(val.subset(10**6)) == len(val)
+    text = "Naïve %\n\tquote"
+    assert datasets.TextDataset.decode(datasets.TextDataset.encode(text)) == text
+    assert datasets.TextDataset.encode("é").tolist() == [0xC3, 0xA9]
+
+
+def test_fortunes_missing_files_name_the_packages(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"lacks 43 of its 43 .*apt-get install fortunes fortunes-min"):
+        datasets.fortunes(root=str(tmp_path))
+    for name in ("fortunes", "literature", "riddles"):  # fortunes-min alone
+        (tmp_path / name).write_text("A cookie.\n%\n")
+    with pytest.raises(FileNotFoundError, match=r"lacks 40 of its 43 cookie files .*\(art, ascii-art, computers, …\)"):
+        datasets.fortunes(root=str(tmp_path))
+
+
+def test_fortunes_reads_cookie_files_of_any_layout(tmp_path):
+    for name in datasets.FORTUNES_FILES:
+        (tmp_path / name).write_text("")
+    (tmp_path / "art").write_text("%\nfirst\n%\n  \n%\nsecond\nline\n%\n%% not a separator\n")
+    (tmp_path / "zippy").write_text("last, no separator\n")
+    assert datasets.read_cookies(str(tmp_path)) == [b"first", b"second\nline", b"%% not a separator",
+                                                    b"last, no separator"]
+    train = datasets.fortunes("train", block_size=4, val_per_mille=1, root=str(tmp_path))
+    assert train.decode(train.tokens) == "first\n%\nsecond\nline\n%\n%% not a separator\n%\nlast, no separator\n%\n"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(split="test"), r"splits are 'train' and 'val'"),
+    (dict(block_size=0), r"block_size=0.*integer ≥ 1"),
+    (dict(val_per_mille=1000), r"val_per_mille=1000.*1 … 999"),
+])
+def test_fortunes_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        datasets.fortunes(**kwargs)

@@ -6,9 +6,12 @@ The 1-process run and the hand-written SMA of tests/_reference.py are the oracle
 """
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -434,6 +437,8 @@ def test_every_rank_stops_with_divergence_error_at_the_same_round_when_every_lea
 
 
 def test_the_central_model_is_bitwise_identical_on_every_rank_integer_buffers_included(fault_runs):
+    """The central model is bit-identical on every rank, integer buffers included, and every
+    rank's module given to compile holds it after the fit."""
     _, _, runs = fault_runs
     r0, r1 = runs["int_buffers"]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
@@ -443,6 +448,9 @@ def test_the_central_model_is_bitwise_identical_on_every_rank_integer_buffers_in
         other = r1["central"][name]
         assert value.dtype == other.dtype and torch.equal(value, other), name
     assert int(r0["central"]["seen"]) == r0["seen"][0]  # the rule: rank 0's first replica's
+    for r in (r0, r1):  # every rank's own module holds that central model after the fit
+        assert r["user"].keys() == r0["central"].keys()
+        assert all(torch.equal(r["user"][name], value) for name, value in r0["central"].items())
 
 
 def test_without_torchrun_nothing_changes(monkeypatch):
@@ -480,9 +488,10 @@ def test_torchrun_cli_prints_the_same_z_checksum_on_both_ranks():
     run = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, timeout=180)
     out = f"exit code {run.returncode}\n{run.stdout}"  # stderr too: the reason if a rank failed
-    sums = sorted(line for line in out.splitlines() if "z checksum" in line)
-    assert len(sums) == 2 and sums[0].startswith("rank 0/2") and sums[1].startswith("rank 1/2"), out
-    assert sums[0].split("checksum")[1] == sums[1].split("checksum")[1], out
+    # the two ranks share one pipe, so one rank's line may land inside the other's
+    sums = sorted(re.findall(r"rank (\d)/2: z checksum (\w+) after", out))
+    assert [rank for rank, _ in sums] == ["0", "1"], out
+    assert sums[0][1] == sums[1][1], out
     assert out.count("final test accuracy") == 1, out  # rank 0 only
 
 
@@ -578,3 +587,65 @@ def test_rank_0s_settings_travel_every_round_only_when_a_hook_decides(tmp_path, 
     assert len(quiet) == 1 + 40 // AGREE_EVERY_ROUNDS, quiet
     assert len(calls) >= 40, len(calls)
     torch.testing.assert_close(z, z_alone, atol=0, rtol=0)
+
+
+_AWAIT_SIGTERM = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import crossbow_graph as cg
+from _plans import make_plan, tiny_data
+out = sys.argv[1]
+class AwaitSignal(cg.Hook):  # after round 4: give the test this rank's pid, wait for its signals
+    def after_round(self, ctx):
+        if ctx.plan.rounds_done == 4:
+            with open(os.path.join(out, "rank" + os.environ["RANK"] + ".pid"), "w") as f:
+                f.write(str(os.getpid()))
+            while not os.path.exists(os.path.join(out, "sent")):
+                time.sleep(0.01)
+make_plan(replicas=2, executor="inline").fit(
+    tiny_data(4 * 2 * 2 * 64), 1, progress=False, metrics_every=None, hooks=[AwaitSignal()],
+    checkpoint_dir=os.path.join(out, "ckpt"))
+print("the fit returned")
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_and_every_rank_stops_each_rank_once_with_a_checkpoint(tmp_path):
+    """SLURM's way: SIGTERM to every rank and to torchrun's agent, which forwards one more to
+    each rank. Each rank counts the two as one stop: every rank finishes the same round, rank 0
+    writes its checkpoint and announces it, and the ranks exit by themselves before the agent's
+    shutdown timeout (torchrun itself exits 1 with its SignalException)."""
+    script = tmp_path / "await_sigterm.py"
+    script.write_text(_AWAIT_SIGTERM.format(tests=os.path.dirname(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script),
+           str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    pids = [tmp_path / f"rank{r}.pid" for r in range(2)]
+    said = ""
+    try:
+        for _ in range(1800):  # up to ~180 s for round 4 on both ranks
+            if all(p.exists() and p.read_text() for p in pids) or agent.poll() is not None:
+                break
+            time.sleep(0.1)
+        for p in pids:  # SLURM's
+            os.kill(int(p.read_text()), signal.SIGTERM)
+        while said.count("SIGTERM received") < 2 and agent.poll() is None:
+            said += agent.stdout.readline()  # both handled: the agent's would not merge with them
+        agent.send_signal(signal.SIGTERM)  # torchrun's agent forwards it to every rank
+        while said.count("closing signal SIGTERM") < 2 and agent.poll() is None:
+            said += agent.stdout.readline()
+        (tmp_path / "sent").touch()
+        out = said + agent.communicate(timeout=120)[0]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert out.count("the fit stopped on SIGTERM after") == 1, out[-4000:]  # rank 0 announces it
+    assert "the fit returned" not in out and "forcefully exiting" not in out, out[-4000:]
+    path, state = load_latest(str(tmp_path / "ckpt"))
+    assert 4 <= state["plan"]["rounds_done"] <= 4 + 16, out[-4000:]  # the agreed stop round
+    assert f"checkpoint {path} holds its state" in out, out[-4000:]
+    assert agent.returncode == 1 and "SignalException" in out, out[-4000:]

@@ -6,6 +6,7 @@ import functools
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,7 +108,8 @@ def test_all_replicas_failing_stops_with_divergence_error_and_checkpoint_intact(
     assert plan.scheduler.resolved_executor() == "process"  # the last worker runs the global sync
     assert torch.equal(plan.central_weights(), poison.pre_z)  # z untouched by the failed round
     assert isinstance(err.value, TaskError) and err.value.round_index == 3
-    assert "resume from the last checkpoint" in str(err.value)
+    assert re.search(r"resume=True continues from \S+/ckpt-0000000003\.pt, the newest checkpoint "
+                     r"whose training loss", str(err.value))
     assert "the central model z is finite" in str(err.value)
     path, state = load_latest(str(tmp_path))
     assert state["plan"]["rounds_done"] == 3
@@ -196,15 +198,18 @@ _regression_plan = functools.partial(make_plan, model=_relu_mlp, example=torch.z
 def test_lowering_the_lr_and_resuming_after_divergence_trains_on(tmp_path):
     """The reporter's run: DivergenceError, the plan compiled again with a 1000× lower η and no
     momentum, resume=True: the resumed fit runs with the new η and momentum (a warning names both
-    values), does not diverge again, and equals the last checkpoint's state trained on with them."""
+    values), does not diverge again, and equals the state of the checkpoint the error names (an
+    epoch's end whose training loss stayed low before and after it) trained on with them."""
     ckpt = str(tmp_path)
     with pytest.raises(DivergenceError, match=r"Lower the learning rate \(compile the plan again "
                                               r"with a lower lr") as err:
         diverging = _regression_plan(optimizer=cg.SGD(lr=1.0, momentum=0.9))
         diverging.fit(data(), 6, progress=False, checkpoint_dir=ckpt)
-    saved = load_latest(ckpt)[1]["plan"]
+    path, state = load_latest(ckpt)
+    saved = state["plan"]
     done = saved["rounds_done"]
-    assert done == err.value.round_index // 8 * 8 >= 8  # the last epoch's end
+    assert done % 8 == 0 and 8 <= done < err.value.round_index  # an epoch's end before the error
+    assert f"resume=True continues from {path}, the newest checkpoint" in str(err.value)
     resumed = _regression_plan(optimizer=cg.SGD(lr=1e-3, momentum=0.0))
     with pytest.warns(UserWarning, match=r"this fit's win: lr \(param group 0\) 0\.001 \(the "
                                          r"checkpoint's run was set up with 1\.0; 1\.0 in force at "
@@ -221,6 +226,70 @@ def test_lowering_the_lr_and_resuming_after_divergence_trains_on(tmp_path):
     oracle.fit(data(), 6 - done // 8, progress=False)
     assert torch.equal(oracle.central_weights(), resumed.central_weights())
     assert torch.equal(oracle.replica_weights(), resumed.replica_weights())
+
+
+def _scale_10_data() -> TensorDataset:
+    """512 samples x [512, 8] of scale 10, y = x·w [512, 1]: SGD at η = 1 diverges on it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 8, generator=g) * 10
+    return TensorDataset(x, x @ torch.randn(8, 1, generator=g))
+
+
+_linear_plan = functools.partial(make_plan, model=lambda: nn.Linear(8, 1), example=torch.zeros(1, 8),
+                                 loss_fn=nn.functional.mse_loss, batch_size=8, devices=1,
+                                 replicas=2, executor="inline")
+
+
+class _RaiseLr(cg.Policy):
+    """η ← 1.0 after round 13 (a schedule gone wrong)."""
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == 13:
+            self.adjust(ctx, lr=1.0, reason="too high")
+
+
+def test_after_divergence_a_resume_continues_from_the_newest_healthy_checkpoint(tmp_path):
+    """η = 1e-3 for 13 rounds, then 1.0: the run diverges some rounds later, and the checkpoints
+    written since (every 2 rounds) hold a blown-up but finite z. The error names checkpoint 12
+    (the loss stayed low before and after it), those after it are set aside, and a resume at a
+    lower η continues from round 12 and trains on."""
+    ckpt = str(tmp_path)
+    with pytest.raises(DivergenceError) as err:
+        _linear_plan(optimizer=cg.SGD(lr=1e-3, momentum=0.9)).fit(
+            _scale_10_data(), 2, progress=False, policies=[_RaiseLr()], checkpoint_dir=ckpt,
+            checkpoint_every=2)
+    assert (f"resume=True continues from {ckpt}/ckpt-0000000012.pt, the newest checkpoint whose "
+            "training loss before and after it stayed within 10×") in str(err.value)
+    kept, *aside = sorted(os.listdir(ckpt))  # the newest two besides checkpoint 12, set aside
+    assert kept == "ckpt-0000000012.pt" and len(aside) == 2
+    assert all(name.endswith(".pt.diverged") and name in str(err.value) for name in aside)
+    resumed = _linear_plan(optimizer=cg.SGD(lr=5e-4, momentum=0.9))
+    with pytest.warns(UserWarning, match=r"this fit's win: lr \(param group 0\) 0\.0005"):
+        history = resumed.fit(_scale_10_data(), 1, progress=False, checkpoint_dir=ckpt,
+                              checkpoint_every=2, resume=True)
+    assert history.lr == [1e-3] * 12 + [5e-4] * 20
+    assert not history.faults and torch.isfinite(resumed.central_weights()).all()
+
+
+def test_after_divergence_with_no_healthy_checkpoint_a_resume_starts_afresh(tmp_path):
+    """SGD at η = 1, momentum 0.9 from the first round: every checkpoint (every 2 rounds) already
+    holds a blown-up but finite z. The error says none is healthy and sets them aside, so the same
+    fit compiled with η = 1e-3 and resume=True starts afresh, as a new fit at η = 1e-3."""
+    ckpt = str(tmp_path)
+    with pytest.raises(DivergenceError, match=r"no checkpoint of this run holds a healthy state "
+                                              r"\(the training loss rose above 10× its first "
+                                              r"round's, [0-9.]+, around each\): they are set aside "
+                                              r"as ckpt-\d+\.pt\.diverged .*, so resume=True "
+                                              r"starts afresh"):
+        _linear_plan(optimizer=cg.SGD(lr=1.0, momentum=0.9)).fit(
+            _scale_10_data(), 2, progress=False, checkpoint_dir=ckpt, checkpoint_every=2)
+    assert load_latest(ckpt) is None
+    resumed = _linear_plan(optimizer=cg.SGD(lr=1e-3, momentum=0.9))
+    history = resumed.fit(_scale_10_data(), 1, progress=False, checkpoint_dir=ckpt, resume=True)
+    fresh = _linear_plan(optimizer=cg.SGD(lr=1e-3, momentum=0.9))
+    fresh.fit(_scale_10_data(), 1, progress=False)
+    assert not history.faults and history.lr == [1e-3] * 32
+    assert torch.equal(resumed.central_weights(), fresh.central_weights())
 
 
 # -- Ctrl-C to the coordinator alone -------------------------------------------------------------

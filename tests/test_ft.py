@@ -6,6 +6,7 @@ The options' errors need no torchft; the rest is skipped without it (the ``ft`` 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -229,18 +230,24 @@ def _assert_rejoined(g0: dict, g1: dict) -> int:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("env, says", [({"FT_SEED_g1": "1"}, "hold another z"),
-                                       ({"FT_MOMENTUM_g1": "0.5"}, "run another computation")])
+@pytest.mark.parametrize("env, says", [
+    ({"FT_SEED_g1": "1"}, "hold another z"),
+    ({"FT_MOMENTUM_g1": "0.5"}, "run another computation"),
+    ({"FT_LR_g1": "0.1"}, r"other hyper-parameters: .* \(this group's: SGD\(lr=0\.(1|05), momentum"),
+    ({"FT_OPTIMIZER_g1": "adamw"}, r"other hyper-parameters: .* \(this group's: (AdamW|SGD)\(lr"),
+    ({"FT_BATCH_g1": "8"}, r"other hyper-parameters: .*, b = (4|8)\)")],
+    ids=["seed", "sma", "lr", "optimizer", "batch_size"])
 def test_groups_that_differ_stop_at_their_first_sync_naming_the_difference(tmp_path, monkeypatch,
                                                                           env, says):
-    """g1 compiled with another seed (z differs) or another SMA (μ_z 0.5): at the first quorum
-    of both, every group stops with a DistributedError naming what differs, before any sum of
-    the two is applied."""
+    """g1 compiled with another seed (z differs), another SMA (μ_z 0.5), another learning rate,
+    optimizer or batch size (what plain torchrun refuses at start-up): at the first quorum of
+    both, every group stops with a DistributedError naming what differs, before any sum of the
+    two is applied."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     r = run_groups(tmp_path, "sma", {}, min_replicas=2, errors=True)
     for g in ("g0", "g1"):
-        assert says in r[g].get("error", ""), (g, r[g].get("error"), r[g]["log"][-2000:])
+        assert re.search(says, r[g].get("error", "")), (g, r[g].get("error"), r[g]["log"][-2000:])
         assert r[g]["z_after"] == []  # the first round did not end: no sum of the two applied
 
 
@@ -254,6 +261,61 @@ def test_a_checkpointed_run_resumes_bit_identically_when_nothing_fails(tmp_path)
     for g in ("g0", "g1"):
         assert len(resumed[g]["z_after"]) == ROUNDS - 4
         assert torch.equal(resumed[g]["z_after"][-1], whole[g]["z_after"][-1]), g
+
+
+_LONE_GROUP = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import crossbow_graph as cg
+from crossbow_graph.errors import DistributedError
+from _plans import TinyNet, make_plan, tiny_data
+out = sys.argv[1]
+class AfterFour(cg.Hook):  # after round 4: tell the test, wait until it killed the Lighthouse
+    def after_round(self, ctx):
+        if ctx.plan.rounds_done == 4:
+            open(os.path.join(out, "round4"), "w").close()
+            while not os.path.exists(os.path.join(out, "killed")):
+                time.sleep(0.05)
+dist = cg.Distributed(fault_tolerant=True, replica_group="g0", timeout_s=2.0, ft_attempts=3)
+try:
+    make_plan(TinyNet, replicas=2, distributed=dist).fit(tiny_data(), 1, progress=False,
+                                                        metrics_every=None, hooks=[AfterFour()])
+except DistributedError as exc:
+    print("ERROR:", exc)
+"""
+
+
+@pytest.mark.distributed
+def test_a_group_whose_lighthouse_is_gone_stops_naming_it_and_the_fix(tmp_path):
+    """The Lighthouse killed after round 4: each discarded sync attempt's warning and the
+    DistributedError after ft_attempts × timeout_s name its address, say that nothing listens
+    there and how to go on; torchft's raw gRPC text is not printed."""
+    pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
+    lighthouse, address = start_lighthouse()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "RUST_LOG")}
+    env.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", _LONE_GROUP.format(tests=HERE), str(tmp_path)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(1200):  # up to ~120 s for round 4
+            if (tmp_path / "round4").exists() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        lighthouse.kill()
+        lighthouse.wait()
+        (tmp_path / "killed").touch()
+        log = proc.communicate(timeout=150)[0]
+    finally:
+        stop_all([proc], lighthouse)
+    port = address.rsplit(":", 1)[1]
+    gone = f"the Lighthouse at {address} does not answer: nothing listens there"
+    assert log.count(f"discarded ({gone}") == 3, log[-3000:]
+    assert (f"ERROR: replica group g0: the global sync of round 4 did not commit in 3 attempts"
+            in log), log[-3000:]
+    assert (f"the last: {gone} (it stopped, or was never started there). Restart the Lighthouse "
+            f"there (torchft_lighthouse --min_replicas 1 --bind [::]:{port}), then this group from "
+            "its checkpoint (resume=True, --resume)") in log, log[-3000:]
+    assert "MetadataMap" not in log and "status:" not in log
 
 
 def test_the_global_sync_runs_over_nccl_on_a_cuda_device_and_over_gloo_on_the_host():

@@ -18,11 +18,12 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 import crossbow_graph as cg
+from crossbow_graph.engine import graph_inputs as GI
 from crossbow_graph.engine import graphs as G
-from crossbow_graph.engine.capture_check import CaptureChecker, SimulatedGraphs
+from crossbow_graph.engine.capture_check import (CaptureChecker, CaptureError, SimulatedGraph,
+                                                 SimulatedGraphs)
 from crossbow_graph.engine.race_check import RaceRecorder
 from crossbow_graph.training.data import DeviceFetch
 
@@ -56,7 +57,7 @@ def _fit(graph: bool, *, mode="per_replica", data=None, optimizer=None, model=Ti
             history = plan.fit(data, 1, shuffle=False, progress=False, metrics_every=None,
                                lr_scheduler=steps, lr_scheduler_interval="round")
         plan.scheduler.flush()
-    assert [str(r) for r in rec.races] == []
+    assert [str(r) for r in rec.races] == [], [str(r) for r in rec.races][:3]
     return plan, history, plan.central_weights(), plan.states[0].zbuf.clone()
 
 
@@ -97,7 +98,7 @@ def test_graph_rounds_equal_eager_rounds(mode):
 def test_numbers_in_the_graph_would_be_frozen(monkeypatch):
     """The oracle can fail: with η handed to the kernels as a number, the replays keep the
     captured round's η and z moves away from the eager rounds'."""
-    monkeypatch.setattr(G.DeviceHyper, "local_args", lambda self, sgd, alpha: dict(
+    monkeypatch.setattr(GI.DeviceHyper, "local_args", lambda self, sgd, alpha: dict(
         lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay, alpha=alpha))
     eager, graph = _fit(False), _fit(True)
     assert not torch.allclose(graph[2], eager[2], atol=100 * ATOL, rtol=100 * RTOL)
@@ -126,15 +127,53 @@ class ItemNet(TinyBN):
         return super().forward(x) * (1.0 + 0.0 * float(x.abs().max()))
 
 
+class _CountedCaptures(SimulatedGraphs):
+    """Simulated graphs that count the captures started."""
+
+    started = 0
+
+    def capture(self, graph, device):
+        self.started += 1
+        return super().capture(graph, device)
+
+
 def test_an_uncapturable_model_warns_once_and_trains_eagerly():
-    """The capture fails at the host read; one GraphWarning names it, what the capture ran is
-    put back, and every round trains eagerly: the eager rounds' z."""
-    with pytest.warns(G.GraphWarning, match="_local_scalar_dense") as caught:
-        graph = _fit(True, model=ItemNet)
+    """A warm-up round finds the host read (CaptureProbe): one GraphWarning names it and the
+    model's line, no capture is started, and every round trains eagerly: the eager rounds' z."""
+    ops = _CountedCaptures()
+    with pytest.warns(G.GraphWarning, match=r"capture would fail \(aten::_local_scalar_dense reads "
+                      r"device data on the host .* at tests/test_graphs\.py:\d+ \(forward\)\)") as caught:
+        graph = _fit(True, model=ItemNet, round_graph=G.RoundGraph(ops))
     assert len([w for w in caught if issubclass(w.category, G.GraphWarning)]) == 1
     _same(graph, _fit(False, model=ItemNet))
     rg = graph[0].scheduler.round_graph
-    assert rg.captures == 0 and "CaptureError" in rg.failure
+    assert rg.captures == 0 and ops.started == 0 and "_local_scalar_dense" in rg.failure
+
+
+def test_a_capture_that_fails_after_a_clean_warm_up_falls_back():
+    """An op the warm-up's probe does not see fails the capture itself (a simulated
+    CaptureError): what the capture ran is put back, one GraphWarning names the failure, and
+    every round trains eagerly: the eager rounds' z."""
+    class Late(SimulatedGraphs):
+        def capture(self, graph, device):
+            graph.__class__ = _FailingGraph
+            return super().capture(graph, device)
+
+    with pytest.warns(G.GraphWarning, match="a capture failed .*CaptureError"):
+        graph = _fit(True, round_graph=G.RoundGraph(Late()))
+    _same(graph, _fit(False))
+    rg = graph[0].scheduler.round_graph
+    assert rg.captures == 0 and rg.failure.startswith("CaptureError")
+
+
+class _FailingGraph(SimulatedGraph):
+    """A simulated graph whose capture fails at its first in-place add (after it wrote)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func is torch.ops.aten.add_.Tensor:
+            raise CaptureError("operation not permitted when stream is capturing: a late op")
+        return out
 
 
 def test_rounds_a_graph_cannot_take_run_eagerly_with_a_warning():
@@ -144,6 +183,22 @@ def test_rounds_a_graph_cannot_take_run_eagerly_with_a_warning():
         graph = _fit(True, optimizer=_adamw)
     _same(graph, _fit(False, optimizer=_adamw))
     assert graph[0].scheduler.round_graph.captures == 0
+
+
+def test_compile_refuses_cuda_graphs_with_fault_tolerance():
+    """Distributed(fault_tolerant=True) with cuda_graphs=True is refused before any device,
+    process group or torchft is touched: its global sync runs torchft's quorum and all-reduce
+    on the host every round, which a graph cannot hold."""
+    with pytest.raises(ValueError, match=r"fault_tolerant=True.*cuda_graphs=True.*leave cuda_graphs"):
+        make_plan(devices=1, replicas=2, cuda_graphs=True,
+                  distributed=cg.Distributed(fault_tolerant=True, lighthouse="http://nowhere:1"))
+
+
+@pytest.mark.gpu
+def test_gpu_compile_refuses_cuda_graphs_with_fault_tolerance():
+    with pytest.raises(ValueError, match=r"fault_tolerant=True.*cuda_graphs=True"):
+        make_plan(devices=1, replicas=2, cuda_graphs=True,
+                  distributed=cg.Distributed(fault_tolerant=True, lighthouse="http://nowhere:1"))
 
 
 def test_compile_refuses_cuda_graphs_without_cuda():
@@ -280,7 +335,7 @@ class ItemLeNet(cg.models.LeNet5):
 
 @pytest.mark.gpu
 def test_gpu_uncapturable_model_falls_back_and_trains():
-    with pytest.warns(G.GraphWarning, match="capture failed"):
+    with pytest.warns(G.GraphWarning, match="capture would fail"):
         plan, z, _ = _gpu_fit(ItemLeNet, "per_replica", True)
     _, z_eager, _ = _gpu_fit(ItemLeNet, "per_replica", False)
     assert plan.scheduler.round_graph.captures == 0
@@ -314,11 +369,18 @@ def test_capture_is_thread_local_and_restores_the_callers_stream(monkeypatch, fa
     """CudaGraphOps.capture asks for capture_error_mode="thread_local" (a DataLoader's pin
     thread or a logger's .item() elsewhere cannot break it), puts every graph in one memory
     pool, and leaves the caller's stream current after a capture, also one that failed in
-    capture_end."""
-    current, seen = ["D"], {}
+    capture_end; after a failure it ends the allocator's allocation to the pool and releases
+    the pool (torch's capture_end raises before it does), and the next capture takes a new
+    pool."""
+    current, seen, allocator = ["D"], {}, []
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: current[0])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool",
+                        lambda i, pool: allocator.append(("end", i, pool)), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool",
+                        lambda i, pool: allocator.append(("release", i, pool)), raising=False)
 
     def graph(g, **kw):
         seen.update(kw)
@@ -332,20 +394,63 @@ def test_capture_is_thread_local_and_restores_the_callers_stream(monkeypatch, fa
         with pytest.raises(RuntimeError, match="capturing"):
             with ops.capture(object(), torch.device("cpu")):
                 assert current[0] == "capture stream"
+        assert allocator == [("end", 0, "pool"), ("release", 0, "pool")] and ops.pool is None
     else:
         for _ in range(2):  # every graph in the one pool
             with ops.capture(object(), torch.device("cpu")):
                 assert current[0] == "capture stream"
+        assert allocator == []
     assert current[0] == "D" and seen == {"capture_error_mode": "thread_local", "pool": "pool"}
+    if fail:
+        fail = False
+        with ops.capture(object(), torch.device("cpu")):
+            pass
+        assert seen["pool"] == "another pool"
+
+
+class SyncLeNet(cg.models.LeNet5):
+    """LeNet-5 whose forward synchronises its stream: no aten op (the warm-up's CaptureProbe
+    does not see it), and a capturing stream cannot be synchronised: the capture fails."""
+
+    def forward(self, x):
+        torch.cuda.current_stream().synchronize()
+        return super().forward(x)
 
 
 @pytest.mark.gpu
 def test_gpu_failed_capture_leaves_the_default_stream_current():
-    """After a capture that failed (a host read in the model), the caller's stream is current
-    again: later rounds and the user's code do not run on torch's capture stream."""
+    """After a capture that failed (a stream synchronised in the model), the caller's stream is
+    current again: later rounds and the user's code do not run on torch's capture stream."""
     with pytest.warns(G.GraphWarning, match="capture failed"):
-        _gpu_fit(ItemLeNet, "per_replica", True)
+        _gpu_fit(SyncLeNet, "per_replica", True)
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+@pytest.mark.gpu
+def test_gpu_memory_stays_flat_after_a_failed_capture():
+    """200 rounds after a failed capture (SyncLeNet: the capture fails at round 3), eager on
+    CUDA streams: torch's caching allocator left capture mode (the capture's pool ended and
+    released), so the blocks each round frees after their use on another stream are reused:
+    the reserved memory after round 200 is that after round 20."""
+    reserved = {}
+
+    class Reserved(cg.Hook):
+        mutates_replicas = False
+
+        def after_round(self, ctx):
+            if ctx.plan.rounds_done in (20, 200):
+                torch.cuda.synchronize()
+                reserved[ctx.plan.rounds_done] = torch.cuda.memory_reserved()
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4 * 16 * 200, 1, 28, 28), torch.randint(0, 10, (4 * 16 * 200,))
+    plan = make_plan(SyncLeNet, seed=None, example=x[:2], batch_size=16, devices=1, replicas=4,
+                     optimizer=cg.SGD(lr=0.05, momentum=0.9), cuda_graphs=True)
+    with pytest.warns(G.GraphWarning, match="capture failed"):
+        plan.fit(torch.utils.data.TensorDataset(x, y), 1, shuffle=False, progress=False,
+                 metrics_every=None, hooks=[Reserved()])
+    assert plan.scheduler.round_graph.captures == 0 and plan.rounds_done == 200
+    assert reserved[200] == reserved[20], reserved
 
 
 @pytest.mark.gpu
@@ -414,23 +519,6 @@ def test_gpu_bf16_central_module_reads_z_after_replays(mode):
     assert s.z_model is not s.z and torch.equal(s.z_model, s.z.to(torch.bfloat16))
 
 
-def test_graph_rounds_take_a_dataloaders_batches_into_static_inputs():
-    """A DataLoader's batches (new tensors every round, never the dataset's): the graph rounds
-    copy each into static inputs of the plan's device, capture and replay, and z equals the
-    eager rounds'; the static inputs are the entry's own, and the first step's round (run once)
-    keeps none; the History records the captures, replays and eager rounds."""
-    loader = torch.utils.data.DataLoader(tiny_data(96), batch_size=12, shuffle=False)
-    eager = _fit(False, data=loader)
-    graph = _fit(True, data=loader)
-    _same(graph, eager)
-    rg = graph[0].scheduler.round_graph
-    assert (rg.captures, rg.replays, rg.failure) == (1, 4, None)
-    assert graph[1].cuda_graphs == {"captures": 1, "replays": 4, "eager_rounds": {}}
-    assert len(rg._entries) == 1  # the steady key only
-    (entry,) = rg._entries.values()
-    assert all(t.device == graph[0].states[0].torch_device for t in tree_leaves(entry.batch))
-
-
 def test_a_refused_round_names_data_on_device_and_is_recorded():
     """Rounds a graph cannot take are counted by reason in the History (a row optimizer: all
     8); a batch that is not a structure of tensors is refused naming data_on_device."""
@@ -443,72 +531,10 @@ def test_a_refused_round_names_data_on_device_and_is_recorded():
     assert sched.round_graph.why_not(sched, (torch.zeros(2), torch.zeros(2))) is None
 
 
-class _Ops:
-    """Events and pinning as HostStaging uses them, recording the host's waits."""
-
-    def __init__(self):
-        self.waited, self.n = [], 0
-
-    def stage(self, t):
-        return t.clone()
-
-    def use(self, stream):
-        return contextlib.nullcontext()
-
-    def new_event(self):
-        self.n += 1
-        return self.n
-
-    def record(self, event, stream):
-        pass
-
-    def wait_host(self, event):
-        self.waited.append(event)
-
-
-def test_host_staging_refills_a_buffer_only_after_its_last_copy():
-    """Two slots in turn: the third batch waits for the event after the first batch's copy,
-    the fourth for the second's; each static input holds the batch copied last."""
-    ops = _Ops()
-    staging = G.HostStaging(ops)
-    static = [torch.zeros(3)]
-    for i in range(4):
-        staging.copy_in(static, [torch.full((3,), float(i))], stream=None)
-        assert torch.equal(static[0], torch.full((3,), float(i)))
-    assert ops.waited == [1, 2]
-    assert staging.buffers[0][0] is not staging.buffers[1][0]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["per_replica", "fused"])
-def test_gpu_graph_rounds_from_host_data_replay_and_equal_eager(mode):
-    """Host data (data_on_device=False: the batches are gathered on the host) and a DataLoader:
-    the graph rounds replay (no fallback) and z equals the eager rounds' on the same batches."""
-    torch.backends.cudnn.deterministic = True
-    torch.manual_seed(0)
-    x, y = torch.randn(4 * 16 * 8, 1, 28, 28), torch.randint(0, 10, (4 * 16 * 8,))
-    data = torch.utils.data.TensorDataset(x, y)
-    zs = {}
-    for source in ("host", "loader"):
-        for graphs in (True, False):
-            torch.manual_seed(0)
-            plan = cg.compile(cg.models.lenet5(), (x[:2],), nn.functional.cross_entropy,
-                              batch_size=16, devices=1, replicas=4, learner_mode=mode,
-                              optimizer=cg.SGD(lr=0.05, momentum=0.9), cuda_graphs=graphs)
-            src = data if source == "host" else torch.utils.data.DataLoader(
-                data, batch_size=16, pin_memory=True)
-            h = plan.fit(src, 1, shuffle=False, progress=False, metrics_every=None,
-                         **({"data_on_device": False} if source == "host" else {}))
-            if graphs:
-                assert h.cuda_graphs["replays"] > 0 and not h.cuda_graphs["eager_rounds"], h.cuda_graphs
-            zs[source, graphs] = plan.central_weights()
-        torch.testing.assert_close(zs[source, True], zs[source, False], atol=1e-6, rtol=1e-5)
-
-
 def test_hyper_parameters_are_written_only_when_they_change():
     """DeviceHyper.set fills a tensor only when its number changed (no kernel in a round whose
     η, μ_l, λ, α, μ_z stay), and always holds the number in force."""
-    hyper = G.DeviceHyper(torch.device("cpu"))
+    hyper = GI.DeviceHyper(torch.device("cpu"))
     hyper.set(lr=0.1, momentum=0.9)
     versions = {n: t._version for n, t in hyper.values.items()}
     hyper.set(lr=0.1, momentum=0.9)

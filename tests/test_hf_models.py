@@ -8,7 +8,10 @@ keys and tied weights. Skipped without transformers (the `test` extra installs i
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never download
 
@@ -122,6 +125,9 @@ def test_gpt2_causal_lm_trains_on_its_own_loss_with_the_labels_among_the_inputs(
     assert isinstance(z, transformers.GPT2LMHeadModel)
     assert list(z.state_dict()) == list(model.state_dict())
     assert z.lm_head.weight is z.transformer.wte.weight  # tied weights kept
+    assert model.lm_head.weight is model.transformer.wte.weight  # the user's model holds z, tied
+    for key, value in z.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0, msg=key)
     with torch.no_grad():
         torch.testing.assert_close(plan.evaluate(train)[1], float(z(input_ids=ids, labels=ids).loss),
                                    rtol=1e-5, atol=1e-6)
@@ -220,3 +226,115 @@ def test_transformers_own_tracer_gives_the_graph_where_it_exists():
                        replicas=1).model_graph
     assert graph.tracer == "transformers.fx" and graph.module is not None
     assert graph.analysis.forward_flops_per_sample > 0
+
+
+def _clip() -> "transformers.CLIPModel":
+    cfg = transformers.CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=SEQ,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=1),
+        vision_config=dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, num_channels=3),
+        projection_dim=16)
+    return transformers.CLIPModel(cfg)
+
+
+def _pairs(n: int = 64) -> dict[str, torch.Tensor]:
+    """Captions and images of 8 classes: the image's mean and the caption's tokens name it."""
+    g = torch.Generator().manual_seed(8)
+    c = torch.arange(n) % 8
+    ids = (c[:, None] * 10 + torch.randint(0, 10, (n, SEQ), generator=g)) % VOCAB
+    pixels = torch.randn(n, 3, 16, 16, generator=g) * 0.5 + (c.float() / 4 - 1)[:, None, None, None]
+    return {"input_ids": ids, "pixel_values": pixels, "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.mark.parametrize("flag_in", ["example_inputs", "samples"])
+def test_clip_trains_on_its_own_contrastive_loss_without_labels(flag_in):
+    """CLIP as given: ``return_loss=True`` among the example inputs (a flag every forward gets),
+    or in every sample too (a flag, not collated into a tensor); dict samples without labels.
+    Evaluated in batches of 8 captions and images of 8 classes, where chance is ln 8."""
+    torch.manual_seed(0)
+    columns = _pairs(128)
+    train = Dicts(**columns) if flag_in == "example_inputs" else _Flagged(**columns)
+    example = {k: v[:2] for k, v in columns.items()} | {"return_loss": True}
+    model = _clip()
+    plan = cg.compile(model, example, None, batch_size=8, devices=1, replicas=2,
+                      optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))
+    with pytest.warns(UserWarning, match=r"no test accuracy: the samples have no target"):
+        before = plan.evaluate(train, batch_size=8)[1]
+        history = plan.fit(train, 4, eval_dataset=train, eval_batch_size=8, progress=False)
+    assert history.evals[-1].test_loss < 0.75 * math.log(8) < before
+    assert history.evals[-1].test_accuracy is None
+    z = plan.central_model()
+    assert isinstance(z, transformers.CLIPModel)
+    with torch.no_grad():  # oracle: CLIP's own loss of the central model in eager PyTorch
+        loss = float(z(**{k: v[:8] for k, v in columns.items()}, return_loss=True).loss)
+    torch.testing.assert_close(plan.evaluate(Dicts(**{k: v[:8] for k, v in columns.items()}))[1],
+                               loss, rtol=1e-5, atol=1e-6)
+
+
+class _Flagged(Dicts):
+    """CLIP's samples with the flag in each: ``{..., 'return_loss': True}``."""
+
+    def __getitem__(self, i: int) -> dict:
+        return {**super().__getitem__(i), "return_loss": True}
+
+
+def test_clip_without_its_flag_is_told_the_flag_not_labels():
+    columns = _pairs(4)
+    with pytest.raises(ValueError, match=r"loss_fn=None trains on the loss CLIPModel computes "
+                                         r"itself .* has none: CLIPModel.forward computes its loss "
+                                         r"with return_loss=True: put it among the example inputs"):
+        cg.compile(_clip(), {k: v[:2] for k, v in columns.items()}, None, batch_size=2)
+
+
+def test_an_untraceable_hf_model_warns_in_one_line_once_with_the_detail_in_the_summary():
+    columns = _pairs(4)
+    example = {k: v[:2] for k, v in columns.items()} | {"return_loss": True}
+
+    class OnceCLIP(transformers.CLIPModel):  # a class no other test compiles
+        pass
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = cg.compile(OnceCLIP(_clip().config), example, None, batch_size=2, replicas=1)
+        cg.compile(OnceCLIP(_clip().config), example, None, batch_size=2, replicas=1)
+    traces = [str(w.message) for w in caught if issubclass(w.category, cg.TraceWarning)]
+    assert len(traces) == 1 and "\n" not in traces[0] and len(traces[0]) < 300, traces
+    assert re.fullmatch(r"OnceCLIP has no fx graph \(torch\.fx: \w+: .*\); it trains as given, "
+                        r"with an approximate analysis: plan\.summary\(\) says what inspection "
+                        r"lost and why; strict_trace=True raises the TraceError instead", traces[0])
+    assert re.search(r"\ntrace: torch\.fx cannot trace OnceCLIP: .*\. Inspection is "
+                     r"approximate: FLOPs count matrix products", plan.summary())
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(cg.datasets.FORTUNES_DIR, "fortunes")),
+                    reason="Debian packages fortunes and fortunes-min not installed (bash "
+                           "scripts/setup.sh installs them)")
+def test_gpt2_lm_head_model_trains_on_fortunes_bytes_fused_as_per_replica():
+    """The language-model workload as a user brings a HuggingFace model: GPT2LMHeadModel from a
+    tiny config over the 256 byte values, its logits scored by ``cg.models.lm_loss`` on windows of
+    the fortunes corpus. 4 fused replicas compute what 4 per-replica ones do (dropout 0, AdamW,
+    up to float32 rounding in another order), and z's validation loss falls from ln 256."""
+    windows = cg.datasets.fortunes("train", block_size=32)
+    train = TensorDataset(*(t[:256] for t in windows.tensors))
+    val = cg.datasets.fortunes("val", block_size=32).subset(64)
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0, use_cache=False, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    weights = {}
+    for mode in ("per_replica", "fused"):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        plan = cg.compile(model, (train.tensors[0][:2],), lambda out, y: cg.models.lm_loss(out.logits, y),
+                          batch_size=8, devices=1, replicas=4, learner_mode=mode, executor="inline",
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+        before = plan.evaluate(val)[1]
+        plan.fit(train, epochs=1, shuffle=False, progress=False, metrics_every=None)
+        weights[mode] = plan.replica_weights()
+        assert before == pytest.approx(float(torch.log(torch.tensor(256.0))), abs=0.05)
+        assert plan.evaluate(val)[1] < before - 1.0
+    # Adam turns the rounding of a gradient near 0 into a step of up to η either way
+    # (docs/optimizers.md): compared as a whole (measured 1.8e-6 after 8 rounds; max |Δ| 1.4e-5)
+    error = (weights["fused"] - weights["per_replica"]).norm() / weights["per_replica"].norm()
+    assert float(error) < 1e-5

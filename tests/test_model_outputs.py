@@ -54,7 +54,7 @@ def test_loss_fn_none_trains_on_the_models_own_loss_like_eager_sgd():
     assert plan.model_graph.output_has_loss
     plan.fit(data, 2, shuffle=False, progress=False)
     ref = _OwnLoss()
-    ref.load_state_dict(model.state_dict())
+    ref.load_state_dict(plan.template.state_dict())  # the model as compiled (the fit leaves z in it)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for _ in range(2):
         for start in range(0, 32, 8):

@@ -66,8 +66,9 @@ def test_matches_hand_written_reference(nesterov, weight_decay, alpha, mu_z):
     opt = cg.SGD(lr=0.05, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay)
     plan = sma_plan(model, devices=2, replicas=2, batch_size=b, optimizer=opt,
                     sync=cg.SMA(alpha=alpha, central_momentum=mu_z))
+    start = copy.deepcopy(model)  # the fit leaves z in model
     plan.fit(as_dataset(bs), 1, shuffle=False, progress=False)
-    z, replicas = reference_sma(model, bs, k=k, rounds=rounds, lr=0.05, momentum=0.9,
+    z, replicas = reference_sma(start, bs, k=k, rounds=rounds, lr=0.05, momentum=0.9,
                                 weight_decay=weight_decay, nesterov=nesterov, alpha=alpha,
                                 central_momentum=mu_z)
     torch.testing.assert_close(plan.central_weights(), flat(z), atol=ATOL, rtol=RTOL)
@@ -107,10 +108,11 @@ def test_sync_every_tau_rounds_matches_reference_on_sync_rounds():
     bs = batches(2 * 2, b)  # 2 rounds × 2 learners
     plan = sma_plan(model, devices=1, replicas=2, batch_size=b,
                     sync=cg.SMA(sync_every=2, central_momentum=0.0))
+    start = copy.deepcopy(model)  # the fit leaves z in model
     plan.fit(as_dataset(bs), 1, shuffle=False, progress=False)
-    reps = [copy.deepcopy(model) for _ in range(2)]
+    reps = [copy.deepcopy(start) for _ in range(2)]
     opts = [torch.optim.SGD(r.parameters(), lr=0.05, momentum=0.9) for r in reps]
-    z = flat(model.parameters())
+    z = flat(start.parameters())
     for t in range(2):
         pre = []
         for j, (r, o) in enumerate(zip(reps, opts)):
@@ -172,8 +174,9 @@ def test_float64_matches_hand_written_reference_in_float64(executor, learner_mod
                       batch_size=b, replicas=k, optimizer=opt, executor=executor,
                       learner_mode=learner_mode, sync=cg.SMA(central_momentum=0.9))
     assert all(kernel.backend == "torch" for kernel in plan.kernels)  # auto: the C kernels are fp32
+    start = copy.deepcopy(model)  # the fit leaves z in model
     plan.fit(as_dataset(bs), 1, shuffle=False, progress=False)
-    z, replicas = reference_sma(model, bs, k=k, rounds=rounds, lr=0.05, momentum=0.9,
+    z, replicas = reference_sma(start, bs, k=k, rounds=rounds, lr=0.05, momentum=0.9,
                                 weight_decay=1e-4, nesterov=True, central_momentum=0.9)
     assert plan.central_weights().dtype == plan.replica_weights().dtype == torch.float64
     torch.testing.assert_close(plan.central_weights(), flat(z), atol=ATOL64, rtol=RTOL64)

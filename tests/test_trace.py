@@ -4,6 +4,7 @@ several inputs, keyword inputs, tuple/dict outputs, residual connections, Module
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 
 import pytest
@@ -140,7 +141,7 @@ def test_several_or_keyword_inputs_and_dict_outputs_compile_and_fit_like_eager_s
     plan.fit(data, 1, shuffle=False, progress=False)
 
     ref = _TwoInputs()
-    ref.load_state_dict(model.state_dict())
+    ref.load_state_dict(plan.template.state_dict())  # the model as compiled (the fit leaves z in it)
     _assert_matches_eager_sgd(plan, ref, lambda m, s: _dict_loss(m(data.x[s], data.e[s]), data.y[s]),
                               n=32, b=8)
 
@@ -330,12 +331,19 @@ def _flop_counter(module: nn.Module, *args) -> int:
 def test_an_untraceable_model_warns_trains_and_gets_flopcountermodes_flops():
     torch.manual_seed(0)
     model, x = _Branchy(), torch.randn(4, 8)
-    with pytest.warns(cg.TraceWarning, match=r"_Branchy has no fx graph \(torch\.fx cannot trace "
-                                             r"_Branchy: .*`if h\.sum\(\) > 0:`.*It trains as given; "
-                                             r"inspection is approximate: FLOPs count matrix products.*"
-                                             r"strict_trace=True"):
+    with warnings.catch_warnings(record=True) as caught:  # one line, once per model class
+        warnings.simplefilter("always")
         plan = cg.compile(model, (x,), F.cross_entropy, batch_size=4, devices=["cpu:0"], replicas=1,
                           optimizer=cg.SGD(lr=0.1, momentum=0.9))
+        cg.compile(_Branchy(), (x,), F.cross_entropy, batch_size=4, devices=["cpu:0"], replicas=1)
+    traces = [str(w.message) for w in caught if issubclass(w.category, cg.TraceWarning)]
+    assert len(traces) == 1 and "\n" not in traces[0], traces
+    assert re.fullmatch(r"_Branchy has no fx graph \(torch\.fx: TraceError: symbolically traced "
+                        r"variables cannot be used as inputs to control flow\); it trains as given, "
+                        r"with an approximate analysis: plan\.summary\(\) says what inspection "
+                        r"lost and why; strict_trace=True raises the TraceError instead", traces[0])
+    assert re.search(r"\ntrace: torch\.fx cannot trace _Branchy: .*`if h\.sum\(\) > 0:`.*\. "
+                     r"Inspection is approximate: FLOPs count matrix products", plan.summary())
     graph = plan.model_graph
     assert graph.tracer == "eager" and graph.module is None
     assert graph.analysis.forward_flops_per_sample * 4 == _flop_counter(model, x)  # the oracle
@@ -348,7 +356,7 @@ def test_an_untraceable_model_warns_trains_and_gets_flopcountermodes_flops():
     data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randint(0, 3, (16,)))
     plan.fit(data, 1, shuffle=False, progress=False)
     ref = _Branchy()
-    ref.load_state_dict(model.state_dict())
+    ref.load_state_dict(plan.template.state_dict())  # the model as compiled (the fit leaves z in it)
     x, y = data.tensors
     _assert_matches_eager_sgd(plan, ref, lambda m, s: F.cross_entropy(m(x[s]), y[s]), n=16, b=4)
 

@@ -313,7 +313,7 @@ def test_every_replica_runs_the_gradient_hooks_also_new_ones(mode, executor):
         torch.testing.assert_close(replica[3].bias.detach(), start, rtol=0, atol=0)
     z = plan.central_model()
     torch.testing.assert_close(z[3].bias.detach(), start, rtol=0, atol=0)
-    assert not torch.equal(z[3].weight, model[3].weight)
+    assert not torch.equal(z[3].weight, plan.template[3].weight)
 
 
 def test_a_post_accumulate_grad_hook_is_refused_at_compile():

@@ -46,7 +46,7 @@ _DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 
 _FUNCTIONS: dict[Any, str] = {
     F.conv1d: "conv", F.conv2d: "conv", F.conv3d: "conv", torch.conv2d: "conv",
-    F.linear: "linear",
+    F.linear: "linear", F.scaled_dot_product_attention: "attention",
     torch.matmul: "matmul", torch.mm: "matmul", torch.bmm: "matmul", operator.matmul: "matmul",
     F.batch_norm: "norm", F.layer_norm: "norm", F.group_norm: "norm",
     F.max_pool1d: "maxpool", F.max_pool2d: "maxpool", F.max_pool3d: "maxpool",
@@ -112,7 +112,8 @@ class ModelAnalysis:
     new tensors, of those kept for backward, of the largest one); bytes of the largest trainable
     tensor, of the parameters (trainable, frozen) and buffers; P = ``num_trainable``, Q =
     ``num_float_buffers``; ``residual_joins``; ``workspace_activations`` (1.5, or 3 with
-    residual joins)."""
+    residual joins); ``overhang_conv_weight_bytes``: bytes of the largest weight of a
+    convolution whose kernel is larger than its input in every spatial dimension (0: none)."""
 
     nodes: tuple[NodeCost, ...]
     example_batch: int
@@ -130,6 +131,7 @@ class ModelAnalysis:
     num_float_buffers: int
     residual_joins: int
     workspace_activations: float
+    overhang_conv_weight_bytes: int = 0
 
     def forward_flops(self, batch_size: int) -> int:
         """Forward FLOPs of a batch of ``batch_size`` samples."""
@@ -249,6 +251,8 @@ def _flops(node: fx.Node, cat: str, out_shape: tuple[int, ...] | None,
         return 2 * out * per_out + (out if has_bias else 0)
     if cat == "matmul":
         return 2 * out * (in_shape[-1] if in_shape else 0)
+    if cat == "attention":  # q·kᵀ and (attention weights)·v: 2·2·N·H·Tq·Tk·D, a causal mask counted full
+        return 4 * out * _key_length(node)
     if cat == "norm":
         return 4 * out
     if cat in ("maxpool", "avgpool"):
@@ -264,15 +268,40 @@ def _flops(node: fx.Node, cat: str, out_shape: tuple[int, ...] | None,
     return 0
 
 
+def _key_length(node: fx.Node) -> int:
+    """Tk of ``scaled_dot_product_attention(q, k, v, ...)``: the keys' ``[..., Tk, D]``."""
+    key = _arg_shape(node.args[1] if len(node.args) > 1 else node.kwargs.get("key"))
+    return key[-2] if key else 0
+
+
+def _attention_saved(node: fx.Node) -> tuple[list[fx.Node], bool, int]:
+    """What ``scaled_dot_product_attention`` keeps, as torch's CPU kernels do: without dropout
+    the fused kernel keeps q, k, v, its output and the log-sum-exp ``[N, H, Tq]`` float32;
+    with ``dropout_p`` > 0 the composite path keeps copies of q, k, v and three ``[N, H, Tq,
+    Tk]`` tensors (the softmax, the dropout mask, the dropped weights) of the output's dtype."""
+    tensors = [a for a in node.args[:3] if isinstance(a, fx.Node)] or \
+        [node.kwargs[k] for k in ("query", "key", "value") if isinstance(node.kwargs.get(k), fx.Node)]
+    shape, dtype = _tensor_meta(node)
+    out, size = _numel(shape), _itemsize(dtype)
+    dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    if not dropout:
+        return tensors, True, 4 * (out // shape[-1] if shape else 0)
+    return [], False, size * (3 * out + 3 * (out // shape[-1]) * _key_length(node) if shape else 0)
+
+
 def _saved_inputs(node: fx.Node, cat: str, modules: dict[str, nn.Module]) -> tuple[list[fx.Node], bool, int]:
-    """(input nodes the op keeps for backward, whether it keeps its output, extra bytes per
-    output element: int64 indices 8, a dropout mask 1)."""
+    """(input nodes the op keeps for backward, whether it keeps its output, extra bytes it
+    keeps: int64 indices (8 per output element), a dropout mask (1 per element), attention's
+    own tensors)."""
     tensor_args = [a for a in node.args if isinstance(a, fx.Node) and _arg_shape(a) is not None]
     data = tensor_args[:1]
+    numel = _numel(_tensor_meta(node)[0])
     if cat in ("conv", "linear", "norm", "save_input", "avgpool", "adaptive"):
         return data, False, 0
     if cat == "maxpool":
-        return data, False, 8
+        return data, False, 8 * numel
+    if cat == "attention":
+        return _attention_saved(node)
     if cat == "matmul":
         return tensor_args[:2], False, 0
     if cat == "mul":
@@ -282,10 +311,24 @@ def _saved_inputs(node: fx.Node, cat: str, modules: dict[str, nn.Module]) -> tup
     if cat == "dropout":
         mod = modules.get(node.target) if node.op == "call_module" else None
         p = mod.p if mod is not None else node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-        return [], False, (1 if p > 0 else 0)
+        return [], False, (numel if p > 0 else 0)
     if cat in ("add", "view", "copy", "shape", "input", "param", "output"):
         return [], False, 0
     return tensor_args, True, 0  # unknown op: assume it keeps its inputs and its output
+
+
+def _overhang_weight_bytes(node: fx.Node, modules: dict[str, nn.Module]) -> int:
+    """A convolution module's weight bytes when its kernel is larger than its input in every
+    spatial dimension (a 3 × 3 kernel over a 2 × 2 map), else 0."""
+    mod = modules.get(node.target) if node.op == "call_module" else None
+    in_shape = _arg_shape(node.args[0]) if node.args else None
+    if mod is None or in_shape is None:
+        return 0
+    kernel = tuple(mod.weight.shape[2:])
+    spatial = tuple(in_shape[-len(kernel):]) if kernel else ()
+    if not kernel or not all(s < k for s, k in zip(spatial, kernel)):
+        return 0
+    return mod.weight.numel() * mod.weight.element_size()
 
 
 def _is_inplace(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
@@ -324,7 +367,7 @@ def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buf
         base[node.name] = base[first.name] if alias and first is not None else node.name
         if _measured(node, measured) is not None:
             continue  # its saved bytes are measured, inputs included
-        inputs, keeps_output, extra_per_elt = _saved_inputs(node, cat, modules)
+        inputs, keeps_output, extra_bytes = _saved_inputs(node, cat, modules)
         for a in inputs:
             saved_base.add(base[a.name])
         if keeps_output:
@@ -332,9 +375,11 @@ def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buf
         if cat == "add" and sum(1 for a in node.args if isinstance(a, fx.Node)
                                 and cats.get(a.name, ("",))[0] != "param") == 2:
             joins += 1
-        if extra_per_elt:
-            extra[node.name] = extra_per_elt * _numel(_tensor_meta(node)[0])
+        if extra_bytes:
+            extra[node.name] = extra_bytes
     nodes, largest = [], 0
+    overhang = max((_overhang_weight_bytes(n, modules) for n in module.graph.nodes
+                    if cats[n.name][0] == "conv"), default=0)
     for node in module.graph.nodes:
         cat, target = cats[node.name]
         shape, dtype = _tensor_meta(node)
@@ -359,7 +404,7 @@ def analyze(module: fx.GraphModule, example_batch: int, *, parameters: list, buf
         forward_flops=sum(c.flops for c in nodes),
         activation_bytes=sum(c.bytes for c in nodes if c.op != "input"),
         saved_bytes=sum(c.saved_bytes for c in nodes), max_activation_bytes=largest,
-        residual_joins=joins)
+        residual_joins=joins, overhang_conv_weight_bytes=overhang)
 
 
 def _measured(node: fx.Node, measured: dict[str, "EagerCost"]) -> "EagerCost | None":
@@ -369,7 +414,8 @@ def _measured(node: fx.Node, measured: dict[str, "EagerCost"]) -> "EagerCost | N
 def analysis_of_totals(nodes: list[NodeCost], example_batch: int, *, parameters: list,
                        buffers: list, forward_flops: float, activation_bytes: float,
                        saved_bytes: float, max_activation_bytes: float,
-                       residual_joins: int | None) -> ModelAnalysis:
+                       residual_joins: int | None,
+                       overhang_conv_weight_bytes: int = 0) -> ModelAnalysis:
     """A ModelAnalysis from totals at an example batch of N samples (per sample: / N); bytes of
     parameters and buffers from the inventory; ``residual_joins=None`` (unknown) takes the
     residual workspace factor."""
@@ -391,6 +437,7 @@ def analysis_of_totals(nodes: list[NodeCost], example_batch: int, *, parameters:
         num_float_buffers=sum(b.numel for b in buffers if b.dtype.is_floating_point),
         residual_joins=joins,
         workspace_activations=workspace,
+        overhang_conv_weight_bytes=overhang_conv_weight_bytes,
     )
 
 

@@ -72,6 +72,9 @@ def summary(graph: nx.DiGraph, settings: dict[str, Any] | None = None) -> str:
             f"{model['train_flops_per_sample'] / 1e6:,.2f} MFLOP/sample"
             + (f" (from {_TRACERS.get(model['tracer'], model['tracer'])})"
                if model.get("tracer", "torch.fx") != "torch.fx" else ""))
+        if model.get("untraced"):  # no fx graph: why, and what inspection lost
+            lines.append(f"trace: {model['untraced']}. Inspection is approximate: "
+                         f"{model.get('lost', '')}")
     if parts:
         names = MEMORY_PARTS
         shown = [n for n in names if parts.get(n) or n in parts and n != "library"]  # library: CUDA

@@ -27,7 +27,9 @@ def model_loss(output: Any, target: Any = None) -> torch.Tensor:
         raise ValueError(
             f"loss_fn=None trains on the loss the model computes (output.loss or "
             f"output['loss']), but its output ({describe_output(output)}) has none: give the "
-            "labels among the inputs, e.g. {'input_ids': ids, 'labels': labels}, or pass a "
+            "inputs its loss needs in every batch (the labels of a model with a head, e.g. "
+            "{'input_ids': ids, 'labels': labels}; a flag such as CLIP's return_loss=True among "
+            "compile's example inputs, which every forward gets), or pass a "
             "loss_fn(output, target)")
     return loss
 

@@ -9,7 +9,7 @@ from typing import Callable
 import networkx as nx
 import torch
 
-from .analysis import cublas_workspace_bytes, estimate_memory
+from .analysis import ModelAnalysis, cublas_workspace_bytes, estimate_memory
 from .tasks import Cost, Task, TaskKind
 from .trace import ModelGraph
 from .verify import verify_task_graph
@@ -23,6 +23,12 @@ __all__ = [
     "build_task_graph",
     "PASSES",
 ]
+
+
+# oneDNN without AVX-512 runs the backward of a convolution whose kernel overhangs its input (a
+# 3 × 3 kernel over a 2 × 2 map) with 4 × its weight bytes of scratch beside the weight gradient
+# (measured: 9 MiB of weights, 36 MiB of scratch, at b = 8 and 32; docs/compiler.md §3)
+ONEDNN_OVERHANG_SCRATCH = 4
 
 
 def empty_task_graph(*, devices: list[str], replicas_per_device: int, batch_size: int) -> nx.DiGraph:
@@ -70,10 +76,21 @@ def learner_memory_bytes(model_graph: ModelGraph, batch_size: int, replicas_per_
     return estimate_memory(model_graph.analysis, batch_size, replicas_per_device).total
 
 
-def library_workspace(devices: list[str]) -> int:
-    """Bytes of cuBLAS workspace per learner on ``devices`` (names); 0 on CPUs or where the GPU
-    cannot be queried."""
-    if not devices or not str(devices[0]).startswith("cuda") or not torch.cuda.is_available():
+def library_workspace(devices: list[str], analysis: ModelAnalysis | None = None) -> int:
+    """Bytes per learner that a kernel library holds beside the step's tensors on ``devices``
+    (names): cuBLAS's workspace of the stream on a GPU; on a CPU whose oneDNN runs without
+    AVX-512, the scratch of a convolution's backward whose kernel overhangs its input
+    (``ONEDNN_OVERHANG_SCRATCH`` × its weight bytes, ``analysis.overhang_conv_weight_bytes``;
+    docs/compiler.md §3); 0 otherwise or where the GPU cannot be queried."""
+    if not devices:
+        return 0
+    if str(devices[0]).startswith("cpu"):
+        if analysis is None or not torch.backends.mkldnn.is_available() \
+                or not torch.backends.mkldnn.enabled \
+                or torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+            return 0
+        return ONEDNN_OVERHANG_SCRATCH * analysis.overhang_conv_weight_bytes
+    if not str(devices[0]).startswith("cuda") or not torch.cuda.is_available():
         return 0
     return cublas_workspace_bytes(torch.cuda.get_device_capability(devices[0]))
 
@@ -88,7 +105,7 @@ def annotate_costs(graph: nx.DiGraph, model_graph: ModelGraph) -> nx.DiGraph:
     analysis = model_graph.analysis
     p = analysis.num_trainable
     p4 = 4 * p
-    est = estimate_memory(analysis, b, m, library_workspace=library_workspace(out.graph["devices"]))
+    est = estimate_memory(analysis, b, m, library_workspace=library_workspace(out.graph["devices"], analysis))
     out.graph["memory_per_learner_bytes"] = est.total
     out.graph["memory"] = est.as_dict()
     out.graph["model"] = {
@@ -99,6 +116,8 @@ def annotate_costs(graph: nx.DiGraph, model_graph: ModelGraph) -> nx.DiGraph:
         "forward_flops_per_sample": analysis.forward_flops_per_sample,
         "train_flops_per_sample": analysis.train_flops_per_sample,
         "tracer": model_graph.tracer,
+        "untraced": model_graph.untraced,
+        "lost": model_graph.lost,
     }
     for n in out.nodes:
         task: Task = out.nodes[n]["task"]

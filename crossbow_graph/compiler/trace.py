@@ -73,6 +73,7 @@ class ModelGraph:
         batch_norm_inputs: ``(module path, class name, input shape)`` of every BatchNorm call.
         tracer, lost: ``"torch.fx"``, ``"transformers.fx"``, ``"eager"`` or ``"none"``
             (docs/compiler.md, "Trace fallback"), and what inspection lost with it.
+        untraced: every fx tracer's error where none could trace the model, else "".
         node_meta: per fx node name: ``shape``, ``bytes`` and ``dtype`` of its output.
         meta: ``"analysis"`` (the ModelAnalysis), ``"train_flops_per_sample"``, and what
             compiler passes add.
@@ -89,6 +90,7 @@ class ModelGraph:
     batch_norm_inputs: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
     tracer: str = "torch.fx"
     lost: str = ""
+    untraced: str = ""
     node_meta: dict[str, dict[str, Any]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -397,11 +399,9 @@ def _eager_graph(model: nn.Module, work: nn.Module, args: tuple[Any, ...], kwarg
             "forward, parameter bytes come from the module; there is no fx graph "
             "(plan.model_graph.module is None), and analysis.table() lists the top-level "
             "modules instead of every op")
+    untraced = "; ".join(str(exc).rstrip(".") for _, exc in failures)
     if not asked:
-        tried = "; ".join(str(exc).rstrip(".") for _, exc in failures)
-        warnings.warn(f"{type(model).__name__} has no fx graph ({tried}). It trains as given; "
-                      f"inspection is approximate: {lost}. compile(..., strict_trace=True) "
-                      "raises the TraceError instead.", TraceWarning, stacklevel=5)
+        _warn_untraced(type(model).__name__, failures)
     scopes = measurement.scopes if measurement is not None else {}
     batch_norms = tuple((path, type(work.get_submodule(path)).__name__, scopes[path].input_shape)
                         for path in norms if path in scopes and scopes[path].input_shape)
@@ -410,8 +410,28 @@ def _eager_graph(model: nn.Module, work: nn.Module, args: tuple[Any, ...], kwarg
         name=type(model).__name__, module=None, example_batch=example_batch, parameters=params,
         buffers=buffers, inputs=_bound_inputs(model, args, kwargs), output_shape=shape,
         output_has_loss=loss_of(output) is not None, batch_norm_inputs=batch_norms,
-        tracer=tracer, lost=lost,
+        tracer=tracer, lost=lost, untraced=untraced,
         meta={"analysis": analysis, "train_flops_per_sample": analysis.train_flops_per_sample})
+
+
+_WARNED_UNTRACED: set[str] = set()  # model classes whose TraceWarning this process has shown
+
+
+def _warn_untraced(name: str, failures: list[tuple[str, TraceError]]) -> None:
+    """One line, once per model class and process: no fx graph, the first tracer's reason in
+    short, and where the detail is (``plan.summary()``; docs/compiler.md, Trace fallback)."""
+    if name in _WARNED_UNTRACED:
+        return
+    _WARNED_UNTRACED.add(name)
+    reason = ""
+    if failures:
+        tracer, exc = failures[0]
+        cause = exc.__cause__ or exc
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        reason = f" ({tracer}: {type(cause).__name__}: {text[:80]}{'…' if len(text) > 80 else ''})"
+    warnings.warn(f"{name} has no fx graph{reason}; it trains as given, with an approximate "
+                  "analysis: plan.summary() says what inspection lost and why; "
+                  "strict_trace=True raises the TraceError instead", TraceWarning, stacklevel=6)
 
 
 def _plain_forward(model: nn.Module, work: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

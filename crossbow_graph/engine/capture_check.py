@@ -4,6 +4,7 @@ without a GPU), both ``TorchDispatchMode``s (docs/runtime.md, "CUDA-graph rounds
 
 from __future__ import annotations
 
+import os
 import traceback
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -14,7 +15,8 @@ from torch.utils._pytree import tree_leaves
 
 from .streams import is_host_resident
 
-__all__ = ["CaptureChecker", "SimulatedGraphs", "SimulatedGraph", "CaptureError", "capture_problem"]
+__all__ = ["CaptureChecker", "CaptureProbe", "SimulatedGraphs", "SimulatedGraph", "CaptureError",
+           "capture_problem"]
 
 aten = torch.ops.aten
 _HOST_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
@@ -88,6 +90,28 @@ class CaptureChecker(TorchDispatchMode):
             if problem is not None:
                 self.findings[self._round].append(f"{problem} at {_where()}")
             self._log.append((str(func), _scalars(args, kwargs)))
+        return func(*args, **kwargs)
+
+
+class CaptureProbe(TorchDispatchMode):
+    """Watches an eager run of a round's body (a warm-up round) for an op its CUDA-graph capture
+    cannot take, so that a doomed capture is never started. ``problem``: the first
+    ``capture_problem`` seen and where, or None; on a CUDA ``device`` only ops on its tensors
+    count, on a CPU device (simulated graphs) every op."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device_type = device.type
+        self.problem: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.problem is None and (self.device_type == "cpu" or any(
+                isinstance(t, torch.Tensor) and t.device.type == self.device_type
+                for t in tree_leaves((args, kwargs)))):
+            problem = capture_problem(func, args, kwargs)
+            if problem is not None:
+                self.problem = f"{problem} at {_issuer()}"
         return func(*args, **kwargs)
 
 
@@ -196,3 +220,16 @@ def _where() -> str:
         if "crossbow_graph" in frame.filename and not frame.filename.endswith("capture_check.py"):
             return f"{frame.filename.rsplit('crossbow_graph/', 1)[-1]}:{frame.lineno} ({frame.name})"
     return "outside crossbow_graph"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _issuer() -> str:
+    """The innermost frame outside torch and this module issuing the op (a model's forward, or
+    crossbow_graph's engine): ``path:line (function)``."""
+    for frame in reversed(traceback.extract_stack(limit=80)):
+        if not frame.filename.startswith(_TORCH_DIR) and not frame.filename.endswith("capture_check.py"):
+            where = "/".join(frame.filename.split(os.sep)[-2:])
+            return f"{where}:{frame.lineno} ({frame.name})"
+    return "inside torch"

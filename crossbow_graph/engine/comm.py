@@ -146,6 +146,7 @@ class Comm:
 
     Attributes:
         rank, world_size, local_rank: from torchrun's environment (or the initialised group).
+        local_world_size: the ranks on this host (torchrun's ``LOCAL_WORLD_SIZE``).
         backend: ``"gloo"`` or ``"nccl"``.
         settings: the Distributed settings.
         is_main: rank 0 (writes checkpoints and logs, shows the progress bar, decides).
@@ -160,6 +161,7 @@ class Comm:
         self._finite_after: int | None = None  # the round of the last check that found z finite
         self.rank, self.world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on this host
         backend = settings.backend if settings.backend != "auto" else ("nccl" if on_cuda else "gloo")
         self._owned = False
         if not dist.is_initialized():

@@ -44,7 +44,7 @@ def choose_onednn(scheduler: "Scheduler", fetch: Callable[[torch.Tensor], Any]) 
     state = scheduler.states[0]
     with torch.random.fork_rng(devices=[]), host_rngs_kept():  # as if never fetched
         batch = single(fetch(torch.arange(b)))  # one learner's
-    args, kwargs, target = split_inputs(batch)
+    args, kwargs, target = split_inputs(batch, state.call_flags)
     shapes = tuple((tuple(t.shape), t.dtype) for t in (*args, *kwargs.values(), target)
                    if isinstance(t, torch.Tensor))
     key = (type(state.template).__qualname__, state.params.size, state.buffers.size, b, shapes)

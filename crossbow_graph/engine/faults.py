@@ -228,11 +228,11 @@ def _diverged(num_learners: int, round_index: int, where: str,
                  "Distributed(checksum_every=1) finds the round). Resume from a checkpoint whose "
                  "z is finite (fit(..., resume=True) takes the newest: move newer ones away)")
     else:
-        state = ("the central model z is finite and the last checkpoint intact. Lower the "
-                 "learning rate (compile the plan again with a lower lr: a resumed fit keeps the "
-                 "values it was set up with where they differ from the checkpoint's run), check "
-                 "the loss for log(0) or division by zero and the data for NaN, then resume from "
-                 "the last checkpoint (fit(..., resume=True))")
+        state = ("the central model z is finite. Lower the learning rate (compile the plan "
+                 "again with a lower lr: a resumed fit keeps the values it was set up with where "
+                 "they differ from the checkpoint's run), check the loss for log(0) or division "
+                 "by zero and the data for NaN, then resume (fit(..., resume=True) continues "
+                 "from the newest healthy checkpoint)")
     return DivergenceError(
         f"training diverged: all {num_learners} replicas have NaN/Inf gradients in round "
         f"{round_index} (or a NaN/Inf loss, or diverged; {where}); {state}",

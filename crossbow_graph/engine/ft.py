@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..compiler.fingerprint import computation_fingerprint
 from ..errors import DistributedError
 from .faults import FaultMonitor
+from .lighthouse import Lighthouse
 
 if TYPE_CHECKING:
     from .comm import Distributed
@@ -111,18 +112,46 @@ def process_group_for(device: str) -> tuple[type, torch.device]:
     return process_group.ProcessGroupGloo, torch.device("cpu")
 
 
-def agreement_words(ctx: "SyncContext") -> list[int]:
+# what ``LocalOptimizer.describe()`` says of how the optimizer runs, not of what it computes:
+# it may differ between groups on a CUDA device and on the host
+_HOW = ("kernel", "stacked", "foreach", "fused", "capturable", "differentiable")
+
+
+def hyper_parameters(optimizer: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """The hyper-parameters of a group that every group of a quorum must share: the optimizer's
+    class and its param groups' settings (``optimizer``: ``LocalOptimizer.describe()``; lr,
+    momentum, weight decay, betas, …, the parameters' count) and b, samples per learner."""
+    groups = [{k: v for k, v in g.items() if k not in _HOW} for g in optimizer["groups"]]
+    return {"optimizer": optimizer["class"].rsplit(".", 1)[-1], "param groups": groups,
+            "batch_size": batch_size}
+
+
+def _digest_words(facts: Any) -> list[int]:
+    """A 60-bit digest of ``repr(facts)`` as three integers below 2^20."""
+    digest = int(hashlib.sha256(repr(facts).encode()).hexdigest()[:15], 16)
+    return [(digest >> (20 * i)) & 0xFFFFF for i in range(3)]
+
+
+def agreement_words(ctx: "SyncContext", hyper: dict[str, Any]) -> list[list[int]]:
     """What the replica groups of a quorum must share, as integers below 2^20 (exact in a float64
-    sum and its squares): P, Q and a digest of the model's tensors, its computation
-    (compiler/fingerprint.py), the sync, the precision and the rows' channels-last weights."""
+    sum and its squares), in two parts: (1) P, Q and a digest of the model's tensors, its
+    computation (compiler/fingerprint.py), the sync, the precision and the rows' channels-last
+    weights; (2) a digest of ``hyper`` (``hyper_parameters``)."""
     s0 = ctx.states[0]
     model = [(n, tuple(t.shape), str(t.dtype)) for n, t in
              [*s0.template.named_parameters(), *s0.template.named_buffers()]]
     facts = (model, computation_fingerprint(s0.template, None, ctx.loss_fn).lines,
              ctx.sync.describe(ctx.sync_state), s0.precision, sorted(s0.params.channels_last))
-    digest = int(hashlib.sha256(repr(facts).encode()).hexdigest()[:15], 16)  # 60 bits
     P, Q = s0.z.shape[0], s0.buf.shape[1]
-    return [(x >> (20 * i)) & 0xFFFFF for x, n in ((digest, 3), (P, 2), (Q, 2)) for i in range(n)]
+    sizes = [(x >> (20 * i)) & 0xFFFFF for x in (P, Q) for i in range(2)]
+    return [_digest_words(facts) + sizes, _digest_words(hyper)]
+
+
+def _say(hyper: dict[str, Any]) -> str:
+    """``hyper_parameters`` in words: ``SGD(lr=0.05, momentum=0.9, …), b = 4``."""
+    groups = "; ".join(", ".join(f"{k}={v}" for k, v in g.items() if k != "params")
+                       for g in hyper.get("param groups", []))
+    return f"{hyper.get('optimizer')}({groups}), b = {hyper.get('batch_size')}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +216,7 @@ class FaultTolerantSync:
             raise ValueError(f"Distributed(fault_tolerant=True): lighthouse={lighthouse!r} is not "
                              "a URL; pass it as http://HOST:PORT (--lighthouse), the port "
                              "torchft_lighthouse's --bind names")
+        self.lighthouse, self.timeout_s = Lighthouse(lighthouse), settings.timeout_s
         self.replica_group = settings.replica_group or os.environ.get("REPLICA_GROUP_ID", "0")
         self.attempts, self.min_replicas = settings.ft_attempts, settings.min_replicas
         self.rank, self.world_size = (comm.rank, comm.world_size) if comm else (0, 1)
@@ -210,6 +240,7 @@ class FaultTolerantSync:
                              f"{lighthouse} within {settings.timeout_s:g} s ({str(exc)[:200]}); "
                              "start torchft_lighthouse there, or pass its address (--lighthouse)"
                              ) from None
+        self.hyper: dict[str, Any] = {}  # hyper_parameters of this group (``expect``)
         self._agreed_quorum: int | None = None  # the quorum whose groups were found to agree
         self._discarded = ""  # why the last attempt was discarded
         self.live_learners: int | None = None
@@ -217,6 +248,11 @@ class FaultTolerantSync:
         self._ctx: Any = None  # the scheduler whose state a recovering peer receives
         self._recovered = False
         atexit.register(self.close)
+
+    def expect(self, optimizer: dict[str, Any], batch_size: int) -> None:
+        """The hyper-parameters this group was compiled with (``hyper_parameters``), which every
+        group of a quorum must share: checked with the computation in each new quorum."""
+        self.hyper = hyper_parameters(optimizer, batch_size)
 
     def _group_store(self) -> tuple[str, int]:
         """The store the group's Managers meet in: a new one of this process for a one-process
@@ -297,10 +333,9 @@ class FaultTolerantSync:
                 return flat[:P].to(total.device), mean_buf, k
         raise DistributedError(
             f"replica group {self.replica_group}: the global sync of round {round_index} did not "
-            f"commit in {self.attempts} attempts; the last: {self._discarded}. With fewer live "
-            f"groups than min_replicas={self.min_replicas}, start the others (a Lighthouse "
-            "started with --min_replicas N makes quorums wait for N groups); with the "
-            "Lighthouse gone, restart it and this group (it recovers z from a live peer, if any)",
+            f"commit in {self.attempts} attempts ({time.perf_counter() - start:.0f} s); the last: "
+            f"{self._discarded}. "
+            + self.lighthouse.advice(self.attempts, self.timeout_s, self.min_replicas),
             task_id="global_sync", device=f"group {self.replica_group}", round_index=round_index)
 
     @staticmethod
@@ -327,7 +362,8 @@ class FaultTolerantSync:
             except (TimeoutError, RuntimeError) as exc:  # no quorum in timeout_s (e.g. the
                 # Lighthouse still sees a group whose rank died, its rank 0 lingering), or no
                 manager._quorum_future = None  # Lighthouse; torchft would raise this failed
-                self._discarded = f"no quorum: {str(exc)[:200]}"  # quorum again next time
+                self._discarded = self.lighthouse.why_no_quorum(  # quorum again next time
+                    exc, self.timeout_s, self.replica_group)
                 return None
             if self._recovered:  # (again after a failed attempt: sent stays zero)
                 sent.zero_()  # taken against the stale z: this group joins from the next sync
@@ -350,18 +386,25 @@ class FaultTolerantSync:
         a collective failed (the attempt is discarded).
 
         Raises:
-            DistributedError: the groups differ (a model, loss, sync or layout; z: another seed).
+            DistributedError: the groups differ (a model, loss, sync or layout; the optimizer,
+                its settings or b they were compiled with; z: another seed).
         """
-        words = torch.tensor(agreement_words(self._ctx), dtype=torch.float64, device=self.device)
+        computation, hyper = agreement_words(self._ctx, self.hyper)
+        words = torch.tensor(computation + hyper, dtype=torch.float64, device=self.device)
         n = manager.num_participants()
         sums = torch.cat([words.new_ones(1), words, words * words])  # [1 + 2W], exact integers
         manager.allreduce(sums, reduce_op=dist.ReduceOp.SUM).wait()
         if manager.errored() is not None or sums[0].item() != n:
             return False
         W = len(words)
-        if not (torch.equal(sums[1:W + 1], n * words) and torch.equal(sums[W + 1:], n * words * words)):
+        same = (sums[1:W + 1] == n * words) & (sums[W + 1:] == n * words * words)  # [W]
+        if not bool(same[:len(computation)].all()):
             self._differ("run another computation (the model, its forward, loss, sync, precision "
                          "or the flat rows' layout: channels-last weights on one kind of device only)")
+        if not bool(same[len(computation):].all()):
+            self._differ(f"were compiled with other hyper-parameters: the optimizer, its settings "
+                         f"(lr, momentum, weight decay, …) or the batch size (this group's: "
+                         f"{_say(self.hyper)})")
         z = self._ctx.states[0].z.to(self.device, torch.float64)
         mean = z.clone()
         manager.allreduce(mean, reduce_op=dist.ReduceOp.SUM).wait()

@@ -90,7 +90,7 @@ class FusedProgram:
                 ``learner_mode="per_replica"``).
         """
         n, b = r1 - r0, self.settings.batch_size
-        args, kwargs, target = split_inputs(batch)
+        args, kwargs, target = split_inputs(batch, state.call_flags)
         stack = lambda t: (t.to(state.torch_device, non_blocking=True).view(n, b, *t.shape[1:])  # noqa: E731
                            if isinstance(t, torch.Tensor) else t)
         args = tuple(stack(a) for a in args)

@@ -14,12 +14,13 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .backend import RoundEnv
-from .batches import LearnerBatches
+from .batches import DeviceParts, LearnerBatches
+from .capture_check import CaptureProbe
+from .graph_inputs import DeviceGather, DeviceHyper, HostStaging, graph_batch
 from .learners import learner_seed, seed_rng
 from .stream_backend import StreamsBackend
 
-__all__ = ["GraphBackend", "RoundGraph", "CudaGraphOps", "DeviceGather", "DeviceHyper", "GraphWarning",
-           "HostStaging", "cuda_graphs_refusal"]
+__all__ = ["GraphBackend", "RoundGraph", "CudaGraphOps", "GraphWarning", "cuda_graphs_refusal"]
 
 
 class GraphWarning(RuntimeWarning):
@@ -62,95 +63,28 @@ class CudaGraphOps:
                 # concurrently, so a graph's temporaries may live where another's did
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     yield
+            except BaseException:
+                self._end_failed_capture(torch.cuda.current_device())
+                raise
             finally:
                 if torch.cuda.current_stream(device) != caller:
                     torch.cuda.set_stream(caller)
 
+    def _end_failed_capture(self, index: int) -> None:
+        """After a failed capture on device ``index``: end the allocator's allocation to the pool
+        and release the pool's reference, which ``CUDAGraph::capture_end`` skips when it raises
+        (else the allocator stays in capture mode: blocks used on another stream are never
+        freed; docs/runtime.md). The next capture takes a new pool."""
+        try:
+            torch._C._cuda_endAllocateToPool(index, self.pool)
+        except RuntimeError:  # not allocating to the pool: the capture never began, or it ended
+            pass
+        else:
+            torch._C._cuda_releasePool(index, self.pool)
+        self.pool = None
+
     def replay(self, graph: Any) -> None:
         graph.replay()
-
-
-class DeviceHyper:
-    """A device's run-time hyper-parameters as 0-dim float32 tensors (what the update kernels
-    read in a graph): ``lr`` (η), ``momentum`` (μ_l), ``weight_decay`` (λ), ``alpha`` (α),
-    ``central_momentum`` (μ_z)."""
-
-    NAMES = ("lr", "momentum", "weight_decay", "alpha", "central_momentum")
-
-    def __init__(self, device: torch.device) -> None:
-        self.values = {n: torch.zeros((), dtype=torch.float32, device=device) for n in self.NAMES}
-        self.written: dict[str, float] = {}  # the number each tensor holds
-
-    def set(self, **numbers: float) -> None:
-        """Write the numbers in force that changed (on the current stream, before the round that
-        reads them): a round whose η, μ_l, λ, α, μ_z stay launches no kernel for them."""
-        for name, value in numbers.items():
-            if self.written.get(name) != float(value):
-                self.values[name].fill_(float(value))
-                self.written[name] = float(value)
-
-    def local_args(self, sgd: Any, alpha: float) -> dict[str, Any]:
-        """The local kernels' ``lr``, ``momentum``, ``weight_decay``, ``alpha``: the tensors, but
-        the number 0 where the value is 0 (its branch compiled out; the graph's key has it)."""
-        return {"lr": self.values["lr"],
-                **{n: self.values[n] if v != 0 else 0.0 for n, v in
-                   (("momentum", sgd.momentum), ("weight_decay", sgd.weight_decay),
-                    ("alpha", alpha))}}
-
-    def central(self, central_momentum: float) -> Any:
-        return self.values["central_momentum"] if central_momentum != 0 else 0.0
-
-
-class HostStaging:
-    """Pinned host buffers through which a host batch reaches a graph's static inputs on the
-    device, outside the capture: ``slots`` sets of buffers used in turn; before the host
-    overwrites a set it waits (``ops.wait_host``) for the event after the copy that last read it
-    (that of ``slots`` rounds before, done long since), so no replay reads a half-written batch.
-
-    Args:
-        ops: the streams' operations (``streams.StreamOps``, or a RaceRecorder on CPU devices).
-    """
-
-    def __init__(self, ops: Any, slots: int = 2) -> None:
-        self.ops, self.slots = ops, slots
-        self.buffers: list[list[torch.Tensor]] = []  # per slot, one pinned buffer per leaf
-        self.events: list[Any] = [None] * slots
-        self.turn = 0
-
-    def copy_in(self, statics: list[torch.Tensor], leaves: list[torch.Tensor], stream: Any) -> None:
-        """Copy the host tensors ``leaves`` into ``statics`` (device tensors of their shapes) on
-        ``stream`` through the next slot's pinned buffers."""
-        slot = self.turn % self.slots
-        self.turn += 1
-        if self.events[slot] is not None:
-            self.ops.wait_host(self.events[slot])
-        if len(self.buffers) <= slot:
-            self.buffers.append([self.ops.stage(torch.empty_like(t)) for t in leaves])
-        with self.ops.use(stream):
-            for buf, static, t in zip(self.buffers[slot], statics, leaves):
-                buf.copy_(t)  # the host writes the pinned buffer
-                static.copy_(buf, non_blocking=True)
-        self.events[slot] = self.ops.new_event()
-        self.ops.record(self.events[slot], stream)
-
-
-@dataclass(eq=False)
-class DeviceGather:
-    """A round's batch of device-resident data before its gather: ``fetch`` (a
-    ``training.data.DeviceFetch``) and the round's sample indices ``[k·b]`` on its device. A graph
-    round gathers in the graph, from its static indices into its static inputs."""
-
-    fetch: Any
-    indices: torch.Tensor
-
-    def batch(self) -> list[torch.Tensor]:
-        """The gathered batch (an eager round's)."""
-        return self.fetch.gather(self.indices)
-
-    def specs(self) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
-        """(shape, dtype, device) of each tensor of the batch."""
-        n = len(self.indices)
-        return [((n, *t.shape[1:]), t.dtype, t.device) for t in self.fetch.tensors]
 
 
 @dataclass(eq=False)
@@ -162,6 +96,7 @@ class _Entry:
     warm: int = 0  # eager rounds run so far
     losses: list[torch.Tensor] | None = None  # the graph's losses, in learning order
     draws_random: bool | None = None  # whether the body draws random numbers (None: not known)
+    doomed: str | None = None  # what a warm-up found that a capture cannot take (CaptureProbe)
 
 
 class RoundGraph:
@@ -174,7 +109,9 @@ class RoundGraph:
     Attributes:
         observer: None, or a function of the round index giving a context entered around every
             eager run of the body (``capture_check.CaptureChecker.round``).
-        failure: why graph rounds stopped (``"ExcType: message"`` of a failed capture), or None.
+        failure: why graph rounds stopped, or None: ``"ExcType: message"`` of a failed capture,
+            or what a warm-up round found that a capture cannot take (``CaptureProbe``: that
+            capture was never started).
         captures, replays: graphs captured and replayed so far.
     """
 
@@ -186,6 +123,7 @@ class RoundGraph:
         self.warmup_rounds = warmup_rounds
         self.observer: Callable[[int], Any] | None = None
         self.failure: str | None = None
+        self._stopped: str | None = None  # why every round runs eagerly (a failed capture)
         self.captures = self.replays = 0
         self.eager_rounds: dict[str, int] = {}  # why a round ran eagerly → rounds
         self._entries: dict[tuple, _Entry] = {}
@@ -202,10 +140,13 @@ class RoundGraph:
 
     # -- one round ------------------------------------------------------------------------------
 
-    def run_round(self, sched: Any, round_index: int, batch: Any, synchronise: bool) -> bool:
-        """Run round ``round_index`` of ``sched`` (a Scheduler) on its batch: eagerly during the
-        warm-up, then captured, then replayed. Returns False, having run nothing, when the
+    def run_round(self, sched: Any, round_index: int, batch: Any, synchronise: bool,
+                  copied: list[Any] | None = None) -> bool:
+        """Run round ``round_index`` of ``sched`` (a Scheduler) on its batch (``graph_batch``'s
+        form; ``copied``: the events after its copy ahead to the device, or None): eagerly during
+        the warm-up, then captured, then replayed. Returns False, having run nothing, when the
         round runs eagerly instead (``why_not``; a failed capture)."""
+        batch = graph_batch(batch)
         reason = self.why_not(sched, batch)
         if reason is not None:
             self._eager(reason)
@@ -214,12 +155,16 @@ class RoundGraph:
             return False
         key = self._key(sched, batch, synchronise)
         streams = sched.cuda_streams
+        caller = streams.ops.current(sched.states[0].torch_device)
+        for event in copied or ():  # a batch copied ahead: read after its copy
+            if event is not None:
+                streams.ops.wait(caller, event)
         entry = self._entries.get(key)
         if entry is None:
             entry = _new_entry(batch, sched.states[0].torch_device, HostStaging(streams.ops))
             if not any(f for s in sched.states for f in s.first_step):  # a first step: once
                 self._entries[key] = entry
-        self._copy_batch(entry, batch, streams.ops.current(sched.states[0].torch_device))
+        self._copy_batch(entry, batch, streams.ops, copied is not None, caller)
         self._prologue(sched, round_index, entry)
         streams.captured = True
         streams.seal()  # the round is ordered after the work so far, and waits for none of it
@@ -228,12 +173,7 @@ class RoundGraph:
             self.replays += 1
             losses = _copied(entry.losses)
         elif entry.warm < self.warmup_rounds:
-            mark = _rng_mark(sched.states[0].torch_device)
-            with self.observer(round_index) if self.observer is not None else nullcontext():
-                losses = self._body(sched, entry, synchronise)
-            entry.draws_random = bool(entry.draws_random) or \
-                mark != _rng_mark(sched.states[0].torch_device)
-            entry.warm += 1
+            losses = self._warm_up(sched, entry, round_index, synchronise)
         else:
             if not self._capture(sched, entry, synchronise):
                 streams.captured = False
@@ -244,16 +184,32 @@ class RoundGraph:
         sched.backend.graph_epilogue(round_index, losses)
         return True
 
+    def _warm_up(self, sched: Any, entry: _Entry, round_index: int,
+                 synchronise: bool) -> list[torch.Tensor]:
+        """An eager run of the key's body (under ``observer``): whether it draws random numbers,
+        and an op its capture cannot take (``CaptureProbe``: then no capture starts)."""
+        device = sched.states[0].torch_device
+        mark, probe = _rng_mark(device), CaptureProbe(device)
+        with self.observer(round_index) if self.observer is not None else nullcontext(), probe:
+            losses = self._body(sched, entry, synchronise)
+        entry.draws_random = bool(entry.draws_random) or mark != _rng_mark(device)
+        entry.warm += 1
+        if entry.doomed is None and probe.problem is not None:
+            entry.doomed = probe.problem
+        return losses
+
     def _body(self, sched: Any, entry: _Entry, synchronise: bool) -> list[torch.Tensor]:
         """The round as a graph captures it: resident data's gather, then the tasks."""
         if entry.gather is not None:
             entry.gather.fetch.gather(entry.gather.indices, out=entry.batch)
         return sched.backend.graph_body(entry.batch, synchronise)
 
-    def _copy_batch(self, entry: _Entry, batch: Any, stream: Any) -> None:
-        """The round's batch into the entry's static inputs on the caller's stream, before the
-        round: resident data's indices, a device tensor directly, host tensors through the
-        pinned staging."""
+    def _copy_batch(self, entry: _Entry, batch: Any, ops: Any, copied_ahead: bool,
+                    stream: Any) -> None:
+        """The round's batch into the entry's static inputs on the caller's ``stream``, before
+        the round: resident data's indices; a device tensor directly (one ``copied_ahead`` on a
+        copy stream kept alive until ``stream`` has read it); host tensors through the pinned
+        staging."""
         if entry.gather is not None:
             entry.gather.indices.copy_(batch.indices)
             return
@@ -261,6 +217,8 @@ class RoundGraph:
         for static, new in zip(tree_leaves(entry.batch), tree_leaves(batch)):
             if new.device == static.device:
                 static.copy_(new)
+                if copied_ahead:  # allocated on the copy stream, read here
+                    ops.keep_alive(new, stream)
             else:
                 host_statics.append(static)
                 host_leaves.append(new)
@@ -283,14 +241,15 @@ class RoundGraph:
 
     def why_not(self, sched: Any, batch: Any) -> str | None:
         """Why this round of ``sched`` runs eagerly, or None when a graph can run it."""
-        if self.failure is not None:
-            return f"a capture failed ({self.failure})"
+        if self._stopped is not None:
+            return self._stopped
         if sched.cuda_streams is None:
             return "the round has no CUDA streams (the inline executor on CUDA devices runs them)"
         if len(sched.states) > 1:
             return "the plan has several devices (a graph captures one device's streams)"
-        if sched.comm is not None:
-            return "under torchrun the global sync's all-reduce and fault sharing run on the host"
+        if sched.comm is not None or sched.ft is not None:
+            return ("under torchrun or torchft the global sync's all-reduce and fault sharing run "
+                    "on the host")
         if not sched.sync.cuda_graphs:
             return f"sync={type(sched.sync).__name__}() runs eagerly (its global sync writes every replica)"
         if not sched.optimizer.kernel:
@@ -301,11 +260,12 @@ class RoundGraph:
             return "precision='fp16' settles its loss scales on the host"
         if isinstance(batch, DeviceGather):  # on the plan's device
             return None
-        if isinstance(batch, LearnerBatches) or not all(
+        if isinstance(batch, (LearnerBatches, DeviceParts)) or not all(
                 isinstance(t, torch.Tensor) for t in tree_leaves(batch)):
-            return ("the batch is not a structure of tensors (a collate_fn's own batches): graph "
-                    "rounds copy tensor batches into static inputs; use a TensorDataset "
-                    "(fit(data_on_device=True) keeps it on the GPU) or a collate_fn of tensors")
+            return ("the batch is not a structure of tensors of one shape per learner (a "
+                    "collate_fn's own batches): graph rounds copy tensor batches into static "
+                    "inputs; use a TensorDataset (fit(data_on_device=True) keeps it on the GPU) "
+                    "or a collate_fn of tensors padded to one length")
         device = sched.states[0].torch_device
         elsewhere = {str(t.device) for t in tree_leaves(batch)
                      if t.device.type != "cpu" and t.device != device}
@@ -318,7 +278,9 @@ class RoundGraph:
         sgd = sched.optimizer.sgd()
         states = tuple((s.m, s.w.data_ptr(), s.v.data_ptr(), s.g.data_ptr(), s.z.data_ptr(),
                         s.buf.data_ptr(), tuple(s.first_step)) for s in sched.states)
-        inputs = tuple((tuple(shape), dtype, str(device)) for shape, dtype, device in
+        # shapes and dtypes: a batch copied ahead (on the device) and one loaded in the round (on
+        # the host, an epoch's first) fill the same static inputs
+        inputs = tuple((tuple(shape), dtype) for shape, dtype, _ in
                        (batch.specs() if isinstance(batch, DeviceGather) else
                         ((t.shape, t.dtype, t.device) for t in tree_leaves(batch))))
         return (id(sched.program), states, inputs, sched.batch_size, sched.learner_mode,
@@ -340,21 +302,29 @@ class RoundGraph:
             if entry.draws_random is not False:
                 seed_rng(s.torch_device, learner_seed(sched.seed, round_index, sched.learner_offset))
 
+    def _stop(self, failure: str, reason: str) -> None:
+        """Graph rounds stop: this round and every later one run eagerly (``why_not``)."""
+        self.failure, self._stopped = failure, reason
+        self._eager(reason)
+
     def _capture(self, sched: Any, entry: _Entry, synchronise: bool) -> bool:
         """Capture the body into a new graph; on failure warn, put back what the capture
         changed on the host (the first-step flags; a simulated capture also its tensors) and
-        return False."""
+        return False. A key whose warm-up found an op a capture cannot take is not captured."""
+        if entry.doomed is not None:
+            self._stop(entry.doomed, f"a capture would fail ({entry.doomed}); none was started")
+            return False
         graph = self.ops.new_graph()
         first_steps = [list(s.first_step) for s in sched.states]
         try:
             with self.ops.capture(graph, sched.states[0].torch_device):
                 losses = self._body(sched, entry, synchronise)
         except Exception as exc:  # noqa: BLE001 - any op that cannot be captured: fall back
-            self.failure = _first_failure(exc)
             for s, flags in zip(sched.states, first_steps):
                 s.first_step[:] = flags
             sched.backend.drop_streams()  # new streams: none of a failed capture's state lingers
-            self._eager(f"a capture failed ({self.failure})")
+            failure = _first_failure(exc)
+            self._stop(failure, f"a capture failed ({failure})")
             return False
         entry.graph, entry.losses = graph, losses
         self.captures += 1
@@ -420,13 +390,19 @@ class GraphBackend(StreamsBackend):
         super().run_round(round_index, batch, synchronise, indices, next_indices)
 
     def run_env(self, env: RoundEnv) -> None:
-        if not self.graph.run_round(self.sched, env.round_index, env.batch, env.synchronise):
+        if not self.graph.run_round(self.sched, env.round_index, env.batch, env.synchronise,
+                                    env.copied):
             if isinstance(env.batch, DeviceGather):
                 env.batch = env.batch.batch()
             super().run_env(env)
 
     def prefetch(self, round_index: int, indices: torch.Tensor) -> None:
-        """Nothing: a graph round copies its batch into the graph's static input."""
+        """As the streams backend's: round ``round_index``'s batch loaded and copied to the
+        device a round ahead, a DataLoader's learner batches stacked first when they stack into
+        tensors (``graph_batch``), so that a graph round copies it into its static inputs on the
+        device and an eager round (a fallback) takes it as it is."""
+        self.copy_ahead(round_index, indices,
+                        graph_batch(self.sched.load_batch(round_index, indices)))
 
     def graph_body(self, batch: Any, synchronise: bool) -> list[torch.Tensor]:
         """One round's tasks as a graph captures them (between two ``seal``s, hyper-parameters

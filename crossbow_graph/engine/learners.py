@@ -166,7 +166,7 @@ def _learn_replica(state: DeviceState, r: int, batch: Any, loss_fn: Callable,
                    seed: int | None) -> torch.Tensor:
     """Replica r's forward (under the state's precision) and backward into ``g[r]``; with float16
     loss scales, computed again at half the scale, from the same buffers, while it overflows."""
-    args, kwargs, target = split_inputs(batch)
+    args, kwargs, target = split_inputs(batch, state.call_flags)
     module, scales = state.replicas[r], state.loss_scales
     saved = _buffers_of(state, r) if scales is not None else None
     while True:

@@ -292,6 +292,7 @@ class Scheduler:
             self.close_workers()
             self.backend = self.inline_backend()
         self.backend.run_round(round_index, batch, synchronise, indices, next_indices)
+        self.settings.mark_stepped()
 
     def prefetch(self, round_index: int, indices: torch.Tensor) -> None:
         """Load round ``round_index``'s batch of ``indices [k·b]`` now and copy it to the

@@ -134,6 +134,12 @@ class RunSettings:
                 g["lr"] = float(g["lr"]) * f
         self._compose(old, writer=scheduler)
 
+    def mark_stepped(self) -> None:
+        """Record on the optimizer that a round stepped it, as its own ``step`` would (the flag
+        torch's LR schedulers read): a scheduler the user steps between fits raises no warning
+        that it steps before ``optimizer.step()``; the rounds ran those steps."""
+        self.optimizer.optimizer._opt_called = True  # torch.optim.lr_scheduler's own flag
+
     def load_group_settings(self, saved: list[dict[str, Any]]) -> None:
         """Write ``saved`` (per param group, settings by key: a checkpoint's
         ``LocalOptimizer.group_settings()`` or part of it) into the param groups, as a restore:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal, get_args
 import torch
 from torch import nn
 
-from .inputs import example_call
+from .inputs import NO_FLAGS, CallFlags, example_call
 from .precision import LossScales
 
 __all__ = ["FlatLayout", "DeviceState", "bind_flat", "channels_last_weights", "check_grad_hooks",
@@ -295,11 +295,15 @@ class DeviceState:
         optim_rows: a row optimizer's state (engine/optim.py ``OptimizerRows``), else None.
         precision, loss_scales: ``"fp32"``, ``"bf16"`` or ``"fp16"``; the replicas'
             ``LossScales`` with ``"fp16"``, else None.
+        call_flags: compile's keyword flags that every forward of the replicas gets
+            (engine/inputs.py ``CallFlags``).
     """
 
     def __init__(self, name: str, torch_device: torch.device, template: nn.Module, m: int,
-                 params: FlatLayout, buffers: FlatLayout, *, precision: str = "fp32") -> None:
+                 params: FlatLayout, buffers: FlatLayout, *, precision: str = "fp32",
+                 call_flags: CallFlags = NO_FLAGS) -> None:
         self.name = name
+        self.call_flags = call_flags
         self.torch_device = torch_device
         self.precision = precision
         self.loss_scales = LossScales(m) if precision == "fp16" else None

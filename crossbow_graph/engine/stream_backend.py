@@ -173,12 +173,16 @@ class StreamsBackend(InlineBackend):
     def prefetch(self, round_index: int, indices: torch.Tensor) -> None:
         """Load round ``round_index``'s batch now and copy each device's rows on its copy stream
         (``CudaStreams.copy_in``) into ``Scheduler.batch_ahead``."""
+        self.copy_ahead(round_index, indices, self.sched.load_batch(round_index, indices))
+
+    def copy_ahead(self, round_index: int, indices: torch.Tensor, batch: Any) -> None:
+        """Copy round ``round_index``'s loaded ``batch`` (of the samples ``indices``) to the
+        devices on their copy streams, into ``Scheduler.batch_ahead``."""
         sched = self.sched
-        streams = self.cuda_streams
-        batch = sched.load_batch(round_index, indices)
         b, first = sched.batch_size, sched.program.first
         bounds = [(first[d] * b, (first[d] + s.m) * b) for d, s in enumerate(sched.states)]
-        sched.batch_ahead.put(round_index, indices, *streams.copy_in(device_parts(batch, bounds)))
+        sched.batch_ahead.put(round_index, indices,
+                              *self.cuda_streams.copy_in(device_parts(batch, bounds)))
 
     def join(self) -> None:
         if self._cuda is not None:

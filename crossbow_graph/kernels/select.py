@@ -1,5 +1,5 @@
 """The SMA update backend of a plan (``select_backend``) and the kernels it runs
-(``plan_kernels``) (docs/kernels.md, "Emission, cache, what runs")."""
+(``plan_kernels``, ``kernel_specs``) (docs/kernels.md, "Emission, cache, what runs")."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from .torch_ref import TorchSMAKernels, sma_central_update, sma_local_update
 from .triton_sma import (EmittedKernel, KernelSpec, TritonSMAKernels, central_spec, device_type, emit,
                          import_triton, local_spec)
 
-__all__ = ["TorchKernel", "CKernel", "plan_kernels", "select_backend", "KernelBackend",
-           "KERNEL_BACKENDS"]
+__all__ = ["TorchKernel", "CKernel", "UpdateFacts", "plan_kernels", "kernel_specs",
+           "select_backend", "KernelBackend", "KERNEL_BACKENDS"]
 
 KernelBackend = Literal["auto", "triton", "torch", "c"]
 KERNEL_BACKENDS = get_args(KernelBackend)
@@ -56,35 +56,59 @@ class CKernel:
         return f"<{self.spec.describe(launch=False)}, c>"
 
 
-def plan_kernels(backend: SMAKernels, states: list[Any], *, local: bool = True, momentum: float,
-                 nesterov: bool,
-                 weight_decay: float, num_learners: int, sync_every: int,
-                 central_momentum: float) -> list[EmittedKernel | TorchKernel]:
-    """The kernels a plan runs on its devices' flat buffers, one per distinct spec: the local
-    ones (with ``local``, i.e. no row optimizer) for the first and later steps, with and without
-    the correction as k and τ need them, and the central one when k > 1."""
+@dataclass(frozen=True)
+class UpdateFacts:
+    """What selects a device's update kernels besides m and P: the SGD flags of the local kernel
+    (``local``: no row optimizer), k = ``num_learners``, τ = ``sync_every``, μ_z."""
+
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+    num_learners: int
+    sync_every: int
+    central_momentum: float
+    local: bool = True
+
+
+def plan_kernels(backend: SMAKernels, states: list[Any], facts: UpdateFacts, *,
+                 graphs: bool = False) -> list[EmittedKernel | TorchKernel]:
+    """The kernels a plan runs on its devices' flat buffers, one per distinct spec
+    (``kernel_specs`` of each device's ``w [m, P]``, its row stride and gradients' dtype)."""
     specs: list[KernelSpec] = []
-    corrects = ([True] if num_learners > 1 else []) + ([False] if num_learners == 1 or sync_every > 1 else [])
-    firsts = [True, False] if momentum != 0 else [False]
-    block = backend.block
     for s in states:
         m, P = s.w.shape
-        dev = device_type(s.w)
-        for first in firsts if local else ():
-            for correct in corrects:
-                specs.append(local_spec(m, P, s.g.dtype, dev, momentum=momentum, nesterov=nesterov,
-                                        weight_decay=weight_decay, first_step=first,
-                                        correct=correct, block=block,
-                                        row_stride=s.w.stride(0)))
-        if num_learners > 1:
-            specs.append(central_spec(P, dev, central_momentum=central_momentum, block=block,
-                                      dtype=s.z.dtype))
+        specs += kernel_specs(m, P, device_type(s.w), facts, row_stride=s.w.stride(0),
+                              dtype=s.g.dtype, z_dtype=s.z.dtype, graphs=graphs,
+                              block=backend.block)
     unique = list(dict.fromkeys(specs))
     if isinstance(backend, TritonSMAKernels):
         return [emit(s) for s in unique]
     if isinstance(backend, CSMAKernels):  # gradients not in float32 take the torch path
         return [CKernel(s) if s.dtype == torch.float32 else TorchKernel(s) for s in unique]
     return [TorchKernel(s) for s in unique]
+
+
+def kernel_specs(m: int, P: int, device_type: str, facts: UpdateFacts, *,
+                 row_stride: int | None = None, dtype: torch.dtype = torch.float32,
+                 z_dtype: torch.dtype = torch.float32, graphs: bool = False,
+                 block: int | None = None) -> list[KernelSpec]:
+    """The specs one device of m replicas of P parameters launches (rows ``row_stride`` apart,
+    gradients of ``dtype``): the local kernel of the first and later steps, with and without
+    the correction as k and τ need them; the central one when k > 1. ``graphs``: as CUDA-graph
+    rounds launch them (``HYPER_PTR``; μ_z = 0 stays a number)."""
+    f, specs = facts, []
+    corrects = [True] * (f.num_learners > 1) + [False] * (f.num_learners == 1 or f.sync_every > 1)
+    for first in ([True, False] if f.momentum != 0 else [False]) if f.local else ():
+        for correct in corrects:
+            specs.append(local_spec(m, P, dtype, device_type, momentum=f.momentum,
+                                    nesterov=f.nesterov, weight_decay=f.weight_decay,
+                                    first_step=first, correct=correct, block=block,
+                                    row_stride=row_stride, hyper_ptr=graphs))
+    if f.num_learners > 1:
+        specs.append(central_spec(P, device_type, central_momentum=f.central_momentum,
+                                  block=block, dtype=z_dtype,
+                                  hyper_ptr=graphs and f.central_momentum != 0))
+    return specs
 
 
 def select_backend(kernel_backend: str, device_type: str, dtype: torch.dtype = torch.float32

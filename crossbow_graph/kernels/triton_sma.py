@@ -18,8 +18,8 @@ import torch
 from .torch_ref import Hyper, is_on, sma_central_update, sma_local_update
 
 __all__ = ["KernelSpec", "EmittedKernel", "TritonSMAKernels", "emit", "local_spec", "central_spec",
-           "default_block", "cubin_resources", "import_triton", "device_type", "UNROLL_MAX",
-           "TARGET_PROGRAMS"]
+           "default_block", "cubin_resources", "import_triton", "device_type", "kernel_body",
+           "UNROLL_MAX", "TARGET_PROGRAMS"]
 
 triton: Any = None  # the triton module, imported by import_triton()
 tl: Any = None  # triton.language, resolved by the kernels' bodies at compile/run time
@@ -158,6 +158,12 @@ def sma_central_kernel(
 _FLAGS = {"sma_local": ("MOMENTUM", "NESTEROV", "WEIGHT_DECAY", "FIRST_STEP", "CORRECT", "INT64"),
           "sma_central": ("MOMENTUM",)}
 _BODIES = {"sma_local": sma_local_kernel, "sma_central": sma_central_kernel}
+
+
+def kernel_body(kind: str) -> Any:
+    """The Python function of kernel ``kind`` (``"sma_local"``, ``"sma_central"``), undecorated:
+    what ``triton.jit`` compiles."""
+    return _BODIES[kind]
 
 
 UNROLL_MAX = 8  # the local kernel's loop over M rows is unrolled fully up to this M

@@ -1,5 +1,7 @@
 """Model zoo: ``MODELS`` (name → factory) and ``INPUT_SHAPES`` (name → one sample's shape) of the
-models of the CROSSBOW paper, each traceable by torch.fx (docs/compiler.md §7)."""
+models of the CROSSBOW paper, each traceable by torch.fx (docs/compiler.md §7); ``gpt`` (a small
+decoder-only transformer of token inputs, models/gpt.py) with its loss ``lm_loss`` and metric
+``token_accuracy``."""
 
 from __future__ import annotations
 
@@ -7,12 +9,13 @@ from typing import Callable
 
 from torch import nn
 
+from .gpt import GPT, gpt, lm_loss, token_accuracy
 from .lenet import LeNet5, lenet5
 from .resnet import CifarResNet, ResNet50, resnet32, resnet50
 from .vgg import VGG16BN, vgg16
 
-__all__ = ["LeNet5", "CifarResNet", "ResNet50", "VGG16BN", "lenet5", "resnet32", "resnet50",
-           "vgg16", "MODELS", "INPUT_SHAPES", "get_model", "input_shape"]
+__all__ = ["LeNet5", "CifarResNet", "ResNet50", "VGG16BN", "GPT", "lenet5", "resnet32", "resnet50",
+           "vgg16", "gpt", "lm_loss", "token_accuracy", "MODELS", "INPUT_SHAPES", "get_model", "input_shape"]
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "lenet5": lenet5,      # MNIST, 61,706 parameters

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..engine.batches import LearnerBatches
 from ..engine.conv_choice import host_rngs_kept
-from ..engine.inputs import split_inputs
+from ..engine.inputs import NO_FLAGS, CallFlags, split_inputs
 from ..engine.learners import seed_rng
 
 __all__ = ["BNRecalibration", "recalibrate_batch_norm"]
@@ -27,7 +28,8 @@ def _trained_batch_norms(module: nn.Module) -> list[_BatchNorm]:
 
 
 @torch.no_grad()
-def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.device) -> int:
+def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.device,
+                           flags: CallFlags = NO_FLAGS) -> int:
     """Re-estimate the running statistics of ``module``'s BatchNorm layers that train
     (``_trained_batch_norms``), in place: reset, then the cumulative average (``momentum=None``)
     over ``batches`` run forward in training mode without gradients; momenta, the module's mode and
@@ -35,8 +37,10 @@ def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.
 
     Args:
         module: the model (any mode).
-        batches: collated ``(inputs, target)`` batches, as ``engine.inputs.split_inputs`` takes them.
+        batches: collated ``(inputs, target)`` batches, as ``engine.inputs.split_inputs`` takes them,
+            or ``LearnerBatches`` (a DataLoader's collate_fn per learner batch: each run alone).
         device: where the module is; the batches' tensors are moved there.
+        flags: compile's keyword flags (engine/inputs.py ``CallFlags``).
 
     Returns:
         The number of batches run (0: no BatchNorm layer with running statistics trains).
@@ -55,8 +59,9 @@ def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.
             bn.reset_running_stats()
             bn.momentum = None
         for batch in batches:
-            args, kwargs, _ = split_inputs(batch)
-            module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
+            for one in batch.batches if isinstance(batch, LearnerBatches) else [batch]:
+                args, kwargs, _ = split_inputs(one, flags)
+                module(*(move(a) for a in args), **{k: move(v) for k, v in kwargs.items()})
     finally:
         for bn, momentum in zip(norms, momenta):
             bn.momentum = momentum
@@ -104,9 +109,11 @@ class BNRecalibration:
         return chunks
 
     def refresh(self, module: nn.Module, buf: torch.Tensor, *, z: torch.Tensor,
-                zbuf: torch.Tensor, batch_size: int, num_learners: int, round_index: int) -> None:
+                zbuf: torch.Tensor, batch_size: int, num_learners: int, round_index: int,
+                flags: CallFlags = NO_FLAGS) -> None:
         """``module``'s float buffers (views of ``buf [Q]``) for z: ``zbuf [Q]`` copied, then,
-        when on, with k = ``num_learners`` > 1, the BatchNorm statistics re-estimated on ``draw``."""
+        when on, with k = ``num_learners`` > 1, the BatchNorm statistics re-estimated on ``draw``
+        (the forward passes with compile's keyword ``flags``)."""
         if not (self.batches and self.has_batch_norm and self._fetch is not None
                 and num_learners > 1):
             buf.copy_(zbuf)
@@ -121,5 +128,5 @@ class BNRecalibration:
         with torch.random.fork_rng(devices=devices), host_rngs_kept():
             seed_rng(z.device, round_index)  # dropout in the forward passes
             batches = [self._fetch(idx) for idx in self.draw(batch_size, round_index)]
-            recalibrate_batch_norm(module, batches, z.device)
+            recalibrate_batch_norm(module, batches, z.device, flags)
         self._key = key

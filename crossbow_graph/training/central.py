@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from ..engine.state import DeviceState, FlatLayout, copy_module
 from .batchnorm import BNRecalibration
 from .data import collate_of
 from .evaluation import eval_samples, evaluate_model
+from .validate import check_eval_dataset
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -63,7 +65,7 @@ class CentralModel:
         first = plan.states[0]
         self.recalibration.refresh(self.module, self._buf, z=first.z, zbuf=first.zbuf,
                                    batch_size=plan.batch_size, num_learners=plan.num_learners,
-                                   round_index=plan.rounds_done)
+                                   round_index=plan.rounds_done, flags=first.call_flags)
         if plan.comm is not None and not plan.comm.is_main:
             return
         src = dict(first.replicas[0].named_buffers())
@@ -78,24 +80,33 @@ class CentralModel:
         self.refresh()
         return self.module(*moved, **kwargs)
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """The refreshed module's state_dict: z's parameters (views of z: copy what you keep)
+        and the buffers ``copy`` has."""
+        self.refresh()
+        return self.module.state_dict()
+
     def copy(self) -> nn.Module:
         """The refreshed module as a new module of the template's class, evaluation mode."""
-        self.refresh()
         out = copy_module(self._plan.template)
-        out.load_state_dict({k: v.detach().clone() for k, v in self.module.state_dict().items()})
+        out.load_state_dict({k: v.detach().clone() for k, v in self.state().items()})
         return out.eval()
 
     @torch.no_grad()
-    def evaluate(self, dataset: Any, *, batch_size: int,
-                 metric_fn: Callable[[Any, Any], Any] | None) -> tuple[float | None, float]:
-        """(accuracy or None, mean loss) of the refreshed module (``evaluate_model``); the first
-        unscored evaluation warns (UserWarning)."""
+    def evaluate(self, dataset: Any, *, batch_size: int, metric_fn: Callable[[Any, Any], Any] | None,
+                 check: bool = True) -> tuple[float | None, float]:
+        """(accuracy or None, mean loss) of the refreshed module (``evaluate_model``), with
+        ``check`` after ``check_eval_dataset`` (training/validate.py: TypeError, ValueError
+        before any forward); the first unscored evaluation warns (UserWarning)."""
         plan = self._plan
+        if check:
+            check_eval_dataset(plan, dataset)
         data, dataset = dataset, eval_samples(dataset)
         self.refresh()
         result = evaluate_model(self.module, plan.loss_fn, dataset, batch_size=batch_size,
                                 device=plan.states[0].torch_device, metric_fn=metric_fn,
-                                collate_fn=collate_of(data))
+                                collate_fn=collate_of(data), flags=plan.states[0].call_flags,
+                                workers_of=data if isinstance(data, DataLoader) else None)
         self.last_eval_extras = result.extras  # a dict loss_fn's other entries (EvalRecord)
         if result.unscored and not self._unscored_warned:
             self._unscored_warned = True

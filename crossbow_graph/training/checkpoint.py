@@ -18,6 +18,7 @@ from ..engine.faults import FaultEvent
 from ..engine.learners import seed_host_rngs
 from .history import EpochRecord, EvalRecord, History, MetricRecord, PolicyRecord
 from .hooks import FitContext, Hook
+from .checkpoint_health import CheckpointHealth
 from .checkpoint_files import (MAGIC, checkpoint_path, list_checkpoints, load_checkpoint, load_latest,
                                prune_checkpoints, remove_temporaries, save_checkpoint)
 from .options import check_writable_dir
@@ -76,6 +77,9 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         **plan.progress.state_dict(),  # epochs_done, rounds_done, round_in_epoch, ...
         "outer_optimizer": _sync_state_entry(plan),
         "fault_tolerance": sched.ft.state_dict() if sched.ft is not None else None,  # engine/ft.py
+        # the worker processes' convolution library per b (engine/conv_choice.py): measured per
+        # process with cpu_conv="auto", so a resumed process keeps the one its rounds ran with
+        "cpu_conv_choices": dict(sched.onednn_choices),
     }
 
 
@@ -187,6 +191,7 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any], setup: dict[str, Any]
     sched.faults.events = [FaultEvent(**e) for e in sd["faults"]]
     if sched.ft is not None and sd.get("fault_tolerance") is not None:
         sched.ft.load_state_dict(sd["fault_tolerance"])
+    sched.onednn_choices.update(sd.get("cpu_conv_choices", {}))
     plan.progress.load_state_dict(sd)
     choice.warn(source)
 
@@ -293,6 +298,7 @@ def _history_from(d: dict[str, Any], into: History) -> None:
     into.policy = [PolicyRecord(**p) for p in d.get("policy", [])]
     into.lr = list(d.get("lr", []))
     into.time_to_accuracy_s, into.epochs_to_accuracy = d["time_to_accuracy_s"], d["epochs_to_accuracy"]
+    into.cpu_threads = int(d.get("cpu_threads", 0))  # the threads the checkpoint's fit ran with
 
 
 class CheckpointHook(Hook):
@@ -325,6 +331,7 @@ class CheckpointHook(Hook):
                              "one has a fallback")
         self.directory, self.schedule, self.hooks = directory, schedule, list(hooks)
         self.every_rounds, self.keep, self.writer = every_rounds, keep, writer
+        self.health = CheckpointHealth()  # which checkpoint a resume after divergence takes
         self._last_saved = -1
         if writer:
             check_writable_dir("checkpoint_dir", directory)
@@ -422,6 +429,7 @@ class CheckpointHook(Hook):
             if key in state["hooks"]:
                 hook.load_state_dict(state["hooks"][key])
         _history_from(state["history"], history)
+        self.health.load_state_dict(state.get("health"))
 
     def save(self, ctx: FitContext) -> str | None:
         """Write a checkpoint (a collective under torchrun); returns its path (None off rank 0)."""
@@ -430,6 +438,7 @@ class CheckpointHook(Hook):
         if comm is not None:
             sd = None if self.writer else plan_state_dict(plan)
             mine = None if self.writer else {"states": sd["states"], "losses": sd["losses"],
+                                             "cpu_conv_choices": sd["cpu_conv_choices"],
                                              "rng": _rng_state()}
             gathered = comm.gather_object(mine, "the gather of every rank's learners for a "
                                           "checkpoint", plan.rounds_done - 1)
@@ -439,6 +448,8 @@ class CheckpointHook(Hook):
             return None
         plan_state = plan_state_dict(plan)
         plan_state["train_seconds"] = ctx.train_seconds  # includes the unfinished epoch's rounds
+        path = checkpoint_path(self.directory, plan.rounds_done)
+        self.health.judge(os.path.basename(path))
         state = {
             "format": _FORMAT,
             "plan": plan_state,
@@ -449,12 +460,19 @@ class CheckpointHook(Hook):
             "history": ctx.history.to_dict(),
             "world_size": 1 if comm is None else comm.world_size,
             "peers": peers,  # ranks 1 … R−1: {"states": [...], "losses": [n], "rng": {...}}
+            "health": self.health.state_dict(),  # training/checkpoint_health.py
         }
-        path = checkpoint_path(self.directory, plan.rounds_done)
         save_checkpoint(path, state)
         plan.run_record.saw(path)
-        prune_checkpoints(self.directory, self.keep)
+        prune_checkpoints(self.directory, self.keep, spare=self.health.healthy)
+        self.health.kept([os.path.basename(p) for p in list_checkpoints(self.directory)])
         return path
+
+    def set_aside_unhealthy(self) -> str:
+        """At a DivergenceError (the writer): the checkpoints newer than the newest healthy one
+        renamed ``….pt.diverged`` (training/checkpoint_health.py); returns what a resume now
+        does, for the error's message ("" off rank 0, or without a checkpoint of this run)."""
+        return self.health.set_aside(self.directory) if self.writer else ""
 
     def save_if_new(self, ctx: FitContext) -> str | None:
         """``save`` unless the last checkpoint saved or resumed is of this state; the file."""
@@ -467,6 +485,13 @@ class CheckpointHook(Hook):
             remove_temporaries(self.directory)  # the remains of a write that was killed
 
     def after_round(self, ctx: FitContext) -> None:
+        if self.writer and ctx.round_loss is not None:
+            self.health.see_round(ctx.round_loss)  # on the device; read at the next checkpoint
+
+    def save_if_due(self, ctx: FitContext) -> None:
+        """The round's checkpoint every ``every_rounds`` rounds; the Trainer calls it once the
+        round's hooks and its evaluation (with the hooks' after_eval) have run, so that a resume
+        continues after both."""
         if self.every_rounds is not None and ctx.plan.rounds_done % self.every_rounds == 0:
             self.save(ctx)
 

@@ -170,9 +170,12 @@ def load_latest(directory: str) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
-def prune_checkpoints(directory: str, keep: int) -> None:
-    """Remove all but the newest ``keep`` checkpoint files (one already gone is skipped)."""
+def prune_checkpoints(directory: str, keep: int, spare: str | None = None) -> None:
+    """Remove all but the newest ``keep`` checkpoint files and the file named ``spare`` (one
+    already gone is skipped)."""
     for old in list_checkpoints(directory)[:-keep]:
+        if os.path.basename(old) == spare:
+            continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(old)
 

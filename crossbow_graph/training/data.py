@@ -10,6 +10,7 @@ from torch.utils.data import (DataLoader, Dataset, IterableDataset, RandomSample
 
 from ..engine.batches import LearnerBatches
 from ..engine.settings import RunSettings
+from .collate import collate, plain_batch
 
 __all__ = ["BatchSchedule", "CollateFetch", "DeviceFetch", "LearnerFetch", "as_dataset", "collate_of",
            "device_fetch", "make_fetch", "read_samples", "yields_every_sample"]
@@ -107,9 +108,9 @@ class BatchSchedule:
 
 
 def collate_of(data: Any) -> Callable[[list], Any] | None:
-    """A DataLoader's collate_fn unless it is ``default_collate`` (what the plan uses without
-    one) or ``default_convert`` (what ``batch_size=None`` sets: samples left uncollated); None
-    for a Dataset."""
+    """A DataLoader's collate_fn unless it is ``default_collate`` (the plan's own collation,
+    training/collate.py ``collate``, a superset, replaces it) or ``default_convert`` (what
+    ``batch_size=None`` sets: samples left uncollated); None for a Dataset."""
     if isinstance(data, DataLoader) and data.collate_fn not in (default_collate, default_convert):
         return data.collate_fn
     return None
@@ -129,15 +130,28 @@ def make_fetch(dataset: Dataset, collate_fn: Callable[[list], Any] | None = None
     """A function from sample indices ``[n]`` to one collated batch ``(inputs, target)``.
 
     With ``collate_fn`` (a DataLoader's): the samples read item by item (``read_samples``), then
-    ``collate_fn(samples)``. Without: TensorDatasets are gathered with one index per tensor; any
-    other Dataset is read item by item and collated with ``torch.utils.data.default_collate``.
+    ``collate_fn(samples)``. Without: TensorDatasets are gathered with one index per tensor
+    (detached; the rows of a sparse tensor made dense); any other Dataset is read item by item
+    and collated with ``training.collate.collate`` (torch's ``default_collate``, None targets
+    and keyword flags kept).
     """
     if collate_fn is not None:
         return CollateFetch(dataset, collate_fn)
     if isinstance(dataset, TensorDataset):
-        tensors = dataset.tensors
-        return lambda idx: [t[idx] for t in tensors]
-    return lambda idx: default_collate([_sample(dataset, int(i)) for i in idx])
+        tensors = [_gatherable(t) for t in dataset.tensors]
+        if all(t.layout is torch.strided for t in tensors):
+            return lambda idx: [t[idx] for t in tensors]
+        return lambda idx: [t[idx] if t.layout is torch.strided else
+                            t.index_select(0, idx).to_dense() for t in tensors]
+    return lambda idx: collate([_sample(dataset, int(i)) for i in idx])
+
+
+def _gatherable(t: torch.Tensor) -> torch.Tensor:
+    """A TensorDataset's tensor as its rows are gathered: detached (data, not a parameter), a
+    sparse CSR/CSC/BSR tensor as COO (whose ``index_select`` gathers rows; made dense per
+    batch)."""
+    t = t.detach()
+    return t if t.layout in (torch.strided, torch.sparse_coo) else t.to_sparse_coo()
 
 
 class DeviceFetch:
@@ -155,7 +169,7 @@ class DeviceFetch:
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], device: torch.device) -> None:
         self.device = device
-        self.tensors = [t.to(device) for t in tensors]
+        self.tensors = [t.detach().to(device) for t in tensors]  # data: no graph through it
         self.pinned = device.type == "cuda"
         self._order: tuple[torch.Tensor, torch.Tensor] | None = None  # (host [N], device [N])
 
@@ -206,11 +220,19 @@ def device_fetch(data: Any, dataset: Dataset, data_on_device: bool | str,
     ``False`` never.
 
     Raises:
-        ValueError: ``data_on_device=True`` with data other than a TensorDataset (a DataLoader,
-            a Dataset that reads its samples, or one with ``get_batch``).
+        ValueError: ``data_on_device=True`` with data other than a TensorDataset of dense
+            tensors (a DataLoader, a Dataset that reads its samples, one with ``get_batch``,
+            sparse tensors).
     """
     eligible = isinstance(dataset, TensorDataset) and not isinstance(data, DataLoader) \
         and not hasattr(dataset, "get_batch")
+    sparse = eligible and any(t.layout is not torch.strided for t in dataset.tensors)
+    if data_on_device is True and sparse:
+        raise ValueError("data_on_device=True keeps a TensorDataset's tensors on the device and "
+                         "gathers each round there into dense batches, but train_dataset holds "
+                         "sparse tensors; pass data_on_device='auto' (the host gathers their rows "
+                         "and makes them dense, batch by batch), or dense tensors (x.to_dense())")
+    eligible = eligible and not sparse
     if data_on_device is True and not eligible:
         raise ValueError(
             f"data_on_device=True keeps a TensorDataset's tensors on the device and gathers each "
@@ -251,7 +273,7 @@ class CollateFetch:
         self.dataset, self.collate_fn = dataset, collate_fn
 
     def __call__(self, indices: torch.Tensor) -> Any:
-        return self.collate_fn(read_samples(self.dataset, indices.tolist()))
+        return plain_batch(self.collate_fn(read_samples(self.dataset, indices.tolist())))
 
 
 class LearnerFetch:
@@ -272,7 +294,7 @@ class LearnerFetch:
 
     def __call__(self, indices: torch.Tensor) -> LearnerBatches:
         b, idx = self.settings.batch_size, indices.tolist()
-        return LearnerBatches([self.collate_fn(read_samples(self.dataset, idx[s:s + b]))
+        return LearnerBatches([plain_batch(self.collate_fn(read_samples(self.dataset, idx[s:s + b])))
                                for s in range(0, len(idx), b)], b)
 
 

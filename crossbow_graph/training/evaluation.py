@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..compiler.outputs import describe_output, logits_of, loss_extras, loss_value
-from ..engine.inputs import split_inputs
+from ..engine.inputs import NO_FLAGS, CallFlags, split_inputs
+from .collate import collate
 from .data import as_dataset, make_fetch, yields_every_sample
 
 __all__ = ["Evaluation", "batch_correct", "eval_samples", "evaluate_model"]
@@ -71,6 +72,10 @@ def batch_correct(output: Any, target: Any) -> int | None:
 
 
 def _why_unscored(output: Any, target: Any) -> str:
+    if target is None:
+        return ("the samples have no target (None), so there is no class accuracy to compute; "
+                "pass fit(..., metric_fn=fn), fn(output, None) -> the batch's score in [0, 1], "
+                "to measure one")
     have = (f"Tensor [{', '.join(map(str, target.shape))}] of {target.dtype}"
             if isinstance(target, torch.Tensor) else type(target).__name__)
     return (f"the output ({describe_output(output)}) with targets ({have}) gives no accuracy: "
@@ -79,11 +84,37 @@ def _why_unscored(output: Any, target: Any) -> str:
             "fn(output, target) -> the batch's accuracy in [0, 1]")
 
 
+def _batches(dataset: Dataset, batch_size: int, collate_fn: Callable[[list], Any] | None,
+             workers_of: DataLoader | None) -> Iterator[tuple[int, Any]]:
+    """(samples, collated batch) of ``dataset`` in order, ``batch_size`` at a time: loaded by a
+    DataLoader with ``workers_of``'s worker settings (``num_workers``, ``prefetch_factor``,
+    ``pin_memory``, ``worker_init_fn``, ``timeout``, ``multiprocessing_context``) when it has
+    workers, with a generator of its own (the workers' seeds; torch's global RNG is left as it
+    was), else read here (``make_fetch``)."""
+    n, like = len(dataset), workers_of
+    if like is None or like.num_workers == 0:
+        fetch = make_fetch(dataset, collate_fn)
+        for start in range(0, n, batch_size):
+            yield min(batch_size, n - start), fetch(torch.arange(start, min(start + batch_size, n)))
+        return
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False,
+                        collate_fn=collate_fn or collate, num_workers=like.num_workers,
+                        pin_memory=like.pin_memory, timeout=like.timeout,
+                        worker_init_fn=like.worker_init_fn, prefetch_factor=like.prefetch_factor,
+                        multiprocessing_context=like.multiprocessing_context,
+                        generator=torch.Generator().manual_seed(0),
+                        pin_memory_device=like.pin_memory_device)
+    for i, batch in enumerate(loader):
+        yield min(batch_size, n - i * batch_size), batch
+
+
 @torch.no_grad()
 def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], torch.Tensor],
                    dataset: Any, *, batch_size: int, device: torch.device,
                    metric_fn: Callable[[Any, Any], Any] | None = None,
-                   collate_fn: Callable[[list], Any] | None = None) -> Evaluation:
+                   collate_fn: Callable[[list], Any] | None = None,
+                   flags: CallFlags = NO_FLAGS,
+                   workers_of: DataLoader | None = None) -> Evaluation:
     """Mean loss and accuracy of ``forward`` on ``dataset``, in batches of ``batch_size``.
 
     Args:
@@ -99,27 +130,29 @@ def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], to
             (``batch_correct``).
         collate_fn: a DataLoader's collate_fn for each batch's samples (training/data.py
             ``collate_of``); None: the default collation.
+        flags: compile's keyword flags, passed where a batch does not give them
+            (engine/inputs.py ``CallFlags``).
+        workers_of: a DataLoader whose worker processes load the batches (its ``num_workers``
+            and their settings; its samples are ``dataset``'s), or None: read in this process.
 
     Returns:
         The Evaluation.
     """
-    fetch = make_fetch(dataset, collate_fn)
     correct, loss_sum, n, unscored = 0.0, 0.0, 0, ""
     extras: dict[str, float] = {}
-    for start in range(0, len(dataset), batch_size):
-        idx = torch.arange(start, min(start + batch_size, len(dataset)))
-        batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, fetch(idx))
-        args, kwargs, y = split_inputs(batch)
+    for size, batch in _batches(dataset, batch_size, collate_fn, workers_of):
+        batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+        args, kwargs, y = split_inputs(batch, flags)
         out = forward(*args, **kwargs)
         loss = loss_fn(out, y)
-        loss_sum += float(loss_value(loss)) * len(idx)
+        loss_sum += float(loss_value(loss)) * size
         for key, v in loss_extras(loss).items():
-            extras[key] = extras.get(key, 0.0) + v * len(idx)
-        n += len(idx)
+            extras[key] = extras.get(key, 0.0) + v * size
+        n += size
         if unscored:
             continue
         if metric_fn is not None:
-            correct += float(metric_fn(out, y)) * len(idx)
+            correct += float(metric_fn(out, y)) * size
             continue
         hits = batch_correct(out, y)
         if hits is None:

@@ -10,9 +10,9 @@ from torch.utils.data import DataLoader
 
 from .data import BatchSchedule, as_dataset, collate_of, make_fetch
 from .evaluation import eval_samples
-from .loader import BatchSource, batch_source, check_loader
+from .loader import BatchSource, batch_source, check_loader, fit_shuffle
 from .options import FitOptions
-from .validate import check_first_batch
+from .validate import check_eval_dataset, check_first_batch
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -25,6 +25,10 @@ class FitData:
 
     Attributes:
         train: the training Dataset (a DataLoader's dataset).
+        shuffle: whether every epoch is shuffled (``fit_shuffle``: ``fit(shuffle=)``, or a
+            DataLoader's own).
+        batches_per_epoch: the steps of a plain loop's epoch over the data: a DataLoader's
+            ``len``, a Dataset's ⌈N/b⌉ (an LR schedule's ``"batch"`` interval).
         schedule: the epochs' order (training/data.py ``BatchSchedule``), after ``open``.
         source: the fit's one BatchSource (training/loader.py), after ``open``.
 
@@ -39,6 +43,9 @@ class FitData:
         if options.target_accuracy is not None and eval_dataset is None:
             raise ValueError("target_accuracy needs an eval_dataset to measure z's accuracy on")
         self.train = as_dataset(train_dataset)
+        self.shuffle = fit_shuffle(train_dataset, options.shuffle)
+        self.batches_per_epoch = len(train_dataset) if isinstance(train_dataset, DataLoader) \
+            else -(-len(self.train) // plan.batch_size)
         k, b = plan.num_learners, plan.batch_size
         if isinstance(train_dataset, DataLoader):
             check_loader(train_dataset, b, stacklevel=6)  # the caller of Plan.fit
@@ -53,7 +60,7 @@ class FitData:
         """Under torchrun: every rank runs the same fit (``Comm.agree``; DistributedError)."""
         opts, plan = self.options, self.plan
         comm.agree({"train samples": len(self.train), "epochs": opts.epochs,
-                    "shuffle": opts.shuffle, "seed": opts.seed,
+                    "shuffle": self.shuffle, "seed": opts.seed,
                     "evals_per_epoch": opts.evals_per_epoch,
                     "target_accuracy": opts.target_accuracy,
                     "max_grad_norm": opts.max_grad_norm,
@@ -72,7 +79,7 @@ class FitData:
                 ``data_on_device=True`` for data not a TensorDataset.
         """
         opts, plan = self.options, self.plan
-        self.schedule = BatchSchedule(len(self.train), shuffle=opts.shuffle, seed=opts.seed)
+        self.schedule = BatchSchedule(len(self.train), shuffle=self.shuffle, seed=opts.seed)
         self.source = batch_source(self.train_dataset, self.train, plan, seed=opts.seed,
                                    data_on_device=opts.data_on_device)
         self._check_first_batches()
@@ -91,9 +98,7 @@ class FitData:
         first = self.schedule.next_round(self.schedule.order(0), 0, 1, b)
         check_first_batch(plan, self.train, self.source.host_fetch, first)
         if self.eval_dataset is not None:
-            evals = eval_samples(self.eval_dataset)  # the samples evaluation scores
-            check_first_batch(plan, evals, make_fetch(evals, collate_of(self.eval_dataset)),
-                              torch.arange(min(b, len(evals))), what="eval_dataset")
+            check_eval_dataset(plan, self.eval_dataset)
 
 
 def rank_rows(plan: "Plan", indices: torch.Tensor | None) -> torch.Tensor | None:

@@ -26,11 +26,15 @@ class FitEvaluation:
         self.points: list[int] = []
         self.next = 0
 
-    def start_epoch(self, num_samples: int, position: int) -> None:
-        """The epoch's evaluation points (sample positions) and the next one after ``position``."""
+    def start_epoch(self, num_samples: int, position: int, first_round: int) -> float | None:
+        """The epoch's evaluation points (sample positions) and the next one after ``position``;
+        returns z's accuracy at the epoch's last evaluation so far (one before a resume in its
+        middle: after the plan's round ``first_round``, where the epoch began), or None."""
         evals = self.options.evals_per_epoch
         self.points = [num_samples * i // evals for i in range(1, evals + 1)]
         self.next = sum(1 for p in self.points if p <= position)
+        done = self.history.evals
+        return done[-1].test_accuracy if done and done[-1].round > first_round else None
 
     def due(self, position: int, last: bool) -> bool:
         """Whether ``position`` passed the next evaluation point (or the epoch's ``last`` round
@@ -54,6 +58,13 @@ class FitEvaluation:
                                              test_extras=dict(plan.last_eval_extras)))
         return self.history.evals[-1]
 
+    def reached_before(self) -> bool:
+        """Whether an evaluation already in the History (a resumed run's) reached
+        ``target_accuracy``: the run it continues had stopped there."""
+        target = self.options.target_accuracy
+        return target is not None and any(e.test_accuracy is not None and e.test_accuracy >= target
+                                          for e in self.history.evals)
+
     def reached(self, record: EvalRecord) -> bool:
         """Whether ``record`` reaches ``target_accuracy``; records the time and epochs to it."""
         target, acc = self.options.target_accuracy, record.test_accuracy
@@ -64,12 +75,13 @@ class FitEvaluation:
         return True
 
     def _evaluate(self) -> tuple[float | None, float]:
+        """``Plan.evaluate`` without its data check (the fit checked eval_dataset at its start)."""
         plan, comm, opts = self.plan, self.plan.comm, self.options
+        acc, loss = (0.0, 0.0) if comm is not None and not comm.is_main else plan.central.evaluate(
+            self.eval_dataset, batch_size=opts.eval_batch_size, metric_fn=opts.metric_fn,
+            check=False)
         if comm is None:
-            return plan.evaluate(self.eval_dataset, batch_size=opts.eval_batch_size,
-                                 metric_fn=opts.metric_fn)
-        acc, loss = plan.evaluate(self.eval_dataset, batch_size=opts.eval_batch_size,
-                                  metric_fn=opts.metric_fn) if comm.is_main else (0.0, 0.0)
+            return acc, loss
         acc, loss = comm.broadcast_floats([float("nan") if acc is None else acc, loss],
                                           plan.rounds_done - 1)
         return (None if acc != acc else acc), loss

@@ -23,9 +23,11 @@ __all__ = ["fit_hooks", "checkpoints"]
 
 
 def fit_hooks(plan: "Plan", options: FitOptions, schedule: BatchSchedule, first: list[Hook],
-              metrics: Hook | None, *, main: bool) -> list[Hook]:
+              metrics: Hook | None, *, main: bool, batches_per_epoch: int) -> list[Hook]:
     """``first`` (the auto-tuner, the user's hooks), ``metrics``, the policies, the LR
-    scheduler, the logger (``main`` only): the fit's hooks but its checkpoints.
+    scheduler (``batches_per_epoch``: a plain loop's batches of b per epoch,
+    ``FitData.batches_per_epoch``), the logger (``main`` only): the fit's hooks but its
+    checkpoints.
 
     Raises:
         ValueError: an LR scheduler that does not fit the fit (training/lr_schedule.py).
@@ -36,11 +38,13 @@ def fit_hooks(plan: "Plan", options: FitOptions, schedule: BatchSchedule, first:
     hooks += list(options.policies)
     if options.lr_scheduler is not None:
         known = not options.resume and plan.autotuner is None and not options.policies
-        rounds = schedule.rounds_per_epoch(plan.num_learners, plan.batch_size) * options.epochs
-        check_lr_scheduler(plan, options.lr_scheduler, options.lr_scheduler_interval,
-                           rounds if known else None)
-        hooks.append(LRSchedulerHook(options.lr_scheduler, options.lr_scheduler_interval,
-                                     settings=plan.settings))
+        interval = options.lr_scheduler_interval
+        steps = (batches_per_epoch if interval == "batch" else
+                 schedule.rounds_per_epoch(plan.num_learners, plan.batch_size)) * options.epochs
+        check_lr_scheduler(plan, options.lr_scheduler, interval,
+                           steps if known or interval == "batch" else None)
+        hooks.append(LRSchedulerHook(options.lr_scheduler, interval, settings=plan.settings,
+                                     batches_per_epoch=batches_per_epoch))
     _warn_if_no_outer_step(plan, schedule, options.epochs)
     if options.log_dir is not None and main:
         hooks.append(MetricsLogger(options.log_dir))

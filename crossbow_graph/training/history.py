@@ -159,6 +159,9 @@ class History:
         cuda_graphs: with ``compile(cuda_graphs=True)``, the plan's graph rounds so far:
             ``{"captures", "replays", "eager_rounds": {reason: rounds}}`` (engine/graphs.py
             ``RoundGraph.record``); else empty.
+        cpu_threads: torch's intra-op threads during the fit (``fit(cpu_threads=)``).
+        free_cores: the cores other processes left free at its start, from which
+            ``cpu_threads="auto"`` chose (engine/threads.py); None: not measured.
         membership: under ``Distributed(fault_tolerant=True)`` every change of the live replica
             groups (engine/ft.py MembershipChange: round, groups, learners k, ...), in order.
     """
@@ -178,6 +181,8 @@ class History:
     lr: list[float] = field(default_factory=list)
     cuda_graphs: dict = field(default_factory=dict)
     membership: list = field(default_factory=list)
+    cpu_threads: int = 0
+    free_cores: float | None = None
 
     @property
     def sync_unhidden_share(self) -> float | None:

@@ -18,16 +18,18 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
 from ..engine.batches import LearnerBatches
+from .collate import collate, plain_batch
 from .data import (LearnerFetch, collate_of, device_fetch, make_fetch, read_samples,
                    yields_every_sample)
 
 if TYPE_CHECKING:
     from ..api import Plan
 
-__all__ = ["BatchSource", "RoundLoader", "batch_source", "check_loader", "seed_learner_batch"]
+__all__ = ["BatchSource", "RoundLoader", "batch_source", "check_loader", "fit_shuffle",
+           "seed_learner_batch"]
 
 _LOADER_TAG = 0x4C4F4144  # "LOAD": keeps these seeds apart from seed_host_rngs' (engine/learners.py)
 
@@ -37,7 +39,8 @@ def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset
     """Refuse a DataLoader whose settings choose the samples, which the plan does.
 
     A ``SequentialSampler`` or a plain ``RandomSampler`` (what ``shuffle=False``/``True`` make)
-    is accepted: the order is ``fit(shuffle=, seed=)``'s. ``batch_size`` and ``drop_last`` are
+    is accepted: the order is ``fit(shuffle=, seed=)``'s, by default the DataLoader's own
+    ``shuffle`` (``fit_shuffle``) with the fit's seed. ``batch_size`` and ``drop_last`` are
     not used (b is the plan's; a last partial round is always dropped): a ``batch_size`` other
     than b = ``batch_size`` is a ``UserWarning`` (once per call: ``Plan.fit`` checks once) that
     says b is used and that ``DataLoader(..., batch_size=b)`` silences it.
@@ -64,7 +67,7 @@ def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset
     if not yields_every_sample(loader) or type(batches) is not BatchSampler:
         raise ValueError(f"{what} is a DataLoader with a sampler ({type(loader.sampler).__name__}), "
                          f"but {plan_draws}, so it cannot follow the sampler; pass the DataLoader "
-                         "without it (shuffle= is fit's), and to weight or select samples give "
+                         "without it (its shuffle=True or False is honoured), and to weight or select samples give "
                          "a dataset that does (e.g. a torch.utils.data.Subset)")
     if loader.batch_size != batch_size:
         warnings.warn(f"{what} is a DataLoader with batch_size={loader.batch_size}, but every "
@@ -72,6 +75,17 @@ def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset
                       ", or what a policy set), and its batch_size is not used; pass "
                       f"DataLoader(..., batch_size={batch_size}) to silence this warning",
                       UserWarning, stacklevel=stacklevel)
+
+
+def fit_shuffle(data: Any, shuffle: bool | None) -> bool:
+    """Whether a fit shuffles every epoch: ``fit(shuffle=)`` as given; None: a DataLoader's own
+    setting (its sampler a ``RandomSampler``: ``DataLoader(shuffle=True)``; a
+    ``SequentialSampler``, ``shuffle=False``, its default: the dataset's order), else True."""
+    if shuffle is not None:
+        return shuffle
+    if isinstance(data, DataLoader):
+        return isinstance(data.sampler, RandomSampler)
+    return True
 
 
 def seed_learner_batch(fit_seed: int, epoch: int, position: int) -> None:
@@ -96,8 +110,9 @@ def _as_is(item: Any) -> Any:
 
 class _LearnerBatchView(Dataset):
     """The dataset as the DataLoader's workers read it: a key ``(epoch, position, indices)`` →
-    ``(position, collate_fn(samples))``, the learner batch at ``position`` of the epoch's order,
-    read after ``seed_learner_batch``.
+    ``(position, collate_fn(samples))`` (its tensors detached and dense: ``plain_batch``; without
+    a collate_fn, ``training.collate.collate``), the learner batch at ``position`` of the epoch's
+    order, read after ``seed_learner_batch``.
 
     ``dataset`` is the user's; other attributes are read from it, so that a worker_init_fn that
     reads ``torch.utils.data.get_worker_info().dataset`` finds what it set up.
@@ -113,7 +128,9 @@ class _LearnerBatchView(Dataset):
         if self.collate_fn is None and hasattr(self.dataset, "get_batch"):
             return position, self.dataset.get_batch(torch.tensor(idx))  # reads a batch at once
         samples = read_samples(self.dataset, idx)
-        return position, (self.collate_fn or torch.utils.data.default_collate)(samples)
+        if self.collate_fn is None:
+            return position, collate(samples)
+        return position, plain_batch(self.collate_fn(samples))
 
     def __len__(self) -> int:
         return len(self.dataset)

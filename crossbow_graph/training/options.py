@@ -32,21 +32,24 @@ class FitOptions:
         ValueError: ``epochs``, ``evals_per_epoch``, ``eval_batch_size`` or ``metrics_every`` not
             an integer ≥ 1, ``bn_recalibration_batches`` not an integer ≥ 0,
             ``target_accuracy`` outside (0, 1], ``data_on_device`` not ``"auto"``, True or
-            False, ``max_grad_norm`` not a positive finite number, a value not among a field's
+            False, ``max_grad_norm`` not a positive finite number, ``cpu_threads`` not
+            ``"auto"``, None or an integer ≥ 1, a value not among a field's
             choices, ``resume=True`` or ``checkpoint_every`` without ``checkpoint_dir``, a
             ``trace`` path whose folder is missing or not writable, a ``log_dir`` that is a
             file or cannot be created or written.
         TypeError: ``metric_fn`` not callable, ``seed`` not an integer, ``target_accuracy`` or
-            ``max_grad_norm`` not a number, ``shuffle``, ``progress`` or ``resume`` not a bool,
+            ``max_grad_norm`` not a number, ``shuffle`` not a bool or None, ``progress`` or
+            ``resume`` not a bool,
             ``hooks``/``policies`` not a list of hook objects (one hook alone, or a class
             instead of an instance).
     """
 
     epochs: int = option(1, doc=(
         "epochs to run (≥ 1); with resume=True, the epochs of the whole run"))
-    shuffle: bool = option(True, doc=(
+    shuffle: bool | None = option(None, doc=(
         "shuffle every epoch; False: the dataset's order (learner j gets batch number t·k + j "
-        "in round t)"))
+        "in round t); None: a training DataLoader's own shuffle (DataLoader(shuffle=False), "
+        "its default, keeps the order), else True"))
     seed: int = option(0, doc=(
         "seeds the data order and, at the start of the fit, this process's torch, Python random "
         "and NumPy global RNGs (dropout, a Dataset's augmentation); worker processes reseed "
@@ -90,7 +93,10 @@ class FitOptions:
         "a torch.optim.lr_scheduler scheduler built over Plan.optimizer, stepped after the "
         "policies every lr_scheduler_interval (ReduceLROnPlateau after every evaluation, with "
         "z's test loss); History.lr has η per round"))
-    lr_scheduler_interval: LRInterval = option("epoch", doc="when lr_scheduler steps")
+    lr_scheduler_interval: LRInterval = option("epoch", doc=(
+        "when lr_scheduler steps: once per epoch, per round (of k·b samples), or per batch of b "
+        "(len(DataLoader) steps an epoch, a Dataset's ⌈N/b⌉, spread over its rounds: a schedule "
+        "sized as a plain loop sizes it ends with the fit whatever k is)"))
     metric_fn: Callable[[Any, Any], Any] | None = option(None, doc=(
         "metric_fn(output, target) -> a batch's mean accuracy in [0, 1] (a float or 0-dim "
         "tensor): z's test_accuracy is its mean over the eval_dataset; None: the class accuracy "
@@ -104,6 +110,11 @@ class FitOptions:
         "True: a TensorDataset's tensors on the plan's first device for the fit, each round "
         "gathered there; 'auto': so on CUDA when they take ≤ ¼ of its free memory; False: "
         "gathered on the host; on CUDA other batches are copied a round ahead (docs/runtime.md)"))
+    cpu_threads: int | Literal["auto"] | None = option("auto", doc=(
+        "torch's intra-op threads during the fit: 'auto' on CPU devices as many as cores are "
+        "free at its start (other processes' load measured; shared among a host's torchrun "
+        "ranks; at most torch's setting), an integer ≥ 1 that many, None torch's setting; "
+        "given back after the fit (History.cpu_threads; docs/runtime.md)"))
     max_grad_norm: float | None = option(None, doc=(
         "every learner clips its own gradient to this 2-norm before its local step, as "
         "torch.nn.utils.clip_grad_norm_ does: g_j ← g_j·min(1, max_grad_norm/(‖g_j‖₂ + 1e-6)) "
@@ -113,7 +124,8 @@ class FitOptions:
         object.__setattr__(self, "hooks", as_hooks("hooks", self.hooks))
         object.__setattr__(self, "policies", as_hooks("policies", self.policies))
         for name in ("shuffle", "progress", "resume"):
-            check_flag(name, getattr(self, name))
+            if not (name == "shuffle" and self.shuffle is None):
+                check_flag(name, getattr(self, name))
         if self.metric_fn is not None and not callable(self.metric_fn):
             raise TypeError(f"metric_fn={self.metric_fn!r}: must be callable as "
                             "metric_fn(output, target) -> the batch's accuracy, or None")
@@ -145,6 +157,7 @@ class FitOptions:
             raise ValueError(f"data_on_device={where!r}: use 'auto' (the default: "
                              "a TensorDataset on a CUDA device when it fits in a quarter of the "
                              "free memory), True or False")
+        _check_cpu_threads(self.cpu_threads)
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume=True needs checkpoint_dir, the directory to resume from")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
@@ -155,6 +168,14 @@ class FitOptions:
         if self.log_dir is not None:
             check_writable_dir("log_dir", self.log_dir)
         check_choices(self)
+
+
+def _check_cpu_threads(value: object) -> None:
+    """ValueError unless ``value`` is ``"auto"``, None or an integer ≥ 1."""
+    if value is None or (isinstance(value, str) and value == "auto") or is_count(value):
+        return
+    raise ValueError(f"cpu_threads={value!r}: use 'auto' (threads from the free cores), an "
+                     "integer ≥ 1, or None (torch's setting as it is)")
 
 
 def as_hooks(name: str, hooks: object) -> tuple:

@@ -46,9 +46,11 @@ def split_for_ranks(state: dict[str, Any], world_size: int
     rngs = [state["rng"]] + [p["rng"] for p in peers]
     plan = state["plan"]
     losses = [plan["losses"]] + [p.get("losses", torch.zeros(0)) for p in peers]
+    # each rank's convolution library per b (a rank the checkpoint did not have measures its own)
+    convs = [plan.get("cpu_conv_choices", {})] + [p.get("cpu_conv_choices", {}) for p in peers]
     if world_size == len(ranks):
-        return [({**plan, "states": devs, "losses": loss}, rng)
-                for devs, loss, rng in zip(ranks, losses, rngs)]
+        return [({**plan, "states": devs, "losses": loss, "cpu_conv_choices": conv}, rng)
+                for devs, loss, conv, rng in zip(ranks, losses, convs, rngs)]
     losses[0] = torch.cat([losses[0], *losses[world_size:]])  # dropped ranks' into rank 0's
     G, m = len(ranks[0]), len(ranks[0][0]["first_step"])
     if any(len(devs) != G or any(len(d["first_step"]) != m for d in devs) for devs in ranks):
@@ -66,7 +68,9 @@ def split_for_ranks(state: dict[str, Any], world_size: int
             rows = [saved[j] if j < len(saved) else None for j in range(first, first + m)]
             devices.append(_device_state(ranks[0][d], rows, fresh))
         mine = losses[r] if r < len(ranks) else torch.zeros(0)
-        out.append(({**plan, "states": devices, "losses": mine}, rngs[r] if r < len(rngs) else None))
+        conv = convs[r] if r < len(convs) else {}
+        out.append(({**plan, "states": devices, "losses": mine, "cpu_conv_choices": conv},
+                    rngs[r] if r < len(rngs) else None))
     return out
 
 

@@ -6,10 +6,13 @@ process at once, losing every round since the last checkpoint. While its rounds 
 main thread handles it instead (``StopSignal``): the handler only notes the signal; the Trainer
 ends the round in progress (its hooks included), writes a checkpoint of that state where the fit
 has a ``checkpoint_dir``, runs the hooks' ``after_fit`` and raises ``TrainingInterrupted`` (exit
-status 143 if uncaught). A second SIGTERM acts as it would without the fit (by default: the
-process ends at once). Once the fit is over the previous handlers are back, and a signal that
-arrived after the fit's last round is raised again, so that it acts as it would have. Worker
-processes ignore SIGTERM (engine/workers.py): the coordinator stops them.
+status 143 if uncaught). The same signal again within ``SAME_STOP_S`` seconds of the first is the
+same request and changes nothing: under torchrun a rank gets SIGTERM twice when SLURM signals
+every process and torchrun's agent forwards the one it got. Later, a second one acts as it would
+without the fit (by default: the process ends at once). Once the fit is over the previous
+handlers are back, and a signal that arrived after the fit's last round is raised again, so that
+it acts as it would have. Worker processes ignore SIGTERM (engine/workers.py): the coordinator
+stops them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import TrainingInterrupted
@@ -24,11 +28,12 @@ from ..errors import TrainingInterrupted
 if TYPE_CHECKING:
     from ..api import Plan
 
-__all__ = ["StopSignal", "STOP_SIGNALS", "interruption"]
+__all__ = ["StopSignal", "STOP_SIGNALS", "SAME_STOP_S", "interruption"]
 
 log = logging.getLogger("crossbow_graph.trainer")
 
 STOP_SIGNALS = (signal.SIGTERM,)
+SAME_STOP_S = 5.0  # seconds after a stop signal in which the same signal again is the same stop
 
 
 class StopSignal:
@@ -45,6 +50,7 @@ class StopSignal:
     def __init__(self) -> None:
         self.received: int | None = None
         self.consumed = False
+        self._first_s = 0.0  # time.monotonic() of the first signal
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopSignal":
@@ -54,11 +60,23 @@ class StopSignal:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.received = signum
-        signal.signal(signum, self._restore(signum))  # a second one acts as before the fit
-        log.warning("%s received: the fit stops after the round in progress (writing a checkpoint "
-                    "where it has a checkpoint_dir); send it again to end the process at once",
-                    signal.Signals(signum).name)
+        name, now = signal.Signals(signum).name, time.monotonic()
+        if self.received is None:
+            self.received, self._first_s = signum, now
+            log.warning("%s received: the fit stops after the round in progress (writing a "
+                        "checkpoint where it has a checkpoint_dir); send it again after %g s to "
+                        "end the process at once", name, SAME_STOP_S)
+            return
+        if now - self._first_s < SAME_STOP_S:  # e.g. SLURM's and torchrun's agent's, to a rank
+            log.info("%s received again %.2f s after the first: the same stop", name,
+                     now - self._first_s)
+            return
+        previous = self._restore(signum)  # a second one acts as before the fit
+        signal.signal(signum, previous)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.raise_signal(signum)
 
     def _restore(self, signum: int) -> Any:
         previous = self._previous.get(signum)

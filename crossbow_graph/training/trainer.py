@@ -12,7 +12,9 @@ from tqdm.auto import tqdm
 
 from ..engine.comm import AGREE_EVERY_ROUNDS
 from ..engine.learners import seed_host_rngs
+from ..engine.threads import IntraOpThreads
 from ..engine.timeline import Timeline
+from ..errors import DivergenceError
 from .checkpoint import CheckpointHook
 from .fit_data import FitData, rank_rows
 from .fit_eval import FitEvaluation, finite_mean, mean_loss
@@ -56,20 +58,21 @@ class Trainer:
     # -- the fit ------------------------------------------------------------------------------
 
     def run(self) -> History:
-        """Prepare the fit, then run its epochs (``_train``) with SIGTERM handled
-        (training/signals.py); release the checkpoint directory's lock at the end. Returns the
-        History; raises TrainingInterrupted when a signal stopped the fit."""
+        """Prepare the fit, then run its epochs (``_train``) with SIGTERM handled and the fit's
+        intra-op threads set (engine/threads.py); release the checkpoint directory's lock. Returns
+        the History; a signal's stop raises TrainingInterrupted, z left in the user's module."""
         self.lock: DirectoryLock | None = None
         self.saver: CheckpointHook | None = None
         self.stop_signal, self.interrupted = StopSignal(), None
         try:
             self._prepare()
-            with self.stop_signal:
+            with self.stop_signal, self.threads:
                 self._train()
         finally:
             if self.lock is not None:
                 self.lock.release()
-        if self.interrupted is not None:
+        if self.interrupted is not None:  # the user's module holds the last whole round's z
+            self.plan.user_model.update(self.plan.central)
             raise self.interrupted
         return self.history
 
@@ -87,7 +90,8 @@ class Trainer:
             self._run_epochs()
             if comm is not None:
                 comm.check_z(self.plan.states[0].z, self.plan.rounds_done - 1)
-        except BaseException:
+        except BaseException as exc:
+            _resume_after_divergence(exc, self.saver, self.options.checkpoint_dir)
             if self.bar is not None:
                 self.bar.close()  # what reports the error writes on a line of its own
             if comm is not None:
@@ -114,17 +118,22 @@ class Trainer:
         torch.manual_seed(opts.seed)
         # Python's and NumPy's too (a Dataset's augmentation); worker processes reseed every round
         seed_host_rngs(opts.seed, plan.rounds_done, comm.rank if comm is not None else 0, 0)
-        self.history = History(target_accuracy=opts.target_accuracy,
-                               max_grad_norm=opts.max_grad_norm)
+        self.threads = IntraOpThreads(opts.cpu_threads, [s.torch_device for s in plan.states],
+                                      comm.local_world_size if comm is not None else 1)
+        self.history = History(target_accuracy=opts.target_accuracy, max_grad_norm=opts.max_grad_norm,
+                               cpu_threads=self.threads.count, free_cores=self.threads.free)
         self.evals = FitEvaluation(plan, self.eval_dataset, opts, self.history)
-        hooks = fit_hooks(plan, opts, self.schedule, self.first_hooks, self.metrics, main=self.main)
+        hooks = fit_hooks(plan, opts, self.schedule, self.first_hooks, self.metrics, main=self.main,
+                          batches_per_epoch=self.data.batches_per_epoch)
         self.end_epoch = plan.epochs_done + opts.epochs
         if opts.checkpoint_dir is not None:
             self.saver, self.lock, resumed = checkpoints(plan, opts, self.schedule, hooks,
                                                          self.history, main=self.main)
             hooks.append(self.saver)
-            if resumed:  # a resumed run finishes the epochs of the run it continues
-                self.end_epoch = opts.epochs
+            if resumed:  # a resumed run finishes the epochs of the run it continues (none
+                # once it reached its target), with the intra-op threads it ran with
+                self.end_epoch = plan.epochs_done if self.evals.reached_before() else opts.epochs
+                self.history.cpu_threads = self.threads.keep(self.history.cpu_threads)
         self.hooks = FitHooks(hooks)
 
     def _run_epochs(self) -> None:
@@ -188,8 +197,8 @@ class Trainer:
         if self.position == 0:
             sched.losses = []
         self.epoch_sync0 = (sched.sync_seconds, sched.sync_exposed_seconds)
-        self.epoch_seconds, self.acc, self.samples_run = 0.0, None, 0
-        self.evals.start_epoch(n, self.position)
+        self.epoch_seconds, self.samples_run = 0.0, 0
+        self.acc = self.evals.start_epoch(n, self.position, plan.rounds_done - plan.round_in_epoch)
         self.bar = tqdm(total=n, initial=self.position, desc=f"epoch {epoch + 1}", unit="sample",
                         unit_scale=True, disable=not self.progress, leave=False,
                         dynamic_ncols=True)
@@ -221,7 +230,7 @@ class Trainer:
             train_seconds=plan.train_seconds, replicas_per_device=plan.replicas_per_device,
             learner_mode=plan.learner_mode,
             sync_unhidden_share=min(1.0, exposed_s / sync_s) if sync_s > 0 else None,
-            samples=self.samples_run,
+            samples=self.position,  # the epoch's, also those before a resume in its middle
         ))
 
     # -- a round ------------------------------------------------------------------------------
@@ -263,10 +272,13 @@ class Trainer:
         if self.hooks.hooks:
             self._after_round(indices, n_losses)
         ctx.stop = ctx.stop or self.stop_signal.received is not None
-        if _agreed_stop(self.plan, self.comm, self.ctx, self.decides):
+        stop = _agreed_stop(self.plan, self.comm, self.ctx, self.decides)
+        reached = self.evals.due(self.position, last=upcoming is None) and self.evaluate()
+        if self.saver is not None:  # after the round's evaluation: a resume misses none
+            self.saver.save_if_due(ctx)
+        if stop:
             self._stop_for_signal()
-            return False
-        if self.evals.due(self.position, last=upcoming is None) and self.evaluate():
+        if stop or reached:
             return False
         if self.data.source.copies_ahead and upcoming is not None and (plan.num_learners, plan.batch_size) == (k, b):
             sched.prefetch(plan.rounds_done, rank_rows(plan, upcoming))  # the next round's batch
@@ -324,6 +336,18 @@ class Trainer:
         self.agree = self.comm is not None
         self.start = time.perf_counter()
         return self.evals.reached(record)
+
+
+def _resume_after_divergence(exc: BaseException, saver: CheckpointHook | None,
+                             directory: str | None) -> None:
+    """At a DivergenceError (``exc``) of a fit with checkpoints: those after the newest healthy
+    one set aside, and the message says which one a resume continues from
+    (training/checkpoint_health.py)."""
+    if not isinstance(exc, DivergenceError) or saver is None:
+        return
+    note = saver.set_aside_unhealthy()
+    if note:
+        exc.args = (f"{exc}. With checkpoint_dir={directory!r}: {note}",)
 
 
 def _share_faults(plan: "Plan", comm) -> None:

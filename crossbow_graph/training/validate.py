@@ -10,17 +10,19 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._pytree import tree_flatten
 from torch.utils.data import TensorDataset
 
 from ..compiler.outputs import model_loss
 from ..engine.batches import single
 from ..engine.inputs import split_inputs
-from .data import CollateFetch, LearnerFetch
+from .data import CollateFetch, LearnerFetch, collate_of, make_fetch
+from .evaluation import eval_samples
 
 if TYPE_CHECKING:
     from ..api import Plan
 
-__all__ = ["check_first_batch"]
+__all__ = ["check_eval_dataset", "check_first_batch"]
 
 
 def _given_inputs(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -38,8 +40,9 @@ _CAST = {torch.float64: ".double()", torch.float32: ".float()", torch.bfloat16: 
 
 
 def _run_central(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The central model in evaluation mode (no dropout, no BatchNorm update) on ``args``."""
-    return plan.central_forward(*args, **kwargs)
+    """The central model in evaluation mode (no dropout, no BatchNorm update) on ``args``, with
+    compile's keyword flags as training passes them."""
+    return plan.central_forward(*args, **plan.states[0].call_flags.added(args, kwargs))
 
 
 @torch.no_grad()
@@ -105,7 +108,8 @@ def _check_keywords(plan: "Plan", batch: Any, kwargs: dict[str, Any], what: str)
     if whole and "labels" not in kwargs and plan.loss_fn is not model_loss:
         raise ValueError(f"{what}'s samples are dicts ({keys}) without a 'labels' entry: a dict "
                          "sample is the model's keyword inputs, and its target, what loss_fn "
-                         f"gets, is its 'labels' entry; {pairs}")
+                         f"gets, is its 'labels' entry; {pairs} (samples without a target: "
+                         "(inputs, None), and loss_fn gets None)")
     try:
         params = inspect.signature(plan.template.forward).parameters.values()
     except (TypeError, ValueError):  # no signature to read: the first round tells
@@ -120,6 +124,20 @@ def _check_keywords(plan: "Plan", batch: Any, kwargs: dict[str, Any], what: str)
         raise ValueError(f"{what}'s samples are {given} of keyword inputs, all passed{labels} "
                          f"to {type(plan.template).__name__}.forward({', '.join(names)}) by name, "
                          f"which takes no {', '.join(repr(k) for k in unknown)}; {pairs}")
+
+
+def _check_meta(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any], target: Any,
+                what: str) -> None:
+    """A tensor on the meta device (shapes without data) among a batch's inputs or its target is
+    an error naming it: no forward or loss can read it."""
+    labelled = [(f"{label} of a sample", arg) for label, arg, _ in _given_inputs(plan, args, kwargs)]
+    for label, value in labelled + [("the target of a sample", target)]:
+        metas = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_meta]
+        if metas:
+            raise ValueError(f"{what}: {label} is a tensor on the meta device (a shape, "
+                             f"{list(metas[0].shape)} for a batch, without data), which no forward "
+                             f"or loss can read; give {what} real tensors (e.g. loaded on the CPU: "
+                             "TensorDataset(x, y) with x and y read from the data files)")
 
 
 def _texts(value: Any) -> list[str]:
@@ -210,6 +228,26 @@ def _check_label_form(loss_fn: Any, target: torch.Tensor, out_shape: tuple[int, 
                          "convert them: y.long()")
 
 
+@torch.no_grad()
+def _check_class_dimension(plan: "Plan", args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A class-index loss over an output without a class dimension (``[N]``: one score per
+    sample) is an error naming the output, the loss and the two fixes. The example's output
+    was 1-d (or 0-d); the model runs once on the batch to tell a model that squeezes a batch of
+    one from one that gives a score per sample."""
+    out = _run_central(plan, args, kwargs)
+    if not isinstance(out, torch.Tensor) or out.dim() >= 2:
+        return
+    name = "nll_loss" if plan.loss_fn is F.nll_loss or isinstance(plan.loss_fn, nn.NLLLoss) \
+        else "cross_entropy"
+    raise ValueError(
+        f"{plan.model_graph.name}'s output on a batch has shape {list(out.shape)} "
+        f"({'one score per sample' if out.dim() else 'one number per batch'}), but {name} "
+        "takes class scores [N, C] with class indices [N]: for C classes end the model with C "
+        "outputs (e.g. nn.Linear(features, 2) for two classes) and keep the loss; or, for one "
+        "score of a binary label, use loss_fn=lambda out, y: "
+        "F.binary_cross_entropy_with_logits(out, y.float())")
+
+
 def _class_index_loss(loss_fn: Any) -> int | None:
     """The ignore_index of a loss whose integer targets are class indices, else None."""
     if loss_fn in (F.cross_entropy, F.nll_loss):
@@ -265,11 +303,28 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
     args, kwargs, target = split_inputs(batch)
     if kwargs:
         _check_keywords(plan, batch, kwargs, what)
+    _check_meta(plan, args, kwargs, target, what)
     _check_text(plan, args, kwargs, target, what)
     _check_dtypes(plan, args, kwargs, what)
     _check_inputs(plan, args, kwargs, what)
+    _check_labels(plan, dataset, args, kwargs, target, what)
+
+
+def _check_labels(plan: "Plan", dataset: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  target: Any, what: str) -> None:
+    """Under a class-index loss: a target, an output with a class dimension, labels of its
+    form, every label (a tensor dataset's all, else the batch's) among its classes or the
+    ignore_index."""
     ignore = _class_index_loss(plan.loss_fn)
     out_shape = _output_shape(plan)
+    if ignore is not None and target is None:
+        name = "nll_loss" if plan.loss_fn is F.nll_loss or isinstance(plan.loss_fn, nn.NLLLoss) \
+            else "cross_entropy"
+        raise ValueError(f"{what}'s samples have no target (None), but loss_fn is {name}, which "
+                         "takes class indices; give (inputs, label) pairs, or a loss_fn that "
+                         "needs no target (it gets None), or loss_fn=None for the model's own loss")
+    if ignore is not None and out_shape is not None and len(out_shape) < 2:
+        _check_class_dimension(plan, args, kwargs)
     if ignore is None or out_shape is None or len(out_shape) < 2 or not isinstance(target, torch.Tensor):
         return
     _check_label_form(plan.loss_fn, target, out_shape, what)
@@ -287,3 +342,17 @@ def check_first_batch(plan: "Plan", dataset: Any, fetch: Callable[[torch.Tensor]
                f"ignore_index ({ignore})" if int(bad[0]) < 0 else
                f"build the model with num_classes={hi + 1} or remap the labels to 0 … C−1")
         )
+
+
+def check_eval_dataset(plan: "Plan", data: Any) -> None:
+    """``check_first_batch`` of an evaluation set (a Dataset or DataLoader) as evaluation reads
+    it: its first b samples (those its sampler yields), collated by its collate_fn; the one check
+    of ``fit(eval_dataset=)`` and ``Plan.evaluate``.
+
+    Raises:
+        TypeError, ValueError: as ``eval_samples`` and ``check_first_batch``, naming
+            ``eval_dataset``.
+    """
+    evals = eval_samples(data)  # the samples evaluation scores
+    check_first_batch(plan, evals, make_fetch(evals, collate_of(data)),
+                      torch.arange(min(plan.batch_size, len(evals))), what="eval_dataset")

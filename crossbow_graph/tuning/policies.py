@@ -81,7 +81,7 @@ class _EpochSchedule(LRSchedulerHook, Policy):
             self._build(ctx.plan.settings)
         target = ctx.epoch if self.max_steps is None else min(ctx.epoch, self.max_steps)
         while self.steps < target:
-            self._step()
+            self._step(ctx)
             self.steps += 1
         self._changed(ctx, old)
 
