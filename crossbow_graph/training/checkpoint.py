@@ -25,6 +25,7 @@ from .options import check_writable_dir
 from .reshard import saved_learners, saved_world_size, split_for_ranks
 from .run_lock import DirectoryLock
 from .run_setup import SettingsChoice, restore_outer_settings, restore_settings
+from .sma_lr import SMALRRule
 from ..engine.state import float_buffers_named, trainable_named
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ def plan_state_dict(plan: "Plan") -> dict[str, Any]:
         # the worker processes' convolution library per b (engine/conv_choice.py): measured per
         # process with cpu_conv="auto", so a resumed process keeps the one its rounds ran with
         "cpu_conv_choices": dict(sched.onednn_choices),
+        # SMA's η rule: its ramp and factor (training/sma_lr.py)
+        "lr_rule": None if settings.lr_rule is None else settings.lr_rule.state_dict(plan),
     }
 
 
@@ -192,6 +195,7 @@ def load_plan_state_dict(plan: "Plan", sd: dict[str, Any], setup: dict[str, Any]
     if sched.ft is not None and sd.get("fault_tolerance") is not None:
         sched.ft.load_state_dict(sd["fault_tolerance"])
     sched.onednn_choices.update(sd.get("cpu_conv_choices", {}))
+    SMALRRule.load_state_dict(plan, sd.get("lr_rule"))
     plan.progress.load_state_dict(sd)
     choice.warn(source)
 

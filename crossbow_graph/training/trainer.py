@@ -24,6 +24,7 @@ from .hooks import FitContext, FitHooks, Hook
 from .options import FitOptions
 from .run_lock import DirectoryLock
 from .signals import StopSignal, interruption
+from .sma_lr import SMALRRule
 
 if TYPE_CHECKING:
     from ..api import Plan
@@ -123,6 +124,7 @@ class Trainer:
         self.history = History(target_accuracy=opts.target_accuracy, max_grad_norm=opts.max_grad_norm,
                                cpu_threads=self.threads.count, free_cores=self.threads.free)
         self.evals = FitEvaluation(plan, self.eval_dataset, opts, self.history)
+        self.lr_rule = SMALRRule.for_fit(plan, self.schedule.num_samples)
         hooks = fit_hooks(plan, opts, self.schedule, self.first_hooks, self.metrics, main=self.main,
                           batches_per_epoch=self.data.batches_per_epoch)
         self.end_epoch = plan.epochs_done + opts.epochs
@@ -256,7 +258,9 @@ class Trainer:
         plan.progress.start_round()
         # a round whose gradients a hook reads (the noise scale) does not overlap the next
         ahead = self.speculate and not self.hooks.wants_gradients(plan.rounds_done)
-        self.history.lr.append(plan.settings.lr)  # η of this round (first param group)
+        # η of this round (first param group): SMA's η rule sets its factor (training/sma_lr.py)
+        self.history.lr.append(plan.settings.lr if self.lr_rule is None
+                               else self.lr_rule.apply(plan, self.history))
         sched.run_round(plan.rounds_done - 1,
                         synchronise=plan.rounds_done % plan.sync.sync_every == 0,
                         indices=rank_rows(plan, indices),
