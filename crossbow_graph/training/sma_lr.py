@@ -13,8 +13,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..engine.sync.sma import SMA
-
 if TYPE_CHECKING:
     from ..api import Plan
     from .history import History
@@ -61,7 +59,7 @@ class SMALRRule:
         """The plan's rule for a fit over ``num_samples`` (N) samples per epoch (a ramp of
         ``RAMP_EPOCHS``·N samples), or None: not SMA, or ``SMA(scale_lr=False)``."""
         settings = plan.settings
-        if not isinstance(settings.sync, SMA) or not settings.sync.scale_lr:
+        if not settings.sync.scales_lr:
             return None
         if settings.lr_rule is None:
             settings.lr_rule = SMALRRule()

@@ -77,6 +77,11 @@ class SMA(SyncAlgorithm):
             return 0.0
         return 1.0 / num_learners if self.alpha is None else self.alpha
 
+    @property
+    def scales_lr(self) -> bool:
+        """``scale_lr``: SMA's η rule (training/sma_lr.py)."""
+        return self.scale_lr
+
     def with_alpha(self, alpha: float | None) -> "SMA":
         """This SMA with α = ``alpha`` (None: 1/k); ValueError outside (0, 1]."""
         return replace(self, alpha=alpha)
