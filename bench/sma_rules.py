@@ -22,9 +22,12 @@ The rule (sma):
 * ``--alpha``: ``inv`` (1/k, the engine's default), ``inv:c`` (c/k), a number, or ``sqrt:c``
   (c/√k); at most 1;
 * ``--mu-z``: a number, or ``k:c`` (μ_z = 1 − c/k, at least 0.9);
-* ``--scale`` s(k): ``1``, ``sqrt`` (√k), ``pow:p`` (k^p), ``linear`` (k), a number, or
-  ``adascale`` (AdaScale's gain r = (1 + B_noise/b)/(1 + B_noise/(k·b)) from the engine's
-  measured gradient noise scale, docs/policies.md; 1 until the first estimate; within [1, k]);
+* ``--scale`` s(k): ``engine`` (the engine's default rule, ``SMA(scale_lr=True)``:
+  √min(k, 16) ramped over 0.25 epoch, docs/design-overview.md §2; no LambdaLR), ``1``, ``sqrt``
+  (√k), ``pow:p`` (k^p), ``linear`` (k), a number, or ``adascale`` (AdaScale's gain
+  r = (1 + B_noise/b)/(1 + B_noise/(k·b)) from the engine's measured gradient noise scale,
+  docs/policies.md; 1 until the first estimate; within [1, k]); every scale but ``engine``
+  runs with ``SMA(scale_lr=False)`` and the LambdaLR below;
 * ``--k-schedule 4@0,16@1.5``: k changes in mid-fit (k = 4 from the start, 16 from epoch 1.5),
   through ``Plan.adjust(Adjustment(replicas_per_device=..., alpha=...))``.
 
@@ -152,7 +155,7 @@ class Rule:
     def scale(self, k: int, noise_scale: float | None) -> float:
         """s(k): the factor on the user's η₁ at k learners (1 at k = 1)."""
         s = self.scale_s
-        if k == 1 or s == "1":
+        if k == 1 or s in ("1", "engine"):
             return 1.0
         if s == "sqrt":
             return math.sqrt(k)
@@ -233,17 +236,22 @@ def run_sma(args, train, test) -> dict:
     plan = cg.compile(model, (train.images[:args.batch],), F.cross_entropy, batch_size=args.batch,
                       devices=1, replicas=k0, learner_mode="fused", executor="inline",
                       optimizer=opt, sync=cg.SMA(alpha=rule.alpha(k0),
-                                                 central_momentum=rule.mu_z(k0)))
+                                                 central_momentum=rule.mu_z(k0),
+                                                 scale_lr=args.scale == "engine"))
     adascale = args.scale == "adascale" or args.metrics
     monitor = cg.MetricsMonitor(50, window_samples=12_800) if adascale else None
+    n = len(train)
     lr_rule = LRRule(plan, rule, monitor, len(train), args.warmup_epochs * len(train))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(plan.optimizer, lr_rule)
+    scheduler = None if args.scale == "engine" else \
+        torch.optim.lr_scheduler.LambdaLR(plan.optimizer, lr_rule)
     hooks = [KSchedule(sched, rule, len(train))] if len(sched) > 1 else []
     h = plan.fit(train, args.max_epochs, eval_dataset=test, seed=args.seed,
                  target_accuracy=max(args.targets), evals_per_epoch=args.evals_per_epoch,
                  progress=False, metrics_every=monitor, lr_scheduler=scheduler,
                  lr_scheduler_interval="round", hooks=hooks)
-    n = len(train)
+    if args.scale == "engine":  # the engine's η rule as History recorded it
+        lr_rule.trace = [(r.epoch, r.num_learners, r.factor_to, r.ramp_samples / n)
+                         for r in h.lr_rule]
     evals = [dict(epoch=e.epoch, samples=round(e.epoch * n), round=e.round,
                   train_seconds=e.train_seconds, test_accuracy=e.test_accuracy,
                   test_loss=e.test_loss) for e in h.evals]
