@@ -38,6 +38,11 @@ import sys
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
 import sma_rules  # noqa: E402  (bench/sma_rules.py: the runners, one run per process)
 import tta  # noqa: E402  (bench/tta.py: the robustness runs' runners)
 
@@ -165,10 +170,6 @@ def _finite(x: float) -> float | None:
 def plot(summary: dict, out: str = IMAGE) -> str:
     """Epochs to each target (one panel each) against k (log₂), one line per system: the median
     and the seeds' range; a seed that did not reach it is drawn at its cap (hollow marker)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(1, len(TARGETS), figsize=(10, 4), sharey=True)
     labels = {"sma": "SMA, the engine's defaults (η₁ tuned at k = 1)",
               "ssgd": "S-SGD at k·b, lr re-tuned per k"}
