@@ -46,7 +46,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import sma_rules  # noqa: E402  (bench/sma_rules.py: the runners, one run per process)
 import tta  # noqa: E402  (bench/tta.py: the robustness runs' runners)
 
-__all__ = ["job_lines", "collect", "summarise", "plot", "robustness_jobs", "main"]
+__all__ = ["job_lines", "collect", "summarise", "markdown", "plot", "robustness_jobs", "main"]
 
 LR = 0.01  # η₁, tuned at k = 1 (notes in docs/benchmarking.md)
 TARGETS = ("0.985", "0.99")
@@ -204,6 +204,29 @@ def plot(summary: dict, out: str = IMAGE) -> str:
     return out
 
 
+def markdown(summary: dict) -> list[str]:
+    """The summary as a Markdown table: per k, each system's epochs to each target per seed
+    ("—": not reached) and the median's ratio to k = 1, S-SGD's chosen m."""
+    head = ["| k | SMA, defaults: to 98.5 % | to 99.0 % | S-SGD at k·b, re-tuned: m | to 98.5 % "
+            "| to 99.0 % |", "|---|---|---|---|---|---|"]
+
+    def cell(row: dict | None, t: str) -> str:
+        if row is None:
+            return "not run"
+        eps = ", ".join("—" if e is None else f"{e:.2f}" for e in row[t]["epochs"])
+        ratio = row[t]["ratio_to_k1"]
+        return eps + (f" (×{ratio:.2f})" if ratio is not None else "")
+
+    out = []
+    systems = summary["systems"]
+    for k in sorted({int(k) for rows in systems.values() for k in rows}):
+        sma, ssgd = systems["sma"].get(str(k)), systems["ssgd"].get(str(k))
+        m = "=" if k == 1 else (f"{ssgd['lr_mult']:g}" if ssgd else "—")
+        out.append(f"| {k} | {cell(sma, '0.985')} | {cell(sma, '0.99')} | {m} | "
+                   f"{cell(ssgd, '0.985')} | {cell(ssgd, '0.99')} |")
+    return head + out
+
+
 def report() -> int:
     runs = collect()
     summary = summarise(runs)
@@ -213,11 +236,7 @@ def report() -> int:
         json.dump(summary, f, indent=1)
     with open(os.path.join(RESULTS, "stat_eff_w1_curves.json"), "w") as f:
         json.dump([{k: v for k, v in r.items()} for r in runs], f)
-    for system, rows in summary["systems"].items():
-        for k, row in sorted(rows.items(), key=lambda kv: int(kv[0])):
-            cells = "  ".join(f"{t}: {row[t]['epochs']} (×{row[t]['ratio_to_k1'] or math.nan:.2f})"
-                              for t in TARGETS)
-            print(f"{system:<5} k={k:<3} m={row.get('lr_mult', '-')}  {cells}")
+    print("\n".join(markdown(summary)))
     print("wrote", plot(summary))
     return 0
 
