@@ -1,5 +1,5 @@
 """How SMA's α, μ_z and the per-learner η should follow the number of learners k
-(docs/design-overview.md §2; notes/sma_rules.md holds the findings).
+(docs/design-overview.md §2; the findings: docs/benchmarking.md, "How SMA's α, μ_z and η follow k").
 
 One run = one (workload, system, k, rule, seed) in this process, single-threaded
 (``torch.set_num_threads(1)``): the epochs (and samples) until z's test accuracy first reaches each

@@ -48,7 +48,7 @@ import tta  # noqa: E402  (bench/tta.py: the robustness runs' runners)
 
 __all__ = ["job_lines", "collect", "summarise", "markdown", "plot", "robustness_jobs", "main"]
 
-LR = 0.01  # η₁, tuned at k = 1 (notes in docs/benchmarking.md)
+LR = 0.01  # η₁, tuned at k = 1 (docs/benchmarking.md, "How SMA's α, μ_z and η follow k")
 TARGETS = ("0.985", "0.99")
 RESULTS = os.path.join(BENCH, "results")
 IMAGE = os.path.join(os.path.dirname(BENCH), "docs", "images", "stat_eff_w1.png")
