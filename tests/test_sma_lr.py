@@ -88,3 +88,29 @@ def test_one_learner_has_no_factor():
 def test_scale_lr_not_a_bool_is_a_type_error():
     with pytest.raises(TypeError, match="scale_lr"):
         cg.SMA(scale_lr="yes")
+
+
+class _StopAfter(Hook):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def after_round(self, ctx):
+        ctx.stop = ctx.plan.rounds_done >= self.n
+
+
+def test_a_checkpoint_keeps_the_ramp_and_an_opted_out_plan_ignores_it(tmp_path):
+    """A fit stopped inside the ramp (after 3 of its 4 rounds) and resumed continues it exactly
+    (the factor and the ramp are in the checkpoint); the same checkpoint resumed by a plan with
+    SMA(scale_lr=False) steps at the lr as set."""
+    data = tiny_data(256)
+    whole = make_plan(replicas=4, executor="inline").fit(data, 1, shuffle=False, progress=False)
+    lrs = {}
+    for name, sync in (("default", cg.SMA()), ("opted out", cg.SMA(scale_lr=False))):
+        fit = dict(shuffle=False, progress=False, checkpoint_dir=str(tmp_path / name),
+                   checkpoint_every=1)
+        make_plan(replicas=4, executor="inline").fit(data, 1, hooks=[_StopAfter(3)], **fit)
+        lrs[name] = make_plan(replicas=4, executor="inline", sync=sync).fit(
+            data, 1, hooks=[_StopAfter(99)], resume=True, **fit).lr  # the checkpoint's 3 too
+    assert whole.lr[1] < whole.lr[3] < LR * 2 == whole.lr[-1]  # the ramp takes 4 rounds of 16
+    assert lrs["default"] == whole.lr
+    assert lrs["opted out"] == whole.lr[:3] + [LR] * 13

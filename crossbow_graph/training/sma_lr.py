@@ -4,8 +4,8 @@ change of the number of learners k (docs/design-overview.md §2, "How α, μ_z a
 
 The factor is the plan's ``LocalOptimizer.lr_factor`` (engine/optim.py), which the rounds apply to
 the groups' lr without writing it: the user's optimizer keeps η₁, a scheduler and a policy keep
-writing it, and the round's η is their value × the factor (``History.lr``). Every change of the
-factor's target is a ``LRRuleRecord`` in ``History.lr_rule``."""
+writing it, and the round's η is their value × the factor (``History.lr``). Every change of k
+is a ``LRRuleRecord`` in ``History.lr_rule``."""
 
 from __future__ import annotations
 
@@ -97,8 +97,8 @@ class SMALRRule:
     @staticmethod
     def load_state_dict(plan: "Plan", state: dict | None) -> None:
         """Restore ``state_dict``'s ramp and factor on ``plan`` (None: a checkpoint without
-        one, which leaves the plan's)."""
-        if state is None:
+        one, which leaves the plan's; a plan with ``SMA(scale_lr=False)`` keeps the factor 1)."""
+        if state is None or not plan.settings.sync.scales_lr:
             return
         rule = plan.settings.lr_rule = plan.settings.lr_rule or SMALRRule()
         rule.k, rule.start = state["k"], state["start"]

@@ -259,7 +259,7 @@ class Trainer:
         # a round whose gradients a hook reads (the noise scale) does not overlap the next
         ahead = self.speculate and not self.hooks.wants_gradients(plan.rounds_done)
         # η of this round (first param group): SMA's η rule sets its factor (training/sma_lr.py)
-        self.history.lr.append(plan.settings.lr if self.lr_rule is None
+        self.history.lr.append(plan.settings.optimizer.round_lr if self.lr_rule is None
                                else self.lr_rule.apply(plan, self.history))
         sched.run_round(plan.rounds_done - 1,
                         synchronise=plan.rounds_done % plan.sync.sync_every == 0,
