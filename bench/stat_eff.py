@@ -1,57 +1,249 @@
-"""Statistical efficiency and hyper-parameter robustness on W1 (docs/benchmarking.md).
+"""Statistical efficiency on W1 (LeNet-5/MNIST): epochs and samples to a target test accuracy
+against the number of learners k, 3 seeds each (docs/benchmarking.md, Statistical efficiency;
+docs/design-overview.md §2, How α, μ_z and η follow k).
 
-``--part epochs``: epochs to 99.0% test accuracy (evaluated 4× per epoch) for
+Systems, b = 16 samples per learner per round, every run one single-threaded ``nice -n 19``
+process of ``bench/sma_rules.py run`` (its runners and workloads), z or the model evaluated 8×
+per epoch on the 10,000 test images, capped at 6 epochs:
 
-* SMA (crossbow_graph) at b=16, lr 0.02, k ∈ {1, 2, 4, 8} learners (one device × k replicas;
-  k=1 is plain SGD at b=16),
-* S-SGD at a batch of b·k (plain PyTorch, the same lr 0.02, 1 thread: what ``sync=SSGD()``
-  computes, tests/test_ssgd.py), k ∈ {2, 4, 8},
-* local SGD (PyTorch's ``PeriodicModelAverager``, period 4, b=16 per process, lr 0.02) with
-  k ∈ {2, 4} processes.
+* ``sma``: crossbow_graph with the engine's defaults, one device × k fused replicas on the
+  inline executor, the user's ``torch.optim.SGD(lr=η₁, momentum=0.9)`` with η₁ = 0.01 tuned at
+  k = 1: ``SMA()`` (α = 1/k, μ_z = 0.9, η₁·√min(k, 16) ramped over 0.25 epoch). At k = 1 this is
+  plain SGD at b (the same numbers: the rule is the identity there).
+* ``ssgd``: plain PyTorch S-SGD at batch k·b, re-tuned per k: peak lr η₁·m over a grid of m up to
+  linear scaling (m = k), Goyal et al.'s warm-up from η₁ over 0.5 epoch; the grid runs at seed 0
+  and the m that reaches the target first there runs at every seed.
 
-``--part robustness``: the final test accuracy after ``--epochs`` epochs over b ∈ {4, 8, 16, 32,
-64} with the learning rate left at its default (0.02): crossbow_graph's CLI defaults otherwise
-(2 devices × 2 replicas, SMA), and plain PyTorch at batch b (1 thread) for contrast.
+    python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2    # queue the runs not done yet
+    python bench/stat_eff.py --report                       # summary, curves and figure
+    python bench/stat_eff.py --robustness OUT.json --epochs 1 --train-samples 12000
 
-Each run is one ``bench/tta.py --one`` process; one seed unless ``--seeds`` says more.
-
-    python bench/stat_eff.py --part epochs --max-epochs 4
-    python bench/stat_eff.py --part robustness --epochs 1
-
-Writes ``bench/runs/stat_eff-<part>-<UTC time>.json`` (not committed) after every run.
+``--report`` writes ``bench/results/stat_eff_w1.json`` (per system and k: epochs and samples to
+each target per seed, the median and its ratio to k = 1), ``bench/results/stat_eff_w1_curves.json``
+(every run's evaluations) and ``docs/images/stat_eff_w1.png`` (epochs to 99.0 % against k, one
+line per system, the median with the seeds' range; a run that did not reach it is drawn at the
+cap, hollow).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
+import math
 import os
+import statistics
+import subprocess
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH)
 
-import tta  # noqa: E402  (bench/tta.py: the runners)
+import matplotlib  # noqa: E402
 
-__all__ = ["epochs_jobs", "robustness_jobs", "main"]
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+import sma_rules  # noqa: E402  (bench/sma_rules.py: the runners, one run per process)
+import tta  # noqa: E402  (bench/tta.py: the robustness runs' runners)
+
+__all__ = ["job_lines", "collect", "summarise", "markdown", "plot", "robustness_jobs", "main"]
+
+LR = 0.01  # η₁, tuned at k = 1 (docs/benchmarking.md, "How SMA's α, μ_z and η follow k")
+TARGETS = ("0.985", "0.99")
+RESULTS = os.path.join(BENCH, "results")
+IMAGE = os.path.join(os.path.dirname(BENCH), "docs", "images", "stat_eff_w1.png")
 
 
-def epochs_jobs(only: list[str] | None = None) -> list[tuple[str, int, dict]]:
-    """(system, k, spec) of the statistical-efficiency part; ``only``: names like "sma-4"."""
-    jobs = [("sma", k, dict(kind="crossbow", batch=16, lr=0.02, devices=1, replicas=k, sync="sma"))
-            for k in (1, 2, 4, 8)]
-    jobs += [("ssgd", k, tta._plain(16 * k, lr=0.02, threads=1)) for k in (2, 4, 8)]
-    jobs += [("localsgd", k, dict(kind="localsgd", batch=16, lr=0.02, period=4, warmup_steps=100,
-                                  procs=k)) for k in (2, 4)]
-    if not only:
-        return jobs
-    named = {f"{j[0]}-{j[1]}": j for j in jobs}
-    return [named[n] for n in only]
+def ssgd_grid(k: int) -> list[float]:
+    """The peak-lr multiples m tried for S-SGD at k·b: powers of 2 from √k/2 (at least 1) up to
+    linear scaling m = k, at most 16 (16·η₁ collapses from k·b = 256 on)."""
+    return [float(2 ** i) for i in range(int(math.log2(k)) + 1)
+            if max(1.0, math.sqrt(k) / 2) <= 2 ** i <= 16]
+
+
+def job_lines(ks: list[int], seeds: list[int], ssgd_mult: dict[int, float]) -> list[str]:
+    """``sma_rules.py run`` argument lines: SMA's defaults at every k and seed; S-SGD's grid at
+    seed 0 and its chosen m (``ssgd_mult``, where known) at the other seeds."""
+    lines = []
+    for k in ks:
+        lines += [f"--k {k} --lr {LR} --scale {'1' if k == 1 else 'engine'} --seed {s}"
+                  for s in seeds]
+        if k == 1:
+            continue
+        ssgd = f"--system ssgd --k {k} --lr {LR} --warmup-epochs 0.5"
+        lines += [f"{ssgd} --lr-mult {m:g} --seed 0" for m in ssgd_grid(k)]
+        if k in ssgd_mult:
+            lines += [f"{ssgd} --lr-mult {ssgd_mult[k]:g} --seed {s}" for s in seeds if s]
+    return lines
+
+
+def _is_default_sma(a: dict) -> bool:
+    return (a["system"] == "sma" and a["workload"] == "w1" and a["lr"] == LR and a["batch"] == 16
+            and not a["k_schedule"] and a["alpha"] == "inv" and a["mu_z"] == "0.9"
+            and (a["scale"] == "engine" or (a["k"] == 1 and a["scale"] == "1")))
+
+
+def collect(runs_dir: str = sma_rules.RUNS) -> list[dict]:
+    """Every W1 run of SMA's defaults and of S-SGD at η₁ with warm-up: its settings, epochs and
+    samples to each target (None: not reached in its cap) and its evaluations."""
+    out = []
+    for fn in sorted(os.listdir(runs_dir)):
+        if not fn.startswith("w1-") or fn == "summary.json":
+            continue
+        with open(os.path.join(runs_dir, fn)) as f:
+            r = json.load(f)
+        a = r["args"]
+        ssgd = (a["system"] == "ssgd" and a["lr"] == LR and a["batch"] == 16
+                and a["warmup_epochs"] == 0.5 and not a["train_samples"])
+        if not (ssgd or _is_default_sma(a)) or a["train_samples"]:
+            continue
+        out.append(dict(name=r["name"], system=a["system"], k=a["k"], seed=a["seed"],
+                        lr_mult=a["lr_mult"] if ssgd else None, max_epochs=a["max_epochs"],
+                        to_target=sma_rules._firsts(r["evals"], [float(t) for t in TARGETS],
+                                                    60_000),
+                        best_accuracy=r["best_accuracy"], diverged=r.get("diverged"),
+                        evals=r["evals"]))
+    return out
+
+
+def _epochs(run: dict, target: str) -> float:
+    hit = run["to_target"].get(target)
+    return math.inf if hit is None else hit["epochs"]
+
+
+def _choose_mult(runs: list[dict], k: int, target: str) -> float | None:
+    """S-SGD's m at k: the grid's fastest to ``target`` at seed 0 (then to 98.5 %, then the best
+    accuracy)."""
+    grid = [r for r in runs if r["system"] == "ssgd" and r["k"] == k and r["seed"] == 0]
+    if not grid:
+        return None
+    best = min(grid, key=lambda r: (_epochs(r, target), _epochs(r, TARGETS[0]),
+                                    -(r["best_accuracy"] or 0)))
+    return best["lr_mult"]
+
+
+def summarise(runs: list[dict], target: str = "0.99") -> dict:
+    """Per system and k: the chosen runs' epochs and samples to each target per seed, their
+    median, its ratio to the median at k = 1, the best accuracy; S-SGD's m and its grid."""
+    systems: dict[str, dict] = {"sma": {}, "ssgd": {}}
+    ks = sorted({r["k"] for r in runs})
+    for k in ks:
+        m = _choose_mult(runs, k, target)
+        picks = {"sma": [r for r in runs if r["system"] == "sma" and r["k"] == k],
+                 "ssgd": [r for r in runs if r["system"] == "ssgd" and r["k"] == k
+                          and r["lr_mult"] == m]}
+        if k == 1:  # plain SGD at b: S-SGD and SMA are the same run at k = 1
+            picks["ssgd"] = picks["sma"]
+        for system, rs in picks.items():
+            if not rs:
+                continue
+            rs = sorted(rs, key=lambda r: r["seed"])
+            row = dict(seeds=[r["seed"] for r in rs], runs=[r["name"] for r in rs],
+                       best_accuracy=[r["best_accuracy"] for r in rs],
+                       max_epochs=max(r["max_epochs"] for r in rs))
+            for t in TARGETS:
+                eps = [_epochs(r, t) for r in rs]
+                row[t] = dict(epochs=[None if e == math.inf else e for e in eps],
+                              samples=[None if e == math.inf else r["to_target"][t]["samples"]
+                                       for e, r in zip(eps, rs)],
+                              median=_finite(statistics.median(eps)))
+            if system == "ssgd" and k > 1:
+                row["lr_mult"] = m
+                row["grid"] = {f"{r['lr_mult']:g}": _finite(_epochs(r, target))
+                               for r in runs if r["system"] == "ssgd" and r["k"] == k
+                               and r["seed"] == 0}
+            systems[system][str(k)] = row
+    for rows in systems.values():
+        for row in rows.values():
+            for t in TARGETS:
+                base = systems["sma"].get("1", {}).get(t, {}).get("median")
+                med = row[t]["median"]
+                row[t]["ratio_to_k1"] = None if base is None or med is None else med / base
+    return dict(workload="w1", batch_per_learner=16, lr_k1=LR, target=target, targets=TARGETS,
+                systems=systems)
+
+
+def _finite(x: float) -> float | None:
+    return None if x is None or math.isinf(x) else x
+
+
+def plot(summary: dict, out: str = IMAGE) -> str:
+    """Epochs to each target (one panel each) against k (log₂), one line per system: the median
+    and the seeds' range; a seed that did not reach it is drawn at its cap (hollow marker)."""
+    fig, axes = plt.subplots(1, len(TARGETS), figsize=(10, 4), sharey=True)
+    labels = {"sma": "SMA, the engine's defaults (η₁ tuned at k = 1)",
+              "ssgd": "S-SGD at k·b, lr re-tuned per k"}
+    for ax, t in zip(axes, TARGETS):
+        for (system, rows), shift, colour in zip(summary["systems"].items(), (0.96, 1.04),
+                                                 ("C0", "C1")):
+            xs, med, lo, hi = [], [], [], []
+            for k in sorted(int(k) for k in rows):
+                row = rows[str(k)]
+                eps = [e if e is not None else row["max_epochs"] for e in row[t]["epochs"]]
+                xs.append(k * shift)
+                med.append(statistics.median(eps))
+                lo.append(med[-1] - min(eps))
+                hi.append(max(eps) - med[-1])
+                missed = sum(e is None for e in row[t]["epochs"])
+                if missed:
+                    ax.scatter([k * shift] * missed, [row["max_epochs"]] * missed, s=70,
+                               facecolors="none", edgecolors=colour, zorder=3)
+            ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=4, color=colour,
+                        label=labels[system])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("learners k (b = 16 each)")
+        ax.set_title(f"to {100 * float(t):.1f} % test accuracy", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("epochs (median, range over 3 seeds; hollow: not reached at the cap)")
+    axes[0].yaxis.label.set_fontsize(8)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("W1, LeNet-5/MNIST, b = 16 per learner", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def markdown(summary: dict) -> list[str]:
+    """The summary as a Markdown table: per k, each system's epochs to each target per seed
+    ("—": not reached) and the median's ratio to k = 1, S-SGD's chosen m."""
+    head = ["| k | SMA, defaults: to 98.5 % | to 99.0 % | S-SGD at k·b, re-tuned: m | to 98.5 % "
+            "| to 99.0 % |", "|---|---|---|---|---|---|"]
+
+    def cell(row: dict | None, t: str) -> str:
+        if row is None:
+            return "not run"
+        eps = ", ".join("—" if e is None else f"{e:.2f}" for e in row[t]["epochs"])
+        ratio = row[t]["ratio_to_k1"]
+        return eps + (f" (×{ratio:.2f})" if ratio is not None else "")
+
+    out = []
+    systems = summary["systems"]
+    for k in sorted({int(k) for rows in systems.values() for k in rows}):
+        sma, ssgd = systems["sma"].get(str(k)), systems["ssgd"].get(str(k))
+        m = "=" if k == 1 else (f"{ssgd['lr_mult']:g}" if ssgd else "—")
+        out.append(f"| {k} | {cell(sma, '0.985')} | {cell(sma, '0.99')} | {m} | "
+                   f"{cell(ssgd, '0.985')} | {cell(ssgd, '0.99')} |")
+    return head + out
+
+
+def report() -> int:
+    runs = collect()
+    summary = summarise(runs)
+    summary["commands"] = ["python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2",
+                           "python bench/stat_eff.py --report"]
+    with open(os.path.join(RESULTS, "stat_eff_w1.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(RESULTS, "stat_eff_w1_curves.json"), "w") as f:
+        json.dump([{k: v for k, v in r.items()} for r in runs], f)
+    print("\n".join(markdown(summary)))
+    print("wrote", plot(summary))
+    return 0
 
 
 def robustness_jobs(bs=(4, 8, 16, 32, 64)) -> list[tuple[str, int, dict]]:
-    """(system, b, spec) of the robustness part: the lr stays 0.02."""
+    """(system, b, spec) of the robustness runs (bench/tta.py's specs): crossbow_graph's CLI
+    defaults (2 devices × 2 replicas, SMA, its η rule) and plain PyTorch at b, lr 0.02 for both."""
     jobs = []
     for b in bs:
         jobs.append(("crossbow", b, dict(kind="crossbow", batch=b, lr=0.02, devices=2, replicas=2,
@@ -60,50 +252,45 @@ def robustness_jobs(bs=(4, 8, 16, 32, 64)) -> list[tuple[str, int, dict]]:
     return jobs
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("epochs", "robustness"), required=True)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--max-epochs", type=int, default=4, help="epochs part: cap of every run")
-    parser.add_argument("--max-train-s", type=float, default=90.0,
-                        help="epochs part: also end a run at the first evaluation after this")
-    parser.add_argument("--epochs", type=int, default=1, help="robustness part: epochs per run")
-    parser.add_argument("--train-samples", type=int, default=None)
-    parser.add_argument("--only", nargs="*", default=None, metavar="NAME",
-                        help="epochs part: run only these, e.g. sma-1 sma-8 ssgd-8 localsgd-4")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or os.path.join(tta.RESULTS, f"stat_eff-{args.part}-{stamp}.json")
-    robust = args.part == "robustness"
-    jobs = robustness_jobs() if robust else epochs_jobs(args.only)
-    meta = dict(when=stamp, part=args.part, workload="w1", target=0.99, seeds=args.seeds,
-                max_epochs=args.epochs if robust else args.max_epochs,
-                max_train_s=None if robust else args.max_train_s, train_samples=args.train_samples,
-                command="python bench/stat_eff.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                note="shared machine: other jobs ran during the measurement")
-    runs, t0 = [], time.perf_counter()
-    for seed in args.seeds:
-        for system, x, spec in jobs:
-            job = dict(spec=spec, workload="w1", seed=seed,
-                       max_epochs=args.epochs if robust else args.max_epochs,
-                       target=1.01 if robust else 0.99,  # robustness: run every epoch
-                       evals_per_epoch=4, max_train_s=None if robust else args.max_train_s,
-                       train_samples=args.train_samples)
-            res = tta.run_in_subprocess(job, 900)
-            runs.append(dict(system=system, x=x, seed=seed, spec=spec, result=res))
-            if "error" in res:
-                print(f"{system} {x}: ERROR {res['error'][-300:]}", flush=True)
-            else:
-                print(f"{system:<9} {'b' if robust else 'k'}={x:<3} epochs to 99.0%: "
-                      f"{tta._fmt(res['epochs_to_accuracy'], '{:.2f}'):>5}  final "
-                      f"{res['final_accuracy']:.4f}  best {res['best_accuracy']:.4f}  "
-                      f"{res['samples_per_s']:,.0f} samples/s  trained {res['train_seconds']:.0f} s",
-                      flush=True)
-            with open(out, "w") as f:
-                json.dump(dict(meta, wall_s=time.perf_counter() - t0, runs=runs), f, indent=1)
-    print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
+def robustness(out: str, epochs: int, train_samples: int | None) -> int:
+    """The final test accuracy after ``epochs`` over b ∈ {4, …, 64} with the lr left at 0.02,
+    one ``bench/tta.py`` subprocess per run, to ``out`` (JSON) after every run."""
+    runs = []
+    for system, b, spec in robustness_jobs():
+        job = dict(spec=spec, workload="w1", seed=0, max_epochs=epochs, target=1.01,
+                   evals_per_epoch=4, max_train_s=None, train_samples=train_samples)
+        res = tta.run_in_subprocess(job, 900)
+        runs.append(dict(system=system, x=b, seed=0, spec=spec, result=res))
+        print(f"{system:<9} b={b:<3} {res.get('final_accuracy', res.get('error'))}", flush=True)
+        with open(out, "w") as f:
+            json.dump(dict(part="robustness", workload="w1", epochs=epochs,
+                           train_samples=train_samples, runs=runs), f, indent=1)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--jobs", type=int, default=2, help="runs at once (each one thread)")
+    p.add_argument("--report", action="store_true", help="summarise the runs done, plot")
+    p.add_argument("--robustness", metavar="OUT", default=None,
+                   help="instead: final accuracy against b at lr 0.02 (robustness_jobs), to OUT")
+    p.add_argument("--epochs", type=int, default=1, help="--robustness: epochs per run")
+    p.add_argument("--train-samples", type=int, default=None, help="--robustness: first N")
+    args = p.parse_args(argv)
+    if args.report:
+        return report()
+    if args.robustness:
+        return robustness(args.robustness, args.epochs, args.train_samples)
+    runs = collect()
+    chosen = {k: _choose_mult(runs, k, "0.99") for k in args.k}
+    path = os.path.join(BENCH, "jobs", "stat_eff.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(job_lines(args.k, args.seeds,
+                                    {k: m for k, m in chosen.items() if m}))+ "\n")
+    return subprocess.call([sys.executable, os.path.join(BENCH, "sma_rules.py"), "queue", path,
+                            "--jobs", str(args.jobs)])
 
 
 if __name__ == "__main__":

@@ -59,7 +59,9 @@ class CompileOptions:
         "parameters, param groups kept (e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)), or "
         "crossbow_graph.SGD(...) (docs/optimizers.md)"))
     sync: SyncAlgorithm = option(SMA(), doc=(
-        "the sync algorithm (engine/sync/): SMA(...) (alpha=None: 1/k), SSGD() (the k learners' "
+        "the sync algorithm (engine/sync/): SMA(...) (alpha=None: 1/k; scale_lr=True: each "
+        "learner steps at the lr × √min(k, 16), ramped over 0.25 epoch after every change of k, "
+        "False: the lr as set; docs/design-overview.md §2), SSGD() (the k learners' "
         "gradients averaged, one SGD step for every replica), DiLoCo(sync_every=H) (an outer "
         "optimizer over z every H rounds) or LocalSGD(sync_every=H) (z the replicas' mean every H "
         "rounds); all but SMA run on the inline executor"))

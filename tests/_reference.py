@@ -5,6 +5,7 @@ flatten models and split data sets as the plans do."""
 from __future__ import annotations
 
 import copy
+import math
 from typing import Callable, Iterable, NamedTuple
 
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 __all__ = ["flat", "batches_of", "EagerRun", "eager_steps", "reference_sma", "reference_diloco",
-           "reference_easgd"]
+           "reference_easgd", "rule_lrs"]
 
 
 def flat(tensors: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor:
@@ -68,7 +69,8 @@ def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: i
                   rounds: int | None = None, ks: list[int] | None = None, weight_decay: float = 0.0,
                   nesterov: bool = False, alpha: float | None = None, central_momentum: float = 0.9,
                   loss_fn=torch.nn.functional.cross_entropy, max_grad_norm: float | None = None,
-                  frozen: tuple[int, ...] = ()):
+                  frozen: tuple[int, ...] = (), scale_lr: bool = True,
+                  epoch_samples: int | None = None):
     """Run SMA by the book (docs/design-overview.md §2) on copies of ``model``.
 
     Round t has ``ks[t]`` learners (or ``k`` learners in each of ``rounds`` rounds); its learners
@@ -80,6 +82,9 @@ def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: i
     shrinks, the last replicas go. ``max_grad_norm``: each learner's gradient clipped by
     ``torch.nn.utils.clip_grad_norm_`` before its step. ``frozen``: replicas that neither learn nor
     are corrected (they keep their weights, their batches go unused; α = 1/k still counts them).
+    ``scale_lr``: SMA's η rule (design-overview §2): round t steps at ``lr``·f_t, f moving
+    linearly from the factor in force (1 at the start) to √min(k, 16) over a quarter of
+    ``epoch_samples`` (default: every sample of ``batches``) after every change of k.
 
     Returns (z, replicas): z as a list of tensors in ``parameters()`` order (those that require
     grad), and the last round's replicas as modules.
@@ -92,7 +97,9 @@ def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: i
     z_prev = [t.clone() for t in z]
     bufs = [[None] * len(z)]
     pos = 0
-    for k in ks:
+    etas = rule_lrs(lr, ks, len(batches[0][1]), epoch_samples or len(batches) * len(batches[0][1])) \
+        if scale_lr else [lr] * len(ks)
+    for k, lr in zip(ks, etas):
         while len(replicas) < k:  # a new replica: z, zero momentum
             r = copy.deepcopy(model)
             ps = [p for p in r.parameters() if p.requires_grad]
@@ -134,6 +141,21 @@ def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: i
                 new = [zi + ci + central_momentum * (zi - zpi) for zi, ci, zpi in zip(z, corrections, z_prev)]
                 z_prev, z = z, new
     return z, replicas
+
+
+def rule_lrs(lr: float, ks: list[int], b: int, epoch_samples: int) -> list[float]:
+    """η of each round under SMA's η rule, by hand: ``lr``·f, f = √min(k, 16) reached linearly
+    over round(epoch_samples / 4) samples from the value in force when k changed."""
+    ramp = max(1, round(0.25 * epoch_samples))
+    out, f, k_was, start, origin, target, done = [], 1.0, None, 0, 1.0, 1.0, 0
+    for k in ks:
+        if k != k_was:
+            k_was, start, origin, target = k, done, f, math.sqrt(min(k, 16))
+        frac = min(1.0, (done - start) / ramp)
+        f = target if frac >= 1.0 else origin + (target - origin) * frac
+        out.append(lr if f == 1.0 else lr * f)
+        done += k * b
+    return out
 
 
 def reference_diloco(model: nn.Module, batches, *, k: int, rounds: int, H: int, inner, outer,

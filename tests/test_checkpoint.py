@@ -582,15 +582,16 @@ def _policy_log(h: cg.History) -> list:
     return [(p.round, p.epoch, p.policy, p.changes) for p in h.policy]
 
 
-def _fit_interrupted_and_resumed(tmp_path, stop_at, fit) -> tuple[cg.Plan, cg.History]:
+def _fit_interrupted_and_resumed(tmp_path, stop_at, fit, make=net_plan) -> tuple[cg.Plan, cg.History]:
     """``fit(plan, **kw)`` stopped after ``stop_at`` rounds (checkpoint every round), then resumed
-    on a freshly compiled plan (b = 4 again); returns that plan and the resumed fit's History."""
+    on a freshly compiled plan ``make()`` (b = 4 again); returns that plan and the resumed fit's
+    History."""
     ckpt = str(tmp_path / "ckpt")
-    first = net_plan()
+    first = make()
     random.seed(7), np.random.seed(7)
     fit(first, hooks=[StopAfter(stop_at)], checkpoint_dir=ckpt, checkpoint_every=1)
     assert load_latest(ckpt)[1]["plan"]["rounds_done"] == stop_at
-    second = net_plan()
+    second = make()
     assert second.batch_size == 4
     random.seed(8), np.random.seed(8)  # overwritten by the checkpoint's RNG states
     # the same hooks (their state is keyed by position), as when the same command is run again
@@ -633,7 +634,8 @@ def test_resume_restores_adaptive_batch_size_state(tmp_path, window):
         return plan.fit(data(480), 1, progress=False, seed=3, metrics_every=monitor,
                         policies=[policy], **kw)
 
-    full = net_plan()
+    make = functools.partial(net_plan, sync=cg.SMA(central_momentum=0.9, scale_lr=False))
+    full = make()  # the scenario's decisions at η as set
     random.seed(7), np.random.seed(7)
     h_full = fit(full, hooks=[StopAfter(10**6)])
     resized = [p for p in h_full.policy if "batch_size" in p.changes]  # the others: η's gain
@@ -643,7 +645,7 @@ def test_resume_restores_adaptive_batch_size_state(tmp_path, window):
     stop = (rounds[0] + rounds[1]) // 2 + 1
     if window == 3:  # after round 2 of a window: one of its two estimates taken
         stop = next(r for r in range(rounds[0] + 1, rounds[1]) if r % 3 == 2)
-    second, h = _fit_interrupted_and_resumed(tmp_path, stop, fit)
+    second, h = _fit_interrupted_and_resumed(tmp_path, stop, fit, make)
     assert second.batch_size == full.batch_size == 16
     assert second.rounds_done == full.rounds_done
     assert_same_state(full, second)

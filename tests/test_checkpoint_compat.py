@@ -11,6 +11,7 @@ import shutil
 
 import torch
 
+import crossbow_graph as cg
 from crossbow_graph.training.checkpoint import load_latest
 from crossbow_graph.training.hooks import Hook
 
@@ -43,7 +44,9 @@ def test_an_older_releases_checkpoint_resumes_exactly(tmp_path):
     shutil.copytree(os.path.join(FIXTURE, "ckpt"), ckpt)
     saved = load_latest(ckpt)[1]["plan"]
     assert saved["rounds_done"] == 4
-    plan, count, first = net_plan(), CountRounds(), FirstRound()
+    # the older release stepped at the lr as set: SMA(scale_lr=False) continues its run exactly
+    plan = net_plan(sync=cg.SMA(central_momentum=0.9, scale_lr=False))
+    count, first = CountRounds(), FirstRound()
     plan.fit(data(), 2, progress=False, seed=3, checkpoint_dir=ckpt, resume=True, hooks=[count, first])
     assert plan.rounds_done == 12 and count.rounds == 8  # resumed at round 4, not restarted
     assert torch.equal(first.z, saved["states"][0]["z"])

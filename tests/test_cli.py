@@ -14,6 +14,8 @@ from crossbow_graph.cli import (DEFAULT_LR, DEFAULT_LR_BATCH, OPTIMIZERS, build_
 from crossbow_graph.cli_lm import LM_TARGET_LOSS, lr_factor
 from crossbow_graph.cli_machine import apply_machine_defaults
 
+from _reference import rule_lrs
+
 # the layout of the SGD tests below: b = 16, 2 devices × 2 replicas (k·b = 64), SGD with drops
 SGD16 = ["--batch-size", "16", "--devices", "2", "--replicas", "2", "--optimizer", "sgd",
          "--lr-schedule", "multistep"]
@@ -117,14 +119,16 @@ def test_train_stops_at_the_target_and_prints_the_result(capsys):
                                                 ("rmsprop", "constant")])
 def test_optimizer_and_lr_schedule_flags_reach_the_fit(tmp_path, optimizer, schedule):
     """--optimizer builds that torch.optim optimizer (default η per optimizer); --lr-schedule
-    onecycle and cosine are LambdaLRs of the run's progress: η per round in history.json."""
+    onecycle and cosine are LambdaLRs of the run's progress: η per round in history.json, the
+    schedule's value × SMA's η factor (k = 4: 1 → 2 over a quarter epoch)."""
     log = tmp_path / "log"
     assert main(["train", "--train-samples", "512", "--test-samples", "256", "--epochs", "2",
                  "--target", "0", "--evals-per-epoch", "1", "--quiet", "--batch-size", "16",
                  "--devices", "2", "--replicas", "2", "--optimizer", optimizer, "--lr-schedule", schedule,
                  "--log-dir", str(log)]) == 0
-    lrs = json.loads((log / "history.json").read_text())["lr"]
-    assert len(lrs) == 16  # 2 epochs × 512 / (k·b = 64)
+    rounds = json.loads((log / "history.json").read_text())["lr"]
+    assert len(rounds) == 16  # 2 epochs × 512 / (k·b = 64)
+    lrs = [lr / f for lr, f in zip(rounds, rule_lrs(1.0, [4] * 16, 16, 512))]  # the schedule's
     peak = OPTIMIZERS[optimizer][1]
     if schedule == "constant":
         assert lrs == [peak] * 16

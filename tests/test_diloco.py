@@ -18,12 +18,13 @@ from torch.utils.data import TensorDataset
 import crossbow_graph as cg
 
 from _plans import make_plan
-from _reference import batches_of, flat, reference_diloco
+from _reference import batches_of, flat, reference_diloco, rule_lrs
 
 # -- SMA stays bit-identical -------------------------------------------------------------------
 #
 # The SMA update must not change when DiLoCo is added beside it. A bitwise check that holds on
-# every machine: a linear model, a mean-squared loss, dyadic data and weights, η = 1/8, μ_l = μ_z
+# every machine: a linear model, a mean-squared loss, dyadic data and weights, η = 1/8 (× 2 from
+# round 1: SMA's η rule at k = 4), μ_l = μ_z
 # = 1/2 and α = 1/4 keep every value of four rounds a dyadic rational of at most 24 significant
 # bits, so each float32 operation is exact whatever its order, vector width or FMA, and the
 # engine's z and replicas equal the exact rational SMA of docs/design-overview.md §2 (Fractions)
@@ -41,8 +42,10 @@ def _dyadic_data(n: int) -> tuple[list[tuple[Fraction, Fraction]], list[Fraction
 
 
 def _exact_sma(rounds: int, *, k: int, b: int, sync_every: int):
-    """SMA by the book in exact rationals: (z, replicas) as lists of (w00, w01, bias)."""
+    """SMA by the book in exact rationals: (z, replicas) as lists of (w00, w01, bias); round t
+    steps at η·f_t, f SMA's η rule (1, then √min(k, 16) = 2 at k = 4: a ramp of one round)."""
     xs, ys = _dyadic_data(rounds * k * b)
+    factors = [Fraction(f) for f in rule_lrs(1.0, [k] * rounds, b, rounds * k * b)]
     alpha = Fraction(1, k)
     ws, vs = [list(W0) for _ in range(k)], [None] * k
     z, z_prev = list(W0), list(W0)
@@ -56,7 +59,7 @@ def _exact_sma(rounds: int, *, k: int, b: int, sync_every: int):
                 g = [g[0] + e * xs[i][0], g[1] + e * xs[i][1], g[2] + e]
             vs[j] = g if vs[j] is None else [MU_L * v + gi for v, gi in zip(vs[j], g)]
             c = [alpha * (wi - zi) for wi, zi in zip(w, z)] if sync else [Fraction(0)] * 3
-            ws[j] = [wi - ETA * vi - ci for wi, vi, ci in zip(w, vs[j], c)]
+            ws[j] = [wi - ETA * factors[t] * vi - ci for wi, vi, ci in zip(w, vs[j], c)]
             total = [a + ci for a, ci in zip(total, c)]
         if sync:
             z, z_prev = [zi + ci + MU_Z * (zi - zp) for zi, ci, zp in zip(z, total, z_prev)], z

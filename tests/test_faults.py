@@ -192,7 +192,8 @@ def _squared(out, y):
 # of 8 rounds).
 _regression_plan = functools.partial(make_plan, model=_relu_mlp, example=torch.zeros(1, 5),
                                      loss_fn=_squared, devices=1, replicas=2,
-                                     sync=cg.SMA(central_momentum=0.0), executor="inline")
+                                     sync=cg.SMA(central_momentum=0.0, scale_lr=False),  # η as set
+                                     executor="inline")
 
 
 def test_lowering_the_lr_and_resuming_after_divergence_trains_on(tmp_path):
@@ -237,7 +238,8 @@ def _scale_10_data() -> TensorDataset:
 
 _linear_plan = functools.partial(make_plan, model=lambda: nn.Linear(8, 1), example=torch.zeros(1, 8),
                                  loss_fn=nn.functional.mse_loss, batch_size=8, devices=1,
-                                 replicas=2, executor="inline")
+                                 replicas=2, executor="inline",
+                                 sync=cg.SMA(scale_lr=False))  # the rounds' η as the lr is set
 
 
 class _RaiseLr(cg.Policy):

@@ -191,7 +191,8 @@ def test_without_shuffle_learner_j_gets_batch_t_k_plus_j_and_the_partial_round_i
 def test_shuffled_epochs_give_every_learner_disjoint_batches_and_a_new_order_each_epoch():
     rec = Recorder()
     plan = cg.compile(nn.Sequential(nn.Flatten(), nn.Linear(64, 3)), (torch.randn(2, 1, 8, 8),), rec,
-                      batch_size=3, devices=2, replicas=2, executor="inline")
+                      batch_size=3, devices=2, replicas=2, executor="inline",
+                      sync=cg.SMA(scale_lr=False))  # the batches under test: η as set (2η diverges)
     plan.fit(DataLoader(Indexed(), batch_size=7, shuffle=True), 2, progress=False, seed=5)
     per_epoch = [sum(rec.seen[i * 16:(i + 1) * 16], []) for i in range(2)]  # 4 rounds × 4 learners
     for seen in per_epoch:

@@ -93,7 +93,8 @@ def test_bert_sequence_classification_compiles_as_given_and_trains_on_2x2():
     labels = ids[:, 0] % 3  # the class is in the first token
     train = Pairs({"input_ids": ids, "attention_mask": mask}, labels)
     plan = cg.compile(model, {"input_ids": ids[:2], "attention_mask": mask[:2]}, _logits_loss,
-                      batch_size=8, devices=2, replicas=2, optimizer=cg.SGD(lr=0.1, momentum=0.9))
+                      batch_size=8, devices=2, replicas=2, optimizer=cg.SGD(lr=0.1, momentum=0.9),
+                      sync=cg.SMA(scale_lr=False))  # 0.1: each learner's lr, tuned at 2 × 2
     assert plan.model_graph.analysis.forward_flops_per_sample > 0
     before, history = _fit(plan, train, epochs=3)
     assert history.evals[-1].test_loss < 0.9 * before
@@ -114,7 +115,8 @@ def test_gpt2_causal_lm_trains_on_its_own_loss_with_the_labels_among_the_inputs(
     ids = (_tokens(1)[:, :1] + torch.arange(SEQ)) % VOCAB  # each token the previous one + 1
     train = Dicts(input_ids=ids, labels=ids)
     plan = cg.compile(model, {"input_ids": ids[:2], "labels": ids[:2]}, None, batch_size=8,
-                      devices=2, replicas=2, optimizer=cg.SGD(lr=0.1, momentum=0.9))
+                      devices=2, replicas=2, optimizer=cg.SGD(lr=0.1, momentum=0.9),
+                      sync=cg.SMA(scale_lr=False))  # 0.1: each learner's lr, tuned at 2 × 2
     with pytest.warns(UserWarning, match=r"no test accuracy: the output \(CausalLMOutput.*logits "
                                          r"\[256, 16, 100\].*metric_fn") as caught:
         before, history = _fit(plan, train)
@@ -162,7 +164,8 @@ def test_vit_image_classification_compiles_as_given_and_trains_on_2x2():
     x = torch.randn(N, 3, 16, 16, generator=g) + (y.float() - 1.5)[:, None, None, None]
     train = TensorDataset(x, y)
     plan = cg.compile(model, (x[:2],), _logits_loss, batch_size=8, devices=2, replicas=2,
-                      optimizer=cg.SGD(lr=0.05, momentum=0.9))
+                      optimizer=cg.SGD(lr=0.05, momentum=0.9),
+                      sync=cg.SMA(scale_lr=False))  # 0.05: each learner's lr, tuned at 2 × 2
     before, history = _fit(plan, train)
     assert history.evals[-1].test_loss < 0.7 * before
     assert history.evals[-1].test_accuracy > 0.5  # read from output.logits
@@ -328,7 +331,8 @@ def test_gpt2_lm_head_model_trains_on_fortunes_bytes_fused_as_per_replica():
         model = transformers.GPT2LMHeadModel(cfg)
         plan = cg.compile(model, (train.tensors[0][:2],), lambda out, y: cg.models.lm_loss(out.logits, y),
                           batch_size=8, devices=1, replicas=4, learner_mode=mode, executor="inline",
-                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                          sync=cg.SMA(scale_lr=False))  # the tolerance below is this lr's
         before = plan.evaluate(val)[1]
         plan.fit(train, epochs=1, shuffle=False, progress=False, metrics_every=None)
         weights[mode] = plan.replica_weights()

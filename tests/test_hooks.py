@@ -13,6 +13,7 @@ from crossbow_graph.training.lr_schedule import LRSchedulerHook
 from crossbow_graph.training.progress import FitProgress
 
 from _plans import make_plan, tiny_data
+from _reference import rule_lrs
 
 ROUNDS = 10  # rounds per epoch of the process-executor fits: 2 learners × b = 4
 
@@ -155,7 +156,7 @@ def test_fit_progress_is_one_object_the_plans_attributes_read():
 def test_a_policys_eta_composes_with_a_schedule_and_a_schedule_policy_by_one_rule():
     """η_i = F·schedule(t), F the product of the other writers' ratios: a per-round LambdaLR, a
     StepLR policy halving η at every epoch and a policy doubling η at round 3 give
-    η = 0.05 · λ(t) · 0.5^epoch · 2 (from round 4 on) in every round."""
+    η = 0.05 · λ(t) · 0.5^epoch · 2 (from round 4 on) in every round, times SMA's η factor."""
     class Double(cg.Policy):
         def after_round(self, ctx):
             if ctx.plan.rounds_done == 3:
@@ -166,5 +167,7 @@ def test_a_policys_eta_composes_with_a_schedule_and_a_schedule_policy_by_one_rul
     h = plan.fit(tiny_data(4 * 2 * 4), 3, shuffle=False, progress=False, metrics_every=None,
                  policies=[cg.StepLR(step_epochs=1, gamma=0.5, reset_on_drop=False), Double()],
                  lr_scheduler=sched, lr_scheduler_interval="round")
-    expected = [0.05 / (1 + t) * 0.5 ** (t // 4) * (2 if t >= 3 else 1) for t in range(12)]
+    factors = rule_lrs(1.0, [2] * 12, 4, 32)  # SMA's η factor at k = 2: 1, then √2
+    expected = [0.05 / (1 + t) * 0.5 ** (t // 4) * (2 if t >= 3 else 1) * f
+                for t, f in zip(range(12), factors)]
     assert h.lr == pytest.approx(expected, rel=1e-12)

@@ -207,7 +207,7 @@ def test_a_schedule_stepped_per_batch_ends_with_the_fit_as_the_plain_loop_does()
     at 0 at k = 2, and when the auto-tuner or a policy changes k mid-epoch too."""
     plain = [LR * hf_linear(4, 48)(t) for t in range(48)]  # η of the plain loop's 48 steps
     for hooks in ([], [SetReplicas(5, 3), SetReplicas(9, 1)]):
-        plan = linear_plan()
+        plan = linear_plan(sync=cg.SMA(scale_lr=False))  # the schedule's η, not SMA's factor
         sched = lrs.LambdaLR(plan.optimizer, hf_linear(4, 48))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

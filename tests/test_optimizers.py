@@ -18,7 +18,7 @@ import crossbow_graph as cg
 from crossbow_graph.engine.state.optim import ELEMENTWISE
 
 from _plans import make_plan
-from _reference import batches_of, eager_steps
+from _reference import batches_of, eager_steps, rule_lrs
 
 N, B = 256, 8
 
@@ -165,7 +165,8 @@ def test_fused_adamw_over_several_replicas_equals_one_eager_fused_adamw_each(dat
     model = _net()
     start = copy.deepcopy(model)
     plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=k, executor="inline",
-                 optimizer=_FUSED_ADAMW(model), sync=cg.SMA(sync_every=10 * rounds))
+                 optimizer=_FUSED_ADAMW(model),  # the optimizer under test: η as set
+                 sync=cg.SMA(sync_every=10 * rounds, scale_lr=False))
     plan.fit(data, shuffle=False, progress=False, metrics_every=None)
     assert not plan.settings.optimizer.stacked
     for j in range(k):  # learner j: batch t·k + j in round t; no sync in this fit
@@ -305,8 +306,10 @@ def test_cg_sgd_is_a_torch_sgd_a_scheduler_can_drive(data):
     sched = torch.optim.lr_scheduler.MultiStepLR(plan.optimizer, milestones=[1], gamma=0.1)
     history = plan.fit(data, epochs=2, progress=False, metrics_every=None, lr_scheduler=sched)
     per_epoch = N // (2 * B)
-    assert history.lr[:per_epoch] == [0.1] * per_epoch
-    assert history.lr[per_epoch:] == pytest.approx([0.01] * per_epoch)
+    factors = rule_lrs(1.0, [2] * 2 * per_epoch, B, N)  # SMA's η rule at k = 2: 1 → √2
+    assert history.lr == pytest.approx([f * (0.1 if t < per_epoch else 0.01)
+                                        for t, f in enumerate(factors)], rel=1e-12)
+    assert plan.optimizer.param_groups[0]["lr"] == pytest.approx(0.01)  # the scheduler's value
 
 
 def test_elementwise_list_holds_the_elementwise_torch_optimizers():

@@ -20,6 +20,7 @@ from crossbow_graph.tuning.policies import (Adjustment, AdaptiveBatchSize, Cosin
                                             DivergenceGuard, MultiStepLR, Policy, StepLR,
                                             parse_policy)
 from _plans import make_plan, tiny_data
+from _reference import rule_lrs
 
 
 class At(Policy):
@@ -63,8 +64,9 @@ def test_change_applies_at_the_same_round_on_every_device(executor):
                  policies=[At(3, lr=0.2)], metrics_every=None)
     assert [p.changes for p in h.policy] == [{"lr": 0.2}] and h.policy[0].round == 3
     alpha = 0.5
+    factors = rule_lrs(1.0, [2] * 8, 4, 64)  # SMA's η rule at k = 2 (1 → √2) times the policy's
     for t in range(1, 6):
-        lr = 0.2 if t >= 3 else 0.05  # snapshot t is after round t+1
+        lr = (0.2 if t >= 3 else 0.05) * factors[t]  # snapshot t is after round t+1
         prev, cur = snap.rounds[t - 1], snap.rounds[t]
         for d in range(2):
             w_hat, z_old, g = prev["w"][d], prev["z"][d], cur["g"][d]

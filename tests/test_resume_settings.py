@@ -12,6 +12,7 @@ import torch
 import crossbow_graph as cg
 from crossbow_graph.training.checkpoint import load_latest, save_checkpoint
 
+from _reference import rule_lrs
 from test_checkpoint import (StopAfter, _DoubleBatch, _fit_interrupted_and_resumed,
                              assert_same_state, data, net_plan)
 
@@ -39,7 +40,8 @@ def test_resume_with_another_lr_and_momentum_uses_the_new_ones_and_warns(tmp_pat
                      r"up with 0\.05; 0\.05 in force at the checkpoint\); momentum \(param group "
                      r"0\) 0\.5 \(.*set up with 0\.9", message), message
     assert "weight_decay" not in message  # unchanged: the checkpoint's
-    assert h.lr[4:] == [0.01] * 8 and resumed.optimizer.param_groups[0]["momentum"] == 0.5
+    # the new lr × SMA's η factor at k = 4, restored from the checkpoint: 2 (its ramp is done)
+    assert h.lr[4:] == rule_lrs(0.01, [4] * 12, 4, 96)[4:] == [0.02] * 8 and resumed.optimizer.param_groups[0]["momentum"] == 0.5
     oracle = net_plan(**other)
     oracle.load_state_dict(saved)  # as saved: η 0.05, μ 0.9 …
     assert (oracle.settings.lr, oracle.optimizer.param_groups[0]["momentum"]) == (0.05, 0.9)
@@ -72,7 +74,7 @@ def test_an_older_checkpoint_without_a_set_up_keeps_its_settings_and_warns(tmp_p
     with pytest.warns(UserWarning, match=r"records no set-up .*: lr \(param group 0\) 0\.05 "
                                          r"\(this fit's: 0\.01\)"):
         h = resumed.fit(data(), 1, progress=False, checkpoint_dir=ckpt, resume=True)
-    assert h.lr[4:] == [0.05, 0.05]
+    assert h.lr[4:] == rule_lrs(0.05, [4] * 6, 4, 96)[4:]  # × SMA's η factor at k = 4: 2
 
 
 def test_resume_with_a_scheduler_over_another_lr_follows_the_new_schedule(tmp_path):

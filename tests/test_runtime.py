@@ -112,7 +112,8 @@ def test_adding_and_removing_replicas_mid_fit_matches_reference(executor):
     hist = _fit(plan, data, hooks=[hook])
     assert hook.checked == 4 and plan.rounds_done == len(ks)
     torch.manual_seed(0)
-    want = flat(reference_sma(TinyNet(), batches_of(data, 4), ks=ks, lr=0.05, momentum=0.9)[0])
+    want = flat(reference_sma(TinyNet(), batches_of(data, 4), ks=ks, lr=0.05, momentum=0.9,
+                              epoch_samples=len(data))[0])
     torch.testing.assert_close(plan.central_weights(), want, **TOL)
     used = torch.cat(hook.seen)
     assert len(used) == 4 * sum(ks) and len(set(used.tolist())) == len(used)  # disjoint batches

@@ -101,7 +101,8 @@ def test_process_executor_matches_hand_written_sma_and_continues_across_fits():
     _fit(plan, data)  # a second fit restarts the workers on the same state
     torch.manual_seed(0)
     twice = torch.utils.data.TensorDataset(*(torch.cat([t, t]) for t in data.tensors))
-    want = flat(reference_sma(TinyNet(), batches_of(twice, 4), ks=[2] * 10, lr=0.05, momentum=0.9)[0])
+    want = flat(reference_sma(TinyNet(), batches_of(twice, 4), ks=[2] * 10, lr=0.05, momentum=0.9,
+                              epoch_samples=len(data))[0])
     torch.testing.assert_close(plan.central_weights(), want, **TOL)
 
 

@@ -11,7 +11,7 @@ from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
 from _plans import make_plan
-from _reference import flat, reference_sma
+from _reference import flat, reference_sma, rule_lrs
 from test_fit import BNNet
 
 ATOL, RTOL = 1e-6, 1e-5  # float32, a few dozen rounds of the same operations in another order
@@ -113,11 +113,13 @@ def test_sync_every_tau_rounds_matches_reference_on_sync_rounds():
     reps = [copy.deepcopy(start) for _ in range(2)]
     opts = [torch.optim.SGD(r.parameters(), lr=0.05, momentum=0.9) for r in reps]
     z = flat(start.parameters())
+    etas = rule_lrs(0.05, [2, 2], b, len(bs) * b)  # SMA's η rule: 0.05, then 0.05·√2
     for t in range(2):
         pre = []
         for j, (r, o) in enumerate(zip(reps, opts)):
             x, y = bs[t * 2 + j]
             pre.append(flat(r.parameters()))
+            o.param_groups[0]["lr"] = etas[t]
             o.zero_grad()
             F.cross_entropy(r(x), y).backward()
             o.step()

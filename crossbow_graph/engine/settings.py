@@ -32,6 +32,8 @@ class RunSettings:
         alpha: SMA α in (0, 1], the pull of each replica toward z, or None: 1/k (re-derived when
             k changes); None for the algorithms without α. ``sync.alpha``.
         sync_every: τ, rounds between synchronisations (≥ 1; 1 under SSGD). ``sync.sync_every``.
+        lr_rule: SMA's η rule's state (training/sma_lr.py ``SMALRRule``), None before a fit
+            applies it; its factor is ``optimizer.lr_factor``.
 
     η_i = F_i · schedule_i(t) (docs/optimizers.md, Schedules). Only
     ``tuning.policy_base.apply_adjustment`` and the methods below change them.
@@ -43,7 +45,7 @@ class RunSettings:
     """
 
     __slots__ = ("optimizer", "sync", "batch_size", "replicas_per_device", "learner_mode",
-                 "_lr_factors")
+                 "lr_rule", "_lr_factors")
 
     def __init__(self, *, optimizer: LocalOptimizer, sync: SyncAlgorithm, batch_size: int,
                  replicas_per_device: int, learner_mode: str) -> None:
@@ -54,6 +56,7 @@ class RunSettings:
         self.batch_size = batch_size
         self.replicas_per_device = replicas_per_device
         self.learner_mode = learner_mode
+        self.lr_rule: Any = None  # training/sma_lr.py SMALRRule
         self._lr_factors: dict[Any, list[float]] = {}  # LR schedule → its F per param group
 
     # -- η: the param groups' learning rates ------------------------------------------------------

@@ -27,6 +27,7 @@ from .options import check_writable_dir
 from .reshard import saved_learners, saved_world_size, split_for_ranks
 from .run_lock import DirectoryLock
 from .run_setup import SettingsChoice, restore_outer_settings, restore_settings
+from .sma_lr import SMALRRule
 
 if TYPE_CHECKING:
     from .fit_plan import FitPlan
@@ -80,6 +81,8 @@ def plan_state_dict(plan: "FitPlan") -> dict[str, Any]:
         # the worker processes' convolution library per b (backends/process/conv_choice.py):
         # measured per process with cpu_conv="auto", so a resumed process keeps its rounds' one
         "cpu_conv_choices": rounds["cpu_conv_choices"],
+        # SMA's η rule: its ramp and factor (training/sma_lr.py)
+        "lr_rule": None if settings.lr_rule is None else settings.lr_rule.state_dict(plan),
     }
 
 
@@ -189,6 +192,7 @@ def load_plan_state_dict(plan: "FitPlan", sd: dict[str, Any], setup: dict[str, A
     plan.rounds.load_state_dict({"faults": [FaultEvent(**e) for e in sd["faults"]],
                                  "fault_tolerance": sd.get("fault_tolerance"),
                                  "cpu_conv_choices": sd.get("cpu_conv_choices", {})})
+    SMALRRule.load_state_dict(plan, sd.get("lr_rule"))
     plan.progress.load_state_dict(sd, device=plan.states[0].torch_device)
     choice.warn(source)
 

@@ -25,6 +25,7 @@ from .options import FitOptions
 from .run_lock import DirectoryLock
 from .run_setup import run_setup
 from .signals import StopSignal, interruption
+from .sma_lr import SMALRRule
 
 if TYPE_CHECKING:
     from ..engine.rounds.runner import RoundRunner
@@ -94,6 +95,7 @@ class FitState:
             before every round (a hook acts in before_round) and after every round (a hook
             decides).
         epoch: the epoch being run.
+        lr_rule: SMA's η rule (training/sma_lr.py), None where the sync algorithm has none.
     """
 
     data: FitData
@@ -114,6 +116,7 @@ class FitState:
     pre_round: bool = False
     decides: bool = False
     epoch: EpochState | None = None
+    lr_rule: SMALRRule | None = None
 
     @classmethod
     def prepare(cls, plan: FitPlan, train_dataset: Any, eval_dataset: Any, options: FitOptions,
@@ -140,7 +143,8 @@ class FitState:
         hooks = fit_hooks(plan, options, data.schedule, first, metrics, main=main,
                           batches_per_epoch=data.batches_per_epoch)
         return cls(data, data.schedule, threads, history, evals, FitHooks(hooks),
-                   plan.progress.epochs_done + options.epochs, StopSignal())
+                   plan.progress.epochs_done + options.epochs, StopSignal(),
+                   lr_rule=SMALRRule.for_fit(plan, data.schedule.num_samples))
 
     def add_checkpoints(self, plan: FitPlan, options: FitOptions, *, main: bool) -> None:
         """The checkpoints, after every other hook; with ``resume`` the newest checkpoint

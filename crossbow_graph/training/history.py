@@ -181,7 +181,10 @@ class History:
         metrics: one MetricRecord per metrics window (samples/s, loss, lr, b,
             m, divergence, gradient noise scale; ``fit(metrics_every=N)``).
         policy: every adjustment a policy applied (a PolicyRecord each).
-        lr: η of every round run (the first param group's learning rate in force), in order.
+        lr: η of every round run (the first param group's learning rate in force, × SMA's η
+            factor: training/sma_lr.py), in order.
+        lr_rule: every application of SMA's η rule (training/sma_lr.py ``LRRuleRecord``: round,
+            k, α, the factor's ramp), in order; empty with ``SMA(scale_lr=False)``.
         cuda_graphs: with ``compile(cuda_graphs=True)``, the plan's graph rounds so far:
             ``{"captures", "replays", "eager_rounds": {reason: rounds}}`` (engine/backends/graphs/capture.py
             ``RoundGraph.record``); else empty.
@@ -210,6 +213,7 @@ class History:
     metrics: list = field(default_factory=list)
     policy: list = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
+    lr_rule: list = field(default_factory=list)
     cuda_graphs: dict = field(default_factory=dict)
     membership: list = field(default_factory=list)
     cpu_threads: int = 0

@@ -210,7 +210,9 @@ class Trainer:
         it may be), the torchrun checksum of z when due, the round's progress and record."""
         plan, fit, e, comm = self.plan, self.fit, self.fit.epoch, self.comm
         plan.progress.start_round()
-        fit.history.lr.append(plan.settings.lr)  # η of this round (first param group)
+        # η of this round (first param group): SMA's η rule sets its factor (training/sma_lr.py)
+        fit.history.lr.append(plan.settings.optimizer.round_lr if fit.lr_rule is None
+                              else fit.lr_rule.apply(plan, fit.history))
         t = plan.progress.rounds_done - 1
         # a round whose gradients a hook reads (the noise scale) does not overlap the next
         ahead = fit.speculate and not fit.hooks.wants_gradients(plan.progress.rounds_done)

@@ -34,8 +34,9 @@ class Hyper:
 
     @classmethod
     def of(cls, optimizer: LocalOptimizer, *, alpha: float, central_momentum: float) -> "Hyper":
-        """The snapshot of ``optimizer``'s param groups now, with α and μ_z."""
-        groups = tuple({k: g[k] for k in optimizer.hyper_keys}
+        """The snapshot of ``optimizer``'s param groups now, with α and μ_z; each group's lr
+        times ``optimizer.lr_factor`` (SMA's η rule, training/sma_lr.py; the groups untouched)."""
+        groups = tuple({k: optimizer.round_hyper(g, k) for k in optimizer.hyper_keys}
                        for g in optimizer.optimizer.param_groups)
         return cls.from_groups(groups, optimizer, alpha=alpha, central_momentum=central_momentum)
 

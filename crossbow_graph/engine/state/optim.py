@@ -68,6 +68,8 @@ class LocalOptimizer:
         kernel: the fused SGD kernels run it (one-group ``torch.optim.SGD`` without dampening).
         stacked: an elementwise optimizer: one instance over a device's rows of the same age
             (not where a group sets ``fused=True``: torch's fused kernels take dense tensors only).
+        lr_factor: the factor of SMA's η rule in force (training/sma_lr.py; 1: none): a round
+            steps every group at its lr × this, the groups' lr untouched (the user's η₁).
     """
 
     optimizer: torch.optim.Optimizer
@@ -75,17 +77,30 @@ class LocalOptimizer:
     hyper_keys: tuple[str, ...]
     kernel: bool
     stacked: bool
+    lr_factor: float = 1.0
 
     @property
     def lr(self) -> float:
         """η: the first param group's learning rate in force."""
         return float(self.optimizer.param_groups[0]["lr"])
 
+    @property
+    def round_lr(self) -> float:
+        """The η a round steps with: ``lr`` × ``lr_factor``."""
+        return self._scaled(float(self.optimizer.param_groups[0]["lr"]))
+
+    def _scaled(self, lr: float) -> float:
+        return lr if self.lr_factor == 1.0 else lr * self.lr_factor
+
     def sgd(self) -> KernelSGD:
-        """The first group as the SGD kernels take it (``kernel`` optimizers)."""
+        """The first group as the SGD kernels take it (``kernel`` optimizers), at ``round_lr``."""
         g = self.optimizer.param_groups[0]
-        return KernelSGD(float(g["lr"]), float(g.get("momentum", 0.0)), bool(g.get("nesterov", False)),
-                         float(g.get("weight_decay", 0.0)))
+        return KernelSGD(self._scaled(float(g["lr"])), float(g.get("momentum", 0.0)),
+                         bool(g.get("nesterov", False)), float(g.get("weight_decay", 0.0)))
+
+    def round_hyper(self, group: dict[str, Any], key: str) -> Any:
+        """``group[key]`` as a round steps with it (the lr times ``lr_factor``)."""
+        return self._scaled(float(group[key])) if key == "lr" else group[key]
 
     def describe(self) -> dict[str, Any]:
         """The class and every group's settings (no tensors): for summaries, the torchrun

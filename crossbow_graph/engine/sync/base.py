@@ -112,6 +112,12 @@ class SyncAlgorithm(abc.ABC):
         """α for k = ``num_learners`` learners: the pull of each replica toward z (none here)."""
         return 0.0
 
+    @property
+    def scales_lr(self) -> bool:
+        """Whether the learners step at the lr × SMA's η factor √min(k, 16), ramped
+        (training/sma_lr.py; docs/design-overview.md §2): SMA's ``scale_lr``, False here."""
+        return False
+
     def with_alpha(self, alpha: float | None) -> "SyncAlgorithm":
         """This algorithm with α = ``alpha`` (None: 1/k), for ``Plan.adjust``.
 

@@ -30,9 +30,14 @@ class SMA(SyncAlgorithm):
             (0, 1]; with k = 1 it is not used (the single replica is the central model).
         central_momentum: μ_z, the momentum of the central model's update, in [0, 1).
         sync_every: τ, rounds between synchronisations (≥ 1); between them learners only step.
+        scale_lr: SMA's η rule (docs/design-overview.md §2, "How α, μ_z and η follow k"): each
+            round steps every learner at the lr its optimizer and scheduler set × √min(k, 16),
+            the factor moved linearly over a quarter epoch of samples after every change of k
+            (at the first fit, and when ``Plan.adjust``, the auto-tuner or a policy changes m);
+            the optimizer's lr is not written. ``False``: the lr as set, at every k.
 
     Raises:
-        TypeError: α or μ_z not a number.
+        TypeError: α or μ_z not a number; ``scale_lr`` not a bool.
         ValueError: a value outside its range, τ not an integer (α is checked against k by
             ``compile``).
     """
@@ -45,6 +50,7 @@ class SMA(SyncAlgorithm):
     alpha: float | None = None
     central_momentum: float = 0.9
     sync_every: int = 1
+    scale_lr: bool = True
 
     def __post_init__(self) -> None:
         if self.alpha is not None:
@@ -58,6 +64,9 @@ class SMA(SyncAlgorithm):
             raise ValueError(
                 f"SMA(central_momentum={self.central_momentum}): μ_z must be in [0, 1), e.g. 0.9"
             )
+        if not isinstance(self.scale_lr, bool):
+            raise TypeError(f"SMA(scale_lr={self.scale_lr!r}): must be True (η × √min(k, 16)) "
+                            f"or False (the optimizer's lr at every k)")
         if not is_count(self.sync_every):
             raise ValueError(f"SMA(sync_every={self.sync_every!r}): must be an integer ≥ 1")
 
@@ -66,6 +75,11 @@ class SMA(SyncAlgorithm):
         if num_learners == 1:
             return 0.0
         return 1.0 / num_learners if self.alpha is None else self.alpha
+
+    @property
+    def scales_lr(self) -> bool:
+        """``scale_lr``: SMA's η rule (training/sma_lr.py)."""
+        return self.scale_lr
 
     def with_alpha(self, alpha: float | None) -> "SMA":
         """This SMA with α = ``alpha`` (None: 1/k); ValueError outside (0, 1]."""

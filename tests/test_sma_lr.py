@@ -1,0 +1,116 @@
+"""SMA's η rule (docs/design-overview.md §2, "How α, μ_z and η follow k"): each round steps at the
+optimizer's lr × √min(k, 16), ramped over a quarter epoch after every change of k, recorded in
+History.lr_rule; ``SMA(scale_lr=False)`` keeps the lr as set (oracle: hand-written SMA)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import crossbow_graph as cg
+from crossbow_graph.training.hooks import Hook
+
+from _plans import TinyNet, make_plan, tiny_data
+from _reference import batches_of, flat, reference_sma, rule_lrs
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+LR, B = 0.05, 4
+KS = [2] * 4 + [8] * 6  # m = 2 for four rounds, then plan.adjust to m = 8
+N = B * sum(KS)  # one epoch: 224 samples, a ramp of 56
+
+
+class _SetM(Hook):
+    """plan.adjust(replicas_per_device=m) after the given round, as a policy or the tuner does."""
+
+    def __init__(self, after: int, m: int) -> None:
+        self.after, self.m = after, m
+
+    def after_round(self, ctx):
+        if ctx.plan.rounds_done == self.after:
+            ctx.plan.adjust(cg.Adjustment(replicas_per_device=self.m))
+
+
+def _fit(sync: cg.SMA):
+    plan = make_plan(replicas=2, executor="inline", learner_mode="fused", sync=sync)
+    hist = plan.fit(tiny_data(N), 1, shuffle=False, progress=False, hooks=[_SetM(4, 8)])
+    assert plan.rounds_done == len(KS)
+    return plan, hist
+
+
+def test_a_change_of_m_in_mid_fit_ramps_eta_to_sqrt_k_and_history_records_it():
+    plan, hist = _fit(cg.SMA())
+    want = rule_lrs(LR, KS, B, N)
+    assert hist.lr == pytest.approx(want, rel=1e-12)
+    assert hist.lr[0] == LR and hist.lr[3] < LR * math.sqrt(2)  # the first ramp, unfinished
+    assert LR * math.sqrt(2) < hist.lr[5] < LR * math.sqrt(8)  # the second, under way
+    assert hist.lr[-1] == pytest.approx(LR * math.sqrt(8), rel=1e-12)
+    assert plan.optimizer.param_groups[0]["lr"] == LR  # the user's η₁ is not written
+    first, second = hist.lr_rule
+    assert (first.round, first.num_learners, first.alpha, first.factor_from, first.ramp_samples) \
+        == (0, 2, 0.5, 1.0, N // 4)
+    assert first.factor_to == pytest.approx(math.sqrt(2))
+    assert (second.round, second.num_learners, second.alpha, second.ramp_samples) \
+        == (4, 8, 0.125, N // 4)
+    assert second.factor_from == pytest.approx(want[3] / LR)
+    assert second.factor_to == pytest.approx(math.sqrt(8))
+    assert second.epoch == pytest.approx(4 * 2 * B / N)
+    torch.manual_seed(0)
+    z, _ = reference_sma(TinyNet(), batches_of(tiny_data(N), B), ks=KS, lr=LR, momentum=0.9,
+                         epoch_samples=N)
+    torch.testing.assert_close(plan.central_weights(), flat(z), **TOL)
+
+
+def test_scale_lr_false_steps_at_the_optimizers_lr_at_every_k():
+    plan, hist = _fit(cg.SMA(scale_lr=False))
+    assert hist.lr == [LR] * len(KS) and hist.lr_rule == []
+    torch.manual_seed(0)
+    z, _ = reference_sma(TinyNet(), batches_of(tiny_data(N), B), ks=KS, lr=LR, momentum=0.9,
+                         scale_lr=False)
+    torch.testing.assert_close(plan.central_weights(), flat(z), **TOL)
+
+
+def test_a_second_fit_at_the_same_k_keeps_the_factor_and_records_nothing():
+    plan = make_plan(replicas=4, executor="inline")
+    first = plan.fit(tiny_data(64), 1, shuffle=False, progress=False)
+    second = plan.fit(tiny_data(64), 1, shuffle=False, progress=False)
+    assert [r.factor_to for r in first.lr_rule] == [2.0] and second.lr_rule == []
+    assert second.lr == [LR * 2.0] * 4
+
+
+def test_one_learner_has_no_factor():
+    plan = make_plan(replicas=1, executor="inline")
+    hist = plan.fit(tiny_data(32), 1, shuffle=False, progress=False)
+    assert hist.lr == [LR] * 8 and hist.lr_rule == []
+
+
+def test_scale_lr_not_a_bool_is_a_type_error():
+    with pytest.raises(TypeError, match="scale_lr"):
+        cg.SMA(scale_lr="yes")
+
+
+class _StopAfter(Hook):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def after_round(self, ctx):
+        ctx.stop = ctx.plan.rounds_done >= self.n
+
+
+def test_a_checkpoint_keeps_the_ramp_and_an_opted_out_plan_ignores_it(tmp_path):
+    """A fit stopped inside the ramp (after 3 of its 4 rounds) and resumed continues it exactly
+    (the factor and the ramp are in the checkpoint); the same checkpoint resumed by a plan with
+    SMA(scale_lr=False) steps at the lr as set."""
+    data = tiny_data(256)
+    whole = make_plan(replicas=4, executor="inline").fit(data, 1, shuffle=False, progress=False)
+    lrs = {}
+    for name, sync in (("default", cg.SMA()), ("opted out", cg.SMA(scale_lr=False))):
+        fit = dict(shuffle=False, progress=False, checkpoint_dir=str(tmp_path / name),
+                   checkpoint_every=1)
+        make_plan(replicas=4, executor="inline").fit(data, 1, hooks=[_StopAfter(3)], **fit)
+        lrs[name] = make_plan(replicas=4, executor="inline", sync=sync).fit(
+            data, 1, hooks=[_StopAfter(99)], resume=True, **fit).lr  # the checkpoint's 3 too
+    assert whole.lr[1] < whole.lr[3] < LR * 2 == whole.lr[-1]  # the ramp takes 4 rounds of 16
+    assert lrs["default"] == whole.lr
+    assert lrs["opted out"] == whole.lr[:3] + [LR] * 13
