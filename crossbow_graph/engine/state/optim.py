@@ -100,7 +100,9 @@ class LocalOptimizer:
 
     def round_hyper(self, group: dict[str, Any], key: str) -> Any:
         """``group[key]`` as a round steps with it (the lr times ``lr_factor``)."""
-        return self._scaled(float(group[key])) if key == "lr" else group[key]
+        if key != "lr" or self.lr_factor == 1.0:
+            return group[key]
+        return float(group[key]) * self.lr_factor
 
     def describe(self) -> dict[str, Any]:
         """The class and every group's settings (no tensors): for summaries, the torchrun
