@@ -4,7 +4,6 @@ without a GPU), both ``TorchDispatchMode``s (docs/runtime.md, "CUDA-graph rounds
 
 from __future__ import annotations
 
-import traceback
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -13,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves
 
 from ..engine.backends.graphs.probe import capture_problem
+from .frames import issuing_frame
 
 __all__ = ["CaptureChecker", "SimulatedGraphs", "SimulatedGraph", "CaptureError"]
 
@@ -67,7 +67,7 @@ class CaptureChecker(TorchDispatchMode):
         if self._round is not None:
             problem = capture_problem(func, args, kwargs)
             if problem is not None:
-                self.findings[self._round].append(f"{problem} at {_where()}")
+                self.findings[self._round].append(f"{problem} at {issuing_frame()}")
             self._log.append((str(func), _scalars(args, kwargs)))
         return func(*args, **kwargs)
 
@@ -170,17 +170,3 @@ def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 def _as_tuple(x: Any) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
-
-def _where() -> str:
-    """The innermost frame of crossbow_graph's code (not this package nor the graphs' capture
-    probe) issuing the op."""
-    for frame in reversed(traceback.extract_stack(limit=60)):
-        if "crossbow_graph" in frame.filename and not _scaffolding(frame.filename):
-            return f"{frame.filename.rsplit('crossbow_graph/', 1)[-1]}:{frame.lineno} ({frame.name})"
-    return "outside crossbow_graph"
-
-
-def _scaffolding(filename: str) -> bool:
-    """Whether ``filename`` is this testing package's or the capture probe's (a dispatch mode on
-    the stack of every op it watches)."""
-    return "crossbow_graph/testing/" in filename or filename.endswith("graphs/probe.py")

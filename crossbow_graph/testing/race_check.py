@@ -5,7 +5,6 @@ relation (docs/runtime.md, "Streams on CUDA")."""
 from __future__ import annotations
 
 import itertools
-import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +13,8 @@ import torch
 from torch.cuda._sanitizer import DEFAULT_STREAM_ID, StreamSynchronizations, zip_arguments
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from .frames import issuing_frame
 
 
 __all__ = ["RaceRecorder", "Race"]
@@ -171,7 +172,7 @@ class RaceRecorder(TorchDispatchMode):
         stream = self.current(torch.device("cpu"))
         self._seq += 1
         self.syncs.update_seq_num(stream.id, self._seq)
-        where = _where()
+        where = issuing_frame(40)
         for tensors, write in ((reads, False), (writes, True)):
             for t in tensors:
                 self._access(t, write, stream, str(func._schema.name), where)
@@ -209,17 +210,3 @@ class RaceRecorder(TorchDispatchMode):
 def _say(a: _Access) -> str:
     return f"{a.op} ({'write' if a.write else 'read'}) on stream {a.stream} at {a.where}"
 
-
-def _where() -> str:
-    """The innermost frame of crossbow_graph's code (not this package nor the graphs' capture
-    probe) issuing the op."""
-    for frame in reversed(traceback.extract_stack(limit=40)):
-        if "crossbow_graph" in frame.filename and not _scaffolding(frame.filename):
-            return f"{frame.filename.rsplit('crossbow_graph/', 1)[-1]}:{frame.lineno} ({frame.name})"
-    return "outside crossbow_graph"
-
-
-def _scaffolding(filename: str) -> bool:
-    """Whether ``filename`` is this testing package's or the capture probe's (a dispatch mode on
-    the stack of every op it watches)."""
-    return "crossbow_graph/testing/" in filename or filename.endswith("graphs/probe.py")

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..state.optim import LocalOptimizer
     from ..transport.transports import Transport
 
-__all__ = ["SyncAlgorithm", "SyncContext", "SyncRound", "SyncState"]
+__all__ = ["SyncAlgorithm", "SyncContext", "SyncRound", "SyncState", "single_learner_central"]
 
 
 class SyncRound(Protocol):
@@ -241,3 +241,12 @@ def _rows_step(state: DeviceState, r0: int, r1: int, z: torch.Tensor | None, hyp
         return None
     w.sub_(c)
     return torch.sum(c, dim=0, out=out) if out is not None else c.sum(dim=0)
+
+
+def single_learner_central(states: list[DeviceState], bufs: list[list[torch.Tensor]]) -> None:
+    """With k = 1 the single replica is the central model: z_prev ← z, z ← w_0, zbuf ← its
+    float buffers (docs/design-overview.md §2)."""
+    s = states[0]
+    s.z_prev.copy_(s.z)
+    s.z.copy_(s.w[0])
+    s.zbuf.copy_(bufs[0][0])

@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from ...errors import check_number, is_count
-from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState
+from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState, single_learner_central
 
 __all__ = ["EASGD"]
 
@@ -75,11 +75,8 @@ class EASGD(SyncAlgorithm):
         z ← z + β/(k·α)·C on every device; zbuf ← the replicas' mean float buffers. With one
         learner z ← w_0 (and zbuf its buffers)."""
         states = ctx.states
-        if env.k == 1:  # the single replica is the central model
-            s = states[0]
-            s.z_prev.copy_(s.z)
-            s.z.copy_(s.w[0])
-            s.zbuf.copy_(bufs[0][0])
+        if env.k == 1:
+            single_learner_central(states, bufs)
             return
         summed = ctx.transport.sum(accs, bufs, env, per_learner=self.alpha_for)
         rate = self.centre_rate / (summed.k * self.alpha_for(summed.k))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ...errors import check_number, is_count
-from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState
+from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState, single_learner_central
 
 if TYPE_CHECKING:
     from ...kernels.protocol import SMAKernels
@@ -99,11 +99,8 @@ class SMA(SyncAlgorithm):
         Each c_j holds the factor α = ``alpha_for(k)``: a sum over another k of learners (torchft's
         live groups) is weighted for that k (``Transport.sum``'s ``per_learner``)."""
         states = ctx.states
-        if env.k == 1:  # the single replica is the central model
-            s = states[0]
-            s.z_prev.copy_(s.z)
-            s.z.copy_(s.w[0])
-            s.zbuf.copy_(bufs[0][0])
+        if env.k == 1:
+            single_learner_central(states, bufs)
             return
         step = CentralMomentum(ctx.kernels, env.hyper.central())
         mean_buf = ctx.transport.central_update(states, accs, bufs, env, step,
