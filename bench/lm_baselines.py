@@ -12,7 +12,8 @@ A configuration is ``SYSTEM`` followed by ``:key=value`` settings (``adamw:b=4:l
   step, lr 0.7, momentum 0.9).
 
 Keys: ``k`` learners (1), ``b`` windows per learner (4), ``lr`` peak (1e-3), ``beta2`` (0.99),
-``mom`` (0), ``wd`` (0.1 for AdamW, 0 for SGD), ``H`` (8). Tokens count every learner's
+``mom`` (0), ``wd`` (0.1 for AdamW, 0 for SGD), ``H`` (8), ``scale`` (1: SMA's η rule, the
+learners step at lr × √min(k, 16); 0: ``SMA(scale_lr=False)``, lr as set). Tokens count every learner's
 (k·b·128 a round). Every run: one intra-op thread per process; the learning rate warms up
 linearly over the first 5 % of ``--schedule-tokens`` and follows a cosine to a tenth of its peak
 at ``--schedule-tokens``, then stays there (``crossbow_graph.cli_lm.lr_factor``, the schedule of
@@ -67,7 +68,7 @@ __all__ = ["SYSTEMS", "parse", "lr_factor", "centre_lr", "grid", "val_loss", "ru
 
 RUNS = os.path.join(BENCH, "runs")  # raw runs, not committed
 SYSTEMS = ("adamw", "sgd", "sma-adamw", "sma-sgd", "diloco-adamw", "diloco-sgd")
-KEYS = dict(k=int, b=int, lr=float, beta2=float, mom=float, wd=float, H=int)
+KEYS = dict(k=int, b=int, lr=float, beta2=float, mom=float, wd=float, H=int, scale=int)
 SCHEDULE_TOKENS = 2**20
 EVAL_EVERY_TOKENS = 2**15
 VAL_WINDOWS = 128
@@ -82,7 +83,7 @@ def parse(text: str) -> dict:
     if system not in SYSTEMS:
         raise ValueError(f"{text!r}: SYSTEM is one of {', '.join(SYSTEMS)}")
     config = dict(system=system, k=1, b=4, lr=1e-3, beta2=0.99, mom=0.0,
-                  wd=0.1 if system.endswith("adamw") else 0.0, H=8)
+                  wd=0.1 if system.endswith("adamw") else 0.0, H=8, scale=1)
     for pair in pairs:
         key, _, value = pair.partition("=")
         if key not in KEYS or not value:
@@ -188,7 +189,7 @@ def _compile(config: dict, model: torch.nn.Module, example: torch.Tensor, execut
     k = config["k"]
     devices = 2 if executor == "process" and config["system"].startswith("sma") and k % 2 == 0 else 1
     sync = (cg.DiLoCo(sync_every=config["H"]) if config["system"].startswith("diloco")
-            else cg.SMA())
+            else cg.SMA(scale_lr=bool(config["scale"])))
     return cg.compile(model, (example,), cg.models.lm_loss, batch_size=config["b"],
                       replicas=k // devices, devices=devices,
                       executor="process" if devices == 2 else "inline",
