@@ -92,8 +92,7 @@ class NodeCost:
         flops: forward FLOPs (multiply-add = 2).
         bytes: bytes of the output tensor (0 for views and shapes).
         saved_bytes: bytes of the output that autograd keeps for backward, plus what the op
-            saves besides (max pooling's indices, dropout's mask).
-    """
+            saves besides (max pooling's indices, dropout's mask)."""
 
     name: str
     op: str

@@ -38,8 +38,7 @@ def apply_adjustment(rounds: Scheduler, adj: Adjustment, *,
         PlanError: the new b (or m) does not fit the memory budget; nothing is changed then.
         ValueError: α given with k = 1 (a single learner has no averaging); α or τ under SSGD;
             ``learner_mode="fused"`` for a model that torch.func.vmap cannot run (names
-            ``"per_replica"``), before anything changes.
-    """
+            ``"per_replica"``), before anything changes."""
     settings, done = rounds.settings, {}
     if adj.learner_mode == "fused" and settings.learner_mode != "fused" and fused_failure():
         raise ValueError(fused_mode_message(model_name, fused_failure()))

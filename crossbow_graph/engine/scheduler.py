@@ -50,8 +50,7 @@ class Scheduler:
 
     Raises:
         ValueError: an unknown ``executor``, or ``"process"`` with a CUDA device; TypeError or
-            ValueError: the sync algorithm cannot bind these states.
-    """
+            ValueError: the sync algorithm cannot bind these states."""
 
     def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Any,
                  settings: RunSettings, *, executor: Executor = "auto",
@@ -119,8 +118,7 @@ class Scheduler:
         """Adopt a (re-compiled) task graph; the states must already have its replica counts.
 
         Raises:
-            PlanError: a graph the backends cannot run (``RoundProgram.of`` names the task).
-        """
+            PlanError: a graph the backends cannot run (``RoundProgram.of`` names the task)."""
         self.executors.process.close()
         self.task_graph = task_graph
         self.ctx.adopt(task_graph)  # raises PlanError
@@ -203,8 +201,7 @@ class Scheduler:
                 rounds (the process backend learns it ahead); else None.
 
         Raises:
-            TaskError: a task failed (names the task, its device and the round).
-        """
+            TaskError: a task failed (names the task, its device and the round)."""
         env = self.round_env(round_index, batch, synchronise)
         backend = self.executors.choose(env.sync, indices_only=indices is not None and batch is None)
         backend.run_round(env, indices, next_indices)

@@ -41,8 +41,7 @@ class RunSettings:
     Raises:
         ValueError: an unknown learner mode; setting α under an algorithm without α (e.g.
             SSGD, DiLoCo) or τ other than 1 under SSGD (``SyncAlgorithm.with_alpha``,
-            ``with_sync_every``).
-    """
+            ``with_sync_every``)."""
 
     __slots__ = ("optimizer", "sync", "batch_size", "replicas_per_device", "learner_mode",
                  "lr_rule", "_lr_factors")
@@ -202,8 +201,7 @@ class RunSettings:
 def settings_view(name: str, doc: str) -> property:
     """A read-only attribute ``name`` that reads ``self.settings.<name>`` (a RunSettings).
 
-    Assigning it raises AttributeError naming the way to change it: ``Plan.adjust``.
-    """
+    Assigning it raises AttributeError naming the way to change it: ``Plan.adjust``."""
 
     def refuse(self, value) -> None:
         raise AttributeError(

@@ -31,8 +31,7 @@ class CentralModel:
     Attributes:
         module: that copy (evaluation mode).
         recalibration: its BatchNorm re-estimation (training/batchnorm.py), set by every fit.
-        last_eval_extras: the last ``evaluate``'s ``Evaluation.extras``.
-    """
+        last_eval_extras: the last ``evaluate``'s ``Evaluation.extras``."""
 
     def __init__(self, plan: "FitPlan", params: FlatLayout) -> None:
         self._plan, self._params = plan, params

@@ -10,8 +10,7 @@ sound when the mean of their finite learner losses (this process's learners) is 
 checkpoint is **healthy** when its window and the next one are sound. The newest healthy
 checkpoint is kept besides the newest ``keep`` ones, and at a DivergenceError the newer ones are
 set aside (renamed ``ckpt-….pt.diverged``), so that ``resume=True`` continues from it, or starts
-afresh when the run has none.
-"""
+afresh when the run has none."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class CheckpointHealth:
 
     Attributes:
         files: ``(file name, its window's mean loss or None, the window sound, healthy)`` of
-            the run's checkpoints in the directory, oldest first.
-    """
+            the run's checkpoints in the directory, oldest first."""
 
     def __init__(self) -> None:
         self.first_loss: float | None = None  # the run's first round's mean loss

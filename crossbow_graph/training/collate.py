@@ -93,8 +93,7 @@ def collate(samples: list[Any]) -> Any:
       (``plain_tensor``).
 
     Raises:
-        ValueError: None in some samples and a value in others at the same place.
-    """
+        ValueError: None in some samples and a value in others at the same place."""
     first = samples[0]
     if isinstance(first, Mapping):
         return _collate_keywords(samples)

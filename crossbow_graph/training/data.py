@@ -22,8 +22,7 @@ def as_dataset(data: Any, what: str = "train_dataset") -> Dataset:
     Raises:
         TypeError: neither a Dataset nor a DataLoader (a tensor, or a tuple of tensors: the
             message says to wrap them in a TensorDataset).
-        ValueError: the dataset is empty, or an IterableDataset (no indices to draw from).
-    """
+        ValueError: the dataset is empty, or an IterableDataset (no indices to draw from)."""
     if isinstance(data, DataLoader):
         data = data.dataset
     _refuse_tensors(data, what)
@@ -68,8 +67,7 @@ class BatchSchedule:
     Args:
         num_samples: N.
         shuffle: shuffle each epoch.
-        seed: the seed of the orders.
-    """
+        seed: the seed of the orders."""
 
     def __init__(self, num_samples: int, *, shuffle: bool, seed: int) -> None:
         self.num_samples = num_samples
@@ -133,8 +131,7 @@ def make_fetch(dataset: Dataset, collate_fn: Callable[[list], Any] | None = None
     ``collate_fn(samples)``. Without: TensorDatasets are gathered with one index per tensor
     (detached; the rows of a sparse tensor made dense); any other Dataset is read item by item
     and collated with ``training.collate.collate`` (torch's ``default_collate``, None targets
-    and keyword flags kept).
-    """
+    and keyword flags kept)."""
     if collate_fn is not None:
         return CollateFetch(dataset, collate_fn)
     if isinstance(dataset, TensorDataset):
@@ -164,8 +161,7 @@ class DeviceFetch:
 
     Args:
         tensors: the TensorDataset's tensors, ``[N, ...]`` each.
-        device: where they live from now on (a CUDA device; a CPU device runs the same path).
-    """
+        device: where they live from now on (a CUDA device; a CPU device runs the same path)."""
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], device: torch.device) -> None:
         self.device = device
@@ -222,8 +218,7 @@ def device_fetch(data: Any, dataset: Dataset, data_on_device: bool | str,
     Raises:
         ValueError: ``data_on_device=True`` with data other than a TensorDataset of dense
             tensors (a DataLoader, a Dataset that reads its samples, one with ``get_batch``,
-            sparse tensors).
-    """
+            sparse tensors)."""
     eligible = isinstance(dataset, TensorDataset) and not isinstance(data, DataLoader) \
         and not hasattr(dataset, "get_batch")
     sparse = eligible and any(t.layout is not torch.strided for t in dataset.tensors)
@@ -266,8 +261,7 @@ class CollateFetch:
 
     Args:
         dataset: the map-style dataset.
-        collate_fn: a DataLoader's ``collate_fn``: a list of samples → ``(inputs, target)``.
-    """
+        collate_fn: a DataLoader's ``collate_fn``: a list of samples → ``(inputs, target)``."""
 
     def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any]) -> None:
         self.dataset, self.collate_fn = dataset, collate_fn
@@ -285,8 +279,7 @@ class LearnerFetch:
     Args:
         dataset: the map-style dataset.
         collate_fn: the DataLoader's ``collate_fn``: a list of b samples → ``(inputs, target)``.
-        settings: the plan's RunSettings (b).
-    """
+        settings: the plan's RunSettings (b)."""
 
     def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any],
                  settings: RunSettings) -> None:

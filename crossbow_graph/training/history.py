@@ -26,8 +26,7 @@ class EpochRecord:
         replicas_per_device: m at the end of the epoch (the auto-tuner may change it).
         learner_mode: ``"per_replica"`` or ``"fused"`` at the end of the epoch.
         sync_unhidden_share: of the epoch's synchronisation seconds, the share learners waited
-            for (not hidden behind learning), in [0, 1]; None when no sync ran.
-    """
+            for (not hidden behind learning), in [0, 1]; None when no sync ran."""
 
     epoch: int
     rounds: int
@@ -86,8 +85,7 @@ class AutotuneRecord:
         action: ``"add"``, ``"confirm"``, ``"confirmed_add"``, ``"confirmed_keep_mode"``,
             ``"unconfirmed"``, ``"remove"``, ``"bound"``, ``"try_mode"``, ``"revert_mode"``,
             ``"skip_mode"``, ``"hold"``, ``"drift"`` or ``"repeat"``.
-        next_replicas_per_device, next_learner_mode: the configuration after the decision.
-    """
+        next_replicas_per_device, next_learner_mode: the configuration after the decision."""
 
     round: int
     replicas_per_device: int
@@ -113,8 +111,7 @@ class MetricRecord:
         grad_sq, trace_sigma: the window's estimates of |G|² and tr Σ (None: k = 1).
         grad_sq_ema, trace_sigma_ema: their bias-corrected EMAs (None in warm-up windows).
         noise_scale: B_noise = trace_sigma_ema / grad_sq_ema, samples (or None).
-        test_accuracy: z's accuracy at the last evaluation inside the window, else None.
-    """
+        test_accuracy: z's accuracy at the last evaluation inside the window, else None."""
 
     round: int
     epoch: float
@@ -145,8 +142,7 @@ class PolicyRecord:
         epoch: 0-based epoch index then.
         policy: the policy's class name.
         changes: what changed, e.g. ``{"batch_size": 32, "lr": 0.04}``.
-        reason: the policy's own words, with the numbers it acted on.
-    """
+        reason: the policy's own words, with the numbers it acted on."""
 
     round: int
     epoch: int

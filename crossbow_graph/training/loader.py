@@ -6,8 +6,7 @@ disjoint batches); the DataLoader decides how they are loaded. ``check_loader`` 
 settings that would decide the samples instead (a sampler, a batch sampler); ``RoundLoader`` builds
 a DataLoader over the same dataset with the user's loading settings whose sampler yields the
 plan's rounds, one item per learner: learner j's b indices of round t, read and given to
-``collate_fn`` in a DataLoader worker, which loads whole rounds ahead while the learners train.
-"""
+``collate_fn`` in a DataLoader worker, which loads whole rounds ahead while the learners train."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset
     Raises:
         ValueError: a ``batch_sampler``, ``batch_size=None`` (single samples), or a sampler
             other than those two (e.g. ``WeightedRandomSampler``, ``DistributedSampler``); the
-            message says what the plan does instead and the fix.
-    """
+            message says what the plan does instead and the fix."""
     plan_draws = (f"the plan draws every learner's batch of b = {batch_size} itself (disjoint "
                   "batches from one seeded order per epoch, fit(shuffle=, seed=); under torchrun "
                   "it shards the samples across the ranks too)")
@@ -115,8 +113,7 @@ class _LearnerBatchView(Dataset):
     order, read after ``seed_learner_batch``.
 
     ``dataset`` is the user's; other attributes are read from it, so that a worker_init_fn that
-    reads ``torch.utils.data.get_worker_info().dataset`` finds what it set up.
-    """
+    reads ``torch.utils.data.get_worker_info().dataset`` finds what it set up."""
 
     def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any] | None,
                  seed: int) -> None:
@@ -168,8 +165,7 @@ class RoundLoader:
     Args:
         loader: the user's DataLoader (``check_loader`` passed).
         plan: the Plan: b (``plan.batch_size``) and, under torchrun, the rank's learners.
-        seed: the fit's seed (``seed_learner_batch``).
-    """
+        seed: the fit's seed (``seed_learner_batch``)."""
 
     def __init__(self, loader: DataLoader, plan: "FitPlan", seed: int) -> None:
         self.plan = plan
@@ -280,8 +276,7 @@ class BatchSource:
             gathered there).
         fetch: sample indices ``[n]`` → collated batch, in any process.
         host_fetch: the same samples read on the host (the first batches' checks).
-        loader: the RoundLoader of the ``"loader"`` route, else None.
-    """
+        loader: the RoundLoader of the ``"loader"`` route, else None."""
 
     route: Route
     fetch: Callable[[torch.Tensor], Any]
@@ -321,8 +316,7 @@ def batch_source(data: Any, train: Dataset, plan: "FitPlan", *, seed: int,
     DataLoader's ``collate_fn`` per learner, a dataset's ``get_batch``, or default collation).
 
     Raises:
-        ValueError: ``data_on_device=True`` with data other than a TensorDataset.
-    """
+        ValueError: ``data_on_device=True`` with data other than a TensorDataset."""
     collate = collate_of(data)
     if collate is not None:  # every learner's b samples collated on their own
         host = LearnerFetch(train, collate, plan.settings)

@@ -15,8 +15,7 @@ rows between the last checkpoint and a crash can appear twice; the later ones ar
   ``train/samples_per_s`` (and ``train/tokens_per_s``) per round; ``eval/accuracy``,
   ``eval/loss``, ``eval/perplexity`` per evaluation; ``epoch/train_loss``, ``epoch/samples_per_s``,
   ``epoch/tokens_per_s``, ``epoch/accuracy``, ``epoch/replicas_per_device``
-  per epoch; ``faults/replicas_reset``; steps are global round numbers.
-"""
+  per epoch; ``faults/replicas_reset``; steps are global round numbers."""
 
 from __future__ import annotations
 

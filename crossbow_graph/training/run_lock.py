@@ -8,8 +8,7 @@ the process ends, however it ends (a crash, SIGKILL), so a stale file never bloc
 descriptor at once, so that none outlives the fit holding it). A
 second fit in the same directory, in this process or another on a file system with ``flock``
 (local disks; NFS v4), gets a ``CheckpointError`` naming the directory, the holder and the fix,
-before any round. Under torchrun only the rank that writes the files (rank 0) holds it.
-"""
+before any round. Under torchrun only the rank that writes the files (rank 0) holds it."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ class DirectoryLock:
     """The lock of one checkpoint directory (module docstring); a context manager.
 
     Args:
-        directory: the checkpoint directory (it exists: ``check_writable_dir`` made it).
-    """
+        directory: the checkpoint directory (it exists: ``check_writable_dir`` made it)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -57,8 +55,7 @@ class DirectoryLock:
 
         Raises:
             CheckpointError: another fit holds it (names the directory, the holder's pid, host
-                and start time, and the fix).
-        """
+                and start time, and the fix)."""
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:

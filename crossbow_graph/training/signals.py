@@ -12,8 +12,7 @@ every process and torchrun's agent forwards the one it got. Later, a second one 
 without the fit (by default: the process ends at once). Once the fit is over the previous
 handlers are back, and a signal that arrived after the fit's last round is raised again, so that
 it acts as it would have. Worker processes ignore SIGTERM (engine/backends/process/executor.py): the coordinator
-stops them.
-"""
+stops them."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ class StopSignal:
     Attributes:
         received: the signal number received, or None.
         consumed: the fit stopped for it (set by the Trainer); otherwise ``__exit__`` raises the
-            signal again after restoring the previous handlers.
-    """
+            signal again after restoring the previous handlers."""
 
     def __init__(self) -> None:
         self.received: int | None = None

@@ -3,8 +3,7 @@ plan between rounds only through ``Policy.adjust``, which builds one ``Adjustmen
 the decision) and applies it with ``Plan.adjust`` (engine/adjust.py ``apply_adjustment``);
 every applied one is a ``PolicyRecord`` in ``History.policy``. The built-in policies are in
 tuning/policies.py and tuning/adaptive_batch.py; ``crossbow_graph.tuning.policies`` exports all
-of these names.
-"""
+of these names."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ class Policy(Hook):
     ``ctx.plan.rounds.reset_replicas``) must set ``mutates_replicas = True`` (it turns off the
     overlap of the process executor). A policy that needs several learners sets
     ``min_learners`` (the CLI then trains 2 learners where neither ``--devices`` nor
-    ``--replicas`` is given).
-    """
+    ``--replicas`` is given)."""
 
     mutates_replicas = False
     min_learners = 1  # the fewest learners k the policy works with
@@ -44,8 +42,7 @@ class Policy(Hook):
 
         Raises:
             ValueError: a value outside its range (see Adjustment).
-            PlanError: the new batch size or replicas exceed the memory budget.
-        """
+            PlanError: the new batch size or replicas exceed the memory budget."""
         done = ctx.plan.adjust(Adjustment(**changes))
         self.record(ctx, done, reason)
         return done

@@ -3,8 +3,7 @@
 under ``vmap(randomness="different")``, the float buffers gathered in one ``index_select`` and
 written back with one ``cat``, the gradients into ``g[r0:r1]`` with one ``cat``
 (docs/runtime.md, "Learner modes"; docs/design-overview.md §5). ``vmap_failure`` finds models
-vmap cannot run (LSTM, checkpointing) on the example inputs.
-"""
+vmap cannot run (LSTM, checkpointing) on the example inputs."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class FusedProgram:
     Args:
         template: a module of the model's structure (its parameter values are never used).
         loss_fn: ``loss_fn(output, target) -> scalar`` per replica (or a dict of it under
-            ``"loss"``, compiler/outputs.py ``loss_value``).
-    """
+            ``"loss"``, compiler/outputs.py ``loss_value``)."""
 
     def __init__(self, template: nn.Module, loss_fn: Callable) -> None:
         self.module = template
@@ -83,8 +81,7 @@ class FusedProgram:
 
         Raises:
             RuntimeError: torch.func.vmap cannot run the model or the loss (the message names
-                ``learner_mode="per_replica"``).
-        """
+                ``learner_mode="per_replica"``)."""
         n = r1 - r0
         args, kwargs, target = split_inputs(batch, state.call_flags)
         stack = lambda t: (t.to(state.torch_device, non_blocking=True).view(n, b, *t.shape[1:])  # noqa: E731
@@ -236,8 +233,7 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
             keyword inputs, batch along dimension 0.
 
     Returns:
-        ``"ExcType: message"`` of vmap's failure, or None.
-    """
+        ``"ExcType: message"`` of vmap's failure, or None."""
     hooked = [name or "<root>" for name, m in template.named_modules()
               if m._backward_hooks or m._backward_pre_hooks]
     if hooked:  # functional_call under vmap skips them silently

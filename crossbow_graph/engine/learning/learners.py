@@ -2,8 +2,7 @@
 
 A *learner group* is a contiguous block of replicas ``r0 … r1−1`` of one device that run together
 (on one CUDA stream, in one worker process, or fused into one vmapped program). Both modes leave
-the group's loss gradients in ``state.g[r0:r1]`` and return the per-replica losses.
-"""
+the group's loss gradients in ``state.g[r0:r1]`` and return the per-replica losses."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ def learner_seed(fit_seed: int, round_index: int, replica: int) -> int:
     """The seed of torch's RNG for global replica j's forward in round t (dropout masks).
 
     A function of (fit seed, t, j) alone, so masks differ between replicas and rounds, do not
-    depend on which executor or process runs the learner, and a resumed fit draws the same ones.
-    """
+    depend on which executor or process runs the learner, and a resumed fit draws the same ones."""
     return ((fit_seed * 1_000_003 + round_index) * 65_537 + replica) % (2**63 - 1)
 
 
@@ -56,8 +54,7 @@ def seed_rng(device: torch.device, seed: int) -> None:
 
     Not ``torch.manual_seed``: it also seeds every CUDA, XPU and MTIA device through lazy calls
     that format a stack trace each time on a machine without them (about 0.4 ms per call on this
-    CPU, a third of a LeNet-5 learner's forward and backward at b = 8).
-    """
+    CPU, a third of a LeNet-5 learner's forward and backward at b = 8)."""
     if device.type == "cuda":
         with torch.cuda.device(device):
             torch.cuda.manual_seed(seed)
@@ -87,8 +84,7 @@ def seed_host_rngs(fit_seed: int, round_index: int, rank: int, process: int, *,
     executor) and every rank of a distributed fit draws its own stream, and the same arguments
     give the same draws. Unlike a DataLoader, the fit seeds the coordinator too (once per fit, as
     it seeds torch's RNG with the fit seed): a fit is a function of its seed, at the cost of
-    replacing the caller's global NumPy and ``random`` states.
-    """
+    replacing the caller's global NumPy and ``random`` states."""
     words = np.random.SeedSequence([fit_seed % 2**64, round_index, rank, process]).generate_state(4)
     random.seed(int.from_bytes(words.tobytes(), "little"))
     np.random.seed(words)
@@ -133,8 +129,7 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
             or None: not clipped.
 
     Returns:
-        The r1 − r0 losses (0-dim tensors, detached).
-    """
+        The r1 − r0 losses (0-dim tensors, detached)."""
     if mode == "fused" and isinstance(batch, LearnerBatches):
         try:
             batch = to_device(batch.stacked(), state.torch_device)

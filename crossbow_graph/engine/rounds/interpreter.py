@@ -47,8 +47,7 @@ class RoundInterpreter:
 
         Raises:
             TaskError: the task failed (names the task, its device and ``env.round_index``); a
-                TaskError raised by the method itself passes unchanged.
-        """
+                TaskError raised by the method itself passes unchanged."""
         kind = task.kind
         try:
             if kind is _LEARN:
@@ -105,8 +104,7 @@ class RoundProgram:
                 device the plan does not have, a LEARN of a replica its device does not hold, a
                 LOCAL_SYNC whose replicas are not a contiguous run of its device's, two
                 LOCAL_SYNC tasks on one device, no LOCAL_SYNC at all, or not exactly one
-                GLOBAL_SYNC.
-        """
+                GLOBAL_SYNC."""
         order = tuple(graph.nodes[n]["task"]
                       for n in nx.lexicographical_topological_sort(graph, key=_sort_key(graph)))
         index = {name: d for d, name in enumerate(devices)}

@@ -7,8 +7,7 @@ counter) of the first device's z, so its ``step`` writes z in place. At every ou
 synchronisation ``DiLoCo.global_update`` sets the pseudo-gradient Δ = z − mean_j w_j as that
 tensor's ``grad`` and steps; the other devices then copy z. Under torchrun every rank builds the
 same optimizer and steps it on the same all-reduced Δ, so its state is the same on every rank;
-checkpoints hold it (``state_dict``).
-"""
+checkpoints hold it (``state_dict``)."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ class OuterOptimizer(SyncState):
             torch.optim optimizer, an optimizer over other tensors than ``[z_param]``, or one
             that needs a closure (LBFGS).
         ValueError: calling ``factory`` raised ValueError (e.g. torch.optim's "Invalid
-            learning rate").
-    """
+            learning rate")."""
 
     def __init__(self, factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                  z: torch.Tensor) -> None:
@@ -101,6 +99,5 @@ class OuterOptimizer(SyncState):
         """Restore ``state_dict()`` (torch.optim moves the tensors to z's device and dtype).
 
         Raises:
-            ValueError: the saved state is of another optimizer (other groups or parameters).
-        """
+            ValueError: the saved state is of another optimizer (other groups or parameters)."""
         self.optimizer.load_state_dict(saved)

@@ -39,8 +39,7 @@ class SMA(SyncAlgorithm):
     Raises:
         TypeError: α or μ_z not a number; ``scale_lr`` not a bool.
         ValueError: a value outside its range, τ not an integer (α is checked against k by
-            ``compile``).
-    """
+            ``compile``)."""
 
     executors: ClassVar[tuple[str, ...]] = ("inline", "process")
     waits_for_global: ClassVar[bool] = False

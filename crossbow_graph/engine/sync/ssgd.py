@@ -30,8 +30,7 @@ class SSGD(SyncAlgorithm):
     It has no settings: it synchronises every round (``sync_every`` = 1) and has no α or μ_z.
     It runs on the inline executor (``executor="auto"`` resolves to it); the process executor's
     workers apply their rows' step themselves, before a global gradient exists. Its local
-    optimizer is SGD (the SGD kernels: ``crossbow_graph.SGD`` or a one-group torch.optim.SGD).
-    """
+    optimizer is SGD (the SGD kernels: ``crossbow_graph.SGD`` or a one-group torch.optim.SGD)."""
 
     adjustable: ClassVar[tuple[str, ...]] = ()
     fault_tolerant: ClassVar[bool] = False  # its global step is not a sum over groups

@@ -2,8 +2,7 @@
 hierarchical all-reduce of ``[C_p, Σ buf, n]`` per sync, the start-up agreement (``Comm.agree``),
 rank 0's settings (``Comm.broadcast_floats``; training/rank_sync.py), z's checksum
 (``Comm.check_z``), every collective under ``Distributed.timeout_s`` (docs/distributed.md;
-docs/design-overview.md §2, §5).
-"""
+docs/design-overview.md §2, §5)."""
 
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ class Distributed:
         ft_attempts: quorums a sync tries before DistributedError (≥ 1).
 
     Raises:
-        ValueError: a value outside its range.
-    """
+        ValueError: a value outside its range."""
 
     timeout_s: float = 60.0
     checksum_every: int = 100
@@ -145,8 +143,7 @@ class Comm:
         local_world_size: the ranks on this host (torchrun's ``LOCAL_WORLD_SIZE``).
         backend: ``"gloo"`` or ``"nccl"``.
         settings: the Distributed settings.
-        is_main: rank 0 (writes checkpoints and logs, shows the progress bar, decides).
-    """
+        is_main: rank 0 (writes checkpoints and logs, shows the progress bar, decides)."""
 
     def __init__(self, settings: Distributed, *, on_cuda: bool) -> None:
         env = torchrun_env()
@@ -254,8 +251,7 @@ class Comm:
 
         Raises:
             DivergenceError: z holds NaN/Inf on some rank (names the ranks and the round).
-            DistributedError: the copies of z differ, or a peer died or timed out.
-        """
+            DistributedError: the copies of z differ, or a peer died or timed out."""
         c = _bit_checksum(z)  # [2]
         flags = torch.zeros(self.world_size, dtype=torch.int64, device=z.device)  # [W]
         flags[self.rank] = (~torch.isfinite(z)).any()
@@ -301,8 +297,7 @@ class Comm:
         Raises:
             DistributedError: a fact differs, naming it and its value on each rank (a
                 Fingerprint: each rank's first line that differs from rank 0's); or a rank did
-                not arrive within the timeout.
-        """
+                not arrive within the timeout."""
         sent = {k: v.digest if isinstance(v, Fingerprint) else v for k, v in facts.items()}
         step = f"the start-up check of {what}"
         gathered = self.all_gather_object(sent, step, -1)
