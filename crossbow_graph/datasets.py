@@ -343,15 +343,13 @@ def fortunes(split: str = "train", *, block_size: int = 128, seed: int = 0,
              val_per_mille: int = 100, root: str = FORTUNES_DIR) -> TextDataset:
     """The fortune cookies of Debian's ``fortunes`` and ``fortunes-min`` packages as a
     byte-level language-modelling data set (``TextDataset``: samples ``(x [T], y [T])``, int64
-    byte values, T = ``block_size``; vocabulary the 256 byte values).
+    byte values, T = ``block_size``; vocabulary the 256 byte values; why bytes:
+    docs/design-overview.md §6).
 
-    The split is by cookie: a cookie is in ``"val"`` when the CRC-32 of ``seed`` and its bytes,
-    mod 1000, is below ``val_per_mille`` (about a tenth of the cookies by default), else in
-    ``"train"``; a split's stream is its cookies in file order (``FORTUNES_FILES``), each
-    followed by ``"\\n%\\n"`` as in the files. With the defaults, of the 15,217 cookies
-    (2,531,016 bytes) of Debian 12's packages: 13,703 training cookies (2,306,085 tokens,
-    18,016 samples) and 1,514 validation cookies (270,582 tokens, 2,113 samples). Why bytes:
-    docs/design-overview.md §6.
+    A cookie is in ``"val"`` when the CRC-32 of ``seed`` and its bytes, mod 1000, is below
+    ``val_per_mille``, else in ``"train"``; a split's stream is its cookies in file order
+    (``FORTUNES_FILES``), each followed by ``"\\n%\\n"``. Defaults on Debian 12: 13,703 training
+    cookies (2,306,085 tokens) and 1,514 validation cookies (270,582 tokens).
 
     Args:
         split: ``"train"`` or ``"val"``.

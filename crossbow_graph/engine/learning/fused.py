@@ -217,15 +217,10 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
                  replicas: int = 2, rows: int = 2) -> str | None:
     """Why fused learners cannot run ``template``, or None when they can (or when it cannot tell).
 
-    A dry run of what ``FusedProgram.step`` does, on copies: ``replicas`` stacked copies of the
-    trainable parameters and buffers, the first ``rows`` samples of ``example_inputs`` (every
-    tensor sliced along dimension 0), a vmapped forward (``randomness="different"``) and the
-    backward of the sum of every floating output (the loss needs a target, which example inputs
-    lack); a module backward hook, which vmap would skip without an error, is a failure too.
-    When the run fails, one eager forward and backward of a copy on the same inputs decides:
-    if that fails too the model, not vmap, is at fault and None is returned (training reports
-    it). Neither ``template`` nor any RNG is changed; gradients are enabled inside, whatever the
-    caller's mode.
+    A dry run of ``FusedProgram.step`` on copies (``replicas`` stacked, the first ``rows``
+    samples): a vmapped forward and the backward of the sum of every floating output; a module
+    backward hook (vmap skips it silently) is a failure too. When the model fails eagerly as well,
+    None (training reports it). Neither ``template`` nor any RNG is changed.
 
     Args:
         template: the model in the mode it trains in (training mode).
