@@ -56,13 +56,11 @@ def _refuse_tensors(data: Any, what: str) -> None:
 class BatchSchedule:
     """Which samples every learner gets in every round.
 
-    One order per epoch: ``randperm(N)`` from a generator seeded with ``(seed, epoch)``, or the
-    dataset's own order with ``shuffle=False``. Rounds consume the order from a cursor: a round of
-    k learners takes the next k·b positions, learner j (device-major) the positions
-    ``[pos + j·b, pos + (j+1)·b)``; a last partial round is dropped. With a fixed k, round t is
-    positions ``[(t·k + j)·b, (t·k + j + 1)·b)``. k and b are the caller's, given with every
-    round (the auto-tuner adds and removes replicas, policies change b, between rounds): the
-    cursor keeps every batch of an epoch disjoint.
+    One order per epoch (``randperm(N)`` seeded with ``(seed, epoch)``, or the dataset's order
+    with ``shuffle=False``), consumed from a cursor: a round of k learners takes the next k·b
+    positions, learner j (device-major) ``[pos + j·b, pos + (j+1)·b)``; a last partial round is
+    dropped. k and b come with every round (they change between rounds), and the cursor keeps
+    every batch of an epoch disjoint.
 
     Args:
         num_samples: N.
@@ -125,13 +123,10 @@ def yields_every_sample(loader: DataLoader) -> bool:
 
 def make_fetch(dataset: Dataset, collate_fn: Callable[[list], Any] | None = None
                ) -> Callable[[torch.Tensor], Any]:
-    """A function from sample indices ``[n]`` to one collated batch ``(inputs, target)``.
-
-    With ``collate_fn`` (a DataLoader's): the samples read item by item (``read_samples``), then
-    ``collate_fn(samples)``. Without: TensorDatasets are gathered with one index per tensor
-    (detached; the rows of a sparse tensor made dense); any other Dataset is read item by item
-    and collated with ``training.collate.collate`` (torch's ``default_collate``, None targets
-    and keyword flags kept)."""
+    """A function from sample indices ``[n]`` to one collated batch ``(inputs, target)``: with
+    ``collate_fn`` (a DataLoader's) the samples read item by item and collated by it; else a
+    TensorDataset gathered with one index per tensor (detached, sparse rows made dense), any other
+    Dataset read item by item and collated by ``training.collate.collate``."""
     if collate_fn is not None:
         return CollateFetch(dataset, collate_fn)
     if isinstance(dataset, TensorDataset):
@@ -152,12 +147,10 @@ def _gatherable(t: torch.Tensor) -> torch.Tensor:
 
 
 class DeviceFetch:
-    """Sample indices ``[n]`` → ``[t[indices] for t in tensors]`` gathered on ``device``, where
-    the tensors were moved once (a device-resident TensorDataset), with ``index_select`` on the
-    caller's current stream (the default stream ``D``, before the round's learners). The same
-    samples, in the same order, as ``make_fetch``'s host gather. The epoch's order goes to the
-    device once (``start_epoch``): a round's indices, a slice of it, are a view of that copy;
-    other indices go there from a pinned host tensor with a non-blocking copy.
+    """Sample indices ``[n]`` → ``[t[indices] for t in tensors]`` gathered on ``device`` with
+    ``index_select`` on the caller's current stream, from tensors moved there once: the same
+    samples, in the same order, as ``make_fetch``. The epoch's order goes to the device once
+    (``start_epoch``); other indices go from a pinned host tensor, non-blocking.
 
     Args:
         tensors: the TensorDataset's tensors, ``[N, ...]`` each.
@@ -209,11 +202,9 @@ def device_fetch(data: Any, dataset: Dataset, data_on_device: bool | str,
     """The fit's ``DeviceFetch`` when its training data lives on the plan's first device
     ``device``, else None (the host gathers or collates every round).
 
-    ``data``: what ``fit`` was given (a Dataset or a DataLoader); ``dataset``: its Dataset.
-    ``data_on_device``: ``True`` moves a TensorDataset (``crossbow_graph.datasets.ImageDataset``
-    is one) given as the Dataset itself; ``"auto"`` does so on a CUDA device when its tensors
-    take at most a quarter of the device's free memory (``torch.cuda.mem_get_info``);
-    ``False`` never.
+    ``data``: what ``fit`` was given; ``dataset``: its Dataset. ``data_on_device``: ``True`` moves
+    a TensorDataset given as the Dataset itself; ``"auto"`` does so on a CUDA device when its
+    tensors take at most a quarter of the free memory (``torch.cuda.mem_get_info``); ``False`` never.
 
     Raises:
         ValueError: ``data_on_device=True`` with data other than a TensorDataset of dense
@@ -272,9 +263,8 @@ class CollateFetch:
 
 class LearnerFetch:
     """Sample indices ``[n·b]`` of n learners → a ``LearnerBatches``: learner j's b samples
-    ``indices[j·b:(j+1)·b]`` read and given to ``collate_fn`` on their own, so that every learner
-    gets its batch as collate_fn makes it (padded to its own longest sequence, say). b is the
-    run settings' batch size when called (it changes only between rounds).
+    ``indices[j·b:(j+1)·b]`` collated on their own (padded to its own longest sequence, say);
+    b is the run settings' batch size when called.
 
     Args:
         dataset: the map-style dataset.

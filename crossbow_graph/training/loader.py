@@ -1,12 +1,10 @@
 """The user's DataLoader, honoured: its collate_fn, worker processes, pinning and seeds, on the
 plan's batches (docs/design-overview.md §6; docs/runtime.md, Your DataLoader).
 
-The plan decides which samples every learner gets (``BatchSchedule``: one seeded order per epoch,
-disjoint batches); the DataLoader decides how they are loaded. ``check_loader`` refuses the
-settings that would decide the samples instead (a sampler, a batch sampler); ``RoundLoader`` builds
-a DataLoader over the same dataset with the user's loading settings whose sampler yields the
-plan's rounds, one item per learner: learner j's b indices of round t, read and given to
-``collate_fn`` in a DataLoader worker, which loads whole rounds ahead while the learners train."""
+The plan decides which samples every learner gets (``BatchSchedule``), the DataLoader how they
+are loaded: ``check_loader`` refuses a sampler or batch sampler; ``RoundLoader`` runs a DataLoader
+with the user's loading settings whose sampler yields learner j's b indices of round t, so that
+its workers load whole rounds ahead while the learners train."""
 
 from __future__ import annotations
 

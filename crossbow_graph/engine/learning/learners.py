@@ -103,12 +103,9 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
                 ) -> list[torch.Tensor]:
     """Forward and backward of replicas ``r0 … r1−1`` of ``state`` on their own batches.
 
-    The forward and loss run under the state's precision (``state.precision``: autocast for
-    ``"bf16"``/``"fp16"``, engine/state/precision.py); with ``"fp16"`` each replica backpropagates its
-    loss times its loss scale, its gradient is unscaled, and an overflow is computed again at a
-    lower scale (``LossScales.settle``), so ``g`` holds the unscaled gradients. With
-    ``max_grad_norm`` each replica's unscaled gradient row is then clipped to that 2-norm
-    (engine/learning/clipping.py), so every update that reads ``g`` steps with the clipped gradient.
+    The forward and loss run under ``state.precision`` (engine/state/precision.py; fp16: scaled
+    loss, unscaled gradients, an overflow recomputed at a lower scale), so ``g`` holds unscaled
+    gradients, each row clipped to ``max_grad_norm`` when given (engine/learning/clipping.py).
 
     Args:
         state: the device's replicas and flat buffers.
@@ -122,9 +119,8 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
         mode: ``"per_replica"`` (each replica its own forward/backward) or ``"fused"`` (one vmapped
             program over the stacked replicas, ``fused`` must be given).
         fused: the FusedProgram of the device (fused mode).
-        rng_seed: if given, torch's RNG is seeded with it before replica r0's forward and with
-            ``rng_seed + (r − r0)`` before replica r's (see ``learner_seed``); fused mode seeds
-            once for the group. A float16 recomputation seeds again (the same dropout masks).
+        rng_seed: torch's RNG seed of replica r0's forward, ``rng_seed + (r − r0)`` replica r's
+            (``learner_seed``; fused: once per group; a float16 recomputation seeds again).
         max_grad_norm: the largest 2-norm of a replica's gradient (``fit(max_grad_norm=...)``),
             or None: not clipped.
 

@@ -214,12 +214,10 @@ class Comm:
         """Sum ``flat [P + Q + 1]`` (this process's corrections, buffer sums and new fault count)
         over every rank, in place. Raises DistributedError when a peer died or timed out.
 
-        With ``sync_dtype`` bf16/fp16 and ``num_parameters`` = P: the corrections plus this rank's
-        residual e (float32, ``[P]``) are rounded to the low dtype, e becomes what the rounding
-        lost, and the low-precision sum is all-reduced (so every rank gets the same one); the
-        other Q + 1 values go in a second, float32 all-reduce (Seide et al. 2014, 1-bit SGD's
-        error feedback; Karimireddy et al. 2019, EF-SGD). ``bytes_reduced`` counts the bytes
-        handed to the all-reduces."""
+        With ``sync_dtype`` bf16/fp16: the corrections plus this rank's float32 residual e ``[P]``
+        are rounded to the low dtype and summed, e keeps what the rounding lost (error feedback:
+        Seide et al. 2014; Karimireddy et al. 2019); the other Q + 1 values go in a float32
+        all-reduce. ``bytes_reduced`` counts the bytes handed to the all-reduces."""
         low = SYNC_DTYPES[self.settings.sync_dtype]
         if num_parameters is None or low is torch.float32 or flat.dtype != torch.float32:
             self._call("the all-reduce of the global sync", round_index,
@@ -243,11 +241,9 @@ class Comm:
     def check_z(self, z: torch.Tensor, round_index: int) -> None:
         """Raise unless ``z [P]`` is finite and bit-identical on every rank.
 
-        One all-reduce (max) of ``[c, −c, f]``: the exact checksums c of ``_bit_checksum`` (the
-        copies agree iff max = min on every checksum) and one flag per rank, set by the rank whose
-        z holds NaN/Inf (a NaN spreads through the next sync's all-reduce to every rank's z, with
-        the same bits: the checksums alone cannot see it). The flag is read with the checksums, in
-        one copy to the host.
+        One all-reduce (max) of ``[c, −c, f]``: exact checksums c (``_bit_checksum``; equal iff
+        max = min) and a per-rank NaN/Inf flag (a NaN spreads to every rank's z with the same
+        bits, which checksums cannot see), read in one copy to the host.
 
         Raises:
             DivergenceError: z holds NaN/Inf on some rank (names the ranks and the round).
