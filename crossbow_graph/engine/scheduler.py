@@ -37,16 +37,13 @@ class Scheduler:
         settings: the plan's RunSettings (engine/settings.py): read once per round.
         executor: ``"auto"``, ``"inline"`` or ``"process"`` (docs/runtime.md, "Executors").
         kernels: the SMA update backend (None: torch's).
-        transport: how the global sync's sums cross devices and processes
-            (engine/transport/transports.py; None: this process's devices).
-        comm: torchrun's ``Comm``, or None.
+        transport: how the global sync's sums cross devices and processes (None: this process's).
+        comm, round_graph: torchrun's ``Comm``, a ``RoundGraph`` (CUDA-graph rounds); or None.
         cpu_conv: the worker processes' convolutions: ``"auto"``, ``"onednn"`` or ``"aten"``.
-        round_graph: a ``RoundGraph`` (CUDA-graph rounds), or None.
 
     Attributes:
         ctx: what every backend shares (``RunContext``); executors: the backends and the choice
-            between them (engine/executors.py); max_divergence: the fault test's threshold in
-            force (None: off).
+            between them; max_divergence: the fault test's threshold (None: off).
 
     Raises:
         ValueError: an unknown ``executor``, or ``"process"`` with a CUDA device; TypeError or
