@@ -1,6 +1,5 @@
 """FLOPs, activation bytes and the memory per learner of a shape-propagated fx graph at one
-example batch (docs/design-overview.md §3; the conventions and formulas: docs/compiler.md §2, §3).
-"""
+example batch (docs/design-overview.md §3; conventions and formulas: docs/compiler.md §2, §3)."""
 
 from __future__ import annotations
 

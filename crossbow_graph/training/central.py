@@ -1,6 +1,5 @@
 """The central average model z as a module: its buffers, BatchNorm re-estimation, evaluation
-(docs/design-overview.md §2, BatchNorm; docs/distributed.md for the integer buffers under torchrun).
-"""
+(docs/design-overview.md §2, BatchNorm; docs/distributed.md: the integer buffers under torchrun)."""
 
 from __future__ import annotations
 

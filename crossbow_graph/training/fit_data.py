@@ -33,8 +33,8 @@ class FitData:
         source: the fit's one BatchSource (training/loader.py), after ``open``.
 
     Raises:
-        ValueError: ``target_accuracy`` or ``target_loss`` without an eval_dataset, fewer samples than one round.
-    """
+        ValueError: ``target_accuracy`` or ``target_loss`` without an eval_dataset, fewer
+            samples than one round."""
 
     def __init__(self, plan: "FitPlan", train_dataset: Any, eval_dataset: Any,
                  options: FitOptions) -> None:

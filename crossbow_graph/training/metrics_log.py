@@ -49,8 +49,7 @@ class MetricsLogger(Hook):
 
     Raises:
         ValueError: ``every_rounds`` < 1.
-        ImportError: at the start of the fit, ``tensorboard=True`` without the tensorboard package.
-    """
+        ImportError: at the fit's start, ``tensorboard=True`` without the tensorboard package."""
 
     mutates_replicas = False  # it only reads the metrics: the overlap of rounds stays on
 

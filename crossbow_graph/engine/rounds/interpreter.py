@@ -85,8 +85,7 @@ class RoundProgram:
             LEARN of replica j = first[d] + r, the contiguous run of its replicas for a LOCAL_SYNC.
         first: per device, the global index of its replica 0 in this process.
         global_sync: the GLOBAL_SYNC task.
-        synced: the devices that have a LOCAL_SYNC, in order: whose sums acc_d the global sync adds.
-    """
+        synced: the devices with a LOCAL_SYNC, in order (whose sums acc_d the global sync adds)."""
 
     tasks: tuple[Task, ...]
     device: dict[str, int]

@@ -107,8 +107,7 @@ def torchrun_env() -> dict[str, str] | None:
     """torchrun's variables when this process was launched by it (WORLD_SIZE > 1), else None.
 
     Raises:
-        ValueError: WORLD_SIZE > 1 but one of RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT is missing.
-    """
+        ValueError: WORLD_SIZE > 1 without one of RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 and not dist.is_initialized():
         return None
     if dist.is_initialized():
