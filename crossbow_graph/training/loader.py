@@ -86,12 +86,9 @@ def fit_shuffle(data: Any, shuffle: bool | None) -> bool:
 
 def seed_learner_batch(fit_seed: int, epoch: int, position: int) -> None:
     """Seed Python's ``random``, NumPy's global RNG and torch's CPU generator from (fit seed,
-    epoch, position), before the learner batch at ``position`` of the epoch's order (its b
-    samples ``order[position:position + b]``) is read: what a Dataset's augmentation draws from
-    in a DataLoader worker, so its draws are a function of the fit's seed and the batch, whichever
-    worker loads it and however many learners share the round, and a resumed fit draws them
-    again. ``numpy.random.SeedSequence``, as ``seed_host_rngs`` (engine/learning/learners.py) and torch's
-    DataLoader derive seeds."""
+    epoch, position) (``numpy.random.SeedSequence``) before the learner batch
+    ``order[position:position + b]`` is read in a DataLoader worker: augmentation draws depend on
+    the fit's seed and the batch alone (docs/runtime.md, Your DataLoader)."""
     words = np.random.SeedSequence([fit_seed % 2**64, epoch, position,
                                     _LOADER_TAG]).generate_state(4)
     random.seed(int.from_bytes(words.tobytes(), "little"))
@@ -106,12 +103,9 @@ def _as_is(item: Any) -> Any:
 
 class _LearnerBatchView(Dataset):
     """The dataset as the DataLoader's workers read it: a key ``(epoch, position, indices)`` →
-    ``(position, collate_fn(samples))`` (its tensors detached and dense: ``plain_batch``; without
-    a collate_fn, ``training.collate.collate``), the learner batch at ``position`` of the epoch's
-    order, read after ``seed_learner_batch``.
-
-    ``dataset`` is the user's; other attributes are read from it, so that a worker_init_fn that
-    reads ``torch.utils.data.get_worker_info().dataset`` finds what it set up."""
+    ``(position, collate_fn(samples))`` (detached and dense, ``plain_batch``), read after
+    ``seed_learner_batch``. Other attributes are the user's ``dataset``'s, for a worker_init_fn
+    that reads ``get_worker_info().dataset``."""
 
     def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any] | None,
                  seed: int) -> None:

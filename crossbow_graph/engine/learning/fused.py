@@ -63,10 +63,8 @@ class FusedProgram:
              reseed: Callable[[], None] | None = None) -> torch.Tensor:
         """Forward and backward of replicas ``r0 … r1−1``; gradients into ``state.g[r0:r1]``.
 
-        The forward runs under the state's precision (engine/state/precision.py); with float16 loss
-        scales the program backpropagates Σ_j S_j·ℓ_j, and runs again from the same buffers
-        while some row overflows (``LossScales.settle``). A bfloat16/float16 model runs on its
-        low-precision copy ``w_model[r0:r1]``, refreshed from the float32 masters first.
+        Precision and float16 loss scales as ``learn_group`` (engine/learning/learners.py); a
+        bfloat16/float16 model runs on ``w_model[r0:r1]``, refreshed from the float32 masters.
 
         Args:
             state: the device's flat buffers and replica modules.
@@ -110,12 +108,10 @@ class FusedProgram:
 
     def _run(self, state: DeviceState, r0: int, r1: int, ints: dict[str, torch.Tensor],
              args: tuple, kwargs: dict, target: Any) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The vmapped forward and backward of rows ``r0 … r1−1`` from their current parameters
-        and buffers, one autograd leaf ``[n, *shape]`` per parameter tensor (a view of the rows:
-        one ``[n, P]`` leaf would make every tensor's backward a zero-filled ``[n, P]`` gradient);
-        the gradients (of Σ_j S_j·ℓ_j with float16 loss scales) into ``state.g[r0:r1]``; the
-        integer buffers ``ints [n, *shape]`` updated in place. Returns (the float buffers the
-        forward updated, tensor by tensor ``[n·Q]``, or None without any; the losses ``[n]``)."""
+        """The vmapped forward and backward of rows ``r0 … r1−1``, one autograd leaf
+        ``[n, *shape]`` per parameter tensor (one ``[n, P]`` leaf would give every tensor a
+        zero-filled ``[n, P]`` gradient); gradients into ``state.g[r0:r1]``, ``ints`` in place.
+        Returns (the updated float buffers ``[n·Q]`` or None; the losses ``[n]``)."""
         n = r1 - r0
         flat = (state.w_model if state.w_model is not state.w else state.w)[r0:r1].detach()
         params = {entry[0]: state.params.view(flat, entry).requires_grad_(True)

@@ -76,15 +76,10 @@ def host_rngs_kept():
 def seed_host_rngs(fit_seed: int, round_index: int, rank: int, process: int, *,
                    torch_cpu: bool = False) -> None:
     """Seed this process's Python ``random`` and NumPy global RNG (and, with ``torch_cpu``, torch's
-    CPU generator) from (fit seed, round, rank, process): what a Dataset's ``__getitem__`` or
-    ``get_batch`` draws augmentation noise from, in whichever process fetches the samples.
-
-    Derived through ``numpy.random.SeedSequence``, as ``torch.utils.data.DataLoader`` derives its
-    workers' seeds: every process (0: the coordinator, i ≥ 1: worker process i of the process
-    executor) and every rank of a distributed fit draws its own stream, and the same arguments
-    give the same draws. Unlike a DataLoader, the fit seeds the coordinator too (once per fit, as
-    it seeds torch's RNG with the fit seed): a fit is a function of its seed, at the cost of
-    replacing the caller's global NumPy and ``random`` states."""
+    CPU generator) from (fit seed, round, rank, process) through ``numpy.random.SeedSequence``, as
+    a DataLoader seeds its workers: what a Dataset's augmentation draws from, its own stream per
+    process and rank, reproducible (docs/runtime.md, Worker processes). The coordinator is seeded
+    too, which replaces the caller's global NumPy and ``random`` states."""
     words = np.random.SeedSequence([fit_seed % 2**64, round_index, rank, process]).generate_state(4)
     random.seed(int.from_bytes(words.tobytes(), "little"))
     np.random.seed(words)

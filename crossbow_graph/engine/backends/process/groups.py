@@ -139,11 +139,9 @@ class Crew:
 
 class LearnerGroup(RoundInterpreter):
     """Learner group ``wid``'s share of every round (its GroupProgram) in the process that runs
-    it: group 0 in the coordinator, the others in their worker (executor.py ``worker_main``).
-
-    ``learn_round`` runs its LEARN tasks, ``local_round`` its part of the LOCAL_SYNC (with z_t),
-    ``run_global`` the GLOBAL_SYNC where the graph places it. A failed task is kept in ``error``
-    (task id, text) until every group has answered; the coordinator then raises it."""
+    it (group 0: the coordinator): ``learn_round`` (LEARN), ``local_round`` (its LOCAL_SYNC part),
+    ``run_global`` (GLOBAL_SYNC). A failed task waits in ``error`` (task id, text) until every
+    group has answered; the coordinator then raises it."""
 
     def __init__(self, crew: Crew, wid: int, mail: Mailbox | None = None) -> None:
         ctx = crew.ctx
