@@ -27,16 +27,14 @@ class ProcessExecutor:
     processes").
 
     Args:
-        ctx: the plan's RunContext (its fit's ``fetch``: sample indices ``[n]`` → a collated
-            batch, in any process; ``load``: (round, indices ``[k·b]``) → the round's batch here,
-            the workers then receive their rows, ``Mailbox.batches``; None: they fetch).
-        env: the first round's environment: its b, learner mode, k, sync algorithm and
+        ctx: the plan's RunContext (its fit's ``fetch`` and ``load``: ``FitRun``; with ``load``
+            the workers receive their rows, ``Mailbox.batches``, else they fetch).
+        env: the first round's RoundEnv: its b, learner mode, k, sync algorithm and
             max_divergence hold while the workers live.
         global_update: the backend's (``Backend.global_update``).
         seed: seeds each worker's RNG (dropout) differently.
 
-    Attributes: ``crew`` (what the groups share), ``workers`` (the forked processes),
-    ``closed``."""
+    Attributes: ``crew`` (what the groups share), ``workers`` (the forked processes), ``closed``."""
 
     def __init__(self, ctx: RunContext, env: RoundEnv, global_update: Callable, *,
                  seed: int) -> None:
