@@ -33,14 +33,13 @@ _LOADER_TAG = 0x4C4F4144  # "LOAD": keeps these seeds apart from seed_host_rngs'
 
 def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset",
                  stacklevel: int = 2) -> None:
-    """Refuse a DataLoader whose settings choose the samples, which the plan does.
+    """Refuse a DataLoader whose settings choose the samples, which the plan does (docs/runtime.md,
+    Your DataLoader).
 
-    A ``SequentialSampler`` or a plain ``RandomSampler`` (what ``shuffle=False``/``True`` make)
-    is accepted: the order is ``fit(shuffle=, seed=)``'s, by default the DataLoader's own
-    ``shuffle`` (``fit_shuffle``) with the fit's seed. ``batch_size`` and ``drop_last`` are
-    not used (b is the plan's; a last partial round is always dropped): a ``batch_size`` other
-    than b = ``batch_size`` is a ``UserWarning`` (once per call: ``Plan.fit`` checks once) that
-    says b is used and that ``DataLoader(..., batch_size=b)`` silences it.
+    A ``SequentialSampler`` or plain ``RandomSampler`` is accepted: the order is
+    ``fit(shuffle=, seed=)``'s, by default the DataLoader's ``shuffle`` (``fit_shuffle``).
+    ``batch_size`` and ``drop_last`` are not used; a ``batch_size`` other than b is a
+    ``UserWarning`` (once per call) that says b is used and how to silence it.
 
     Raises:
         ValueError: a ``batch_sampler``, ``batch_size=None`` (single samples), or a sampler

@@ -27,18 +27,17 @@ class FitOptions:
 
     Raises:
         ValueError: ``epochs``, ``evals_per_epoch``, ``eval_batch_size`` or ``metrics_every`` not
-            an integer ≥ 1, ``bn_recalibration_batches`` not an integer ≥ 0,
-            ``target_accuracy`` outside (0, 1], ``target_loss`` not finite, ``data_on_device`` not ``"auto"``, True or
-            False, ``max_grad_norm`` not a positive finite number, ``cpu_threads`` not
-            ``"auto"``, None or an integer ≥ 1, a value not among a field's
-            choices, ``resume=True`` or ``checkpoint_every`` without ``checkpoint_dir``, a
-            ``trace`` path whose folder is missing or not writable, a ``log_dir`` that is a
-            file or cannot be created or written.
+            an integer ≥ 1, ``bn_recalibration_batches`` not an integer ≥ 0, ``target_accuracy``
+            outside (0, 1], ``target_loss`` not finite, ``data_on_device`` not ``"auto"``, True
+            or False, ``max_grad_norm`` not a positive finite number, ``cpu_threads`` not
+            ``"auto"``, None or an integer ≥ 1, a value not among a field's choices,
+            ``resume=True`` or ``checkpoint_every`` without ``checkpoint_dir``, a ``trace`` path
+            whose folder is missing or not writable, a ``log_dir`` that is a file or cannot be
+            created or written.
         TypeError: ``metric_fn`` not callable, ``seed`` not an integer, ``target_accuracy``,
-            ``target_loss`` or ``max_grad_norm`` not a number, ``shuffle`` not a bool or None, ``progress`` or
-            ``resume`` not a bool,
-            ``hooks``/``policies`` not a list of hook objects (one hook alone, or a class
-            instead of an instance)."""
+            ``target_loss`` or ``max_grad_norm`` not a number, ``shuffle`` not a bool or None,
+            ``progress`` or ``resume`` not a bool, ``hooks``/``policies`` not a list of hook
+            objects (one hook alone, or a class instead of an instance)."""
 
     epochs: int = option(1, doc=(
         "epochs to run (≥ 1); with resume=True, the epochs of the whole run"))
