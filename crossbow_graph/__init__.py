@@ -1,8 +1,7 @@
 """crossbow_graph: small-batch, many-replica training with synchronous model averaging (SMA).
 
 ``compile(model, ...)`` traces a PyTorch model (torch.fx, or an eager analysis) into a Plan of learner and
-synchronisation tasks; ``Plan.fit`` runs it. See docs/design-overview.md and the README.
-"""
+synchronisation tasks; ``Plan.fit`` runs it. See docs/design-overview.md and the README."""
 
 from __future__ import annotations
 

@@ -73,8 +73,7 @@ def compile(  # noqa: A001 - the public name the design asks for
         ValueError, TypeError: a bad argument (docs/api.md, compile; docs/reliability.md).
         ImportError, CompilerError: the Triton or C kernels asked for cannot be built.
         PlanError: the plan is unsound, e.g. the replicas do not fit ``memory_budget``.
-        DistributedError: under torchrun, the ranks' plans differ.
-    """
+        DistributedError: under torchrun, the ranks' plans differ."""
     keywords = dict(
         batch_size=batch_size, devices=devices, replicas=replicas, learner_mode=learner_mode,
         executor=executor, autotune=autotune, optimizer=optimizer, sync=sync,
@@ -110,8 +109,7 @@ class Plan(_inspect.Inspectable):
         progress: how far it has trained (training/progress.py ``FitProgress``);
             ``epochs_done``, ``rounds_done``, ``round_in_epoch``, ``position_in_epoch`` and
             ``train_seconds`` are read-only views of it.
-        run_record: its set-up and checkpoints (training/run_record.py).
-    """
+        run_record: its set-up and checkpoints (training/run_record.py)."""
 
     batch_size = settings_view("batch_size", "b, samples per learner per round (read-only).")
     replicas_per_device = settings_view("replicas_per_device", "m, replicas per device (read-only).")
@@ -206,8 +204,7 @@ class Plan(_inspect.Inspectable):
         """``to_json``'s output as an inspectable PlanView (``fit`` raises PlanError).
 
         Raises:
-            ValueError: not a plan document. PlanError: the task graph fails the verifier.
-        """
+            ValueError: not a plan document. PlanError: the task graph fails the verifier."""
         return _inspect.from_json(text)
 
     # -- checkpoints (training/checkpoint.py; docs/reliability.md, Checkpoints) ----------------
@@ -221,8 +218,7 @@ class Plan(_inspect.Inspectable):
 
         Raises:
             CheckpointError: the state is of another model or of a plan with other devices,
-                replicas or parameters (the message names the first difference).
-        """
+                replicas or parameters (the message names the first difference)."""
         load_plan_state_dict(self, state)
 
     # -- the central average model (training/central.py; docs/design-overview.md §2) -----------
@@ -287,8 +283,7 @@ class Plan(_inspect.Inspectable):
             DivergenceError: every replica produced NaN/Inf in the same round.
             CheckpointError: no checkpoint to resume, another fit's ``checkpoint_dir``, a
                 checkpoint that cannot be written.
-            TrainingInterrupted: SIGTERM stopped the fit after a round (training/signals.py).
-        """
+            TrainingInterrupted: SIGTERM stopped the fit after a round (training/signals.py)."""
         keywords = dict(
             epochs=epochs, shuffle=shuffle, seed=seed, target_accuracy=target_accuracy,
             target_loss=target_loss, evals_per_epoch=evals_per_epoch, eval_batch_size=eval_batch_size, progress=progress,
@@ -316,8 +311,7 @@ class Plan(_inspect.Inspectable):
 
         Raises:
             PlanError: the new b or m exceeds the memory budget (nothing changed).
-            ValueError: α with k = 1; α or τ ≠ 1 with ``sync=SSGD()``.
-        """
+            ValueError: α with k = 1; α or τ ≠ 1 with ``sync=SSGD()``."""
         replan = functools.partial(build_task_graph, self.model_graph, devices=self.devices,
                                    memory_budget_bytes=self.memory_budget, verify=self.verify)
         return apply_adjustment(self.rounds, adjustment,
@@ -329,16 +323,14 @@ class Plan(_inspect.Inspectable):
         """``adjust(Adjustment(replicas_per_device=m))`` (docs/runtime.md, Changing m).
 
         Raises:
-            ValueError: m not an integer ≥ 1. PlanError: m replicas exceed the memory budget.
-        """
+            ValueError: m not an integer ≥ 1. PlanError: m replicas exceed the memory budget."""
         self.adjust(Adjustment(replicas_per_device=replicas_per_device))
 
     def set_learner_mode(self, mode: str) -> None:
         """``adjust(Adjustment(learner_mode=mode))``, from the next round on.
 
         Raises:
-            ValueError: an unknown mode.
-        """
+            ValueError: an unknown mode."""
         self.adjust(Adjustment(learner_mode=mode))
 
 

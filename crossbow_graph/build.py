@@ -71,8 +71,7 @@ def check_inputs(model: nn.Module, example_inputs: Any, loss_fn: Any,
     (``check_model``), the tracing arguments and the precision against the model's dtype.
 
     Raises:
-        TypeError, ValueError: as ``compile`` documents them.
-    """
+        TypeError, ValueError: as ``compile`` documents them."""
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), or None (the "
                         f"model's own output.loss), got {type(loss_fn).__name__}")
@@ -92,8 +91,7 @@ def build_parts(model: nn.Module, example_inputs: Any, loss_fn: Callable | None,
 
     Raises:
         TraceError, ValueError, ImportError, CompilerError, PlanError, DistributedError: as
-            ``compile`` documents them.
-    """
+            ``compile`` documents them."""
     fault_tolerant = options.distributed is not None and options.distributed.fault_tolerant
     if fault_tolerant and options.cuda_graphs:
         raise ValueError("Distributed(fault_tolerant=True) with cuda_graphs=True: a replica "
@@ -178,8 +176,7 @@ def build_states(model: nn.Module, example_inputs: Any, options: CompileOptions,
     layout of its trainable parameters ``[P]``, the run settings and one DeviceState per device.
 
     Raises:
-        ValueError: the sync algorithm does not accept the optimizer (e.g. SSGD with AdamW).
-    """
+        ValueError: the sync algorithm does not accept the optimizer (e.g. SSGD with AdamW)."""
     devices = list(task_graph.graph["devices"])
     template = copy_module(model).train()
     params = FlatLayout.of(trainable_named(template), channels_last_weights(
@@ -220,8 +217,7 @@ def resolve_devices(devices: int | str | Sequence[str]) -> list[str]:
     when that many exist, else G logical CPU devices ``cpu:0 … cpu:G−1``. A list: those names.
 
     Raises:
-        ValueError: G < 1, an empty list, an unknown name, or a CUDA device that does not exist.
-    """
+        ValueError: G < 1, an empty list, an unknown name, or a CUDA device that does not exist."""
     n_cuda = torch.cuda.device_count()
     if devices == "auto":
         return [f"cuda:{i}" for i in range(n_cuda)] or ["cpu:0"]
@@ -388,8 +384,7 @@ def devices_and_comm(devices: int | str | Sequence[str],
     ``cuda:r·G+G−1``; a list of names is taken as given.
 
     Raises:
-        ValueError: a count G whose GPUs for this local rank do not exist on the machine.
-    """
+        ValueError: a count G whose GPUs for this local rank do not exist on the machine."""
     names = resolve_devices(devices)
     comm = Comm.from_env(distributed, on_cuda=names[0].startswith("cuda"))
     if comm is None or not names[0].startswith("cuda"):

@@ -1,8 +1,7 @@
 """The ``crossbow-graph`` command line: ``train`` and ``inspect``.
 
 The benchmarks are scripts of the repository's bench/ folder (``python bench/throughput.py``,
-``python bench/tta.py``, ...; docs/benchmarking.md), not subcommands: they need a checkout.
-"""
+``python bench/tta.py``, ...; docs/benchmarking.md), not subcommands: they need a checkout."""
 
 from __future__ import annotations
 

@@ -23,8 +23,7 @@ def learner_layout(devices_flag: str | None, replicas_flag: int | str | None,
         policies: the fit's policies.
 
     Raises:
-        ValueError: ``--devices`` neither 'auto' nor a count.
-    """
+        ValueError: ``--devices`` neither 'auto' nor a count."""
     devices = "auto" if devices_flag is None else devices_flag
     if devices != "auto" and not devices.isdigit():
         raise ValueError(f"--devices {devices}: use 'auto' (every GPU, else one CPU device) or a "

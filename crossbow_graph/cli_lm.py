@@ -1,13 +1,7 @@
 """``crossbow-graph train --model gpt --dataset fortunes``: the language-model workload's defaults,
 data, loss, learning-rate schedule, evaluation lines, results line and generated sample
-(docs/benchmarking.md, W4).
-
-Its defaults are what W4's measurements found fastest to the target on a CPU
-(``bench/lm_baselines.py``): one learner of b = 4 windows of 128 bytes, AdamW (lr 1e-3, betas
-(0.9, 0.99), weight decay 0.1), linear warm-up over 5 % of 2^20 tokens and a cosine to a tenth of
-the peak at 2^20 tokens, z evaluated on 128 validation windows every 1/70 epoch (32,946 tokens),
-stopping at a validation loss of ``LM_TARGET_LOSS`` nats per byte.
-"""
+(docs/benchmarking.md, W4, which gives the defaults and the measurements behind them,
+``bench/lm_baselines.py``; the target is ``LM_TARGET_LOSS`` nats per byte)."""
 
 from __future__ import annotations
 
@@ -59,8 +53,7 @@ def apply_lm_defaults(args: argparse.Namespace) -> None:
 
     Raises:
         ValueError: ``--sample`` with an image model, a language model with an image data set or
-            the reverse.
-    """
+            the reverse."""
     given = getattr(args, "given", None)
     if not is_language_model(args):
         if getattr(args, "sample", None):

@@ -131,8 +131,7 @@ def sync_of(args: argparse.Namespace) -> SyncAlgorithm:
     Raises:
         ValueError: a flag of another algorithm's setting, an outer-optimizer flag without
             ``--sync diloco``, an outer lr ≤ 0 or momentum outside [0, 1); what the algorithm
-            raises for a bad value.
-    """
+            raises for a bad value."""
     cls = sync_algorithms()[args.sync]
     given: dict[str, Any] = {}
     for spec in sync_flags().values():

@@ -50,8 +50,7 @@ def _metrics_monitor(every: int, measure_rounds: int):
     """``--metrics-every`` and ``--measure-rounds`` as fit's ``metrics_every`` (0: None, off).
 
     Raises:
-        ValueError: a negative N, or R < 1 (MetricsMonitor's message, naming the flag).
-    """
+        ValueError: a negative N, or R < 1 (MetricsMonitor's message, naming the flag)."""
     try:
         monitor = MetricsMonitor(every or 50, measure_rounds=measure_rounds,  # checks R too
                                  window_samples=WINDOW_SAMPLES)
@@ -151,8 +150,7 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
     ``args.machine_defaults``).
 
     Raises:
-        ValueError: a bad flag value (before any training).
-    """
+        ValueError: a bad flag value (before any training)."""
     apply_lm_defaults(args)  # --model gpt / --dataset fortunes: cli_lm.py's defaults first
     args.machine_defaults = apply_machine_defaults(args)
     _check_ft_flags(args)
@@ -227,8 +225,7 @@ def _shard(dataset: Any, spec: str) -> torch.utils.data.Subset:
     """``--data-shard I/N``: the samples i of ``dataset`` with i mod N = I.
 
     Raises:
-        ValueError: not two integers with 0 ≤ I < N.
-    """
+        ValueError: not two integers with 0 ≤ I < N."""
     try:
         i, n = (int(x) for x in spec.split("/"))
     except ValueError:

@@ -35,8 +35,7 @@ class CompileOptions:
             not among a field's choices, a ``sync`` algorithm with an executor it does not run on
             (``SyncAlgorithm.check_executor``: e.g. ``DiLoCo`` with ``executor="process"``).
         TypeError: ``autotune``, ``optimizer``, ``sync``, ``distributed`` or ``memory_budget`` of
-            the wrong type, ``verify``, ``strict_trace`` or ``cuda_graphs`` not a bool.
-    """
+            the wrong type, ``verify``, ``strict_trace`` or ``cuda_graphs`` not a bool."""
 
     batch_size: int = option(doc="b, samples per learner per round (an integer ≥ 1)")
     devices: int | str | Sequence[str] = option(1, doc=(

@@ -30,8 +30,7 @@ class SGD:
 
     Raises:
         TypeError: a value that is not a number (``nesterov``: not a bool).
-        ValueError: a value outside its range.
-    """
+        ValueError: a value outside its range."""
 
     lr: float = 0.01
     momentum: float = 0.9
@@ -68,8 +67,7 @@ class Adjustment:
         reset_replicas: put every replica at z with zero momentum (float buffers from zbuf).
 
     Raises:
-        ValueError: a value outside its range, an unknown learner mode.
-    """
+        ValueError: a value outside its range, an unknown learner mode."""
 
     lr: float | None = None
     batch_size: int | None = None

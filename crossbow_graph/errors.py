@@ -89,8 +89,7 @@ class TrainingInterrupted(SystemExit):
     Attributes:
         signal_number: the signal received (``signal.SIGTERM``).
         rounds_done: the plan's rounds done when the fit stopped.
-        checkpoint: the checkpoint file holding that state, or None without a ``checkpoint_dir``.
-    """
+        checkpoint: the checkpoint file holding that state, or None without a ``checkpoint_dir``."""
 
     def __init__(self, message: str, *, signal_number: int, rounds_done: int,
                  checkpoint: str | None) -> None:

@@ -27,8 +27,7 @@ def check_choices(options: Any) -> None:
 
     Raises:
         ValueError: a value not among the choices, e.g. "executor='thread': use one of 'auto',
-            'inline', 'process'".
-    """
+            'inline', 'process'"."""
     for field in dataclasses.fields(options):
         if get_origin(field.type) is not Literal:
             continue
@@ -46,8 +45,7 @@ def options_of(cls: type[OptionsT], keywords: dict[str, Any], options: OptionsT 
     Raises:
         TypeError: ``options`` is not a ``cls``.
         ValueError: ``options`` and a keyword away from its default, both given; or what ``cls``
-            raises for a bad keyword.
-    """
+            raises for a bad keyword."""
     if options is None:
         return cls(**keywords)
     if not isinstance(options, cls):

@@ -1,6 +1,5 @@
 """FLOPs, activation bytes and the memory per learner of a shape-propagated fx graph at one
-example batch (docs/design-overview.md §3; the conventions and formulas: docs/compiler.md §2, §3).
-"""
+example batch (docs/design-overview.md §3; conventions and formulas: docs/compiler.md §2, §3)."""
 
 from __future__ import annotations
 
@@ -92,8 +91,7 @@ class NodeCost:
         flops: forward FLOPs (multiply-add = 2).
         bytes: bytes of the output tensor (0 for views and shapes).
         saved_bytes: bytes of the output that autograd keeps for backward, plus what the op
-            saves besides (max pooling's indices, dropout's mask).
-    """
+            saves besides (max pooling's indices, dropout's mask)."""
 
     name: str
     op: str

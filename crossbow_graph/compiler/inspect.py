@@ -1,6 +1,5 @@
 """Inspection of a plan's task graph and settings: summary, JSON, DOT, PNG and ``PlanView``
-(docs/compiler.md §5).
-"""
+(docs/compiler.md §5)."""
 
 from __future__ import annotations
 
@@ -165,8 +164,7 @@ def from_json(text: str, *, verify: bool = True) -> "PlanView":
 
     Raises:
         ValueError: not a plan document, or a malformed task or edge (names the task).
-        PlanError: the task graph fails the verifier (names the task).
-    """
+        PlanError: the task graph fails the verifier (names the task)."""
     graph, settings = _load(text)
     if verify:
         verify_task_graph(graph, stage="from_json")
@@ -281,8 +279,7 @@ class Inspectable:
         """Write a picture of the task graph (PNG, SVG or PDF by suffix).
 
         Raises:
-            RuntimeError: graphviz's ``dot`` is not installed. ValueError: an unknown suffix.
-        """
+            RuntimeError: graphviz's ``dot`` is not installed. ValueError: an unknown suffix."""
         return draw(self.task_graph, path)
 
 
@@ -293,8 +290,7 @@ class PlanView(Inspectable):
     Attributes:
         task_graph: the annotated task graph (networkx.DiGraph, node attribute ``"task"``).
         settings: optimizer and SMA settings as plain data (may be empty).
-        analysis: the model's ModelAnalysis when built from a model, None from JSON.
-    """
+        analysis: the model's ModelAnalysis when built from a model, None from JSON."""
 
     def __init__(self, task_graph: nx.DiGraph, settings: dict[str, Any] | None = None,
                  analysis: Any = None) -> None:

@@ -21,8 +21,7 @@ class TaskKind(enum.Enum):
     GLOBAL_SYNC ``None`` (all devices) every replica                    every ``acc_d``, ``z`` → ``z``
     =========== ====================== ================================ ================================
 
-    The steps: docs/design-overview.md §2; how the backends run a graph: docs/runtime.md.
-    """
+    The steps: docs/design-overview.md §2; how the backends run a graph: docs/runtime.md."""
 
     LEARN = "learn"
     LOCAL_SYNC = "local_sync"
@@ -47,8 +46,7 @@ class Task:
         device: the device name (``"cpu:0"``, ``"cuda:1"``), ``None`` for GLOBAL_SYNC.
         replicas: global replica indices j this task touches (device-major order).
         cost: the cost estimate (shown by ``summary`` and the JSON; not read by the executors).
-        meta: extra data that compiler passes attach (never new fields).
-    """
+        meta: extra data that compiler passes attach (never new fields)."""
 
     id: str
     kind: TaskKind

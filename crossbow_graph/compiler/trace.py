@@ -76,8 +76,7 @@ class ModelGraph:
         untraced: every fx tracer's error where none could trace the model, else "".
         node_meta: per fx node name: ``shape``, ``bytes`` and ``dtype`` of its output.
         meta: ``"analysis"`` (the ModelAnalysis), ``"train_flops_per_sample"``, and what
-            compiler passes add.
-    """
+            compiler passes add."""
 
     name: str
     module: fx.GraphModule | None
@@ -243,8 +242,7 @@ def trace_model(
         TraceError: the example inputs do not run through the model; or, with ``strict``,
             torch.fx cannot trace it (names the module, the line and the fix).
         TypeError: ``model`` is not an ``nn.Module`` or cannot be deep-copied, or
-            ``example_inputs`` is neither a tuple nor a dict.
-    """
+            ``example_inputs`` is neither a tuple nor a dict."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"compile() takes an nn.Module, got {type(model).__name__}")
     if isinstance(example_inputs, dict):

@@ -20,26 +20,20 @@ __all__ = ["apply_adjustment"]
 def apply_adjustment(rounds: Scheduler, adj: Adjustment, *,
                      replan: Callable[[int, int], nx.DiGraph],
                      fused_failure: Callable[[], str | None], model_name: str) -> dict[str, Any]:
-    """Apply ``adj`` to the run settings of ``rounds`` (the plan's Scheduler) between rounds;
-    returns what actually changed. ``replan(b, m)``: the task graph for b and m (the compiler
-    passes and the memory check: PlanError); ``fused_failure()``: why fused learners cannot run
-    the model (``model_name``), or None.
+    """Apply ``adj`` to the run settings of ``rounds`` (the plan's Scheduler) between rounds
+    (``Plan.adjust``'s body); returns what actually changed (a value equal to the one in force is
+    no change). ``replan(b, m)``: the task graph for b and m (compiler passes, memory check);
+    ``fused_failure()``: why fused learners cannot run the model (``model_name``), or None.
 
-    ``Plan.adjust`` calls it, and through it policies, the auto-tuner, ``Plan.set_replicas`` and
-    ``Plan.set_learner_mode``, the torchrun agreement of rank 0's settings and checkpoint
-    resumes. A value equal to the one in force is no change.
-
-    Order: batch size (re-plan, memory check), replicas (re-plan, memory check, replicas
-    resized), learner mode, α, τ, lr, replica reset. Anything in flight is finished first; worker
-    processes restart when b, m or the learner mode change or replicas are reset (a speculative
-    round, learned from the old replicas, is cancelled).
+    Order: b, m (each re-planned and checked), learner mode, α, τ, lr, replica reset. What is in
+    flight finishes first; worker processes restart when b, m or the mode change or replicas are
+    reset (a speculative round is cancelled).
 
     Raises:
         PlanError: the new b (or m) does not fit the memory budget; nothing is changed then.
         ValueError: α given with k = 1 (a single learner has no averaging); α or τ under SSGD;
             ``learner_mode="fused"`` for a model that torch.func.vmap cannot run (names
-            ``"per_replica"``), before anything changes.
-    """
+            ``"per_replica"``), before anything changes."""
     settings, done = rounds.settings, {}
     if adj.learner_mode == "fused" and settings.learner_mode != "fused" and fused_failure():
         raise ValueError(fused_mode_message(model_name, fused_failure()))

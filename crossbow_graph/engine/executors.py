@@ -35,8 +35,7 @@ class Executors:
         process: the process backend; current: the backend of the round being run (or last run).
 
     Raises:
-        ValueError: an unknown ``executor``, or ``"process"`` with a CUDA device.
-    """
+        ValueError: an unknown ``executor``, or ``"process"`` with a CUDA device."""
 
     def __init__(self, ctx: RunContext, executor: Executor, round_graph: Any = None) -> None:
         if executor not in EXECUTORS:

@@ -37,21 +37,17 @@ class Scheduler:
         settings: the plan's RunSettings (engine/settings.py): read once per round.
         executor: ``"auto"``, ``"inline"`` or ``"process"`` (docs/runtime.md, "Executors").
         kernels: the SMA update backend (None: torch's).
-        transport: how the global sync's sums cross devices and processes
-            (engine/transport/transports.py; None: this process's devices).
-        comm: torchrun's ``Comm``, or None.
+        transport: how the global sync's sums cross devices and processes (None: this process's).
+        comm, round_graph: torchrun's ``Comm``, a ``RoundGraph`` (CUDA-graph rounds); or None.
         cpu_conv: the worker processes' convolutions: ``"auto"``, ``"onednn"`` or ``"aten"``.
-        round_graph: a ``RoundGraph`` (CUDA-graph rounds), or None.
 
     Attributes:
         ctx: what every backend shares (``RunContext``); executors: the backends and the choice
-            between them (engine/executors.py); max_divergence: the fault test's threshold in
-            force (None: off).
+            between them; max_divergence: the fault test's threshold (None: off).
 
     Raises:
         ValueError: an unknown ``executor``, or ``"process"`` with a CUDA device; TypeError or
-            ValueError: the sync algorithm cannot bind these states.
-    """
+            ValueError: the sync algorithm cannot bind these states."""
 
     def __init__(self, task_graph: nx.DiGraph, states: list[DeviceState], loss_fn: Any,
                  settings: RunSettings, *, executor: Executor = "auto",
@@ -119,8 +115,7 @@ class Scheduler:
         """Adopt a (re-compiled) task graph; the states must already have its replica counts.
 
         Raises:
-            PlanError: a graph the backends cannot run (``RoundProgram.of`` names the task).
-        """
+            PlanError: a graph the backends cannot run (``RoundProgram.of`` names the task)."""
         self.executors.process.close()
         self.task_graph = task_graph
         self.ctx.adopt(task_graph)  # raises PlanError
@@ -203,8 +198,7 @@ class Scheduler:
                 rounds (the process backend learns it ahead); else None.
 
         Raises:
-            TaskError: a task failed (names the task, its device and the round).
-        """
+            TaskError: a task failed (names the task, its device and the round)."""
         env = self.round_env(round_index, batch, synchronise)
         backend = self.executors.choose(env.sync, indices_only=indices is not None and batch is None)
         backend.run_round(env, indices, next_indices)

@@ -22,27 +22,24 @@ class RunSettings:
     Attributes:
         optimizer: the local optimiser (engine/state/optim.py ``LocalOptimizer``): the user's
             torch.optim optimizer, whose param groups hold the hyper-parameters in force.
-        sync: the synchronisation algorithm (engine/sync/: ``SMA`` with the α and τ in force,
-            μ_z fixed; ``DiLoCo`` with the H in force; ``SSGD()``; ...).
+        sync: the synchronisation algorithm (engine/sync/) with the α, τ or H in force.
         batch_size: b, samples per learner per round (≥ 1).
         replicas_per_device: m, replicas on every device (≥ 1; k = G·m over every process).
         learner_mode: ``"per_replica"`` or ``"fused"`` (engine/learning/fused.py).
         lr: η, the first param group's learning rate in force (≥ 0), applied to the mean loss
             of a learner's b samples; setting it is a policy's change of η.
-        alpha: SMA α in (0, 1], the pull of each replica toward z, or None: 1/k (re-derived when
-            k changes); None for the algorithms without α. ``sync.alpha``.
-        sync_every: τ, rounds between synchronisations (≥ 1; 1 under SSGD). ``sync.sync_every``.
+        alpha: ``sync.alpha`` (SMA's α, None: 1/k; None without α).
+        sync_every: ``sync.sync_every``, τ (≥ 1; 1 under SSGD).
         lr_rule: SMA's η rule's state (training/sma_lr.py ``SMALRRule``), None before a fit
             applies it; its factor is ``optimizer.lr_factor``.
 
     η_i = F_i · schedule_i(t) (docs/optimizers.md, Schedules). Only
-    ``tuning.policy_base.apply_adjustment`` and the methods below change them.
+    ``apply_adjustment`` (engine/adjust.py) and the methods below change them.
 
     Raises:
         ValueError: an unknown learner mode; setting α under an algorithm without α (e.g.
             SSGD, DiLoCo) or τ other than 1 under SSGD (``SyncAlgorithm.with_alpha``,
-            ``with_sync_every``).
-    """
+            ``with_sync_every``)."""
 
     __slots__ = ("optimizer", "sync", "batch_size", "replicas_per_device", "learner_mode",
                  "lr_rule", "_lr_factors")
@@ -202,8 +199,7 @@ class RunSettings:
 def settings_view(name: str, doc: str) -> property:
     """A read-only attribute ``name`` that reads ``self.settings.<name>`` (a RunSettings).
 
-    Assigning it raises AttributeError naming the way to change it: ``Plan.adjust``.
-    """
+    Assigning it raises AttributeError naming the way to change it: ``Plan.adjust``."""
 
     def refuse(self, value) -> None:
         raise AttributeError(

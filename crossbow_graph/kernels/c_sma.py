@@ -132,8 +132,7 @@ def load_library() -> ctypes.CDLL:
 
     Raises:
         CompilerError: no C compiler was found, or it failed, now or earlier in the process
-            (its output and the fixes).
-    """
+            (its output and the fixes)."""
     global _lib, _load_error
     with _lock:
         if _lib is not None:

@@ -119,8 +119,7 @@ def select_backend(kernel_backend: str, device_type: str, dtype: torch.dtype = t
     Raises:
         ValueError: an unknown name; ``"c"`` or ``"triton"`` with a float64 model.
         ImportError: ``"triton"`` without the triton package (says how to install it).
-        CompilerError: ``"c"`` without a working C compiler (its message says why).
-    """
+        CompilerError: ``"c"`` without a working C compiler (its message says why)."""
     if kernel_backend not in KERNEL_BACKENDS:
         raise ValueError(f"kernel_backend={kernel_backend!r}: use one of {', '.join(map(repr, KERNEL_BACKENDS))}")
     if dtype == torch.float64 and kernel_backend in ("c", "triton"):

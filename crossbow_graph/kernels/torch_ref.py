@@ -56,8 +56,7 @@ def sma_local_update(
         lr, momentum, nesterov, weight_decay: η, μ_l, Nesterov, λ as torch.optim.SGD's.
         alpha: α, the pull toward z.
         first_step: the momentum buffers hold nothing yet.
-        out: ``[P]`` in ``w``'s dtype to write acc into (default: a new tensor).
-    """
+        out: ``[P]`` in ``w``'s dtype to write acc into (default: a new tensor)."""
     m, P = w.shape
     correct = z is not None and is_on(alpha)
     acc = (out if out is not None else torch.empty(P, dtype=w.dtype, device=w.device)) if correct else None

@@ -1,8 +1,7 @@
 """The SMA update kernels in Triton — ``sma_local`` (each replica's SGD step and correction,
 acc_d = Σ_j α(ŵ_j − z)) and ``sma_central`` (z ← z + C + μ_z(z − z_prev)) — specialised to a
 ``KernelSpec``, emitted once and cached (docs/design-overview.md §2 steps 1–3, §4; the
-equations, tunings and the interpreter: docs/kernels.md). triton is imported at the first emit.
-"""
+equations, tunings and the interpreter: docs/kernels.md). triton is imported at the first emit."""
 
 from __future__ import annotations
 
@@ -197,8 +196,7 @@ class KernelSpec:
         flags: ``(name, value)`` of each boolean constexpr (MOMENTUM, NESTEROV, …).
         device_type: ``"cuda"`` (compiled) or ``"cpu"`` (Triton's interpreter).
         hyper_ptr: η, μ_l, λ, α (μ_z) are pointers to 0-dim float32 tensors, loaded at every
-            launch (``HYPER_PTR``: docs/kernels.md, The two kernels), instead of numbers.
-    """
+            launch (``HYPER_PTR``: docs/kernels.md, The two kernels), instead of numbers."""
 
     kind: str
     m: int
@@ -459,8 +457,7 @@ class TritonSMAKernels:
         ImportError: triton is not installed.
         TypeError: W, V, Z, acc are not float32 (G float32/bfloat16/float16), a shape is not
             ``[m, P]``/``[P]``, or Z, acc are not contiguous.
-        ValueError: the rows of W, V, G are not unit-stride, or not one row stride ≥ P apart.
-    """
+        ValueError: the rows of W, V, G are not unit-stride, or not one row stride ≥ P apart."""
 
     name = "triton"
 

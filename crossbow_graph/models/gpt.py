@@ -76,8 +76,7 @@ class GPT(nn.Module):
     projections (``c_proj``) N(0, (0.02 / √(2·n_layer))²), biases 0, LayerNorms (1, 0).
 
     Raises:
-        ValueError: ``n_embd`` not divisible by ``n_head``, a size < 1, ``dropout`` outside [0, 1).
-    """
+        ValueError: ``n_embd`` not divisible by ``n_head``, a size < 1, ``dropout`` ∉ [0, 1)."""
 
     def __init__(self, *, vocab_size: int = 256, block_size: int = 128, n_layer: int = 6,
                  n_head: int = 4, n_embd: int = 128, dropout: float = 0.0) -> None:

@@ -37,8 +37,7 @@ class CaptureChecker(TorchDispatchMode):
     Attributes:
         findings: round t → its problems as text: ``capture_problem``'s, and against round t − 1 a
             changed op sequence or Python number (``"aten.add_.Tensor: 0.05 → 0.1"``).
-        ops: round t → how many ops it ran.
-    """
+        ops: round t → how many ops it ran."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -42,8 +42,7 @@ def recalibrate_batch_norm(module: nn.Module, batches: list[Any], device: torch.
         flags: compile's keyword flags (engine/data/inputs.py ``CallFlags``).
 
     Returns:
-        The number of batches run (0: no BatchNorm layer with running statistics trains).
-    """
+        The number of batches run (0: no BatchNorm layer with running statistics trains)."""
     was_training = module.training
     norms = _trained_batch_norms(module)
     if not norms or not batches:
@@ -77,8 +76,7 @@ class BNRecalibration:
     buffers, b or the data change, skipped with k = 1; the global RNGs are left as they were.
 
     Attributes:
-        batches: training batches per re-estimation, 0: off (z is evaluated with ``zbuf``).
-    """
+        batches: training batches per re-estimation, 0: off (z is evaluated with ``zbuf``)."""
 
     def __init__(self, module: nn.Module) -> None:
         was_training = module.training

@@ -1,6 +1,5 @@
 """The central average model z as a module: its buffers, BatchNorm re-estimation, evaluation
-(docs/design-overview.md §2, BatchNorm; docs/distributed.md for the integer buffers under torchrun).
-"""
+(docs/design-overview.md §2, BatchNorm; docs/distributed.md: the integer buffers under torchrun)."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ class CentralModel:
     Attributes:
         module: that copy (evaluation mode).
         recalibration: its BatchNorm re-estimation (training/batchnorm.py), set by every fit.
-        last_eval_extras: the last ``evaluate``'s ``Evaluation.extras``.
-    """
+        last_eval_extras: the last ``evaluate``'s ``Evaluation.extras``."""
 
     def __init__(self, plan: "FitPlan", params: FlatLayout) -> None:
         self._plan, self._params = plan, params

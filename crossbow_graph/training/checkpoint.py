@@ -122,8 +122,7 @@ def check_same_model(plan: "FitPlan", sd: dict[str, Any], source: str = "the che
     without ``model`` is accepted (``load_plan_state_dict`` compares the counts).
 
     Raises:
-        CheckpointError: naming ``source``, the first difference and the fix.
-    """
+        CheckpointError: naming ``source``, the first difference and the fix."""
     if "model" not in sd:
         return
     have = model_layout(plan)
@@ -149,8 +148,7 @@ def load_plan_state_dict(plan: "FitPlan", sd: dict[str, Any], setup: dict[str, A
     Raises:
         CheckpointError: another model (``check_same_model``), another plan shape (devices,
             replicas, parameter or buffer count), another outer optimizer.
-        PlanError: the saved batch size does not fit this plan's memory budget.
-    """
+        PlanError: the saved batch size does not fit this plan's memory budget."""
     check_same_model(plan, sd)
     _check_same_optimizer(plan, sd)
     if plan.autotuner is not None and sd["replicas_per_device"] != plan.settings.replicas_per_device:
@@ -318,8 +316,7 @@ class CheckpointHook(Hook):
 
     Raises:
         ValueError: ``every_rounds`` < 1, ``keep`` < 2, or ``directory`` cannot be created or
-            written (a probe file is written at once).
-    """
+            written (a probe file is written at once)."""
 
     decides = False  # it saves and restores; it changes no setting
 
@@ -345,8 +342,7 @@ class CheckpointHook(Hook):
 
         Raises:
             CheckpointError: another fit holds the directory, or ``resume=False`` where it holds
-                another run's checkpoints.
-        """
+                another run's checkpoints."""
         if not self.writer:
             return None
         lock = DirectoryLock(self.directory).acquire()
@@ -370,8 +366,7 @@ class CheckpointHook(Hook):
         Raises:
             CheckpointError: no checkpoint can be read, or the newest good one is of another model,
                 plan shape or data order (refused, never skipped).
-            PlanError: the checkpoint's batch size does not fit the memory budget.
-        """
+            PlanError: the checkpoint's batch size does not fit the memory budget."""
         comm = plan.comm
         world = 1 if comm is None else comm.world_size
         parts, state, problem = [None] * world, None, None

@@ -3,8 +3,7 @@ directory (docs/reliability.md, Checkpoints).
 
 File format: ``MAGIC`` (8 bytes), payload length (8 bytes, little endian), SHA-256 of the payload
 (32 bytes), then the payload (``torch.save`` of the state, loaded with ``weights_only=True``);
-names ``ckpt-<rounds done, 10 digits>.pt``.
-"""
+names ``ckpt-<rounds done, 10 digits>.pt``."""
 
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
         CheckpointError: the write failed for want of space or of a larger file-size limit
             (ENOSPC, EDQUOT, EFBIG): names the file, the bytes needed, the space free and the
             previous checkpoint, which is intact (the temporary file is removed).
-        OSError: any other failure of the file system (the temporary file is removed).
-    """
+        OSError: any other failure of the file system (the temporary file is removed)."""
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getbuffer()
@@ -109,8 +107,7 @@ def load_checkpoint(path: str) -> dict[str, Any]:
 
     Raises:
         CheckpointError: the file is not a checkpoint, is truncated, or fails its checksum (the
-            message says which, with the byte counts).
-    """
+            message says which, with the byte counts)."""
     with open(path, "rb") as f:
         data = f.read()
     if len(data) < _HEADER.size:
@@ -148,8 +145,7 @@ def load_latest(directory: str) -> tuple[str, dict[str, Any]] | None:
     a directory (or other non-file) named like a checkpoint.
 
     Raises:
-        CheckpointError: checkpoints exist but none of them can be read (lists each reason).
-    """
+        CheckpointError: checkpoints exist but none of them can be read (lists each reason)."""
     for odd in sorted(set(_named_like_checkpoints(directory)) - set(list_checkpoints(directory))):
         log.warning("%s is named like a checkpoint but is not a file (a directory?); skipped",
                     odd)

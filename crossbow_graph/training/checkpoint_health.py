@@ -1,17 +1,5 @@
-"""Which checkpoints hold a healthy state, and the healthy one a resume after ``DivergenceError``
-continues from (docs/reliability.md, After a DivergenceError).
-
-A run on its way to diverging writes checkpoints of a blown-up but finite state (z at 10¹⁷, say)
-before any replica's loss or gradient overflows; resuming from one at a lower learning rate
-overflows again at once. The training loss shows it, a round late (a round's loss is that of the
-state before its step): a checkpoint's **window** (the rounds since the previous checkpoint) is
-sound when the mean of their finite learner losses (this process's learners) is at most
-``LOSS_RATIO`` times the lowest of the run's first round and its earlier sound windows, and a
-checkpoint is **healthy** when its window and the next one are sound. The newest healthy
-checkpoint is kept besides the newest ``keep`` ones, and at a DivergenceError the newer ones are
-set aside (renamed ``ckpt-….pt.diverged``), so that ``resume=True`` continues from it, or starts
-afresh when the run has none.
-"""
+"""Which checkpoints hold a healthy state (a sound loss window, ``LOSS_RATIO``), and the healthy one
+a resume after ``DivergenceError`` continues from (docs/reliability.md, After a DivergenceError)."""
 
 from __future__ import annotations
 
@@ -33,8 +21,7 @@ class CheckpointHealth:
 
     Attributes:
         files: ``(file name, its window's mean loss or None, the window sound, healthy)`` of
-            the run's checkpoints in the directory, oldest first.
-    """
+            the run's checkpoints in the directory, oldest first."""
 
     def __init__(self) -> None:
         self.first_loss: float | None = None  # the run's first round's mean loss

@@ -82,19 +82,13 @@ def _collate_keywords(samples: list[Mapping]) -> dict[str, Any]:
 
 def collate(samples: list[Any]) -> Any:
     """``default_collate`` of ``samples`` (the plan's collation where no DataLoader gives a
-    collate_fn), but for what it refuses or would turn into data:
-
-    * a ``None`` in every sample collates to None: ``(inputs, None)`` samples have no target
-      (contrastive, self-supervised): ``loss_fn`` gets None, or the model's own loss
-      (``loss_fn=None``) trains;
-    * in dict samples (keyword inputs, or a pair's inputs), a bool or None the same in every
-      sample is a flag (``return_loss=True``) and stays one instead of a tensor ``[b]``;
-    * sparse tensors are made dense, and tensors that require grad are detached
-      (``plain_tensor``).
+    collate_fn), but: a ``None`` in every sample collates to None (``(inputs, None)`` samples:
+    ``loss_fn`` gets None, or the model's own loss trains); in dict samples a bool or None the
+    same in every sample stays a flag (``return_loss=True``), not a tensor ``[b]``; sparse
+    tensors are made dense and tensors that require grad detached (``plain_tensor``).
 
     Raises:
-        ValueError: None in some samples and a value in others at the same place.
-    """
+        ValueError: None in some samples and a value in others at the same place."""
     first = samples[0]
     if isinstance(first, Mapping):
         return _collate_keywords(samples)

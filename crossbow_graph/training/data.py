@@ -22,8 +22,7 @@ def as_dataset(data: Any, what: str = "train_dataset") -> Dataset:
     Raises:
         TypeError: neither a Dataset nor a DataLoader (a tensor, or a tuple of tensors: the
             message says to wrap them in a TensorDataset).
-        ValueError: the dataset is empty, or an IterableDataset (no indices to draw from).
-    """
+        ValueError: the dataset is empty, or an IterableDataset (no indices to draw from)."""
     if isinstance(data, DataLoader):
         data = data.dataset
     _refuse_tensors(data, what)
@@ -57,19 +56,16 @@ def _refuse_tensors(data: Any, what: str) -> None:
 class BatchSchedule:
     """Which samples every learner gets in every round.
 
-    One order per epoch: ``randperm(N)`` from a generator seeded with ``(seed, epoch)``, or the
-    dataset's own order with ``shuffle=False``. Rounds consume the order from a cursor: a round of
-    k learners takes the next k·b positions, learner j (device-major) the positions
-    ``[pos + j·b, pos + (j+1)·b)``; a last partial round is dropped. With a fixed k, round t is
-    positions ``[(t·k + j)·b, (t·k + j + 1)·b)``. k and b are the caller's, given with every
-    round (the auto-tuner adds and removes replicas, policies change b, between rounds): the
-    cursor keeps every batch of an epoch disjoint.
+    One order per epoch (``randperm(N)`` seeded with ``(seed, epoch)``, or the dataset's order
+    with ``shuffle=False``), consumed from a cursor: a round of k learners takes the next k·b
+    positions, learner j (device-major) ``[pos + j·b, pos + (j+1)·b)``; a last partial round is
+    dropped. k and b come with every round (they change between rounds), and the cursor keeps
+    every batch of an epoch disjoint.
 
     Args:
         num_samples: N.
         shuffle: shuffle each epoch.
-        seed: the seed of the orders.
-    """
+        seed: the seed of the orders."""
 
     def __init__(self, num_samples: int, *, shuffle: bool, seed: int) -> None:
         self.num_samples = num_samples
@@ -127,14 +123,10 @@ def yields_every_sample(loader: DataLoader) -> bool:
 
 def make_fetch(dataset: Dataset, collate_fn: Callable[[list], Any] | None = None
                ) -> Callable[[torch.Tensor], Any]:
-    """A function from sample indices ``[n]`` to one collated batch ``(inputs, target)``.
-
-    With ``collate_fn`` (a DataLoader's): the samples read item by item (``read_samples``), then
-    ``collate_fn(samples)``. Without: TensorDatasets are gathered with one index per tensor
-    (detached; the rows of a sparse tensor made dense); any other Dataset is read item by item
-    and collated with ``training.collate.collate`` (torch's ``default_collate``, None targets
-    and keyword flags kept).
-    """
+    """A function from sample indices ``[n]`` to one collated batch ``(inputs, target)``: with
+    ``collate_fn`` (a DataLoader's) the samples read item by item and collated by it; else a
+    TensorDataset gathered with one index per tensor (detached, sparse rows made dense), any other
+    Dataset read item by item and collated by ``training.collate.collate``."""
     if collate_fn is not None:
         return CollateFetch(dataset, collate_fn)
     if isinstance(dataset, TensorDataset):
@@ -155,17 +147,14 @@ def _gatherable(t: torch.Tensor) -> torch.Tensor:
 
 
 class DeviceFetch:
-    """Sample indices ``[n]`` → ``[t[indices] for t in tensors]`` gathered on ``device``, where
-    the tensors were moved once (a device-resident TensorDataset), with ``index_select`` on the
-    caller's current stream (the default stream ``D``, before the round's learners). The same
-    samples, in the same order, as ``make_fetch``'s host gather. The epoch's order goes to the
-    device once (``start_epoch``): a round's indices, a slice of it, are a view of that copy;
-    other indices go there from a pinned host tensor with a non-blocking copy.
+    """Sample indices ``[n]`` → ``[t[indices] for t in tensors]`` gathered on ``device`` with
+    ``index_select`` on the caller's current stream, from tensors moved there once: the same
+    samples, in the same order, as ``make_fetch``. The epoch's order goes to the device once
+    (``start_epoch``); other indices go from a pinned host tensor, non-blocking.
 
     Args:
         tensors: the TensorDataset's tensors, ``[N, ...]`` each.
-        device: where they live from now on (a CUDA device; a CPU device runs the same path).
-    """
+        device: where they live from now on (a CUDA device; a CPU device runs the same path)."""
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], device: torch.device) -> None:
         self.device = device
@@ -213,17 +202,14 @@ def device_fetch(data: Any, dataset: Dataset, data_on_device: bool | str,
     """The fit's ``DeviceFetch`` when its training data lives on the plan's first device
     ``device``, else None (the host gathers or collates every round).
 
-    ``data``: what ``fit`` was given (a Dataset or a DataLoader); ``dataset``: its Dataset.
-    ``data_on_device``: ``True`` moves a TensorDataset (``crossbow_graph.datasets.ImageDataset``
-    is one) given as the Dataset itself; ``"auto"`` does so on a CUDA device when its tensors
-    take at most a quarter of the device's free memory (``torch.cuda.mem_get_info``);
-    ``False`` never.
+    ``data``: what ``fit`` was given; ``dataset``: its Dataset. ``data_on_device``: ``True`` moves
+    a TensorDataset given as the Dataset itself; ``"auto"`` does so on a CUDA device when its
+    tensors take at most a quarter of the free memory (``torch.cuda.mem_get_info``); ``False`` never.
 
     Raises:
         ValueError: ``data_on_device=True`` with data other than a TensorDataset of dense
             tensors (a DataLoader, a Dataset that reads its samples, one with ``get_batch``,
-            sparse tensors).
-    """
+            sparse tensors)."""
     eligible = isinstance(dataset, TensorDataset) and not isinstance(data, DataLoader) \
         and not hasattr(dataset, "get_batch")
     sparse = eligible and any(t.layout is not torch.strided for t in dataset.tensors)
@@ -266,8 +252,7 @@ class CollateFetch:
 
     Args:
         dataset: the map-style dataset.
-        collate_fn: a DataLoader's ``collate_fn``: a list of samples → ``(inputs, target)``.
-    """
+        collate_fn: a DataLoader's ``collate_fn``: a list of samples → ``(inputs, target)``."""
 
     def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any]) -> None:
         self.dataset, self.collate_fn = dataset, collate_fn
@@ -278,15 +263,13 @@ class CollateFetch:
 
 class LearnerFetch:
     """Sample indices ``[n·b]`` of n learners → a ``LearnerBatches``: learner j's b samples
-    ``indices[j·b:(j+1)·b]`` read and given to ``collate_fn`` on their own, so that every learner
-    gets its batch as collate_fn makes it (padded to its own longest sequence, say). b is the
-    run settings' batch size when called (it changes only between rounds).
+    ``indices[j·b:(j+1)·b]`` collated on their own (padded to its own longest sequence, say);
+    b is the run settings' batch size when called.
 
     Args:
         dataset: the map-style dataset.
         collate_fn: the DataLoader's ``collate_fn``: a list of b samples → ``(inputs, target)``.
-        settings: the plan's RunSettings (b).
-    """
+        settings: the plan's RunSettings (b)."""
 
     def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any],
                  settings: RunSettings) -> None:

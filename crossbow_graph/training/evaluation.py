@@ -29,8 +29,7 @@ class Evaluation:
         loss: the mean loss over the samples.
         unscored: why there is no accuracy (empty when there is one).
         extras: the other scalar entries of a dict ``loss_fn`` returns, averaged over the
-            samples (compiler/outputs.py ``loss_extras``); {} otherwise.
-    """
+            samples (compiler/outputs.py ``loss_extras``); {} otherwise."""
 
     accuracy: float | None
     loss: float
@@ -43,8 +42,7 @@ def eval_samples(data: Any, what: str = "eval_dataset") -> Dataset:
     ``sampler`` yields (a ``Subset``; each as often as yielded; torch's RNG left as it was).
 
     Raises:
-        TypeError, ValueError: as ``as_dataset``; ValueError: the sampler yields no sample.
-    """
+        TypeError, ValueError: as ``as_dataset``; ValueError: the sampler yields no sample."""
     dataset = as_dataset(data, what)
     if not isinstance(data, DataLoader):
         return dataset
@@ -136,8 +134,7 @@ def evaluate_model(forward: Callable[..., Any], loss_fn: Callable[[Any, Any], to
             and their settings; its samples are ``dataset``'s), or None: read in this process.
 
     Returns:
-        The Evaluation.
-    """
+        The Evaluation."""
     correct, loss_sum, n, unscored = 0.0, 0.0, 0, ""
     extras: dict[str, float] = {}
     for size, batch in _batches(dataset, batch_size, collate_fn, workers_of):

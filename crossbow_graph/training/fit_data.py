@@ -33,8 +33,8 @@ class FitData:
         source: the fit's one BatchSource (training/loader.py), after ``open``.
 
     Raises:
-        ValueError: ``target_accuracy`` or ``target_loss`` without an eval_dataset, fewer samples than one round.
-    """
+        ValueError: ``target_accuracy`` or ``target_loss`` without an eval_dataset, fewer
+            samples than one round."""
 
     def __init__(self, plan: "FitPlan", train_dataset: Any, eval_dataset: Any,
                  options: FitOptions) -> None:
@@ -79,8 +79,7 @@ class FitData:
 
         Raises:
             ValueError: a first batch that does not fit the plan (training/validate.py), or
-                ``data_on_device=True`` for data not a TensorDataset.
-        """
+                ``data_on_device=True`` for data not a TensorDataset."""
         opts, plan = self.options, self.plan
         self.schedule = BatchSchedule(len(self.train), shuffle=self.shuffle, seed=opts.seed)
         self.source = batch_source(self.train_dataset, self.train, plan, seed=opts.seed,

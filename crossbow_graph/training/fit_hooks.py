@@ -30,8 +30,7 @@ def fit_hooks(plan: "FitPlan", options: FitOptions, schedule: BatchSchedule, fir
     checkpoints.
 
     Raises:
-        ValueError: an LR scheduler that does not fit the fit (training/lr_schedule.py).
-    """
+        ValueError: an LR scheduler that does not fit the fit (training/lr_schedule.py)."""
     hooks = list(first)
     if metrics is not None:
         hooks.append(metrics)
@@ -58,8 +57,7 @@ def checkpoints(plan: "FitPlan", options: FitOptions, schedule: BatchSchedule, h
     newest checkpoint (``options.resume``). Under torchrun rank 0 writes and reads the files.
 
     Raises:
-        CheckpointError: as ``Plan.fit`` documents it (under torchrun the group is closed first).
-    """
+        CheckpointError: as ``Plan.fit`` documents it (under torchrun the group is closed first)."""
     saver = CheckpointHook(options.checkpoint_dir, schedule, hooks,
                            every_rounds=options.checkpoint_every, writer=main)
     try:

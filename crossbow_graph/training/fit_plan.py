@@ -54,8 +54,7 @@ class FitPlan(Protocol):
         autotuner: the auto-tuner hook (``replicas="auto"``), or None.
         devices, num_learners, num_parameters: the devices' names, k (every process), P.
         max_replicas_per_device: m that fits the memory budget (None: unbounded).
-        fused_failure: why fused learners cannot run the model, or None.
-    """
+        fused_failure: why fused learners cannot run the model, or None."""
 
     settings: RunSettings
     progress: FitProgress

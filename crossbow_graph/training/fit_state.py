@@ -45,8 +45,7 @@ class EpochState:
         acc: z's accuracy at its last evaluation (None: none yet).
         bar: its progress bar; start: ``perf_counter`` when its clock last (re)started.
         seconds: its training seconds so far; samples: the samples this fit trained in it.
-        agree: under torchrun, rank 0's settings are agreed before the next round (hooks ran).
-    """
+        agree: under torchrun, rank 0's settings are agreed before the next round (hooks ran)."""
 
     epoch: int
     order: torch.Tensor
@@ -95,8 +94,7 @@ class FitState:
             before every round (a hook acts in before_round) and after every round (a hook
             decides).
         epoch: the epoch being run.
-        lr_rule: SMA's η rule (training/sma_lr.py), None where the sync algorithm has none.
-    """
+        lr_rule: SMA's η rule (training/sma_lr.py), None where the sync algorithm has none."""
 
     data: FitData
     schedule: BatchSchedule

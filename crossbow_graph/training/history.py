@@ -18,16 +18,13 @@ class EpochRecord:
         rounds: rounds run in the epoch.
         samples: training samples of those rounds (Σ over rounds of k·b).
         train_loss: mean training loss over the epoch's learner batches.
-        test_accuracy: accuracy of the central model z on the eval dataset at the end of the
-            epoch (fraction in [0, 1]), None without one.
+        test_accuracy: z's accuracy on the eval dataset at the epoch's end (in [0, 1]), or None.
         samples_per_s: training samples per second of training time (evaluation excluded).
         tokens_per_s: ``samples_per_s`` × ``History.tokens_per_sample``; None without tokens.
         train_seconds: cumulative training wall seconds at the end of the epoch.
-        replicas_per_device: m at the end of the epoch (the auto-tuner may change it).
-        learner_mode: ``"per_replica"`` or ``"fused"`` at the end of the epoch.
-        sync_unhidden_share: of the epoch's synchronisation seconds, the share learners waited
-            for (not hidden behind learning), in [0, 1]; None when no sync ran.
-    """
+        replicas_per_device, learner_mode: m and the learner mode at the end of the epoch.
+        sync_unhidden_share: the share of the epoch's sync seconds learners waited for, in
+            [0, 1]; None when no sync ran."""
 
     epoch: int
     rounds: int
@@ -86,8 +83,7 @@ class AutotuneRecord:
         action: ``"add"``, ``"confirm"``, ``"confirmed_add"``, ``"confirmed_keep_mode"``,
             ``"unconfirmed"``, ``"remove"``, ``"bound"``, ``"try_mode"``, ``"revert_mode"``,
             ``"skip_mode"``, ``"hold"``, ``"drift"`` or ``"repeat"``.
-        next_replicas_per_device, next_learner_mode: the configuration after the decision.
-    """
+        next_replicas_per_device, next_learner_mode: the configuration after the decision."""
 
     round: int
     replicas_per_device: int
@@ -113,8 +109,7 @@ class MetricRecord:
         grad_sq, trace_sigma: the window's estimates of |G|² and tr Σ (None: k = 1).
         grad_sq_ema, trace_sigma_ema: their bias-corrected EMAs (None in warm-up windows).
         noise_scale: B_noise = trace_sigma_ema / grad_sq_ema, samples (or None).
-        test_accuracy: z's accuracy at the last evaluation inside the window, else None.
-    """
+        test_accuracy: z's accuracy at the last evaluation inside the window, else None."""
 
     round: int
     epoch: float
@@ -145,8 +140,7 @@ class PolicyRecord:
         epoch: 0-based epoch index then.
         policy: the policy's class name.
         changes: what changed, e.g. ``{"batch_size": 32, "lr": 0.04}``.
-        reason: the policy's own words, with the numbers it acted on.
-    """
+        reason: the policy's own words, with the numbers it acted on."""
 
     round: int
     epoch: int
@@ -163,37 +157,31 @@ class History:
         epochs: one EpochRecord per completed epoch.
         evals: every evaluation of z.
         target_accuracy: the requested target, if any.
-        max_grad_norm: the 2-norm every learner's gradient was clipped to
-            (``fit(max_grad_norm=...)``), None: not clipped.
+        max_grad_norm: the 2-norm every learner's gradient was clipped to, None: not clipped.
         time_to_accuracy_s: training seconds when z first reached the target (None if never).
         epochs_to_accuracy: epochs (fractional) at that point.
         target_loss: the requested test-loss target (``fit(target_loss=)``), if any.
         time_to_loss_s: training seconds when z's test loss first reached ``target_loss``
-            (None if never); epochs_to_loss and samples_to_loss: epochs (fractional) and
-            training samples at that point.
+            (None if never); epochs_to_loss, samples_to_loss: epochs and samples then.
         tokens_per_sample: tokens one training sample predicts: the training dataset's
             ``block_size`` (``datasets.TextDataset``), else None; tokens = samples × it.
-        faults: every replica reset for NaN/Inf (engine/learning/faults.py FaultEvent: round, device,
-            replica, rank; under torchrun every rank's).
+        faults: every replica reset for NaN/Inf (engine/learning/faults.py FaultEvent; under
+            torchrun every rank's).
         autotune: every decision of the replica auto-tuner, in order.
         sync_seconds: synchronisation work during the fit (local and global syncs), seconds.
         sync_exposed_seconds: the part of it learners waited for (not hidden), seconds.
-        metrics: one MetricRecord per metrics window (samples/s, loss, lr, b,
-            m, divergence, gradient noise scale; ``fit(metrics_every=N)``).
+        metrics: one MetricRecord per metrics window (``fit(metrics_every=N)``).
         policy: every adjustment a policy applied (a PolicyRecord each).
-        lr: η of every round run (the first param group's learning rate in force, × SMA's η
-            factor: training/sma_lr.py), in order.
-        lr_rule: every application of SMA's η rule (training/sma_lr.py ``LRRuleRecord``: round,
-            k, α, the factor's ramp), in order; empty with ``SMA(scale_lr=False)``.
-        cuda_graphs: with ``compile(cuda_graphs=True)``, the plan's graph rounds so far:
-            ``{"captures", "replays", "eager_rounds": {reason: rounds}}`` (engine/backends/graphs/capture.py
-            ``RoundGraph.record``); else empty.
+        lr: η of every round run (the first group's lr × SMA's η factor, training/sma_lr.py).
+        lr_rule: every application of SMA's η rule (``LRRuleRecord``), in order; empty with
+            ``SMA(scale_lr=False)``.
+        cuda_graphs: with ``compile(cuda_graphs=True)``, ``{"captures", "replays",
+            "eager_rounds": {reason: rounds}}`` (``RoundGraph.record``); else empty.
         cpu_threads: torch's intra-op threads during the fit (``fit(cpu_threads=)``).
         free_cores: the cores other processes left free at its start, from which
             ``cpu_threads="auto"`` chose (engine/learning/threads.py); None: not measured.
         membership: under ``Distributed(fault_tolerant=True)`` every change of the live replica
-            groups (engine/transport/ft.py MembershipChange: round, groups, learners k, ...), in order.
-    """
+            groups (engine/transport/ft.py ``MembershipChange``), in order."""
 
     epochs: list[EpochRecord] = field(default_factory=list)
     evals: list[EvalRecord] = field(default_factory=list)

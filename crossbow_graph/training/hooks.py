@@ -33,8 +33,7 @@ class FitContext:
         stop: set True to end the fit after the current round.
         batch_indices: the last round's sample indices ``[k·b]`` (learner j's at ``[j·b, (j+1)·b)``).
         round_samples: samples of the last round (k·b).
-        epoch_complete: in ``after_epoch``, whether the epoch used its order up.
-    """
+        epoch_complete: in ``after_epoch``, whether the epoch used its order up."""
 
     plan: "FitPlan"
     history: "History"
@@ -100,8 +99,7 @@ class FitHooks:
 
     Raises:
         HookError: a hook declaring ``mutates_replicas = False`` wrote w, v or z while a round was
-            learned ahead (docs/runtime.md, Overlap).
-    """
+            learned ahead (docs/runtime.md, Overlap)."""
 
     def __init__(self, hooks: list[Hook]) -> None:
         self.hooks = hooks

@@ -1,13 +1,10 @@
 """The user's DataLoader, honoured: its collate_fn, worker processes, pinning and seeds, on the
 plan's batches (docs/design-overview.md §6; docs/runtime.md, Your DataLoader).
 
-The plan decides which samples every learner gets (``BatchSchedule``: one seeded order per epoch,
-disjoint batches); the DataLoader decides how they are loaded. ``check_loader`` refuses the
-settings that would decide the samples instead (a sampler, a batch sampler); ``RoundLoader`` builds
-a DataLoader over the same dataset with the user's loading settings whose sampler yields the
-plan's rounds, one item per learner: learner j's b indices of round t, read and given to
-``collate_fn`` in a DataLoader worker, which loads whole rounds ahead while the learners train.
-"""
+The plan decides which samples every learner gets (``BatchSchedule``), the DataLoader how they
+are loaded: ``check_loader`` refuses a sampler or batch sampler; ``RoundLoader`` runs a DataLoader
+with the user's loading settings whose sampler yields learner j's b indices of round t, so that
+its workers load whole rounds ahead while the learners train."""
 
 from __future__ import annotations
 
@@ -36,20 +33,18 @@ _LOADER_TAG = 0x4C4F4144  # "LOAD": keeps these seeds apart from seed_host_rngs'
 
 def check_loader(loader: DataLoader, batch_size: int, what: str = "train_dataset",
                  stacklevel: int = 2) -> None:
-    """Refuse a DataLoader whose settings choose the samples, which the plan does.
+    """Refuse a DataLoader whose settings choose the samples, which the plan does (docs/runtime.md,
+    Your DataLoader).
 
-    A ``SequentialSampler`` or a plain ``RandomSampler`` (what ``shuffle=False``/``True`` make)
-    is accepted: the order is ``fit(shuffle=, seed=)``'s, by default the DataLoader's own
-    ``shuffle`` (``fit_shuffle``) with the fit's seed. ``batch_size`` and ``drop_last`` are
-    not used (b is the plan's; a last partial round is always dropped): a ``batch_size`` other
-    than b = ``batch_size`` is a ``UserWarning`` (once per call: ``Plan.fit`` checks once) that
-    says b is used and that ``DataLoader(..., batch_size=b)`` silences it.
+    A ``SequentialSampler`` or plain ``RandomSampler`` is accepted: the order is
+    ``fit(shuffle=, seed=)``'s, by default the DataLoader's ``shuffle`` (``fit_shuffle``).
+    ``batch_size`` and ``drop_last`` are not used; a ``batch_size`` other than b is a
+    ``UserWarning`` (once per call) that says b is used and how to silence it.
 
     Raises:
         ValueError: a ``batch_sampler``, ``batch_size=None`` (single samples), or a sampler
             other than those two (e.g. ``WeightedRandomSampler``, ``DistributedSampler``); the
-            message says what the plan does instead and the fix.
-    """
+            message says what the plan does instead and the fix."""
     plan_draws = (f"the plan draws every learner's batch of b = {batch_size} itself (disjoint "
                   "batches from one seeded order per epoch, fit(shuffle=, seed=); under torchrun "
                   "it shards the samples across the ranks too)")
@@ -90,12 +85,9 @@ def fit_shuffle(data: Any, shuffle: bool | None) -> bool:
 
 def seed_learner_batch(fit_seed: int, epoch: int, position: int) -> None:
     """Seed Python's ``random``, NumPy's global RNG and torch's CPU generator from (fit seed,
-    epoch, position), before the learner batch at ``position`` of the epoch's order (its b
-    samples ``order[position:position + b]``) is read: what a Dataset's augmentation draws from
-    in a DataLoader worker, so its draws are a function of the fit's seed and the batch, whichever
-    worker loads it and however many learners share the round, and a resumed fit draws them
-    again. ``numpy.random.SeedSequence``, as ``seed_host_rngs`` (engine/learning/learners.py) and torch's
-    DataLoader derive seeds."""
+    epoch, position) (``numpy.random.SeedSequence``) before the learner batch
+    ``order[position:position + b]`` is read in a DataLoader worker: augmentation draws depend on
+    the fit's seed and the batch alone (docs/runtime.md, Your DataLoader)."""
     words = np.random.SeedSequence([fit_seed % 2**64, epoch, position,
                                     _LOADER_TAG]).generate_state(4)
     random.seed(int.from_bytes(words.tobytes(), "little"))
@@ -110,13 +102,9 @@ def _as_is(item: Any) -> Any:
 
 class _LearnerBatchView(Dataset):
     """The dataset as the DataLoader's workers read it: a key ``(epoch, position, indices)`` →
-    ``(position, collate_fn(samples))`` (its tensors detached and dense: ``plain_batch``; without
-    a collate_fn, ``training.collate.collate``), the learner batch at ``position`` of the epoch's
-    order, read after ``seed_learner_batch``.
-
-    ``dataset`` is the user's; other attributes are read from it, so that a worker_init_fn that
-    reads ``torch.utils.data.get_worker_info().dataset`` finds what it set up.
-    """
+    ``(position, collate_fn(samples))`` (detached and dense, ``plain_batch``), read after
+    ``seed_learner_batch``. Other attributes are the user's ``dataset``'s, for a worker_init_fn
+    that reads ``get_worker_info().dataset``."""
 
     def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any] | None,
                  seed: int) -> None:
@@ -168,8 +156,7 @@ class RoundLoader:
     Args:
         loader: the user's DataLoader (``check_loader`` passed).
         plan: the Plan: b (``plan.batch_size``) and, under torchrun, the rank's learners.
-        seed: the fit's seed (``seed_learner_batch``).
-    """
+        seed: the fit's seed (``seed_learner_batch``)."""
 
     def __init__(self, loader: DataLoader, plan: "FitPlan", seed: int) -> None:
         self.plan = plan
@@ -280,8 +267,7 @@ class BatchSource:
             gathered there).
         fetch: sample indices ``[n]`` → collated batch, in any process.
         host_fetch: the same samples read on the host (the first batches' checks).
-        loader: the RoundLoader of the ``"loader"`` route, else None.
-    """
+        loader: the RoundLoader of the ``"loader"`` route, else None."""
 
     route: Route
     fetch: Callable[[torch.Tensor], Any]
@@ -321,8 +307,7 @@ def batch_source(data: Any, train: Dataset, plan: "FitPlan", *, seed: int,
     DataLoader's ``collate_fn`` per learner, a dataset's ``get_batch``, or default collation).
 
     Raises:
-        ValueError: ``data_on_device=True`` with data other than a TensorDataset.
-    """
+        ValueError: ``data_on_device=True`` with data other than a TensorDataset."""
     collate = collate_of(data)
     if collate is not None:  # every learner's b samples collated on their own
         host = LearnerFetch(train, collate, plan.settings)

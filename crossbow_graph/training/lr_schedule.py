@@ -34,8 +34,7 @@ def check_lr_scheduler(plan: "FitPlan", scheduler: Any, interval: str,
     Raises:
         TypeError: not a torch.optim LR scheduler (or a scheduler class, not an instance).
         ValueError: built over another optimizer than the plan's, an unknown interval, or a
-            OneCycleLR stepped per round or batch with fewer steps left than the fit takes.
-    """
+            OneCycleLR stepped per round or batch with fewer steps left than the fit takes."""
     if interval not in LR_INTERVALS:
         raise ValueError(f"lr_scheduler_interval={interval!r}: use 'epoch', 'round' or 'batch'")
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
@@ -128,8 +127,7 @@ class LRSchedulerHook(Hook):
             for a subclass that adds its own at ``before_fit``.
         batches_per_epoch: L, the batches of b a plain loop takes per epoch (the training
             DataLoader's ``len``; a Dataset: ⌈N/b⌉): the steps of an epoch with ``"batch"``, and
-            what a schedule stepped per round is probed against.
-    """
+            what a schedule stepped per round is probed against."""
 
     mutates_replicas = False  # η only: the param groups, read by every learner's next update
     decides = False  # the same schedule on every rank

@@ -1,22 +1,8 @@
 """Metrics to CSV files and TensorBoard, and the History as JSON: the ``log_dir`` of a fit.
 
-Files written into ``log_dir`` (appended to when a resumed fit logs into the same directory, so
-rows between the last checkpoint and a crash can appear twice; the later ones are the resumed run):
-
-- ``rounds.csv``: round (global, 1-based), epoch (1-based), round_in_epoch, loss (mean training
-  loss of the round's k learners), samples_per_s (since the previous row), train_seconds,
-  tokens_per_s (samples_per_s × History.tokens_per_sample; empty without tokens);
-- ``evals.csv``: every evaluation of z (History.evals: with its samples and test_perplexity);
-- ``epochs.csv``: every epoch (History.epochs);
-- ``faults.csv``: every replica reset for NaN/Inf (round, device, replica, rank: every rank's
-  under torchrun);
-- ``history.json``: the fit's History at its end (History.save_json);
-- TensorBoard event files (``torch.utils.tensorboard.SummaryWriter``): ``train/loss``,
-  ``train/samples_per_s`` (and ``train/tokens_per_s``) per round; ``eval/accuracy``,
-  ``eval/loss``, ``eval/perplexity`` per evaluation; ``epoch/train_loss``, ``epoch/samples_per_s``,
-  ``epoch/tokens_per_s``, ``epoch/accuracy``, ``epoch/replicas_per_device``
-  per epoch; ``faults/replicas_reset``; steps are global round numbers.
-"""
+Files (docs/reliability.md, Logging, lists their columns): ``rounds.csv``, ``evals.csv``,
+``epochs.csv``, ``faults.csv`` (every rank's under torchrun), ``history.json`` and TensorBoard
+event files (steps: global round numbers); a resumed fit appends to them."""
 
 from __future__ import annotations
 
@@ -63,8 +49,7 @@ class MetricsLogger(Hook):
 
     Raises:
         ValueError: ``every_rounds`` < 1.
-        ImportError: at the start of the fit, ``tensorboard=True`` without the tensorboard package.
-    """
+        ImportError: at the fit's start, ``tensorboard=True`` without the tensorboard package."""
 
     mutates_replicas = False  # it only reads the metrics: the overlap of rounds stays on
 

@@ -27,19 +27,17 @@ class FitOptions:
 
     Raises:
         ValueError: ``epochs``, ``evals_per_epoch``, ``eval_batch_size`` or ``metrics_every`` not
-            an integer ≥ 1, ``bn_recalibration_batches`` not an integer ≥ 0,
-            ``target_accuracy`` outside (0, 1], ``target_loss`` not finite, ``data_on_device`` not ``"auto"``, True or
-            False, ``max_grad_norm`` not a positive finite number, ``cpu_threads`` not
-            ``"auto"``, None or an integer ≥ 1, a value not among a field's
-            choices, ``resume=True`` or ``checkpoint_every`` without ``checkpoint_dir``, a
-            ``trace`` path whose folder is missing or not writable, a ``log_dir`` that is a
-            file or cannot be created or written.
+            an integer ≥ 1, ``bn_recalibration_batches`` not an integer ≥ 0, ``target_accuracy``
+            outside (0, 1], ``target_loss`` not finite, ``data_on_device`` not ``"auto"``, True
+            or False, ``max_grad_norm`` not a positive finite number, ``cpu_threads`` not
+            ``"auto"``, None or an integer ≥ 1, a value not among a field's choices,
+            ``resume=True`` or ``checkpoint_every`` without ``checkpoint_dir``, a ``trace`` path
+            whose folder is missing or not writable, a ``log_dir`` that is a file or cannot be
+            created or written.
         TypeError: ``metric_fn`` not callable, ``seed`` not an integer, ``target_accuracy``,
-            ``target_loss`` or ``max_grad_norm`` not a number, ``shuffle`` not a bool or None, ``progress`` or
-            ``resume`` not a bool,
-            ``hooks``/``policies`` not a list of hook objects (one hook alone, or a class
-            instead of an instance).
-    """
+            ``target_loss`` or ``max_grad_norm`` not a number, ``shuffle`` not a bool or None,
+            ``progress`` or ``resume`` not a bool, ``hooks``/``policies`` not a list of hook
+            objects (one hook alone, or a class instead of an instance)."""
 
     epochs: int = option(1, doc=(
         "epochs to run (≥ 1); with resume=True, the epochs of the whole run"))
@@ -185,8 +183,7 @@ def as_hooks(name: str, hooks: object) -> tuple:
 
     Raises:
         TypeError: one hook not in a list, something not iterable, a class instead of an
-            instance, or an item that is not a crossbow_graph.Hook (a plain function, say).
-    """
+            instance, or an item that is not a crossbow_graph.Hook (a plain function, say)."""
     if isinstance(hooks, Hook):
         raise TypeError(f"{name}={hooks!r}: pass a list of hooks, e.g. {name}=[{type(hooks).__name__}(...)]")
     try:
@@ -234,8 +231,7 @@ def check_writable_dir(argument: str, directory: object) -> None:
 
     Raises:
         TypeError: not a path. ValueError: a file, or a directory that cannot be created or
-            written (the message names the argument, the path and the OS error).
-    """
+            written (the message names the argument, the path and the OS error)."""
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"{argument}={directory!r}: must be a directory path, e.g. {argument}='runs/w1'")
     directory = str(directory)

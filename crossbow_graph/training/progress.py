@@ -23,8 +23,7 @@ class FitProgress:
         position_in_epoch: samples of the unfinished epoch's order used so far.
         train_seconds: training seconds of the complete epochs (evaluation excluded).
         losses: the learners' losses of the epoch's rounds so far (0-dim tensors, in the rounds'
-            order; the epoch's training loss is their finite mean).
-    """
+            order; the epoch's training loss is their finite mean)."""
 
     epochs_done: int = 0
     rounds_done: int = 0

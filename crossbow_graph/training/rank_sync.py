@@ -26,8 +26,7 @@ def agree_settings(comm: Any, plan: FitPlan, stop: bool, round_index: int) -> bo
     ``Adjustment`` of the values that differ (as a policy's).
 
     Raises:
-        DistributedError: a peer died or did not answer.
-    """
+        DistributedError: a peer died or did not answer."""
     settings = plan.settings
     alpha = settings.alpha
     mine = [float(settings.replicas_per_device), float(settings.learner_mode == "fused"),

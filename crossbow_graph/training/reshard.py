@@ -4,8 +4,7 @@ number of processes): ``split_for_ranks`` gives each of R′ ranks its plan stat
 A checkpoint holds rank 0's plan state and RNG states, and per other rank r = 1 … R−1
 ``peers[r − 1] = {"states": [...], "losses": [n], "rng": {...}}``; ``world_size`` is R (absent:
 one process). Learners are numbered j = (r·G + d)·m + i (training/fit_data.py ``rank_rows``); a
-new learner's loss scale is the smallest saved one.
-"""
+new learner's loss scale is the smallest saved one."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def split_for_ranks(state: dict[str, Any], world_size: int
 
     Raises:
         ValueError: the saved ranks differ in devices or replicas (not a checkpoint of this
-            version).
-    """
+            version)."""
     ranks = _saved_ranks(state)
     peers = state.get("peers", [])
     rngs = [state["rng"]] + [p["rng"] for p in peers]

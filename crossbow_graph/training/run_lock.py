@@ -1,15 +1,10 @@
-"""One fit at a time in a checkpoint directory: an exclusive lock held while a fit writes there.
+"""One fit at a time in a checkpoint directory: an exclusive lock held while a fit writes there
+(docs/reliability.md, One fit per directory).
 
-``DirectoryLock(directory).acquire()`` takes an exclusive ``fcntl.flock`` on
-``<directory>/.crossbow_graph.lock`` (without waiting) and writes the holder's pid, host and start
-time into it; ``release()`` removes the file and lets go. The operating system drops the lock when
-the process ends, however it ends (a crash, SIGKILL), so a stale file never blocks a later fit
-(forked children, the process executor's workers and a DataLoader's, close their copy of the
-descriptor at once, so that none outlives the fit holding it). A
-second fit in the same directory, in this process or another on a file system with ``flock``
-(local disks; NFS v4), gets a ``CheckpointError`` naming the directory, the holder and the fix,
-before any round. Under torchrun only the rank that writes the files (rank 0) holds it.
-"""
+``DirectoryLock(directory).acquire()`` takes a non-blocking ``fcntl.flock`` on
+``<directory>/.crossbow_graph.lock`` with the holder's pid, host and start time; the OS drops it
+when the process ends (forked children close their copy of the descriptor at once). A second fit
+there gets a ``CheckpointError`` naming the directory, the holder and the fix, before any round."""
 
 from __future__ import annotations
 
@@ -44,8 +39,7 @@ class DirectoryLock:
     """The lock of one checkpoint directory (module docstring); a context manager.
 
     Args:
-        directory: the checkpoint directory (it exists: ``check_writable_dir`` made it).
-    """
+        directory: the checkpoint directory (it exists: ``check_writable_dir`` made it)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -57,8 +51,7 @@ class DirectoryLock:
 
         Raises:
             CheckpointError: another fit holds it (names the directory, the holder's pid, host
-                and start time, and the fix).
-        """
+                and start time, and the fix)."""
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:

@@ -14,8 +14,7 @@ class RunRecord:
     checkpoint it wrote or resumed from there (what makes a directory's checkpoints its own).
 
     Attributes:
-        setup: ``run_setup`` at the start of the plan's first fit (None before it).
-    """
+        setup: ``run_setup`` at the start of the plan's first fit (None before it)."""
 
     def __init__(self) -> None:
         self.setup: dict[str, Any] | None = None

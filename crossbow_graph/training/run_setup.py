@@ -49,8 +49,7 @@ class SettingsChoice:
 
     Args:
         mine: this fit's set-up (``RunRecord.setup``), or None: the checkpoint's values, no warning.
-        theirs: the set-up of the run that wrote the checkpoint, None for an older checkpoint.
-    """
+        theirs: the set-up of the run that wrote the checkpoint, None for an older checkpoint."""
 
     def __init__(self, mine: dict[str, Any] | None, theirs: dict[str, Any] | None) -> None:
         self.mine, self.theirs = mine, theirs

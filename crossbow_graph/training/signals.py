@@ -1,19 +1,6 @@
 """SIGTERM during a fit: finish the round, write a checkpoint, stop (docs/reliability.md, Stopping
-a fit: SIGTERM).
-
-``docker stop``, SLURM's time limit and ``kill`` send SIGTERM, whose default action ends the
-process at once, losing every round since the last checkpoint. While its rounds run, a fit in the
-main thread handles it instead (``StopSignal``): the handler only notes the signal; the Trainer
-ends the round in progress (its hooks included), writes a checkpoint of that state where the fit
-has a ``checkpoint_dir``, runs the hooks' ``after_fit`` and raises ``TrainingInterrupted`` (exit
-status 143 if uncaught). The same signal again within ``SAME_STOP_S`` seconds of the first is the
-same request and changes nothing: under torchrun a rank gets SIGTERM twice when SLURM signals
-every process and torchrun's agent forwards the one it got. Later, a second one acts as it would
-without the fit (by default: the process ends at once). Once the fit is over the previous
-handlers are back, and a signal that arrived after the fit's last round is raised again, so that
-it acts as it would have. Worker processes ignore SIGTERM (engine/backends/process/executor.py): the coordinator
-stops them.
-"""
+a fit: SIGTERM and Ctrl-C, which gives the rules: a repeat within ``SAME_STOP_S`` seconds, exit
+status 143, torchrun, the handlers restored after the fit; worker processes ignore SIGTERM)."""
 
 from __future__ import annotations
 
@@ -44,8 +31,7 @@ class StopSignal:
     Attributes:
         received: the signal number received, or None.
         consumed: the fit stopped for it (set by the Trainer); otherwise ``__exit__`` raises the
-            signal again after restoring the previous handlers.
-    """
+            signal again after restoring the previous handlers."""
 
     def __init__(self) -> None:
         self.received: int | None = None

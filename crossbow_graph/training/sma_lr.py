@@ -2,11 +2,9 @@
 s(k) = √min(k, K_SAT), the factor moved linearly over a quarter epoch of samples after every
 change of the number of learners k (docs/design-overview.md §2, "How α, μ_z and η follow k").
 
-The factor is the plan's ``LocalOptimizer.lr_factor`` (engine/state/optim.py), which a round's
-hyper-parameter snapshot (engine/state/hyper.py ``Hyper.of``) applies to the groups' lr without
-writing it: the user's optimizer keeps η₁, a scheduler and a policy keep
-writing it, and the round's η is their value × the factor (``History.lr``). Every change of k
-is a ``LRRuleRecord`` in ``History.lr_rule``."""
+The factor is ``LocalOptimizer.lr_factor`` (engine/state/optim.py), applied by a round's
+``Hyper.of`` without writing the groups' lr (the user's η₁); every change of k is a
+``LRRuleRecord`` in ``History.lr_rule``."""
 
 from __future__ import annotations
 

@@ -40,8 +40,7 @@ class Trainer:
         hooks: the hooks that run first: the plan's auto-tuner (if any), then ``options.hooks``.
         metrics: the fit's MetricsMonitor, or None.
 
-    ``run`` raises what ``Plan.fit`` documents; the fit's state is ``fit`` (``FitState``).
-    """
+    ``run`` raises what ``Plan.fit`` documents; the fit's state is ``fit`` (``FitState``)."""
 
     def __init__(self, plan: FitPlan, train_dataset: Any, eval_dataset: Any, options: FitOptions,
                  *, hooks: list[Hook], metrics: Hook | None) -> None:

@@ -24,8 +24,7 @@ class UserModel:
     Args:
         model: the module given to ``compile``.
         template: the plan's copy of it (``Plan.template``), whose trainable parameters are the
-            ones the plan trains.
-    """
+            ones the plan trains."""
 
     def __init__(self, model: nn.Module, template: nn.Module) -> None:
         self._ref = weakref.ref(model)
@@ -41,8 +40,7 @@ class UserModel:
         (the plan's set of trained parameters is fixed at compile: its flat layout).
 
         Raises:
-            ValueError: naming the parameters whose ``requires_grad`` changed, and the fix.
-        """
+            ValueError: naming the parameters whose ``requires_grad`` changed, and the fix."""
         model = self.module
         if model is None:
             return

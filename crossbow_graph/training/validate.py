@@ -272,8 +272,7 @@ def check_first_batch(plan: "FitPlan", dataset: Any, fetch: Callable[[torch.Tens
         what: the argument's name for messages.
 
     Raises:
-        ValueError: a mismatch; the message names the input or label, the numbers and the fix.
-    """
+        ValueError: a mismatch; the message names the input or label, the numbers and the fix."""
     last = len(dataset) - 1
     if fetch == getattr(dataset, "get_batch", None):  # read in batches only: one call, with len − 1
         indices = torch.cat([indices, torch.tensor([last])])
@@ -351,8 +350,7 @@ def check_eval_dataset(plan: "FitPlan", data: Any) -> None:
 
     Raises:
         TypeError, ValueError: as ``eval_samples`` and ``check_first_batch``, naming
-            ``eval_dataset``.
-    """
+            ``eval_dataset``."""
     evals = eval_samples(data)  # the samples evaluation scores
     check_first_batch(plan, evals, make_fetch(evals, collate_of(data)),
                       torch.arange(min(plan.settings.batch_size, len(evals))), what="eval_dataset")

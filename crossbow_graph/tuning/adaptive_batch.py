@@ -77,8 +77,7 @@ class Pace:
         trial: a growth on trial (the b, samples/s and setting before it), or None.
         setting: ``[b, k, m, τ]`` of the last window (speeds compare alike), or None.
         gain_windows_seen: windows of this fit whose estimate entered the EMAs.
-        noise: ``(B_noise,)`` of the newest window with an estimate, or None.
-    """
+        noise: ``(B_noise,)`` of the newest window with an estimate, or None."""
 
     wait: float = 0.0
     windows: int = 0
@@ -136,8 +135,7 @@ class AdaptiveBatchSize(Policy):
 
     Raises:
         ValueError: an argument out of range; at the start of a fit without a metrics monitor
-            (``fit(metrics_every=None)``), or with k = 1 learner and no replica auto-tuner.
-    """
+            (``fit(metrics_every=None)``), or with k = 1 learner and no replica auto-tuner."""
 
     min_learners = 2  # the two-batch noise-scale estimate (or the replica auto-tuner)
 

@@ -37,8 +37,7 @@ class AutoTune:
 
     Raises:
         ValueError: a value outside its range.
-        TypeError: ``try_other_mode`` or ``reprobe`` not True or False.
-    """
+        TypeError: ``try_other_mode`` or ``reprobe`` not True or False."""
 
     threshold: float = 0.10
     warmup_rounds: int = 10
@@ -87,8 +86,7 @@ class AutoTuner(Policy):
 
     Attributes:
         rule: the TuningRule (``phase``: ``"grow"``, ``"mode"`` or ``"hold"``).
-        decisions: every AutotuneRecord over the plan's life.
-    """
+        decisions: every AutotuneRecord over the plan's life."""
 
     def __init__(self, config: AutoTune = AutoTune(), *,
                  clock: Callable[[FitContext], float] | None = None) -> None:

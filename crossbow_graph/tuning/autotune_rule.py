@@ -129,8 +129,7 @@ class TuningRule:
     Attributes:
         phase: ``"grow"``, ``"confirm"``, ``"mode"`` or ``"hold"``.
         best: (Measurement, m, mode) of the best configuration so far, or None.
-        held: the pooled held windows that holding compares with, or None.
-    """
+        held: the pooled held windows that holding compares with, or None."""
 
     def __init__(self, *, threshold: float, repeats: int, reprobe: bool,
                  try_other_mode: bool, windows: int = 1) -> None:

@@ -113,8 +113,7 @@ class MetricsMonitor(Hook):
 
     Raises:
         ValueError: ``every`` < 1, ``ema`` outside [0, 1), ``measure_rounds`` < 1,
-            ``warmup_windows`` < 0 or ``window_samples`` < 1.
-    """
+            ``warmup_windows`` < 0 or ``window_samples`` < 1."""
 
     mutates_replicas = False
 

@@ -126,8 +126,7 @@ class StepLR(_EpochSchedule):
 
     Args:
         step_epochs: epochs between drops (≥ 1). gamma: factor per drop, in (0, 1].
-        reset_on_drop: reset every replica to z when η drops (default True).
-    """
+        reset_on_drop: reset every replica to z when η drops (default True)."""
 
     def __init__(self, step_epochs: int = 2, gamma: float = 0.1, **kw: Any) -> None:
         super().__init__(**kw)
@@ -149,8 +148,7 @@ class MultiStepLR(_EpochSchedule):
         milestones: epochs at which η is multiplied by γ (increasing).
         gamma: factor per milestone, in (0, 1].
         warmup_epochs: W ≥ 0. warmup_start: s in (0, 1].
-        reset_on_drop: reset every replica to z when η drops (default True).
-    """
+        reset_on_drop: reset every replica to z when η drops (default True)."""
 
     def __init__(self, milestones: tuple[int, ...] = (3, 4), gamma: float = 0.1, *,
                  warmup_epochs: int = 0, warmup_start: float = 0.25, **kw: Any) -> None:
@@ -181,8 +179,7 @@ class CosineLR(_EpochSchedule):
     Args:
         epochs: T ≥ 1. eta_min: floor ≥ 0.
         reset_on_drop: reset every replica to z when η drops (default False: it drops every
-            epoch).
-    """
+            epoch)."""
 
     reset_default = False
 
@@ -208,8 +205,7 @@ class DivergenceGuard(Policy):
 
     Args:
         max_divergence: threshold on ‖ŵ_j − z‖/‖z‖ (> 0); None: only the loss check.
-        loss_factor: threshold on loss / median loss (> 1); None: only the divergence check.
-    """
+        loss_factor: threshold on loss / median loss (> 1); None: only the divergence check."""
 
     def __init__(self, *, max_divergence: float | None = 1.0, loss_factor: float | None = 10.0) -> None:
         if max_divergence is not None and not max_divergence > 0:
@@ -281,8 +277,7 @@ def parse_policy(spec: str) -> Policy:
     ``multistep_lr:milestones=3/4,warmup_epochs=1`` (tuples with ``/``).
 
     Raises:
-        ValueError: an unknown name or argument, naming the known ones.
-    """
+        ValueError: an unknown name or argument, naming the known ones."""
     name, _, args = spec.partition(":")
     cls = POLICIES.get(name.strip().lower().replace("-", "_"))
     if cls is None:

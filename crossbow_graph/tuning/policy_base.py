@@ -3,8 +3,7 @@ plan between rounds only through ``Policy.adjust``, which builds one ``Adjustmen
 the decision) and applies it with ``Plan.adjust`` (engine/adjust.py ``apply_adjustment``);
 every applied one is a ``PolicyRecord`` in ``History.policy``. The built-in policies are in
 tuning/policies.py and tuning/adaptive_batch.py; ``crossbow_graph.tuning.policies`` exports all
-of these names.
-"""
+of these names."""
 
 from __future__ import annotations
 
@@ -20,15 +19,11 @@ __all__ = ["Policy"]
 class Policy(Hook):
     """Base class of hyper-parameter policies: a Hook that changes the plan through ``adjust``.
 
-    Override ``before_fit``, ``before_epoch``, ``before_round``, ``after_round``, ``after_eval``,
-    ``after_epoch`` or ``after_fit`` (all get the FitContext); read ``self.metrics(ctx)`` (the
-    fit's MetricsMonitor: ``.last`` is the newest MetricRecord, ``.noise_scale`` B_noise) and
-    ``ctx.history``. A policy that writes replica state other than through ``adjust`` (or
-    ``ctx.plan.rounds.reset_replicas``) must set ``mutates_replicas = True`` (it turns off the
-    overlap of the process executor). A policy that needs several learners sets
-    ``min_learners`` (the CLI then trains 2 learners where neither ``--devices`` nor
-    ``--replicas`` is given).
-    """
+    Override the hook methods (``before_fit`` … ``after_fit``, all given the FitContext); read
+    ``self.metrics(ctx)`` (the fit's MetricsMonitor: ``.last``, ``.noise_scale``) and
+    ``ctx.history``. A policy that writes replica state other than through ``adjust`` sets
+    ``mutates_replicas = True`` (docs/runtime.md, Overlap); one that needs several learners sets
+    ``min_learners`` (docs/policies.md)."""
 
     mutates_replicas = False
     min_learners = 1  # the fewest learners k the policy works with
@@ -44,8 +39,7 @@ class Policy(Hook):
 
         Raises:
             ValueError: a value outside its range (see Adjustment).
-            PlanError: the new batch size or replicas exceed the memory budget.
-        """
+            PlanError: the new batch size or replicas exceed the memory budget."""
         done = ctx.plan.adjust(Adjustment(**changes))
         self.record(ctx, done, reason)
         return done

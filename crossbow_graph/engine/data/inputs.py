@@ -25,8 +25,7 @@ class CallFlags:
     Attributes:
         values: ``(name, value)`` of each flag.
         positional: the forward's positional parameters in order (a flag a batch gives by
-            position is not passed again by name).
-    """
+            position is not passed again by name)."""
 
     values: tuple[tuple[str, Any], ...] = ()
     positional: tuple[str, ...] = ()
@@ -74,8 +73,7 @@ def split_inputs(batch: Any, flags: CallFlags = NO_FLAGS) -> tuple[tuple[Any, ..
     (docs/design-overview.md §6).
 
     Raises:
-        ValueError: neither a pair nor a dict.
-    """
+        ValueError: neither a pair nor a dict."""
     args, kwargs, target = _split(batch)
     return args, flags.added(args, kwargs), target
 

@@ -27,8 +27,7 @@ class FaultEvent:
         round: the global round index t in which the fault was found.
         device: the device name, e.g. ``"cpu:0"``.
         replica: the replica's index on that device (0 … m−1).
-        rank: the torchrun rank of the replica's process (0 in a single process).
-    """
+        rank: the torchrun rank of the replica's process (0 in a single process)."""
 
     round: int
     device: str
@@ -42,8 +41,7 @@ class FaultMonitor:
     Attributes:
         events: every FaultEvent since the plan's task graph was last made, in order (under
             torchrun this rank's as they are found, the other ranks' as they are shared).
-        pending: this rank's events not yet shared with the other ranks (torchrun only).
-    """
+        pending: this rank's events not yet shared with the other ranks (torchrun only)."""
 
     def __init__(self) -> None:
         self.events: list[FaultEvent] = []
@@ -97,8 +95,7 @@ class FaultMonitor:
         any, tests the rows.
 
         Returns:
-            The faulty replicas' indices on the device (empty when all are finite).
-        """
+            The faulty replicas' indices on the device (empty when all are finite)."""
         listed = kernels.nonfinite_rows(state.g[r0:r1]) if kernels is not None else None
         loss = torch.stack(list(losses)).float() if losses else None  # [n]
         if max_divergence is None:
@@ -133,8 +130,7 @@ class FaultMonitor:
         but a row optimizer's state (``reset_masked``).
 
         Returns:
-            The faulty rows' mask ``[n]`` bool, on the device (the caller reads it a round late).
-        """
+            The faulty rows' mask ``[n]`` bool, on the device (the caller reads it a round late)."""
         g = state.g[r0:r1]
         bad = ~torch.isfinite(g.sum(dim=1))  # [n]
         if losses:
@@ -185,8 +181,7 @@ class FaultMonitor:
 
         Raises:
             DivergenceError: every one of the round's k learners has been faulty (this process's
-                count; under torchrun ``share`` counts every rank's).
-        """
+                count; under torchrun ``share`` counts every rank's)."""
         if not rows:
             return
         if round_index != self._round:
@@ -212,8 +207,7 @@ class FaultMonitor:
         Raises:
             DivergenceError: on every rank alike, when the events of one round, over every rank,
                 cover all ``num_learners`` (k) learners; before z is updated.
-            DistributedError: a peer died or did not answer.
-        """
+            DistributedError: a peer died or did not answer."""
         gathered = comm.all_gather_object(self.pending, "the all-gather of the ranks' faults",
                                           round_index)
         self.pending = []

@@ -3,8 +3,7 @@
 under ``vmap(randomness="different")``, the float buffers gathered in one ``index_select`` and
 written back with one ``cat``, the gradients into ``g[r0:r1]`` with one ``cat``
 (docs/runtime.md, "Learner modes"; docs/design-overview.md §5). ``vmap_failure`` finds models
-vmap cannot run (LSTM, checkpointing) on the example inputs.
-"""
+vmap cannot run (LSTM, checkpointing) on the example inputs."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class FusedProgram:
     Args:
         template: a module of the model's structure (its parameter values are never used).
         loss_fn: ``loss_fn(output, target) -> scalar`` per replica (or a dict of it under
-            ``"loss"``, compiler/outputs.py ``loss_value``).
-    """
+            ``"loss"``, compiler/outputs.py ``loss_value``)."""
 
     def __init__(self, template: nn.Module, loss_fn: Callable) -> None:
         self.module = template
@@ -65,10 +63,8 @@ class FusedProgram:
              reseed: Callable[[], None] | None = None) -> torch.Tensor:
         """Forward and backward of replicas ``r0 … r1−1``; gradients into ``state.g[r0:r1]``.
 
-        The forward runs under the state's precision (engine/state/precision.py); with float16 loss
-        scales the program backpropagates Σ_j S_j·ℓ_j, and runs again from the same buffers
-        while some row overflows (``LossScales.settle``). A bfloat16/float16 model runs on its
-        low-precision copy ``w_model[r0:r1]``, refreshed from the float32 masters first.
+        Precision and float16 loss scales as ``learn_group`` (engine/learning/learners.py); a
+        bfloat16/float16 model runs on ``w_model[r0:r1]``, refreshed from the float32 masters.
 
         Args:
             state: the device's flat buffers and replica modules.
@@ -83,8 +79,7 @@ class FusedProgram:
 
         Raises:
             RuntimeError: torch.func.vmap cannot run the model or the loss (the message names
-                ``learner_mode="per_replica"``).
-        """
+                ``learner_mode="per_replica"``)."""
         n = r1 - r0
         args, kwargs, target = split_inputs(batch, state.call_flags)
         stack = lambda t: (t.to(state.torch_device, non_blocking=True).view(n, b, *t.shape[1:])  # noqa: E731
@@ -113,12 +108,10 @@ class FusedProgram:
 
     def _run(self, state: DeviceState, r0: int, r1: int, ints: dict[str, torch.Tensor],
              args: tuple, kwargs: dict, target: Any) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The vmapped forward and backward of rows ``r0 … r1−1`` from their current parameters
-        and buffers, one autograd leaf ``[n, *shape]`` per parameter tensor (a view of the rows:
-        one ``[n, P]`` leaf would make every tensor's backward a zero-filled ``[n, P]`` gradient);
-        the gradients (of Σ_j S_j·ℓ_j with float16 loss scales) into ``state.g[r0:r1]``; the
-        integer buffers ``ints [n, *shape]`` updated in place. Returns (the float buffers the
-        forward updated, tensor by tensor ``[n·Q]``, or None without any; the losses ``[n]``)."""
+        """The vmapped forward and backward of rows ``r0 … r1−1``, one autograd leaf
+        ``[n, *shape]`` per parameter tensor (one ``[n, P]`` leaf would give every tensor a
+        zero-filled ``[n, P]`` gradient); gradients into ``state.g[r0:r1]``, ``ints`` in place.
+        Returns (the updated float buffers ``[n·Q]`` or None; the losses ``[n]``)."""
         n = r1 - r0
         flat = (state.w_model if state.w_model is not state.w else state.w)[r0:r1].detach()
         params = {entry[0]: state.params.view(flat, entry).requires_grad_(True)
@@ -220,15 +213,10 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
                  replicas: int = 2, rows: int = 2) -> str | None:
     """Why fused learners cannot run ``template``, or None when they can (or when it cannot tell).
 
-    A dry run of what ``FusedProgram.step`` does, on copies: ``replicas`` stacked copies of the
-    trainable parameters and buffers, the first ``rows`` samples of ``example_inputs`` (every
-    tensor sliced along dimension 0), a vmapped forward (``randomness="different"``) and the
-    backward of the sum of every floating output (the loss needs a target, which example inputs
-    lack); a module backward hook, which vmap would skip without an error, is a failure too.
-    When the run fails, one eager forward and backward of a copy on the same inputs decides:
-    if that fails too the model, not vmap, is at fault and None is returned (training reports
-    it). Neither ``template`` nor any RNG is changed; gradients are enabled inside, whatever the
-    caller's mode.
+    A dry run of ``FusedProgram.step`` on copies (``replicas`` stacked, the first ``rows``
+    samples): a vmapped forward and the backward of the sum of every floating output; a module
+    backward hook (vmap skips it silently) is a failure too. When the model fails eagerly as well,
+    None (training reports it). Neither ``template`` nor any RNG is changed.
 
     Args:
         template: the model in the mode it trains in (training mode).
@@ -236,8 +224,7 @@ def vmap_failure(template: nn.Module, example_inputs: tuple[Any, ...] | dict[str
             keyword inputs, batch along dimension 0.
 
     Returns:
-        ``"ExcType: message"`` of vmap's failure, or None.
-    """
+        ``"ExcType: message"`` of vmap's failure, or None."""
     hooked = [name or "<root>" for name, m in template.named_modules()
               if m._backward_hooks or m._backward_pre_hooks]
     if hooked:  # functional_call under vmap skips them silently

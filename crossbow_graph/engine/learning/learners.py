@@ -2,8 +2,7 @@
 
 A *learner group* is a contiguous block of replicas ``r0 … r1−1`` of one device that run together
 (on one CUDA stream, in one worker process, or fused into one vmapped program). Both modes leave
-the group's loss gradients in ``state.g[r0:r1]`` and return the per-replica losses.
-"""
+the group's loss gradients in ``state.g[r0:r1]`` and return the per-replica losses."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ def learner_seed(fit_seed: int, round_index: int, replica: int) -> int:
     """The seed of torch's RNG for global replica j's forward in round t (dropout masks).
 
     A function of (fit seed, t, j) alone, so masks differ between replicas and rounds, do not
-    depend on which executor or process runs the learner, and a resumed fit draws the same ones.
-    """
+    depend on which executor or process runs the learner, and a resumed fit draws the same ones."""
     return ((fit_seed * 1_000_003 + round_index) * 65_537 + replica) % (2**63 - 1)
 
 
@@ -56,8 +54,7 @@ def seed_rng(device: torch.device, seed: int) -> None:
 
     Not ``torch.manual_seed``: it also seeds every CUDA, XPU and MTIA device through lazy calls
     that format a stack trace each time on a machine without them (about 0.4 ms per call on this
-    CPU, a third of a LeNet-5 learner's forward and backward at b = 8).
-    """
+    CPU, a third of a LeNet-5 learner's forward and backward at b = 8)."""
     if device.type == "cuda":
         with torch.cuda.device(device):
             torch.cuda.manual_seed(seed)
@@ -79,16 +76,10 @@ def host_rngs_kept():
 def seed_host_rngs(fit_seed: int, round_index: int, rank: int, process: int, *,
                    torch_cpu: bool = False) -> None:
     """Seed this process's Python ``random`` and NumPy global RNG (and, with ``torch_cpu``, torch's
-    CPU generator) from (fit seed, round, rank, process): what a Dataset's ``__getitem__`` or
-    ``get_batch`` draws augmentation noise from, in whichever process fetches the samples.
-
-    Derived through ``numpy.random.SeedSequence``, as ``torch.utils.data.DataLoader`` derives its
-    workers' seeds: every process (0: the coordinator, i ≥ 1: worker process i of the process
-    executor) and every rank of a distributed fit draws its own stream, and the same arguments
-    give the same draws. Unlike a DataLoader, the fit seeds the coordinator too (once per fit, as
-    it seeds torch's RNG with the fit seed): a fit is a function of its seed, at the cost of
-    replacing the caller's global NumPy and ``random`` states.
-    """
+    CPU generator) from (fit seed, round, rank, process) through ``numpy.random.SeedSequence``, as
+    a DataLoader seeds its workers: what a Dataset's augmentation draws from, its own stream per
+    process and rank, reproducible (docs/runtime.md, Worker processes). The coordinator is seeded
+    too, which replaces the caller's global NumPy and ``random`` states."""
     words = np.random.SeedSequence([fit_seed % 2**64, round_index, rank, process]).generate_state(4)
     random.seed(int.from_bytes(words.tobytes(), "little"))
     np.random.seed(words)
@@ -107,12 +98,9 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
                 ) -> list[torch.Tensor]:
     """Forward and backward of replicas ``r0 … r1−1`` of ``state`` on their own batches.
 
-    The forward and loss run under the state's precision (``state.precision``: autocast for
-    ``"bf16"``/``"fp16"``, engine/state/precision.py); with ``"fp16"`` each replica backpropagates its
-    loss times its loss scale, its gradient is unscaled, and an overflow is computed again at a
-    lower scale (``LossScales.settle``), so ``g`` holds the unscaled gradients. With
-    ``max_grad_norm`` each replica's unscaled gradient row is then clipped to that 2-norm
-    (engine/learning/clipping.py), so every update that reads ``g`` steps with the clipped gradient.
+    The forward and loss run under ``state.precision`` (engine/state/precision.py; fp16: scaled
+    loss, unscaled gradients, an overflow recomputed at a lower scale), so ``g`` holds unscaled
+    gradients, each row clipped to ``max_grad_norm`` when given (engine/learning/clipping.py).
 
     Args:
         state: the device's replicas and flat buffers.
@@ -126,15 +114,13 @@ def learn_group(state: DeviceState, r0: int, r1: int, batch: Any, loss_fn: Calla
         mode: ``"per_replica"`` (each replica its own forward/backward) or ``"fused"`` (one vmapped
             program over the stacked replicas, ``fused`` must be given).
         fused: the FusedProgram of the device (fused mode).
-        rng_seed: if given, torch's RNG is seeded with it before replica r0's forward and with
-            ``rng_seed + (r − r0)`` before replica r's (see ``learner_seed``); fused mode seeds
-            once for the group. A float16 recomputation seeds again (the same dropout masks).
+        rng_seed: torch's RNG seed of replica r0's forward, ``rng_seed + (r − r0)`` replica r's
+            (``learner_seed``; fused: once per group; a float16 recomputation seeds again).
         max_grad_norm: the largest 2-norm of a replica's gradient (``fit(max_grad_norm=...)``),
             or None: not clipped.
 
     Returns:
-        The r1 − r0 losses (0-dim tensors, detached).
-    """
+        The r1 − r0 losses (0-dim tensors, detached)."""
     if mode == "fused" and isinstance(batch, LearnerBatches):
         try:
             batch = to_device(batch.stacked(), state.torch_device)

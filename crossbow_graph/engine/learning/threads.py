@@ -36,8 +36,7 @@ class ThreadChoice:
         threads: torch's intra-op threads during the fit.
         cores: the cores this process may run on.
         free: the cores found free at the fit's start (None: not measured, the count was given).
-        before: torch's setting before the fit, given back at its end.
-    """
+        before: torch's setting before the fit, given back at its end."""
 
     threads: int
     cores: int

@@ -30,8 +30,7 @@ class Backend:
     host backend's: no streams, nothing in flight between rounds.
 
     Attributes:
-        ctx: what every backend shares of the plan's engine (``RunContext``).
-    """
+        ctx: what every backend shares of the plan's engine (``RunContext``)."""
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
@@ -43,8 +42,7 @@ class Backend:
         the rounds (a backend may learn it ahead).
 
         Raises:
-            TaskError: a task failed.
-        """
+            TaskError: a task failed."""
         raise NotImplementedError
 
     def prefetch(self, round_index: int, indices: torch.Tensor, b: int) -> None:

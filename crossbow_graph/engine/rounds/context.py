@@ -45,8 +45,7 @@ class FitRun:
             round in round order; None: ``fetch``.
         seed: the fit's seed (each learner's dropout seed is a function of it, the round and j).
         max_grad_norm: the per-learner gradient clipping, or None.
-        timeline: the fit's Timeline (``fit(trace=)``), or None.
-    """
+        timeline: the fit's Timeline (``fit(trace=)``), or None."""
 
     fetch: Callable[[torch.Tensor], Any]
     load: Callable[[int, torch.Tensor], Any] | None = None
@@ -78,8 +77,7 @@ class RunContext:
         fault_masks: per device, its last local sync's fault mask on the device (streams), or None.
         program, order, fused_runs: the task graph as a round runs it (``adopt``): the
             ``RoundProgram``, its tasks in order, and the fused learners' runs (lead task → rows).
-        fit: the fit's ``FitRun`` between ``begin_fit`` and ``end_fit``, else None.
-    """
+        fit: the fit's ``FitRun`` between ``begin_fit`` and ``end_fit``, else None."""
 
     states: list[DeviceState]
     loss_fn: Callable
@@ -101,8 +99,7 @@ class RunContext:
         """Run ``task_graph`` from the next round on (the states have its replica counts).
 
         Raises:
-            PlanError: a graph the backends cannot run (``RoundProgram.of`` names the task).
-        """
+            PlanError: a graph the backends cannot run (``RoundProgram.of`` names the task)."""
         self.program = RoundProgram.of(task_graph, [s.name for s in self.states],
                                        [s.m for s in self.states])  # raises PlanError
         self.order = list(self.program.tasks)

@@ -34,8 +34,7 @@ class RoundEnv:
         losses: device → its rows' losses of the round (0-dim tensors; None: not learned).
         accs: device → acc_d ``[P]``, its LOCAL_SYNC's accumulator (None: no sync).
         learned: the losses in learning order (what the round hands back).
-        copied: per device, the event after the copy of a batch copied ahead, or None.
-    """
+        copied: per device, the event after the copy of a batch copied ahead, or None."""
 
     round_index: int
     batch: Any
@@ -72,8 +71,7 @@ class RoundResult:
         losses: the learners' losses of the round, in learning order (0-dim tensors).
         faults: the fault events found while it ran (on CUDA streams those of the round before,
             read a round late), in order.
-        membership: the changes of the replica groups' membership its global sync saw (torchft).
-    """
+        membership: the changes of the replica groups' membership its global sync saw (torchft)."""
 
     losses: list[torch.Tensor]
     faults: list[FaultEvent]

@@ -47,8 +47,7 @@ class RoundInterpreter:
 
         Raises:
             TaskError: the task failed (names the task, its device and ``env.round_index``); a
-                TaskError raised by the method itself passes unchanged.
-        """
+                TaskError raised by the method itself passes unchanged."""
         kind = task.kind
         try:
             if kind is _LEARN:
@@ -86,8 +85,7 @@ class RoundProgram:
             LEARN of replica j = first[d] + r, the contiguous run of its replicas for a LOCAL_SYNC.
         first: per device, the global index of its replica 0 in this process.
         global_sync: the GLOBAL_SYNC task.
-        synced: the devices that have a LOCAL_SYNC, in order: whose sums acc_d the global sync adds.
-    """
+        synced: the devices with a LOCAL_SYNC, in order (whose sums acc_d the global sync adds)."""
 
     tasks: tuple[Task, ...]
     device: dict[str, int]
@@ -105,8 +103,7 @@ class RoundProgram:
                 device the plan does not have, a LEARN of a replica its device does not hold, a
                 LOCAL_SYNC whose replicas are not a contiguous run of its device's, two
                 LOCAL_SYNC tasks on one device, no LOCAL_SYNC at all, or not exactly one
-                GLOBAL_SYNC.
-        """
+                GLOBAL_SYNC."""
         order = tuple(graph.nodes[n]["task"]
                       for n in nx.lexicographical_topological_sort(graph, key=_sort_key(graph)))
         index = {name: d for d, name in enumerate(devices)}

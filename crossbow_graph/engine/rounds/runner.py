@@ -27,8 +27,7 @@ class RoundRunner(Protocol):
         fault_masks: per device, its last local sync's fault mask on the device (streams), or None.
         learning_ahead: whether the next round's learning is in flight (worker processes).
         sync_state: the sync algorithm's runtime state (DiLoCo's outer optimizer).
-        transport: how the global sync's sums cross devices and processes.
-    """
+        transport: how the global sync's sums cross devices and processes."""
 
     clock: SyncClock
     fault_masks: list[torch.Tensor | None]

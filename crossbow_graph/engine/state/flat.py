@@ -51,8 +51,7 @@ class FlatLayout:
         entries: ``(name, shape, offset, numel)`` per tensor, in ``named_parameters()`` (tied ones
             once) or ``named_buffers()`` order.
         size: total scalars (P for parameters, Q for float buffers).
-        channels_last: names of the 4-D weights ``[O, I, kH, kW]`` stored as ``[O, kH, kW, I]``.
-    """
+        channels_last: names of the 4-D weights ``[O, I, kH, kW]`` stored as ``[O, kH, kW, I]``."""
 
     entries: tuple[tuple[str, tuple[int, ...], int, int], ...]
     size: int
@@ -111,8 +110,7 @@ def channels_last_weights(module: nn.Module, memory_format: str, device_types: s
 
     Raises:
         ValueError: with ``"channels_last"``, that forward fails (``"auto"`` warns and keeps
-            every weight contiguous).
-    """
+            every weight contiguous)."""
     if memory_format == "contiguous" or (memory_format == "auto" and device_types != {"cpu"}):
         return frozenset()
     trainable = {id(p): n for n, p in trainable_named(module)}
@@ -296,8 +294,7 @@ class DeviceState:
         precision, loss_scales: ``"fp32"``, ``"bf16"`` or ``"fp16"``; the replicas'
             ``LossScales`` with ``"fp16"``, else None.
         call_flags: compile's keyword flags that every forward of the replicas gets
-            (engine/data/inputs.py ``CallFlags``).
-    """
+            (engine/data/inputs.py ``CallFlags``)."""
 
     def __init__(self, name: str, torch_device: torch.device, template: nn.Module, m: int,
                  params: FlatLayout, buffers: FlatLayout, *, precision: str = "fp32",

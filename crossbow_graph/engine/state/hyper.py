@@ -21,8 +21,7 @@ class Hyper:
         lr, momentum, weight_decay, nesterov: the first group as the SGD kernels take it (η, μ_l,
             λ; 0 where the optimizer has no such key).
         alpha: α of the round's local updates (the algorithm's, for the round's k).
-        central_momentum: μ_z of the central update (0 where z moves otherwise).
-    """
+        central_momentum: μ_z of the central update (0 where z moves otherwise)."""
 
     groups: tuple[dict[str, Any], ...]
     lr: float

@@ -69,8 +69,7 @@ class LocalOptimizer:
         stacked: an elementwise optimizer: one instance over a device's rows of the same age
             (not where a group sets ``fused=True``: torch's fused kernels take dense tensors only).
         lr_factor: the factor of SMA's η rule in force (training/sma_lr.py; 1: none): a round
-            steps every group at its lr × this, the groups' lr untouched (the user's η₁).
-    """
+            steps every group at its lr × this, the groups' lr untouched (the user's η₁)."""
 
     optimizer: torch.optim.Optimizer
     groups: tuple[tuple[int, ...], ...]
@@ -147,8 +146,7 @@ def as_local_optimizer(optimizer: Any, model: nn.Module, template: nn.Module,
         TypeError: not a torch.optim optimizer; an optimizer class that cannot be replicated
             (LBFGS, SparseAdam: the message says why and what to use).
         ValueError: a group holds a tensor that is not a trainable parameter of ``model``, or a
-            parameter twice.
-    """
+            parameter twice."""
     if isinstance(optimizer, SGD):
         params = [p for p in template.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(params, lr=optimizer.lr, momentum=optimizer.momentum,
@@ -232,8 +230,7 @@ class OptimizerRows:
 
     Raises:
         TypeError: the optimizer cannot be rebuilt as ``type(opt)(groups, **defaults)`` or
-            keeps state that is not a tensor (found by one step on a scratch copy).
-    """
+            keeps state that is not a tensor (found by one step on a scratch copy)."""
 
     def __init__(self, local: LocalOptimizer, state: Any) -> None:
         self.local = local
@@ -428,8 +425,7 @@ class OptimizerRows:
         """Restore ``state_dict()`` in place (same keys and shapes).
 
         Raises:
-            ValueError: other keys or shapes (another optimizer or model).
-        """
+            ValueError: other keys or shapes (another optimizer or model)."""
         mine = {f"{i}/{k}": t for i, per_param in enumerate(self.store) for k, t in per_param.items()}
         if set(mine) != set(saved["state"]) or saved["age"].shape != self.age.shape:
             raise ValueError("the saved optimizer state has other keys or replicas than this "

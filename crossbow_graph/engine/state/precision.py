@@ -105,8 +105,7 @@ class LossScales:
 
     Attributes:
         scale: ``[m]`` float32 on the CPU, S_j (a power of two, ≥ ``FLOOR``).
-        good: ``[m]`` int64 on the CPU, finite steps of replica j since S_j last changed.
-    """
+        good: ``[m]`` int64 on the CPU, finite steps of replica j since S_j last changed."""
 
     INIT = 2.0 ** 16
     GROWTH_INTERVAL = 2000

@@ -93,8 +93,7 @@ class SyncAlgorithm(abc.ABC):
         across_processes: it runs under torchrun (its global sum crosses the ranks).
 
     Attributes:
-        sync_every: τ (or H), rounds between synchronisations (≥ 1).
-    """
+        sync_every: τ (or H), rounds between synchronisations (≥ 1)."""
 
     executors: ClassVar[tuple[str, ...]] = ("inline",)
     waits_for_global: ClassVar[bool] = True
@@ -122,8 +121,7 @@ class SyncAlgorithm(abc.ABC):
         """This algorithm with α = ``alpha`` (None: 1/k), for ``Plan.adjust``.
 
         Raises:
-            ValueError: the algorithm has no α.
-        """
+            ValueError: the algorithm has no α."""
         raise ValueError(f"alpha={alpha!r} with sync={type(self).__name__}(...): it pulls no "
                          "replica toward z (α = 0)")
 
@@ -172,8 +170,7 @@ class SyncAlgorithm(abc.ABC):
         Returns:
             (the rows' accumulator ``[P]`` for ``global_update`` (here Σ_j c_j), None in a round
             without one; the faulty replicas: their indices, or with ``env.on_device`` their mask
-            ``[r1 − r0]`` on the device).
-        """
+            ``[r1 − r0]`` on the device)."""
         faulty = FaultMonitor.find(state, r0, r1, max_divergence=env.max_divergence,
                                    kernels=ctx.kernels, losses=losses, on_device=env.on_device)
         z = state.z if env.synchronise and env.alpha else None

@@ -45,8 +45,7 @@ class DiLoCo(SyncAlgorithm):
         ValueError: ``sync_every`` not an integer ≥ 1.
         TypeError: ``outer_optimizer`` not callable, or an optimizer instance instead of a
             factory (``compile`` raises TypeError/ValueError when calling it fails or does not
-            return a torch.optim optimizer over ``[z]``).
-    """
+            return a torch.optim optimizer over ``[z]``)."""
 
     sync_every: int
     outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = DILOCO_OUTER

@@ -31,8 +31,7 @@ class EASGD(SyncAlgorithm):
 
     Raises:
         TypeError: α or β not a number.
-        ValueError: α or β outside (0, 1], τ not an integer ≥ 1.
-    """
+        ValueError: α or β outside (0, 1], τ not an integer ≥ 1."""
 
     executors: ClassVar[tuple[str, ...]] = ("inline", "process")
     waits_for_global: ClassVar[bool] = False  # its global update writes z alone

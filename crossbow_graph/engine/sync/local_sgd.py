@@ -30,8 +30,7 @@ class LocalSGD(SyncAlgorithm):
         sync_every: H, rounds between averagings (an integer ≥ 1).
 
     Raises:
-        ValueError: ``sync_every`` not an integer ≥ 1.
-    """
+        ValueError: ``sync_every`` not an integer ≥ 1."""
 
     sync_every: int
 

@@ -1,14 +1,10 @@
 """DiLoCo's outer optimizer over the central model z (docs/design-overview.md §2, "Outer
 optimizers"; Douillard et al. 2023, Algorithm 1; torchft's ``DiLoCo``).
 
-``DiLoCo(outer_optimizer=factory)`` names a torch.optim optimizer; ``DiLoCo.bind`` builds it once
-as an ``OuterOptimizer``, over one leaf tensor ``[P]`` that shares the storage (and version
-counter) of the first device's z, so its ``step`` writes z in place. At every outer
-synchronisation ``DiLoCo.global_update`` sets the pseudo-gradient Δ = z − mean_j w_j as that
-tensor's ``grad`` and steps; the other devices then copy z. Under torchrun every rank builds the
-same optimizer and steps it on the same all-reduced Δ, so its state is the same on every rank;
-checkpoints hold it (``state_dict``).
-"""
+``DiLoCo.bind`` builds the named torch.optim optimizer once over a leaf ``[P]`` sharing the
+storage of the first device's z; at every outer sync ``DiLoCo.global_update`` sets
+Δ = z − mean_j w_j as its ``grad`` and steps, writing z in place (the other devices copy it).
+Every rank steps on the same all-reduced Δ; checkpoints hold its ``state_dict``."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ class OuterOptimizer(SyncState):
             torch.optim optimizer, an optimizer over other tensors than ``[z_param]``, or one
             that needs a closure (LBFGS).
         ValueError: calling ``factory`` raised ValueError (e.g. torch.optim's "Invalid
-            learning rate").
-    """
+            learning rate")."""
 
     def __init__(self, factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                  z: torch.Tensor) -> None:
@@ -101,6 +96,5 @@ class OuterOptimizer(SyncState):
         """Restore ``state_dict()`` (torch.optim moves the tensors to z's device and dtype).
 
         Raises:
-            ValueError: the saved state is of another optimizer (other groups or parameters).
-        """
+            ValueError: the saved state is of another optimizer (other groups or parameters)."""
         self.optimizer.load_state_dict(saved)

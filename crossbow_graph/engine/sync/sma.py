@@ -26,21 +26,17 @@ class SMA(SyncAlgorithm):
 
     Attributes:
         alpha: α, the pull of every replica toward the central average model z; ``None`` means
-            1/k, re-derived whenever the number of learners k changes. With k > 1 it must lie in
-            (0, 1]; with k = 1 it is not used (the single replica is the central model).
+            1/k, re-derived whenever k changes; in (0, 1] with k > 1, unused with k = 1.
         central_momentum: μ_z, the momentum of the central model's update, in [0, 1).
         sync_every: τ, rounds between synchronisations (≥ 1); between them learners only step.
-        scale_lr: SMA's η rule (docs/design-overview.md §2, "How α, μ_z and η follow k"): each
-            round steps every learner at the lr its optimizer and scheduler set × √min(k, 16),
-            the factor moved linearly over a quarter epoch of samples after every change of k
-            (at the first fit, and when ``Plan.adjust``, the auto-tuner or a policy changes m);
-            the optimizer's lr is not written. ``False``: the lr as set, at every k.
+        scale_lr: SMA's η rule (training/sma_lr.py; docs/design-overview.md §2, "How α, μ_z and
+            η follow k"): every learner steps at its lr × √min(k, 16), ramped over a quarter
+            epoch after every change of k, the optimizer's lr unwritten. ``False``: the lr as set.
 
     Raises:
         TypeError: α or μ_z not a number; ``scale_lr`` not a bool.
         ValueError: a value outside its range, τ not an integer (α is checked against k by
-            ``compile``).
-    """
+            ``compile``)."""
 
     executors: ClassVar[tuple[str, ...]] = ("inline", "process")
     waits_for_global: ClassVar[bool] = False

@@ -21,17 +21,13 @@ __all__ = ["SSGD"]
 class SSGD(SyncAlgorithm):
     """Synchronous SGD, the large-batch baseline (docs/design-overview.md §2, "other sync strategies").
 
-    Every round each of the k learners computes the gradient of its own batch of b samples; the
-    gradients are averaged over all k learners (the all-reduce of S-SGD) and the same SGD step
-    (the ``optimizer``'s lr, momentum, Nesterov, weight decay) is applied to every replica, so all
-    replicas and z stay identical (z = w) and training equals ``torch.optim.SGD`` on one batch of
-    k·b samples (for models without batch-dependent layers; BatchNorm statistics stay per replica).
+    Every round the k learners' gradients are averaged (S-SGD's all-reduce) and the same step of
+    the ``optimizer`` is applied to every replica: replicas and z stay identical (z = w), as
+    ``torch.optim.SGD`` on one batch of k·b samples (BatchNorm statistics stay per replica).
 
-    It has no settings: it synchronises every round (``sync_every`` = 1) and has no α or μ_z.
-    It runs on the inline executor (``executor="auto"`` resolves to it); the process executor's
-    workers apply their rows' step themselves, before a global gradient exists. Its local
-    optimizer is SGD (the SGD kernels: ``crossbow_graph.SGD`` or a one-group torch.optim.SGD).
-    """
+    No settings: τ = 1, no α or μ_z. It runs on the inline executor (the process executor's
+    workers step before a global gradient exists); its local optimizer is SGD (the SGD kernels:
+    ``crossbow_graph.SGD`` or a one-group torch.optim.SGD)."""
 
     adjustable: ClassVar[tuple[str, ...]] = ()
     fault_tolerant: ClassVar[bool] = False  # its global step is not a sum over groups

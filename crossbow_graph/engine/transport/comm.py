@@ -2,8 +2,7 @@
 hierarchical all-reduce of ``[C_p, Σ buf, n]`` per sync, the start-up agreement (``Comm.agree``),
 rank 0's settings (``Comm.broadcast_floats``; training/rank_sync.py), z's checksum
 (``Comm.check_z``), every collective under ``Distributed.timeout_s`` (docs/distributed.md;
-docs/design-overview.md §2, §5).
-"""
+docs/design-overview.md §2, §5)."""
 
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ class Distributed:
         ft_attempts: quorums a sync tries before DistributedError (≥ 1).
 
     Raises:
-        ValueError: a value outside its range.
-    """
+        ValueError: a value outside its range."""
 
     timeout_s: float = 60.0
     checksum_every: int = 100
@@ -109,8 +107,7 @@ def torchrun_env() -> dict[str, str] | None:
     """torchrun's variables when this process was launched by it (WORLD_SIZE > 1), else None.
 
     Raises:
-        ValueError: WORLD_SIZE > 1 but one of RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT is missing.
-    """
+        ValueError: WORLD_SIZE > 1 without one of RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 and not dist.is_initialized():
         return None
     if dist.is_initialized():
@@ -145,8 +142,7 @@ class Comm:
         local_world_size: the ranks on this host (torchrun's ``LOCAL_WORLD_SIZE``).
         backend: ``"gloo"`` or ``"nccl"``.
         settings: the Distributed settings.
-        is_main: rank 0 (writes checkpoints and logs, shows the progress bar, decides).
-    """
+        is_main: rank 0 (writes checkpoints and logs, shows the progress bar, decides)."""
 
     def __init__(self, settings: Distributed, *, on_cuda: bool) -> None:
         env = torchrun_env()
@@ -217,12 +213,10 @@ class Comm:
         """Sum ``flat [P + Q + 1]`` (this process's corrections, buffer sums and new fault count)
         over every rank, in place. Raises DistributedError when a peer died or timed out.
 
-        With ``sync_dtype`` bf16/fp16 and ``num_parameters`` = P: the corrections plus this rank's
-        residual e (float32, ``[P]``) are rounded to the low dtype, e becomes what the rounding
-        lost, and the low-precision sum is all-reduced (so every rank gets the same one); the
-        other Q + 1 values go in a second, float32 all-reduce (Seide et al. 2014, 1-bit SGD's
-        error feedback; Karimireddy et al. 2019, EF-SGD). ``bytes_reduced`` counts the bytes
-        handed to the all-reduces."""
+        With ``sync_dtype`` bf16/fp16: the corrections plus this rank's float32 residual e ``[P]``
+        are rounded to the low dtype and summed, e keeps what the rounding lost (error feedback:
+        Seide et al. 2014; Karimireddy et al. 2019); the other Q + 1 values go in a float32
+        all-reduce. ``bytes_reduced`` counts the bytes handed to the all-reduces."""
         low = SYNC_DTYPES[self.settings.sync_dtype]
         if num_parameters is None or low is torch.float32 or flat.dtype != torch.float32:
             self._call("the all-reduce of the global sync", round_index,
@@ -246,16 +240,13 @@ class Comm:
     def check_z(self, z: torch.Tensor, round_index: int) -> None:
         """Raise unless ``z [P]`` is finite and bit-identical on every rank.
 
-        One all-reduce (max) of ``[c, −c, f]``: the exact checksums c of ``_bit_checksum`` (the
-        copies agree iff max = min on every checksum) and one flag per rank, set by the rank whose
-        z holds NaN/Inf (a NaN spreads through the next sync's all-reduce to every rank's z, with
-        the same bits: the checksums alone cannot see it). The flag is read with the checksums, in
-        one copy to the host.
+        One all-reduce (max) of ``[c, −c, f]``: exact checksums c (``_bit_checksum``; equal iff
+        max = min) and a per-rank NaN/Inf flag (a NaN spreads to every rank's z with the same
+        bits, which checksums cannot see), read in one copy to the host.
 
         Raises:
             DivergenceError: z holds NaN/Inf on some rank (names the ranks and the round).
-            DistributedError: the copies of z differ, or a peer died or timed out.
-        """
+            DistributedError: the copies of z differ, or a peer died or timed out."""
         c = _bit_checksum(z)  # [2]
         flags = torch.zeros(self.world_size, dtype=torch.int64, device=z.device)  # [W]
         flags[self.rank] = (~torch.isfinite(z)).any()
@@ -301,8 +292,7 @@ class Comm:
         Raises:
             DistributedError: a fact differs, naming it and its value on each rank (a
                 Fingerprint: each rank's first line that differs from rank 0's); or a rank did
-                not arrive within the timeout.
-        """
+                not arrive within the timeout."""
         sent = {k: v.digest if isinstance(v, Fingerprint) else v for k, v in facts.items()}
         step = f"the start-up check of {what}"
         gathered = self.all_gather_object(sent, step, -1)

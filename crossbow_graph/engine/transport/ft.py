@@ -3,8 +3,7 @@ or several ranks, each with a torchft ``Manager``); per sync a quorum (a joining
 z and the sync's state from a peer), one all-reduce of ``[Σ contributions [P], Σ buffers [Q],
 n]`` whose last entry is k (a group's ranks sum theirs first), and a commit that discards a
 failed all-reduce and redoes it over the live groups (docs/distributed.md, "Fault tolerance:
-torchft replica groups").
-"""
+torchft replica groups")."""
 
 from __future__ import annotations
 
@@ -189,8 +188,7 @@ class FaultTolerantSync:
     Raises:
         ImportError: torchft is not installed (names the ``ft`` extra).
         ValueError: no Lighthouse address, not a URL, none answering there, or a group of
-            several processes without MASTER_ADDR/MASTER_PORT.
-    """
+            several processes without MASTER_ADDR/MASTER_PORT."""
 
     def __init__(self, settings: "Distributed", device: str = "cpu",
                  comm: "Comm | None" = None) -> None:
@@ -295,8 +293,7 @@ class FaultTolerantSync:
         Raises:
             DistributedError: no sync committed in ``ft_attempts`` quorums (fewer live groups
                 than ``min_replicas``, or the Lighthouse is gone); the groups of a new quorum
-                differ (``_agree``).
-        """
+                differ (``_agree``)."""
         host = self.host
         P, Q = total.shape[0], bufs[0].shape[1]
         sent = torch.empty(P + Q + 1, dtype=total.dtype, device=self.device)  # [P + Q + 1]
@@ -378,8 +375,7 @@ class FaultTolerantSync:
 
         Raises:
             DistributedError: the groups differ (a model, loss, sync or layout; the optimizer,
-                its settings or b they were compiled with; z: another seed).
-        """
+                its settings or b they were compiled with; z: another seed)."""
         computation, hyper = agreement_words(self.host, self.hyper)
         words = torch.tensor(computation + hyper, dtype=torch.float64, device=self.device)
         n = manager.num_participants()

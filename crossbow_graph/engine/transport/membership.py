@@ -25,8 +25,7 @@ class MembershipChange:
         recovered: this group received its state from a peer in this quorum.
         failed_attempts: all-reduces discarded before this one (a group died or hung).
         seconds: wall seconds of this sync, from its first quorum to its commit (with failed
-            attempts: the stall the failure cost this group).
-    """
+            attempts: the stall the failure cost this group)."""
 
     round_index: int
     groups: int
@@ -42,8 +41,7 @@ class Membership:
     Attributes:
         live_learners: k of the last committed sync (None before the first): α = 1/k of the next
             round's local updates.
-        changes: every ``MembershipChange``, in order.
-    """
+        changes: every ``MembershipChange``, in order."""
 
     def __init__(self, replica_group: str, world_size: int, rank: int) -> None:
         self.replica_group, self.world_size, self.rank = replica_group, world_size, rank

@@ -76,8 +76,7 @@ class Transport:
     Attributes:
         shared_memory: the devices share one memory (logical CPU devices): the central update runs
             once and is copied to the other devices.
-        in_graph: its sums may run inside a CUDA graph (nothing on the host).
-    """
+        in_graph: its sums may run inside a CUDA graph (nothing on the host)."""
 
     in_graph = False
 

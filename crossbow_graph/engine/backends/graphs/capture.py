@@ -110,8 +110,7 @@ class RoundGraph:
         failure: why graph rounds stopped, or None: ``"ExcType: message"`` of a failed capture,
             or what a warm-up round found that a capture cannot take (``CaptureProbe``: that
             capture was never started).
-        captures, replays: graphs captured and replayed so far.
-    """
+        captures, replays: graphs captured and replayed so far."""
 
     def __init__(self, ops: Any = None, *, warmup_rounds: int = 2) -> None:
         if warmup_rounds < 1:

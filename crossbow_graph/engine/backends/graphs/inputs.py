@@ -69,8 +69,7 @@ class HostStaging:
     (that of ``slots`` rounds before, done long since), so no replay reads a half-written batch.
 
     Args:
-        ops: the streams' operations (``streams.StreamOps``, or a RaceRecorder on CPU devices).
-    """
+        ops: the streams' operations (``streams.StreamOps``, or a RaceRecorder on CPU devices)."""
 
     def __init__(self, ops: Any, slots: int = 2) -> None:
         self.ops, self.slots = ops, slots

@@ -18,8 +18,7 @@ class ProcessBackend(Backend):
     ``close`` or a failed task.
 
     Attributes:
-        executor: the running ProcessExecutor, or None.
-    """
+        executor: the running ProcessExecutor, or None."""
 
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)

@@ -27,17 +27,14 @@ class ProcessExecutor:
     processes").
 
     Args:
-        ctx: the plan's RunContext (its fit's ``fetch``: sample indices ``[n]`` → a collated
-            batch, in any process; ``load``: (round, indices ``[k·b]``) → the round's batch here,
-            the workers then receive their rows, ``Mailbox.batches``; None: they fetch).
-        env: the first round's environment: its b, learner mode, k, sync algorithm and
+        ctx: the plan's RunContext (its fit's ``fetch`` and ``load``: ``FitRun``; with ``load``
+            the workers receive their rows, ``Mailbox.batches``, else they fetch).
+        env: the first round's RoundEnv: its b, learner mode, k, sync algorithm and
             max_divergence hold while the workers live.
         global_update: the backend's (``Backend.global_update``).
         seed: seeds each worker's RNG (dropout) differently.
 
-    Attributes: ``crew`` (what the groups share), ``workers`` (the forked processes),
-    ``closed``.
-    """
+    Attributes: ``crew`` (what the groups share), ``workers`` (the forked processes), ``closed``."""
 
     def __init__(self, ctx: RunContext, env: RoundEnv, global_update: Callable, *,
                  seed: int) -> None:
@@ -132,8 +129,7 @@ class ProcessExecutor:
 
         Raises:
             TaskError: a group's task failed (names the task, its device and the round; the
-                workers are stopped), or DivergenceError: every learner was faulty.
-        """
+                workers are stopped), or DivergenceError: every learner was faulty."""
         t, synchronise = env.round_index, env.synchronise
         learned = self._learn(t, indices)
         ta, tb = self.own_learn_span  # group 0 has waited for z_t since it finished learning
@@ -191,8 +187,7 @@ class ProcessExecutor:
         """Every group's answer of round ``round_index`` (group 0's: ``own``), in group order.
 
         Raises:
-            TaskError: some group's task failed (the first one's; the workers are stopped).
-        """
+            TaskError: some group's task failed (the first one's; the workers are stopped)."""
         answers, failure = [own], own_error
         for wid in self.workers.ids:
             reply = self.workers.recv(wid, round_index)

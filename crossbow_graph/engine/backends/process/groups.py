@@ -36,8 +36,7 @@ class GroupProgram:
             the group runs its part, rows ``local_rows``, and writes their sum of corrections.
         local_rows: ``(a, b)``, those rows of the device (``(0, 0)`` without a part).
         global_sync: the GLOBAL_SYNC when this group's process runs it, else None.
-        fused_runs: for fused learners, ``RoundProgram.learn_runs(learn)``.
-    """
+        fused_runs: for fused learners, ``RoundProgram.learn_runs(learn)``."""
 
     learn: tuple[Task, ...]
     local: Task | None
@@ -89,8 +88,7 @@ class Crew:
     (``[m, Q]`` per device, the buffers' snapshots), ``part_info [n, 2]`` (per group: faulty
     rows, failed) with the semaphore ``parts``, and ``release`` (float64: what each release
     carries, synchronise, cancel and the round's ``Hyper`` as numbers); ``sync_worker`` (the
-    group running the GLOBAL_SYNC; None: the coordinator's).
-    """
+    group running the GLOBAL_SYNC; None: the coordinator's)."""
 
     def __init__(self, ctx: RunContext, groups: list[tuple[int, int, int]],
                  programs: list[GroupProgram], template: RoundEnv,
@@ -141,12 +139,9 @@ class Crew:
 
 class LearnerGroup(RoundInterpreter):
     """Learner group ``wid``'s share of every round (its GroupProgram) in the process that runs
-    it: group 0 in the coordinator, the others in their worker (executor.py ``worker_main``).
-
-    ``learn_round`` runs its LEARN tasks, ``local_round`` its part of the LOCAL_SYNC (with z_t),
-    ``run_global`` the GLOBAL_SYNC where the graph places it. A failed task is kept in ``error``
-    (task id, text) until every group has answered; the coordinator then raises it.
-    """
+    it (group 0: the coordinator): ``learn_round`` (LEARN), ``local_round`` (its LOCAL_SYNC part),
+    ``run_global`` (GLOBAL_SYNC). A failed task waits in ``error`` (task id, text) until every
+    group has answered; the coordinator then raises it."""
 
     def __init__(self, crew: Crew, wid: int, mail: Mailbox | None = None) -> None:
         ctx = crew.ctx

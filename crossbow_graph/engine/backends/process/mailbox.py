@@ -31,8 +31,7 @@ def worker_groups(replicas_per_device: list[int], cores: int) -> list[tuple[int,
     spread over them as evenly as possible, larger groups first.
 
     Returns:
-        ``(device index, r0, r1)`` per worker, device-major.
-    """
+        ``(device index, r0, r1)`` per worker, device-major."""
     per_device = max(1, cores // len(replicas_per_device))
     groups = []
     for d, m in enumerate(replicas_per_device):
@@ -95,8 +94,7 @@ class Mailbox:
         n_rows: the worker's replicas, r1 − r0.
         n_losses: the losses it answers per round (its LEARN tasks).
         loss_dtype: of the losses (the masters': float64 for a float64 model, else float32).
-        shipped: whether the coordinator loads the rounds and sends the batches.
-    """
+        shipped: whether the coordinator loads the rounds and sends the batches."""
 
     def __init__(self, ctx, n_indices: int, n_rows: int, n_losses: int,
                  loss_dtype: torch.dtype = torch.float32, shipped: bool = False) -> None:

@@ -33,8 +33,7 @@ class Workers:
         crew: what the groups share.
         b: samples per learner (each worker's indices per round).
         seed: seeds each worker's RNG differently.
-        shipped: whether the coordinator loads the rounds and sends the workers their rows.
-    """
+        shipped: whether the coordinator loads the rounds and sends the workers their rows."""
 
     def __init__(self, crew: Crew, *, b: int, seed: int, shipped: bool) -> None:
         ctx, parent = mp.get_context("fork"), os.getpid()
@@ -77,8 +76,7 @@ class Workers:
         ("error", task id, text).
 
         Raises:
-            TaskError: the worker exited, or gave no answer within ``ROUND_TIMEOUT_S``.
-        """
+            TaskError: the worker exited, or gave no answer within ``ROUND_TIMEOUT_S``."""
         mail, proc = self.mail[wid], self.procs[wid]
         deadline = time.monotonic() + ROUND_TIMEOUT_S
         while not mail.done.acquire(timeout=POLL_S):

@@ -122,8 +122,7 @@ class StreamsBackend(InlineBackend):
         ``counts=False`` leaves the ranks' counts for later.
 
         Raises:
-            DivergenceError: as ``FaultMonitor.record`` and ``FaultMonitor.share``.
-        """
+            DivergenceError: as ``FaultMonitor.record`` and ``FaultMonitor.share``."""
         ctx = self.ctx
         pending, self._late = self._late, []
         for i, (t, d, a, host, event) in enumerate(pending):

@@ -79,8 +79,7 @@ class CudaStreams:
     Attributes:
         delay: stream kind (``"learn"``, ``"local"``, ``"global"``, ``"copy"``) → GPU cycles it
             sleeps before its work, every round (race probes; empty in training).
-        captured: the rounds run into a CUDA graph: no timing events, no ``keep_alive``.
-    """
+        captured: the rounds run into a CUDA graph: no timing events, no ``keep_alive``."""
 
     WAITS = {  # what each kind of stream waits for before its work of a round (the discipline)
         "learn": ("start", "batch copy", "own local sync", "global sync (S-SGD, DiLoCo)"),
