@@ -69,7 +69,11 @@ def _readers(plan: cg.Plan) -> dict[str, dict]:
 
 
 def _assert_agree(plan: cg.Plan, want: dict) -> None:
-    wrong = {reader: {k: v for k, v in seen.items() if v != want[k]}
+    """Every reader sees ``want``; a round's η is the lr × SMA's η factor in force (1 before a
+    fit; docs/design-overview.md §2)."""
+    factor = plan.settings.optimizer.lr_factor
+    wrong = {reader: {k: v for k, v in seen.items()
+                      if v != (want[k] * factor if (reader, k) == ("a round", "lr") else want[k])}
              for reader, seen in _readers(plan).items()}
     assert not any(wrong.values()), wrong
     k = plan.num_learners
