@@ -85,16 +85,14 @@ class LocalOptimizer:
 
     @property
     def round_lr(self) -> float:
-        """The η a round steps with: ``lr`` × ``lr_factor``."""
-        return self._scaled(float(self.optimizer.param_groups[0]["lr"]))
-
-    def _scaled(self, lr: float) -> float:
-        return lr if self.lr_factor == 1.0 else lr * self.lr_factor
+        """The η a round steps with: ``lr`` × ``lr_factor`` (``round_hyper`` of the first group)."""
+        return float(self.round_hyper(self.optimizer.param_groups[0], "lr"))
 
     def sgd(self) -> KernelSGD:
-        """The first group as the SGD kernels take it (``kernel`` optimizers), at ``round_lr``."""
+        """The first group as the SGD kernels take it (``kernel`` optimizers; the lr as set: a
+        round's η is its ``Hyper`` snapshot's)."""
         g = self.optimizer.param_groups[0]
-        return KernelSGD(self._scaled(float(g["lr"])), float(g.get("momentum", 0.0)),
+        return KernelSGD(float(g["lr"]), float(g.get("momentum", 0.0)),
                          bool(g.get("nesterov", False)), float(g.get("weight_decay", 0.0)))
 
     def round_hyper(self, group: dict[str, Any], key: str) -> Any:
