@@ -64,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
 
-__all__ = ["Rule", "run_sma", "run_ssgd", "summarise", "main"]
+__all__ = ["Rule", "run_sma", "run_ssgd", "recorded_runs", "summarise", "main"]
 
 TARGETS = {"w1": (0.985, 0.99), "fm": (0.85, 0.87)}  # the summary's targets per workload
 RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs", "sma_rules")
@@ -384,14 +384,18 @@ def cmd_queue(args) -> int:
         time.sleep(5)
 
 
+def recorded_runs(runs_dir: str = RUNS):
+    """Every recorded run in ``runs_dir`` (the summary aside), as (file name, run), by name."""
+    for fn in sorted(os.listdir(runs_dir)):
+        if fn.endswith(".json") and fn != "summary.json":
+            with open(os.path.join(runs_dir, fn)) as f:
+                yield fn, json.load(f)
+
+
 def summarise(runs_dir: str = RUNS) -> list[dict]:
     """One row per run: its settings and epochs to each target."""
     rows = []
-    for fn in sorted(os.listdir(runs_dir)):
-        if not fn.endswith(".json") or fn == "summary.json":
-            continue
-        with open(os.path.join(runs_dir, fn)) as f:
-            r = json.load(f)
+    for _, r in recorded_runs(runs_dir):
         a = r["args"]
         rows.append(dict(name=r["name"], workload=a["workload"], system=a["system"], k=a["k"],
                          k_schedule=a["k_schedule"], lr=a["lr"], lr_mult=a["lr_mult"],

@@ -87,11 +87,9 @@ def collect(runs_dir: str = sma_rules.RUNS) -> list[dict]:
     """Every W1 run of SMA's defaults and of S-SGD at η₁ with warm-up: its settings, epochs and
     samples to each target (None: not reached in its cap) and its evaluations."""
     out = []
-    for fn in sorted(os.listdir(runs_dir)):
-        if not fn.startswith("w1-") or fn == "summary.json":
+    for fn, r in sma_rules.recorded_runs(runs_dir):
+        if not fn.startswith("w1-"):
             continue
-        with open(os.path.join(runs_dir, fn)) as f:
-            r = json.load(f)
         a = r["args"]
         ssgd = (a["system"] == "ssgd" and a["lr"] == LR and a["batch"] == 16
                 and a["warmup_epochs"] == 0.5 and not a["train_samples"])
