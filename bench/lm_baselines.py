@@ -14,7 +14,8 @@ A configuration is ``SYSTEM`` followed by ``:key=value`` settings (``adamw:b=4:l
 Keys: ``k`` learners (1), ``b`` windows per learner (4), ``lr`` peak (1e-3), ``beta2`` (0.99),
 ``mom`` (0), ``wd`` (0.1 for AdamW, 0 for SGD), ``H`` (8), ``scale`` (1: SMA's η rule, the
 learners step at lr × √min(k, 16); 0: ``SMA(scale_lr=False)``, lr as set). Tokens count every learner's
-(k·b·128 a round). Every run: one intra-op thread per process; the learning rate warms up
+(k·b·128 a round); ``fused`` (0: one module per learner, ``learner_mode="per_replica"``;
+1: the k learners of a device as one vmapped module, ``learner_mode="fused"``). Every run: one intra-op thread per process; the learning rate warms up
 linearly over the first 5 % of ``--schedule-tokens`` and follows a cosine to a tenth of its peak
 at ``--schedule-tokens``, then stays there (``crossbow_graph.cli_lm.lr_factor``, the schedule of
 ``crossbow-graph train --model gpt``); batches are drawn without replacement from a seeded
@@ -68,7 +69,7 @@ __all__ = ["SYSTEMS", "parse", "lr_factor", "centre_lr", "grid", "val_loss", "ru
 
 RUNS = os.path.join(BENCH, "runs")  # raw runs, not committed
 SYSTEMS = ("adamw", "sgd", "sma-adamw", "sma-sgd", "diloco-adamw", "diloco-sgd")
-KEYS = dict(k=int, b=int, lr=float, beta2=float, mom=float, wd=float, H=int, scale=int)
+KEYS = dict(k=int, b=int, lr=float, beta2=float, mom=float, wd=float, H=int, scale=int, fused=int)
 SCHEDULE_TOKENS = 2**20
 EVAL_EVERY_TOKENS = 2**15
 VAL_WINDOWS = 128
@@ -83,7 +84,7 @@ def parse(text: str) -> dict:
     if system not in SYSTEMS:
         raise ValueError(f"{text!r}: SYSTEM is one of {', '.join(SYSTEMS)}")
     config = dict(system=system, k=1, b=4, lr=1e-3, beta2=0.99, mom=0.0,
-                  wd=0.1 if system.endswith("adamw") else 0.0, H=8, scale=1)
+                  wd=0.1 if system.endswith("adamw") else 0.0, H=8, scale=1, fused=0)
     for pair in pairs:
         key, _, value = pair.partition("=")
         if key not in KEYS or not value:
@@ -193,7 +194,8 @@ def _compile(config: dict, model: torch.nn.Module, example: torch.Tensor, execut
     return cg.compile(model, (example,), cg.models.lm_loss, batch_size=config["b"],
                       replicas=k // devices, devices=devices,
                       executor="process" if devices == 2 else "inline",
-                      learner_mode="per_replica", optimizer=_optimizer(config, model), sync=sync)
+                      learner_mode="fused" if config["fused"] else "per_replica",
+                      optimizer=_optimizer(config, model), sync=sync)
 
 
 def run_crossbow(config: dict, seed: int, opts: dict) -> dict:
