@@ -35,8 +35,9 @@ per device) or ``inline`` on one device in this process (one thread); DiLoCo run
     python bench/lm_baselines.py --smoke
 
 ``--grid``: AdamW at B ∈ {8, 16, 32, 64} × lr ∈ {0.5, 1, 2} × ``centre_lr(B)``. ``--report``: the
-table of JSON files of runs (medians over seeds) and, with ``--plot``, the validation loss of each
-configuration against tokens and against training seconds (a line per seed).
+table of JSON files of runs (medians over seeds), with ``--out`` the summary and every run's
+evaluations (a file a later ``--report`` reads as runs), and with ``--plot`` the validation loss
+of each configuration against tokens and against training seconds (a line per seed).
 
 Every run is a fresh ``--one JSON`` subprocess (``--jobs`` at a time, interleaved: every
 configuration of a seed before the next seed); runs are appended to ``--out`` (default
@@ -379,10 +380,15 @@ def _report(args: argparse.Namespace) -> int:
     runs = [r for path in args.report for r in json.load(open(path))["runs"]]
     summary = summarise(runs, args.target)
     print(_table(summary, args.target))
-    if args.out:
+    if args.out:  # the summary and every run's curve: a later --report reads it back as runs
+        kept = [dict(config=r["config"], seed=r["seed"], tokens_per_s=r["tokens_per_s"],
+                     load_after=r.get("load_after"),
+                     evals=[dict(tokens=e["tokens"], train_seconds=round(e["train_seconds"], 2),
+                                 val_loss=round(e["val_loss"], 5)) for e in r["evals"]])
+                for r in runs if "error" not in r]
         with open(args.out, "w") as f:
             json.dump(dict(sources=[os.path.basename(x) for x in args.report], target=args.target,
-                           summary=summary), f, indent=1)
+                           summary=summary, runs=kept), f, indent=1)
     if args.plot:
         plot(runs, args.target, args.plot)
     return 0
