@@ -388,7 +388,7 @@ def _report(args: argparse.Namespace) -> int:
                 for r in runs if "error" not in r]
         with open(args.out, "w") as f:
             json.dump(dict(sources=[os.path.basename(x) for x in args.report], target=args.target,
-                           summary=summary, runs=kept), f, indent=1)
+                           summary=summary, runs=kept), f, separators=(",", ":"))
     if args.plot:
         plot(runs, args.target, args.plot)
     return 0
