@@ -5,7 +5,9 @@ docs/design-overview.md §2, How α, μ_z and η follow k).
 Workloads (``--workload``, ``WORKLOADS``): ``w1`` LeNet-5 on MNIST, η₁ = 0.01, z evaluated 8×
 per epoch on the 10,000 test images, capped at 6 epochs; ``fm`` ResNet-20 (widths 8/16/32) on
 Fashion-MNIST at 28×28, η₁ = 0.02, evaluated 8× per epoch on the first 5,000 test images, capped
-at 4 epochs. Systems, b = 16 samples per learner per round, every run one single-threaded
+at 4 epochs; ``gpt`` the GPT of W4 to a validation loss of 2.40, tokens to it against k at b = 1
+and 4 windows per learner, read from W4's runs (``GPT_LINES``; bench/lm_baselines.py runs them).
+Systems of w1 and fm, b = 16 samples per learner per round, every run one single-threaded
 ``nice -n 19`` process of ``bench/sma_rules.py run`` (its runners and workloads):
 
 * ``sma``: crossbow_graph with the engine's defaults, one device × k fused replicas on the
@@ -19,6 +21,7 @@ at 4 epochs. Systems, b = 16 samples per learner per round, every run one single
     python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2    # queue W1's runs not done yet
     python bench/sma_rules.py queue bench/jobs/fm_stat_eff.txt --jobs 1   # the fm runs
     python bench/stat_eff.py --report --workload fm         # summary, curves and figure
+    python bench/stat_eff.py --report --workload gpt        # from W4's runs (lm-w4.json)
     python bench/stat_eff.py --robustness OUT.json --epochs 1 --train-samples 12000
 
 ``--report`` writes ``bench/results/stat_eff_<workload>.json`` (per system and k: epochs and
@@ -269,6 +272,97 @@ def report(workload: str = "w1") -> int:
     return 0
 
 
+# The GPT (W4, bench/lm_baselines.py, its runs in bench/results/lm-w4.json): tokens to its target
+# validation loss against k at a fixed b windows per learner; S-SGD at k·b is plain AdamW at
+# batch k·b. Each line: (label, b, the configurations of its points).
+GPT_SOURCE = os.path.join(RESULTS, "lm-w4.json")
+GPT_CAP_TOKENS = 1_572_864  # docs/benchmarking.md, W4: a run ends there (or is abandoned before)
+GPT_LINES = (
+    ("SMA, AdamW, defaults, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975",
+                                         "sma-adamw:k=4:b=1:lr=1e-3:beta2=0.9975:fused=1",
+                                         "sma-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1")),
+    ("AdamW at k·b, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975", "adamw:b=4:lr=1e-3")),
+    ("SMA, AdamW, defaults, b = 4", 4, ("adamw:b=4:lr=1e-3", "sma-adamw:k=4:b=4:lr=1e-3:fused=1",
+                                         "sma-adamw:k=16:b=4:lr=1e-3:fused=1")),
+    ("AdamW at k·b, b = 4", 4, ("adamw:b=4:lr=1e-3", "adamw:b=16:lr=1e-3")),
+)
+
+
+def gpt_summary(source: str = GPT_SOURCE) -> dict:
+    """Per line of ``GPT_LINES`` and k: its configuration, the tokens to the target per seed
+    (None: not reached), their median (a miss counts as +∞; None when the median is) and its
+    ratio to k = 1."""
+    import lm_baselines  # bench/lm_baselines.py: its configurations' parser
+
+    with open(source) as f:
+        data = json.load(f)
+    lines = {}
+    for label, b, configs in GPT_LINES:
+        rows = {}
+        for text in configs:
+            row = data["summary"].get(text)
+            if row is None:
+                continue
+            config = lm_baselines.parse(text)
+            k = config["k"] if config["system"].startswith("sma") else config["b"] // b
+            rows[str(k)] = dict(config=text, seeds=row["seeds"], tokens=row["tokens"],
+                                median=row["median_tokens"], final_loss=row["final"])
+        base = rows.get("1", {}).get("median")
+        for row in rows.values():
+            row["ratio_to_k1"] = None if base is None or row["median"] is None else row["median"] / base
+        lines[label] = rows
+    return dict(workload="gpt", target=data["target"], source=os.path.relpath(source, BENCH),
+                cap_tokens=GPT_CAP_TOKENS, lines=lines)
+
+
+def plot_gpt(summary: dict, out: str | None = None) -> str:
+    """Tokens to the target against k (log₂), one line per ``GPT_LINES`` entry: the median and
+    the seeds' range; a seed that did not reach it is drawn at the cap (hollow marker)."""
+    out = out or os.path.join(IMAGES, "stat_eff_gpt.png")
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, (label, rows) in enumerate(summary["lines"].items()):
+        colour, shift = f"C{i}", (0.94, 0.98, 1.02, 1.06)[i % 4]
+        xs, med, lo, hi = [], [], [], []
+        for k in sorted(int(k) for k in rows):
+            toks = [t if t is not None else summary["cap_tokens"] for t in rows[str(k)]["tokens"]]
+            xs.append(k * shift)
+            med.append(statistics.median(toks) / 1e6)
+            lo.append(med[-1] - min(toks) / 1e6)
+            hi.append(max(toks) / 1e6 - med[-1])
+            missed = sum(t is None for t in rows[str(k)]["tokens"])
+            if missed:
+                ax.scatter([k * shift] * missed, [summary["cap_tokens"] / 1e6] * missed, s=70,
+                           facecolors="none", edgecolors=colour, zorder=3)
+        ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=4, color=colour, label=label,
+                    ls="-" if label.startswith("SMA") else "--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("learners k (b windows of 128 bytes each)")
+    ax.set_ylabel("M tokens to the target (median, seeds' range; hollow: not reached)", fontsize=8)
+    ax.set_title(f"W4, a GPT on the fortunes bytes: to a validation loss of {summary['target']:g}",
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def gpt_report() -> int:
+    summary = gpt_summary()
+    summary["commands"] = ["docs/benchmarking.md, W4 (bench/lm_baselines.py)",
+                           "python bench/stat_eff.py --report --workload gpt"]
+    with open(os.path.join(RESULTS, "stat_eff_gpt.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    for label, rows in summary["lines"].items():
+        for k, row in sorted(rows.items(), key=lambda kv: int(kv[0])):
+            ratio = row["ratio_to_k1"]
+            print(f"{label:<30} k={k:<3} {row['config']:<48} {row['tokens']} "
+                  + (f"×{ratio:.2f}" if ratio else ""))
+    print("wrote", plot_gpt(summary))
+    return 0
+
+
 def robustness_jobs(bs=(4, 8, 16, 32, 64)) -> list[tuple[str, int, dict]]:
     """(system, b, spec) of the robustness runs (bench/tta.py's specs): crossbow_graph's CLI
     defaults (2 devices × 2 replicas, SMA, its η rule) and plain PyTorch at b, lr 0.02 for both."""
@@ -302,14 +396,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--jobs", type=int, default=2, help="runs at once (each one thread)")
     p.add_argument("--report", action="store_true", help="summarise the runs done, plot")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1", help="--report's")
+    p.add_argument("--workload", choices=sorted(WORKLOADS) + ["gpt"], default="w1",
+                   help="--report's (gpt: from W4's runs, bench/results/lm-w4.json)")
     p.add_argument("--robustness", metavar="OUT", default=None,
                    help="instead: final accuracy against b at lr 0.02 (robustness_jobs), to OUT")
     p.add_argument("--epochs", type=int, default=1, help="--robustness: epochs per run")
     p.add_argument("--train-samples", type=int, default=None, help="--robustness: first N")
     args = p.parse_args(argv)
     if args.report:
-        return report(args.workload)
+        return gpt_report() if args.workload == "gpt" else report(args.workload)
     if args.robustness:
         return robustness(args.robustness, args.epochs, args.train_samples)
     runs = collect()
