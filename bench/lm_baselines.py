@@ -275,10 +275,11 @@ def _subprocess(text: str, seed: int, opts: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def summarise(runs: list[dict], target: float) -> dict:
+def summarise(runs: list[dict], target: float, carried: dict | None = None) -> dict:
     """Per configuration, over its seeds: runs, seeds that reached ``target``, and the medians of
     tokens and seconds to it (a seed that missed it counts as +∞; None when the median is), of
-    the final loss and of tokens/s, with each seed's values."""
+    the final loss and of tokens/s, with each seed's values. ``carried``: rows of an earlier
+    summary at the same target whose runs are not kept; their seeds that ``runs`` lacks count."""
     out: dict[str, dict] = {}
     for r in runs:
         if "error" in r:
@@ -290,7 +291,16 @@ def summarise(runs: list[dict], target: float) -> dict:
         row["seconds"].append(sec)
         row["final"].append(r["evals"][-1]["val_loss"])
         row["tps"].append(r["tokens_per_s"])
+    for config, old in (carried or {}).items():
+        row = out.setdefault(config, dict(seeds=[], tokens=[], seconds=[], final=[], tps=[]))
+        for i, seed in enumerate(old["seeds"]):
+            if seed not in row["seeds"]:
+                for key in ("seeds", "tokens", "seconds", "final", "tps"):
+                    row[key].append(old[key][i])
     for row in out.values():
+        order = sorted(range(len(row["seeds"])), key=row["seeds"].__getitem__)
+        for key in ("seeds", "tokens", "seconds", "final", "tps"):
+            row[key] = [row[key][i] for i in order]
         hit = [t for t in row["tokens"] if t is not None]
         row["reached"] = len(hit)
         row["median_tokens"] = _median_missing_inf(row["tokens"])
@@ -377,8 +387,13 @@ def plot(runs: list[dict], target: float, path: str) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    runs = [r for path in args.report for r in json.load(open(path))["runs"]]
-    summary = summarise(runs, args.target)
+    """The runs of ``args.report``'s files summarised; a configuration that only a file's summary
+    holds (its runs not kept) is carried over as that summary has it."""
+    files = [json.load(open(path)) for path in args.report]
+    runs = [r for data in files for r in data.get("runs", [])]
+    carried = {config: row for data in files if data.get("target") == args.target
+               for config, row in data.get("summary", {}).items()}
+    summary = summarise(runs, args.target, carried)
     print(_table(summary, args.target))
     if args.out:  # the summary and every run's curve: a later --report reads it back as runs
         kept = [dict(config=r["config"], seed=r["seed"], tokens_per_s=r["tokens_per_s"],
