@@ -338,6 +338,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", nargs="*", default=[], help="SYSTEM:key=value:..., e.g. adamw:b=4:lr=1e-3")
     p.add_argument("--grid", action="store_true", help="the AdamW sweep: B × 3 lrs around centre_lr(B)")
     p.add_argument("--plot", default=None, help="with --report: a PNG of loss against tokens and seconds")
+    p.add_argument("--plot-configs", nargs="*", default=None, help="--plot draws these configurations only")
     p.add_argument("--seeds", nargs="*", type=int, default=[0])
     p.add_argument("--target", type=float, default=2.4, help="validation loss to stop at (nats per byte)")
     p.add_argument("--schedule-tokens", type=int, default=SCHEDULE_TOKENS, help="the cosine's length")
@@ -357,9 +358,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def plot(runs: list[dict], target: float, path: str) -> None:
+def plot(runs: list[dict], target: float, path: str, configs: list[str] | None = None) -> None:
     """Validation loss against training tokens and against training seconds, a line per run
-    (one colour per configuration), the target dashed, as a PNG at ``path``."""
+    (one colour per configuration; only ``configs`` when given), the target dashed, as a PNG at
+    ``path``."""
     try:
         import matplotlib
     except ImportError:
@@ -367,9 +369,9 @@ def plot(runs: list[dict], target: float, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharey=True)
     colours: dict[str, str] = {}
-    for r in (r for r in runs if "error" not in r):
+    for r in (r for r in runs if "error" not in r and (not configs or r["config"] in configs)):
         colour = colours.setdefault(r["config"], f"C{len(colours) % 10}")
         for ax, key in zip(axes, ("tokens", "train_seconds")):
             ax.plot([e[key] for e in r["evals"]], [e["val_loss"] for e in r["evals"]], color=colour,
@@ -381,8 +383,8 @@ def plot(runs: list[dict], target: float, path: str) -> None:
         ax.set_ylim(max(target - 0.4, 1.0), 3.6)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation loss (nats per byte)")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.04 + 0.035 * math.ceil(len(colours) / 3), 1, 1))
     fig.savefig(path, dpi=80)
 
 
@@ -405,7 +407,7 @@ def _report(args: argparse.Namespace) -> int:
             json.dump(dict(sources=[os.path.basename(x) for x in args.report], target=args.target,
                            summary=summary, runs=kept), f, separators=(",", ":"))
     if args.plot:
-        plot(runs, args.target, args.plot)
+        plot(runs, args.target, args.plot, args.plot_configs)
     return 0
 
 
