@@ -58,11 +58,12 @@ __all__ = ["job_lines", "collect", "summarise", "markdown", "plot", "robustness_
 RESULTS = os.path.join(BENCH, "results")
 IMAGES = os.path.join(os.path.dirname(BENCH), "docs", "images")
 # per workload: η₁ tuned at k = 1 (docs/benchmarking.md, "How SMA's α, μ_z and η follow k"), the
-# targets (the last one chooses S-SGD's m), the runs' test images (None: all) and the title
+# targets (the last one chooses S-SGD's m), the runs' test images (None: all), how S-SGD's lr
+# was chosen and the figure's title
 WORKLOADS = {
-    "w1": dict(lr=0.01, targets=("0.985", "0.99"), test_samples=None,
+    "w1": dict(lr=0.01, targets=("0.985", "0.99"), test_samples=None, ssgd="lr re-tuned per k",
                title="W1, LeNet-5/MNIST, b = 16 per learner"),
-    "fm": dict(lr=0.02, targets=("0.88", "0.9"), test_samples=5000,
+    "fm": dict(lr=0.02, targets=("0.88", "0.9"), test_samples=5000, ssgd="lr η₁·√k, warm-up",
                title="ResNet-20 (widths 8/16/32) on Fashion-MNIST 28×28, b = 16 per learner"),
 }
 LR, TARGETS = WORKLOADS["w1"]["lr"], WORKLOADS["w1"]["targets"]
@@ -199,7 +200,7 @@ def plot(summary: dict, out: str | None = None) -> str:
     out = out or os.path.join(IMAGES, f"stat_eff_{summary['workload']}.png")
     fig, axes = plt.subplots(1, len(targets), figsize=(10, 4), sharey=True)
     labels = {"sma": "SMA, the engine's defaults (η₁ tuned at k = 1)",
-              "ssgd": "S-SGD at k·b, lr re-tuned per k"}
+              "ssgd": f"S-SGD at k·b, {WORKLOADS[summary['workload']]['ssgd']}"}
     for ax, t in zip(axes, targets):
         for (system, rows), shift, colour in zip(summary["systems"].items(), (0.96, 1.04),
                                                  ("C0", "C1")):
@@ -236,7 +237,8 @@ def markdown(summary: dict) -> list[str]:
     ("—": not reached) and the median's ratio to k = 1, S-SGD's chosen m."""
     t0, t1 = summary["targets"]
     p0, p1 = (f"{100 * float(t):.1f} %" for t in (t0, t1))
-    head = [f"| k | SMA, defaults: to {p0} | to {p1} | S-SGD at k·b, re-tuned: m | to {p0} "
+    ssgd = WORKLOADS[summary["workload"]]["ssgd"]
+    head = [f"| k | SMA, defaults: to {p0} | to {p1} | S-SGD at k·b ({ssgd}): m | to {p0} "
             f"| to {p1} |", "|---|---|---|---|---|---|"]
 
     def cell(row: dict | None, t: str) -> str:
