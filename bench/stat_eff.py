@@ -19,7 +19,7 @@ Systems of w1 and fm, b = 16 samples per learner per round, every run one single
   the m that reaches the target first there at every seed; on fm m = √k (W1's best at k = 16).
 
     python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2    # queue W1's runs not done yet
-    python bench/sma_rules.py queue bench/jobs/fm_stat_eff.txt --jobs 1   # the fm runs
+    python bench/sma_rules.py queue bench/jobs/fm_stat_eff.txt --jobs 2   # the fm runs
     python bench/stat_eff.py --report --workload fm         # summary, curves and figure
     python bench/stat_eff.py --report --workload gpt        # from W4's runs (lm-w4.json)
     python bench/stat_eff.py --robustness OUT.json --epochs 1 --train-samples 12000
@@ -199,7 +199,7 @@ def plot(summary: dict, out: str | None = None) -> str:
     targets = summary["targets"]
     out = out or os.path.join(IMAGES, f"stat_eff_{summary['workload']}.png")
     fig, axes = plt.subplots(1, len(targets), figsize=(10, 4), sharey=True)
-    labels = {"sma": "SMA, the engine's defaults (η₁ tuned at k = 1)",
+    labels = {"sma": "SMA, the engine's defaults (k = 1's η₁ at every k)",
               "ssgd": f"S-SGD at k·b, {WORKLOADS[summary['workload']]['ssgd']}"}
     for ax, t in zip(axes, targets):
         for (system, rows), shift, colour in zip(summary["systems"].items(), (0.96, 1.04),
@@ -263,7 +263,7 @@ def report(workload: str = "w1") -> int:
     summary = summarise(runs, workload)
     summary["commands"] = (
         ["python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2"] if workload == "w1" else
-        ["python bench/sma_rules.py queue bench/jobs/fm_stat_eff.txt --jobs 1"]) + [
+        ["python bench/sma_rules.py queue bench/jobs/fm_stat_eff.txt --jobs 2"]) + [
         f"python bench/stat_eff.py --report --workload {workload}"]
     with open(os.path.join(RESULTS, f"stat_eff_{workload}.json"), "w") as f:
         json.dump(summary, f, indent=1)
