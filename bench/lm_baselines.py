@@ -35,8 +35,9 @@ per device) or ``inline`` on one device in this process (one thread); DiLoCo run
     python bench/lm_baselines.py --smoke
 
 ``--grid``: AdamW at B ∈ {8, 16, 32, 64} × lr ∈ {0.5, 1, 2} × ``centre_lr(B)``. ``--report``: the
-table of JSON files of runs (medians over seeds) and, with ``--plot``, the validation loss of each
-configuration against tokens and against training seconds (a line per seed).
+table of JSON files of runs (medians over seeds), with ``--out`` the summary and every run's
+evaluations (a file a later ``--report`` reads as runs), and with ``--plot`` the validation loss
+of each configuration against tokens and against training seconds (a line per seed).
 
 Every run is a fresh ``--one JSON`` subprocess (``--jobs`` at a time, interleaved: every
 configuration of a seed before the next seed); runs are appended to ``--out`` (default
@@ -274,10 +275,11 @@ def _subprocess(text: str, seed: int, opts: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def summarise(runs: list[dict], target: float) -> dict:
+def summarise(runs: list[dict], target: float, carried: dict | None = None) -> dict:
     """Per configuration, over its seeds: runs, seeds that reached ``target``, and the medians of
     tokens and seconds to it (a seed that missed it counts as +∞; None when the median is), of
-    the final loss and of tokens/s, with each seed's values."""
+    the final loss and of tokens/s, with each seed's values. ``carried``: rows of an earlier
+    summary at the same target whose runs are not kept; their seeds that ``runs`` lacks count."""
     out: dict[str, dict] = {}
     for r in runs:
         if "error" in r:
@@ -289,7 +291,16 @@ def summarise(runs: list[dict], target: float) -> dict:
         row["seconds"].append(sec)
         row["final"].append(r["evals"][-1]["val_loss"])
         row["tps"].append(r["tokens_per_s"])
+    for config, old in (carried or {}).items():
+        row = out.setdefault(config, dict(seeds=[], tokens=[], seconds=[], final=[], tps=[]))
+        for i, seed in enumerate(old["seeds"]):
+            if seed not in row["seeds"]:
+                for key in ("seeds", "tokens", "seconds", "final", "tps"):
+                    row[key].append(old[key][i])
     for row in out.values():
+        order = sorted(range(len(row["seeds"])), key=row["seeds"].__getitem__)
+        for key in ("seeds", "tokens", "seconds", "final", "tps"):
+            row[key] = [row[key][i] for i in order]
         hit = [t for t in row["tokens"] if t is not None]
         row["reached"] = len(hit)
         row["median_tokens"] = _median_missing_inf(row["tokens"])
@@ -327,6 +338,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", nargs="*", default=[], help="SYSTEM:key=value:..., e.g. adamw:b=4:lr=1e-3")
     p.add_argument("--grid", action="store_true", help="the AdamW sweep: B × 3 lrs around centre_lr(B)")
     p.add_argument("--plot", default=None, help="with --report: a PNG of loss against tokens and seconds")
+    p.add_argument("--plot-configs", nargs="*", default=None, help="--plot draws these configurations only")
     p.add_argument("--seeds", nargs="*", type=int, default=[0])
     p.add_argument("--target", type=float, default=2.4, help="validation loss to stop at (nats per byte)")
     p.add_argument("--schedule-tokens", type=int, default=SCHEDULE_TOKENS, help="the cosine's length")
@@ -346,9 +358,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def plot(runs: list[dict], target: float, path: str) -> None:
+def plot(runs: list[dict], target: float, path: str, configs: list[str] | None = None) -> None:
     """Validation loss against training tokens and against training seconds, a line per run
-    (one colour per configuration), the target dashed, as a PNG at ``path``."""
+    (one colour per configuration; only ``configs`` when given), the target dashed, as a PNG at
+    ``path``."""
     try:
         import matplotlib
     except ImportError:
@@ -356,9 +369,9 @@ def plot(runs: list[dict], target: float, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), sharey=True)
     colours: dict[str, str] = {}
-    for r in (r for r in runs if "error" not in r):
+    for r in (r for r in runs if "error" not in r and (not configs or r["config"] in configs)):
         colour = colours.setdefault(r["config"], f"C{len(colours) % 10}")
         for ax, key in zip(axes, ("tokens", "train_seconds")):
             ax.plot([e[key] for e in r["evals"]], [e["val_loss"] for e in r["evals"]], color=colour,
@@ -370,21 +383,31 @@ def plot(runs: list[dict], target: float, path: str) -> None:
         ax.set_ylim(max(target - 0.4, 1.0), 3.6)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation loss (nats per byte)")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.04 + 0.035 * math.ceil(len(colours) / 3), 1, 1))
     fig.savefig(path, dpi=80)
 
 
 def _report(args: argparse.Namespace) -> int:
-    runs = [r for path in args.report for r in json.load(open(path))["runs"]]
-    summary = summarise(runs, args.target)
+    """The runs of ``args.report``'s files summarised; a configuration that only a file's summary
+    holds (its runs not kept) is carried over as that summary has it."""
+    files = [json.load(open(path)) for path in args.report]
+    runs = [r for data in files for r in data.get("runs", [])]
+    carried = {config: row for data in files if data.get("target") == args.target
+               for config, row in data.get("summary", {}).items()}
+    summary = summarise(runs, args.target, carried)
     print(_table(summary, args.target))
-    if args.out:
+    if args.out:  # the summary and every run's curve: a later --report reads it back as runs
+        kept = [dict(config=r["config"], seed=r["seed"], tokens_per_s=r["tokens_per_s"],
+                     load_after=r.get("load_after"),
+                     evals=[dict(tokens=e["tokens"], train_seconds=round(e["train_seconds"], 2),
+                                 val_loss=round(e["val_loss"], 5)) for e in r["evals"]])
+                for r in runs if "error" not in r]
         with open(args.out, "w") as f:
             json.dump(dict(sources=[os.path.basename(x) for x in args.report], target=args.target,
-                           summary=summary), f, indent=1)
+                           summary=summary, runs=kept), f, separators=(",", ":"))
     if args.plot:
-        plot(runs, args.target, args.plot)
+        plot(runs, args.target, args.plot, args.plot_configs)
     return 0
 
 

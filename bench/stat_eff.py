@@ -1,28 +1,35 @@
-"""Statistical efficiency on W1 (LeNet-5/MNIST): epochs and samples to a target test accuracy
-against the number of learners k, 3 seeds each (docs/benchmarking.md, Statistical efficiency;
+"""Statistical efficiency: epochs and samples to a target test accuracy against the number of
+learners k, 3 seeds each, per workload (docs/benchmarking.md, Statistical efficiency;
 docs/design-overview.md §2, How α, μ_z and η follow k).
 
-Systems, b = 16 samples per learner per round, every run one single-threaded ``nice -n 19``
-process of ``bench/sma_rules.py run`` (its runners and workloads), z or the model evaluated 8×
-per epoch on the 10,000 test images, capped at 6 epochs:
+Workloads (``--workload``, ``WORKLOADS``): ``w1`` LeNet-5 on MNIST, η₁ = 0.01, z evaluated 8×
+per epoch on the 10,000 test images, capped at 6 epochs; ``fm`` ResNet-20 (widths 8/16/32) on
+Fashion-MNIST at 28×28, η₁ = 0.02, evaluated 8× per epoch on the first 5,000 test images, capped
+at 4 epochs; ``gpt`` the GPT of W4 to a validation loss of 2.40, tokens to it against k at b = 1
+and 4 windows per learner, read from W4's runs (``GPT_LINES``; bench/lm_baselines.py runs them).
+Systems of w1 and fm, b = 16 samples per learner per round, every run one single-threaded
+``nice -n 19`` process of ``bench/sma_rules.py run`` (its runners and workloads):
 
 * ``sma``: crossbow_graph with the engine's defaults, one device × k fused replicas on the
-  inline executor, the user's ``torch.optim.SGD(lr=η₁, momentum=0.9)`` with η₁ = 0.01 tuned at
+  inline executor, the user's ``torch.optim.SGD(lr=η₁, momentum=0.9)`` with η₁ tuned at
   k = 1: ``SMA()`` (α = 1/k, μ_z = 0.9, η₁·√min(k, 16) ramped over 0.25 epoch). At k = 1 this is
   plain SGD at b (the same numbers: the rule is the identity there).
-* ``ssgd``: plain PyTorch S-SGD at batch k·b, re-tuned per k: peak lr η₁·m over a grid of m up to
-  linear scaling (m = k), Goyal et al.'s warm-up from η₁ over 0.5 epoch; the grid runs at seed 0
-  and the m that reaches the target first there runs at every seed.
+* ``ssgd``: plain PyTorch S-SGD at batch k·b, re-tuned per k: peak lr η₁·m, Goyal et al.'s
+  warm-up from η₁ over 0.5 epoch; on w1 over a grid of m up to linear scaling (m = k) at seed 0,
+  the m that reaches the target first there at every seed; on fm m = √k (W1's best at k = 16).
 
-    python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2    # queue the runs not done yet
-    python bench/stat_eff.py --report                       # summary, curves and figure
+    python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2    # queue W1's runs not done yet
+    python bench/sma_rules.py queue bench/jobs/fm_stat_eff.txt --jobs 2   # the fm runs
+    python bench/stat_eff.py --report --workload fm         # summary, curves and figure
+    python bench/stat_eff.py --report --workload gpt        # from W4's runs (lm-w4.json)
     python bench/stat_eff.py --robustness OUT.json --epochs 1 --train-samples 12000
 
-``--report`` writes ``bench/results/stat_eff_w1.json`` (per system and k: epochs and samples to
-each target per seed, the median and its ratio to k = 1), ``bench/results/stat_eff_w1_curves.json``
-(every run's evaluations) and ``docs/images/stat_eff_w1.png`` (epochs to 99.0 % against k, one
-line per system, the median with the seeds' range; a run that did not reach it is drawn at the
-cap, hollow).
+``--report`` writes ``bench/results/stat_eff_<workload>.json`` (per system and k: epochs and
+samples to each target per seed, the median and its ratio to k = 1),
+``bench/results/stat_eff_<workload>_curves.json`` (every run's evaluations; read back as runs by
+the next report) and ``docs/images/stat_eff_<workload>.png`` (epochs to each target against k,
+one line per system, the median with the seeds' range; a run that did not reach it is drawn at
+the cap, hollow).
 """
 
 from __future__ import annotations
@@ -48,10 +55,18 @@ import tta  # noqa: E402  (bench/tta.py: the robustness runs' runners)
 
 __all__ = ["job_lines", "collect", "summarise", "markdown", "plot", "robustness_jobs", "main"]
 
-LR = 0.01  # η₁, tuned at k = 1 (docs/benchmarking.md, "How SMA's α, μ_z and η follow k")
-TARGETS = ("0.985", "0.99")
 RESULTS = os.path.join(BENCH, "results")
-IMAGE = os.path.join(os.path.dirname(BENCH), "docs", "images", "stat_eff_w1.png")
+IMAGES = os.path.join(os.path.dirname(BENCH), "docs", "images")
+# per workload: η₁ tuned at k = 1 (docs/benchmarking.md, "How SMA's α, μ_z and η follow k"), the
+# targets (the last one chooses S-SGD's m), the runs' test images (None: all), how S-SGD's lr
+# was chosen and the figure's title
+WORKLOADS = {
+    "w1": dict(lr=0.01, targets=("0.985", "0.99"), test_samples=None, ssgd="lr re-tuned per k",
+               title="W1, LeNet-5/MNIST, b = 16 per learner"),
+    "fm": dict(lr=0.02, targets=("0.88", "0.9"), test_samples=5000, ssgd="lr η₁·√k, warm-up",
+               title="ResNet-20 (widths 8/16/32) on Fashion-MNIST 28×28, b = 16 per learner"),
+}
+LR, TARGETS = WORKLOADS["w1"]["lr"], WORKLOADS["w1"]["targets"]
 
 
 def ssgd_grid(k: int) -> list[float]:
@@ -77,31 +92,42 @@ def job_lines(ks: list[int], seeds: list[int], ssgd_mult: dict[int, float]) -> l
     return lines
 
 
-def _is_default_sma(a: dict) -> bool:
-    return (a["system"] == "sma" and a["workload"] == "w1" and a["lr"] == LR and a["batch"] == 16
+def _is_default_sma(a: dict, workload: str) -> bool:
+    return (a["system"] == "sma" and a["lr"] == WORKLOADS[workload]["lr"] and a["batch"] == 16
             and not a["k_schedule"] and a["alpha"] == "inv" and a["mu_z"] == "0.9"
             and (a["scale"] == "engine" or (a["k"] == 1 and a["scale"] == "1")))
 
 
-def collect(runs_dir: str = sma_rules.RUNS) -> list[dict]:
-    """Every W1 run of SMA's defaults and of S-SGD at η₁ with warm-up: its settings, epochs and
-    samples to each target (None: not reached in its cap) and its evaluations."""
-    out = []
-    for fn, r in sma_rules.recorded_runs(runs_dir):
-        if not fn.startswith("w1-"):
-            continue
+def _curves_path(workload: str) -> str:
+    return os.path.join(RESULTS, f"stat_eff_{workload}_curves.json")
+
+
+def collect(workload: str = "w1", runs_dir: str = sma_rules.RUNS) -> list[dict]:
+    """Every run of ``workload`` with SMA's defaults or S-SGD at η₁ with warm-up, on all the
+    training samples and the workload's test images: its settings, epochs and samples to each
+    target (None: not reached in its cap) and its evaluations; the committed curves file's runs,
+    then those recorded in ``runs_dir`` (which replace a committed run of the same name)."""
+    w = WORKLOADS[workload]
+    runs = {}
+    if os.path.exists(_curves_path(workload)):
+        with open(_curves_path(workload)) as f:
+            runs = {r["name"]: r for r in json.load(f)}
+    recorded = sma_rules.recorded_runs(runs_dir) if os.path.isdir(runs_dir) else []
+    for fn, r in recorded:
         a = r["args"]
-        ssgd = (a["system"] == "ssgd" and a["lr"] == LR and a["batch"] == 16
-                and a["warmup_epochs"] == 0.5 and not a["train_samples"])
-        if not (ssgd or _is_default_sma(a)) or a["train_samples"]:
+        if a["workload"] != workload or a["train_samples"] or a["test_samples"] != w["test_samples"]:
             continue
-        out.append(dict(name=r["name"], system=a["system"], k=a["k"], seed=a["seed"],
-                        lr_mult=a["lr_mult"] if ssgd else None, max_epochs=a["max_epochs"],
-                        to_target=sma_rules._firsts(r["evals"], [float(t) for t in TARGETS],
-                                                    60_000),
-                        best_accuracy=r["best_accuracy"], diverged=r.get("diverged"),
-                        evals=r["evals"]))
-    return out
+        ssgd = (a["system"] == "ssgd" and a["lr"] == w["lr"] and a["batch"] == 16
+                and a["warmup_epochs"] == 0.5)
+        if not (ssgd or _is_default_sma(a, workload)):
+            continue
+        runs[r["name"]] = dict(name=r["name"], system=a["system"], k=a["k"], seed=a["seed"],
+                               lr_mult=a["lr_mult"] if ssgd else None, max_epochs=a["max_epochs"],
+                               best_accuracy=r["best_accuracy"], diverged=r.get("diverged"),
+                               evals=r["evals"])
+    for run in runs.values():
+        run["to_target"] = sma_rules._firsts(run["evals"], [float(t) for t in w["targets"]], 0)
+    return sorted(runs.values(), key=lambda r: r["name"])
 
 
 def _epochs(run: dict, target: str) -> float:
@@ -109,24 +135,26 @@ def _epochs(run: dict, target: str) -> float:
     return math.inf if hit is None else hit["epochs"]
 
 
-def _choose_mult(runs: list[dict], k: int, target: str) -> float | None:
-    """S-SGD's m at k: the grid's fastest to ``target`` at seed 0 (then to 98.5 %, then the best
-    accuracy)."""
+def _choose_mult(runs: list[dict], k: int, targets: tuple[str, str]) -> float | None:
+    """S-SGD's m at k: the grid's fastest to the last of ``targets`` at seed 0 (then to the
+    first, then the best accuracy)."""
     grid = [r for r in runs if r["system"] == "ssgd" and r["k"] == k and r["seed"] == 0]
     if not grid:
         return None
-    best = min(grid, key=lambda r: (_epochs(r, target), _epochs(r, TARGETS[0]),
+    best = min(grid, key=lambda r: (_epochs(r, targets[-1]), _epochs(r, targets[0]),
                                     -(r["best_accuracy"] or 0)))
     return best["lr_mult"]
 
 
-def summarise(runs: list[dict], target: str = "0.99") -> dict:
+def summarise(runs: list[dict], workload: str = "w1") -> dict:
     """Per system and k: the chosen runs' epochs and samples to each target per seed, their
     median, its ratio to the median at k = 1, the best accuracy; S-SGD's m and its grid."""
+    targets = WORKLOADS[workload]["targets"]
+    target = targets[-1]
     systems: dict[str, dict] = {"sma": {}, "ssgd": {}}
     ks = sorted({r["k"] for r in runs})
     for k in ks:
-        m = _choose_mult(runs, k, target)
+        m = _choose_mult(runs, k, targets)
         picks = {"sma": [r for r in runs if r["system"] == "sma" and r["k"] == k],
                  "ssgd": [r for r in runs if r["system"] == "ssgd" and r["k"] == k
                           and r["lr_mult"] == m]}
@@ -139,7 +167,7 @@ def summarise(runs: list[dict], target: str = "0.99") -> dict:
             row = dict(seeds=[r["seed"] for r in rs], runs=[r["name"] for r in rs],
                        best_accuracy=[r["best_accuracy"] for r in rs],
                        max_epochs=max(r["max_epochs"] for r in rs))
-            for t in TARGETS:
+            for t in targets:
                 eps = [_epochs(r, t) for r in rs]
                 row[t] = dict(epochs=[None if e == math.inf else e for e in eps],
                               samples=[None if e == math.inf else r["to_target"][t]["samples"]
@@ -153,25 +181,27 @@ def summarise(runs: list[dict], target: str = "0.99") -> dict:
             systems[system][str(k)] = row
     for rows in systems.values():
         for row in rows.values():
-            for t in TARGETS:
+            for t in targets:
                 base = systems["sma"].get("1", {}).get(t, {}).get("median")
                 med = row[t]["median"]
                 row[t]["ratio_to_k1"] = None if base is None or med is None else med / base
-    return dict(workload="w1", batch_per_learner=16, lr_k1=LR, target=target, targets=TARGETS,
-                systems=systems)
+    return dict(workload=workload, batch_per_learner=16, lr_k1=WORKLOADS[workload]["lr"],
+                target=target, targets=targets, systems=systems)
 
 
 def _finite(x: float) -> float | None:
     return None if x is None or math.isinf(x) else x
 
 
-def plot(summary: dict, out: str = IMAGE) -> str:
+def plot(summary: dict, out: str | None = None) -> str:
     """Epochs to each target (one panel each) against k (log₂), one line per system: the median
     and the seeds' range; a seed that did not reach it is drawn at its cap (hollow marker)."""
-    fig, axes = plt.subplots(1, len(TARGETS), figsize=(10, 4), sharey=True)
-    labels = {"sma": "SMA, the engine's defaults (η₁ tuned at k = 1)",
-              "ssgd": "S-SGD at k·b, lr re-tuned per k"}
-    for ax, t in zip(axes, TARGETS):
+    targets = summary["targets"]
+    out = out or os.path.join(IMAGES, f"stat_eff_{summary['workload']}.png")
+    fig, axes = plt.subplots(1, len(targets), figsize=(10, 4), sharey=True)
+    labels = {"sma": "SMA, the engine's defaults (k = 1's η₁ at every k)",
+              "ssgd": f"S-SGD at k·b, {WORKLOADS[summary['workload']]['ssgd']}"}
+    for ax, t in zip(axes, targets):
         for (system, rows), shift, colour in zip(summary["systems"].items(), (0.96, 1.04),
                                                  ("C0", "C1")):
             xs, med, lo, hi = [], [], [], []
@@ -195,7 +225,7 @@ def plot(summary: dict, out: str = IMAGE) -> str:
     axes[0].set_ylabel("epochs (median, range over 3 seeds; hollow: not reached at the cap)")
     axes[0].yaxis.label.set_fontsize(8)
     axes[0].legend(fontsize=8)
-    fig.suptitle("W1, LeNet-5/MNIST, b = 16 per learner", fontsize=10)
+    fig.suptitle(WORKLOADS[summary["workload"]]["title"], fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -205,8 +235,11 @@ def plot(summary: dict, out: str = IMAGE) -> str:
 def markdown(summary: dict) -> list[str]:
     """The summary as a Markdown table: per k, each system's epochs to each target per seed
     ("—": not reached) and the median's ratio to k = 1, S-SGD's chosen m."""
-    head = ["| k | SMA, defaults: to 98.5 % | to 99.0 % | S-SGD at k·b, re-tuned: m | to 98.5 % "
-            "| to 99.0 % |", "|---|---|---|---|---|---|"]
+    t0, t1 = summary["targets"]
+    p0, p1 = (f"{100 * float(t):.1f} %" for t in (t0, t1))
+    ssgd = WORKLOADS[summary["workload"]]["ssgd"]
+    head = [f"| k | SMA, defaults: to {p0} | to {p1} | S-SGD at k·b ({ssgd}): m | to {p0} "
+            f"| to {p1} |", "|---|---|---|---|---|---|"]
 
     def cell(row: dict | None, t: str) -> str:
         if row is None:
@@ -220,22 +253,115 @@ def markdown(summary: dict) -> list[str]:
     for k in sorted({int(k) for rows in systems.values() for k in rows}):
         sma, ssgd = systems["sma"].get(str(k)), systems["ssgd"].get(str(k))
         m = "=" if k == 1 else (f"{ssgd['lr_mult']:g}" if ssgd else "—")
-        out.append(f"| {k} | {cell(sma, '0.985')} | {cell(sma, '0.99')} | {m} | "
-                   f"{cell(ssgd, '0.985')} | {cell(ssgd, '0.99')} |")
+        out.append(f"| {k} | {cell(sma, t0)} | {cell(sma, t1)} | {m} | "
+                   f"{cell(ssgd, t0)} | {cell(ssgd, t1)} |")
     return head + out
 
 
-def report() -> int:
-    runs = collect()
-    summary = summarise(runs)
-    summary["commands"] = ["python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2",
-                           "python bench/stat_eff.py --report"]
-    with open(os.path.join(RESULTS, "stat_eff_w1.json"), "w") as f:
+def report(workload: str = "w1") -> int:
+    runs = collect(workload)
+    summary = summarise(runs, workload)
+    summary["commands"] = (
+        ["python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2"] if workload == "w1" else
+        ["python bench/sma_rules.py queue bench/jobs/fm_stat_eff.txt --jobs 2"]) + [
+        f"python bench/stat_eff.py --report --workload {workload}"]
+    with open(os.path.join(RESULTS, f"stat_eff_{workload}.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    with open(os.path.join(RESULTS, "stat_eff_w1_curves.json"), "w") as f:
-        json.dump([{k: v for k, v in r.items()} for r in runs], f)
+    with open(_curves_path(workload), "w") as f:
+        json.dump([{k: v for k, v in r.items() if k != "to_target"} for r in runs], f)
     print("\n".join(markdown(summary)))
     print("wrote", plot(summary))
+    return 0
+
+
+# The GPT (W4, bench/lm_baselines.py, its runs in bench/results/lm-w4.json): tokens to its target
+# validation loss against k at a fixed b windows per learner; S-SGD at k·b is plain AdamW at
+# batch k·b. Each line: (label, b, the configurations of its points).
+GPT_SOURCE = os.path.join(RESULTS, "lm-w4.json")
+GPT_CAP_TOKENS = 1_572_864  # docs/benchmarking.md, W4: a run ends there (or is abandoned before)
+GPT_LINES = (
+    ("SMA, AdamW, defaults, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975",
+                                         "sma-adamw:k=4:b=1:lr=1e-3:beta2=0.9975:fused=1",
+                                         "sma-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1")),
+    ("AdamW at k·b, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975", "adamw:b=4:lr=1e-3")),
+    ("SMA, AdamW, defaults, b = 4", 4, ("adamw:b=4:lr=1e-3", "sma-adamw:k=4:b=4:lr=1e-3:fused=1",
+                                         "sma-adamw:k=16:b=4:lr=1e-3:fused=1")),
+    ("AdamW at k·b, b = 4", 4, ("adamw:b=4:lr=1e-3", "adamw:b=16:lr=1e-3")),
+)
+
+
+def gpt_summary(source: str = GPT_SOURCE) -> dict:
+    """Per line of ``GPT_LINES`` and k: its configuration, the tokens to the target per seed
+    (None: not reached), their median (a miss counts as +∞; None when the median is) and its
+    ratio to k = 1."""
+    import lm_baselines  # bench/lm_baselines.py: its configurations' parser
+
+    with open(source) as f:
+        data = json.load(f)
+    lines = {}
+    for label, b, configs in GPT_LINES:
+        rows = {}
+        for text in configs:
+            row = data["summary"].get(text)
+            if row is None:
+                continue
+            config = lm_baselines.parse(text)
+            k = config["k"] if config["system"].startswith("sma") else config["b"] // b
+            rows[str(k)] = dict(config=text, seeds=row["seeds"], tokens=row["tokens"],
+                                median=row["median_tokens"], final_loss=row["final"])
+        base = rows.get("1", {}).get("median")
+        for row in rows.values():
+            row["ratio_to_k1"] = None if base is None or row["median"] is None else row["median"] / base
+        lines[label] = rows
+    return dict(workload="gpt", target=data["target"], source=os.path.relpath(source, BENCH),
+                cap_tokens=GPT_CAP_TOKENS, lines=lines)
+
+
+def plot_gpt(summary: dict, out: str | None = None) -> str:
+    """Tokens to the target against k (log₂), one line per ``GPT_LINES`` entry: the median and
+    the seeds' range; a seed that did not reach it is drawn at the cap (hollow marker)."""
+    out = out or os.path.join(IMAGES, "stat_eff_gpt.png")
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, (label, rows) in enumerate(summary["lines"].items()):
+        colour, shift = f"C{i}", (0.94, 0.98, 1.02, 1.06)[i % 4]
+        xs, med, lo, hi = [], [], [], []
+        for k in sorted(int(k) for k in rows):
+            toks = [t if t is not None else summary["cap_tokens"] for t in rows[str(k)]["tokens"]]
+            xs.append(k * shift)
+            med.append(statistics.median(toks) / 1e6)
+            lo.append(med[-1] - min(toks) / 1e6)
+            hi.append(max(toks) / 1e6 - med[-1])
+            missed = sum(t is None for t in rows[str(k)]["tokens"])
+            if missed:
+                ax.scatter([k * shift] * missed, [summary["cap_tokens"] / 1e6] * missed, s=70,
+                           facecolors="none", edgecolors=colour, zorder=3)
+        ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=4, color=colour, label=label,
+                    ls="-" if label.startswith("SMA") else "--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("learners k (b windows of 128 bytes each)")
+    ax.set_ylabel("M tokens to the target (median, seeds' range; hollow: not reached)", fontsize=8)
+    ax.set_title(f"W4, a GPT on the fortunes bytes: to a validation loss of {summary['target']:g}",
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def gpt_report() -> int:
+    summary = gpt_summary()
+    summary["commands"] = ["docs/benchmarking.md, W4 (bench/lm_baselines.py)",
+                           "python bench/stat_eff.py --report --workload gpt"]
+    with open(os.path.join(RESULTS, "stat_eff_gpt.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    for label, rows in summary["lines"].items():
+        for k, row in sorted(rows.items(), key=lambda kv: int(kv[0])):
+            ratio = row["ratio_to_k1"]
+            print(f"{label:<30} k={k:<3} {row['config']:<48} {row['tokens']} "
+                  + (f"×{ratio:.2f}" if ratio else ""))
+    print("wrote", plot_gpt(summary))
     return 0
 
 
@@ -272,17 +398,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--jobs", type=int, default=2, help="runs at once (each one thread)")
     p.add_argument("--report", action="store_true", help="summarise the runs done, plot")
+    p.add_argument("--workload", choices=sorted(WORKLOADS) + ["gpt"], default="w1",
+                   help="--report's (gpt: from W4's runs, bench/results/lm-w4.json)")
     p.add_argument("--robustness", metavar="OUT", default=None,
                    help="instead: final accuracy against b at lr 0.02 (robustness_jobs), to OUT")
     p.add_argument("--epochs", type=int, default=1, help="--robustness: epochs per run")
     p.add_argument("--train-samples", type=int, default=None, help="--robustness: first N")
     args = p.parse_args(argv)
     if args.report:
-        return report()
+        return gpt_report() if args.workload == "gpt" else report(args.workload)
     if args.robustness:
         return robustness(args.robustness, args.epochs, args.train_samples)
     runs = collect()
-    chosen = {k: _choose_mult(runs, k, "0.99") for k in args.k}
+    chosen = {k: _choose_mult(runs, k, TARGETS) for k in args.k}
     path = os.path.join(BENCH, "jobs", "stat_eff.txt")
     with open(path, "w") as f:
         f.write("\n".join(job_lines(args.k, args.seeds,

@@ -51,7 +51,8 @@ def _epochs_arg(text: str) -> int:
 _TRAIN_DESCRIPTION = (
     "Train a model of the zoo with SMA and print the central model's test accuracy. "
     "With no arguments: LeNet-5 on MNIST over 3 epochs, until 99.0% test accuracy; "
-    "on a CUDA GPU SMA at b=16 with 4 replicas per GPU, SGD (η 0.02, ×0.1 at "
+    "on a CUDA GPU SMA at b=16 with 4 replicas per GPU, SGD (η 0.01, 0.02 per learner by SMA's "
+    "η rule, ×0.1 at "
     "epochs 2 and 4) and CUDA-graph rounds; on a CPU one device × 1 replica at "
     "b=256, AdamW with a OneCycle schedule (cli_machine.py says why). "
     "--model gpt --dataset fortunes (either one names both): a 1.2 M-parameter "

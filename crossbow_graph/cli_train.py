@@ -34,11 +34,12 @@ DATASETS = ("mnist", "fashion_mnist", "cifar10", "fortunes")
 # --optimizer: the torch.optim class, its default η and the samples per round (k·b) that η was
 # measured at on LeNet-5/MNIST (adaptive_batch's reference for the gain with the default η):
 # AdamW's with the default OneCycle schedule at b = 256, k = 1 and b = 128, k = 2
-# (bench/tta_baselines.py, docs/benchmarking.md), SGD's with 10× drops at b = 16, k = 4
-# (bench/lr_sweep_w1.py)
+# (bench/tta_baselines.py, docs/benchmarking.md); SGD's is η₁, the lr at k = 1 (W1's tuned η₁,
+# bench/stat_eff.py), which SMA's η rule scales to 0.02 per learner at b = 16, k = 4, the η
+# measured best there with 10× drops (bench/lr_sweep_w1.py)
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, 8e-3, 256), "adam": (torch.optim.Adam, 8e-3, 256),
-    "sgd": (torch.optim.SGD, 0.02, 64), "rmsprop": (torch.optim.RMSprop, 1e-3, 256),
+    "sgd": (torch.optim.SGD, 0.01, 64), "rmsprop": (torch.optim.RMSprop, 1e-3, 256),
 }
 # samples per metrics window (MetricsMonitor(window_samples=...)): 50 rounds at the default k·b
 WINDOW_SAMPLES = 12_800

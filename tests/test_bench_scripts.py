@@ -269,3 +269,27 @@ def test_lm_baselines_smoke_records_validation_loss_against_tokens(tmp_path, cap
         "adamw:b=8:lr=0.00071", "adamw:b=8:lr=0.0014", "adamw:b=8:lr=0.0028"]
     assert lm_baselines.lr_factor(0, 100) == pytest.approx(0.2)  # warm-up of 5 steps
     assert lm_baselines.lr_factor(99, 100) == pytest.approx(0.1)  # the cosine's end
+
+
+@pytest.mark.parametrize("workload", ["w1", "fm", "gpt"])
+def test_stat_eff_summary_is_derived_from_its_committed_curves(workload, tmp_path):
+    """bench/stat_eff.py's committed summary is what its committed curves give: every run's
+    epochs to each target re-read from its evaluations, S-SGD's m re-chosen, the medians and
+    ratios recomputed (no raw runs: an empty runs folder); the GPT's from W4's summary."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import stat_eff
+
+    path = os.path.join(ROOT, "bench", "results", f"stat_eff_{workload}.json")
+    if not os.path.exists(path):
+        pytest.skip(f"no committed summary for {workload}")
+    with open(path) as f:
+        committed = json.load(f)
+    committed.pop("commands")
+    if workload == "gpt":
+        summary = stat_eff.gpt_summary()
+        assert json.loads(json.dumps(summary)) == committed
+        assert all(rows["1"]["ratio_to_k1"] in (1.0, None) for rows in summary["lines"].values())
+        return
+    summary = stat_eff.summarise(stat_eff.collect(workload, runs_dir=str(tmp_path)), workload)
+    assert json.loads(json.dumps(summary)) == committed  # tuples as JSON lists
+    assert summary["systems"]["sma"]["1"][summary["target"]]["ratio_to_k1"] in (1.0, None)

@@ -30,7 +30,7 @@ def test_train_defaults_are_the_main_job():
     assert (args.devices, args.replicas) == (None, None)  # 'auto' × 1, or 2 learners for a policy
     assert (args.optimizer, args.lr_schedule, args.epochs, args.target, args.lr) == ("adamw", "onecycle", 3, 0.99, None)
     assert (DEFAULT_LR, DEFAULT_LR_BATCH) == (8e-3, 256)  # --lr's default η and its k·b (AdamW)
-    assert OPTIMIZERS["sgd"][1:] == (0.02, 64) and args.lr_milestones == (2, 4)
+    assert OPTIMIZERS["sgd"][1:] == (0.01, 64) and args.lr_milestones == (2, 4)
     assert build_parser().parse_args(["train", "--lr-milestones", ""]).lr_milestones == ()
 
 
@@ -53,8 +53,8 @@ def test_metrics_flags(tmp_path, capsys):
 
 def test_adaptive_batch_gain_refers_to_the_default_lrs_batch(tmp_path):
     """With the default η, adaptive_batch's gain takes the k·b that η was measured at (SGD: 64
-    samples per round) as its reference: at b = 4, k = 4 (16 per round) η falls below 0.02 by
-    the gain. With --lr the reference is the k·b the run starts at: r = 1 there, η stays."""
+    samples per round) as its reference: at b = 4, k = 4 (16 per round) η falls below the
+    default (0.01) by the gain. With --lr the reference is the k·b the run starts at: r = 1 there, η stays."""
     small = ["train", "--train-samples", "512", "--test-samples", "256", "--epochs", "1",
              "--target", "0", "--evals-per-epoch", "1", "--quiet", *SGD16, "--batch-size", "4",
              "--metrics-every", "2", "--measure-rounds", "1", "--lr-milestones", "",
@@ -67,8 +67,9 @@ def test_adaptive_batch_gain_refers_to_the_default_lrs_batch(tmp_path):
         lrs[name] = [p["changes"]["lr"] for p in policy if "lr" in p["changes"]]
     # the floor 16/64 is reached where the noise dominates (r = B/B₀); η = η_now·r/r_now then
     # rounds to within a few ulps of it, on either side
-    floor = 0.02 * 16 / 64 * (1 - 1e-12)
-    assert lrs["default"] and all(floor <= lr < 0.02 for lr in lrs["default"])
+    lr0 = OPTIMIZERS["sgd"][1]
+    floor = lr0 * 16 / 64 * (1 - 1e-12)
+    assert lrs["default"] and all(floor <= lr < lr0 for lr in lrs["default"])
     assert lrs["given"] == []
 
 

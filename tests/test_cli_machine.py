@@ -87,7 +87,7 @@ def test_a_cpu_machine_keeps_its_measured_defaults():
 
 def test_train_compiles_the_gpu_defaults_into_its_plan(cuda, monkeypatch):
     """``prepare_train`` with no flags on a CUDA machine compiles SMA over 'auto' × 4 replicas at
-    b = 16 with torch.optim.SGD (η 0.02, momentum 0.9: the fused kernels) and graph rounds; its
+    b = 16 with torch.optim.SGD (η 0.01, momentum 0.9: the fused kernels) and graph rounds; its
     schedule is the multistep policy (×0.1 at epochs 2 and 4)."""
     seen = {}
 
@@ -104,7 +104,7 @@ def test_train_compiles_the_gpu_defaults_into_its_plan(cuda, monkeypatch):
     opt = seen["optimizer"]
     assert (seen["batch_size"], seen["devices"], seen["replicas"], seen["cuda_graphs"]) == \
         (16, "auto", 4, True)
-    assert isinstance(opt, torch.optim.SGD) and opt.defaults["lr"] == 0.02 and \
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["lr"] == 0.01 and \
         opt.defaults["momentum"] == 0.9
     assert isinstance(seen["sync"], cg.SMA)
 
