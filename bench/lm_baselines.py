@@ -389,10 +389,12 @@ def plot(runs: list[dict], target: float, path: str, configs: list[str] | None =
 
 
 def _report(args: argparse.Namespace) -> int:
-    """The runs of ``args.report``'s files summarised; a configuration that only a file's summary
-    holds (its runs not kept) is carried over as that summary has it."""
+    """The runs of ``args.report``'s files summarised (one per configuration and seed, the last
+    file's); a configuration that only a file's summary holds (its runs not kept) is carried over
+    as that summary has it."""
     files = [json.load(open(path)) for path in args.report]
-    runs = [r for data in files for r in data.get("runs", [])]
+    # one run per (configuration, seed): a later file's replaces an earlier one's
+    runs = list({(r["config"], r["seed"]): r for data in files for r in data.get("runs", [])}.values())
     carried = {config: row for data in files if data.get("target") == args.target
                for config, row in data.get("summary", {}).items()}
     summary = summarise(runs, args.target, carried)
@@ -400,8 +402,8 @@ def _report(args: argparse.Namespace) -> int:
     if args.out:  # the summary and every run's curve: a later --report reads it back as runs
         kept = [dict(config=r["config"], seed=r["seed"], tokens_per_s=r["tokens_per_s"],
                      load_after=r.get("load_after"),
-                     evals=[dict(tokens=e["tokens"], train_seconds=round(e["train_seconds"], 2),
-                                 val_loss=round(e["val_loss"], 5)) for e in r["evals"]])
+                     evals=[dict(tokens=e["tokens"], train_seconds=e["train_seconds"],
+                                 val_loss=e["val_loss"]) for e in r["evals"]])
                 for r in runs if "error" not in r]
         with open(args.out, "w") as f:
             json.dump(dict(sources=[os.path.basename(x) for x in args.report], target=args.target,

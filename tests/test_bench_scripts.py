@@ -293,3 +293,38 @@ def test_stat_eff_summary_is_derived_from_its_committed_curves(workload, tmp_pat
     summary = stat_eff.summarise(stat_eff.collect(workload, runs_dir=str(tmp_path)), workload)
     assert json.loads(json.dumps(summary)) == committed  # tuples as JSON lists
     assert summary["systems"]["sma"]["1"][summary["target"]]["ratio_to_k1"] in (1.0, None)
+
+
+def test_lm_baselines_report_keeps_one_run_per_seed_and_carries_summary_rows(tmp_path, capsys):
+    """``--report`` over files that repeat a run counts it once (the last file's); a row that only
+    an earlier summary holds is carried with its seeds, and its seeds the runs lack join a row
+    the runs hold; the file it writes reads back to the same summary and runs."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import lm_baselines
+
+    def run(config, seed, loss):
+        return dict(config=config, seed=seed, tokens_per_s=1000.0,
+                    evals=[dict(tokens=0, train_seconds=0.0, val_loss=3.0),
+                           dict(tokens=4096, train_seconds=2.0, val_loss=loss)])
+
+    old = dict(target=2.4, summary={
+        "sgd:b=4:lr=1": dict(seeds=[0], tokens=[None], seconds=[None], final=[3.5], tps=[900.0]),
+        "adamw:b=4:lr=1e-3": dict(seeds=[2], tokens=[8192], seconds=[4.0], final=[2.3],
+                                  tps=[800.0])})
+    first = dict(runs=[run("adamw:b=4:lr=1e-3", 0, 2.6)])
+    second = dict(runs=[run("adamw:b=4:lr=1e-3", 0, 2.35), run("adamw:b=4:lr=1e-3", 1, 2.5)])
+    paths = []
+    for name, data in (("old", old), ("first", first), ("second", second)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(data))
+    out = tmp_path / "out.json"
+    assert lm_baselines.main(["--report", *map(str, paths), "--target", "2.4", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    adamw = summary["adamw:b=4:lr=1e-3"]
+    assert adamw["seeds"] == [0, 1, 2] and adamw["tokens"] == [4096, None, 8192]
+    assert adamw["reached"] == 2 and adamw["median_tokens"] == 8192
+    assert summary["sgd:b=4:lr=1"]["seeds"] == [0] and summary["sgd:b=4:lr=1"]["reached"] == 0
+    again = tmp_path / "again.json"
+    assert lm_baselines.main(["--report", str(out), "--target", "2.4", "--out", str(again)]) == 0
+    assert json.loads(again.read_text())["summary"] == summary
+    assert json.loads(again.read_text())["runs"] == json.loads(out.read_text())["runs"]
