@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 
 __all__ = ["TraceError", "TraceWarning", "PlanError", "TaskError", "DivergenceError", "CheckpointError",
-           "DistributedError", "CompilerError", "HookError", "TrainingInterrupted", "is_count",
+           "DistributedError", "CompilerError", "HookError", "TrainingInterrupted", "is_count", "is_real",
            "check_flag", "check_number"]
 
 
@@ -15,10 +15,15 @@ def is_count(value: object, minimum: int = 1) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
+def is_real(value: object) -> bool:
+    """True for a real number (``numbers.Real``: int, float, numpy scalars) that is not a ``bool``."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_number(owner: str, name: str, value: object, example: str) -> None:
     """TypeError unless ``value``, the argument ``name`` of ``owner`` (e.g. ``"SGD"``), is a real
     number (not a bool, not a string); ``example`` shows a valid value (``"lr=0.01"``)."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    if is_real(value):
         return
     hint = example
     if isinstance(value, str):

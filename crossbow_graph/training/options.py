@@ -5,12 +5,11 @@ are built, before any training round (docs/options.md has their table)."""
 
 import dataclasses
 import math
-import numbers
 import os
 import tempfile
 from typing import Any, Callable, Literal
 
-from ..errors import check_flag, is_count
+from ..errors import check_flag, is_count, is_real
 from ..fields import check_choices, option
 from .hooks import Hook
 from .lr_schedule import LRInterval
@@ -254,7 +253,7 @@ def _check_target_loss(target_loss: object) -> None:
     """TypeError/ValueError for a ``target_loss`` that is not None or a finite number."""
     if target_loss is None:
         return
-    if isinstance(target_loss, bool) or not isinstance(target_loss, numbers.Real):
+    if not is_real(target_loss):
         raise TypeError(f"target_loss={target_loss!r}: must be a number, z's test loss to stop at "
                         "(e.g. 2.4 nats per token), or None")
     if not math.isfinite(target_loss):
@@ -266,7 +265,7 @@ def _check_target_accuracy(target_accuracy: object) -> None:
     """TypeError/ValueError for a ``target_accuracy`` that is not None or a fraction in (0, 1]."""
     if target_accuracy is None:
         return
-    if isinstance(target_accuracy, bool) or not isinstance(target_accuracy, numbers.Real):
+    if not is_real(target_accuracy):
         raise TypeError(f"target_accuracy={target_accuracy!r}: must be a fraction in (0, 1], "
                         "e.g. 0.99, or None")
     if not 0 < target_accuracy <= 1:
@@ -280,7 +279,7 @@ def _check_max_grad_norm(max_grad_norm: object) -> None:
     """TypeError/ValueError for a ``max_grad_norm`` that is not None or a positive finite number."""
     if max_grad_norm is None:
         return
-    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):
+    if not is_real(max_grad_norm):
         raise TypeError(f"max_grad_norm={max_grad_norm!r}: must be a positive number, the largest "
                         "2-norm of a learner's gradient, e.g. max_grad_norm=1.0, or None (no "
                         "clipping)")
