@@ -69,6 +69,7 @@ __all__ = ["SYSTEMS", "parse", "lr_factor", "centre_lr", "grid", "val_loss", "ru
            "run_crossbow", "run", "reached", "speed", "summarise", "plot", "main"]
 
 RUNS = os.path.join(BENCH, "runs")  # raw runs, not committed
+_PER_SEED = ("seeds", "tokens", "seconds", "final", "tps")  # a summary row's lists, one per seed
 SYSTEMS = ("adamw", "sgd", "sma-adamw", "sma-sgd", "diloco-adamw", "diloco-sgd")
 KEYS = dict(k=int, b=int, lr=float, beta2=float, mom=float, wd=float, H=int, scale=int, fused=int)
 SCHEDULE_TOKENS = 2**20
@@ -280,27 +281,21 @@ def summarise(runs: list[dict], target: float, carried: dict | None = None) -> d
     tokens and seconds to it (a seed that missed it counts as +∞; None when the median is), of
     the final loss and of tokens/s, with each seed's values. ``carried``: rows of an earlier
     summary at the same target whose runs are not kept; their seeds that ``runs`` lacks count."""
-    out: dict[str, dict] = {}
+    by_seed: dict[str, dict[int, tuple]] = {}  # config → seed → the _PER_SEED values but "seeds"
     for r in runs:
-        if "error" in r:
-            continue
-        tok, sec = reached(r["evals"], target)
-        row = out.setdefault(r["config"], dict(seeds=[], tokens=[], seconds=[], final=[], tps=[]))
-        row["seeds"].append(r["seed"])
-        row["tokens"].append(tok)
-        row["seconds"].append(sec)
-        row["final"].append(r["evals"][-1]["val_loss"])
-        row["tps"].append(r["tokens_per_s"])
+        if "error" not in r:
+            tok, sec = reached(r["evals"], target)
+            by_seed.setdefault(r["config"], {})[r["seed"]] = (
+                tok, sec, r["evals"][-1]["val_loss"], r["tokens_per_s"])
     for config, old in (carried or {}).items():
-        row = out.setdefault(config, dict(seeds=[], tokens=[], seconds=[], final=[], tps=[]))
         for i, seed in enumerate(old["seeds"]):
-            if seed not in row["seeds"]:
-                for key in ("seeds", "tokens", "seconds", "final", "tps"):
-                    row[key].append(old[key][i])
-    for row in out.values():
-        order = sorted(range(len(row["seeds"])), key=row["seeds"].__getitem__)
-        for key in ("seeds", "tokens", "seconds", "final", "tps"):
-            row[key] = [row[key][i] for i in order]
+            by_seed.setdefault(config, {}).setdefault(
+                seed, tuple(old[key][i] for key in _PER_SEED[1:]))
+    out: dict[str, dict] = {}
+    for config, seeds in by_seed.items():
+        order = sorted(seeds)
+        row = out[config] = dict(seeds=order, **{key: [seeds[s][i] for s in order]
+                                                 for i, key in enumerate(_PER_SEED[1:])})
         hit = [t for t in row["tokens"] if t is not None]
         row["reached"] = len(hit)
         row["median_tokens"] = _median_missing_inf(row["tokens"])

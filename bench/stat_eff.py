@@ -59,11 +59,13 @@ RESULTS = os.path.join(BENCH, "results")
 IMAGES = os.path.join(os.path.dirname(BENCH), "docs", "images")
 # per workload: η₁ tuned at k = 1 (docs/benchmarking.md, "How SMA's α, μ_z and η follow k"), the
 # targets (the last one chooses S-SGD's m), the runs' test images (None: all), how S-SGD's lr
-# was chosen and the figure's title
+# was chosen, the command that runs them and the figure's title
 WORKLOADS = {
     "w1": dict(lr=0.01, targets=("0.985", "0.99"), test_samples=None, ssgd="lr re-tuned per k",
+               runs="python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2",
                title="W1, LeNet-5/MNIST, b = 16 per learner"),
     "fm": dict(lr=0.02, targets=("0.88", "0.9"), test_samples=5000, ssgd="lr η₁·√k, warm-up",
+               runs="python bench/sma_rules.py queue bench/jobs/fm_stat_eff.txt --jobs 2",
                title="ResNet-20 (widths 8/16/32) on Fashion-MNIST 28×28, b = 16 per learner"),
 }
 LR, TARGETS = WORKLOADS["w1"]["lr"], WORKLOADS["w1"]["targets"]
@@ -193,6 +195,25 @@ def _finite(x: float) -> float | None:
     return None if x is None or math.isinf(x) else x
 
 
+def _median_line(ax, points: list[tuple[int, float, list]], shift: float, colour: str,
+                 **errorbar_kw) -> None:
+    """One line on ``ax``: per (k, cap, values of the seeds; None: not reached) the median and
+    the seeds' range at k·``shift`` (a missing value counts at the cap), and a hollow marker at
+    the cap for each seed that missed."""
+    xs, med, lo, hi = [], [], [], []
+    for k, cap, values in points:
+        filled = [cap if v is None else v for v in values]
+        xs.append(k * shift)
+        med.append(statistics.median(filled))
+        lo.append(med[-1] - min(filled))
+        hi.append(max(filled) - med[-1])
+        missed = sum(v is None for v in values)
+        if missed:
+            ax.scatter([k * shift] * missed, [cap] * missed, s=70, facecolors="none",
+                       edgecolors=colour, zorder=3)
+    ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=4, color=colour, **errorbar_kw)
+
+
 def plot(summary: dict, out: str | None = None) -> str:
     """Epochs to each target (one panel each) against k (log₂), one line per system: the median
     and the seeds' range; a seed that did not reach it is drawn at its cap (hollow marker)."""
@@ -204,20 +225,9 @@ def plot(summary: dict, out: str | None = None) -> str:
     for ax, t in zip(axes, targets):
         for (system, rows), shift, colour in zip(summary["systems"].items(), (0.96, 1.04),
                                                  ("C0", "C1")):
-            xs, med, lo, hi = [], [], [], []
-            for k in sorted(int(k) for k in rows):
-                row = rows[str(k)]
-                eps = [e if e is not None else row["max_epochs"] for e in row[t]["epochs"]]
-                xs.append(k * shift)
-                med.append(statistics.median(eps))
-                lo.append(med[-1] - min(eps))
-                hi.append(max(eps) - med[-1])
-                missed = sum(e is None for e in row[t]["epochs"])
-                if missed:
-                    ax.scatter([k * shift] * missed, [row["max_epochs"]] * missed, s=70,
-                               facecolors="none", edgecolors=colour, zorder=3)
-            ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=4, color=colour,
-                        label=labels[system])
+            points = [(k, rows[str(k)]["max_epochs"], rows[str(k)][t]["epochs"])
+                      for k in sorted(int(k) for k in rows)]
+            _median_line(ax, points, shift, colour, label=labels[system])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("learners k (b = 16 each)")
         ax.set_title(f"to {100 * float(t):.1f} % test accuracy", fontsize=9)
@@ -261,10 +271,8 @@ def markdown(summary: dict) -> list[str]:
 def report(workload: str = "w1") -> int:
     runs = collect(workload)
     summary = summarise(runs, workload)
-    summary["commands"] = (
-        ["python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2"] if workload == "w1" else
-        ["python bench/sma_rules.py queue bench/jobs/fm_stat_eff.txt --jobs 2"]) + [
-        f"python bench/stat_eff.py --report --workload {workload}"]
+    summary["commands"] = [WORKLOADS[workload]["runs"],
+                           f"python bench/stat_eff.py --report --workload {workload}"]
     with open(os.path.join(RESULTS, f"stat_eff_{workload}.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(_curves_path(workload), "w") as f:
@@ -323,20 +331,11 @@ def plot_gpt(summary: dict, out: str | None = None) -> str:
     out = out or os.path.join(IMAGES, "stat_eff_gpt.png")
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for i, (label, rows) in enumerate(summary["lines"].items()):
-        colour, shift = f"C{i}", (0.94, 0.98, 1.02, 1.06)[i % 4]
-        xs, med, lo, hi = [], [], [], []
-        for k in sorted(int(k) for k in rows):
-            toks = [t if t is not None else summary["cap_tokens"] for t in rows[str(k)]["tokens"]]
-            xs.append(k * shift)
-            med.append(statistics.median(toks) / 1e6)
-            lo.append(med[-1] - min(toks) / 1e6)
-            hi.append(max(toks) / 1e6 - med[-1])
-            missed = sum(t is None for t in rows[str(k)]["tokens"])
-            if missed:
-                ax.scatter([k * shift] * missed, [summary["cap_tokens"] / 1e6] * missed, s=70,
-                           facecolors="none", edgecolors=colour, zorder=3)
-        ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=4, color=colour, label=label,
-                    ls="-" if label.startswith("SMA") else "--")
+        points = [(k, summary["cap_tokens"] / 1e6,
+                   [None if t is None else t / 1e6 for t in rows[str(k)]["tokens"]])
+                  for k in sorted(int(k) for k in rows)]  # M tokens
+        _median_line(ax, points, (0.94, 0.98, 1.02, 1.06)[i % 4], f"C{i}", label=label,
+                     ls="-" if label.startswith("SMA") else "--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("learners k (b windows of 128 bytes each)")
     ax.set_ylabel("M tokens to the target (median, seeds' range; hollow: not reached)", fontsize=8)
