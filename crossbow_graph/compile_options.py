@@ -61,7 +61,7 @@ class CompileOptions:
         "the sync algorithm (engine/sync/): SMA(...) (alpha=None: 1/k; scale_lr=True: each "
         "learner steps at the lr × √min(k, 16), ramped over 0.25 epoch after every change of k, "
         "False: the lr as set; docs/design-overview.md §2), SSGD() (the k learners' "
-        "gradients averaged, one SGD step for every replica), DiLoCo(sync_every=H) (an outer "
+        "gradients averaged, one SGD step for every replica; scale_lr=True: SMA's η rule), DiLoCo(sync_every=H) (an outer "
         "optimizer over z every H rounds) or LocalSGD(sync_every=H) (z the replicas' mean every H "
         "rounds); all but SMA run on the inline executor"))
     concrete_args: dict[str, Any] | None = option(None, doc=(

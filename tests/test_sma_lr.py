@@ -114,3 +114,32 @@ def test_a_checkpoint_keeps_the_ramp_and_an_opted_out_plan_ignores_it(tmp_path):
     assert whole.lr[1] < whole.lr[3] < LR * 2 == whole.lr[-1]  # the ramp takes 4 rounds of 16
     assert lrs["default"] == whole.lr
     assert lrs["opted out"] == whole.lr[:3] + [LR] * 13
+
+
+def test_ssgd_opts_into_the_rule_and_steps_as_sgd_on_k_b_at_the_rules_lr():
+    """``SSGD(scale_lr=True)`` steps each round at the rule's η through a change of m in mid-fit,
+    recorded in History.lr_rule (α = 0): one SGD step on the round's k·b samples, as eager
+    torch.optim.SGD at that η; ``SSGD()`` keeps the lr as set."""
+    plan = make_plan(replicas=2, executor="inline", learner_mode="fused",
+                     sync=cg.SSGD(scale_lr=True))
+    hist = plan.fit(tiny_data(N), 1, shuffle=False, progress=False, hooks=[_SetM(4, 8)])
+    want = rule_lrs(LR, KS, B, N)
+    assert hist.lr == pytest.approx(want, rel=1e-12)
+    assert [(r.round, r.num_learners, r.alpha) for r in hist.lr_rule] == [(0, 2, 0.0), (4, 8, 0.0)]
+    torch.manual_seed(0)
+    reference = TinyNet()
+    sgd = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+    batches, start = batches_of(tiny_data(N), B), 0
+    for k, lr in zip(KS, want):
+        x = torch.cat([bx for bx, _ in batches[start:start + k]])
+        y = torch.cat([by for _, by in batches[start:start + k]])
+        start += k
+        sgd.param_groups[0]["lr"] = lr
+        sgd.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        sgd.step()
+    torch.testing.assert_close(plan.central_weights(), flat(reference), **TOL)
+    plain = make_plan(replicas=2, executor="inline", learner_mode="fused", sync=cg.SSGD())
+    assert plain.fit(tiny_data(N), 1, shuffle=False, progress=False).lr == [LR] * (N // (2 * B))
+    with pytest.raises(TypeError, match="scale_lr"):
+        cg.SSGD(scale_lr=1)

@@ -25,14 +25,37 @@ class SSGD(SyncAlgorithm):
     the ``optimizer`` is applied to every replica: replicas and z stay identical (z = w), as
     ``torch.optim.SGD`` on one batch of k·b samples (BatchNorm statistics stay per replica).
 
-    No settings: τ = 1, no α or μ_z. It runs on the inline executor (the process executor's
-    workers step before a global gradient exists); its local optimizer is SGD (the SGD kernels:
-    ``crossbow_graph.SGD`` or a one-group torch.optim.SGD)."""
+    τ = 1, no α or μ_z. It runs on the inline executor (the process executor's workers step
+    before a global gradient exists); its local optimizer is SGD (the SGD kernels:
+    ``crossbow_graph.SGD`` or a one-group torch.optim.SGD).
+
+    Attributes:
+        scale_lr: True: SMA's η rule, lr × √min(k, 16) ramped over a quarter epoch after every
+            change of k (off by default). It is recorded in ``History.lr_rule``
+            (training/sma_lr.py; docs/design-overview.md §2, "How α, μ_z and η follow k") and
+            carries the lr tuned at k = 1 to k learners (docs/benchmarking.md, ResNet-20 on
+            Fashion-MNIST). False: every round steps at the optimizer's lr, as plain PyTorch at
+            one batch of k·b.
+
+    Raises:
+        TypeError: ``scale_lr`` not a bool."""
 
     adjustable: ClassVar[tuple[str, ...]] = ()
     fault_tolerant: ClassVar[bool] = False  # its global step is not a sum over groups
     across_processes: ClassVar[bool] = False  # its gradient sum stays in one process
     sync_every: ClassVar[int] = 1
+
+    scale_lr: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scale_lr, bool):
+            raise TypeError(f"SSGD(scale_lr={self.scale_lr!r}): must be True (η × √min(k, 16)) "
+                            f"or False (the optimizer's lr at every k)")
+
+    @property
+    def scales_lr(self) -> bool:
+        """``scale_lr``: SMA's η rule (training/sma_lr.py)."""
+        return self.scale_lr
 
     def with_alpha(self, alpha: float | None) -> "SSGD":
         raise ValueError(f"alpha={alpha!r} with sync=SSGD(): S-SGD has no α (its replicas are z)")
@@ -79,4 +102,6 @@ class SSGD(SyncAlgorithm):
                 s.zbuf.copy_(summed.mean_buf.to(s.torch_device))
 
     def summary_rule(self, num_learners: int, sync_state: SyncState | None = None) -> str:
-        return f"SSGD(one SGD step on the mean gradient of the {num_learners} learners, every round)"
+        rule = ", lr × √min(k, 16)" if self.scale_lr and num_learners > 1 else ""
+        return (f"SSGD(one SGD step on the mean gradient of the {num_learners} learners, every "
+                f"round{rule})")
