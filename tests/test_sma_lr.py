@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import crossbow_graph as cg
+from crossbow_graph.cli import build_parser
+from crossbow_graph.cli_sync import sync_of
 from crossbow_graph.training.hooks import Hook
 
 from _plans import TinyNet, make_plan, tiny_data
@@ -143,3 +145,5 @@ def test_ssgd_opts_into_the_rule_and_steps_as_sgd_on_k_b_at_the_rules_lr():
     assert plain.fit(tiny_data(N), 1, shuffle=False, progress=False).lr == [LR] * (N // (2 * B))
     with pytest.raises(TypeError, match="scale_lr"):
         cg.SSGD(scale_lr=1)
+    args = build_parser().parse_args(["train", "--sync", "ssgd", "--scale-lr"])
+    assert sync_of(args) == cg.SSGD(scale_lr=True)  # the CLI's flag, from the field
