@@ -147,3 +147,24 @@ def test_ssgd_opts_into_the_rule_and_steps_as_sgd_on_k_b_at_the_rules_lr():
         cg.SSGD(scale_lr=1)
     args = build_parser().parse_args(["train", "--sync", "ssgd", "--scale-lr"])
     assert sync_of(args) == cg.SSGD(scale_lr=True)  # the CLI's flag, from the field
+
+
+def test_ssgd_resumed_inside_the_ramp_equals_the_uninterrupted_fit_bit_for_bit(tmp_path):
+    """``SSGD(scale_lr=True)`` stopped after 3 rounds of a 4-round ramp and resumed steps at the
+    uninterrupted fit's η every round, ends with its weights bit for bit, and its History keeps
+    the checkpoint's ``lr_rule`` record (the change of k that began the ramp)."""
+    data = tiny_data(256)
+
+    def plan():
+        return make_plan(replicas=4, executor="inline", sync=cg.SSGD(scale_lr=True))
+
+    whole_plan = plan()
+    whole = whole_plan.fit(data, 1, shuffle=False, progress=False)
+    fit = dict(shuffle=False, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    plan().fit(data, 1, hooks=[_StopAfter(3)], **fit)
+    resumed_plan = plan()
+    resumed = resumed_plan.fit(data, 1, hooks=[_StopAfter(99)], resume=True, **fit)
+    assert whole.lr[0] < whole.lr[2] < LR * 2 == whole.lr[-1]  # the checkpoint is inside the ramp
+    assert resumed.lr == whole.lr
+    assert resumed.lr_rule == whole.lr_rule and len(whole.lr_rule) == 1
+    assert torch.equal(resumed_plan.central_weights(), whole_plan.central_weights())

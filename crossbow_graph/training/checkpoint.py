@@ -27,7 +27,7 @@ from .options import check_writable_dir
 from .reshard import saved_learners, saved_world_size, split_for_ranks
 from .run_lock import DirectoryLock
 from .run_setup import SettingsChoice, restore_outer_settings, restore_settings
-from .sma_lr import SMALRRule
+from .sma_lr import LRRuleRecord, SMALRRule
 
 if TYPE_CHECKING:
     from .fit_plan import FitPlan
@@ -296,6 +296,7 @@ def _history_from(d: dict[str, Any], into: History) -> None:
     into.metrics = [MetricRecord(**m) for m in d.get("metrics", [])]
     into.policy = [PolicyRecord(**p) for p in d.get("policy", [])]
     into.lr = list(d.get("lr", []))
+    into.lr_rule = [LRRuleRecord(**r) for r in d.get("lr_rule", [])]
     into.time_to_accuracy_s, into.epochs_to_accuracy = d["time_to_accuracy_s"], d["epochs_to_accuracy"]
     into.time_to_loss_s, into.epochs_to_loss = d.get("time_to_loss_s"), d.get("epochs_to_loss")
     into.samples_to_loss = d.get("samples_to_loss")
