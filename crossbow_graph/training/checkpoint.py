@@ -296,7 +296,7 @@ def _history_from(d: dict[str, Any], into: History) -> None:
     into.metrics = [MetricRecord(**m) for m in d.get("metrics", [])]
     into.policy = [PolicyRecord(**p) for p in d.get("policy", [])]
     into.lr = list(d.get("lr", []))
-    into.lr_rule = [LRRuleRecord(**r) for r in d.get("lr_rule", [])]
+    into.lr_rule = [LRRuleRecord(**rec) for rec in d.get("lr_rule", [])]
     into.time_to_accuracy_s, into.epochs_to_accuracy = d["time_to_accuracy_s"], d["epochs_to_accuracy"]
     into.time_to_loss_s, into.epochs_to_loss = d.get("time_to_loss_s"), d.get("epochs_to_loss")
     into.samples_to_loss = d.get("samples_to_loss")

@@ -172,9 +172,10 @@ class History:
         sync_exposed_seconds: the part of it learners waited for (not hidden), seconds.
         metrics: one MetricRecord per metrics window (``fit(metrics_every=N)``).
         policy: every adjustment a policy applied (a PolicyRecord each).
-        lr: η of every round run (the first group's lr × SMA's η factor, training/sma_lr.py).
-        lr_rule: every application of SMA's η rule (``LRRuleRecord``), in order; empty with
-            ``SMA(scale_lr=False)``.
+        lr: η of every round run (the first group's lr × the η rule's factor,
+            training/sma_lr.py).
+        lr_rule: every application of SMA's η rule (``LRRuleRecord``), in order; empty without the
+            rule (``SMA(scale_lr=False)``, ``SSGD()``, the other algorithms).
         cuda_graphs: with ``compile(cuda_graphs=True)``, ``{"captures", "replays",
             "eager_rounds": {reason: rounds}}`` (``RoundGraph.record``); else empty.
         cpu_threads: torch's intra-op threads during the fit (``fit(cpu_threads=)``).

@@ -56,7 +56,8 @@ class SMALRRule:
     @staticmethod
     def for_fit(plan: "FitPlan", num_samples: int) -> "SMALRRule | None":
         """The plan's rule for a fit over ``num_samples`` (N) samples per epoch (a ramp of
-        ``RAMP_EPOCHS``·N samples), or None: not SMA, or ``SMA(scale_lr=False)``."""
+        ``RAMP_EPOCHS``·N samples), or None: a sync algorithm without the rule or with
+        ``scale_lr=False`` (``SyncAlgorithm.scales_lr``)."""
         settings = plan.settings
         if not settings.sync.scales_lr:
             return None
@@ -96,7 +97,7 @@ class SMALRRule:
     @staticmethod
     def load_state_dict(plan: "FitPlan", state: dict | None) -> None:
         """Restore ``state_dict``'s ramp and factor on ``plan`` (None: a checkpoint without
-        one, which leaves the plan's; a plan with ``SMA(scale_lr=False)`` keeps the factor 1)."""
+        one, which leaves the plan's; a plan without the rule keeps the factor 1)."""
         if state is None or not plan.settings.sync.scales_lr:
             return
         rule = plan.settings.lr_rule = plan.settings.lr_rule or SMALRRule()

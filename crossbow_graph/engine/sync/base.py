@@ -114,7 +114,8 @@ class SyncAlgorithm(abc.ABC):
     @property
     def scales_lr(self) -> bool:
         """Whether the learners step at the lr × SMA's η factor √min(k, 16), ramped
-        (training/sma_lr.py; docs/design-overview.md §2): SMA's ``scale_lr``, False here."""
+        (training/sma_lr.py; docs/design-overview.md §2): SMA's and SSGD's ``scale_lr``, False
+        here."""
         return False
 
     def with_alpha(self, alpha: float | None) -> "SyncAlgorithm":
