@@ -13,6 +13,13 @@ Systems:
   ``SMA(alpha=α(k), central_momentum=μ_z(k))``; η(t) = η₁·g(t) by a per-round LambdaLR over
   ``plan.optimizer`` (the rule's scale s(k), reached by a linear warm-up from the scale in force
   before, over ``--warmup-epochs`` epochs of samples, at the start and after every change of k).
+* ``allreduce``, ``easgd``, ``localsgd``, ``diloco``: the same plan with ``SSGD()`` (S-SGD as
+  data-parallel training runs it on k devices: the k learners' gradients of b samples each
+  all-reduced every round, BatchNorm statistics per learner), ``EASGD(alpha=α(k),
+  centre_rate=--centre-rate, sync_every=--sync-every)`` (a replica pull α decoupled from z's
+  rate β), ``LocalSGD(sync_every=H)`` or ``DiLoCo(sync_every=H)`` (Nesterov outer SGD, lr 0.7,
+  momentum 0.9) in place of SMA, η(t) by the same LambdaLR (``--scale engine``: the engine's
+  rule, SMA's and ``SSGD(scale_lr=True)``'s only).
 * ``ssgd``: plain PyTorch S-SGD, one model at batch k·b, ``torch.optim.SGD(momentum=0.9)`` at
   η₁·``--lr-mult`` reached by Goyal et al.'s (2017) gradual warm-up from η₁ over
   ``--warmup-epochs`` epochs (the re-tuned baseline: a grid of ``--lr-mult``).
@@ -37,6 +44,7 @@ native 28×28; ``--train-samples`` / ``--test-samples`` take the first N samples
 
     python bench/sma_rules.py run --k 16 --lr 0.01 --scale sqrt --seed 0
     python bench/sma_rules.py run --system ssgd --k 16 --lr 0.01 --lr-mult 8 --warmup-epochs 0.5
+    python bench/sma_rules.py run --system easgd --k 16 --alpha 0.5 --centre-rate 0.9 --scale sqrt
     python bench/sma_rules.py queue jobs.txt --jobs 2       # one `run` argument line per job
     python bench/sma_rules.py summary                       # the table of every run so far
 
@@ -64,7 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
 
-__all__ = ["Rule", "run_sma", "run_ssgd", "recorded_runs", "summarise", "main"]
+__all__ = ["Rule", "SYSTEMS", "run_sma", "run_ssgd", "recorded_runs", "summarise", "main"]
 
 TARGETS = {"w1": (0.985, 0.99), "fm": (0.85, 0.87)}  # the summary's targets per workload
 RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs", "sma_rules")
@@ -224,8 +232,30 @@ def _firsts(evals: list[dict], targets: list[float], n_train: int) -> dict:
     return out
 
 
+SYSTEMS = ("sma", "ssgd", "allreduce", "easgd", "localsgd", "diloco")
+
+
+def engine_sync(args, rule: Rule, k: int):
+    """The plan's sync algorithm for ``args.system`` at k learners (the module docstring)."""
+    if args.system == "sma":
+        return cg.SMA(alpha=rule.alpha(k), central_momentum=rule.mu_z(k),
+                      scale_lr=args.scale == "engine")
+    if args.system == "allreduce":
+        return cg.SSGD(scale_lr=args.scale == "engine")
+    if args.scale == "engine":
+        raise SystemExit(f"--system {args.system} --scale engine: the engine's η rule is SMA's "
+                         "and SSGD's; name the scale, e.g. --scale sqrt")
+    if args.system == "easgd":
+        return cg.EASGD(alpha=rule.alpha(k), centre_rate=args.centre_rate,
+                        sync_every=args.sync_every)
+    if args.system == "localsgd":
+        return cg.LocalSGD(sync_every=args.sync_every)
+    return cg.DiLoCo(sync_every=args.sync_every)
+
+
 def run_sma(args, train, test) -> dict:
-    """One SMA run through the public API (see the module docstring)."""
+    """One run of the engine (SMA, EASGD, LocalSGD or DiLoCo) through the public API (see the
+    module docstring)."""
     torch.manual_seed(args.seed)
     sched = parse_k_schedule(args.k_schedule) or [(args.k, 0.0)]
     k0 = sched[0][0]
@@ -235,9 +265,7 @@ def run_sma(args, train, test) -> dict:
                           weight_decay=args.weight_decay)
     plan = cg.compile(model, (train.images[:args.batch],), F.cross_entropy, batch_size=args.batch,
                       devices=1, replicas=k0, learner_mode="fused", executor="inline",
-                      optimizer=opt, sync=cg.SMA(alpha=rule.alpha(k0),
-                                                 central_momentum=rule.mu_z(k0),
-                                                 scale_lr=args.scale == "engine"))
+                      optimizer=opt, sync=engine_sync(args, rule, k0))
     adascale = args.scale == "adascale" or args.metrics
     monitor = cg.MetricsMonitor(50, window_samples=12_800) if adascale else None
     n = len(train)
@@ -323,6 +351,12 @@ def run_name(args) -> str:
         tail = f"-m{args.lr_mult:g}-w{args.warmup_epochs:g}"
     else:
         tail = f"-a{args.alpha}-mu{args.mu_z}-s{args.scale}-w{args.warmup_epochs:g}"
+        if args.system == "easgd":
+            tail = f"-a{args.alpha}-beta{args.centre_rate:g}-s{args.scale}-w{args.warmup_epochs:g}"
+        elif args.system in ("allreduce", "localsgd", "diloco"):
+            tail = f"-s{args.scale}-w{args.warmup_epochs:g}"
+        if args.system not in ("sma", "allreduce") and args.sync_every != 1:
+            tail += f"-H{args.sync_every}"
     if args.weight_decay:
         tail += f"-wd{args.weight_decay:g}"
     if args.train_samples:
@@ -460,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--workload", choices=("w1", "fm"), default="w1")
-    r.add_argument("--system", choices=("sma", "ssgd"), default="sma")
+    r.add_argument("--system", choices=SYSTEMS, default="sma")
     r.add_argument("--k", type=int, default=1)
     r.add_argument("--k-schedule", default=None, help='k in mid-fit: "4@0,16@1.5"')
     r.add_argument("--batch", type=int, default=16, help="b, samples per learner per round")
@@ -469,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--alpha", default="inv")
     r.add_argument("--mu-z", default="0.9")
     r.add_argument("--scale", default="1")
+    r.add_argument("--centre-rate", type=float, default=0.9, help="easgd: β, z's rate")
+    r.add_argument("--sync-every", type=int, default=1,
+                   help="easgd, localsgd, diloco: H, rounds between synchronisations")
     r.add_argument("--warmup-epochs", type=float, default=0.0)
     r.add_argument("--weight-decay", type=float, default=0.0)
     r.add_argument("--metrics", action="store_true", help="sma: record B_noise whatever the rule")

@@ -14,9 +14,16 @@ Systems of w1 and fm, b = 16 samples per learner per round, every run one single
   inline executor, the user's ``torch.optim.SGD(lr=η₁, momentum=0.9)`` with η₁ tuned at
   k = 1: ``SMA()`` (α = 1/k, μ_z = 0.9, η₁·√min(k, 16) ramped over 0.25 epoch). At k = 1 this is
   plain SGD at b (the same numbers: the rule is the identity there).
-* ``ssgd``: plain PyTorch S-SGD at batch k·b, re-tuned per k: peak lr η₁·m, Goyal et al.'s
-  warm-up from η₁ over 0.5 epoch; on w1 over a grid of m up to linear scaling (m = k) at seed 0,
-  the m that reaches the target first there at every seed; on fm m = √k (W1's best at k = 16).
+* ``ssgd``: plain PyTorch S-SGD, one model at batch B = k·b (BatchNorm over all of it),
+  re-tuned per k: peak lr η₁·m, Goyal et al.'s warm-up from η₁ over 0.5 epoch, over a grid of m
+  at seed 0 (w1: powers of 2 up to linear scaling; fm: √k/2, √k, 2√k), the m that reaches the
+  last target first there at every seed.
+* ``allreduce``: S-SGD as data-parallel training runs it on k devices, the engine's ``SSGD()``:
+  k learners of b samples, gradients all-reduced every round, BatchNorm statistics per learner;
+  η₁·√min(k, 16) ramped over 0.25 epoch (SMA's default η rule: ``SSGD(scale_lr=True)``, or
+  the same factor by ``sma_rules``' LambdaLR).
+* every other run of the workload in the runs folder (SMA at another α or η, EASGD, LocalSGD,
+  DiLoCo: ``sma_rules.py run --system``) is a configuration of the summary's ``others``.
 
     python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2    # queue W1's runs not done yet
     python bench/sma_rules.py queue bench/jobs/fm_stat_eff.txt --jobs 2   # the fm runs
@@ -64,7 +71,7 @@ WORKLOADS = {
     "w1": dict(lr=0.01, targets=("0.985", "0.99"), test_samples=None, ssgd="lr re-tuned per k",
                runs="python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2",
                title="W1, LeNet-5/MNIST, b = 16 per learner"),
-    "fm": dict(lr=0.02, targets=("0.88", "0.9"), test_samples=5000, ssgd="lr η₁·√k, warm-up",
+    "fm": dict(lr=0.02, targets=("0.88", "0.9"), test_samples=5000, ssgd="lr re-tuned per k",
                runs="python bench/sma_rules.py queue bench/jobs/fm_stat_eff.txt --jobs 2",
                title="ResNet-20 (widths 8/16/32) on Fashion-MNIST 28×28, b = 16 per learner"),
 }
@@ -100,15 +107,28 @@ def _is_default_sma(a: dict, workload: str) -> bool:
             and (a["scale"] == "engine" or (a["k"] == 1 and a["scale"] == "1")))
 
 
+def _is_rule_allreduce(a: dict, workload: str) -> bool:
+    """The engine's S-SGD (k learners of b, gradients all-reduced) at SMA's default η rule:
+    η₁·√min(k, 16), ramped over 0.25 epoch."""
+    if not (a["system"] == "allreduce" and a["lr"] == WORKLOADS[workload]["lr"]
+            and a["batch"] == 16 and a["warmup_epochs"] == 0.25):
+        return False
+    if a["scale"] == "engine":
+        return True
+    scale = math.sqrt(a["k"]) if a["scale"] == "sqrt" else float(a["scale"])
+    return math.isclose(scale, math.sqrt(min(a["k"], 16)))
+
+
 def _curves_path(workload: str) -> str:
     return os.path.join(RESULTS, f"stat_eff_{workload}_curves.json")
 
 
 def collect(workload: str = "w1", runs_dir: str = sma_rules.RUNS) -> list[dict]:
-    """Every run of ``workload`` with SMA's defaults or S-SGD at η₁ with warm-up, on all the
-    training samples and the workload's test images: its settings, epochs and samples to each
-    target (None: not reached in its cap) and its evaluations; the committed curves file's runs,
-    then those recorded in ``runs_dir`` (which replace a committed run of the same name)."""
+    """Every run of ``workload`` at a fixed k on all the training samples and the workload's
+    test images: its settings, epochs and samples to each target (None: not reached in its cap)
+    and its evaluations, and for a run that is neither SMA's defaults nor S-SGD at η₁ with
+    warm-up (a tuned SMA, EASGD, LocalSGD, DiLoCo) its ``config``; the committed curves file's
+    runs, then those recorded in ``runs_dir`` (which replace a committed run of the same name)."""
     w = WORKLOADS[workload]
     runs = {}
     if os.path.exists(_curves_path(workload)):
@@ -121,15 +141,23 @@ def collect(workload: str = "w1", runs_dir: str = sma_rules.RUNS) -> list[dict]:
             continue
         ssgd = (a["system"] == "ssgd" and a["lr"] == w["lr"] and a["batch"] == 16
                 and a["warmup_epochs"] == 0.5)
-        if not (ssgd or _is_default_sma(a, workload)):
+        if a["k_schedule"]:
             continue
         runs[r["name"]] = dict(name=r["name"], system=a["system"], k=a["k"], seed=a["seed"],
                                lr_mult=a["lr_mult"] if ssgd else None, max_epochs=a["max_epochs"],
                                best_accuracy=r["best_accuracy"], diverged=r.get("diverged"),
                                evals=r["evals"])
+        if not (ssgd or _is_default_sma(a, workload) or _is_rule_allreduce(a, workload)):
+            runs[r["name"]]["config"] = _config(r["name"])
     for run in runs.values():
         run["to_target"] = sma_rules._firsts(run["evals"], [float(t) for t in w["targets"]], 0)
     return sorted(runs.values(), key=lambda r: r["name"])
+
+
+def _config(name: str) -> str:
+    """A run's configuration: its name without the workload and the seed
+    (``fm-sma-k16-b16-lr0.02-ainv_2-mu0.9-sengine-w0-seed0`` → ``sma-k16-b16-lr0.02-ainv_2-mu0.9-sengine-w0``)."""
+    return name.split("-", 1)[1].rsplit("-seed", 1)[0]
 
 
 def _epochs(run: dict, target: str) -> float:
@@ -153,28 +181,20 @@ def summarise(runs: list[dict], workload: str = "w1") -> dict:
     median, its ratio to the median at k = 1, the best accuracy; S-SGD's m and its grid."""
     targets = WORKLOADS[workload]["targets"]
     target = targets[-1]
-    systems: dict[str, dict] = {"sma": {}, "ssgd": {}}
+    others = [r for r in runs if "config" in r]
+    runs = [r for r in runs if "config" not in r]
+    systems: dict[str, dict] = {"sma": {}, "ssgd": {}, "allreduce": {}}
     ks = sorted({r["k"] for r in runs})
     for k in ks:
         m = _choose_mult(runs, k, targets)
-        picks = {"sma": [r for r in runs if r["system"] == "sma" and r["k"] == k],
-                 "ssgd": [r for r in runs if r["system"] == "ssgd" and r["k"] == k
-                          and r["lr_mult"] == m]}
+        picks = {system: [r for r in runs if r["system"] == system and r["k"] == k
+                          and (system != "ssgd" or r["lr_mult"] == m)] for system in systems}
         if k == 1:  # plain SGD at b: S-SGD and SMA are the same run at k = 1
-            picks["ssgd"] = picks["sma"]
+            picks["ssgd"] = picks["allreduce"] = picks["sma"]
         for system, rs in picks.items():
             if not rs:
                 continue
-            rs = sorted(rs, key=lambda r: r["seed"])
-            row = dict(seeds=[r["seed"] for r in rs], runs=[r["name"] for r in rs],
-                       best_accuracy=[r["best_accuracy"] for r in rs],
-                       max_epochs=max(r["max_epochs"] for r in rs))
-            for t in targets:
-                eps = [_epochs(r, t) for r in rs]
-                row[t] = dict(epochs=[None if e == math.inf else e for e in eps],
-                              samples=[None if e == math.inf else r["to_target"][t]["samples"]
-                                       for e, r in zip(eps, rs)],
-                              median=_finite(statistics.median(eps)))
+            row = _row(rs, targets)
             if system == "ssgd" and k > 1:
                 row["lr_mult"] = m
                 row["grid"] = {f"{r['lr_mult']:g}": _finite(_epochs(r, target))
@@ -182,13 +202,36 @@ def summarise(runs: list[dict], workload: str = "w1") -> dict:
                                and r["seed"] == 0}
             systems[system][str(k)] = row
     for rows in systems.values():
-        for row in rows.values():
-            for t in targets:
-                base = systems["sma"].get("1", {}).get(t, {}).get("median")
-                med = row[t]["median"]
-                row[t]["ratio_to_k1"] = None if base is None or med is None else med / base
+        if list(rows) == ["1"]:  # a system never run at k > 1 has no line
+            rows.clear()
+    configs: dict[str, dict] = {}
+    for r in others:
+        configs.setdefault(r["config"], []).append(r)
+    configs = {c: dict(system=rs[0]["system"], k=rs[0]["k"], **_row(rs, targets))
+               for c, rs in sorted(configs.items(), key=lambda kv: (kv[1][0]["k"], kv[0]))}
+    for row in [*(r for rows in systems.values() for r in rows.values()), *configs.values()]:
+        for t in targets:
+            base = systems["sma"].get("1", {}).get(t, {}).get("median")
+            med = row[t]["median"]
+            row[t]["ratio_to_k1"] = None if base is None or med is None else med / base
     return dict(workload=workload, batch_per_learner=16, lr_k1=WORKLOADS[workload]["lr"],
-                target=target, targets=targets, systems=systems)
+                target=target, targets=targets, systems=systems, others=configs)
+
+
+def _row(rs: list[dict], targets: tuple[str, ...]) -> dict:
+    """The runs ``rs`` of one configuration, by seed: epochs and samples to each target per
+    seed (None: not reached), the median (a miss counts as +∞), the best accuracies, the cap."""
+    rs = sorted(rs, key=lambda r: r["seed"])
+    row = dict(seeds=[r["seed"] for r in rs], runs=[r["name"] for r in rs],
+               best_accuracy=[r["best_accuracy"] for r in rs],
+               max_epochs=max(r["max_epochs"] for r in rs))
+    for t in targets:
+        eps = [_epochs(r, t) for r in rs]
+        row[t] = dict(epochs=[None if e == math.inf else e for e in eps],
+                      samples=[None if e == math.inf else r["to_target"][t]["samples"]
+                               for e, r in zip(eps, rs)],
+                      median=_finite(statistics.median(eps)))
+    return row
 
 
 def _finite(x: float) -> float | None:
@@ -219,12 +262,13 @@ def plot(summary: dict, out: str | None = None) -> str:
     and the seeds' range; a seed that did not reach it is drawn at its cap (hollow marker)."""
     targets = summary["targets"]
     out = out or os.path.join(IMAGES, f"stat_eff_{summary['workload']}.png")
-    fig, axes = plt.subplots(1, len(targets), figsize=(10, 4), sharey=True)
+    fig, axes = plt.subplots(1, len(targets), figsize=(10, 4.6), sharey=True)
     labels = {"sma": "SMA, the engine's defaults (k = 1's η₁ at every k)",
-              "ssgd": f"S-SGD at k·b, {WORKLOADS[summary['workload']]['ssgd']}"}
+              "ssgd": f"plain S-SGD, one model at B = k·b, {WORKLOADS[summary['workload']]['ssgd']}",
+              "allreduce": "S-SGD, k learners of b all-reduced (BatchNorm per learner), SMA's η rule"}
+    lines = [(system, rows) for system, rows in summary["systems"].items() if len(rows) > 1]
     for ax, t in zip(axes, targets):
-        for (system, rows), shift, colour in zip(summary["systems"].items(), (0.96, 1.04),
-                                                 ("C0", "C1")):
+        for (system, rows), shift, colour in zip(lines, (0.94, 1.0, 1.06), ("C0", "C1", "C2")):
             points = [(k, rows[str(k)]["max_epochs"], rows[str(k)][t]["epochs"])
                       for k in sorted(int(k) for k in rows)]
             _median_line(ax, points, shift, colour, label=labels[system])
@@ -234,9 +278,9 @@ def plot(summary: dict, out: str | None = None) -> str:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("epochs (median, range over 3 seeds; hollow: not reached at the cap)")
     axes[0].yaxis.label.set_fontsize(8)
-    axes[0].legend(fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", fontsize=8, ncol=2)
     fig.suptitle(WORKLOADS[summary["workload"]]["title"], fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08 * len(lines) / 2 + 0.04, 1, 1))
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
@@ -248,23 +292,38 @@ def markdown(summary: dict) -> list[str]:
     t0, t1 = summary["targets"]
     p0, p1 = (f"{100 * float(t):.1f} %" for t in (t0, t1))
     ssgd = WORKLOADS[summary["workload"]]["ssgd"]
-    head = [f"| k | SMA, defaults: to {p0} | to {p1} | S-SGD at k·b ({ssgd}): m | to {p0} "
-            f"| to {p1} |", "|---|---|---|---|---|---|"]
+    systems = summary["systems"]
+    allreduce = len(systems.get("allreduce", {})) > 1
+    head = [f"| k | SMA, defaults: to {p0} | to {p1} | plain S-SGD at B = k·b ({ssgd}): m "
+            f"| to {p0} | to {p1} |" + (f" S-SGD, k learners all-reduced: to {p0} | to {p1} |"
+                                         if allreduce else ""),
+            "|---|---|---|---|---|---|" + ("---|---|" if allreduce else "")]
 
-    def cell(row: dict | None, t: str) -> str:
+    def cell(row: dict | None, t: str, best: bool = True) -> str:
         if row is None:
             return "not run"
         eps = ", ".join("—" if e is None else f"{e:.2f}" for e in row[t]["epochs"])
         ratio = row[t]["ratio_to_k1"]
+        if best and t == t0 and all(e is None for e in row[t]["epochs"]):  # how close it came
+            return eps + " (best " + ", ".join(f"{100 * a:.1f}" for a in row["best_accuracy"]
+                                               if a is not None) + " %)"
         return eps + (f" (×{ratio:.2f})" if ratio is not None else "")
 
     out = []
-    systems = summary["systems"]
     for k in sorted({int(k) for rows in systems.values() for k in rows}):
         sma, ssgd = systems["sma"].get(str(k)), systems["ssgd"].get(str(k))
         m = "=" if k == 1 else (f"{ssgd['lr_mult']:g}" if ssgd else "—")
+        ar = systems.get("allreduce", {}).get(str(k))
         out.append(f"| {k} | {cell(sma, t0)} | {cell(sma, t1)} | {m} | "
-                   f"{cell(ssgd, t0)} | {cell(ssgd, t1)} |")
+                   f"{cell(ssgd, t0)} | {cell(ssgd, t1)} |"
+                   + (f" {cell(ar, t0)} | {cell(ar, t1)} |" if allreduce else ""))
+    if summary.get("others"):
+        out += ["", f"| k | other configuration (bench/sma_rules.py run name) | seeds | to {p0} "
+                f"| to {p1} | best % |", "|---|---|---|---|---|---|"]
+        for config, row in summary["others"].items():
+            best = ", ".join(f"{100 * a:.1f}" for a in row["best_accuracy"] if a is not None)
+            out.append(f"| {row['k']} | {config} | {', '.join(map(str, row['seeds']))} | "
+                       f"{cell(row, t0, False)} | {cell(row, t1)} | {best} |")
     return head + out
 
 

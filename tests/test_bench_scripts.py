@@ -328,3 +328,39 @@ def test_lm_baselines_report_keeps_one_run_per_seed_and_carries_summary_rows(tmp
     assert lm_baselines.main(["--report", str(out), "--target", "2.4", "--out", str(again)]) == 0
     assert json.loads(again.read_text())["summary"] == summary
     assert json.loads(again.read_text())["runs"] == json.loads(out.read_text())["runs"]
+
+
+def test_sma_rules_runs_each_engine_system_with_its_own_sync_and_name():
+    """bench/sma_rules.py builds SMA, S-SGD, EASGD (α and β apart), LocalSGD and DiLoCo from its
+    flags, names every run apart, and refuses SMA's η rule (``--scale engine``) for the others."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import sma_rules
+
+    import crossbow_graph as cg
+
+    parser = sma_rules.build_parser()
+    flags = {"sma": [], "easgd": ["--alpha", "0.5", "--centre-rate", "0.8"],
+             "localsgd": ["--sync-every", "4"], "diloco": ["--sync-every", "4"], "allreduce": []}
+    names = set()
+    for system, extra in flags.items():
+        args = parser.parse_args(["run", "--system", system, "--k", "16", "--scale", "sqrt", *extra])
+        rule = sma_rules.Rule(args.alpha, args.mu_z, args.scale, args.batch)
+        sync = sma_rules.engine_sync(args, rule, 16)
+        names.add(sma_rules.run_name(args))
+        if system == "easgd":
+            assert isinstance(sync, cg.EASGD)
+            assert (sync.alpha_for(16), sync.centre_rate, sync.sync_every) == (0.5, 0.8, 1)
+        elif system == "sma":
+            assert isinstance(sync, cg.SMA) and sync.alpha_for(16) == pytest.approx(1 / 16)
+            assert sync.scale_lr is False  # the bench's LambdaLR scales η, not the engine
+        elif system == "allreduce":
+            assert isinstance(sync, cg.SSGD) and sync.scale_lr is False
+        else:
+            assert type(sync) is {"localsgd": cg.LocalSGD, "diloco": cg.DiLoCo}[system]
+            assert sync.sync_every == 4
+    assert len(names) == 5
+    args = parser.parse_args(["run", "--system", "allreduce", "--k", "16", "--scale", "engine"])
+    assert sma_rules.engine_sync(args, sma_rules.Rule("inv", "0.9", "engine", 16), 16).scale_lr
+    args = parser.parse_args(["run", "--system", "easgd", "--k", "16", "--scale", "engine"])
+    with pytest.raises(SystemExit, match="SMA's"):
+        sma_rules.engine_sync(args, sma_rules.Rule("inv", "0.9", "engine", 16), 16)
