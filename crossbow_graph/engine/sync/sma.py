@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ...errors import check_number, is_count
+from ...errors import check_flag, check_number, is_count
 from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState, single_learner_central
 
 if TYPE_CHECKING:
@@ -60,9 +60,7 @@ class SMA(SyncAlgorithm):
             raise ValueError(
                 f"SMA(central_momentum={self.central_momentum}): μ_z must be in [0, 1), e.g. 0.9"
             )
-        if not isinstance(self.scale_lr, bool):
-            raise TypeError(f"SMA(scale_lr={self.scale_lr!r}): must be True (η × √min(k, 16)) "
-                            f"or False (the optimizer's lr at every k)")
+        check_flag("scale_lr", self.scale_lr, "SMA")
         if not is_count(self.sync_every):
             raise ValueError(f"SMA(sync_every={self.sync_every!r}): must be an integer ≥ 1")
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ...errors import check_flag
 from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState
 
 if TYPE_CHECKING:
@@ -48,9 +49,7 @@ class SSGD(SyncAlgorithm):
     scale_lr: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.scale_lr, bool):
-            raise TypeError(f"SSGD(scale_lr={self.scale_lr!r}): must be True (η × √min(k, 16)) "
-                            f"or False (the optimizer's lr at every k)")
+        check_flag("scale_lr", self.scale_lr, "SSGD")
 
     @property
     def scales_lr(self) -> bool:
