@@ -348,15 +348,14 @@ def parse_k_schedule(text: str | None) -> list[tuple[int, float]] | None:
 def run_name(args) -> str:
     base = f"{args.workload}-{args.system}-k{args.k_schedule or args.k}-b{args.batch}-lr{args.lr:g}"
     if args.system == "ssgd":
-        tail = f"-m{args.lr_mult:g}-w{args.warmup_epochs:g}"
-    else:
-        tail = f"-a{args.alpha}-mu{args.mu_z}-s{args.scale}-w{args.warmup_epochs:g}"
-        if args.system == "easgd":
-            tail = f"-a{args.alpha}-beta{args.centre_rate:g}-s{args.scale}-w{args.warmup_epochs:g}"
-        elif args.system in ("allreduce", "localsgd", "diloco"):
-            tail = f"-s{args.scale}-w{args.warmup_epochs:g}"
-        if args.system not in ("sma", "allreduce") and args.sync_every != 1:
-            tail += f"-H{args.sync_every}"
+        tail = f"-m{args.lr_mult:g}"
+    else:  # the system's own settings, then the η scale
+        tail = {"sma": f"-a{args.alpha}-mu{args.mu_z}",
+                "easgd": f"-a{args.alpha}-beta{args.centre_rate:g}"}.get(args.system, "")
+        tail += f"-s{args.scale}"
+    tail += f"-w{args.warmup_epochs:g}"
+    if args.system in ("easgd", "localsgd", "diloco") and args.sync_every != 1:
+        tail += f"-H{args.sync_every}"
     if args.weight_decay:
         tail += f"-wd{args.weight_decay:g}"
     if args.train_samples:

@@ -58,6 +58,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import sma_rules  # noqa: E402  (bench/sma_rules.py: the runners, one run per process)
+from crossbow_graph.training.sma_lr import lr_factor_for  # noqa: E402  (SMA's η rule, s(k))
 import tta  # noqa: E402  (bench/tta.py: the robustness runs' runners)
 
 __all__ = ["job_lines", "collect", "summarise", "markdown", "plot", "robustness_jobs", "main"]
@@ -115,8 +116,8 @@ def _is_rule_allreduce(a: dict, workload: str) -> bool:
         return False
     if a["scale"] == "engine":
         return True
-    scale = math.sqrt(a["k"]) if a["scale"] == "sqrt" else float(a["scale"])
-    return math.isclose(scale, math.sqrt(min(a["k"], 16)))
+    scale = sma_rules.Rule(a["alpha"], a["mu_z"], a["scale"], a["batch"]).scale(a["k"], None)
+    return scale is not None and math.isclose(scale, lr_factor_for(a["k"]))
 
 
 def _curves_path(workload: str) -> str:
