@@ -295,16 +295,27 @@ def test_resume_mid_run_gives_the_uninterrupted_z_bit_for_bit(tmp_path, stop_at)
     assert torch.equal(mine, theirs) and mine.abs().sum() > 0
 
 
-def test_a_checkpoint_of_another_sync_is_refused(tmp_path):
+@pytest.mark.parametrize("written, resumed", [
+    (cg.SMA(), cg.DiLoCo(sync_every=2)), (cg.DiLoCo(sync_every=2), cg.SMA()),
+    (cg.SSGD(), cg.SMA()), (cg.SMA(), cg.SSGD(scale_lr=True))])
+def test_a_checkpoint_of_another_sync_is_refused(tmp_path, written, resumed):
+    """A checkpoint resumes only under the sync algorithm that wrote it, also where neither has
+    an outer optimizer (SSGD and SMA keep the same tensors), before any state is copied."""
     data = _data(4 * 4 * 2)
-    sma = cg.compile(Small(), (torch.zeros(1, 1, 8, 8),), F.cross_entropy, batch_size=4,
-                     devices=2, replicas=2)
-    sma.fit(data, 1, progress=False, metrics_every=None, checkpoint_dir=str(tmp_path))
-    diloco = cg.compile(Small(), (torch.zeros(1, 1, 8, 8),), F.cross_entropy, batch_size=4,
-                        devices=2, replicas=2, sync=cg.DiLoCo(sync_every=2))
-    with pytest.raises(cg.CheckpointError, match="no outer optimizer .* outer optimizer torch.optim.sgd.SGD"):
-        diloco.fit(data, 2, progress=False, metrics_every=None, checkpoint_dir=str(tmp_path),
-                   resume=True)
+
+    def plan(sync):
+        return cg.compile(Small(), (torch.zeros(1, 1, 8, 8),), F.cross_entropy, batch_size=4,
+                          devices=2, replicas=2, sync=sync, optimizer=cg.SGD(lr=0.1, momentum=0.9))
+
+    plan(written).fit(data, 1, progress=False, metrics_every=None, checkpoint_dir=str(tmp_path))
+    other = plan(resumed)
+    z = other.states[0].z.clone()
+    theirs, mine = type(written).__name__, type(resumed).__name__
+    with pytest.raises(cg.CheckpointError, match=rf"written with sync={theirs}\(\.\.\.\), but "
+                       rf"this plan's is sync={mine}\(\.\.\.\); compile with sync={theirs}"):
+        other.fit(data, 2, progress=False, metrics_every=None, checkpoint_dir=str(tmp_path),
+                  resume=True)
+    assert torch.equal(other.states[0].z, z) and other.rounds_done == 0
 
 
 # -- bad arguments -----------------------------------------------------------------------------

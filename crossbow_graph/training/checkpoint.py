@@ -69,6 +69,7 @@ def plan_state_dict(plan: "FitPlan") -> dict[str, Any]:
         "num_parameters": plan.num_parameters, "num_float_buffers": plan.states[0].buf.shape[1],
         "states": states,
         "batch_size": settings.batch_size,
+        "sync": type(settings.sync).__name__,  # the sync algorithm's class (checked on resume)
         "alpha": settings.alpha, "sync_every": settings.sync_every,
         "lr": settings.lr, "learner_mode": settings.learner_mode,
         "optimizer": {"class": settings.optimizer.describe()["class"],
@@ -146,10 +147,11 @@ def load_plan_state_dict(plan: "FitPlan", sd: dict[str, Any], setup: dict[str, A
     (docs/reliability.md, Resuming with other settings).
 
     Raises:
-        CheckpointError: another model (``check_same_model``), another plan shape (devices,
-            replicas, parameter or buffer count), another outer optimizer.
+        CheckpointError: another model (``check_same_model``), another sync algorithm, another
+            plan shape (devices, replicas, parameter or buffer count), another outer optimizer.
         PlanError: the saved batch size does not fit this plan's memory budget."""
     check_same_model(plan, sd)
+    _check_same_sync(plan, sd)
     _check_same_optimizer(plan, sd)
     if plan.autotuner is not None and sd["replicas_per_device"] != plan.settings.replicas_per_device:
         # the tuner had changed m: continue from there
@@ -193,6 +195,17 @@ def load_plan_state_dict(plan: "FitPlan", sd: dict[str, Any], setup: dict[str, A
     SMALRRule.load_state_dict(plan, sd.get("lr_rule"))
     plan.progress.load_state_dict(sd, device=plan.states[0].torch_device)
     choice.warn(source)
+
+
+def _check_same_sync(plan: "FitPlan", sd: dict[str, Any]) -> None:
+    """CheckpointError unless saved with the plan's sync algorithm class (a state without
+    ``sync`` is accepted: ``_load_outer`` compares the outer optimizers)."""
+    mine = type(plan.settings.sync).__name__
+    theirs = sd.get("sync", mine)
+    if theirs != mine:
+        raise CheckpointError(
+            f"the checkpoint was written with sync={theirs}(...), but this plan's is sync={mine}(...); "
+            f"compile with sync={theirs}(...) to resume, or use another checkpoint_dir to start afresh")
 
 
 def _check_same_optimizer(plan: "FitPlan", sd: dict[str, Any]) -> None:
