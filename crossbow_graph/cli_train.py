@@ -19,7 +19,7 @@ from .cli_lm import (LM_BETAS, LM_MODELS, apply_lm_defaults, is_language_model, 
 from .cli_layout import learner_layout
 from .cli_machine import apply_machine_defaults
 from .cli_options import flag_default
-from .cli_sync import DILOCO_H, sync_of
+from .cli_sync import DILOCO_H, sync_algorithms, sync_of
 from .datasets import ImageDataset
 from .engine.learning.threads import describe_threads
 from .engine.transport.comm import z_digest
@@ -155,6 +155,7 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
     apply_lm_defaults(args)  # --model gpt / --dataset fortunes: cli_lm.py's defaults first
     args.machine_defaults = apply_machine_defaults(args)
     _check_ft_flags(args)
+    _check_sync_optimizer(args)
     policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
     _, default_lr, lr_batch = OPTIMIZERS[args.optimizer]
     lr = default_lr if args.lr is None else args.lr
@@ -220,6 +221,14 @@ def _check_ft_flags(args: argparse.Namespace) -> None:
     if given and not args.fault_tolerant:
         raise ValueError(f"{' '.join(given)} without --fault-tolerant: they set up a torchft replica "
                          "group; add --fault-tolerant, or drop them")
+
+
+def _check_sync_optimizer(args: argparse.Namespace) -> None:
+    """Raises ValueError: ``--sync ssgd`` with an ``--optimizer`` other than sgd (S-SGD's global
+    step is SGD's, engine/sync/ssgd.py), in the CLI's flags."""
+    if sync_algorithms()[args.sync] is cg.SSGD and args.optimizer != "sgd":
+        raise ValueError(f"--sync {args.sync} with --optimizer {args.optimizer}: S-SGD steps with "
+                         f"SGD only; add --optimizer sgd, or use another --sync (sma, the default)")
 
 
 def _shard(dataset: Any, spec: str) -> torch.utils.data.Subset:

@@ -312,6 +312,19 @@ def test_fault_tolerance_flags_without_fault_tolerant_are_a_one_line_error(capsy
     assert len(fit["train_dataset"]) == 128
 
 
+def test_ssgd_with_another_optimizer_is_a_one_line_error_naming_the_flag(capsys):
+    """--sync ssgd with AdamW (the language model's default optimizer) or RMSprop: exit 2 before
+    any data is read, naming --optimizer sgd, the flag that fixes it."""
+    for given, name in ((["--dataset", "nonexistent", "--optimizer", "adamw"], "adamw"),
+                        (["--dataset", "nonexistent", "--optimizer", "rmsprop"], "rmsprop"),
+                        (["--model", "gpt", "--dataset", "fortunes"], "adamw")):
+        assert main(["train", "--sync", "ssgd"] + given) == 2, given
+        err = capsys.readouterr().err
+        assert err == f"crossbow-graph train: error: --sync ssgd with --optimizer {name}: S-SGD " \
+                      "steps with SGD only; add --optimizer sgd, or use another --sync (sma, the " \
+                      "default)\n", given
+
+
 def test_fault_tolerant_without_torchft_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
     assert main(["train", "--fault-tolerant", "--lighthouse", "http://127.0.0.1:1", "--replicas", "2",
