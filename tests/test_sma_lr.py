@@ -79,12 +79,14 @@ def test_a_second_fit_at_the_same_k_keeps_the_factor_and_records_nothing():
     second = plan.fit(tiny_data(64), 1, shuffle=False, progress=False)
     assert [r.factor_to for r in first.lr_rule] == [2.0] and second.lr_rule == []
     assert second.lr == [LR * 2.0] * 4
+    assert "SMA(α=0.25, μ_z=0.9, every 1 round(s), lr × √min(k, 16))" in plan.summary()
 
 
 def test_one_learner_has_no_factor():
     plan = make_plan(replicas=1, executor="inline")
     hist = plan.fit(tiny_data(32), 1, shuffle=False, progress=False)
     assert hist.lr == [LR] * 8 and hist.lr_rule == []
+    assert "round(s))" in plan.summary() and "√min" not in plan.summary()
 
 
 def test_scale_lr_not_a_bool_is_a_type_error():

@@ -29,9 +29,10 @@ class SMA(SyncAlgorithm):
             1/k, re-derived whenever k changes; in (0, 1] with k > 1, unused with k = 1.
         central_momentum: μ_z, the momentum of the central model's update, in [0, 1).
         sync_every: τ, rounds between synchronisations (≥ 1); between them learners only step.
-        scale_lr: SMA's η rule (training/sma_lr.py; docs/design-overview.md §2, "How α, μ_z and
-            η follow k"): every learner steps at its lr × √min(k, 16), ramped over a quarter
-            epoch after every change of k, the optimizer's lr unwritten. ``False``: the lr as set.
+        scale_lr: SMA's η rule, every learner at its lr × √min(k, 16) ramped over a quarter
+            epoch after every change of k (on by default, the optimizer's lr unwritten).
+            ``False``: the lr as set. The rule: training/sma_lr.py, docs/design-overview.md §2,
+            "How α, μ_z and η follow k".
 
     Raises:
         TypeError: α or μ_z not a number; ``scale_lr`` not a bool.
@@ -107,7 +108,8 @@ class SMA(SyncAlgorithm):
         alpha = self.alpha_for(num_learners)
         shown = "— (one learner: nothing to average)" if not alpha and num_learners == 1 \
             else f"{alpha:.4g}"
-        return f"SMA(α={shown}, μ_z={self.central_momentum}, every {self.sync_every} round(s))"
+        rule = ", lr × √min(k, 16)" if self.scale_lr and num_learners > 1 else ""
+        return f"SMA(α={shown}, μ_z={self.central_momentum}, every {self.sync_every} round(s){rule})"
 
 
 @dataclass(frozen=True, eq=False)
