@@ -242,20 +242,23 @@ def _finite(x: float) -> float | None:
 def _median_line(ax, points: list[tuple[int, float, list]], shift: float, colour: str,
                  **errorbar_kw) -> None:
     """One line on ``ax``: per (k, cap, values of the seeds; None: not reached) the median and
-    the seeds' range at k·``shift`` (a missing value counts at the cap), and a hollow marker at
-    the cap for each seed that missed."""
-    xs, med, lo, hi = [], [], [], []
+    the seeds' range at k·``shift`` (a missing value counts at the cap), a filled marker where
+    the median reached the target, and a hollow one at the cap for each seed that missed (so a
+    median that missed shows hollow only)."""
+    xs, med, lo, hi, reached = [], [], [], [], []
     for k, cap, values in points:
         filled = [cap if v is None else v for v in values]
         xs.append(k * shift)
         med.append(statistics.median(filled))
         lo.append(med[-1] - min(filled))
         hi.append(max(filled) - med[-1])
+        reached.append(statistics.median([math.inf if v is None else v for v in values]) < math.inf)
         missed = sum(v is None for v in values)
         if missed:
             ax.scatter([k * shift] * missed, [cap] * missed, s=70, facecolors="none",
                        edgecolors=colour, zorder=3)
-    ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=4, color=colour, **errorbar_kw)
+    ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=4, color=colour,
+                markevery=[i for i, r in enumerate(reached) if r], **errorbar_kw)
 
 
 def plot(summary: dict, out: str | None = None) -> str:
