@@ -205,6 +205,11 @@ class SyncAlgorithm(abc.ABC):
         """The plan summary's ``sync:`` text (compiler/inspect.py)."""
         return f"{type(self).__name__}(every {self.sync_every} round(s))"
 
+    def _lr_rule_text(self, num_learners: int) -> str:
+        """``summary_rule``'s note of the η rule at k = ``num_learners``: ", lr × √min(k, 16)"
+        where ``scales_lr`` and k > 1, else empty."""
+        return ", lr × √min(k, 16)" if self.scales_lr and num_learners > 1 else ""
+
     def short_fit_warning(self, rounds: int, rounds_done: int) -> str | None:
         """A warning for a fit of ``rounds`` rounds after ``rounds_done`` that would leave z
         where it is, or None."""

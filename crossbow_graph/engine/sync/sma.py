@@ -108,8 +108,8 @@ class SMA(SyncAlgorithm):
         alpha = self.alpha_for(num_learners)
         shown = "— (one learner: nothing to average)" if not alpha and num_learners == 1 \
             else f"{alpha:.4g}"
-        rule = ", lr × √min(k, 16)" if self.scale_lr and num_learners > 1 else ""
-        return f"SMA(α={shown}, μ_z={self.central_momentum}, every {self.sync_every} round(s){rule})"
+        return (f"SMA(α={shown}, μ_z={self.central_momentum}, every {self.sync_every} round(s)"
+                f"{self._lr_rule_text(num_learners)})")
 
 
 @dataclass(frozen=True, eq=False)

@@ -101,6 +101,5 @@ class SSGD(SyncAlgorithm):
                 s.zbuf.copy_(summed.mean_buf.to(s.torch_device))
 
     def summary_rule(self, num_learners: int, sync_state: SyncState | None = None) -> str:
-        rule = ", lr × √min(k, 16)" if self.scale_lr and num_learners > 1 else ""
         return (f"SSGD(one SGD step on the mean gradient of the {num_learners} learners, every "
-                f"round{rule})")
+                f"round{self._lr_rule_text(num_learners)})")
