@@ -35,7 +35,9 @@ def _specs(P: int, m: int = M) -> list:
 
 
 def _launch_hits(cache: str) -> list[bool]:
-    env = {**os.environ, "TRITON_CACHE_DIR": cache}
+    root = os.path.dirname(os.path.abspath(HERE))  # this checkout's package, installed or not
+    env = {**os.environ, "TRITON_CACHE_DIR": cache,
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, os.path.join(HERE, "_launch_hits.py"), str(M), str(P)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
