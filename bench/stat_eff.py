@@ -26,6 +26,7 @@ Systems of w1 and fm, b = 16 samples per learner per round, every run one single
   DiLoCo: ``sma_rules.py run --system``) is a configuration of the summary's ``others``.
 
     python bench/stat_eff.py --k 1 4 16 64 --seeds 0 1 2    # queue W1's runs not done yet
+    python bench/sma_rules.py queue bench/jobs/w1_stat_eff.txt --jobs 2   # W1's other runs
     python bench/sma_rules.py queue bench/jobs/fm_stat_eff.txt --jobs 2   # the fm runs
     python bench/stat_eff.py --report --workload fm         # summary, curves and figure
     python bench/stat_eff.py --report --workload gpt        # from W4's runs (lm-w4.json)
@@ -48,6 +49,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
@@ -473,12 +475,13 @@ def main(argv: list[str] | None = None) -> int:
         return robustness(args.robustness, args.epochs, args.train_samples)
     runs = collect()
     chosen = {k: _choose_mult(runs, k, TARGETS) for k in args.k}
-    path = os.path.join(BENCH, "jobs", "stat_eff.txt")
-    with open(path, "w") as f:
-        f.write("\n".join(job_lines(args.k, args.seeds,
-                                    {k: m for k, m in chosen.items() if m}))+ "\n")
-    return subprocess.call([sys.executable, os.path.join(BENCH, "sma_rules.py"), "queue", path,
-                            "--jobs", str(args.jobs)])
+    with tempfile.TemporaryDirectory() as tmp:  # the queue re-reads its file between runs
+        path = os.path.join(tmp, "stat_eff_jobs.txt")
+        with open(path, "w") as f:
+            f.write("\n".join(job_lines(args.k, args.seeds,
+                                        {k: m for k, m in chosen.items() if m})) + "\n")
+        return subprocess.call([sys.executable, os.path.join(BENCH, "sma_rules.py"), "queue",
+                                path, "--jobs", str(args.jobs)])
 
 
 if __name__ == "__main__":
