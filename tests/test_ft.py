@@ -34,8 +34,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_lighthouse(**flags: int) -> tuple[subprocess.Popen, str]:
-    """``torchft_lighthouse`` on a free port; (the process, its address)."""
+def start_lighthouse(**flags: int):
+    """A Lighthouse in this process (torchft's server, the one ``torchft_lighthouse`` runs, as
+    torchft's own tests start it: no process to start, no second import of torch) on a free
+    port; (the server, its address)."""
+    pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
+    from torchft._torchft import LighthouseServer  # torchft is optional: the 'ft' extra
+
+    args = {"min_replicas": 1, "join_timeout_ms": 2000, "heartbeat_timeout_ms": 1000,
+            "quorum_tick_ms": 50, **flags}
+    server = LighthouseServer(bind="[::]:0", **args)
+    return server, f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+
+
+def start_lighthouse_process(**flags: int) -> tuple[subprocess.Popen, str]:
+    """``torchft_lighthouse`` on a free port, for a test that kills it (a server in this process
+    stops listening when shut down but goes on answering the connections it has); (the process,
+    its address)."""
     port = _free_port()
     args = {"min_replicas": 1, "join_timeout_ms": 2000, "heartbeat_timeout_ms": 1000,
             "quorum_tick_ms": 50, **flags}
@@ -52,14 +67,13 @@ def start_lighthouse(**flags: int) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("torchft_lighthouse did not listen within 90 s")
 
 
-def stop_all(procs, lighthouse: subprocess.Popen) -> None:
-    """Kill and reap the group processes still running, then the Lighthouse."""
+def stop_all(procs, lighthouse) -> None:
+    """Kill and reap the group processes still running, then shut the Lighthouse down."""
     for p in procs:
         if p.poll() is None:
             p.kill()
             p.wait()
-    lighthouse.kill()
-    lighthouse.wait()
+    lighthouse.shutdown()
 
 
 def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150, phase: str = "",
@@ -292,7 +306,7 @@ def test_a_group_whose_lighthouse_is_gone_stops_naming_it_and_the_fix(tmp_path):
     DistributedError after ft_attempts × timeout_s name its address, say that nothing listens
     there and how to go on; torchft's raw gRPC text is not printed."""
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
-    lighthouse, address = start_lighthouse()
+    lighthouse, address = start_lighthouse_process()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "RUST_LOG")}
     env.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-c", _LONE_GROUP.format(tests=HERE), str(tmp_path)],
@@ -307,7 +321,10 @@ def test_a_group_whose_lighthouse_is_gone_stops_naming_it_and_the_fix(tmp_path):
         (tmp_path / "killed").touch()
         log = proc.communicate(timeout=150)[0]
     finally:
-        stop_all([proc], lighthouse)
+        for p in (proc, lighthouse):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
     port = address.rsplit(":", 1)[1]
     gone = f"the Lighthouse at {address} does not answer: nothing listens there"
     assert log.count(f"discarded ({gone}") == 3, log[-3000:]
