@@ -5,6 +5,7 @@ The options' errors need no torchft; the rest is skipped without it (the ``ft`` 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -244,23 +245,45 @@ def _assert_rejoined(g0: dict, g1: dict) -> int:
     return back
 
 
+_DIFFERENCES = {"seed": {"FT_SEED_g1": "1"}, "sma": {"FT_MOMENTUM_g1": "0.5"},
+                "lr": {"FT_LR_g1": "0.1"}, "optimizer": {"FT_OPTIMIZER_g1": "adamw"},
+                "batch_size": {"FT_BATCH_g1": "8"}}
+
+
+@pytest.fixture(scope="module")
+def differing_runs(tmp_path_factory):
+    """Each difference of ``_DIFFERENCES`` (g1's variables), one after the other in the same
+    two group processes (phase ``cases``: a new plan and Manager per case), each case against a
+    Lighthouse of its own that waits for both groups (so that no group meets another case's);
+    {case: {group: result}}."""
+    tmp_path = tmp_path_factory.mktemp("differ")
+    lighthouses = [start_lighthouse(min_replicas=2) for _ in _DIFFERENCES]
+    try:
+        with open(tmp_path / "cases.json", "w") as f:
+            json.dump({case: {**env, "TORCHFT_LIGHTHOUSE": address}
+                       for (case, env), (_, address) in zip(_DIFFERENCES.items(), lighthouses)}, f)
+        r = run_groups(tmp_path, "sma", {}, phase="cases", min_replicas=2, errors=True)
+    finally:
+        for lighthouse, _ in lighthouses:
+            lighthouse.shutdown()
+    return {case: {g: {**r[g][case], "log": r[g]["log"]} for g in r} for case in _DIFFERENCES}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("env, says", [
-    ({"FT_SEED_g1": "1"}, "hold another z"),
-    ({"FT_MOMENTUM_g1": "0.5"}, "run another computation"),
-    ({"FT_LR_g1": "0.1"}, r"other hyper-parameters: .* \(this group's: SGD\(lr=0\.(1|05), momentum"),
-    ({"FT_OPTIMIZER_g1": "adamw"}, r"other hyper-parameters: .* \(this group's: (AdamW|SGD)\(lr"),
-    ({"FT_BATCH_g1": "8"}, r"other hyper-parameters: .*, b = (4|8)\)")],
-    ids=["seed", "sma", "lr", "optimizer", "batch_size"])
-def test_groups_that_differ_stop_at_their_first_sync_naming_the_difference(tmp_path, monkeypatch,
-                                                                          env, says):
+@pytest.mark.parametrize("case, says", [
+    ("seed", "hold another z"),
+    ("sma", "run another computation"),
+    ("lr", r"other hyper-parameters: .* \(this group's: SGD\(lr=0\.(1|05), momentum"),
+    ("optimizer", r"other hyper-parameters: .* \(this group's: (AdamW|SGD)\(lr"),
+    ("batch_size", r"other hyper-parameters: .*, b = (4|8)\)")],
+    ids=list(_DIFFERENCES))
+def test_groups_that_differ_stop_at_their_first_sync_naming_the_difference(differing_runs, case,
+                                                                          says):
     """g1 compiled with another seed (z differs), another SMA (μ_z 0.5), another learning rate,
     optimizer or batch size (what plain torchrun refuses at start-up): at the first quorum of
     both, every group stops with a DistributedError naming what differs, before any sum of the
     two is applied."""
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    r = run_groups(tmp_path, "sma", {}, min_replicas=2, errors=True)
+    r = differing_runs[case]
     for g in ("g0", "g1"):
         assert re.search(says, r[g].get("error", "")), (g, r[g].get("error"), r[g]["log"][-2000:])
         assert r[g]["z_after"] == []  # the first round did not end: no sum of the two applied
