@@ -183,11 +183,18 @@ def test_a_hung_group_is_evicted_and_rejoins_when_continued(tmp_path):
     print(f"stall of the hung group's sync: {failure['seconds']:.2f} s")
 
 
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    """Both groups, SMA, no failure, ROUNDS rounds (the Lighthouse waits for both): {group:
+    result}; only read by the tests that share it."""
+    return run_groups(tmp_path_factory.mktemp("undisturbed"), "sma", {}, min_replicas=2)
+
+
 @pytest.mark.distributed
-def test_two_groups_undisturbed_keep_the_same_z(tmp_path):
+def test_two_groups_undisturbed_keep_the_same_z(undisturbed):
     """No failure: both groups hold the same z bit for bit after every round (the same
     all-reduced sum, the same update), k = 4 throughout; no line of torchft's per-sync log."""
-    r = run_groups(tmp_path, "sma", {}, min_replicas=2)  # the Lighthouse waits for both
+    r = undisturbed
     for t in range(ROUNDS):
         assert torch.equal(r["g0"]["z_after"][t], r["g1"]["z_after"][t]), t
     assert [(c["groups"], c["learners"]) for c in r["g0"]["membership"]] == [(2, 4)]
@@ -290,10 +297,10 @@ def test_groups_that_differ_stop_at_their_first_sync_naming_the_difference(diffe
 
 
 @pytest.mark.distributed
-def test_a_checkpointed_run_resumes_bit_identically_when_nothing_fails(tmp_path):
+def test_a_checkpointed_run_resumes_bit_identically_when_nothing_fails(tmp_path, undisturbed):
     """SMA: both groups stop after 4 rounds with a checkpoint and resume from it (new processes,
     new Managers): z after the last round equals the undisturbed run's bit for bit, on both."""
-    whole = run_groups(tmp_path / "whole", "sma", {}, min_replicas=2)
+    whole = undisturbed
     run_groups(tmp_path / "parts", "sma", {}, phase="first", min_replicas=2)
     resumed = run_groups(tmp_path / "parts", "sma", {}, phase="resume", min_replicas=2)
     for g in ("g0", "g1"):
