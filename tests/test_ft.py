@@ -40,7 +40,7 @@ def start_lighthouse(**flags: int):
     torchft's own tests start it: no process to start, no second import of torch) on a free
     port; (the server, its address)."""
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
-    from torchft._torchft import LighthouseServer  # torchft is optional: the 'ft' extra
+    from torchft.coordination import LighthouseServer  # torchft is optional: the "ft" extra
 
     args = {"min_replicas": 1, "join_timeout_ms": 2000, "heartbeat_timeout_ms": 1000,
             "quorum_tick_ms": 50, **flags}
