@@ -12,8 +12,9 @@ others' all-reduce fails and is discarded). ``PHASE`` ``first``: stop after 4
 rounds with a checkpoint in ``OUT_DIR/GROUP-ckpt``; ``resume``: resume from it; ``pace``: while
 alone, wait 0.2 s after each round (a late or restarted group then has time to join), write
 ``OUT_DIR/GROUP.alone`` once alone after a sync of both, and stop 6 rounds after another group
-rejoined. Writes ``GROUP.pt``: per round the
-replicas' weights at its start and z after it, the membership changes, or ``error``. Logs at INFO
+rejoined; ``cases``: one fit per case of ``OUT_DIR/cases.json`` (``run_cases``). Writes
+``GROUP.pt``: per round the replicas' weights at its start and z after it, the membership
+changes, or ``error`` (``cases``: that per case). Logs at INFO
 (``logging.basicConfig``), as an application that logs its own progress.
 
 With torchrun's variables (RANK, WORLD_SIZE = W, MASTER_ADDR, MASTER_PORT) this process is rank
@@ -22,6 +23,7 @@ still runs ROUNDS rounds), the sync it dies in follows one of both groups' 2·W�
 ``FT_DIE_RANK`` set only that rank dies), and it writes ``GROUP-RANK.pt``."""
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -120,9 +122,8 @@ class _Pace(cg.Hook):
             ctx.stop = True
 
 
-def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str = "") -> None:
-    torch.set_num_threads(1)
-    logging.basicConfig(level=logging.INFO)
+def run(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str = "") -> dict:
+    """One fit of this group; its result (what ``GROUP.pt`` holds)."""
     result = {}
     rec = _Record()
     try:
@@ -141,6 +142,30 @@ def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str =
     except TaskError as exc:
         result.update(error=str(exc))
     result.update(w_before=rec.w_before, z_after=rec.z_after)
+    return result
+
+
+def run_cases(out: str, group: str, sync: str, rounds: int) -> dict[str, dict]:
+    """Phase ``cases``: one fit (a new plan, a new Manager) per case of ``OUT_DIR/cases.json``,
+    ``{name: {variable: value}}`` (its Lighthouse's ``TORCHFT_LIGHTHOUSE``, ``FT_SEED_g1``, …),
+    one after the other, each under its variables; ``{name: result}``."""
+    with open(os.path.join(out, "cases.json")) as f:
+        cases = json.load(f)
+    before = dict(os.environ)
+    results = {}
+    for name, variables in cases.items():
+        os.environ.update(variables)
+        results[name] = run(out, group, sync, rounds, -1)
+        os.environ.clear()
+        os.environ.update(before)
+    return results
+
+
+def main(out: str, group: str, sync: str, rounds: int, die_at: int, phase: str = "") -> None:
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO)
+    result = (run_cases(out, group, sync, rounds) if phase == "cases"
+              else run(out, group, sync, rounds, die_at, phase))
     torch.save(result, os.path.join(out, f"{group}.pt" if W == 1 else f"{group}-{RANK}.pt"))
 
 

@@ -5,6 +5,7 @@ The options' errors need no torchft; the rest is skipped without it (the ``ft`` 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -34,8 +35,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_lighthouse(**flags: int) -> tuple[subprocess.Popen, str]:
-    """``torchft_lighthouse`` on a free port; (the process, its address)."""
+def start_lighthouse(**flags: int):
+    """A Lighthouse in this process (torchft's server, the one ``torchft_lighthouse`` runs, as
+    torchft's own tests start it: no process to start, no second import of torch) on a free
+    port; (the server, its address)."""
+    pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
+    from torchft.coordination import LighthouseServer  # torchft is optional: the "ft" extra
+
+    args = {"min_replicas": 1, "join_timeout_ms": 2000, "heartbeat_timeout_ms": 1000,
+            "quorum_tick_ms": 50, **flags}
+    server = LighthouseServer(bind="[::]:0", **args)
+    return server, f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+
+
+def start_lighthouse_process(**flags: int) -> tuple[subprocess.Popen, str]:
+    """``torchft_lighthouse`` on a free port, for a test that kills it (a server in this process
+    stops listening when shut down but goes on answering the connections it has); (the process,
+    its address)."""
     port = _free_port()
     args = {"min_replicas": 1, "join_timeout_ms": 2000, "heartbeat_timeout_ms": 1000,
             "quorum_tick_ms": 50, **flags}
@@ -52,14 +68,13 @@ def start_lighthouse(**flags: int) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("torchft_lighthouse did not listen within 90 s")
 
 
-def stop_all(procs, lighthouse: subprocess.Popen) -> None:
-    """Kill and reap the group processes still running, then the Lighthouse."""
+def stop_all(procs, lighthouse) -> None:
+    """Kill and reap the group processes still running, then shut the Lighthouse down."""
     for p in procs:
         if p.poll() is None:
             p.kill()
             p.wait()
-    lighthouse.kill()
-    lighthouse.wait()
+    lighthouse.shutdown()
 
 
 def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150, phase: str = "",
@@ -168,11 +183,18 @@ def test_a_hung_group_is_evicted_and_rejoins_when_continued(tmp_path):
     print(f"stall of the hung group's sync: {failure['seconds']:.2f} s")
 
 
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    """Both groups, SMA, no failure, ROUNDS rounds (the Lighthouse waits for both): {group:
+    result}; only read by the tests that share it."""
+    return run_groups(tmp_path_factory.mktemp("undisturbed"), "sma", {}, min_replicas=2)
+
+
 @pytest.mark.distributed
-def test_two_groups_undisturbed_keep_the_same_z(tmp_path):
+def test_two_groups_undisturbed_keep_the_same_z(undisturbed):
     """No failure: both groups hold the same z bit for bit after every round (the same
     all-reduced sum, the same update), k = 4 throughout; no line of torchft's per-sync log."""
-    r = run_groups(tmp_path, "sma", {}, min_replicas=2)  # the Lighthouse waits for both
+    r = undisturbed
     for t in range(ROUNDS):
         assert torch.equal(r["g0"]["z_after"][t], r["g1"]["z_after"][t]), t
     assert [(c["groups"], c["learners"]) for c in r["g0"]["membership"]] == [(2, 4)]
@@ -230,33 +252,55 @@ def _assert_rejoined(g0: dict, g1: dict) -> int:
     return back
 
 
+_DIFFERENCES = {"seed": {"FT_SEED_g1": "1"}, "sma": {"FT_MOMENTUM_g1": "0.5"},
+                "lr": {"FT_LR_g1": "0.1"}, "optimizer": {"FT_OPTIMIZER_g1": "adamw"},
+                "batch_size": {"FT_BATCH_g1": "8"}}
+
+
+@pytest.fixture(scope="module")
+def differing_runs(tmp_path_factory):
+    """Each difference of ``_DIFFERENCES`` (g1's variables), one after the other in the same
+    two group processes (phase ``cases``: a new plan and Manager per case), each case against a
+    Lighthouse of its own that waits for both groups (so that no group meets another case's);
+    {case: {group: result}}."""
+    tmp_path = tmp_path_factory.mktemp("differ")
+    lighthouses = [start_lighthouse(min_replicas=2) for _ in _DIFFERENCES]
+    try:
+        with open(tmp_path / "cases.json", "w") as f:
+            json.dump({case: {**env, "TORCHFT_LIGHTHOUSE": address}
+                       for (case, env), (_, address) in zip(_DIFFERENCES.items(), lighthouses)}, f)
+        r = run_groups(tmp_path, "sma", {}, phase="cases", min_replicas=2, errors=True)
+    finally:
+        for lighthouse, _ in lighthouses:
+            lighthouse.shutdown()
+    return {case: {g: {**r[g][case], "log": r[g]["log"]} for g in r} for case in _DIFFERENCES}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("env, says", [
-    ({"FT_SEED_g1": "1"}, "hold another z"),
-    ({"FT_MOMENTUM_g1": "0.5"}, "run another computation"),
-    ({"FT_LR_g1": "0.1"}, r"other hyper-parameters: .* \(this group's: SGD\(lr=0\.(1|05), momentum"),
-    ({"FT_OPTIMIZER_g1": "adamw"}, r"other hyper-parameters: .* \(this group's: (AdamW|SGD)\(lr"),
-    ({"FT_BATCH_g1": "8"}, r"other hyper-parameters: .*, b = (4|8)\)")],
-    ids=["seed", "sma", "lr", "optimizer", "batch_size"])
-def test_groups_that_differ_stop_at_their_first_sync_naming_the_difference(tmp_path, monkeypatch,
-                                                                          env, says):
+@pytest.mark.parametrize("case, says", [
+    ("seed", "hold another z"),
+    ("sma", "run another computation"),
+    ("lr", r"other hyper-parameters: .* \(this group's: SGD\(lr=0\.(1|05), momentum"),
+    ("optimizer", r"other hyper-parameters: .* \(this group's: (AdamW|SGD)\(lr"),
+    ("batch_size", r"other hyper-parameters: .*, b = (4|8)\)")],
+    ids=list(_DIFFERENCES))
+def test_groups_that_differ_stop_at_their_first_sync_naming_the_difference(differing_runs, case,
+                                                                          says):
     """g1 compiled with another seed (z differs), another SMA (μ_z 0.5), another learning rate,
     optimizer or batch size (what plain torchrun refuses at start-up): at the first quorum of
     both, every group stops with a DistributedError naming what differs, before any sum of the
     two is applied."""
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    r = run_groups(tmp_path, "sma", {}, min_replicas=2, errors=True)
+    r = differing_runs[case]
     for g in ("g0", "g1"):
         assert re.search(says, r[g].get("error", "")), (g, r[g].get("error"), r[g]["log"][-2000:])
         assert r[g]["z_after"] == []  # the first round did not end: no sum of the two applied
 
 
 @pytest.mark.distributed
-def test_a_checkpointed_run_resumes_bit_identically_when_nothing_fails(tmp_path):
+def test_a_checkpointed_run_resumes_bit_identically_when_nothing_fails(tmp_path, undisturbed):
     """SMA: both groups stop after 4 rounds with a checkpoint and resume from it (new processes,
     new Managers): z after the last round equals the undisturbed run's bit for bit, on both."""
-    whole = run_groups(tmp_path / "whole", "sma", {}, min_replicas=2)
+    whole = undisturbed
     run_groups(tmp_path / "parts", "sma", {}, phase="first", min_replicas=2)
     resumed = run_groups(tmp_path / "parts", "sma", {}, phase="resume", min_replicas=2)
     for g in ("g0", "g1"):
@@ -292,7 +336,7 @@ def test_a_group_whose_lighthouse_is_gone_stops_naming_it_and_the_fix(tmp_path):
     DistributedError after ft_attempts × timeout_s name its address, say that nothing listens
     there and how to go on; torchft's raw gRPC text is not printed."""
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
-    lighthouse, address = start_lighthouse()
+    lighthouse, address = start_lighthouse_process()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "RUST_LOG")}
     env.update(TORCHFT_LIGHTHOUSE=address, PYTHONPATH=os.path.dirname(HERE), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-c", _LONE_GROUP.format(tests=HERE), str(tmp_path)],
@@ -307,7 +351,10 @@ def test_a_group_whose_lighthouse_is_gone_stops_naming_it_and_the_fix(tmp_path):
         (tmp_path / "killed").touch()
         log = proc.communicate(timeout=150)[0]
     finally:
-        stop_all([proc], lighthouse)
+        for p in (proc, lighthouse):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
     port = address.rsplit(":", 1)[1]
     gone = f"the Lighthouse at {address} does not answer: nothing listens there"
     assert log.count(f"discarded ({gone}") == 3, log[-3000:]

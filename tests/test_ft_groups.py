@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -87,12 +86,19 @@ def _unclocked(changes: list[dict]) -> list[dict]:
     return [{k: v for k, v in c.items() if k != "seconds"} for c in changes]
 
 
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    """Both groups of W ranks, SMA, no failure, ROUNDS rounds (the Lighthouse waits for both
+    groups): {(group, rank): result}; only read by the tests that share it."""
+    return run_rank_groups(tmp_path_factory.mktemp("undisturbed"), {}, min_replicas=2)
+
+
 @pytest.mark.distributed
-def test_two_groups_of_two_ranks_average_all_eight_learners(tmp_path):
+def test_two_groups_of_two_ranks_average_all_eight_learners(undisturbed):
     """Undisturbed: after every round z is bit for bit the same on all 4 processes and equals
     the mean of the 8 learners' weights at the round's start (float32 summation order: rtol
     1e-6); k = 8 throughout."""
-    r = run_rank_groups(tmp_path, {}, min_replicas=2)  # the Lighthouse waits for both groups
+    r = undisturbed
     for t in range(ROUNDS):
         z = r["g0", 0]["z_after"][t]
         for key in r:
@@ -170,15 +176,13 @@ def test_a_restarted_group_of_two_ranks_recovers_z_on_each_rank_from_its_peer(tm
 
 
 @pytest.mark.distributed
-def test_groups_of_two_ranks_resume_from_their_checkpoints_bit_identically(tmp_path):
+def test_groups_of_two_ranks_resume_from_their_checkpoints_bit_identically(tmp_path, undisturbed):
     """Both groups stop after 4 rounds with a checkpoint (rank 0 of each writes its group's,
     with both ranks' learners) and resume from it as new jobs: z after the last round equals the
     undisturbed run's bit for bit on all four processes."""
-    with ThreadPoolExecutor(2) as pool:  # the undisturbed run and the first part side by side
-        whole, _ = pool.map(lambda phase: run_rank_groups(
-            tmp_path / ("parts" if phase else "whole"), {}, min_replicas=2, phase=phase),
-            ["", "first"])
-    resumed = run_rank_groups(tmp_path / "parts", {}, min_replicas=2, phase="resume")
+    whole = undisturbed
+    run_rank_groups(tmp_path, {}, min_replicas=2, phase="first")
+    resumed = run_rank_groups(tmp_path, {}, min_replicas=2, phase="resume")
     for key in whole:
         assert len(resumed[key]["z_after"]) == ROUNDS - 4
         assert torch.equal(resumed[key]["z_after"][-1], whole[key]["z_after"][-1]), key
