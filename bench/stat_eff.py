@@ -378,21 +378,20 @@ def gpt_summary(source: str = GPT_SOURCE) -> dict:
         data = json.load(f)
     lines = {}
     for label, b, configs in GPT_LINES:
-        rows = {}
+        points: dict[str, list[dict]] = {}  # per k, every configuration run
         for text in configs:
             row = data["summary"].get(text)
             if row is None:
                 continue
             config = lm_baselines.parse(text)
             k = config["k"] if config["system"].startswith("sma") else config["b"] // b
-            point = dict(config=text, seeds=row["seeds"], tokens=row["tokens"],
-                         median=row["median_tokens"], final_loss=row["final"], tried={})
-            kept = rows.get(str(k))
-            if kept is not None and _gpt_rank(kept) <= _gpt_rank(point):
-                point, kept = kept, point
-            if kept is not None:
-                point["tried"] = {**kept.pop("tried"), kept["config"]: kept["median"], **point["tried"]}
-            rows[str(k)] = point
+            points.setdefault(str(k), []).append(dict(
+                config=text, seeds=row["seeds"], tokens=row["tokens"],
+                median=row["median_tokens"], final_loss=row["final"]))
+        rows = {}
+        for k, runs in points.items():
+            best = min(runs, key=_gpt_rank)  # the first listed among equals
+            rows[k] = dict(best, tried={p["config"]: p["median"] for p in runs if p is not best})
         base = rows.get("1", {}).get("median")
         for row in rows.values():
             row["ratio_to_k1"] = None if base is None or row["median"] is None else row["median"] / base
