@@ -35,6 +35,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The tests' Lighthouse, in this process or as a process: one replica suffices, quick ticks
+LIGHTHOUSE_FLAGS = {"min_replicas": 1, "join_timeout_ms": 2000, "heartbeat_timeout_ms": 1000,
+                    "quorum_tick_ms": 50}
+
+
 def start_lighthouse(**flags: int):
     """A Lighthouse in this process (torchft's server, the one ``torchft_lighthouse`` runs, as
     torchft's own tests start it: no process to start, no second import of torch) on a free
@@ -42,9 +47,7 @@ def start_lighthouse(**flags: int):
     pytest.importorskip("torchft", reason="torchft is the 'ft' extra")
     from torchft.coordination import LighthouseServer  # torchft is optional: the "ft" extra
 
-    args = {"min_replicas": 1, "join_timeout_ms": 2000, "heartbeat_timeout_ms": 1000,
-            "quorum_tick_ms": 50, **flags}
-    server = LighthouseServer(bind="[::]:0", **args)
+    server = LighthouseServer(bind="[::]:0", **{**LIGHTHOUSE_FLAGS, **flags})
     return server, f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
 
 
@@ -53,8 +56,7 @@ def start_lighthouse_process(**flags: int) -> tuple[subprocess.Popen, str]:
     stops listening when shut down but goes on answering the connections it has); (the process,
     its address)."""
     port = _free_port()
-    args = {"min_replicas": 1, "join_timeout_ms": 2000, "heartbeat_timeout_ms": 1000,
-            "quorum_tick_ms": 50, **flags}
+    args = {**LIGHTHOUSE_FLAGS, **flags}
     cmd = [os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"),
            "--bind", f"[::]:{port}"] + [x for k, v in args.items() for x in (f"--{k}", str(v))]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
