@@ -295,6 +295,35 @@ def test_stat_eff_summary_is_derived_from_its_committed_curves(workload, tmp_pat
     assert summary["systems"]["sma"]["1"][summary["target"]]["ratio_to_k1"] in (1.0, None)
 
 
+def test_stat_eff_tunes_sma_by_its_fastest_configuration_at_seed_0():
+    """The line of SMA at its best (α, η) per k takes, of the defaults and every other SMA
+    configuration at η₁ and b = 16, the fastest at seed 0 to the first target, with all its seeds;
+    the defaults on a tie; a configuration at another η₁ or of another system is no candidate."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import stat_eff
+
+    def run(name, system, k, seed, epochs, config=None):
+        hit = None if epochs is None else dict(epochs=epochs, samples=int(epochs * 60000))
+        r = dict(name=f"w1-{name}-seed{seed}", system=system, k=k, seed=seed, lr_mult=None,
+                 max_epochs=6, best_accuracy=0.99 if hit else 0.97, evals=[],
+                 to_target={"0.985": hit, "0.99": None})
+        return r if config is None else {**r, "config": config}
+
+    strong, weak = "sma-k16-b16-lr0.01-ainv_3-mu0.9-sengine-w0", "sma-k16-b16-lr0.01-ainv_2-mu0.9-sengine-w0"
+    other_lr, local = "sma-k16-b16-lr0.02-ainv_3-mu0.9-sengine-w0", "localsgd-k16-b16-lr0.01-s4-w0.25-H4"
+    runs = [run("sma-k1", "sma", 1, s, 2.0) for s in range(3)]
+    runs += [run("sma-k16", "sma", 16, s, e) for s, e in enumerate((3.0, 2.5, None))]
+    runs += [run("sma-k4", "sma", 4, s, 1.5) for s in range(3)]
+    runs += [run(strong, "sma", 16, s, e, strong) for s, e in enumerate((2.5, 3.5, 2.0))]
+    runs += [run(weak, "sma", 16, 0, 2.75, weak), run(other_lr, "sma", 16, 0, 1.0, other_lr),
+             run(local, "localsgd", 16, 0, 1.0, local), run(weak, "sma", 4, 0, 1.5, weak)]
+    tuned = stat_eff.summarise(runs, "w1")["systems"]["sma_tuned"]
+    assert tuned["16"]["config"] == strong and tuned["16"]["seeds"] == [0, 1, 2]
+    assert tuned["16"]["0.985"]["epochs"] == [2.5, 3.5, 2.0]
+    assert tuned["16"]["0.985"]["median"] == 2.5 and tuned["16"]["0.985"]["ratio_to_k1"] == 1.25
+    assert tuned["4"]["config"] == "defaults" and tuned["4"]["seeds"] == [0, 1, 2]  # a tie
+
+
 def test_lm_baselines_report_keeps_one_run_per_seed_and_carries_summary_rows(tmp_path, capsys):
     """``--report`` over files that repeat a run counts it once (the last file's); a row that only
     an earlier summary holds is carried with its seeds, and its seeds the runs lack join a row
