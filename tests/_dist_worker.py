@@ -27,10 +27,11 @@ round from round 3 on, process executor, checkpoints every round), ``resume_1to2
 ``write_2to1`` / ``refused`` (``run_reshape``: a checkpoint resumed on another number of
 processes; one of another seed refused). Groups run in one launch, one after the other in the
 same process group: ``ok`` = train, process, decide, resume, adamw, bf16_sync, own_data;
-``mismatch`` = the six mismatches; ``faults`` = fault_one, fault_streams, int_buffers, nan_all (last: its error closes
-the process group); ``reshape`` = resume_1to2, write_2to1, refused. Writes ``rank<r>.pt`` into
-OUT_DIR: per scenario a dict, ``error`` with the TaskError's message (and ``kind``,
-``round_index``), or the results.
+``mismatch`` = the six mismatches; ``faults`` = fault_one, fault_streams, int_buffers, nan_all, diverge, nan_z (the errors of the
+last three close the process group: each scenario joins a new one on its own port of
+``CB_MASTER_PORTS``, a comma-separated list, one per scenario of the group, when it is set);
+``reshape`` = resume_1to2, write_2to1, refused. Writes ``rank<r>.pt`` into OUT_DIR: per scenario
+a dict, ``error`` with the TaskError's message (and ``kind``, ``round_index``), or the results.
 """
 
 import copy
@@ -354,7 +355,7 @@ LEAVING = ["startup_never", "startup_left", "stopped"]
 GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync", "own_data"],
           "mismatch": ["mismatch_batch", "mismatch_model", "mismatch_layout", "mismatch_act",
                        "mismatch_dropout", "mismatch_loss"],
-          "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"],
+          "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all", "diverge", "nan_z"],
           "reshape": ["resume_1to2", "write_2to1", "refused"]}
 
 
@@ -362,8 +363,11 @@ def main(scenario: str, out: str) -> None:
     """Run ``scenario`` (or each of a group's, in one process group) and save the results."""
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
+    ports = os.environ.get("CB_MASTER_PORTS", "").split(",")  # one per scenario, when given
     results = {}
-    for name in GROUPS.get(scenario, [scenario]):
+    for i, name in enumerate(GROUPS.get(scenario, [scenario])):
+        if ports[0]:  # a scenario after an error that closed the group joins a new one on its port
+            os.environ["MASTER_PORT"] = ports[i]
         run_one = (run_reshape if name in GROUPS["reshape"] else run_computation
                    if name in COMPUTATION else run_leaving if name in LEAVING else run)
         results[name] = run_one(name, rank, out)

@@ -38,12 +38,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(scenario: str, out, *, timeout_s: float = 20.0, world: int = 2, wait_for=None):
+def _launch(scenario: str, out, *, timeout_s: float = 20.0, world: int = 2, wait_for=None,
+            ports: int = 0):
     """Run ``scenario`` on ``world`` ranks; returns (per rank its result dict or None, return codes,
-    logs). ``wait_for``: the ranks to wait for (default all); the others are then killed."""
+    logs). ``wait_for``: the ranks to wait for (default all); the others are then killed.
+    ``ports``: a group's scenarios, each with a free port of its own (CB_MASTER_PORTS)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CB_TIMEOUT_S=str(timeout_s))
+               PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CB_TIMEOUT_S=str(timeout_s),
+               CB_MASTER_PORTS=",".join(str(_free_port()) for _ in range(ports)))
     procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(out)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -84,12 +87,14 @@ def mismatch_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fault_runs(tmp_path_factory):
-    """One launch: a fault on each rank, an integer counter, then NaN everywhere (its error last)."""
+    """One launch: a fault on each rank, an integer counter, then NaN everywhere, z made to differ,
+    NaN in one rank's z (each of the last three stops on an error that closes the process group:
+    the next joins a new one on its own port)."""
     out = tmp_path_factory.mktemp("faults")
-    results, codes, logs = _launch("faults", out)
+    results, codes, logs = _launch("faults", out, ports=6)
     assert codes == [0, 0], logs
     runs = {name: (results[0][name], results[1][name])
-            for name in ("fault_one", "fault_streams", "int_buffers", "nan_all")}
+            for name in ("fault_one", "fault_streams", "int_buffers", "nan_all", "diverge", "nan_z")}
     return out, logs, runs
 
 
@@ -190,12 +195,10 @@ def test_rank_0s_decisions_reach_every_rank_at_the_same_round(ok_runs):
     torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
 
 
-def test_checksum_stops_when_z_differs_between_ranks(tmp_path):
-    results, codes, logs = _launch("diverge", tmp_path)
-    for r in results:
-        assert r is not None, logs
-        r = r["diverge"]
-        assert "copies of the central model z differ between ranks" in r.get("error", ""), r
+def test_checksum_stops_when_z_differs_between_ranks(fault_runs):
+    _, logs, runs = fault_runs
+    for r in runs["diverge"]:
+        assert "copies of the central model z differ between ranks" in r.get("error", ""), (r, logs)
 
 
 @pytest.mark.parametrize("scenario, names", [
@@ -236,14 +239,12 @@ def test_ranks_with_their_own_data_train_together(ok_runs):
     assert not torch.allclose(r0["z"], same["z"], rtol=1e-3, atol=1e-4)  # the data did differ
 
 
-def test_nan_in_one_ranks_z_stops_every_rank_at_the_next_z_check(tmp_path):
+def test_nan_in_one_ranks_z_stops_every_rank_at_the_next_z_check(fault_runs):
     """NaN written into rank 1's z after round 3 reaches rank 0's z through round 4's all-reduce,
     with the same bits; the z check (every round) stops both ranks there, naming both and the
     last round both were finite."""
-    results, codes, logs = _launch("nan_z", tmp_path)
-    for r in results:
-        assert r is not None, logs
-        r = r["nan_z"]
+    _, logs, runs = fault_runs
+    for r in runs["nan_z"]:
         assert r.get("kind") == "DivergenceError" and r["round_index"] == 3, (r, logs)
         assert "the central model z holds NaN/Inf on ranks 0, 1 after round 3" in r["error"], r
         assert "finite on every rank at the check after round 2" in r["error"], r
