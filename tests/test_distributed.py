@@ -56,13 +56,14 @@ def _launch(scenario: str, out, *, timeout_s: float = 20.0, world: int = 2, wait
             ports: int = 0):
     """Run ``scenario`` on ``world`` ranks; returns (per rank its result dict or None, return codes,
     logs). ``wait_for``: the ranks to wait for (default all); the others are then killed.
-    ``ports``: a group's scenarios, each with a free port of its own (CB_MASTER_PORTS)."""
+    ``ports``: a group's scenarios, each with a free port of its own (CB_MASTER_PORTS); the wait
+    is then HARD_TIMEOUT_S per scenario."""
     env = _env(world, timeout_s, CB_MASTER_PORTS=",".join(str(_free_port()) for _ in range(ports)))
     procs = [_start(r, scenario, out, env) for r in range(world)]
     logs = []
     try:
         for r in (range(world) if wait_for is None else wait_for):
-            logs.append(procs[r].communicate(timeout=HARD_TIMEOUT_S)[0])
+            logs.append(procs[r].communicate(timeout=HARD_TIMEOUT_S * max(1, ports))[0])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -268,8 +269,8 @@ def leaving_runs(tmp_path_factory):
     """One launch for the scenarios in which rank 1 leaves: one rank 0 runs them one after the
     other, each on a port and with a timeout of its own; each scenario's rank 1 is a process of
     its own, started with rank 0 and let go when rank 0 comes to it (_dist_worker._handshake).
-    Rank 0's wait is HARD_TIMEOUT_S as for any launch; the rank 1 processes still alive after it
-    are killed. Returns the folder (rank 0's) and per scenario (rank 0's result or None, rank 1's
+    Rank 0's wait is HARD_TIMEOUT_S per scenario; the rank 1 processes still alive after it are
+    killed. Returns the folder (rank 0's) and per scenario (rank 0's result or None, rank 1's
     result or None, rank 1's return code, [rank 0's log, rank 1's log])."""
     out = tmp_path_factory.mktemp("leaving")
     ports = {name: str(_free_port()) for name in LEAVING}
@@ -281,7 +282,7 @@ def leaving_runs(tmp_path_factory):
             for name, t in LEAVING.items() if (out / name).mkdir() is None}
     zero = _start(0, "leaving", out, env)
     try:
-        log0 = zero.communicate(timeout=HARD_TIMEOUT_S)[0]
+        log0 = zero.communicate(timeout=HARD_TIMEOUT_S * len(LEAVING))[0]
     finally:
         for p in (zero, *ones.values()):
             if p.poll() is None:
