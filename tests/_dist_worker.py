@@ -27,8 +27,12 @@ round from round 3 on, process executor, checkpoints every round), ``resume_1to2
 ``write_2to1`` / ``refused`` (``run_reshape``: a checkpoint resumed on another number of
 processes; one of another seed refused). Groups run in one launch, one after the other in the
 same process group: ``ok`` = train, process, decide, resume, adamw, bf16_sync, own_data;
-``mismatch`` = the six mismatches; ``faults`` = fault_one, fault_streams, int_buffers, nan_all (last: its error closes
-the process group); ``reshape`` = resume_1to2, write_2to1, refused. Writes ``rank<r>.pt`` into
+``mismatch`` = the six mismatches; ``faults`` = fault_one, fault_streams, int_buffers, nan_all, diverge, nan_z (the errors of the
+last three close the process group: each scenario joins a new one on its own port of
+``CB_MASTER_PORTS``, a comma-separated list, one per scenario of the group, when it is set);
+``reshape`` = resume_1to2, write_2to1, refused; ``leaving`` = startup_left, kill, stopped,
+hang on rank 0 alone (its ports and ``CB_TIMEOUT_S`` from ``CB_TIMEOUTS``, one per
+scenario), each scenario's rank 1 a process of its own (``_handshake``). Writes ``rank<r>.pt`` into
 OUT_DIR: per scenario a dict, ``error`` with the TaskError's message (and ``kind``,
 ``round_index``), or the results.
 """
@@ -36,6 +40,7 @@ OUT_DIR: per scenario a dict, ``error`` with the TaskError's message (and ``kind
 import copy
 import dataclasses
 import functools
+import logging
 import os
 import sys
 import time
@@ -353,19 +358,53 @@ LEAVING = ["startup_never", "startup_left", "stopped"]
 GROUPS = {"ok": ["train", "process", "decide", "resume", "adamw", "bf16_sync", "own_data"],
           "mismatch": ["mismatch_batch", "mismatch_model", "mismatch_layout", "mismatch_act",
                        "mismatch_dropout", "mismatch_loss"],
-          "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all"],
-          "reshape": ["resume_1to2", "write_2to1", "refused"]}
+          "faults": ["fault_one", "fault_streams", "int_buffers", "nan_all", "diverge", "nan_z"],
+          "reshape": ["resume_1to2", "write_2to1", "refused"],
+          # rank 0 only, each scenario with a rank 1 process of its own; hang last: its group timed
+          # out (startup_never has a launch of its own: a rank 0 whose store gave up hangs at its
+          # next start-up)
+          "leaving": ["startup_left", "kill", "stopped", "hang"]}
+
+
+def _handshake(name: str, rank: int) -> None:
+    """With ``CB_HANDSHAKE`` (a folder): rank 1 says it is ready to run ``name`` and waits for
+    rank 0 to come to it, so that both start it together (``leaving``: one rank 0 runs the
+    scenarios one after the other, each with a rank 1 started at the launch). torch._dynamo,
+    which the first optimizer imports (seconds), is imported before either says so."""
+    where = os.environ.get("CB_HANDSHAKE")
+    if not where:
+        return
+    import torch._dynamo  # noqa: F401
+
+    mine, theirs = ("go", "ready") if rank == 0 else ("ready", "go")
+    deadline = time.monotonic() + HARD_S
+    if rank == 1:
+        open(os.path.join(where, f"{mine}-{name}"), "w").close()
+    while not os.path.exists(os.path.join(where, f"{theirs}-{name}")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if rank == 0:
+        open(os.path.join(where, f"{mine}-{name}"), "w").close()
 
 
 def main(scenario: str, out: str) -> None:
     """Run ``scenario`` (or each of a group's, in one process group) and save the results."""
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
+    ports = os.environ.get("CB_MASTER_PORTS", "").split(",")  # one per scenario, when given
+    timeouts = os.environ.get("CB_TIMEOUTS", "").split(",")  # CB_TIMEOUT_S per scenario, when given
     results = {}
-    for name in GROUPS.get(scenario, [scenario]):
+    for i, name in enumerate(GROUPS.get(scenario, [scenario])):
+        if ports[0]:  # a scenario after an error that closed the group joins a new one on its port
+            os.environ["MASTER_PORT"] = ports[i]
+            if i and "error" in results[prev] and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()  # an error at start-up leaves it open
+        if timeouts[0]:
+            os.environ["CB_TIMEOUT_S"] = timeouts[i]
+        _handshake(name, rank)
         run_one = (run_reshape if name in GROUPS["reshape"] else run_computation
                    if name in COMPUTATION else run_leaving if name in LEAVING else run)
         results[name] = run_one(name, rank, out)
+        prev = name
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     if scenario in ("ok", "mismatch", "reshape") and torch.distributed.is_initialized():
         # every rank is alive here: leave together, so that no rank tears gloo down while its
@@ -376,3 +415,9 @@ def main(scenario: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    # rank<r>.pt is written and every process group closed: skip the interpreter's teardown of
+    # torch (a second or more of garbage collection per rank), its output flushed first
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

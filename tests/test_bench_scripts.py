@@ -245,14 +245,15 @@ def test_report_prints_its_tables_without_matplotlib():
                            "scripts/setup.sh installs them)")
 def test_lm_baselines_smoke_records_validation_loss_against_tokens(tmp_path, capsys):
     """bench/lm_baselines.py --smoke: plain AdamW and SGD, SMA (k = 2, b = 2) and DiLoCo on a
-    one-layer GPT for 4,096 tokens each, in ``--one`` subprocesses as every run: the validation
-    loss at the start and every 2,048 tokens, training seconds and tokens/s, the table; --report
-    writes the summary and the plot."""
+    one-layer GPT for 4,096 tokens each, in ``--one`` subprocesses as every run (two at a time,
+    ``--jobs 2``: the runs listed in their order all the same): the validation loss at the start
+    and every 2,048 tokens, training seconds and tokens/s, the table; --report writes the summary
+    and the plot."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import lm_baselines
 
     out = tmp_path / "smoke.json"
-    assert lm_baselines.main(["--smoke", "--out", str(out)]) == 0
+    assert lm_baselines.main(["--smoke", "--jobs", "2", "--out", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["config"] for r in runs] == ["adamw:b=8:lr=3e-3", "sgd:b=2:lr=0.3",
                                            "sma-adamw:k=2:b=2:lr=3e-3", "diloco-adamw:k=2:b=2:lr=3e-3:H=2"]

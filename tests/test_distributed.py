@@ -38,20 +38,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(scenario: str, out, *, timeout_s: float = 20.0, world: int = 2, wait_for=None):
-    """Run ``scenario`` on ``world`` ranks; returns (per rank its result dict or None, return codes,
-    logs). ``wait_for``: the ranks to wait for (default all); the others are then killed."""
+def _env(world: int, timeout_s: float, **more) -> dict:
+    """The ranks' environment: torchrun's variables on a free port, one thread, CB_TIMEOUT_S."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CB_TIMEOUT_S=str(timeout_s))
-    procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(out)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
+               PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CB_TIMEOUT_S=str(timeout_s), **more)
+    return env
+
+
+def _start(rank: int, scenario: str, out, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, WORKER, scenario, str(out)],
+                            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _launch(scenario: str, out, *, timeout_s: float = 20.0, world: int = 2, wait_for=None,
+            ports: int = 0):
+    """Run ``scenario`` on ``world`` ranks; returns (per rank its result dict or None, return codes,
+    logs). ``wait_for``: the ranks to wait for (default all); the others are then killed.
+    ``ports``: a group's scenarios, each with a free port of its own (CB_MASTER_PORTS); the wait
+    is then HARD_TIMEOUT_S per scenario."""
+    env = _env(world, timeout_s, CB_MASTER_PORTS=",".join(str(_free_port()) for _ in range(ports)))
+    procs = [_start(r, scenario, out, env) for r in range(world)]
     logs = []
     try:
         for r in (range(world) if wait_for is None else wait_for):
-            logs.append(procs[r].communicate(timeout=HARD_TIMEOUT_S)[0])
+            logs.append(procs[r].communicate(timeout=HARD_TIMEOUT_S * max(1, ports))[0])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -84,12 +96,14 @@ def mismatch_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fault_runs(tmp_path_factory):
-    """One launch: a fault on each rank, an integer counter, then NaN everywhere (its error last)."""
+    """One launch: a fault on each rank, an integer counter, then NaN everywhere, z made to differ,
+    NaN in one rank's z (each of the last three stops on an error that closes the process group:
+    the next joins a new one on its own port)."""
     out = tmp_path_factory.mktemp("faults")
-    results, codes, logs = _launch("faults", out)
+    results, codes, logs = _launch("faults", out, ports=6)
     assert codes == [0, 0], logs
     runs = {name: (results[0][name], results[1][name])
-            for name in ("fault_one", "fault_streams", "int_buffers", "nan_all")}
+            for name in ("fault_one", "fault_streams", "int_buffers", "nan_all", "diverge", "nan_z")}
     return out, logs, runs
 
 
@@ -190,12 +204,10 @@ def test_rank_0s_decisions_reach_every_rank_at_the_same_round(ok_runs):
     torch.testing.assert_close(r0["z"], one.central_weights(), rtol=1e-5, atol=1e-6)
 
 
-def test_checksum_stops_when_z_differs_between_ranks(tmp_path):
-    results, codes, logs = _launch("diverge", tmp_path)
-    for r in results:
-        assert r is not None, logs
-        r = r["diverge"]
-        assert "copies of the central model z differ between ranks" in r.get("error", ""), r
+def test_checksum_stops_when_z_differs_between_ranks(fault_runs):
+    _, logs, runs = fault_runs
+    for r in runs["diverge"]:
+        assert "copies of the central model z differ between ranks" in r.get("error", ""), (r, logs)
 
 
 @pytest.mark.parametrize("scenario, names", [
@@ -236,48 +248,85 @@ def test_ranks_with_their_own_data_train_together(ok_runs):
     assert not torch.allclose(r0["z"], same["z"], rtol=1e-3, atol=1e-4)  # the data did differ
 
 
-def test_nan_in_one_ranks_z_stops_every_rank_at_the_next_z_check(tmp_path):
+def test_nan_in_one_ranks_z_stops_every_rank_at_the_next_z_check(fault_runs):
     """NaN written into rank 1's z after round 3 reaches rank 0's z through round 4's all-reduce,
     with the same bits; the z check (every round) stops both ranks there, naming both and the
     last round both were finite."""
-    results, codes, logs = _launch("nan_z", tmp_path)
-    for r in results:
-        assert r is not None, logs
-        r = r["nan_z"]
+    _, logs, runs = fault_runs
+    for r in runs["nan_z"]:
         assert r.get("kind") == "DivergenceError" and r["round_index"] == 3, (r, logs)
         assert "the central model z holds NaN/Inf on ranks 0, 1 after round 3" in r["error"], r
         assert "finite on every rank at the check after round 2" in r["error"], r
         assert "intact" not in r["error"], r
 
 
-def test_a_rank_that_exits_stops_the_survivor_at_once_and_leaves_the_checkpoint_intact(tmp_path):
+# the scenarios in which rank 1 leaves, in rank 0's order, with their CB_TIMEOUT_S (hang last)
+LEAVING = {"startup_left": 120, "kill": 120, "stopped": 120, "hang": 3}
+
+
+@pytest.fixture(scope="module")
+def leaving_runs(tmp_path_factory):
+    """One launch for the scenarios in which rank 1 leaves: one rank 0 runs them one after the
+    other, each on a port and with a timeout of its own; each scenario's rank 1 is a process of
+    its own, started with rank 0 and let go when rank 0 comes to it (_dist_worker._handshake).
+    Rank 0's wait is HARD_TIMEOUT_S per scenario; the rank 1 processes still alive after it are
+    killed. Returns the folder (rank 0's) and per scenario (rank 0's result or None, rank 1's
+    result or None, rank 1's return code, [rank 0's log, rank 1's log])."""
+    out = tmp_path_factory.mktemp("leaving")
+    ports = {name: str(_free_port()) for name in LEAVING}
+    env = _env(2, 20.0, CB_HANDSHAKE=str(out), CB_MASTER_PORTS=",".join(ports.values()),
+               CB_TIMEOUTS=",".join(str(t) for t in LEAVING.values()))
+    ones = {name: _start(1, name, out / name, {**env, "MASTER_PORT": ports[name],
+                                               "CB_TIMEOUT_S": str(t), "CB_TIMEOUTS": "",
+                                               "CB_MASTER_PORTS": ""})
+            for name, t in LEAVING.items() if (out / name).mkdir() is None}
+    zero = _start(0, "leaving", out, env)
+    try:
+        log0 = zero.communicate(timeout=HARD_TIMEOUT_S * len(LEAVING))[0]
+    finally:
+        for p in (zero, *ones.values()):
+            if p.poll() is None:
+                p.kill()
+    logs1 = {name: p.communicate()[0] for name, p in ones.items()}
+    path = out / "rank0.pt"
+    results = torch.load(path, weights_only=False) if path.exists() else {}
+    runs = {}
+    for name, p in ones.items():
+        path = out / name / "rank1.pt"
+        r1 = torch.load(path, weights_only=False) if path.exists() else None
+        runs[name] = (results.get(name), r1, p.returncode, [log0, logs1[name]])
+    return out, runs
+
+
+def test_a_rank_that_exits_stops_the_survivor_at_once_and_leaves_the_checkpoint_intact(leaving_runs):
     """Rank 1 exits (os._exit) before round 4; rank 0 says so in that round, long before the
     120 s timeout (the launch waits at most HARD_TIMEOUT_S)."""
-    (r0, r1), codes, logs = _launch("kill", tmp_path, timeout_s=120)
-    assert r1 is None and codes[1] == 3, logs
+    out, runs = leaving_runs
+    r0, r1, code1, logs = runs["kill"]
+    assert r1 is None and code1 == 3, logs
     assert r0 is not None, logs
-    err = r0["kill"].get("error", "")
+    err = r0.get("error", "")
     assert err.startswith("rank 0 of 2: rank 1 left the process group in round 3, during the "
                           "broadcast of rank 0's decisions: it died, or stopped on an error"), err
     assert "restart every rank with --resume" in err and "within 120 s" not in err, err
-    path, state = load_latest(str(tmp_path / "ckpt"))  # verifies length and SHA-256
+    path, state = load_latest(str(out / "ckpt"))  # verifies length and SHA-256
     assert state["plan"]["rounds_done"] == 3 and path.endswith("ckpt-0000000003.pt")
 
 
-def test_a_rank_stopped_by_its_own_error_is_seen_at_once_though_its_process_lives(tmp_path):
+def test_a_rank_stopped_by_its_own_error_is_seen_at_once_though_its_process_lives(leaving_runs):
     """Rank 1's hook raises after round 3 and its process stays (as a notebook's would): it
     leaves the process group, and rank 0 is told at once, not at the 120 s timeout."""
-    (r0, _), codes, logs = _launch("stopped", tmp_path, timeout_s=120, wait_for=[0])
+    r0, _, _, logs = leaving_runs[1]["stopped"]
     assert r0 is not None, logs
-    err = r0["stopped"].get("error", "")
-    assert r0["stopped"]["kind"] == "DistributedError", r0
+    err = r0.get("error", "")
+    assert r0["kind"] == "DistributedError", r0
     assert "rank 1 left the process group in round 2" in err, err
 
 
-def test_a_hung_rank_stops_the_others_at_the_timeout(tmp_path):
-    (r0, _), codes, logs = _launch("hang", tmp_path, timeout_s=3, wait_for=[0])
+def test_a_hung_rank_stops_the_others_at_the_timeout(leaving_runs):
+    r0, _, _, logs = leaving_runs[1]["hang"]
     assert r0 is not None, logs  # rank 1 sleeps after round 3 (then the test kills it)
-    err = r0["hang"].get("error", "")
+    err = r0.get("error", "")
     assert "rank 1 did not answer within 3 s in round 2" in err and "it hangs, is stopped" in err, err
 
 
@@ -285,12 +334,18 @@ def test_a_hung_rank_stops_the_others_at_the_timeout(tmp_path):
     ("startup_never", 3, "rank 0 of 2: only 1 of 2 ranks joined the process group at 127.0.0.1:"),
     ("startup_left", 120, "rank 0 of 2: rank 1 left"),
 ])
-def test_a_rank_lost_at_start_up_is_named_so(tmp_path, scenario, timeout_s, says):
-    """Rank 1 exits before it joins (seen when rank 0's store gives up, at the timeout), or
-    once it joined (seen at once): rank 0's error says which, not that the addresses differ."""
-    (r0, _), codes, logs = _launch(scenario, tmp_path, timeout_s=timeout_s, wait_for=[0])
-    assert r0 is not None and codes[1] == 3, logs
-    err = r0[scenario].get("error", "")
+def test_a_rank_lost_at_start_up_is_named_so(request, tmp_path, scenario, timeout_s, says):
+    """Rank 1 exits before it joins (seen when rank 0's store gives up, at the timeout: a launch
+    of its own), or once it joined (seen at once): rank 0's error says which, not that the
+    addresses differ."""
+    if scenario in LEAVING:
+        assert LEAVING[scenario] == timeout_s  # the launch's CB_TIMEOUT_S for the scenario
+        r0, _, code1, logs = request.getfixturevalue("leaving_runs")[1][scenario]
+    else:
+        (r0, _), (_, code1), logs = _launch(scenario, tmp_path, timeout_s=timeout_s, wait_for=[0])
+        r0 = r0 and r0[scenario]
+    assert r0 is not None and code1 == 3, logs
+    err = r0.get("error", "")
     assert err.startswith(says) and "start every rank again" in err, err
     assert ("never arrived" in err) == (scenario == "startup_never"), err
     assert "--resume" not in err and "round -1" not in err, err
