@@ -26,8 +26,9 @@ Systems:
 
 The rule (sma):
 
-* ``--alpha``: ``inv`` (1/k, the engine's default), ``inv:c`` (c/k), a number, or ``sqrt:c``
-  (c/√k); at most 1;
+* ``--alpha``: ``inv`` (1/k, the engine's default), ``inv:c`` (c/k), a number, ``sqrt:c``
+  (c/√k), or ``bound:f`` (f × the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z), design §2);
+  at most 1;
 * ``--mu-z``: a number, or ``k:c`` (μ_z = 1 − c/k, at least 0.9);
 * ``--scale`` s(k): ``engine`` (the engine's default rule, ``SMA(scale_lr=True)``:
   √min(k, 16) ramped over 0.25 epoch, docs/design-overview.md §2; no LambdaLR), ``1``, ``sqrt``
@@ -153,6 +154,9 @@ class Rule:
             return min(1.0, float(self.alpha_s[4:]) / k)
         if self.alpha_s.startswith("sqrt:"):
             return min(1.0, float(self.alpha_s[5:]) / math.sqrt(k))
+        if self.alpha_s.startswith("bound:"):  # a share of the pull's stability bound (§2)
+            mu = self.mu_z(k)
+            return min(1.0, float(self.alpha_s[6:]) * 2 * (1 + mu) / (1 + k + mu))
         return float(self.alpha_s)
 
     def mu_z(self, k: int) -> float:
