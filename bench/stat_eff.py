@@ -171,15 +171,19 @@ def _epochs(run: dict, target: str) -> float:
     return math.inf if hit is None else hit["epochs"]
 
 
+def _speed(run: dict, targets: tuple[str, ...]) -> tuple[float, ...]:
+    """A run's rank, fastest first: its epochs to each of ``targets`` in turn, then its best
+    accuracy (highest first)."""
+    return (*(_epochs(run, t) for t in targets), -(run["best_accuracy"] or 0))
+
+
 def _choose_mult(runs: list[dict], k: int, targets: tuple[str, str]) -> float | None:
     """S-SGD's m at k: the grid's fastest to the last of ``targets`` at seed 0 (then to the
     first, then the best accuracy)."""
     grid = [r for r in runs if r["system"] == "ssgd" and r["k"] == k and r["seed"] == 0]
     if not grid:
         return None
-    best = min(grid, key=lambda r: (_epochs(r, targets[-1]), _epochs(r, targets[0]),
-                                    -(r["best_accuracy"] or 0)))
-    return best["lr_mult"]
+    return min(grid, key=lambda r: _speed(r, (targets[-1], targets[0])))["lr_mult"]
 
 
 def _is_sma_config(config: str, workload: str) -> bool:
@@ -198,8 +202,7 @@ def _choose_sma(runs: list[dict], others: list[dict], k: int, workload: str) -> 
     for r in others:
         if r["k"] == k and _is_sma_config(r["config"], workload):
             candidates.setdefault(r["config"], []).append(r)
-    ranked = [((_epochs(r, targets[0]), _epochs(r, targets[-1]), -(r["best_accuracy"] or 0),
-                config != "defaults"), config)
+    ranked = [((*_speed(r, (targets[0], targets[-1])), config != "defaults"), config)
               for config, rs in candidates.items() for r in rs if r["seed"] == 0]
     if not ranked:
         return "defaults", candidates["defaults"]
