@@ -7,13 +7,14 @@ A configuration is ``SYSTEM`` followed by ``:key=value`` settings (``adamw:b=4:l
   ``torch.optim.AdamW`` (betas (0.9, beta2), weight decay wd) or ``torch.optim.SGD`` (momentum
   mom, default 0: Marek et al. 2025's vanilla SGD);
 * ``sma-adamw`` / ``sma-sgd``: ``crossbow_graph.compile(models.gpt(), ...)`` with k learners of b
-  windows each, SMA's defaults (α = 1/k, μ_z = 0.9), the same optimizer per learner;
+  windows each, SMA (α = 1/k or by ``bound``, μ_z = 0.9), the same optimizer per learner;
 * ``diloco-adamw`` / ``diloco-sgd``: the same with ``sync=DiLoCo(sync_every=H)`` (Nesterov outer
   step, lr 0.7, momentum 0.9).
 
 Keys: ``k`` learners (1), ``b`` windows per learner (4), ``lr`` peak (1e-3), ``beta2`` (0.99),
 ``mom`` (0), ``wd`` (0.1 for AdamW, 0 for SGD), ``H`` (8), ``scale`` (1: SMA's η rule, the
-learners step at lr × √min(k, 16); 0: ``SMA(scale_lr=False)``, lr as set). Tokens count every learner's
+learners step at lr × √min(k, 16); 0: ``SMA(scale_lr=False)``, lr as set), ``bound`` (0: α = 1/k;
+f > 0: α = f × the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z), design §2). Tokens count every learner's
 (k·b·128 a round); ``fused`` (0: one module per learner, ``learner_mode="per_replica"``;
 1: the k learners of a device as one vmapped module, ``learner_mode="fused"``). Every run: one intra-op thread per process; the learning rate warms up
 linearly over the first 5 % of ``--schedule-tokens`` and follows a cosine to a tenth of its peak
@@ -64,6 +65,7 @@ sys.path.insert(0, os.path.dirname(BENCH))
 
 import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.cli_lm import lr_factor  # noqa: E402
+from crossbow_graph.engine.sync.sma import pull_bound  # noqa: E402
 
 __all__ = ["SYSTEMS", "parse", "lr_factor", "centre_lr", "grid", "val_loss", "run_plain",
            "run_crossbow", "run", "reached", "speed", "summarise", "plot", "main"]
@@ -71,7 +73,8 @@ __all__ = ["SYSTEMS", "parse", "lr_factor", "centre_lr", "grid", "val_loss", "ru
 RUNS = os.path.join(BENCH, "runs")  # raw runs, not committed
 _PER_SEED = ("seeds", "tokens", "seconds", "final", "tps")  # a summary row's lists, one per seed
 SYSTEMS = ("adamw", "sgd", "sma-adamw", "sma-sgd", "diloco-adamw", "diloco-sgd")
-KEYS = dict(k=int, b=int, lr=float, beta2=float, mom=float, wd=float, H=int, scale=int, fused=int)
+KEYS = dict(k=int, b=int, lr=float, beta2=float, mom=float, wd=float, H=int, scale=int, fused=int,
+            bound=float)
 SCHEDULE_TOKENS = 2**20
 EVAL_EVERY_TOKENS = 2**15
 VAL_WINDOWS = 128
@@ -86,7 +89,7 @@ def parse(text: str) -> dict:
     if system not in SYSTEMS:
         raise ValueError(f"{text!r}: SYSTEM is one of {', '.join(SYSTEMS)}")
     config = dict(system=system, k=1, b=4, lr=1e-3, beta2=0.99, mom=0.0,
-                  wd=0.1 if system.endswith("adamw") else 0.0, H=8, scale=1, fused=0)
+                  wd=0.1 if system.endswith("adamw") else 0.0, H=8, scale=1, fused=0, bound=0.0)
     for pair in pairs:
         key, _, value = pair.partition("=")
         if key not in KEYS or not value:
@@ -188,11 +191,20 @@ class Abandon(cg.Hook):
             ctx.stop = True
 
 
+def _alpha(config: dict) -> float | None:
+    """SMA's α for ``config``: 1/k (``bound`` 0) or ``bound`` × the pull's stability bound at
+    μ_z = 0.9, at most 1; None (unused) at k = 1."""
+    k = config["k"]
+    if k == 1:
+        return None
+    return min(1.0, config["bound"] * pull_bound(k, 0.9)) if config["bound"] else 1.0 / k
+
+
 def _compile(config: dict, model: torch.nn.Module, example: torch.Tensor, executor: str):
     k = config["k"]
     devices = 2 if executor == "process" and config["system"].startswith("sma") and k % 2 == 0 else 1
     sync = (cg.DiLoCo(sync_every=config["H"]) if config["system"].startswith("diloco")
-            else cg.SMA(scale_lr=bool(config["scale"])))
+            else cg.SMA(scale_lr=bool(config["scale"]), alpha=_alpha(config)))
     return cg.compile(model, (example,), cg.models.lm_loss, batch_size=config["b"],
                       replicas=k // devices, devices=devices,
                       executor="process" if devices == 2 else "inline",

@@ -72,6 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
+from crossbow_graph.engine.sync.sma import pull_bound  # noqa: E402
 
 __all__ = ["Rule", "SYSTEMS", "run_sma", "run_ssgd", "recorded_runs", "summarise", "main"]
 
@@ -147,16 +148,17 @@ class Rule:
         self.alpha_s, self.mu_s, self.scale_s, self.batch = alpha, mu_z, scale, batch
 
     def alpha(self, k: int) -> float | None:
-        """α for k learners; None for the engine's 1/k."""
-        if k == 1 or self.alpha_s == "inv":
+        """α for k learners, set explicitly (None at k = 1, where it is unused)."""
+        if k == 1:
             return None
+        if self.alpha_s == "inv":
+            return 1.0 / k
         if self.alpha_s.startswith("inv:"):
             return min(1.0, float(self.alpha_s[4:]) / k)
         if self.alpha_s.startswith("sqrt:"):
             return min(1.0, float(self.alpha_s[5:]) / math.sqrt(k))
         if self.alpha_s.startswith("bound:"):  # a share of the pull's stability bound (§2)
-            mu = self.mu_z(k)
-            return min(1.0, float(self.alpha_s[6:]) * 2 * (1 + mu) / (1 + k + mu))
+            return min(1.0, float(self.alpha_s[6:]) * pull_bound(k, self.mu_z(k)))
         return float(self.alpha_s)
 
     def mu_z(self, k: int) -> float:

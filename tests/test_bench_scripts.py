@@ -272,6 +272,19 @@ def test_lm_baselines_smoke_records_validation_loss_against_tokens(tmp_path, cap
     assert lm_baselines.lr_factor(99, 100) == pytest.approx(0.1)  # the cosine's end
 
 
+def test_lm_baselines_bound_sets_alpha_to_a_share_of_the_pull_bound():
+    """``bound=f``: SMA's α = f·2(1 + μ_z)/(1 + k + μ_z) at μ_z = 0.9 (design §2), at most 1;
+    without it α = 1/k; k = 1 leaves α unset."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import lm_baselines
+
+    assert lm_baselines._alpha(lm_baselines.parse("sma-adamw:k=4:b=1:bound=0.8")) == pytest.approx(
+        0.8 * 2 * 1.9 / 5.9)
+    assert lm_baselines._alpha(lm_baselines.parse("sma-adamw:k=2:b=1:bound=1.5")) == 1.0
+    assert lm_baselines._alpha(lm_baselines.parse("sma-sgd:k=8:b=1")) == 1 / 8
+    assert lm_baselines._alpha(lm_baselines.parse("sma-sgd:k=1:b=1:bound=0.8")) is None
+
+
 @pytest.mark.parametrize("workload", ["w1", "fm", "gpt"])
 def test_stat_eff_summary_is_derived_from_its_committed_curves(workload, tmp_path):
     """bench/stat_eff.py's committed summary is what its committed curves give: every run's

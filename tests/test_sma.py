@@ -96,6 +96,26 @@ def test_every_device_holds_the_same_z_after_each_sync():
             assert torch.equal(plan.central_weights(d), plan.central_weights(0))
 
 
+@pytest.mark.parametrize("k", [2, 16, 64])
+@pytest.mark.parametrize("mu_z", [0.0, 0.9])
+def test_pull_bound_is_where_the_pull_alone_turns_unstable(k, mu_z):
+    """design-overview §2, the pull's stability bound: SMA's update without the gradient, by hand
+    in float64 (c_j = α(w_j − z), w_j ← w_j − c_j, z ← z + Σ_j c_j + μ_z(z − z_prev)) from
+    replicas spread around z, dies out at 0.95 of ``pull_bound`` and blows up at 1.05 of it."""
+    def spread_after(alpha: float, rounds: int = 1000) -> float:
+        w = torch.linspace(-1.0, 1.0, k, dtype=torch.float64) + 0.3
+        z = z_prev = torch.zeros((), dtype=torch.float64)
+        for _ in range(rounds):
+            c = alpha * (w - z)
+            w = w - c
+            z, z_prev = z + c.sum() + mu_z * (z - z_prev), z
+        return float((w - z).abs().max() + (z - z_prev).abs())
+
+    bound = cg.engine.sync.sma.pull_bound(k, mu_z)
+    assert spread_after(0.95 * bound) < 1e-6
+    assert spread_after(1.05 * bound) > 1e6
+
+
 @pytest.mark.parametrize("alpha", [0.0, -0.5, 1.5])
 def test_alpha_outside_unit_interval_is_a_value_error(alpha):
     with pytest.raises(ValueError, match="α must be in"):

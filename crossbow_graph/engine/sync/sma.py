@@ -15,7 +15,14 @@ from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState, single_learn
 if TYPE_CHECKING:
     from ...kernels.protocol import SMAKernels
 
-__all__ = ["SMA", "CentralMomentum"]
+__all__ = ["SMA", "CentralMomentum", "pull_bound"]
+
+
+def pull_bound(num_learners: int, central_momentum: float) -> float:
+    """The pull's stability bound 2(1 + μ_z)/(1 + k + μ_z): SMA's α at or above it makes the
+    replicas' distance to z and z's step grow without the gradient (docs/design-overview.md §2,
+    "The pull's stability bound"); 0.212 at k = 16, μ_z = 0.9."""
+    return 2 * (1 + central_momentum) / (1 + num_learners + central_momentum)
 
 
 @dataclass(frozen=True, kw_only=True)
