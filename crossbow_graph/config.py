@@ -60,7 +60,8 @@ class Adjustment:
         lr: learning rate η (> 0).
         batch_size: b, samples per learner per round (≥ 1); the task graph is re-planned and the
             memory bound re-checked.
-        alpha: SMA α in (0, 1] (the pull toward z); ``"auto"`` restores 1/k.
+        alpha: SMA α in (0, 1] (the pull toward z); ``"auto"`` restores the default rule
+            (SMA: 0.8 of the pull's stability bound at each k).
         sync_every: τ, rounds between synchronisations (≥ 1).
         replicas_per_device: m (≥ 1; new replicas are cloned from z, ``Plan.set_replicas``).
         learner_mode: ``"per_replica"`` or ``"fused"`` (``LEARNER_MODES``).
@@ -85,7 +86,8 @@ class Adjustment:
             if v is not None and not is_count(v):
                 raise ValueError(f"Adjustment({name}={v!r}): must be an integer ≥ 1")
         if self.alpha is not None and self.alpha != "auto" and not 0 < self.alpha <= 1:
-            raise ValueError(f"Adjustment(alpha={self.alpha}): α must be in (0, 1], or 'auto' for 1/k")
+            raise ValueError(f"Adjustment(alpha={self.alpha}): α must be in (0, 1], or 'auto' for "
+                             "the default rule")
         if self.learner_mode is not None and self.learner_mode not in LEARNER_MODES:
             raise ValueError(f"Adjustment(learner_mode={self.learner_mode!r}): use one of {LEARNER_MODES}")
 

@@ -2,8 +2,9 @@
 ``python _ft_group.py OUT_DIR GROUP SYNC ROUNDS DIE_AT [PHASE]`` with ``TORCHFT_LIGHTHOUSE`` set.
 
 TinyNet, 1 device (``FT_DEVICE``, else the CPU) × 2 replicas (``FT_REPLICAS``: another number),
-b = 4, its own data (seeded by the group's number), ``SYNC`` ``sma`` (SMA with α = 1/k, μ_z = 0:
-z after a sync is the mean of the live learners' weights at the round's start) or ``diloco``
+b = 4, its own data (seeded by the group's number), ``SYNC`` ``sma`` (SMA with its default α for the
+live learners' k, μ_z = 0: z after a sync is ``test_ft.sma_z`` of their weights at the round's
+start) or ``diloco``
 (DiLoCo, H = 2, inner AdamW), ROUNDS rounds. ``DIE_AT`` ≥ 0:
 the group SIGKILLs itself in the first sync from round DIE_AT on that follows a sync of both
 groups' 4 learners and has both in its quorum (the groups may start out of step: a group that

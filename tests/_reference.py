@@ -76,12 +76,13 @@ def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: i
     Round t has ``ks[t]`` learners (or ``k`` learners in each of ``rounds`` rounds); its learners
     take the next batches of ``batches`` (a list of ``(x, y)``): learner j of round t takes
     ``batches[ks[0] + … + ks[t-1] + j]``. Each learner steps SGD (``weight_decay``, ``momentum``,
-    ``nesterov`` as torch.optim.SGD) plus the correction α(w − z), α = 1/k unless ``alpha`` is given
+    ``nesterov`` as torch.optim.SGD) plus the correction α(w − z), α = 0.8·2(1 + μ_z)/(1 + k + μ_z) (0.8 of the pull's
+    stability bound) unless ``alpha`` is given
     (0 for k = 1, where z follows the single replica); z moves by the sum of the corrections plus
     ``central_momentum``·(z − z_prev). When k grows, new replicas are z with zero momentum; when it
     shrinks, the last replicas go. ``max_grad_norm``: each learner's gradient clipped by
     ``torch.nn.utils.clip_grad_norm_`` before its step. ``frozen``: replicas that neither learn nor
-    are corrected (they keep their weights, their batches go unused; α = 1/k still counts them).
+    are corrected (they keep their weights, their batches go unused; α's k still counts them).
     ``scale_lr``: SMA's η rule (design-overview §2): round t steps at ``lr``·f_t, f moving
     linearly from the factor in force (1 at the start) to √min(k, 16) over a quarter of
     ``epoch_samples`` (default: every sample of ``batches``) after every change of k.
@@ -110,7 +111,8 @@ def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: i
             params.append(ps)
             bufs.append([None] * len(z))
         del replicas[k:], params[k:], bufs[k:]
-        a = 0.0 if k == 1 else (1.0 / k if alpha is None else alpha)
+        a = 0.0 if k == 1 else (0.8 * 2 * (1 + central_momentum) / (1 + k + central_momentum)
+                                if alpha is None else alpha)
         corrections = [torch.zeros_like(q) for q in z]
         for j, r in enumerate(replicas):
             if j in frozen:

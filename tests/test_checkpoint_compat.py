@@ -44,8 +44,9 @@ def test_an_older_releases_checkpoint_resumes_exactly(tmp_path):
     shutil.copytree(os.path.join(FIXTURE, "ckpt"), ckpt)
     saved = load_latest(ckpt)[1]["plan"]
     assert saved["rounds_done"] == 4
-    # the older release stepped at the lr as set: SMA(scale_lr=False) continues its run exactly
-    plan = net_plan(sync=cg.SMA(central_momentum=0.9, scale_lr=False))
+    # the older release stepped at the lr as set and pulled by α = 1/k (k = 4):
+    # SMA(alpha=0.25, scale_lr=False) continues its run exactly
+    plan = net_plan(sync=cg.SMA(alpha=0.25, central_momentum=0.9, scale_lr=False))
     count, first = CountRounds(), FirstRound()
     plan.fit(data(), 2, progress=False, seed=3, checkpoint_dir=ckpt, resume=True, hooks=[count, first])
     assert plan.rounds_done == 12 and count.rounds == 8  # resumed at round 4, not restarted

@@ -105,7 +105,8 @@ def test_sma_default_rule_is_bit_identical_to_exact_sma(case):
     row = case.pop("optimizer", None) == "row"
     plan = make_plan(_dyadic_model, seed=None, example=torch.zeros(1, 2), loss_fn=_squared,
                      optimizer=_row_sgd if row else cg.SGD(lr=float(ETA), momentum=float(MU_L)),
-                     devices=2, replicas=2, sync=cg.SMA(central_momentum=float(MU_Z), sync_every=tau), **case)
+                     devices=2, replicas=2, sync=cg.SMA(alpha=0.25, central_momentum=float(MU_Z), sync_every=tau),
+                     **case)  # α = 1/4, dyadic (the default, 0.8 of the pull's bound, is not)
     rounds, k, b = 4, 4, 4
     xs, ys = _dyadic_data(rounds * k * b)
     data = TensorDataset(torch.tensor([[float(a), float(c)] for a, c in xs]),

@@ -386,9 +386,14 @@ def _no_sample_twice_and_none_skipped(*batches_of_processes):
     assert sorted(seen) == list(range(N_RESHAPE)), (len(seen), len(set(seen)))
 
 
+def _default_alpha(k: int, mu_z: float = 0.9) -> float:
+    """SMA's default α: 0.8 of the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z) (design §2)."""
+    return 0.8 * 2 * (1 + mu_z) / (1 + k + mu_z)
+
+
 def test_a_one_process_checkpoint_resumes_on_two_ranks(reshape_runs):
     """1 → 2 processes: z, z_prev, zbuf exact on both ranks; rank 0's learners are the saved
-    ones, rank 1's new ones start from z with zero momentum (the auto-tuner's rule); α = 1/4;
+    ones, rank 1's new ones start from z with zero momentum (the auto-tuner's rule); α the default for k = 4;
     the epoch's samples are each read once, by one process."""
     _, (before, state), results, logs = reshape_runs
     saved = state["plan"]["states"][0]
@@ -398,7 +403,8 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(reshape_runs):
         snap = r["snapshot"]
         for key in ("z", "z_prev", "zbuf"):
             assert torch.equal(snap[key], saved[key]), key
-        assert snap["k"] == 2 * M and snap["alpha"] == 1 / (2 * M) and snap["position"] == 32
+        assert snap["k"] == 2 * M and snap["position"] == 32
+        assert snap["alpha"] == pytest.approx(_default_alpha(2 * M), rel=1e-12)
     assert not torch.equal(saved["z"], saved["z_prev"])  # a central momentum to carry
     assert torch.equal(r0["snapshot"]["w"], saved["w"]) and torch.equal(r0["snapshot"]["v"], saved["v"])
     assert r0["snapshot"]["first_step"] == saved["first_step"] == [False] * M
@@ -423,7 +429,7 @@ def test_a_refused_checkpoint_stops_every_rank_with_rank_0s_reason(reshape_runs)
 
 def test_a_two_rank_checkpoint_resumes_in_one_process(reshape_runs, caplog):
     """2 → 1 process (no torchrun): z, z_prev, zbuf exact; the learners are rank 0's saved ones
-    (rank 1's dropped); α = 1/2; the epoch continues from sample 48 of the same order, each
+    (rank 1's dropped); α the default for k = 2; the epoch continues from sample 48 of the same order, each
     sample read once; the epoch's end is checkpointed though its rounds had two k's."""
     out, _, results, _ = reshape_runs
     ckpt = out / "ckpt-2to1"
@@ -440,7 +446,8 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(reshape_runs, caplog):
     got = snap.got
     for key in ("z", "z_prev", "zbuf", "w", "v"):
         assert torch.equal(got[key], saved[key]), key
-    assert got["k"] == M and got["alpha"] == 1 / M and got["position"] == 48
+    assert got["k"] == M and got["position"] == 48
+    assert got["alpha"] == pytest.approx(_default_alpha(M), rel=1e-12)
     _no_sample_twice_and_none_skipped(*(r["write_2to1"]["seen"] for r in results), data.seen)
     assert plan.rounds_done == 3 + (N_RESHAPE - 48) // (M * B)
     _, end = load_latest(str(ckpt))

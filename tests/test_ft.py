@@ -79,6 +79,19 @@ def stop_all(procs, lighthouse) -> None:
     lighthouse.shutdown()
 
 
+def sma_z(z: torch.Tensor, w_before: torch.Tensor) -> torch.Tensor:
+    """z after a sync of SMA with μ_z = 0 and the default α over the k live learners' weights at
+    the round's start ``w_before`` ``[k, P]``: z + α·Σ_j (ŵ_j − z), α = 0.8·2/(1 + k), 0.8 of the
+    pull's stability bound (docs/design-overview.md §2); in float64, returned as float32."""
+    k = w_before.shape[0]
+    return (z.double() + 0.8 * 2 / (1 + k) * (w_before.double() - z.double()).sum(0)).float()
+
+
+def z_before(result: dict, t: int) -> torch.Tensor:
+    """z at round t's start: z after round t − 1 (the replicas' common start at t = 0)."""
+    return result["z_after"][t - 1] if t else result["w_before"][0][0]
+
+
 def run_groups(tmp_path, sync: str, die: dict[str, int], timeout_s: float = 150, phase: str = "",
                min_replicas: int = 1, rounds: dict[str, int] | None = None, stop: bool = False,
                devices: dict[str, str] | None = None, errors: bool = False):
@@ -145,19 +158,21 @@ def _after_four(changes: list[dict]) -> dict:
 @pytest.mark.distributed
 def test_sma_survivor_discards_the_failed_all_reduce_and_averages_the_live_learners(tmp_path):
     """g1 dies in a sync from round 3 on (tests/_ft_group.py): g0's all-reduce of that round is
-    discarded, the quorum shrinks to g0 and z after that round is the mean of g0's 2 learners'
-    weights at the round's start (SMA, α = 1/k, μ_z = 0; float32 summation order: rtol 1e-6);
-    in the round before, z is the mean over 4 learners; g0 finishes all rounds."""
+    discarded, the quorum shrinks to g0 and z after that round is SMA's over g0's 2 learners'
+    weights at the round's start (``sma_z``, α for k = 2; float32 summation order: rtol 1e-6);
+    in the round before, z is SMA's over 4 learners; g0 finishes all rounds."""
     r = run_groups(tmp_path, "sma", {"g1": 3})["g0"]
     assert r["rounds"] == ROUNDS
     failure = _after_four(r["membership"])
     t0 = failure["round_index"]
     assert t0 >= 3 and failure["failed_attempts"] >= 1, r["membership"]
     assert (failure["groups"], failure["learners"]) == (1, 2)
-    for t in range(t0, ROUNDS):  # g0 alone: z ← mean of its learners at the round's start
-        torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-6, atol=1e-7)
-    # with four learners z is not g0's mean: g1's learners were in it
-    assert not torch.allclose(r["z_after"][t0 - 1], r["w_before"][t0 - 1].mean(0), rtol=1e-4, atol=1e-5)
+    for t in range(t0, ROUNDS):  # g0 alone: z ← SMA over its learners at the round's start
+        torch.testing.assert_close(r["z_after"][t], sma_z(z_before(r, t), r["w_before"][t]),
+                                   rtol=1e-6, atol=1e-7)
+    # with four learners z is not g0's alone: g1's learners were in it
+    assert not torch.allclose(r["z_after"][t0 - 1], sma_z(z_before(r, t0 - 1), r["w_before"][t0 - 1]),
+                              rtol=1e-4, atol=1e-5)
     assert "1 live group(s), k = 2 learners" in r["summary"]
 
 
@@ -165,7 +180,7 @@ def test_sma_survivor_discards_the_failed_all_reduce_and_averages_the_live_learn
 def test_a_hung_group_is_evicted_and_rejoins_when_continued(tmp_path):
     """g1 stops (SIGSTOP) in a sync's all-reduce from round 3 on: g0's all-reduce fails at the
     gloo timeout (``timeout_s`` 10), is discarded, the Lighthouse has evicted g1 (no heartbeat
-    for 1 s), and g0 goes on with z the mean of its own learners. Continued (SIGCONT) once g0
+    for 1 s), and g0 goes on with z SMA's over its own learners. Continued (SIGCONT) once g0
     synced alone, g1's stale all-reduce fails (g0 left that process group), is discarded, and g1
     rejoins at the next quorum, recovering z from g0: then as a restarted group (below)."""
     for attempt in range(3):  # see the restarted-group test: both groups must meet first
@@ -177,8 +192,8 @@ def test_a_hung_group_is_evicted_and_rejoins_when_continued(tmp_path):
     failure = _after_four(g0["membership"])
     assert failure["round_index"] >= 3 and failure["failed_attempts"] >= 1, g0["membership"]
     back = _assert_rejoined(g0, g1)
-    for t in range(failure["round_index"], back):  # g0 alone: the mean of its own learners
-        torch.testing.assert_close(g0["z_after"][t], g0["w_before"][t].mean(0),
+    for t in range(failure["round_index"], back):  # g0 alone: SMA over its own learners
+        torch.testing.assert_close(g0["z_after"][t], sma_z(z_before(g0, t), g0["w_before"][t]),
                                    rtol=1e-6, atol=1e-7)
     recovered = [c for c in g1["membership"] if c["recovered"]][-1]
     assert recovered["failed_attempts"] >= 1, g1["membership"]  # its stale all-reduce
@@ -383,13 +398,14 @@ def test_the_global_sync_runs_over_nccl_on_a_cuda_device_and_over_gloo_on_the_ho
 @pytest.mark.distributed
 def test_a_group_on_a_gpu_syncs_over_nccl(tmp_path):
     """One group on cuda:0 (one GPU suffices: NCCL refuses two groups on one GPU): its sync
-    runs over torchft's NCCL group, and z after every round is the mean of its 2 learners'
-    weights at the round's start (SMA, α = 1/k, μ_z = 0; the GPU's summation order: rtol 1e-5)."""
+    runs over torchft's NCCL group, and z after every round is SMA's over its 2 learners'
+    weights at the round's start (``sma_z``; the GPU's summation order: rtol 1e-5)."""
     r = run_groups(tmp_path, "sma", {}, devices={"g0": "cuda:0"})["g0"]
     assert r["backend"] == "torchft-nccl"
     assert [(c["groups"], c["learners"]) for c in r["membership"]] == [(1, 2)]
     for t in range(ROUNDS):
-        torch.testing.assert_close(r["z_after"][t], r["w_before"][t].mean(0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["z_after"][t], sma_z(z_before(r, t), r["w_before"][t]),
+                                   rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu

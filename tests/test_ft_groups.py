@@ -1,8 +1,9 @@
 """Replica groups of several processes under torchft (docs/distributed.md, "Fault tolerance"):
 two groups g0, g1 of W = 2 ranks each (torchrun's variables and a store per group, as torchrun
-sets them; each rank 1 device × 2 replicas of tests/_ft_group.py, SMA with α = 1/k, μ_z = 0)
-against a real Lighthouse on gloo. Oracle: z after a sync is the mean of the live learners'
-weights at the round's start, over every rank of every live group. Skipped without torchft."""
+sets them; each rank 1 device × 2 replicas of tests/_ft_group.py, SMA with its default α, μ_z = 0)
+against a real Lighthouse on gloo. Oracle: z after a sync is SMA's over the live learners' weights
+at the round's start, over every rank of every live group (``test_ft.sma_z``). Skipped without
+torchft."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from test_ft import HERE, ROUNDS, _free_port, run_groups, start_lighthouse, stop_all
+from test_ft import HERE, ROUNDS, _free_port, run_groups, sma_z, start_lighthouse, stop_all, z_before
 
 W = 2  # ranks per group
 GROUPS = ("g0", "g1")
@@ -76,9 +77,11 @@ def run_rank_groups(tmp_path, die: dict[str, int], min_replicas: int = 1, restar
     return results
 
 
-def _group_mean(results: dict, g: str, t: int) -> torch.Tensor:
-    """The mean over group g's W·2 learners of their weights at round t's start, ``[P]``."""
-    return torch.cat([results[g, r]["w_before"][t] for r in range(W)]).mean(0)
+def _group_sma(results: dict, g: str, t: int) -> torch.Tensor:
+    """z after round t of SMA over group g's W·2 learners alone (``sma_z`` of their weights at
+    the round's start and z then, as its rank 0 saw it), ``[P]``."""
+    w = torch.cat([results[g, r]["w_before"][t] for r in range(W)])  # [W·2, P]
+    return sma_z(z_before(results[g, 0], t), w)
 
 
 def _unclocked(changes: list[dict]) -> list[dict]:
@@ -96,15 +99,15 @@ def undisturbed(tmp_path_factory):
 @pytest.mark.distributed
 def test_two_groups_of_two_ranks_average_all_eight_learners(undisturbed):
     """Undisturbed: after every round z is bit for bit the same on all 4 processes and equals
-    the mean of the 8 learners' weights at the round's start (float32 summation order: rtol
-    1e-6); k = 8 throughout."""
+    SMA's over the 8 learners' weights at the round's start (``sma_z``; float32 summation
+    order: rtol 1e-6); k = 8 throughout."""
     r = undisturbed
     for t in range(ROUNDS):
         z = r["g0", 0]["z_after"][t]
         for key in r:
             assert torch.equal(r[key]["z_after"][t], z), (key, t)
-        mean = torch.cat([r[key]["w_before"][t] for key in r]).mean(0)  # [8, P] → [P]
-        torch.testing.assert_close(z, mean, rtol=1e-6, atol=1e-7)
+        w = torch.cat([r[key]["w_before"][t] for key in r])  # [8, P]
+        torch.testing.assert_close(z, sma_z(z_before(r["g0", 0], t), w), rtol=1e-6, atol=1e-7)
     for key in r:
         assert [(c["groups"], c["learners"]) for c in r[key]["membership"]] == [(2, 8)], key
         assert _unclocked(r[key]["membership"]) == _unclocked(r["g0", 0]["membership"]), key
@@ -122,9 +125,9 @@ def test_a_killed_group_of_two_ranks_is_left_out_and_the_survivor_averages_its_o
     """Both ranks of g1 (or only its rank 1: its rank 0, and the Manager server with it, lives
     on until its own collectives time out, and the quorums without g1 wait for that) die in a
     sync from round 3 on: g0's all-reduce of that round is discarded on both its ranks (one
-    commit decision), the quorum shrinks to g0 and z after that round and every later one is the
-    mean of g0's 4 learners at the round's start (rtol 1e-6), the same on both ranks; before it
-    z held g1's learners too; g0 finishes all rounds."""
+    commit decision), the quorum shrinks to g0 and z after that round and every later one is
+    SMA's over g0's 4 learners at the round's start (rtol 1e-6), the same on both ranks; before
+    it z held g1's learners too; g0 finishes all rounds."""
     r = run_rank_groups(tmp_path, {"g1": 3}, die_rank=die_rank)
     changes = r["g0", 0]["membership"]
     assert _unclocked(changes) == _unclocked(r["g0", 1]["membership"])
@@ -138,9 +141,9 @@ def test_a_killed_group_of_two_ranks_is_left_out_and_the_survivor_averages_its_o
         assert r["g0", rank]["rounds"] == ROUNDS
     for t in range(t0, ROUNDS):
         assert torch.equal(r["g0", 0]["z_after"][t], r["g0", 1]["z_after"][t]), t
-        torch.testing.assert_close(r["g0", 0]["z_after"][t], _group_mean(r, "g0", t),
+        torch.testing.assert_close(r["g0", 0]["z_after"][t], _group_sma(r, "g0", t),
                                    rtol=1e-6, atol=1e-7)
-    assert not torch.allclose(r["g0", 0]["z_after"][t0 - 1], _group_mean(r, "g0", t0 - 1),
+    assert not torch.allclose(r["g0", 0]["z_after"][t0 - 1], _group_sma(r, "g0", t0 - 1),
                               rtol=1e-4, atol=1e-5)
 
 

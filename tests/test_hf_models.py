@@ -115,8 +115,8 @@ def test_gpt2_causal_lm_trains_on_its_own_loss_with_the_labels_among_the_inputs(
     ids = (_tokens(1)[:, :1] + torch.arange(SEQ)) % VOCAB  # each token the previous one + 1
     train = Dicts(input_ids=ids, labels=ids)
     plan = cg.compile(model, {"input_ids": ids[:2], "labels": ids[:2]}, None, batch_size=8,
-                      devices=2, replicas=2, optimizer=cg.SGD(lr=0.1, momentum=0.9),
-                      sync=cg.SMA(scale_lr=False))  # 0.1: each learner's lr, tuned at 2 × 2
+                      devices=2, replicas=2, optimizer=cg.SGD(lr=0.2, momentum=0.9),
+                      sync=cg.SMA(scale_lr=False))  # 0.2: each learner's lr, tuned at 2 × 2
     with pytest.warns(UserWarning, match=r"no test accuracy: the output \(CausalLMOutput.*logits "
                                          r"\[256, 16, 100\].*metric_fn") as caught:
         before, history = _fit(plan, train)

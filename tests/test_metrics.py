@@ -203,7 +203,8 @@ def test_metric_records_of_a_fit():
     h = plan.fit(data, 2, eval_dataset=data, evals_per_epoch=1, progress=False, metrics_every=5)
     assert [m.round for m in h.metrics] == [5, 10, 15, 20]
     for m in h.metrics:
-        assert m.lr == 0.05 and m.batch_size == 4 and m.num_learners == 4 and m.alpha == 0.25
+        assert m.lr == 0.05 and m.batch_size == 4 and m.num_learners == 4 and m.alpha == pytest.approx(
+            0.8 * 2 * 1.9 / 5.9)  # the default α at k = 4, μ_z = 0.9
         assert m.samples_per_s > 0 and math.isfinite(m.train_loss)
         assert 0 < m.divergence_mean <= m.divergence_max
     assert [m.test_accuracy is not None for m in h.metrics] == [False, True, False, True]

@@ -63,7 +63,8 @@ def test_change_applies_at_the_same_round_on_every_device(executor):
     h = plan.fit(tiny_data(8 * 8), 1, shuffle=False, progress=False, hooks=[snap],
                  policies=[At(3, lr=0.2)], metrics_every=None)
     assert [p.changes for p in h.policy] == [{"lr": 0.2}] and h.policy[0].round == 3
-    alpha = 0.5
+    mu = plan.sync.central_momentum
+    alpha = 0.8 * 2 * (1 + mu) / (1 + 2 + mu)  # the default at k = 2: 0.8 of the pull's bound
     factors = rule_lrs(1.0, [2] * 8, 4, 64)  # SMA's η rule at k = 2 (1 → √2) times the policy's
     for t in range(1, 6):
         lr = (0.2 if t >= 3 else 0.05) * factors[t]  # snapshot t is after round t+1
@@ -114,8 +115,8 @@ def test_adjust_alpha_sync_every_replicas():
     done = plan.adjust(Adjustment(alpha=0.3, sync_every=2, replicas_per_device=3))
     assert done == {"alpha": 0.3, "sync_every": 2, "replicas_per_device": 3}
     assert plan.rounds.round_env(0, None, True).alpha == 0.3 and plan.sync.sync_every == 2 and plan.num_learners == 3
-    plan.adjust(Adjustment(alpha="auto"))
-    assert plan.rounds.round_env(0, None, True).alpha == pytest.approx(1 / 3)
+    plan.adjust(Adjustment(alpha="auto"))  # the default: 0.8 of the pull's bound (design §2)
+    assert plan.rounds.round_env(0, None, True).alpha == pytest.approx(0.8 * 2 * 1.9 / 4.9)
     with pytest.raises(ValueError, match="lr"):
         Adjustment(lr=-1.0)
     with pytest.raises(ValueError, match="α"):

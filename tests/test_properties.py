@@ -83,7 +83,8 @@ def test_sma_update_and_identical_central_models(devices, replicas, opt, b, defa
     sync = cg.SMA(alpha=None if default_alpha else alpha, central_momentum=mu, sync_every=tau)
     plan = cg.compile(model(), (torch.zeros(1, 3),), F.cross_entropy, batch_size=b, devices=devices,
                       replicas=replicas, optimizer=opt, sync=sync)
-    oracle = SmaOracle(sync.alpha_for(k), mu, tau)
+    # the default: 0.8 of the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z) (design §2)
+    oracle = SmaOracle(0.8 * 2 * (1 + mu) / (1 + k + mu) if default_alpha else alpha, mu, tau)
     plan.fit(data(k * b * 4, seed=1), 1, progress=False, hooks=[oracle])
     assert oracle.checked == 4 // tau
     for s in plan.states:
@@ -95,7 +96,7 @@ def test_sma_update_and_identical_central_models(devices, replicas, opt, b, defa
 def test_alpha_one_over_k_without_central_momentum_is_the_mean(devices, replicas, opt, b):
     k = devices * replicas
     plan = cg.compile(model(), (torch.zeros(1, 3),), F.cross_entropy, batch_size=b, devices=devices,
-                      replicas=replicas, optimizer=opt, sync=cg.SMA(central_momentum=0.0))
+                      replicas=replicas, optimizer=opt, sync=cg.SMA(alpha=1 / k, central_momentum=0.0))
     means = []
 
     class Mean(Hook):

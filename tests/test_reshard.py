@@ -2,6 +2,7 @@
 against the saved rows, with a row optimizer (AdamW) and float16 loss scales. The real
 multi-process resumes (2 → 1, 1 → 2, 2 → 2) are in tests/test_distributed.py."""
 
+import pytest
 import torch
 
 from crossbow_graph.training.checkpoint import load_plan_state_dict, plan_state_dict
@@ -93,7 +94,8 @@ def test_one_rank_keeps_rank_0s_learners_and_loads_into_a_plan():
     s = plan.states[0]
     assert torch.equal(s.w, saved["w"]) and torch.equal(s.z, saved["z"])
     assert torch.equal(s.z_prev, saved["z_prev"]) and torch.equal(s.optim_rows.age, saved["optimizer_rows"]["age"])
-    assert plan.settings.alpha_for(plan.num_learners) == 1 / M
+    mu = plan.sync.central_momentum  # α re-derived for k = M: 0.8 of the pull's bound (design §2)
+    assert plan.settings.alpha_for(plan.num_learners) == pytest.approx(0.8 * 2 * (1 + mu) / (1 + M + mu))
 
 
 def test_as_many_ranks_get_their_own_saved_state_unchanged():

@@ -97,7 +97,9 @@ class _Resize(Hook):
         for r in range(old_m, m):
             torch.testing.assert_close(s.w[r], z, rtol=0, atol=0)  # cloned from z
             assert s.v[r].abs().sum() == 0  # zeroed momentum
-        assert plan.rounds.round_env(0, None, True).alpha == pytest.approx(1 / plan.num_learners if plan.num_learners > 1 else 0)
+        k, mu = plan.num_learners, plan.sync.central_momentum  # α: 0.8 of the pull's bound (§2)
+        assert plan.rounds.round_env(0, None, True).alpha == pytest.approx(
+            0.8 * 2 * (1 + mu) / (1 + k + mu) if k > 1 else 0)
         learns = [n for n, t in plan.task_graph.nodes(data="task") if t.kind is TaskKind.LEARN]
         assert len(learns) == m * len(plan.devices)
         self.checked += 1

@@ -76,8 +76,10 @@ def _assert_agree(plan: cg.Plan, want: dict) -> None:
                       if v != (want[k] * factor if (reader, k) == ("a round", "lr") else want[k])}
              for reader, seen in _readers(plan).items()}
     assert not any(wrong.values()), wrong
-    k = plan.num_learners
-    assert plan.rounds.round_env(0, None, True).alpha == (1 / k if want["alpha"] is None else want["alpha"])  # in use
+    k, mu = plan.num_learners, plan.sync.central_momentum
+    default = 0.8 * 2 * (1 + mu) / (1 + k + mu)  # 0.8 of the pull's stability bound (design §2)
+    assert plan.rounds.round_env(0, None, True).alpha == pytest.approx(
+        default if want["alpha"] is None else want["alpha"], rel=1e-12)  # in use
 
 
 def test_every_reader_sees_the_policys_settings_and_a_resume_restores_them(tmp_path):

@@ -77,7 +77,7 @@ def test_matches_hand_written_reference(nesterov, weight_decay, alpha, mu_z):
 
 
 def test_alpha_one_over_k_without_central_momentum_is_the_mean_of_prestep_replicas():
-    plan = sma_plan(Small(), devices=2, replicas=3, sync=cg.SMA(alpha=None, central_momentum=0.0))
+    plan = sma_plan(Small(), devices=2, replicas=3, sync=cg.SMA(alpha=1 / 6, central_momentum=0.0))
     bs = batches(3 * 6, 4)
     for t in range(3):
         pre = plan.replica_weights()  # ŵ_j of round t
@@ -127,7 +127,7 @@ def test_sync_every_tau_rounds_matches_reference_on_sync_rounds():
     model, b = Small(), 4
     bs = batches(2 * 2, b)  # 2 rounds × 2 learners
     plan = sma_plan(model, devices=1, replicas=2, batch_size=b,
-                    sync=cg.SMA(sync_every=2, central_momentum=0.0))
+                    sync=cg.SMA(alpha=0.5, sync_every=2, central_momentum=0.0))
     start = copy.deepcopy(model)  # the fit leaves z in model
     plan.fit(as_dataset(bs), 1, shuffle=False, progress=False)
     reps = [copy.deepcopy(start) for _ in range(2)]

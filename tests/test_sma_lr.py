@@ -50,11 +50,13 @@ def test_a_change_of_m_in_mid_fit_ramps_eta_to_sqrt_k_and_history_records_it():
     assert hist.lr[-1] == pytest.approx(LR * math.sqrt(8), rel=1e-12)
     assert plan.optimizer.param_groups[0]["lr"] == LR  # the user's η₁ is not written
     first, second = hist.lr_rule
-    assert (first.round, first.num_learners, first.alpha, first.factor_from, first.ramp_samples) \
-        == (0, 2, 0.5, 1.0, N // 4)
+    # α: 0.8 of the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z) at μ_z = 0.9 (design §2)
+    assert (first.round, first.num_learners, first.factor_from, first.ramp_samples) \
+        == (0, 2, 1.0, N // 4)
+    assert first.alpha == pytest.approx(0.8 * 2 * 1.9 / 3.9, rel=1e-12)
     assert first.factor_to == pytest.approx(math.sqrt(2))
-    assert (second.round, second.num_learners, second.alpha, second.ramp_samples) \
-        == (4, 8, 0.125, N // 4)
+    assert (second.round, second.num_learners, second.ramp_samples) == (4, 8, N // 4)
+    assert second.alpha == pytest.approx(0.8 * 2 * 1.9 / 9.9, rel=1e-12)
     assert second.factor_from == pytest.approx(want[3] / LR)
     assert second.factor_to == pytest.approx(math.sqrt(8))
     assert second.epoch == pytest.approx(4 * 2 * B / N)
@@ -79,7 +81,7 @@ def test_a_second_fit_at_the_same_k_keeps_the_factor_and_records_nothing():
     second = plan.fit(tiny_data(64), 1, shuffle=False, progress=False)
     assert [r.factor_to for r in first.lr_rule] == [2.0] and second.lr_rule == []
     assert second.lr == [LR * 2.0] * 4
-    assert "SMA(α=0.25, μ_z=0.9, every 1 round(s), lr × √min(k, 16))" in plan.summary()
+    assert "SMA(α=0.5153, μ_z=0.9, every 1 round(s), lr × √min(k, 16))" in plan.summary()
 
 
 def test_one_learner_has_no_factor():

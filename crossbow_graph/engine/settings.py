@@ -28,7 +28,7 @@ class RunSettings:
         learner_mode: ``"per_replica"`` or ``"fused"`` (engine/learning/fused.py).
         lr: η, the first param group's learning rate in force (≥ 0), applied to the mean loss
             of a learner's b samples; setting it is a policy's change of η.
-        alpha: ``sync.alpha`` (SMA's α, None: 1/k; None without α).
+        alpha: ``sync.alpha`` (SMA's α, None: its default rule at each k; None without α).
         sync_every: ``sync.sync_every``, τ (≥ 1; 1 under SSGD).
         lr_rule: SMA's η rule's state (training/sma_lr.py ``SMALRRule``), None before a fit
             applies it; its factor is ``optimizer.lr_factor``.
@@ -168,7 +168,7 @@ class RunSettings:
 
     @property
     def alpha(self) -> float | None:
-        """SMA α in force, None for 1/k (and for the algorithms without α)."""
+        """SMA α in force, None for its default rule (and for the algorithms without α)."""
         return self.sync.alpha
 
     @alpha.setter
@@ -185,7 +185,7 @@ class RunSettings:
         self.sync = self.sync.with_sync_every(value)
 
     def alpha_for(self, num_learners: int) -> float:
-        """α used for k = ``num_learners`` learners (``SMA.alpha_for``: α, or 1/k; 0 when k = 1;
+        """α used for k = ``num_learners`` learners (``SMA.alpha_for``: α, or 0.8 of the pull's stability bound; 0 when k = 1;
         0 for the algorithms without α)."""
         return self.sync.alpha_for(num_learners)
 

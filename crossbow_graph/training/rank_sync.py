@@ -40,7 +40,7 @@ def agree_settings(comm: Any, plan: FitPlan, stop: bool, round_index: int) -> bo
               "learner_mode": "fused" if fused else "per_replica", "lr": lr, "alpha": alpha0}
     changes = {k: v for k, v in theirs.items() if v != getattr(settings, k)}
     if "alpha" in changes and alpha0 is None:
-        changes["alpha"] = "auto"  # Adjustment: None is "unchanged", "auto" is 1/k
+        changes["alpha"] = "auto"  # Adjustment: None is "unchanged", "auto" the default rule
     if changes:  # nothing to build or apply in the usual round without a decision
         plan.adjust(Adjustment(**changes))
     return bool(stop0)

@@ -102,7 +102,7 @@ def _lookup(setup: dict[str, Any], path: tuple) -> Any:
 
 
 def _show(value: Any) -> str:
-    return "auto (1/k)" if value is None else repr(value)
+    return "auto (the default rule)" if value is None else repr(value)
 
 
 def restore_settings(plan: "FitPlan", sd: dict[str, Any], choice: SettingsChoice) -> None:

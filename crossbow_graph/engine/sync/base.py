@@ -85,7 +85,8 @@ class SyncAlgorithm(abc.ABC):
             host and writes only z).
         adjustable: the settings ``Plan.adjust`` may change (``"alpha"``, ``"sync_every"``):
             ``with_alpha`` and ``with_sync_every`` raise ValueError for the others.
-        alpha: α as set (None: 1/k); None for an algorithm without α.
+        alpha: α as set (None: the algorithm's default rule at each k); None for an algorithm
+            without α.
         central_momentum: μ_z of the central update (0 where z moves otherwise).
         fault_tolerant: its global sync runs over torchft's replica groups
             (``Distributed(fault_tolerant=True)``, engine/transport/ft.py): its sum's k (the live
@@ -119,7 +120,7 @@ class SyncAlgorithm(abc.ABC):
         return False
 
     def with_alpha(self, alpha: float | None) -> "SyncAlgorithm":
-        """This algorithm with α = ``alpha`` (None: 1/k), for ``Plan.adjust``.
+        """This algorithm with α = ``alpha`` (None: its default rule), for ``Plan.adjust``.
 
         Raises:
             ValueError: the algorithm has no α."""

@@ -15,7 +15,9 @@ from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState, single_learn
 if TYPE_CHECKING:
     from ...kernels.protocol import SMAKernels
 
-__all__ = ["SMA", "CentralMomentum", "pull_bound"]
+__all__ = ["SMA", "CentralMomentum", "pull_bound", "PULL_SHARE"]
+
+PULL_SHARE = 0.8  # SMA's default α: this share of the pull's stability bound (design §2)
 
 
 def pull_bound(num_learners: int, central_momentum: float) -> float:
@@ -33,7 +35,9 @@ class SMA(SyncAlgorithm):
 
     Attributes:
         alpha: α, the pull of every replica toward the central average model z; ``None`` means
-            1/k, re-derived whenever k changes; in (0, 1] with k > 1, unused with k = 1.
+            0.8 of the pull's stability bound, 0.8·2(1 + μ_z)/(1 + k + μ_z) (``pull_bound``;
+            0.78, 0.52, 0.31, 0.17, 0.090, 0.046 at k = 2, 4, …, 64 with μ_z = 0.9), re-derived
+            whenever k changes; in (0, 1] with k > 1, unused with k = 1.
         central_momentum: μ_z, the momentum of the central model's update, in [0, 1).
         sync_every: τ, rounds between synchronisations (≥ 1); between them learners only step.
         scale_lr: SMA's η rule, every learner at its lr × √min(k, 16) ramped over a quarter
@@ -58,11 +62,12 @@ class SMA(SyncAlgorithm):
 
     def __post_init__(self) -> None:
         if self.alpha is not None:
-            check_number("SMA", "alpha", self.alpha, "alpha=0.25, or alpha=None for 1/k")
+            check_number("SMA", "alpha", self.alpha, "alpha=0.25, or alpha=None for 0.8 of the pull's bound")
         check_number("SMA", "central_momentum", self.central_momentum, "central_momentum=0.9")
         if self.alpha is not None and not 0 < self.alpha <= 1:
             raise ValueError(
-                f"SMA(alpha={self.alpha}): α must be in (0, 1]; use alpha=None for 1/k"
+                f"SMA(alpha={self.alpha}): α must be in (0, 1]; use alpha=None for 0.8 of the pull's "
+                "stability bound"
             )
         if not 0 <= self.central_momentum < 1:
             raise ValueError(
@@ -73,10 +78,13 @@ class SMA(SyncAlgorithm):
             raise ValueError(f"SMA(sync_every={self.sync_every!r}): must be an integer ≥ 1")
 
     def alpha_for(self, num_learners: int) -> float:
-        """α for k = ``num_learners`` learners: the configured value, or 1/k; 0 when k = 1."""
+        """α for k = ``num_learners`` learners: the configured value, or ``PULL_SHARE`` of
+        ``pull_bound(k, μ_z)``; 0 when k = 1."""
         if num_learners == 1:
             return 0.0
-        return 1.0 / num_learners if self.alpha is None else self.alpha
+        if self.alpha is None:
+            return min(1.0, PULL_SHARE * pull_bound(num_learners, self.central_momentum))
+        return self.alpha
 
     @property
     def scales_lr(self) -> bool:
@@ -84,7 +92,8 @@ class SMA(SyncAlgorithm):
         return self.scale_lr
 
     def with_alpha(self, alpha: float | None) -> "SMA":
-        """This SMA with α = ``alpha`` (None: 1/k); ValueError outside (0, 1]."""
+        """This SMA with α = ``alpha`` (None: the default, 0.8 of the pull's bound); ValueError
+        outside (0, 1]."""
         return replace(self, alpha=alpha)
 
     def kernel_facts(self, num_learners: int) -> dict[str, float | int]:

@@ -182,7 +182,7 @@ class FaultTolerantSync:
 
     Attributes:
         members: the live membership of its syncs (``Membership``: k of the last committed sync,
-            α = 1/k of the next round's local updates; every ``MembershipChange``).
+            α(k) of the next round's local updates; every ``MembershipChange``).
         replica_group: this group's name (the Lighthouse sees it with a unique suffix).
 
     Raises:

@@ -39,7 +39,7 @@ class Membership:
     """The syncs' membership as one replica group sees it.
 
     Attributes:
-        live_learners: k of the last committed sync (None before the first): α = 1/k of the next
+        live_learners: k of the last committed sync (None before the first): α(k) of the next
             round's local updates.
         changes: every ``MembershipChange``, in order."""
 

@@ -190,7 +190,7 @@ class Torchrun(Transport):
 class Torchft(Transport):
     """torchft's replica groups (``FaultTolerantSync``): a group's sum over its ranks, then over
     the live groups; k is the live groups' learners, and a sum of α-weighted terms is weighted
-    for that k (with α = 1/k: the mean of the live learners)."""
+    for that k (with α = 1/k and μ_z = 0: the mean of the live learners)."""
 
     def __init__(self, ft: FaultTolerantSync, *, shared_memory: bool) -> None:
         super().__init__(shared_memory=shared_memory)
