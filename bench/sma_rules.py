@@ -26,9 +26,9 @@ Systems:
 
 The rule (sma):
 
-* ``--alpha``: ``inv`` (1/k, the engine's default), ``inv:c`` (c/k), a number, ``sqrt:c``
-  (c/√k), or ``bound:f`` (f × the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z), design §2);
-  at most 1;
+* ``--alpha``: ``inv`` (1/k; EASGD: its own β/k), ``inv:c`` (c/k), a number, ``sqrt:c``
+  (c/√k), or ``bound:f`` (f × the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z), design §2;
+  ``bound:0.8`` is the engine's default, ``SMA()``); at most 1;
 * ``--mu-z``: a number, or ``k:c`` (μ_z = 1 − c/k, at least 0.9);
 * ``--scale`` s(k): ``engine`` (the engine's default rule, ``SMA(scale_lr=True)``:
   √min(k, 16) ramped over 0.25 epoch, docs/design-overview.md §2; no LambdaLR), ``1``, ``sqrt``
@@ -252,7 +252,8 @@ def engine_sync(args, rule: Rule, k: int):
         raise SystemExit(f"--system {args.system} --scale engine: the engine's η rule is SMA's "
                          "and SSGD's; name the scale, e.g. --scale sqrt")
     if args.system == "easgd":
-        return cg.EASGD(alpha=rule.alpha(k), centre_rate=args.centre_rate,
+        return cg.EASGD(alpha=None if rule.alpha_s == "inv" else rule.alpha(k),  # inv: β/k
+                        centre_rate=args.centre_rate,
                         sync_every=args.sync_every)
     if args.system == "localsgd":
         return cg.LocalSGD(sync_every=args.sync_every)

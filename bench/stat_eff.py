@@ -12,8 +12,9 @@ Systems of w1 and fm, b = 16 samples per learner per round, every run one single
 
 * ``sma``: crossbow_graph with the engine's defaults, one device × k fused replicas on the
   inline executor, the user's ``torch.optim.SGD(lr=η₁, momentum=0.9)`` with η₁ tuned at
-  k = 1: ``SMA()`` (α = 1/k, μ_z = 0.9, η₁·√min(k, 16) ramped over 0.25 epoch). At k = 1 this is
-  plain SGD at b (the same numbers: the rule is the identity there).
+  k = 1: ``SMA()`` (α = 0.8 of the pull's stability bound, ``sma_rules.py run --alpha
+  bound:0.8``; μ_z = 0.9; η₁·√min(k, 16) ramped over 0.25 epoch). At k = 1 this is plain SGD
+  at b (the same numbers: the rule is the identity there).
 * ``ssgd``: plain PyTorch S-SGD, one model at batch B = k·b (BatchNorm over all of it),
   re-tuned per k: peak lr η₁·m, Goyal et al.'s warm-up from η₁ over 0.5 epoch, over a grid of m
   at seed 0 (w1: powers of 2 up to linear scaling; fm: √k/2, √k, 2√k), the m that reaches the
@@ -82,6 +83,7 @@ WORKLOADS = {
                title="ResNet-20 (widths 8/16/32) on Fashion-MNIST 28×28, b = 16 per learner"),
 }
 LR, TARGETS = WORKLOADS["w1"]["lr"], WORKLOADS["w1"]["targets"]
+DEFAULT_ALPHA = "bound:0.8"  # SMA()'s α as sma_rules' --alpha (engine/sync/sma.py, PULL_SHARE)
 
 
 def ssgd_grid(k: int) -> list[float]:
@@ -96,8 +98,8 @@ def job_lines(ks: list[int], seeds: list[int], ssgd_mult: dict[int, float]) -> l
     seed 0 and its chosen m (``ssgd_mult``, where known) at the other seeds."""
     lines = []
     for k in ks:
-        lines += [f"--k {k} --lr {LR} --scale {'1' if k == 1 else 'engine'} --seed {s}"
-                  for s in seeds]
+        rule = "--scale 1" if k == 1 else f"--alpha {DEFAULT_ALPHA} --scale engine"
+        lines += [f"--k {k} --lr {LR} {rule} --seed {s}" for s in seeds]
         if k == 1:
             continue
         ssgd = f"--system ssgd --k {k} --lr {LR} --warmup-epochs 0.5"
@@ -107,10 +109,11 @@ def job_lines(ks: list[int], seeds: list[int], ssgd_mult: dict[int, float]) -> l
     return lines
 
 
-def _is_default_sma(a: dict, workload: str) -> bool:
-    return (a["system"] == "sma" and a["lr"] == WORKLOADS[workload]["lr"] and a["batch"] == 16
-            and not a["k_schedule"] and a["alpha"] == "inv" and a["mu_z"] == "0.9"
-            and (a["scale"] == "engine" or (a["k"] == 1 and a["scale"] == "1")))
+def _default_config(k: int, workload: str) -> str:
+    """The configuration (a run name's, ``_config``) of SMA's defaults at k: α = 0.8 of the pull's
+    bound with the engine's η rule; at k = 1 plain SGD (the run named by ``--alpha inv``)."""
+    rule = "ainv-mu0.9-s1" if k == 1 else f"a{DEFAULT_ALPHA.replace(':', '_')}-mu0.9-sengine"
+    return f"sma-k{k}-b16-lr{WORKLOADS[workload]['lr']:g}-{rule}-w0"
 
 
 def _is_rule_allreduce(a: dict, workload: str) -> bool:
@@ -153,9 +156,13 @@ def collect(workload: str = "w1", runs_dir: str = sma_rules.RUNS) -> list[dict]:
                                lr_mult=a["lr_mult"] if ssgd else None, max_epochs=a["max_epochs"],
                                best_accuracy=r["best_accuracy"], diverged=r.get("diverged"),
                                evals=r["evals"])
-        if not (ssgd or _is_default_sma(a, workload) or _is_rule_allreduce(a, workload)):
+        if not (ssgd or a["system"] == "sma" or _is_rule_allreduce(a, workload)):
             runs[r["name"]]["config"] = _config(r["name"])
     for run in runs.values():
+        if run["system"] == "sma":  # by its name: the committed runs' too
+            run.pop("config", None)
+            if _config(run["name"]) != _default_config(run["k"], workload):
+                run["config"] = _config(run["name"])
         run["to_target"] = sma_rules._firsts(run["evals"], [float(t) for t in w["targets"]], 0)
     return sorted(runs.values(), key=lambda r: r["name"])
 
@@ -399,11 +406,14 @@ GPT_SOURCE = os.path.join(RESULTS, "lm-w4.json")
 GPT_CAP_TOKENS = 1_572_864  # docs/benchmarking.md, W4: a run ends there (or is abandoned before)
 GPT_LINES = (
     ("SMA, AdamW, defaults, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975",
-                                         "sma-adamw:k=4:b=1:lr=1e-3:beta2=0.9975:fused=1",
-                                         "sma-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1")),
+                                         "sma-adamw:k=4:b=1:lr=1e-3:beta2=0.9975:fused=1:bound=0.8",
+                                         "sma-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1:bound=0.8")),
+    ("SMA, AdamW, α = 1/k, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975",
+                                        "sma-adamw:k=4:b=1:lr=1e-3:beta2=0.9975:fused=1",
+                                        "sma-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1")),
     ("AdamW at k·b, lr re-tuned, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975", "adamw:b=4:lr=1e-3",
                                               "adamw:b=8:lr=1.4e-3", "adamw:b=8:lr=7.1e-4")),
-    ("SMA, AdamW, defaults, b = 4", 4, ("adamw:b=4:lr=1e-3", "sma-adamw:k=4:b=4:lr=1e-3:fused=1",
+    ("SMA, AdamW, α = 1/k, b = 4", 4, ("adamw:b=4:lr=1e-3", "sma-adamw:k=4:b=4:lr=1e-3:fused=1",
                                          "sma-adamw:k=16:b=4:lr=1e-3:fused=1")),
     ("AdamW at k·b, lr re-tuned, b = 4", 4, ("adamw:b=4:lr=1e-3", "adamw:b=16:lr=1e-3",
                                               "adamw:b=16:lr=5e-4")),
@@ -457,7 +467,7 @@ def plot_gpt(summary: dict, out: str | None = None) -> str:
         points = [(k, summary["cap_tokens"] / 1e6,
                    [None if t is None else t / 1e6 for t in rows[str(k)]["tokens"]])
                   for k in sorted(int(k) for k in rows)]  # M tokens
-        _median_line(ax, points, (0.94, 0.98, 1.02, 1.06)[i % 4], f"C{i}", label=label,
+        _median_line(ax, points, (0.92, 0.96, 1.0, 1.04, 1.08)[i % 5], f"C{i}", label=label,
                      ls="-" if label.startswith("SMA") else "--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("learners k (b windows of 128 bytes each)")
