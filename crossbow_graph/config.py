@@ -60,8 +60,7 @@ class Adjustment:
         lr: learning rate η (> 0).
         batch_size: b, samples per learner per round (≥ 1); the task graph is re-planned and the
             memory bound re-checked.
-        alpha: SMA α in (0, 1] (the pull toward z); ``"auto"`` restores the default rule
-            (SMA: 0.8 of the pull's stability bound at each k).
+        alpha: SMA α in (0, 1] (the pull toward z); ``"auto"`` restores the default rule.
         sync_every: τ, rounds between synchronisations (≥ 1).
         replicas_per_device: m (≥ 1; new replicas are cloned from z, ``Plan.set_replicas``).
         learner_mode: ``"per_replica"`` or ``"fused"`` (``LEARNER_MODES``).

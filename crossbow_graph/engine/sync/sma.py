@@ -21,9 +21,8 @@ PULL_SHARE = 0.8  # SMA's default α: this share of the pull's stability bound (
 
 
 def pull_bound(num_learners: int, central_momentum: float) -> float:
-    """The pull's stability bound 2(1 + μ_z)/(1 + k + μ_z): SMA's α at or above it makes the
-    replicas' distance to z and z's step grow without the gradient (docs/design-overview.md §2,
-    "The pull's stability bound"); 0.212 at k = 16, μ_z = 0.9."""
+    """2(1 + μ_z)/(1 + k + μ_z): at or above it SMA's pull alone makes the replicas' distance to z
+    grow (docs/design-overview.md §2, "The pull's stability bound"); 0.212 at k = 16, μ_z = 0.9."""
     return 2 * (1 + central_momentum) / (1 + num_learners + central_momentum)
 
 
@@ -34,10 +33,9 @@ class SMA(SyncAlgorithm):
     Local update w_j ← step(w_j) − c_j, c_j = α·(ŵ_j − z); global z ← z + Σ_j c_j + μ_z·(z − z_prev).
 
     Attributes:
-        alpha: α, the pull of every replica toward the central average model z; ``None`` means
-            0.8 of the pull's stability bound, 0.8·2(1 + μ_z)/(1 + k + μ_z) (``pull_bound``;
-            0.78, 0.52, 0.31, 0.17, 0.090, 0.046 at k = 2, 4, …, 64 with μ_z = 0.9), re-derived
-            whenever k changes; in (0, 1] with k > 1, unused with k = 1.
+        alpha: α, the pull of every replica toward the central average model z; ``None``: 0.8 of
+            the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z) (0.52 at k = 4, 0.17 at 16 with
+            μ_z = 0.9), re-derived whenever k changes; in (0, 1] with k > 1, unused with k = 1.
         central_momentum: μ_z, the momentum of the central model's update, in [0, 1).
         sync_every: τ, rounds between synchronisations (≥ 1); between them learners only step.
         scale_lr: SMA's η rule, every learner at its lr × √min(k, 16) ramped over a quarter
@@ -78,8 +76,7 @@ class SMA(SyncAlgorithm):
             raise ValueError(f"SMA(sync_every={self.sync_every!r}): must be an integer ≥ 1")
 
     def alpha_for(self, num_learners: int) -> float:
-        """α for k = ``num_learners`` learners: the configured value, or ``PULL_SHARE`` of
-        ``pull_bound(k, μ_z)``; 0 when k = 1."""
+        """α for k = ``num_learners``: as set, or ``PULL_SHARE`` × ``pull_bound``; 0 when k = 1."""
         if num_learners == 1:
             return 0.0
         if self.alpha is None:
@@ -92,8 +89,7 @@ class SMA(SyncAlgorithm):
         return self.scale_lr
 
     def with_alpha(self, alpha: float | None) -> "SMA":
-        """This SMA with α = ``alpha`` (None: the default, 0.8 of the pull's bound); ValueError
-        outside (0, 1]."""
+        """This SMA with α = ``alpha`` (None: the default rule); ValueError outside (0, 1]."""
         return replace(self, alpha=alpha)
 
     def kernel_facts(self, num_learners: int) -> dict[str, float | int]:
