@@ -6,7 +6,8 @@ Every run is the CLI's own plan (``cli.prepare_train``): ``crossbow-graph train 
 epoch), AdamW at the default η 0.008 with the OneCycle schedule over ``--epochs``, with the
 variant's sync flags (``VARIANTS``):
 
-* ``sma``: SMA, α = 1/k, μ_z = 0.9, every round (the default);
+* ``sma``: SMA, α = 1/k = 0.25, μ_z = 0.9, every round, at the lr as set
+  (``--alpha 0.25 --no-scale-lr``);
 * ``diloco-H`` (H = 1, 2, 4, …, 64): ``--sync diloco --sync-every H``, Nesterov outer SGD, lr 0.7,
   momentum 0.9;
 * ``local-sgd-H``: ``--sync diloco --sync-every H --outer-lr 1 --outer-momentum 0``, periodic
@@ -39,7 +40,7 @@ BASE = ["--devices", "2", "--replicas", "2", "--batch-size", "64"]
 
 def _variants() -> dict[str, list[str]]:
     hs = (1, 2, 4, 8, 16, 32, 64)
-    out = {"sma": []}
+    out = {"sma": ["--alpha", "0.25", "--no-scale-lr"]}  # 1/k at k = 4
     out.update({f"diloco-{h}": ["--sync", "diloco", "--sync-every", str(h)] for h in hs})
     out.update({f"local-sgd-{h}": ["--sync", "diloco", "--sync-every", str(h), "--outer-lr", "1",
                                    "--outer-momentum", "0"] for h in hs})

@@ -304,9 +304,17 @@ def test_stat_eff_summary_is_derived_from_its_committed_curves(workload, tmp_pat
         assert json.loads(json.dumps(summary)) == committed
         assert all(rows["1"]["ratio_to_k1"] in (1.0, None) for rows in summary["lines"].values())
         return
-    summary = stat_eff.summarise(stat_eff.collect(workload, runs_dir=str(tmp_path)), workload)
+    runs = stat_eff.collect(workload, runs_dir=str(tmp_path))
+    summary = stat_eff.summarise(runs, workload)
     assert json.loads(json.dumps(summary)) == committed  # tuples as JSON lists
     assert summary["systems"]["sma"]["1"][summary["target"]]["ratio_to_k1"] in (1.0, None)
+    # SMA's defaults, by run name: α = 0.8 of the pull's bound (--alpha bound:0.8) from k = 2 on,
+    # plain SGD at k = 1; α = 1/k (ainv) is a configuration of its own
+    lr = stat_eff.WORKLOADS[workload]["lr"]
+    for r in (r for r in runs if r["system"] == "sma"):
+        rule = "abound_0.8-mu0.9-sengine" if r["k"] > 1 else "ainv-mu0.9-s1"
+        assert ("config" not in r) == (f"-b16-lr{lr:g}-{rule}-w0-seed" in r["name"]), r["name"]
+    assert any(r["config"].endswith("-ainv-mu0.9-sengine-w0") for r in runs if r.get("config"))
 
 
 def test_stat_eff_tunes_sma_by_its_fastest_configuration_at_seed_0():
