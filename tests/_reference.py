@@ -76,9 +76,9 @@ def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: i
     Round t has ``ks[t]`` learners (or ``k`` learners in each of ``rounds`` rounds); its learners
     take the next batches of ``batches`` (a list of ``(x, y)``): learner j of round t takes
     ``batches[ks[0] + … + ks[t-1] + j]``. Each learner steps SGD (``weight_decay``, ``momentum``,
-    ``nesterov`` as torch.optim.SGD) plus the correction α(w − z), α = 0.8·2(1 + μ_z)/(1 + k + μ_z) (0.8 of the pull's
-    stability bound) unless ``alpha`` is given
-    (0 for k = 1, where z follows the single replica); z moves by the sum of the corrections plus
+    ``nesterov`` as torch.optim.SGD) plus the correction α(w − z), α = 0.8·2(1 + μ_z)/(1 + k + μ_z)
+    (0.8 of the pull's stability bound) unless ``alpha`` is given (0 for k = 1, where z follows the
+    single replica); z moves by the sum of the corrections plus
     ``central_momentum``·(z − z_prev). When k grows, new replicas are z with zero momentum; when it
     shrinks, the last replicas go. ``max_grad_norm``: each learner's gradient clipped by
     ``torch.nn.utils.clip_grad_norm_`` before its step. ``frozen``: replicas that neither learn nor

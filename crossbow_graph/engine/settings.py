@@ -185,8 +185,8 @@ class RunSettings:
         self.sync = self.sync.with_sync_every(value)
 
     def alpha_for(self, num_learners: int) -> float:
-        """α used for k = ``num_learners`` learners (``SMA.alpha_for``: α, or 0.8 of the pull's stability bound; 0 when k = 1;
-        0 for the algorithms without α)."""
+        """α used for k = ``num_learners`` learners (``SMA.alpha_for``: α, or its default rule;
+        0 when k = 1 and for the algorithms without α)."""
         return self.sync.alpha_for(num_learners)
 
     def __repr__(self) -> str:

@@ -60,7 +60,8 @@ class SMA(SyncAlgorithm):
 
     def __post_init__(self) -> None:
         if self.alpha is not None:
-            check_number("SMA", "alpha", self.alpha, "alpha=0.25, or alpha=None for 0.8 of the pull's bound")
+            check_number("SMA", "alpha", self.alpha,
+                         "alpha=0.25, or alpha=None for 0.8 of the pull's bound")
         check_number("SMA", "central_momentum", self.central_momentum, "central_momentum=0.9")
         if self.alpha is not None and not 0 < self.alpha <= 1:
             raise ValueError(
