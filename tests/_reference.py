@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-__all__ = ["flat", "batches_of", "EagerRun", "eager_steps", "reference_sma", "reference_diloco",
-           "reference_easgd", "rule_lrs"]
+__all__ = ["flat", "batches_of", "EagerRun", "eager_steps", "default_alpha", "reference_sma",
+           "reference_diloco", "reference_easgd", "rule_lrs"]
 
 
 def flat(tensors: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor:
@@ -65,6 +65,12 @@ def eager_steps(model: nn.Module, optimizer: torch.optim.Optimizer | Callable, b
     return run
 
 
+def default_alpha(k: int, central_momentum: float = 0.9) -> float:
+    """SMA's default α by the book: 0.8 of the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z)
+    (docs/design-overview.md §2); 0 for k = 1."""
+    return 0.0 if k == 1 else 0.8 * 2 * (1 + central_momentum) / (1 + k + central_momentum)
+
+
 def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: int | None = None,
                   rounds: int | None = None, ks: list[int] | None = None, weight_decay: float = 0.0,
                   nesterov: bool = False, alpha: float | None = None, central_momentum: float = 0.9,
@@ -111,8 +117,7 @@ def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: i
             params.append(ps)
             bufs.append([None] * len(z))
         del replicas[k:], params[k:], bufs[k:]
-        a = 0.0 if k == 1 else (0.8 * 2 * (1 + central_momentum) / (1 + k + central_momentum)
-                                if alpha is None else alpha)
+        a = default_alpha(k, central_momentum) if alpha is None else (0.0 if k == 1 else alpha)
         corrections = [torch.zeros_like(q) for q in z]
         for j, r in enumerate(replicas):
             if j in frozen:

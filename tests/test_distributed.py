@@ -23,7 +23,7 @@ from crossbow_graph.training.checkpoint import load_latest
 from _dist_worker import (B, M, ROUNDS, RecordSamples, Snapshot, StopAfter, _AtRound, _decide,
                           recording_data)
 from _plans import TinyBN, make_plan, tiny_data
-from _reference import batches_of, flat, reference_sma
+from _reference import batches_of, default_alpha, flat, reference_sma
 
 pytestmark = pytest.mark.distributed
 
@@ -386,11 +386,6 @@ def _no_sample_twice_and_none_skipped(*batches_of_processes):
     assert sorted(seen) == list(range(N_RESHAPE)), (len(seen), len(set(seen)))
 
 
-def _default_alpha(k: int, mu_z: float = 0.9) -> float:
-    """SMA's default α: 0.8 of the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z) (design §2)."""
-    return 0.8 * 2 * (1 + mu_z) / (1 + k + mu_z)
-
-
 def test_a_one_process_checkpoint_resumes_on_two_ranks(reshape_runs):
     """1 → 2 processes: z, z_prev, zbuf exact on both ranks; rank 0's learners are the saved
     ones, rank 1's new ones start from z with zero momentum (the auto-tuner's rule); α the default for k = 4;
@@ -404,7 +399,7 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(reshape_runs):
         for key in ("z", "z_prev", "zbuf"):
             assert torch.equal(snap[key], saved[key]), key
         assert snap["k"] == 2 * M and snap["position"] == 32
-        assert snap["alpha"] == pytest.approx(_default_alpha(2 * M), rel=1e-12)
+        assert snap["alpha"] == pytest.approx(default_alpha(2 * M), rel=1e-12)
     assert not torch.equal(saved["z"], saved["z_prev"])  # a central momentum to carry
     assert torch.equal(r0["snapshot"]["w"], saved["w"]) and torch.equal(r0["snapshot"]["v"], saved["v"])
     assert r0["snapshot"]["first_step"] == saved["first_step"] == [False] * M
@@ -447,7 +442,7 @@ def test_a_two_rank_checkpoint_resumes_in_one_process(reshape_runs, caplog):
     for key in ("z", "z_prev", "zbuf", "w", "v"):
         assert torch.equal(got[key], saved[key]), key
     assert got["k"] == M and got["position"] == 48
-    assert got["alpha"] == pytest.approx(_default_alpha(M), rel=1e-12)
+    assert got["alpha"] == pytest.approx(default_alpha(M), rel=1e-12)
     _no_sample_twice_and_none_skipped(*(r["write_2to1"]["seen"] for r in results), data.seen)
     assert plan.rounds_done == 3 + (N_RESHAPE - 48) // (M * B)
     _, end = load_latest(str(ckpt))

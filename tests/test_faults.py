@@ -23,6 +23,7 @@ from crossbow_graph.training.checkpoint import load_latest
 from crossbow_graph.training.hooks import Hook
 
 from _plans import make_plan
+from _reference import default_alpha
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,10 +78,9 @@ def test_faulty_replica_is_reset_and_left_out_of_the_average(caplog):
     with caplog.at_level(logging.WARNING, logger="crossbow_graph.faults"):
         history = plan.fit(data(), 1, progress=False, hooks=[hook])
     k = plan.num_learners
-    # oracle (μ_z = 0, α = 0.8 of the pull's bound 2/(1 + k)): z_new = z + α·Σ_{healthy j} (ŵ_j − z);
-    # the faulty one adds nothing
+    # oracle (μ_z = 0, the default α): z_new = z + α·Σ_{healthy j} (ŵ_j − z); the faulty one adds nothing
     healthy = [j for j in range(k) if j != 2]  # device 1, replica 0 is learner 2
-    expected = hook.pre_z + 0.8 * 2 / (1 + k) * sum(hook.pre_w[j] - hook.pre_z for j in healthy)
+    expected = hook.pre_z + default_alpha(k, 0.0) * sum(hook.pre_w[j] - hook.pre_z for j in healthy)
     for w, v, z, z_prev in hook.post:
         torch.testing.assert_close(z, expected, rtol=1e-6, atol=1e-6)
     w, v, z, z_prev = hook.post[1]
@@ -147,9 +147,9 @@ def test_nan_loss_with_finite_gradients_is_a_fault(executor, caplog):
         (1, "cpu:0", 1, 0), (2, "cpu:0", 0, 0)]
     assert "round 1: replica 1 on cpu:0 has NaN/Inf gradients or loss" in caplog.text
     assert math.isfinite(history.epochs[0].train_loss)
-    # oracle (μ_z = 0, α = 0.8 · 2/(1 + k), k = 2): the faulty replica's correction is left out of
+    # oracle (μ_z = 0, the default α at k = 2): the faulty replica's correction is left out of
     # round 1's sum
-    expected = hook.pre_z + 0.8 * 2 / 3 * (hook.pre_w[0] - hook.pre_z)
+    expected = hook.pre_z + default_alpha(2, 0.0) * (hook.pre_w[0] - hook.pre_z)
     torch.testing.assert_close(hook.post_z, expected, rtol=1e-6, atol=1e-6)
 
 

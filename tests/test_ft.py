@@ -24,6 +24,7 @@ from crossbow_graph.engine.transport.ft import (FaultTolerantSync, check_fault_t
 from crossbow_graph.errors import DistributedError
 
 from _plans import TinyNet, make_plan
+from _reference import default_alpha
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS = 16
@@ -81,10 +82,10 @@ def stop_all(procs, lighthouse) -> None:
 
 def sma_z(z: torch.Tensor, w_before: torch.Tensor) -> torch.Tensor:
     """z after a sync of SMA with μ_z = 0 and the default α over the k live learners' weights at
-    the round's start ``w_before`` ``[k, P]``: z + α·Σ_j (ŵ_j − z), α = 0.8·2/(1 + k), 0.8 of the
-    pull's stability bound (docs/design-overview.md §2); in float64, returned as float32."""
-    k = w_before.shape[0]
-    return (z.double() + 0.8 * 2 / (1 + k) * (w_before.double() - z.double()).sum(0)).float()
+    the round's start ``w_before`` ``[k, P]``: z + α·Σ_j (ŵ_j − z), α = ``default_alpha(k, 0)``; in
+    float64, returned as float32."""
+    alpha = default_alpha(w_before.shape[0], 0.0)
+    return (z.double() + alpha * (w_before.double() - z.double()).sum(0)).float()
 
 
 def z_before(result: dict, t: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from crossbow_graph.tuning.policies import (Adjustment, AdaptiveBatchSize, Cosin
                                             DivergenceGuard, MultiStepLR, Policy, StepLR,
                                             parse_policy)
 from _plans import make_plan, tiny_data
-from _reference import rule_lrs
+from _reference import default_alpha, rule_lrs
 
 
 class At(Policy):
@@ -63,8 +63,7 @@ def test_change_applies_at_the_same_round_on_every_device(executor):
     h = plan.fit(tiny_data(8 * 8), 1, shuffle=False, progress=False, hooks=[snap],
                  policies=[At(3, lr=0.2)], metrics_every=None)
     assert [p.changes for p in h.policy] == [{"lr": 0.2}] and h.policy[0].round == 3
-    mu = plan.sync.central_momentum
-    alpha = 0.8 * 2 * (1 + mu) / (1 + 2 + mu)  # the default at k = 2: 0.8 of the pull's bound
+    alpha = default_alpha(2, plan.sync.central_momentum)
     factors = rule_lrs(1.0, [2] * 8, 4, 64)  # SMA's η rule at k = 2 (1 → √2) times the policy's
     for t in range(1, 6):
         lr = (0.2 if t >= 3 else 0.05) * factors[t]  # snapshot t is after round t+1

@@ -14,6 +14,7 @@ from crossbow_graph.training.data import BatchSchedule
 from crossbow_graph.training.hooks import Hook
 
 from _reference import batches_of, eager_steps
+from _reference import default_alpha as default_alpha_for  # default_alpha: the test's flag
 
 FAST = settings(max_examples=12, deadline=None)
 F = nn.functional
@@ -83,8 +84,7 @@ def test_sma_update_and_identical_central_models(devices, replicas, opt, b, defa
     sync = cg.SMA(alpha=None if default_alpha else alpha, central_momentum=mu, sync_every=tau)
     plan = cg.compile(model(), (torch.zeros(1, 3),), F.cross_entropy, batch_size=b, devices=devices,
                       replicas=replicas, optimizer=opt, sync=sync)
-    # the default: 0.8 of the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z) (design §2)
-    oracle = SmaOracle(0.8 * 2 * (1 + mu) / (1 + k + mu) if default_alpha else alpha, mu, tau)
+    oracle = SmaOracle(default_alpha_for(k, mu) if default_alpha else alpha, mu, tau)
     plan.fit(data(k * b * 4, seed=1), 1, progress=False, hooks=[oracle])
     assert oracle.checked == 4 // tau
     for s in plan.states:

@@ -8,6 +8,7 @@ import torch
 from crossbow_graph.training.checkpoint import load_plan_state_dict, plan_state_dict
 from crossbow_graph.training.reshard import saved_learners, saved_world_size, split_for_ranks
 from _plans import TinyBN, make_plan, tiny_data
+from _reference import default_alpha
 
 M = 2
 
@@ -94,8 +95,8 @@ def test_one_rank_keeps_rank_0s_learners_and_loads_into_a_plan():
     s = plan.states[0]
     assert torch.equal(s.w, saved["w"]) and torch.equal(s.z, saved["z"])
     assert torch.equal(s.z_prev, saved["z_prev"]) and torch.equal(s.optim_rows.age, saved["optimizer_rows"]["age"])
-    mu = plan.sync.central_momentum  # α re-derived for k = M: 0.8 of the pull's bound (design §2)
-    assert plan.settings.alpha_for(plan.num_learners) == pytest.approx(0.8 * 2 * (1 + mu) / (1 + M + mu))
+    assert plan.settings.alpha_for(plan.num_learners) == pytest.approx(
+        default_alpha(M, plan.sync.central_momentum))  # α re-derived for k = M
 
 
 def test_as_many_ranks_get_their_own_saved_state_unchanged():

@@ -11,7 +11,7 @@ from crossbow_graph.engine.learning.learners import learn_group, seed_rng
 from crossbow_graph.training.hooks import Hook
 
 from _plans import TinyBN, TinyDrop, TinyNet, make_plan, tiny_data
-from _reference import batches_of, flat, reference_sma
+from _reference import batches_of, default_alpha, flat, reference_sma
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -97,9 +97,8 @@ class _Resize(Hook):
         for r in range(old_m, m):
             torch.testing.assert_close(s.w[r], z, rtol=0, atol=0)  # cloned from z
             assert s.v[r].abs().sum() == 0  # zeroed momentum
-        k, mu = plan.num_learners, plan.sync.central_momentum  # α: 0.8 of the pull's bound (§2)
         assert plan.rounds.round_env(0, None, True).alpha == pytest.approx(
-            0.8 * 2 * (1 + mu) / (1 + k + mu) if k > 1 else 0)
+            default_alpha(plan.num_learners, plan.sync.central_momentum))
         learns = [n for n, t in plan.task_graph.nodes(data="task") if t.kind is TaskKind.LEARN]
         assert len(learns) == m * len(plan.devices)
         self.checked += 1

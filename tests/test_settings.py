@@ -16,6 +16,7 @@ from crossbow_graph.training.hooks import Hook
 from crossbow_graph.tuning.metrics import MetricsMonitor
 from crossbow_graph.tuning.policies import Adjustment, Policy
 from _plans import TinyBN, make_plan, tiny_data
+from _reference import default_alpha
 
 CHANGES = dict(lr=0.02, batch_size=8, alpha=0.3, sync_every=2, replicas_per_device=2,
                learner_mode="fused")
@@ -76,8 +77,7 @@ def _assert_agree(plan: cg.Plan, want: dict) -> None:
                       if v != (want[k] * factor if (reader, k) == ("a round", "lr") else want[k])}
              for reader, seen in _readers(plan).items()}
     assert not any(wrong.values()), wrong
-    k, mu = plan.num_learners, plan.sync.central_momentum
-    default = 0.8 * 2 * (1 + mu) / (1 + k + mu)  # 0.8 of the pull's stability bound (design §2)
+    default = default_alpha(plan.num_learners, plan.sync.central_momentum)
     assert plan.rounds.round_env(0, None, True).alpha == pytest.approx(
         default if want["alpha"] is None else want["alpha"], rel=1e-12)  # in use
 

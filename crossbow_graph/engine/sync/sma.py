@@ -81,7 +81,7 @@ class SMA(SyncAlgorithm):
         if num_learners == 1:
             return 0.0
         if self.alpha is None:
-            return min(1.0, PULL_SHARE * pull_bound(num_learners, self.central_momentum))
+            return PULL_SHARE * pull_bound(num_learners, self.central_momentum)
         return self.alpha
 
     @property
