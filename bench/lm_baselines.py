@@ -197,7 +197,8 @@ def _alpha(config: dict) -> float | None:
     k = config["k"]
     if k == 1:
         return None
-    return min(1.0, config["bound"] * pull_bound(k, 0.9)) if config["bound"] else 1.0 / k
+    mu_z = cg.SMA.central_momentum  # SMA's default μ_z
+    return min(1.0, config["bound"] * pull_bound(k, mu_z)) if config["bound"] else 1.0 / k
 
 
 def _compile(config: dict, model: torch.nn.Module, example: torch.Tensor, executor: str):

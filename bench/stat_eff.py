@@ -65,6 +65,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import sma_rules  # noqa: E402  (bench/sma_rules.py: the runners, one run per process)
 from crossbow_graph.training.sma_lr import lr_factor_for  # noqa: E402  (SMA's η rule, s(k))
+from crossbow_graph.engine.sync.sma import PULL_SHARE  # noqa: E402  (SMA's default α: a share of the bound)
 import tta  # noqa: E402  (bench/tta.py: the robustness runs' runners)
 
 __all__ = ["job_lines", "collect", "summarise", "markdown", "plot", "robustness_jobs", "main"]
@@ -83,7 +84,7 @@ WORKLOADS = {
                title="ResNet-20 (widths 8/16/32) on Fashion-MNIST 28×28, b = 16 per learner"),
 }
 LR, TARGETS = WORKLOADS["w1"]["lr"], WORKLOADS["w1"]["targets"]
-DEFAULT_ALPHA = "bound:0.8"  # SMA()'s α as sma_rules' --alpha (engine/sync/sma.py, PULL_SHARE)
+DEFAULT_ALPHA = f"bound:{PULL_SHARE:g}"  # SMA()'s α as sma_rules' --alpha
 
 
 def ssgd_grid(k: int) -> list[float]:
