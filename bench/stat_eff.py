@@ -509,12 +509,13 @@ def robustness_jobs(bs=(4, 8, 16, 32, 64)) -> list[tuple[str, int, dict]]:
     return jobs
 
 
-def robustness(out: str, epochs: int, train_samples: int | None) -> int:
-    """The final test accuracy after ``epochs`` over b ∈ {4, …, 64} with the lr left at 0.02,
+def robustness(out: str, epochs: int, train_samples: int | None,
+               bs=(4, 8, 16, 32, 64)) -> int:
+    """The final test accuracy after ``epochs`` over b ∈ ``bs`` with the lr left at 0.02,
     one ``bench/tta.py`` subprocess per run, to ``out`` (JSON) after every run."""
     runs = []
-    for system, b, spec in robustness_jobs():
-        job = dict(spec=spec, workload="w1", seed=0, max_epochs=epochs, target=1.01,
+    for system, b, spec in robustness_jobs(bs):
+        job = dict(spec=spec, workload="w1", seed=0, max_epochs=epochs, target=1.0,  # no stop
                    evals_per_epoch=4, max_train_s=None, train_samples=train_samples)
         res = tta.run_in_subprocess(job, 900)
         runs.append(dict(system=system, x=b, seed=0, spec=spec, result=res))

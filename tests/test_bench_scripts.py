@@ -240,6 +240,21 @@ def test_report_prints_its_tables_without_matplotlib():
     assert plots.returncode != 0 and "plots need matplotlib: pip install" in plots.stderr
 
 
+def test_stat_eff_robustness_runs_both_systems_to_the_end(tmp_path):
+    """``bench/stat_eff.py --robustness`` on 320 MNIST images at b = 16: both systems train the
+    whole epoch (no target stops them, none is rejected) and report a final accuracy."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import stat_eff
+    out = str(tmp_path / "robustness.json")
+    assert stat_eff.robustness(out, epochs=1, train_samples=320, bs=(16,)) == 0
+    with open(out) as f:
+        runs = json.load(f)["runs"]
+    assert [r["system"] for r in runs] == ["crossbow", "plain"]
+    for r in runs:
+        assert "error" not in r["result"], r["result"]
+        assert 0.0 <= r["result"]["final_accuracy"] <= 1.0
+
+
 @pytest.mark.skipif(not os.path.isfile("/usr/share/games/fortunes/fortunes"),
                     reason="Debian packages fortunes and fortunes-min not installed (bash "
                            "scripts/setup.sh installs them)")
