@@ -218,9 +218,10 @@ def plot_robustness(path: str, out: str) -> str:
     """Final test accuracy against b with the learning rate left at 0.02."""
     d = _load(path)
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    labels = {"crossbow": "crossbow_graph defaults (SMA, 2×2 learners of b)",
+    labels = {"crossbow": "crossbow_graph defaults (SMA, 2×2 learners of b, η rule: 2 × 0.02)",
+              "crossbow-lr-as-set": "the same at the lr as set (SMA(scale_lr=False))",
               "plain": "plain PyTorch SGD at batch b"}
-    for system, fmt in (("crossbow", "o-"), ("plain", "s--")):
+    for system, fmt in (("crossbow", "o-"), ("crossbow-lr-as-set", "^:"), ("plain", "s--")):
         rows = sorted((r for r in d["runs"] if r["system"] == system and "error" not in r["result"]),
                       key=lambda r: r["x"])
         if rows:

@@ -84,7 +84,7 @@ def robustness_table(path: str) -> str:
     lines = [f"`{d['command']}` (test accuracy after {run_length(d)}, lr 0.02)", "",
              "| system | " + " | ".join(f"b={b}" for b in bs) + " |",
              "|---|" + "---|" * len(bs)]
-    for system in ("crossbow", "plain"):
+    for system in dict.fromkeys(r["system"] for r in d["runs"]):  # in the order run
         cells = []
         for b in bs:
             r = next((r for r in d["runs"] if r["system"] == system and r["x"] == b), None)

@@ -54,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
@@ -499,12 +500,14 @@ def gpt_report() -> int:
 
 
 def robustness_jobs(bs=(4, 8, 16, 32, 64)) -> list[tuple[str, int, dict]]:
-    """(system, b, spec) of the robustness runs (bench/tta.py's specs): crossbow_graph's CLI
-    defaults (2 devices × 2 replicas, SMA, its η rule) and plain PyTorch at b, lr 0.02 for both."""
+    """(system, b, spec) of the robustness runs (bench/tta.py's specs), lr 0.02 for every one:
+    crossbow_graph's defaults (2 devices × 2 replicas, SMA, its η rule: 4 learners at 2 × 0.02),
+    the same at the lr as set (``SMA(scale_lr=False)``) and plain PyTorch at b."""
     jobs = []
     for b in bs:
-        jobs.append(("crossbow", b, dict(kind="crossbow", batch=b, lr=0.02, devices=2, replicas=2,
-                                         sync="sma")))
+        sma = dict(kind="crossbow", batch=b, lr=0.02, devices=2, replicas=2, sync="sma")
+        jobs.append(("crossbow", b, sma))
+        jobs.append(("crossbow-lr-as-set", b, dict(sma, scale_lr=False)))
         jobs.append(("plain", b, tta._plain(b, lr=0.02, threads=1)))
     return jobs
 
@@ -513,16 +516,18 @@ def robustness(out: str, epochs: int, train_samples: int | None,
                bs=(4, 8, 16, 32, 64)) -> int:
     """The final test accuracy after ``epochs`` over b ∈ ``bs`` with the lr left at 0.02,
     one ``bench/tta.py`` subprocess per run, to ``out`` (JSON) after every run."""
+    meta = dict(when=time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), part="robustness",
+                workload="w1", seeds=[0], max_epochs=epochs, train_samples=train_samples,
+                command=" ".join(["python bench/stat_eff.py", *sys.argv[1:]]))
     runs = []
     for system, b, spec in robustness_jobs(bs):
         job = dict(spec=spec, workload="w1", seed=0, max_epochs=epochs, target=1.0,  # no stop
                    evals_per_epoch=4, max_train_s=None, train_samples=train_samples)
         res = tta.run_in_subprocess(job, 900)
         runs.append(dict(system=system, x=b, seed=0, spec=spec, result=res))
-        print(f"{system:<9} b={b:<3} {res.get('final_accuracy', res.get('error'))}", flush=True)
+        print(f"{system:<18} b={b:<3} {res.get('final_accuracy', res.get('error'))}", flush=True)
         with open(out, "w") as f:
-            json.dump(dict(part="robustness", workload="w1", epochs=epochs,
-                           train_samples=train_samples, runs=runs), f, indent=1)
+            json.dump(dict(meta, runs=runs), f, indent=1)
     return 0
 
 

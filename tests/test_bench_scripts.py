@@ -249,10 +249,12 @@ def test_stat_eff_robustness_runs_both_systems_to_the_end(tmp_path):
     assert stat_eff.robustness(out, epochs=1, train_samples=320, bs=(16,)) == 0
     with open(out) as f:
         runs = json.load(f)["runs"]
-    assert [r["system"] for r in runs] == ["crossbow", "plain"]
+    assert [r["system"] for r in runs] == ["crossbow", "crossbow-lr-as-set", "plain"]
     for r in runs:
         assert "error" not in r["result"], r["result"]
         assert 0.0 <= r["result"]["final_accuracy"] <= 1.0
+    import report
+    assert "| crossbow-lr-as-set |" in report.robustness_table(out)  # the report reads it
 
 
 @pytest.mark.skipif(not os.path.isfile("/usr/share/games/fortunes/fortunes"),
