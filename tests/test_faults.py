@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
+from crossbow_graph.engine.learning.faults import FaultEvent, FaultMonitor
 from crossbow_graph.errors import DivergenceError, TaskError
 from crossbow_graph.training.checkpoint import load_latest
 from crossbow_graph.training.hooks import Hook
@@ -294,6 +295,56 @@ def test_after_divergence_with_no_healthy_checkpoint_a_resume_starts_afresh(tmp_
     fresh.fit(_scale_10_data(), 1, progress=False)
     assert not history.faults and history.lr == [1e-3] * 32
     assert torch.equal(resumed.central_weights(), fresh.central_weights())
+
+
+
+def test_replicas_faulty_in_turn_from_a_blown_up_z_is_divergence():
+    """η raised to 1.0 after round 13 at SMA's default α, k = 2: z blows up but stays finite, and
+    from round 20 the two replicas fault in turn, one per round, each reset from z and faulty
+    again; no round has both. Once each has failed twice with no round free of faults between,
+    DivergenceError stops the fit in place of a run that ends with an infinite training loss."""
+    plan = _linear_plan(optimizer=cg.SGD(lr=1e-3, momentum=0.9), sync=cg.SMA(scale_lr=False))
+    with pytest.raises(DivergenceError, match=r"all 2 replicas have NaN/Inf gradients in rounds "
+                                              r"(\d+)–(\d+), twice each") as err:
+        plan.fit(_scale_10_data(), 2, progress=False, policies=[_RaiseLr()])
+    first, last = map(int, re.search(r"rounds (\d+)–(\d+)", str(err.value)).groups())
+    assert err.value.round_index == last and last - first == 3
+    assert "the central model z is finite" in str(err.value)
+
+
+class _Gather:
+    """A torchrun group's all-gather of the ranks' fault events, as ``share`` calls it."""
+
+    rank, is_main = 0, True
+
+    def __init__(self, other: list) -> None:
+        self.other = other  # rank 1's events of the round
+
+    def all_gather_object(self, mine, what, round_index):
+        return [mine, self.other]
+
+
+def _share(monitor, round_index, mine=(), other=()):
+    monitor.pending = [FaultEvent(round=round_index, device="cpu:0", replica=r, rank=0)
+                       for r in mine]
+    other = [FaultEvent(round=round_index, device="cpu:0", replica=r, rank=1) for r in other]
+    monitor.share(_Gather(other), round_index, num_learners=4, z=torch.zeros(3))
+
+
+def test_the_ranks_count_faults_in_turn_over_every_rank():
+    """Under torchrun (2 ranks × 2 learners): faults one rank at a time in rounds 5–8 cover every
+    learner once, and a round free of faults ends the run; twice each in rounds 10–13 stops every
+    rank, at the round where the last learner fails for the second time."""
+    monitor = FaultMonitor()
+    for t, mine, other in [(5, [0], []), (6, [], [0]), (7, [1], []), (8, [], [1])]:
+        _share(monitor, t, mine, other)  # once each: not yet divergence
+    _share(monitor, 9)  # no fault: the run ends
+    for t, mine, other in [(10, [0, 1], []), (11, [], [0, 1]), (12, [0, 1], [])]:
+        _share(monitor, t, mine, other)
+    with pytest.raises(DivergenceError, match=r"in rounds 10–13, twice each .* on ranks 0, 1"):
+        _share(monitor, 13, [], [0, 1])
+    assert [(e.round, e.rank) for e in monitor.events] == [  # rank 1's, as they were shared
+        (6, 1), (8, 1), (11, 1), (11, 1), (13, 1), (13, 1)]
 
 
 # -- Ctrl-C to the coordinator alone -------------------------------------------------------------

@@ -47,13 +47,13 @@ class FaultMonitor:
         self.events: list[FaultEvent] = []
         self.pending: list[FaultEvent] = []
         self._taken = 0  # events handed out by ``take_new``
-        self._round = -1
-        self._faulty_in_round = 0
+        self._streak = _Streak()  # this process's replicas
+        self._shared = _Streak()  # every rank's, under torchrun
 
     def new_plan(self) -> None:
         """A new task graph: its events start afresh; this rank's unshared ones go on."""
         self.events, self._taken = [], 0
-        self._round, self._faulty_in_round = -1, 0
+        self._streak, self._shared = _Streak(), _Streak()
 
     def take_new(self) -> list[FaultEvent]:
         """The events recorded since the last call (a round's result)."""
@@ -180,13 +180,11 @@ class FaultMonitor:
         the DivergenceError's finiteness check; default ``state.z`` as it is.
 
         Raises:
-            DivergenceError: every one of the round's k learners has been faulty (this process's
-                count; under torchrun ``share`` counts every rank's)."""
+            DivergenceError: every one of the k learners faulty in one round, or twice in a run
+                of rounds that each had a fault (``_Streak``; this process's count; under
+                torchrun ``share`` counts every rank's)."""
         if not rows:
             return
-        if round_index != self._round:
-            self._round, self._faulty_in_round = round_index, 0
-        self._faulty_in_round += len(rows)
         where = _where(state.name, rank)
         for r in rows:
             event = FaultEvent(round=round_index, device=state.name, replica=r, rank=rank or 0)
@@ -194,9 +192,11 @@ class FaultMonitor:
             if rank is not None:
                 self.pending.append(event)
             log.warning(_FAULT, round_index, r, where)
-        if self._faulty_in_round >= num_learners:
-            raise _diverged(num_learners, round_index, f"last on {where}", settled_z or state.z,
-                            task_id=f"local_sync:{state.name}", device=state.name)
+        rounds = self._streak.add(round_index, [(state.name, r) for r in rows], num_learners)
+        if rounds:
+            raise _diverged(num_learners, rounds, f"last on {where}",
+                            settled_z or state.z, task_id=f"local_sync:{state.name}",
+                            device=state.name, round_index=round_index)
 
     def share(self, comm: Any, round_index: int, num_learners: int,
               z: torch.Tensor | Callable[[], torch.Tensor]) -> None:
@@ -205,8 +205,9 @@ class FaultMonitor:
         returning it): its finiteness goes in a DivergenceError's message.
 
         Raises:
-            DivergenceError: on every rank alike, when the events of one round, over every rank,
-                cover all ``num_learners`` (k) learners; before z is updated.
+            DivergenceError: on every rank alike, when the events of every rank show all
+                ``num_learners`` (k) learners faulty as ``record`` counts them; before z is
+                updated.
             DistributedError: a peer died or did not answer."""
         gathered = comm.all_gather_object(self.pending, "the all-gather of the ranks' faults",
                                           round_index)
@@ -217,13 +218,48 @@ class FaultMonitor:
             self.events.extend(events)
             for e in events if comm.is_main else ():
                 log.warning(_FAULT, e.round, e.replica, _where(e.device, e.rank))
-        everyone = [e for events in gathered for e in events]
-        failed = [t for t, n in Counter(e.round for e in everyone).items() if n >= num_learners]
-        if failed:
-            t = min(failed)
-            ranks = ", ".join(str(r) for r in sorted({e.rank for e in everyone if e.round == t}))
-            raise _diverged(num_learners, t, f"on ranks {ranks}", z, task_id="global_sync",
-                            device=f"rank {comm.rank}")
+        everyone = sorted((e for events in gathered for e in events), key=lambda e: e.round)
+        for t in sorted({e.round for e in everyone}):
+            now = [e for e in everyone if e.round == t]
+            rounds = self._shared.add(t, [(e.rank, e.device, e.replica) for e in now],
+                                      num_learners)
+            if rounds:
+                ranks = ", ".join(str(r) for r in sorted(self._shared.ranks()))
+                raise _diverged(num_learners, rounds, f"on ranks {ranks}", z,
+                                task_id="global_sync", device=f"rank {comm.rank}", round_index=t)
+
+
+class _Streak:
+    """The faults of an unbroken run of rounds that each had one (faults are tested at every
+    round's local synchronisation, so a round with none ends the run): training has diverged
+    when every one of the k learners is faulty in one round, or when every one has been faulty
+    twice in the run, that is reset from z and faulty again (a blown-up z, still finite, that
+    no replica trains from)."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, set] = {}  # round → the learner ids faulty in it
+        self.times: Counter = Counter()  # learner id → its faults in the run
+
+    def add(self, round_index: int, learners: list[tuple], num_learners: int) -> str | None:
+        """The faulty ``learners`` (ids) of round ``round_index`` (also one of the run's rounds
+        shared late, or the one before it); returns where the run has diverged (the error's
+        words), or None."""
+        if self.rounds and not min(self.rounds) - 1 <= round_index <= max(self.rounds) + 1:
+            self.rounds, self.times = {}, Counter()
+        now = self.rounds.setdefault(round_index, set())
+        for learner in set(learners) - now:
+            now.add(learner)
+            self.times[learner] += 1
+        if len(now) >= num_learners:
+            return f"in round {round_index}"
+        if len(self.times) >= num_learners and min(self.times.values()) >= 2:
+            return (f"in rounds {min(self.rounds)}–{max(self.rounds)}, twice each with no round "
+                    "free of faults between: each reset from z and faulty again")
+        return None
+
+    def ranks(self) -> set[int]:
+        """The ranks of the run's learners (ids of ``share``: (rank, device, replica))."""
+        return {learner[0] for learner in self.times}
 
 
 def _far_from_z(state: DeviceState, r0: int, r1: int, max_divergence: float) -> torch.Tensor:
@@ -241,12 +277,12 @@ def _where(device: str, rank: int | None) -> str:
     return device if rank is None else f"{device} of rank {rank}"
 
 
-def _diverged(num_learners: int, round_index: int, where: str,
-              z: torch.Tensor | Callable[[], torch.Tensor], *, task_id: str,
-              device: str) -> DivergenceError:
-    """The DivergenceError of round ``round_index``; it says whether ``z [P]`` (or what the
-    function ``z`` returns) is finite (every replica is reset to z, so a non-finite z makes every
-    learner fail)."""
+def _diverged(num_learners: int, rounds: str, where: str,
+              z: torch.Tensor | Callable[[], torch.Tensor], *, task_id: str, device: str,
+              round_index: int) -> DivergenceError:
+    """The DivergenceError of round ``round_index`` (``rounds``: where, in words); it says
+    whether ``z [P]`` (or what the function ``z`` returns) is finite (every replica is reset to
+    z, so a non-finite z makes every learner fail)."""
     if callable(z):
         z = z()
     bad = int((~torch.isfinite(z)).sum())  # one read, on the way out
@@ -263,7 +299,7 @@ def _diverged(num_learners: int, round_index: int, where: str,
                  "by zero and the data for NaN, then resume (fit(..., resume=True) continues "
                  "from the newest healthy checkpoint)")
     return DivergenceError(
-        f"training diverged: all {num_learners} replicas have NaN/Inf gradients in round "
-        f"{round_index} (or a NaN/Inf loss, or diverged; {where}); {state}",
+        f"training diverged: all {num_learners} replicas have NaN/Inf gradients {rounds} "
+        f"(or a NaN/Inf loss, or diverged; {where}); {state}",
         task_id=task_id, device=device, round_index=round_index,
     )
