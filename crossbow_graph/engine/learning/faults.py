@@ -180,9 +180,8 @@ class FaultMonitor:
         the DivergenceError's finiteness check; default ``state.z`` as it is.
 
         Raises:
-            DivergenceError: every one of the k learners faulty in one round, or twice in a run
-                of rounds that each had a fault (``_Streak``; this process's count; under
-                torchrun ``share`` counts every rank's)."""
+            DivergenceError: as ``_Streak`` finds, of this process's learners (under torchrun
+                ``share`` counts every rank's)."""
         if not rows:
             return
         where = _where(state.name, rank)
@@ -205,9 +204,8 @@ class FaultMonitor:
         returning it): its finiteness goes in a DivergenceError's message.
 
         Raises:
-            DivergenceError: on every rank alike, when the events of every rank show all
-                ``num_learners`` (k) learners faulty as ``record`` counts them; before z is
-                updated.
+            DivergenceError: on every rank alike, as ``_Streak`` finds over every rank's
+                learners; before z is updated.
             DistributedError: a peer died or did not answer."""
         gathered = comm.all_gather_object(self.pending, "the all-gather of the ranks' faults",
                                           round_index)
@@ -230,20 +228,15 @@ class FaultMonitor:
 
 
 class _Streak:
-    """The faults of an unbroken run of rounds that each had one (faults are tested at every
-    round's local synchronisation, so a round with none ends the run): training has diverged
-    when every one of the k learners is faulty in one round, or when every one has been faulty
-    twice in the run, that is reset from z and faulty again (a blown-up z, still finite, that
-    no replica trains from)."""
+    """The faults of a run of rounds that each had one (every round tests): diverged when all k
+    learners fail in one round, or each twice in the run (reset from z and faulty again)."""
 
     def __init__(self) -> None:
         self.rounds: dict[int, set] = {}  # round → the learner ids faulty in it
         self.times: Counter = Counter()  # learner id → its faults in the run
 
     def add(self, round_index: int, learners: list[tuple], num_learners: int) -> str | None:
-        """The faulty ``learners`` (ids) of round ``round_index`` (also one of the run's rounds
-        shared late, or the one before it); returns where the run has diverged (the error's
-        words), or None."""
+        """Round ``round_index``'s faulty ``learners`` (ids); where it diverged, or None."""
         if self.rounds and not min(self.rounds) - 1 <= round_index <= max(self.rounds) + 1:
             self.rounds, self.times = {}, Counter()
         now = self.rounds.setdefault(round_index, set())
@@ -257,8 +250,7 @@ class _Streak:
                     "free of faults between: each reset from z and faulty again")
         return None
 
-    def ranks(self) -> set[int]:
-        """The ranks of the run's learners (ids of ``share``: (rank, device, replica))."""
+    def ranks(self) -> set[int]:  # of ``share``'s ids: (rank, device, replica)
         return {learner[0] for learner in self.times}
 
 
