@@ -200,8 +200,8 @@ class CosineLR(_EpochSchedule):
 
 class DivergenceGuard(Policy):
     """Reset replicas that diverge from z or whose loss explodes (docs/policies.md,
-    DivergenceGuard); resets are FaultEvents, every learner failing in one round raises
-    DivergenceError (engine/learning/faults.py).
+    DivergenceGuard); resets are FaultEvents, and every learner failing in one round, or each
+    twice in rounds that all had one, raises DivergenceError (engine/learning/faults.py).
 
     Args:
         max_divergence: threshold on ‖ŵ_j − z‖/‖z‖ (> 0); None: only the loss check.
