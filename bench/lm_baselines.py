@@ -9,7 +9,8 @@ A configuration is ``SYSTEM`` followed by ``:key=value`` settings (``adamw:b=4:l
 * ``sma-adamw`` / ``sma-sgd``: ``crossbow_graph.compile(models.gpt(), ...)`` with k learners of b
   windows each, SMA (α = 1/k or by ``bound``, μ_z = 0.9), the same optimizer per learner;
 * ``diloco-adamw`` / ``diloco-sgd``: the same with ``sync=DiLoCo(sync_every=H)`` (Nesterov outer
-  step, lr 0.7, momentum 0.9).
+  step, lr 0.7, momentum 0.9); ``localsgd-adamw`` / ``localsgd-sgd``: ``sync=LocalSGD(sync_every=H)``
+  (the learners' mean every H rounds); both at the lr as set.
 
 Keys: ``k`` learners (1), ``b`` windows per learner (4), ``lr`` peak (1e-3), ``beta2`` (0.99),
 ``mom`` (0), ``wd`` (0.1 for AdamW, 0 for SGD), ``H`` (8), ``scale`` (1: SMA's η rule, the
@@ -25,7 +26,8 @@ the model (z) on ``--val-windows`` evenly spread windows of the validation split
 the start and every ``--eval-every`` tokens; the run stops at the first evaluation at or below
 ``--target`` (crossbow_graph: ``fit(target_loss=)``) or at ``--cap-tokens``. Seconds are training seconds (evaluation excluded).
 crossbow_graph runs with ``--executor process`` on 2 CPU devices (k/2 learners each, one process
-per device) or ``inline`` on one device in this process (one thread); DiLoCo runs inline.
+per device) or ``inline`` on one device in this process (one thread); DiLoCo and LocalSGD run
+inline.
 
     nice -n 19 python bench/lm_baselines.py --configs adamw:b=4:lr=1e-3 sma-adamw:k=4:b=2:lr=1e-3 \\
         --seeds 0 1 2 --target 2.4
@@ -72,7 +74,8 @@ __all__ = ["SYSTEMS", "parse", "lr_factor", "centre_lr", "grid", "val_loss", "ru
 
 RUNS = os.path.join(BENCH, "runs")  # raw runs, not committed
 _PER_SEED = ("seeds", "tokens", "seconds", "final", "tps")  # a summary row's lists, one per seed
-SYSTEMS = ("adamw", "sgd", "sma-adamw", "sma-sgd", "diloco-adamw", "diloco-sgd")
+SYSTEMS = ("adamw", "sgd", "sma-adamw", "sma-sgd", "diloco-adamw", "diloco-sgd", "localsgd-adamw",
+           "localsgd-sgd")
 KEYS = dict(k=int, b=int, lr=float, beta2=float, mom=float, wd=float, H=int, scale=int, fused=int,
             bound=float)
 SCHEDULE_TOKENS = 2**20
@@ -204,7 +207,9 @@ def _alpha(config: dict) -> float | None:
 def _compile(config: dict, model: torch.nn.Module, example: torch.Tensor, executor: str):
     k = config["k"]
     devices = 2 if executor == "process" and config["system"].startswith("sma") and k % 2 == 0 else 1
-    sync = (cg.DiLoCo(sync_every=config["H"]) if config["system"].startswith("diloco")
+    system = config["system"]
+    sync = (cg.DiLoCo(sync_every=config["H"]) if system.startswith("diloco")
+            else cg.LocalSGD(sync_every=config["H"]) if system.startswith("localsgd")
             else cg.SMA(scale_lr=bool(config["scale"]), alpha=_alpha(config)))
     return cg.compile(model, (example,), cg.models.lm_loss, batch_size=config["b"],
                       replicas=k // devices, devices=devices,
@@ -447,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = (grid() if args.grid else []) + args.configs
     if args.smoke:
         configs = ["adamw:b=8:lr=3e-3", "sgd:b=2:lr=0.3", "sma-adamw:k=2:b=2:lr=3e-3",
-                   "diloco-adamw:k=2:b=2:lr=3e-3:H=2"]
+                   "diloco-adamw:k=2:b=2:lr=3e-3:H=2", "localsgd-adamw:k=2:b=2:lr=3e-3:H=2"]
         opts.update(schedule_tokens=4096, cap_tokens=4096, eval_every=2048, val_windows=8,
                     model_kw=SMALL)
     if not configs:

@@ -415,6 +415,12 @@ GPT_LINES = (
                                         "sma-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1")),
     ("AdamW at k·b, lr re-tuned, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975", "adamw:b=4:lr=1e-3",
                                               "adamw:b=8:lr=1.4e-3", "adamw:b=8:lr=7.1e-4")),
+    ("LocalSGD, AdamW, H = 4, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975",
+                                           "localsgd-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1:H=4",
+                                           "localsgd-adamw:k=32:b=1:lr=1e-3:beta2=0.9975:fused=1:H=4")),
+    ("DiLoCo, AdamW, H = 4, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975",
+                                         "diloco-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1:H=4",
+                                         "diloco-adamw:k=32:b=1:lr=1e-3:beta2=0.9975:fused=1:H=4")),
     ("SMA, AdamW, defaults, b = 4", 4, ("adamw:b=4:lr=1e-3",
                                          "sma-adamw:k=4:b=4:lr=1e-3:fused=1:bound=0.8",
                                          "sma-adamw:k=16:b=4:lr=1e-3:fused=1:bound=0.8")),
@@ -441,7 +447,7 @@ def gpt_summary(source: str = GPT_SOURCE) -> dict:
             if row is None:
                 continue
             config = lm_baselines.parse(text)
-            k = config["k"] if config["system"].startswith("sma") else config["b"] // b
+            k = config["b"] // b if config["system"] in ("adamw", "sgd") else config["k"]
             points.setdefault(str(k), []).append(dict(
                 config=text, seeds=row["seeds"], tokens=row["tokens"],
                 median=row["median_tokens"], final_loss=row["final"]))

@@ -261,8 +261,8 @@ def test_stat_eff_robustness_runs_both_systems_to_the_end(tmp_path):
                     reason="Debian packages fortunes and fortunes-min not installed (bash "
                            "scripts/setup.sh installs them)")
 def test_lm_baselines_smoke_records_validation_loss_against_tokens(tmp_path, capsys):
-    """bench/lm_baselines.py --smoke: plain AdamW and SGD, SMA (k = 2, b = 2) and DiLoCo on a
-    one-layer GPT for 4,096 tokens each, in ``--one`` subprocesses as every run (two at a time,
+    """bench/lm_baselines.py --smoke: plain AdamW and SGD, SMA (k = 2, b = 2), DiLoCo and LocalSGD
+    on a one-layer GPT for 4,096 tokens each, in ``--one`` subprocesses as every run (two at a time,
     ``--jobs 2``: the runs listed in their order all the same): the validation loss at the start
     and every 2,048 tokens, training seconds and tokens/s, the table; --report writes the summary
     and the plot."""
@@ -273,7 +273,8 @@ def test_lm_baselines_smoke_records_validation_loss_against_tokens(tmp_path, cap
     assert lm_baselines.main(["--smoke", "--jobs", "2", "--out", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["config"] for r in runs] == ["adamw:b=8:lr=3e-3", "sgd:b=2:lr=0.3",
-                                           "sma-adamw:k=2:b=2:lr=3e-3", "diloco-adamw:k=2:b=2:lr=3e-3:H=2"]
+                                           "sma-adamw:k=2:b=2:lr=3e-3", "diloco-adamw:k=2:b=2:lr=3e-3:H=2",
+                                           "localsgd-adamw:k=2:b=2:lr=3e-3:H=2"]
     for run in runs:
         assert [e["tokens"] for e in run["evals"]] == [0, 2048, 4096]
         assert run["evals"][-1]["val_loss"] < run["evals"][0]["val_loss"] and run["tokens_per_s"] > 0
