@@ -415,12 +415,9 @@ GPT_LINES = (
                                         "sma-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1")),
     ("AdamW at k·b, lr re-tuned, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975", "adamw:b=4:lr=1e-3",
                                               "adamw:b=8:lr=1.4e-3", "adamw:b=8:lr=7.1e-4")),
-    ("LocalSGD, AdamW, H = 4, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975",
-                                           "localsgd-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1:H=4",
-                                           "localsgd-adamw:k=32:b=1:lr=1e-3:beta2=0.9975:fused=1:H=4")),
-    ("DiLoCo, AdamW, H = 4, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975",
-                                         "diloco-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1:H=4",
-                                         "diloco-adamw:k=32:b=1:lr=1e-3:beta2=0.9975:fused=1:H=4")),
+    *((f"{name}, AdamW, H = 4, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975", *(
+        f"{system}:k={k}:b=1:lr=1e-3:beta2=0.9975:fused=1:H=4" for k in (8, 32))))
+      for name, system in (("LocalSGD", "localsgd-adamw"), ("DiLoCo", "diloco-adamw"))),
     ("SMA, AdamW, defaults, b = 4", 4, ("adamw:b=4:lr=1e-3",
                                          "sma-adamw:k=4:b=4:lr=1e-3:fused=1:bound=0.8",
                                          "sma-adamw:k=16:b=4:lr=1e-3:fused=1:bound=0.8")),
