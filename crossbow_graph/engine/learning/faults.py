@@ -216,11 +216,12 @@ class FaultMonitor:
             self.events.extend(events)
             for e in events if comm.is_main else ():
                 log.warning(_FAULT, e.round, e.replica, _where(e.device, e.rank))
-        everyone = sorted((e for events in gathered for e in events), key=lambda e: e.round)
-        for t in sorted({e.round for e in everyone}):
-            now = [e for e in everyone if e.round == t]
-            rounds = self._shared.add(t, [(e.rank, e.device, e.replica) for e in now],
-                                      num_learners)
+        by_round: dict[int, list[tuple]] = {}
+        for events in gathered:
+            for e in events:
+                by_round.setdefault(e.round, []).append((e.rank, e.device, e.replica))
+        for t in sorted(by_round):
+            rounds = self._shared.add(t, by_round[t], num_learners)
             if rounds:
                 ranks = ", ".join(str(r) for r in sorted(self._shared.ranks()))
                 raise _diverged(num_learners, rounds, f"on ranks {ranks}", z,
