@@ -205,9 +205,8 @@ def _alpha(config: dict) -> float | None:
 
 
 def _compile(config: dict, model: torch.nn.Module, example: torch.Tensor, executor: str):
-    k = config["k"]
-    devices = 2 if executor == "process" and config["system"].startswith("sma") and k % 2 == 0 else 1
-    system = config["system"]
+    k, system = config["k"], config["system"]
+    devices = 2 if executor == "process" and system.startswith("sma") and k % 2 == 0 else 1
     sync = (cg.DiLoCo(sync_every=config["H"]) if system.startswith("diloco")
             else cg.LocalSGD(sync_every=config["H"]) if system.startswith("localsgd")
             else cg.SMA(scale_lr=bool(config["scale"]), alpha=_alpha(config)))

@@ -505,7 +505,10 @@ def gpt_report() -> int:
     return 0
 
 
-def robustness_jobs(bs=(4, 8, 16, 32, 64)) -> list[tuple[str, int, dict]]:
+ROBUSTNESS_BS = (4, 8, 16, 32, 64)  # b per learner of the robustness runs
+
+
+def robustness_jobs(bs=ROBUSTNESS_BS) -> list[tuple[str, int, dict]]:
     """(system, b, spec) of the robustness runs (bench/tta.py's specs), lr 0.02 for every one:
     crossbow_graph's defaults (2 devices × 2 replicas, SMA, its η rule: 4 learners at 2 × 0.02),
     the same at the lr as set (``SMA(scale_lr=False)``) and plain PyTorch at b."""
@@ -518,13 +521,13 @@ def robustness_jobs(bs=(4, 8, 16, 32, 64)) -> list[tuple[str, int, dict]]:
     return jobs
 
 
-def robustness(out: str, epochs: int, train_samples: int | None,
-               bs=(4, 8, 16, 32, 64)) -> int:
+def robustness(out: str, epochs: int, train_samples: int | None, bs=ROBUSTNESS_BS,
+               command: str = "") -> int:
     """The final test accuracy after ``epochs`` over b ∈ ``bs`` with the lr left at 0.02,
-    one ``bench/tta.py`` subprocess per run, to ``out`` (JSON) after every run."""
+    one ``bench/tta.py`` subprocess per run, to ``out`` (JSON, with ``command``) after every run."""
     meta = dict(when=time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), part="robustness",
                 workload="w1", seeds=[0], max_epochs=epochs, train_samples=train_samples,
-                command=" ".join(["python bench/stat_eff.py", *sys.argv[1:]]))
+                command=command)
     runs = []
     for system, b, spec in robustness_jobs(bs):
         job = dict(spec=spec, workload="w1", seed=0, max_epochs=epochs, target=1.0,  # no stop
@@ -549,11 +552,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: final accuracy against b at lr 0.02 (robustness_jobs), to OUT")
     p.add_argument("--epochs", type=int, default=1, help="--robustness: epochs per run")
     p.add_argument("--train-samples", type=int, default=None, help="--robustness: first N")
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     if args.report:
         return gpt_report() if args.workload == "gpt" else report(args.workload)
     if args.robustness:
-        return robustness(args.robustness, args.epochs, args.train_samples)
+        return robustness(args.robustness, args.epochs, args.train_samples,
+                          command=" ".join(["python bench/stat_eff.py", *argv]))
     runs = collect()
     chosen = {k: _choose_mult(runs, k, TARGETS) for k in args.k}
     with tempfile.TemporaryDirectory() as tmp:  # the queue re-reads its file between runs

@@ -177,7 +177,7 @@ def run_crossbow(spec, train, test, *, model_name, seed, max_epochs, target, eva
                 max_train_s=math.inf) -> dict:
     """crossbow_graph with the CLI's defaults (``spec`` names b, lr, devices, replicas, sync)."""
     torch.manual_seed(seed)
-    sync = cg.SSGD() if spec["sync"] == "ssgd" else cg.SMA(scale_lr=spec.get("scale_lr", True))
+    sync = cg.SSGD() if spec["sync"] == "ssgd" else cg.SMA(scale_lr=spec.get("scale_lr", cg.SMA.scale_lr))
     plan = cg.compile(cg.models.get_model(model_name), (train.images[:1],),
                       torch.nn.functional.cross_entropy, batch_size=spec["batch"],
                       devices=spec["devices"], replicas=spec["replicas"],
