@@ -15,7 +15,8 @@ A configuration is ``SYSTEM`` followed by ``:key=value`` settings (``adamw:b=4:l
 Keys: ``k`` learners (1), ``b`` windows per learner (4), ``lr`` peak (1e-3), ``beta2`` (0.99),
 ``mom`` (0), ``wd`` (0.1 for AdamW, 0 for SGD), ``H`` (8), ``scale`` (1: SMA's η rule, the
 learners step at lr × √min(k, 16); 0: ``SMA(scale_lr=False)``, lr as set), ``bound`` (0: α = 1/k;
-f > 0: α = f × the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z), design §2). Tokens count every learner's
+f > 0: α = f × the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z), design §2; both with z's rate
+β = k·α, CROSSBOW's update), ``default`` (1: ``SMA()``'s α and β, design §2). Tokens count every learner's
 (k·b·128 a round); ``fused`` (0: one module per learner, ``learner_mode="per_replica"``;
 1: the k learners of a device as one vmapped module, ``learner_mode="fused"``). Every run: one intra-op thread per process; the learning rate warms up
 linearly over the first 5 % of ``--schedule-tokens`` and follows a cosine to a tenth of its peak
@@ -77,7 +78,7 @@ _PER_SEED = ("seeds", "tokens", "seconds", "final", "tps")  # a summary row's li
 SYSTEMS = ("adamw", "sgd", "sma-adamw", "sma-sgd", "diloco-adamw", "diloco-sgd", "localsgd-adamw",
            "localsgd-sgd")
 KEYS = dict(k=int, b=int, lr=float, beta2=float, mom=float, wd=float, H=int, scale=int, fused=int,
-            bound=float)
+            bound=float, default=int)
 SCHEDULE_TOKENS = 2**20
 EVAL_EVERY_TOKENS = 2**15
 VAL_WINDOWS = 128
@@ -92,7 +93,8 @@ def parse(text: str) -> dict:
     if system not in SYSTEMS:
         raise ValueError(f"{text!r}: SYSTEM is one of {', '.join(SYSTEMS)}")
     config = dict(system=system, k=1, b=4, lr=1e-3, beta2=0.99, mom=0.0,
-                  wd=0.1 if system.endswith("adamw") else 0.0, H=8, scale=1, fused=0, bound=0.0)
+                  wd=0.1 if system.endswith("adamw") else 0.0, H=8, scale=1, fused=0, bound=0.0,
+                  default=0)
     for pair in pairs:
         key, _, value = pair.partition("=")
         if key not in KEYS or not value:
@@ -196,9 +198,9 @@ class Abandon(cg.Hook):
 
 def _alpha(config: dict) -> float | None:
     """SMA's α for ``config``: 1/k (``bound`` 0) or ``bound`` × the pull's stability bound at
-    μ_z = 0.9, at most 1; None (unused) at k = 1."""
+    μ_z = 0.9, at most 1; None at k = 1 (unused) and with ``default`` (``SMA()``'s rule)."""
     k = config["k"]
-    if k == 1:
+    if k == 1 or config["default"]:
         return None
     mu_z = cg.SMA.central_momentum  # SMA's default μ_z
     return min(1.0, config["bound"] * pull_bound(k, mu_z)) if config["bound"] else 1.0 / k

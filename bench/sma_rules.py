@@ -26,9 +26,11 @@ Systems:
 
 The rule (sma):
 
-* ``--alpha``: ``inv`` (1/k; EASGD: its own β/k), ``inv:c`` (c/k), a number, ``sqrt:c``
-  (c/√k), or ``bound:f`` (f × the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z), design §2;
-  ``bound:0.8`` is the engine's default, ``SMA()``); at most 1;
+* ``--alpha``: ``default`` (``SMA()``'s rule: α = 0.8 of the pull's stability bound, at least
+  0.5, and z's rate β = k·α, at most 0.8 of its bound; design §2), ``inv`` (1/k; EASGD: its own
+  β/k), ``inv:c`` (c/k), a number, ``sqrt:c`` (c/√k), or ``bound:f`` (f × the pull's stability
+  bound 2(1 + μ_z)/(1 + k + μ_z)); at most 1; each but ``default`` with β = k·α (CROSSBOW's
+  update) unless ``--beta`` sets it;
 * ``--mu-z``: a number, or ``k:c`` (μ_z = 1 − c/k, at least 0.9);
 * ``--scale`` s(k): ``engine`` (the engine's default rule, ``SMA(scale_lr=True)``:
   √min(k, 16) ramped over 0.25 epoch, docs/design-overview.md §2; no LambdaLR), ``1``, ``sqrt``
@@ -148,8 +150,9 @@ class Rule:
         self.alpha_s, self.mu_s, self.scale_s, self.batch = alpha, mu_z, scale, batch
 
     def alpha(self, k: int) -> float | None:
-        """α for k learners, set explicitly (None at k = 1, where it is unused)."""
-        if k == 1:
+        """α for k learners, set explicitly (None at k = 1, where it is unused, and for
+        ``default``: ``SMA()``'s rule, α and β)."""
+        if k == 1 or self.alpha_s == "default":
             return None
         if self.alpha_s == "inv":
             return 1.0 / k
@@ -245,7 +248,7 @@ def engine_sync(args, rule: Rule, k: int):
     """The plan's sync algorithm for ``args.system`` at k learners (the module docstring)."""
     if args.system == "sma":
         return cg.SMA(alpha=rule.alpha(k), central_momentum=rule.mu_z(k),
-                      scale_lr=args.scale == "engine")
+                      scale_lr=args.scale == "engine", centre_rate=args.beta)
     if args.system == "allreduce":
         return cg.SSGD(scale_lr=args.scale == "engine")
     if args.scale == "engine":
@@ -357,7 +360,7 @@ def run_name(args) -> str:
     if args.system == "ssgd":
         tail = f"-m{args.lr_mult:g}"
     else:  # the system's own settings, then the η scale
-        tail = {"sma": f"-a{args.alpha}-mu{args.mu_z}",
+        tail = {"sma": f"-a{args.alpha}-mu{args.mu_z}" + (f"-beta{args.beta:g}" if args.beta else ""),
                 "easgd": f"-a{args.alpha}-beta{args.centre_rate:g}"}.get(args.system, "")
         tail += f"-s{args.scale}"
     tail += f"-w{args.warmup_epochs:g}"
@@ -510,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--mu-z", default="0.9")
     r.add_argument("--scale", default="1")
     r.add_argument("--centre-rate", type=float, default=0.9, help="easgd: β, z's rate")
+    r.add_argument("--beta", type=float, default=None, help="sma: z's rate β (None: k·α)")
     r.add_argument("--sync-every", type=int, default=1,
                    help="easgd, localsgd, diloco: H, rounds between synchronisations")
     r.add_argument("--warmup-epochs", type=float, default=0.0)

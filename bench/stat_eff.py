@@ -12,8 +12,10 @@ Systems of w1 and fm, b = 16 samples per learner per round, every run one single
 
 * ``sma``: crossbow_graph with the engine's defaults, one device × k fused replicas on the
   inline executor, the user's ``torch.optim.SGD(lr=η₁, momentum=0.9)`` with η₁ tuned at
-  k = 1: ``SMA()`` (α = 0.8 of the pull's stability bound, ``sma_rules.py run --alpha
-  bound:0.8``; μ_z = 0.9; η₁·√min(k, 16) ramped over 0.25 epoch). At k = 1 this is plain SGD
+  k = 1: ``SMA()`` (α = 0.8 of the pull's stability bound but at least 0.5, z's rate β = k·α
+  but at most 0.8 of its bound, ``sma_rules.py run --alpha default``; up to k = 4, where they
+  are the same, also the runs of ``--alpha bound:0.8``; μ_z = 0.9; η₁·√min(k, 16) ramped over
+  0.25 epoch). At k = 1 this is plain SGD
   at b (the same numbers: the rule is the identity there).
 * ``ssgd``: plain PyTorch S-SGD, one model at batch B = k·b (BatchNorm over all of it),
   re-tuned per k: peak lr η₁·m, Goyal et al.'s warm-up from η₁ over 0.5 epoch, over a grid of m
@@ -66,7 +68,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import sma_rules  # noqa: E402  (bench/sma_rules.py: the runners, one run per process)
 from crossbow_graph.training.sma_lr import lr_factor_for  # noqa: E402  (SMA's η rule, s(k))
-from crossbow_graph.engine.sync.sma import PULL_SHARE  # noqa: E402  (SMA's default α: a share of the bound)
+import crossbow_graph as cg  # noqa: E402
+from crossbow_graph.engine.sync.sma import PULL_SHARE, pull_bound  # noqa: E402  (SMA's default α: a share of the bound)
 import tta  # noqa: E402  (bench/tta.py: the robustness runs' runners)
 
 __all__ = ["job_lines", "collect", "summarise", "markdown", "plot", "robustness_jobs", "main"]
@@ -85,7 +88,9 @@ WORKLOADS = {
                title="ResNet-20 (widths 8/16/32) on Fashion-MNIST 28×28, b = 16 per learner"),
 }
 LR, TARGETS = WORKLOADS["w1"]["lr"], WORKLOADS["w1"]["targets"]
-DEFAULT_ALPHA = f"bound:{PULL_SHARE:g}"  # SMA()'s α as sma_rules' --alpha
+DEFAULT_ALPHA = "default"  # SMA()'s α and β as sma_rules' --alpha
+CROSSBOW_ALPHA = f"bound:{PULL_SHARE:g}"  # α = 0.8 of the pull's bound and β = k·α: SMA()'s where
+# α is above its floor (design §2), so its runs are the defaults' at those k
 
 
 def ssgd_grid(k: int) -> list[float]:
@@ -111,11 +116,18 @@ def job_lines(ks: list[int], seeds: list[int], ssgd_mult: dict[int, float]) -> l
     return lines
 
 
-def _default_config(k: int, workload: str) -> str:
-    """The configuration (a run name's, ``_config``) of SMA's defaults at k: α = 0.8 of the pull's
-    bound with the engine's η rule; at k = 1 plain SGD (the run named by ``--alpha inv``)."""
-    rule = "ainv-mu0.9-s1" if k == 1 else f"a{DEFAULT_ALPHA.replace(':', '_')}-mu0.9-sengine"
-    return f"sma-k{k}-b16-lr{WORKLOADS[workload]['lr']:g}-{rule}-w0"
+def _default_configs(k: int, workload: str) -> set[str]:
+    """The configurations (a run name's, ``_config``) of SMA's defaults at k: ``SMA()``'s α and β
+    with the engine's η rule, and α = 0.8 of the pull's bound where ``SMA()``'s α is that, above
+    its floor, with β = k·α (k ≤ 4 at μ_z = 0.9); at k = 1 plain SGD (``--alpha inv``)."""
+    head = f"sma-k{k}-b16-lr{WORKLOADS[workload]['lr']:g}-"
+    if k == 1:
+        return {head + "ainv-mu0.9-s1-w0"}
+    rules = [DEFAULT_ALPHA]
+    sma = cg.SMA()
+    if sma.alpha_for(k) == PULL_SHARE * pull_bound(k, sma.central_momentum) and sma.centre_gain(k) == 1:
+        rules.append(CROSSBOW_ALPHA)
+    return {f"{head}a{rule.replace(':', '_')}-mu0.9-sengine-w0" for rule in rules}
 
 
 def _is_rule_allreduce(a: dict, workload: str) -> bool:
@@ -163,7 +175,7 @@ def collect(workload: str = "w1", runs_dir: str = sma_rules.RUNS) -> list[dict]:
     for run in runs.values():
         if run["system"] == "sma":  # by its name: the committed runs' too
             run.pop("config", None)
-            if _config(run["name"]) != _default_config(run["k"], workload):
+            if _config(run["name"]) not in _default_configs(run["k"], workload):
                 run["config"] = _config(run["name"])
         run["to_target"] = sma_rules._firsts(run["evals"], [float(t) for t in w["targets"]], 0)
     return sorted(runs.values(), key=lambda r: r["name"])

@@ -59,7 +59,8 @@ class CompileOptions:
         "crossbow_graph.SGD(...) (docs/optimizers.md)"))
     sync: SyncAlgorithm = option(SMA(), doc=(
         "the sync algorithm (engine/sync/): SMA(...) (alpha=None: 0.8 of the pull's stability "
-        "bound 2(1 + μ_z)/(1 + k + μ_z); scale_lr=True: each "
+        "bound 2(1 + μ_z)/(1 + k + μ_z), at least 0.5; centre_rate=None: z's rate k·α, with "
+        "the default α at most 0.8·(1 + μ_z)(2 − α); scale_lr=True: each "
         "learner steps at the lr × √min(k, 16), ramped over 0.25 epoch after every change of k, "
         "False: the lr as set; docs/design-overview.md §2), SSGD() (the k learners' "
         "gradients averaged, one SGD step for every replica; scale_lr=True: SMA's η rule), DiLoCo(sync_every=H) (an outer "

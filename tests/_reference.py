@@ -66,9 +66,15 @@ def eager_steps(model: nn.Module, optimizer: torch.optim.Optimizer | Callable, b
 
 
 def default_alpha(k: int, central_momentum: float = 0.9) -> float:
-    """SMA's default α by the book: 0.8 of the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z)
-    (docs/design-overview.md §2); 0 for k = 1."""
-    return 0.0 if k == 1 else 0.8 * 2 * (1 + central_momentum) / (1 + k + central_momentum)
+    """SMA's default α by the book: 0.8 of the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z),
+    at least 0.5 (docs/design-overview.md §2); 0 for k = 1."""
+    return 0.0 if k == 1 else max(0.8 * 2 * (1 + central_momentum) / (1 + k + central_momentum), 0.5)
+
+
+def default_centre_rate(k: int, alpha: float, central_momentum: float = 0.9) -> float:
+    """SMA's default β (z's rate toward the replicas' mean) at the default α by the book: k·α, at
+    most 0.8 of its bound (1 + μ_z)(2 − α) (docs/design-overview.md §2)."""
+    return min(k * alpha, 0.8 * (1 + central_momentum) * (2 - alpha))
 
 
 def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: int | None = None,
@@ -76,16 +82,17 @@ def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: i
                   nesterov: bool = False, alpha: float | None = None, central_momentum: float = 0.9,
                   loss_fn=torch.nn.functional.cross_entropy, max_grad_norm: float | None = None,
                   frozen: tuple[int, ...] = (), scale_lr: bool = True,
-                  epoch_samples: int | None = None):
+                  epoch_samples: int | None = None, centre_rate: float | None = None):
     """Run SMA by the book (docs/design-overview.md §2) on copies of ``model``.
 
     Round t has ``ks[t]`` learners (or ``k`` learners in each of ``rounds`` rounds); its learners
     take the next batches of ``batches`` (a list of ``(x, y)``): learner j of round t takes
     ``batches[ks[0] + … + ks[t-1] + j]``. Each learner steps SGD (``weight_decay``, ``momentum``,
     ``nesterov`` as torch.optim.SGD) plus the correction α(w − z), α = 0.8·2(1 + μ_z)/(1 + k + μ_z)
-    (0.8 of the pull's stability bound) unless ``alpha`` is given (0 for k = 1, where z follows the
-    single replica); z moves by the sum of the corrections plus
-    ``central_momentum``·(z − z_prev). When k grows, new replicas are z with zero momentum; when it
+    (0.8 of the pull's stability bound, at least 0.5) unless ``alpha`` is given (0 for k = 1, where
+    z follows the single replica); z moves by β·(the replicas' mean − z) plus
+    ``central_momentum``·(z − z_prev), β = ``centre_rate``, else ``default_centre_rate`` with the
+    default α and k·α (the sum of the corrections) with ``alpha`` given. When k grows, new replicas are z with zero momentum; when it
     shrinks, the last replicas go. ``max_grad_norm``: each learner's gradient clipped by
     ``torch.nn.utils.clip_grad_norm_`` before its step. ``frozen``: replicas that neither learn nor
     are corrected (they keep their weights, their batches go unused; α's k still counts them).
@@ -118,7 +125,9 @@ def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: i
             bufs.append([None] * len(z))
         del replicas[k:], params[k:], bufs[k:]
         a = default_alpha(k, central_momentum) if alpha is None else (0.0 if k == 1 else alpha)
-        corrections = [torch.zeros_like(q) for q in z]
+        beta = centre_rate if centre_rate is not None else \
+            default_centre_rate(k, a, central_momentum) if alpha is None else k * a
+        offsets = [torch.zeros_like(q) for q in z]  # Σ_j (ŵ_j − z)
         for j, r in enumerate(replicas):
             if j in frozen:
                 continue
@@ -136,16 +145,16 @@ def reference_sma(model: nn.Module, batches, *, lr: float, momentum: float, k: i
                         u = d + momentum * bufs[j][i] if nesterov else bufs[j][i]
                     else:
                         u = d
-                    c = a * (p - z[i])
-                    corrections[i] += c
-                    p.sub_(lr * u + c)
+                    offsets[i] += p - z[i]
+                    p.sub_(lr * u + a * (p - z[i]))
         pos += k
         with torch.no_grad():
             if k == 1:
                 z_prev = z
                 z = [p.detach().clone() for p in params[0]]
             else:
-                new = [zi + ci + central_momentum * (zi - zpi) for zi, ci, zpi in zip(z, corrections, z_prev)]
+                new = [zi + (beta / k) * oi + central_momentum * (zi - zpi)
+                       for zi, oi, zpi in zip(z, offsets, z_prev)]
                 z_prev, z = z, new
     return z, replicas
 

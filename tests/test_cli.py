@@ -240,9 +240,9 @@ def test_sync_flags_are_generated_from_each_algorithms_fields(capsys):
     plan, _ = prepare_train(build_parser().parse_args(
         small + ["--sync", "easgd", "--alpha", "0.25", "--centre-rate", "0.5", "--sync-every", "2"]))
     assert plan.sync == cg.EASGD(alpha=0.25, centre_rate=0.5, sync_every=2)
-    assert main(small + ["--centre-rate", "0.5"]) == 2
-    assert ("--centre-rate with --sync sma: it is a setting of EASGD, not of SMA; drop "
-            "--centre-rate, or use --sync easgd") in capsys.readouterr().err
+    assert main(small + ["--sync", "local_sgd", "--centre-rate", "0.5"]) == 2
+    assert ("--centre-rate with --sync local_sgd: it is a setting of SMA, EASGD, not of LocalSGD; "
+            "drop --centre-rate, or use --sync sma") in capsys.readouterr().err
     assert main(small + ["--sync", "easgd", "--centre-rate", "1.5"]) == 2  # EASGD's own check
     assert "EASGD(centre_rate=1.5): a moving rate must be in (0, 1]" in capsys.readouterr().err
 

@@ -24,7 +24,7 @@ from crossbow_graph.training.checkpoint import load_latest
 from crossbow_graph.training.hooks import Hook
 
 from _plans import make_plan
-from _reference import default_alpha
+from _reference import default_alpha, default_centre_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,9 +79,11 @@ def test_faulty_replica_is_reset_and_left_out_of_the_average(caplog):
     with caplog.at_level(logging.WARNING, logger="crossbow_graph.faults"):
         history = plan.fit(data(), 1, progress=False, hooks=[hook])
     k = plan.num_learners
-    # oracle (μ_z = 0, the default α): z_new = z + α·Σ_{healthy j} (ŵ_j − z); the faulty one adds nothing
+    # oracle (μ_z = 0, the default α and β): z_new = z + (β/k)·Σ_{healthy j} (ŵ_j − z); the faulty
+    # one adds nothing
     healthy = [j for j in range(k) if j != 2]  # device 1, replica 0 is learner 2
-    expected = hook.pre_z + default_alpha(k, 0.0) * sum(hook.pre_w[j] - hook.pre_z for j in healthy)
+    beta = default_centre_rate(k, default_alpha(k, 0.0), 0.0)
+    expected = hook.pre_z + beta / k * sum(hook.pre_w[j] - hook.pre_z for j in healthy)
     for w, v, z, z_prev in hook.post:
         torch.testing.assert_close(z, expected, rtol=1e-6, atol=1e-6)
     w, v, z, z_prev = hook.post[1]

@@ -24,7 +24,7 @@ from crossbow_graph.engine.transport.ft import (FaultTolerantSync, check_fault_t
 from crossbow_graph.errors import DistributedError
 
 from _plans import TinyNet, make_plan
-from _reference import default_alpha
+from _reference import default_alpha, default_centre_rate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROUNDS = 16
@@ -81,11 +81,13 @@ def stop_all(procs, lighthouse) -> None:
 
 
 def sma_z(z: torch.Tensor, w_before: torch.Tensor) -> torch.Tensor:
-    """z after a sync of SMA with μ_z = 0 and the default α over the k live learners' weights at
-    the round's start ``w_before`` ``[k, P]``: z + α·Σ_j (ŵ_j − z), α = ``default_alpha(k, 0)``; in
-    float64, returned as float32."""
-    alpha = default_alpha(w_before.shape[0], 0.0)
-    return (z.double() + alpha * (w_before.double() - z.double()).sum(0)).float()
+    """z after a sync of SMA with μ_z = 0 and the default α, β over the k live learners' weights
+    at the round's start ``w_before`` ``[k, P]``: z + (β/k)·Σ_j (ŵ_j − z), β =
+    ``default_centre_rate(k, default_alpha(k, 0), 0)`` (k·α up to k = 2); in float64, returned as
+    float32."""
+    k = w_before.shape[0]
+    beta = default_centre_rate(k, default_alpha(k, 0.0), 0.0)
+    return (z.double() + beta / k * (w_before.double() - z.double()).sum(0)).float()
 
 
 def z_before(result: dict, t: int) -> torch.Tensor:

@@ -102,6 +102,45 @@ def test_numbers_in_the_graph_would_be_frozen(monkeypatch):
     assert not torch.allclose(graph[2], eager[2], atol=100 * ATOL, rtol=100 * RTOL)
 
 
+class _SetAlpha(cg.Hook):
+    """α ← ``alpha`` after round ``at``: with z's rate β set, the round's γ = β/(k·α) changes."""
+
+    def __init__(self, at: int, alpha: float) -> None:
+        self.at, self.alpha = at, alpha
+
+    def after_round(self, ctx) -> None:
+        if ctx.plan.rounds_done == self.at:
+            ctx.plan.adjust(cg.Adjustment(alpha=self.alpha))
+
+
+def _gain_rounds(graph: bool) -> tuple["cg.Plan", torch.Tensor]:
+    """A TinyBN plan (1 device × 3 replicas) with ``SMA(alpha=0.6, centre_rate=1.5)``, α ← 0.3
+    after round 4 (γ from 0.83 to 1.67), one epoch of 8 rounds on simulated streams."""
+    plan = make_plan(TinyBN, devices=1, replicas=3, executor="inline", kernel_backend="torch",
+                     optimizer=cg.SGD(lr=0.05, momentum=0.9),
+                     sync=cg.SMA(alpha=0.6, centre_rate=1.5))
+    if graph:
+        plan.rounds.executors.round_graph = G.RoundGraph(SimulatedGraphs())
+    with RaceRecorder().attach(plan.rounds):
+        plan.fit(tiny_data(96), 1, shuffle=False, progress=False, metrics_every=None,
+                 hooks=[_SetAlpha(4, 0.3)])
+        plan.rounds.flush()
+    return plan, plan.central_weights()
+
+
+def test_a_centre_gain_that_changes_after_capture_is_read_at_every_replay(monkeypatch):
+    """z's share γ of the corrections' sum is a device tensor in the graph: a change of α after
+    the capture changes γ in the replays as in eager rounds; as a number frozen into the graph
+    (the oracle can fail) z moves away from the eager rounds'."""
+    (plan, z), (_, z_eager) = _gain_rounds(True), _gain_rounds(False)
+    rg = plan.rounds.executors.round_graph
+    assert rg.captures == 1 and rg.replays >= 3
+    torch.testing.assert_close(z, z_eager, atol=ATOL, rtol=RTOL)
+    monkeypatch.setattr(GI.GraphHyper, "gain", GI.Hyper.gain)
+    _, z_frozen = _gain_rounds(True)
+    assert not torch.allclose(z_frozen, z_eager, atol=100 * ATOL, rtol=100 * RTOL)
+
+
 def test_a_re_plan_captures_again():
     """A change of m between fits re-plans: new graphs for the new buffers, the same numbers as
     eager rounds."""

@@ -15,6 +15,7 @@ from crossbow_graph.training.hooks import Hook
 
 from _reference import batches_of, eager_steps
 from _reference import default_alpha as default_alpha_for  # default_alpha: the test's flag
+from _reference import default_centre_rate
 
 FAST = settings(max_examples=12, deadline=None)
 F = nn.functional
@@ -50,10 +51,11 @@ def test_one_learner_is_torch_sgd(opt, b, rounds):
 
 class SmaOracle(Hook):
     """Checks every synchronising round against docs/design-overview.md §2 step 3, on every device:
-    z_new = z + α·Σ_j (ŵ_j − z) + μ_z·(z − z_prev), and all devices' z identical."""
+    z_new = z + (β/k)·Σ_j (ŵ_j − z) + μ_z·(z − z_prev) (β = k·α: z moves by Σ_j c_j), and all
+    devices' z identical."""
 
-    def __init__(self, alpha: float, mu: float, tau: int) -> None:
-        self.alpha, self.mu, self.tau, self.checked = alpha, mu, tau, 0
+    def __init__(self, alpha: float, beta: float, mu: float, tau: int) -> None:
+        self.alpha, self.beta, self.mu, self.tau, self.checked = alpha, beta, mu, tau, 0
 
     def before_round(self, ctx) -> None:
         s = ctx.plan.states[0]
@@ -63,7 +65,7 @@ class SmaOracle(Hook):
         if ctx.plan.rounds_done % self.tau:
             return
         w_hat, z, z_prev = self.pre
-        expected = z + self.alpha * (w_hat - z).sum(0) + self.mu * (z - z_prev)
+        expected = z + self.beta / len(w_hat) * (w_hat - z).sum(0) + self.mu * (z - z_prev)
         for s in ctx.plan.states:
             assert torch.equal(s.z, ctx.plan.states[0].z)
             torch.testing.assert_close(s.z, expected, rtol=1e-5, atol=1e-6)
@@ -75,16 +77,21 @@ class SmaOracle(Hook):
 @FAST
 @given(devices=st.integers(1, 3), replicas=st.integers(1, 3), opt=optimizers, b=st.integers(1, 4),
        default_alpha=st.booleans(), alpha=st.floats(0.05, 1.0), mu=st.sampled_from([0.0, 0.5, 0.9]),
-       tau=st.integers(1, 3))
-def test_sma_update_and_identical_central_models(devices, replicas, opt, b, default_alpha, alpha, mu, tau):
+       tau=st.integers(1, 3), beta=st.one_of(st.none(), st.floats(0.05, 2.5)))
+def test_sma_update_and_identical_central_models(devices, replicas, opt, b, default_alpha, alpha, mu,
+                                                 tau, beta):
     k = devices * replicas
     if k == 1:
         replicas = 2
         k = devices * replicas
-    sync = cg.SMA(alpha=None if default_alpha else alpha, central_momentum=mu, sync_every=tau)
+    sync = cg.SMA(alpha=None if default_alpha else alpha, central_momentum=mu, sync_every=tau,
+                  centre_rate=beta)
     plan = cg.compile(model(), (torch.zeros(1, 3),), F.cross_entropy, batch_size=b, devices=devices,
                       replicas=replicas, optimizer=opt, sync=sync)
-    oracle = SmaOracle(default_alpha_for(k, mu) if default_alpha else alpha, mu, tau)
+    a = default_alpha_for(k, mu) if default_alpha else alpha
+    if beta is None:
+        beta = default_centre_rate(k, a, mu) if default_alpha else k * a
+    oracle = SmaOracle(a, beta, mu, tau)
     plan.fit(data(k * b * 4, seed=1), 1, progress=False, hooks=[oracle])
     assert oracle.checked == 4 // tau
     for s in plan.states:

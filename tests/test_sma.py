@@ -116,6 +116,53 @@ def test_pull_bound_is_where_the_pull_alone_turns_unstable(k, mu_z):
     assert spread_after(1.05 * bound) > 1e6
 
 
+@pytest.mark.parametrize("alpha", [0.2, 0.5, 1.0])
+@pytest.mark.parametrize("mu_z", [0.0, 0.9])
+def test_centre_bound_is_where_zs_rate_turns_the_pull_unstable_whatever_k(alpha, mu_z):
+    """design-overview §2: with z's rate β toward the replicas' mean set apart from α
+    (z ← z + β·(mean_j w_j − z) + μ_z(z − z_prev), by hand in float64), the pull alone dies out
+    at 0.95 of ``centre_bound`` and blows up at 1.05 of it, at k = 4 and at k = 64 alike."""
+    def spread_after(k: int, beta: float, rounds: int = 2000) -> float:
+        w = torch.linspace(-1.0, 1.0, k, dtype=torch.float64) + 0.3
+        z = z_prev = torch.zeros((), dtype=torch.float64)
+        for _ in range(rounds):
+            mean_offset = (w - z).mean()
+            w = w - alpha * (w - z)
+            z, z_prev = z + beta * mean_offset + mu_z * (z - z_prev), z
+        return float((w - z).abs().max() + (z - z_prev).abs())
+
+    bound = cg.engine.sync.sma.centre_bound(alpha, mu_z)
+    for k in (4, 64):
+        assert spread_after(k, 0.95 * bound) < 1e-6
+        assert spread_after(k, 1.05 * bound) > 1e6
+
+
+def test_default_alpha_has_a_floor_and_zs_rate_a_cap():
+    """SMA()'s rule (design §2): α = 0.8 of the pull's bound while that is at least 0.5, with
+    CROSSBOW's β = k·α (γ = 1); from k = 5 (μ_z = 0.9) α = 0.5 and β = 0.8·(1 + μ_z)(2 − α) =
+    2.28, a share γ = β/(k·α) of the corrections' sum. A set α keeps β = k·α; a set β stays."""
+    sma = cg.SMA()
+    for k in (2, 3, 4):
+        alpha = sma.alpha_for(k)
+        assert alpha == pytest.approx(0.8 * 2 * 1.9 / (1 + k + 0.9), rel=1e-12)
+        assert sma.centre_rate_for(k) == k * alpha
+        assert sma.centre_gain(k) == 1.0
+    for k in (5, 16, 64):
+        assert sma.alpha_for(k) == 0.5
+        assert sma.centre_rate_for(k) == pytest.approx(2.28, rel=1e-12)
+        assert sma.centre_gain(k) == pytest.approx(2.28 / (0.5 * k), rel=1e-12)
+    assert cg.SMA(alpha=0.1).centre_gain(64) == 1.0  # k·α = 6.4, the user's to keep
+    assert cg.SMA(centre_rate=1.0).centre_gain(16) == pytest.approx(1 / 8)
+    assert (sma.alpha_for(1), sma.centre_rate_for(1), sma.centre_gain(1)) == (0.0, 0.0, 1.0)
+    assert "β=2.28" in sma.summary_rule(16) and "β" not in sma.summary_rule(4)
+
+
+@pytest.mark.parametrize("beta, error", [(0.0, ValueError), (-1.0, ValueError), ("2", TypeError)])
+def test_centre_rate_not_positive_is_an_error(beta, error):
+    with pytest.raises(error, match="centre_rate"):
+        cg.SMA(centre_rate=beta)
+
+
 @pytest.mark.parametrize("alpha", [0.0, -0.5, 1.5])
 def test_alpha_outside_unit_interval_is_a_value_error(alpha):
     with pytest.raises(ValueError, match="α must be in"):

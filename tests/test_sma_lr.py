@@ -50,13 +50,16 @@ def test_a_change_of_m_in_mid_fit_ramps_eta_to_sqrt_k_and_history_records_it():
     assert hist.lr[-1] == pytest.approx(LR * math.sqrt(8), rel=1e-12)
     assert plan.optimizer.param_groups[0]["lr"] == LR  # the user's η₁ is not written
     first, second = hist.lr_rule
-    # α: 0.8 of the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z) at μ_z = 0.9 (design §2)
+    # α: 0.8 of the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z) at μ_z = 0.9, at least 0.5;
+    # β: k·α, at most 0.8 of (1 + μ_z)(2 − α) (design §2)
     assert (first.round, first.num_learners, first.factor_from, first.ramp_samples) \
         == (0, 2, 1.0, N // 4)
     assert first.alpha == pytest.approx(0.8 * 2 * 1.9 / 3.9, rel=1e-12)
+    assert first.centre_rate == pytest.approx(2 * first.alpha, rel=1e-12)
     assert first.factor_to == pytest.approx(math.sqrt(2))
     assert (second.round, second.num_learners, second.ramp_samples) == (4, 8, N // 4)
-    assert second.alpha == pytest.approx(0.8 * 2 * 1.9 / 9.9, rel=1e-12)
+    assert second.alpha == 0.5  # the floor: 0.8 of the bound is 0.31 at k = 8
+    assert second.centre_rate == pytest.approx(0.8 * 1.9 * 1.5, rel=1e-12)  # not k·α = 4
     assert second.factor_from == pytest.approx(want[3] / LR)
     assert second.factor_to == pytest.approx(math.sqrt(8))
     assert second.epoch == pytest.approx(4 * 2 * B / N)

@@ -152,9 +152,11 @@ class RunSettings:
 
     def hyper(self, num_learners: int) -> Hyper:
         """The snapshot a round reads (``Hyper``): the param groups in force, α for k =
-        ``num_learners`` learners (``alpha_for``) and μ_z; taken once per round."""
+        ``num_learners`` learners (``alpha_for``), μ_z and γ (``centre_gain``); taken once per
+        round."""
         return Hyper.of(self.optimizer, alpha=self.sync.alpha_for(num_learners),
-                        central_momentum=self.sync.central_momentum)
+                        central_momentum=self.sync.central_momentum,
+                        centre_gain=self.sync.centre_gain(num_learners))
 
     def update_facts(self, num_learners: int) -> UpdateFacts:
         """What selects the update kernels (kernels/select.py): the local optimizer's SGD flags

@@ -30,9 +30,10 @@ def lr_factor_for(num_learners: int) -> float:
 @dataclass
 class LRRuleRecord:
     """One application of SMA's η rule: at the start of round ``round`` (0-based; ``epoch``),
-    with k = ``num_learners`` learners and α = ``alpha``, the factor on the optimizer's lr
-    moves linearly from ``factor_from`` to ``factor_to`` = √min(k, 16) over ``ramp_samples``
-    training samples (0: at once)."""
+    with k = ``num_learners`` learners, α = ``alpha`` and z's rate β = ``centre_rate``
+    (``SMA.centre_rate_for``), the factor on the optimizer's lr moves linearly from
+    ``factor_from`` to ``factor_to`` = √min(k, 16) over ``ramp_samples`` training samples (0: at
+    once)."""
 
     round: int
     epoch: float
@@ -41,6 +42,7 @@ class LRRuleRecord:
     factor_from: float
     factor_to: float
     ramp_samples: int
+    centre_rate: float | None = None  # None: a record that predates β's
 
 
 class SMALRRule:
@@ -83,7 +85,8 @@ class SMALRRule:
                 history.lr_rule.append(LRRuleRecord(
                     round=plan.progress.rounds_done - 1, epoch=done / self.num_samples, num_learners=k,
                     alpha=plan.settings.alpha_for(k), factor_from=self.origin, factor_to=target,
-                    ramp_samples=self.ramp_samples if moves else 0))
+                    ramp_samples=self.ramp_samples if moves else 0,
+                    centre_rate=plan.settings.alpha_for(k) * k * plan.settings.sync.centre_gain(k)))
         frac = min(1.0, (done - self.start) / self.ramp_samples)
         local.lr_factor = self.target if frac >= 1.0 else \
             self.origin + (self.target - self.origin) * frac

@@ -112,6 +112,11 @@ class SyncAlgorithm(abc.ABC):
         """α for k = ``num_learners`` learners: the pull of each replica toward z (none here)."""
         return 0.0
 
+    def centre_gain(self, num_learners: int) -> float:
+        """γ for k = ``num_learners`` learners: the share of the corrections' sum that moves z
+        (``SMA.centre_gain``); 1 here."""
+        return 1.0
+
     @property
     def scales_lr(self) -> bool:
         """Whether the learners step at the lr × SMA's η factor √min(k, 16), ramped

@@ -1,6 +1,6 @@
 """SMA, synchronous model averaging (CROSSBOW, Koliousis et al. 2019, §3; docs/design-overview.md
 §2): every τ rounds each replica is pulled toward the central average model z by α, and z moves
-by the sum of the corrections with momentum μ_z."""
+by the sum of the corrections (or its share γ) with momentum μ_z."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState, single_learn
 if TYPE_CHECKING:
     from ...kernels.protocol import SMAKernels
 
-__all__ = ["SMA", "CentralMomentum", "pull_bound", "PULL_SHARE"]
+__all__ = ["SMA", "CentralMomentum", "pull_bound", "centre_bound", "PULL_SHARE", "PULL_FLOOR"]
 
-PULL_SHARE = 0.8  # SMA's default α: this share of the pull's stability bound (design §2)
+PULL_SHARE = 0.8  # SMA's default α and β: this share of their stability bounds (design §2)
+PULL_FLOOR = 0.5  # the default α's least value: above it z takes a share of C (design §2)
 
 
 def pull_bound(num_learners: int, central_momentum: float) -> float:
@@ -26,16 +27,27 @@ def pull_bound(num_learners: int, central_momentum: float) -> float:
     return 2 * (1 + central_momentum) / (1 + num_learners + central_momentum)
 
 
+def centre_bound(alpha: float, central_momentum: float) -> float:
+    """(1 + μ_z)(2 − α): at or above it z's rate β toward the replicas' mean makes the pull
+    unstable, whatever k (design §2; β = k·α gives ``pull_bound``); 2.85 at α = 0.5, μ_z = 0.9."""
+    return (1 + central_momentum) * (2 - alpha)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SMA(SyncAlgorithm):
     """Synchronous model averaging (CROSSBOW, Koliousis et al. 2019, §3; docs/design-overview.md §2).
 
-    Local update w_j ← step(w_j) − c_j, c_j = α·(ŵ_j − z); global z ← z + Σ_j c_j + μ_z·(z − z_prev).
+    Local update w_j ← step(w_j) − c_j, c_j = α·(ŵ_j − z); global z ← z + γ·Σ_j c_j +
+    μ_z·(z − z_prev), γ = β/(k·α): z moves toward the replicas' mean at the rate β (CROSSBOW's
+    update is β = k·α, γ = 1).
 
     Attributes:
         alpha: α, the pull of every replica toward the central average model z; ``None``: 0.8 of
-            the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z) (0.52 at k = 4, 0.17 at 16 with
-            μ_z = 0.9), re-derived whenever k changes; in (0, 1] with k > 1, unused with k = 1.
+            the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z), but at least 0.5 (0.78 at k = 2,
+            0.52 at k = 4, 0.5 from k = 5 with μ_z = 0.9), re-derived whenever k changes; in
+            (0, 1] with k > 1, unused with k = 1.
+        centre_rate: β, z's rate toward the replicas' mean, > 0; ``None``: k·α (CROSSBOW), and
+            with ``alpha=None`` at most 0.8 of its bound (1 + μ_z)(2 − α) (2.28 from k = 5).
         central_momentum: μ_z, the momentum of the central model's update, in [0, 1).
         sync_every: τ, rounds between synchronisations (≥ 1); between them learners only step.
         scale_lr: SMA's η rule, every learner at its lr × √min(k, 16) ramped over a quarter
@@ -44,7 +56,7 @@ class SMA(SyncAlgorithm):
             "How α, μ_z and η follow k".
 
     Raises:
-        TypeError: α or μ_z not a number; ``scale_lr`` not a bool.
+        TypeError: α, β or μ_z not a number; ``scale_lr`` not a bool.
         ValueError: a value outside its range, τ not an integer (α is checked against k by
             ``compile``)."""
 
@@ -57,16 +69,23 @@ class SMA(SyncAlgorithm):
     central_momentum: float = 0.9
     sync_every: int = 1
     scale_lr: bool = True
+    centre_rate: float | None = None
 
     def __post_init__(self) -> None:
         if self.alpha is not None:
             check_number("SMA", "alpha", self.alpha,
-                         "alpha=0.25, or alpha=None for 0.8 of the pull's bound")
+                         "alpha=0.25, or alpha=None for the default rule")
         check_number("SMA", "central_momentum", self.central_momentum, "central_momentum=0.9")
+        if self.centre_rate is not None:
+            check_number("SMA", "centre_rate", self.centre_rate,
+                         "centre_rate=2.0, or centre_rate=None for k·α")
+            if not self.centre_rate > 0:
+                raise ValueError(f"SMA(centre_rate={self.centre_rate}): β must be > 0, e.g. 2.0, "
+                                 "or None for k·α")
         if self.alpha is not None and not 0 < self.alpha <= 1:
             raise ValueError(
-                f"SMA(alpha={self.alpha}): α must be in (0, 1]; use alpha=None for 0.8 of the pull's "
-                "stability bound"
+                f"SMA(alpha={self.alpha}): α must be in (0, 1]; use alpha=None for the default "
+                "rule (0.8 of the pull's stability bound, at least 0.5)"
             )
         if not 0 <= self.central_momentum < 1:
             raise ValueError(
@@ -77,12 +96,29 @@ class SMA(SyncAlgorithm):
             raise ValueError(f"SMA(sync_every={self.sync_every!r}): must be an integer ≥ 1")
 
     def alpha_for(self, num_learners: int) -> float:
-        """α for k = ``num_learners``: as set, or ``PULL_SHARE`` × ``pull_bound``; 0 when k = 1."""
+        """α for k = ``num_learners``: as set, or ``PULL_SHARE`` × ``pull_bound`` but at least
+        ``PULL_FLOOR``; 0 when k = 1."""
         if num_learners == 1:
             return 0.0
         if self.alpha is None:
-            return PULL_SHARE * pull_bound(num_learners, self.central_momentum)
+            return max(PULL_SHARE * pull_bound(num_learners, self.central_momentum), PULL_FLOOR)
         return self.alpha
+
+    def centre_rate_for(self, num_learners: int) -> float:
+        """β for k = ``num_learners``: as set; k·α with α as set; with the default α, k·α but at
+        most ``PULL_SHARE`` × ``centre_bound``; 0 when k = 1."""
+        alpha = self.alpha_for(num_learners)
+        if num_learners == 1 or self.centre_rate is not None:
+            return 0.0 if num_learners == 1 else self.centre_rate
+        if self.alpha is not None:
+            return num_learners * alpha
+        return min(num_learners * alpha, PULL_SHARE * centre_bound(alpha, self.central_momentum))
+
+    def centre_gain(self, num_learners: int) -> float:
+        """γ = β/(k·α), the share of the corrections' sum C that moves z; 1 when k = 1."""
+        if num_learners == 1:
+            return 1.0
+        return self.centre_rate_for(num_learners) / (num_learners * self.alpha_for(num_learners))
 
     @property
     def scales_lr(self) -> bool:
@@ -101,18 +137,24 @@ class SMA(SyncAlgorithm):
     def global_update(self, ctx: SyncContext, env: SyncRound, accs: list[torch.Tensor],
                       bufs: list[torch.Tensor]) -> None:
         """C = Σ_d acc_d over every learner (each acc_d the device's Σ_j c_j; summed through
-        ``ctx.transport``), then z ← z + C + μ_z(z − z_prev) on every device; zbuf ← the mean of
-        the replicas' float buffers. With one learner z ← w_0 (and zbuf its buffers).
+        ``ctx.transport``), then z ← z + γ·C + μ_z(z − z_prev) on every device; zbuf ← the mean
+        of the replicas' float buffers. With one learner z ← w_0 (and zbuf its buffers).
 
-        Each c_j holds the factor α = ``alpha_for(k)``: a sum over another k of learners (torchft's
-        live groups) is weighted for that k (``Transport.sum``'s ``per_learner``)."""
+        Each c_j holds the factor α = ``alpha_for(k)``, and the step γ = ``centre_gain(k)``; a sum
+        over another k of learners (torchft's live groups) is weighted by α·γ for that k
+        (``Transport.sum``'s ``per_learner``) and the step takes it as it is."""
         states = ctx.states
         if env.k == 1:
             single_learner_central(states, bufs)
             return
-        step = CentralMomentum(ctx.kernels, env.hyper.central())
+        if ctx.transport.weighs_live:  # the sum holds γ of the live k (every group alike)
+            step = CentralMomentum(ctx.kernels, env.hyper.central())
+            per_learner = lambda k: self.alpha_for(k) * self.centre_gain(k)  # noqa: E731
+        else:
+            step = CentralMomentum(ctx.kernels, env.hyper.central(), env.hyper.gain())
+            per_learner = self.alpha_for
         mean_buf = ctx.transport.central_update(states, accs, bufs, env, step,
-                                                per_learner=self.alpha_for)
+                                                per_learner=per_learner)
         if mean_buf is not None:
             for s in states:
                 s.zbuf.copy_(mean_buf)
@@ -121,22 +163,29 @@ class SMA(SyncAlgorithm):
         alpha = self.alpha_for(num_learners)
         shown = "— (one learner: nothing to average)" if not alpha and num_learners == 1 \
             else f"{alpha:.4g}"
-        return (f"SMA(α={shown}, μ_z={self.central_momentum}, every {self.sync_every} round(s)"
+        beta = "" if num_learners == 1 or self.centre_gain(num_learners) == 1 \
+            else f", β={self.centre_rate_for(num_learners):.4g}"
+        return (f"SMA(α={shown}{beta}, μ_z={self.central_momentum}, every {self.sync_every} round(s)"
                 f"{self._lr_rule_text(num_learners)})")
 
 
 @dataclass(frozen=True, eq=False)
 class CentralMomentum:
-    """SMA's central update z ← z + C + μ_z·(z − z_prev), z_prev ← the old z (``kernels``'
-    ``central_update``; ``mu_z`` a number, or a device tensor in a CUDA graph), as a
-    transport's ``CentralStep``."""
+    """SMA's central update z ← z + γ·C + μ_z·(z − z_prev), z_prev ← the old z (``kernels``'
+    ``central_update`` of γ·C; ``mu_z`` and ``gain`` γ numbers, or device tensors in a CUDA
+    graph), as a transport's ``CentralStep``."""
 
     kernels: SMAKernels
     mu_z: float | torch.Tensor
+    gain: float | torch.Tensor = 1.0
 
     def apply(self, z: torch.Tensor, z_prev: torch.Tensor, total: torch.Tensor) -> None:
+        if not (isinstance(self.gain, float) and self.gain == 1.0):
+            total = total * self.gain
         self.kernels.central_update(z, z_prev, total, central_momentum=self.mu_z)
 
     def apply_shared(self, zs: list[torch.Tensor], z_prevs: list[torch.Tensor],
                      parts: list[torch.Tensor]) -> bool:
+        if not (isinstance(self.gain, float) and self.gain == 1.0):
+            return False  # the parts' sum, then ``apply``
         return self.kernels.central_update_shared(zs, z_prevs, parts, central_momentum=self.mu_z)

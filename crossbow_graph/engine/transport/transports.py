@@ -76,9 +76,13 @@ class Transport:
     Attributes:
         shared_memory: the devices share one memory (logical CPU devices): the central update runs
             once and is copied to the other devices.
-        in_graph: its sums may run inside a CUDA graph (nothing on the host)."""
+        in_graph: its sums may run inside a CUDA graph (nothing on the host).
+        weighs_live: its sum is over another k of learners than the round's (torchft's live
+            groups), weighted by ``per_learner`` of that k: a factor of z's update that depends
+            on k belongs in ``per_learner``."""
 
     in_graph = False
+    weighs_live = False
 
     def __init__(self, *, shared_memory: bool) -> None:
         self.shared_memory = shared_memory
@@ -191,6 +195,8 @@ class Torchft(Transport):
     """torchft's replica groups (``FaultTolerantSync``): a group's sum over its ranks, then over
     the live groups; k is the live groups' learners, and a sum of α-weighted terms is weighted
     for that k (with α = 1/k and μ_z = 0: the mean of the live learners)."""
+
+    weighs_live = True
 
     def __init__(self, ft: FaultTolerantSync, *, shared_memory: bool) -> None:
         super().__init__(shared_memory=shared_memory)

@@ -274,7 +274,7 @@ class RoundGraph:
                         ((t.shape, t.dtype, t.device) for t in tree_leaves(batch))))
         return (id(ctx.program), states, inputs, env.b, env.learner_mode, bool(env.synchronise),
                 h.momentum != 0, h.nesterov, h.weight_decay != 0, env.alpha != 0,
-                h.central_momentum != 0, env.max_divergence,
+                h.central_momentum != 0, h.centre_gain != 1, env.max_divergence,
                 ctx.fit.max_grad_norm)  # numbers the graph's operations hold
 
     def _prologue(self, ctx: Any, env: Any, entry: _Entry) -> None:

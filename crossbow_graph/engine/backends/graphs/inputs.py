@@ -21,9 +21,9 @@ __all__ = ["DeviceGather", "DeviceHyper", "GraphHyper", "HostStaging", "graph_ba
 class DeviceHyper:
     """A device's run-time hyper-parameters as 0-dim float32 tensors (what the update kernels
     read in a graph): ``lr`` (η), ``momentum`` (μ_l), ``weight_decay`` (λ), ``alpha`` (α),
-    ``central_momentum`` (μ_z)."""
+    ``central_momentum`` (μ_z), ``centre_gain`` (γ)."""
 
-    NAMES = ("lr", "momentum", "weight_decay", "alpha", "central_momentum")
+    NAMES = ("lr", "momentum", "weight_decay", "alpha", "central_momentum", "centre_gain")
 
     def __init__(self, device: torch.device) -> None:
         self.values = {n: torch.zeros((), dtype=torch.float32, device=device) for n in self.NAMES}
@@ -31,7 +31,7 @@ class DeviceHyper:
 
     def set(self, hyper: Hyper) -> None:
         """Write the round's numbers (``hyper``) that changed (on the current stream, before the
-        round that reads them): a round whose η, μ_l, λ, α, μ_z stay launches no kernel."""
+        round that reads them): a round whose η, μ_l, λ, α, μ_z, γ stay launches no kernel."""
         for name in self.NAMES:
             value = float(getattr(hyper, name))
             if self.written.get(name) != value:
@@ -47,8 +47,8 @@ class DeviceHyper:
 @dataclass(frozen=True)
 class GraphHyper(Hyper):
     """A round's ``Hyper`` inside a CUDA graph: the kernels get the device tensors (``tensors``,
-    read at every replay), but the number 0 where the value is 0 (its branch compiled out; the
-    graph's key has it)."""
+    read at every replay), but the number 0 where the value is 0 (and γ the number 1 where it is 1: its
+    branch compiled out; the graph's key has it)."""
 
     tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
@@ -60,6 +60,9 @@ class GraphHyper(Hyper):
 
     def central(self) -> Any:
         return self.tensors["central_momentum"] if self.central_momentum != 0 else 0.0
+
+    def gain(self) -> Any:
+        return self.tensors["centre_gain"] if self.centre_gain != 1 else 1.0
 
 
 class HostStaging:
