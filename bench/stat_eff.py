@@ -418,10 +418,14 @@ def report(workload: str = "w1") -> int:
 # tokens (then the lowest final loss of its first seed).
 GPT_SOURCE = os.path.join(RESULTS, "lm-w4.json")
 GPT_CAP_TOKENS = 1_572_864  # docs/benchmarking.md, W4: a run ends there (or is abandoned before)
-GPT_LINES = (
+_B1 = "b=1:lr=1e-3:beta2=0.9975:fused=1"  # the b = 1 lines' SMA settings
+GPT_LINES = (  # SMA's defaults up to k = 4 are α = 0.8 of the pull's bound, β = k·α (design §2)
     ("SMA, AdamW, defaults, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975",
-                                         "sma-adamw:k=4:b=1:lr=1e-3:beta2=0.9975:fused=1:bound=0.8",
-                                         "sma-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1:bound=0.8")),
+                                         f"sma-adamw:k=4:{_B1}:bound=0.8",
+                                         f"sma-adamw:k=8:{_B1}:default=1")),
+    ("SMA, AdamW, α = 0.8 of the bound, β = k·α, b = 1", 1, (
+        "adamw:b=1:lr=1e-3:beta2=0.9975", f"sma-adamw:k=4:{_B1}:bound=0.8",
+        f"sma-adamw:k=8:{_B1}:bound=0.8")),
     ("SMA, AdamW, α = 1/k, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975",
                                         "sma-adamw:k=4:b=1:lr=1e-3:beta2=0.9975:fused=1",
                                         "sma-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1")),
@@ -432,7 +436,10 @@ GPT_LINES = (
       for name, system in (("LocalSGD", "localsgd-adamw"), ("DiLoCo", "diloco-adamw"))),
     ("SMA, AdamW, defaults, b = 4", 4, ("adamw:b=4:lr=1e-3",
                                          "sma-adamw:k=4:b=4:lr=1e-3:fused=1:bound=0.8",
-                                         "sma-adamw:k=16:b=4:lr=1e-3:fused=1:bound=0.8")),
+                                         "sma-adamw:k=16:b=4:lr=1e-3:fused=1:default=1")),
+    ("SMA, AdamW, α = 0.8 of the bound, β = k·α, b = 4", 4, (
+        "adamw:b=4:lr=1e-3", "sma-adamw:k=4:b=4:lr=1e-3:fused=1:bound=0.8",
+        "sma-adamw:k=16:b=4:lr=1e-3:fused=1:bound=0.8")),
     ("SMA, AdamW, α = 1/k, b = 4", 4, ("adamw:b=4:lr=1e-3", "sma-adamw:k=4:b=4:lr=1e-3:fused=1",
                                          "sma-adamw:k=16:b=4:lr=1e-3:fused=1")),
     ("AdamW at k·b, lr re-tuned, b = 4", 4, ("adamw:b=4:lr=1e-3", "adamw:b=16:lr=1e-3",

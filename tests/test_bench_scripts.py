@@ -326,12 +326,16 @@ def test_stat_eff_summary_is_derived_from_its_committed_curves(workload, tmp_pat
     summary = stat_eff.summarise(runs, workload)
     assert json.loads(json.dumps(summary)) == committed  # tuples as JSON lists
     assert summary["systems"]["sma"]["1"][summary["target"]]["ratio_to_k1"] in (1.0, None)
-    # SMA's defaults, by run name: α = 0.8 of the pull's bound (--alpha bound:0.8) from k = 2 on,
-    # plain SGD at k = 1; α = 1/k (ainv) is a configuration of its own
+    # SMA's defaults, by run name: SMA()'s rule (--alpha default) from k = 2 on, and up to k = 4,
+    # where SMA() is CROSSBOW's update at 0.8 of the pull's bound, --alpha bound:0.8 too; plain SGD
+    # at k = 1; α = 1/k (ainv) and bound:0.8 from k = 5 are configurations of their own
     lr = stat_eff.WORKLOADS[workload]["lr"]
     for r in (r for r in runs if r["system"] == "sma"):
-        rule = "abound_0.8-mu0.9-sengine" if r["k"] > 1 else "ainv-mu0.9-s1"
-        assert ("config" not in r) == (f"-b16-lr{lr:g}-{rule}-w0-seed" in r["name"]), r["name"]
+        rules = ["ainv-mu0.9-s1"] if r["k"] == 1 else ["adefault-mu0.9-sengine"] + (
+            ["abound_0.8-mu0.9-sengine"] if r["k"] <= 4 else [])
+        named = any(f"-b16-lr{lr:g}-{rule}-w0-seed" in r["name"] for rule in rules)
+        assert ("config" not in r) == named, r["name"]
+    assert any(r.get("config", "").endswith("-abound_0.8-mu0.9-sengine-w0") for r in runs)
     assert any(r["config"].endswith("-ainv-mu0.9-sengine-w0") for r in runs if r.get("config"))
 
 

@@ -113,8 +113,7 @@ class SyncAlgorithm(abc.ABC):
         return 0.0
 
     def centre_gain(self, num_learners: int) -> float:
-        """γ for k = ``num_learners`` learners: the share of the corrections' sum that moves z
-        (``SMA.centre_gain``); 1 here."""
+        """γ, the share of the corrections' sum that moves z (``SMA.centre_gain``): 1."""
         return 1.0
 
     @property

@@ -28,8 +28,7 @@ def pull_bound(num_learners: int, central_momentum: float) -> float:
 
 
 def centre_bound(alpha: float, central_momentum: float) -> float:
-    """(1 + μ_z)(2 − α): at or above it z's rate β toward the replicas' mean makes the pull
-    unstable, whatever k (design §2; β = k·α gives ``pull_bound``); 2.85 at α = 0.5, μ_z = 0.9."""
+    """(1 + μ_z)(2 − α): the bound on z's rate β at any k (design §2); 2.85 at α = 0.5."""
     return (1 + central_momentum) * (2 - alpha)
 
 
@@ -42,10 +41,8 @@ class SMA(SyncAlgorithm):
     update is β = k·α, γ = 1).
 
     Attributes:
-        alpha: α, the pull of every replica toward the central average model z; ``None``: 0.8 of
-            the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z), but at least 0.5 (0.78 at k = 2,
-            0.52 at k = 4, 0.5 from k = 5 with μ_z = 0.9), re-derived whenever k changes; in
-            (0, 1] with k > 1, unused with k = 1.
+        alpha: α, the pull of every replica toward z, in (0, 1]; ``None``: 0.8 of the pull's
+            bound 2(1 + μ_z)/(1 + k + μ_z), at least 0.5 (0.52 at k = 4, 0.5 from k = 5).
         centre_rate: β, z's rate toward the replicas' mean, > 0; ``None``: k·α (CROSSBOW), and
             with ``alpha=None`` at most 0.8 of its bound (1 + μ_z)(2 − α) (2.28 from k = 5).
         central_momentum: μ_z, the momentum of the central model's update, in [0, 1).
@@ -105,8 +102,8 @@ class SMA(SyncAlgorithm):
         return self.alpha
 
     def centre_rate_for(self, num_learners: int) -> float:
-        """β for k = ``num_learners``: as set; k·α with α as set; with the default α, k·α but at
-        most ``PULL_SHARE`` × ``centre_bound``; 0 when k = 1."""
+        """β at k learners: as set, else k·α (at most ``PULL_SHARE``·``centre_bound`` with the
+        default α); 0 at k = 1."""
         alpha = self.alpha_for(num_learners)
         if num_learners == 1 or self.centre_rate is not None:
             return 0.0 if num_learners == 1 else self.centre_rate
@@ -115,7 +112,7 @@ class SMA(SyncAlgorithm):
         return min(num_learners * alpha, PULL_SHARE * centre_bound(alpha, self.central_momentum))
 
     def centre_gain(self, num_learners: int) -> float:
-        """γ = β/(k·α), the share of the corrections' sum C that moves z; 1 when k = 1."""
+        """γ = β/(k·α), the share of C that moves z; 1 when k = 1."""
         if num_learners == 1:
             return 1.0
         return self.centre_rate_for(num_learners) / (num_learners * self.alpha_for(num_learners))
@@ -171,9 +168,8 @@ class SMA(SyncAlgorithm):
 
 @dataclass(frozen=True, eq=False)
 class CentralMomentum:
-    """SMA's central update z ← z + γ·C + μ_z·(z − z_prev), z_prev ← the old z (``kernels``'
-    ``central_update`` of γ·C; ``mu_z`` and ``gain`` γ numbers, or device tensors in a CUDA
-    graph), as a transport's ``CentralStep``."""
+    """SMA's central update z ← z + γ·C + μ_z·(z − z_prev), z_prev ← z (``kernels``'; μ_z, γ
+    numbers or, in a CUDA graph, device tensors), as a transport's ``CentralStep``."""
 
     kernels: SMAKernels
     mu_z: float | torch.Tensor

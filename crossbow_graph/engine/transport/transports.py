@@ -77,9 +77,8 @@ class Transport:
         shared_memory: the devices share one memory (logical CPU devices): the central update runs
             once and is copied to the other devices.
         in_graph: its sums may run inside a CUDA graph (nothing on the host).
-        weighs_live: its sum is over another k of learners than the round's (torchft's live
-            groups), weighted by ``per_learner`` of that k: a factor of z's update that depends
-            on k belongs in ``per_learner``."""
+        weighs_live: its sum is over the live learners (torchft), weighted by ``per_learner``
+            of their k."""
 
     in_graph = False
     weighs_live = False
