@@ -127,3 +127,20 @@ def test_resume_with_another_diloco_outer_lr_uses_it(tmp_path):
     oracle.fit(data(), 1, progress=False)
     assert resumed.rounds.sync_state.optimizer.param_groups[0]["lr"] == 0.3
     assert torch.equal(oracle.central_weights(), resumed.central_weights())
+
+
+def test_resume_with_another_centre_rate_and_central_momentum_names_them(tmp_path):
+    """z's rate β and μ_z are the compiled SMA's (not adjustable): a resumed fit runs with this
+    plan's, and the warning names each that differs from the checkpoint's run's set-up."""
+    ckpt = str(tmp_path)
+    net_plan().fit(data(), 2, progress=False, seed=3, hooks=[StopAfter(4)], checkpoint_dir=ckpt,
+                   checkpoint_every=1)
+    resumed = net_plan(sync=cg.SMA(centre_rate=1.0, central_momentum=0.5))
+    with pytest.warns(UserWarning) as record:
+        resumed.fit(data(), 2, progress=False, seed=3, checkpoint_dir=ckpt, resume=True)
+    (message,) = _resume_warnings(record)
+    assert "central_momentum 0.5 (the checkpoint's run was set up with 0.9" in message, message
+    assert ("centre_rate 1.0 (the checkpoint's run was set up with auto (the default rule)"
+            in message), message
+    assert (resumed.sync.centre_rate, resumed.sync.central_momentum) == (1.0, 0.5)
+    assert "β=1" in resumed.summary()

@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -157,8 +158,9 @@ def test_default_alpha_has_a_floor_and_zs_rate_a_cap():
     assert "β=2.28" in sma.summary_rule(16) and "β" not in sma.summary_rule(4)
 
 
-@pytest.mark.parametrize("beta, error", [(0.0, ValueError), (-1.0, ValueError), ("2", TypeError)])
-def test_centre_rate_not_positive_is_an_error(beta, error):
+@pytest.mark.parametrize("beta, error", [(0.0, ValueError), (-1.0, ValueError), (math.inf, ValueError),
+                                         (math.nan, ValueError), ("2", TypeError)])
+def test_centre_rate_not_finite_and_positive_is_an_error(beta, error):
     with pytest.raises(error, match="centre_rate"):
         cg.SMA(centre_rate=beta)
 

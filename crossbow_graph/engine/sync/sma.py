@@ -4,6 +4,7 @@ by the sum of the corrections (or its share γ) with momentum μ_z."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
@@ -76,9 +77,9 @@ class SMA(SyncAlgorithm):
         if self.centre_rate is not None:
             check_number("SMA", "centre_rate", self.centre_rate,
                          "centre_rate=2.0, or centre_rate=None for k·α")
-            if not self.centre_rate > 0:
-                raise ValueError(f"SMA(centre_rate={self.centre_rate}): β must be > 0, e.g. 2.0, "
-                                 "or None for k·α")
+            if not 0 < self.centre_rate < math.inf:  # NaN fails too
+                raise ValueError(f"SMA(centre_rate={self.centre_rate}): β must be a finite number "
+                                 "> 0, e.g. 2.0, or None for k·α")
         if self.alpha is not None and not 0 < self.alpha <= 1:
             raise ValueError(
                 f"SMA(alpha={self.alpha}): α must be in (0, 1]; use alpha=None for the default "
