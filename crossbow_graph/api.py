@@ -336,10 +336,11 @@ class Plan(_inspect.Inspectable):
 
 def plan_settings(plan: "Plan") -> dict[str, Any]:
     """A compiled plan's settings as plain data for ``summary`` and ``to_json``: the optimizer,
-    the sync algorithm (its description and ``summary_rule``), α for its k learners."""
+    the sync algorithm (its description and ``summary_rule``), α and γ for its k learners."""
     sync, state, k = plan.sync, plan.rounds.sync_state, plan.num_learners
     return {"optimizer": plan.settings.optimizer.describe(), "sync": sync.describe(state),
-            "sync_rule": sync.summary_rule(k, state), "alpha": sync.alpha_for(k)}
+            "sync_rule": sync.summary_rule(k, state), "alpha": sync.alpha_for(k),
+            "centre_gain": sync.centre_gain(k)}
 
 
 def plan_summary(plan: "Plan") -> str:

@@ -359,7 +359,8 @@ def _inspect(args: argparse.Namespace) -> int:
         raise ValueError(f"--replicas {args.replicas} --batch-size {args.batch_size}: both must be ≥ 1")
     k = len(devices) * args.replicas
     settings = {"optimizer": dataclasses.asdict(sgd), "sync": sma.describe(),
-                "sync_rule": sma.summary_rule(k), "alpha": sma.alpha_for(k)}
+                "sync_rule": sma.summary_rule(k), "alpha": sma.alpha_for(k),
+                "centre_gain": sma.centre_gain(k)}
     view = inspect_model(model, (torch.randn(2, *shape),), devices=devices,
                          replicas_per_device=args.replicas, batch_size=args.batch_size,
                          memory_budget_bytes=budget, settings=settings)

@@ -36,6 +36,8 @@ def test_summary_has_a_row_per_device_with_replicas_tasks_flops_and_memory(plan)
         assert float(row[5]) == pytest.approx(3 * mem / 2**20, abs=0.01)
     assert "2 device(s) × 3 replica(s) = 6 learners, batch 16" in text
     assert "61,706 trainable parameters" in text and "α=0.5, β=2.28" in text
+    settings = json.loads(plan.to_json())["settings"]  # resolved: γ = β/(k·α) = 2.28/(6·0.5)
+    assert settings["alpha"] == 0.5 and settings["centre_gain"] == pytest.approx(0.76, rel=1e-12)
     assert "GLOBAL_SYNC 'global_sync': all-reduce of 246,824 bytes" in text
 
 
