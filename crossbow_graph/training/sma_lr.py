@@ -86,7 +86,7 @@ class SMALRRule:
                     round=plan.progress.rounds_done - 1, epoch=done / self.num_samples, num_learners=k,
                     alpha=plan.settings.alpha_for(k), factor_from=self.origin, factor_to=target,
                     ramp_samples=self.ramp_samples if moves else 0,
-                    centre_rate=plan.settings.alpha_for(k) * k * plan.settings.sync.centre_gain(k)))
+                    centre_rate=plan.settings.sync.centre_rate_for(k)))
         frac = min(1.0, (done - self.start) / self.ramp_samples)
         local.lr_factor = self.target if frac >= 1.0 else \
             self.origin + (self.target - self.origin) * frac

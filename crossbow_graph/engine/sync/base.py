@@ -116,6 +116,10 @@ class SyncAlgorithm(abc.ABC):
         """γ, the share of the corrections' sum that moves z (``SMA.centre_gain``): 1."""
         return 1.0
 
+    def centre_rate_for(self, num_learners: int) -> float:
+        """β, z's rate toward the replicas' mean: k·α·γ (0 for an algorithm without α)."""
+        return num_learners * self.alpha_for(num_learners) * self.centre_gain(num_learners)
+
     @property
     def scales_lr(self) -> bool:
         """Whether the learners step at the lr × SMA's η factor √min(k, 16), ramped

@@ -105,9 +105,11 @@ class SMA(SyncAlgorithm):
     def centre_rate_for(self, num_learners: int) -> float:
         """β at k learners: as set, else k·α (at most ``PULL_SHARE``·``centre_bound`` with the
         default α); 0 at k = 1."""
+        if num_learners == 1:
+            return 0.0
+        if self.centre_rate is not None:
+            return self.centre_rate
         alpha = self.alpha_for(num_learners)
-        if num_learners == 1 or self.centre_rate is not None:
-            return 0.0 if num_learners == 1 else self.centre_rate
         if self.alpha is not None:
             return num_learners * alpha
         return min(num_learners * alpha, PULL_SHARE * centre_bound(alpha, self.central_momentum))
@@ -176,13 +178,17 @@ class CentralMomentum:
     mu_z: float | torch.Tensor
     gain: float | torch.Tensor = 1.0
 
+    @property
+    def _scales(self) -> bool:  # γ ≠ 1: a device tensor, or a number other than 1
+        return not (isinstance(self.gain, float) and self.gain == 1.0)
+
     def apply(self, z: torch.Tensor, z_prev: torch.Tensor, total: torch.Tensor) -> None:
-        if not (isinstance(self.gain, float) and self.gain == 1.0):
+        if self._scales:
             total = total * self.gain
         self.kernels.central_update(z, z_prev, total, central_momentum=self.mu_z)
 
     def apply_shared(self, zs: list[torch.Tensor], z_prevs: list[torch.Tensor],
                      parts: list[torch.Tensor]) -> bool:
-        if not (isinstance(self.gain, float) and self.gain == 1.0):
+        if self._scales:
             return False  # the parts' sum, then ``apply``
         return self.kernels.central_update_shared(zs, z_prevs, parts, central_momentum=self.mu_z)
