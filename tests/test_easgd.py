@@ -3,6 +3,7 @@ reference of tests/_reference.py (``reference_easgd``) through the public API.""
 
 import copy
 import functools
+import json
 
 import pytest
 import torch
@@ -87,3 +88,8 @@ def test_bad_settings_are_refused_on_construction(kwargs, error, match):
 def test_the_summary_names_its_rates():
     plan = easgd_plan(Small, seed=0, devices=1, replicas=4, sync=cg.EASGD(centre_rate=0.8))
     assert "EASGD(α=0.2, β=0.8, every 1 round(s))" in plan.summary()
+    # z moves by γ = β/(k·α) of the corrections' sum: what the plan's settings report
+    easgd = cg.EASGD(alpha=0.1, centre_rate=0.8)
+    assert easgd.centre_gain(4) == pytest.approx(2.0) and easgd.centre_gain(1) == 1.0
+    settings = json.loads(plan.to_json())["settings"]  # α = β/k: γ = β/(k·α) = 1
+    assert settings["centre_gain"] == pytest.approx(1.0, rel=1e-12)

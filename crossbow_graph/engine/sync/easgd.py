@@ -58,6 +58,12 @@ class EASGD(SyncAlgorithm):
             return 0.0
         return self.centre_rate / num_learners if self.alpha is None else self.alpha
 
+    def centre_gain(self, num_learners: int) -> float:
+        """γ = β/(k·α), the share of the corrections' sum that moves z; 1 when k = 1."""
+        if num_learners == 1:
+            return 1.0
+        return self.centre_rate / (num_learners * self.alpha_for(num_learners))
+
     def with_alpha(self, alpha: float | None) -> "EASGD":
         """This EASGD with α = ``alpha`` (None: β/k); ValueError outside (0, 1]."""
         return replace(self, alpha=alpha)
@@ -78,8 +84,7 @@ class EASGD(SyncAlgorithm):
             single_learner_central(states, bufs)
             return
         summed = ctx.transport.sum(accs, bufs, env, per_learner=self.alpha_for)
-        rate = self.centre_rate / (summed.k * self.alpha_for(summed.k))
-        ctx.transport.apply(states, _CentrePull(rate), summed.total)
+        ctx.transport.apply(states, _CentrePull(self.centre_gain(summed.k)), summed.total)
         if summed.mean_buf is not None:
             for s in states:
                 s.zbuf.copy_(summed.mean_buf.to(s.torch_device))
