@@ -426,13 +426,12 @@ GPT_LINES = (  # SMA's defaults up to k = 4 are α = 0.8 of the pull's bound, β
     ("SMA, AdamW, α = 0.8 of the bound, β = k·α, b = 1", 1, (
         "adamw:b=1:lr=1e-3:beta2=0.9975", f"sma-adamw:k=4:{_B1}:bound=0.8",
         f"sma-adamw:k=8:{_B1}:bound=0.8")),
-    ("SMA, AdamW, α = 1/k, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975",
-                                        "sma-adamw:k=4:b=1:lr=1e-3:beta2=0.9975:fused=1",
-                                        "sma-adamw:k=8:b=1:lr=1e-3:beta2=0.9975:fused=1")),
+    ("SMA, AdamW, α = 1/k, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975", f"sma-adamw:k=4:{_B1}",
+                                        f"sma-adamw:k=8:{_B1}")),
     ("AdamW at k·b, lr re-tuned, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975", "adamw:b=4:lr=1e-3",
                                               "adamw:b=8:lr=1.4e-3", "adamw:b=8:lr=7.1e-4")),
     *((f"{name}, AdamW, H = 4, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975", *(
-        f"{system}:k={k}:b=1:lr=1e-3:beta2=0.9975:fused=1:H=4" for k in (8, 32))))
+        f"{system}:k={k}:{_B1}:H=4" for k in (8, 32))))
       for name, system in (("LocalSGD", "localsgd-adamw"), ("DiLoCo", "diloco-adamw"))),
     ("SMA, AdamW, defaults, b = 4", 4, ("adamw:b=4:lr=1e-3",
                                          "sma-adamw:k=4:b=4:lr=1e-3:fused=1:bound=0.8",
