@@ -156,6 +156,34 @@ def test_ssgd_opts_into_the_rule_and_steps_as_sgd_on_k_b_at_the_rules_lr():
     assert sync_of(args) == cg.SSGD(scale_lr=True)  # the CLI's flag, from the field
 
 
+class _SetAlpha(Hook):
+    """plan.adjust(alpha=a) after the given round, k unchanged."""
+
+    def __init__(self, after: int, alpha: float) -> None:
+        self.after, self.alpha = after, alpha
+
+    def after_round(self, ctx):
+        if ctx.plan.rounds_done == self.after:
+            ctx.plan.adjust(cg.Adjustment(alpha=self.alpha))
+
+
+def test_a_change_of_alpha_alone_is_recorded_with_its_beta_and_leaves_the_ramp_as_it_was():
+    """Adjustment(alpha=0.3) at k = 8 in mid-ramp: History.lr_rule gains a record with α = 0.3 and
+    β = k·α = 2.4 (a user's α: CROSSBOW's update), the factor in force at both ends and no ramp;
+    every round's η is the fit's without the change."""
+    _, plain = _fit(cg.SMA())
+    plan = make_plan(replicas=2, executor="inline", learner_mode="fused", sync=cg.SMA())
+    hist = plan.fit(tiny_data(N), 1, shuffle=False, progress=False,
+                    hooks=[_SetM(4, 8), _SetAlpha(6, 0.3)])
+    assert hist.lr == plain.lr
+    assert hist.lr_rule[:2] == plain.lr_rule and len(hist.lr_rule) == 3
+    third = hist.lr_rule[2]
+    assert (third.round, third.num_learners, third.ramp_samples) == (6, 8, 0)
+    assert third.alpha == 0.3 and third.centre_rate == pytest.approx(2.4, rel=1e-12)
+    assert third.factor_from == third.factor_to == pytest.approx(plain.lr[5] / LR, rel=1e-12)
+    assert math.sqrt(2) < third.factor_to < math.sqrt(8)  # inside the ramp
+
+
 def test_ssgd_resumed_inside_the_ramp_equals_the_uninterrupted_fit_bit_for_bit(tmp_path):
     """``SSGD(scale_lr=True)`` stopped after 3 rounds of a 4-round ramp and resumed steps at the
     uninterrupted fit's η every round, ends with its weights bit for bit, and its History keeps

@@ -52,6 +52,7 @@ class SMALRRule:
 
     def __init__(self) -> None:
         self.k: int | None = None
+        self.pull: tuple[float, float] | None = None  # (α, β) of the last round: None after a load
         self.start, self.origin, self.target = 0, 1.0, 1.0
         self.num_samples = self.ramp_samples = 1
 
@@ -71,22 +72,27 @@ class SMALRRule:
 
     def apply(self, plan: "FitPlan", history: "History") -> float:
         """Set ``plan``'s factor for the round about to run and return that round's η
-        (the optimizer's lr × the factor). A change of k is recorded in ``history.lr_rule``,
+        (the optimizer's lr × the factor). A change of k is recorded in ``history.lr_rule``
         and begins a ramp where the factor is off its new target (so does the plan's first
-        round: the factor is 1 at compile)."""
-        local = plan.settings.optimizer
+        round: the factor is 1 at compile); a change of α or β alone (``Adjustment(alpha=...)``)
+        is recorded with the factor in force as both ends and no ramp (one under way goes on)."""
+        local, sync = plan.settings.optimizer, plan.settings.sync
         k = plan.num_learners
         done = plan.progress.epochs_done * self.num_samples + plan.progress.position_in_epoch
+        pull = (plan.settings.alpha_for(k), sync.centre_rate_for(k))
+        moves, ends = False, (local.lr_factor, local.lr_factor)
+        record = self.pull is not None and pull != self.pull  # α or β changed at this k
         if k != self.k:  # a change of k, or the plan's first round
             first, self.k, target = self.k is None, k, lr_factor_for(k)
             self.start, self.origin, self.target = done, local.lr_factor, target
             moves = target != local.lr_factor
-            if moves or not first:
-                history.lr_rule.append(LRRuleRecord(
-                    round=plan.progress.rounds_done - 1, epoch=done / self.num_samples, num_learners=k,
-                    alpha=plan.settings.alpha_for(k), factor_from=self.origin, factor_to=target,
-                    ramp_samples=self.ramp_samples if moves else 0,
-                    centre_rate=plan.settings.sync.centre_rate_for(k)))
+            record, ends = moves or not first, (self.origin, target)
+        self.pull = pull
+        if record:
+            history.lr_rule.append(LRRuleRecord(
+                round=plan.progress.rounds_done - 1, epoch=done / self.num_samples, num_learners=k,
+                alpha=pull[0], factor_from=ends[0], factor_to=ends[1],
+                ramp_samples=self.ramp_samples if moves else 0, centre_rate=pull[1]))
         frac = min(1.0, (done - self.start) / self.ramp_samples)
         local.lr_factor = self.target if frac >= 1.0 else \
             self.origin + (self.target - self.origin) * frac
