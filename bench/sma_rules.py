@@ -17,8 +17,8 @@ Systems:
   data-parallel training runs it on k devices: the k learners' gradients of b samples each
   all-reduced every round, BatchNorm statistics per learner), ``EASGD(alpha=α(k),
   centre_rate=--centre-rate, sync_every=--sync-every)`` (a replica pull α decoupled from z's
-  rate β), ``LocalSGD(sync_every=H)`` or ``DiLoCo(sync_every=H)`` (Nesterov outer SGD, lr 0.7,
-  momentum 0.9) in place of SMA, η(t) by the same LambdaLR (``--scale engine``: the engine's
+  rate β), ``LocalSGD(sync_every=H)`` or ``DiLoCo(sync_every=H)`` (Nesterov outer SGD, lr
+  ``--outer-lr``, 0.7 as DiLoCo's default, momentum 0.9) in place of SMA, η(t) by the same LambdaLR (``--scale engine``: the engine's
   rule, SMA's and ``SSGD(scale_lr=True)``'s only).
 * ``ssgd``: plain PyTorch S-SGD, one model at batch k·b, ``torch.optim.SGD(momentum=0.9)`` at
   η₁·``--lr-mult`` reached by Goyal et al.'s (2017) gradual warm-up from η₁ over
@@ -58,6 +58,7 @@ time, B_noise) and ``summary`` writes ``bench/runs/sma_rules/summary.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -260,7 +261,8 @@ def engine_sync(args, rule: Rule, k: int):
                         sync_every=args.sync_every)
     if args.system == "localsgd":
         return cg.LocalSGD(sync_every=args.sync_every)
-    return cg.DiLoCo(sync_every=args.sync_every)
+    return cg.DiLoCo(sync_every=args.sync_every, outer_optimizer=functools.partial(
+        torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True))
 
 
 def run_sma(args, train, test) -> dict:
@@ -366,6 +368,8 @@ def run_name(args) -> str:
     tail += f"-w{args.warmup_epochs:g}"
     if args.system in ("easgd", "localsgd", "diloco") and args.sync_every != 1:
         tail += f"-H{args.sync_every}"
+    if args.system == "diloco" and args.outer_lr != 0.7:
+        tail += f"-olr{args.outer_lr:g}"
     if args.weight_decay:
         tail += f"-wd{args.weight_decay:g}"
     if args.train_samples:
@@ -516,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--beta", type=float, default=None, help="sma: z's rate β (None: k·α)")
     r.add_argument("--sync-every", type=int, default=1,
                    help="easgd, localsgd, diloco: H, rounds between synchronisations")
+    r.add_argument("--outer-lr", type=float, default=0.7, help="diloco: the outer SGD's lr")
     r.add_argument("--warmup-epochs", type=float, default=0.0)
     r.add_argument("--weight-decay", type=float, default=0.0)
     r.add_argument("--metrics", action="store_true", help="sma: record B_noise whatever the rule")
