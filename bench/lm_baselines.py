@@ -9,14 +9,14 @@ A configuration is ``SYSTEM`` followed by ``:key=value`` settings (``adamw:b=4:l
 * ``sma-adamw`` / ``sma-sgd``: ``crossbow_graph.compile(models.gpt(), ...)`` with k learners of b
   windows each, SMA (α = 1/k or by ``bound``, μ_z = 0.9), the same optimizer per learner;
 * ``diloco-adamw`` / ``diloco-sgd``: the same with ``sync=DiLoCo(sync_every=H)`` (Nesterov outer
-  step, lr 0.7, momentum 0.9); ``localsgd-adamw`` / ``localsgd-sgd``: ``sync=LocalSGD(sync_every=H)``
+  step, lr ``olr``, momentum 0.9); ``localsgd-adamw`` / ``localsgd-sgd``: ``sync=LocalSGD(sync_every=H)``
   (the learners' mean every H rounds); both at the lr as set.
 
 Keys: ``k`` learners (1), ``b`` windows per learner (4), ``lr`` peak (1e-3), ``beta2`` (0.99),
 ``mom`` (0), ``wd`` (0.1 for AdamW, 0 for SGD), ``H`` (8), ``scale`` (1: SMA's η rule, the
 learners step at lr × √min(k, 16); 0: ``SMA(scale_lr=False)``, lr as set), ``bound`` (0: α = 1/k;
 f > 0: α = f × the pull's stability bound 2(1 + μ_z)/(1 + k + μ_z), design §2; both with z's rate
-β = k·α, CROSSBOW's update), ``default`` (1: ``SMA()``'s α and β, design §2). Tokens count every learner's
+β = k·α, CROSSBOW's update), ``default`` (1: ``SMA()``'s α and β, design §2), ``olr`` (0.7, DiLoCo's outer lr). Tokens count every learner's
 (k·b·128 a round); ``fused`` (0: one module per learner, ``learner_mode="per_replica"``;
 1: the k learners of a device as one vmapped module, ``learner_mode="fused"``). Every run: one intra-op thread per process; the learning rate warms up
 linearly over the first 5 % of ``--schedule-tokens`` and follows a cosine to a tenth of its peak
@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import datetime as dt
+import functools
 import json
 import math
 import os
@@ -78,7 +79,7 @@ _PER_SEED = ("seeds", "tokens", "seconds", "final", "tps")  # a summary row's li
 SYSTEMS = ("adamw", "sgd", "sma-adamw", "sma-sgd", "diloco-adamw", "diloco-sgd", "localsgd-adamw",
            "localsgd-sgd")
 KEYS = dict(k=int, b=int, lr=float, beta2=float, mom=float, wd=float, H=int, scale=int, fused=int,
-            bound=float, default=int)
+            bound=float, default=int, olr=float)
 SCHEDULE_TOKENS = 2**20
 EVAL_EVERY_TOKENS = 2**15
 VAL_WINDOWS = 128
@@ -94,7 +95,7 @@ def parse(text: str) -> dict:
         raise ValueError(f"{text!r}: SYSTEM is one of {', '.join(SYSTEMS)}")
     config = dict(system=system, k=1, b=4, lr=1e-3, beta2=0.99, mom=0.0,
                   wd=0.1 if system.endswith("adamw") else 0.0, H=8, scale=1, fused=0, bound=0.0,
-                  default=0)
+                  default=0, olr=0.7)
     for pair in pairs:
         key, _, value = pair.partition("=")
         if key not in KEYS or not value:
@@ -209,7 +210,8 @@ def _alpha(config: dict) -> float | None:
 def _compile(config: dict, model: torch.nn.Module, example: torch.Tensor, executor: str):
     k, system = config["k"], config["system"]
     devices = 2 if executor == "process" and system.startswith("sma") and k % 2 == 0 else 1
-    sync = (cg.DiLoCo(sync_every=config["H"]) if system.startswith("diloco")
+    outer = functools.partial(torch.optim.SGD, lr=config["olr"], momentum=0.9, nesterov=True)
+    sync = (cg.DiLoCo(sync_every=config["H"], outer_optimizer=outer) if system.startswith("diloco")
             else cg.LocalSGD(sync_every=config["H"]) if system.startswith("localsgd")
             else cg.SMA(scale_lr=bool(config["scale"]), alpha=_alpha(config)))
     return cg.compile(model, (example,), cg.models.lm_loss, batch_size=config["b"],
