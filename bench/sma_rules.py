@@ -374,6 +374,8 @@ def run_name(args) -> str:
         tail += f"-wd{args.weight_decay:g}"
     if args.train_samples:
         tail += f"-n{args.train_samples}"
+    if args.metrics and args.scale != "adascale":
+        tail += "-metrics"
     return (base + tail + f"-seed{args.seed}").replace(":", "_").replace("@", "at").replace(",", "+")
 
 
