@@ -172,6 +172,8 @@ def collect(workload: str = "w1", runs_dir: str = sma_rules.RUNS) -> list[dict]:
                                evals=r["evals"])
         if not (ssgd or a["system"] == "sma" or _is_rule_allreduce(a, workload)):
             runs[r["name"]]["config"] = _config(r["name"])
+    # a run with --metrics measures B_noise (docs/design-overview.md §2), not epochs to target
+    runs = {name: run for name, run in runs.items() if "-metrics-" not in name}
     for run in runs.values():
         if run["system"] == "sma":  # by its name: the committed runs' too
             run.pop("config", None)
@@ -179,6 +181,15 @@ def collect(workload: str = "w1", runs_dir: str = sma_rules.RUNS) -> list[dict]:
                 run["config"] = _config(run["name"])
         run["to_target"] = sma_rules._firsts(run["evals"], [float(t) for t in w["targets"]], 0)
     return sorted(runs.values(), key=lambda r: r["name"])
+
+
+def _short(x):
+    """``x`` with every float rounded to 6 significant digits."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _short(v) for k, v in x.items()}
+    return [_short(v) for v in x] if isinstance(x, list) else x
 
 
 def _config(name: str) -> str:
@@ -403,8 +414,8 @@ def report(workload: str = "w1") -> int:
                            f"python bench/stat_eff.py --report --workload {workload}"]
     with open(os.path.join(RESULTS, f"stat_eff_{workload}.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    with open(_curves_path(workload), "w") as f:
-        json.dump([{k: v for k, v in r.items() if k != "to_target"} for r in runs], f)
+    with open(_curves_path(workload), "w") as f:  # 6 significant digits: the evaluations' own
+        json.dump([_short({k: v for k, v in r.items() if k != "to_target"}) for r in runs], f)
     print("\n".join(markdown(summary)))
     print("wrote", plot(summary))
     return 0
