@@ -184,7 +184,7 @@ def collect(workload: str = "w1", runs_dir: str = sma_rules.RUNS) -> list[dict]:
 
 
 def _short(x):
-    """``x`` with every float rounded to 6 significant digits."""
+    """``x`` with every float rounded to 6 significant digits (the evaluations' own precision)."""
     if isinstance(x, float):
         return float(f"{x:.6g}")
     if isinstance(x, dict):
@@ -408,14 +408,14 @@ def markdown(summary: dict) -> list[str]:
 
 
 def report(workload: str = "w1") -> int:
-    runs = collect(workload)
+    runs = [_short(r) for r in collect(workload)]  # as the curves file keeps them
     summary = summarise(runs, workload)
     summary["commands"] = [WORKLOADS[workload]["runs"],
                            f"python bench/stat_eff.py --report --workload {workload}"]
     with open(os.path.join(RESULTS, f"stat_eff_{workload}.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    with open(_curves_path(workload), "w") as f:  # 6 significant digits: the evaluations' own
-        json.dump([_short({k: v for k, v in r.items() if k != "to_target"}) for r in runs], f)
+    with open(_curves_path(workload), "w") as f:
+        json.dump([{k: v for k, v in r.items() if k != "to_target"} for r in runs], f)
     print("\n".join(markdown(summary)))
     print("wrote", plot(summary))
     return 0

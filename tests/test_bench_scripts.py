@@ -8,6 +8,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 
 from crossbow_graph.cli import build_parser
 
@@ -432,6 +433,18 @@ def test_sma_rules_runs_each_engine_system_with_its_own_sync_and_name():
             assert type(sync) is {"localsgd": cg.LocalSGD, "diloco": cg.DiLoCo}[system]
             assert sync.sync_every == 4
     assert len(names) == 5
+    # DiLoCo's outer lr (0.7 and no name of its own unless set) and a --metrics run are named apart
+    tuned = parser.parse_args(["run", "--system", "diloco", "--k", "16", "--outer-lr", "0.1"])
+    outer = sma_rules.engine_sync(tuned, rule, 16).outer_optimizer([torch.zeros(1, requires_grad=True)])
+    assert isinstance(outer, torch.optim.SGD) and outer.defaults["lr"] == 0.1
+    assert outer.defaults["nesterov"] and outer.defaults["momentum"] == 0.9
+    default = parser.parse_args(["run", "--system", "diloco", "--k", "16"])
+    assert sma_rules.engine_sync(default, rule, 16).outer_optimizer(
+        [torch.zeros(1, requires_grad=True)]).defaults["lr"] == 0.7
+    assert "-olr0.1-" in sma_rules.run_name(tuned) and "olr" not in sma_rules.run_name(default)
+    metrics = parser.parse_args(["run", "--k", "4", "--alpha", "default", "--metrics"])
+    assert sma_rules.run_name(metrics) == sma_rules.run_name(
+        parser.parse_args(["run", "--k", "4", "--alpha", "default"])).replace("-seed", "-metrics-seed")
     args = parser.parse_args(["run", "--system", "allreduce", "--k", "16", "--scale", "engine"])
     assert sma_rules.engine_sync(args, sma_rules.Rule("inv", "0.9", "engine", 16), 16).scale_lr
     args = parser.parse_args(["run", "--system", "easgd", "--k", "16", "--scale", "engine"])
