@@ -23,20 +23,20 @@ KS = [2] * 4 + [8] * 6  # m = 2 for four rounds, then plan.adjust to m = 8
 N = B * sum(KS)  # one epoch: 224 samples, a ramp of 56
 
 
-class _SetM(Hook):
-    """plan.adjust(replicas_per_device=m) after the given round, as a policy or the tuner does."""
+class _Adjust(Hook):
+    """plan.adjust(Adjustment(**changes)) after the given round, as a policy or the tuner does."""
 
-    def __init__(self, after: int, m: int) -> None:
-        self.after, self.m = after, m
+    def __init__(self, after: int, **changes) -> None:
+        self.after, self.changes = after, changes
 
     def after_round(self, ctx):
         if ctx.plan.rounds_done == self.after:
-            ctx.plan.adjust(cg.Adjustment(replicas_per_device=self.m))
+            ctx.plan.adjust(cg.Adjustment(**self.changes))
 
 
 def _fit(sync: cg.SMA):
     plan = make_plan(replicas=2, executor="inline", learner_mode="fused", sync=sync)
-    hist = plan.fit(tiny_data(N), 1, shuffle=False, progress=False, hooks=[_SetM(4, 8)])
+    hist = plan.fit(tiny_data(N), 1, shuffle=False, progress=False, hooks=[_Adjust(4, replicas_per_device=8)])
     assert plan.rounds_done == len(KS)
     return plan, hist
 
@@ -131,7 +131,7 @@ def test_ssgd_opts_into_the_rule_and_steps_as_sgd_on_k_b_at_the_rules_lr():
     torch.optim.SGD at that η; ``SSGD()`` keeps the lr as set."""
     plan = make_plan(replicas=2, executor="inline", learner_mode="fused",
                      sync=cg.SSGD(scale_lr=True))
-    hist = plan.fit(tiny_data(N), 1, shuffle=False, progress=False, hooks=[_SetM(4, 8)])
+    hist = plan.fit(tiny_data(N), 1, shuffle=False, progress=False, hooks=[_Adjust(4, replicas_per_device=8)])
     want = rule_lrs(LR, KS, B, N)
     assert hist.lr == pytest.approx(want, rel=1e-12)
     assert [(r.round, r.num_learners, r.alpha) for r in hist.lr_rule] == [(0, 2, 0.0), (4, 8, 0.0)]
@@ -156,17 +156,6 @@ def test_ssgd_opts_into_the_rule_and_steps_as_sgd_on_k_b_at_the_rules_lr():
     assert sync_of(args) == cg.SSGD(scale_lr=True)  # the CLI's flag, from the field
 
 
-class _SetAlpha(Hook):
-    """plan.adjust(alpha=a) after the given round, k unchanged."""
-
-    def __init__(self, after: int, alpha: float) -> None:
-        self.after, self.alpha = after, alpha
-
-    def after_round(self, ctx):
-        if ctx.plan.rounds_done == self.after:
-            ctx.plan.adjust(cg.Adjustment(alpha=self.alpha))
-
-
 def test_a_change_of_alpha_alone_is_recorded_with_its_beta_and_leaves_the_ramp_as_it_was():
     """Adjustment(alpha=0.3) at k = 8 in mid-ramp: History.lr_rule gains a record with α = 0.3 and
     β = k·α = 2.4 (a user's α: CROSSBOW's update), the factor in force at both ends and no ramp;
@@ -174,7 +163,7 @@ def test_a_change_of_alpha_alone_is_recorded_with_its_beta_and_leaves_the_ramp_a
     _, plain = _fit(cg.SMA())
     plan = make_plan(replicas=2, executor="inline", learner_mode="fused", sync=cg.SMA())
     hist = plan.fit(tiny_data(N), 1, shuffle=False, progress=False,
-                    hooks=[_SetM(4, 8), _SetAlpha(6, 0.3)])
+                    hooks=[_Adjust(4, replicas_per_device=8), _Adjust(6, alpha=0.3)])
     assert hist.lr == plain.lr
     assert hist.lr_rule[:2] == plain.lr_rule and len(hist.lr_rule) == 3
     third = hist.lr_rule[2]
