@@ -36,7 +36,8 @@ class _Adjust(Hook):
 
 def _fit(sync: cg.SMA):
     plan = make_plan(replicas=2, executor="inline", learner_mode="fused", sync=sync)
-    hist = plan.fit(tiny_data(N), 1, shuffle=False, progress=False, hooks=[_Adjust(4, replicas_per_device=8)])
+    hist = plan.fit(tiny_data(N), 1, shuffle=False, progress=False,
+                    hooks=[_Adjust(4, replicas_per_device=8)])
     assert plan.rounds_done == len(KS)
     return plan, hist
 
@@ -131,7 +132,8 @@ def test_ssgd_opts_into_the_rule_and_steps_as_sgd_on_k_b_at_the_rules_lr():
     torch.optim.SGD at that η; ``SSGD()`` keeps the lr as set."""
     plan = make_plan(replicas=2, executor="inline", learner_mode="fused",
                      sync=cg.SSGD(scale_lr=True))
-    hist = plan.fit(tiny_data(N), 1, shuffle=False, progress=False, hooks=[_Adjust(4, replicas_per_device=8)])
+    hist = plan.fit(tiny_data(N), 1, shuffle=False, progress=False,
+                    hooks=[_Adjust(4, replicas_per_device=8)])
     want = rule_lrs(LR, KS, B, N)
     assert hist.lr == pytest.approx(want, rel=1e-12)
     assert [(r.round, r.num_learners, r.alpha) for r in hist.lr_rule] == [(0, 2, 0.0), (4, 8, 0.0)]
