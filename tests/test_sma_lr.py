@@ -5,6 +5,7 @@ History.lr_rule; ``SMA(scale_lr=False)`` keeps the lr as set (oracle: hand-writt
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -173,6 +174,30 @@ def test_a_change_of_alpha_alone_is_recorded_with_its_beta_and_leaves_the_ramp_a
     assert third.alpha == 0.3 and third.centre_rate == pytest.approx(2.4, rel=1e-12)
     assert third.factor_from == third.factor_to == pytest.approx(plain.lr[5] / LR, rel=1e-12)
     assert math.sqrt(2) < third.factor_to < math.sqrt(8)  # inside the ramp
+
+
+def test_a_fit_stopped_after_a_change_of_alpha_and_resumed_records_it_as_the_whole_fit_does(tmp_path):
+    """Adjustment(alpha=0.3) after round 5 of 8, the fit stopped there (the checkpoint holds the last
+    round's α and β) and resumed: History.lr_rule and every round's η are the uninterrupted fit's;
+    a plan compiled with another α resuming the checkpoint records its own α at its first round."""
+    data, first, second = tiny_data(128), tmp_path / "a", tmp_path / "b"
+
+    def plan(sync=cg.SMA()):
+        return make_plan(replicas=4, executor="inline", sync=sync)
+
+    def fit(plan, folder, hooks, **resume):
+        return plan.fit(data, 1, shuffle=False, progress=False, checkpoint_dir=str(folder),
+                        checkpoint_every=1, hooks=hooks, **resume)
+
+    whole = plan().fit(data, 1, shuffle=False, progress=False, hooks=[_Adjust(5, alpha=0.3)])
+    fit(plan(), first, [_Adjust(5, alpha=0.3), _StopAfter(5)])
+    shutil.copytree(first, second)
+    resumed = fit(plan(), first, [], resume=True)
+    assert [(r.round, r.alpha) for r in whole.lr_rule][-1] == (5, 0.3) and len(whole.lr_rule) == 2
+    assert resumed.lr_rule == whole.lr_rule and resumed.lr == whole.lr
+    with pytest.warns(UserWarning, match="alpha 0.2"):
+        other = fit(plan(cg.SMA(alpha=0.2)), second, [], resume=True)
+    assert [(r.round, r.alpha) for r in other.lr_rule][1:] == [(5, 0.2)]
 
 
 def test_ssgd_resumed_inside_the_ramp_equals_the_uninterrupted_fit_bit_for_bit(tmp_path):

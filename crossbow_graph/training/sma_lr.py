@@ -3,8 +3,8 @@ s(k) = √min(k, K_SAT), the factor moved linearly over a quarter epoch of sampl
 change of the number of learners k (docs/design-overview.md §2, "How α, μ_z and η follow k").
 
 The factor is ``LocalOptimizer.lr_factor`` (engine/state/optim.py), applied by a round's
-``Hyper.of`` without writing the groups' lr (the user's η₁); every change of k is a
-``LRRuleRecord`` in ``History.lr_rule``."""
+``Hyper.of`` without writing the groups' lr (the user's η₁); every change of k, and of α or β
+alone, is a ``LRRuleRecord`` in ``History.lr_rule``."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class LRRuleRecord:
     with k = ``num_learners`` learners, α = ``alpha`` and z's rate β = ``centre_rate``
     (``SMA.centre_rate_for``), the factor on the optimizer's lr moves linearly from
     ``factor_from`` to ``factor_to`` = √min(k, 16) over ``ramp_samples`` training samples (0: at
-    once)."""
+    once); a change of α or β alone has the factor in force at both ends and 0."""
 
     round: int
     epoch: float
@@ -52,7 +52,7 @@ class SMALRRule:
 
     def __init__(self) -> None:
         self.k: int | None = None
-        self.pull: tuple[float, float] | None = None  # (α, β) of the last round: None after a load
+        self.pull: tuple[float, float] | None = None  # (α, β) of the last round
         self.start, self.origin, self.target = 0, 1.0, 1.0
         self.num_samples = self.ramp_samples = 1
 
@@ -99,9 +99,10 @@ class SMALRRule:
         return local.round_lr
 
     def state_dict(self, plan: "FitPlan") -> dict:
-        """The ramp and the factor in force, for a checkpoint."""
+        """The ramp, the factor in force and the last round's (α, β), for a checkpoint."""
         return {"k": self.k, "start": self.start, "origin": self.origin, "target": self.target,
-                "factor": plan.settings.optimizer.lr_factor}
+                "factor": plan.settings.optimizer.lr_factor,
+                "pull": None if self.pull is None else list(self.pull)}
 
     @staticmethod
     def load_state_dict(plan: "FitPlan", state: dict | None) -> None:
@@ -113,3 +114,5 @@ class SMALRRule:
         rule.k, rule.start = state["k"], state["start"]
         rule.origin, rule.target = state["origin"], state["target"]
         plan.settings.optimizer.lr_factor = state["factor"]
+        pull = state.get("pull")  # absent from older checkpoints: no record until the next change
+        rule.pull = None if pull is None else tuple(pull)
