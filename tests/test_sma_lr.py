@@ -176,10 +176,10 @@ def test_a_change_of_alpha_alone_is_recorded_with_its_beta_and_leaves_the_ramp_a
     assert math.sqrt(2) < third.factor_to < math.sqrt(8)  # inside the ramp
 
 
-def test_a_fit_stopped_after_a_change_of_alpha_and_resumed_records_it_as_the_whole_fit_does(tmp_path):
-    """Adjustment(alpha=0.3) after round 5 of 8, the fit stopped there (the checkpoint holds the last
-    round's α and β) and resumed: History.lr_rule and every round's η are the uninterrupted fit's;
-    a plan compiled with another α resuming the checkpoint records its own α at its first round."""
+def test_a_fit_stopped_after_a_change_of_alpha_and_resumed_records_it_as_the_whole_fit(tmp_path):
+    """Adjustment(alpha=0.3) after round 5 of 8, the fit stopped there (the checkpoint holds the
+    last round's α and β) and resumed: History.lr_rule and every round's η are the uninterrupted
+    fit's; a plan compiled with another α resuming the checkpoint records its own at once."""
     data, first, second = tiny_data(128), tmp_path / "a", tmp_path / "b"
 
     def plan(sync=cg.SMA()):
