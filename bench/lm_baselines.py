@@ -103,6 +103,10 @@ def parse(text: str) -> dict:
         config[key] = KEYS[key](value)
     if system in ("adamw", "sgd") and config["k"] != 1:
         raise ValueError(f"{text!r}: plain PyTorch trains one model (k=1)")
+    if ":olr=" in f"{text}:" and not system.startswith("diloco"):
+        raise ValueError(f"{text!r}: olr is DiLoCo's outer lr (diloco-adamw, diloco-sgd)")
+    if not (math.isfinite(config["olr"]) and config["olr"] > 0):
+        raise ValueError(f"{text!r}: olr must be a finite number > 0")
     return config
 
 

@@ -17,8 +17,8 @@ Systems:
   data-parallel training runs it on k devices: the k learners' gradients of b samples each
   all-reduced every round, BatchNorm statistics per learner), ``EASGD(alpha=α(k),
   centre_rate=--centre-rate, sync_every=--sync-every)`` (a replica pull α decoupled from z's
-  rate β), ``LocalSGD(sync_every=H)`` or ``DiLoCo(sync_every=H)`` (Nesterov outer SGD, lr
-  ``--outer-lr``, 0.7 as DiLoCo's default, momentum 0.9) in place of SMA, η(t) by the same LambdaLR (``--scale engine``: the engine's
+  rate β), ``LocalSGD(sync_every=H)`` or ``DiLoCo(sync_every=H)`` (its Nesterov outer SGD, lr 0.7
+  or ``--outer-lr``, momentum 0.9) in place of SMA, η(t) by the same LambdaLR (``--scale engine``: the engine's
   rule, SMA's and ``SSGD(scale_lr=True)``'s only).
 * ``ssgd``: plain PyTorch S-SGD, one model at batch k·b, ``torch.optim.SGD(momentum=0.9)`` at
   η₁·``--lr-mult`` reached by Goyal et al.'s (2017) gradual warm-up from η₁ over
@@ -75,6 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.training.hooks import Hook  # noqa: E402
+from crossbow_graph.engine.sync.diloco import DILOCO_OUTER  # noqa: E402
 from crossbow_graph.engine.sync.sma import pull_bound  # noqa: E402
 
 __all__ = ["Rule", "SYSTEMS", "run_sma", "run_ssgd", "recorded_runs", "summarise", "main"]
@@ -262,7 +263,7 @@ def engine_sync(args, rule: Rule, k: int):
     if args.system == "localsgd":
         return cg.LocalSGD(sync_every=args.sync_every)
     return cg.DiLoCo(sync_every=args.sync_every, outer_optimizer=functools.partial(
-        torch.optim.SGD, lr=args.outer_lr, momentum=0.9, nesterov=True))
+        DILOCO_OUTER, lr=DILOCO_OUTER.keywords["lr"] if args.outer_lr is None else args.outer_lr))
 
 
 def run_sma(args, train, test) -> dict:
@@ -368,7 +369,7 @@ def run_name(args) -> str:
     tail += f"-w{args.warmup_epochs:g}"
     if args.system in ("easgd", "localsgd", "diloco") and args.sync_every != 1:
         tail += f"-H{args.sync_every}"
-    if args.system == "diloco" and args.outer_lr != 0.7:
+    if args.outer_lr not in (None, DILOCO_OUTER.keywords["lr"]):
         tail += f"-olr{args.outer_lr:g}"
     if args.weight_decay:
         tail += f"-wd{args.weight_decay:g}"
@@ -380,6 +381,11 @@ def run_name(args) -> str:
 
 
 def cmd_run(args) -> int:
+    if args.outer_lr is not None and args.system != "diloco":
+        raise SystemExit(f"--outer-lr with --system {args.system}: it is DiLoCo's outer lr")
+    if args.metrics and args.system == "ssgd":
+        raise SystemExit("--metrics with --system ssgd: plain PyTorch has no monitor (the engine's "
+                         "S-SGD is --system allreduce)")
     torch.set_num_threads(1)
     os.makedirs(RUNS, exist_ok=True)
     name = run_name(args)
@@ -504,6 +510,14 @@ def cmd_summary(args) -> int:
     return 0
 
 
+def _positive(text: str) -> float:
+    """A finite number > 0, for argparse."""
+    x = float(text)
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+    return x
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -519,13 +533,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--mu-z", default="0.9")
     r.add_argument("--scale", default="1")
     r.add_argument("--centre-rate", type=float, default=0.9, help="easgd: β, z's rate")
-    r.add_argument("--beta", type=float, default=None, help="sma: z's rate β (None: k·α)")
+    r.add_argument("--beta", type=float, default=None,
+                   help="sma: z's rate β (None: SMA()'s rule with --alpha default, else k·α)")
     r.add_argument("--sync-every", type=int, default=1,
                    help="easgd, localsgd, diloco: H, rounds between synchronisations")
-    r.add_argument("--outer-lr", type=float, default=0.7, help="diloco: the outer SGD's lr")
+    r.add_argument("--outer-lr", type=_positive, default=None,
+                   help="diloco: the outer Nesterov SGD's lr (None: DiLoCo's 0.7)")
     r.add_argument("--warmup-epochs", type=float, default=0.0)
     r.add_argument("--weight-decay", type=float, default=0.0)
-    r.add_argument("--metrics", action="store_true", help="sma: record B_noise whatever the rule")
+    r.add_argument("--metrics", action="store_true",
+                   help="the engine's systems: record B_noise whatever the rule (names end -metrics)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--max-epochs", type=int, default=6)
     r.add_argument("--targets", type=float, nargs="+", default=[0.985, 0.99])

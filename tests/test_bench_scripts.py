@@ -302,6 +302,10 @@ def test_lm_baselines_bound_sets_alpha_to_a_share_of_the_pull_bound():
     assert lm_baselines._alpha(lm_baselines.parse("sma-adamw:k=2:b=1:bound=1.5")) == 1.0
     assert lm_baselines._alpha(lm_baselines.parse("sma-sgd:k=8:b=1")) == 1 / 8
     assert lm_baselines._alpha(lm_baselines.parse("sma-sgd:k=1:b=1:bound=0.8")) is None
+    assert lm_baselines.parse("diloco-adamw:k=4:b=1:olr=0.1")["olr"] == 0.1  # DiLoCo's outer lr
+    for bad in ("sma-adamw:k=4:b=1:olr=0.1", "diloco-sgd:k=4:b=1:olr=-1", "diloco-sgd:k=4:olr=nan"):
+        with pytest.raises(ValueError, match="olr"):
+            lm_baselines.parse(bad)
 
 
 @pytest.mark.parametrize("workload", ["w1", "fm", "gpt"])
@@ -442,6 +446,10 @@ def test_sma_rules_runs_each_engine_system_with_its_own_sync_and_name():
     assert sma_rules.engine_sync(default, rule, 16).outer_optimizer(
         [torch.zeros(1, requires_grad=True)]).defaults["lr"] == 0.7
     assert "-olr0.1-" in sma_rules.run_name(tuned) and "olr" not in sma_rules.run_name(default)
+    with pytest.raises(SystemExit):  # argparse: not a finite number > 0
+        parser.parse_args(["run", "--system", "diloco", "--outer-lr", "-1"])
+    with pytest.raises(SystemExit, match="DiLoCo's outer lr"):
+        sma_rules.cmd_run(parser.parse_args(["run", "--system", "localsgd", "--outer-lr", "0.1"]))
     metrics = parser.parse_args(["run", "--k", "4", "--alpha", "default", "--metrics"])
     assert sma_rules.run_name(metrics) == sma_rules.run_name(
         parser.parse_args(["run", "--k", "4", "--alpha", "default"])).replace("-seed", "-metrics-seed")
