@@ -3,6 +3,7 @@
 import copy
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import crossbow_graph as cg
-from _plans import make_plan
+from _plans import make_plan, tiny_data
 from _reference import flat, reference_sma, rule_lrs
 from test_fit import BNNet
 
@@ -156,6 +157,26 @@ def test_default_alpha_has_a_floor_and_zs_rate_a_cap():
     assert cg.SMA(centre_rate=1.0).centre_gain(16) == pytest.approx(1 / 8)
     assert (sma.alpha_for(1), sma.centre_rate_for(1), sma.centre_gain(1)) == (0.0, 0.0, 1.0)
     assert "β=2.28" in sma.summary_rule(16) and "β" not in sma.summary_rule(4)
+
+
+def test_a_users_alpha_or_beta_past_zs_bound_is_warned_at_adjust_and_fit_and_the_default_never():
+    """β ≥ (1 + μ_z)(2 − α) (design §2): SMA(alpha=0.1) from k = 37 (β = 3.7 ≥ 3.61; 3.6 at 36
+    is inside), a set β past the bound; SMA()'s rule at no k; Adjustment(alpha=0.5) at k = 8 (β = 4
+    ≥ 2.85) warns the caller of Plan.adjust and of Plan.fit, and "auto" ends it."""
+    assert cg.SMA(alpha=0.1).stability_warning(36) is None
+    assert "3.61" in cg.SMA(alpha=0.1).stability_warning(37)
+    assert cg.SMA(alpha=0.5, centre_rate=2.8).stability_warning(8) is None
+    assert cg.SMA(alpha=0.5, centre_rate=2.9).stability_warning(8) is not None
+    assert all(cg.SMA().stability_warning(k) is None for k in range(1, 257))
+    plan = make_plan(replicas=8, executor="inline", learner_mode="fused")
+    with pytest.warns(UserWarning, match="β = 4 is at or above its stability bound") as caught:
+        plan.adjust(cg.Adjustment(alpha=0.5))
+    assert caught[0].filename == __file__
+    with pytest.warns(UserWarning, match="stability bound"):
+        plan.fit(tiny_data(64), 1, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan.adjust(cg.Adjustment(alpha="auto"))
 
 
 @pytest.mark.parametrize("beta, error", [(0.0, ValueError), (-1.0, ValueError), (math.inf, ValueError),

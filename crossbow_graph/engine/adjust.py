@@ -4,6 +4,7 @@ settings)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import networkx as nx
@@ -64,6 +65,9 @@ def apply_adjustment(rounds: Scheduler, adj: Adjustment, *,
     if adj.reset_replicas:
         rounds.reset_replicas([list(range(s.m)) for s in rounds.states])
         done["reset_replicas"] = True
+    unstable = settings.sync.stability_warning(rounds.num_learners)
+    if unstable is not None and done.keys() & {"alpha", "replicas_per_device"}:
+        warnings.warn(unstable, stacklevel=4)  # the caller of Plan.adjust
     return done
 
 

@@ -219,6 +219,10 @@ class SyncAlgorithm(abc.ABC):
         where ``scales_lr`` and k > 1, else empty."""
         return ", lr × √min(k, 16)" if self.scales_lr and num_learners > 1 else ""
 
+    def stability_warning(self, num_learners: int) -> str | None:
+        """A warning where z's update diverges at k = ``num_learners`` as set, or None."""
+        return None
+
     def short_fit_warning(self, rounds: int, rounds_done: int) -> str | None:
         """A warning for a fit of ``rounds`` rounds after ``rounds_done`` that would leave z
         where it is, or None."""

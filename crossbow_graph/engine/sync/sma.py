@@ -120,6 +120,17 @@ class SMA(SyncAlgorithm):
             return 1.0
         return self.centre_rate_for(num_learners) / (num_learners * self.alpha_for(num_learners))
 
+    def stability_warning(self, num_learners: int) -> str | None:
+        """Where β ≥ ``centre_bound`` (a user's α or β; design §2, the pull's stability bound)."""
+        alpha, beta = self.alpha_for(num_learners), self.centre_rate_for(num_learners)
+        bound = centre_bound(alpha, self.central_momentum)
+        if num_learners == 1 or beta < bound:
+            return None
+        return (f"SMA with k = {num_learners} learners, α = {alpha:g}: z's rate β = {beta:.3g} "
+                f"is at or above its stability bound (1 + μ_z)(2 − α) = {bound:.3g}, so z's update "
+                f"diverges; keep β below it with SMA(centre_rate=...), or use SMA's default rule "
+                f"(alpha=None, Adjustment(alpha=\"auto\"); docs/design-overview.md §2)")
+
     @property
     def scales_lr(self) -> bool:
         """``scale_lr``: SMA's η rule (training/sma_lr.py)."""
