@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import numbers
+import os
+import sys
+import warnings
 
 __all__ = ["TraceError", "TraceWarning", "PlanError", "TaskError", "DivergenceError", "CheckpointError",
            "DistributedError", "CompilerError", "HookError", "TrainingInterrupted", "is_count", "is_real",
-           "check_flag", "check_number"]
+           "check_flag", "check_number", "warn_caller"]
 
 
 def is_count(value: object, minimum: int = 1) -> bool:
@@ -33,6 +36,19 @@ def check_number(owner: str, name: str, value: object, example: str) -> None:
             pass
     raise TypeError(f"{owner}({name}={value!r}): must be a number, got {type(value).__name__}; "
                     f"e.g. {hint}")
+
+
+def warn_caller(message: str) -> None:
+    """A UserWarning at the first frame outside this package and torch (its decorators): the
+    user's line that led to it, however deep (a hook, a policy, the auto-tuner)."""
+    import torch
+
+    ours = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                 for m in (sys.modules[__package__], torch))
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(ours):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 def check_flag(name: str, value: object, owner: str = "") -> None:

@@ -61,6 +61,7 @@ def test_one_learner_equals_torch_sgd_step_for_step():
 @pytest.mark.parametrize("nesterov,weight_decay,alpha,mu_z", [
     (False, 0.0, None, 0.9), (True, 1e-3, None, 0.9), (False, 0.0, 0.1, 0.5), (False, 1e-4, 1.0, 0.0),
 ])
+@pytest.mark.filterwarnings("ignore:SMA with k")  # the update's arithmetic, past z's bound too
 def test_matches_hand_written_reference(nesterov, weight_decay, alpha, mu_z):
     model = Small()
     k, rounds, b = 4, 5, 4

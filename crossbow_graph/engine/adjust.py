@@ -4,13 +4,13 @@ settings)."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import networkx as nx
 import torch
 
 from ..config import Adjustment
+from ..errors import warn_caller
 from .learning.fused import fused_mode_message
 from .scheduler import Scheduler
 
@@ -36,6 +36,7 @@ def apply_adjustment(rounds: Scheduler, adj: Adjustment, *,
             ``learner_mode="fused"`` for a model that torch.func.vmap cannot run (names
             ``"per_replica"``), before anything changes."""
     settings, done = rounds.settings, {}
+    stable = settings.sync.stability_warning(rounds.num_learners) is None
     if adj.learner_mode == "fused" and settings.learner_mode != "fused" and fused_failure():
         raise ValueError(fused_mode_message(model_name, fused_failure()))
     if adj.batch_size is not None and adj.batch_size != settings.batch_size:
@@ -66,8 +67,8 @@ def apply_adjustment(rounds: Scheduler, adj: Adjustment, *,
         rounds.reset_replicas([list(range(s.m)) for s in rounds.states])
         done["reset_replicas"] = True
     unstable = settings.sync.stability_warning(rounds.num_learners)
-    if unstable is not None and done.keys() & {"alpha", "replicas_per_device"}:
-        warnings.warn(unstable, stacklevel=4)  # the caller of Plan.adjust
+    if unstable is not None and stable and done.keys() & {"alpha", "replicas_per_device"}:
+        warn_caller(unstable)  # once per move from stable to unstable
     return done
 
 

@@ -76,11 +76,9 @@ def checkpoints(plan: "FitPlan", options: FitOptions, schedule: BatchSchedule, h
 
 
 def _warn_if_no_outer_step(plan: "FitPlan", schedule: BatchSchedule, epochs: int) -> None:
-    """The sync algorithm's warnings (to the caller of ``Plan.fit``) when the fit is too short
-    for z to move or z's update diverges as set (``short_fit_warning``, ``stability_warning``)."""
+    """The sync algorithm's warning (to the caller of ``Plan.fit``) when the fit is too short
+    for z to move (``SyncAlgorithm.short_fit_warning``)."""
     rounds = schedule.rounds_per_epoch(plan.num_learners, plan.settings.batch_size) * epochs
-    sync = plan.settings.sync
-    for message in (sync.short_fit_warning(rounds, plan.progress.rounds_done),
-                    sync.stability_warning(plan.num_learners)):
-        if message is not None:
-            warnings.warn(message, stacklevel=7)  # the caller of Plan.fit
+    message = plan.settings.sync.short_fit_warning(rounds, plan.progress.rounds_done)
+    if message is not None:
+        warnings.warn(message, stacklevel=7)  # the caller of Plan.fit

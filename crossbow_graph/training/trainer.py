@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from ..engine.rounds.context import FitRun
 from ..engine.rounds.env import RoundResult
 from ..engine.rounds.timeline import Timeline
-from ..errors import DivergenceError
+from ..errors import DivergenceError, warn_caller
 from .checkpoint import CheckpointHook
 from .fit_data import rank_rows
 from .fit_eval import finite_mean
@@ -62,6 +62,9 @@ class Trainer:
                                         self.options, self.first_hooks, self.metrics, main=self.main)
             if self.options.checkpoint_dir is not None:
                 self.fit.add_checkpoints(self.plan, self.options, main=self.main)
+            unstable = self.plan.settings.sync.stability_warning(self.plan.num_learners)
+            if unstable is not None:  # the settings the fit runs with, a resume's included
+                warn_caller(unstable)
             with self.fit.stop_signal, self.fit.threads:
                 self._train()
         finally:

@@ -126,10 +126,12 @@ class SMA(SyncAlgorithm):
         bound = centre_bound(alpha, self.central_momentum)
         if num_learners == 1 or beta < bound:
             return None
+        fix = ("set SMA(centre_rate=...) below it" if self.centre_rate is not None else
+               "keep β below it with SMA(centre_rate=...), or use SMA's default rule (alpha=None, "
+               "Adjustment(alpha=\"auto\"))")
         return (f"SMA with k = {num_learners} learners, α = {alpha:g}: z's rate β = {beta:.3g} "
-                f"is at or above its stability bound (1 + μ_z)(2 − α) = {bound:.3g}, so z's update "
-                f"diverges; keep β below it with SMA(centre_rate=...), or use SMA's default rule "
-                f"(alpha=None, Adjustment(alpha=\"auto\"); docs/design-overview.md §2)")
+                f"is at or above its stability bound (1 + μ_z)(2 − α) = {bound:.3g}, where z's "
+                f"update stops converging (above it, diverges); {fix} (docs/design-overview.md §2)")
 
     @property
     def scales_lr(self) -> bool:
