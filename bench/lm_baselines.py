@@ -69,6 +69,7 @@ sys.path.insert(0, os.path.dirname(BENCH))
 
 import crossbow_graph as cg  # noqa: E402
 from crossbow_graph.cli_lm import lr_factor  # noqa: E402
+from crossbow_graph.engine.sync.diloco import DILOCO_OUTER  # noqa: E402
 from crossbow_graph.engine.sync.sma import pull_bound  # noqa: E402
 
 __all__ = ["SYSTEMS", "parse", "lr_factor", "centre_lr", "grid", "val_loss", "run_plain",
@@ -95,7 +96,7 @@ def parse(text: str) -> dict:
         raise ValueError(f"{text!r}: SYSTEM is one of {', '.join(SYSTEMS)}")
     config = dict(system=system, k=1, b=4, lr=1e-3, beta2=0.99, mom=0.0,
                   wd=0.1 if system.endswith("adamw") else 0.0, H=8, scale=1, fused=0, bound=0.0,
-                  default=0, olr=0.7)
+                  default=0, olr=DILOCO_OUTER.keywords["lr"])
     for pair in pairs:
         key, _, value = pair.partition("=")
         if key not in KEYS or not value:
@@ -103,7 +104,7 @@ def parse(text: str) -> dict:
         config[key] = KEYS[key](value)
     if system in ("adamw", "sgd") and config["k"] != 1:
         raise ValueError(f"{text!r}: plain PyTorch trains one model (k=1)")
-    if ":olr=" in f"{text}:" and not system.startswith("diloco"):
+    if any(pair.startswith("olr=") for pair in pairs) and not system.startswith("diloco"):
         raise ValueError(f"{text!r}: olr is DiLoCo's outer lr (diloco-adamw, diloco-sgd)")
     if not (math.isfinite(config["olr"]) and config["olr"] > 0):
         raise ValueError(f"{text!r}: olr must be a finite number > 0")
@@ -214,7 +215,7 @@ def _alpha(config: dict) -> float | None:
 def _compile(config: dict, model: torch.nn.Module, example: torch.Tensor, executor: str):
     k, system = config["k"], config["system"]
     devices = 2 if executor == "process" and system.startswith("sma") and k % 2 == 0 else 1
-    outer = functools.partial(torch.optim.SGD, lr=config["olr"], momentum=0.9, nesterov=True)
+    outer = functools.partial(DILOCO_OUTER, lr=config["olr"])  # DiLoCo's, at its lr
     sync = (cg.DiLoCo(sync_every=config["H"], outer_optimizer=outer) if system.startswith("diloco")
             else cg.LocalSGD(sync_every=config["H"]) if system.startswith("localsgd")
             else cg.SMA(scale_lr=bool(config["scale"]), alpha=_alpha(config)))

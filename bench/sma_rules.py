@@ -262,8 +262,9 @@ def engine_sync(args, rule: Rule, k: int):
                         sync_every=args.sync_every)
     if args.system == "localsgd":
         return cg.LocalSGD(sync_every=args.sync_every)
-    return cg.DiLoCo(sync_every=args.sync_every, outer_optimizer=functools.partial(
-        DILOCO_OUTER, lr=DILOCO_OUTER.keywords["lr"] if args.outer_lr is None else args.outer_lr))
+    outer = (DILOCO_OUTER if args.outer_lr is None
+             else functools.partial(DILOCO_OUTER, lr=args.outer_lr))
+    return cg.DiLoCo(sync_every=args.sync_every, outer_optimizer=outer)
 
 
 def run_sma(args, train, test) -> dict:

@@ -7,6 +7,8 @@ import os
 import sys
 import warnings
 
+import torch
+
 __all__ = ["TraceError", "TraceWarning", "PlanError", "TaskError", "DivergenceError", "CheckpointError",
            "DistributedError", "CompilerError", "HookError", "TrainingInterrupted", "is_count", "is_real",
            "check_flag", "check_number", "warn_caller"]
@@ -41,8 +43,6 @@ def check_number(owner: str, name: str, value: object, example: str) -> None:
 def warn_caller(message: str) -> None:
     """A UserWarning at the first frame outside this package and torch (its decorators): the
     user's line that led to it, however deep (a hook, a policy, the auto-tuner)."""
-    import torch
-
     ours = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                  for m in (sys.modules[__package__], torch))
     frame, level = sys._getframe(1), 2
