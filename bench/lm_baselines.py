@@ -80,7 +80,7 @@ _PER_SEED = ("seeds", "tokens", "seconds", "final", "tps")  # a summary row's li
 SYSTEMS = ("adamw", "sgd", "sma-adamw", "sma-sgd", "diloco-adamw", "diloco-sgd", "localsgd-adamw",
            "localsgd-sgd")
 KEYS = dict(k=int, b=int, lr=float, beta2=float, mom=float, wd=float, H=int, scale=int, fused=int,
-            bound=float, default=int, olr=float)
+            bound=float, default=int, olr=float, share=int)
 SCHEDULE_TOKENS = 2**20
 EVAL_EVERY_TOKENS = 2**15
 VAL_WINDOWS = 128
@@ -96,7 +96,7 @@ def parse(text: str) -> dict:
         raise ValueError(f"{text!r}: SYSTEM is one of {', '.join(SYSTEMS)}")
     config = dict(system=system, k=1, b=4, lr=1e-3, beta2=0.99, mom=0.0,
                   wd=0.1 if system.endswith("adamw") else 0.0, H=8, scale=1, fused=0, bound=0.0,
-                  default=0, olr=DILOCO_OUTER.keywords["lr"])
+                  default=0, olr=DILOCO_OUTER.keywords["lr"], share=0)
     for pair in pairs:
         key, _, value = pair.partition("=")
         if key not in KEYS or not value:
@@ -106,6 +106,8 @@ def parse(text: str) -> dict:
         raise ValueError(f"{text!r}: plain PyTorch trains one model (k=1)")
     if any(pair.startswith("olr=") for pair in pairs) and not system.startswith("diloco"):
         raise ValueError(f"{text!r}: olr is DiLoCo's outer lr (diloco-adamw, diloco-sgd)")
+    if config["share"] and not (system == "sma-adamw" and config["k"] > 1):
+        raise ValueError(f"{text!r}: share=1 is SMA's share_second_moment (sma-adamw, k > 1)")
     if not (math.isfinite(config["olr"]) and config["olr"] > 0):
         raise ValueError(f"{text!r}: olr must be a finite number > 0")
     return config
@@ -218,7 +220,8 @@ def _compile(config: dict, model: torch.nn.Module, example: torch.Tensor, execut
     outer = functools.partial(DILOCO_OUTER, lr=config["olr"])  # DiLoCo's, at its lr
     sync = (cg.DiLoCo(sync_every=config["H"], outer_optimizer=outer) if system.startswith("diloco")
             else cg.LocalSGD(sync_every=config["H"]) if system.startswith("localsgd")
-            else cg.SMA(scale_lr=bool(config["scale"]), alpha=_alpha(config)))
+            else cg.SMA(scale_lr=bool(config["scale"]), alpha=_alpha(config),
+                        share_second_moment=bool(config["share"])))
     return cg.compile(model, (example,), cg.models.lm_loss, batch_size=config["b"],
                       replicas=k // devices, devices=devices,
                       executor="process" if devices == 2 else "inline",

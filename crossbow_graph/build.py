@@ -194,7 +194,7 @@ def build_states(model: nn.Module, example_inputs: Any, options: CompileOptions,
               for name in devices]
     if not local.kernel:
         for s in states:
-            s.optim_rows = OptimizerRows(local, s)
+            s.optim_rows = OptimizerRows(local, s, options.sync.shares_second_moment)
     return template, params, settings, states
 
 

@@ -306,6 +306,10 @@ def test_lm_baselines_bound_sets_alpha_to_a_share_of_the_pull_bound():
     for bad in ("sma-adamw:k=4:b=1:olr=0.1", "diloco-sgd:k=4:b=1:olr=-1", "diloco-sgd:k=4:olr=nan"):
         with pytest.raises(ValueError, match="olr"):
             lm_baselines.parse(bad)
+    assert lm_baselines.parse("sma-adamw:k=8:b=1:share=1")["share"] == 1  # one second moment
+    for bad in ("adamw:b=4:share=1", "sma-sgd:k=4:b=1:share=1", "sma-adamw:k=1:b=1:share=1"):
+        with pytest.raises(ValueError, match="share"):
+            lm_baselines.parse(bad)
 
 
 @pytest.mark.parametrize("workload", ["w1", "fm", "gpt"])

@@ -14,7 +14,8 @@ from torch import nn
 
 from ...config import SGD
 
-__all__ = ["LocalOptimizer", "OptimizerRows", "KernelSGD", "ELEMENTWISE", "as_local_optimizer"]
+__all__ = ["LocalOptimizer", "OptimizerRows", "KernelSGD", "ELEMENTWISE", "SHARED_SECOND_MOMENT",
+           "as_local_optimizer", "shared_adam_step"]
 
 # exact classes whose update of a tensor reads only that tensor, its gradient and its own state
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
@@ -25,6 +26,8 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
 # unset: one kernel per tensor, about 3× faster than the single-tensor loop for LeNet-5's AdamW
 # (bench/optim_rows.py)
 FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+# exact classes whose learners may share one second moment (SMA's ``share_second_moment``)
+SHARED_SECOND_MOMENT = (torch.optim.Adam, torch.optim.AdamW)
 _REFUSED = {
     torch.optim.LBFGS: "LBFGS re-evaluates the model through a closure at every step, which a "
                        "replica's local step cannot do; use Adam/AdamW or SGD",
@@ -217,6 +220,7 @@ class OptimizerRows:
     Args:
         local: the plan's LocalOptimizer (not ``kernel``).
         state: the device's DeviceState (its flat layout, ``w [m, P]`` and ``g [m, P]``).
+        share_second_moment: a step of two or more rows runs ``shared_adam_step``.
 
     Attributes:
         store: per parameter (flat layout entry), state key → ``[m, *shape]`` (``[m]`` for
@@ -230,8 +234,9 @@ class OptimizerRows:
         TypeError: the optimizer cannot be rebuilt as ``type(opt)(groups, **defaults)`` or
             keeps state that is not a tensor (found by one step on a scratch copy)."""
 
-    def __init__(self, local: LocalOptimizer, state: Any) -> None:
+    def __init__(self, local: LocalOptimizer, state: Any, share_second_moment: bool = False) -> None:
         self.local = local
+        self.share_second_moment = share_second_moment
         self.layout = state.params
         self.entries = state.params.entries
         self._cache: dict[tuple, tuple[torch.optim.Optimizer, list]] = {}
@@ -341,6 +346,9 @@ class OptimizerRows:
                 self._cache.clear()
                 self._bound.clear()
             self._g32[r0:r1].copy_(state.g[r0:r1])
+        if self.share_second_moment and r1 - r0 > 1:
+            self._shared_step(state, r0, r1, groups)
+            return
         for a, b in self.segments(r0, r1):
             key, inst, params = self._instance(state, a, b)
             for mine, theirs in zip(inst.param_groups, groups):
@@ -361,6 +369,25 @@ class OptimizerRows:
                     t = self.store[i][key]
                     t[a + 1:b] = t[a]
             self._ages[a:b] += 1
+
+    def _shared_step(self, state: Any, r0: int, r1: int, groups: Sequence[dict[str, Any]]) -> None:
+        """``shared_adam_step`` of rows r0 … r1−1; rows of age 0 from zero state."""
+        grads = state.g if state.g.dtype == state.w.dtype else self._g32
+        fresh = torch.from_numpy(self._ages[r0:r1] == 0)
+        opt = self.local.optimizer
+        for group, hyper, ix in zip(opt.param_groups, groups, self.local.groups):
+            decoupled = bool(group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW)))
+            for i in ix:
+                st = {key: t[r0:r1] for key, t in self.store[i].items()}
+                if bool(fresh.any()):
+                    for t in st.values():
+                        t[fresh] = 0
+                shared_adam_step(self.layout.view(state.w[r0:r1], self.entries[i]),
+                                 self.layout.view(grads[r0:r1], self.entries[i]),
+                                 st["exp_avg"], st["exp_avg_sq"], st["step"],
+                                 lr=float(hyper["lr"]), betas=hyper["betas"], eps=float(hyper["eps"]),
+                                 weight_decay=float(hyper["weight_decay"]), decoupled=decoupled)
+        self._ages[r0:r1] += 1
 
     def _bind(self, inst, params, a, b) -> None:
         stacked = self.local.stacked
@@ -431,3 +458,29 @@ class OptimizerRows:
         for name, t in mine.items():
             t.copy_(saved["state"][name])
         self.age.copy_(saved["age"])
+
+
+@torch.no_grad()
+def shared_adam_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
+                     exp_avg_sq: torch.Tensor, step: torch.Tensor, *, lr: float,
+                     betas: tuple[float, float], eps: float, weight_decay: float,
+                     decoupled: bool) -> None:
+    """Adam's (``decoupled``: AdamW's) step of n learners' rows ``[n, *shape]`` in place, with one
+    second moment from their mean gradient; ``step [n]`` float32 (design §2, "One second moment
+    per device")."""
+    beta1, beta2 = float(betas[0]), float(betas[1])
+    if weight_decay and not decoupled:
+        g = g.add(w, alpha=weight_decay)
+    step += 1
+    if weight_decay and decoupled:
+        w.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    mean = g.mean(dim=0)
+    exp_avg_sq.mul_(beta2).addcmul_(mean.expand_as(exp_avg_sq), mean.expand_as(exp_avg_sq),
+                                    value=1 - beta2)
+    rows = (-1,) + (1,) * (w.dim() - 1)
+    t = step.to(torch.float64)
+    step_size = (lr / (1 - beta1 ** t)).to(w.device, w.dtype).view(rows)  # torch keeps step on
+    root = (1 - beta2 ** t).sqrt().to(w.device, w.dtype).view(rows)  # the CPU unless capturable
+    denom = (exp_avg_sq.sqrt() / root).add_(eps)
+    w.sub_(exp_avg / denom * step_size)

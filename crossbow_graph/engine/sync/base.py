@@ -127,6 +127,11 @@ class SyncAlgorithm(abc.ABC):
         here."""
         return False
 
+    @property
+    def shares_second_moment(self) -> bool:
+        """Whether a device's Adam learners share one second moment (SMA's option): False here."""
+        return False
+
     def with_alpha(self, alpha: float | None) -> "SyncAlgorithm":
         """This algorithm with α = ``alpha`` (None: its default rule), for ``Plan.adjust``.
 

@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ...errors import check_flag, check_number, is_count
+from ..state.optim import SHARED_SECOND_MOMENT
 from .base import SyncAlgorithm, SyncContext, SyncRound, SyncState, single_learner_central
 
 if TYPE_CHECKING:
+    from ..state.optim import LocalOptimizer
     from ...kernels.protocol import SMAKernels
 
 __all__ = ["SMA", "CentralMomentum", "pull_bound", "centre_bound", "PULL_SHARE", "PULL_FLOOR"]
@@ -52,13 +54,16 @@ class SMA(SyncAlgorithm):
             epoch after every change of k (on by default, the optimizer's lr unwritten).
             ``False``: the lr as set. The rule: training/sma_lr.py, docs/design-overview.md §2,
             "How α, μ_z and η follow k".
+        share_second_moment: with ``torch.optim.Adam`` or ``AdamW`` as the local optimiser, a
+            device's learners step with one second moment, the moving average of the square of
+            their mean gradient, each with its own first moment (design §2, "One second moment
+            per device"); the inline executor only.
 
     Raises:
-        TypeError: α, β or μ_z not a number; ``scale_lr`` not a bool.
+        TypeError: α, β or μ_z not a number; ``scale_lr`` or ``share_second_moment`` not a bool.
         ValueError: a value outside its range, τ not an integer (α is checked against k by
-            ``compile``)."""
+            ``compile``, and so is ``share_second_moment`` against the optimizer and executor)."""
 
-    executors: ClassVar[tuple[str, ...]] = ("inline", "process")
     waits_for_global: ClassVar[bool] = False
     cuda_graphs: ClassVar[bool] = True
     adjustable: ClassVar[tuple[str, ...]] = ("alpha", "sync_every")
@@ -68,6 +73,7 @@ class SMA(SyncAlgorithm):
     sync_every: int = 1
     scale_lr: bool = True
     centre_rate: float | None = None
+    share_second_moment: bool = False
 
     def __post_init__(self) -> None:
         if self.alpha is not None:
@@ -90,6 +96,7 @@ class SMA(SyncAlgorithm):
                 f"SMA(central_momentum={self.central_momentum}): μ_z must be in [0, 1), e.g. 0.9"
             )
         check_flag("scale_lr", self.scale_lr, "SMA")
+        check_flag("share_second_moment", self.share_second_moment, "SMA")
         if not is_count(self.sync_every):
             raise ValueError(f"SMA(sync_every={self.sync_every!r}): must be an integer ≥ 1")
 
@@ -138,6 +145,36 @@ class SMA(SyncAlgorithm):
         """``scale_lr``: SMA's η rule (training/sma_lr.py)."""
         return self.scale_lr
 
+    @property
+    def shares_second_moment(self) -> bool:
+        return self.share_second_moment
+
+    @property
+    def executors(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("inline",) if self.share_second_moment else ("inline", "process")
+
+    def check_executor(self, executor: str) -> None:
+        if executor == "process" and self.share_second_moment:
+            raise ValueError("SMA(share_second_moment=True) runs on the inline executor only: "
+                             "the process executor steps a device's learners in several "
+                             "workers, which cannot share one second moment; use "
+                             "executor='inline' (or 'auto', which picks it)")
+
+    def check_optimizer(self, optimizer: "LocalOptimizer") -> None:
+        if not self.share_second_moment:
+            return
+        opt = optimizer.optimizer
+        if type(opt) not in SHARED_SECOND_MOMENT:
+            raise ValueError(f"SMA(share_second_moment=True) needs torch.optim.Adam or AdamW as "
+                             f"the local optimiser (their second moment is what is shared); got "
+                             f"{type(opt).__name__}: use AdamW, or share_second_moment=False")
+        for i, group in enumerate(opt.param_groups):
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag):
+                    raise ValueError(f"SMA(share_second_moment=True): param group {i} sets "
+                                     f"{flag}=True, which the shared step does not run; use "
+                                     f"{flag}=False, or share_second_moment=False")
+
     def with_alpha(self, alpha: float | None) -> "SMA":
         """This SMA with α = ``alpha`` (None: the default rule); ValueError outside (0, 1]."""
         return replace(self, alpha=alpha)
@@ -178,8 +215,9 @@ class SMA(SyncAlgorithm):
             else f"{alpha:.4g}"
         beta = "" if num_learners == 1 or self.centre_gain(num_learners) == 1 \
             else f", β={self.centre_rate_for(num_learners):.4g}"
+        shared = ", one second moment per device" if self.share_second_moment else ""
         return (f"SMA(α={shown}{beta}, μ_z={self.central_momentum}, every {self.sync_every} round(s)"
-                f"{self._lr_rule_text(num_learners)})")
+                f"{self._lr_rule_text(num_learners)}{shared})")
 
 
 @dataclass(frozen=True, eq=False)
