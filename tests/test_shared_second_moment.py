@@ -147,6 +147,30 @@ def test_a_new_learner_starts_its_moments_from_zero_and_averages_the_same_mean(d
     assert torch.isfinite(plan.replica_weights()).all()
 
 
+def test_a_faulty_learners_zeroed_gradient_is_left_out_of_the_mean(data):
+    """Learner 1's batch holds a NaN in round 0: it is reset (docs/reliability.md), and the
+    others' v is (1 − β₂)·((g₀ + g₂)/2)², not a mean over 3 that counts its zero."""
+    k = 3
+    model = _net()
+    start = copy.deepcopy(model)
+    x, y = data.tensors[0][:k * B].clone(), data.tensors[1][:k * B]
+    x[B + 2, 0] = float("nan")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
+    plan = _plan(model, example=x[:B], devices=1, replicas=k, executor="inline", optimizer=opt,
+                 sync=cg.SMA(sync_every=1000, scale_lr=False, share_second_moment=True))
+    history = plan.fit(TensorDataset(x, y), shuffle=False, progress=False, metrics_every=None)
+    assert [f.replica for f in history.faults] == [1]
+    grads = []
+    for j in (0, 2):
+        ref = copy.deepcopy(start)
+        nn.functional.cross_entropy(ref(x[j * B:(j + 1) * B]), y[j * B:(j + 1) * B]).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in ref.parameters()]))
+    expected = 0.01 * ((grads[0] + grads[1]) / 2) ** 2
+    rows = plan.states[0].optim_rows
+    v0 = torch.cat([rows.store[i]["exp_avg_sq"][0].reshape(-1) for i in range(len(rows.store))])
+    torch.testing.assert_close(v0, expected, rtol=1e-5, atol=1e-12)
+
+
 def test_resume_is_bit_identical(data, tmp_path):
     def run(epochs, resume, directory):
         model = _net()

@@ -336,10 +336,12 @@ class OptimizerRows:
         return runs
 
     @torch.no_grad()
-    def step(self, state: Any, r0: int, r1: int, groups: Sequence[dict[str, Any]]) -> None:
+    def step(self, state: Any, r0: int, r1: int, groups: Sequence[dict[str, Any]],
+             faulty: list[int] | torch.Tensor = ()) -> None:
         """The optimizer's step of replicas r0 … r1−1 of ``state`` (weights ``w``, gradients
         ``g``), with the round's hyper-parameters ``groups`` (``Hyper.groups``: per param group,
-        ``hyper_keys`` → value)."""
+        ``hyper_keys`` → value); ``faulty``: the rows found faulty this round (indices, or a mask
+        ``[r1 − r0]``), whose zeroed gradients a shared second moment leaves out of its mean."""
         if state.g.dtype != state.w.dtype:  # low precision: the float32 copy the instances read
             if self._g32 is None or self._g32.shape != state.w.shape:
                 self._g32 = torch.zeros_like(state.w)
@@ -347,7 +349,7 @@ class OptimizerRows:
                 self._bound.clear()
             self._g32[r0:r1].copy_(state.g[r0:r1])
         if self.share_second_moment and r1 - r0 > 1:
-            self._shared_step(state, r0, r1, groups)
+            self._shared_step(state, r0, r1, groups, faulty)
             return
         for a, b in self.segments(r0, r1):
             key, inst, params = self._instance(state, a, b)
@@ -370,10 +372,13 @@ class OptimizerRows:
                     t[a + 1:b] = t[a]
             self._ages[a:b] += 1
 
-    def _shared_step(self, state: Any, r0: int, r1: int, groups: Sequence[dict[str, Any]]) -> None:
+    def _shared_step(self, state: Any, r0: int, r1: int, groups: Sequence[dict[str, Any]],
+                     faulty: list[int] | torch.Tensor) -> None:
         """``shared_adam_step`` of rows r0 … r1−1; rows of age 0 from zero state."""
         grads = state.g if state.g.dtype == state.w.dtype else self._g32
         fresh = torch.from_numpy(self._ages[r0:r1] == 0)
+        healthy: int | torch.Tensor = r1 - r0 - len(faulty) if isinstance(faulty, (list, tuple)) \
+            else (~faulty).sum().clamp_min(1)  # a mask on the device: no host read
         opt = self.local.optimizer
         for group, hyper, ix in zip(opt.param_groups, groups, self.local.groups):
             decoupled = bool(group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW)))
@@ -386,7 +391,8 @@ class OptimizerRows:
                                  self.layout.view(grads[r0:r1], self.entries[i]),
                                  st["exp_avg"], st["exp_avg_sq"], st["step"],
                                  lr=float(hyper["lr"]), betas=hyper["betas"], eps=float(hyper["eps"]),
-                                 weight_decay=float(hyper["weight_decay"]), decoupled=decoupled)
+                                 weight_decay=float(hyper["weight_decay"]), decoupled=decoupled,
+                                 healthy=healthy)
         self._ages[r0:r1] += 1
 
     def _bind(self, inst, params, a, b) -> None:
@@ -464,10 +470,10 @@ class OptimizerRows:
 def shared_adam_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
                      exp_avg_sq: torch.Tensor, step: torch.Tensor, *, lr: float,
                      betas: tuple[float, float], eps: float, weight_decay: float,
-                     decoupled: bool) -> None:
+                     decoupled: bool, healthy: int | torch.Tensor | None = None) -> None:
     """Adam's (``decoupled``: AdamW's) step of n learners' rows ``[n, *shape]`` in place, with one
-    second moment from their mean gradient; ``step [n]`` float32 (design §2, "One second moment
-    per device")."""
+    second moment from their mean gradient over ``healthy`` rows (default n; a faulty row's
+    gradient is zero); ``step [n]`` float32 (design §2, "One second moment per device")."""
     beta1, beta2 = float(betas[0]), float(betas[1])
     if weight_decay and not decoupled:
         g = g.add(w, alpha=weight_decay)
@@ -475,7 +481,10 @@ def shared_adam_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
     if weight_decay and decoupled:
         w.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
-    mean = g.mean(dim=0)
+    if healthy is None or (isinstance(healthy, int) and healthy == g.shape[0]):
+        mean = g.mean(dim=0)
+    else:
+        mean = g.sum(dim=0) / (max(healthy, 1) if isinstance(healthy, int) else healthy)
     exp_avg_sq.mul_(beta2).addcmul_(mean.expand_as(exp_avg_sq), mean.expand_as(exp_avg_sq),
                                     value=1 - beta2)
     rows = (-1,) + (1,) * (w.dim() - 1)

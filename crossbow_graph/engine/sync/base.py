@@ -196,7 +196,7 @@ class SyncAlgorithm(abc.ABC):
                 out=out, **env.hyper.kernel_args(z is not None))
             state.first_step[r0:r1] = [False] * (r1 - r0)
         else:
-            acc = _rows_step(state, r0, r1, z, env.hyper, out)
+            acc = _rows_step(state, r0, r1, z, env.hyper, out, faulty)
         FaultMonitor.reset_found(state, r0, faulty)  # back at z: the zero gradient met weight decay
         return acc, faulty
 
@@ -249,15 +249,16 @@ class SyncAlgorithm(abc.ABC):
 
 @torch.no_grad()
 def _rows_step(state: DeviceState, r0: int, r1: int, z: torch.Tensor | None, hyper: Hyper,
-               out: torch.Tensor | None) -> torch.Tensor | None:
+               out: torch.Tensor | None, faulty: list[int] | torch.Tensor) -> torch.Tensor | None:
     """A row optimizer's local update of rows r0 … r1−1 (engine/state/optim.py): c = α·(ŵ − z)
-    from the pre-step weights, the step with ``hyper.groups``, w ← w − c; returns Σ c ``[P]``
-    (in ``out``), or None without a correction (``z`` None)."""
+    from the pre-step weights, the step with ``hyper.groups`` (``faulty``: ``FaultMonitor.find``'s
+    rows, reset, their gradients zero), w ← w − c; returns Σ c ``[P]`` (in ``out``), or None
+    without a correction (``z`` None)."""
     w = state.w[r0:r1]
     c = None
     if z is not None:
         c = torch.sub(w, z, out=state.optim_rows.scratch(w)).mul_(hyper.alpha)
-    state.optim_rows.step(state, r0, r1, hyper.groups)
+    state.optim_rows.step(state, r0, r1, hyper.groups, faulty)
     if c is None:
         return None
     w.sub_(c)

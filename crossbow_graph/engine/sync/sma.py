@@ -165,9 +165,11 @@ class SMA(SyncAlgorithm):
             return
         opt = optimizer.optimizer
         if type(opt) not in SHARED_SECOND_MOMENT:
-            raise ValueError(f"SMA(share_second_moment=True) needs torch.optim.Adam or AdamW as "
-                             f"the local optimiser (their second moment is what is shared); got "
-                             f"{type(opt).__name__}: use AdamW, or share_second_moment=False")
+            raise ValueError(f"SMA(share_second_moment=True) needs torch.optim.Adam or AdamW "
+                             f"(exactly, not a subclass) as the local optimiser: their second "
+                             f"moment is what is shared; got {type(opt).__name__} (compile's "
+                             f"default is SGD): pass optimizer=torch.optim.AdamW("
+                             f"model.parameters(), lr=...) to compile, or share_second_moment=False")
         for i, group in enumerate(opt.param_groups):
             for flag in ("amsgrad", "maximize"):
                 if group.get(flag):
