@@ -439,8 +439,15 @@ GPT_LINES = (  # SMA's defaults up to k = 4 are α = 0.8 of the pull's bound, β
         f"sma-adamw:k=8:{_B1}:bound=0.8")),
     ("SMA, AdamW, α = 1/k, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975", f"sma-adamw:k=4:{_B1}",
                                         f"sma-adamw:k=8:{_B1}")),
+    ("SMA, AdamW, defaults, one second moment per device, b = 1", 1, (
+        "adamw:b=1:lr=1e-3:beta2=0.9975", f"sma-adamw:k=4:{_B1}:default=1:share=1",
+        f"sma-adamw:k=8:{_B1}:default=1:share=1", f"sma-adamw:k=16:{_B1}:default=1:share=1")),
+    ("SMA, AdamW, one second moment per device, lr 5e-4 at k = 8, b = 1", 1, (
+        "adamw:b=1:lr=1e-3:beta2=0.9975", f"sma-adamw:k=4:{_B1}:default=1:share=1",
+        "sma-adamw:k=8:b=1:lr=5e-4:beta2=0.9975:fused=1:default=1:share=1")),
     ("AdamW at k·b, lr re-tuned, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975", "adamw:b=4:lr=1e-3",
-                                              "adamw:b=8:lr=1.4e-3", "adamw:b=8:lr=7.1e-4")),
+                                              "adamw:b=8:lr=1.4e-3", "adamw:b=8:lr=7.1e-4",
+                                              "adamw:b=16:lr=1e-3", "adamw:b=16:lr=5e-4")),
     *((f"{name}, AdamW, H = 4, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975", *(
         f"{system}:k={k}:{_B1}:H=4" for k in (8, 32))))
       for name, system in (("LocalSGD", "localsgd-adamw"), ("DiLoCo", "diloco-adamw"))),
@@ -499,22 +506,23 @@ def plot_gpt(summary: dict, out: str | None = None) -> str:
     """Tokens to the target against k (log₂), one line per ``GPT_LINES`` entry: the median and
     the seeds' range; a seed that did not reach it is drawn at the cap (hollow marker)."""
     out = out or os.path.join(IMAGES, "stat_eff_gpt.png")
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.6))
+    colors = plt.get_cmap("tab20").colors  # more lines than tab10's colours
     for i, (label, rows) in enumerate(summary["lines"].items()):
         points = [(k, summary["cap_tokens"] / 1e6,
                    [None if t is None else t / 1e6 for t in rows[str(k)]["tokens"]])
                   for k in sorted(int(k) for k in rows)]  # M tokens
-        _median_line(ax, points, (0.92, 0.96, 1.0, 1.04, 1.08)[i % 5], f"C{i}", label=label,
-                     ls="-" if label.startswith("SMA") else "--")
+        _median_line(ax, points, (0.92, 0.96, 1.0, 1.04, 1.08)[i % 5], colors[2 * i % 20 + i // 10],
+                     label=label, ls="-" if label.startswith("SMA") else "--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("learners k (b windows of 128 bytes each)")
     ax.set_ylabel("M tokens to the target (median, seeds' range; hollow: not reached)", fontsize=8)
     ax.set_title(f"W4, a GPT on the fortunes bytes: to a validation loss of {summary['target']:g}",
                  fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out
 
