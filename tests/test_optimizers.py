@@ -275,6 +275,34 @@ def test_resume_with_adamw_and_a_scheduler_is_bit_identical(data, tmp_path):
     assert whole.optimizer.param_groups[1]["lr"] == resumed.optimizer.param_groups[1]["lr"]
 
 
+def test_a_resume_without_a_hook_the_first_fit_had_keeps_the_schedulers_state(data, tmp_path):
+    """Hooks' states are keyed by class and place among their class, not by position: a user's
+    hook left out at the resume (one that stopped the first fit mid-epoch) does not lose the LR
+    scheduler's step count."""
+    class Stop(cg.Hook):
+        def after_round(self, ctx):
+            if ctx.plan.progress.rounds_done == 10:
+                ctx.stop = True
+
+    def run(directory, resume, hooks=()):
+        model = _net()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=2, optimizer=opt,
+                     executor="inline")
+        plan.fit(data, epochs=2, progress=False, metrics_every=None, lr_scheduler=sched,
+                 lr_scheduler_interval="round", checkpoint_dir=str(directory), checkpoint_every=4,
+                 resume=resume, hooks=list(hooks))
+        return plan, sched
+
+    whole, whole_sched = run(tmp_path / "a", False)
+    run(tmp_path / "b", False, [Stop()])  # stops after round 10; the last checkpoint is round 8
+    resumed, resumed_sched = run(tmp_path / "b", True)
+    assert resumed_sched.last_epoch == whole_sched.last_epoch == 2 * N // (2 * B)
+    assert whole.optimizer.param_groups[0]["lr"] == resumed.optimizer.param_groups[0]["lr"]
+    assert torch.equal(whole.central_weights(), resumed.central_weights())
+
+
 def test_reduce_on_plateau_reads_the_central_models_test_loss(data):
     model = _net()
     plan = _plan(model, example=data.tensors[0][:B], devices=1, replicas=2,

@@ -297,8 +297,31 @@ def _data_key(schedule: "BatchSchedule") -> dict[str, Any]:
             "seed": schedule.seed}
 
 
-def _hook_key(i: int, hook: Hook) -> str:
-    return f"{i}:{type(hook).__name__}"
+def _hook_keys(hooks: list[Hook]) -> list[str]:
+    """Each hook's key in a checkpoint: its class name and its place among the fit's hooks of
+    that class ("LRSchedulerHook#0"), so that a hook added or left out at a resume (a user's own)
+    does not move the others' keys."""
+    seen: dict[str, int] = {}
+    keys = []
+    for hook in hooks:
+        name = type(hook).__name__
+        keys.append(f"{name}#{seen.get(name, 0)}")
+        seen[name] = seen.get(name, 0) + 1
+    return keys
+
+
+def _by_class(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's hook states keyed as ``_hook_keys`` does; older checkpoints keyed them by
+    position ("1:LRSchedulerHook"), read here in their order."""
+    if not any(":" in key and key.split(":", 1)[0].isdigit() for key in saved):
+        return saved
+    seen: dict[str, int] = {}
+    out = {}
+    for key in sorted(saved, key=lambda k: int(k.split(":", 1)[0])):
+        name = key.split(":", 1)[1]
+        out[f"{name}#{seen.get(name, 0)}"] = saved[key]
+        seen[name] = seen.get(name, 0) + 1
+    return out
 
 
 def _history_from(d: dict[str, Any], into: History) -> None:
@@ -436,10 +459,10 @@ class CheckpointHook(Hook):
         return path, state
 
     def _restore_hooks_and_history(self, state: dict[str, Any], history: History) -> None:
-        for i, hook in enumerate(self.hooks):
-            key = _hook_key(i, hook)
-            if key in state["hooks"]:
-                hook.load_state_dict(state["hooks"][key])
+        saved = _by_class(state["hooks"])
+        for key, hook in zip(_hook_keys(self.hooks), self.hooks):
+            if key in saved:
+                hook.load_state_dict(saved[key])
         _history_from(state["history"], history)
         self.health.load_state_dict(state.get("health"))
 
@@ -467,7 +490,7 @@ class CheckpointHook(Hook):
             "plan": plan_state,
             "data": _data_key(self.schedule),
             "rng": _rng_state(),
-            "hooks": {_hook_key(i, h): kept for i, h in enumerate(self.hooks)
+            "hooks": {key: kept for key, h in zip(_hook_keys(self.hooks), self.hooks)
                       if (kept := h.state_dict())},  # {}: a hook without state
             "history": ctx.history.to_dict(),
             "world_size": 1 if comm is None else comm.world_size,
