@@ -376,15 +376,15 @@ class OptimizerRows:
                      faulty: list[int] | torch.Tensor) -> None:
         """``shared_adam_step`` of rows r0 … r1−1; rows of age 0 from zero state."""
         grads = state.g if state.g.dtype == state.w.dtype else self._g32
-        fresh = torch.from_numpy(self._ages[r0:r1] == 0)
-        healthy: int | torch.Tensor = r1 - r0 - len(faulty) if isinstance(faulty, (list, tuple)) \
-            else (~faulty).sum().clamp_min(1)  # a mask on the device: no host read
+        fresh = self._ages[r0:r1] == 0
+        fresh = torch.from_numpy(fresh) if fresh.any() else None
+        healthy = _healthy_rows(faulty, r1 - r0)
         opt = self.local.optimizer
         for group, hyper, ix in zip(opt.param_groups, groups, self.local.groups):
             decoupled = bool(group.get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW)))
             for i in ix:
                 st = {key: t[r0:r1] for key, t in self.store[i].items()}
-                if bool(fresh.any()):
+                if fresh is not None:
                     for t in st.values():
                         t[fresh] = 0
                 shared_adam_step(self.layout.view(state.w[r0:r1], self.entries[i]),
@@ -466,14 +466,22 @@ class OptimizerRows:
         self.age.copy_(saved["age"])
 
 
+def _healthy_rows(faulty: list[int] | torch.Tensor, n: int) -> int | torch.Tensor | None:
+    """How many of n rows are not ``faulty`` (at least 1; a mask's count stays on its device, no
+    host read); None where none is faulty."""
+    if isinstance(faulty, torch.Tensor):
+        return (~faulty).sum().clamp_min(1)
+    return max(n - len(faulty), 1) if faulty else None
+
+
 @torch.no_grad()
 def shared_adam_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
                      exp_avg_sq: torch.Tensor, step: torch.Tensor, *, lr: float,
                      betas: tuple[float, float], eps: float, weight_decay: float,
                      decoupled: bool, healthy: int | torch.Tensor | None = None) -> None:
     """Adam's (``decoupled``: AdamW's) step of n learners' rows ``[n, *shape]`` in place, with one
-    second moment from their mean gradient over ``healthy`` rows (default n; a faulty row's
-    gradient is zero); ``step [n]`` float32 (design §2, "One second moment per device")."""
+    second moment from their mean gradient over ``healthy`` rows (≥ 1; None: all n; a faulty
+    row's gradient is zero); ``step [n]`` float32 (design §2, "One second moment per device")."""
     beta1, beta2 = float(betas[0]), float(betas[1])
     if weight_decay and not decoupled:
         g = g.add(w, alpha=weight_decay)
@@ -481,10 +489,7 @@ def shared_adam_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
     if weight_decay and decoupled:
         w.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
-    if healthy is None or (isinstance(healthy, int) and healthy == g.shape[0]):
-        mean = g.mean(dim=0)
-    else:
-        mean = g.sum(dim=0) / (max(healthy, 1) if isinstance(healthy, int) else healthy)
+    mean = g.mean(dim=0) if healthy is None else g.sum(dim=0) / healthy
     exp_avg_sq.mul_(beta2).addcmul_(mean.expand_as(exp_avg_sq), mean.expand_as(exp_avg_sq),
                                     value=1 - beta2)
     rows = (-1,) + (1,) * (w.dim() - 1)
