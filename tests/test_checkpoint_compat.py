@@ -12,7 +12,7 @@ import shutil
 import torch
 
 import crossbow_graph as cg
-from crossbow_graph.training.checkpoint import load_latest
+from crossbow_graph.training.checkpoint import _by_class, _hook_keys, load_latest
 from crossbow_graph.training.hooks import Hook
 
 from test_checkpoint import data, net_plan
@@ -57,3 +57,17 @@ def test_an_older_releases_checkpoint_resumes_exactly(tmp_path):
         for key in ("z", "z_prev", "w", "v", "buf", "zbuf"):
             torch.testing.assert_close(getattr(s, key), expected[f"{d}.{key}"], rtol=1e-4,
                                        atol=1e-6, msg=f"device {d} {key}")
+
+
+def test_an_older_checkpoints_hook_states_keyed_by_position_are_read_by_class():
+    """Older checkpoints keyed a hook's state by its position ("1:LRSchedulerHook"); they are
+    read in that order as the class and its place among its class ("LRSchedulerHook#0")."""
+    saved = {"2:LRSchedulerHook": "scheduler", "0:Poll": "first", "1:Poll": "second"}
+    assert _by_class(saved) == {"Poll#0": "first", "Poll#1": "second",
+                                "LRSchedulerHook#0": "scheduler"}
+    assert _by_class({"Poll#0": "kept"}) == {"Poll#0": "kept"}
+
+    class Poll(Hook):
+        pass
+
+    assert _hook_keys([Poll(), Hook(), Poll()]) == ["Poll#0", "Hook#0", "Poll#1"]

@@ -301,10 +301,14 @@ def _hook_keys(hooks: list[Hook]) -> list[str]:
     """Each hook's key in a checkpoint: its class name and its place among the fit's hooks of
     that class ("LRSchedulerHook#0"), so that a hook added or left out at a resume (a user's own)
     does not move the others' keys."""
+    return _numbered([type(hook).__name__ for hook in hooks])
+
+
+def _numbered(names: list[str]) -> list[str]:
+    """``name#i``, i the name's place among the equal names before it."""
     seen: dict[str, int] = {}
     keys = []
-    for hook in hooks:
-        name = type(hook).__name__
+    for name in names:
         keys.append(f"{name}#{seen.get(name, 0)}")
         seen[name] = seen.get(name, 0) + 1
     return keys
@@ -315,13 +319,9 @@ def _by_class(saved: dict[str, Any]) -> dict[str, Any]:
     position ("1:LRSchedulerHook"), read here in their order."""
     if not any(":" in key and key.split(":", 1)[0].isdigit() for key in saved):
         return saved
-    seen: dict[str, int] = {}
-    out = {}
-    for key in sorted(saved, key=lambda k: int(k.split(":", 1)[0])):
-        name = key.split(":", 1)[1]
-        out[f"{name}#{seen.get(name, 0)}"] = saved[key]
-        seen[name] = seen.get(name, 0) + 1
-    return out
+    ordered = sorted(saved, key=lambda k: int(k.split(":", 1)[0]))
+    return dict(zip(_numbered([key.split(":", 1)[1] for key in ordered]),
+                    (saved[key] for key in ordered)))
 
 
 def _history_from(d: dict[str, Any], into: History) -> None:
