@@ -224,11 +224,18 @@ def _check_ft_flags(args: argparse.Namespace) -> None:
 
 
 def _check_sync_optimizer(args: argparse.Namespace) -> None:
-    """Raises ValueError: ``--sync ssgd`` with an ``--optimizer`` other than sgd (S-SGD's global
-    step is SGD's, engine/sync/ssgd.py), in the CLI's flags."""
-    if sync_algorithms()[args.sync] is cg.SSGD and args.optimizer != "sgd":
+    """Raises ValueError, in the CLI's flags: ``--sync ssgd`` with an ``--optimizer`` other than
+    sgd (S-SGD's global step is SGD's, engine/sync/ssgd.py); ``--share-second-moment`` with one
+    other than adamw or adam (design §2, One second moment per device)."""
+    algorithm = sync_algorithms()[args.sync]
+    if algorithm is cg.SSGD and args.optimizer != "sgd":
         raise ValueError(f"--sync {args.sync} with --optimizer {args.optimizer}: S-SGD steps with "
                          f"SGD only; add --optimizer sgd, or use another --sync (sma, the default)")
+    if getattr(args, "share_second_moment", None) and hasattr(algorithm, "share_second_moment") \
+            and args.optimizer not in ("adamw", "adam"):
+        raise ValueError(f"--share-second-moment with --optimizer {args.optimizer}: the learners "
+                         f"share Adam's second moment; add --optimizer adamw (or adam), or drop "
+                         f"--share-second-moment")
 
 
 def _shard(dataset: Any, spec: str) -> torch.utils.data.Subset:

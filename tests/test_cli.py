@@ -325,6 +325,22 @@ def test_ssgd_with_another_optimizer_is_a_one_line_error_naming_the_flag(capsys)
                       "default)\n", given
 
 
+def test_share_second_moment_with_another_optimizer_is_a_one_line_error_naming_the_flag(capsys):
+    """--share-second-moment with SGD or RMSprop: exit 2 before any data is read, naming
+    --optimizer adamw, the flag that fixes it (not the Python keyword)."""
+    for name in ("sgd", "rmsprop"):
+        assert main(["train", "--dataset", "nonexistent", "--share-second-moment",
+                     "--optimizer", name]) == 2, name
+        err = capsys.readouterr().err
+        assert err == f"crossbow-graph train: error: --share-second-moment with --optimizer {name}: " \
+                      "the learners share Adam's second moment; add --optimizer adamw (or adam), " \
+                      "or drop --share-second-moment\n", name
+    plan, _ = prepare_train(build_parser().parse_args(
+        ["train", "--train-samples", "64", "--test-samples", "32", "--share-second-moment",
+         "--optimizer", "adamw", "--replicas", "2"]))
+    assert plan.settings.sync.shares_second_moment
+
+
 def test_fault_tolerant_without_torchft_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
     assert main(["train", "--fault-tolerant", "--lighthouse", "http://127.0.0.1:1", "--replicas", "2",

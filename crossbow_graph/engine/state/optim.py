@@ -145,7 +145,8 @@ def as_local_optimizer(optimizer: Any, model: nn.Module, template: nn.Module,
 
     Raises:
         TypeError: not a torch.optim optimizer; an optimizer class that cannot be replicated
-            (LBFGS, SparseAdam: the message says why and what to use).
+            (LBFGS, SparseAdam: the message says why and what to use); a group setting given
+            as a tensor (``lr=torch.tensor(1e-3)``).
         ValueError: a group holds a tensor that is not a trainable parameter of ``model``, or a
             parameter twice."""
     if isinstance(optimizer, SGD):
@@ -161,6 +162,7 @@ def as_local_optimizer(optimizer: Any, model: nn.Module, template: nn.Module,
     for cls, why in _REFUSED.items():
         if isinstance(optimizer, cls):
             raise TypeError(f"optimizer={type(optimizer).__name__}: cannot run one per replica: {why}")
+    _refuse_tensor_settings(optimizer)
     groups = _group_rows(optimizer, model, names)  # raises ValueError
     g0 = optimizer.param_groups[0]
     kernel = (type(optimizer) is torch.optim.SGD and len(optimizer.param_groups) == 1
@@ -172,6 +174,23 @@ def as_local_optimizer(optimizer: Any, model: nn.Module, template: nn.Module,
     return LocalOptimizer(optimizer=optimizer, groups=tuple(groups),
                           hyper_keys=_hyper_keys(optimizer.defaults), kernel=kernel,
                           stacked=type(optimizer) in ELEMENTWISE and not asks_fused)
+
+
+def _refuse_tensor_settings(optimizer: torch.optim.Optimizer) -> None:
+    """TypeError for a group setting given as a tensor (``lr=torch.tensor(1e-3)``, tensor betas):
+    a round steps with a snapshot of the settings as numbers (``Hyper``), SMA's η rule scaling
+    the lr."""
+    for i, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            parts = value if isinstance(value, tuple) else (value,)
+            if key != "params" and any(isinstance(v, torch.Tensor) for v in parts):
+                number = ", ".join(f"{float(v):g}" for v in parts)
+                number = f"({number})" if isinstance(value, tuple) else number
+                raise TypeError(
+                    f"optimizer param group {i} sets {key} as a tensor ({value!r}): the learners "
+                    f"step with the groups' settings as numbers, read every round (SMA's η rule "
+                    f"scales the lr); pass a number, e.g. torch.optim."
+                    f"{type(optimizer).__name__}(model.parameters(), {key}={number})")
 
 
 def _group_rows(optimizer: torch.optim.Optimizer, model: nn.Module,
