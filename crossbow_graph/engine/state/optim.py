@@ -184,13 +184,16 @@ def _refuse_tensor_settings(optimizer: torch.optim.Optimizer) -> None:
         for key, value in group.items():
             parts = value if isinstance(value, tuple) else (value,)
             if key != "params" and any(isinstance(v, torch.Tensor) for v in parts):
-                number = ", ".join(f"{float(v):g}" for v in parts)
+                number = ", ".join(f"{float(torch.as_tensor(v).detach()):g}" for v in parts)
                 number = f"({number})" if isinstance(value, tuple) else number
+                fix = (f"torch.optim.{type(optimizer).__name__}(model.parameters(), {key}={number})"
+                       if len(optimizer.param_groups) == 1 else
+                       f"param group {i}'s \"{key}\": {number} in its dict")
                 raise TypeError(
-                    f"optimizer param group {i} sets {key} as a tensor ({value!r}): the learners "
-                    f"step with the groups' settings as numbers, read every round (SMA's η rule "
-                    f"scales the lr); pass a number, e.g. torch.optim."
-                    f"{type(optimizer).__name__}(model.parameters(), {key}={number})")
+                    f"optimizer param group {i} holds {key} as a tensor: the learners step with "
+                    f"the groups' settings as numbers, read every round (SMA's η rule scales the "
+                    f"lr); give a number, e.g. {fix} (an LR scheduler built over the optimizer "
+                    f"writes its own values there: give it numbers too)")
 
 
 def _group_rows(optimizer: torch.optim.Optimizer, model: nn.Module,
@@ -499,8 +502,9 @@ def shared_adam_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
                      betas: tuple[float, float], eps: float, weight_decay: float,
                      decoupled: bool, healthy: int | torch.Tensor | None = None) -> None:
     """Adam's (``decoupled``: AdamW's) step of n learners' rows ``[n, *shape]`` in place, with one
-    second moment from their mean gradient over ``healthy`` rows (≥ 1; None: all n; a faulty
-    row's gradient is zero); ``step [n]`` float32 (design §2, "One second moment per device")."""
+    second moment from their mean gradient ḡ over ``healthy`` rows (≥ 1; None: all n; a faulty
+    row's gradient is zero), floored at their mean square over n; ``step [n]`` float32 (design
+    §2, "One second moment per device")."""
     beta1, beta2 = float(betas[0]), float(betas[1])
     if weight_decay and not decoupled:
         g = g.add(w, alpha=weight_decay)
@@ -508,9 +512,12 @@ def shared_adam_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
     if weight_decay and decoupled:
         w.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
-    mean = g.mean(dim=0) if healthy is None else g.sum(dim=0) / healthy
-    exp_avg_sq.mul_(beta2).addcmul_(mean.expand_as(exp_avg_sq), mean.expand_as(exp_avg_sq),
-                                    value=1 - beta2)
+    n = g.shape[0] if healthy is None else healthy
+    mean = g.sum(dim=0) / n
+    # floor: E[ḡ²] = |E g|² + Var(g)/n ≥ E[mean_j g_j²]/n; where the learners' gradients cancel,
+    # ḡ² alone can be far below every g_j² (a step of g_j/|ḡ|)
+    sq = torch.maximum(mean.square(), g.square().sum(dim=0) / (n * n))
+    exp_avg_sq.mul_(beta2).add_(sq.expand_as(exp_avg_sq), alpha=1 - beta2)
     rows = (-1,) + (1,) * (w.dim() - 1)
     t = step.to(torch.float64)
     step_size = (lr / (1 - beta1 ** t)).to(w.device, w.dtype).view(rows)  # torch keeps step on
