@@ -224,9 +224,11 @@ def _check_ft_flags(args: argparse.Namespace) -> None:
 
 
 def _check_sync_optimizer(args: argparse.Namespace) -> None:
-    """Raises ValueError, in the CLI's flags: ``--sync ssgd`` with an ``--optimizer`` other than
+    """Raises ValueError, in the CLI's flags: a flag of another algorithm's setting (``sync_of``);
+    ``--sync ssgd`` with an ``--optimizer`` other than
     sgd (S-SGD's global step is SGD's, engine/sync/ssgd.py); ``--share-second-moment`` with one
     other than adamw or adam (design §2, One second moment per device)."""
+    sync_of(args)  # first a flag of another algorithm's setting, whose message names its fix
     algorithm = sync_algorithms()[args.sync]
     if algorithm is cg.SSGD and args.optimizer != "sgd":
         raise ValueError(f"--sync {args.sync} with --optimizer {args.optimizer}: S-SGD steps with "

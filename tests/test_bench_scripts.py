@@ -291,6 +291,33 @@ def test_lm_baselines_smoke_records_validation_loss_against_tokens(tmp_path, cap
     assert lm_baselines.lr_factor(99, 100) == pytest.approx(0.1)  # the cosine's end
 
 
+def test_noise_scale_gpt_estimate_is_the_single_window_gradients_sample_variance_over_the_mean():
+    """bench/noise_scale_gpt.py's two-batch estimate from K single-window gradients (b = 1,
+    B = K) is tr Σ = the sum of their unbiased sample variances and |G|² = |ḡ|² − tr Σ/K (oracle:
+    each window's gradient by backward, one at a time); the model's weights and grads are left as they were."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import noise_scale_gpt
+    from crossbow_graph import datasets, models
+
+    torch.manual_seed(0)
+    model = models.gpt(n_layer=1, n_head=2, n_embd=16, block_size=16)
+    text = datasets.TextDataset(torch.randint(0, 256, (16 * 40 + 1,)), 16, "t")
+    before = [p.detach().clone() for p in model.parameters()]
+    est = noise_scale_gpt.noise_scale(model, text, 8, torch.Generator().manual_seed(3))
+    assert all(torch.equal(a, b) and b.grad is None for a, b in zip(before, model.parameters()))
+    x, y = text.tensors
+    grads = []
+    for i in torch.randint(len(x), (8,), generator=torch.Generator().manual_seed(3)).tolist():
+        model.zero_grad()
+        models.lm_loss(model(x[i:i + 1]), y[i:i + 1]).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]).double())
+    g = torch.stack(grads)
+    trace = float(g.var(dim=0, unbiased=True).sum())
+    assert est["trace_sigma"] == pytest.approx(trace, rel=1e-4)
+    assert est["grad_sq"] == pytest.approx(float(g.mean(0).pow(2).sum()) - trace / 8, rel=1e-4)
+    assert est["b_noise"] == pytest.approx(est["trace_sigma"] / est["grad_sq"])
+
+
 def test_lm_baselines_bound_sets_alpha_to_a_share_of_the_pull_bound():
     """``bound=f``: SMA's α = f·2(1 + μ_z)/(1 + k + μ_z) at μ_z = 0.9 (design §2), at most 1;
     without it α = 1/k; k = 1 leaves α unset."""

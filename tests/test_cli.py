@@ -335,6 +335,9 @@ def test_share_second_moment_with_another_optimizer_is_a_one_line_error_naming_t
         assert err == f"crossbow-graph train: error: --share-second-moment with --optimizer {name}: " \
                       "the learners share Adam's second moment; add --optimizer adamw (or adam), " \
                       "or drop --share-second-moment\n", name
+    assert main(["train", "--dataset", "nonexistent", "--sync", "ssgd", "--share-second-moment"]) == 2
+    assert "--share-second-moment with --sync ssgd: it is a setting of SMA, not of SSGD; drop " \
+           "--share-second-moment" in capsys.readouterr().err
     plan, _ = prepare_train(build_parser().parse_args(
         ["train", "--train-samples", "64", "--test-samples", "32", "--share-second-moment",
          "--optimizer", "adamw", "--replicas", "2"]))

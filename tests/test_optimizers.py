@@ -352,10 +352,10 @@ def test_elementwise_list_holds_the_elementwise_torch_optimizers():
      None),
     ("adam", "torch.optim optimizer"),
     (lambda m: torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-3)),
-     r"param group 0 sets lr as a tensor .*AdamW\(model.parameters\(\), lr=0.001\)"),
+     r"param group 0 holds lr as a tensor: .*AdamW\(model.parameters\(\), lr=0.001\)"),
     (lambda m: torch.optim.Adam([{"params": m[0].parameters()}, {"params": m[1].parameters(),
                                   "betas": (torch.tensor(0.9), torch.tensor(0.99))}]),
-     r"param group 1 sets betas as a tensor .*betas=\(0.9, 0.99\)"),
+     r"param group 1 holds betas as a tensor: .*param group 1's \"betas\": \(0.9, 0.99\) in its dict"),
 ])
 def test_optimizers_that_cannot_be_replicated_are_refused_before_training(data, bad, match):
     model = _net()

@@ -144,3 +144,20 @@ def test_resume_with_another_centre_rate_and_central_momentum_names_them(tmp_pat
             in message), message
     assert (resumed.sync.centre_rate, resumed.sync.central_momentum) == (1.0, 0.5)
     assert "β=1" in resumed.summary()
+
+
+def test_resume_with_one_second_moment_per_device_switched_names_it(tmp_path):
+    """``SMA(share_second_moment=...)`` is the compiled SMA's: a resume with it switched on runs
+    with this plan's (the checkpoint's Adam state has the same keys and shapes) and the warning
+    names it."""
+    ckpt = str(tmp_path)
+    adam = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)  # noqa: E731
+    net_plan(optimizer=adam, executor="inline").fit(
+        data(), 2, progress=False, seed=3, hooks=[StopAfter(4)], checkpoint_dir=ckpt,
+        checkpoint_every=1)
+    resumed = net_plan(optimizer=adam, executor="inline", sync=cg.SMA(share_second_moment=True))
+    with pytest.warns(UserWarning) as record:
+        resumed.fit(data(), 2, progress=False, seed=3, checkpoint_dir=ckpt, resume=True)
+    (message,) = _resume_warnings(record)
+    assert "share_second_moment True (the checkpoint's run was set up with False" in message
+    assert resumed.sync.shares_second_moment

@@ -35,13 +35,15 @@ def _plain_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_setup(plan: "FitPlan") -> dict[str, Any]:
     """The plan's run settings now, as plain values: ``optimizer`` (per param group, its
     settings but the parameters), ``batch_size``, ``alpha``, ``sync_every``, ``learner_mode``,
-    ``central_momentum``, ``centre_rate`` (None: the algorithm's rule, or none), ``outer`` (the
-    groups of the sync algorithm's state, DiLoCo's outer optimizer's, or None)."""
+    ``central_momentum``, ``centre_rate`` (None: the algorithm's rule, or none),
+    ``share_second_moment`` (SMA's; None for the others), ``outer`` (the groups of the sync
+    algorithm's state, DiLoCo's outer optimizer's, or None)."""
     s, outer = plan.settings, plan.rounds.sync_state.param_groups
     return {"optimizer": _plain_groups(s.optimizer.optimizer.param_groups),
             "batch_size": s.batch_size, "alpha": s.alpha, "sync_every": s.sync_every,
             "learner_mode": s.learner_mode, "central_momentum": s.sync.central_momentum,
             "centre_rate": getattr(s.sync, "centre_rate", None),
+            "share_second_moment": getattr(s.sync, "share_second_moment", None),
             "outer": _plain_groups(outer) if outer else None}
 
 
@@ -127,7 +129,7 @@ def restore_settings(plan: "FitPlan", sd: dict[str, Any], choice: SettingsChoice
              for k, v in saved.items()} for i, (g, saved) in enumerate(zip(groups, sd["optimizer"]["groups"]))])
     elif "lr" in sd and sd["lr"] != settings.lr:
         changes["lr"] = sd["lr"]
-    for key in ("central_momentum", "centre_rate"):  # not adjustable: this fit's value stands,
+    for key in ("central_momentum", "centre_rate", "share_second_moment"):  # not adjustable: this fit's value stands,
         now = getattr(settings.sync, key, None)       # a change named in the warning
         choice.pick(key, now, now, (key,))
     if changes:
