@@ -358,7 +358,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.replicas < 1 or args.batch_size < 1:
         raise ValueError(f"--replicas {args.replicas} --batch-size {args.batch_size}: both must be ≥ 1")
     k = len(devices) * args.replicas
-    settings = {"optimizer": dataclasses.asdict(sgd), "sync": sma.describe(),
+    settings = {"optimizer": {"class": "SGD", "groups": [dataclasses.asdict(sgd)]},
+                "sync": sma.describe(),
                 "sync_rule": sma.summary_rule(k), "alpha": sma.alpha_for(k),
                 "centre_gain": sma.centre_gain(k)}
     view = inspect_model(model, (torch.randn(2, *shape),), devices=devices,

@@ -157,7 +157,10 @@ def test_cli_inspect_a_user_model_needs_an_input_shape(tmp_path, monkeypatch, ca
     assert "its input shape is unknown; pass --input-shape" in capsys.readouterr().err
     assert cli.main(["inspect", "--model", "usermodels:tiny", "--input-shape", "3,4",
                      "--dot", "t.dot"]) == 0
-    assert "65 trainable parameters" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "65 trainable parameters" in out
+    # compile's default optimizer, with its numbers
+    assert "optimizer: SGD(lr=0.01, momentum=0.9, nesterov=False, weight_decay=0.0)" in out
     assert "cluster_d0" in (tmp_path / "t.dot").read_text()
     assert cli.main(["inspect", "--model", "usermodels:shaped", "--devices", "2"]) == 0
     assert cli.main(["inspect", "--model", "usermodels:nothing"]) == 2
