@@ -73,8 +73,8 @@ def _reference(start: nn.Module, make_opt, batches, k: int, rounds: int) -> list
                 ps = [dict(mod.named_parameters())[n] for mod in models]
                 gs = [grads[j][n] + (0 if decoupled else wd * ps[j]) for j in range(k)]
                 mean = sum(gs) / k
-                # the floor: at least the learners' mean square over k
-                sq = torch.maximum(mean * mean, sum(gj * gj for gj in gs) / k / k)
+                # the floor: at least the learners' mean square over k²
+                sq = torch.maximum(mean * mean, sum(gj * gj for gj in gs) / k ** 3)
                 for j in range(k):
                     if decoupled:
                         ps[j].mul_(1 - lr * wd)
@@ -152,7 +152,7 @@ def test_a_new_learner_starts_its_moments_from_zero_and_averages_the_same_mean(d
 
 def test_a_faulty_learners_zeroed_gradient_is_left_out_of_the_mean(data):
     """Learner 1's batch holds a NaN in round 0: it is reset (docs/reliability.md), and the
-    others' v is (1 − β₂)·max(((g₀ + g₂)/2)², (g₀² + g₂²)/4), not a mean over 3 that counts its
+    others' v is (1 − β₂)·max(((g₀ + g₂)/2)², (g₀² + g₂²)/8), not a mean over 3 that counts its
     zero."""
     k = 3
     model = _net()
@@ -170,7 +170,7 @@ def test_a_faulty_learners_zeroed_gradient_is_left_out_of_the_mean(data):
         nn.functional.cross_entropy(ref(x[j * B:(j + 1) * B]), y[j * B:(j + 1) * B]).backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in ref.parameters()]))
     expected = 0.01 * torch.maximum(((grads[0] + grads[1]) / 2) ** 2,
-                                    (grads[0] ** 2 + grads[1] ** 2) / 4)
+                                    (grads[0] ** 2 + grads[1] ** 2) / 8)
     rows = plan.states[0].optim_rows
     v0 = torch.cat([rows.store[i]["exp_avg_sq"][0].reshape(-1) for i in range(len(rows.store))])
     torch.testing.assert_close(v0, expected, rtol=1e-5, atol=1e-12)
@@ -178,16 +178,16 @@ def test_a_faulty_learners_zeroed_gradient_is_left_out_of_the_mean(data):
 
 def test_where_the_learners_gradients_cancel_the_floor_bounds_each_step():
     """k learners whose gradients cancel (ḡ = 0 in every coordinate): v is floored at the
-    learners' mean square over k, so the first step moves each row by √k·η at most (here exactly
-    √2·η), where ḡ² alone (0) would give a step of g_j/ε; one learner per row is Adam's sign
-    step η."""
+    learners' mean square over k², so the first step moves each row by k·η where k equal gradients
+    cancel (here 2η), where ḡ² alone (0) would give a step of g_j/ε; where they agree, ḡ² is
+    above the floor: Adam's sign step η."""
     a = torch.tensor([3.0, -0.5, 1e-3])
-    for g, moved in ((torch.stack([a, -a]), math.sqrt(2)), (torch.stack([a, a]), 1.0)):
+    for g, moved in ((torch.stack([a, -a]), 2.0), (torch.stack([a, a]), 1.0)):
         w, m, v = torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3)
         shared_adam_step(w, g, m, v, torch.zeros(2), lr=1e-2, betas=(0.9, 0.99), eps=1e-12,
                          weight_decay=0.0, decoupled=True)
         torch.testing.assert_close(w.abs(), torch.full((2, 3), moved * 1e-2), rtol=1e-5, atol=0)
-        torch.testing.assert_close(v[0], 0.01 * torch.maximum(g.mean(0) ** 2, (g ** 2).mean(0) / 2))
+        torch.testing.assert_close(v[0], 0.01 * torch.maximum(g.mean(0) ** 2, (g ** 2).mean(0) / 4))
 
 
 def test_resume_is_bit_identical(data, tmp_path):

@@ -503,7 +503,7 @@ def shared_adam_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
                      decoupled: bool, healthy: int | torch.Tensor | None = None) -> None:
     """Adam's (``decoupled``: AdamW's) step of n learners' rows ``[n, *shape]`` in place, with one
     second moment from their mean gradient ḡ over ``healthy`` rows (≥ 1; None: all n; a faulty
-    row's gradient is zero), floored at their mean square over n; ``step [n]`` float32 (design
+    row's gradient is zero), floored at their mean square over n²; ``step [n]`` float32 (design
     §2, "One second moment per device")."""
     beta1, beta2 = float(betas[0]), float(betas[1])
     if weight_decay and not decoupled:
@@ -514,9 +514,9 @@ def shared_adam_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
     exp_avg.lerp_(g, 1 - beta1)
     n = g.shape[0] if healthy is None else healthy
     mean = g.sum(dim=0) / n
-    # floor: E[ḡ²] = |E g|² + Var(g)/n ≥ E[mean_j g_j²]/n; where the learners' gradients cancel,
-    # ḡ² alone can be far below every g_j² (a step of g_j/|ḡ|)
-    sq = torch.maximum(mean.square(), g.square().sum(dim=0) / (n * n))
+    # floor at 1/n of E[ḡ²]'s lower bound E[mean_j g_j²]/n: where the learners' gradients
+    # cancel, ḡ² alone can be far below every g_j² (a step of g_j/|ḡ|)
+    sq = torch.maximum(mean.square(), g.square().sum(dim=0) / (n * n * n))
     exp_avg_sq.mul_(beta2).add_(sq.expand_as(exp_avg_sq), alpha=1 - beta2)
     rows = (-1,) + (1,) * (w.dim() - 1)
     t = step.to(torch.float64)

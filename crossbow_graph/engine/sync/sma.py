@@ -56,7 +56,7 @@ class SMA(SyncAlgorithm):
             "How α, μ_z and η follow k".
         share_second_moment: with ``torch.optim.Adam`` or ``AdamW`` as the local optimiser, a
             device's learners step with one second moment, the moving average of the square of
-            their mean gradient (at least their mean square over n), each with its own first
+            their mean gradient (at least their mean square over n²), each with its own first
             moment (design §2, "One second moment per device"); the inline executor only.
 
     Raises:
