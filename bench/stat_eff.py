@@ -433,7 +433,8 @@ _B1 = "b=1:lr=1e-3:beta2=0.9975:fused=1"  # the b = 1 lines' SMA settings
 GPT_LINES = (  # SMA's defaults up to k = 4 are α = 0.8 of the pull's bound, β = k·α (design §2)
     ("SMA, AdamW, defaults, b = 1", 1, ("adamw:b=1:lr=1e-3:beta2=0.9975",
                                          f"sma-adamw:k=4:{_B1}:bound=0.8",
-                                         f"sma-adamw:k=8:{_B1}:default=1")),
+                                         f"sma-adamw:k=8:{_B1}:default=1",
+                                         f"sma-adamw:k=16:{_B1}:default=1")),
     ("SMA, AdamW, α = 0.8 of the bound, β = k·α, b = 1", 1, (
         "adamw:b=1:lr=1e-3:beta2=0.9975", f"sma-adamw:k=4:{_B1}:bound=0.8",
         f"sma-adamw:k=8:{_B1}:bound=0.8")),
@@ -441,7 +442,8 @@ GPT_LINES = (  # SMA's defaults up to k = 4 are α = 0.8 of the pull's bound, β
                                         f"sma-adamw:k=8:{_B1}")),
     ("SMA, AdamW, defaults, one second moment per device, b = 1", 1, (
         "adamw:b=1:lr=1e-3:beta2=0.9975", f"sma-adamw:k=4:{_B1}:default=1:share=1",
-        f"sma-adamw:k=8:{_B1}:default=1:share=1", f"sma-adamw:k=16:{_B1}:default=1:share=1")),
+        f"sma-adamw:k=8:{_B1}:default=1:share=1", f"sma-adamw:k=16:{_B1}:default=1:share=1",
+        f"sma-adamw:k=32:{_B1}:default=1:share=1")),
     ("SMA, AdamW, one second moment per device, lr 5e-4 at k = 8, b = 1", 1, (
         "adamw:b=1:lr=1e-3:beta2=0.9975", f"sma-adamw:k=4:{_B1}:default=1:share=1",
         "sma-adamw:k=8:b=1:lr=5e-4:beta2=0.9975:fused=1:default=1:share=1")),
