@@ -1,8 +1,8 @@
 """One second moment per device against each learner's own on a small image job (design §2, "One
-second moment per device"): LeNet-5 on the first 2,048 MNIST training images, k learners of b = 16
-on one device (inline), ``torch.optim.AdamW`` at each ``--lrs`` with a cosine over the epochs,
-SMA's defaults, ``SMA(share_second_moment=False)`` and ``True``; the test accuracy on 512 test
-images after each epoch, per seed, and the summary as JSON.
+second moment per device"): LeNet-5 on the first 2,048 MNIST training images, k learners of
+b = 16 at each ``--k`` on one device (inline), ``torch.optim.AdamW`` at each ``--lrs`` with a
+cosine over the epochs, SMA's defaults, ``SMA(share_second_moment=False)`` and ``True``; the test
+accuracy on 512 test images after each epoch, per seed, and the summary as JSON.
 
     python bench/shared_v_mnist.py --out bench/results/shared_v_mnist.json
 """
@@ -38,8 +38,8 @@ def run(share: bool, lr: float, k: int, epochs: int, seed: int, train, test) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3])
-    p.add_argument("--k", type=int, default=4, help="learners on the one device")
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
+    p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="learners on the one device")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", default=None, help="JSON summary (default: print only)")
@@ -48,17 +48,20 @@ def main(argv: list[str] | None = None) -> int:
     train = torch.utils.data.Subset(cg.datasets.mnist(train=True), range(2048))
     test = torch.utils.data.Subset(cg.datasets.mnist(train=False), range(512))
     rows = []
-    for lr in args.lrs:
-        for share in (False, True):
-            acc = {str(s): run(share, lr, args.k, args.epochs, s, train, test) for s in args.seeds}
-            final = [a[-1] for a in acc.values()]
-            rows.append(dict(lr=lr, share_second_moment=share, accuracy=acc,
-                             final_median=statistics.median(final), final_range=[min(final), max(final)]))
-            print(f"lr {lr:g}  share_second_moment={share!s:5}  final test accuracy "
-                  f"{statistics.median(final):.3f} ({min(final):.3f}–{max(final):.3f})", flush=True)
+    for k in args.k:
+        for lr in args.lrs:
+            for share in (False, True):
+                acc = {str(s): run(share, lr, k, args.epochs, s, train, test) for s in args.seeds}
+                final = [a[-1] for a in acc.values()]
+                rows.append(dict(k=k, lr=lr, share_second_moment=share, accuracy=acc,
+                                 final_median=statistics.median(final),
+                                 final_range=[min(final), max(final)]))
+                print(f"k {k}  lr {lr:g}  share_second_moment={share!s:5}  final test accuracy "
+                      f"{statistics.median(final):.3f} ({min(final):.3f}–{max(final):.3f})",
+                      flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(command="python bench/shared_v_mnist.py", k=args.k, epochs=args.epochs,
+            json.dump(dict(command="python bench/shared_v_mnist.py", epochs=args.epochs,
                            rows=rows), f, indent=1)
     return 0
 

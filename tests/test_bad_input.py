@@ -721,6 +721,8 @@ def test_a_plain_function_as_a_hook_is_a_clear_error():
     with pytest.raises(TypeError, match=r"policies: 3 \(of type int\) is not a hook"):
         p.fit(ds(), 1, progress=False, policies=[3])
     assert p.rounds_done == 0
+    p.fit(ds(), 1, progress=False, hooks=None, policies=None)  # None: none, as an empty list
+    assert p.rounds_done > 0
 
 
 def test_an_evaluation_sampler_that_yields_nothing_is_a_clear_error():

@@ -139,7 +139,8 @@ def test_resume_with_another_centre_rate_and_central_momentum_names_them(tmp_pat
     with pytest.warns(UserWarning) as record:
         resumed.fit(data(), 2, progress=False, seed=3, checkpoint_dir=ckpt, resume=True)
     (message,) = _resume_warnings(record)
-    assert "central_momentum 0.5 (the checkpoint's run was set up with 0.9" in message, message
+    assert "central_momentum 0.5 (the checkpoint's run was set up with 0.9; 0.9 in force at the " \
+           "checkpoint)" in message, message
     assert ("centre_rate 1.0 (the checkpoint's run was set up with auto (the default rule)"
             in message), message
     assert (resumed.sync.centre_rate, resumed.sync.central_momentum) == (1.0, 0.5)
@@ -159,5 +160,6 @@ def test_resume_with_one_second_moment_per_device_switched_names_it(tmp_path):
     with pytest.warns(UserWarning) as record:
         resumed.fit(data(), 2, progress=False, seed=3, checkpoint_dir=ckpt, resume=True)
     (message,) = _resume_warnings(record)
-    assert "share_second_moment True (the checkpoint's run was set up with False" in message
+    assert "share_second_moment True (the checkpoint's run was set up with False; False in force " \
+           "at the checkpoint)" in message, message
     assert resumed.sync.shares_second_moment

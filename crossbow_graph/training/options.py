@@ -178,11 +178,13 @@ def _check_cpu_threads(value: object) -> None:
 
 
 def as_hooks(name: str, hooks: object) -> tuple:
-    """``hooks`` (the argument ``name``) as a tuple.
+    """``hooks`` (the argument ``name``) as a tuple; None is none.
 
     Raises:
         TypeError: one hook not in a list, something not iterable, a class instead of an
             instance, or an item that is not a crossbow_graph.Hook (a plain function, say)."""
+    if hooks is None:
+        return ()
     if isinstance(hooks, Hook):
         raise TypeError(f"{name}={hooks!r}: pass a list of hooks, e.g. {name}=[{type(hooks).__name__}(...)]")
     try:

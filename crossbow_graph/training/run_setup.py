@@ -129,9 +129,10 @@ def restore_settings(plan: "FitPlan", sd: dict[str, Any], choice: SettingsChoice
              for k, v in saved.items()} for i, (g, saved) in enumerate(zip(groups, sd["optimizer"]["groups"]))])
     elif "lr" in sd and sd["lr"] != settings.lr:
         changes["lr"] = sd["lr"]
-    for key in ("central_momentum", "centre_rate", "share_second_moment"):  # not adjustable: this fit's value stands,
-        now = getattr(settings.sync, key, None)       # a change named in the warning
-        choice.pick(key, now, now, (key,))
+    for key in ("central_momentum", "centre_rate", "share_second_moment"):  # not adjustable: this
+        now = getattr(settings.sync, key, None)  # fit's value stands, a change named in the warning
+        theirs = _MISSING if choice.theirs is None else _lookup(choice.theirs, (key,))
+        choice.pick(key, now, now if theirs is _MISSING else theirs, (key,))  # theirs was in force
     if changes:
         plan.adjust(Adjustment(**changes))
 

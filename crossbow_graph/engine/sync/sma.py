@@ -57,7 +57,8 @@ class SMA(SyncAlgorithm):
         share_second_moment: with ``torch.optim.Adam`` or ``AdamW`` as the local optimiser, a
             device's learners step with one second moment, the moving average of the square of
             their mean gradient (at least their mean square over n²), each with its own first
-            moment (design §2, "One second moment per device"); the inline executor only.
+            moment (design §2, "One second moment per device": each replica steps further, and
+            at an lr its own v takes they can scatter); the inline executor only.
 
     Raises:
         TypeError: α, β or μ_z not a number; ``scale_lr`` or ``share_second_moment`` not a bool.
