@@ -225,9 +225,9 @@ def _check_ft_flags(args: argparse.Namespace) -> None:
 
 def _check_sync_optimizer(args: argparse.Namespace) -> None:
     """Raises ValueError, in the CLI's flags: a flag of another algorithm's setting (``sync_of``);
-    ``--sync ssgd`` with an ``--optimizer`` other than
-    sgd (S-SGD's global step is SGD's, engine/sync/ssgd.py); ``--share-second-moment`` with one
-    other than adamw or adam (design §2, One second moment per device)."""
+    ``--sync ssgd`` with an ``--optimizer`` other than sgd (S-SGD's global step is SGD's,
+    engine/sync/ssgd.py); ``--share-second-moment`` with one other than adamw or adam (design §2,
+    One second moment per device)."""
     sync_of(args)  # first a flag of another algorithm's setting, whose message names its fix
     algorithm = sync_algorithms()[args.sync]
     if algorithm is cg.SSGD and args.optimizer != "sgd":
