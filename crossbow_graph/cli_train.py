@@ -19,9 +19,10 @@ from .cli_lm import (LM_BETAS, LM_MODELS, apply_lm_defaults, is_language_model, 
 from .cli_layout import learner_layout
 from .cli_machine import apply_machine_defaults
 from .cli_options import flag_default
-from .cli_sync import DILOCO_H, sync_algorithms, sync_of
+from .cli_sync import DILOCO_H, sync_of
 from .datasets import ImageDataset
 from .engine.learning.threads import describe_threads
+from .engine.sync import SyncAlgorithm
 from .engine.transport.comm import z_digest
 from .errors import CheckpointError, DistributedError, DivergenceError, TrainingInterrupted
 from .tuning.metrics import MetricsMonitor
@@ -155,7 +156,8 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
     apply_lm_defaults(args)  # --model gpt / --dataset fortunes: cli_lm.py's defaults first
     args.machine_defaults = apply_machine_defaults(args)
     _check_ft_flags(args)
-    _check_sync_optimizer(args)
+    sync = sync_of(args)  # a flag of another algorithm's setting fails here, naming its fix
+    _check_sync_optimizer(args, sync)
     policies = [parse_policy(p) for p in args.policy]  # a bad spec fails before any work
     _, default_lr, lr_batch = OPTIMIZERS[args.optimizer]
     lr = default_lr if args.lr is None else args.lr
@@ -180,7 +182,7 @@ def prepare_train(args: argparse.Namespace) -> tuple[cg.Plan, dict[str, Any]]:
         learner_mode=args.learner_mode,
         optimizer=_optimizer(args, model, lr),
         precision=args.precision, memory_format=args.memory_format, cuda_graphs=args.cuda_graphs,
-        sync=sync_of(args),
+        sync=sync,
         distributed=cg.Distributed(timeout_s=args.dist_timeout, checksum_every=args.checksum_every,
                                    sync_dtype=args.sync_dtype, fault_tolerant=args.fault_tolerant,
                                    lighthouse=args.lighthouse, replica_group=args.replica_group,
@@ -223,18 +225,15 @@ def _check_ft_flags(args: argparse.Namespace) -> None:
                          "group; add --fault-tolerant, or drop them")
 
 
-def _check_sync_optimizer(args: argparse.Namespace) -> None:
-    """Raises ValueError, in the CLI's flags: a flag of another algorithm's setting (``sync_of``);
-    ``--sync ssgd`` with an ``--optimizer`` other than sgd (S-SGD's global step is SGD's,
-    engine/sync/ssgd.py); ``--share-second-moment`` with one other than adamw or adam (design §2,
-    One second moment per device)."""
-    sync_of(args)  # first a flag of another algorithm's setting, whose message names its fix
-    algorithm = sync_algorithms()[args.sync]
-    if algorithm is cg.SSGD and args.optimizer != "sgd":
+def _check_sync_optimizer(args: argparse.Namespace, sync: SyncAlgorithm) -> None:
+    """Raises ValueError, in the CLI's flags, for ``sync`` (``sync_of(args)``): ``--sync ssgd``
+    with an ``--optimizer`` other than sgd (S-SGD's global step is SGD's, engine/sync/ssgd.py);
+    ``--share-second-moment`` with one other than adamw or adam (design §2, One second moment per
+    device)."""
+    if type(sync) is cg.SSGD and args.optimizer != "sgd":
         raise ValueError(f"--sync {args.sync} with --optimizer {args.optimizer}: S-SGD steps with "
                          f"SGD only; add --optimizer sgd, or use another --sync (sma, the default)")
-    if getattr(args, "share_second_moment", None) and hasattr(algorithm, "share_second_moment") \
-            and args.optimizer not in ("adamw", "adam"):
+    if sync.shares_second_moment and args.optimizer not in ("adamw", "adam"):
         raise ValueError(f"--share-second-moment with --optimizer {args.optimizer}: the learners "
                          f"share Adam's second moment; add --optimizer adamw (or adam), or drop "
                          f"--share-second-moment")
